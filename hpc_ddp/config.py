@@ -1,0 +1,290 @@
+"""The one config schema of a run, and loading it from YAML files and ``key=value`` overrides.
+
+``omegaconf`` lives only in this module: it merges the YAML files in order, then
+the dotlist overrides, against the dataclass schema; every omegaconf or YAML
+failure is turned into a :class:`ConfigError` that names the key, the value, what
+was expected and the fix. Checks omegaconf does not do (ranges, choices, the
+element types of lists and dicts) are in :mod:`hpc_ddp.config_checks`.
+
+Every field carries its documentation in ``metadata["doc"]``: the config
+reference is generated from it (:func:`schema_rows`), so it cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hpc_ddp.errors import ConfigError, explain
+
+
+def _doc(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+def _doc_factory(factory: Any, doc: str) -> Any:
+    return field(default_factory=factory, metadata={"doc": doc})
+
+
+@dataclass
+class SlurmConfig:
+    """What to ask Slurm for, and how often a run may be requeued."""
+
+    nodes: int = _doc(1, "Number of nodes.")
+    tasks_per_node: int = _doc(1, "Processes per node; one per GPU on GPU nodes.")
+    gpus_per_node: int = _doc(0, "GPUs to request per node (0 on CPU partitions).")
+    cpus_per_task: int = _doc(1, "CPU cores per task (data loader workers need their own).")
+    mem_gb: Optional[float] = _doc(None, "Memory per node in GB; null keeps the partition's default.")
+    timeout_min: int = _doc(60, "Time limit of one attempt in minutes.")
+    partition: Optional[str] = _doc(None, "Partition (-p); null uses the cluster's default.")
+    account: Optional[str] = _doc(None, "Account to charge (-A).")
+    qos: Optional[str] = _doc(None, "Quality of service (--qos).")
+    constraint: Optional[str] = _doc(None, "Node features (-C), e.g. 'a100'.")
+    exclusive: bool = _doc(False, "Ask for whole nodes (--exclusive).")
+    signal: str = _doc("USR2", "Warning signal Slurm sends before the time limit; never USR1 (NCCL uses it).")
+    signal_delay_s: int = _doc(120, "Seconds before the time limit that the warning signal arrives.")
+    max_timeouts: int = _doc(20, "Requeues allowed after running into the time limit.")
+    max_preemptions: int = _doc(20, "Requeues allowed after preemption.")
+    max_failures: int = _doc(0, "Requeues allowed after a crash (0: a crash ends the run).")
+    setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
+    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
+    srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")
+
+
+@dataclass
+class DistConfig:
+    """How the processes of a job find each other."""
+
+    backend: str = _doc("auto", "auto (NCCL when CUDA is available, else gloo), nccl or gloo.")
+    timeout_s: int = _doc(600, "Seconds a collective may wait before the job is declared hung.")
+    master_port: Optional[int] = _doc(None, "Rendezvous port; null derives it from the job id.")
+    nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}.")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    task: str = _doc("", "The task class to train, as 'package.module:ClassName' (required).")
+    max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (this or epochs is required).")
+    epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")
+    batch_size: int = _doc(32, "Samples per rank per micro-step.")
+    grad_accum: int = _doc(1, "Micro-steps per optimizer step.")
+    lr: float = _doc(1e-3, "Learning rate given to the task's optimizer.")
+    amp: str = _doc("off", "Mixed precision: off, bf16 (autocast) or fp16 (autocast with a grad scaler).")
+    clip_grad_norm: Optional[float] = _doc(None, "Clip the gradient norm to this value; null: no clipping.")
+    sync_batchnorm: bool = _doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
+    find_unused_parameters: bool = _doc(False, "DDP's find_unused_parameters (slower; only if the model needs it).")
+    seed: int = _doc(0, "Seed for model init, shuffling and every rank's RNG.")
+    log_every: int = _doc(10, "Write a metrics line every this many steps.")
+    num_workers: int = _doc(0, "DataLoader worker processes per rank.")
+
+
+@dataclass
+class SnapshotConfig:
+    """When snapshots are written and how many are kept."""
+
+    every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step count.")
+    every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by time.")
+    keep_last: int = _doc(2, "Committed snapshots to keep (the newest is never deleted early).")
+    async_write: bool = _doc(False, "Write snapshots in a background thread (the step only copies to CPU).")
+
+
+@dataclass
+class RunConfig:
+    """One run: where it lives, what it asks of Slurm, and how it trains."""
+
+    name: str = _doc("", "Run name; keys the run directory. Defaults to the first config file's name.")
+    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs.")
+    slurm: SlurmConfig = _doc_factory(SlurmConfig, "Slurm resources and requeue caps.")
+    dist: DistConfig = _doc_factory(DistConfig, "Process group settings.")
+    train: TrainConfig = _doc_factory(TrainConfig, "Training loop settings.")
+    snapshot: SnapshotConfig = _doc_factory(SnapshotConfig, "Snapshot policy.")
+
+
+def schema_rows(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
+    """(key path, type, default, doc) for every leaf of the schema, in declaration order."""
+    hints = _type_hints(schema)
+    for f in dataclasses.fields(schema):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from schema_rows(hints[f.name], prefix=f"{path}.")
+        else:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            yield path, _type_name(hints[f.name]), default, f.metadata.get("doc", "")
+
+
+def _type_hints(schema: type) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(schema)
+
+
+def _type_name(tp: Any) -> str:
+    text = repr(tp).replace("typing.", "")
+    return getattr(tp, "__name__", text) if not hasattr(tp, "__args__") else text
+
+
+def schema_node(path: str) -> tuple[type | None, Any]:
+    """(section dataclass, field type) at a dotted key path; (None, None) if unknown."""
+    section: type = RunConfig
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        hints = _type_hints(section)
+        if part not in hints:
+            return (section if i == len(parts) - 1 else None), None
+        if i == len(parts) - 1 or not dataclasses.is_dataclass(hints[part]):
+            return section, hints[part]
+        section = hints[part]
+    return None, None
+
+
+def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = ()) -> RunConfig:
+    """Merge YAML files in order, then ``key=value`` overrides; validate; return the dataclass.
+
+    ``name`` defaults to the first file's stem (``examples/mlp.yaml`` -> ``mlp``).
+    Raises :class:`ConfigError` naming the key, value, expectation and fix.
+    """
+    from omegaconf import OmegaConf
+
+    from hpc_ddp.config_checks import check_config
+
+    merged = OmegaConf.structured(RunConfig)
+    for path in paths:
+        merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
+    for item in overrides:
+        merged = _merge(merged, _parse_override(item), f"override {item!r}")
+    if not merged.name:
+        if not paths:
+            raise ConfigError(explain("the run has no name", expected="a name for the run directory",
+                                      hint="pass a config file or add name=my_run"), key="name")
+        merged.name = Path(paths[0]).stem
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except Exception as err:  # interpolations resolve here: ${oc.env:SCRATCH}, ${name}
+        raise _translate(err, "the merged config") from err
+    check_config(cfg)
+    return cfg  # type: ignore[return-value]
+
+
+def _read_yaml(path: Path) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(explain(f"cannot read config file {os.fspath(path)}: {err.strerror}",
+                                  hint="check the path (relative paths start at the current directory)")) from None
+    try:
+        data = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except Exception as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(explain(f"config file {os.fspath(path)} is not valid YAML{where}: "
+                                  f"{str(err).splitlines()[0]}", hint="fix the YAML syntax there")) from None
+    if not OmegaConf.is_dict(data):
+        raise ConfigError(explain(f"config file {os.fspath(path)} must hold a mapping of keys",
+                                  found=type(data._content).__name__, expected="'key: value' lines"))
+    return data
+
+
+def _parse_override(item: str) -> Any:
+    from omegaconf import OmegaConf
+
+    key, sep, _ = item.partition("=") if isinstance(item, str) else ("", "", "")
+    if not sep or not _KEY.fullmatch(key):
+        raise ConfigError(explain("cannot read override", found=item, expected="key=value with a dotted key, "
+                                  "e.g. train.lr=0.01", hint="quote values with spaces: 'slurm.setup=[\"a b\"]'"),
+                          key=key or None)
+    try:
+        return OmegaConf.from_dotlist([item])
+    except Exception as err:
+        raise ConfigError(explain(f"cannot parse the value of override {item!r}: {str(err).splitlines()[0]}",
+                                  hint="values are YAML: 0.1, true, null, [a, b], {k: v}, or quoted text"),
+                          key=key) from None
+
+
+_KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+
+
+def _merge(base: Any, data: Any, source: str) -> Any:
+    from omegaconf import OmegaConf
+
+    for section in (f.name for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING):
+        if section in data and not OmegaConf.is_dict(data._get_node(section)) and data[section] is not None:
+            raise ConfigError(explain(f"in {source}, {section} must be a section of keys",
+                                      found=data[section], expected=f"{section}.KEY: VALUE or a mapping",
+                                      hint=f"e.g. {section}.{_first_key(section)}=..."), key=section)
+    try:
+        return OmegaConf.merge(base, data)
+    except Exception as err:
+        raise _translate(err, source) from None
+
+
+def _first_key(section: str) -> str:
+    return dataclasses.fields(_type_hints(RunConfig)[section])[0].name
+
+
+def _translate(err: Exception, source: str) -> ConfigError:
+    """An omegaconf exception as a ConfigError in the house style."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    key = str(getattr(err, "full_key", "") or "")
+    first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
+        section, _ = schema_node(key)
+        parent, _, leaf = key.rpartition(".")
+        valid = [f.name for f in dataclasses.fields(section)] if section else []
+        near = difflib.get_close_matches(leaf, valid, n=1)
+        hint = f"did you mean {'.'.join(filter(None, [parent, near[0]]))}?" if near else \
+            "see the config reference (docs/config.md) for every key"
+        return ConfigError(explain(f"unknown config key {key!r} in {source}",
+                                   expected=f"one of the keys of {parent or 'the top level'}: {', '.join(valid)}",
+                                   hint=hint), key=key)
+    if key:
+        _, tp = schema_node(key)
+        found = getattr(err, "value", None)
+        return ConfigError(explain(f"bad value for config key {key} in {source}: {first_line}",
+                                   found=found, expected=_expected(tp),
+                                   hint=f"set it as {key}=<{_expected(tp)}>"), key=key)
+    return ConfigError(f"invalid config in {source}: {first_line}")
+
+
+def _expected(tp: Any) -> str:
+    name = _type_name(tp)
+    for words, text in (("List", "a list of text, e.g. [a, b]"), ("Dict", "a mapping, e.g. {k: v}"),
+                        ("bool", "true or false"), ("int", "an integer"), ("float", "a number"), ("str", "text")):
+        if words in name:
+            return text + (" or null" if "Optional" in name else "")
+    return name
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML that :func:`load_config` reads back to an equal config."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved config atomically (temp file, fsync, rename): never half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(to_yaml(cfg))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

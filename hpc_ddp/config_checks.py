@@ -1,0 +1,120 @@
+"""Checks on a loaded config that the schema's types alone cannot express.
+
+Ranges, choices, formats, element types of lists and mappings (omegaconf lets
+``[a, [b]]`` through as ``List[str]``), and rules across keys. Each failure is a
+:class:`ConfigError` naming the key, the value found, what is expected and how
+to set it. Pure: no omegaconf, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal as _signal
+from collections.abc import Callable
+from typing import Any
+
+from hpc_ddp.errors import ConfigError, explain
+
+_TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+_SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
+                 and s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR1"))
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _texts(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _mapping(key_pattern: re.Pattern[str]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and key_pattern.fullmatch(k) and isinstance(x, str) for k, x in v.items())
+
+
+# key -> (check, expected); None passes for keys whose schema type is Optional.
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
+    "run_dir": (lambda v: bool(v.strip()), "a directory path"),
+    "slurm.nodes": (_at_least(1), "an integer >= 1"),
+    "slurm.tasks_per_node": (_at_least(1), "an integer >= 1"),
+    "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
+    "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
+    "slurm.mem_gb": (_positive, "a number of GB > 0, or null"),
+    "slurm.timeout_min": (_at_least(1), "an integer number of minutes >= 1"),
+    "slurm.signal": (lambda v: v in SIGNALS, f"a signal name, one of {', '.join(SIGNALS)}"),
+    "slurm.signal_delay_s": (_at_least(0), "an integer number of seconds >= 0"),
+    "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
+    "slurm.max_preemptions": (_at_least(0), "an integer >= 0"),
+    "slurm.max_failures": (_at_least(0), "an integer >= 0"),
+    "slurm.setup": (_texts, "a list of shell lines"),
+    "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
+                           "(e.g. mail-type) to text values"),
+    "slurm.srun_args": (_texts, "a list of text arguments"),
+    "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),
+    "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
+    "dist.master_port": (lambda v: _at_least(1)(v) and v <= 65535, "a port 1..65535, or null"),
+    "dist.nccl_env": (_mapping(_ENV_NAME), "a mapping of environment variable names to text values"),
+    "train.task": (lambda v: bool(_TASK.fullmatch(v)), "'package.module:ClassName'"),
+    "train.max_steps": (_at_least(1), "an integer >= 1, or null"),
+    "train.epochs": (_at_least(1), "an integer >= 1, or null"),
+    "train.batch_size": (_at_least(1), "an integer >= 1"),
+    "train.grad_accum": (_at_least(1), "an integer >= 1"),
+    "train.lr": (_positive, "a finite number > 0"),
+    "train.amp": (lambda v: v in ("off", "bf16", "fp16"), "one of off, bf16, fp16"),
+    "train.clip_grad_norm": (_positive, "a finite number > 0, or null"),
+    "train.seed": (_at_least(0), "an integer >= 0"),
+    "train.log_every": (_at_least(1), "an integer >= 1"),
+    "train.num_workers": (_at_least(0), "an integer >= 0"),
+    "snapshot.every_steps": (_at_least(1), "an integer >= 1, or null"),
+    "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
+    "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
+}
+OPTIONAL = {"slurm.mem_gb", "dist.master_port", "train.max_steps", "train.epochs",
+            "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = None) -> ConfigError:
+    return ConfigError(explain(what, found=found, expected=expected,
+                               hint=hint or f"set {key} in the config file or as {key}=... on the command line"),
+                       key=key)
+
+
+def check_config(cfg: Any) -> None:
+    """Raise :class:`ConfigError` for the first value out of its range or format."""
+    sig = cfg.slurm.signal
+    if isinstance(sig, str) and sig.upper().removeprefix("SIG") == "USR1":
+        raise _fail("slurm.signal", "slurm.signal must not be USR1", sig, "USR2 (the default) or another signal",
+                    "NCCL uses SIGUSR1 internally; a USR1 warning would be swallowed. Use slurm.signal=USR2")
+    cfg.slurm.signal = sig.upper().removeprefix("SIG") if isinstance(sig, str) else sig
+    for key, (ok, expected) in RULES.items():
+        value = _get(cfg, key)
+        if value is None and key in OPTIONAL:
+            continue
+        if key == "train.task" and value == "":
+            raise _fail(key, "train.task is not set: the run has nothing to train", value, expected,
+                        "add `train:\n  task: mypkg.tasks:MyTask` to the config, or train.task=mypkg.tasks:MyTask")
+        if not ok(value):
+            raise _fail(key, f"bad value for config key {key}", value, expected)
+    if cfg.train.max_steps is None and cfg.train.epochs is None:
+        raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
+                    None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
+    if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:
+        raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
+                    f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,
+                    "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise slurm.timeout_min")

@@ -1,0 +1,55 @@
+"""The one exception family of hpc_ddp.
+
+Every error a user can cause is an :class:`HpcDdpError` whose message says what
+was wrong, where (the config key or environment variable), what was found, what
+was expected, and how to fix it.  Callers that want to react programmatically
+read ``.key`` instead of parsing the message.
+"""
+
+from __future__ import annotations
+
+
+class HpcDdpError(Exception):
+    """Base class of every error hpc_ddp raises on purpose.
+
+    ``key`` names the config key (``train.lr``) or environment variable
+    (``SLURM_PROCID``) at fault, when there is one.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ConfigError(HpcDdpError):
+    """A config file, a ``key=value`` override or a value in the schema is wrong."""
+
+
+class SlurmEnvError(HpcDdpError):
+    """The Slurm, torchrun or MASTER_* variables cannot give a consistent rank layout."""
+
+
+class ClusterError(HpcDdpError):
+    """The throw-away local Slurm cluster could not be started, checked or stopped."""
+
+
+def explain(
+    what: str,
+    *,
+    found: object = None,
+    expected: str | None = None,
+    hint: str | None = None,
+) -> str:
+    """Format an error message in the house style: what, found, expected, HINT.
+
+    ``found`` is shown with ``repr`` so that empty strings and stray spaces are visible.
+    """
+    parts = [what]
+    if found is not None:
+        parts.append(f"found {found!r}")
+    if expected:
+        parts.append(f"expected {expected}")
+    message = "; ".join(parts) + "."
+    if hint:
+        message += f"\nHINT: {hint}"
+    return message
