@@ -200,9 +200,10 @@ def _parse_override(item: str) -> Any:
 
     key, sep, _ = item.partition("=") if isinstance(item, str) else ("", "", "")
     if not sep or not _KEY.fullmatch(key):
+        hint = (f"give it a value: {key}=VALUE" if not sep and _KEY.fullmatch(key) else
+                "keys are dotted names (train.lr); quote values with spaces: 'slurm.setup=[\"a b\"]'")
         raise ConfigError(explain("cannot read override", found=item, expected="key=value with a dotted key, "
-                                  "e.g. train.lr=0.01", hint="quote values with spaces: 'slurm.setup=[\"a b\"]'"),
-                          key=key or None)
+                                  "e.g. train.lr=0.01", hint=hint), key=key if sep and key else None)
     try:
         return OmegaConf.from_dotlist([item])
     except Exception as err:
@@ -236,11 +237,19 @@ def _translate(err: Exception, source: str) -> ConfigError:
     """An omegaconf exception as a ConfigError in the house style."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+    from omegaconf.errors import InterpolationResolutionError
+
     key = str(getattr(err, "full_key", "") or "")
     first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, InterpolationResolutionError):
+        return ConfigError(explain(f"cannot resolve an interpolation in config key {key or '?'} ({source}): "
+                                   f"{first_line}", hint="${name} refers to a config key and ${oc.env:VAR} to an "
+                                   "environment variable; for a shell variable in a setup line write $VAR, "
+                                   "or escape it as \\${VAR}"), key=key or None)
+    key_path = re.sub(r"\[\d+\]", "", key)  # slurm.setup[0] -> slurm.setup
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and key:
-        section, _ = schema_node(key)
-        parent, _, leaf = key.rpartition(".")
+        section, _ = schema_node(key_path)
+        parent, _, leaf = key_path.rpartition(".")
         valid = [f.name for f in dataclasses.fields(section)] if section else []
         near = difflib.get_close_matches(leaf, valid, n=1)
         hint = f"did you mean {'.'.join(filter(None, [parent, near[0]]))}?" if near else \
@@ -249,7 +258,7 @@ def _translate(err: Exception, source: str) -> ConfigError:
                                    expected=f"one of the keys of {parent or 'the top level'}: {', '.join(valid)}",
                                    hint=hint), key=key)
     if key:
-        _, tp = schema_node(key)
+        _, tp = schema_node(key_path)
         found = getattr(err, "value", None)
         return ConfigError(explain(f"bad value for config key {key} in {source}: {first_line}",
                                    found=found, expected=_expected(tp),
@@ -270,7 +279,18 @@ def to_yaml(cfg: RunConfig) -> str:
     """The config as YAML that :func:`load_config` reads back to an equal config."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(_escape(dataclasses.asdict(cfg))))
+
+
+def _escape(value: Any) -> Any:
+    """Resolved text may hold a literal '${' (an escaped shell variable); keep it literal on reload."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, dict):
+        return {k: _escape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape(v) for v in value]
+    return value
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:

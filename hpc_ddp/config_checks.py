@@ -38,7 +38,13 @@ def _texts(v: Any) -> bool:
 
 def _mapping(key_pattern: re.Pattern[str]) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and key_pattern.fullmatch(k) and isinstance(x, str) for k, x in v.items())
+        isinstance(k, str) and key_pattern.fullmatch(k) and isinstance(x, str) and "\n" not in x
+        for k, x in v.items())
+
+
+def _word(v: Any) -> bool:
+    """One sbatch option value: it lands on an ``#SBATCH`` line, so no spaces or newlines."""
+    return isinstance(v, str) and bool(v) and not any(c.isspace() for c in v)
 
 
 # key -> (check, expected); None passes for keys whose schema type is Optional.
@@ -51,6 +57,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
     "slurm.mem_gb": (_positive, "a number of GB > 0, or null"),
     "slurm.timeout_min": (_at_least(1), "an integer number of minutes >= 1"),
+    "slurm.partition": (_word, "a partition name without spaces (a,b for several), or null"),
+    "slurm.account": (_word, "an account name without spaces, or null"),
+    "slurm.qos": (_word, "a QOS name without spaces, or null"),
+    "slurm.constraint": (_word, "a feature expression without spaces, e.g. 'a100|h100', or null"),
     "slurm.signal": (lambda v: v in SIGNALS, f"a signal name, one of {', '.join(SIGNALS)}"),
     "slurm.signal_delay_s": (_at_least(0), "an integer number of seconds >= 0"),
     "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
@@ -58,7 +68,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.max_failures": (_at_least(0), "an integer >= 0"),
     "slurm.setup": (_texts, "a list of shell lines"),
     "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
-                           "(e.g. mail-type) to text values"),
+                           "(e.g. mail-type) to one-line text values"),
     "slurm.srun_args": (_texts, "a list of text arguments"),
     "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),
     "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
@@ -79,7 +89,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
 }
-OPTIONAL = {"slurm.mem_gb", "dist.master_port", "train.max_steps", "train.epochs",
+OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port", "train.max_steps", "train.epochs",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
 
 

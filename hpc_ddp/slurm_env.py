@@ -6,8 +6,9 @@ dicts. Three sources, tried in this order:
 
 * ``torchrun``: RANK / LOCAL_RANK / WORLD_SIZE are present (also torchrun
   started by srun, one agent per node). They win over Slurm's variables.
-* ``slurm``: a task of an ``srun`` step (SLURM_PROCID is present). Step
-  variables (SLURM_STEP_*) win over job variables where both exist.
+* ``slurm``: a task of an ``srun`` step (SLURM_STEP_ID is present; the batch
+  shell has SLURM_PROCID=0 too, but no step id). Step variables (SLURM_STEP_*)
+  win over job variables where both exist.
 * ``single``: neither; one process, rank 0 of 1.
 
 MASTER_ADDR is the first host of the node list; MASTER_PORT is
@@ -36,6 +37,7 @@ NUM_NODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
 NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
+STEP_ID_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 _SRUN_HINT = ("run every task through srun, e.g. `srun python -m hpc_ddp.worker ...` "
@@ -234,13 +236,14 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
     """Derive this process's :class:`DistEnv`; raise :class:`SlurmEnvError` with a HINT."""
     if any(name in env for name in TORCHRUN_VARS):
         return _from_torchrun(env)
-    if "SLURM_PROCID" in env:
+    if _lookup(env, STEP_ID_VARS):
         return _from_slurm(env)
     job = _lookup(env, JOB_ID_VARS)
-    if job and _lookup(env, NODELIST_VARS):
+    if job:
         raise SlurmEnvError(explain(f"inside Slurm job {job[1]} but not in a task launched by srun "
-                                    "(SLURM_PROCID is not set)", expected="one process per task, started by srun",
-                                    hint=_SRUN_HINT), key="SLURM_PROCID")
+                                    "(SLURM_STEP_ID is not set: this is the batch script or salloc shell)",
+                                    expected="one process per task, started by srun", hint=_SRUN_HINT),
+                            key="SLURM_STEP_ID")
     addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
     port = _int(env, ("MASTER_PORT",), minimum=1) or SINGLE_PROCESS_PORT
     return DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
@@ -262,7 +265,7 @@ def simulated_environ(nodes: int, tasks_per_node: int, *, job_id: int, restart_c
     compressed as Slurm does (``node[0-1]``, ``2(x2)``).
     """
     hosts = [f"{node_prefix}{i}" for i in range(nodes)]
-    common = {"SLURM_JOB_ID": str(job_id), "SLURM_NTASKS": str(nodes * tasks_per_node),
+    common = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(nodes * tasks_per_node),
               "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": compress_hostlist(hosts),
               "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),
               "SLURM_RESTART_COUNT": str(restart_count)}

@@ -1,0 +1,141 @@
+"""The shape of a throw-away Slurm cluster on one machine, and its config files (pure).
+
+N ``slurmd`` processes on one host (Debian's slurmd is built with
+``--enable-multiple-slurmd``), each with its own name, loopback address
+(127.0.2.i) and port; partitions ``debug`` (default, preemptable) and ``high``
+(preempts ``debug``). The settings marked "fast" cut the scheduler's and
+requeue's waits from minutes to about a second; see docs/slurm-local.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_ddp.hostlist import compress_hostlist
+
+HOSTS_TAG = "# hpc_ddp slurm-local"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where the cluster keeps its state and what it looks like."""
+
+    root: Path = Path("/tmp/hpc_ddp-slurm")
+    nodes: int = 2
+    cpus_per_node: int = 4
+    memory_mb: int = 4096
+    node_prefix: str = "n"
+    addr_prefix: str = "127.0.2."
+    slurmd_base_port: int = 17001
+    slurmctld_port: int = 16817
+    dbd_port: int = 16819
+    mysql_port: int = 3307
+    accounting: bool = True
+    cluster_name: str = "hpcddp"
+    grace_time_s: int = 10
+    kill_wait_s: int = 5
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"{self.node_prefix}{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def node_addrs(self) -> list[str]:
+        return [f"{self.addr_prefix}{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def conf_path(self) -> Path:
+        return self.root / "etc" / "slurm.conf"
+
+    @property
+    def dbd_conf_path(self) -> Path:
+        """slurmdbd looks for its config beside slurm.conf (the SLURM_CONF directory)."""
+        return self.root / "etc" / "slurmdbd.conf"
+
+    def path(self, kind: str, name: str = "") -> Path:
+        """``run``/``log``/``spool`` paths: ``spec.path("log", "slurmctld.log")``."""
+        return self.root / kind / name if name else self.root / kind
+
+
+def render_slurm_conf(spec: ClusterSpec) -> str:
+    """slurm.conf for the cluster; every non-default line says why it is there."""
+    names = compress_hostlist(spec.node_names)
+    last_port = spec.slurmd_base_port + spec.nodes - 1
+    ports = str(spec.slurmd_base_port) if spec.nodes == 1 else f"{spec.slurmd_base_port}-{last_port}"
+    accounting = [
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStorageHost=localhost",
+        f"AccountingStoragePort={spec.dbd_port}",
+        "JobAcctGatherType=jobacct_gather/linux",
+    ] if spec.accounting else ["JobAcctGatherType=jobacct_gather/none"]
+    lines = [
+        f"ClusterName={spec.cluster_name}",
+        "SlurmctldHost=localhost",
+        f"SlurmctldPort={spec.slurmctld_port}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "# fast: requeued jobs wait cred_expire+1 s before they may start (default 120)",
+        "AuthInfo=cred_expire=5",
+        f"StateSaveLocation={spec.path('spool', 'ctld')}",
+        f"SlurmdSpoolDir={spec.path('spool')}/slurmd-%n",
+        f"SlurmctldPidFile={spec.path('run', 'slurmctld.pid')}",
+        f"SlurmdPidFile={spec.path('run')}/slurmd-%n.pid",
+        f"SlurmctldLogFile={spec.path('log', 'slurmctld.log')}",
+        f"SlurmdLogFile={spec.path('log')}/slurmd-%n.log",
+        "# the declared CPUs are more than the machine has: accept them",
+        "SlurmdParameters=config_overrides",
+        "# no cgroups needed",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "ReturnToService=2",
+        "JobRequeue=1",
+        "MpiDefault=none",
+        "MailProg=/bin/true",
+        "# fast: start batch jobs within ~1 s, and rescan the queue every second (requeue)",
+        "SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1",
+        f"KillWait={spec.kill_wait_s}",
+        "MinJobAge=300",
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
+        "# preempted jobs get their --signal (our warning signal) instead of SIGTERM (22.05 spelling)",
+        "SlurmctldParameters=preempt_send_user_signal",
+        *accounting,
+        f"NodeName={names} NodeHostname={names} NodeAddr={','.join(spec.node_addrs)} Port={ports} "
+        f"CPUs={spec.cpus_per_node} Sockets=1 CoresPerSocket={spec.cpus_per_node} ThreadsPerCore=1 "
+        f"RealMemory={spec.memory_mb} State=UNKNOWN",
+        f"PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 "
+        f"GraceTime={spec.grace_time_s} PreemptMode=REQUEUE",
+        "PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_slurmdbd_conf(spec: ClusterSpec) -> str:
+    """slurmdbd.conf: a private MariaDB on 127.0.0.1:mysql_port (must be mode 0600)."""
+    return "\n".join([
+        "AuthType=auth/munge",
+        "DbdHost=localhost",
+        f"DbdPort={spec.dbd_port}",
+        "SlurmUser=root",
+        f"PidFile={spec.path('run', 'slurmdbd.pid')}",
+        f"LogFile={spec.path('log', 'slurmdbd.log')}",
+        "StorageType=accounting_storage/mysql",
+        "StorageHost=127.0.0.1",
+        f"StoragePort={spec.mysql_port}",
+        "StorageUser=root",
+        "StorageLoc=hpcddp_acct",
+    ]) + "\n"
+
+
+def hosts_lines(spec: ClusterSpec) -> list[str]:
+    """/etc/hosts lines so node names resolve (MASTER_ADDR is a node name)."""
+    return [f"{addr} {name} {hosts_tag(spec)}" for addr, name in zip(spec.node_addrs, spec.node_names)]
+
+
+def hosts_tag(spec: ClusterSpec) -> str:
+    """Marks this cluster's /etc/hosts lines, so two clusters never remove each other's."""
+    return f"{HOSTS_TAG} {spec.root}"

@@ -1,0 +1,249 @@
+"""Start and stop the throw-away cluster's daemons (root only).
+
+Order: munged (reused if one answers), MariaDB + slurmdbd (accounting, so
+``sacct`` works), slurmctld, one slurmd per node. Every daemon we start leaves a
+pid file under ``ROOT/run``; stop signals exactly those PIDs, never a process
+found by name. A zombie counts as stopped (PID 1 in containers reaps slowly).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from hpc_ddp.errors import ClusterError, explain
+from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf,
+                                      render_slurmdbd_conf)
+
+APT_PACKAGES = "slurmctld slurmd slurm-client munge slurmdbd mariadb-server"
+_BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "munge",
+             "unmunge", "munged"]
+_ACCOUNTING_BINARIES = ["slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db"]
+HOSTS_FILE = Path("/etc/hosts")
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or next((p for d in ("/usr/sbin", "/sbin") if os.access(p := f"{d}/{name}", os.X_OK)),
+                                      None)
+
+
+def missing_pieces(spec: ClusterSpec) -> list[str]:
+    """What stands between this machine and a running cluster (empty when nothing)."""
+    missing = [b for b in _BINARIES + (_ACCOUNTING_BINARIES if spec.accounting else []) if not _which(b)]
+    if os.geteuid() != 0:
+        missing.append("root privileges (the daemons run as root)")
+    return missing
+
+
+def _env(spec: ClusterSpec) -> dict[str, str]:
+    return {**os.environ, "SLURM_CONF": str(spec.conf_path)}
+
+
+def _run(spec: ClusterSpec, cmd: Sequence[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(cmd), env=_env(spec), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise ClusterError(explain(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}",
+                                   found=(proc.stderr or proc.stdout).strip()[-600:],
+                                   hint=f"see the logs under {spec.path('log')}"))
+    return proc
+
+
+def alive(pid: int) -> bool:
+    """True for a running process; a zombie or a missing PID is dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _wait(what: str, ready: Callable[[], bool], spec: ClusterSpec, timeout: float = 30, log: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.1)
+    tail = ""
+    if log and (spec.path("log", log)).exists():
+        tail = "\n" + "\n".join(spec.path("log", log).read_text(errors="replace").splitlines()[-15:])
+    raise ClusterError(explain(f"{what} did not become ready within {timeout:.0f} s",
+                               hint=f"see {spec.path('log', log or '')}") + tail)
+
+
+def _pid_files(spec: ClusterSpec) -> list[Path]:
+    """Our daemons, newest first in start order reversed: slurmd, slurmctld, slurmdbd, mysqld, munged."""
+    run = spec.path("run")
+    order = [*sorted(run.glob("slurmd-*.pid")), run / "slurmctld.pid", run / "slurmdbd.pid",
+             run / "mysqld.pid", run / "munged.pid"]
+    return [p for p in order if p.exists()]
+
+
+def is_up(spec: ClusterSpec) -> bool:
+    """Our slurmctld is alive and answers ``scontrol ping``."""
+    pid = _read_pid(spec.path("run", "slurmctld.pid"))
+    if pid is None or not alive(pid) or not spec.conf_path.exists():
+        return False
+    return "UP" in _run(spec, ["scontrol", "ping"], check=False, timeout=10).stdout
+
+
+def _write_hosts(spec: ClusterSpec) -> None:
+    """Add node names to /etc/hosts in place (it is often a bind mount: no rename)."""
+    try:
+        kept = [line for line in HOSTS_FILE.read_text().splitlines() if not line.endswith(hosts_tag(spec))]
+        HOSTS_FILE.write_text("\n".join(kept + hosts_lines(spec)) + "\n")
+    except OSError as err:
+        raise ClusterError(explain(f"cannot add the node names to {HOSTS_FILE}: {err.strerror}",
+                                   hint="run as root; node names must resolve for MASTER_ADDR")) from None
+
+
+def _remove_hosts(spec: ClusterSpec) -> None:
+    try:
+        lines = HOSTS_FILE.read_text().splitlines()
+        if any(line.endswith(hosts_tag(spec)) for line in lines):
+            HOSTS_FILE.write_text("\n".join(line for line in lines if not line.endswith(hosts_tag(spec))) + "\n")
+    except OSError:
+        pass
+
+
+def _prepare(spec: ClusterSpec) -> None:
+    """A fresh state tree: job ids start at 1 against an empty accounting database."""
+    if spec.root.exists():
+        shutil.rmtree(spec.root)
+    for kind in ("etc", "run", "log", "spool/ctld", *(f"spool/slurmd-{n}" for n in spec.node_names)):
+        spec.path(kind).mkdir(parents=True, exist_ok=True)
+    spec.conf_path.write_text(render_slurm_conf(spec))
+    spec.dbd_conf_path.write_text(render_slurmdbd_conf(spec))
+    spec.dbd_conf_path.chmod(0o600)  # slurmdbd refuses a readable one
+
+
+def _start_munge(spec: ClusterSpec) -> None:
+    def answers() -> bool:
+        return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
+
+    if answers():
+        return  # a system munged (systemd, or a previous session): reuse, never stop it
+    key = Path("/etc/munge/munge.key")
+    if not key.exists():
+        _run(spec, ["mungekey", "--create", "--force"] if _which("mungekey") else
+             ["dd", "if=/dev/urandom", f"of={key}", "bs=1", "count=1024"])
+        shutil.chown(key, "munge", "munge")
+        key.chmod(0o400)
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    _run(spec, ["runuser", "-u", "munge", "--", _which("munged") or "munged"])
+    _wait("munged", answers, spec, timeout=10)
+    pid = _read_pid(Path("/run/munge/munged.pid"))
+    if pid:
+        spec.path("run", "munged.pid").write_text(f"{pid}\n")
+
+
+def _start_accounting(spec: ClusterSpec) -> None:
+    data, sock = spec.path("mysql"), spec.path("run", "mysqld.sock")
+    _run(spec, ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
+                "--auth-root-authentication-method=normal", "--skip-test-db"], timeout=120)
+    with open(spec.path("log", "mysqld.log"), "ab") as log:
+        subprocess.Popen([_which("mariadbd") or "mariadbd", "--no-defaults", f"--datadir={data}", "--user=root",
+                          f"--socket={sock}", f"--port={spec.mysql_port}", "--bind-address=127.0.0.1",
+                          "--skip-name-resolve", f"--pid-file={spec.path('run', 'mysqld.pid')}",
+                          "--innodb-buffer-pool-size=128M", "--innodb-lock-wait-timeout=900", "--skip-log-bin"],
+                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    _wait("MariaDB", lambda: sock.exists() and spec.path("run", "mysqld.pid").exists(), spec, log="mysqld.log")
+    _run(spec, [_which("slurmdbd") or "slurmdbd"])
+    _wait("slurmdbd", lambda: _run(spec, ["sacctmgr", "-n", "list", "cluster"], check=False).returncode == 0,
+          spec, log="slurmdbd.log")
+    _run(spec, ["sacctmgr", "-i", "add", "cluster", spec.cluster_name])
+
+
+def _can_unshare_uts() -> bool:
+    """Own hostname per slurmd (tasks then see n1, n2) where the kernel lets us."""
+    return bool(_which("unshare")) and subprocess.run(["unshare", "--uts", "true"],
+                                                      capture_output=True).returncode == 0
+
+
+def _start_slurm(spec: ClusterSpec) -> None:
+    _run(spec, [_which("slurmctld") or "slurmctld", "-f", str(spec.conf_path)])
+    _wait("slurmctld", lambda: "UP" in _run(spec, ["scontrol", "ping"], check=False).stdout, spec,
+          log="slurmctld.log")
+    slurmd, uts = _which("slurmd") or "slurmd", _can_unshare_uts()
+    for name in spec.node_names:
+        cmd = f"exec {slurmd} -f {spec.conf_path} -N {name}"
+        _run(spec, ["unshare", "--uts", "sh", "-c", f"hostname {name} && {cmd}"] if uts else ["sh", "-c", cmd])
+
+    def all_idle() -> bool:
+        lines = _run(spec, ["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.splitlines()
+        states = dict(line.split() for line in lines if len(line.split()) == 2)  # a node per partition
+        return len(states) == spec.nodes and all(s == "idle" for s in states.values())
+
+    _wait("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
+
+
+def start(spec: ClusterSpec) -> bool:
+    """Start the cluster unless ours is already up; True when this call started it."""
+    if is_up(spec):
+        return False
+    missing = missing_pieces(spec)
+    if missing:
+        raise ClusterError(explain("cannot start the local Slurm cluster", found=", ".join(missing),
+                                   expected="Slurm, munge and MariaDB installed, running as root",
+                                   hint=f"apt-get install -y --no-install-recommends {APT_PACKAGES}"))
+    stop(spec)  # leftovers of a crashed earlier start, by their pid files
+    _prepare(spec)
+    try:
+        _start_munge(spec)
+        _write_hosts(spec)
+        if spec.accounting:
+            _start_accounting(spec)
+        _start_slurm(spec)
+    except BaseException:
+        stop(spec)
+        raise
+    return True
+
+
+def _queue(spec: ClusterSpec) -> list[str]:
+    """Jobs Slurm still knows as pending, running, suspended or completing."""
+    return _run(spec, ["squeue", "-h", "-o", "%A"], check=False, timeout=10).stdout.split()
+
+
+def _cancel_jobs(spec: ClusterSpec) -> None:
+    """Let Slurm end the jobs it runs, so no slurmstepd outlives its slurmd."""
+    if not is_up(spec) or not (jobs := _queue(spec)):
+        return
+    _run(spec, ["scancel", *jobs], check=False)
+    deadline = time.monotonic() + spec.kill_wait_s + 10
+    while _queue(spec) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
+    """Stop every daemon whose pid file we wrote; return the PIDs signalled."""
+    if not spec.path("run").exists():
+        return []
+    _cancel_jobs(spec)
+    stopped = []
+    for pid_file in _pid_files(spec):
+        pid = _read_pid(pid_file)
+        if pid and alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            stopped.append(pid)
+        pid_file.unlink(missing_ok=True)
+    _remove_hosts(spec)
+    return stopped

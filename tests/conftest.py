@@ -1,0 +1,62 @@
+"""Shared fixtures: the real local Slurm cluster, and scontrol as the hostlist oracle.
+
+Tests that need Slurm skip with the missing piece named; with
+HPC_DDP_REQUIRE_SLURM=1 (set by dev/test.sh, hence CI) they fail instead, so CI
+can never go green by skipping the real-Slurm tier.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.slurm_local import APT_PACKAGES, ClusterSpec, missing_pieces, start, stop
+
+REQUIRE_SLURM = os.environ.get("HPC_DDP_REQUIRE_SLURM") == "1"
+
+
+def unavailable(reason: str) -> None:
+    """Skip with the reason, or fail where the real-Slurm tier is required."""
+    if REQUIRE_SLURM:
+        pytest.fail(f"{reason} (HPC_DDP_REQUIRE_SLURM=1: the real-Slurm tests must run here)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[ClusterSpec]:
+    """A running local cluster (reused if one is up at the same root), SLURM_CONF pointing at it."""
+    spec = ClusterSpec(root=Path(os.environ.get("HPC_DDP_SLURM_ROOT", str(ClusterSpec.root))))
+    missing = missing_pieces(spec)
+    if missing:
+        unavailable(f"real Slurm tests need {', '.join(missing)} "
+                    f"(apt-get install -y --no-install-recommends {APT_PACKAGES}, as root)")
+    started = start(spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLURM_CONF", str(spec.conf_path))
+        yield spec
+    if started:
+        stop(spec)
+
+
+@pytest.fixture(scope="session")
+def scontrol_hostnames(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[str] | None]:
+    """``scontrol show hostnames TEXT`` (None when Slurm calls it invalid); needs only slurm-client."""
+    if not shutil.which("scontrol"):
+        unavailable("the scontrol oracle needs scontrol (apt-get install slurm-client)")
+    conf = tmp_path_factory.mktemp("scontrol") / "slurm.conf"
+    conf.write_text("ClusterName=oracle\nSlurmctldHost=localhost\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+
+    def hostnames(text: str) -> list[str] | None:
+        proc = subprocess.run(["scontrol", "show", "hostnames", text], env=env, capture_output=True, text=True,
+                              timeout=30)
+        if proc.returncode != 0 or "Invalid hostlist" in proc.stdout + proc.stderr:
+            return None
+        return proc.stdout.split()
+
+    return hostnames

@@ -1,0 +1,204 @@
+"""Rank derivation from Slurm / torchrun / nothing: tables, every error path, and properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpc_ddp.errors import SlurmEnvError
+from hpc_ddp.slurm_env import (MASTER_PORT_BASE, MASTER_PORT_SPAN, SINGLE_PROCESS_PORT, DistEnv, from_environ,
+                               master_port, parse_tasks_per_node, simulated_environ, torch_env)
+
+
+def srun_task(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:
+    """What srun gives one task of `srun -N2 --ntasks-per-node=4` in job 777 (as measured on Slurm 22.05)."""
+    env = {"SLURM_JOB_ID": "777", "SLURM_JOBID": "777", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+           "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_NODELIST": "gpu[01-02]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "2",
+           "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NPROCS": "8",
+           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+           "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
+           "SLURMD_NODENAME": f"gpu0{nodeid + 1}"}
+    env.update(extra)
+    return env
+
+
+def test_one_node_one_task() -> None:
+    env = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "1",
+           "SLURM_TASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    assert from_environ(env) == DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                                        num_nodes=1, master_addr="n1", master_port=master_port(5), job_id=5,
+                                        nodelist=("n1",), source="slurm")
+
+
+def test_two_nodes_by_four_tasks() -> None:
+    envs = [from_environ(srun_task(n * 4 + t, t, n)) for n in range(2) for t in range(4)]
+    assert [e.rank for e in envs] == list(range(8))
+    assert [e.local_rank for e in envs] == [0, 1, 2, 3] * 2
+    assert [e.node_rank for e in envs] == [0] * 4 + [1] * 4
+    assert {(e.master_addr, e.master_port, e.world_size, e.local_world_size, e.num_nodes) for e in envs} == {
+        ("gpu01", master_port(777), 8, 4, 2)}
+    assert envs[5].nodelist == ("gpu01", "gpu02") and envs[5].job_id == 777
+
+
+def test_heterogeneous_tasks_per_node() -> None:
+    base = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "1", "SLURM_STEP_NODELIST": "n[1-3]", "SLURM_NTASKS": "7",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_NUM_NODES": "3"}
+    with pytest.raises(SlurmEnvError, match="does not match 3 nodes and 7 tasks"):
+        from_environ({**base, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
+    base.update({"SLURM_STEP_NODELIST": "n[1-4]", "SLURM_JOB_NUM_NODES": "4", "SLURM_STEP_NUM_NODES": "4"})
+    last = from_environ({**base, "SLURM_PROCID": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "3"})
+    assert (last.local_world_size, last.node_rank, last.num_nodes, last.master_addr) == (1, 3, 4, "n1")
+    with pytest.raises(SlurmEnvError, match="SLURM_LOCALID=1 does not fit tasks on node 3=1"):
+        from_environ({**base, "SLURM_PROCID": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "3"})
+
+
+def test_step_variables_win_over_job_variables() -> None:
+    env = srun_task(1, 1, 0, SLURM_JOB_NODELIST="gpu[01-04]", SLURM_JOB_NUM_NODES="4", SLURM_NTASKS="16",
+                    SLURM_TASKS_PER_NODE="4(x4)")
+    got = from_environ(env)
+    assert (got.nodelist, got.world_size, got.num_nodes) == (("gpu01", "gpu02"), 8, 2)
+
+
+def test_torchrun_under_slurm_wins_over_slurm() -> None:
+    env = srun_task(1, 0, 1, SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                    RANK="6", LOCAL_RANK="2", WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",
+                    GROUP_WORLD_SIZE="2", MASTER_ADDR="gpu01", MASTER_PORT="29400")
+    got = from_environ(env)
+    assert (got.rank, got.local_rank, got.world_size, got.local_world_size, got.node_rank, got.num_nodes) == (
+        6, 2, 8, 4, 1, 2)
+    assert (got.master_addr, got.master_port, got.source, got.job_id) == ("gpu01", 29400, "torchrun", 777)
+
+
+def test_torchrun_alone_without_group_rank() -> None:
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h",
+           "MASTER_PORT": "1234"}
+    got = from_environ(env)
+    assert (got.node_rank, got.num_nodes, got.nodelist, got.job_id) == (1, 2, (), None)
+
+
+def test_explicit_master_variables_win() -> None:
+    got = from_environ(srun_task(0, 0, 0, MASTER_ADDR="10.0.0.7", MASTER_PORT="40000"))
+    assert (got.master_addr, got.master_port) == ("10.0.0.7", 40000)
+
+
+def test_array_job_ports_differ_per_element_and_agree_within_one() -> None:
+    ports = set()
+    for task in range(4):
+        envs = [srun_task(r, r % 4, r // 4, SLURM_JOB_ID=str(800 + task), SLURM_ARRAY_JOB_ID="800",
+                          SLURM_ARRAY_TASK_ID=str(task)) for r in range(8)]
+        derived = {from_environ(e).master_port for e in envs}
+        assert len(derived) == 1
+        ports |= derived
+        assert from_environ(envs[0]).array_task_id == task
+    assert ports == {master_port(800, t) for t in range(4)} and len(ports) == 4
+
+
+def test_restart_count() -> None:
+    assert from_environ(srun_task(0, 0, 0, SLURM_RESTART_COUNT="3")).restart_count == 3
+
+
+def test_single_process() -> None:
+    assert from_environ({}) == DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", SINGLE_PROCESS_PORT)
+    assert from_environ({"MASTER_PORT": "2222"}).master_port == 2222
+
+
+ERRORS = [
+    # (environment, variable named, words in the message)
+    ({"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_PROCID": "0"}, "SLURM_STEP_ID", "srun"),
+    (srun_task(8, 0, 1), "SLURM_PROCID", "SLURM_PROCID=8 does not fit SLURM_STEP_NUM_TASKS=8"),
+    (srun_task(0, 4, 0), "SLURM_LOCALID", "tasks on node 0=4"),
+    (srun_task(0, 0, 2), "SLURM_NODEID", "number of nodes=2"),
+    (srun_task(0, 0, 0, SLURM_LOCALID="x"), "SLURM_LOCALID", "an integer >= 0"),
+    (srun_task(0, 0, 0, SLURM_STEP_NUM_TASKS="0"), "SLURM_STEP_NUM_TASKS", "an integer >= 1"),
+    (srun_task(0, 0, 0, SLURM_PROCID="-1"), "SLURM_PROCID", "an integer >= 0"),
+    (srun_task(0, 0, 0, SLURM_STEP_NODELIST="gpu[01-"), "SLURM_STEP_NODELIST", "never closed"),
+    (srun_task(0, 0, 0, SLURM_STEP_NODELIST="gpu[01-03]"), "SLURM_STEP_NUM_NODES", "names 3 nodes"),
+    (srun_task(0, 0, 0, SLURM_STEP_TASKS_PER_NODE="4(x3)"), "SLURM_STEP_TASKS_PER_NODE", "does not match"),
+    (srun_task(0, 0, 0, SLURM_STEP_TASKS_PER_NODE="four"), None, "cannot read tasks per node"),
+    (srun_task(0, 0, 0, MASTER_PORT="70000"), "MASTER_PORT", "1..65535"),
+    (srun_task(0, 0, 0, MASTER_PORT="abc"), "MASTER_PORT", "an integer >= 1"),
+    ({k: v for k, v in srun_task(0, 0, 0).items() if k != "SLURM_NODEID"}, "SLURM_NODEID", "is missing"),
+    ({k: v for k, v in srun_task(0, 0, 0).items() if "TASKS_PER_NODE" not in k}, "SLURM_TASKS_PER_NODE",
+     "is missing"),
+    ({k: v for k, v in srun_task(0, 0, 0).items() if "NODELIST" not in k}, "SLURM_JOB_NODELIST", "no node list"),
+    ({k: v for k, v in srun_task(0, 0, 0).items() if "JOB" not in k}, "MASTER_PORT", "rendezvous port"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK", "is missing"),
+    ({"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "h"}, "RANK",
+     "RANK=2 does not fit WORLD_SIZE=2"),
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h"},
+     "LOCAL_WORLD_SIZE", "does not fit WORLD_SIZE=2"),
+    ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, "MASTER_ADDR",
+     "rendezvous address"),
+]
+
+
+@pytest.mark.parametrize(("env", "key", "words"), ERRORS)
+def test_errors_name_the_variable_and_the_fix(env: dict[str, str], key: str | None, words: str) -> None:
+    with pytest.raises(SlurmEnvError) as info:
+        from_environ(env)
+    assert info.value.key == key
+    assert words in str(info.value) and "HINT:" in str(info.value)
+    if key:
+        assert key in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1", [1]), ("2(x3),1", [2, 2, 2, 1]), ("4(x2)", [4, 4]),
+                                                ("1,2,3", [1, 2, 3]), ("8(x1)", [8])])
+def test_parse_tasks_per_node(text: str, expected: list[int]) -> None:
+    assert parse_tasks_per_node(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "2(x)", "(x2)", "2x3", "2(x3", "a", "2,,1", "-1", "1(x9999999)"])
+def test_parse_tasks_per_node_errors(text: str) -> None:
+    with pytest.raises(SlurmEnvError, match="cannot read tasks per node"):
+        parse_tasks_per_node(text)
+
+
+@given(st.integers(0, 2**40), st.none() | st.integers(0, 100000))
+def test_master_port_is_in_the_documented_range(job_id: int, task: int | None) -> None:
+    port = master_port(job_id, task)
+    assert MASTER_PORT_BASE <= port < MASTER_PORT_BASE + MASTER_PORT_SPAN < 32768  # below the ephemeral range
+    assert port == master_port(job_id, task)
+
+
+def test_nearby_jobs_never_share_a_port() -> None:
+    assert len({master_port(j) for j in range(123_000, 123_000 + MASTER_PORT_SPAN)}) == MASTER_PORT_SPAN
+
+
+def test_torch_env() -> None:
+    env = from_environ(srun_task(6, 2, 1))
+    assert torch_env(env) == {"MASTER_ADDR": "gpu01", "MASTER_PORT": str(master_port(777)), "RANK": "6",
+                              "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 10**7), st.integers(0, 5))
+def test_simulated_job_derives_a_consistent_layout(nodes: int, tasks: int, job_id: int, restarts: int) -> None:
+    envs = [from_environ(e) for e in simulated_environ(nodes, tasks, job_id=job_id, restart_count=restarts)]
+    assert [e.rank for e in envs] == list(range(nodes * tasks))
+    assert [e.local_rank for e in envs] == list(range(tasks)) * nodes
+    assert [e.node_rank for e in envs] == [n for n in range(nodes) for _ in range(tasks)]
+    assert {(e.master_addr, e.master_port, e.restart_count, e.source) for e in envs} == {
+        ("node0", master_port(job_id), restarts, "slurm")}
+
+
+SLURM_NAMES = ["SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
+               "SLURM_STEP_NUM_TASKS", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_JOB_NUM_NODES",
+               "SLURM_TASKS_PER_NODE", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT",
+               "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"]
+values = st.one_of(st.integers(-3, 20).map(str), st.sampled_from(["n[1-2]", "2(x2)", "n1", "", "x", "1(x", "[",
+                                                                   "99999999999999999999"]), st.text(max_size=8))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.dictionaries(st.sampled_from(SLURM_NAMES), values, max_size=12))
+def test_random_environments_raise_only_slurm_env_error(env: dict[str, str]) -> None:
+    try:
+        got = from_environ(env)
+    except SlurmEnvError as err:
+        assert str(err)
+        return
+    assert 0 <= got.rank < got.world_size and 0 <= got.local_rank < got.local_world_size
+    assert 0 <= got.node_rank < got.num_nodes and 1 <= got.master_port <= 65535
