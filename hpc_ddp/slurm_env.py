@@ -160,17 +160,23 @@ def _rendezvous(env: Mapping[str, str], nodelist: tuple[str, ...]) -> tuple[str,
         raise SlurmEnvError(explain("cannot tell the rendezvous address", found=env.get("MASTER_ADDR"),
                                     expected=f"MASTER_ADDR or one of {', '.join(NODELIST_VARS)}",
                                     hint="export MASTER_ADDR=<host of rank 0>"), key="MASTER_ADDR")
-    port = _int(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. 29500>")
+    port = _explicit_port(env)
     if port is None:
         job_id = _int(env, ("SLURM_ARRAY_JOB_ID",)) or _int(env, JOB_ID_VARS)
         if job_id is None:
             raise SlurmEnvError(explain("cannot derive the rendezvous port", expected="SLURM_JOB_ID or MASTER_PORT",
                                         hint="export MASTER_PORT=<free port>"), key="MASTER_PORT")
         port = master_port(job_id, _int(env, ("SLURM_ARRAY_TASK_ID",)))
-    if port > 65535:
+    return addr, port
+
+
+def _explicit_port(env: Mapping[str, str]) -> int | None:
+    """MASTER_PORT from the environment, checked to be a port; None when unset."""
+    port = _int(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. 29500>")
+    if port is not None and port > 65535:
         raise SlurmEnvError(explain("MASTER_PORT is not a port", found=env.get("MASTER_PORT"),
                                     expected="1..65535", hint="export MASTER_PORT=29500"), key="MASTER_PORT")
-    return addr, port
+    return port
 
 
 def _job_fields(env: Mapping[str, str]) -> dict[str, Any]:
@@ -245,7 +251,7 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
                                     expected="one process per task, started by srun", hint=_SRUN_HINT),
                             key="SLURM_STEP_ID")
     addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
-    port = _int(env, ("MASTER_PORT",), minimum=1) or SINGLE_PROCESS_PORT
+    port = _explicit_port(env) or SINGLE_PROCESS_PORT
     return DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
                    master_addr=addr, master_port=port, source="single", **_job_fields(env))
 

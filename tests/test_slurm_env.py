@@ -119,6 +119,7 @@ ERRORS = [
     (srun_task(0, 0, 0, SLURM_STEP_TASKS_PER_NODE="four"), None, "cannot read tasks per node"),
     (srun_task(0, 0, 0, MASTER_PORT="70000"), "MASTER_PORT", "1..65535"),
     (srun_task(0, 0, 0, MASTER_PORT="abc"), "MASTER_PORT", "an integer >= 1"),
+    ({"MASTER_PORT": "99999999999999999999"}, "MASTER_PORT", "1..65535"),
     ({k: v for k, v in srun_task(0, 0, 0).items() if k != "SLURM_NODEID"}, "SLURM_NODEID", "is missing"),
     ({k: v for k, v in srun_task(0, 0, 0).items() if "TASKS_PER_NODE" not in k}, "SLURM_TASKS_PER_NODE",
      "is missing"),

@@ -1,0 +1,36 @@
+"""Print docs/config.md from the schema: `python dev/config_reference.py > docs/config.md`.
+
+tests/test_docs.py fails when the committed page differs from this output.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hpc_ddp.config import schema_rows
+
+HEADER = """\
+# Config reference
+
+Generated from the schema in `hpc_ddp/config.py` by `python dev/config_reference.py > docs/config.md`.
+Do not edit by hand: a test fails when this page and the schema differ.
+
+A run's config is one or more YAML files merged in order, then `key=value` overrides from the command
+line (`train.lr=0.01`, `slurm.setup=[module load cuda]`, `slurm.sbatch_extra.mail-type=END`).
+Values are YAML. `${name}` refers to another key, and `${oc.env:SCRATCH}` to an environment variable
+read on the login node. A shell variable in a setup line is written `$VAR`, or escaped as `\\${VAR}`.
+An unknown key, a wrong type or a value out of range stops with a `ConfigError`. The error names the
+key, what was found and what is expected, and suggests the nearest valid key.
+
+| key | type | default | meaning |
+|---|---|---|---|
+"""
+
+
+def render() -> str:
+    rows = [f"| `{key}` | {tp} | `{json.dumps(default)}` | {doc} |" for key, tp, default, doc in schema_rows()]
+    return HEADER + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

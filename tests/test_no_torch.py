@@ -1,0 +1,27 @@
+"""The login-node path never imports torch (it costs seconds on a shared login node)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+LIGHT = ["hpc_ddp", "hpc_ddp.errors", "hpc_ddp.hostlist", "hpc_ddp.config", "hpc_ddp.config_checks",
+         "hpc_ddp.slurm_env", "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__"]
+
+
+@pytest.mark.parametrize("module", LIGHT)
+def test_import_does_not_pull_in_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_loading_a_config_and_deriving_ranks_does_not_import_torch(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train: {task: a.b:C, max_steps: 1}\n")
+    code = ("import sys\nfrom hpc_ddp.config import load_config\nfrom hpc_ddp.whoami import main\n"
+            f"load_config([{str(cfg)!r}])\nmain(['--simulate', '2x2'])\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"

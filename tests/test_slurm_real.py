@@ -1,0 +1,67 @@
+"""Derivation inside real Slurm tasks on the local multi-node cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.slurm_local import ClusterSpec
+from hpc_ddp.slurm_env import master_port
+
+pytestmark = pytest.mark.slurm
+
+
+def test_every_task_of_srun_2x2_derives_its_place(slurm_cluster: ClusterSpec) -> None:
+    proc = subprocess.run(["srun", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "hpc_ddp.whoami", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tasks = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda t: t["rank"])
+    assert [t["rank"] for t in tasks] == [0, 1, 2, 3]
+    assert [t["local_rank"] for t in tasks] == [0, 1, 0, 1]
+    assert [t["node_rank"] for t in tasks] == [0, 0, 1, 1]
+    assert [t["node"] for t in tasks] == ["n1", "n1", "n2", "n2"]
+    assert {(t["world_size"], t["local_world_size"], t["num_nodes"], t["source"]) for t in tasks} == {
+        (4, 2, 2, "slurm")}
+    job_id = tasks[0]["job_id"]
+    assert {(t["master_addr"], t["master_port"], t["job_id"]) for t in tasks} == {("n1", master_port(job_id),
+                                                                                  job_id)}
+    assert {t["master_addr_resolved"] for t in tasks} == {"127.0.2.1"}  # the first node's address, everywhere
+
+
+def test_uneven_layout(slurm_cluster: ClusterSpec) -> None:
+    proc = subprocess.run(["srun", "-N2", "-n3", sys.executable, "-m", "hpc_ddp.whoami", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tasks = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda t: t["rank"])
+    assert [(t["node_rank"], t["local_rank"], t["local_world_size"]) for t in tasks] == [(0, 0, 2), (0, 1, 2),
+                                                                                        (1, 0, 1)]
+
+
+def test_batch_script_without_srun_is_told_to_use_srun(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    out = tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n{sys.executable} -m hpc_ddp.whoami\necho exit=$?\n")
+    proc = subprocess.run(["sbatch", "--wait", "-N2", "--ntasks-per-node=2", f"--output={out}", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "not in a task launched by srun" in text and "HINT: run every task through srun" in text
+    assert "exit=1" in text
+
+
+def test_accounting_answers_for_finished_jobs(slurm_cluster: ClusterSpec) -> None:
+    proc = subprocess.run(["sbatch", "--parsable", "--wait", "--wrap", "true", "--output=/dev/null"],
+                          capture_output=True, text=True, timeout=120)
+    job = proc.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 30
+    state = ""
+    while time.monotonic() < deadline and "COMPLETED" not in state:
+        state = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True,
+                               text=True).stdout
+        time.sleep(0.2)
+    assert "COMPLETED" in state  # submitit polls sacct: without it, dead jobs are never noticed
