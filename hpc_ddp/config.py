@@ -17,11 +17,16 @@ import difflib
 import os
 import re
 import tempfile
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
+
+from hpc_ddp.config_checks import check_config
 from hpc_ddp.errors import ConfigError, explain
 
 
@@ -122,8 +127,6 @@ def schema_rows(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[st
 
 
 def _type_hints(schema: type) -> dict[str, Any]:
-    import typing
-
     return typing.get_type_hints(schema)
 
 
@@ -152,10 +155,6 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
     ``name`` defaults to the first file's stem (``examples/mlp.yaml`` -> ``mlp``).
     Raises :class:`ConfigError` naming the key, value, expectation and fix.
     """
-    from omegaconf import OmegaConf
-
-    from hpc_ddp.config_checks import check_config
-
     merged = OmegaConf.structured(RunConfig)
     for path in paths:
         merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
@@ -175,8 +174,6 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
 
 
 def _read_yaml(path: Path) -> Any:
-    from omegaconf import OmegaConf
-
     try:
         text = path.read_text()
     except OSError as err:
@@ -196,8 +193,6 @@ def _read_yaml(path: Path) -> Any:
 
 
 def _parse_override(item: str) -> Any:
-    from omegaconf import OmegaConf
-
     key, sep, _ = item.partition("=") if isinstance(item, str) else ("", "", "")
     if not sep or not _KEY.fullmatch(key):
         hint = (f"give it a value: {key}=VALUE" if not sep and _KEY.fullmatch(key) else
@@ -216,8 +211,6 @@ _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
 
 
 def _merge(base: Any, data: Any, source: str) -> Any:
-    from omegaconf import OmegaConf
-
     for section in (f.name for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING):
         if section in data and not OmegaConf.is_dict(data._get_node(section)) and data[section] is not None:
             raise ConfigError(explain(f"in {source}, {section} must be a section of keys",
@@ -235,10 +228,6 @@ def _first_key(section: str) -> str:
 
 def _translate(err: Exception, source: str) -> ConfigError:
     """An omegaconf exception as a ConfigError in the house style."""
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
-    from omegaconf.errors import InterpolationResolutionError
-
     key = str(getattr(err, "full_key", "") or "")
     first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
     if isinstance(err, InterpolationResolutionError):
@@ -277,8 +266,6 @@ def _expected(tp: Any) -> str:
 
 def to_yaml(cfg: RunConfig) -> str:
     """The config as YAML that :func:`load_config` reads back to an equal config."""
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_yaml(OmegaConf.create(_escape(dataclasses.asdict(cfg))))
 
 

@@ -25,12 +25,11 @@ _BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "s
              "unmunge", "munged"]
 _ACCOUNTING_BINARIES = ["slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db"]
 HOSTS_FILE = Path("/etc/hosts")
-Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def _which(name: str) -> str | None:
-    return shutil.which(name) or next((p for d in ("/usr/sbin", "/sbin") if os.access(p := f"{d}/{name}", os.X_OK)),
-                                      None)
+    """shutil.which, plus the sbin directories a non-login root shell may lack on PATH."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
 
 
 def missing_pieces(spec: ClusterSpec) -> list[str]:
