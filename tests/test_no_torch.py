@@ -8,7 +8,8 @@ import sys
 import pytest
 
 LIGHT = ["hpc_ddp", "hpc_ddp.errors", "hpc_ddp.hostlist", "hpc_ddp.config", "hpc_ddp.config_checks",
-         "hpc_ddp.slurm_env", "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__"]
+         "hpc_ddp.slurm_env", "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__",
+         "hpc_ddp.submit", "hpc_ddp.local", "hpc_ddp.task"]
 
 
 @pytest.mark.parametrize("module", LIGHT)
@@ -22,6 +23,8 @@ def test_loading_a_config_and_deriving_ranks_does_not_import_torch(tmp_path) -> 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("train: {task: a.b:C, max_steps: 1}\n")
     code = ("import sys\nfrom hpc_ddp.config import load_config\nfrom hpc_ddp.whoami import main\n"
-            f"load_config([{str(cfg)!r}])\nmain(['--simulate', '2x2'])\nprint('torch' in sys.modules)")
+            f"load_config([{str(cfg)!r}])\nmain(['--simulate', '2x2'])\n"
+            f"from hpc_ddp.submit import main as submit\nsubmit([{str(cfg)!r}, '--dry-run'])\n"
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"

@@ -65,3 +65,21 @@ def test_accounting_answers_for_finished_jobs(slurm_cluster: ClusterSpec) -> Non
                                text=True).stdout
         time.sleep(0.2)
     assert "COMPLETED" in state  # submitit polls sacct: without it, dead jobs are never noticed
+
+
+def test_worker_trains_across_two_slurm_nodes_with_gloo(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    from hpc_ddp.config import load_config, save_config
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config([root / "examples" / "mlp.yaml"], ["train.max_steps=30", "train.log_every=10",
+                                                         f"run_dir={tmp_path / 'mlp'}"])
+    config = save_config(cfg, tmp_path / "mlp" / "config.yaml")
+    proc = subprocess.run(["srun", "-N2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", f"--chdir={root}",
+                           sys.executable, "-m", "hpc_ddp.worker", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads((tmp_path / "mlp" / "DONE.json").read_text())
+    assert (done["step"], done["world_size"]) == (30, 4)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "mlp" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20, 30]
+    assert "[rank 0]" in proc.stderr and "done: step 30" in proc.stderr

@@ -1,0 +1,107 @@
+"""The process group: backend choice, device binding, init and teardown, tiny collectives.
+
+The decisions (``choose_backend``, ``device_index``) are pure functions so that
+the NCCL path is unit-tested on machines without a GPU; ``init_process_group``
+applies them. A world of one uses an in-memory store: no port, no network.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hpc_ddp.config import DistConfig
+from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.slurm_env import DistEnv, torch_env
+
+
+class DistributedError(HpcDdpError):
+    """The process group cannot be set up as configured on this node."""
+
+
+def choose_backend(requested: str, cuda_available: bool) -> str:
+    """``auto`` -> NCCL on GPU nodes, gloo elsewhere; NCCL without CUDA is an error."""
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise DistributedError(explain("dist.backend=nccl but CUDA is not available on this node",
+                                       expected="a GPU node with a CUDA build of torch",
+                                       hint="use dist.backend=auto (gloo on CPU) or run on a GPU partition "
+                                       "with slurm.gpus_per_node set"), key="dist.backend")
+    return requested
+
+
+def device_index(env: DistEnv, visible_gpus: int) -> int:
+    """The GPU of this task: its local rank, or 0 when Slurm binds one GPU per task."""
+    if visible_gpus == 1:
+        return 0
+    if visible_gpus >= env.local_world_size:
+        return env.local_rank
+    raise DistributedError(explain(
+        f"{env.local_world_size} tasks on node {env.node_rank} but {visible_gpus} GPUs visible to each",
+        expected="one GPU per task (tasks_per_node == gpus_per_node)",
+        hint="set slurm.tasks_per_node equal to slurm.gpus_per_node, or check CUDA_VISIBLE_DEVICES"),
+        key="slurm.tasks_per_node")
+
+
+def device_for(backend: str, env: DistEnv) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", device_index(env, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> torch.device:
+    """Join the job's process group (once); return this rank's device.
+
+    Exports the rendezvous variables and ``dist.nccl_env`` first: NCCL reads its
+    variables when it initialises, so they must be in the environment before.
+    """
+    backend = choose_backend(cfg.backend, torch.cuda.is_available())
+    device = device_for(backend, env)
+    if dist.is_available() and dist.is_initialized():
+        return device
+    target = os.environ if environ is None else environ
+    target.update({**torch_env(env), **cfg.nccl_env})  # type: ignore[attr-defined]
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def teardown() -> None:
+    """Leave the process group; safe to call when none exists."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[torch.device]:
+    """``with process_group(env, cfg) as device:`` -- teardown runs on every exit path."""
+    try:
+        yield init_process_group(env, cfg)
+    finally:
+        teardown()
+
+
+def all_mean(value: float, device: torch.device) -> float:
+    """The mean of one float over all ranks (one small all_reduce)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is True on any rank (the stop-flag agreement)."""
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())

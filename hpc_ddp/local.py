@@ -1,0 +1,113 @@
+"""Rehearse a Slurm job on this machine: nodes x tasks_per_node worker processes on gloo.
+
+Each worker gets the variables srun would give it (``simulated_environ``: a
+compressed ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE=2(x2)``, ...) with the
+rendezvous pointed at loopback, and runs the same ``python -m hpc_ddp.worker``
+as on the cluster. Every rank's output goes to ``RUN_DIR/logs/``; rank 0's is
+also streamed here. When a rank fails, the others are ended (their whole
+process groups, DataLoader workers included) and its traceback is shown.
+No torch in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+from hpc_ddp.slurm_env import simulated_environ
+
+POLL_S = 0.02
+GRACE_S = 3.0
+
+
+def free_port() -> int:
+    """A port that is free on loopback right now (the kernel picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int, port: int,
+                  base: Mapping[str, str]) -> list[dict[str, str]]:
+    """The full environment of every simulated task."""
+    threads = base.get("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+    return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+             "OMP_NUM_THREADS": threads}
+            for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count)]
+
+
+def _tee(source: IO[bytes], log_path: Path, stream: IO[str]) -> None:
+    with open(log_path, "ab") as log:
+        for line in iter(source.readline, b""):
+            log.write(line)
+            log.flush()
+            stream.write(line.decode(errors="replace"))
+            stream.flush()
+
+
+def _end(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
+
+
+def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+           restart_count: int = 0, stream: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> int:
+    """Run one attempt of the job; return 0 when every rank succeeded, else the failing rank's code."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
+                             port=free_port(), base=os.environ)
+    cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
+    paths = [logs / f"attempt-{restart_count}-rank-{rank}.log" for rank in range(len(environs))]
+    procs: list[subprocess.Popen[bytes]] = []
+    tee = None
+    try:
+        for rank, env in enumerate(environs):
+            out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            if rank:
+                out.close()  # type: ignore[union-attr]
+        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream), daemon=True)
+        tee.start()
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed or all(code == 0 for code in codes):
+                break
+            time.sleep(POLL_S)
+    finally:
+        _end(procs)
+        if tee is not None:
+            tee.join(timeout=5)
+    if not failed:
+        return 0
+    for rank in failed:
+        err.write(f"\nrank {rank} failed with exit code {codes[rank]}; last lines of {paths[rank]}:\n"
+                  f"{tail(paths[rank])}\n")
+    err.write(f"the other ranks were stopped; every rank's log is in {logs}\n")
+    return int(codes[failed[0]] or 1)

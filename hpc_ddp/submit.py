@@ -1,0 +1,94 @@
+"""``python -m hpc_ddp.submit CONFIG.yaml [key=value ...]``: run a config as a job.
+
+``--local`` rehearses the job on this machine (nodes x tasks_per_node gloo
+processes with the Slurm variables srun would set); ``--dry-run`` shows what
+every rank would derive. Login-node safe: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hpc_ddp.config import RunConfig, load_config, save_config
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.slurm_env import from_environ, simulated_environ
+
+EPILOG = """\
+examples:
+  python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
+  python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
+  python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
+
+Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
+(see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
+                        help="config files, then overrides such as train.lr=0.01")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with gloo")
+    mode.add_argument("--dry-run", action="store_true", help="show every rank's derived environment; run nothing")
+    return parser
+
+
+def split_items(items: list[str]) -> tuple[list[str], list[str]]:
+    """Config files (``*.yaml``/``*.yml``) and ``key=value`` overrides, each in the given order."""
+    paths = [i for i in items if i.endswith((".yaml", ".yml")) and "=" not in i]
+    return paths, [i for i in items if i not in paths]
+
+
+def resolve(items: list[str]) -> RunConfig:
+    paths, overrides = split_items(items)
+    cfg = load_config(paths, overrides)
+    cfg.run_dir = str(Path(cfg.run_dir).expanduser().resolve())  # workers may start elsewhere
+    return cfg
+
+
+def dry_run(cfg: RunConfig) -> int:
+    from hpc_ddp.whoami import table
+
+    environs = simulated_environ(cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=4242)
+    print(f"run {cfg.name}: {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks, run dir {cfg.run_dir}")
+    print(f"every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
+    print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
+    return 0
+
+
+def run_local(cfg: RunConfig) -> int:
+    from hpc_ddp.local import launch
+
+    run_dir = Path(cfg.run_dir)
+    config_path = save_config(cfg, run_dir / "config.yaml")
+    print(f"rehearsing {cfg.name} as {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine; "
+          f"run dir {run_dir}", flush=True)
+    code = launch(config_path, run_dir, cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=int(time.time()) % 10**6)
+    print(f"{'finished' if code == 0 else 'FAILED'}: metrics in {run_dir / 'metrics.jsonl'}, "
+          f"logs in {run_dir / 'logs'}", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
+    try:
+        cfg = resolve(args.items)
+        if args.dry_run:
+            return dry_run(cfg)
+        if args.local:
+            return run_local(cfg)
+    except HpcDdpError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("error: submitting to a Slurm cluster is not built yet; use --local to rehearse the job on this machine "
+          "or --dry-run to see every rank's environment", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

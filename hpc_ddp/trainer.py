@@ -1,0 +1,166 @@
+"""The DDP training loop: sharded data, accumulation, AMP, clipping, metrics, DONE marker.
+
+Shape after pytorch/examples' ``multigpu_torchrun.py`` (``_run_step``, the
+epoch loop), with what it lacks for resumable jobs: the sampler position is
+part of the state (``epoch``, ``consumed``), steps end on a boundary that every
+rank agrees on, and the results are written atomically by rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from hpc_ddp.config import RunConfig
+from hpc_ddp.distributed import all_mean
+from hpc_ddp.errors import ConfigError, explain
+from hpc_ddp.sampler import ShardSampler
+from hpc_ddp.slurm_env import DistEnv
+from hpc_ddp.task import Task
+
+log = logging.getLogger("hpc_ddp.trainer")
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over the state_dict: names in sorted order, each tensor's raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(bytes(tensor.detach().cpu().contiguous().clone().untyped_storage()))
+    return digest.hexdigest()
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as out:
+        json.dump(data, out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """One rank's training loop; build it inside an initialised process group."""
+
+    def __init__(self, task: Task, cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path) -> None:
+        self.task, self.cfg, self.env, self.device, self.run_dir = task, cfg, env, device, run_dir
+        train = cfg.train
+        torch.manual_seed(train.seed)  # the same initial parameters on every rank
+        model = task.build_model(cfg)
+        if train.sync_batchnorm:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.model = model.to(device)
+        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                                           find_unused_parameters=train.find_unused_parameters)
+        self.optimizer = task.build_optimizer(self.model, cfg)
+        build_scheduler = getattr(task, "build_scheduler", None)
+        self.scheduler = build_scheduler(self.optimizer, cfg) if callable(build_scheduler) else None
+        self.scaler = torch.amp.GradScaler(device.type, enabled=train.amp == "fp16")
+        dataset = task.build_dataset(cfg)
+        self.sampler = ShardSampler(len(dataset), env.rank, env.world_size, seed=train.seed)
+        self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
+                                 num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
+                                 generator=torch.Generator().manual_seed(train.seed * 100003 + env.rank))
+        self.samples_per_step = train.batch_size * train.grad_accum
+        self.steps_per_epoch = self.sampler.per_rank // self.samples_per_step
+        if self.steps_per_epoch == 0:
+            raise ConfigError(explain(
+                f"one optimizer step needs {self.samples_per_step} samples per rank, but each of the "
+                f"{env.world_size} ranks gets {self.sampler.per_rank} of the {len(dataset)} samples",
+                hint="lower train.batch_size or train.grad_accum, or use fewer ranks"), key="train.batch_size")
+        self.step = self.epoch = self.consumed = 0  # consumed: samples of this rank's shard used this epoch
+        self._last_log = (time.monotonic(), 0)
+
+    def done(self) -> bool:
+        max_steps, epochs = self.cfg.train.max_steps, self.cfg.train.epochs
+        return (max_steps is not None and self.step >= max_steps) or (epochs is not None and self.epoch >= epochs)
+
+    def train(self) -> dict[str, Any]:
+        """Train until max_steps or epochs; rank 0 writes metrics, model.pt and DONE.json."""
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        while not self.done():
+            self.sampler.resume(self.epoch, self.consumed)
+            left = (self.steps_per_epoch - self.consumed // self.samples_per_step) * self.cfg.train.grad_accum
+            micro_batches = iter(itertools.islice(self.loader, left))
+            while not self.done() and self.consumed // self.samples_per_step < self.steps_per_epoch:
+                loss = self._run_step(micro_batches)
+                self.step += 1
+                self.consumed += self.samples_per_step
+                self._maybe_log(loss)
+            if self.consumed // self.samples_per_step >= self.steps_per_epoch:
+                self.epoch, self.consumed = self.epoch + 1, 0
+        return self._finish()
+
+    def _run_step(self, micro_batches: Any) -> torch.Tensor:
+        train = self.cfg.train
+        total = torch.zeros((), device=self.device)
+        for i in range(train.grad_accum):
+            batch = to_device(next(micro_batches), self.device)
+            last = i == train.grad_accum - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce once per step
+                with torch.autocast(self.device.type, dtype=AMP_DTYPES.get(train.amp, torch.bfloat16),
+                                    enabled=train.amp != "off"):
+                    loss = self.task.loss(self.ddp, batch)
+                self.scaler.scale(loss / train.grad_accum).backward()
+            total += loss.detach().float()
+        if train.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return total / train.grad_accum
+
+    def _maybe_log(self, loss: torch.Tensor) -> None:
+        last = self.done()
+        if self.step % self.cfg.train.log_every and not last:
+            return
+        mean_loss = all_mean(float(loss.item()), self.device)  # every rank takes part
+        now, (then, then_step) = time.monotonic(), self._last_log
+        rate = (self.step - then_step) * self.samples_per_step * self.env.world_size / max(now - then, 1e-9)
+        self._last_log = (now, self.step)
+        if not self.env.is_main:
+            return
+        record = {"step": self.step, "epoch": self.epoch, "loss": mean_loss,
+                  "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": round(rate, 2)}
+        with open(self.run_dir / "metrics.jsonl", "a") as out:
+            out.write(json.dumps(record) + "\n")
+        total = self.cfg.train.max_steps or self.steps_per_epoch * (self.cfg.train.epochs or 1)
+        log.info("step %d/%d loss %.6g lr %.3g %.1f samples/s", self.step, total, mean_loss, record["lr"], rate)
+
+    def _finish(self) -> dict[str, Any]:
+        result = {"step": self.step, "epoch": self.epoch, "world_size": self.env.world_size,
+                  "params_sha256": params_sha256(self.model)}
+        if self.env.is_main:
+            tmp = self.run_dir / ".model.pt.tmp"
+            torch.save(self.model.state_dict(), tmp)
+            os.replace(tmp, self.run_dir / "model.pt")
+            write_json_atomic(self.run_dir / "DONE.json", result)
+            log.info("done: step %d, params_sha256 %s", self.step, result["params_sha256"][:16])
+        return result

@@ -1,0 +1,75 @@
+"""Backend and device decisions (the NCCL path, without a GPU), and real gloo collectives."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from hpc_ddp.config import DistConfig
+from hpc_ddp.distributed import DistributedError, choose_backend, device_index
+from hpc_ddp.slurm_env import DistEnv, from_environ, simulated_environ
+
+
+@pytest.mark.parametrize(("requested", "cuda", "expected"), [("auto", True, "nccl"), ("auto", False, "gloo"),
+                                                             ("gloo", True, "gloo"), ("nccl", True, "nccl")])
+def test_choose_backend(requested: str, cuda: bool, expected: str) -> None:
+    assert choose_backend(requested, cuda) == expected
+
+
+def test_nccl_without_cuda_says_what_to_do() -> None:
+    with pytest.raises(DistributedError, match="dist.backend=auto") as info:
+        choose_backend("nccl", False)
+    assert info.value.key == "dist.backend"
+
+
+def env(local_rank: int, local_world_size: int) -> DistEnv:
+    return DistEnv(rank=local_rank, local_rank=local_rank, world_size=local_world_size,
+                   local_world_size=local_world_size, node_rank=0, num_nodes=1, master_addr="h", master_port=1)
+
+
+@pytest.mark.parametrize(("local_rank", "tasks", "gpus", "expected"), [
+    (3, 4, 4, 3),  # every task sees all GPUs of the node: bind by local rank
+    (3, 4, 1, 0),  # Slurm bound one GPU per task (--gpus-per-task / gpu-bind)
+    (1, 2, 8, 1),
+])
+def test_device_index(local_rank: int, tasks: int, gpus: int, expected: int) -> None:
+    assert device_index(env(local_rank, tasks), gpus) == expected
+
+
+def test_more_tasks_than_gpus_is_a_geometry_error() -> None:
+    with pytest.raises(DistributedError, match="tasks_per_node equal to slurm.gpus_per_node"):
+        device_index(env(0, 4), 2)
+
+
+def _rank_main(environ: dict[str, str], results: "multiprocessing.Queue[tuple[int, float, bool, bool]]") -> None:
+    import os
+
+    os.environ.update(environ)
+    from hpc_ddp.distributed import all_mean, any_rank, init_process_group, teardown
+
+    dist_env = from_environ(environ)
+    device = init_process_group(dist_env, DistConfig(backend="gloo", timeout_s=30))
+    assert init_process_group(dist_env, DistConfig(backend="gloo", timeout_s=30)) == device  # idempotent
+    mean = all_mean(float(dist_env.rank), device)
+    results.put((dist_env.rank, mean, any_rank(dist_env.rank == 2, device), any_rank(False, device)))
+    teardown()
+    teardown()
+
+
+def test_real_gloo_collectives_across_four_processes() -> None:
+    from hpc_ddp.local import free_port
+
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                                                 results))
+             for e in simulated_environ(2, 2, job_id=1)]
+    for proc in procs:
+        proc.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert got == [(r, 1.5, True, False) for r in range(4)]

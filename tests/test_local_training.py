@@ -1,0 +1,98 @@
+"""Real multi-process training through the local simulation (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_ddp.submit import main as submit
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def run_local(tmp_path: Path, name: str, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """`python -m hpc_ddp.submit examples/simple.yaml --local ...` in a subprocess, from the repo root."""
+    cmd = [sys.executable, "-m", "hpc_ddp.submit", "examples/simple.yaml", "--local", f"name={name}",
+           f"run_dir={tmp_path / name}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_ddp_over_four_ranks_equals_one_process_on_the_full_batch(tmp_path: Path, accum: int) -> None:
+    common = ["train.max_steps=20", "train.log_every=1", f"train.grad_accum={accum}", "train.lr=0.05"]
+    ddp = run_local(tmp_path, "ddp", "slurm.nodes=2", "slurm.tasks_per_node=2", "train.batch_size=8", *common)
+    single = run_local(tmp_path, "single", "slurm.nodes=1", "slurm.tasks_per_node=1", "train.batch_size=32",
+                       *common)
+    assert ddp.returncode == 0, ddp.stderr
+    assert single.returncode == 0, single.stderr
+    ours, theirs = final_params(tmp_path / "ddp"), final_params(tmp_path / "single")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7)
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("ddp", "single")]
+    assert len(losses[0]) == 20 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    done = json.loads((tmp_path / "ddp" / "DONE.json").read_text())
+    assert (done["step"], done["world_size"]) == (20, 4) and len(done["params_sha256"]) == 64
+
+
+def _alive_with(marker: str) -> list[int]:
+    """PIDs whose command line mentions ``marker`` (the run's unique config path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_failing_rank_fails_the_job_fast_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = run_local(tmp_path, "fail", "train.task=tests.tasks:FailOnRank2AtStep5", "train.max_steps=50",
+                     "dist.timeout_s=600")
+    assert time.monotonic() - start < 30 and proc.returncode != 0
+    assert "rank 2 failed" in proc.stderr and "injected failure on rank 2 at step 5" in proc.stderr
+    assert "Traceback" in proc.stderr
+    assert _alive_with(str(tmp_path / "fail")) == []
+    assert not (tmp_path / "fail" / "DONE.json").exists()
+
+
+def test_bad_task_path_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = run_local(tmp_path, "bad", "train.task=examples.simple:SimpleTsk")
+    assert proc.returncode != 0
+    assert "train.task" in proc.stderr and "did you mean examples.simple:SimpleTask?" in proc.stderr
+
+
+def test_bad_config_values_stop_before_any_process_starts(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([str(ROOT / "examples" / "simple.yaml"), "--local", "train.batch_size=0",
+                   f"run_dir={tmp_path / 'x'}"]) == 2
+    assert "train.batch_size" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_dry_run_shows_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([str(ROOT / "examples" / "simple.yaml"), "--dry-run", "slurm.nodes=3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 nodes x 2 tasks" in out and len(out.splitlines()) == 3 + 6
+
+
+def test_worker_without_a_config_argument_explains(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.worker", "--config", str(tmp_path / "none.yaml")],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "cannot read config file" in proc.stderr
