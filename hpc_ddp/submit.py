@@ -56,7 +56,7 @@ def dry_run(cfg: RunConfig) -> int:
 
     environs = simulated_environ(cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=4242)
     print(f"run {cfg.name}: {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks, run dir {cfg.run_dir}")
-    print(f"every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
+    print("every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
     return 0
 
