@@ -9,6 +9,7 @@ rank agrees on, and the results are written atomically by rank 0.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import itertools
 import json
@@ -37,8 +38,10 @@ def params_sha256(model: torch.nn.Module) -> str:
     """SHA-256 over the state_dict: names in sorted order, each tensor's raw bytes."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().cpu().contiguous()
         digest.update(name.encode())
-        digest.update(bytes(tensor.detach().cpu().contiguous().clone().untyped_storage()))
+        # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
+        digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
     return digest.hexdigest()
 
 

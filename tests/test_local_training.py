@@ -96,3 +96,23 @@ def test_worker_without_a_config_argument_explains(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hpc_ddp.worker", "--config", str(tmp_path / "none.yaml")],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and "cannot read config file" in proc.stderr
+
+
+def test_char_gpt_demo_learns(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/char_gpt.yaml", "--local",
+                           "slurm.nodes=1", "train.max_steps=60", "train.log_every=10",
+                           f"run_dir={tmp_path / 'gpt'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "gpt" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3
+
+
+def test_own_loop_example_under_real_torchrun() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "examples/own_loop.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1 loss" in proc.stdout and "world 2 source torchrun stop False" in proc.stdout
