@@ -8,7 +8,7 @@ applies them. A world of one uses an in-memory store: no port, no network.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -55,7 +55,8 @@ def device_for(backend: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, cfg: DistConfig, environ: Mapping[str, str] | None = None) -> torch.device:
+def init_process_group(env: DistEnv, cfg: DistConfig,
+                       environ: MutableMapping[str, str] | None = None) -> torch.device:
     """Join the job's process group (once); return this rank's device.
 
     Exports the rendezvous variables and ``dist.nccl_env`` first: NCCL reads its
@@ -66,7 +67,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: Mapping[str, str]
     if dist.is_available() and dist.is_initialized():
         return device
     target = os.environ if environ is None else environ
-    target.update({**torch_env(env), **cfg.nccl_env})  # type: ignore[attr-defined]
+    target.update({**torch_env(env), **cfg.nccl_env})
     timeout = timedelta(seconds=cfg.timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -116,3 +116,15 @@ def test_own_loop_example_under_real_torchrun() -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 1 loss" in proc.stdout and "world 2 source torchrun stop False" in proc.stdout
+
+
+def test_epochs_bf16_workers_and_syncbatchnorm(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", "slurm.nodes=1",
+                           "train.max_steps=null", "train.epochs=1", "train.amp=bf16", "train.num_workers=1",
+                           "train.sync_batchnorm=true", "train.log_every=16", f"run_dir={tmp_path / 'e'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads((tmp_path / "e" / "DONE.json").read_text())
+    assert (done["step"], done["epoch"]) == (4096 // 2 // 32, 1)  # one epoch: 2048 samples per rank, batch 32
+    steps = [json.loads(line)["step"] for line in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [16, 32, 48, 64]
