@@ -18,11 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
+from hpc_ddp.preemption import EXIT_REQUEUE
 from hpc_ddp.slurm_env import simulated_environ
+
+PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step (see worker.py)
 
 POLL_S = 0.02
 GRACE_S = 3.0
@@ -40,17 +43,36 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
     """The full environment of every simulated task."""
     threads = base.get("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
     return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-             "OMP_NUM_THREADS": threads}
+             "OMP_NUM_THREADS": threads, "HPC_DDP_LOCAL": "1"}
             for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count)]
 
 
-def _tee(source: IO[bytes], log_path: Path, stream: IO[str]) -> None:
+def _tee(source: IO[bytes], log_path: Path, stream: IO[str], on_step: Callable[[int], None]) -> None:
+    """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead."""
     with open(log_path, "ab") as log:
         for line in iter(source.readline, b""):
+            text = line.decode(errors="replace")
+            if text.startswith(PROGRESS_MARK):
+                on_step(int(text[len(PROGRESS_MARK):]))
+                continue
             log.write(line)
             log.flush()
-            stream.write(line.decode(errors="replace"))
+            stream.write(text)
             stream.flush()
+
+
+def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
+              err: IO[str]) -> Callable[[int], None]:
+    """Send each (step, signal) event to every rank once rank 0 has finished that step."""
+    def on_step(step: int) -> None:
+        while events and step >= events[0][0]:
+            at, signum = events.pop(0)
+            err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
+                      f"(injected at {at})\n")
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signum)
+    return on_step
 
 
 def _end(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -75,8 +97,9 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
-           restart_count: int = 0, stream: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> int:
-    """Run one attempt of the job; return 0 when every rank succeeded, else the failing rank's code."""
+           restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
+           err: IO[str] = sys.stderr) -> int:
+    """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
@@ -92,12 +115,13 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
             if rank:
                 out.close()  # type: ignore[union-attr]
-        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream), daemon=True)
+        on_step = _injector(procs, events if events is not None else [], err)
+        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, on_step), daemon=True)
         tee.start()
         while True:
             codes = [p.poll() for p in procs]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed or all(code == 0 for code in codes):
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0, EXIT_REQUEUE)]
+            if failed or all(code is not None for code in codes):
                 break
             time.sleep(POLL_S)
     finally:
@@ -105,9 +129,28 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         if tee is not None:
             tee.join(timeout=5)
     if not failed:
-        return 0
+        return int(codes[0] or 0)
     for rank in failed:
         err.write(f"\nrank {rank} failed with exit code {codes[rank]}; last lines of {paths[rank]}:\n"
                   f"{tail(paths[rank])}\n")
     err.write(f"the other ranks were stopped; every rank's log is in {logs}\n")
     return int(codes[failed[0]] or 1)
+
+
+def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+             preempt_at: list[int], timeout_at: list[int], warning_signal: int, stream: IO[str] = sys.stdout,
+             err: IO[str] = sys.stderr) -> int:
+    """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT + 1).
+
+    ``preempt_at`` steps get SIGTERM, ``timeout_at`` steps the time-out warning signal,
+    each once, sent to every rank when rank 0 has finished that step.
+    """
+    events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
+    restart = 0
+    while True:
+        code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
+                      events=events, stream=stream, err=err)
+        if code != EXIT_REQUEUE:
+            return code
+        restart += 1
+        err.write(f"[local] attempt {restart - 1} stopped at a snapshot; requeued as attempt {restart}\n")

@@ -21,6 +21,7 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
+  python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
 
 Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
 (see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml.
@@ -35,7 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with gloo")
     mode.add_argument("--dry-run", action="store_true", help="show every rank's derived environment; run nothing")
+    parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
+                        help="with --local: preempt (SIGTERM every rank) after these steps, e.g. 7,19")
+    parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
+                        help="with --local: send the time-out warning signal after these steps, e.g. 31")
     return parser
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        steps = sorted(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step numbers like 7,19; found {text!r}") from None
+    if any(s < 1 for s in steps):
+        raise argparse.ArgumentTypeError(f"steps start at 1; found {text!r}")
+    return steps
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
@@ -61,14 +76,16 @@ def dry_run(cfg: RunConfig) -> int:
     return 0
 
 
-def run_local(cfg: RunConfig) -> int:
-    from hpc_ddp.local import launch
+def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int]) -> int:
+    from hpc_ddp.local import rehearse
+    from hpc_ddp.preemption import signal_number
 
     run_dir = Path(cfg.run_dir)
     config_path = save_config(cfg, run_dir / "config.yaml")
     print(f"rehearsing {cfg.name} as {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine; "
           f"run dir {run_dir}", flush=True)
-    code = launch(config_path, run_dir, cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=int(time.time()) % 10**6)
+    code = rehearse(config_path, run_dir, cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=int(time.time()) % 10**6,
+                    preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal))
     print(f"{'finished' if code == 0 else 'FAILED'}: metrics in {run_dir / 'metrics.jsonl'}, "
           f"logs in {run_dir / 'logs'}", flush=True)
     return code
@@ -81,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return dry_run(cfg)
         if args.local:
-            return run_local(cfg)
+            return run_local(cfg, args.preempt_at, args.timeout_at)
+        if args.preempt_at or args.timeout_at:
+            print("error: --preempt-at and --timeout-at go with --local", file=sys.stderr)
+            return 2
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

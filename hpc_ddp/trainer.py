@@ -16,15 +16,19 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig
 from hpc_ddp.distributed import all_mean
+from hpc_ddp.preemption import StopFlag
 from hpc_ddp.errors import ConfigError, explain
 from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import DistEnv
@@ -68,8 +72,11 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 class Trainer:
     """One rank's training loop; build it inside an initialised process group."""
 
-    def __init__(self, task: Task, cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path) -> None:
+    def __init__(self, task: Task, cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path, *,
+                 checkpointer: Checkpointer | None = None, stop: StopFlag | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
         self.task, self.cfg, self.env, self.device, self.run_dir = task, cfg, env, device, run_dir
+        self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
         train = cfg.train
         torch.manual_seed(train.seed)  # the same initial parameters on every rank
         model = task.build_model(cfg)
@@ -95,6 +102,7 @@ class Trainer:
                 f"{env.world_size} ranks gets {self.sampler.per_rank} of the {len(dataset)} samples",
                 hint="lower train.batch_size or train.grad_accum, or use fewer ranks"), key="train.batch_size")
         self.step = self.epoch = self.consumed = 0  # consumed: samples of this rank's shard used this epoch
+        self.resumed_from: int | None = None
         self._last_log = (time.monotonic(), 0)
 
     def done(self) -> bool:
@@ -102,21 +110,102 @@ class Trainer:
         return (max_steps is not None and self.step >= max_steps) or (epochs is not None and self.epoch >= epochs)
 
     def train(self) -> dict[str, Any]:
-        """Train until max_steps or epochs; rank 0 writes metrics, model.pt and DONE.json."""
+        """Train until max_steps or epochs, or until a stop signal; rank 0 writes metrics and results.
+
+        Returns ``{"stopped": True, ...}`` when every rank agreed to stop (the
+        snapshot of that step is committed), else the finished result.
+        """
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._restore()
+        self._settle_buckets()
+        first_step = self.step
         while not self.done():
-            self.sampler.resume(self.epoch, self.consumed)
-            left = (self.steps_per_epoch - self.consumed // self.samples_per_step) * self.cfg.train.grad_accum
-            micro_batches = iter(itertools.islice(self.loader, left))
-            while not self.done() and self.consumed // self.samples_per_step < self.steps_per_epoch:
+            micro_batches = self._epoch_batches()
+            while True:
                 loss = self._run_step(micro_batches)
                 self.step += 1
                 self.consumed += self.samples_per_step
+                epoch_end = self.consumed // self.samples_per_step >= self.steps_per_epoch
+                if epoch_end:
+                    self.epoch, self.consumed = self.epoch + 1, 0
                 self._maybe_log(loss)
-            if self.consumed // self.samples_per_step >= self.steps_per_epoch:
-                self.epoch, self.consumed = self.epoch + 1, 0
-        return self._finish()
+                if self.on_step is not None:
+                    self.on_step(self.step)
+                if self._boundary():
+                    return {"stopped": True, "first_step": first_step, "step": self.step,
+                            "resumed_from": self.resumed_from}
+                if epoch_end or self.done():
+                    break
+        return {**self._finish(), "stopped": False, "first_step": first_step, "resumed_from": self.resumed_from}
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        """This rank's remaining micro-batches of the current epoch, from the saved position."""
+        self.sampler.resume(self.epoch, self.consumed)
+        # DataLoader workers draw their seeds from this generator: same seeds after a resume
+        self.loader.generator.manual_seed(self.cfg.train.seed * 100003 + self.env.rank * 1009 + self.epoch)
+        left = (self.steps_per_epoch - self.consumed // self.samples_per_step) * self.cfg.train.grad_accum
+        return iter(itertools.islice(self.loader, left))
+
+    def _settle_buckets(self) -> None:
+        """One forward/backward that trains nothing, so DDP rebuilds its gradient buckets now.
+
+        DDP reorders its buckets after the first backward of a process. A resumed
+        attempt would otherwise reduce its first step's gradients in the initial
+        layout while the uninterrupted run used the rebuilt one: a different
+        summation order, last-bit differences, no exact resume. Eval mode (no
+        dropout, no BatchNorm statistics), RNG states restored, gradients dropped.
+        """
+        if self.env.world_size == 1:
+            return
+        rng = capture_rng()
+        batch = to_device(next(iter(DataLoader(self.loader.dataset, batch_size=self.cfg.train.batch_size))),
+                          self.device)
+        self.ddp.eval()
+        with torch.autocast(self.device.type, dtype=AMP_DTYPES.get(self.cfg.train.amp, torch.bfloat16),
+                            enabled=self.cfg.train.amp != "off"):
+            loss = self.task.loss(self.ddp, batch)
+        loss.backward()
+        self.ddp.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        restore_rng(rng)
+
+    def state(self) -> dict[str, Any]:
+        """The replicated training state a snapshot holds."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state_dict(), "step": self.step, "epoch": self.epoch,
+                "consumed": self.consumed}
+
+    def _restore(self) -> None:
+        restored = self.checkpointer.restore() if self.checkpointer is not None else None
+        if restored is None:
+            return
+        state = restored.state
+        self.model.load_state_dict(state["model"])  # copies into the live parameters
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
+        self.resumed_from = restored.step
+        if restored.rng is not None:
+            restore_rng(restored.rng)
+        else:
+            reseed(self.cfg.train.seed, self.step, self.env.rank)
+
+    def _boundary(self) -> bool:
+        """One small all_reduce: does any rank want to stop, is a snapshot due (rank 0's clock)?"""
+        if self.checkpointer is None and self.stop is None:
+            return False
+        due = self.env.is_main and self.checkpointer is not None and self.checkpointer.due(self.step)
+        flags = torch.tensor([int(self.stop is not None and self.stop.is_set), int(due)], dtype=torch.int32,
+                             device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, due = bool(flags[0].item()), bool(flags[1].item())
+        if (stop or due) and self.checkpointer is not None:
+            self.checkpointer.save(self.step, self.state(), capture_rng())
+        return stop
 
     def _run_step(self, micro_batches: Any) -> torch.Tensor:
         train = self.cfg.train

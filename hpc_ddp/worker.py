@@ -2,23 +2,30 @@
 
 Started by srun (the sbatch templates), by the submitit callable, or by the
 local simulation. The one place that reads ``os.environ``: it derives this
-process's DistEnv, joins the process group, builds the task and the trainer,
-trains, and exits 0 on success, 2 on a bad config or environment, 1 on any
-other failure (with the traceback in the log, prefixed by the rank).
+process's DistEnv, joins the process group, resumes from the newest committed
+snapshot, trains, and runs the stop protocol (signal -> flag -> agreed step ->
+snapshot -> ledger -> requeue). Exit codes: 0 finished, 3 stopped for a
+requeue, 2 bad config or environment, 1 any other failure (traceback in the
+log, prefixed by the rank) or a requeue cap reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
+import signal
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cap_reached, job_end_time,
+                                job_spec, read_attempts, requeue, signal_number, stop_reason)
 from hpc_ddp.slurm_env import DistEnv, from_environ
 
 log = logging.getLogger("hpc_ddp.worker")
@@ -42,8 +49,14 @@ def _threads(environ: Mapping[str, str]) -> None:
         torch.set_num_threads(int(cpus))
 
 
-def run(config_path: Path, environ: Mapping[str, str]) -> dict[str, object]:
-    """Train the run described by ``config_path`` as the rank ``environ`` says this is."""
+def run(config_path: Path, environ: Mapping[str, str]) -> int:
+    """One attempt of the run described by ``config_path``, as the rank ``environ`` says this is.
+
+    Returns 0 when training finished (or had finished before), EXIT_REQUEUE when it
+    stopped at a committed snapshot for a requeue, 1 when a requeue cap is reached.
+    """
+    from hpc_ddp import snapshot
+    from hpc_ddp.checkpointer import Checkpointer
     from hpc_ddp.distributed import process_group
     from hpc_ddp.task import load_task
     from hpc_ddp.trainer import Trainer
@@ -52,9 +65,62 @@ def run(config_path: Path, environ: Mapping[str, str]) -> dict[str, object]:
     env = from_environ(environ)
     setup_logging(env)
     _threads(environ)
+    run_dir = Path(cfg.run_dir)
+    if (run_dir / "DONE.json").exists():
+        log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
+        return 0
+    limits = {key: getattr(cfg.slurm, key) for key in REASONS_CAPPED.values()}
+    attempts = read_attempts(run_dir)
+    capped = cap_reached("preemption", attempts, limits)
+    if capped:  # Slurm requeued a preempted job once more than allowed
+        log.error("%s", capped)
+        return 1
+    warning = signal_number(cfg.slurm.signal)
+    flag = StopFlag()
+    flag.install([warning, signal.SIGTERM])
+    snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
+    local = environ.get("HPC_DDP_LOCAL") == "1"
+    end_time = None if local or not env.is_main else job_end_time(job_spec(environ))
     task = load_task(cfg.train.task)
+    started = time.time()
     with process_group(env, cfg.dist) as device:
-        return Trainer(task, cfg, env, device, Path(cfg.run_dir)).train()
+        checkpointer = Checkpointer(run_dir, cfg.snapshot, env, config_hash(cfg))
+        on_step = _print_progress if local and env.is_main else None
+        result = Trainer(task, cfg, env, device, run_dir, checkpointer=checkpointer, stop=flag,
+                         on_step=on_step).train()
+    record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(started, 3),
+              "end": round(time.time(), 3), "first_step": result["first_step"], "last_step": result["step"],
+              "resumed_from": result["resumed_from"]}
+    if not result["stopped"]:
+        if env.is_main:
+            append_attempt(run_dir, {**record, "reason": "finished"})
+        return 0
+    if not env.is_main:
+        return EXIT_REQUEUE
+    reason = "preemption" if flag.signum is None else stop_reason(
+        flag.signum, warning, flag.received_at or time.time(), end_time, cfg.slurm.signal_delay_s)
+    capped = cap_reached(reason, attempts + [{"reason": reason}], limits)
+    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped)})
+    if capped:
+        log.error("%s", capped)
+        return 1
+    log.info("stopped at step %d for %s; snapshot committed", result["step"], reason)
+    if reason == "timeout" and not local:
+        requeue(job_spec(environ))  # on preemption Slurm requeues the job itself
+    return EXIT_REQUEUE
+
+
+def _print_progress(step: int) -> None:
+    """The local simulation watches rank 0 for these lines to inject signals at chosen steps."""
+    from hpc_ddp.local import PROGRESS_MARK
+
+    print(f"{PROGRESS_MARK}{step}", flush=True)
+
+
+def config_hash(cfg: object) -> str:
+    from hpc_ddp.config import to_yaml
+
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")
     args = parser.parse_args(argv)
     try:
-        run(args.config, os.environ)
+        return run(args.config, os.environ)
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception:
         log.exception("training failed")
         return 1
-    return 0
+
+
+def _exit_fast(code: int) -> None:
+    """Exit without the interpreter's teardown (~1.2 s with torch loaded): everything that
+    matters is already durable (snapshots, ledger, DONE.json are fsynced), so flush and go."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_fast(main())

@@ -1,0 +1,129 @@
+"""Who writes which snapshot file, when a snapshot is due, and restoring every rank.
+
+Saving is collective: every rank's RNG state is gathered; local rank 0 of each
+node writes that node's file (the replicated training state plus the RNG states
+of its ranks); global rank 0 writes the manifest once every node's file is
+durable, then prunes; a barrier ends the save. Restoring: rank 0 picks the
+newest committed step that verifies and tells everyone; each rank loads its own
+node's file, or another node's copy of the replicated state (then its RNG is
+reseeded deterministically, with a warning).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_ddp import snapshot
+from hpc_ddp.config import SnapshotConfig
+from hpc_ddp.errors import explain
+from hpc_ddp.slurm_env import DistEnv
+
+log = logging.getLogger("hpc_ddp.checkpointer")
+
+
+def capture_rng() -> dict[str, Any]:
+    """This rank's RNG states (Python, NumPy, torch CPU, CUDA where present) as plain values.
+
+    Plain lists, not tensors: they travel through all_gather_object (which mishandles
+    tensors in torch 2.13) and load under weights_only=True.
+    """
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state().tolist(),
+                             "numpy": (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """A deterministic substitute when this rank's saved RNG state is lost."""
+    value = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little")
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    state: dict[str, Any]  # the replicated training state
+    rng: dict[str, Any] | None  # this rank's RNG state; None when it had to come from another node
+
+
+class Checkpointer:
+    """Snapshots of one run; build it inside the process group, on every rank."""
+
+    def __init__(self, run_dir: Path, cfg: SnapshotConfig, env: DistEnv, config_hash: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
+        self.last_time = clock()
+        self.last_step: int | None = None
+
+    def due(self, step: int) -> bool:
+        """Periodic policy (every_steps and/or every_minutes). Time uses rank 0's clock via the caller."""
+        if self.cfg.every_steps and step % self.cfg.every_steps == 0:
+            return True
+        return bool(self.cfg.every_minutes) and self.clock() - self.last_time >= self.cfg.every_minutes * 60
+
+    def save(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
+        """Collective: every rank calls it at the same step; returns once the step is committed."""
+        if self.last_step == step:
+            return  # already saved at this boundary (periodic and stop at once)
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, (self.env.node_rank, rng))
+        directory = snapshot.step_dir(self.run_dir, step)
+        entry = None
+        if self.env.is_node_main:
+            mine = {rank: r for rank, (node, r) in enumerate(gathered) if node == self.env.node_rank}
+            entry = snapshot.write_node_file(directory, self.env.node_rank, {"replicated": state, "rng": mine})
+        entries: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(entries, entry)
+        if self.env.is_main:
+            snapshot.commit(directory, step, [e for e in entries if e], self.env.world_size, self.config_hash)
+            snapshot.prune(self.run_dir, self.cfg.keep_last)
+            log.info("snapshot of step %d committed in %s", step, directory)
+        dist.barrier()
+        self.last_step, self.last_time = step, self.clock()
+
+    def restore(self) -> Restored | None:
+        """Collective: the newest usable committed snapshot, or None for a fresh start."""
+        choice = [snapshot.choose(self.run_dir) if self.env.is_main else None]
+        dist.broadcast_object_list(choice, src=0)
+        found: snapshot.Choice | None = choice[0]
+        if found is None:
+            return None
+        if found.manifest.get("world_size") != self.env.world_size:
+            raise snapshot.SnapshotError(explain(
+                f"the snapshot of step {found.step} was written by {found.manifest.get('world_size')} ranks, "
+                f"this job has {self.env.world_size}",
+                hint="resume with the same nodes x tasks_per_node, or start a new run (another name=...)"))
+        own = snapshot.node_file_name(self.env.node_rank)
+        name = own if own in found.good_files else found.good_files[0]
+        if name != own:
+            log.warning("node %d's snapshot file is not usable; using %s for the replicated state and "
+                        "reseeding this rank's RNG deterministically", self.env.node_rank, name)
+        data = snapshot.load_file(found.directory / name)
+        rng = data["rng"].get(self.env.rank) if name == own else None
+        self.last_step, self.last_time = found.step, self.clock()
+        log.info("resuming from the snapshot of step %d", found.step)
+        return Restored(found.step, data["replicated"], rng)

@@ -1,0 +1,146 @@
+"""Stop signals, why a job is stopping, requeueing it, and the ledger of attempts.
+
+Slurm warns a job before its time limit with ``--signal`` (ours: USR2) and,
+with ``preempt_send_user_signal``, sends the same signal on preemption; a
+plain cancel or preemption without it sends SIGTERM. The handlers here only
+record the signal: everything else happens at the next step boundary, where all
+ranks agree on the flag (see the trainer). No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from datetime import datetime
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.errors import HpcDdpError, explain
+
+LEDGER = "attempts.jsonl"
+EXIT_REQUEUE = 3  # a worker that stopped for a requeue (the local simulation relaunches on it)
+TICK_S = 45  # Slurm checks time limits every 30 s: the warning may come up to that much early
+REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures"}
+
+
+class PreemptionError(HpcDdpError):
+    """A requeue could not be done, or a requeue cap was reached."""
+
+
+class StopFlag:
+    """Records the first stop signal; the handler does nothing else (it may run mid-collective)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.received_at: float | None = None
+
+    def install(self, signums: Iterable[int]) -> None:
+        for signum in signums:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.time()
+
+    @property
+    def is_set(self) -> bool:
+        return self.signum is not None
+
+
+def signal_number(name: str) -> int:
+    """'USR2' -> signal.SIGUSR2 (the config stores names without the SIG prefix)."""
+    return int(getattr(signal, f"SIG{name}"))
+
+
+def stop_reason(signum: int, warning_signum: int, received_at: float, job_end_time: float | None,
+                signal_delay_s: int) -> str:
+    """'timeout' when the warning came near the job's original end, else 'preemption'.
+
+    ``job_end_time`` is SLURM_JOB_END_TIME as set when the attempt started (start +
+    time limit); a preemption moves the end forward, but not this variable.
+    Without it (local simulation) the warning signal means a time-out.
+    """
+    if signum != warning_signum:
+        return "preemption"
+    if job_end_time is None:
+        return "timeout"
+    return "timeout" if received_at >= job_end_time - signal_delay_s - TICK_S else "preemption"
+
+
+def job_end_time(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> float | None:
+    """The job's end time (start + time limit) from squeue, as epoch seconds; None when unknown.
+
+    Asked once when an attempt starts: a preemption later moves the end time forward.
+    (Slurm 22.05 does not put SLURM_JOB_END_TIME in the environment.)
+    """
+    if not spec or not shutil.which("squeue"):
+        return None
+    try:
+        proc = runner(["squeue", "-h", "-j", spec, "-o", "%e"], capture_output=True, text=True, timeout=30)
+        return datetime.fromisoformat(proc.stdout.strip()).timestamp()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def job_spec(environ: Mapping[str, str]) -> str:
+    """The id `scontrol requeue` needs: ARRAYJOB_TASK for an array element, else the job id."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else environ.get("SLURM_JOB_ID", "")
+
+
+def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> None:
+    """``scontrol requeue SPEC``; a clear error when scontrol is missing or refuses."""
+    if not shutil.which("scontrol"):
+        raise PreemptionError(explain(f"cannot requeue job {spec}: scontrol is not on PATH in the job",
+                                      hint="the snapshot is committed; resubmit with `python -m hpc_ddp.submit "
+                                      "CONFIG --resume`, or make the Slurm client available inside the "
+                                      "job (containers often lack it)"))
+    proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise PreemptionError(explain(f"`scontrol requeue {spec}` failed: {(proc.stderr or proc.stdout).strip()}",
+                                      hint="requeueing needs JobRequeue=1 (or sbatch --requeue); the snapshot "
+                                      "is committed, so resubmitting resumes from it"))
+
+
+def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger, one dict per ended attempt (unreadable lines are skipped)."""
+    try:
+        lines = (run_dir / LEDGER).read_text().splitlines()
+    except OSError:
+        return []
+    attempts = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            attempts.append(record)
+    return attempts
+
+
+def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """One line per attempt, appended and fsynced (rank 0 only)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LEDGER, "a") as out:
+        out.write(json.dumps(dict(record), sort_keys=True) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapping[str, int]) -> str | None:
+    """A message when this attempt's reason exceeds its cap (counting this attempt), else None."""
+    key = REASONS_CAPPED.get(reason)
+    if key is None:
+        return None
+    count = sum(1 for a in attempts if a.get("reason") == reason)
+    if count <= limits[key]:
+        return None
+    return explain(f"the run stopped for {reason} {count} times, more than slurm.{key}={limits[key]}",
+                   hint=f"raise it (slurm.{key}={limits[key] + 10}) and resubmit with --resume; "
+                   "the newest snapshot is kept")

@@ -1,0 +1,190 @@
+"""Per-node snapshot files, the manifest that commits them, and choosing what to resume from.
+
+Layout: ``RUN_DIR/snapshots/step-00000123/node-00000.pt`` (one per node, written by
+its local rank 0) and ``manifest.json`` (files, sizes, sha256, step, world size,
+config hash), written last by global rank 0: a step without a valid manifest does
+not exist. Every file is written to a temporary name, fsynced, renamed, and the
+directory fsynced, so a crash at any point leaves the last committed step intact.
+Loads use ``torch.load(weights_only=True)``: a file that needs arbitrary
+unpickling is refused, nothing in it runs. The collective part (who writes what,
+when) is in :mod:`hpc_ddp.checkpointer`; this module is plain file handling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.errors import HpcDdpError, explain
+
+log = logging.getLogger("hpc_ddp.snapshot")
+MANIFEST = "manifest.json"
+FAULT_POINT: str | None = None  # tests: "tmp", "before_rename", "before_manifest" -> SIGKILL there
+
+
+class SnapshotError(HpcDdpError):
+    """A snapshot cannot be written or read."""
+
+
+def _fault(point: str) -> None:
+    """Fault injection for tests: die as if killed at this point of a write."""
+    if FAULT_POINT == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "snapshots" / f"step-{step:08d}"
+
+
+def node_file_name(node_rank: int) -> str:
+    return f"node-{node_rank:05d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes | memoryview) -> None:
+    """tmp file, fsync, rename, fsync the directory: the name holds all of it or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            _fault("tmp")
+            out.flush()
+            os.fsync(out.fileno())
+        _fault("before_rename")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise SnapshotError(explain(f"cannot write {path}: {err.strerror}",
+                                    hint="check free space and permissions of the run directory; "
+                                    "the previous committed snapshot is untouched")) from None
+    _fsync_dir(path.parent)
+
+
+def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Serialise and write one node's file; return its manifest entry (name, size, sha256)."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getbuffer()
+    directory.mkdir(parents=True, exist_ok=True)
+    name = node_file_name(node_rank)
+    write_atomic(directory / name, data)
+    return {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str) -> None:
+    """Write the manifest: from now on the step exists."""
+    _fault("before_manifest")
+    manifest = {"step": step, "world_size": world_size, "num_nodes": len(entries), "config_hash": config_hash,
+                "created": time.time(), "files": {e["name"]: {"size": e["size"], "sha256": e["sha256"]}
+                                                  for e in entries}}
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and isinstance(
+        manifest.get("step"), int)
+    return manifest if ok else None
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    """Steps with a readable manifest, newest first."""
+    root = run_dir / "snapshots"
+    steps = []
+    for entry in root.glob("step-*") if root.exists() else []:
+        manifest = read_manifest(entry)
+        if manifest is not None and entry.name == f"step-{manifest['step']:08d}":
+            steps.append(manifest["step"])
+    return sorted(steps, reverse=True)
+
+
+def file_problem(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
+    """Why this file cannot be trusted (missing, truncated, altered), or None when it verifies."""
+    path = directory / name
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "missing"
+    if size != expected.get("size"):
+        return f"size {size} bytes, manifest says {expected.get('size')}"
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for block in iter(lambda: source.read(1 << 22), b""):
+            digest.update(block)
+    return None if digest.hexdigest() == expected.get("sha256") else "sha256 differs from the manifest"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to resume from: a committed step and its files that verified."""
+
+    step: int
+    directory: Path
+    good_files: tuple[str, ...]
+    manifest: dict[str, Any]
+
+
+def choose(run_dir: Path) -> Choice | None:
+    """The newest committed step with at least one file that verifies; warn about every bad file."""
+    for step in committed_steps(run_dir):
+        directory = step_dir(run_dir, step)
+        manifest = read_manifest(directory) or {}
+        good = []
+        for name, expected in sorted(manifest.get("files", {}).items()):
+            problem = file_problem(directory, name, expected)
+            if problem:
+                log.warning("snapshot file %s is not usable (%s)", directory / name, problem)
+            else:
+                good.append(name)
+        if good:
+            return Choice(step, directory, tuple(good), manifest)
+        log.warning("no usable file in committed snapshot step %d; trying the one before", step)
+    return None
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Load a node file with weights_only=True; refuse anything that needs arbitrary unpickling."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # type: ignore[no-any-return]
+    except pickle.UnpicklingError as err:
+        raise SnapshotError(explain(f"refused to load snapshot file {path}: it needs arbitrary unpickling, "
+                                    f"which could run code ({str(err).splitlines()[0][:120]})",
+                                    hint="snapshots hold tensors and plain values only; delete this step "
+                                    "directory if you did not write it")) from None
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted leftovers."""
+    committed = committed_steps(run_dir)
+    if not committed:
+        return
+    keep = set(committed[:max(keep_last, 1)])  # the newest committed step is never deleted
+    for entry in (run_dir / "snapshots").glob("step-*"):
+        try:
+            step = int(entry.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if step not in keep and step < committed[0]:
+            shutil.rmtree(entry, ignore_errors=True)
