@@ -31,17 +31,19 @@ from hpc_ddp.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
-FAULT_POINT: str | None = None  # tests: "tmp", "before_rename", "before_manifest" -> SIGKILL there
+FAULT_POINT: str | None = None  # tests: "POINT:STEP", POINT one of tmp, before_rename, before_manifest
 
 
 class SnapshotError(HpcDdpError):
     """A snapshot cannot be written or read."""
 
 
-def _fault(point: str) -> None:
-    """Fault injection for tests: die as if killed at this point of a write."""
-    if FAULT_POINT == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _fault(point: str, path: Path) -> None:
+    """Fault injection for tests: die as if killed at this point of the write of that step."""
+    if FAULT_POINT and FAULT_POINT.partition(":")[0] == point:
+        step = FAULT_POINT.partition(":")[2]
+        if step and path.parent.name == f"step-{int(step):08d}":
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -66,10 +68,10 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
     try:
         with open(tmp, "wb") as out:
             out.write(data)
-            _fault("tmp")
+            _fault("tmp", path)
             out.flush()
             os.fsync(out.fileno())
-        _fault("before_rename")
+        _fault("before_rename", path)
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -92,7 +94,7 @@ def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) ->
 
 def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str) -> None:
     """Write the manifest: from now on the step exists."""
-    _fault("before_manifest")
+    _fault("before_manifest", directory / MANIFEST)
     manifest = {"step": step, "world_size": world_size, "num_nodes": len(entries), "config_hash": config_hash,
                 "created": time.time(), "files": {e["name"]: {"size": e["size"], "sha256": e["sha256"]}
                                                   for e in entries}}

@@ -1,0 +1,132 @@
+"""Stop, snapshot, requeue, resume: bit-exact results, faults mid-write, fallbacks, caps, the DONE guard.
+
+Real processes through the local simulation (gloo, CPU), with the real signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp import snapshot
+from hpc_ddp.preemption import read_attempts
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+MLP = ["examples/mlp.yaml", "--local", "train.log_every=1", "train.num_workers=1", "train.max_steps=80"]
+
+
+def submit(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *MLP, f"run_dir={run_dir}", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def done(run_dir: Path) -> dict:
+    return json.loads((run_dir / "DONE.json").read_text())
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("plain") / "run"
+    proc = submit(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_three_stops_mid_epoch_give_bit_identical_results(uninterrupted: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "stopped"
+    proc = submit(run_dir, "--preempt-at", "7,40", "--timeout-at", "61")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
+    assert losses(run_dir) == losses(uninterrupted)  # every step once, each loss bit for bit
+    attempts = read_attempts(run_dir)
+    assert [a["reason"] for a in attempts] == ["preemption", "preemption", "timeout", "finished"]
+    assert [a["restart_count"] for a in attempts] == [0, 1, 2, 3]
+    assert [a["resumed_from"] for a in attempts] == [None] + [a["last_step"] for a in attempts[:-1]]
+    assert all(a["first_step"] == (a["resumed_from"] or 0) for a in attempts)
+    for step in snapshot.committed_steps(run_dir):  # resuming (mmap) never wrote into a committed file
+        directory = snapshot.step_dir(run_dir, step)
+        manifest = snapshot.read_manifest(directory)
+        assert all(snapshot.file_problem(directory, n, e) is None for n, e in manifest["files"].items())
+    assert len(snapshot.committed_steps(run_dir)) == 2  # keep_last
+
+
+@pytest.mark.parametrize("point", ["tmp", "before_rename", "before_manifest"])
+def test_killed_inside_a_snapshot_write_resumes_from_the_previous_commit(uninterrupted: Path, tmp_path: Path,
+                                                                         point: str) -> None:
+    run_dir = tmp_path / point
+    crashed = submit(run_dir, "snapshot.every_steps=10", env={"HPC_DDP_FAULT_POINT": f"{point}:20"})
+    assert crashed.returncode != 0 and "exit code -9" in crashed.stderr
+    assert snapshot.committed_steps(run_dir) == [10]  # step 20 never committed
+    proc = submit(run_dir, "snapshot.every_steps=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from the snapshot of step 10" in proc.stdout + proc.stderr
+    assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
+    assert not list((run_dir / "snapshots").glob("step-*/.*tmp*"))  # no temporary file counted or left
+
+
+def test_a_truncated_node_file_falls_back_to_the_other_nodes_copy(uninterrupted: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "truncated"
+    assert submit(run_dir, "--preempt-at", "30").returncode == 0
+    (run_dir / "DONE.json").unlink()  # pretend the run stopped at its snapshot and was requeued
+    step = snapshot.committed_steps(run_dir)[0]
+    node1 = snapshot.step_dir(run_dir, step) / snapshot.node_file_name(1)
+    node1.write_bytes(node1.read_bytes()[:1000])
+    proc = submit(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("attempt-0-rank-*.log"))
+    assert f"{node1} is not usable (size 1000 bytes" in logs
+    assert "node 1's snapshot file is not usable; using node-00000.pt" in logs and "reseeding" in logs
+    assert done(run_dir)["step"] == 80
+
+
+def test_a_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "executed"
+
+    class Evil:
+        def __reduce__(self):  # noqa: D105
+            return (Path.touch, (marker,))
+
+    import torch
+
+    directory = snapshot.step_dir(tmp_path, 5)
+    directory.mkdir(parents=True)
+    torch.save({"replicated": Evil()}, directory / snapshot.node_file_name(0))
+    data = (directory / snapshot.node_file_name(0)).read_bytes()
+    import hashlib
+
+    snapshot.commit(directory, 5, [{"name": snapshot.node_file_name(0), "size": len(data),
+                                    "sha256": hashlib.sha256(data).hexdigest()}], 1, "x")
+    choice = snapshot.choose(tmp_path)
+    assert choice is not None and choice.step == 5  # it verifies: the bytes are what the manifest says
+    with pytest.raises(snapshot.SnapshotError, match="refused to load snapshot file .*arbitrary unpickling"):
+        snapshot.load_file(directory / snapshot.node_file_name(0))
+    assert not marker.exists()
+
+
+def test_caps_end_the_run_with_the_cap_named(tmp_path: Path) -> None:
+    run_dir = tmp_path / "capped"
+    proc = submit(run_dir, "slurm.max_preemptions=1", "--preempt-at", "5,10")
+    assert proc.returncode == 1
+    assert "more than slurm.max_preemptions=1" in proc.stderr and "slurm.max_preemptions=11" in proc.stderr
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["capped"]) for a in attempts] == [("preemption", False), ("preemption", True)]
+    assert not (run_dir / "DONE.json").exists() and snapshot.committed_steps(run_dir)[0] == attempts[-1]["last_step"]
+    timeouts = submit(tmp_path / "t", "slurm.max_timeouts=0", "--timeout-at", "5")
+    assert timeouts.returncode == 1 and "more than slurm.max_timeouts=0" in timeouts.stderr
+
+
+def test_a_finished_run_requeued_again_exits_at_once(uninterrupted: Path) -> None:
+    before = read_attempts(uninterrupted)
+    proc = submit(uninterrupted)
+    assert proc.returncode == 0 and "has already finished (DONE.json)" in proc.stderr + proc.stdout
+    assert read_attempts(uninterrupted) == before
