@@ -83,3 +83,42 @@ def test_worker_trains_across_two_slurm_nodes_with_gloo(slurm_cluster: ClusterSp
     steps = [json.loads(line)["step"] for line in (tmp_path / "mlp" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [10, 20, 30]
     assert "[rank 0]" in proc.stderr and "done: step 30" in proc.stderr
+
+
+def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster: ClusterSpec,
+                                                                     tmp_path: Path) -> None:
+    """scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume."""
+    from hpc_ddp.config import load_config, save_config
+    from hpc_ddp.preemption import read_attempts
+
+    root = Path(__file__).resolve().parent.parent
+    overrides = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
+    cfg = load_config([root / "examples" / "mlp.yaml"], [*overrides, f"run_dir={tmp_path / 'slurm'}"])
+    config = save_config(cfg, tmp_path / "slurm" / "config.yaml")
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {root}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
+                      f"--config {config}\n")
+    job = subprocess.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--time=2", "--requeue",
+                          "--open-mode=append", f"--output={tmp_path / 'job.out'}", str(script)],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    metrics = tmp_path / "slurm" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(metrics.read_text().splitlines() if metrics.exists() else []) < 5:
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    done_file = tmp_path / "slurm" / "DONE.json"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not done_file.exists():
+        time.sleep(0.5)
+    assert done_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
+    attempts = read_attempts(tmp_path / "slurm")
+    assert [a["reason"] for a in attempts] == ["timeout", "finished"]
+    assert [a["restart_count"] for a in attempts] == [0, 1] and attempts[1]["resumed_from"] == attempts[0]["last_step"]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(10, 601, 10))  # continuous: nothing trained twice, nothing skipped
+
+    local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *overrides,
+                            f"run_dir={tmp_path / 'local'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert json.loads(done_file.read_text())["params_sha256"] == json.loads(
+        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]  # the rehearsal predicts the cluster
