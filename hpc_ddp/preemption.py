@@ -4,7 +4,9 @@ Slurm warns a job before its time limit with ``--signal`` (ours: USR2) and,
 with ``preempt_send_user_signal``, sends the same signal on preemption; a
 plain cancel or preemption without it sends SIGTERM. The handlers here only
 record the signal: everything else happens at the next step boundary, where all
-ranks agree on the flag (see the trainer). No torch.
+ranks agree on the flag (see the trainer). After the snapshot commits, global
+rank 0 requeues the job for either reason: Slurm does not requeue a preempted
+job whose tasks already exited within the grace time. No torch.
 """
 
 from __future__ import annotations

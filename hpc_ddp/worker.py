@@ -109,8 +109,10 @@ def run(config_path: Path, environ: Mapping[str, str]) -> int:
         log.error("%s", capped)
         return 1
     log.info("stopped at step %d for %s; snapshot committed", result["step"], reason)
-    if reason == "timeout" and not local:
-        requeue(job_spec(environ))  # on preemption Slurm requeues the job itself
+    if not local:
+        # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm
+        # (measured on 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
+        requeue(job_spec(environ))
     return EXIT_REQUEUE
 
 

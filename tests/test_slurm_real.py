@@ -122,3 +122,36 @@ def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster
     assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads(done_file.read_text())["params_sha256"] == json.loads(
         (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]  # the rehearsal predicts the cluster
+
+
+def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster: ClusterSpec,
+                                                                   tmp_path: Path) -> None:
+    """A job in `high` needs both nodes: the `debug` job gets USR2 at once, saves, is requeued, resumes."""
+    from hpc_ddp.config import load_config, save_config
+    from hpc_ddp.preemption import read_attempts
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config([root / "examples" / "mlp.yaml"], ["train.max_steps=600", "train.log_every=10",
+                                                         "slurm.timeout_min=30", f"run_dir={tmp_path / 'p'}"])
+    config = save_config(cfg, tmp_path / "p" / "config.yaml")
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {root}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
+                      f"--config {config}\n")
+    subprocess.run(["sbatch", "--parsable", "-p", "debug", "-N2", "--ntasks-per-node=2", "--time=30", "--requeue",
+                    "--open-mode=append", f"--output={tmp_path / 'job.out'}", str(script)], check=True,
+                   capture_output=True)
+    metrics = tmp_path / "p" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(metrics.read_text().splitlines() if metrics.exists() else []) < 5:
+        time.sleep(0.1)
+    subprocess.run(["sbatch", "-p", "high", "-N2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 1"],
+                   check=True, capture_output=True)
+    done_file = tmp_path / "p" / "DONE.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not done_file.exists():
+        time.sleep(0.5)
+    assert done_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
+    attempts = read_attempts(tmp_path / "p")
+    assert [a["reason"] for a in attempts] == ["preemption", "finished"]
+    assert attempts[1]["resumed_from"] == attempts[0]["last_step"]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(10, 601, 10))
