@@ -99,7 +99,7 @@ class SnapshotConfig:
     every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step count.")
     every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by time.")
     keep_last: int = _doc(2, "Committed snapshots to keep (the newest is never deleted early).")
-    async_write: bool = _doc(False, "Write snapshots in a background thread (the step only copies to CPU).")
+    async_write: bool = _doc(False, "Background snapshot writes (not available yet: true is refused).")
 
 
 @dataclass

@@ -155,3 +155,31 @@ def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster
     assert [a["reason"] for a in attempts] == ["preemption", "finished"]
     assert attempts[1]["resumed_from"] == attempts[0]["last_step"]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(10, 601, 10))
+
+
+@pytest.mark.slow
+def test_real_time_limit_warning_requeues_until_done(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """--time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot -> requeue, until finished."""
+    from hpc_ddp.config import load_config, save_config
+    from hpc_ddp.preemption import read_attempts
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config([root / "examples" / "mlp.yaml"], ["train.max_steps=2500", "train.log_every=100",
+                                                         "slurm.timeout_min=1", "slurm.signal_delay_s=50",
+                                                         f"run_dir={tmp_path / 't'}"])
+    config = save_config(cfg, tmp_path / "t" / "config.yaml")
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {root}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
+                      f"--config {config}\n")
+    subprocess.run(["sbatch", "-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue",
+                    "--open-mode=append", f"--output={tmp_path / 'job.out'}", str(script)], check=True,
+                   capture_output=True)
+    done_file = tmp_path / "t" / "DONE.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not done_file.exists():
+        time.sleep(1)
+    assert done_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
+    reasons = [a["reason"] for a in read_attempts(tmp_path / "t")]
+    assert reasons[-1] == "finished" and set(reasons[:-1]) == {"timeout"} and len(reasons) >= 2
+    steps = [json.loads(line)["step"] for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(100, 2501, 100))
