@@ -3,7 +3,9 @@
 Saving is collective: every rank's RNG state is gathered; local rank 0 of each
 node writes that node's file (the replicated training state plus the RNG states
 of its ranks); global rank 0 writes the manifest once every node's file is
-durable, then prunes; a barrier ends the save. Restoring: rank 0 picks the
+durable, then prunes; a barrier ends the save. In async mode the step only
+copies the state to CPU; a background thread writes, and the commit happens at
+a later step boundary, once no node's writer is busy (at most one in flight). Restoring: rank 0 picks the
 newest committed step that verifies and tells everyone; each rank loads its own
 node's file, or another node's copy of the replicated state (then its RNG is
 reseeded deterministically, with a warning).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +66,17 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(value)
 
 
+def _to_cpu(value: Any) -> Any:
+    """A CPU copy of every tensor in a (nested) state, so training may go on changing the originals."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class Restored:
     step: int
@@ -78,6 +92,10 @@ class Checkpointer:
         self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
         self.last_time = clock()
         self.last_step: int | None = None
+        self.pending: int | None = None  # an async snapshot written but not yet committed
+        self._writer: threading.Thread | None = None
+        self._written: dict[str, Any] | None = None
+        self._failed: BaseException | None = None
 
     def due(self, step: int) -> bool:
         """Periodic policy (every_steps and/or every_minutes). Time uses rank 0's clock via the caller."""
@@ -85,25 +103,81 @@ class Checkpointer:
             return True
         return bool(self.cfg.every_minutes) and self.clock() - self.last_time >= self.cfg.every_minutes * 60
 
-    def save(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
-        """Collective: every rank calls it at the same step; returns once the step is committed."""
-        if self.last_step == step:
-            return  # already saved at this boundary (periodic and stop at once)
+    def _payload(self, state: dict[str, Any], rng: dict[str, Any]) -> dict[str, Any] | None:
+        """Collective: gather every rank's RNG; the node's writer gets its file's content."""
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, (self.env.node_rank, rng))
-        directory = snapshot.step_dir(self.run_dir, step)
-        entry = None
-        if self.env.is_node_main:
-            mine = {rank: r for rank, (node, r) in enumerate(gathered) if node == self.env.node_rank}
-            entry = snapshot.write_node_file(directory, self.env.node_rank, {"replicated": state, "rng": mine})
+        if not self.env.is_node_main:
+            return None
+        mine = {rank: r for rank, (node, r) in enumerate(gathered) if node == self.env.node_rank}
+        return {"replicated": state, "rng": mine}
+
+    def _commit(self, step: int, entry: dict[str, Any] | None) -> None:
+        """Collective: once every node's file is durable, rank 0 writes the manifest; then a barrier."""
         entries: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(entries, entry)
+        failures = [e["error"] for e in entries if e and "error" in e]
+        if failures:  # every rank raises the same error: none is left waiting in a collective
+            raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {failures[0]}")
+        directory = snapshot.step_dir(self.run_dir, step)
         if self.env.is_main:
             snapshot.commit(directory, step, [e for e in entries if e], self.env.world_size, self.config_hash)
             snapshot.prune(self.run_dir, self.cfg.keep_last)
             log.info("snapshot of step %d committed in %s", step, directory)
         dist.barrier()
-        self.last_step, self.last_time = step, self.clock()
+        self.last_step = step
+
+    def save(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
+        """Collective and synchronous: returns once the step is committed."""
+        if self.last_step == step:
+            return  # already saved at this boundary (periodic and stop at once)
+        payload = self._payload(state, rng)
+        entry = None
+        if payload is not None:
+            try:
+                entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank, payload)
+            except snapshot.SnapshotError as err:
+                entry = {"error": str(err)}
+        self._commit(step, entry)
+        self.last_time = self.clock()
+
+    def save_async(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
+        """Collective: copy the state to CPU now; the node's writer writes it in a background thread.
+
+        The step is blocked only for the copy. :meth:`finish_async` commits it later,
+        at a boundary where no writer is busy any more.
+        """
+        payload = self._payload(_to_cpu(state), rng)
+        self.pending = step
+        self.last_time = self.clock()
+        if payload is None:
+            return
+        directory = snapshot.step_dir(self.run_dir, step)
+
+        def write() -> None:
+            try:
+                self._written = snapshot.write_node_file(directory, self.env.node_rank, payload)
+            except BaseException as err:  # re-raised on the training thread by finish_async
+                self._failed = err
+
+        self._written, self._failed = None, None
+        self._writer = threading.Thread(target=write, name=f"snapshot-{step}", daemon=True)
+        self._writer.start()
+
+    @property
+    def busy(self) -> bool:
+        """This rank's background write is still running."""
+        return self._writer is not None and self._writer.is_alive()
+
+    def finish_async(self) -> None:
+        """Collective: wait for this node's write, then commit the pending step."""
+        if self.pending is None:
+            return
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        step, self.pending = self.pending, None
+        self._commit(step, {"error": str(self._failed)} if self._failed is not None else self._written)
 
     def restore(self) -> Restored | None:
         """Collective: the newest usable committed snapshot, or None for a fresh start."""

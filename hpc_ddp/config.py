@@ -99,7 +99,8 @@ class SnapshotConfig:
     every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step count.")
     every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by time.")
     keep_last: int = _doc(2, "Committed snapshots to keep (the newest is never deleted early).")
-    async_write: bool = _doc(False, "Background snapshot writes (not available yet: true is refused).")
+    async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
+                             "to CPU); the stop snapshot is always synchronous.")
 
 
 @dataclass

@@ -124,10 +124,6 @@ def check_config(cfg: Any) -> None:
     if cfg.train.max_steps is None and cfg.train.epochs is None:
         raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
                     None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
-    if cfg.snapshot.async_write:
-        raise _fail("snapshot.async_write", "snapshot.async_write=true is not available yet: snapshots are "
-                    "written synchronously at step boundaries", True, "false",
-                    "leave snapshot.async_write=false; the stop snapshot is synchronous in any case")
     if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:
         raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
                     f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,

@@ -137,6 +137,8 @@ class Trainer:
                             "resumed_from": self.resumed_from}
                 if epoch_end or self.done():
                     break
+        if self.checkpointer is not None:
+            self.checkpointer.finish_async()  # never leave a background write behind
         return {**self._finish(), "stopped": False, "first_step": first_step, "resumed_from": self.resumed_from}
 
     def _epoch_batches(self) -> Iterator[Any]:
@@ -195,16 +197,25 @@ class Trainer:
             reseed(self.cfg.train.seed, self.step, self.env.rank)
 
     def _boundary(self) -> bool:
-        """One small all_reduce: does any rank want to stop, is a snapshot due (rank 0's clock)?"""
-        if self.checkpointer is None and self.stop is None:
+        """One small all_reduce: any rank stopping? snapshot due (rank 0's clock)? any writer busy?"""
+        ckpt = self.checkpointer
+        if ckpt is None and self.stop is None:
             return False
-        due = self.env.is_main and self.checkpointer is not None and self.checkpointer.due(self.step)
-        flags = torch.tensor([int(self.stop is not None and self.stop.is_set), int(due)], dtype=torch.int32,
-                             device=self.device)
+        due = self.env.is_main and ckpt is not None and ckpt.due(self.step)
+        flags = torch.tensor([int(self.stop is not None and self.stop.is_set), int(due),
+                              int(ckpt is not None and ckpt.busy)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, due = bool(flags[0].item()), bool(flags[1].item())
-        if (stop or due) and self.checkpointer is not None:
-            self.checkpointer.save(self.step, self.state(), capture_rng())
+        stop, due, busy = (bool(v) for v in flags.tolist())
+        if ckpt is None:
+            return stop
+        if ckpt.pending is not None and (stop or not busy):
+            ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
+        if stop:
+            ckpt.save(self.step, self.state(), capture_rng())  # the stop snapshot is always synchronous
+        elif due and self.cfg.snapshot.async_write and ckpt.pending is None:
+            ckpt.save_async(self.step, self.state(), capture_rng())
+        elif due and not self.cfg.snapshot.async_write:
+            ckpt.save(self.step, self.state(), capture_rng())
         return stop
 
     def _run_step(self, micro_batches: Any) -> torch.Tensor:

@@ -86,7 +86,6 @@ ERRORS = [
     (["slurm.sbatch_extra={--mail-type: END}"], "slurm.sbatch_extra", "without '--'"),
     (["dist.nccl_env={NCCL DEBUG: INFO}"], "dist.nccl_env", "environment variable names"),
     (["name=a/b"], "name", "it names a directory"),
-    (["snapshot.async_write=true"], "snapshot.async_write", "not available yet"),
     (["slurm.partition='gpu debug'"], "slurm.partition", "without spaces"),
     (['slurm.sbatch_extra.comment="a\\nb"'], "slurm.sbatch_extra", "one-line"),
     (["train.lr=${oc.env:HPC_DDP_SURELY_UNSET}"], "train.lr", "HPC_DDP_SURELY_UNSET"),

@@ -130,3 +130,24 @@ def test_a_finished_run_requeued_again_exits_at_once(uninterrupted: Path) -> Non
     proc = submit(uninterrupted)
     assert proc.returncode == 0 and "has already finished (DONE.json)" in proc.stderr + proc.stdout
     assert read_attempts(uninterrupted) == before
+
+
+def test_async_snapshots_resume_bit_exactly(uninterrupted: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "async"
+    proc = submit(run_dir, "snapshot.async_write=true", "snapshot.every_steps=5", "--preempt-at", "23,52")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
+    assert losses(run_dir) == losses(uninterrupted)
+    assert snapshot.committed_steps(run_dir)[0] == 80 - 80 % 5  # the in-flight one is committed before DONE
+
+
+def test_killed_inside_a_background_write_resumes_from_the_previous_commit(uninterrupted: Path,
+                                                                            tmp_path: Path) -> None:
+    run_dir = tmp_path / "async-crash"
+    options = ["snapshot.async_write=true", "snapshot.every_steps=10"]
+    crashed = submit(run_dir, *options, env={"HPC_DDP_FAULT_POINT": "before_rename:20"})
+    assert crashed.returncode != 0 and snapshot.committed_steps(run_dir) == [10]
+    proc = submit(run_dir, *options)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from the snapshot of step 10" in proc.stdout + proc.stderr
+    assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
