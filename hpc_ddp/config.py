@@ -57,7 +57,7 @@ class SlurmConfig:
     signal_delay_s: int = _doc(120, "Seconds before the time limit that the warning signal arrives.")
     max_timeouts: int = _doc(20, "Requeues allowed after running into the time limit.")
     max_preemptions: int = _doc(20, "Requeues allowed after preemption.")
-    max_failures: int = _doc(0, "Requeues allowed after a crash (0: a crash ends the run).")
+    max_failures: int = _doc(0, "Requeues allowed after a crash; only 0 for now (a crash ends the run).")
     setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
     sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
     srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")

@@ -99,9 +99,9 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
     """``scontrol requeue SPEC``; a clear error when scontrol is missing or refuses."""
     if not shutil.which("scontrol"):
         raise PreemptionError(explain(f"cannot requeue job {spec}: scontrol is not on PATH in the job",
-                                      hint="the snapshot is committed; resubmit with `python -m hpc_ddp.submit "
-                                      "CONFIG --resume`, or make the Slurm client available inside the "
-                                      "job (containers often lack it)"))
+                                      hint="the snapshot is committed: submitting the same job again resumes "
+                                      "from it; to requeue by itself, the job needs the Slurm client "
+                                      "(containers often lack it)"))
     proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise PreemptionError(explain(f"`scontrol requeue {spec}` failed: {(proc.stderr or proc.stdout).strip()}",

@@ -1,0 +1,77 @@
+"""The pure parts of the stop protocol: the flag, the reason, the requeue command, the ledger, the caps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.preemption import (PreemptionError, StopFlag, append_attempt, cap_reached, job_spec, read_attempts,
+                                requeue, signal_number, stop_reason)
+
+USR2, TERM = int(signal.SIGUSR2), int(signal.SIGTERM)
+LIMITS = {"max_timeouts": 2, "max_preemptions": 1, "max_failures": 0}
+
+
+def test_the_handler_only_records_the_first_signal() -> None:
+    flag = StopFlag()
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        flag.install([signal.SIGUSR2])
+        assert not flag.is_set
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert flag.is_set and flag.signum == USR2 and flag.received_at is not None
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.parametrize(("signum", "received", "end", "reason"), [
+    (TERM, 1000.0, 5000.0, "preemption"),        # SIGTERM: preemption or cancel
+    (USR2, 4880.0, 5000.0, "timeout"),           # 120 s before the end: the time-limit warning
+    (USR2, 4850.0, 5000.0, "timeout"),           # up to one 30 s tick (+ margin) early
+    (USR2, 1000.0, 5000.0, "preemption"),        # long before the end: preempt_send_user_signal
+    (USR2, 1000.0, None, "timeout"),             # end unknown (local simulation): the warning means time-out
+])
+def test_stop_reason(signum: int, received: float, end: float | None, reason: str) -> None:
+    assert stop_reason(signum, USR2, received, end, signal_delay_s=120) == reason
+
+
+def test_job_spec_is_array_aware() -> None:
+    assert job_spec({"SLURM_JOB_ID": "42"}) == "42"
+    assert job_spec({"SLURM_JOB_ID": "57", "SLURM_ARRAY_JOB_ID": "50", "SLURM_ARRAY_TASK_ID": "7"}) == "50_7"
+    assert signal_number("USR2") == USR2
+
+
+def test_requeue_without_scontrol_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(PreemptionError, match="(?s)scontrol is not on PATH.*snapshot is committed"):
+        requeue("42")
+
+
+def test_requeue_failure_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "scontrol"  # fault injection: a scontrol that refuses
+    fake.write_text("#!/bin/sh\necho 'Requested operation is disabled' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(PreemptionError, match="JobRequeue=1"):
+        requeue("42", runner=subprocess.run)
+
+
+def test_ledger_round_trip_skips_damaged_lines(tmp_path: Path) -> None:
+    append_attempt(tmp_path, {"reason": "timeout", "job_id": 1})
+    with open(tmp_path / "attempts.jsonl", "a") as out:
+        out.write("{not json\n")
+    append_attempt(tmp_path, {"reason": "finished", "job_id": 2})
+    assert [a["reason"] for a in read_attempts(tmp_path)] == ["timeout", "finished"]
+
+
+def test_caps_count_this_attempt() -> None:
+    assert cap_reached("preemption", [{"reason": "preemption"}], LIMITS) is None
+    message = cap_reached("preemption", [{"reason": "preemption"}] * 2, LIMITS)
+    assert message and "slurm.max_preemptions=1" in message and "HINT" in message
+    assert cap_reached("timeout", [{"reason": "timeout"}] * 3, LIMITS)
+    assert cap_reached("finished", [{"reason": "finished"}] * 9, LIMITS) is None
