@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hpc_ddp.config import DistConfig
 from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.shutdown import exit_fast  # noqa: F401  (part of the library API)
 from hpc_ddp.slurm_env import DistEnv, torch_env
 
 
@@ -87,9 +88,18 @@ def teardown() -> None:
 
 @contextmanager
 def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[torch.device]:
-    """``with process_group(env, cfg) as device:`` -- teardown runs on every exit path."""
+    """``with process_group(env, cfg) as device:`` -- teardown runs on every exit path.
+
+    On a normal exit all ranks meet at a barrier first, so that no rank tears its
+    connections down while a peer still uses them (gloo then aborts the peer with
+    "terminate called without an active exception"). After an error there is no
+    barrier: the other ranks may never arrive.
+    """
+    device = init_process_group(env, cfg)
     try:
-        yield init_process_group(env, cfg)
+        yield device
+        if env.world_size > 1:
+            dist.barrier()
     finally:
         teardown()
 

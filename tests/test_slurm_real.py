@@ -85,101 +85,96 @@ def test_worker_trains_across_two_slurm_nodes_with_gloo(slurm_cluster: ClusterSp
     assert "[rank 0]" in proc.stderr and "done: step 30" in proc.stderr
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker_job(tmp_path: Path, name: str, overrides: list[str]) -> tuple[Path, Path]:
+    """The MLP example's resolved config and a batch script that sruns the worker on it."""
+    from hpc_ddp.config import load_config, save_config
+
+    run_dir = tmp_path / name
+    cfg = load_config([ROOT / "examples" / "mlp.yaml"], [*overrides, f"run_dir={run_dir}"])
+    config = save_config(cfg, run_dir / "config.yaml")
+    script = tmp_path / f"{name}.sh"
+    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
+                      f"--config {config}\n")
+    return script, run_dir
+
+
+def sbatch(*args: str) -> str:
+    return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def finished(run_dir: Path, out: Path, timeout: float) -> None:
+    assert wait_until((run_dir / "DONE.json").exists, timeout), out.read_text()[-3000:]
+
+
 def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster: ClusterSpec,
                                                                      tmp_path: Path) -> None:
     """scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume."""
-    from hpc_ddp.config import load_config, save_config
     from hpc_ddp.preemption import read_attempts
 
-    root = Path(__file__).resolve().parent.parent
     overrides = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
-    cfg = load_config([root / "examples" / "mlp.yaml"], [*overrides, f"run_dir={tmp_path / 'slurm'}"])
-    config = save_config(cfg, tmp_path / "slurm" / "config.yaml")
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {root}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
-                      f"--config {config}\n")
-    job = subprocess.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=2", "--time=2", "--requeue",
-                          "--open-mode=append", f"--output={tmp_path / 'job.out'}", str(script)],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    metrics = tmp_path / "slurm" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(metrics.read_text().splitlines() if metrics.exists() else []) < 5:
-        time.sleep(0.1)
+    script, run_dir = worker_job(tmp_path, "slurm", overrides)
+    job = sbatch("-N2", "--ntasks-per-node=2", "--time=2", "--requeue", "--open-mode=append",
+                 f"--output={tmp_path / 'job.out'}", str(script))
+    assert wait_until(lambda: len(logged_steps(run_dir)) >= 5, 120)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    done_file = tmp_path / "slurm" / "DONE.json"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not done_file.exists():
-        time.sleep(0.5)
-    assert done_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
-    attempts = read_attempts(tmp_path / "slurm")
+    finished(run_dir, tmp_path / "job.out", 180)
+    attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["timeout", "finished"]
     assert [a["restart_count"] for a in attempts] == [0, 1] and attempts[1]["resumed_from"] == attempts[0]["last_step"]
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == list(range(10, 601, 10))  # continuous: nothing trained twice, nothing skipped
+    assert logged_steps(run_dir) == list(range(10, 601, 10))  # continuous: nothing twice, nothing skipped
 
     local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *overrides,
-                            f"run_dir={tmp_path / 'local'}"], cwd=root, capture_output=True, text=True, timeout=300)
+                            f"run_dir={tmp_path / 'local'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert local.returncode == 0, local.stderr[-2000:]
-    assert json.loads(done_file.read_text())["params_sha256"] == json.loads(
+    assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
         (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]  # the rehearsal predicts the cluster
 
 
 def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster: ClusterSpec,
                                                                    tmp_path: Path) -> None:
     """A job in `high` needs both nodes: the `debug` job gets USR2 at once, saves, is requeued, resumes."""
-    from hpc_ddp.config import load_config, save_config
     from hpc_ddp.preemption import read_attempts
 
-    root = Path(__file__).resolve().parent.parent
-    cfg = load_config([root / "examples" / "mlp.yaml"], ["train.max_steps=600", "train.log_every=10",
-                                                         "slurm.timeout_min=30", f"run_dir={tmp_path / 'p'}"])
-    config = save_config(cfg, tmp_path / "p" / "config.yaml")
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {root}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
-                      f"--config {config}\n")
-    subprocess.run(["sbatch", "--parsable", "-p", "debug", "-N2", "--ntasks-per-node=2", "--time=30", "--requeue",
-                    "--open-mode=append", f"--output={tmp_path / 'job.out'}", str(script)], check=True,
-                   capture_output=True)
-    metrics = tmp_path / "p" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(metrics.read_text().splitlines() if metrics.exists() else []) < 5:
-        time.sleep(0.1)
-    subprocess.run(["sbatch", "-p", "high", "-N2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 1"],
-                   check=True, capture_output=True)
-    done_file = tmp_path / "p" / "DONE.json"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not done_file.exists():
-        time.sleep(0.5)
-    assert done_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
-    attempts = read_attempts(tmp_path / "p")
+    script, run_dir = worker_job(tmp_path, "p", ["train.max_steps=600", "train.log_every=10",
+                                                 "slurm.timeout_min=30"])
+    sbatch("-p", "debug", "-N2", "--ntasks-per-node=2", "--time=30", "--requeue", "--open-mode=append",
+           f"--output={tmp_path / 'job.out'}", str(script))
+    assert wait_until(lambda: len(logged_steps(run_dir)) >= 5, 120)
+    sbatch("-p", "high", "-N2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 1")
+    finished(run_dir, tmp_path / "job.out", 240)
+    attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["preemption", "finished"]
     assert attempts[1]["resumed_from"] == attempts[0]["last_step"]
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(10, 601, 10))
+    assert logged_steps(run_dir) == list(range(10, 601, 10))
 
 
 @pytest.mark.slow
 def test_real_time_limit_warning_requeues_until_done(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
     """--time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot -> requeue, until finished."""
-    from hpc_ddp.config import load_config, save_config
     from hpc_ddp.preemption import read_attempts
 
-    root = Path(__file__).resolve().parent.parent
-    cfg = load_config([root / "examples" / "mlp.yaml"], ["train.max_steps=2500", "train.log_every=100",
-                                                         "slurm.timeout_min=1", "slurm.signal_delay_s=50",
-                                                         f"run_dir={tmp_path / 't'}"])
-    config = save_config(cfg, tmp_path / "t" / "config.yaml")
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {root}\nexec srun --kill-on-bad-exit=1 {sys.executable} -m hpc_ddp.worker "
-                      f"--config {config}\n")
-    subprocess.run(["sbatch", "-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue",
-                    "--open-mode=append", f"--output={tmp_path / 'job.out'}", str(script)], check=True,
-                   capture_output=True)
-    done_file = tmp_path / "t" / "DONE.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not done_file.exists():
-        time.sleep(1)
-    assert done_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
-    reasons = [a["reason"] for a in read_attempts(tmp_path / "t")]
+    script, run_dir = worker_job(tmp_path, "t", ["train.max_steps=2500", "train.log_every=100",
+                                                 "slurm.timeout_min=1", "slurm.signal_delay_s=50"])
+    sbatch("-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue", "--open-mode=append",
+           f"--output={tmp_path / 'job.out'}", str(script))
+    finished(run_dir, tmp_path / "job.out", 300)
+    reasons = [a["reason"] for a in read_attempts(run_dir)]
     assert reasons[-1] == "finished" and set(reasons[:-1]) == {"timeout"} and len(reasons) >= 2
-    steps = [json.loads(line)["step"] for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(100, 2501, 100))
+    assert logged_steps(run_dir) == list(range(100, 2501, 100))
