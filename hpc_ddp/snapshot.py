@@ -7,7 +7,8 @@ not exist. Every file is written to a temporary name, fsynced, renamed, and the
 directory fsynced, so a crash at any point leaves the last committed step intact.
 Loads use ``torch.load(weights_only=True)``: a file that needs arbitrary
 unpickling is refused, nothing in it runs. The collective part (who writes what,
-when) is in :mod:`hpc_ddp.checkpointer`; this module is plain file handling.
+when) is in :mod:`hpc_ddp.checkpointer`; this module is plain file handling, and
+imports torch only to serialise (``status`` reads manifests without it).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from hpc_ddp.errors import HpcDdpError, explain
 
@@ -83,6 +82,8 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
 
 def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Serialise and write one node's file; return its manifest entry (name, size, sha256)."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getbuffer()
@@ -168,6 +169,8 @@ def choose(run_dir: Path) -> Choice | None:
 
 def load_file(path: Path) -> dict[str, Any]:
     """Load a node file with weights_only=True; refuse anything that needs arbitrary unpickling."""
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # type: ignore[no-any-return]
     except pickle.UnpicklingError as err:

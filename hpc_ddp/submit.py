@@ -1,23 +1,29 @@
-"""``python -m hpc_ddp.submit CONFIG.yaml [key=value ...]``: run a config as a job.
+"""``python -m hpc_ddp.submit CONFIG.yaml [key=value ...]``: run a config as a Slurm job.
 
-``--local`` rehearses the job on this machine (nodes x tasks_per_node gloo
-processes with the Slurm variables srun would set); ``--dry-run`` shows what
-every rank would derive. Login-node safe: nothing here imports torch.
+Submits through submitit (nodes x tasks_per_node tasks, each running the
+worker); ``--local`` rehearses the job on this machine (nodes x tasks_per_node
+gloo processes with the Slurm variables srun would set); ``--dry-run`` shows
+what every rank would derive. Login-node safe: nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from hpc_ddp.config import RunConfig, load_config, save_config
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.slurm_env import from_environ, simulated_environ
 
 EPILOG = """\
 examples:
+  python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 slurm.tasks_per_node=4
+  python -m hpc_ddp.submit examples/mlp.yaml --resume                     # continue a stopped run, new job
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
@@ -36,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with gloo")
     mode.add_argument("--dry-run", action="store_true", help="show every rank's derived environment; run nothing")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in RUN_DIR from its newest snapshot (a new job)")
     parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: preempt (SIGTERM every rank) after these steps, e.g. 7,19")
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
@@ -91,6 +99,49 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int]) -> i
     return code
 
 
+def _live_job(run_dir: Path) -> str | None:
+    """The job recorded in RUN_DIR/job.json if Slurm still has it pending or running."""
+    try:
+        job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not shutil.which("squeue"):
+        return None
+    proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
+    state = proc.stdout.strip()
+    return f"{job_id} ({state})" if proc.returncode == 0 and state else None
+
+
+def submit_slurm(cfg: RunConfig, resume: bool) -> int:
+    import submitit
+
+    from hpc_ddp.sbatch import submitit_parameters
+    from hpc_ddp.worker import job_main
+
+    run_dir = Path(cfg.run_dir)
+    live = _live_job(run_dir)
+    if live:
+        raise HpcDdpError(explain(f"run {cfg.name} already has job {live} in {run_dir}",
+                                  hint=f"wait for it, cancel it (scancel {live.split()[0]}), or start a new run "
+                                  "with name=..."), key="name")
+    earlier = (run_dir / "snapshots").exists() or (run_dir / "DONE.json").exists()
+    if earlier and not resume:
+        raise HpcDdpError(explain(f"{run_dir} holds an earlier run (snapshots or DONE.json)",
+                                  hint="add --resume to continue it from its newest snapshot, or choose a new "
+                                  "run with name=..."), key="run_dir")
+    config_path = save_config(cfg, run_dir / "config.yaml")
+    executor = submitit.SlurmExecutor(folder=run_dir / "slurm")
+    executor.update_parameters(**submitit_parameters(cfg))
+    job = executor.submit(job_main, str(config_path))
+    (run_dir / "job.json").write_text(json.dumps({"job_id": job.job_id, "submitted": time.time()}) + "\n")
+    log_path = run_dir / "slurm" / f"{job.job_id}_0_log.out"
+    print(f"submitted job {job.job_id}: {cfg.name}, {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks\n"
+          f"  run dir  {run_dir}\n  logs     {run_dir / 'slurm'} (rank 0: {log_path})\n"
+          f"  watch    python -m hpc_ddp.status {run_dir}\n  tail     tail -f {log_path}\n"
+          f"  cancel   scancel {job.job_id}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
     try:
@@ -102,12 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.preempt_at or args.timeout_at:
             print("error: --preempt-at and --timeout-at go with --local", file=sys.stderr)
             return 2
+        return submit_slurm(cfg, args.resume)
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print("error: submitting to a Slurm cluster is not built yet; use --local to rehearse the job on this machine "
-          "or --dry-run to see every rank's environment", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -145,6 +145,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def job_main(config_path: str) -> None:
+    """The callable submitit runs in every task (pickled by reference: importing it is light).
+
+    It runs the same attempt as ``python -m hpc_ddp.worker`` and leaves with the same
+    exit code. Our signal handlers, installed inside, replace submitit's, so exactly one
+    requeue happens per stop (ours, from rank 0).
+    """
+    from hpc_ddp.shutdown import exit_fast
+
+    exit_fast(main(["--config", config_path]))
+
+
 if __name__ == "__main__":
     from hpc_ddp.shutdown import exit_fast  # snapshots, ledger and DONE.json are fsynced by now
 

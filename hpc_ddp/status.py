@@ -1,0 +1,143 @@
+"""``python -m hpc_ddp.status RUN_DIR``: where a run stands, from its files and Slurm.
+
+Job state (squeue, else sacct), the attempts ledger as a table, progress with an
+ETA, the newest committed snapshot, and the last error lines of the logs when the
+run is not going well. ``--json`` prints the same as one object. No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.preemption import read_attempts
+
+EPILOG = """\
+examples:
+  python -m hpc_ddp.status runs/mlp
+  python -m hpc_ddp.status runs/mlp --json | jq .progress
+"""
+
+
+def _slurm_state(job_id: str) -> str | None:
+    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-j", job_id, "-o", "State"]):
+        if shutil.which(cmd[0]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            lines = proc.stdout.split()
+            if proc.returncode == 0 and lines:
+                return lines[-1]
+    return None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip().startswith("{")]
+
+
+def _errors(run_dir: Path, lines: int = 15) -> list[str]:
+    """The tail of the newest log that holds a traceback or an error line."""
+    logs = sorted([*run_dir.glob("slurm/*.err"), *run_dir.glob("logs/*.log")], key=lambda p: p.stat().st_mtime)
+    for log in reversed(logs):
+        text = log.read_text(errors="replace").splitlines()
+        if any("Traceback" in line or "error:" in line.lower() for line in text):
+            return [f"{log}:"] + text[-lines:]
+    return []
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    """Everything status shows, as plain data."""
+    from hpc_ddp import snapshot  # manifests only: no torch
+
+    job = _read_json(run_dir / "job.json") or {}
+    metrics = _metrics(run_dir)
+    done = _read_json(run_dir / "DONE.json")
+    job_id = str(job.get("job_id", "")) or None
+    state = "FINISHED" if done else (_slurm_state(job_id) if job_id else None)
+    progress: dict[str, Any] = {}
+    if metrics:
+        last = metrics[-1]
+        progress = {"step": last["step"], "loss": last["loss"], "samples_per_s": last.get("samples_per_s")}
+        max_steps = _max_steps(run_dir)
+        if max_steps and len(metrics) >= 2 and not done:
+            rate = (metrics[-1]["step"] - metrics[0]["step"]) / max(1, len(metrics) - 1)
+            progress["max_steps"] = max_steps
+            progress["eta_logs"] = round((max_steps - last["step"]) / max(rate, 1e-9))
+    steps = snapshot.committed_steps(run_dir)
+    result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
+              "attempts": read_attempts(run_dir), "newest_snapshot": steps[0] if steps else None}
+    if not done and (state in (None, "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")):
+        result["last_errors"] = _errors(run_dir)
+    return result
+
+
+def _max_steps(run_dir: Path) -> int | None:
+    try:
+        for line in (run_dir / "config.yaml").read_text().splitlines():
+            if line.strip().startswith("max_steps:"):
+                value = line.split(":", 1)[1].strip()
+                return int(value) if value.isdigit() else None
+    except OSError:
+        pass
+    return None
+
+
+def render(info: dict[str, Any]) -> str:
+    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    progress = info["progress"]
+    if progress:
+        line = f"step    {progress['step']}"
+        if progress.get("max_steps"):
+            line += f"/{progress['max_steps']}"
+        line += f"  loss {progress['loss']:.6g}"
+        if progress.get("samples_per_s"):
+            line += f"  {progress['samples_per_s']} samples/s"
+        out.append(line)
+    if info["done"]:
+        out.append(f"done    step {info['done']['step']}  params_sha256 {info['done']['params_sha256'][:16]}")
+    out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
+    if info["attempts"]:
+        out.append("attempts:")
+        out.append("  #  job      restart  ended for    steps        resumed from")
+        for i, a in enumerate(info["attempts"]):
+            steps = f"{a.get('first_step')}->{a.get('last_step')}"
+            out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} "
+                       f"{a.get('reason', '?') + (' (cap)' if a.get('capped') else ''):<12} {steps:<12} "
+                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
+    if info.get("last_errors"):
+        out.append("last errors:")
+        out.extend(f"  {line}" for line in info["last_errors"])
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"error: {args.run_dir} is not a run directory.\nHINT: pass the run dir that submit printed",
+              file=sys.stderr)
+        return 2
+    info = collect(args.run_dir)
+    print(json.dumps(info, default=str) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

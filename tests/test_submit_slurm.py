@@ -1,0 +1,71 @@
+"""`python -m hpc_ddp.submit` against the real local cluster: submitit, requeue, status, refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.preemption import read_attempts
+from hpc_ddp.slurm_local import ClusterSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slurm
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.2)
+    return predicate()
+
+
+def job_id(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+
+
+def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    run_dir = tmp_path / "mlp"
+    proc = cli("hpc_ddp.submit", "examples/mlp.yaml", "slurm.nodes=2", "slurm.tasks_per_node=2",
+               "train.max_steps=100", f"run_dir={run_dir}")
+    job = job_id(proc)
+    assert f"scancel {job}" in proc.stdout and f"python -m hpc_ddp.status {run_dir}" in proc.stdout
+    assert wait_until((run_dir / "DONE.json").exists, 180), proc.stdout
+    script = (run_dir / "slurm" / f"{job}_submission.sh").read_text()
+    assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --requeue" in script
+    assert "--kill-on-bad-exit=1" in script
+    status = cli("hpc_ddp.status", str(run_dir))
+    assert status.returncode == 0 and "state FINISHED" in status.stdout and "finished     0->100" in status.stdout
+    info = json.loads(cli("hpc_ddp.status", str(run_dir), "--json").stdout)
+    assert info["done"]["world_size"] == 4 and info["attempts"][0]["job_id"] == int(job)
+
+
+def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_cluster: ClusterSpec,
+                                                                          tmp_path: Path) -> None:
+    options = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=30"]  # far from the limit
+    run_dir = tmp_path / "stopped"
+    job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}"))
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120)
+    refused = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}")
+    assert refused.returncode == 2 and f"already has job {job}" in refused.stderr
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_until((run_dir / "DONE.json").exists, 180)
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)]
+    local = cli("hpc_ddp.submit", "examples/mlp.yaml", "--local", *options, f"run_dir={tmp_path / 'local'}")
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
+        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+    again = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}")
+    assert again.returncode == 2 and "--resume" in again.stderr and "earlier run" in again.stderr
