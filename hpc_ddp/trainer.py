@@ -91,8 +91,11 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.amp == "fp16")
         dataset = task.build_dataset(cfg)
         self.sampler = ShardSampler(len(dataset), env.rank, env.world_size, seed=train.seed)
+        # Workers come from a forkserver, never a fork of this process: forking a process whose
+        # process group threads hold a lock can hang the child in os.fork() (seen here, ~1 in 50).
         self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
                                  num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
+                                 multiprocessing_context="forkserver" if train.num_workers else None,
                                  generator=torch.Generator().manual_seed(train.seed * 100003 + env.rank))
         self.samples_per_step = train.batch_size * train.grad_accum
         self.steps_per_epoch = self.sampler.per_rank // self.samples_per_step

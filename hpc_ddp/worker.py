@@ -22,14 +22,14 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_ddp.config import load_config
+from hpc_ddp.config import RunConfig, load_config, to_yaml
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cap_reached, job_end_time,
                                 job_spec, read_attempts, requeue, signal_number, stop_reason)
 from hpc_ddp.slurm_env import DistEnv, from_environ
 
 log = logging.getLogger("hpc_ddp.worker")
-# torch warns on import when numpy is absent; hpc_ddp does not need numpy, so keep the logs clean
+# torch warns on import when numpy is absent (a bare torch install); keep every rank's log free of it
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
@@ -123,10 +123,9 @@ def _print_progress(step: int) -> None:
     print(f"{PROGRESS_MARK}{step}", flush=True)
 
 
-def config_hash(cfg: object) -> str:
-    from hpc_ddp.config import to_yaml
-
-    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]  # type: ignore[arg-type]
+def config_hash(cfg: RunConfig) -> str:
+    """Recorded in every snapshot manifest: which config wrote it."""
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
 
 
 def main(argv: list[str] | None = None) -> int:
