@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import os
 import re
-import tempfile
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -282,17 +281,10 @@ def _escape(value: Any) -> Any:
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
-    """Write the resolved config atomically (temp file, fsync, rename): never half a file."""
+    """Write the resolved config durably (temp file, fsync, rename): never half a file."""
+    from hpc_ddp.atomic import write_atomic
+
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(to_yaml(cfg))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(target, to_yaml(cfg))
     return target

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import atomic
 from hpc_ddp.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
@@ -53,31 +54,14 @@ def node_file_name(node_rank: int) -> str:
     return f"node-{node_rank:05d}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, data: bytes | memoryview) -> None:
-    """tmp file, fsync, rename, fsync the directory: the name holds all of it or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """:func:`hpc_ddp.atomic.write_atomic` with the fault seam, and a SnapshotError that says what to do."""
     try:
-        with open(tmp, "wb") as out:
-            out.write(data)
-            _fault("tmp", path)
-            out.flush()
-            os.fsync(out.fileno())
-        _fault("before_rename", path)
-        os.replace(tmp, path)
+        atomic.write_atomic(path, data, fault=lambda point: _fault(point, path))
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise SnapshotError(explain(f"cannot write {path}: {err.strerror}",
                                     hint="check free space and permissions of the run directory; "
                                     "the previous committed snapshot is untouched")) from None
-    _fsync_dir(path.parent)
 
 
 def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) -> dict[str, Any]:

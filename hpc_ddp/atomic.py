@@ -1,0 +1,42 @@
+"""Durable file replacement: the one way hpc_ddp writes a file that must never be half there.
+
+Write to a temporary name beside the target, fsync it, rename it over the target,
+fsync the directory. A crash at any point leaves either the old file or the new one.
+No torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes | memoryview | str,
+                 fault: Callable[[str], None] | None = None) -> None:
+    """Replace ``path`` with ``data`` durably. ``fault`` is a test seam called at "tmp" and "before_rename"."""
+    if isinstance(data, str):
+        data = data.encode()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            if fault:
+                fault("tmp")
+            out.flush()
+            os.fsync(out.fileno())
+        if fault:
+            fault("before_rename")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
