@@ -24,6 +24,7 @@ EPILOG = """\
 examples:
   python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 slurm.tasks_per_node=4
   python -m hpc_ddp.submit examples/mlp.yaml --resume                     # continue a stopped run, new job
+  python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch && sbatch job.sbatch
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with gloo")
     mode.add_argument("--dry-run", action="store_true", help="show every rank's derived environment; run nothing")
+    mode.add_argument("--emit-sbatch", type=Path, metavar="PATH",
+                      help="write a standalone sbatch script for this config (from slurm/ddp.sbatch); submit "
+                      "it yourself with `sbatch PATH`")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in RUN_DIR from its newest snapshot (a new job)")
     parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
@@ -142,6 +146,17 @@ def submit_slurm(cfg: RunConfig, resume: bool) -> int:
     return 0
 
 
+def emit_sbatch(cfg: RunConfig, path: Path) -> int:
+    from hpc_ddp.sbatch import render
+
+    config_path = save_config(cfg, Path(cfg.run_dir) / "config.yaml")
+    (Path(cfg.run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
+    path.write_text(render(cfg, str(config_path), python=sys.executable))
+    path.chmod(0o755)
+    print(f"wrote {path} for run {cfg.name} (config {config_path}); submit it with: sbatch {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
     try:
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg)
         if args.local:
             return run_local(cfg, args.preempt_at, args.timeout_at)
+        if args.emit_sbatch:
+            return emit_sbatch(cfg, args.emit_sbatch)
         if args.preempt_at or args.timeout_at:
             print("error: --preempt-at and --timeout-at go with --local", file=sys.stderr)
             return 2
