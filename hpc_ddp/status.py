@@ -86,14 +86,14 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
 
 def _max_steps(run_dir: Path) -> int | None:
+    """train.max_steps of the run's resolved config (None when unset or unreadable)."""
+    from hpc_ddp.config import load_config
+    from hpc_ddp.errors import HpcDdpError
+
     try:
-        for line in (run_dir / "config.yaml").read_text().splitlines():
-            if line.strip().startswith("max_steps:"):
-                value = line.split(":", 1)[1].strip()
-                return int(value) if value.isdigit() else None
-    except OSError:
-        pass
-    return None
+        return load_config([run_dir / "config.yaml"]).train.max_steps
+    except HpcDdpError:
+        return None
 
 
 def render(info: dict[str, Any]) -> str:

@@ -159,8 +159,7 @@ class Trainer:
         batch = to_device(next(iter(DataLoader(self.loader.dataset, batch_size=self.cfg.train.batch_size))),
                           self.device)
         self.ddp.eval()
-        with torch.autocast(self.device.type, dtype=AMP_DTYPES.get(self.cfg.train.amp, torch.bfloat16),
-                            enabled=self.cfg.train.amp != "off"):
+        with self._autocast():
             loss = self.task.loss(self.ddp, batch)
         loss.backward()
         self.ddp.train()
@@ -213,6 +212,11 @@ class Trainer:
             ckpt.save(self.step, self.state(), capture_rng())
         return stop
 
+    def _autocast(self) -> torch.autocast:
+        """bf16/fp16 autocast per train.amp (a disabled context when amp is off)."""
+        amp = self.cfg.train.amp
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off")
+
     def _run_step(self, micro_batches: Any) -> torch.Tensor:
         train = self.cfg.train
         total = torch.zeros((), device=self.device)
@@ -220,8 +224,7 @@ class Trainer:
             batch = to_device(next(micro_batches), self.device)
             last = i == train.grad_accum - 1
             with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce once per step
-                with torch.autocast(self.device.type, dtype=AMP_DTYPES.get(train.amp, torch.bfloat16),
-                                    enabled=train.amp != "off"):
+                with self._autocast():
                     loss = self.task.loss(self.ddp, batch)
                 self.scaler.scale(loss / train.grad_accum).backward()
             total += loss.detach().float()

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from hpc_ddp.config import load_config
 from hpc_ddp.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "ddp.sbatch"
@@ -50,7 +50,5 @@ def test_emitted_script_runs_with_plain_sbatch(slurm_cluster: ClusterSpec, tmp_p
                            "train.max_steps=50", f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and f"sbatch {script}" in proc.stdout, proc.stderr
     subprocess.run(["sbatch", str(script)], cwd=ROOT, check=True, capture_output=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not (run_dir / "DONE.json").exists():
-        time.sleep(0.5)
+    wait_until((run_dir / "DONE.json").exists, 180)
     assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4, list((run_dir / "slurm").glob("*"))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.slurm_env import master_port
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -58,22 +58,14 @@ def test_accounting_answers_for_finished_jobs(slurm_cluster: ClusterSpec) -> Non
     proc = subprocess.run(["sbatch", "--parsable", "--wait", "--wrap", "true", "--output=/dev/null"],
                           capture_output=True, text=True, timeout=120)
     job = proc.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 30
-    state = ""
-    while time.monotonic() < deadline and "COMPLETED" not in state:
-        state = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True,
-                               text=True).stdout
-        time.sleep(0.2)
-    assert "COMPLETED" in state  # submitit polls sacct: without it, dead jobs are never noticed
+    assert wait_until(lambda: "COMPLETED" in subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"],
+                                                            capture_output=True, text=True).stdout, 30)  # submitit polls sacct: without it, dead jobs are never noticed
 
 
 def test_worker_trains_across_two_slurm_nodes_with_gloo(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    from hpc_ddp.config import load_config, save_config
-
     root = Path(__file__).resolve().parent.parent
-    cfg = load_config([root / "examples" / "mlp.yaml"], ["train.max_steps=30", "train.log_every=10",
-                                                         f"run_dir={tmp_path / 'mlp'}"])
-    config = save_config(cfg, tmp_path / "mlp" / "config.yaml")
+    _, run_dir = worker_job(tmp_path, "mlp", ["train.max_steps=30", "train.log_every=10"])
+    config = run_dir / "config.yaml"
     proc = subprocess.run(["srun", "-N2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", f"--chdir={root}",
                            sys.executable, "-m", "hpc_ddp.worker", "--config", str(config)],
                           capture_output=True, text=True, timeout=300)
@@ -103,15 +95,6 @@ def worker_job(tmp_path: Path, name: str, overrides: list[str]) -> tuple[Path, P
 
 def sbatch(*args: str) -> str:
     return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
 
 
 def logged_steps(run_dir: Path) -> list[int]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.preemption import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slurm
@@ -20,13 +20,6 @@ pytestmark = pytest.mark.slurm
 def cli(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.2)
-    return predicate()
 
 
 def job_id(proc: subprocess.CompletedProcess[str]) -> str:
