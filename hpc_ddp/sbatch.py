@@ -42,13 +42,23 @@ def submitit_parameters(cfg: RunConfig) -> dict[str, Any]:
     return params
 
 
-def sbatch_options(cfg: RunConfig) -> list[str]:
-    """The ``#SBATCH`` lines of a rendered template; the same choices as :func:`submitit_parameters`."""
+LAUNCHERS = {"srun": "ddp.sbatch", "torchrun": "ddp_torchrun.sbatch"}
+
+
+def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
+    """The ``#SBATCH`` lines of a rendered template; the same choices as :func:`submitit_parameters`.
+
+    With ``launcher="torchrun"`` Slurm starts one task per node (torchrun starts the
+    workers), so that task gets the CPUs of all the node's workers.
+    """
     slurm = cfg.slurm
-    options = [f"--job-name={cfg.name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}"]
+    per_node = launcher == "torchrun"
+    tasks, cpus = (1, slurm.cpus_per_task * slurm.tasks_per_node) if per_node else (slurm.tasks_per_node,
+                                                                                      slurm.cpus_per_task)
+    options = [f"--job-name={cfg.name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={tasks}"]
     if slurm.gpus_per_node:
         options.append(f"--gpus-per-node={slurm.gpus_per_node}")
-    options += [f"--cpus-per-task={slurm.cpus_per_task}", f"--time={slurm.timeout_min}"]
+    options += [f"--cpus-per-task={cpus}", f"--time={slurm.timeout_min}"]
     if slurm.mem_gb:
         options.append(f"--mem={slurm.mem_gb:g}GB")
     for flag, value in (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos),
@@ -63,18 +73,27 @@ def sbatch_options(cfg: RunConfig) -> list[str]:
     return [f"#SBATCH {option}" for option in options]
 
 
-def render(cfg: RunConfig, config_path: str, python: str = "python", template: str = "ddp.sbatch") -> str:
-    """A template from hpc_ddp/templates with its options, setup, CONFIG and command from ``cfg``."""
-    text = resources.files("hpc_ddp.templates").joinpath(template).read_text()
+def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: str = "srun") -> str:
+    """The ``launcher``'s template (hpc_ddp/templates, linked from slurm/) rendered from ``cfg``.
+
+    Replaced: the ``#SBATCH`` block, the setup block, the ``CONFIG=``, ``PYTHON=``,
+    ``NPROC_PER_NODE=`` and ``SIGNAL=`` lines, and the srun arguments; the rest is the
+    template's text, so a hand edit of a template shows up in every rendered script.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}; found {launcher!r}")
+    text = resources.files("hpc_ddp.templates").joinpath(LAUNCHERS[launcher]).read_text()
     block = re.search(r"^#SBATCH .*?^# --- end of options ---\n", text, flags=re.M | re.S)
     if block is None:
-        raise ValueError(f"template {template} has no '#SBATCH ... # --- end of options ---' block")
+        raise ValueError(f"template {LAUNCHERS[launcher]} has no '#SBATCH ... # --- end of options ---' block")
     head, rest = text[:block.start()], text[block.end():]
-    lines = [*sbatch_options(cfg), "# --- end of options ---"]
+    lines = [*sbatch_options(cfg, launcher), "# --- end of options ---"]
     rest = re.sub(r"(# --- setup[^\n]*\n)(?:.*\n)*?(# --- end of setup ---)",
                   lambda m: m.group(1) + "".join(f"{line}\n" for line in cfg.slurm.setup) + m.group(2), rest)
-    rest = re.sub(r"^CONFIG=.*$", f"CONFIG={shlex.quote(config_path)}", rest, flags=re.M)
+    values = {"CONFIG": config_path, "PYTHON": python, "NPROC_PER_NODE": str(cfg.slurm.tasks_per_node),
+              "SIGNAL": cfg.slurm.signal}
+    for name, value in values.items():
+        rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
     srun = " ".join(["srun", "--kill-on-bad-exit=1", *map(shlex.quote, cfg.slurm.srun_args)])
-    rest = re.sub(r"^exec srun .* -m hpc_ddp.worker", f"exec {srun} {shlex.quote(python)} -m hpc_ddp.worker",
-                  rest, flags=re.M)
+    rest = re.sub(r"^exec srun --kill-on-bad-exit=1", lambda _m: f"exec {srun}", rest, flags=re.M)
     return head + "\n".join(lines) + "\n" + rest

@@ -170,6 +170,15 @@ def _rendezvous(env: Mapping[str, str], nodelist: tuple[str, ...]) -> tuple[str,
     return addr, port
 
 
+def rendezvous_endpoint(env: Mapping[str, str]) -> tuple[str, int]:
+    """The job's rendezvous host and port, from the batch shell or any task of the job.
+
+    The same rule as every task's MASTER_ADDR/MASTER_PORT (first node; port from the job
+    id), so the torchrun template's c10d endpoint needs no ``scontrol``.
+    """
+    return _rendezvous(env, _nodelist(env))
+
+
 def _explicit_port(env: Mapping[str, str]) -> int | None:
     """MASTER_PORT from the environment, checked to be a port; None when unset."""
     port = _int(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. 29500>")

@@ -2,7 +2,9 @@
 
 Job state (squeue, else sacct), the attempts ledger as a table, progress with an
 ETA, the newest committed snapshot, and the last error lines of the logs when the
-run is not going well. ``--json`` prints the same as one object. No torch.
+run is not going well. ``--json`` prints the same as one object; ``--plot
+loss.png`` draws the loss curve (matplotlib, the ``plot`` extra). No torch.
+Also installed as the console script ``hpc-ddp-status``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import read_attempts
 
 EPILOG = """\
 examples:
   python -m hpc_ddp.status runs/mlp
   python -m hpc_ddp.status runs/mlp --json | jq .progress
+  python -m hpc_ddp.status runs/mlp --plot loss.png          # needs: pip install 'hpc_ddp[plot]'
 """
 
 
@@ -49,9 +53,9 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip().startswith("{")]
 
 
-def _errors(run_dir: Path, lines: int = 15) -> list[str]:
+def _errors(run_dir: Path, slurm_logs: Path, lines: int = 15) -> list[str]:
     """The tail of the newest log that holds a traceback or an error line."""
-    logs = sorted([*run_dir.glob("slurm/*.err"), *run_dir.glob("logs/*.log")], key=lambda p: p.stat().st_mtime)
+    logs = sorted([*slurm_logs.glob("*.err"), *run_dir.glob("logs/*.log")], key=lambda p: p.stat().st_mtime)
     for log in reversed(logs):
         text = log.read_text(errors="replace").splitlines()
         if any("Traceback" in line or "error:" in line.lower() for line in text):
@@ -66,7 +70,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     job = _read_json(run_dir / "job.json") or {}
     metrics = _metrics(run_dir)
     done = _read_json(run_dir / "DONE.json")
-    job_id = str(job.get("job_id", "")) or None
+    attempts = read_attempts(run_dir)
+    job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)
     state = "FINISHED" if done else (_slurm_state(job_id) if job_id else None)
     progress: dict[str, Any] = {}
     if metrics:
@@ -79,16 +84,24 @@ def collect(run_dir: Path) -> dict[str, Any]:
             progress["eta_logs"] = round((max_steps - last["step"]) / max(rate, 1e-9))
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
-              "attempts": read_attempts(run_dir), "newest_snapshot": steps[0] if steps else None}
+              "attempts": attempts, "newest_snapshot": steps[0] if steps else None}
     if not done and (state in (None, "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")):
-        result["last_errors"] = _errors(run_dir)
+        # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
+        result["last_errors"] = _errors(run_dir, Path(job.get("logs") or run_dir / "slurm"))
     return result
+
+
+def _ledger_job(run_dir: Path, attempts: list[dict[str, Any]]) -> str | None:
+    """The newest attempt's job id for a job submitted by hand with an emitted script (no job.json;
+    its log dir RUN_DIR/slurm exists). Local rehearsals have neither, and their ids are not Slurm's."""
+    if not (run_dir / "slurm").is_dir():
+        return None
+    return next((str(a["job_id"]) for a in reversed(attempts) if a.get("job_id") is not None), None)
 
 
 def _max_steps(run_dir: Path) -> int | None:
     """train.max_steps of the run's resolved config (None when unset or unreadable)."""
     from hpc_ddp.config import load_config
-    from hpc_ddp.errors import HpcDdpError
 
     try:
         return load_config([run_dir / "config.yaml"]).train.max_steps
@@ -124,16 +137,51 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def plot(run_dir: Path, out: Path) -> str:
+    """Write the loss curve of ``run_dir`` (one line per attempt, so requeues show) to ``out``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # login nodes have no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HpcDdpError(explain("--plot needs matplotlib, which is not installed",
+                                  hint="pip install 'hpc_ddp[plot]' (or pip install matplotlib)"),
+                          key="--plot") from None
+    metrics = _metrics(run_dir)
+    if not metrics:
+        raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no entries yet",
+                                  hint="wait for the first log step (train.log_every)"), key="--plot")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="loss")
+    for attempt in read_attempts(run_dir)[1:]:
+        if attempt.get("first_step"):
+            ax.axvline(attempt["first_step"], color="grey", ls=":", lw=1)  # where a requeued attempt resumed
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title=run_dir.name)
+    ax.set_yscale("log" if min(m["loss"] for m in metrics) > 0 else "linear")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the loss curve to this image")
     args = parser.parse_args(argv)
     if not args.run_dir.is_dir():
         print(f"error: {args.run_dir} is not a run directory.\nHINT: pass the run dir that submit printed",
               file=sys.stderr)
         return 2
+    if args.plot:
+        try:
+            print(plot(args.run_dir, args.plot), file=sys.stderr if args.json else sys.stdout)
+        except HpcDdpError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     info = collect(args.run_dir)
     print(json.dumps(info, default=str) if args.json else render(info))
     return 0

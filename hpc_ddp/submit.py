@@ -1,15 +1,18 @@
 """``python -m hpc_ddp.submit CONFIG.yaml [key=value ...]``: run a config as a Slurm job.
 
 Submits through submitit (nodes x tasks_per_node tasks, each running the
-worker); ``--local`` rehearses the job on this machine (nodes x tasks_per_node
-gloo processes with the Slurm variables srun would set); ``--dry-run`` shows
-what every rank would derive. Login-node safe: nothing here imports torch.
+worker) after preflight checks; ``--local`` rehearses the job on this machine
+(nodes x tasks_per_node gloo processes with the Slurm variables srun would set);
+``--dry-run`` shows the sbatch script and what every rank would derive;
+``--multirun`` submits a job array, one run per combination. Login-node safe:
+nothing here imports torch or runs the task's code.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,20 +21,27 @@ from pathlib import Path
 
 from hpc_ddp.config import RunConfig, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.preflight import preflight
+from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
 from hpc_ddp.slurm_env import from_environ, simulated_environ
+from hpc_ddp.sweep import expand
 
 EPILOG = """\
 examples:
   python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 slurm.tasks_per_node=4
   python -m hpc_ddp.submit examples/mlp.yaml --resume                     # continue a stopped run, new job
   python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch && sbatch job.sbatch
+  python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch --launcher torchrun   # torchrun per node
+  python -m hpc_ddp.submit examples/mlp.yaml --multirun train.lr=0.1,0.01 train.seed=1,2   # 4-run job array
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
 
 Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
-(see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml.
+(see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
+--multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1.
+Also installed as the console script `hpc-ddp-submit`.
 """
 
 
@@ -44,10 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with gloo")
     mode.add_argument("--dry-run", action="store_true", help="show every rank's derived environment; run nothing")
     mode.add_argument("--emit-sbatch", type=Path, metavar="PATH",
-                      help="write a standalone sbatch script for this config (from slurm/ddp.sbatch); submit "
-                      "it yourself with `sbatch PATH`")
+                      help="write a standalone sbatch script for this config (from slurm/ddp.sbatch, or "
+                      "slurm/ddp_torchrun.sbatch with --launcher torchrun); submit it yourself with `sbatch PATH`")
+    parser.add_argument("--launcher", choices=sorted(LAUNCHERS), default="srun",
+                        help="with --emit-sbatch: srun starts every worker (default), or one torchrun per node")
+    parser.add_argument("--multirun", action="store_true",
+                        help="KEY=V1,V2 overrides sweep: one job array, one run dir per combination")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in RUN_DIR from its newest snapshot (a new job)")
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="submit without the login-node checks (Slurm commands, partition, run dir, "
+                        "geometry, task module)")
     parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: preempt (SIGTERM every rank) after these steps, e.g. 7,19")
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
@@ -71,20 +88,49 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
     return paths, [i for i in items if i not in paths]
 
 
-def resolve(items: list[str]) -> RunConfig:
-    paths, overrides = split_items(items)
-    cfg = load_config(paths, overrides)
-    cfg.run_dir = str(Path(cfg.run_dir).expanduser().resolve())  # workers may start elsewhere
+def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str = "") -> RunConfig:
+    cfg = load_config(paths, list(overrides))
+    run_dir = Path(cfg.run_dir).expanduser().resolve()  # workers may start elsewhere
+    cfg.run_dir = str(run_dir / label if label else run_dir)
     return cfg
 
 
-def dry_run(cfg: RunConfig) -> int:
+def resolve_all(items: list[str], multirun: bool) -> list[RunConfig]:
+    """The run's config, or with ``multirun`` one config per combination (each in RUN_DIR/<label>)."""
+    paths, overrides = split_items(items)
+    if not multirun:
+        return [resolve(paths, overrides)]
+    return [resolve(paths, combo.overrides, combo.label) for combo in expand(overrides)]
+
+
+def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable) -> str:
+    """The sbatch script submitit writes for this config (the same call it makes when submitting)."""
+    from submitit.slurm.slurm import _make_sbatch_string  # no public renderer; pinned by a golden file
+
+    folder = _log_folder(cfg, array)
+    command = f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(command=command, folder=folder, map_count=array, **submitit_parameters(cfg))
+
+
+def _log_folder(cfg: RunConfig, array: int | None) -> Path:
+    """submitit's folder: RUN_DIR/slurm, or for a job array the sweep's base dir's slurm/."""
+    return (Path(cfg.run_dir).parent if array else Path(cfg.run_dir)) / "slurm"
+
+
+def dry_run(cfgs: list[RunConfig]) -> int:
     from hpc_ddp.whoami import table
 
+    cfg, array = cfgs[0], (len(cfgs) if len(cfgs) > 1 else None)
+    print(f"# the sbatch script submit would hand to Slurm (through submitit):\n{submitit_script(cfg, array)}")
+    if array:
+        print(f"job array of {array} runs:")
+        print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
     environs = simulated_environ(cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=4242)
     print(f"run {cfg.name}: {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks, run dir {cfg.run_dir}")
     print("every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
+    findings = preflight(cfg)
+    print("preflight: " + ("all checks pass" if not findings else "\n" + "\n".join(map(str, findings))))
     return 0
 
 
@@ -116,12 +162,8 @@ def _live_job(run_dir: Path) -> str | None:
     return f"{job_id} ({state})" if proc.returncode == 0 and state else None
 
 
-def submit_slurm(cfg: RunConfig, resume: bool) -> int:
-    import submitit
-
-    from hpc_ddp.sbatch import submitit_parameters
-    from hpc_ddp.worker import job_main
-
+def _check_free(cfg: RunConfig, resume: bool) -> None:
+    """Refuse a run dir with a live job, or an earlier run unless ``resume``."""
     run_dir = Path(cfg.run_dir)
     live = _live_job(run_dir)
     if live:
@@ -133,44 +175,87 @@ def submit_slurm(cfg: RunConfig, resume: bool) -> int:
         raise HpcDdpError(explain(f"{run_dir} holds an earlier run (snapshots or DONE.json)",
                                   hint="add --resume to continue it from its newest snapshot, or choose a new "
                                   "run with name=..."), key="run_dir")
-    config_path = save_config(cfg, run_dir / "config.yaml")
-    executor = submitit.SlurmExecutor(folder=run_dir / "slurm")
+
+
+def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
+    """Print the warnings; raise with every error when there is one."""
+    findings = preflight(cfg, slurm=slurm)
+    for finding in findings:
+        if finding.level == "warning":
+            print(finding, file=sys.stderr)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise HpcDdpError("preflight found problems; nothing was submitted (--no-preflight skips the checks)\n"
+                          + "\n".join(map(str, errors)), key=errors[0].key)
+
+
+def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
+    """One job (or a job array, one element per config) through submitit; job.json in each run dir."""
+    import submitit
+
+    from hpc_ddp.worker import job_main
+
+    for cfg in cfgs:
+        _check_free(cfg, resume)
+    paths = [str(save_config(cfg, Path(cfg.run_dir) / "config.yaml")) for cfg in cfgs]
+    cfg, array = cfgs[0], len(cfgs) > 1
+    folder = _log_folder(cfg, len(cfgs) if array else None)
+    executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**submitit_parameters(cfg))
-    job = executor.submit(job_main, str(config_path))
-    (run_dir / "job.json").write_text(json.dumps({"job_id": job.job_id, "submitted": time.time()}) + "\n")
-    log_path = run_dir / "slurm" / f"{job.job_id}_0_log.out"
-    print(f"submitted job {job.job_id}: {cfg.name}, {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks\n"
-          f"  run dir  {run_dir}\n  logs     {run_dir / 'slurm'} (rank 0: {log_path})\n"
-          f"  watch    python -m hpc_ddp.status {run_dir}\n  tail     tail -f {log_path}\n"
-          f"  cancel   scancel {job.job_id}")
+    jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
+    for job, one in zip(jobs, cfgs):
+        (Path(one.run_dir) / "job.json").write_text(json.dumps({"job_id": job.job_id, "logs": str(folder),
+                                                               "submitted": time.time()}) + "\n")
+    first = jobs[0].job_id.split("_")[0]
+    what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
+    print(f"submitted {what}: {cfg.name}, {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks")
+    for job, one in zip(jobs, cfgs):
+        log_path = folder / f"{job.job_id}_0_log.out"
+        print(f"{'  [' + job.job_id + ']' if array else ''}\n  run dir  {one.run_dir}\n  logs     {folder} "
+              f"(rank 0: {log_path})\n  watch    python -m hpc_ddp.status {one.run_dir}\n"
+              f"  tail     tail -f {log_path}")
+    print(f"  cancel   scancel {first}")
     return 0
 
 
-def emit_sbatch(cfg: RunConfig, path: Path) -> int:
-    from hpc_ddp.sbatch import render
-
+def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     config_path = save_config(cfg, Path(cfg.run_dir) / "config.yaml")
     (Path(cfg.run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
-    path.write_text(render(cfg, str(config_path), python=sys.executable))
+    path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher))
     path.chmod(0o755)
-    print(f"wrote {path} for run {cfg.name} (config {config_path}); submit it with: sbatch {path}")
+    print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
+          f"submit it with: sbatch {path}")
     return 0
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    if (args.preempt_at or args.timeout_at) and not args.local:
+        return "--preempt-at and --timeout-at go with --local"
+    if args.launcher != "srun" and not args.emit_sbatch:
+        return "--launcher goes with --emit-sbatch (submit and --local start one worker per task)"
+    if args.multirun and args.emit_sbatch:
+        return "--multirun submits a job array; --emit-sbatch writes one script for one run (drop one of them)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
+    problem = _usage_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
-        cfg = resolve(args.items)
+        cfgs = resolve_all(args.items, args.multirun)
         if args.dry_run:
-            return dry_run(cfg)
+            return dry_run(cfgs)
         if args.local:
-            return run_local(cfg, args.preempt_at, args.timeout_at)
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at) for cfg in cfgs]
+            return next((code for code in codes if code), 0)
+        if not args.no_preflight:
+            check_preflight(cfgs[0], slurm=not args.emit_sbatch)
         if args.emit_sbatch:
-            return emit_sbatch(cfg, args.emit_sbatch)
-        if args.preempt_at or args.timeout_at:
-            print("error: --preempt-at and --timeout-at go with --local", file=sys.stderr)
-            return 2
-        return submit_slurm(cfg, args.resume)
+            return emit_sbatch(cfgs[0], args.emit_sbatch, args.launcher)
+        return submit_slurm(cfgs, args.resume)
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

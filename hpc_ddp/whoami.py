@@ -19,13 +19,14 @@ import sys
 from collections.abc import Mapping
 
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.slurm_env import DistEnv, from_environ, simulated_environ
+from hpc_ddp.slurm_env import DistEnv, from_environ, rendezvous_endpoint, simulated_environ
 
 EPILOG = """\
 examples:
   python -m hpc_ddp.whoami --simulate 2x2          # every rank of a 2-node x 2-task job
   srun -N2 --ntasks-per-node=2 python -m hpc_ddp.whoami
   srun -N2 --ntasks-per-node=2 python -m hpc_ddp.whoami --json   # one JSON object per task
+  python -m hpc_ddp.whoami --endpoint              # in a batch script: HOST:PORT for torchrun's c10d
 """
 COLUMNS = ("rank", "local_rank", "node_rank", "local_world_size", "world_size", "master_addr", "master_port")
 
@@ -72,11 +73,17 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     parser.add_argument("--simulate", metavar="NODESxTASKS", help="show every rank of a simulated job, e.g. 2x2")
     parser.add_argument("--job-id", type=int, default=4242, help="job id of the simulated job (default 4242)")
     parser.add_argument("--json", action="store_true", help="print this process's result as one JSON object")
+    parser.add_argument("--endpoint", action="store_true",
+                        help="print only the job's rendezvous HOST:PORT (works in the batch shell too)")
     args = parser.parse_args(argv)
     environ = os.environ if environ is None else environ
     try:
         if args.simulate:
             return _simulate(args.simulate, args.job_id)
+        if args.endpoint:
+            host, port = rendezvous_endpoint(environ)
+            print(f"{host}:{port}")
+            return 0
         env = from_environ(environ)
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -27,6 +28,7 @@ from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cap_reached, job_end_time,
                                 job_spec, read_attempts, requeue, signal_number, stop_reason)
 from hpc_ddp.slurm_env import DistEnv, from_environ
+from hpc_ddp.whoami import describe
 
 log = logging.getLogger("hpc_ddp.worker")
 # torch warns on import when numpy is absent (a bare torch install); keep every rank's log free of it
@@ -66,8 +68,10 @@ def run(config_path: Path, environ: Mapping[str, str]) -> int:
     from hpc_ddp.trainer import Trainer
 
     cfg = load_config([config_path])
+    environ = with_config_port(environ, cfg)
     env = from_environ(environ)
     setup_logging(env)
+    log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
     _threads(environ, env)
     run_dir = Path(cfg.run_dir)
     if (run_dir / "DONE.json").exists():
@@ -116,6 +120,13 @@ def run(config_path: Path, environ: Mapping[str, str]) -> int:
     return EXIT_REQUEUE
 
 
+def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:
+    """``dist.master_port`` as MASTER_PORT unless the environment names one (it wins, as torchrun's does)."""
+    if cfg.dist.master_port is None or "MASTER_PORT" in environ:
+        return environ
+    return {**environ, "MASTER_PORT": str(cfg.dist.master_port)}
+
+
 def _print_progress(step: int) -> None:
     """The local simulation watches rank 0 for these lines to inject signals at chosen steps."""
     from hpc_ddp.local import PROGRESS_MARK
@@ -156,7 +167,12 @@ def job_main(config_path: str) -> None:
     exit_fast(main(["--config", config_path]))
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``hpc-ddp-worker`` console script: like ``python -m hpc_ddp.worker``."""
     from hpc_ddp.shutdown import exit_fast  # snapshots, ledger and DONE.json are fsynced by now
 
     exit_fast(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -11,13 +11,21 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.config import load_config
+from hpc_ddp.preemption import read_attempts
 from hpc_ddp.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
+from hpc_ddp.submit import submitit_script
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "golden" / "ddp.sbatch"
+GOLDEN = ROOT / "tests" / "golden"
 REFRESH = "HPC_DDP_UPDATE_GOLDEN=1 python -m pytest tests/test_sbatch.py -k golden"
+RENDERERS = {
+    "ddp.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python"),
+    "ddp_torchrun.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python", launcher="torchrun"),
+    "submitit.sbatch": lambda cfg: submitit_script(cfg, python="python"),
+    "submitit_array.sbatch": lambda cfg: submitit_script(cfg, array=4, python="python"),
+}
 
 
 def golden_config():
@@ -27,11 +35,19 @@ def golden_config():
         "slurm.sbatch_extra.mail-type=END"])
 
 
-def test_rendered_script_matches_the_golden_file() -> None:
-    text = render(golden_config(), "/runs/mlp/config.yaml", python="python")
+@pytest.mark.parametrize("name", sorted(RENDERERS))
+def test_rendered_script_matches_the_golden_file(name: str) -> None:
+    text = RENDERERS[name](golden_config())
     if os.environ.get("HPC_DDP_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), f"the rendered sbatch script changed; if intended, refresh with: {REFRESH}"
+        (GOLDEN / name).write_text(text)
+    assert text == (GOLDEN / name).read_text(), (
+        f"the rendered {name} changed; if intended, refresh the golden files with: {REFRESH}")
+
+
+def test_torchrun_flavour_gives_each_node_one_task_with_all_its_cpus() -> None:
+    options = sbatch_options(load_config([ROOT / "examples" / "mlp.yaml"], ["slurm.tasks_per_node=4",
+                                                                          "slurm.cpus_per_task=3"]), "torchrun")
+    assert "#SBATCH --ntasks-per-node=1" in options and "#SBATCH --cpus-per-task=12" in options
 
 
 def test_template_and_submitit_path_ask_for_the_same_things(tmp_path: Path) -> None:
@@ -43,12 +59,50 @@ def test_template_and_submitit_path_ask_for_the_same_things(tmp_path: Path) -> N
     assert [line for line in ours if line not in script.splitlines()] == []
 
 
+def emit(script: Path, *args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--emit-sbatch", str(script),
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and f"sbatch {script}" in proc.stdout, proc.stderr
+
+
+def sbatch(script: Path) -> str:
+    out = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, check=True, capture_output=True, text=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def job_log(run_dir: Path, tail: int = 4000) -> str:
+    return "\n".join(p.read_text(errors="replace")[-tail:] for p in (run_dir / "slurm").glob("*.out"))
+
+
 @pytest.mark.slurm
 def test_emitted_script_runs_with_plain_sbatch(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
     run_dir, script = tmp_path / "emitted", tmp_path / "job.sbatch"
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--emit-sbatch", str(script),
-                           "train.max_steps=50", f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0 and f"sbatch {script}" in proc.stdout, proc.stderr
-    subprocess.run(["sbatch", str(script)], cwd=ROOT, check=True, capture_output=True)
-    wait_until((run_dir / "DONE.json").exists, 180)
-    assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4, list((run_dir / "slurm").glob("*"))
+    emit(script, "train.max_steps=50", f"run_dir={run_dir}")
+    sbatch(script)
+    assert wait_until((run_dir / "DONE.json").exists, 180), job_log(run_dir)
+    assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4
+
+
+@pytest.mark.slurm
+def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehearsal(
+        slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death."""
+    options = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=30"]
+    run_dir, script = tmp_path / "torchrun", tmp_path / "torchrun.sbatch"
+    emit(script, "--launcher", "torchrun", *options, f"run_dir={run_dir}")
+    job = sbatch(script)
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120), job_log(run_dir)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_until((run_dir / "DONE.json").exists, 180), job_log(run_dir)
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
+        ("preemption", 0, int(job)), ("finished", 1, int(job))], (attempts, job_log(run_dir))
+    done = json.loads((run_dir / "DONE.json").read_text())
+    log = job_log(run_dir, tail=10**7)
+    assert done["world_size"] == 4 and "rank 0/4 local 0/2 node 0/2" in log
+    assert "source=torchrun" in log  # the workers took their ranks from torchrun
+    local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *options,
+                            f"run_dir={tmp_path / 'local'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert done["params_sha256"] == json.loads((tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
