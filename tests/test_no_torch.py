@@ -10,7 +10,7 @@ import pytest
 LIGHT = ["hpc_ddp", "hpc_ddp.errors", "hpc_ddp.hostlist", "hpc_ddp.config", "hpc_ddp.config_checks",
          "hpc_ddp.slurm_env", "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__",
          "hpc_ddp.submit", "hpc_ddp.local", "hpc_ddp.task", "hpc_ddp.status", "hpc_ddp.sbatch",
-         "hpc_ddp.snapshot", "hpc_ddp.preemption", "hpc_ddp.worker"]
+         "hpc_ddp.snapshot", "hpc_ddp.preemption", "hpc_ddp.worker", "hpc_ddp.preflight", "hpc_ddp.sweep"]
 
 
 @pytest.mark.parametrize("module", LIGHT)
@@ -26,6 +26,8 @@ def test_loading_a_config_and_deriving_ranks_does_not_import_torch(tmp_path) -> 
     code = ("import sys\nfrom hpc_ddp.config import load_config\nfrom hpc_ddp.whoami import main\n"
             f"load_config([{str(cfg)!r}])\nmain(['--simulate', '2x2'])\n"
             f"from hpc_ddp.submit import main as submit\nsubmit([{str(cfg)!r}, '--dry-run'])\n"
+            f"submit([{str(cfg)!r}, '--dry-run', '--multirun', 'train.lr=1,2'])\n"
+            "try:\n    submit(['--help'])\nexcept SystemExit:\n    pass\n"
             "from hpc_ddp.status import main as status\nstatus([str(__import__('pathlib').Path('.'))])\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

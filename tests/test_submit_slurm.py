@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.config import load_config
 from hpc_ddp.preemption import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import wait_until
@@ -62,3 +63,20 @@ def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_
         (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
     again = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}")
     assert again.returncode == 2 and "--resume" in again.stderr and "earlier run" in again.stderr
+
+
+def test_a_two_value_multirun_is_a_job_array_of_two_finished_runs(slurm_cluster: ClusterSpec,
+                                                                   tmp_path: Path) -> None:
+    proc = cli("hpc_ddp.submit", "examples/mlp.yaml", "--multirun", "train.lr=0.02,0.005", "slurm.nodes=2",
+               "slurm.tasks_per_node=1", "train.max_steps=40", f"run_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    array = proc.stdout.split("submitted job array ", 1)[1].split(" ", 1)[0]
+    runs = [tmp_path / "lr=0.02", tmp_path / "lr=0.005"]
+    assert all(wait_until((run / "DONE.json").exists, 240) for run in runs), proc.stdout
+    for index, run in enumerate(runs):
+        assert json.loads((run / "job.json").read_text())["job_id"] == f"{array}_{index}"
+        assert load_config([run / "config.yaml"]).train.lr == [0.02, 0.005][index]
+        info = json.loads(cli("hpc_ddp.status", str(run), "--json").stdout)
+        assert info["state"] == "FINISHED" and info["done"]["world_size"] == 2
+    first, second = (json.loads((run / "DONE.json").read_text())["params_sha256"] for run in runs)
+    assert first != second  # the two learning rates really trained two different models

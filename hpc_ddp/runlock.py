@@ -1,0 +1,122 @@
+"""One job per run dir: ``RUN_DIR/lock.json`` names the job that holds it.
+
+Two jobs writing one run dir would interleave their snapshots and their ledger
+lines. Rank 0 takes the lock when an attempt starts and gives it back when the
+attempt ends. A requeued attempt of the same job takes it over. A lock left
+behind by a crash is taken over once its holder is gone: a Slurm job that
+``squeue`` no longer lists, or a local rehearsal whose process has died.
+
+This uses a file and not ``flock``: flock is not reliable across the nodes
+of NFS or Lustre, and a file can name its holder in the error message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.errors import HpcDdpError, explain
+
+log = logging.getLogger("hpc_ddp.runlock")
+LOCK = "lock.json"
+
+
+class RunLockedError(HpcDdpError):
+    """Another live job holds the run dir."""
+
+
+def holder_record(job: str, *, local: bool, pid: int | None = None, host: str | None = None,
+                  now: float | None = None) -> dict[str, Any]:
+    """What the lock file says about its holder."""
+    return {"job": job, "local": local, "host": host or socket.gethostname(), "pid": pid or os.getpid(),
+            "since": round(now if now is not None else time.time(), 3)}
+
+
+def holder_alive(holder: Mapping[str, Any], runner: Callable[..., Any] = subprocess.run) -> bool:
+    """Whether the holder may still write: its local process lives, or Slurm still lists its job.
+
+    When that cannot be told (no squeue where a Slurm job holds it), the answer is yes: refusing is
+    safe, and the error says how to remove the lock.
+    """
+    if holder.get("local"):
+        if holder.get("host") != socket.gethostname():
+            return True
+        try:
+            os.kill(int(holder.get("pid", 0)), 0)
+        except (ProcessLookupError, ValueError, TypeError):
+            return False
+        except PermissionError:
+            return True
+        return True
+    if not shutil.which("squeue"):
+        return True
+    proc = runner(["squeue", "-h", "-j", str(holder.get("job")), "-o", "%T"], capture_output=True, text=True,
+                  timeout=30)
+    return proc.returncode == 0 and bool(proc.stdout.strip())
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _create(path: Path, record: Mapping[str, Any]) -> bool:
+    """Create the lock file exclusively; False when it exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(dict(record), sort_keys=True) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    return True
+
+
+def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
+    """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    for _ in range(3):
+        if _create(path, me):
+            return
+        holder = _read(path)
+        if holder is None:  # being written right now, or torn by a crash: look again shortly
+            time.sleep(0.2)
+            holder = _read(path)
+        if holder is not None and holder.get("job") == me["job"] and holder.get("local") == me["local"]:
+            path.unlink(missing_ok=True)  # our own job, requeued (or restarted by the local launcher)
+            continue
+        if holder is not None and alive(holder):
+            raise RunLockedError(explain(
+                f"run dir {run_dir} is in use by job {holder.get('job')} (host {holder.get('host')}, pid "
+                f"{holder.get('pid')}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['since']))})"
+                if "since" in holder else f"run dir {run_dir} is in use by job {holder.get('job')}",
+                expected="one job per run dir (two would interleave snapshots)",
+                hint=f"wait for that job or cancel it; for a separate run set name=... or run_dir=...; if you "
+                f"are sure nothing uses it, delete {path}"), key="run_dir")
+        log.warning("taking over the lock of %s from job %s, which is gone", run_dir,
+                    holder.get("job") if holder else "(unreadable lock)")
+        path.unlink(missing_ok=True)
+    raise RunLockedError(explain(f"could not take the lock {path}: it keeps changing",
+                                 hint="another job is starting in this run dir; start one at a time"),
+                         key="run_dir")
+
+
+def release(run_dir: Path, me: Mapping[str, Any]) -> None:
+    """Give the lock back if ``me`` still holds it (a successor may have taken over a stale one)."""
+    path = run_dir / LOCK
+    holder = _read(path)
+    if holder is not None and holder.get("job") == me["job"] and holder.get("pid") == me["pid"]:
+        path.unlink(missing_ok=True)

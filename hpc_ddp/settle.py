@@ -1,0 +1,102 @@
+"""``python -m hpc_ddp.settle``: after the job step, make sure the attempt is in the ledger.
+
+A rank that is SIGKILLed (by the OOM killer, say) writes nothing, and neither does a
+rank that srun kills because another one failed. So the settling is done by the
+process that outlives them all: the batch shell (the line after ``srun`` in
+the submitit script and in both templates) or the local launcher. It is
+idempotent. When the workers recorded how the attempt ended (finished, stopped,
+hung), nothing is added. Otherwise a ``failed`` line goes in, with the exit code
+and the newest committed snapshot. A failure or a hang is requeued while
+``slurm.max_failures`` allows it. No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.config import load_config
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.preemption import REASONS_CAPPED, append_attempt, cap_reached, job_spec, read_attempts, requeue
+
+FAILURE_REASONS = ("failed", "hung")
+
+
+def _newest_snapshot(run_dir: Path) -> int | None:
+    from hpc_ddp import snapshot  # manifests only: no torch
+
+    steps = snapshot.committed_steps(run_dir)
+    return steps[0] if steps else None
+
+
+def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
+           requeue_job: Callable[[], None] | None, now: float | None = None) -> str:
+    """Record the attempt if the workers could not; requeue a failure under its cap. Returns what happened."""
+    if (run_dir / "DONE.json").exists():
+        return "finished"
+    attempts = read_attempts(run_dir)
+    mine = [a for a in attempts if a.get("job_id") == job_id and a.get("restart_count") == restart_count]
+    if mine and mine[-1].get("reason") not in FAILURE_REASONS:
+        return f"recorded by the workers: {mine[-1].get('reason')}"
+    if mine:
+        record: dict[str, Any] = mine[-1]
+    else:
+        record = {"job_id": job_id, "restart_count": restart_count, "reason": "failed", "exit_code": exit_code,
+                  "end": round(now if now is not None else time.time(), 3), "last_step": _newest_snapshot(run_dir)}
+        attempts = attempts + [record]
+    capped = cap_reached(record["reason"], attempts, limits)
+    if not mine:
+        append_attempt(run_dir, {**record, "capped": bool(capped)})
+    if capped or requeue_job is None:
+        return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
+    requeue_job()
+    return f"{record['reason']}; requeued (slurm.max_failures allows it)"
+
+
+def limits_of(config_path: Path) -> tuple[Path, dict[str, int]]:
+    cfg = load_config([config_path])
+    return Path(cfg.run_dir), {key: getattr(cfg.slurm, key) for key in set(REASONS_CAPPED.values())}
+
+
+def pick_config(configs: list[str], environ: Mapping[str, str]) -> str:
+    """The config of this job, or of this array element (SLURM_ARRAY_TASK_ID indexes the list)."""
+    if len(configs) == 1:
+        return configs[0]
+    index = int(environ.get("SLURM_ARRAY_TASK_ID", "-1"))
+    if not 0 <= index < len(configs):
+        raise HpcDdpError(f"SLURM_ARRAY_TASK_ID={environ.get('SLURM_ARRAY_TASK_ID')} does not index the "
+                          f"{len(configs)} configs given", key="SLURM_ARRAY_TASK_ID")
+    return configs[index]
+
+
+def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.settle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="example (the line after srun in a batch script):\n"
+                                     "  python -m hpc_ddp.settle --exit-code $? runs/mlp/config.yaml")
+    parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
+    parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, in order)")
+    args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    try:
+        run_dir, limits = limits_of(Path(pick_config(args.configs, environ)))
+        job = environ.get("SLURM_JOB_ID", "")
+        spec = job_spec(environ)
+        outcome = settle(run_dir, job_id=int(job) if job.isdigit() else None,
+                         restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0), exit_code=args.exit_code,
+                         limits=limits, requeue_job=(lambda: requeue(spec)) if spec else None)
+    except HpcDdpError as err:
+        print(f"hpc_ddp.settle: error: {err}", file=sys.stderr)
+        return args.exit_code or 1
+    print(f"hpc_ddp.settle: attempt {environ.get('SLURM_RESTART_COUNT', '0')} of job {spec or '-'}: {outcome}",
+          file=sys.stderr)
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The submit CLI without a cluster: --dry-run, --multirun layout, usage errors, status --plot, --endpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.config import load_config
+from hpc_ddp.status import main as status
+from hpc_ddp.submit import main as submit
+from hpc_ddp.whoami import main as whoami
+from hpc_ddp.worker import with_config_port
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "examples" / "mlp.yaml")
+
+
+def test_dry_run_prints_the_sbatch_script_the_ranks_and_preflight(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([MLP, "--dry-run", f"run_dir={tmp_path / 'r'}", "slurm.partition=gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --signal=USR2@120" in out and "#SBATCH --partition=gpu" in out
+    assert f"-m submitit.core._submit {tmp_path / 'r' / 'slurm'}" in out
+    assert "master_addr" in out and "preflight:" in out
+    assert not (tmp_path / "r").exists()  # a dry run writes nothing
+
+
+def test_multirun_dry_run_shows_one_array_element_per_combination(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([MLP, "--dry-run", "--multirun", "train.lr=0.1,0.01", "train.seed=1,2",
+                   f"run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0-3%" in out and f"--output={tmp_path}/slurm/%A_%a_0_log.out" in out
+    assert f"[3] {tmp_path}/lr=0.01,seed=2" in out
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--preempt-at", "3"], "--preempt-at and --timeout-at go with --local"),
+    (["--launcher", "torchrun", "--dry-run"], "--launcher goes with --emit-sbatch"),
+    (["--multirun", "--emit-sbatch", "x.sbatch", "train.lr=1,2"], "--multirun submits a job array"),
+])
+def test_usage_errors_say_what_goes_with_what(args: list[str], words: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([MLP, *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_multirun_over_slurm_keys_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([MLP, "--dry-run", "--multirun", "slurm.nodes=1,2"]) == 2
+    assert "cannot vary slurm.nodes" in capsys.readouterr().err
+
+
+def test_local_multirun_rehearses_every_combination(tmp_path: Path) -> None:
+    assert submit([MLP, "--local", "--multirun", "train.lr=0.1,0.01", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                   "train.max_steps=5", f"run_dir={tmp_path}"]) == 0
+    assert sorted(p.parent.name for p in tmp_path.glob("*/DONE.json")) == ["lr=0.01", "lr=0.1"]
+
+
+def test_status_plot_draws_the_loss_curve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1 / s}) + "\n"
+                                                    for s in range(1, 30)))
+    assert status([str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_status_plot_without_metrics_explains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert status([str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 2
+    assert "nothing to plot" in capsys.readouterr().err
+
+
+def test_endpoint_for_torchrun_comes_from_the_batch_shell(capsys: pytest.CaptureFixture[str]) -> None:
+    assert whoami(["--endpoint"], {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu[3-4]"}) == 0
+    assert capsys.readouterr().out.strip() == "gpu3:20077"
+
+
+def test_config_master_port_applies_unless_the_environment_names_one() -> None:
+    cfg = load_config([MLP], ["dist.master_port=29999"])
+    assert with_config_port({"SLURM_JOB_ID": "1"}, cfg)["MASTER_PORT"] == "29999"
+    assert with_config_port({"MASTER_PORT": "1234"}, cfg)["MASTER_PORT"] == "1234"
+    assert "MASTER_PORT" not in with_config_port({}, load_config([MLP]))
