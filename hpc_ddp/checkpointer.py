@@ -181,8 +181,15 @@ class Checkpointer:
 
     def restore(self) -> Restored | None:
         """Collective: the newest usable committed snapshot, or None for a fresh start."""
-        choice = [snapshot.choose(self.run_dir) if self.env.is_main else None]
+        choice: list[Any] = [None]
+        if self.env.is_main:
+            try:
+                choice[0] = snapshot.choose(self.run_dir)
+            except snapshot.SnapshotError as err:
+                choice[0] = str(err)  # every rank raises it, none waits in a collective
         dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], str):
+            raise snapshot.SnapshotError(choice[0])
         found: snapshot.Choice | None = choice[0]
         if found is None:
             return None

@@ -56,7 +56,8 @@ class SlurmConfig:
     signal_delay_s: int = _doc(120, "Seconds before the time limit that the warning signal arrives.")
     max_timeouts: int = _doc(20, "Requeues allowed after running into the time limit.")
     max_preemptions: int = _doc(20, "Requeues allowed after preemption.")
-    max_failures: int = _doc(0, "Requeues allowed after a crash; only 0 for now (a crash ends the run).")
+    max_failures: int = _doc(0, "Requeues allowed after a crash or a hang (0: a crash ends the run, keeping "
+                             "its newest snapshot; a bug that crashes every time would burn the allocation).")
     setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
     sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
     srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")
@@ -67,7 +68,8 @@ class DistConfig:
     """How the processes of a job find each other."""
 
     backend: str = _doc("auto", "auto (NCCL when CUDA is available, else gloo), nccl or gloo.")
-    timeout_s: int = _doc(600, "Seconds a collective may wait before the job is declared hung.")
+    timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot write, the "
+                          "start-up) before the watchdog declares the job hung and names the stuck ranks.")
     master_port: Optional[int] = _doc(None, "Rendezvous port; null derives it from the job id.")
     nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}.")
 
@@ -285,6 +287,12 @@ def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
     from hpc_ddp.atomic import write_atomic
 
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target, to_yaml(cfg))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, to_yaml(cfg))
+    except OSError as err:
+        raise ConfigError(explain(f"cannot write {target}: {err.strerror}", found=str(target.parent),
+                                  expected="a writable run dir",
+                                  hint="set run_dir=... to a writable directory with free space (a read-only or "
+                                  "full filesystem cannot hold snapshots either)"), key="run_dir") from None
     return target

@@ -124,11 +124,6 @@ def check_config(cfg: Any) -> None:
     if cfg.train.max_steps is None and cfg.train.epochs is None:
         raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
                     None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
-    if cfg.slurm.max_failures > 0:
-        raise _fail("slurm.max_failures", "requeueing after a crash is not available yet", cfg.slurm.max_failures,
-                    "0 (a crash ends the run; the last committed snapshot is kept)",
-                    "leave slurm.max_failures=0 and resubmit after fixing the crash: the run resumes "
-                    "from its newest snapshot")
     if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:
         raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
                     f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,9 @@ def init_process_group(env: DistEnv, cfg: DistConfig,
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
-    timeout = timedelta(seconds=cfg.timeout_s)
+    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s and names the stuck
+    # ranks; the collectives' own timeout only says "timed out", so it is set to come later.
+    timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.world_size == 1:
@@ -78,6 +81,14 @@ def init_process_group(env: DistEnv, cfg: DistConfig,
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
     return device
+
+
+def default_store() -> Any:
+    """The process group's key-value store (the watchdog's heartbeats go there); None if unavailable."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # no public accessor in torch 2.x
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def teardown() -> None:

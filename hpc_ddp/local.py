@@ -11,6 +11,8 @@ No torch in this process.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import signal
 import socket
@@ -61,9 +63,16 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], on_step: Callable[[
             stream.flush()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the launcher dies (PR_SET_PDEATHSIG), so that a
+    killed launcher leaves no ranks behind writing into the run dir."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+
+
 def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
               err: IO[str]) -> Callable[[int], None]:
-    """Send each (step, signal) event to every rank once rank 0 has finished that step."""
+    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started)."""
     def on_step(step: int) -> None:
         while events and step >= events[0][0]:
             at, signum = events.pop(0)
@@ -112,7 +121,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         for rank, env in enumerate(environs):
             out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent))
             if rank:
                 out.close()  # type: ignore[union-attr]
         on_step = _injector(procs, events if events is not None else [], err)
@@ -145,12 +155,21 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
     ``preempt_at`` steps get SIGTERM, ``timeout_at`` steps the time-out warning signal,
     each once, sent to every rank when rank 0 has finished that step.
     """
+    from hpc_ddp.settle import limits_of, settle
+
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
     restart = 0
     while True:
         code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
                       events=events, stream=stream, err=err)
-        if code != EXIT_REQUEUE:
+        if code == 0:
             return code
+        if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, requeue if max_failures allows
+            requeued: list[bool] = []
+            outcome = settle(run_dir, job_id=job_id, restart_count=restart, exit_code=code,
+                             limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True))
+            err.write(f"[local] attempt {restart} ended with exit code {code}: {outcome}\n")
+            if not requeued:
+                return code
         restart += 1
-        err.write(f"[local] attempt {restart - 1} stopped at a snapshot; requeued as attempt {restart}\n")
+        err.write(f"[local] attempt {restart - 1} ended; requeued as attempt {restart}\n")

@@ -27,7 +27,9 @@ from hpc_ddp.errors import HpcDdpError, explain
 LEDGER = "attempts.jsonl"
 EXIT_REQUEUE = 3  # a worker that stopped for a requeue (the local simulation relaunches on it)
 TICK_S = 45  # Slurm checks time limits every 30 s: the warning may come up to that much early
-REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures"}
+# Why an attempt ended -> the cap that counts it (a hang counts as a failure).
+REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures",
+                  "hung": "max_failures"}
 
 
 class PreemptionError(HpcDdpError):
@@ -140,9 +142,10 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapp
     key = REASONS_CAPPED.get(reason)
     if key is None:
         return None
-    count = sum(1 for a in attempts if a.get("reason") == reason)
+    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key)
     if count <= limits[key]:
         return None
-    return explain(f"the run stopped for {reason} {count} times, more than slurm.{key}={limits[key]}",
+    kinds = "failures and hangs" if key == "max_failures" else reason
+    return explain(f"the run stopped for {kinds} {count} times, more than slurm.{key}={limits[key]}",
                    hint=f"raise it (slurm.{key}={limits[key] + 10}) and resubmit with --resume; "
                    "the newest snapshot is kept")

@@ -27,6 +27,7 @@ from hpc_ddp.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.runlock")
 LOCK = "lock.json"
+EXIT_LOCKED = 5  # a worker refused to start: another job holds the run dir (nothing of that run is touched)
 
 
 class RunLockedError(HpcDdpError):
@@ -86,10 +87,16 @@ def _create(path: Path, record: Mapping[str, Any]) -> bool:
 
 def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
     """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     for _ in range(3):
-        if _create(path, me):
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            created = _create(path, me)
+        except OSError as err:
+            raise HpcDdpError(explain(f"cannot write the run dir {run_dir}: {err.strerror}",
+                                      hint="the run needs a writable run dir with free space; the snapshots "
+                                      "already there are untouched"), key="run_dir") from None
+        if created:
             return
         holder = _read(path)
         if holder is None:  # being written right now, or torn by a crash: look again shortly

@@ -14,13 +14,19 @@ from typing import Any
 from hpc_ddp.config import RunConfig
 
 
-def submitit_parameters(cfg: RunConfig) -> dict[str, Any]:
+def settle_line(configs: list[str], python: str = "python") -> str:
+    """The batch-shell line after srun: record a crash in the ledger, requeue it under max_failures."""
+    return " ".join([shlex.quote(python), "-m", "hpc_ddp.settle", "--exit-code", "$?", *map(shlex.quote, configs)])
+
+
+def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python") -> dict[str, Any]:
     """Keyword arguments for ``submitit.SlurmExecutor.update_parameters``.
 
     Our warning signal replaces submitit's fixed ``USR2@delay`` (``additional_parameters``
     are applied last), ``--requeue`` lets the worker's ``scontrol requeue`` work, and
     ``--kill-on-bad-exit=1`` makes one crashing task end the whole step at once instead
-    of leaving the other ranks waiting in a collective.
+    of leaving the other ranks waiting in a collective. With ``configs`` (one per array
+    element), the teardown settles the attempt (:mod:`hpc_ddp.settle`).
     """
     slurm = cfg.slurm
     params: dict[str, Any] = {
@@ -31,6 +37,7 @@ def submitit_parameters(cfg: RunConfig) -> dict[str, Any]:
         "time": slurm.timeout_min,
         "signal_delay_s": slurm.signal_delay_s,
         "setup": list(slurm.setup),
+        "teardown": [settle_line(configs, python)] if configs else [],
         "srun_args": ["--kill-on-bad-exit=1", *slurm.srun_args],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
                                   **slurm.sbatch_extra},
@@ -77,7 +84,8 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     """The ``launcher``'s template (hpc_ddp/templates, linked from slurm/) rendered from ``cfg``.
 
     Replaced: the ``#SBATCH`` block, the setup block, the ``CONFIG=``, ``PYTHON=``,
-    ``NPROC_PER_NODE=`` and ``SIGNAL=`` lines, and the srun arguments; the rest is the
+    ``NPROC_PER_NODE=`` and ``SIGNAL=`` lines, and the srun arguments (the line that starts
+    with ``srun --kill-on-bad-exit=1``); the rest is the
     template's text, so a hand edit of a template shows up in every rendered script.
     """
     if launcher not in LAUNCHERS:
@@ -95,5 +103,5 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     for name, value in values.items():
         rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
     srun = " ".join(["srun", "--kill-on-bad-exit=1", *map(shlex.quote, cfg.slurm.srun_args)])
-    rest = re.sub(r"^exec srun --kill-on-bad-exit=1", lambda _m: f"exec {srun}", rest, flags=re.M)
+    rest = re.sub(r"^srun --kill-on-bad-exit=1", lambda _m: srun, rest, flags=re.M)
     return head + "\n".join(lines) + "\n" + rest

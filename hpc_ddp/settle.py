@@ -23,6 +23,7 @@ from typing import Any
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.preemption import REASONS_CAPPED, append_attempt, cap_reached, job_spec, read_attempts, requeue
+from hpc_ddp.runlock import EXIT_LOCKED
 
 FAILURE_REASONS = ("failed", "hung")
 
@@ -37,6 +38,8 @@ def _newest_snapshot(run_dir: Path) -> int | None:
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
            requeue_job: Callable[[], None] | None, now: float | None = None) -> str:
     """Record the attempt if the workers could not; requeue a failure under its cap. Returns what happened."""
+    if exit_code == EXIT_LOCKED:
+        return "refused to start: another job holds the run dir (its ledger is left alone)"
     if (run_dir / "DONE.json").exists():
         return "finished"
     attempts = read_attempts(run_dir)

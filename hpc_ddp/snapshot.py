@@ -31,7 +31,9 @@ from hpc_ddp.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
-FAULT_POINT: str | None = None  # tests: "POINT:STEP", POINT one of tmp, before_rename, before_manifest
+# Tests only: "POINT:STEP[:SIGNAL]" with POINT one of tmp, before_rename, before_manifest: at that point of the
+# write of that step this process gets SIGNAL (default KILL, as if killed there; TERM or USR2: a stop mid-write).
+FAULT_POINT: str | None = None
 
 
 class SnapshotError(HpcDdpError):
@@ -39,11 +41,13 @@ class SnapshotError(HpcDdpError):
 
 
 def _fault(point: str, path: Path) -> None:
-    """Fault injection for tests: die as if killed at this point of the write of that step."""
-    if FAULT_POINT and FAULT_POINT.partition(":")[0] == point:
-        step = FAULT_POINT.partition(":")[2]
-        if step and path.parent.name == f"step-{int(step):08d}":
-            os.kill(os.getpid(), signal.SIGKILL)
+    """Fault injection for tests: a signal to this process at this point of the write of that step."""
+    if not FAULT_POINT:
+        return
+    where, _, rest = FAULT_POINT.partition(":")
+    step, _, name = rest.partition(":")
+    if where == point and step and path.parent.name == f"step-{int(step):08d}":
+        os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -134,20 +138,32 @@ class Choice:
 
 
 def choose(run_dir: Path) -> Choice | None:
-    """The newest committed step with at least one file that verifies; warn about every bad file."""
+    """The newest committed step with at least one file that verifies; warn about every bad file.
+
+    None when there is no committed step (a fresh start). When there are committed steps
+    but no file of any of them verifies, raise: starting over would silently throw the
+    run away, and its snapshots might be restorable from a backup.
+    """
+    bad: list[str] = []
     for step in committed_steps(run_dir):
         directory = step_dir(run_dir, step)
         manifest = read_manifest(directory) or {}
         good = []
         for name, expected in sorted(manifest.get("files", {}).items()):
-            problem = file_problem(directory, name, expected)
+            problem = file_problem(directory, name, expected if isinstance(expected, dict) else {})
             if problem:
                 log.warning("snapshot file %s is not usable (%s)", directory / name, problem)
+                bad.append(f"{directory / name} ({problem})")
             else:
                 good.append(name)
         if good:
             return Choice(step, directory, tuple(good), manifest)
         log.warning("no usable file in committed snapshot step %d; trying the one before", step)
+    if bad:
+        raise SnapshotError(explain(f"no committed snapshot of {run_dir} verifies: {'; '.join(bad[:4])}"
+                                    + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""),
+                                    hint=f"restore the files from a backup, or move {run_dir / 'snapshots'} "
+                                    "away to start the run over"))
     return None
 
 

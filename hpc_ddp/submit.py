@@ -61,12 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--multirun", action="store_true",
                         help="KEY=V1,V2 overrides sweep: one job array, one run dir per combination")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in RUN_DIR from its newest snapshot (a new job)")
+                        help="continue the run in RUN_DIR from its newest snapshot (a new job; with --local, a "
+                        "new rehearsal)")
     parser.add_argument("--no-preflight", action="store_true",
                         help="submit without the login-node checks (Slurm commands, partition, run dir, "
                         "geometry, task module)")
     parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
-                        help="with --local: preempt (SIGTERM every rank) after these steps, e.g. 7,19")
+                        help="with --local: preempt (SIGTERM every rank) after these steps, e.g. 7,19 (0: before the "
+                        "first step)")
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: send the time-out warning signal after these steps, e.g. 31")
     return parser
@@ -77,8 +79,8 @@ def _steps(text: str) -> list[int]:
         steps = sorted(int(s) for s in text.split(",") if s.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected step numbers like 7,19; found {text!r}") from None
-    if any(s < 1 for s in steps):
-        raise argparse.ArgumentTypeError(f"steps start at 1; found {text!r}")
+    if any(s < 0 for s in steps):
+        raise argparse.ArgumentTypeError(f"steps are >= 0 (0: after start-up, before the first step); found {text!r}")
     return steps
 
 
@@ -103,13 +105,19 @@ def resolve_all(items: list[str], multirun: bool) -> list[RunConfig]:
     return [resolve(paths, combo.overrides, combo.label) for combo in expand(overrides)]
 
 
-def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable) -> str:
+def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable,
+                    cfgs: list[RunConfig] | None = None) -> str:
     """The sbatch script submitit writes for this config (the same call it makes when submitting)."""
     from submitit.slurm.slurm import _make_sbatch_string  # no public renderer; pinned by a golden file
 
     folder = _log_folder(cfg, array)
     command = f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
-    return _make_sbatch_string(command=command, folder=folder, map_count=array, **submitit_parameters(cfg))
+    return _make_sbatch_string(command=command, folder=folder, map_count=array,
+                               **submitit_parameters(cfg, _config_paths(cfgs or [cfg]), python))
+
+
+def _config_paths(cfgs: list[RunConfig]) -> list[str]:
+    return [str(Path(c.run_dir) / "config.yaml") for c in cfgs]
 
 
 def _log_folder(cfg: RunConfig, array: int | None) -> Path:
@@ -121,7 +129,8 @@ def dry_run(cfgs: list[RunConfig]) -> int:
     from hpc_ddp.whoami import table
 
     cfg, array = cfgs[0], (len(cfgs) if len(cfgs) > 1 else None)
-    print(f"# the sbatch script submit would hand to Slurm (through submitit):\n{submitit_script(cfg, array)}")
+    print("# the sbatch script submit would hand to Slurm (through submitit):\n"
+          + submitit_script(cfg, array, cfgs=cfgs))
     if array:
         print(f"job array of {array} runs:")
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
@@ -134,11 +143,12 @@ def dry_run(cfgs: list[RunConfig]) -> int:
     return 0
 
 
-def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int]) -> int:
+def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False) -> int:
     from hpc_ddp.local import rehearse
     from hpc_ddp.preemption import signal_number
 
     run_dir = Path(cfg.run_dir)
+    _check_earlier(run_dir, resume)
     config_path = save_config(cfg, run_dir / "config.yaml")
     print(f"rehearsing {cfg.name} as {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine; "
           f"run dir {run_dir}", flush=True)
@@ -170,7 +180,13 @@ def _check_free(cfg: RunConfig, resume: bool) -> None:
         raise HpcDdpError(explain(f"run {cfg.name} already has job {live} in {run_dir}",
                                   hint=f"wait for it, cancel it (scancel {live.split()[0]}), or start a new run "
                                   "with name=..."), key="name")
-    earlier = (run_dir / "snapshots").exists() or (run_dir / "DONE.json").exists()
+    _check_earlier(run_dir, resume)
+
+
+def _check_earlier(run_dir: Path, resume: bool) -> None:
+    from hpc_ddp.snapshot import committed_steps  # manifests only: no torch
+
+    earlier = bool(committed_steps(run_dir)) or (run_dir / "DONE.json").exists()
     if earlier and not resume:
         raise HpcDdpError(explain(f"{run_dir} holds an earlier run (snapshots or DONE.json)",
                                   hint="add --resume to continue it from its newest snapshot, or choose a new "
@@ -201,7 +217,7 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
     cfg, array = cfgs[0], len(cfgs) > 1
     folder = _log_folder(cfg, len(cfgs) if array else None)
     executor = submitit.SlurmExecutor(folder=folder)
-    executor.update_parameters(**submitit_parameters(cfg))
+    executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable))
     jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
     for job, one in zip(jobs, cfgs):
         (Path(one.run_dir) / "job.json").write_text(json.dumps({"job_id": job.job_id, "logs": str(folder),
@@ -249,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return dry_run(cfgs)
         if args.local:
-            codes = [run_local(cfg, args.preempt_at, args.timeout_at) for cfg in cfgs]
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume) for cfg in cfgs]
             return next((code for code in codes if code), 0)
         if not args.no_preflight:
             check_preflight(cfgs[0], slurm=not args.emit_sbatch)

@@ -66,9 +66,11 @@ class Trainer:
 
     def __init__(self, task: Task, cfg: RunConfig, env: DistEnv, device: torch.device, run_dir: Path, *,
                  checkpointer: Checkpointer | None = None, stop: StopFlag | None = None,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None,
+                 beat: Callable[[int, str], None] | None = None) -> None:
         self.task, self.cfg, self.env, self.device, self.run_dir = task, cfg, env, device, run_dir
         self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
+        self.beat = beat or (lambda step, phase: None)  # the hang watchdog's heartbeat (see watchdog.py)
         train = cfg.train
         torch.manual_seed(train.seed)  # the same initial parameters on every rank
         model = task.build_model(cfg)
@@ -115,9 +117,12 @@ class Trainer:
         self._restore()
         self._settle_buckets()
         first_step = self.step
+        if self.on_step is not None:
+            self.on_step(self.step)  # "started": the local rehearsal can inject a signal before the first step
         while not self.done():
             micro_batches = self._epoch_batches()
             while True:
+                self.beat(self.step + 1, "data")
                 loss = self._run_step(micro_batches)
                 self.step += 1
                 self.consumed += self.samples_per_step
@@ -127,11 +132,13 @@ class Trainer:
                 self._maybe_log(loss)
                 if self.on_step is not None:
                     self.on_step(self.step)
+                self.beat(self.step, "boundary")
                 if self._boundary():
                     return {"stopped": True, "first_step": first_step, "step": self.step,
                             "resumed_from": self.resumed_from}
                 if epoch_end or self.done():
                     break
+        self.beat(self.step, "finish")
         if self.checkpointer is not None:
             self.checkpointer.finish_async()  # never leave a background write behind
         return {**self._finish(), "stopped": False, "first_step": first_step, "resumed_from": self.resumed_from}
@@ -204,6 +211,7 @@ class Trainer:
             return stop
         if ckpt.pending is not None and (stop or not busy):
             ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
+        self.beat(self.step, "snapshot")
         if stop:
             ckpt.save(self.step, self.state(), capture_rng())  # the stop snapshot is always synchronous
         elif due and self.cfg.snapshot.async_write and ckpt.pending is None:
@@ -224,10 +232,13 @@ class Trainer:
             batch = to_device(next(micro_batches), self.device)
             last = i == train.grad_accum - 1
             with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce once per step
+                self.beat(self.step + 1, "forward")
                 with self._autocast():
                     loss = self.task.loss(self.ddp, batch)
+                self.beat(self.step + 1, "backward")
                 self.scaler.scale(loss / train.grad_accum).backward()
             total += loss.detach().float()
+        self.beat(self.step + 1, "optimizer")
         if train.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.clip_grad_norm)

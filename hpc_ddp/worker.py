@@ -4,9 +4,10 @@ Started by srun (the sbatch templates), by the submitit callable, or by the
 local simulation. The one place that reads ``os.environ``: it derives this
 process's DistEnv, joins the process group, resumes from the newest committed
 snapshot, trains, and runs the stop protocol (signal -> flag -> agreed step ->
-snapshot -> ledger -> requeue). Exit codes: 0 finished, 3 stopped for a
-requeue, 2 bad config or environment, 1 any other failure (traceback in the
-log, prefixed by the rank) or a requeue cap reached.
+snapshot -> ledger -> requeue), with a hang watchdog and the run dir's lock.
+Exit codes: 0 finished, 3 stopped for a requeue, 4 hung (the watchdog ended
+it), 5 another job holds the run dir, 2 bad config or environment, 1 any other failure
+(traceback in the log, prefixed by the rank) or a requeue cap reached.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from hpc_ddp.config import RunConfig, load_config, to_yaml
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cap_reached, job_end_time,
                                 job_spec, read_attempts, requeue, signal_number, stop_reason)
+from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError, acquire, holder_record, release
 from hpc_ddp.slurm_env import DistEnv, from_environ
+from hpc_ddp.watchdog import EXIT_HUNG, Watchdog
 from hpc_ddp.whoami import describe
 
 log = logging.getLogger("hpc_ddp.worker")
@@ -55,50 +59,114 @@ def _threads(environ: Mapping[str, str], env: DistEnv) -> None:
     torch.set_num_threads(max(1, count))
 
 
-def run(config_path: Path, environ: Mapping[str, str]) -> int:
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # caught from the first line of main: a signal during
+# start-up must not kill the rank with the default action before the config names the warning signal
+
+
+def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = None) -> int:
     """One attempt of the run described by ``config_path``, as the rank ``environ`` says this is.
 
     Returns 0 when training finished (or had finished before), EXIT_REQUEUE when it
     stopped at a committed snapshot for a requeue, 1 when a requeue cap is reached.
     """
-    from hpc_ddp import snapshot
-    from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.distributed import process_group
-    from hpc_ddp.task import load_task
-    from hpc_ddp.trainer import Trainer
-
     cfg = load_config([config_path])
     environ = with_config_port(environ, cfg)
     env = from_environ(environ)
+    flag = flag or StopFlag()
+    flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM])
     setup_logging(env)
     log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
-    _threads(environ, env)
     run_dir = Path(cfg.run_dir)
     if (run_dir / "DONE.json").exists():
         log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
         return 0
-    limits = {key: getattr(cfg.slurm, key) for key in REASONS_CAPPED.values()}
+    limits = {key: getattr(cfg.slurm, key) for key in set(REASONS_CAPPED.values())}
     attempts = read_attempts(run_dir)
     capped = cap_reached("preemption", attempts, limits)
     if capped:  # Slurm requeued a preempted job once more than allowed
         log.error("%s", capped)
         return 1
+    return _attempt(cfg, env, environ, flag, attempts, limits)
+
+
+def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: StopFlag,
+             attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
+    from hpc_ddp import snapshot
+    from hpc_ddp.checkpointer import Checkpointer
+    from hpc_ddp.distributed import any_rank, default_store, process_group
+    from hpc_ddp.task import load_task
+    from hpc_ddp.trainer import Trainer
+
+    _threads(environ, env)
+    run_dir = Path(cfg.run_dir)
     warning = signal_number(cfg.slurm.signal)
-    flag = StopFlag()
-    flag.install([warning, signal.SIGTERM])
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
     local = environ.get("HPC_DDP_LOCAL") == "1"
     end_time = None if local or not env.is_main else job_end_time(job_spec(environ))
     task = load_task(cfg.train.task)
     started = time.time()
+    me = holder_record(job_spec(environ) or str(env.job_id), local=local)
+    record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(started, 3)}
     with process_group(env, cfg.dist) as device:
-        checkpointer = Checkpointer(run_dir, cfg.snapshot, env, config_hash(cfg))
-        on_step = _print_progress if local and env.is_main else None
-        result = Trainer(task, cfg, env, device, run_dir, checkpointer=checkpointer, stop=flag,
-                         on_step=on_step).train()
-    record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(started, 3),
-              "end": round(time.time(), 3), "first_step": result["first_step"], "last_step": result["step"],
-              "resumed_from": result["resumed_from"]}
+        _lock(run_dir, me, env, device, any_rank)
+        try:
+            watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(),
+                                on_hang=_on_hang(run_dir, env, record, cfg.dist.timeout_s)).start()
+            try:
+                checkpointer = Checkpointer(run_dir, cfg.snapshot, env, config_hash(cfg))
+                on_step = _print_progress if local and env.is_main else None
+                result = Trainer(task, cfg, env, device, run_dir, checkpointer=checkpointer, stop=flag,
+                                 on_step=on_step, beat=watchdog.beat).train()
+            finally:
+                watchdog.stop()
+            record.update(end=round(time.time(), 3), first_step=result["first_step"], last_step=result["step"],
+                          resumed_from=result["resumed_from"])
+            # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
+            # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
+            return _conclude(cfg, env, environ, flag, result, record, attempts, limits, warning, end_time, local)
+        finally:
+            if env.is_main:
+                release(run_dir, me)
+
+
+def _lock(run_dir: Path, me: dict[str, Any], env: DistEnv, device: Any, any_rank: Any) -> None:
+    """Rank 0 takes the run dir's lock; every rank learns whether it could."""
+    problem = None
+    if env.is_main:
+        try:
+            acquire(run_dir, me)
+        except HpcDdpError as err:
+            problem = err
+    if any_rank(problem is not None, device):
+        if problem is not None:
+            raise problem
+        raise RunLockedError("rank 0 could not lock the run dir (its log says which job holds it)", key="run_dir")
+
+
+def _on_hang(run_dir: Path, env: DistEnv, record: dict[str, Any], timeout_s: float) -> Any:
+    """Rank 0's watchdog records the hang (naming the stuck ranks) before the process ends.
+
+    The other ranks wait a little before exiting: the stuck rank's watchdog fires first (its
+    last beat is the oldest), and its exit would make rank 0's collective fail before rank 0's
+    own watchdog could record the hang.
+    """
+    def on_hang(message: str, stuck: list[int]) -> None:
+        if not env.is_main:
+            time.sleep(min(30.0, 2 * max(0.05, min(5.0, timeout_s / 10)) + 2))
+        if env.is_main:
+            append_attempt(run_dir, {**record, "end": round(time.time(), 3), "reason": "hung",
+                                     "stuck_ranks": stuck, "message": message.splitlines()[0]})
+        from hpc_ddp.shutdown import exit_fast
+
+        exit_fast(EXIT_HUNG)
+    return on_hang
+
+
+def _conclude(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: StopFlag, result: dict[str, Any],
+              record: dict[str, Any], attempts: list[dict[str, Any]], limits: dict[str, int], warning: int,
+              end_time: float | None, local: bool) -> int:
+    """Rank 0 writes the ledger line and requeues a stopped job; returns this rank's exit code."""
+    run_dir = Path(cfg.run_dir)
     if not result["stopped"]:
         if env.is_main:
             append_attempt(run_dir, {**record, "reason": "finished"})
@@ -144,9 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example:\n  srun python -m hpc_ddp.worker --config runs/mlp/config.yaml")
     parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")
+    flag = StopFlag()
+    flag.install(EARLY_SIGNALS)
     args = parser.parse_args(argv)
     try:
-        return run(args.config, os.environ)
+        return run(args.config, os.environ, flag)
+    except RunLockedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_LOCKED
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

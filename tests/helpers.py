@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 
@@ -14,3 +15,17 @@ def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.
             return True
         time.sleep(poll)
     return bool(predicate())
+
+
+def alive_with(marker: str) -> list[int]:
+    """PIDs whose command line mentions ``marker`` (the run's unique config path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

@@ -86,7 +86,7 @@ ERRORS = [
     (["slurm.sbatch_extra={--mail-type: END}"], "slurm.sbatch_extra", "without '--'"),
     (["dist.nccl_env={NCCL DEBUG: INFO}"], "dist.nccl_env", "environment variable names"),
     (["name=a/b"], "name", "it names a directory"),
-    (["slurm.max_failures=2"], "slurm.max_failures", "not available yet"),
+    (["slurm.max_failures=-1"], "slurm.max_failures", "an integer >= 0"),
     (["slurm.partition='gpu debug'"], "slurm.partition", "without spaces"),
     (['slurm.sbatch_extra.comment="a\\nb"'], "slurm.sbatch_extra", "one-line"),
     (["train.lr=${oc.env:HPC_DDP_SURELY_UNSET}"], "train.lr", "HPC_DDP_SURELY_UNSET"),

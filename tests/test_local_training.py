@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hpc_ddp.submit import main as submit
+from tests.helpers import alive_with
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -48,20 +49,6 @@ def test_ddp_over_four_ranks_equals_one_process_on_the_full_batch(tmp_path: Path
     assert (done["step"], done["world_size"]) == (20, 4) and len(done["params_sha256"]) == 64
 
 
-def _alive_with(marker: str) -> list[int]:
-    """PIDs whose command line mentions ``marker`` (the run's unique config path)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def test_a_failing_rank_fails_the_job_fast_and_leaves_nothing_behind(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = run_local(tmp_path, "fail", "train.task=tests.tasks:FailOnRank2AtStep5", "train.max_steps=50",
@@ -69,7 +56,7 @@ def test_a_failing_rank_fails_the_job_fast_and_leaves_nothing_behind(tmp_path: P
     assert time.monotonic() - start < 30 and proc.returncode != 0
     assert "rank 2 failed" in proc.stderr and "injected failure on rank 2 at step 5" in proc.stderr
     assert "Traceback" in proc.stderr
-    assert _alive_with(str(tmp_path / "fail")) == []
+    assert alive_with(str(tmp_path / "fail")) == []
     assert not (tmp_path / "fail" / "DONE.json").exists()
 
 

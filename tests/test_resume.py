@@ -37,7 +37,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("plain") / "run"
-    proc = submit(run_dir)
+    proc = submit(run_dir, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -67,7 +67,7 @@ def test_killed_inside_a_snapshot_write_resumes_from_the_previous_commit(uninter
     crashed = submit(run_dir, "snapshot.every_steps=10", env={"HPC_DDP_FAULT_POINT": f"{point}:20"})
     assert crashed.returncode != 0 and "exit code -9" in crashed.stderr
     assert snapshot.committed_steps(run_dir) == [10]  # step 20 never committed
-    proc = submit(run_dir, "snapshot.every_steps=10")
+    proc = submit(run_dir, "snapshot.every_steps=10", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from the snapshot of step 10" in proc.stdout + proc.stderr
     assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
@@ -81,7 +81,7 @@ def test_a_truncated_node_file_falls_back_to_the_other_nodes_copy(uninterrupted:
     step = snapshot.committed_steps(run_dir)[0]
     node1 = snapshot.step_dir(run_dir, step) / snapshot.node_file_name(1)
     node1.write_bytes(node1.read_bytes()[:1000])
-    proc = submit(run_dir)
+    proc = submit(run_dir, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("attempt-0-rank-*.log"))
     assert f"{node1} is not usable (size 1000 bytes" in logs
@@ -127,7 +127,9 @@ def test_caps_end_the_run_with_the_cap_named(tmp_path: Path) -> None:
 
 def test_a_finished_run_requeued_again_exits_at_once(uninterrupted: Path) -> None:
     before = read_attempts(uninterrupted)
-    proc = submit(uninterrupted)
+    refused = submit(uninterrupted)
+    assert refused.returncode == 2 and "holds an earlier run" in refused.stderr and "--resume" in refused.stderr
+    proc = submit(uninterrupted, "--resume")
     assert proc.returncode == 0 and "has already finished (DONE.json)" in proc.stderr + proc.stdout
     assert read_attempts(uninterrupted) == before
 
@@ -147,7 +149,7 @@ def test_killed_inside_a_background_write_resumes_from_the_previous_commit(unint
     options = ["snapshot.async_write=true", "snapshot.every_steps=10"]
     crashed = submit(run_dir, *options, env={"HPC_DDP_FAULT_POINT": "before_rename:20"})
     assert crashed.returncode != 0 and snapshot.committed_steps(run_dir) == [10]
-    proc = submit(run_dir, *options)
+    proc = submit(run_dir, *options, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from the snapshot of step 10" in proc.stdout + proc.stderr
     assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from examples.mlp import MLPTask
 from examples.simple import SimpleTask
 
 
@@ -28,3 +32,32 @@ class NoLoss:
 
     def build_model(self, cfg: Any) -> torch.nn.Module:
         return torch.nn.Linear(1, 1)
+
+
+class Faulty(MLPTask):
+    """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (KIND raise, kill or sleep).
+
+    The fault hits the given rank in the loss of its STEP-th training step of the first
+    attempt (SLURM_RESTART_COUNT=0) only, so a requeued attempt runs clean. "slow:-1:S"
+    makes every step of every rank take S seconds longer (the numbers do not change).
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        kind, rank, step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
+        self.kind, self.rank, self.step = kind, int(rank), float(step)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if self.kind == "slow":
+            time.sleep(float(self.step))
+        if model.training:  # not the trainer's eval-mode warm-up pass
+            self.steps += 1
+            if (dist.get_rank(), self.steps) == (self.rank, self.step) and os.environ.get("SLURM_RESTART_COUNT",
+                                                                                        "0") == "0":
+                if self.kind == "raise":
+                    raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+                if self.kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.kind == "sleep":
+                    time.sleep(3600)  # a rank that stops making progress outside any collective
+        return super().loss(model, batch)

@@ -1,0 +1,195 @@
+"""Faults injected for real in the local rehearsal: crashes, hangs, a killed launcher, a locked run dir,
+signals at awkward moments, a full and a read-only filesystem. Each test asserts the outcome: exit
+code, ledger line, snapshot step, message text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp import snapshot
+from hpc_ddp.preemption import read_attempts
+from hpc_ddp.runlock import EXIT_LOCKED, LOCK
+from tests.helpers import alive_with, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+BASE = ["examples/mlp.yaml", "--local", "slurm.nodes=2", "slurm.tasks_per_node=2", "train.log_every=5",
+        "snapshot.every_steps=10", "train.max_steps=40"]
+FAULTY = "train.task=tests.tasks:Faulty"
+
+
+def local(run_dir: Path, *args: str, fault: str | None = None, wait: bool = True, timeout: float = 300):
+    env = {**os.environ, "HPC_DDP_TEST_FAULT": fault or ""}
+    cmd = [sys.executable, "-m", "hpc_ddp.submit", *BASE, f"run_dir={run_dir}", *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def sha(run_dir: Path) -> str:
+    return json.loads((run_dir / "DONE.json").read_text())["params_sha256"]
+
+
+def reasons(run_dir: Path) -> list[str]:
+    return [a["reason"] for a in read_attempts(run_dir)]
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run with no fault: what every recovered run must equal bit for bit."""
+    run_dir = tmp_path_factory.mktemp("clean") / "run"
+    proc = local(run_dir, FAULTY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_a_crashing_rank_ends_every_rank_and_the_ledger_says_failed(tmp_path: Path, kind: str) -> None:
+    run_dir = tmp_path / kind
+    start = time.monotonic()
+    proc = local(run_dir, FAULTY, "dist.timeout_s=60", fault=f"{kind}:1:23")
+    assert proc.returncode != 0 and time.monotonic() - start < 60 + 30  # within dist.timeout_s and a margin
+    assert "rank 1 failed" in proc.stderr and alive_with(str(run_dir)) == []
+    [attempt] = read_attempts(run_dir)
+    assert attempt["reason"] == "failed" and attempt["last_step"] == 20 and attempt["capped"] is True
+    assert "not requeued" in proc.stderr and "more than slurm.max_failures=0" in proc.stderr
+    choice = snapshot.choose(run_dir)
+    assert choice is not None and choice.step == 20 and len(choice.good_files) == 2  # intact, every node
+
+
+def test_max_failures_requeues_a_crash_and_the_run_ends_as_if_nothing_happened(clean: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "requeued"
+    proc = local(run_dir, FAULTY, "slurm.max_failures=1", fault="kill:2:23")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert reasons(run_dir) == ["failed", "finished"] and read_attempts(run_dir)[1]["resumed_from"] == 20
+    assert "requeued (slurm.max_failures allows it)" in proc.stderr
+    assert sha(run_dir) == sha(clean)
+
+
+def test_a_stuck_rank_is_named_by_the_watchdog_with_its_stack(tmp_path: Path) -> None:
+    run_dir = tmp_path / "hang"
+    start = time.monotonic()
+    proc = local(run_dir, FAULTY, "dist.timeout_s=8", fault="sleep:2:17")
+    assert proc.returncode != 0 and time.monotonic() - start < 8 + 60  # not the walltime: the watchdog's timeout
+    [attempt] = read_attempts(run_dir)
+    assert attempt["reason"] == "hung" and attempt["stuck_ranks"] == [2]
+    assert "Stuck: rank 2 at step 17 forward" in attempt["message"] + logs(run_dir)
+    rank2 = (run_dir / "logs" / "attempt-0-rank-2.log").read_text()
+    assert "stacks of every thread of this rank" in rank2 and 'tests/tasks/__init__.py", line' in rank2
+    assert "in loss" in rank2  # faulthandler shows where the stuck rank sits
+    assert snapshot.committed_steps(run_dir)[0] == 10 and alive_with(str(run_dir)) == []
+
+
+def test_a_killed_launcher_takes_its_ranks_along_and_resume_finishes_bit_exactly(clean: Path,
+                                                                                 tmp_path: Path) -> None:
+    run_dir = tmp_path / "orphan"
+    launcher = local(run_dir, FAULTY, "train.log_every=1", fault="slow:-1:0.05", wait=False)
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 14, 120)
+    launcher.kill()  # SIGKILL: no cleanup code runs in the launcher
+    launcher.wait()
+    assert wait_until(lambda: alive_with(str(run_dir)) == [], 10), "ranks outlived their launcher"
+    newest = snapshot.committed_steps(run_dir)[0]
+    assert (run_dir / LOCK).exists() and 10 <= newest < 40  # a stale lock is left, the run is unfinished
+    refused = local(run_dir, FAULTY)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    proc = local(run_dir, FAULTY, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_attempts(run_dir)[-1]["resumed_from"] == newest and sha(run_dir) == sha(clean)
+    assert not (run_dir / LOCK).exists() and "taking over the lock" in logs(run_dir)
+
+
+def test_a_second_job_on_the_same_run_dir_refuses_and_names_the_holder(clean: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "shared"
+    first = local(run_dir, FAULTY, "train.log_every=1", fault="slow:-1:0.3", wait=False)
+    assert wait_until(lambda: (run_dir / LOCK).exists() and (run_dir / "metrics.jsonl").exists(), 120)
+    holder = json.loads((run_dir / LOCK).read_text())
+    second = local(run_dir, FAULTY, "--resume")
+    assert second.returncode == EXIT_LOCKED
+    assert f"is in use by job {holder['job']}" in second.stderr and "one job per run dir" in second.stderr
+    assert first.wait(timeout=300) == 0
+    assert reasons(run_dir) == ["finished"] and sha(run_dir) == sha(clean)  # the second never wrote into it
+
+
+@pytest.mark.parametrize(("name", "args", "env"), [
+    ("start-up", ["--preempt-at", "0"], {}),
+    ("twice", ["--preempt-at", "13", "--timeout-at", "13"], {}),
+    ("in-write", [], {"HPC_DDP_FAULT_POINT": "tmp:20:TERM"}),
+])
+def test_signals_at_awkward_moments_give_exactly_one_requeue(clean: Path, tmp_path: Path, name: str,
+                                                             args: list[str], env: dict[str, str]) -> None:
+    run_dir = tmp_path / name
+    os.environ.update(env)
+    try:
+        proc = local(run_dir, FAULTY, *args)
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(reasons(run_dir)) == 2 and reasons(run_dir)[1] == "finished", read_attempts(run_dir)
+    assert sha(run_dir) == sha(clean)
+
+
+def test_a_signal_at_the_last_step_ends_finished_with_at_most_one_requeue(clean: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "last"
+    proc = local(run_dir, FAULTY, "--timeout-at", "40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert reasons(run_dir) in (["finished"], ["timeout", "finished"]) and sha(run_dir) == sha(clean)
+    again = local(run_dir, FAULTY, "--resume", "--timeout-at", "0")  # a requeued finished run: nothing to do
+    assert again.returncode == 0 and "already finished" in again.stderr + logs(run_dir)
+    assert reasons(run_dir)[-1] == "finished"
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_filesystem_during_a_snapshot_keeps_the_previous_one(tmp_path: Path) -> None:
+    run_dir = tmp_path / "full"
+    snapshots = run_dir / "snapshots"
+    _mount_tmpfs(snapshots, "300k")  # room for two snapshots of ~120 KB (keep_last=2), not a third
+    try:
+        proc = local(run_dir, FAULTY, "slurm.nodes=1")
+        assert proc.returncode != 0
+        assert "snapshot of step 30 not committed" in proc.stderr and "No space left on device" in proc.stderr
+        assert "the previous committed snapshot is untouched" in proc.stderr
+        assert snapshot.committed_steps(run_dir) == [20, 10]
+        assert not (snapshots / "step-00000030" / snapshot.MANIFEST).exists()
+        assert not list(snapshots.glob("step-*/.*tmp*"))  # nothing half-written left behind
+        choice = snapshot.choose(run_dir)
+        assert choice is not None and choice.step == 20
+        assert reasons(run_dir) == ["failed"]
+    finally:
+        _umount(snapshots)
+
+
+def test_a_read_only_run_dir_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "ro"
+    _mount_tmpfs(run_dir, "8m")
+    try:
+        stopped = local(run_dir, FAULTY, "slurm.max_preemptions=0", "--preempt-at", "15")
+        assert stopped.returncode == 1 and snapshot.committed_steps(run_dir)[0] == 15
+        subprocess.run(["mount", "-o", "remount,ro", str(run_dir)], check=True)
+        proc = local(run_dir, FAULTY, "--resume")
+        assert proc.returncode == 2 and "Read-only file system" in proc.stderr and "run_dir" in proc.stderr
+        assert snapshot.choose(run_dir).step == 15  # type: ignore[union-attr]
+    finally:
+        _umount(run_dir)
