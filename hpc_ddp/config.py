@@ -161,7 +161,7 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
     for path in paths:
         merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
     for item in overrides:
-        merged = _merge(merged, _parse_override(item), f"override {item!r}")
+        merged = _merge(merged, _parse_override(item), f"override {item!r}", key=item.partition("=")[0])
     if not merged.name:
         if not paths:
             raise ConfigError(explain("the run has no name", expected="a name for the run directory",
@@ -200,7 +200,8 @@ def _parse_override(item: str) -> Any:
         hint = (f"give it a value: {key}=VALUE" if not sep and _KEY.fullmatch(key) else
                 "keys are dotted names (train.lr); quote values with spaces: 'slurm.setup=[\"a b\"]'")
         raise ConfigError(explain("cannot read override", found=item, expected="key=value with a dotted key, "
-                                  "e.g. train.lr=0.01", hint=hint), key=key if sep and key else None)
+                                  "e.g. train.lr=0.01", hint=hint),
+                          key=key if sep and key else (str(item) or "<empty override>"))
     try:
         return OmegaConf.from_dotlist([item])
     except Exception as err:
@@ -212,25 +213,27 @@ def _parse_override(item: str) -> Any:
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
 
 
-def _merge(base: Any, data: Any, source: str) -> Any:
+def _merge(base: Any, data: Any, source: str, key: str = "") -> Any:
+    raw = OmegaConf.to_container(data, resolve=False)  # unresolved: "train=${x}" must not resolve here
     for section in (f.name for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING):
-        if section in data and not OmegaConf.is_dict(data._get_node(section)) and data[section] is not None:
+        if section in raw and not isinstance(raw[section], dict) and raw[section] is not None:
             raise ConfigError(explain(f"in {source}, {section} must be a section of keys",
-                                      found=data[section], expected=f"{section}.KEY: VALUE or a mapping",
+                                      found=raw[section], expected=f"{section}.KEY: VALUE or a mapping",
                                       hint=f"e.g. {section}.{_first_key(section)}=..."), key=section)
     try:
         return OmegaConf.merge(base, data)
     except Exception as err:
-        raise _translate(err, source) from None
+        raise _translate(err, source, key) from None
 
 
 def _first_key(section: str) -> str:
     return dataclasses.fields(_type_hints(RunConfig)[section])[0].name
 
 
-def _translate(err: Exception, source: str) -> ConfigError:
-    """An omegaconf exception as a ConfigError in the house style."""
-    key = str(getattr(err, "full_key", "") or "")
+def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigError:
+    """An omegaconf exception as a ConfigError in the house style (``fallback_key``: the override's key,
+    for errors that omegaconf reports without one, such as a mapping given for a list)."""
+    key = str(getattr(err, "full_key", "") or "") or fallback_key
     first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
     if isinstance(err, InterpolationResolutionError):
         return ConfigError(explain(f"cannot resolve an interpolation in config key {key or '?'} ({source}): "

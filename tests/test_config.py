@@ -91,8 +91,8 @@ ERRORS = [
     (['slurm.sbatch_extra.comment="a\\nb"'], "slurm.sbatch_extra", "one-line"),
     (["train.lr=${oc.env:HPC_DDP_SURELY_UNSET}"], "train.lr", "HPC_DDP_SURELY_UNSET"),
     (["train.lr=[1"], "train.lr", "cannot parse the value"),
-    (["nonsense"], None, "expected key=value"),
-    (["=3"], None, "expected key=value"),
+    (["nonsense"], "nonsense", "expected key=value"),
+    (["=3"], "=3", "expected key=value"),
 ]
 
 

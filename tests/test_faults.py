@@ -193,3 +193,22 @@ def test_a_read_only_run_dir_is_refused_before_anything_starts(tmp_path: Path) -
         assert snapshot.choose(run_dir).step == 15  # type: ignore[union-attr]
     finally:
         _umount(run_dir)
+
+
+def test_secrets_in_the_environment_never_reach_the_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "secret"
+    secrets = {"WANDB_API_KEY": "wandb-4f1c0ffee", "AWS_SECRET_ACCESS_KEY": "aws-9d8c7b6a5e", "HF_TOKEN": "hf_x0x0x0"}
+    os.environ.update(secrets)
+    try:
+        stopped = local(run_dir, FAULTY, "slurm.nodes=1", "--preempt-at", "5")
+        crashed = local(tmp_path / "crash", FAULTY, "slurm.nodes=1", fault="raise:1:3")
+    finally:
+        for key in secrets:
+            os.environ.pop(key)
+    assert stopped.returncode == 0 and reasons(run_dir) == ["preemption", "finished"]  # logs, ledger, snapshots
+    assert crashed.returncode != 0 and reasons(tmp_path / "crash") == ["failed"]  # and a traceback
+    for path in [p for p in tmp_path.rglob("*") if p.is_file()]:
+        data = path.read_bytes()
+        assert not any(value.encode() in data for value in secrets.values()), path
+    output = stopped.stdout + stopped.stderr + crashed.stdout + crashed.stderr
+    assert "injected failure" in output and not any(value in output for value in secrets.values())

@@ -1,0 +1,169 @@
+"""Pure parts of the fault handling: the watchdog's verdict, the run-dir lock, settling an attempt,
+tampered snapshots, and hygiene (permissions, secrets, no user code on the login node)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp import snapshot
+from hpc_ddp.preemption import read_attempts
+from hpc_ddp.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
+from hpc_ddp.settle import pick_config, settle
+from hpc_ddp.watchdog import Watchdog, describe_hang, laggards
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMITS = {"max_timeouts": 5, "max_preemptions": 5, "max_failures": 1}
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+
+def test_the_ranks_behind_are_the_stuck_ones() -> None:
+    assert laggards([(7, "backward"), (7, "backward"), (7, "forward"), (7, "backward")]) == [2]
+    assert laggards([(8, "data"), (7, "boundary"), (8, "data")]) == [1]
+    assert laggards([(3, "backward")] * 4) == []  # all at one place: a collective itself hangs
+    assert laggards([(3, "backward"), None]) == [1]  # never beat at all
+    message = describe_hang(0, 30, [(7, "backward"), (7, "forward")])
+    assert "Stuck: rank 1 at step 7 forward" in message and "HINT" in message
+    assert "a collective itself is stuck" in describe_hang(0, 30, [(3, "backward")] * 2)
+
+
+def test_watchdog_fires_once_the_beat_is_older_than_the_timeout() -> None:
+    now = [100.0]
+    store, fired = FakeStore(), []
+    other = Watchdog(10, 1, 2, store=store, clock=lambda: now[0])
+    other.beat(5, "backward")
+    other.check()  # publishes rank 1's beat
+    dog = Watchdog(10, 0, 2, store=store, clock=lambda: now[0], stream=io.StringIO(),
+                   on_hang=lambda message, stuck: fired.append((message, stuck)))
+    dog.beat(5, "forward")
+    now[0] += 9
+    assert dog.check() is False and fired == []
+    now[0] += 2
+    assert dog.check() is True
+    assert fired[0][1] == [0] and "Stuck: rank 0 at step 5 forward" in fired[0][0]
+    assert store.data["hpc_ddp/beat/0"] == b"5:forward"
+
+
+def test_the_lock_names_a_live_holder_and_is_taken_over_from_a_dead_one(tmp_path: Path) -> None:
+    first = holder_record("100", local=False, pid=11, host="n1", now=0)
+    acquire(tmp_path, first, alive=lambda h: True)
+    second = holder_record("200", local=False, pid=22, host="n2")
+    with pytest.raises(RunLockedError) as info:
+        acquire(tmp_path, second, alive=lambda h: True)
+    assert "is in use by job 100 (host n1, pid 11" in str(info.value) and info.value.key == "run_dir"
+    assert f"delete {tmp_path / LOCK}" in str(info.value)
+    acquire(tmp_path, second, alive=lambda h: False)  # job 100 is gone: take over
+    assert json.loads((tmp_path / LOCK).read_text())["job"] == "200"
+    release(tmp_path, first)  # not the holder any more: nothing happens
+    assert (tmp_path / LOCK).exists()
+    acquire(tmp_path, holder_record("200", local=False, pid=33), alive=lambda h: True)  # the same job, requeued
+    release(tmp_path, holder_record("200", local=False, pid=33))
+    assert not (tmp_path / LOCK).exists()
+
+
+def test_a_local_holder_is_alive_while_its_process_is() -> None:
+    assert holder_alive(holder_record("1", local=True, pid=os.getpid()))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert not holder_alive(holder_record("1", local=True, pid=dead.pid))
+
+
+def test_settle_records_a_silent_failure_once_and_requeues_under_the_cap(tmp_path: Path) -> None:
+    calls: list[int] = []
+    outcome = settle(tmp_path, job_id=7, restart_count=0, exit_code=137, limits=LIMITS,
+                     requeue_job=lambda: calls.append(1), now=5.0)
+    assert "requeued" in outcome and calls == [1]
+    assert read_attempts(tmp_path) == [{"job_id": 7, "restart_count": 0, "reason": "failed", "exit_code": 137,
+                                        "end": 5.0, "last_step": None, "capped": False}]
+    settle(tmp_path, job_id=7, restart_count=0, exit_code=137, limits=LIMITS, requeue_job=lambda: calls.append(1))
+    assert len(read_attempts(tmp_path)) == 1  # idempotent (but a failure it already knows is requeued again)
+    outcome = settle(tmp_path, job_id=7, restart_count=1, exit_code=1, limits=LIMITS, requeue_job=calls.clear)
+    assert "not requeued" in outcome and "more than slurm.max_failures=1" in outcome and calls == [1, 1]
+
+
+def test_settle_leaves_what_the_workers_recorded_and_a_locked_out_job_alone(tmp_path: Path) -> None:
+    (tmp_path / "attempts.jsonl").write_text(json.dumps({"job_id": 7, "restart_count": 0,
+                                                         "reason": "timeout"}) + "\n")
+    assert "recorded by the workers: timeout" in settle(tmp_path, job_id=7, restart_count=0, exit_code=0,
+                                                         limits=LIMITS, requeue_job=None)
+    assert "another job holds the run dir" in settle(tmp_path, job_id=8, restart_count=0, exit_code=5,
+                                                     limits=LIMITS, requeue_job=None)
+    assert len(read_attempts(tmp_path)) == 1
+
+
+def test_array_elements_settle_their_own_config() -> None:
+    assert pick_config(["a.yaml", "b.yaml"], {"SLURM_ARRAY_TASK_ID": "1"}) == "b.yaml"
+    assert pick_config(["a.yaml"], {}) == "a.yaml"
+
+
+def _commit_bytes(run_dir: Path, step: int, data: bytes) -> Path:
+    directory = snapshot.step_dir(run_dir, step)
+    directory.mkdir(parents=True)
+    path = directory / snapshot.node_file_name(0)
+    path.write_bytes(data)
+    snapshot.commit(directory, step, [{"name": path.name, "size": len(data),
+                                       "sha256": hashlib.sha256(data).hexdigest()}], 1, "x")
+    return path
+
+
+def test_altered_bytes_fall_back_to_the_previous_step_then_fail_naming_the_file(tmp_path: Path) -> None:
+    older = _commit_bytes(tmp_path, 10, b"a" * 64)
+    newer = _commit_bytes(tmp_path, 20, b"b" * 64)
+    newer.write_bytes(b"b" * 63 + b"c")  # same size, one byte changed
+    assert snapshot.choose(tmp_path).step == 10  # type: ignore[union-attr]
+    older.write_bytes(b"x" * 64)
+    with pytest.raises(snapshot.SnapshotError) as info:
+        snapshot.choose(tmp_path)
+    assert f"{newer} (sha256 differs from the manifest)" in str(info.value) and str(older) in str(info.value)
+    assert "move" in str(info.value) and "snapshots" in str(info.value)
+
+
+def test_files_are_created_with_the_umask_and_never_world_writable(tmp_path: Path) -> None:
+    code = ("import os, sys; os.umask(int(sys.argv[2], 8)); from pathlib import Path\n"
+            "from hpc_ddp.atomic import write_atomic; from hpc_ddp.runlock import acquire, holder_record\n"
+            "from hpc_ddp.config import load_config, save_config\n"
+            "d = Path(sys.argv[1]); save_config(load_config([], ['name=u', 'train.task=a:B', 'train.max_steps=1']),"
+            " d / 'run' / 'config.yaml'); write_atomic(d / 'run' / 'f', b'x')\n"
+            "acquire(d / 'run', holder_record('1', local=True))\n")
+    for umask, expected in (("022", 0o644), ("077", 0o600)):
+        target = tmp_path / umask
+        subprocess.run([sys.executable, "-c", code, str(target), umask], check=True, cwd=ROOT)
+        for path in (target / "run" / "config.yaml", target / "run" / "f", target / "run" / LOCK):
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode == expected, (path, oct(mode))
+        assert not stat.S_IMODE((target / "run").stat().st_mode) & stat.S_IWOTH
+
+
+def test_the_login_node_path_never_runs_the_task_module(tmp_path: Path) -> None:
+    (tmp_path / "evilpkg").mkdir()
+    marker = tmp_path / "ran"
+    (tmp_path / "evilpkg" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "evilpkg" / "task.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "c.yaml").write_text(f"train: {{task: 'evilpkg.task:T', max_steps: 1}}\nrun_dir: {tmp_path}/r\n")
+    for args in (["--dry-run"], ["--emit-sbatch", str(tmp_path / "job.sbatch")], ["--dry-run", "--multirun",
+                                                                                 "train.lr=1,2"]):
+        proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", str(tmp_path / "c.yaml"), *args],
+                              cwd=tmp_path, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
