@@ -1,0 +1,233 @@
+"""``python -m benchmarks.run``: every figure of docs/performance.md, as ratios measured side by side.
+
+Writes ``benchmarks/results.json`` (sections B1..B6: raw medians, the ratio, the
+target, met or not) and prints the markdown table; ``--write-docs`` puts the
+table into docs/performance.md. Medians over interleaved repeats: this machine
+is noisy (2 cores, hypervisor steal), so only ratios from one run mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import interleaved, median, wall
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+DOC = ROOT / "docs" / "performance.md"
+BEGIN, END = "<!-- results: begin -->", "<!-- results: end -->"
+
+
+def b1_cli(repeats: int) -> dict[str, Any]:
+    """The login-node CLI against a bare interpreter importing its dependencies, and torch."""
+    cmds = {"dry_run_s": [sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--dry-run",
+                          "--no-preflight"],
+            "import_submitit_omegaconf_s": [sys.executable, "-c", "import submitit, omegaconf"],
+            "import_torch_s": [sys.executable, "-c", "import torch"]}
+    samples = interleaved({name: (lambda c=cmd: wall(c, cwd=str(ROOT))) for name, cmd in cmds.items()}, repeats)
+    med = {name: median(v) for name, v in samples.items()}
+    ratio = med["dry_run_s"] / med["import_submitit_omegaconf_s"]
+    return {**_round(med), "ratio": round(ratio, 3), "target": "dry-run <= 1.3 x import submitit+omegaconf",
+            "met": ratio <= 1.3, "torch_vs_dry_run": round(med["import_torch_s"] / med["dry_run_s"], 2),
+            "repeats": repeats}
+
+
+def b2_training(rounds: int, steps: int, every: int) -> dict[str, Any]:
+    from benchmarks.common import median as med_of
+    from hpc_ddp.local import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "b2.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.training", str(out), str(rounds), str(steps), str(every),
+                        str(free_port())], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        data = json.loads(out.read_text())
+    rates = {name: med_of(values) for name, values in data["samples"].items()}
+    ratio = rates["stop"] / rates["raw"]
+    return {"steps_per_s": _round(rates), "trainer_vs_raw": round(ratio, 3),
+            "bare_trainer_vs_raw": round(rates["bare"] / rates["raw"], 3),
+            "stop_flag_cost": round(1 - rates["stop"] / rates["bare"], 3),
+            "sync_snapshots_vs_raw": round(rates["sync"] / rates["raw"], 3),
+            "async_snapshots_vs_raw": round(rates["async"] / rates["raw"], 3),
+            "target": "trainer (with the per-step stop agreement, no snapshots) >= 0.98 x raw DDP loop",
+            "met": ratio >= 0.98, "rounds": rounds, "steps": steps, "snapshot_every": every,
+            "workload": "3 x Linear(1024,1024), MSE, SGD, batch 64/rank, 2 gloo ranks, 1 thread each"}
+
+
+def b3_snapshots(directory: Path, repeats: int, sizes: list[float]) -> dict[str, Any]:
+    from benchmarks.snapshots import snapshot_figures
+
+    figures = {f"{int(mb)}MB": snapshot_figures(mb, directory, repeats if mb < 500 else max(1, repeats - 1))
+               for mb in sizes}
+    big = figures[f"{int(max(sizes))}MB"]
+    met = (all(f["sync_vs_dd"] >= 0.8 and f["async_blocked_vs_sync"] <= 0.15 for f in figures.values())
+           and (max(sizes) < 1000 or big["load_and_copy_s"] <= 0.2))
+    return {**figures, "target": "sync >= 0.8 x dd; async blocked <= 0.15 x sync; 1 GB resume load <= 0.2 s",
+            "met": met}
+
+
+def b4_stop(directory: Path, repeats: int, sync_s: float) -> dict[str, Any]:
+    from benchmarks.snapshots import stop_latency
+
+    figures = stop_latency(directory, 100, repeats)
+    beyond = figures["signal_to_exit_s"] - sync_s
+    return {**figures, "sync_write_s_from_b3": round(sync_s, 4), "beyond_write_s": round(beyond, 4),
+            "target": "signal -> committed and exited <= 0.4 s beyond the snapshot write; 0 steps lost",
+            "met": beyond <= 0.4 and figures["steps_lost"] == 0}
+
+
+def b5_slurm() -> dict[str, Any]:
+    """sbatch -> first step, and requeue -> first resumed step, on the local test cluster."""
+    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
+
+    spec = ClusterSpec()
+    missing = missing_pieces(spec)
+    if missing:
+        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
+    start(spec)
+    env = {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)}
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+        run_dir = Path(tmp) / "b5"
+        metrics = run_dir / "metrics.jsonl"
+        begin = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "train.log_every=1",
+                               "train.max_steps=5000", f"run_dir={run_dir}", "slurm.timeout_min=30"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, check=True)
+        job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+        first = _wait(lambda: metrics.exists() and metrics.stat().st_size > 0, 180) - begin
+        lines = lambda: metrics.read_text().splitlines()  # noqa: E731
+        _wait(lambda: len(lines()) >= 20, 120)
+        signalled = time.perf_counter()
+        subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
+        _wait(lambda: (run_dir / "attempts.jsonl").exists(), 120)
+        stopped = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[0])["last_step"]
+        resumed = _wait(lambda: any(json.loads(x)["step"] > stopped for x in lines()), 300) - signalled
+        subprocess.run(["scancel", job], env=env, check=False)
+        _wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                         text=True).stdout.strip(), 60)
+    return {"submit_to_first_step_s": round(first, 2), "signal_to_first_resumed_step_s": round(resumed, 2),
+            "target": "(reported; no target)", "met": None,
+            "note": "includes Slurm's scheduling and requeue delays on the local test cluster"}
+
+
+def _wait(predicate: Callable[[], Any], timeout: float) -> float:
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if predicate():
+            return time.perf_counter()
+        time.sleep(0.05)
+    raise TimeoutError(f"waited {timeout}s")
+
+
+def b6_scale(ranks: int = 4096) -> dict[str, Any]:
+    from hpc_ddp.slurm_env import from_environ, simulated_environ
+
+    environs = simulated_environ(ranks // 8, 8, job_id=987654)
+    start = time.perf_counter()
+    envs = [from_environ(e) for e in environs]
+    took = time.perf_counter() - start
+    agree = len({(e.master_addr, e.master_port) for e in envs}) == 1 and sorted(e.rank for e in envs) == list(
+        range(ranks))
+    return {"ranks": ranks, "all_ranks_s": round(took, 4), "per_rank_us": round(took / ranks * 1e6, 1),
+            "agree_on_address_and_port": agree, "target": "every rank agrees", "met": agree}
+
+
+def _round(values: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in values.items()}
+
+
+def table(results: dict[str, Any]) -> str:
+    def mark(section: dict[str, Any]) -> str:
+        return "-" if section.get("met") is None else ("yes" if section["met"] else "**no**")
+
+    rows = ["| figure | measured | target | met |", "|---|---|---|---|"]
+    b = results
+    if "B1" in b:
+        rows.append(f"| B1 CLI | dry-run {b['B1']['dry_run_s']} s = {b['B1']['ratio']} x `import submitit, "
+                    f"omegaconf` ({b['B1']['import_submitit_omegaconf_s']} s); `import torch` "
+                    f"{b['B1']['import_torch_s']} s | {b['B1']['target']} | {mark(b['B1'])} |")
+    if "B2" in b:
+        s = b["B2"]
+        rows.append(f"| B2 training | trainer {s['trainer_vs_raw']} x raw ({s['steps_per_s']['stop']} vs "
+                    f"{s['steps_per_s']['raw']} steps/s); stop agreement costs {s['stop_flag_cost']:.1%}; "
+                    f"snapshots every {s['snapshot_every']} steps: sync {s['sync_snapshots_vs_raw']} x, async "
+                    f"{s['async_snapshots_vs_raw']} x raw | {s['target']} | {mark(s)} |")
+    if "B3" in b:
+        for key, f in b["B3"].items():
+            if isinstance(f, dict):
+                rows.append(f"| B3 snapshot {f['size_mb']} MB | sync {f['sync_mb_s']} MB/s = {f['sync_vs_dd']} x "
+                            f"dd fsync ({f['dd_mb_s']} MB/s); plain torch.save {f['plain_mb_s']} MB/s; async "
+                            f"blocks {f['async_blocked_vs_sync']} x sync; fresh load {f['load_mmap_s']} s (mmap), "
+                            f"{f['load_and_copy_s']} s into the model | {b['B3']['target']} | {mark(b['B3'])} |")
+    if "B4" in b:
+        s = b["B4"]
+        rows.append(f"| B4 stop ({s['size_mb']:.0f} MB) | signal to exit {s['signal_to_exit_s']} s = snapshot "
+                    f"write {s['sync_write_s_from_b3']} s + {s['beyond_write_s']} s; commit to exit "
+                    f"{s['commit_to_exit_s']} s; steps lost {s['steps_lost']:g} | {s['target']} | {mark(s)} |")
+    if "B5" in b:
+        s = b["B5"]
+        text = s.get("skipped") or (f"sbatch to first step {s['submit_to_first_step_s']} s; signal to first "
+                                    f"resumed step {s['signal_to_first_resumed_step_s']} s")
+        rows.append(f"| B5 Slurm | {text} | {s.get('target', '-')} | {mark(s)} |")
+    if "B6" in b:
+        s = b["B6"]
+        rows.append(f"| B6 scale | from_environ for {s['ranks']} ranks: {s['all_ranks_s']} s "
+                    f"({s['per_rank_us']} us each); all agree: {s['agree_on_address_and_port']} | {s['target']} "
+                    f"| {mark(s)} |")
+    return "\n".join(rows)
+
+
+def write_docs(results: dict[str, Any]) -> None:
+    text = DOC.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    machine = results["machine"]
+    block = (f"{BEGIN}\nMeasured {machine['date']} on {machine['description']}, with `python -m benchmarks.run"
+             f"{' ' + ' '.join(machine['args']) if machine['args'] else ''}`:\n\n{table(results)}\n{END}")
+    DOC.write_text(head + block + tail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6", help="comma-separated figures, e.g. B1,B3")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
+    parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
+    args = parser.parse_args(argv)
+    only = {x.strip().upper() for x in args.only.split(",")}
+    quick = args.quick
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results["machine"] = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
+                          "description": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs, "
+                          f"{platform.system()} {platform.release()}", "args": (argv or sys.argv[1:])}
+    scratch = Path(tempfile.mkdtemp(prefix="hpc_ddp-bench-", dir=ROOT))
+    try:
+        steps = [("B1", lambda: b1_cli(4 if quick else 10)),
+                 ("B2", lambda: b2_training(1 if quick else 3, 60 if quick else 160, 40)),
+                 ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),
+                 ("B4", lambda: b4_stop(scratch, 1 if quick else 3, results["B3"]["100MB"]["sync_s"])),
+                 ("B5", b5_slurm), ("B6", b6_scale)]
+        for name, run in steps:
+            if name in only:
+                print(f"running {name} ...", file=sys.stderr, flush=True)
+                results[name] = run()
+                RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(table(results))
+    if args.write_docs:
+        write_docs(results)
+    return 0 if all(results[k].get("met") is not False for k in only if k in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

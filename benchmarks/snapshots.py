@@ -1,0 +1,155 @@
+"""B3 and B4: snapshot throughput against torch.save and the disk, async blocking, load, stop latency."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import interleaved, median, wall
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def state_of(megabytes: float) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Model + Adam state of about ``megabytes`` in total (parameters are a third of it)."""
+    width = int((megabytes / 3 * 2**20 / 4) ** 0.5)
+    model = torch.nn.Linear(width, width, bias=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.ones(1, width)).sum().backward()
+    optimizer.step()
+    return model, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": None,
+                   "scaler": {}, "step": 1, "epoch": 0, "consumed": 0}
+
+
+def _checkpointer(run_dir: Path) -> Any:
+    import torch.distributed as dist
+
+    from hpc_ddp.checkpointer import Checkpointer
+    from hpc_ddp.config import SnapshotConfig
+    from hpc_ddp.slurm_env import DistEnv
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                  master_addr="127.0.0.1", master_port=1)
+    return Checkpointer(run_dir, SnapshotConfig(every_steps=None, every_minutes=None, keep_last=1), env, "bench")
+
+
+def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[str, Any]:
+    """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load."""
+    from hpc_ddp.checkpointer import capture_rng
+
+    model, state = state_of(megabytes)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    size_mb = buffer.getbuffer().nbytes / 2**20
+    del buffer
+    run_dir = directory / f"b3-{int(megabytes)}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ckpt = _checkpointer(run_dir)
+    counter = iter(range(1, 10**6))
+
+    def sync() -> float:
+        start = time.perf_counter()
+        ckpt.save(next(counter), state, capture_rng())
+        return time.perf_counter() - start
+
+    def plain() -> float:
+        start = time.perf_counter()
+        torch.save(state, directory / "plain.pt")
+        return time.perf_counter() - start
+
+    def dd() -> float:
+        count = max(1, int(size_mb / 4))
+        return wall(["dd", "if=/dev/zero", f"of={directory / 'dd.bin'}", "bs=4M", f"count={count}",
+                     "conv=fsync"]) * size_mb / (count * 4)
+
+    def blocked() -> float:
+        start = time.perf_counter()
+        ckpt.save_async(next(counter), state, capture_rng())
+        took = time.perf_counter() - start
+        ckpt.finish_async()
+        return took
+
+    sync(), blocked()  # the first large write and allocation of a process are slower: not counted
+    samples = interleaved({"sync_s": sync, "plain_torch_save_s": plain, "dd_fsync_s": dd,
+                           "async_blocked_s": blocked}, repeats)
+    newest = sorted((run_dir / "snapshots").glob("step-*"))[-1] / "node-00000.pt"
+    load = [_fresh_load(newest) for _ in range(repeats)]
+    medians = {name: median(values) for name, values in samples.items()}
+    (directory / "plain.pt").unlink(missing_ok=True)
+    (directory / "dd.bin").unlink(missing_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"size_mb": round(size_mb, 1), **{k: round(v, 4) for k, v in medians.items()},
+            "sync_mb_s": round(size_mb / medians["sync_s"], 1),
+            "plain_mb_s": round(size_mb / medians["plain_torch_save_s"], 1),
+            "dd_mb_s": round(size_mb / medians["dd_fsync_s"], 1),
+            "sync_vs_dd": round(medians["dd_fsync_s"] / medians["sync_s"], 3),
+            "async_blocked_vs_sync": round(medians["async_blocked_s"] / medians["sync_s"], 3),
+            "load_mmap_s": round(median([x["mmap_s"] for x in load]), 4),
+            "load_and_copy_s": round(median([x["copy_s"] for x in load]), 4), "repeats": repeats}
+
+
+def _fresh_load(path: Path) -> dict[str, float]:
+    """Load in a new process (torch imported first, not timed), as a resumed attempt does."""
+    code = ("import json, sys, time, torch\nfrom hpc_ddp import snapshot\n"
+            "t0 = time.perf_counter(); data = snapshot.load_file(__import__('pathlib').Path(sys.argv[1]))\n"
+            "t1 = time.perf_counter(); w = data['replicated']['model']['weight']\n"
+            "model = torch.nn.Linear(w.shape[1], w.shape[0], bias=False); model.load_state_dict(data['replicated']"
+            "['model'])\nt2 = time.perf_counter(); print(json.dumps({'mmap_s': t1 - t0, 'copy_s': t2 - t0}))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class _Clock(io.StringIO):
+    """The launcher's stderr: notes when it sent the injected signal."""
+
+    sent_at: float | None = None
+
+    def write(self, text: str) -> int:
+        if "sending" in text and self.sent_at is None:
+            self.sent_at = time.perf_counter()
+        return super().write(text)
+
+
+def stop_latency(directory: Path, megabytes: float, repeats: int) -> dict[str, Any]:
+    """B4: one rank with ~megabytes of state gets SIGTERM; time to the commit and to the exit; steps lost."""
+    from hpc_ddp import snapshot
+    from hpc_ddp.config import load_config, save_config
+    from hpc_ddp.local import launch
+    from hpc_ddp.preemption import read_attempts
+
+    results = []
+    for i in range(repeats):
+        run_dir = directory / f"b4-{i}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cfg = load_config([], ["name=b4", f"run_dir={run_dir}", "train.task=benchmarks.tasks:BigTask",
+                               "train.max_steps=100000", "train.batch_size=16", "train.log_every=1000",
+                               "snapshot.every_minutes=null"])
+        path = save_config(cfg, run_dir / "config.yaml")
+        clock = _Clock()
+        os.environ["HPC_DDP_BENCH_MB"] = str(megabytes)
+        code = launch(path, run_dir, 1, 1, job_id=1, events=[(20, int(signal.SIGTERM))], stream=io.StringIO(),
+                      err=clock)
+        exited = time.perf_counter()
+        step = snapshot.committed_steps(run_dir)[0]
+        manifest = snapshot.step_dir(run_dir, step) / snapshot.MANIFEST
+        node_file = snapshot.step_dir(run_dir, step) / "node-00000.pt"
+        committed_wall = manifest.stat().st_mtime
+        last = read_attempts(run_dir)[-1]
+        results.append({"exit_code": code, "signal_to_exit_s": exited - (clock.sent_at or exited),
+                        "commit_to_exit_s": time.time() - committed_wall - (time.perf_counter() - exited),
+                        "steps_lost": last["last_step"] - step, "size_mb": node_file.stat().st_size / 2**20})
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {key: round(median([r[key] for r in results]), 4) for key in results[0]} | {"repeats": repeats}

@@ -1,0 +1,111 @@
+"""B2: the trainer against a raw DDP loop, both in the same two gloo processes, interleaved.
+
+The raw loop is written the way PyTorch's DDP tutorial writes it: DDP wrapper,
+DistributedSampler, DataLoader, zero_grad / forward / backward / step. The
+trainer variants use the same model, data, per-rank batch and optimizer:
+
+- ``bare``: no stop flag and no snapshots, so no collective of its own;
+- ``stop``: the stop-flag agreement at every step boundary, as in production;
+- ``sync`` / ``async``: the stop flag plus a snapshot every ``every`` steps.
+
+Steps/s is measured over the steady state only: from step ``warmup`` to the
+last step, taken from the per-step callback. Rank 0 writes a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from benchmarks import tasks
+
+BATCH, LR = 64, 0.01
+
+
+def raw_loop(steps: int, warmup: int) -> float:
+    """Steps/s of the tutorial's loop."""
+    model = DistributedDataParallel(tasks.model())
+    sampler = DistributedSampler(tasks.dataset(), seed=0)
+    loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    start, done = 0.0, 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        done += 1
+        if done == warmup:
+            start = time.perf_counter()
+        if done == steps:
+            break
+    return (steps - warmup) / (time.perf_counter() - start)
+
+
+def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
+    """Steps/s of hpc_ddp's Trainer in one of the variants."""
+    from hpc_ddp.checkpointer import Checkpointer
+    from hpc_ddp.config import load_config
+    from hpc_ddp.preemption import StopFlag
+    from hpc_ddp.slurm_env import from_environ, simulated_environ
+    from hpc_ddp.trainer import Trainer
+
+    rank = dist.get_rank()
+    env = from_environ({**simulated_environ(1, 2, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": os.environ["MASTER_PORT"]})
+    with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
+        run_dirs: list[Any] = [tmp]
+        dist.broadcast_object_list(run_dirs, src=0)  # one run dir for both ranks (rank 0's)
+        snapshots = [f"snapshot.every_steps={every}", f"snapshot.async_write={variant == 'async'}"] if variant in (
+            "sync", "async") else ["snapshot.every_steps=null"]
+        cfg = load_config([], ["name=b2", f"run_dir={run_dirs[0]}", "train.task=benchmarks.tasks:BenchTask",
+                               f"train.max_steps={steps}", f"train.batch_size={BATCH}", f"train.lr={LR}",
+                               f"train.log_every={steps}", "snapshot.every_minutes=null", *snapshots])
+        checkpointer = Checkpointer(Path(run_dirs[0]), cfg.snapshot, env, "b2") if variant in ("sync", "async") \
+            else None
+        times: dict[int, float] = {}
+        trainer = Trainer(tasks.BenchTask(), cfg, env, torch.device("cpu"), Path(run_dirs[0]),
+                          checkpointer=checkpointer, stop=StopFlag() if variant != "bare" else None,
+                          on_step=lambda step: times.__setitem__(step, time.perf_counter()))
+        trainer.train()
+        dist.barrier()
+    return (steps - warmup) / (times[steps] - times[warmup])
+
+
+def worker(rank: int, out: str, rounds: int, steps: int, every: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    warmup = max(5, steps // 10)
+    variants = ["raw", "bare", "stop", "sync", "async"]
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            rate = raw_loop(steps, warmup) if variant == "raw" else trainer_loop(steps, warmup, variant, every)
+            samples[variant].append(rate)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"samples": samples, "steps": steps, "every": every}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(out: Path, rounds: int, steps: int, every: int, port: int) -> dict[str, Any]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    mp.spawn(worker, args=(str(out), rounds, steps, every), nprocs=2, join=True)
+    return json.loads(out.read_text())
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                         int(sys.argv[5]))))
