@@ -95,7 +95,7 @@ def b5_slurm() -> dict[str, Any]:
         return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
     start(spec)
     env = {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)}
-    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+    with tempfile.TemporaryDirectory(dir=ROOT, ignore_cleanup_errors=True) as tmp:
         run_dir = Path(tmp) / "b5"
         metrics = run_dir / "metrics.jsonl"
         begin = time.perf_counter()
@@ -111,9 +111,7 @@ def b5_slurm() -> dict[str, Any]:
         _wait(lambda: (run_dir / "attempts.jsonl").exists(), 120)
         stopped = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[0])["last_step"]
         resumed = _wait(lambda: any(json.loads(x)["step"] > stopped for x in lines()), 300) - signalled
-        subprocess.run(["scancel", job], env=env, check=False)
-        _wait(lambda: not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                                         text=True).stdout.strip(), 60)
+        subprocess.run(["scancel", job], env=env, check=False)  # the run dir goes; the job ends on its own
     return {"submit_to_first_step_s": round(first, 2), "signal_to_first_resumed_step_s": round(resumed, 2),
             "target": "(reported; no target)", "met": None,
             "note": "includes Slurm's scheduling and requeue delays on the local test cluster"}
@@ -162,7 +160,7 @@ def table(results: dict[str, Any]) -> str:
                     f"snapshots every {s['snapshot_every']} steps: sync {s['sync_snapshots_vs_raw']} x, async "
                     f"{s['async_snapshots_vs_raw']} x raw | {s['target']} | {mark(s)} |")
     if "B3" in b:
-        for key, f in b["B3"].items():
+        for f in b["B3"].values():
             if isinstance(f, dict):
                 rows.append(f"| B3 snapshot {f['size_mb']} MB | sync {f['sync_mb_s']} MB/s = {f['sync_vs_dd']} x "
                             f"dd fsync ({f['dd_mb_s']} MB/s); plain torch.save {f['plain_mb_s']} MB/s; async "

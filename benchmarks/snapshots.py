@@ -67,7 +67,9 @@ def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[st
     def plain() -> float:
         start = time.perf_counter()
         torch.save(state, directory / "plain.pt")
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        os.sync()  # not timed: its dirty pages would otherwise be written back during the next figure
+        return took
 
     def dd() -> float:
         count = max(1, int(size_mb / 4))
@@ -85,7 +87,8 @@ def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[st
     samples = interleaved({"sync_s": sync, "plain_torch_save_s": plain, "dd_fsync_s": dd,
                            "async_blocked_s": blocked}, repeats)
     newest = sorted((run_dir / "snapshots").glob("step-*"))[-1] / "node-00000.pt"
-    load = [_fresh_load(newest) for _ in range(repeats)]
+    width = state["model"]["weight"].shape[0]
+    load = [_fresh_load(newest, width) for _ in range(repeats)]
     medians = {name: median(values) for name, values in samples.items()}
     (directory / "plain.pt").unlink(missing_ok=True)
     (directory / "dd.bin").unlink(missing_ok=True)
@@ -100,15 +103,17 @@ def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[st
             "load_and_copy_s": round(median([x["copy_s"] for x in load]), 4), "repeats": repeats}
 
 
-def _fresh_load(path: Path) -> dict[str, float]:
+def _fresh_load(path: Path, width: int) -> dict[str, float]:
     """Load in a new process (torch imported first, not timed), as a resumed attempt does."""
     code = ("import json, sys, time, torch\nfrom hpc_ddp import snapshot\n"
+            "width = int(sys.argv[2])\n"  # the model and optimizer exist before a resume loads into them
+            "model = torch.nn.Linear(width, width, bias=False); opt = torch.optim.Adam(model.parameters())\n"
             "t0 = time.perf_counter(); data = snapshot.load_file(__import__('pathlib').Path(sys.argv[1]))\n"
-            "t1 = time.perf_counter(); w = data['replicated']['model']['weight']\n"
-            "model = torch.nn.Linear(w.shape[1], w.shape[0], bias=False); model.load_state_dict(data['replicated']"
-            "['model'])\nt2 = time.perf_counter(); print(json.dumps({'mmap_s': t1 - t0, 'copy_s': t2 - t0}))")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+            "t1 = time.perf_counter(); model.load_state_dict(data['replicated']['model'])\n"
+            "opt.load_state_dict(data['replicated']['optimizer'])\n"
+            "t2 = time.perf_counter(); print(json.dumps({'mmap_s': t1 - t0, 'copy_s': t2 - t0}))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(width)], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -20,15 +21,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes | memoryview | str,
+def write_atomic(path: Path, data: bytes | memoryview | str | Callable[[BinaryIO], None],
                  fault: Callable[[str], None] | None = None) -> None:
-    """Replace ``path`` with ``data`` durably. ``fault`` is a test seam called at "tmp" and "before_rename"."""
+    """Replace ``path`` with ``data`` durably. ``fault`` is a test seam called at "tmp" and "before_rename".
+
+    ``data`` may be a function that writes into the open temporary file: a snapshot is
+    serialised straight into it, without a second copy of the state in memory.
+    """
     if isinstance(data, str):
         data = data.encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as out:
-            out.write(data)
+            if callable(data):
+                data(out)
+            else:
+                out.write(data)
             if fault:
                 fault("tmp")
             out.flush()

@@ -14,7 +14,6 @@ imports torch only to serialise (``status`` reads manifests without it).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -22,9 +21,11 @@ import pickle
 import shutil
 import signal
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hpc_ddp import atomic
 from hpc_ddp.errors import HpcDdpError, explain
@@ -58,7 +59,7 @@ def node_file_name(node_rank: int) -> str:
     return f"node-{node_rank:05d}.pt"
 
 
-def write_atomic(path: Path, data: bytes | memoryview) -> None:
+def write_atomic(path: Path, data: bytes | memoryview | Callable[[BinaryIO], None]) -> None:
     """:func:`hpc_ddp.atomic.write_atomic` with the fault seam, and a SnapshotError that says what to do."""
     try:
         atomic.write_atomic(path, data, fault=lambda point: _fault(point, path))
@@ -68,17 +69,47 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
                                     "the previous committed snapshot is untouched")) from None
 
 
+class _Hashing:
+    """A write-only file that hashes and counts what passes through (torch.save writes sequentially).
+
+    The hash of a chunk runs in a helper thread while the chunk is written: both release the
+    GIL, so hashing hides behind the write (sha256 alone was ~35% of a 100 MB snapshot).
+    """
+
+    def __init__(self, out: BinaryIO, pool: ThreadPoolExecutor) -> None:
+        self.out, self.pool, self.sha256, self.size = out, pool, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        hashed = self.pool.submit(self.sha256.update, view)
+        try:
+            written = self.out.write(view)
+        finally:
+            hashed.result()  # in order: the next chunk is hashed only after this one
+        self.size += view.nbytes
+        return written
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) -> dict[str, Any]:
-    """Serialise and write one node's file; return its manifest entry (name, size, sha256)."""
+    """Serialise one node's file straight into its temporary file, hashing on the way; return its
+    manifest entry (name, size, sha256). No in-memory copy of the state and no second pass to
+    hash it: B3 measured the two at 60% of a 100 MB snapshot's time."""
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getbuffer()
     directory.mkdir(parents=True, exist_ok=True)
     name = node_file_name(node_rank)
-    write_atomic(directory / name, data)
-    return {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    hashing: list[_Hashing] = []
+
+    def serialise(out: BinaryIO) -> None:
+        with ThreadPoolExecutor(1, thread_name_prefix="snapshot-sha256") as pool:
+            hashing.append(_Hashing(out, pool))
+            torch.save(payload, hashing[0])
+
+    write_atomic(directory / name, serialise)
+    return {"name": name, "size": hashing[0].size, "sha256": hashing[0].sha256.hexdigest()}
 
 
 def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str) -> None:
@@ -192,4 +223,5 @@ def prune(run_dir: Path, keep_last: int) -> None:
         except ValueError:
             continue
         if step not in keep and step < committed[0]:
+            (entry / MANIFEST).unlink(missing_ok=True)  # uncommit first: a half-deleted step never counts
             shutil.rmtree(entry, ignore_errors=True)

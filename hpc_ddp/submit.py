@@ -21,10 +21,8 @@ from pathlib import Path
 
 from hpc_ddp.config import RunConfig, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preflight import preflight
 from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
 from hpc_ddp.slurm_env import from_environ, simulated_environ
-from hpc_ddp.sweep import expand
 
 EPILOG = """\
 examples:
@@ -102,6 +100,8 @@ def resolve_all(items: list[str], multirun: bool) -> list[RunConfig]:
     paths, overrides = split_items(items)
     if not multirun:
         return [resolve(paths, overrides)]
+    from hpc_ddp.sweep import expand
+
     return [resolve(paths, combo.overrides, combo.label) for combo in expand(overrides)]
 
 
@@ -125,7 +125,8 @@ def _log_folder(cfg: RunConfig, array: int | None) -> Path:
     return (Path(cfg.run_dir).parent if array else Path(cfg.run_dir)) / "slurm"
 
 
-def dry_run(cfgs: list[RunConfig]) -> int:
+def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
+    from hpc_ddp.preflight import preflight
     from hpc_ddp.whoami import table
 
     cfg, array = cfgs[0], (len(cfgs) if len(cfgs) > 1 else None)
@@ -138,8 +139,9 @@ def dry_run(cfgs: list[RunConfig]) -> int:
     print(f"run {cfg.name}: {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks, run dir {cfg.run_dir}")
     print("every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
-    findings = preflight(cfg)
-    print("preflight: " + ("all checks pass" if not findings else "\n" + "\n".join(map(str, findings))))
+    if checks:
+        findings = preflight(cfg)
+        print("preflight: " + ("all checks pass" if not findings else "\n" + "\n".join(map(str, findings))))
     return 0
 
 
@@ -195,6 +197,8 @@ def _check_earlier(run_dir: Path, resume: bool) -> None:
 
 def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
     """Print the warnings; raise with every error when there is one."""
+    from hpc_ddp.preflight import preflight
+
     findings = preflight(cfg, slurm=slurm)
     for finding in findings:
         if finding.level == "warning":
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfgs = resolve_all(args.items, args.multirun)
         if args.dry_run:
-            return dry_run(cfgs)
+            return dry_run(cfgs, checks=not args.no_preflight)
         if args.local:
             codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume) for cfg in cfgs]
             return next((code for code in codes if code), 0)

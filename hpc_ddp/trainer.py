@@ -99,6 +99,7 @@ class Trainer:
                 f"{env.world_size} ranks gets {self.sampler.per_rank} of the {len(dataset)} samples",
                 hint="lower train.batch_size or train.grad_accum, or use fewer ranks"), key="train.batch_size")
         self.step = self.epoch = self.consumed = 0  # consumed: samples of this rank's shard used this epoch
+        self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
         self.resumed_from: int | None = None
         self._last_log = (time.monotonic(), 0)
 
@@ -139,6 +140,7 @@ class Trainer:
                 if epoch_end or self.done():
                     break
         self.beat(self.step, "finish")
+        self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
         if self.checkpointer is not None:
             self.checkpointer.finish_async()  # never leave a background write behind
         return {**self._finish(), "stopped": False, "first_step": first_step, "resumed_from": self.resumed_from}
@@ -198,17 +200,26 @@ class Trainer:
             reseed(self.cfg.train.seed, self.step, self.env.rank)
 
     def _boundary(self) -> bool:
-        """One small all_reduce: any rank stopping? snapshot due (rank 0's clock)? any writer busy?"""
+        """Act on what all ranks agreed at the previous boundary; start agreeing on this one.
+
+        The agreement (any rank stopping? a snapshot due by rank 0's clock? any writer busy?)
+        is one small all_reduce that runs while the next step computes: waiting for it here
+        cost 4.7% of a step (B2). So a stop takes effect one step after its signal, on every
+        rank at the same step. Snapshots by step count need no agreement (every rank computes
+        the same answer) and stay on their step.
+        """
         ckpt = self.checkpointer
         if ckpt is None and self.stop is None:
             return False
-        due = self.env.is_main and ckpt is not None and ckpt.due(self.step)
-        flags = torch.tensor([int(self.stop is not None and self.stop.is_set), int(due),
-                              int(ckpt is not None and ckpt.busy)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, due, busy = (bool(v) for v in flags.tolist())
+        stop, due_time, busy = self._agreed()
+        if not stop:
+            flags = torch.tensor([int(self.stop is not None and self.stop.is_set),
+                                  int(self.env.is_main and ckpt is not None and ckpt.due_by_time()),
+                                  int(ckpt is not None and ckpt.busy)], dtype=torch.int32, device=self.device)
+            self._agreeing = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
         if ckpt is None:
             return stop
+        due = due_time or ckpt.due_by_steps(self.step)
         if ckpt.pending is not None and (stop or not busy):
             ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
         self.beat(self.step, "snapshot")
@@ -219,6 +230,16 @@ class Trainer:
         elif due and not self.cfg.snapshot.async_write:
             ckpt.save(self.step, self.state(), capture_rng())
         return stop
+
+    def _agreed(self) -> tuple[bool, bool, bool]:
+        """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
+        if self._agreeing is None:
+            return False, False, False
+        flags, work = self._agreeing
+        work.wait()
+        self._agreeing = None
+        stop, due, busy = (bool(v) for v in flags.tolist())
+        return stop, due, busy
 
     def _autocast(self) -> torch.autocast:
         """bf16/fp16 autocast per train.amp (a disabled context when amp is off)."""
