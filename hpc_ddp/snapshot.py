@@ -78,12 +78,16 @@ class _Hashing:
 
     def __init__(self, out: BinaryIO, pool: ThreadPoolExecutor) -> None:
         self.out, self.pool, self.sha256, self.size = out, pool, hashlib.sha256(), 0
+        self.error: OSError | None = None  # torch re-raises a failed write as a RuntimeError; keep the cause
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         hashed = self.pool.submit(self.sha256.update, view)
         try:
             written = self.out.write(view)
+        except OSError as err:
+            self.error = err
+            raise
         finally:
             hashed.result()  # in order: the next chunk is hashed only after this one
         self.size += view.nbytes
@@ -106,7 +110,12 @@ def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) ->
     def serialise(out: BinaryIO) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="snapshot-sha256") as pool:
             hashing.append(_Hashing(out, pool))
-            torch.save(payload, hashing[0])
+            try:
+                torch.save(payload, hashing[0])
+            except Exception:
+                if hashing[0].error is not None:  # e.g. ENOSPC: say that, not torch's "file write failed"
+                    raise hashing[0].error from None
+                raise
 
     write_atomic(directory / name, serialise)
     return {"name": name, "size": hashing[0].size, "sha256": hashing[0].sha256.hexdigest()}
