@@ -27,8 +27,9 @@ from typing import Any
 
 from hpc_ddp.config import RunConfig, load_config, to_yaml
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cap_reached, job_end_time,
-                                job_spec, read_attempts, requeue, signal_number, stop_reason)
+from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cancelled, cap_reached,
+                                job_end_time, job_spec, job_state, read_attempts, requeue, signal_number,
+                                stop_reason)
 from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError, acquire, holder_record, release
 from hpc_ddp.slurm_env import DistEnv, from_environ
 from hpc_ddp.watchdog import EXIT_HUNG, Watchdog
@@ -175,6 +176,11 @@ def _conclude(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: St
         return EXIT_REQUEUE
     reason = "preemption" if flag.signum is None else stop_reason(
         flag.signum, warning, flag.received_at or time.time(), end_time, cfg.slurm.signal_delay_s)
+    if not local and cancelled(flag.signum, job_state(job_spec(environ))):
+        append_attempt(run_dir, {**record, "reason": "cancelled"})
+        log.info("the job was cancelled (scancel): snapshot of step %d committed, not requeued; continue it "
+                 "with `python -m hpc_ddp.submit ... --resume`", result["step"])
+        return 0
     capped = cap_reached(reason, attempts + [{"reason": reason}], limits)
     append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped)})
     if capped:

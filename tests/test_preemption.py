@@ -75,3 +75,11 @@ def test_caps_count_this_attempt() -> None:
     assert message and "slurm.max_preemptions=1" in message and "HINT" in message
     assert cap_reached("timeout", [{"reason": "timeout"}] * 3, LIMITS)
     assert cap_reached("finished", [{"reason": "finished"}] * 9, LIMITS) is None
+
+
+def test_a_sigterm_while_the_job_is_completing_is_a_cancel() -> None:
+    from hpc_ddp.preemption import cancelled
+
+    assert cancelled(signal.SIGTERM, "COMPLETING") and cancelled(signal.SIGTERM, "CANCELLED")
+    assert not cancelled(signal.SIGTERM, "RUNNING")  # preemption: the job is still running
+    assert not cancelled(signal.SIGUSR2, "COMPLETING") and not cancelled(signal.SIGTERM, None)

@@ -102,3 +102,26 @@ def test_a_killed_rank_on_the_cluster_is_settled_by_the_batch_shell_and_requeued
     assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
         (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+
+
+def test_scancel_snapshots_and_ends_the_job_without_a_requeue(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """scancel sends SIGTERM like a preemption, but the job is already COMPLETING: keep the work, do not requeue."""
+    options = ["train.max_steps=3000", "train.log_every=10", "slurm.timeout_min=30"]
+    run_dir = tmp_path / "cancelled"
+    job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}"))
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120)
+    subprocess.run(["scancel", job], check=True)
+    assert wait_until(lambda: (run_dir / "attempts.jsonl").exists(), 60)
+    assert wait_until(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                                                 text=True).stdout.strip(), 120)
+    [attempt] = read_attempts(run_dir)
+    assert attempt["reason"] == "cancelled" and not (run_dir / "DONE.json").exists()
+    from hpc_ddp import snapshot
+
+    assert snapshot.committed_steps(run_dir)[0] == attempt["last_step"]  # the work up to the cancel is kept
+    resumed = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, "train.max_steps=400", f"run_dir={run_dir}",
+                  "--resume")
+    job_id(resumed)
+    assert wait_until((run_dir / "DONE.json").exists, 180)
+    assert read_attempts(run_dir)[-1]["resumed_from"] == attempt["last_step"]
