@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.preemption import job_state
 
 log = logging.getLogger("hpc_ddp.runlock")
 LOCK = "lock.json"
@@ -59,9 +60,7 @@ def holder_alive(holder: Mapping[str, Any], runner: Callable[..., Any] = subproc
         return True
     if not shutil.which("squeue"):
         return True
-    proc = runner(["squeue", "-h", "-j", str(holder.get("job")), "-o", "%T"], capture_output=True, text=True,
-                  timeout=30)
-    return proc.returncode == 0 and bool(proc.stdout.strip())
+    return job_state(str(holder.get("job")), runner) is not None
 
 
 def _read(path: Path) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.preemption import job_state, read_attempts
 
 EPILOG = """\
 examples:
@@ -29,13 +29,14 @@ examples:
 
 
 def _slurm_state(job_id: str) -> str | None:
-    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-j", job_id, "-o", "State"]):
-        if shutil.which(cmd[0]):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-            lines = proc.stdout.split()
-            if proc.returncode == 0 and lines:
-                return lines[-1]
-    return None
+    """squeue's state while Slurm holds the job, else sacct's (accounting keeps finished jobs)."""
+    state = job_state(job_id)
+    if state or not shutil.which("sacct"):
+        return state
+    proc = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True,
+                          timeout=30)
+    lines = proc.stdout.split()
+    return lines[-1] if proc.returncode == 0 and lines else None
 
 
 def _read_json(path: Path) -> Any:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -163,15 +161,14 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
 
 def _live_job(run_dir: Path) -> str | None:
     """The job recorded in RUN_DIR/job.json if Slurm still has it pending or running."""
+    from hpc_ddp.preemption import job_state
+
     try:
         job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not shutil.which("squeue"):
-        return None
-    proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
-    state = proc.stdout.strip()
-    return f"{job_id} ({state})" if proc.returncode == 0 and state else None
+    state = job_state(str(job_id))
+    return f"{job_id} ({state})" if state else None
 
 
 def _check_free(cfg: RunConfig, resume: bool) -> None:
