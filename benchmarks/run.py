@@ -24,6 +24,7 @@ from benchmarks.common import interleaved, median, wall
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
+SCRATCH = ROOT / "runs"  # the repo's filesystem, and ignored by git (a late job write can outlive the cleanup)
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- results: begin -->", "<!-- results: end -->"
 
@@ -95,7 +96,8 @@ def b5_slurm() -> dict[str, Any]:
         return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
     start(spec)
     env = {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)}
-    with tempfile.TemporaryDirectory(dir=ROOT, ignore_cleanup_errors=True) as tmp:
+    SCRATCH.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=SCRATCH, ignore_cleanup_errors=True) as tmp:
         run_dir = Path(tmp) / "b5"
         metrics = run_dir / "metrics.jsonl"
         begin = time.perf_counter()
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"] = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
                           "description": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs, "
                           f"{platform.system()} {platform.release()}", "args": (argv or sys.argv[1:])}
-    scratch = Path(tempfile.mkdtemp(prefix="hpc_ddp-bench-", dir=ROOT))
+    SCRATCH.mkdir(exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="hpc_ddp-bench-", dir=SCRATCH))
     try:
         steps = [("B1", lambda: b1_cli(4 if quick else 10)),
                  ("B2", lambda: b2_training(1 if quick else 3, 60 if quick else 160, 40)),

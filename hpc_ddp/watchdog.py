@@ -32,6 +32,11 @@ EXIT_HUNG = 4
 PHASES = ("start", "data", "forward", "backward", "optimizer", "boundary", "snapshot", "finish")
 
 
+def poll_interval(timeout_s: float) -> float:
+    """How often the watchdog looks: a tenth of the timeout, between 0.05 s and 5 s."""
+    return max(0.05, min(5.0, timeout_s / 10))
+
+
 class Store(Protocol):
     def set(self, key: str, value: str) -> None: ...
     def get(self, key: str) -> bytes: ...
@@ -75,7 +80,7 @@ class Watchdog:
         self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
         self.on_hang = on_hang or _exit_hung
         self.clock, self.stream = clock, stream
-        self.poll_s = poll_s if poll_s is not None else max(0.05, min(5.0, timeout_s / 10))
+        self.poll_s = poll_s if poll_s is not None else poll_interval(timeout_s)
         self.step, self.phase, self.last = 0, "start", clock()
         self._published: tuple[int, str] | None = None
         self._stopped = threading.Event()

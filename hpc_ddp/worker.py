@@ -32,7 +32,7 @@ from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_a
                                 stop_reason)
 from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError, acquire, holder_record, release
 from hpc_ddp.slurm_env import DistEnv, from_environ
-from hpc_ddp.watchdog import EXIT_HUNG, Watchdog
+from hpc_ddp.watchdog import EXIT_HUNG, Watchdog, poll_interval
 from hpc_ddp.whoami import describe
 
 log = logging.getLogger("hpc_ddp.worker")
@@ -153,7 +153,7 @@ def _on_hang(run_dir: Path, env: DistEnv, record: dict[str, Any], timeout_s: flo
     """
     def on_hang(message: str, stuck: list[int]) -> None:
         if not env.is_main:
-            time.sleep(min(30.0, 2 * max(0.05, min(5.0, timeout_s / 10)) + 2))
+            time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
         if env.is_main:
             append_attempt(run_dir, {**record, "end": round(time.time(), 3), "reason": "hung",
                                      "stuck_ranks": stuck, "message": message.splitlines()[0]})
