@@ -92,14 +92,16 @@ class Restored:
     step: int
     state: dict[str, Any]  # the replicated training state
     rng: dict[str, Any] | None  # this rank's RNG state; None when it had to come from another node
+    config: dict[str, Any] | None = None  # the config that wrote it (flat_values), when the manifest has it
 
 
 class Checkpointer:
     """Snapshots of one run; build it inside the process group, on every rank."""
 
     def __init__(self, run_dir: Path, cfg: SnapshotConfig, env: DistEnv, config_hash: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, config: dict[str, Any] | None = None) -> None:
         self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
+        self.config = config  # recorded in every manifest
         self.last_time = clock()
         self.last_step: int | None = None
         self.pending: int | None = None  # an async snapshot written but not yet committed
@@ -134,7 +136,8 @@ class Checkpointer:
             raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {failures[0]}")
         directory = snapshot.step_dir(self.run_dir, step)
         if self.env.is_main:
-            snapshot.commit(directory, step, [e for e in entries if e], self.env.world_size, self.config_hash)
+            snapshot.commit(directory, step, [e for e in entries if e], self.env.world_size, self.config_hash,
+                            self.config)
             # Deleting an old step (~20 ms per 100 MB) need not hold the step up; prune uncommits first,
             # so a process that exits in the middle leaves an ignored leftover, never a broken commit.
             threading.Thread(target=snapshot.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
@@ -226,4 +229,4 @@ class Checkpointer:
         rng = data["rng"].get(self.env.rank) if name == own else None
         self.last_step, self.last_time = found.step, self.clock()
         log.info("resuming from the snapshot of step %d", found.step)
-        return Restored(found.step, data["replicated"], rng)
+        return Restored(found.step, data["replicated"], rng, found.manifest.get("config"))

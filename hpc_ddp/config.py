@@ -299,3 +299,27 @@ def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
                                   hint="set run_dir=... to a writable directory with free space (a read-only or "
                                   "full filesystem cannot hold snapshots either)"), key="run_dir") from None
     return target
+
+
+def flat_values(cfg: RunConfig) -> dict[str, Any]:
+    """Every leaf as ``{"train.lr": 0.1, ...}`` in JSON terms (lists and dicts are leaves): what a
+    snapshot manifest records of the config that wrote it."""
+    import json
+
+    def walk(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+        if dataclasses.is_dataclass(value):
+            for item in dataclasses.fields(value):
+                yield from walk(getattr(value, item.name), f"{prefix}{item.name}.")
+        else:
+            yield prefix[:-1], value
+    return json.loads(json.dumps(dict(walk(cfg, ""))))
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, old value, new value)`` for every key of two :func:`flat_values` that differs."""
+    return [(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def describe_diff(diff: list[tuple[str, Any, Any]]) -> str:
+    """``train.lr: 0.1 -> 0.01, train.max_steps: 100 -> 200``."""
+    return ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diff)

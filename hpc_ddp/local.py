@@ -5,8 +5,10 @@ compressed ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE=2(x2)``, ...) with the
 rendezvous pointed at loopback, and runs the same ``python -m hpc_ddp.worker``
 as on the cluster. Every rank's output goes to ``RUN_DIR/logs/``; rank 0's is
 also streamed here. When a rank fails, the others are ended (their whole
-process groups, DataLoader workers included) and its traceback is shown.
-No torch in this process.
+process groups, DataLoader workers included) and its error is shown once, with
+the ranks that failed the same way. Ctrl-C is passed on to every rank as SIGINT:
+they stop at the next boundary with a committed snapshot (a second Ctrl-C ends
+them at once). No torch in this process.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-from hpc_ddp.preemption import EXIT_REQUEUE
+from hpc_ddp.preemption import EXIT_ERROR, EXIT_REQUEUE
 from hpc_ddp.slurm_env import simulated_environ
 
 PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step (see worker.py)
 
 POLL_S = 0.02
 GRACE_S = 3.0
+EXIT_INTERRUPTED = 130  # the launcher was interrupted with Ctrl-C (128 + SIGINT, as a shell reports it)
 
 
 def free_port() -> int:
@@ -105,6 +108,27 @@ def tail(path: Path, lines: int = 40) -> str:
         return f"(no log at {path})"
 
 
+def error_text(path: Path) -> str:
+    """What a failed rank said: its ``error: ...`` message when it printed one, else its log's tail."""
+    text = tail(path)
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    return "\n".join(lines[starts[-1]:]) if starts else text
+
+
+def report_failures(failed: list[int], codes: list[int | None], paths: list[Path], err: IO[str]) -> None:
+    """Each distinct error once, with the ranks that failed that way (rank 0's was streamed already)."""
+    groups: dict[tuple[int | None, str], list[int]] = {}
+    for rank in failed:
+        groups.setdefault((codes[rank], error_text(paths[rank])), []).append(rank)
+    for (code, text), ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        if 0 in ranks:
+            err.write(f"\n{who} failed with exit code {code} (the error above)\n")
+        else:
+            err.write(f"\n{who} failed with exit code {code}; from {paths[ranks[0]]}:\n{text}\n")
+
+
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
            err: IO[str] = sys.stderr) -> int:
@@ -128,23 +152,42 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         on_step = _injector(procs, events if events is not None else [], err)
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, on_step), daemon=True)
         tee.start()
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0, EXIT_REQUEUE)]
-            if failed or all(code is not None for code in codes):
-                break
-            time.sleep(POLL_S)
+        codes, failed, interrupted = _wait(procs, err)
     finally:
         _end(procs)
         if tee is not None:
             tee.join(timeout=5)
+    if interrupted:
+        return EXIT_INTERRUPTED
     if not failed:
         return int(codes[0] or 0)
-    for rank in failed:
-        err.write(f"\nrank {rank} failed with exit code {codes[rank]}; last lines of {paths[rank]}:\n"
-                  f"{tail(paths[rank])}\n")
+    # ranks that fail together (a bad config fails everywhere) are shown together; the first one decides
+    failed += [rank for rank, code in enumerate(p.poll() for p in procs) if code == EXIT_ERROR and rank not in failed]
+    report_failures(failed, [p.poll() for p in procs], paths, err)
     err.write(f"the other ranks were stopped; every rank's log is in {logs}\n")
     return int(codes[failed[0]] or 1)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int | None], list[int], bool]:
+    """Until every rank has exited or one has failed: (exit codes, failed ranks, interrupted with Ctrl-C)."""
+    interrupted = False
+    while True:
+        try:
+            codes = [p.poll() for p in procs]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0, EXIT_REQUEUE)]
+            if failed or all(code is not None for code in codes):
+                return codes, [] if interrupted else failed, interrupted
+            time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            if interrupted:  # the second Ctrl-C: no more waiting for the snapshot
+                err.write("[local] interrupted again: ending every rank now\n")
+                return [p.poll() for p in procs], [], True
+            interrupted = True
+            err.write("[local] Ctrl-C: every rank stops at its next step boundary and commits a snapshot "
+                      "(Ctrl-C again ends them at once)\n")
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGINT)
 
 
 def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
@@ -162,7 +205,7 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
     while True:
         code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
                       events=events, stream=stream, err=err)
-        if code == 0:
+        if code in (0, EXIT_INTERRUPTED):
             return code
         if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, requeue if max_failures allows
             requeued: list[bool] = []

@@ -25,7 +25,10 @@ from typing import Any
 from hpc_ddp.errors import HpcDdpError, explain
 
 LEDGER = "attempts.jsonl"
+ERRORS = "errors"  # RUN_DIR/errors/job-J-restart-N.txt: the full message of an attempt's deterministic error
+EXIT_ERROR = 2  # a bad config, task or environment: the same again on every retry, so never requeued
 EXIT_REQUEUE = 3  # a worker that stopped for a requeue (the local simulation relaunches on it)
+STOP_REASONS = ("timeout", "preemption")  # the attempts that end in a requeue
 TICK_S = 45  # Slurm checks time limits every 30 s: the warning may come up to that much early
 # Why an attempt ended -> the cap that counts it (a hang counts as a failure).
 REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures",
@@ -118,6 +121,11 @@ def job_spec(environ: Mapping[str, str]) -> str:
     return f"{array_job}_{task}" if array_job and task else environ.get("SLURM_JOB_ID", "")
 
 
+def requeue_available(which: Callable[[str], str | None] = shutil.which) -> bool:
+    """Whether this process can requeue its job: containers started by srun often lack the Slurm client."""
+    return which("scontrol") is not None
+
+
 def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> None:
     """``scontrol requeue SPEC``; a clear error when scontrol is missing or refuses."""
     if not shutil.which("scontrol"):
@@ -156,6 +164,44 @@ def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
         out.write(json.dumps(dict(record), sort_keys=True) + "\n")
         out.flush()
         os.fsync(out.fileno())
+
+
+def error_path(run_dir: Path, job_id: int | str | None, restart_count: int) -> Path:
+    return run_dir / ERRORS / f"job-{job_id}-restart-{restart_count}.txt"
+
+
+def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:
+    """The first rank of an attempt to fail with a deterministic error records it; True for that rank.
+
+    Every rank usually fails the same way at nearly the same time (a missing task class, a
+    bad geometry), and srun's exit code cannot tell the batch shell (it reports the ranks it
+    terminated: 143). So the ranks record it themselves: the message file is created
+    exclusively (O_EXCL works across the nodes of NFS and Lustre), and only its creator adds the
+    ledger line, so there is one line per attempt however many ranks fail.
+    """
+    path = error_path(run_dir, record.get("job_id"), int(record.get("restart_count", 0)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except FileExistsError:
+        return False
+    except OSError:  # an unwritable run dir: the error itself is printed on every rank anyway
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(message.rstrip() + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    append_attempt(run_dir, {**record, "reason": "error", "exit_code": EXIT_ERROR,
+                             "message": message.splitlines()[0]})
+    return True
+
+
+def recorded_error(run_dir: Path, job_id: int | str | None, restart_count: int) -> str | None:
+    """The message another rank of this attempt recorded, if one did."""
+    try:
+        return error_path(run_dir, job_id, restart_count).read_text().rstrip() or None
+    except OSError:
+        return None
 
 
 def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapping[str, int]) -> str | None:

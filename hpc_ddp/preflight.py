@@ -8,11 +8,12 @@ torch, and no user code runs: the task module is located, never imported.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib.machinery import PathFinder
 from pathlib import Path
@@ -136,28 +137,86 @@ def check_geometry(cfg: RunConfig) -> list[Finding]:
     return []
 
 
-def find_module(dotted: str, search: Sequence[str]) -> bool:
-    """Whether ``dotted`` can be imported from ``search``, found without importing anything."""
+def module_origin(dotted: str, search: Sequence[str]) -> str | None:
+    """The file ``dotted`` would be imported from, found in ``search`` without importing anything;
+    None when it is not found ("namespace" for a package without ``__init__.py``)."""
     path: Sequence[str] | None = [entry or os.getcwd() for entry in search]
     parts = dotted.split(".")
+    origin: str | None = None
     for i in range(len(parts)):
         spec = PathFinder.find_spec(".".join(parts[:i + 1]), path)
         if spec is None:
-            return False
-        path = spec.submodule_search_locations
+            return None
+        path, origin = spec.submodule_search_locations, spec.origin or "namespace"
         if path is None and i < len(parts) - 1:
-            return False  # a module, not a package, has no submodules
-    return True
+            return None  # a module, not a package, has no submodules
+    return origin
+
+
+def find_module(dotted: str, search: Sequence[str]) -> bool:
+    """Whether ``dotted`` can be imported from ``search``, found without importing anything."""
+    return module_origin(dotted, search) is not None
+
+
+def defines(source: str, name: str) -> bool | None:
+    """Whether module ``source`` binds ``name`` at top level (class, def, assignment, import): read, never
+    run. None when that cannot be told without running it (``import *``, a module ``__getattr__``)."""
+    def bound(body: list[ast.stmt]) -> Iterator[str]:
+        for node in body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield node.name
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    yield alias.asname or alias.name.split(".")[0]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    yield from (n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            for block in ("body", "orelse", "finalbody", "handlers"):  # if/try/with at module level
+                if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    inner = getattr(node, block, None)
+                    if isinstance(inner, list):
+                        yield from bound([n for n in inner if isinstance(n, ast.stmt)] +
+                                         [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body])
+    try:
+        names = set(bound(ast.parse(source).body))
+    except (SyntaxError, ValueError):
+        return None  # the import in the job reports it, with the line
+    if name in names:
+        return True
+    return None if "*" in names or "__getattr__" in names else False
 
 
 def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Finding]:
-    module = cfg.train.task.partition(":")[0]
-    if not module or find_module(module, sys.path if search is None else search):
-        return []
+    module, _, attr = cfg.train.task.partition(":")
+    origin = module_origin(module, sys.path if search is None else search) if module else "namespace"
     level = "warning" if cfg.slurm.setup else "error"  # setup lines may activate the env that has it
-    return [Finding(level, "train.task", f"module {module!r} of train.task={cfg.train.task} is not importable "
-                    f"from here (cwd {os.getcwd()})", "submit from the directory that holds it, pip install your "
-                    "project, or add it to PYTHONPATH; the job starts in this directory with this environment")]
+    if origin is None:
+        return [Finding(level, "train.task", f"module {module!r} of train.task={cfg.train.task} is not importable "
+                        f"from here (cwd {os.getcwd()})", "submit from the directory that holds it, pip install "
+                        "your project, or add it to PYTHONPATH; the job starts in this directory with this "
+                        "environment")]
+    if not attr or not origin.endswith(".py"):
+        return []  # a compiled or namespace module: only importing it could tell
+    try:
+        found = defines(Path(origin).read_text(errors="replace"), attr.split(".")[0])
+    except OSError:
+        return []
+    if found is not False:
+        return []
+    return [Finding(level, "train.task", f"module {module!r} ({origin}) defines no {attr.split('.')[0]!r}, "
+                    f"named by train.task={cfg.train.task}", f"check the spelling after the colon; train.task is "
+                    f"MODULE:CLASS, e.g. {module}:{_first_class(origin) or 'MyTask'}")]
+
+
+def _first_class(origin: str) -> str | None:
+    """A task class the module does define (one with ``build_model``), for the hint."""
+    try:
+        tree = ast.parse(Path(origin).read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return next((node.name for node in tree.body if isinstance(node, ast.ClassDef) and any(
+        isinstance(item, ast.FunctionDef) and item.name == "build_model" for item in node.body)), None)
 
 
 def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str | None] = shutil.which,

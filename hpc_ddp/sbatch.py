@@ -80,11 +80,14 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
     return [f"#SBATCH {option}" for option in options]
 
 
-def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: str = "srun") -> str:
+def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: str = "srun",
+           workdir: str | None = None) -> str:
     """The ``launcher``'s template (hpc_ddp/templates, linked from slurm/) rendered from ``cfg``.
 
     Replaced: the ``#SBATCH`` block, the setup block, the ``CONFIG=``, ``PYTHON=``,
-    ``NPROC_PER_NODE=`` and ``SIGNAL=`` lines, and the srun arguments (the line that starts
+    ``WORKDIR=`` (when ``workdir`` is given: the script then works wherever ``sbatch`` is
+    called, as the task module is found there), ``NPROC_PER_NODE=`` and ``SIGNAL=``
+    lines, and the srun arguments (the line that starts
     with ``srun --kill-on-bad-exit=1``); the rest is the
     template's text, so a hand edit of a template shows up in every rendered script.
     """
@@ -99,7 +102,7 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     rest = re.sub(r"(# --- setup[^\n]*\n)(?:.*\n)*?(# --- end of setup ---)",
                   lambda m: m.group(1) + "".join(f"{line}\n" for line in cfg.slurm.setup) + m.group(2), rest)
     values = {"CONFIG": config_path, "PYTHON": python, "NPROC_PER_NODE": str(cfg.slurm.tasks_per_node),
-              "SIGNAL": cfg.slurm.signal}
+              "SIGNAL": cfg.slurm.signal, **({"WORKDIR": workdir} if workdir else {})}
     for name, value in values.items():
         rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
     srun = " ".join(["srun", "--kill-on-bad-exit=1", *map(shlex.quote, cfg.slurm.srun_args)])

@@ -5,9 +5,12 @@ rank that srun kills because another one failed. So the settling is done by the
 process that outlives them all: the batch shell (the line after ``srun`` in
 the submitit script and in both templates) or the local launcher. It is
 idempotent. When the workers recorded how the attempt ended (finished, stopped,
-hung), nothing is added. Otherwise a ``failed`` line goes in, with the exit code
-and the newest committed snapshot. A failure or a hang is requeued while
-``slurm.max_failures`` allows it. No torch.
+hung, error), nothing is added. Otherwise a ``failed`` line goes in, with the exit
+code and the newest committed snapshot. A failure or a hang is requeued while
+``slurm.max_failures`` allows it; an ``error`` (bad config, task or environment,
+exit 2) never is: it would fail the same way after another wait in the queue. A
+stop that the workers could not requeue (no ``scontrol`` in the job's tasks,
+``requeue_by: batch shell`` in the ledger) is requeued here, once. No torch.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from typing import Any
 
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import REASONS_CAPPED, append_attempt, cap_reached, job_spec, read_attempts, requeue
+from hpc_ddp.preemption import (ERRORS, EXIT_ERROR, REASONS_CAPPED, STOP_REASONS, append_attempt, cap_reached,
+                                job_spec, read_attempts, requeue)
 from hpc_ddp.runlock import EXIT_LOCKED
 
 FAILURE_REASONS = ("failed", "hung")
+NOT_REQUEUED_ERROR = ("not requeued: a configuration, task or environment error fails the same way every time; "
+                      f"the message is in the rank logs and in RUN_DIR/{ERRORS}/; fix it, then submit again")
 
 
 def _newest_snapshot(run_dir: Path) -> int | None:
@@ -44,13 +50,25 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return "finished"
     attempts = read_attempts(run_dir)
     mine = [a for a in attempts if a.get("job_id") == job_id and a.get("restart_count") == restart_count]
-    if mine and mine[-1].get("reason") not in FAILURE_REASONS:
-        return f"recorded by the workers: {mine[-1].get('reason')}"
+    reason = mine[-1].get("reason") if mine else None
+    if reason == "error":
+        return f"error; {NOT_REQUEUED_ERROR}"
+    if reason in STOP_REASONS and mine[-1].get("requeue_by") == "batch shell":
+        if requeue_job is None:
+            return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
+        requeue_job()  # the workers left it to us (no scontrol in their container): exactly one requeue
+        return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
+    if mine and reason not in FAILURE_REASONS:
+        return f"recorded by the workers: {reason}"
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
-        record = {"job_id": job_id, "restart_count": restart_count, "reason": "failed", "exit_code": exit_code,
+        record = {"job_id": job_id, "restart_count": restart_count, "exit_code": exit_code,
+                  "reason": "error" if exit_code == EXIT_ERROR else "failed",
                   "end": round(now if now is not None else time.time(), 3), "last_step": _newest_snapshot(run_dir)}
+        if record["reason"] == "error":
+            append_attempt(run_dir, record)
+            return f"error; {NOT_REQUEUED_ERROR}"
         attempts = attempts + [record]
     capped = cap_reached(record["reason"], attempts, limits)
     if not mine:

@@ -121,10 +121,13 @@ def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) ->
     return {"name": name, "size": hashing[0].size, "sha256": hashing[0].sha256.hexdigest()}
 
 
-def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str) -> None:
-    """Write the manifest: from now on the step exists."""
+def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str,
+           config: dict[str, Any] | None = None) -> None:
+    """Write the manifest: from now on the step exists. ``config``: the config that wrote it, as
+    :func:`hpc_ddp.config.flat_values` (a resume with another config says what changed)."""
     _fault("before_manifest", directory / MANIFEST)
     manifest = {"step": step, "world_size": world_size, "num_nodes": len(entries), "config_hash": config_hash,
+                **({"config": config} if config is not None else {}),
                 "created": time.time(), "files": {e["name"]: {"size": e["size"], "sha256": e["sha256"]}
                                                   for e in entries}}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())

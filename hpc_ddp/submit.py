@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from hpc_ddp.config import RunConfig, load_config, save_config
+from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
 from hpc_ddp.slurm_env import from_environ, simulated_environ
@@ -137,59 +140,131 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(f"run {cfg.name}: {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks, run dir {cfg.run_dir}")
     print("every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
-    if checks:
-        findings = preflight(cfg)
-        print("preflight: " + ("all checks pass" if not findings else "\n" + "\n".join(map(str, findings))))
+    if not checks:
+        return 0
+    findings = preflight(cfg)
+    print("preflight: " + ("all checks pass" if not findings else "\n" + "\n".join(map(str, findings))))
+    errors = sum(f.level == "error" for f in findings)
+    if errors:  # a "dry-run first" gate must stop here, as the submit would
+        print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
+        return 2
     return 0
 
 
-def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False) -> int:
-    from hpc_ddp.local import rehearse
+def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
+              again: str = "") -> int:
+    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C)."""
+    from hpc_ddp.local import EXIT_INTERRUPTED, rehearse
     from hpc_ddp.preemption import signal_number
+    from hpc_ddp.snapshot import committed_steps
 
     run_dir = Path(cfg.run_dir)
-    _check_earlier(run_dir, resume)
-    config_path = save_config(cfg, run_dir / "config.yaml")
+    _check_free(cfg, resume)
+    config_path = _write_config(cfg, resume)
+    job_id = int(time.time()) % 10**6
+    _write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(), "pid": os.getpid()})
     print(f"rehearsing {cfg.name} as {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine; "
           f"run dir {run_dir}", flush=True)
-    code = rehearse(config_path, run_dir, cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=int(time.time()) % 10**6,
-                    preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal))
-    print(f"{'finished' if code == 0 else 'FAILED'}: metrics in {run_dir / 'metrics.jsonl'}, "
-          f"logs in {run_dir / 'logs'}", flush=True)
+    try:
+        code = rehearse(config_path, run_dir, cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=job_id,
+                        preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal))
+    except KeyboardInterrupt:  # between attempts: the ranks are gone already
+        code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        steps = committed_steps(run_dir)
+        kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
+        print(f"interrupted: {kept}; continue with: {again or 'the same command with --resume'}", flush=True)
+        return code
+    metrics = run_dir / "metrics.jsonl"
+    print(f"{'finished' if code == 0 else f'FAILED (exit code {code})'}: "
+          + (f"metrics in {metrics}, " if metrics.exists() else "") + f"logs in {run_dir / 'logs'}", flush=True)
     return code
 
 
-def _live_job(run_dir: Path) -> str | None:
-    """The job recorded in RUN_DIR/job.json if Slurm still has it pending or running."""
-    from hpc_ddp.preemption import job_state
+def _write_config(cfg: RunConfig, resume: bool) -> Path:
+    """RUN_DIR/config.yaml; on --resume, first say which keys differ from the run's previous config."""
+    path = Path(cfg.run_dir) / "config.yaml"
+    if resume and path.exists():
+        try:
+            diff = config_diff(flat_values(load_config([path])), flat_values(cfg))
+        except HpcDdpError:
+            diff = []  # an unreadable old config: it is replaced, as before
+        if diff:
+            print(f"resuming with a changed config: {describe_diff(diff)}\n"
+                  "  (the snapshot's optimizer state is kept; a changed learning rate takes effect, with the "
+                  "schedule continuing from the snapshot's step: docs/resume.md)", flush=True)
+    return save_config(cfg, path)
 
+
+def _write_job(run_dir: Path, record: dict[str, object]) -> None:
+    """RUN_DIR/job.json: who runs this run now (a Slurm job, or a local rehearsal's launcher)."""
+    (run_dir / "job.json").write_text(json.dumps({**record, "submitted": time.time()}) + "\n")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    state = job_state(str(job_id))
-    return f"{job_id} ({state})" if state else None
+    return record if isinstance(record, dict) else None
 
 
-def _check_free(cfg: RunConfig, resume: bool) -> None:
-    """Refuse a run dir with a live job, or an earlier run unless ``resume``."""
+def live_holder(run_dir: Path) -> tuple[str, str] | None:
+    """(who, how to stop it) for a job or rehearsal still using the run dir, else None.
+
+    Asked before anything is written: RUN_DIR/job.json names the last job submitted
+    (pending or running while squeue lists it) or local rehearsal (while its launcher
+    lives); RUN_DIR/lock.json names the job whose ranks are running now.
+    """
+    from hpc_ddp.preemption import job_state
+    from hpc_ddp.runlock import LOCK, holder_alive
+
+    job = _read_json(run_dir / "job.json") or {}
+    if job.get("local") and holder_alive({"local": True, "host": job.get("host"), "pid": job.get("pid")}):
+        return (f"a local rehearsal (launcher pid {job.get('pid')} on {job.get('host')})",
+                "wait for it, or press Ctrl-C in its terminal")
+    if "job_id" in job and not job.get("local"):
+        state = job_state(str(job["job_id"]))
+        if state:
+            return f"job {job['job_id']} ({state})", f"wait for it, or cancel it: scancel {job['job_id']}"
+    lock = _read_json(run_dir / LOCK)
+    if lock and holder_alive(lock):
+        return (f"job {lock.get('job')} (it holds {run_dir / LOCK}: host {lock.get('host')}, pid {lock.get('pid')})",
+                f"wait for it or stop it; if you are sure nothing uses the run dir, delete {run_dir / LOCK}")
+    return None
+
+
+def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
+    """Refuse, before anything is written, a run dir in use; and (``earlier``) an earlier run without
+    ``resume``, or ``resume`` where there is no earlier run."""
     run_dir = Path(cfg.run_dir)
-    live = _live_job(run_dir)
+    live = live_holder(run_dir)
     if live:
-        raise HpcDdpError(explain(f"run {cfg.name} already has job {live} in {run_dir}",
-                                  hint=f"wait for it, cancel it (scancel {live.split()[0]}), or start a new run "
-                                  "with name=..."), key="name")
-    _check_earlier(run_dir, resume)
+        raise HpcDdpError(explain(f"run dir {run_dir} is in use by {live[0]}; nothing was changed in it",
+                                  hint=f"{live[1]}; for a separate run choose another run_dir=... (its default "
+                                  "is runs/NAME, from name=...)"), key="run_dir")
+    if earlier:
+        _check_earlier(run_dir, resume)
 
 
 def _check_earlier(run_dir: Path, resume: bool) -> None:
+    from hpc_ddp.preemption import LEDGER
     from hpc_ddp.snapshot import committed_steps  # manifests only: no torch
 
     earlier = bool(committed_steps(run_dir)) or (run_dir / "DONE.json").exists()
     if earlier and not resume:
         raise HpcDdpError(explain(f"{run_dir} holds an earlier run (snapshots or DONE.json)",
                                   hint="add --resume to continue it from its newest snapshot, or choose a new "
-                                  "run with name=..."), key="run_dir")
+                                  "run with run_dir=..."), key="run_dir")
+    started = earlier or any((run_dir / name).exists() for name in ("config.yaml", LEDGER))
+    if resume and not started:
+        raise HpcDdpError(explain(f"--resume: there is no earlier run in {run_dir}",
+                                  found=sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else
+                                  "no such directory",
+                                  expected="the config.yaml, attempts.jsonl or snapshots/ that an earlier submit "
+                                  "of this run wrote there",
+                                  hint="check run_dir=... (or name=..., which sets the default run_dir "
+                                  "runs/NAME); to start a new run, drop --resume"), key="run_dir")
 
 
 def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
@@ -214,15 +289,14 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
 
     for cfg in cfgs:
         _check_free(cfg, resume)
-    paths = [str(save_config(cfg, Path(cfg.run_dir) / "config.yaml")) for cfg in cfgs]
+    paths = [str(_write_config(cfg, resume)) for cfg in cfgs]
     cfg, array = cfgs[0], len(cfgs) > 1
     folder = _log_folder(cfg, len(cfgs) if array else None)
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable))
     jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
     for job, one in zip(jobs, cfgs):
-        (Path(one.run_dir) / "job.json").write_text(json.dumps({"job_id": job.job_id, "logs": str(folder),
-                                                               "submitted": time.time()}) + "\n")
+        _write_job(Path(one.run_dir), {"job_id": job.job_id, "logs": str(folder)})
     first = jobs[0].job_id.split("_")[0]
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
     print(f"submitted {what}: {cfg.name}, {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks")
@@ -236,12 +310,15 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
 
 
 def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
+    _check_free(cfg, resume=True, earlier=False)  # a live run's config is never rewritten
     config_path = save_config(cfg, Path(cfg.run_dir) / "config.yaml")
     (Path(cfg.run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
-    path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher))
+    workdir = os.getcwd()  # where train.task's module was found: the job runs there, wherever sbatch is called
+    path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher, workdir=workdir))
     path.chmod(0o755)
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
-          f"submit it with: sbatch {path}")
+          f"submit it from any directory with: sbatch {path}\n"
+          f"  the job runs in {workdir} (#SBATCH --chdir), where train.task={cfg.train.task} is imported from")
     return 0
 
 
@@ -255,6 +332,12 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def resume_command(items: list[str], multirun: bool) -> str:
+    """The command that continues this rehearsal (printed after Ctrl-C)."""
+    return shlex.join(["python", "-m", "hpc_ddp.submit", *items, "--local", "--resume",
+                       *(["--multirun"] if multirun else [])])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
     problem = _usage_error(args)
@@ -266,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return dry_run(cfgs, checks=not args.no_preflight)
         if args.local:
-            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume) for cfg in cfgs]
+            again = resume_command(args.items, args.multirun)
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again) for cfg in cfgs]
             return next((code for code in codes if code), 0)
         if not args.no_preflight:
             check_preflight(cfgs[0], slurm=not args.emit_sbatch)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
-from hpc_ddp.config import RunConfig
+from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.distributed import all_mean
 from hpc_ddp.preemption import StopFlag
 from hpc_ddp.errors import ConfigError, explain
@@ -48,6 +48,11 @@ def params_sha256(model: torch.nn.Module) -> str:
         # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
         digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
     return digest.hexdigest()
+
+
+def base_lr(group: dict[str, Any]) -> float:
+    """A param group's base learning rate: before any scheduler's factor (``initial_lr``) when it has one."""
+    return float(group.get("initial_lr", group["lr"]))
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -188,9 +193,11 @@ class Trainer:
             return
         state = restored.state
         self.model.load_state_dict(state["model"])  # copies into the live parameters
+        built = [base_lr(group) for group in self.optimizer.param_groups]  # from this attempt's config
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        self._report_changes(restored, built)
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
         self.resumed_from = restored.step
@@ -198,6 +205,31 @@ class Trainer:
             restore_rng(restored.rng)
         else:
             reseed(self.cfg.train.seed, self.step, self.env.rank)
+
+    def _report_changes(self, restored: Any, built: list[float]) -> None:
+        """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
+
+        The optimizer's state dict carries the learning rate it was built with, so loading it
+        would silently undo ``--resume train.lr=...``. Where the optimizer this attempt built
+        has another base rate than the snapshot's, every param group (and the scheduler's base)
+        is rescaled to it: the schedule goes on from the snapshot's step at the new peak. An
+        unchanged config builds the same rates, so an exact resume is untouched.
+        """
+        changed = config_diff(restored.config, flat_values(self.cfg)) if restored.config is not None else []
+        changed = [c for c in changed if c[0] != "run_dir"]
+        saved = [base_lr(group) for group in self.optimizer.param_groups]
+        for i, (group, new, old) in enumerate(zip(self.optimizer.param_groups, built, saved)):
+            if new != old and old:
+                group["lr"] *= new / old
+                if "initial_lr" in group:
+                    group["initial_lr"] = new
+                if self.scheduler is not None and i < len(getattr(self.scheduler, "base_lrs", [])):
+                    self.scheduler.base_lrs[i] = new
+        if changed and self.env.is_main:
+            applied = (f"; the learning rate is now based on {built[0]:g} (the snapshot's optimizer had {saved[0]:g}), "
+                       "the schedule continuing from this step" if built != saved else "")
+            log.warning("resuming from the snapshot of step %d with a changed config: %s%s", restored.step,
+                        describe_diff(changed), applied)
 
     def _boundary(self) -> bool:
         """Act on what all ranks agreed at the previous boundary; start agreeing on this one.

@@ -5,14 +5,17 @@ local simulation. The one place that reads ``os.environ``: it derives this
 process's DistEnv, joins the process group, resumes from the newest committed
 snapshot, trains, and runs the stop protocol (signal -> flag -> agreed step ->
 snapshot -> ledger -> requeue), with a hang watchdog and the run dir's lock.
-Exit codes: 0 finished, 3 stopped for a requeue, 4 hung (the watchdog ended
-it), 5 another job holds the run dir, 2 bad config or environment, 1 any other failure
-(traceback in the log, prefixed by the rank) or a requeue cap reached.
+Exit codes: 0 finished (or cancelled, or interrupted with Ctrl-C: snapshot
+committed, not requeued), 3 stopped for a requeue, 4 hung (the watchdog ended
+it), 5 another job holds the run dir, 2 bad config, task or environment (recorded
+in the ledger as ``error`` and never requeued: it would fail the same way), 1 any
+other failure (traceback in the log, prefixed by the rank) or a requeue cap reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
@@ -25,11 +28,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.config import RunConfig, load_config, to_yaml
+from hpc_ddp.config import RunConfig, flat_values, load_config, to_yaml
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_REQUEUE, REASONS_CAPPED, StopFlag, append_attempt, cancelled, cap_reached,
-                                job_end_time, job_spec, job_state, read_attempts, requeue, signal_number,
-                                stop_reason)
+from hpc_ddp.preemption import (EXIT_ERROR, EXIT_REQUEUE, REASONS_CAPPED, PreemptionError, StopFlag, append_attempt,
+                                cancelled, cap_reached, job_end_time, job_spec, job_state, read_attempts,
+                                record_error, recorded_error, requeue, requeue_available, signal_number, stop_reason)
 from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError, acquire, holder_record, release
 from hpc_ddp.slurm_env import DistEnv, from_environ
 from hpc_ddp.watchdog import EXIT_HUNG, Watchdog, poll_interval
@@ -60,8 +63,9 @@ def _threads(environ: Mapping[str, str], env: DistEnv) -> None:
     torch.set_num_threads(max(1, count))
 
 
-EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # caught from the first line of main: a signal during
-# start-up must not kill the rank with the default action before the config names the warning signal
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # caught from the first line of main: a
+# signal during start-up must not kill the rank before the config names the warning signal. SIGINT is
+# Ctrl-C (the local launcher forwards it; srun does on a second Ctrl-C): an interruption, not a preemption.
 
 
 def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = None) -> int:
@@ -74,7 +78,7 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
     environ = with_config_port(environ, cfg)
     env = from_environ(environ)
     flag = flag or StopFlag()
-    flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM])
+    flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
     setup_logging(env)
     log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
     run_dir = Path(cfg.run_dir)
@@ -87,14 +91,23 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
     if capped:  # Slurm requeued a preempted job once more than allowed
         log.error("%s", capped)
         return 1
-    return _attempt(cfg, env, environ, flag, attempts, limits)
+    try:
+        return _attempt(cfg, env, environ, flag, attempts, limits)
+    except RunLockedError:
+        raise  # the run belongs to another job: nothing of it is touched
+    except HpcDdpError as err:
+        # Deterministic: a requeue would fail the same way after another wait in the queue.
+        record = {"job_id": env.job_id, "restart_count": env.restart_count, "rank": env.rank,
+                  "end": round(time.time(), 3)}
+        record_error(run_dir, record, str(err))
+        raise
 
 
 def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: StopFlag,
              attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
     from hpc_ddp import snapshot
     from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.distributed import any_rank, default_store, process_group
+    from hpc_ddp.distributed import default_store, from_main, process_group
     from hpc_ddp.task import load_task
     from hpc_ddp.trainer import Trainer
 
@@ -108,13 +121,14 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
     started = time.time()
     me = holder_record(job_spec(environ) or str(env.job_id), local=local)
     record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(started, 3)}
-    with process_group(env, cfg.dist) as device:
-        _lock(run_dir, me, env, device, any_rank)
+    peer_error = functools.partial(recorded_error, run_dir, env.job_id, env.restart_count)
+    with process_group(env, cfg.dist, peer_error) as device:
+        _lock(run_dir, me, env, from_main)
         try:
             watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(),
                                 on_hang=_on_hang(run_dir, env, record, cfg.dist.timeout_s)).start()
             try:
-                checkpointer = Checkpointer(run_dir, cfg.snapshot, env, config_hash(cfg))
+                checkpointer = Checkpointer(run_dir, cfg.snapshot, env, config_hash(cfg), config=flat_values(cfg))
                 on_step = _print_progress if local and env.is_main else None
                 result = Trainer(task, cfg, env, device, run_dir, checkpointer=checkpointer, stop=flag,
                                  on_step=on_step, beat=watchdog.beat).train()
@@ -130,18 +144,22 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
                 release(run_dir, me)
 
 
-def _lock(run_dir: Path, me: dict[str, Any], env: DistEnv, device: Any, any_rank: Any) -> None:
-    """Rank 0 takes the run dir's lock; every rank learns whether it could."""
-    problem = None
+def _lock(run_dir: Path, me: dict[str, Any], env: DistEnv, from_main: Any) -> None:
+    """Rank 0 takes the run dir's lock; every rank learns whether it could, and raises rank 0's error
+    word for word: whichever rank's message reaches the user first names the job that holds the run dir."""
+    problem: HpcDdpError | None = None
     if env.is_main:
         try:
             acquire(run_dir, me)
         except HpcDdpError as err:
             problem = err
-    if any_rank(problem is not None, device):
-        if problem is not None:
-            raise problem
-        raise RunLockedError("rank 0 could not lock the run dir (its log says which job holds it)", key="run_dir")
+    kind = "locked" if isinstance(problem, RunLockedError) else "error"
+    shared = from_main(None if problem is None else f"{kind}:{problem}")
+    if problem is not None:
+        raise problem
+    if shared is not None:
+        kind, _, message = shared.partition(":")
+        raise (RunLockedError if kind == "locked" else HpcDdpError)(message, key="run_dir")
 
 
 def _on_hang(run_dir: Path, env: DistEnv, record: dict[str, Any], timeout_s: float) -> Any:
@@ -174,6 +192,10 @@ def _conclude(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: St
         return 0
     if not env.is_main:
         return EXIT_REQUEUE
+    if flag.signum == signal.SIGINT:
+        append_attempt(run_dir, {**record, "reason": "interrupted"})
+        log.info("interrupted (Ctrl-C): snapshot of step %d committed, not requeued", result["step"])
+        return 0
     reason = "preemption" if flag.signum is None else stop_reason(
         flag.signum, warning, flag.received_at or time.time(), end_time, cfg.slurm.signal_delay_s)
     if not local and cancelled(flag.signum, job_state(job_spec(environ))):
@@ -182,15 +204,24 @@ def _conclude(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: St
                  "with `python -m hpc_ddp.submit ... --resume`", result["step"])
         return 0
     capped = cap_reached(reason, attempts + [{"reason": reason}], limits)
-    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped)})
+    # Who requeues: rank 0, or (where the tasks have no scontrol, e.g. a container started by srun)
+    # the batch shell's settle step, which runs on the host. The ledger says which, so exactly one does.
+    by = "local" if local else "workers" if requeue_available() else "batch shell"
+    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
+                             **({} if capped else {"requeue_by": by})})
     if capped:
         log.error("%s", capped)
         return 1
     log.info("stopped at step %d for %s; snapshot committed", result["step"], reason)
-    if not local:
+    if by == "batch shell":
+        log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
+    elif by == "workers":
         # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm
         # (measured on 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
-        requeue(job_spec(environ))
+        try:
+            requeue(job_spec(environ))
+        except PreemptionError as err:
+            log.error("%s", err)
     return EXIT_REQUEUE
 
 
@@ -228,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_LOCKED
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except Exception:
         log.exception("training failed")
         return 1

@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
 REFRESH = "HPC_DDP_UPDATE_GOLDEN=1 python -m pytest tests/test_sbatch.py -k golden"
 RENDERERS = {
-    "ddp.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python"),
-    "ddp_torchrun.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python", launcher="torchrun"),
+    "ddp.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python", workdir="/home/me/my project"),
+    "ddp_torchrun.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python", launcher="torchrun",
+                                              workdir="/home/me/my project"),
     "submitit.sbatch": lambda cfg: submitit_script(cfg, python="python"),
     "submitit_array.sbatch": lambda cfg: submitit_script(cfg, array=4, python="python"),
 }
