@@ -16,6 +16,10 @@ class HpcDdpError(Exception):
     (``SLURM_PROCID``) at fault, when there is one.
     """
 
+    #: False: the same input fails the same way again (a bad config, task or environment), so a job
+    #: that hits it is never requeued. True for failures of the world outside (a full disk).
+    retry_may_help = False
+
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key

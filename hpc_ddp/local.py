@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,10 +27,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-from hpc_ddp.preemption import EXIT_ERROR, EXIT_REQUEUE
+from hpc_ddp.preemption import EXIT_REQUEUE
 from hpc_ddp.slurm_env import simulated_environ
 
 PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step (see worker.py)
+ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")  # where a rank's error starts
 
 POLL_S = 0.02
 GRACE_S = 3.0
@@ -52,8 +54,13 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
             for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count)]
 
 
-def _tee(source: IO[bytes], log_path: Path, stream: IO[str], on_step: Callable[[int], None]) -> None:
-    """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead."""
+def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None]) -> None:
+    """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
+
+    From rank 0's first error line on (``error: ...``, a traceback, an ERROR log record) its lines
+    go to ``err``: errors reach stderr, and the launcher's summary need not print them again.
+    """
+    erring = False
     with open(log_path, "ab") as log:
         for line in iter(source.readline, b""):
             text = line.decode(errors="replace")
@@ -62,8 +69,10 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], on_step: Callable[[
                 continue
             log.write(line)
             log.flush()
-            stream.write(text)
-            stream.flush()
+            erring = erring or bool(ERROR_LINE.match(text))
+            out = err if erring else stream
+            out.write(text)
+            out.flush()
 
 
 def _die_with_parent() -> None:
@@ -150,7 +159,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             if rank:
                 out.close()  # type: ignore[union-attr]
         on_step = _injector(procs, events if events is not None else [], err)
-        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, on_step), daemon=True)
+        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step), daemon=True)
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
@@ -161,10 +170,12 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         return EXIT_INTERRUPTED
     if not failed:
         return int(codes[0] or 0)
-    # ranks that fail together (a bad config fails everywhere) are shown together; the first one decides
-    failed += [rank for rank, code in enumerate(p.poll() for p in procs) if code == EXIT_ERROR and rank not in failed]
-    report_failures(failed, [p.poll() for p in procs], paths, err)
-    err.write(f"the other ranks were stopped; every rank's log is in {logs}\n")
+    # ranks that fail the same way (a bad config fails everywhere) are shown together; the first one decides
+    final = [p.poll() for p in procs]
+    failed += [rank for rank, code in enumerate(final) if code == codes[failed[0]] and rank not in failed]
+    report_failures(sorted(failed), final, paths, err)
+    stopped = "the other ranks were stopped; " if len(failed) < len(procs) else ""
+    err.write(f"{stopped}every rank's log is in {logs}\n")
     return int(codes[failed[0]] or 1)
 
 

@@ -52,15 +52,40 @@ def holder_alive(holder: Mapping[str, Any], runner: Callable[..., Any] = subproc
         if holder.get("host") != socket.gethostname():
             return True
         try:
-            os.kill(int(holder.get("pid", 0)), 0)
+            pid = int(holder.get("pid", 0))
+            os.kill(pid, 0)
         except (ProcessLookupError, ValueError, TypeError):
             return False
         except PermissionError:
             return True
-        return True
+        return not _zombie(pid)
     if not shutil.which("squeue"):
         return True
     return job_state(str(holder.get("job")), runner) is not None
+
+
+def in_use(run_dir: Path, who: str, hint: str) -> RunLockedError:
+    """The refusal for a run dir that a live job holds: the same words from submit and from any rank."""
+    return RunLockedError(explain(f"run dir {run_dir} is in use by {who}",
+                                  expected="one job per run dir (two would interleave snapshots)",
+                                  hint=f"{hint}; for a separate run choose another run_dir=... (its default is "
+                                  "runs/NAME, from name=...)"), key="run_dir")
+
+
+def _where(holder: Mapping[str, Any]) -> str:
+    since = holder.get("since")
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if isinstance(
+        since, (int, float)) else ""
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{when}"
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process not yet reaped (state Z): dead, though kill(pid, 0) still finds it. A killed
+    launcher's ranks go to PID 1, which reaps slowly on some machines (containers)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -105,13 +130,8 @@ def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, 
             path.unlink(missing_ok=True)  # our own job, requeued (or restarted by the local launcher)
             continue
         if holder is not None and alive(holder):
-            raise RunLockedError(explain(
-                f"run dir {run_dir} is in use by job {holder.get('job')} (host {holder.get('host')}, pid "
-                f"{holder.get('pid')}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['since']))})"
-                if "since" in holder else f"run dir {run_dir} is in use by job {holder.get('job')}",
-                expected="one job per run dir (two would interleave snapshots)",
-                hint=f"wait for that job or cancel it; for a separate run set name=... or run_dir=...; if you "
-                f"are sure nothing uses it, delete {path}"), key="run_dir")
+            raise in_use(run_dir, f"job {holder.get('job')} ({_where(holder)})",
+                         f"wait for that job or cancel it; if you are sure nothing uses it, delete {path}")
         log.warning("taking over the lock of %s from job %s, which is gone", run_dir,
                     holder.get("job") if holder else "(unreadable lock)")
         path.unlink(missing_ok=True)

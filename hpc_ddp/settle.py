@@ -30,8 +30,11 @@ from hpc_ddp.preemption import (ERRORS, EXIT_ERROR, REASONS_CAPPED, STOP_REASONS
 from hpc_ddp.runlock import EXIT_LOCKED
 
 FAILURE_REASONS = ("failed", "hung")
-NOT_REQUEUED_ERROR = ("not requeued: a configuration, task or environment error fails the same way every time; "
-                      f"the message is in the rank logs and in RUN_DIR/{ERRORS}/; fix it, then submit again")
+
+
+def not_requeued(run_dir: Path) -> str:
+    return ("not requeued: a configuration, task or environment error fails the same way every time; the message "
+            f"is in the rank logs and in {run_dir / ERRORS}; fix it, then submit again")
 
 
 def _newest_snapshot(run_dir: Path) -> int | None:
@@ -52,7 +55,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     mine = [a for a in attempts if a.get("job_id") == job_id and a.get("restart_count") == restart_count]
     reason = mine[-1].get("reason") if mine else None
     if reason == "error":
-        return f"error; {NOT_REQUEUED_ERROR}"
+        return f"error; {not_requeued(run_dir)}"
     if reason in STOP_REASONS and mine[-1].get("requeue_by") == "batch shell":
         if requeue_job is None:
             return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
@@ -68,7 +71,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
                   "end": round(now if now is not None else time.time(), 3), "last_step": _newest_snapshot(run_dir)}
         if record["reason"] == "error":
             append_attempt(run_dir, record)
-            return f"error; {NOT_REQUEUED_ERROR}"
+            return f"error; {not_requeued(run_dir)}"
         attempts = attempts + [record]
     capped = cap_reached(record["reason"], attempts, limits)
     if not mine:

@@ -40,6 +40,8 @@ FAULT_POINT: str | None = None
 class SnapshotError(HpcDdpError):
     """A snapshot cannot be written or read."""
 
+    retry_may_help = True  # a full or failing filesystem: once space is freed, a requeue succeeds
+
 
 def _fault(point: str, path: Path) -> None:
     """Fault injection for tests: a signal to this process at this point of the write of that step."""

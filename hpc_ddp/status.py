@@ -73,7 +73,12 @@ def collect(run_dir: Path) -> dict[str, Any]:
     done = _read_json(run_dir / "DONE.json")
     attempts = read_attempts(run_dir)
     job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)
-    state = "FINISHED" if done else (_slurm_state(job_id) if job_id else None)
+    if done or not job.get("local"):
+        state = "FINISHED" if done else (_slurm_state(job_id) if job_id else None)
+    else:  # a local rehearsal's id is no Slurm job's: ask whether its launcher lives, not squeue
+        from hpc_ddp.runlock import holder_alive
+
+        state = "RUNNING (local)" if holder_alive({**job, "local": True}) else None
     progress: dict[str, Any] = {}
     if metrics:
         last = metrics[-1]

@@ -186,7 +186,7 @@ def _write_config(cfg: RunConfig, resume: bool) -> Path:
     path = Path(cfg.run_dir) / "config.yaml"
     if resume and path.exists():
         try:
-            diff = config_diff(flat_values(load_config([path])), flat_values(cfg))
+            diff = [d for d in config_diff(flat_values(load_config([path])), flat_values(cfg)) if d[0] != "run_dir"]
         except HpcDdpError:
             diff = []  # an unreadable old config: it is replaced, as before
         if diff:
@@ -221,7 +221,7 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
 
     job = _read_json(run_dir / "job.json") or {}
     if job.get("local") and holder_alive({"local": True, "host": job.get("host"), "pid": job.get("pid")}):
-        return (f"a local rehearsal (launcher pid {job.get('pid')} on {job.get('host')})",
+        return (f"job {job.get('job_id')} (a local rehearsal: launcher pid {job.get('pid')} on {job.get('host')})",
                 "wait for it, or press Ctrl-C in its terminal")
     if "job_id" in job and not job.get("local"):
         state = job_state(str(job["job_id"]))
@@ -237,12 +237,12 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
 def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
     """Refuse, before anything is written, a run dir in use; and (``earlier``) an earlier run without
     ``resume``, or ``resume`` where there is no earlier run."""
+    from hpc_ddp.runlock import in_use
+
     run_dir = Path(cfg.run_dir)
     live = live_holder(run_dir)
     if live:
-        raise HpcDdpError(explain(f"run dir {run_dir} is in use by {live[0]}; nothing was changed in it",
-                                  hint=f"{live[1]}; for a separate run choose another run_dir=... (its default "
-                                  "is runs/NAME, from name=...)"), key="run_dir")
+        raise in_use(run_dir, live[0], f"nothing in it was changed; {live[1]}")
     if earlier:
         _check_earlier(run_dir, resume)
 
@@ -358,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             return emit_sbatch(cfgs[0], args.emit_sbatch, args.launcher)
         return submit_slurm(cfgs, args.resume)
     except HpcDdpError as err:
+        from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError
+
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_LOCKED if isinstance(err, RunLockedError) else 2
 
 
 if __name__ == "__main__":

@@ -96,6 +96,8 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
     except RunLockedError:
         raise  # the run belongs to another job: nothing of it is touched
     except HpcDdpError as err:
+        if err.retry_may_help:
+            raise
         # Deterministic: a requeue would fail the same way after another wait in the queue.
         record = {"job_id": env.job_id, "restart_count": env.restart_count, "rank": env.rank,
                   "end": round(time.time(), 3)}
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_LOCKED
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_ERROR
+        return 1 if err.retry_may_help else EXIT_ERROR  # 1: a failure, settled and capped by max_failures
     except Exception:
         log.exception("training failed")
         return 1

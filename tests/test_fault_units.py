@@ -159,7 +159,7 @@ def test_the_login_node_path_never_runs_the_task_module(tmp_path: Path) -> None:
     (tmp_path / "evilpkg").mkdir()
     marker = tmp_path / "ran"
     (tmp_path / "evilpkg" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    (tmp_path / "evilpkg" / "task.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "evilpkg" / "task.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass T: ...\n")
     (tmp_path / "c.yaml").write_text(f"train: {{task: 'evilpkg.task:T', max_steps: 1}}\nrun_dir: {tmp_path}/r\n")
     for args in (["--dry-run"], ["--emit-sbatch", str(tmp_path / "job.sbatch")], ["--dry-run", "--multirun",
                                                                                  "train.lr=1,2"]):

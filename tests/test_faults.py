@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -115,11 +117,102 @@ def test_a_second_job_on_the_same_run_dir_refuses_and_names_the_holder(clean: Pa
     first = local(run_dir, FAULTY, "train.log_every=1", fault="slow:-1:0.3", wait=False)
     assert wait_until(lambda: (run_dir / LOCK).exists() and (run_dir / "metrics.jsonl").exists(), 120)
     holder = json.loads((run_dir / LOCK).read_text())
-    second = local(run_dir, FAULTY, "--resume")
+    config, log_names = (run_dir / "config.yaml").read_bytes(), sorted(p.name for p in (run_dir / "logs").iterdir())
+    second = local(run_dir, FAULTY, "--resume", "train.lr=0.5")
     assert second.returncode == EXIT_LOCKED
     assert f"is in use by job {holder['job']}" in second.stderr and "one job per run dir" in second.stderr
+    # refused before anything was written or started: the live run's config, logs and ledger are as they were
+    assert (run_dir / "config.yaml").read_bytes() == config and "[rank" not in second.stdout + second.stderr
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == log_names
     assert first.wait(timeout=300) == 0
     assert reasons(run_dir) == ["finished"] and sha(run_dir) == sha(clean)  # the second never wrote into it
+    assert logs(run_dir).count("rank 0/4 local 0/2") == 1  # one attempt's banner: no second set of ranks ran
+
+
+def test_ranks_started_beside_a_live_run_all_name_the_job_that_holds_it(tmp_path: Path) -> None:
+    """Two jobs whose workers start at once (two sbatch of one emitted script): whichever rank's refusal
+    reaches the user first names the holder (before, only rank 0's did, and rank 1's often came first)."""
+    from hpc_ddp.local import launch
+
+    run_dir = tmp_path / "held"
+    first = local(run_dir, FAULTY, "train.log_every=1", fault="slow:-1:0.3", wait=False)
+    assert wait_until(lambda: (run_dir / LOCK).exists() and (run_dir / "metrics.jsonl").exists(), 120)
+    holder = json.loads((run_dir / LOCK).read_text())
+    code = launch(run_dir / "config.yaml", run_dir, 2, 2, job_id=4242, restart_count=77,
+                  stream=open(os.devnull, "w"), err=open(os.devnull, "w"))
+    assert code == EXIT_LOCKED
+    for rank in range(4):
+        text = (run_dir / "logs" / f"attempt-77-rank-{rank}.log").read_text()
+        assert f"is in use by job {holder['job']}" in text, (rank, text[-2000:])
+    assert first.wait(timeout=300) == 0 and reasons(run_dir) == ["finished"]
+
+
+def test_ctrl_c_commits_a_snapshot_prints_one_line_and_resume_continues_bit_exactly(clean: Path,
+                                                                                   tmp_path: Path) -> None:
+    run_dir = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "hpc_ddp.submit", *BASE, f"run_dir={run_dir}", FAULTY]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HPC_DDP_TEST_FAULT": "slow:-1:0.05"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        out.append(line)
+        if "step 15/40" in line:
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends the launcher
+    text = "".join(out)
+    assert proc.wait(timeout=120) == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    step = max(snapshot.committed_steps(run_dir))
+    assert 15 <= step < 40 and reasons(run_dir) == ["interrupted"]
+    again = f"python -m hpc_ddp.submit {' '.join(BASE)} run_dir={run_dir} {FAULTY} --local --resume".replace(
+        " --local ", " ", 1)
+    assert f"interrupted: snapshot of step {step} committed; continue with: {again}" in text, text[-2000:]
+    changed = tmp_path / "changed"
+    shutil.copytree(run_dir, changed)
+    resumed = local(run_dir, FAULTY, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert reasons(run_dir) == ["interrupted", "finished"] and sha(run_dir) == sha(clean)
+    # the same stop resumed with another learning rate: said, and applied with the schedule going on
+    lr = local(changed, FAULTY, "--resume", "train.lr=0.05")
+    assert lr.returncode == 0 and "resuming with a changed config: train.lr: 0.01 -> 0.05" in lr.stdout
+    assert "with a changed config: train.lr: 0.01 -> 0.05" in logs(changed)
+    after = [r for r in map(json.loads, (changed / "metrics.jsonl").read_text().splitlines()) if r["step"] > step]
+    assert after and all(abs(r["lr"] - 0.05 * max(0.1, 1 - r["step"] / 40)) < 1e-12 for r in after), after
+
+
+def test_a_deterministic_error_is_launched_once_and_shown_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "nope"
+    proc = local(run_dir, "train.task=tests.tasks:Nope", "slurm.max_failures=3", "--no-preflight")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    [attempt] = read_attempts(run_dir)  # before: four launches, each "failed; requeued"
+    assert attempt["reason"] == "error" and "; requeued" not in out and "error; not requeued" in out
+    assert "max_failures" not in out and "snapshot" not in out  # no advice that cannot help, no phantom snapshot
+    message = attempt["message"]
+    assert "Nope" in message and out.count(message) == 1, out  # four ranks, one error: printed once
+
+
+def test_a_taken_rendezvous_port_is_named_on_every_rank_within_seconds(tmp_path: Path) -> None:
+    """dist.timeout_s=600: before, rank 1 waited out 2 x 600 + 30 s (or talked to whatever held the port)."""
+    import socket
+
+    from hpc_ddp.config import load_config, save_config
+    from hpc_ddp.local import rank_environs
+
+    run_dir = tmp_path / "port"
+    config = save_config(load_config([ROOT / "examples" / "mlp.yaml"], [f"run_dir={run_dir}", "dist.timeout_s=600"]),
+                         run_dir / "config.yaml")
+    with socket.socket() as squatter:  # another program on the port, listening but not speaking our protocol
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        port = squatter.getsockname()[1]
+        ranks = [subprocess.Popen([sys.executable, "-m", "hpc_ddp.worker", "--config", str(config)], cwd=ROOT,
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for env in rank_environs(1, 2, job_id=31, restart_count=0, port=port, base=os.environ)]
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2], outputs
+    for text in outputs:
+        assert f"the rendezvous port {port} on 127.0.0.1 (node 0" in text and "dist.master_port=" in text, text
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["error"]
 
 
 @pytest.mark.parametrize(("name", "args", "env"), [

@@ -37,7 +37,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("plain") / "run"
-    proc = submit(run_dir, "--resume")
+    proc = submit(run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 

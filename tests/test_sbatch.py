@@ -66,8 +66,8 @@ def emit(script: Path, *args: str) -> None:
     assert proc.returncode == 0 and f"sbatch {script}" in proc.stdout, proc.stderr
 
 
-def sbatch(script: Path) -> str:
-    out = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, check=True, capture_output=True, text=True)
+def sbatch(script: Path, cwd: Path = ROOT) -> str:
+    out = subprocess.run(["sbatch", "--parsable", str(script)], cwd=cwd, check=True, capture_output=True, text=True)
     return out.stdout.strip().split(";")[0]
 
 
@@ -79,7 +79,7 @@ def job_log(run_dir: Path, tail: int = 4000) -> str:
 def test_emitted_script_runs_with_plain_sbatch(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
     run_dir, script = tmp_path / "emitted", tmp_path / "job.sbatch"
     emit(script, "train.max_steps=50", f"run_dir={run_dir}")
-    sbatch(script)
+    sbatch(script, cwd=tmp_path)  # submitted from elsewhere: the job still imports examples.mlp from ROOT
     assert wait_until((run_dir / "DONE.json").exists, 180), job_log(run_dir)
     assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4
 

@@ -19,8 +19,10 @@ MLP = str(ROOT / "examples" / "mlp.yaml")
 
 def test_dry_run_prints_the_sbatch_script_the_ranks_and_preflight(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    assert submit([MLP, "--dry-run", f"run_dir={tmp_path / 'r'}", "slurm.partition=gpu"]) == 0
+    code = submit([MLP, "--dry-run", f"run_dir={tmp_path / 'r'}", "slurm.partition=gpu"])
     out = capsys.readouterr().out
+    # no partition "gpu" where sinfo answers: an error, so the dry run fails as the submit would (issue 15)
+    assert code == (2 if "error [slurm.partition]" in out else 0)
     assert "#SBATCH --signal=USR2@120" in out and "#SBATCH --partition=gpu" in out
     assert f"-m submitit.core._submit {tmp_path / 'r' / 'slurm'}" in out
     assert "master_addr" in out and "preflight:" in out

@@ -52,8 +52,11 @@ def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_
     job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}"))
     metrics = run_dir / "metrics.jsonl"
     assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120)
-    refused = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}")
-    assert refused.returncode == 2 and f"already has job {job}" in refused.stderr
+    config = (run_dir / "config.yaml").read_bytes()
+    for again in ([], ["--resume", "train.lr=0.5"]):  # refused either way, and the live run's config stays
+        refused = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}", *again)
+        assert refused.returncode == 5 and f"is in use by job {job} (RUNNING)" in refused.stderr, refused.stderr
+        assert (run_dir / "config.yaml").read_bytes() == config
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     assert wait_until((run_dir / "DONE.json").exists, 180)
     attempts = read_attempts(run_dir)
@@ -125,3 +128,38 @@ def test_scancel_snapshots_and_ends_the_job_without_a_requeue(slurm_cluster: Clu
     job_id(resumed)
     assert wait_until((run_dir / "DONE.json").exists, 180)
     assert read_attempts(run_dir)[-1]["resumed_from"] == attempt["last_step"]
+
+
+def test_a_deterministic_error_on_the_cluster_ends_the_job_without_a_requeue(slurm_cluster: ClusterSpec,
+                                                                            tmp_path: Path) -> None:
+    """srun reports 143 (the ranks it terminated), not the error's 2: the ranks record the error themselves."""
+    run_dir = tmp_path / "nope"
+    job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", "--no-preflight", "train.task=tests.tasks:Nope",
+                     "slurm.max_failures=3", "slurm.nodes=2", "slurm.tasks_per_node=1", f"run_dir={run_dir}"))
+    assert wait_until(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                                                 text=True).stdout.strip(), 120)
+    [attempt] = read_attempts(run_dir)
+    assert attempt["reason"] == "error" and attempt["restart_count"] == 0 and "Nope" in attempt["message"]
+    restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "Restarts=0" in restarts or not restarts.strip()  # never went back to the queue
+    log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_log.*"))
+    assert "error; not requeued" in log, log[-3000:]
+
+
+def test_tasks_without_scontrol_are_requeued_once_by_the_batch_shell(slurm_cluster: ClusterSpec,
+                                                                     tmp_path: Path) -> None:
+    """A container started by srun often has no Slurm client (NVIDIA/pyxis#129): rank 0 cannot requeue, so
+    the batch shell's settle step, which runs on the host, does it, and exactly once."""
+    options = ["train.task=tests.tasks:NoSlurmClient", "train.max_steps=600", "train.log_every=10",
+               "slurm.timeout_min=30"]
+    run_dir = tmp_path / "container"
+    job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}"))
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_until((run_dir / "DONE.json").exists, 180), cli("hpc_ddp.status", str(run_dir)).stdout
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
+    assert attempts[0]["requeue_by"] == "batch shell"
+    log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_log.*"))
+    assert "requeued by the batch shell" in log and "scontrol is not on PATH in the job's tasks" in log

@@ -61,3 +61,12 @@ class Faulty(MLPTask):
                 if self.kind == "sleep":
                     time.sleep(3600)  # a rank that stops making progress outside any collective
         return super().loss(model, batch)
+
+
+class NoSlurmClient(MLPTask):
+    """examples.mlp in tasks that have no Slurm client, like a container started by srun (pyxis/enroot):
+    every directory holding scontrol is taken off this process's PATH (the batch shell keeps it)."""
+
+    def __init__(self) -> None:
+        os.environ["PATH"] = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                                             if not os.path.exists(os.path.join(d, "scontrol")))
