@@ -173,7 +173,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     if code == EXIT_INTERRUPTED:
         steps = committed_steps(run_dir)
         kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
-        print(f"interrupted: {kept}; continue with: {again or 'the same command with --resume'}", flush=True)
+        print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
     metrics = run_dir / "metrics.jsonl"
     print(f"{'finished' if code == 0 else f'FAILED (exit code {code})'}: "
@@ -318,7 +318,7 @@ def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     path.chmod(0o755)
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
           f"submit it from any directory with: sbatch {path}\n"
-          f"  the job runs in {workdir} (#SBATCH --chdir), where train.task={cfg.train.task} is imported from")
+          f"  the job runs in {workdir} (its WORKDIR line), where train.task={cfg.train.task} is imported from")
     return 0
 
 

@@ -165,7 +165,7 @@ def test_ctrl_c_commits_a_snapshot_prints_one_line_and_resume_continues_bit_exac
     assert 15 <= step < 40 and reasons(run_dir) == ["interrupted"]
     again = f"python -m hpc_ddp.submit {' '.join(BASE)} run_dir={run_dir} {FAULTY} --local --resume".replace(
         " --local ", " ", 1)
-    assert f"interrupted: snapshot of step {step} committed; continue with: {again}" in text, text[-2000:]
+    assert f"interrupted: snapshot of step {step} committed; continue with:\n  {again}\n" in text, text[-2000:]
     changed = tmp_path / "changed"
     shutil.copytree(run_dir, changed)
     resumed = local(run_dir, FAULTY, "--resume")
