@@ -6,7 +6,10 @@ trainer variants use the same model, data, per-rank batch and optimizer:
 
 - ``bare``: no stop flag and no snapshots, so no collective of its own;
 - ``stop``: the stop-flag agreement at every step boundary, as in production;
-- ``sync`` / ``async``: the stop flag plus a snapshot every ``every`` steps.
+- ``sync`` / ``async``: the stop flag plus a snapshot every ``every`` steps;
+- ``own``: the raw loop itself with the public API added (``run.resume`` before it,
+  ``run.boundary(step)`` after every step, the stop-flag agreement included): what a
+  user's own loop pays for hpc_ddp.
 
 Steps/s is measured over the steady state only: from step ``warmup`` to the
 last step, taken from the per-step callback. Rank 0 writes a JSON file.
@@ -34,19 +37,23 @@ from benchmarks import tasks
 BATCH, LR = 64, 0.01
 
 
-def raw_loop(steps: int, warmup: int) -> float:
-    """Steps/s of the tutorial's loop."""
+def raw_loop(steps: int, warmup: int, run: Any = None) -> float:
+    """Steps/s of the tutorial's loop; with ``run``, the same loop with the public API's two calls added."""
     model = DistributedDataParallel(tasks.model())
     sampler = DistributedSampler(tasks.dataset(), seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     start, done = 0.0, 0
+    if run is not None:
+        done = run.resume(model=model, optimizer=optimizer)
     for x, y in loader:
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
         done += 1
+        if run is not None and run.boundary(done):
+            break
         if done == warmup:
             start = time.perf_counter()
         if done == steps:
@@ -54,17 +61,26 @@ def raw_loop(steps: int, warmup: int) -> float:
     return (steps - warmup) / (time.perf_counter() - start)
 
 
-def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
-    """Steps/s of hpc_ddp's Trainer in one of the variants."""
+def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
+    """A Run as the session builds one, with the pieces the variant has."""
     from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.config import load_config
     from hpc_ddp.preemption import StopFlag
+    from hpc_ddp.run import Run
     from hpc_ddp.slurm_env import from_environ, simulated_environ
-    from hpc_ddp.trainer import Trainer
 
     rank = dist.get_rank()
     env = from_environ({**simulated_environ(1, 2, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": os.environ["MASTER_PORT"]})
+    checkpointer = Checkpointer(Path(cfg.run_dir), cfg.snapshot, env, "b2") if variant in ("sync", "async") else None
+    return Run(cfg, env, torch.device("cpu"), checkpointer=checkpointer,
+               stop=StopFlag() if variant != "bare" else None, on_step=on_step)
+
+
+def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
+    """Steps/s of hpc_ddp's Trainer in one of the variants, or of the raw loop with the API (``own``)."""
+    from hpc_ddp.config import load_config
+    from hpc_ddp.trainer import Trainer
+
     with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
         run_dirs: list[Any] = [tmp]
         dist.broadcast_object_list(run_dirs, src=0)  # one run dir for both ranks (rank 0's)
@@ -73,13 +89,14 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
         cfg = load_config([], ["name=b2", f"run_dir={run_dirs[0]}", "train.task=benchmarks.tasks:BenchTask",
                                f"train.max_steps={steps}", f"train.batch_size={BATCH}", f"train.lr={LR}",
                                f"train.log_every={steps}", "snapshot.every_minutes=null", *snapshots])
-        checkpointer = Checkpointer(Path(run_dirs[0]), cfg.snapshot, env, "b2") if variant in ("sync", "async") \
-            else None
+        if variant == "own":
+            run = _run_for("stop", cfg)
+            rate = raw_loop(steps, warmup, run)
+            run.finish()  # drains the last agreement in flight
+            return rate
         times: dict[int, float] = {}
-        trainer = Trainer(tasks.BenchTask(), cfg, env, torch.device("cpu"), Path(run_dirs[0]),
-                          checkpointer=checkpointer, stop=StopFlag() if variant != "bare" else None,
-                          on_step=lambda step: times.__setitem__(step, time.perf_counter()))
-        trainer.train()
+        run = _run_for(variant, cfg, on_step=lambda step: times.__setitem__(step, time.perf_counter()))
+        Trainer(tasks.BenchTask(), cfg, run).train()
         dist.barrier()
     return (steps - warmup) / (times[steps] - times[warmup])
 
@@ -88,7 +105,7 @@ def worker(rank: int, out: str, rounds: int, steps: int, every: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     warmup = max(5, steps // 10)
-    variants = ["raw", "bare", "stop", "sync", "async"]
+    variants = ["raw", "own", "bare", "stop", "sync", "async"]
     samples: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for variant in variants:

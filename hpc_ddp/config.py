@@ -78,8 +78,18 @@ class DistConfig:
 class TrainConfig:
     """The training loop."""
 
-    task: str = _doc("", "The task class to train, as 'package.module:ClassName' (required).")
-    max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (this or epochs is required).")
+    task: str = _doc("", "The task class our Trainer trains, as 'package.module:ClassName'. Exactly one of "
+                     "train.task, train.loop and train.script names what the job runs.")
+    loop: str = _doc("", "Your own training loop, as 'package.module:function': called as function(run) in "
+                     "every task, with the run object (run.resume, run.boundary; see docs/own-loop.md).")
+    script: str = _doc("", "An unmodified torchrun-style script (a .py path, relative to the submit directory) run "
+                       "in every task with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... set; the stop signal "
+                       "reaches it and its exit after one is a requeue.")
+    args: List[str] = _doc_factory(list, "Command-line arguments for train.script.")
+    script_progress: str = _doc(r"(?i)\bstep\b\D{0,3}(\d+)", "The local rehearsal's --preempt-at/--timeout-at "
+                                "find train.script's step in rank 0's output with this regex (group 1: the step).")
+    max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs this or epochs; "
+                                    "a train.loop may read it from run.config).")
     epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")
     batch_size: int = _doc(32, "Samples per rank per micro-step.")
     grad_accum: int = _doc(1, "Micro-steps per optimizer step.")

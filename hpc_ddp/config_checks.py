@@ -47,6 +47,13 @@ def _word(v: Any) -> bool:
     return isinstance(v, str) and bool(v) and not any(c.isspace() for c in v)
 
 
+def _regex_with_group(v: Any) -> bool:
+    try:
+        return isinstance(v, str) and re.compile(v).groups >= 1
+    except re.error:
+        return False
+
+
 # key -> (check, expected); None passes for keys whose schema type is Optional.
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
@@ -74,7 +81,11 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
     "dist.master_port": (lambda v: _at_least(1)(v) and v <= 65535, "a port 1..65535, or null"),
     "dist.nccl_env": (_mapping(_ENV_NAME), "a mapping of environment variable names to text values"),
-    "train.task": (lambda v: bool(_TASK.fullmatch(v)), "'package.module:ClassName'"),
+    "train.task": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:ClassName'"),
+    "train.loop": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:function'"),
+    "train.script": (lambda v: v == "" or (v.strip() == v and "\n" not in v), "a path to a .py file"),
+    "train.args": (_texts, "a list of text arguments"),
+    "train.script_progress": (_regex_with_group, "a regular expression with one group that matches the step"),
     "train.max_steps": (_at_least(1), "an integer >= 1, or null"),
     "train.epochs": (_at_least(1), "an integer >= 1, or null"),
     "train.batch_size": (_at_least(1), "an integer >= 1"),
@@ -99,6 +110,26 @@ def _get(cfg: Any, path: str) -> Any:
     return cfg
 
 
+PROGRAMS = ("train.task", "train.loop", "train.script")
+
+
+def _check_program(train: Any) -> None:
+    """Exactly one of train.task, train.loop and train.script names what the job runs."""
+    chosen = [key for key in PROGRAMS if getattr(train, key.split(".")[1])]
+    if not chosen:
+        raise _fail("train.task", "nothing to train: train.task, train.loop and train.script are all unset", "",
+                    "exactly one of them", "set one: train.task=mypkg.tasks:MyTask (our Trainer), "
+                    "train.loop=mypkg.train:main (your loop, called with the run), or train.script=train.py "
+                    "(an unmodified torchrun-style script)")
+    if len(chosen) > 1:
+        raise _fail(chosen[1], f"{' and '.join(chosen)} are both set", ", ".join(
+            f"{key}={getattr(train, key.split('.')[1])}" for key in chosen), "exactly one of them",
+            f"keep one; unset the other with {chosen[1]}=''")
+    if train.args and not train.script:
+        raise _fail("train.args", "train.args is set but train.script is not", train.args,
+                    "arguments for train.script", "set train.script=path/to/train.py, or drop train.args")
+
+
 def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = None) -> ConfigError:
     return ConfigError(explain(what, found=found, expected=expected,
                                hint=hint or f"set {key} in the config file or as {key}=... on the command line"),
@@ -116,12 +147,10 @@ def check_config(cfg: Any) -> None:
         value = _get(cfg, key)
         if value is None and key in OPTIONAL:
             continue
-        if key == "train.task" and value == "":
-            raise _fail(key, "train.task is not set: the run has nothing to train", value, expected,
-                        "add `train:\n  task: mypkg.tasks:MyTask` to the config, or train.task=mypkg.tasks:MyTask")
         if not ok(value):
             raise _fail(key, f"bad value for config key {key}", value, expected)
-    if cfg.train.max_steps is None and cfg.train.epochs is None:
+    _check_program(cfg.train)
+    if cfg.train.task and cfg.train.max_steps is None and cfg.train.epochs is None:
         raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
                     None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
     if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
+from hpc_ddp import layout
 from hpc_ddp.preemption import EXIT_REQUEUE
 from hpc_ddp.slurm_env import simulated_environ
 
@@ -54,8 +55,11 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
             for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count)]
 
 
-def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None]) -> None:
+def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None],
+         progress: re.Pattern[str] | None = None) -> None:
     """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
+
+    ``progress`` (``train.script_progress``) finds the step in an unmodified script's own lines.
 
     From rank 0's first error line on (``error: ...``, a traceback, an ERROR log record) its lines
     go to ``err``: errors reach stderr, and the launcher's summary need not print them again.
@@ -67,6 +71,9 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             if text.startswith(PROGRESS_MARK):
                 on_step(int(text[len(PROGRESS_MARK):]))
                 continue
+            found = progress.search(text) if progress is not None else None
+            if found:
+                on_step(int(found.group(1)))
             log.write(line)
             log.flush()
             erring = erring or bool(ERROR_LINE.match(text))
@@ -138,11 +145,19 @@ def report_failures(failed: list[int], codes: list[int | None], paths: list[Path
             err.write(f"\n{who} failed with exit code {code}; from {paths[ranks[0]]}:\n{text}\n")
 
 
+def script_progress(config_path: Path) -> re.Pattern[str] | None:
+    """For a ``train.script`` run: the regex that finds its step in rank 0's output."""
+    from hpc_ddp.config import load_config
+
+    train = load_config([config_path]).train
+    return re.compile(train.script_progress) if train.script else None
+
+
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
            err: IO[str] = sys.stderr) -> int:
     """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's."""
-    logs = run_dir / "logs"
+    logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
                              port=free_port(), base=os.environ)
@@ -159,7 +174,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             if rank:
                 out.close()  # type: ignore[union-attr]
         on_step = _injector(procs, events if events is not None else [], err)
-        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step), daemon=True)
+        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
+                                                  script_progress(config_path)), daemon=True)
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:

@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import layout
 from hpc_ddp.errors import HpcDdpError, explain
 
-LEDGER = "attempts.jsonl"
-ERRORS = "errors"  # RUN_DIR/errors/job-J-restart-N.txt: the full message of an attempt's deterministic error
+LEDGER = layout.LEDGER
+ERRORS = layout.ERRORS  # RUN_DIR/errors/job-J-restart-N.txt: the full message of an attempt's deterministic error
 EXIT_ERROR = 2  # a bad config, task or environment: the same again on every retry, so never requeued
 EXIT_REQUEUE = 3  # a worker that stopped for a requeue (the local simulation relaunches on it)
 STOP_REASONS = ("timeout", "preemption")  # the attempts that end in a requeue
@@ -143,7 +144,7 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     """The ledger, one dict per ended attempt (unreadable lines are skipped)."""
     try:
-        lines = (run_dir / LEDGER).read_text().splitlines()
+        lines = layout.ledger(run_dir).read_text().splitlines()
     except OSError:
         return []
     attempts = []
@@ -160,14 +161,14 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
 def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
     """One line per attempt, appended and fsynced (rank 0 only)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / LEDGER, "a") as out:
+    with open(layout.ledger(run_dir), "a") as out:
         out.write(json.dumps(dict(record), sort_keys=True) + "\n")
         out.flush()
         os.fsync(out.fileno())
 
 
 def error_path(run_dir: Path, job_id: int | str | None, restart_count: int) -> Path:
-    return run_dir / ERRORS / f"job-{job_id}-restart-{restart_count}.txt"
+    return layout.errors(run_dir) / f"job-{job_id}-restart-{restart_count}.txt"
 
 
 def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:

@@ -23,11 +23,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import layout
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import job_state
 
 log = logging.getLogger("hpc_ddp.runlock")
-LOCK = "lock.json"
+LOCK = layout.LOCK
 EXIT_LOCKED = 5  # a worker refused to start: another job holds the run dir (nothing of that run is touched)
 
 
@@ -111,7 +112,7 @@ def _create(path: Path, record: Mapping[str, Any]) -> bool:
 
 def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
     """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder."""
-    path = run_dir / LOCK
+    path = layout.lock(run_dir)
     for _ in range(3):
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +143,7 @@ def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, 
 
 def release(run_dir: Path, me: Mapping[str, Any]) -> None:
     """Give the lock back if ``me`` still holds it (a successor may have taken over a stale one)."""
-    path = run_dir / LOCK
+    path = layout.lock(run_dir)
     holder = _read(path)
     if holder is not None and holder.get("job") == me["job"] and holder.get("pid") == me["pid"]:
         path.unlink(missing_ok=True)

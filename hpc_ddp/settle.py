@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import layout
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (ERRORS, EXIT_ERROR, REASONS_CAPPED, STOP_REASONS, append_attempt, cap_reached,
+from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, STOP_REASONS, append_attempt, cap_reached,
                                 job_spec, read_attempts, requeue)
 from hpc_ddp.runlock import EXIT_LOCKED
 
@@ -34,7 +35,7 @@ FAILURE_REASONS = ("failed", "hung")
 
 def not_requeued(run_dir: Path) -> str:
     return ("not requeued: a configuration, task or environment error fails the same way every time; the message "
-            f"is in the rank logs and in {run_dir / ERRORS}; fix it, then submit again")
+            f"is in the rank logs and in {layout.errors(run_dir)}; fix it, then submit again")
 
 
 def _newest_snapshot(run_dir: Path) -> int | None:
@@ -49,7 +50,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     """Record the attempt if the workers could not; requeue a failure under its cap. Returns what happened."""
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
-    if (run_dir / "DONE.json").exists():
+    if layout.done(run_dir).exists():
         return "finished"
     attempts = read_attempts(run_dir)
     mine = [a for a in attempts if a.get("job_id") == job_id and a.get("restart_count") == restart_count]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hpc_ddp import layout
 from hpc_ddp import atomic
 from hpc_ddp.errors import HpcDdpError, explain
 
@@ -54,7 +55,7 @@ def _fault(point: str, path: Path) -> None:
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "snapshots" / f"step-{step:08d}"
+    return layout.snapshots(run_dir) / f"step-{step:08d}"
 
 
 def node_file_name(node_rank: int) -> str:
@@ -147,7 +148,7 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
 
 def committed_steps(run_dir: Path) -> list[int]:
     """Steps with a readable manifest, newest first."""
-    root = run_dir / "snapshots"
+    root = layout.snapshots(run_dir)
     steps = []
     for entry in root.glob("step-*") if root.exists() else []:
         manifest = read_manifest(entry)
@@ -231,7 +232,7 @@ def prune(run_dir: Path, keep_last: int) -> None:
     if not committed:
         return
     keep = set(committed[:max(keep_last, 1)])  # the newest committed step is never deleted
-    for entry in (run_dir / "snapshots").glob("step-*"):
+    for entry in layout.snapshots(run_dir).glob("step-*"):
         try:
             step = int(entry.name.split("-", 1)[1])
         except ValueError:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import layout
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import job_state, read_attempts
 
@@ -48,7 +49,7 @@ def _read_json(path: Path) -> Any:
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = layout.metrics(run_dir).read_text().splitlines()
     except OSError:
         return []
     return [json.loads(line) for line in lines if line.strip().startswith("{")]
@@ -68,9 +69,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data."""
     from hpc_ddp import snapshot  # manifests only: no torch
 
-    job = _read_json(run_dir / "job.json") or {}
+    job = _read_json(layout.job(run_dir)) or {}
     metrics = _metrics(run_dir)
-    done = _read_json(run_dir / "DONE.json")
+    done = _read_json(layout.done(run_dir))
     attempts = read_attempts(run_dir)
     job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)
     if done or not job.get("local"):
@@ -93,14 +94,14 @@ def collect(run_dir: Path) -> dict[str, Any]:
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None}
     if not done and (state in (None, "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
-        result["last_errors"] = _errors(run_dir, Path(job.get("logs") or run_dir / "slurm"))
+        result["last_errors"] = _errors(run_dir, Path(job.get("logs") or layout.slurm_logs(run_dir)))
     return result
 
 
 def _ledger_job(run_dir: Path, attempts: list[dict[str, Any]]) -> str | None:
     """The newest attempt's job id for a job submitted by hand with an emitted script (no job.json;
     its log dir RUN_DIR/slurm exists). Local rehearsals have neither, and their ids are not Slurm's."""
-    if not (run_dir / "slurm").is_dir():
+    if not layout.slurm_logs(run_dir).is_dir():
         return None
     return next((str(a["job_id"]) for a in reversed(attempts) if a.get("job_id") is not None), None)
 
@@ -110,7 +111,7 @@ def _max_steps(run_dir: Path) -> int | None:
     from hpc_ddp.config import load_config
 
     try:
-        return load_config([run_dir / "config.yaml"]).train.max_steps
+        return load_config([layout.config(run_dir)]).train.max_steps
     except HpcDdpError:
         return None
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import layout
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
@@ -118,12 +119,12 @@ def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.
 
 
 def _config_paths(cfgs: list[RunConfig]) -> list[str]:
-    return [str(Path(c.run_dir) / "config.yaml") for c in cfgs]
+    return [str(layout.config(c.run_dir)) for c in cfgs]
 
 
 def _log_folder(cfg: RunConfig, array: int | None) -> Path:
     """submitit's folder: RUN_DIR/slurm, or for a job array the sweep's base dir's slurm/."""
-    return (Path(cfg.run_dir).parent if array else Path(cfg.run_dir)) / "slurm"
+    return (Path(cfg.run_dir).parent if array else Path(cfg.run_dir)) / layout.SLURM_LOGS
 
 
 def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
@@ -175,7 +176,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
         kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
         print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
-    metrics = run_dir / "metrics.jsonl"
+    metrics = layout.metrics(run_dir)
     print(f"{'finished' if code == 0 else f'FAILED (exit code {code})'}: "
           + (f"metrics in {metrics}, " if metrics.exists() else "") + f"logs in {run_dir / 'logs'}", flush=True)
     return code
@@ -183,7 +184,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
 
 def _write_config(cfg: RunConfig, resume: bool) -> Path:
     """RUN_DIR/config.yaml; on --resume, first say which keys differ from the run's previous config."""
-    path = Path(cfg.run_dir) / "config.yaml"
+    path = layout.config(cfg.run_dir)
     if resume and path.exists():
         try:
             diff = [d for d in config_diff(flat_values(load_config([path])), flat_values(cfg)) if d[0] != "run_dir"]
@@ -198,7 +199,7 @@ def _write_config(cfg: RunConfig, resume: bool) -> Path:
 
 def _write_job(run_dir: Path, record: dict[str, object]) -> None:
     """RUN_DIR/job.json: who runs this run now (a Slurm job, or a local rehearsal's launcher)."""
-    (run_dir / "job.json").write_text(json.dumps({**record, "submitted": time.time()}) + "\n")
+    layout.job(run_dir).write_text(json.dumps({**record, "submitted": time.time()}) + "\n")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -217,9 +218,9 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
     lives); RUN_DIR/lock.json names the job whose ranks are running now.
     """
     from hpc_ddp.preemption import job_state
-    from hpc_ddp.runlock import LOCK, holder_alive
+    from hpc_ddp.runlock import holder_alive
 
-    job = _read_json(run_dir / "job.json") or {}
+    job = _read_json(layout.job(run_dir)) or {}
     if job.get("local") and holder_alive({"local": True, "host": job.get("host"), "pid": job.get("pid")}):
         return (f"job {job.get('job_id')} (a local rehearsal: launcher pid {job.get('pid')} on {job.get('host')})",
                 "wait for it, or press Ctrl-C in its terminal")
@@ -227,10 +228,10 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
         state = job_state(str(job["job_id"]))
         if state:
             return f"job {job['job_id']} ({state})", f"wait for it, or cancel it: scancel {job['job_id']}"
-    lock = _read_json(run_dir / LOCK)
+    lock = _read_json(layout.lock(run_dir))
     if lock and holder_alive(lock):
-        return (f"job {lock.get('job')} (it holds {run_dir / LOCK}: host {lock.get('host')}, pid {lock.get('pid')})",
-                f"wait for it or stop it; if you are sure nothing uses the run dir, delete {run_dir / LOCK}")
+        return (f"job {lock.get('job')} (it holds {layout.lock(run_dir)}: host {lock.get('host')}, pid {lock.get('pid')})",
+                f"wait for it or stop it; if you are sure nothing uses the run dir, delete {layout.lock(run_dir)}")
     return None
 
 
@@ -248,15 +249,14 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
 
 
 def _check_earlier(run_dir: Path, resume: bool) -> None:
-    from hpc_ddp.preemption import LEDGER
     from hpc_ddp.snapshot import committed_steps  # manifests only: no torch
 
-    earlier = bool(committed_steps(run_dir)) or (run_dir / "DONE.json").exists()
+    earlier = bool(committed_steps(run_dir)) or layout.done(run_dir).exists()
     if earlier and not resume:
         raise HpcDdpError(explain(f"{run_dir} holds an earlier run (snapshots or DONE.json)",
                                   hint="add --resume to continue it from its newest snapshot, or choose a new "
                                   "run with run_dir=..."), key="run_dir")
-    started = earlier or any((run_dir / name).exists() for name in ("config.yaml", LEDGER))
+    started = earlier or any((run_dir / name).exists() for name in (layout.CONFIG, layout.LEDGER))
     if resume and not started:
         raise HpcDdpError(explain(f"--resume: there is no earlier run in {run_dir}",
                                   found=sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else
@@ -311,8 +311,8 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
 
 def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     _check_free(cfg, resume=True, earlier=False)  # a live run's config is never rewritten
-    config_path = save_config(cfg, Path(cfg.run_dir) / "config.yaml")
-    (Path(cfg.run_dir) / "slurm").mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
+    config_path = save_config(cfg, layout.config(cfg.run_dir))
+    layout.slurm_logs(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
     workdir = os.getcwd()  # where train.task's module was found: the job runs there, wherever sbatch is called
     path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher, workdir=workdir))
     path.chmod(0o755)

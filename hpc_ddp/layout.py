@@ -1,0 +1,79 @@
+"""The run directory's layout, named once: every module asks here for a path.
+
+A run directory is keyed by the run's name, never by a job id, so a requeued job
+(or a resubmitted one) finds its own state. What it holds::
+
+    config.yaml        the resolved config every attempt reads
+    attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
+    metrics.jsonl      step, loss, lr, samples/s (rank 0)
+    snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business)
+    lock.json          which job holds the run now
+    job.json           the job id (or the local launcher's pid) of the last submission
+    DONE.json          written last when training finished: step, world size, params_sha256
+    model.pt           the final model's state_dict
+    errors/            job-J-restart-N.txt: the full message of a deterministic error
+    logs/              the local rehearsal's per-rank logs
+    slurm/             submitit's and the sbatch templates' job logs
+
+No torch, no I/O: plain names and paths.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG = "config.yaml"
+LEDGER = "attempts.jsonl"
+METRICS = "metrics.jsonl"
+SNAPSHOTS = "snapshots"
+LOCK = "lock.json"
+JOB = "job.json"
+DONE = "DONE.json"
+MODEL = "model.pt"
+ERRORS = "errors"
+LOGS = "logs"
+SLURM_LOGS = "slurm"
+
+
+def config(run_dir: Path | str) -> Path:
+    return Path(run_dir) / CONFIG
+
+
+def ledger(run_dir: Path | str) -> Path:
+    return Path(run_dir) / LEDGER
+
+
+def metrics(run_dir: Path | str) -> Path:
+    return Path(run_dir) / METRICS
+
+
+def snapshots(run_dir: Path | str) -> Path:
+    return Path(run_dir) / SNAPSHOTS
+
+
+def lock(run_dir: Path | str) -> Path:
+    return Path(run_dir) / LOCK
+
+
+def job(run_dir: Path | str) -> Path:
+    return Path(run_dir) / JOB
+
+
+def done(run_dir: Path | str) -> Path:
+    return Path(run_dir) / DONE
+
+
+def model(run_dir: Path | str) -> Path:
+    return Path(run_dir) / MODEL
+
+
+def errors(run_dir: Path | str) -> Path:
+    return Path(run_dir) / ERRORS
+
+
+def logs(run_dir: Path | str) -> Path:
+    return Path(run_dir) / LOGS
+
+
+def slurm_logs(run_dir: Path | str) -> Path:
+    return Path(run_dir) / SLURM_LOGS

@@ -1,0 +1,356 @@
+"""The public run object: what any training loop calls to survive preemption and time limits.
+
+A loop gets a :class:`Run` (from ``train.loop``, ``hpc_ddp.session()`` or our Trainer) and
+adds two calls::
+
+    step = run.resume(model=model, optimizer=optimizer, sampler=sampler)   # 0 on a fresh start
+    while step < max_steps:
+        ...one optimizer step...
+        step += 1
+        if run.boundary(step):     # True once every rank agreed to stop; the snapshot is committed
+            return
+
+Everything else is the stop protocol, in this one place: the stop flag agreed by all ranks
+one boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by
+step count or by rank 0's clock (sync, or async with the copy in the step), the stop
+snapshot, every rank's RNG captured and restored, the hang watchdog's heartbeat, the final
+model and DONE marker. Who writes which file is the checkpointer's business; what happens
+after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.worker`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ctypes
+import io
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hpc_ddp import layout
+from hpc_ddp.atomic import write_atomic
+from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
+from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
+from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.preemption import StopFlag
+from hpc_ddp.slurm_env import DistEnv
+
+log = logging.getLogger("hpc_ddp.run")
+STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
+
+
+class RunUsageError(HpcDdpError):
+    """The loop used the run object out of order (boundary before resume, after a stop, step not rising)."""
+
+
+def unwrap(model: Any) -> Any:
+    """The module under DDP (and torch.compile): snapshots and model.pt hold plain parameter names."""
+    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over the state_dict: names in sorted order, each tensor's raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(unwrap(model).state_dict().items()):
+        flat = tensor.detach().cpu().contiguous()
+        digest.update(name.encode())
+        # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
+        digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+    return digest.hexdigest()
+
+
+def base_lr(group: Mapping[str, Any]) -> float:
+    """A param group's base learning rate: before any scheduler's factor (``initial_lr``) when it has one."""
+    return float(group.get("initial_lr", group["lr"]))
+
+
+def _check_trackable(name: str, obj: Any) -> None:
+    if isinstance(obj, dict) or (callable(getattr(obj, "state_dict", None))
+                                 and callable(getattr(obj, "load_state_dict", None))):
+        return
+    raise RunUsageError(explain(f"run.resume({name}=...) got a {type(obj).__name__}, which has no "
+                                "state_dict()/load_state_dict()", hint="track a model, optimizer, scheduler, "
+                                "scaler, sampler, or a dict of your own counters (restored in place)"), key=name)
+
+
+class Run:
+    """One rank's view of one attempt of a run; the session builds it inside the process group.
+
+    Attributes a loop uses: ``rank``, ``local_rank``, ``world_size``, ``local_world_size``,
+    ``node_rank``, ``is_main``, ``device``, ``device_ids`` (for DDP), ``run_dir``,
+    ``restart_count``, ``config`` (the run's :class:`RunConfig`), ``step`` (the last
+    boundary's), ``resumed_from`` (the snapshot's step, or None), ``stopped``.
+    """
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, device: torch.device, *, checkpointer: Checkpointer | None,
+                 stop: StopFlag | None, beat: Callable[[int, str], None] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.config, self.env, self.device = cfg, env, device
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
+        self._beat = beat or (lambda step, phase: None)
+        self.tracked: dict[str, Any] = {}
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.stopped = False
+        self.finished: dict[str, Any] | None = None
+        self._resumed = False
+        self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
+
+    rank = property(lambda self: self.env.rank)
+    local_rank = property(lambda self: self.env.local_rank)
+    world_size = property(lambda self: self.env.world_size)
+    local_world_size = property(lambda self: self.env.local_world_size)
+    node_rank = property(lambda self: self.env.node_rank)
+    is_main = property(lambda self: self.env.is_main)
+    restart_count = property(lambda self: self.env.restart_count)
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What DDP's ``device_ids`` wants: this rank's GPU, or None on CPU."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    def beat(self, step: int, phase: str) -> None:
+        """Tell the hang watchdog where this rank is (optional: every boundary is a beat)."""
+        self._beat(step, phase)
+
+    # -- resume --------------------------------------------------------------------------------------
+    def resume(self, **objects: Any) -> int:
+        """Track these objects and load them from the newest committed snapshot; return its step (0: fresh).
+
+        Collective: call it on every rank, once, before the first step. Anything with
+        ``state_dict()``/``load_state_dict()`` can be tracked, and a dict (restored in
+        place). This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
+        A DDP model's gradient buckets are settled before its first step (see
+        :meth:`_settle_buckets_on_first_forward`), so a resumed run sums gradients in
+        the same order as one that never stopped.
+        """
+        if self._resumed:
+            raise RunUsageError(explain("run.resume() was called twice", hint="call it once, before the loop"))
+        for name, obj in objects.items():
+            if obj is not None:
+                _check_trackable(name, obj)
+                self.tracked[name] = obj
+        self._resumed = True
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        restored = self.checkpointer.restore() if self.checkpointer is not None else None
+        if restored is not None:
+            self._load(restored)
+        for obj in self.tracked.values():
+            if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
+                self._settle_buckets_on_first_forward(obj)
+        if self.on_step is not None:
+            self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
+        return self.step
+
+    def _load(self, restored: Any) -> None:
+        state = restored.state
+        missing = sorted(set(self.tracked) - set(state))
+        if missing:
+            raise RunUsageError(explain(
+                f"the snapshot of step {restored.step} has no {', '.join(missing)} (it holds "
+                f"{', '.join(sorted(k for k in state if k != STEP))})",
+                hint="track the same names as the run that wrote it, or start a new run (another name=...)"))
+        built = {name: [base_lr(g) for g in obj.param_groups] for name, obj in self.tracked.items()
+                 if isinstance(obj, torch.optim.Optimizer)}
+        for name, obj in self.tracked.items():
+            if isinstance(obj, dict):
+                obj.clear()
+                obj.update(state[name])
+            else:
+                unwrap(obj).load_state_dict(state[name])
+        self.step = self.resumed_from = restored.step
+        self._report_changes(restored, built)
+        if restored.rng is not None:
+            restore_rng(restored.rng)
+        else:
+            reseed(self.config.train.seed, self.step, self.rank)
+
+    def _report_changes(self, restored: Any, built: dict[str, list[float]]) -> None:
+        """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
+
+        An optimizer's state dict carries the learning rate it was built with, so loading it
+        would silently undo ``--resume train.lr=...``. Where an optimizer built in this attempt
+        has another base rate than the snapshot's, its param groups (and the tracked
+        schedulers' bases) are rescaled to it: the schedule goes on from the snapshot's step
+        at the new peak. An unchanged config builds the same rates: an exact resume is untouched.
+        """
+        changed = config_diff(restored.config, flat_values(self.config)) if restored.config is not None else []
+        changed = [c for c in changed if c[0] != "run_dir"]
+        schedulers = [o for o in self.tracked.values() if isinstance(getattr(o, "base_lrs", None), list)]
+        applied = ""
+        for name, new_lrs in built.items():
+            optimizer = self.tracked[name]
+            saved = [base_lr(g) for g in optimizer.param_groups]
+            for i, (group, new, old) in enumerate(zip(optimizer.param_groups, new_lrs, saved)):
+                if new != old and old:
+                    group["lr"] *= new / old
+                    if "initial_lr" in group:
+                        group["initial_lr"] = new
+                    for scheduler in schedulers:
+                        if getattr(scheduler, "optimizer", None) is optimizer and i < len(scheduler.base_lrs):
+                            scheduler.base_lrs[i] = new
+            if new_lrs != saved and not applied:
+                applied = (f"; the learning rate is now based on {new_lrs[0]:g} (the snapshot's optimizer had "
+                           f"{saved[0]:g}), the schedule continuing from this step")
+        if changed and self.is_main:
+            log.warning("resuming from the snapshot of step %d with a changed config: %s%s", restored.step,
+                        describe_diff(changed), applied)
+
+    def _settle_buckets_on_first_forward(self, ddp: DistributedDataParallel) -> None:
+        """Before the first forward of this attempt, one forward/backward that trains nothing.
+
+        DDP reorders its gradient buckets after the first backward of a process. A resumed
+        attempt would otherwise reduce its first step's gradients in the initial layout while
+        the uninterrupted run used the rebuilt one: a different summation order, last-bit
+        differences, no exact resume. So every attempt (fresh ones too) runs the first
+        batch once in eval mode (no dropout, no BatchNorm statistics) with all gradients
+        synchronised, restores the RNG states and drops the gradients; DDP rebuilds its
+        buckets when the real forward starts.
+        """
+        def hook(module: DistributedDataParallel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            handle.remove()
+            if not torch.is_grad_enabled() or not module.training:
+                return
+            rng, sync = capture_rng(), module.require_backward_grad_sync
+            module.eval()
+            module.require_backward_grad_sync = True
+            try:
+                tensors = [t for t in _tensors(module(*args, **kwargs)) if t.requires_grad]
+                if tensors:
+                    (sum(t.float().sum() for t in tensors) * 0).backward()
+            finally:
+                module.train()
+                module.require_backward_grad_sync = sync
+                for p in module.parameters():
+                    p.grad = None
+                restore_rng(rng)
+
+        handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
+
+    # -- boundary ------------------------------------------------------------------------------------
+    def boundary(self, step: int) -> bool:
+        """Call after every optimizer step with the step count; True once every rank agreed to stop.
+
+        Collective and cheap: it acts on the agreement started at the previous boundary
+        (stop? a snapshot due by rank 0's clock? a writer busy?) and starts the next one,
+        which runs while the next step computes. So a stop takes effect one step after its
+        signal, at the same step on every rank. A due snapshot is written here (copied in
+        the step and written in the background with ``snapshot.async_write``); the stop
+        snapshot is always synchronous and committed when this returns True.
+        """
+        self._check_step(step)
+        self.step = step
+        if self.on_step is not None:
+            self.on_step(step)
+        self.beat(step, "boundary")
+        ckpt = self.checkpointer
+        if ckpt is None and self.stop is None:
+            return False
+        stop, due_time, busy = self._agreed()
+        if not stop:
+            flags = torch.tensor([int(self.stop is not None and self.stop.is_set),
+                                  int(self.is_main and ckpt is not None and ckpt.due_by_time()),
+                                  int(ckpt is not None and ckpt.busy)], dtype=torch.int32, device=self.device)
+            self._agreeing = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
+        if ckpt is not None:
+            self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
+        self.stopped = stop
+        return stop
+
+    def _check_step(self, step: int) -> None:
+        if not self._resumed:
+            raise RunUsageError(explain("run.boundary() before run.resume()",
+                                        hint="call step = run.resume(model=..., optimizer=...) before the loop"))
+        if self.stopped:
+            raise RunUsageError(explain(f"run.boundary({step}) after it returned True at step {self.step}",
+                                        hint="leave the loop (return) when run.boundary(step) is True: the "
+                                        "snapshot is committed and the job is being requeued"))
+        if not isinstance(step, int) or step <= self.step:
+            raise RunUsageError(explain(f"run.boundary() got step {step!r} after step {self.step}",
+                                        expected="the optimizer step count, rising by one per call",
+                                        hint="start from step = run.resume(...) and add 1 after each step"))
+
+    def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
+        if ckpt.pending is not None and (stop or not busy):
+            ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
+        self.beat(step, "snapshot")
+        if stop:
+            ckpt.save(step, self.state(), capture_rng())  # the stop snapshot is always synchronous
+        elif due and self.config.snapshot.async_write and ckpt.pending is None:
+            ckpt.save_async(step, self.state(), capture_rng())
+        elif due and not self.config.snapshot.async_write:
+            ckpt.save(step, self.state(), capture_rng())
+
+    def _agreed(self) -> tuple[bool, bool, bool]:
+        """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
+        if self._agreeing is None:
+            return False, False, False
+        flags, work = self._agreeing
+        work.wait()
+        self._agreeing = None
+        stop, due, busy = (bool(v) for v in flags.tolist())
+        return stop, due, busy
+
+    def state(self) -> dict[str, Any]:
+        """What a snapshot holds besides the RNG: every tracked object's state_dict, and the step."""
+        state: dict[str, Any] = {name: dict(obj) if isinstance(obj, dict) else unwrap(obj).state_dict()
+                                 for name, obj in self.tracked.items()}
+        state[STEP] = self.step
+        return state
+
+    # -- metrics and the end ---------------------------------------------------------------------------
+    def log_metrics(self, step: int, **values: Any) -> None:
+        """Rank 0 appends ``{"step": step, **values}`` to the run's metrics.jsonl (other ranks: nothing)."""
+        if self.is_main:
+            with open(layout.metrics(self.run_dir), "a") as out:
+                out.write(json.dumps({"step": step, **values}) + "\n")
+
+    def model(self) -> torch.nn.Module | None:
+        """The tracked model (named ``model``, else the first module tracked)."""
+        modules = {n: o for n, o in self.tracked.items() if isinstance(o, torch.nn.Module)}
+        return modules.get("model", next(iter(modules.values()), None))
+
+    def finish(self, **result: Any) -> dict[str, Any]:
+        """Collective: the run is complete. Drains the agreement and any async write; rank 0 writes
+        model.pt and, last, DONE.json (step, world size, params_sha256, and ``result``)."""
+        if self.finished is not None:
+            return self.finished
+        self.beat(self.step, "finish")
+        self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
+        if self.checkpointer is not None:
+            self.checkpointer.finish_async()  # never leave a background write behind
+        model = self.model()
+        done = {"step": self.step, **result, "world_size": self.world_size}
+        if model is not None:
+            done["params_sha256"] = params_sha256(model)
+        if self.is_main:
+            if model is not None:
+                buffer = io.BytesIO()
+                torch.save(unwrap(model).state_dict(), buffer)
+                write_atomic(layout.model(self.run_dir), buffer.getbuffer())
+            write_atomic(layout.done(self.run_dir), json.dumps(done))  # last: the run is done
+            log.info("done: step %d%s", self.step,
+                     f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
+        self.finished = done
+        return done
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) model output."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

@@ -1,0 +1,114 @@
+"""``train.script``: an unmodified torchrun-style script as the program of every task.
+
+The worker runs ``python SCRIPT ARGS...`` as a child with the variables a torchrun
+script reads (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), derived from
+Slurm as everywhere else, plus HPC_DDP_RUN_DIR, HPC_DDP_RESTART_COUNT and
+HPC_DDP_CONFIG so the script can find its own checkpoint (or open
+``hpc_ddp.session()`` for an exact resume). No torchrun process is needed.
+
+The child runs in its own session, so a signal reaches it exactly once: from the
+worker, which forwards the first stop signal (the warning signal, SIGTERM, Ctrl-C).
+When the script exits after one, the attempt is a time-out or preemption (or an
+interruption) and rank 0's worker records it and requeues within the caps, as for any
+program (:func:`hpc_ddp.session.conclude`). Exit 0 without a signal is a finished
+run; any other exit without a signal is a failure (settled and capped as usual). No
+torch in this process: the script imports what it needs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from hpc_ddp import layout
+from hpc_ddp.atomic import write_atomic
+from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.preemption import EXIT_ERROR, StopFlag, job_end_time, job_spec, recorded_error
+from hpc_ddp.runlock import acquire, holder_record, release
+from hpc_ddp.session import Attempt, conclude
+from hpc_ddp.slurm_env import DistEnv, torch_env
+
+log = logging.getLogger("hpc_ddp.script")
+POLL_S = 0.05
+
+
+class ScriptError(HpcDdpError):
+    """train.script cannot be run (missing file)."""
+
+
+def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path) -> dict[str, str]:
+    """The child's environment: this task's, plus what torchrun would set and where the run lives."""
+    return {**environ, **torch_env(env), "GROUP_RANK": str(env.node_rank), "GROUP_WORLD_SIZE": str(env.num_nodes),
+            "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
+            "TORCHELASTIC_RESTART_COUNT": str(env.restart_count), "HPC_DDP_RUN_DIR": str(run_dir),
+            "HPC_DDP_RESTART_COUNT": str(env.restart_count), "HPC_DDP_CONFIG": str(layout.config(run_dir)),
+            "HPC_DDP_WRAPPED": "1"}
+
+
+def script_path(script: str) -> Path:
+    path = Path(script)
+    if not path.is_file():
+        raise ScriptError(explain(f"train.script={script} does not exist (looked in {Path.cwd()})",
+                                  hint="give a path relative to the directory you submit from (jobs start "
+                                  "there), or an absolute one"), key="train.script")
+    return path
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when this worker dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+
+
+def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag) -> int:
+    """Run the child to its end, forwarding the first stop signal this process receives; its exit code."""
+    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=_die_with_parent)
+    forwarded = False
+    while child.poll() is None:
+        if flag.signum is not None and not forwarded:
+            log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
+            child.send_signal(flag.signum)
+            forwarded = True
+        time.sleep(POLL_S)
+    return int(child.returncode)
+
+
+def run_script(attempt: Attempt) -> int:
+    """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
+    cfg, env = attempt.cfg, attempt.env
+    path = script_path(cfg.train.script)
+    me = holder_record(job_spec(attempt.environ) or str(env.job_id), local=attempt.local)
+    end_time = None if attempt.local or not env.is_main else job_end_time(job_spec(attempt.environ))
+    attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
+    if env.is_main:
+        acquire(attempt.run_dir, me)
+    try:
+        if attempt.local and env.is_main:
+            from hpc_ddp.local import PROGRESS_MARK
+
+            print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
+        code = supervise([sys.executable, str(path), *cfg.train.args],
+                         script_environ(attempt.environ, env, attempt.run_dir), attempt.flag)
+        attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
+        if attempt.flag.is_set:
+            return conclude(attempt, stopped=True, step=None, end_time=end_time)
+        if code == 0:
+            if env.is_main and not layout.done(attempt.run_dir).exists():
+                write_atomic(layout.done(attempt.run_dir), json.dumps(
+                    {"script": str(path), "world_size": env.world_size, "exit_code": 0}))
+            return conclude(attempt, stopped=False, step=None, end_time=end_time)
+        if recorded_error(attempt.run_dir, env.job_id, env.restart_count):
+            return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
+        print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop signal: "
+              "a failure (requeued only within slurm.max_failures); its output is above", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if env.is_main:
+            release(attempt.run_dir, me)

@@ -1,0 +1,216 @@
+"""Opening and closing one attempt of a run, around whatever program trains.
+
+Open: threads, the process group, the run dir's lock (rank 0 takes it, every rank
+learns the answer), the hang watchdog, the checkpointer, and the public
+:class:`~hpc_ddp.run.Run` handed to the program (our Trainer, your ``train.loop``
+function, or the body of ``with hpc_ddp.session() as run:``). Close: rank 0 writes
+the ledger line and requeues a stopped job (within the caps), and every rank gets its
+exit code. One implementation for every kind of program. The environment is passed
+in (only :mod:`hpc_ddp.worker` reads ``os.environ``); torch is imported when a
+session opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc_ddp.config import RunConfig, flat_values, to_yaml
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.preemption import (EXIT_REQUEUE, PreemptionError, StopFlag, append_attempt, cancelled, cap_reached,
+                                job_end_time, job_spec, job_state, recorded_error, requeue, requeue_available,
+                                signal_number, stop_reason)
+from hpc_ddp.runlock import RunLockedError, acquire, holder_record, release
+from hpc_ddp.slurm_env import DistEnv
+from hpc_ddp.watchdog import EXIT_HUNG, poll_interval
+
+if TYPE_CHECKING:
+    from hpc_ddp.run import Run
+
+log = logging.getLogger("hpc_ddp.session")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Recorded in every snapshot manifest: which config wrote it."""
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def threads(environ: Mapping[str, str], env: DistEnv) -> None:
+    """Intra-op threads: OMP_NUM_THREADS if set, else SLURM_CPUS_PER_TASK, else this node's CPUs
+    shared among its tasks. torch's default (all cores in every process) oversubscribes: 10x
+    slower for 2 tasks on 2 cores (measured)."""
+    import torch
+
+    if "OMP_NUM_THREADS" in environ:
+        return
+    cpus = environ.get("SLURM_CPUS_PER_TASK", "")
+    count = int(cpus) if cpus.isdigit() and int(cpus) > 0 else len(os.sched_getaffinity(0)) // env.local_world_size
+    torch.set_num_threads(max(1, count))
+
+
+@dataclass
+class Attempt:
+    """What the close of an attempt needs to know about it."""
+
+    cfg: RunConfig
+    env: DistEnv
+    environ: Mapping[str, str]
+    flag: StopFlag
+    attempts: list[dict[str, Any]]
+    limits: dict[str, int]
+    wrapped: bool = False  # a script started by our worker: the worker keeps the lock, ledger and requeue
+    record: dict[str, Any] = field(default_factory=dict)
+    code: int | None = None  # this rank's exit code, once the attempt is closed
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+    @property
+    def local(self) -> bool:
+        return self.environ.get("HPC_DDP_LOCAL") == "1"
+
+
+@contextlib.contextmanager
+def open_run(attempt: Attempt) -> Iterator[Run]:
+    """``with open_run(attempt) as run: program(run)``; afterwards ``attempt.code`` is this rank's exit code.
+
+    An exception from the program propagates (the worker records and reports it); the
+    process group is torn down on every exit path.
+    """
+    from hpc_ddp import snapshot
+    from hpc_ddp.checkpointer import Checkpointer
+    from hpc_ddp.distributed import default_store, from_main, process_group
+    from hpc_ddp.run import Run
+    from hpc_ddp.watchdog import Watchdog
+
+    cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
+    threads(environ, env)
+    snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
+    end_time = None if attempt.local or not env.is_main else job_end_time(job_spec(environ))
+    me = holder_record(job_spec(environ) or str(env.job_id), local=attempt.local)
+    attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
+    peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count)
+    with process_group(env, cfg.dist, peer_error) as device:
+        if not attempt.wrapped:
+            lock(attempt.run_dir, me, env, from_main)
+        try:
+            watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(),
+                                on_hang=_on_hang(attempt, cfg.dist.timeout_s)).start()
+            try:
+                checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
+                                            config=flat_values(cfg))
+                on_step = _print_progress if attempt.local and env.is_main else None
+                run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
+                          beat=watchdog.beat)
+                yield run
+                if not run.stopped:
+                    run.finish()  # a loop that returned without a stop has finished (idempotent)
+            finally:
+                watchdog.stop()
+            attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0,
+                                  last_step=run.step, resumed_from=run.resumed_from)
+            # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
+            # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
+            attempt.code = conclude(attempt, stopped=run.stopped, step=run.step, end_time=end_time)
+        finally:
+            if env.is_main and not attempt.wrapped:
+                release(attempt.run_dir, me)
+
+
+def lock(run_dir: Path, me: dict[str, Any], env: DistEnv, from_main: Any) -> None:
+    """Rank 0 takes the run dir's lock; every rank learns whether it could, and raises rank 0's error
+    word for word: whichever rank's message reaches the user first names the job that holds the run dir."""
+    problem: HpcDdpError | None = None
+    if env.is_main:
+        try:
+            acquire(run_dir, me)
+        except HpcDdpError as err:
+            problem = err
+    kind = "locked" if isinstance(problem, RunLockedError) else "error"
+    shared = from_main(None if problem is None else f"{kind}:{problem}")
+    if problem is not None:
+        raise problem
+    if shared is not None:
+        kind, _, message = shared.partition(":")
+        raise (RunLockedError if kind == "locked" else HpcDdpError)(message, key="run_dir")
+
+
+def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
+    """Rank 0's watchdog records the hang (naming the stuck ranks) before the process ends.
+
+    The other ranks wait a little before exiting: the stuck rank's watchdog fires first (its
+    last beat is the oldest), and its exit would make rank 0's collective fail before rank 0's
+    own watchdog could record the hang.
+    """
+    def on_hang(message: str, stuck: list[int]) -> None:
+        if not attempt.env.is_main:
+            time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
+        if attempt.env.is_main and not attempt.wrapped:
+            append_attempt(attempt.run_dir, {**attempt.record, "end": round(time.time(), 3), "reason": "hung",
+                                             "stuck_ranks": stuck, "message": message.splitlines()[0]})
+        from hpc_ddp.shutdown import exit_fast
+
+        exit_fast(EXIT_HUNG)
+    return on_hang
+
+
+def conclude(attempt: Attempt, *, stopped: bool, step: int | None, end_time: float | None) -> int:
+    """Rank 0 writes the ledger line and requeues a stopped job; returns this rank's exit code."""
+    env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
+    at = "" if step is None else f" of step {step}"
+    if not stopped:
+        if env.is_main and not attempt.wrapped:
+            append_attempt(run_dir, {**record, "reason": "finished"})
+        return 0
+    if not env.is_main or attempt.wrapped:
+        return EXIT_REQUEUE
+    if flag.signum == signal.SIGINT:
+        append_attempt(run_dir, {**record, "reason": "interrupted"})
+        log.info("interrupted (Ctrl-C): snapshot%s committed, not requeued", at)
+        return 0
+    cfg = attempt.cfg
+    reason = "preemption" if flag.signum is None else stop_reason(
+        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), end_time,
+        cfg.slurm.signal_delay_s)
+    if not attempt.local and cancelled(flag.signum, job_state(job_spec(attempt.environ))):
+        append_attempt(run_dir, {**record, "reason": "cancelled"})
+        log.info("the job was cancelled (scancel): snapshot%s committed, not requeued; continue it "
+                 "with `python -m hpc_ddp.submit ... --resume`", at)
+        return 0
+    capped = cap_reached(reason, attempt.attempts + [{"reason": reason}], attempt.limits)
+    # Who requeues: rank 0, or (where the tasks have no scontrol, e.g. a container started by srun)
+    # the batch shell's settle step, which runs on the host. The ledger says which, so exactly one does.
+    by = "local" if attempt.local else "workers" if requeue_available() else "batch shell"
+    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
+                             **({} if capped else {"requeue_by": by})})
+    if capped:
+        log.error("%s", capped)
+        return 1
+    log.info("stopped%s for %s; snapshot committed", "" if step is None else f" at step {step}", reason)
+    if by == "batch shell":
+        log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
+    elif by == "workers":
+        # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm
+        # (measured on 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
+        try:
+            requeue(job_spec(attempt.environ))
+        except PreemptionError as err:
+            log.error("%s", err)
+    return EXIT_REQUEUE
+
+
+def _print_progress(step: int) -> None:
+    """The local simulation watches rank 0 for these lines to inject signals at chosen steps."""
+    from hpc_ddp.local import PROGRESS_MARK
+
+    print(f"{PROGRESS_MARK}{step}", flush=True)
