@@ -12,6 +12,8 @@ import re
 
 # The library use of hpc_ddp: what own_loop.py-style code imports. Order is the page's order.
 PUBLIC = {
+    "hpc_ddp.run": ["Run", "params_sha256"],
+    "hpc_ddp.worker": ["session"],
     "hpc_ddp.slurm_env": ["DistEnv", "from_environ", "torch_env", "master_port", "rendezvous_endpoint",
                           "simulated_environ", "parse_tasks_per_node"],
     "hpc_ddp.hostlist": ["expand_hostlist", "compress_hostlist"],
@@ -23,14 +25,15 @@ PUBLIC = {
     "hpc_ddp.checkpointer": ["Checkpointer"],
     "hpc_ddp.watchdog": ["Watchdog", "laggards"],
     "hpc_ddp.runlock": ["acquire", "release"],
-    "hpc_ddp.task": ["Task", "load_task"],
+    "hpc_ddp.task": ["Task", "load_task", "load_loop"],
     "hpc_ddp.config": ["load_config", "save_config", "to_yaml"],
 }
 HEADER = """\
 # Library reference
 
 Generated from the docstrings by `python dev/api_reference.py > docs/reference.md`; a test fails
-when they differ. These are the pieces for using hpc_ddp as a library in your own loop (see
+when they differ. First the run API your own loop calls (`hpc_ddp.Run`, `hpc_ddp.session`; see
+[Your own loop](own-loop.md)); then the pieces underneath, for using hpc_ddp as a library (see
 `examples/own_loop.py`): the derivation, the process group, the stop flag and the snapshots.
 """
 

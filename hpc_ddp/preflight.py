@@ -188,25 +188,71 @@ def defines(source: str, name: str) -> bool | None:
 
 
 def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Finding]:
-    module, _, attr = cfg.train.task.partition(":")
-    origin = module_origin(module, sys.path if search is None else search) if module else "namespace"
+    """The program the job runs can be found from here: train.task's or train.loop's module and name
+    (read with ``ast``, never imported), or train.script's file."""
     level = "warning" if cfg.slurm.setup else "error"  # setup lines may activate the env that has it
+    if cfg.train.script:
+        return check_script(cfg.train.script, level)
+    key = "train.loop" if cfg.train.loop else "train.task"
+    target = cfg.train.loop or cfg.train.task
+    module, _, attr = target.partition(":")
+    origin = module_origin(module, sys.path if search is None else search) if module else "namespace"
     if origin is None:
-        return [Finding(level, "train.task", f"module {module!r} of train.task={cfg.train.task} is not importable "
+        return [Finding(level, key, f"module {module!r} of {key}={target} is not importable "
                         f"from here (cwd {os.getcwd()})", "submit from the directory that holds it, pip install "
                         "your project, or add it to PYTHONPATH; the job starts in this directory with this "
                         "environment")]
     if not attr or not origin.endswith(".py"):
         return []  # a compiled or namespace module: only importing it could tell
     try:
-        found = defines(Path(origin).read_text(errors="replace"), attr.split(".")[0])
+        source = Path(origin).read_text(errors="replace")
     except OSError:
         return []
-    if found is not False:
-        return []
-    return [Finding(level, "train.task", f"module {module!r} ({origin}) defines no {attr.split('.')[0]!r}, "
-                    f"named by train.task={cfg.train.task}", f"check the spelling after the colon; train.task is "
-                    f"MODULE:CLASS, e.g. {module}:{_first_class(origin) or 'MyTask'}")]
+    name = attr.split(".")[0]
+    if defines(source, name) is False:
+        example = f"{module}:{_first_class(origin) or 'MyTask'}" if key == "train.task" else f"{module}:train"
+        kind = "CLASS" if key == "train.task" else "FUNCTION"
+        return [Finding(level, key, f"module {module!r} ({origin}) defines no {name!r}, named by {key}={target}",
+                        f"check the spelling after the colon; {key} is MODULE:{kind}, e.g. {example}")]
+    problem = loop_signature_problem(source, name) if key == "train.loop" else None
+    return [Finding("error", key, problem, f"define it as `def {name}(run): ...`: hpc_ddp calls it with "
+                    "the run object")] if problem else []
+
+
+def loop_signature_problem(source: str, name: str) -> str | None:
+    """Why ``name(run)`` cannot be called, for a top-level ``def name`` in ``source``; None when it can
+    (or when only running the module could tell)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name),
+                None)
+    if node is None:
+        return None
+    args = node.args
+    positional = [*args.posonlyargs, *args.args]
+    required = len(positional) - len(args.defaults)
+    required_kw = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
+    if isinstance(node, ast.AsyncFunctionDef):
+        return f"train.loop's {name} is `async def`; it must be a plain function"
+    if (not positional and args.vararg is None) or required > 1 or required_kw:
+        shown = ", ".join(a.arg for a in positional) + (", *" + args.vararg.arg if args.vararg else "")
+        return (f"train.loop's {name}({shown}) cannot be called with the run as its one argument"
+                + (f" (it needs keyword arguments {', '.join(required_kw)})" if required_kw else ""))
+    return None
+
+
+def check_script(script: str, level: str) -> list[Finding]:
+    path = Path(script)
+    if not path.is_file():
+        return [Finding(level, "train.script", f"train.script={script} does not exist (cwd {os.getcwd()})",
+                        "give a path relative to the directory you submit from (the job starts there), or an "
+                        "absolute path")]
+    if path.suffix != ".py":
+        return [Finding("warning", "train.script", f"train.script={script} is not a .py file",
+                        "hpc_ddp runs it as `python SCRIPT ARGS...` in every task")]
+    return []
 
 
 def _first_class(origin: str) -> str | None:

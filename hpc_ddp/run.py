@@ -15,7 +15,7 @@ one boundary after a signal (the all_reduce overlaps the next step), periodic sn
 step count or by rank 0's clock (sync, or async with the copy in the step), the stop
 snapshot, every rank's RNG captured and restored, the hang watchdog's heartbeat, the final
 model and DONE marker. Who writes which file is the checkpointer's business; what happens
-after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.worker`).
+after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.session`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,12 @@ STEP = "step"  # the key of the step count in a snapshot's state, beside the tra
 
 
 class RunUsageError(HpcDdpError):
-    """The loop used the run object out of order (boundary before resume, after a stop, step not rising)."""
+    """The loop used the run object out of order (boundary before resume, step not rising)."""
+
+
+class LoopIgnoredStop(RunUsageError):
+    """The loop called run.boundary again after it returned True. The session ends the attempt as the stop
+    it was (the stop snapshot is committed; the steps after it are dropped) and the ledger says so."""
 
 
 def unwrap(model: Any) -> Any:
@@ -272,7 +277,7 @@ class Run:
             raise RunUsageError(explain("run.boundary() before run.resume()",
                                         hint="call step = run.resume(model=..., optimizer=...) before the loop"))
         if self.stopped:
-            raise RunUsageError(explain(f"run.boundary({step}) after it returned True at step {self.step}",
+            raise LoopIgnoredStop(explain(f"run.boundary({step}) after it returned True at step {self.step}",
                                         hint="leave the loop (return) when run.boundary(step) is True: the "
                                         "snapshot is committed and the job is being requeued"))
         if not isinstance(step, int) or step <= self.step:

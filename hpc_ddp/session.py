@@ -90,7 +90,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     from hpc_ddp import snapshot
     from hpc_ddp.checkpointer import Checkpointer
     from hpc_ddp.distributed import default_store, from_main, process_group
-    from hpc_ddp.run import Run
+    from hpc_ddp.run import LoopIgnoredStop, Run
     from hpc_ddp.watchdog import Watchdog
 
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
@@ -101,6 +101,9 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count)
     with process_group(env, cfg.dist, peer_error) as device:
+        import torch.distributed as dist
+
+        log.info("process group: backend %s, world size %d, device %s", dist.get_backend(), env.world_size, device)
         if not attempt.wrapped:
             lock(attempt.run_dir, me, env, from_main)
         try:
@@ -112,7 +115,12 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 on_step = _print_progress if attempt.local and env.is_main else None
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)
-                yield run
+                try:
+                    yield run
+                except LoopIgnoredStop as err:  # the stop snapshot is committed: end the attempt as that stop
+                    log.error("%s", err)
+                    attempt.record["note"] = "the loop went on after run.boundary returned True"
+                    run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)
             finally:
@@ -196,7 +204,8 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None, end_time: flo
     if capped:
         log.error("%s", capped)
         return 1
-    log.info("stopped%s for %s; snapshot committed", "" if step is None else f" at step {step}", reason)
+    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", reason,
+             "the script was ended: the next attempt runs it again" if step is None else "snapshot committed")
     if by == "batch shell":
         log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
     elif by == "workers":

@@ -163,3 +163,37 @@ def test_tasks_without_scontrol_are_requeued_once_by_the_batch_shell(slurm_clust
     assert attempts[0]["requeue_by"] == "batch shell"
     log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_log.*"))
     assert "requeued by the batch shell" in log and "scontrol is not on PATH in the job's tasks" in log
+
+
+def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_cluster(slurm_cluster: ClusterSpec,
+                                                                                   tmp_path: Path) -> None:
+    """Tier 1 (train.loop, 2 nodes x 1 task) and tier 2 (train.script, 1 node x 2 tasks), submitted side by
+    side and each sent USR2: requeued once by rank 0, resumed, finished; the own loop bit-exactly."""
+    own = ["slurm.nodes=2", "slurm.tasks_per_node=1", "train.max_steps=40", "train.log_every=1",
+           "snapshot.every_steps=15", "slurm.timeout_min=30"]
+    script = ["slurm.nodes=1", "slurm.tasks_per_node=2", "slurm.timeout_min=30",
+              "train.args=[--epochs,30,--save-every,1,--snapshot,${run_dir}/snapshot.pt]"]
+    loop_dir, script_dir = tmp_path / "own", tmp_path / "script"
+    loop_job = job_id(cli("hpc_ddp.submit", "examples/own_loop_gpt.yaml", *own, f"run_dir={loop_dir}"))
+    script_job = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", *script, f"run_dir={script_dir}"))
+    signalled = set()
+    ready = {loop_job: lambda: (loop_dir / "metrics.jsonl").exists() and len(
+        (loop_dir / "metrics.jsonl").read_text().splitlines()) >= 4, script_job: (script_dir / "snapshot.pt").exists}
+
+    def signal_when_ready() -> bool:
+        for job, is_ready in ready.items():
+            if job not in signalled and is_ready():
+                subprocess.run(["scancel", "--signal=USR2", job], check=True)
+                signalled.add(job)
+        return len(signalled) == 2
+    assert wait_until(signal_when_ready, 240), cli("hpc_ddp.status", str(script_dir)).stdout
+    assert wait_until(lambda: (loop_dir / "DONE.json").exists() and (script_dir / "DONE.json").exists(), 300)
+    for run_dir, job in ((loop_dir, loop_job), (script_dir, script_job)):
+        assert [(a["reason"], a["restart_count"], a["job_id"]) for a in read_attempts(run_dir)] == [
+            ("preemption", 0, int(job)), ("finished", 1, int(job))]
+    logs = "".join(p.read_text(errors="replace") for p in (script_dir / "slurm").glob("*_log.out"))
+    assert "resuming training from snapshot at epoch" in logs
+    local = cli("hpc_ddp.submit", "examples/own_loop_gpt.yaml", "--local", *own, f"run_dir={tmp_path / 'local'}")
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert json.loads((loop_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
+        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]

@@ -1,0 +1,64 @@
+"""The GPU tier: what only a GPU can show (NCCL, CUDA RNG restore, pinned staging, bf16 on CUDA).
+
+Skipped, with the reason, on a machine without CUDA (CI's has none); run on a lent GPU with
+``python -m pytest tests/gpu -q``. The own-loop example (dropout, bf16 autocast, grad_accum 2,
+a DataLoader worker, async snapshots) is stopped twice at world size 1 on NCCL and must end
+bit-identical to an uninterrupted run: every step's loss and the final params_sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
+ROOT = Path(__file__).resolve().parents[2]
+OPTIONS = ["slurm.nodes=1", "slurm.tasks_per_node=1", "train.max_steps=30", "train.log_every=1", "train.amp=bf16",
+           "train.num_workers=1", "snapshot.every_steps=5", "snapshot.async_write=true", "train.batch_size=32"]
+
+
+def rehearse(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/own_loop_gpt.yaml", "--local",
+                           *OPTIONS, f"run_dir={run_dir}", *extra], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_own_loop_resumes_bit_exactly_on_nccl_with_cuda_rng_and_pinned_staging(tmp_path: Path) -> None:
+    stopped = rehearse(tmp_path / "stopped", "--preempt-at", "7", "--timeout-at", "16")
+    rehearse(tmp_path / "straight")
+    log = stopped.stdout + stopped.stderr
+    assert "backend nccl" in log and "device cuda:0" in log
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "stopped" / "attempts.jsonl").read_text().splitlines()]
+    assert reasons == ["preemption", "timeout", "finished"]
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "straight")
+    done = [json.loads((tmp_path / name / "DONE.json").read_text()) for name in ("stopped", "straight")]
+    assert done[0]["params_sha256"] == done[1]["params_sha256"]
+
+
+def test_cuda_rng_state_is_captured_and_restored() -> None:
+    from hpc_ddp.checkpointer import capture_rng, restore_rng
+
+    torch.cuda.manual_seed(3)
+    state = capture_rng()
+    first = torch.rand(4, device="cuda")
+    torch.rand(100, device="cuda")
+    restore_rng(state)
+    assert "cuda" in state and torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_async_staging_of_cuda_tensors_is_pinned() -> None:
+    from hpc_ddp.checkpointer import _stage
+
+    staged = _stage({"w": torch.ones(8, device="cuda")})
+    assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["w"].sum().item() == 8

@@ -1,0 +1,80 @@
+"""Tier 1 and tier 2 of the public API: your own loop (``train.loop``) and an unmodified torchrun-style
+script (``train.script``), through the real local simulation (gloo, CPU, real signals)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.preemption import read_attempts
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+OWN = ["examples/own_loop_gpt.yaml", "--local", "train.max_steps=16", "train.log_every=1", "train.num_workers=1",
+       "train.grad_accum=2", "snapshot.every_steps=3", "snapshot.async_write=true"]
+
+
+def submit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def done(run_dir: Path) -> dict:
+    return json.loads((run_dir / "DONE.json").read_text())
+
+
+def test_own_loop_stopped_three_times_ends_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Dropout, a DataLoader worker, grad_accum 2, async snapshots, 2 nodes x 2 tasks; two preemptions and
+    a time-out: every step's loss and the final parameters equal those of a run that never stopped."""
+    stopped = submit(*OWN, f"run_dir={tmp_path / 'stopped'}", "--preempt-at", "2,7", "--timeout-at", "11")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    straight = submit(*OWN, f"run_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    reasons = [a["reason"] for a in read_attempts(tmp_path / "stopped")]
+    assert reasons == ["preemption", "preemption", "timeout", "finished"]
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 16
+    assert done(tmp_path / "stopped")["params_sha256"] == done(tmp_path / "straight")["params_sha256"]
+    assert (tmp_path / "stopped" / "model.pt").exists()
+
+
+def test_an_unmodified_torchrun_script_is_requeued_once_and_resumes_from_its_own_snapshot(tmp_path: Path) -> None:
+    run_dir = tmp_path / "script"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", f"run_dir={run_dir}",
+                  "--preempt-at", "40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)]
+    assert attempts[0]["script_exit_code"] == -15  # SIGTERM ended it: it has no handler of its own
+    assert "resuming training from snapshot at epoch 1" in proc.stdout
+    assert "sending SIGTERM" in proc.stderr and done(run_dir)["exit_code"] == 0
+
+
+def test_a_loop_that_goes_on_after_the_stop_is_ended_as_that_stop_and_the_ledger_says_so(tmp_path: Path) -> None:
+    run_dir = tmp_path / "ignores"
+    proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=2",
+                  "train.loop=tests.tasks.loops:ignores_stop", f"run_dir={run_dir}", "--preempt-at", "5",
+                  "slurm.max_preemptions=0")
+    attempts = read_attempts(run_dir)
+    assert attempts[0]["reason"] == "preemption" and "went on after run.boundary returned True" in attempts[0]["note"]
+    assert "run.boundary(" in proc.stderr and "leave the loop (return)" in proc.stderr
+    from hpc_ddp import snapshot  # the stop snapshot is committed and usable
+
+    assert snapshot.committed_steps(run_dir)[0] == attempts[0]["last_step"]
+
+
+def test_bad_programs_are_refused_before_the_job_with_the_key_and_the_fix(tmp_path: Path) -> None:
+    both = submit("examples/mlp.yaml", "--dry-run", "train.script=examples/torchrun_script.py")
+    assert both.returncode == 2 and "train.task and train.script are both set" in both.stderr
+    missing = submit("examples/torchrun_script.yaml", "--dry-run", "train.script=nowhere/train.py")
+    assert missing.returncode == 2 and "train.script=nowhere/train.py does not exist" in missing.stderr
+    signature = submit("examples/own_loop_gpt.yaml", "--dry-run", "train.loop=tests.tasks.loops:no_argument")
+    assert signature.returncode == 2 and "no_argument() cannot be called with the run" in signature.stderr
+    assert "def no_argument(run)" in signature.stderr
