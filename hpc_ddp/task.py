@@ -58,7 +58,9 @@ def import_target(path: str, key: str = "train.task") -> Any:
     """Import ``package.module:Name`` and return the named object; errors name ``key`` and the fix."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise _fail(f"{key} must name an object as 'package.module:Name'", found=path, key=key,
+        kind = "ClassName" if key == "train.task" else "function"
+        raise _fail(f"{key} must name {'a class' if key == 'train.task' else 'a function'} as 'package.module:{kind}'",
+                    found=path, key=key,
                     hint="e.g. train.task=examples.mlp:MLPTask or train.loop=examples.own_loop_gpt:train")
     try:
         module = importlib.import_module(module_name)
