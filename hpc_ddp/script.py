@@ -31,7 +31,7 @@ from pathlib import Path
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import EXIT_ERROR, StopFlag, job_end_time, job_spec, recorded_error
+from hpc_ddp.preemption import EXIT_ERROR, StopFlag, job_end_time, job_spec, read_attempts, recorded_error
 from hpc_ddp.runlock import acquire, holder_record, release
 from hpc_ddp.session import Attempt, conclude
 from hpc_ddp.slurm_env import DistEnv, torch_env
@@ -80,6 +80,21 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag) -> int
     return int(child.returncode)
 
 
+def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> None:
+    """A stopped rank other than 0 leaves only once rank 0 has recorded the attempt (and requeued).
+
+    There is no process group among the workers of a script (the script has its own), so
+    no closing barrier: without this wait, the first rank to exit with EXIT_REQUEUE would
+    make srun's --kill-on-bad-exit end rank 0 while it writes the ledger.
+    """
+    deadline = time.monotonic() + timeout_s
+    mine = (attempt.env.job_id, attempt.env.restart_count)
+    while time.monotonic() < deadline:
+        if any((a.get("job_id"), a.get("restart_count")) == mine for a in read_attempts(attempt.run_dir)):
+            return
+        time.sleep(0.2)
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -98,6 +113,8 @@ def run_script(attempt: Attempt) -> int:
                          script_environ(attempt.environ, env, attempt.run_dir), attempt.flag)
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
         if attempt.flag.is_set:
+            if not env.is_main:
+                wait_for_ledger(attempt)
             return conclude(attempt, stopped=True, step=None, end_time=end_time)
         if code == 0:
             if env.is_main and not layout.done(attempt.run_dir).exists():

@@ -74,7 +74,7 @@ def test_bad_programs_are_refused_before_the_job_with_the_key_and_the_fix(tmp_pa
     both = submit("examples/mlp.yaml", "--dry-run", "train.script=examples/torchrun_script.py")
     assert both.returncode == 2 and "train.task and train.script are both set" in both.stderr
     missing = submit("examples/torchrun_script.yaml", "--dry-run", "train.script=nowhere/train.py")
-    assert missing.returncode == 2 and "train.script=nowhere/train.py does not exist" in missing.stderr
+    assert missing.returncode == 2 and "train.script=nowhere/train.py does not exist" in missing.stdout
     signature = submit("examples/own_loop_gpt.yaml", "--dry-run", "train.loop=tests.tasks.loops:no_argument")
-    assert signature.returncode == 2 and "no_argument() cannot be called with the run" in signature.stderr
-    assert "def no_argument(run)" in signature.stderr
+    assert signature.returncode == 2 and "no_argument() cannot be called with the run" in signature.stdout
+    assert "def no_argument(run)" in signature.stdout  # the preflight report (dry-run prints it on stdout)
