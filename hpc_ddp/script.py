@@ -31,7 +31,7 @@ from pathlib import Path
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import EXIT_ERROR, StopFlag, job_end_time, job_spec, read_attempts, recorded_error
+from hpc_ddp.preemption import EXIT_ERROR, StopFlag, job_spec, read_attempts, recorded_error
 from hpc_ddp.runlock import acquire, holder_record, release
 from hpc_ddp.session import Attempt, conclude
 from hpc_ddp.slurm_env import DistEnv, torch_env
@@ -100,7 +100,6 @@ def run_script(attempt: Attempt) -> int:
     cfg, env = attempt.cfg, attempt.env
     path = script_path(cfg.train.script)
     me = holder_record(job_spec(attempt.environ) or str(env.job_id), local=attempt.local)
-    end_time = None if attempt.local or not env.is_main else job_end_time(job_spec(attempt.environ))
     attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
     if env.is_main:
         acquire(attempt.run_dir, me)
@@ -115,12 +114,12 @@ def run_script(attempt: Attempt) -> int:
         if attempt.flag.is_set:
             if not env.is_main:
                 wait_for_ledger(attempt)
-            return conclude(attempt, stopped=True, step=None, end_time=end_time)
+            return conclude(attempt, stopped=True, step=None)
         if code == 0:
             if env.is_main and not layout.done(attempt.run_dir).exists():
                 write_atomic(layout.done(attempt.run_dir), json.dumps(
                     {"script": str(path), "world_size": env.world_size, "exit_code": 0}))
-            return conclude(attempt, stopped=False, step=None, end_time=end_time)
+            return conclude(attempt, stopped=False, step=None)
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
         print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop signal: "

@@ -70,6 +70,13 @@ class Attempt:
     wrapped: bool = False  # a script started by our worker: the worker keeps the lock, ledger and requeue
     record: dict[str, Any] = field(default_factory=dict)
     code: int | None = None  # this rank's exit code, once the attempt is closed
+    end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
+
+    def __post_init__(self) -> None:
+        # Asked first, before the program is loaded: a task may change PATH (a container without the
+        # Slurm client), and a preemption later moves the end time forward.
+        if not self.local and self.env.is_main:
+            self.end_time = job_end_time(job_spec(self.environ))
 
     @property
     def run_dir(self) -> Path:
@@ -96,7 +103,6 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
     threads(environ, env)
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
-    end_time = None if attempt.local or not env.is_main else job_end_time(job_spec(environ))
     me = holder_record(job_spec(environ) or str(env.job_id), local=attempt.local)
     attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count)
@@ -129,7 +135,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                                   last_step=run.step, resumed_from=run.resumed_from)
             # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
             # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
-            attempt.code = conclude(attempt, stopped=run.stopped, step=run.step, end_time=end_time)
+            attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)
         finally:
             if env.is_main and not attempt.wrapped:
                 release(attempt.run_dir, me)
@@ -172,7 +178,7 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
     return on_hang
 
 
-def conclude(attempt: Attempt, *, stopped: bool, step: int | None, end_time: float | None) -> int:
+def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
     """Rank 0 writes the ledger line and requeues a stopped job; returns this rank's exit code."""
     env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
     at = "" if step is None else f" of step {step}"
@@ -188,7 +194,7 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None, end_time: flo
         return 0
     cfg = attempt.cfg
     reason = "preemption" if flag.signum is None else stop_reason(
-        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), end_time,
+        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), attempt.end_time,
         cfg.slurm.signal_delay_s)
     if not attempt.local and cancelled(flag.signum, job_state(job_spec(attempt.environ))):
         append_attempt(run_dir, {**record, "reason": "cancelled"})

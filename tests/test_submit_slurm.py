@@ -172,7 +172,7 @@ def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_clust
     own = ["slurm.nodes=2", "slurm.tasks_per_node=1", "train.max_steps=40", "train.log_every=1",
            "snapshot.every_steps=15", "slurm.timeout_min=30"]
     script = ["slurm.nodes=1", "slurm.tasks_per_node=2", "slurm.timeout_min=30",
-              "train.args=[--epochs,30,--save-every,1,--snapshot,${run_dir}/snapshot.pt]"]
+              "train.args=[--epochs,30,--save-every,1,--snapshot,'${run_dir}/snapshot.pt']"]  # quoted: YAML
     loop_dir, script_dir = tmp_path / "own", tmp_path / "script"
     loop_job = job_id(cli("hpc_ddp.submit", "examples/own_loop_gpt.yaml", *own, f"run_dir={loop_dir}"))
     script_job = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", *script, f"run_dir={script_dir}"))
