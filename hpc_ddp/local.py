@@ -13,7 +13,6 @@ them at once). No torch in this process.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import re
@@ -29,6 +28,7 @@ from typing import IO
 
 from hpc_ddp import layout
 from hpc_ddp.preemption import EXIT_REQUEUE
+from hpc_ddp.shutdown import die_with_parent
 from hpc_ddp.slurm_env import simulated_environ
 
 PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step (see worker.py)
@@ -80,13 +80,6 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             out = err if erring else stream
             out.write(text)
             out.flush()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the launcher dies (PR_SET_PDEATHSIG), so that a
-    killed launcher leaves no ranks behind writing into the run dir."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
 
 
 def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
@@ -170,7 +163,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent))
+                                          preexec_fn=die_with_parent))
             if rank:
                 out.close()  # type: ignore[union-attr]
         on_step = _injector(procs, events if events is not None else [], err)

@@ -86,8 +86,6 @@ class ShardSampler(Sampler[int]):
         """
         if getattr(loader, "sampler", None) is not self:
             raise ValueError("sampler.iterate(loader) needs a DataLoader built with sampler=this sampler")
-        import torch
-
         loader.generator = torch.Generator().manual_seed(self.seed * 100003 + self.rank * 1009 + self.epoch)
         self.start = self.consumed
         size = loader.batch_size or 1

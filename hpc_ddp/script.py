@@ -18,7 +18,6 @@ torch in this process: the script imports what it needs.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import signal
@@ -31,9 +30,10 @@ from pathlib import Path
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import EXIT_ERROR, StopFlag, job_spec, read_attempts, recorded_error
-from hpc_ddp.runlock import acquire, holder_record, release
-from hpc_ddp.session import Attempt, conclude
+from hpc_ddp.preemption import EXIT_ERROR, StopFlag, read_attempts, recorded_error
+from hpc_ddp.runlock import acquire, release
+from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
+from hpc_ddp.shutdown import die_with_parent
 from hpc_ddp.slurm_env import DistEnv, torch_env
 
 log = logging.getLogger("hpc_ddp.script")
@@ -49,8 +49,8 @@ def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path) -> d
     return {**environ, **torch_env(env), "GROUP_RANK": str(env.node_rank), "GROUP_WORLD_SIZE": str(env.num_nodes),
             "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
             "TORCHELASTIC_RESTART_COUNT": str(env.restart_count), "HPC_DDP_RUN_DIR": str(run_dir),
-            "HPC_DDP_RESTART_COUNT": str(env.restart_count), "HPC_DDP_CONFIG": str(layout.config(run_dir)),
-            "HPC_DDP_WRAPPED": "1"}
+            "HPC_DDP_RESTART_COUNT": str(env.restart_count), CONFIG_VAR: str(layout.config(run_dir)),
+            WRAPPED: "1"}
 
 
 def script_path(script: str) -> Path:
@@ -62,14 +62,9 @@ def script_path(script: str) -> Path:
     return path
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when this worker dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
-
-
 def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag) -> int:
     """Run the child to its end, forwarding the first stop signal this process receives; its exit code."""
-    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=_die_with_parent)
+    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent)
     forwarded = False
     while child.poll() is None:
         if flag.signum is not None and not forwarded:
@@ -99,10 +94,8 @@ def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
     path = script_path(cfg.train.script)
-    me = holder_record(job_spec(attempt.environ) or str(env.job_id), local=attempt.local)
-    attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
     if env.is_main:
-        acquire(attempt.run_dir, me)
+        acquire(attempt.run_dir, attempt.holder)
     try:
         if attempt.local and env.is_main:
             from hpc_ddp.local import PROGRESS_MARK
@@ -127,4 +120,4 @@ def run_script(attempt: Attempt) -> int:
         return 1
     finally:
         if env.is_main:
-            release(attempt.run_dir, me)
+            release(attempt.run_dir, attempt.holder)

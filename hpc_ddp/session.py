@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from hpc_ddp.run import Run
 
 log = logging.getLogger("hpc_ddp.session")
+WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.script) in its child's environment
+CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -68,11 +70,15 @@ class Attempt:
     attempts: list[dict[str, Any]]
     limits: dict[str, int]
     wrapped: bool = False  # a script started by our worker: the worker keeps the lock, ledger and requeue
-    record: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)  # the ledger line's common fields
+    holder: dict[str, Any] = field(default_factory=dict)  # who this job is, for the run dir's lock
     code: int | None = None  # this rank's exit code, once the attempt is closed
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
 
     def __post_init__(self) -> None:
+        self.record = {"job_id": self.env.job_id, "restart_count": self.env.restart_count,
+                       "start": round(time.time(), 3)}
+        self.holder = holder_record(job_spec(self.environ) or str(self.env.job_id), local=self.local)
         # Asked first, before the program is loaded: a task may change PATH (a container without the
         # Slurm client), and a preemption later moves the end time forward.
         if not self.local and self.env.is_main:
@@ -103,15 +109,13 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
     threads(environ, env)
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
-    me = holder_record(job_spec(environ) or str(env.job_id), local=attempt.local)
-    attempt.record = {"job_id": env.job_id, "restart_count": env.restart_count, "start": round(time.time(), 3)}
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count)
     with process_group(env, cfg.dist, peer_error) as device:
         import torch.distributed as dist
 
         log.info("process group: backend %s, world size %d, device %s", dist.get_backend(), env.world_size, device)
         if not attempt.wrapped:
-            lock(attempt.run_dir, me, env, from_main)
+            lock(attempt.run_dir, attempt.holder, env, from_main)
         try:
             watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(),
                                 on_hang=_on_hang(attempt, cfg.dist.timeout_s)).start()
@@ -138,7 +142,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)
         finally:
             if env.is_main and not attempt.wrapped:
-                release(attempt.run_dir, me)
+                release(attempt.run_dir, attempt.holder)
 
 
 def lock(run_dir: Path, me: dict[str, Any], env: DistEnv, from_main: Any) -> None:

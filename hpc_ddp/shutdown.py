@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 
 
@@ -19,3 +21,9 @@ def exit_fast(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def die_with_parent() -> None:
+    """In a child before exec (``preexec_fn``): SIGKILL it when its parent dies (PR_SET_PDEATHSIG), so a
+    killed launcher or worker leaves no process behind writing into the run dir."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG

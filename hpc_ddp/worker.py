@@ -142,10 +142,6 @@ def _program(cfg: RunConfig) -> Callable[[Any], Any]:
     return train_task
 
 
-WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.script) in its child's environment
-CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
-
-
 @contextlib.contextmanager
 def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> Iterator[Run]:
     """``with hpc_ddp.session() as run:``: the run object for a script of your own.
@@ -160,6 +156,8 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     script keeps the lock, the ledger and the requeue; standalone (``srun python train.py``)
     the session does them itself.
     """
+    from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, open_run
+
     environ: Mapping[str, str] = os.environ
     wrapped = environ.get(WRAPPED) == "1"
     path = config or environ.get(CONFIG_VAR)
@@ -169,7 +167,6 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     prepared = _prepare(cfg, environ, StopFlag())
     if isinstance(prepared, int):
         raise SystemExit(prepared)
-    from hpc_ddp.session import Attempt, open_run
 
     attempt = Attempt(*prepared, wrapped=wrapped)
     try:
