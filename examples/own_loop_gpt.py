@@ -10,7 +10,7 @@ hpc_ddp adds (docs/own-loop.md shows them as a diff). Launch it any of these way
     srun python examples/own_loop_gpt.py          # standalone under srun or torchrun: hpc_ddp.session() below
 
 Hyperparameters come from the run's config (``run.config.train``): batch_size,
-grad_accum, lr, max_steps, amp, clip_grad_norm, num_workers, seed, log_every.
+grad_accum (or global_batch_size), lr, max_steps, amp, clip_grad_norm, num_workers, seed, log_every.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def train(run: hpc_ddp.Run) -> None:  # hpc_ddp: the function train.loop names; 
     data = CharWindows(TEXT.read_text())
     model = DDP(GPT(len(data.vocab)).to(run.device), device_ids=run.device_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    sampler = hpc_ddp.ShardSampler(len(data), run.rank, run.world_size, seed=cfg.seed)  # hpc_ddp
+    accum = run.batch.grad_accum  # hpc_ddp: micro-steps at this world size (train.global_batch_size fixes the batch)
+    sampler = hpc_ddp.ShardSampler(len(data), run.rank, run.world_size, seed=cfg.seed,  # hpc_ddp: global position
+                                   global_batch=run.batch.global_batch)
     loader = DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         num_workers=cfg.num_workers, pin_memory=run.device.type == "cuda",
                         multiprocessing_context="forkserver" if cfg.num_workers else None)
@@ -97,14 +99,14 @@ def train(run: hpc_ddp.Run) -> None:  # hpc_ddp: the function train.loop names; 
         lr = lr_at(step, max_steps, cfg.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        for micro in range(cfg.grad_accum):
+        for micro in range(accum):
             inputs, targets = (t.to(run.device, non_blocking=True) for t in next(micro_batches))
-            sync = micro == cfg.grad_accum - 1  # all-reduce the gradients once per optimizer step
+            sync = micro == accum - 1  # all-reduce the gradients once per optimizer step
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
                     logits = model(inputs)
                     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-                (loss / cfg.grad_accum).backward()
+                (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,9 @@ copies the state to CPU; a background thread writes, and the commit happens at
 a later step boundary, once no node's writer is busy (at most one in flight). Restoring: rank 0 picks the
 newest committed step that verifies and tells everyone; each rank loads its own
 node's file, or another node's copy of the replicated state (then its RNG is
-reseeded deterministically, with a warning).
+reseeded deterministically, with a warning). A snapshot written at another world
+size loads too (any node's file holds the replicated state); no rank's RNG is
+restored then, and the run object says what changed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import torch.distributed as dist
 
 from hpc_ddp import snapshot
 from hpc_ddp.config import SnapshotConfig
-from hpc_ddp.errors import explain
 from hpc_ddp.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
@@ -93,6 +94,7 @@ class Restored:
     state: dict[str, Any]  # the replicated training state
     rng: dict[str, Any] | None  # this rank's RNG state; None when it had to come from another node
     config: dict[str, Any] | None = None  # the config that wrote it (flat_values), when the manifest has it
+    world_size: int | None = None  # the world size that wrote it
 
 
 class Checkpointer:
@@ -215,18 +217,33 @@ class Checkpointer:
         found: snapshot.Choice | None = choice[0]
         if found is None:
             return None
-        if found.manifest.get("world_size") != self.env.world_size:
-            raise snapshot.SnapshotError(explain(
-                f"the snapshot of step {found.step} was written by {found.manifest.get('world_size')} ranks, "
-                f"this job has {self.env.world_size}",
-                hint="resume with the same nodes x tasks_per_node, or start a new run (another name=...)"))
-        own = snapshot.node_file_name(self.env.node_rank)
-        name = own if own in found.good_files else found.good_files[0]
-        if name != own:
-            log.warning("node %d's snapshot file is not usable; using %s for the replicated state and "
-                        "reseeding this rank's RNG deterministically", self.env.node_rank, name)
+        written_by = found.manifest.get("world_size")
+        name, own = self._file_to_read(found, written_by)
         data = snapshot.load_file(found.directory / name)
-        rng = data["rng"].get(self.env.rank) if name == own else None
+        # At another world size no saved RNG state belongs to this rank any more: the Run reseeds it
+        rng = data["rng"].get(self.env.rank) if own else None
         self.last_step, self.last_time = found.step, self.clock()
-        log.info("resuming from the snapshot of step %d", found.step)
-        return Restored(found.step, data["replicated"], rng, found.manifest.get("config"))
+        log.info("resuming from the snapshot of step %d (%s)", found.step, name)
+        return Restored(found.step, data["replicated"], rng, found.manifest.get("config"),
+                        written_by if isinstance(written_by, int) else None)
+
+    def _file_to_read(self, found: snapshot.Choice, written_by: Any) -> tuple[str, bool]:
+        """(the file this rank loads, whether it holds this rank's RNG state).
+
+        At the same world size, the file of the node that held this rank (its RNG is there; the
+        nodes x tasks split may differ). At another one no RNG state belongs to this rank any
+        more, and the nodes spread their reads over the good files: each holds the whole
+        replicated state.
+        """
+        good, env = found.good_files, self.env
+        nodes_before = found.manifest.get("num_nodes")
+        if written_by == env.world_size and isinstance(nodes_before, int) and nodes_before > 0 \
+                and env.world_size % nodes_before == 0:
+            holder = snapshot.node_file_name(env.rank // (env.world_size // nodes_before))
+            if holder in good:
+                return holder, True
+            fallback = good[env.rank % len(good)]
+            log.warning("snapshot file %s (this rank's RNG state) is not usable; using %s for the replicated "
+                        "state and reseeding this rank's RNG deterministically", holder, fallback)
+            return fallback, False
+        return good[env.node_rank % len(good)], False

@@ -20,7 +20,7 @@ import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
@@ -41,7 +41,9 @@ def _doc_factory(factory: Any, doc: str) -> Any:
 class SlurmConfig:
     """What to ask Slurm for, and how often a run may be requeued."""
 
-    nodes: int = _doc(1, "Number of nodes.")
+    nodes: Union[int, str] = _doc(1, "Number of nodes, or a range MIN-MAX (e.g. 2-4): Slurm starts the job on any "
+                                  "count in it that is free, and each requeue may get another (needs "
+                                  "train.global_batch_size; see docs/resume.md).")
     tasks_per_node: int = _doc(1, "Processes per node; one per GPU on GPU nodes.")
     gpus_per_node: int = _doc(0, "GPUs to request per node (0 on CPU partitions).")
     cpus_per_task: int = _doc(1, "CPU cores per task (data loader workers need their own).")
@@ -92,7 +94,13 @@ class TrainConfig:
                                     "a train.loop may read it from run.config).")
     epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")
     batch_size: int = _doc(32, "Samples per rank per micro-step.")
-    grad_accum: int = _doc(1, "Micro-steps per optimizer step.")
+    grad_accum: int = _doc(1, "Micro-steps per optimizer step (with train.global_batch_size set, it follows the "
+                           "world size instead).")
+    global_batch_size: Optional[int] = _doc(None, "Samples per optimizer step over all ranks. Set, it stays the "
+                                            "same at any world size: the accumulation is global_batch_size / "
+                                            "(batch_size x world size), so a run can resume on another node count "
+                                            "with the same batch and data order. Null: batch_size x grad_accum x "
+                                            "world size.")
     lr: float = _doc(1e-3, "Learning rate given to the task's optimizer.")
     amp: str = _doc("off", "Mixed precision: off, bf16 (autocast) or fp16 (autocast with a grad scaler).")
     clip_grad_norm: Optional[float] = _doc(None, "Clip the gradient norm to this value; null: no clipping.")

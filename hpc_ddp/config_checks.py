@@ -14,6 +14,7 @@ import signal as _signal
 from collections.abc import Callable
 from typing import Any
 
+from hpc_ddp.batching import check_geometry, valid_nodes
 from hpc_ddp.errors import ConfigError, explain
 
 _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -58,7 +59,7 @@ def _regex_with_group(v: Any) -> bool:
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
     "run_dir": (lambda v: bool(v.strip()), "a directory path"),
-    "slurm.nodes": (_at_least(1), "an integer >= 1"),
+    "slurm.nodes": (valid_nodes, "an integer >= 1, or a range MIN-MAX such as 2-4"),
     "slurm.tasks_per_node": (_at_least(1), "an integer >= 1"),
     "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
     "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
@@ -90,6 +91,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.epochs": (_at_least(1), "an integer >= 1, or null"),
     "train.batch_size": (_at_least(1), "an integer >= 1"),
     "train.grad_accum": (_at_least(1), "an integer >= 1"),
+    "train.global_batch_size": (_at_least(1), "an integer >= 1, or null"),
     "train.lr": (_positive, "a finite number > 0"),
     "train.amp": (lambda v: v in ("off", "bf16", "fp16"), "one of off, bf16, fp16"),
     "train.clip_grad_norm": (_positive, "a finite number > 0, or null"),
@@ -100,7 +102,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
 }
-OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port", "train.max_steps", "train.epochs",
+OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
 
 
@@ -157,3 +159,9 @@ def check_config(cfg: Any) -> None:
         raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
                     f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,
                     "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise slurm.timeout_min")
+    if cfg.train.global_batch_size is not None and cfg.train.grad_accum != 1:
+        raise _fail("train.grad_accum", "train.grad_accum and train.global_batch_size are both set",
+                    f"train.grad_accum={cfg.train.grad_accum}, train.global_batch_size={cfg.train.global_batch_size}",
+                    "one of them", "with train.global_batch_size the accumulation follows the world size: "
+                    "drop train.grad_accum")
+    check_geometry(cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node)

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
+from hpc_ddp.batching import BatchPlan, geometry_change, plan
 from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.errors import HpcDdpError, explain
@@ -105,6 +106,7 @@ class Run:
         self.tracked: dict[str, Any] = {}
         self.step = 0
         self.resumed_from: int | None = None
+        self.resumed_world_size: int | None = None  # the world size that wrote the snapshot resumed from
         self.stopped = False
         self.finished: dict[str, Any] | None = None
         self._resumed = False
@@ -117,6 +119,15 @@ class Run:
     node_rank = property(lambda self: self.env.node_rank)
     is_main = property(lambda self: self.env.is_main)
     restart_count = property(lambda self: self.env.restart_count)
+
+    @property
+    def batch(self) -> BatchPlan:
+        """This world size's share of the global batch: ``batch_size`` per micro-step, ``grad_accum`` micro-steps.
+
+        With ``train.global_batch_size`` set, ``grad_accum`` follows the world size, so a loop that
+        accumulates ``run.batch.grad_accum`` micro-steps keeps the same global batch on any node count.
+        """
+        return plan(self.config.train, self.world_size)
 
     @property
     def device_ids(self) -> list[int] | None:
@@ -174,6 +185,7 @@ class Run:
             else:
                 unwrap(obj).load_state_dict(state[name])
         self.step = self.resumed_from = restored.step
+        self.resumed_world_size = restored.world_size
         self._report_changes(restored, built)
         if restored.rng is not None:
             restore_rng(restored.rng)
@@ -207,9 +219,10 @@ class Run:
             if new_lrs != saved and not applied:
                 applied = (f"; the learning rate is now based on {new_lrs[0]:g} (the snapshot's optimizer had "
                            f"{saved[0]:g}), the schedule continuing from this step")
-        if changed and self.is_main:
-            log.warning("resuming from the snapshot of step %d with a changed config: %s%s", restored.step,
-                        describe_diff(changed), applied)
+        geometry = geometry_change(restored.world_size, restored.config, self.config.train, self.world_size)
+        if (changed or geometry) and self.is_main:
+            log.warning("resuming from the snapshot of step %d%s%s%s", restored.step, geometry,
+                        f"; changed config: {describe_diff(changed)}" if changed else "", applied)
 
     def _settle_buckets_on_first_forward(self, ddp: DistributedDataParallel) -> None:
         """Before the first forward of this attempt, one forward/backward that trains nothing.
@@ -359,3 +372,4 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+

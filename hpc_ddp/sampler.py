@@ -1,10 +1,12 @@
-"""Shard a dataset across ranks, reshuffle every epoch, and resume mid-epoch.
+"""Shard a dataset across ranks, reshuffle every epoch, and resume mid-epoch at any world size.
 
-Like ``torch.utils.data.DistributedSampler`` (a seeded permutation per epoch,
-padded to a multiple of the world size, rank r takes every world_size-th index
-from r), plus a position: ``ShardSampler.resume(epoch, consumed)`` makes the
-next iteration start after the first ``consumed`` indices of this rank's shard,
-so a run stopped mid-epoch sees exactly the samples it had not seen yet.
+The epoch's order is one seeded permutation, the same on every rank. The position in it
+is global: ``sample_in_epoch``, the samples all ranks together have taken. From position
+``p`` rank ``r`` of ``W`` takes ``order[p + r], order[p + r + W], ...``, so the samples of
+optimizer step k are ``order[k*G : (k+1)*G]`` (G the global batch) whatever the world
+size: a run stopped on 4 ranks resumes on 2 with the same batches, every sample of an
+epoch used once. The epoch ends at a whole number of global batches (the remainder, fewer
+than G samples, is left out, as ``drop_last`` does).
 
 In your own loop, track the sampler with ``run.resume(sampler=sampler)`` and take the
 batches through ``sampler.iterate(loader)``: it counts what the loop has taken (not
@@ -20,6 +22,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from hpc_ddp.errors import HpcDdpError, explain
+
 
 def epoch_order(length: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     """The global order of one epoch: the same on every rank."""
@@ -30,50 +34,63 @@ def epoch_order(length: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return torch.randperm(length, generator=generator).tolist()
 
 
-def shard(order: list[int], rank: int, world_size: int) -> list[int]:
-    """Rank ``rank``'s indices, padded (by wrapping) so every rank gets the same count."""
-    per_rank = -(-len(order) // world_size)
-    padded = order + order[: per_rank * world_size - len(order)]
-    return padded[rank::world_size]
-
-
 class ShardSampler(Sampler[int]):
-    """This rank's indices for the current epoch, from the resume position on."""
+    """This rank's indices for the current epoch, from the global position on.
 
-    def __init__(self, length: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True) -> None:
-        if length < world_size:
-            raise ValueError(f"a dataset of {length} samples cannot be sharded over {world_size} ranks")
+    ``global_batch``: the samples of one optimizer step over all ranks; the epoch is cut to a
+    multiple of it (default: of the world size), so that it ends at a step boundary at any
+    world size that splits the batch.
+    """
+
+    def __init__(self, length: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True,
+                 global_batch: int | None = None) -> None:
+        unit = global_batch or world_size
+        if unit % world_size:
+            raise ValueError(f"a global batch of {unit} samples cannot be split over {world_size} ranks")
+        if length < unit:
+            raise ValueError(f"a dataset of {length} samples cannot be sharded over {world_size} ranks"
+                             + (f" in global batches of {unit}" if global_batch else ""))
         self.length, self.rank, self.world_size = length, rank, world_size
         self.seed, self.shuffle = seed, shuffle
+        self.usable = length // unit * unit  # samples of an epoch that are used
         self.epoch = 0
-        self.start = 0
-        self.consumed = 0  # indices of this epoch's shard taken by the loop (via iterate)
+        self.start = 0  # global position this iteration starts at
+        self.sample_in_epoch = 0  # global position: samples of this epoch taken by all ranks (via iterate)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (call once per epoch, as with DistributedSampler)."""
-        self.epoch, self.start, self.consumed = epoch, 0, 0
+        self.epoch, self.start, self.sample_in_epoch = epoch, 0, 0
 
-    def resume(self, epoch: int, consumed: int) -> None:
-        """Continue ``epoch`` after the first ``consumed`` indices of this rank's shard."""
-        self.epoch, self.start, self.consumed = epoch, consumed, consumed
+    def resume(self, epoch: int, sample_in_epoch: int) -> None:
+        """Continue ``epoch`` after its first ``sample_in_epoch`` samples (all ranks together)."""
+        if sample_in_epoch % self.world_size or not 0 <= sample_in_epoch <= self.usable:
+            raise HpcDdpError(explain(
+                f"cannot resume epoch {epoch} at sample {sample_in_epoch} on {self.world_size} ranks",
+                expected=f"a multiple of the world size between 0 and {self.usable}",
+                hint="resume at a world size that divides the global batch the run was written with "
+                     "(set train.global_batch_size to it)"), key="train.global_batch_size")
+        self.epoch, self.start, self.sample_in_epoch = epoch, sample_in_epoch, sample_in_epoch
 
     @property
     def per_rank(self) -> int:
-        return -(-self.length // self.world_size)
+        """Indices of a whole epoch for one rank."""
+        return self.usable // self.world_size
 
     def __iter__(self) -> Iterator[int]:
-        indices = shard(epoch_order(self.length, self.epoch, self.seed, self.shuffle), self.rank, self.world_size)
-        return iter(indices[self.start:])
+        order = epoch_order(self.length, self.epoch, self.seed, self.shuffle)
+        return iter(order[self.start + self.rank:self.usable:self.world_size])
 
     def __len__(self) -> int:
-        return self.per_rank - self.start
+        return (self.usable - self.start) // self.world_size
 
     def state_dict(self) -> dict[str, int]:
-        """The position: epoch and samples of this rank's shard taken (what ``run.resume`` saves)."""
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        """The position: epoch and the global samples of it taken (what ``run.resume`` saves)."""
+        return {"epoch": self.epoch, "sample_in_epoch": self.sample_in_epoch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.resume(int(state["epoch"]), int(state["consumed"]))
+        if "sample_in_epoch" not in state:
+            raise old_position(state)
+        self.resume(int(state["epoch"]), int(state["sample_in_epoch"]))
 
     def iterate(self, loader: Any) -> Iterator[Any]:
         """The rest of this epoch's batches from ``loader`` (built on this sampler), each counted as taken.
@@ -87,9 +104,18 @@ class ShardSampler(Sampler[int]):
         if getattr(loader, "sampler", None) is not self:
             raise ValueError("sampler.iterate(loader) needs a DataLoader built with sampler=this sampler")
         loader.generator = torch.Generator().manual_seed(self.seed * 100003 + self.rank * 1009 + self.epoch)
-        self.start = self.consumed
-        size = loader.batch_size or 1
+        self.start = self.sample_in_epoch
+        size = (loader.batch_size or 1) * self.world_size
         for batch in loader:
-            self.consumed = min(self.consumed + size, self.per_rank)
+            self.sample_in_epoch = min(self.sample_in_epoch + size, self.usable)
             yield batch
         self.set_epoch(self.epoch + 1)
+
+
+def old_position(state: Any) -> HpcDdpError:
+    """A snapshot written before positions were global (a per-rank ``consumed``): refused, with what to do."""
+    return HpcDdpError(explain(
+        f"the snapshot holds a per-rank data position ({dict(state)}), written by an hpc_ddp from before elastic "
+        "resume; this version keeps one global position (sample_in_epoch) so any world size can resume",
+        hint="finish the run with the hpc_ddp version that wrote it, or start a new run (run_dir=...)"),
+        key="progress.consumed")

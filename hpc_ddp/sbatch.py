@@ -11,6 +11,7 @@ import shlex
 from importlib import resources
 from typing import Any
 
+from hpc_ddp.batching import node_counts, slurm_nodes
 from hpc_ddp.config import RunConfig
 
 
@@ -31,7 +32,7 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     slurm = cfg.slurm
     params: dict[str, Any] = {
         "job_name": cfg.name,
-        "nodes": slurm.nodes,
+        "nodes": node_counts(slurm.nodes)[-1],  # submitit multiplies it by the tasks per node: an int (a range goes below)
         "ntasks_per_node": slurm.tasks_per_node,
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
@@ -40,6 +41,7 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "teardown": [settle_line(configs, python)] if configs else [],
         "srun_args": ["--kill-on-bad-exit=1", *slurm.srun_args],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
+                                  **({"nodes": slurm_nodes(slurm.nodes)} if "-" in slurm_nodes(slurm.nodes) else {}),
                                   **slurm.sbatch_extra},
     }
     optional = {"gpus_per_node": slurm.gpus_per_node or None, "partition": slurm.partition,
@@ -62,7 +64,7 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
     per_node = launcher == "torchrun"
     tasks, cpus = (1, slurm.cpus_per_task * slurm.tasks_per_node) if per_node else (slurm.tasks_per_node,
                                                                                       slurm.cpus_per_task)
-    options = [f"--job-name={cfg.name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={tasks}"]
+    options = [f"--job-name={cfg.name}", f"--nodes={slurm_nodes(slurm.nodes)}", f"--ntasks-per-node={tasks}"]
     if slurm.gpus_per_node:
         options.append(f"--gpus-per-node={slurm.gpus_per_node}")
     options += [f"--cpus-per-task={cpus}", f"--time={slurm.timeout_min}"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.batching import plan
 from hpc_ddp.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.preemption import (EXIT_REQUEUE, PreemptionError, StopFlag, append_attempt, cancelled, cap_reached,
@@ -77,7 +78,7 @@ class Attempt:
 
     def __post_init__(self) -> None:
         self.record = {"job_id": self.env.job_id, "restart_count": self.env.restart_count,
-                       "start": round(time.time(), 3)}
+                       "start": round(time.time(), 3), **geometry(self.cfg, self.env)}
         self.holder = holder_record(job_spec(self.environ) or str(self.env.job_id), local=self.local)
         # Asked first, before the program is loaded: a task may change PATH (a container without the
         # Slurm client), and a preemption later moves the end time forward.
@@ -91,6 +92,17 @@ class Attempt:
     @property
     def local(self) -> bool:
         return self.environ.get("HPC_DDP_LOCAL") == "1"
+
+
+def geometry(cfg: RunConfig, env: DistEnv) -> dict[str, Any]:
+    """The attempt's shape for the ledger: nodes, world size and (when the config splits its batch) accumulation."""
+    shape: dict[str, Any] = {"nodes": env.num_nodes, "world_size": env.world_size}
+    if not cfg.train.script:
+        try:
+            shape["grad_accum"] = plan(cfg.train, env.world_size).grad_accum
+        except HpcDdpError:
+            pass  # the program raises it with the fix, and the ledger records that error
+    return shape
 
 
 @contextlib.contextmanager

@@ -116,6 +116,15 @@ def _max_steps(run_dir: Path) -> int | None:
         return None
 
 
+def _shape(attempt: dict[str, Any]) -> str:
+    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation; '-' for older ledgers."""
+    world, nodes = attempt.get("world_size"), attempt.get("nodes")
+    if not world:
+        return "-"
+    shape = f"{nodes}x{world // nodes}" if nodes and world % nodes == 0 else f"{world} ranks"
+    return shape + (f" accum {attempt['grad_accum']}" if attempt.get("grad_accum") else "")
+
+
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
     progress = info["progress"]
@@ -132,12 +141,12 @@ def render(info: dict[str, Any]) -> str:
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
     if info["attempts"]:
         out.append("attempts:")
-        out.append("  #  job      restart  ended for    steps        resumed from")
+        out.append("  #  job      restart  ended for    steps        geometry     resumed from")
         for i, a in enumerate(info["attempts"]):
             steps = f"{a.get('first_step')}->{a.get('last_step')}"
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} "
                        f"{a.get('reason', '?') + (' (cap)' if a.get('capped') else ''):<12} {steps:<12} "
-                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
+                       f"{_shape(a):<12} {a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     if info.get("last_errors"):
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import layout
+from hpc_ddp.batching import node_counts, plan, slurm_nodes
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
@@ -137,9 +138,14 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     if array:
         print(f"job array of {array} runs:")
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
-    environs = simulated_environ(cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=4242)
-    print(f"run {cfg.name}: {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks, run dir {cfg.run_dir}")
-    print("every rank as Slurm job 4242 would derive it (nodes named node0..; the port follows the job id):")
+    nodes = node_counts(cfg.slurm.nodes)
+    environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
+    print(f"run {cfg.name}: {slurm_nodes(cfg.slurm.nodes)} nodes x {cfg.slurm.tasks_per_node} tasks, "
+          f"run dir {cfg.run_dir}")
+    if not cfg.train.script:
+        print(batch_plans(cfg))
+    print(f"every rank as Slurm job 4242 would derive it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
+          "(nodes named node0..; the port follows the job id):")
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
     if not checks:
         return 0
@@ -150,6 +156,15 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
         return 2
     return 0
+
+
+def batch_plans(cfg: RunConfig) -> str:
+    """How each node count Slurm may grant splits the global batch (one line per count)."""
+    rows = [f"{n} node{'s' if n > 1 else ' '} -> {plan(cfg.train, n * cfg.slurm.tasks_per_node)}"
+            for n in node_counts(cfg.slurm.nodes)]
+    fixed = (f"train.global_batch_size={cfg.train.global_batch_size}: the accumulation follows the node count"
+             if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows the world size")
+    return f"batch ({fixed}):\n" + "\n".join(f"  {row}" for row in rows)
 
 
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
@@ -164,10 +179,12 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     config_path = _write_config(cfg, resume)
     job_id = int(time.time()) % 10**6
     _write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(), "pid": os.getpid()})
-    print(f"rehearsing {cfg.name} as {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine; "
-          f"run dir {run_dir}", flush=True)
+    nodes = node_counts(cfg.slurm.nodes)[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
+    print(f"rehearsing {cfg.name} as {nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine"
+          + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N continues at "
+             "another count)" if "-" in slurm_nodes(cfg.slurm.nodes) else "") + f"; run dir {run_dir}", flush=True)
     try:
-        code = rehearse(config_path, run_dir, cfg.slurm.nodes, cfg.slurm.tasks_per_node, job_id=job_id,
+        code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
                         preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal))
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
@@ -299,7 +316,7 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
         _write_job(Path(one.run_dir), {"job_id": job.job_id, "logs": str(folder)})
     first = jobs[0].job_id.split("_")[0]
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
-    print(f"submitted {what}: {cfg.name}, {cfg.slurm.nodes} nodes x {cfg.slurm.tasks_per_node} tasks")
+    print(f"submitted {what}: {cfg.name}, {slurm_nodes(cfg.slurm.nodes)} nodes x {cfg.slurm.tasks_per_node} tasks")
     for job, one in zip(jobs, cfgs):
         log_path = folder / f"{job.job_id}_0_log.out"
         print(f"{'  [' + job.job_id + ']' if array else ''}\n  run dir  {one.run_dir}\n  logs     {folder} "

@@ -2,7 +2,8 @@
 
 Shape after pytorch/examples' ``multigpu_torchrun.py`` (``_run_step``, the
 epoch loop), with what it lacks for resumable jobs: the sampler position is
-part of the state (``epoch``, ``consumed``). The stop protocol, snapshots and
+part of the state (``epoch`` and ``sample_in_epoch``, a global position, so the run can
+resume on another world size with the same global batch and data order). The stop protocol, snapshots and
 the DONE marker are not here: the Trainer is a user of the public :class:`~hpc_ddp.run.Run`,
 like anyone's own loop (``run.resume``, ``run.boundary``, ``run.finish``).
 """
@@ -24,7 +25,7 @@ from hpc_ddp.config import RunConfig
 from hpc_ddp.distributed import all_mean
 from hpc_ddp.errors import ConfigError, explain
 from hpc_ddp.run import Run
-from hpc_ddp.sampler import ShardSampler
+from hpc_ddp.sampler import ShardSampler, old_position
 from hpc_ddp.task import Task
 
 log = logging.getLogger("hpc_ddp.trainer")
@@ -62,22 +63,25 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg) if callable(build_scheduler) else None
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.amp == "fp16")
         dataset = task.build_dataset(cfg)
-        self.sampler = ShardSampler(len(dataset), env.rank, env.world_size, seed=train.seed)
+        self.plan = run.batch  # this world size's share of the global batch (a ConfigError if it cannot split it)
+        self.grad_accum, self.global_batch = self.plan.grad_accum, self.plan.global_batch
+        if len(dataset) < self.global_batch:
+            raise ConfigError(explain(
+                f"one optimizer step needs {self.global_batch} samples ({self.plan}), but the dataset has "
+                f"{len(dataset)}", hint="lower train.batch_size, train.grad_accum or train.global_batch_size, "
+                "or use fewer ranks"), key="train.batch_size")
+        self.sampler = ShardSampler(len(dataset), env.rank, env.world_size, seed=train.seed,
+                                    global_batch=self.global_batch)
         # Workers come from a forkserver, never a fork of this process: forking a process whose
         # process group threads hold a lock can hang the child in os.fork() (seen here once in ~60 starts).
         self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
                                  num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
                                  multiprocessing_context="forkserver" if train.num_workers else None,
                                  generator=torch.Generator().manual_seed(train.seed * 100003 + env.rank))
-        self.samples_per_step = train.batch_size * train.grad_accum
-        self.steps_per_epoch = self.sampler.per_rank // self.samples_per_step
-        if self.steps_per_epoch == 0:
-            raise ConfigError(explain(
-                f"one optimizer step needs {self.samples_per_step} samples per rank, but each of the "
-                f"{env.world_size} ranks gets {self.sampler.per_rank} of the {len(dataset)} samples",
-                hint="lower train.batch_size or train.grad_accum, or use fewer ranks"), key="train.batch_size")
+        self.steps_per_epoch = self.sampler.usable // self.global_batch
         self.step = 0
-        self.progress = {"epoch": 0, "consumed": 0}  # consumed: samples of this rank's shard used this epoch
+        # The data position is global (samples of the epoch taken by all ranks): any world size can resume it
+        self.progress = {"epoch": 0, "sample_in_epoch": 0, "global_batch": self.global_batch}
         self._last_log = (time.monotonic(), 0)
 
     @property
@@ -97,16 +101,17 @@ class Trainer:
         run = self.run
         self.step = first_step = run.resume(model=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
                                             scaler=self.scaler, progress=self.progress)
+        self._check_position()
         while not self.done():
             micro_batches = self._epoch_batches()
             while True:
                 run.beat(self.step + 1, "data")
                 loss = self._run_step(micro_batches)
                 self.step += 1
-                self.progress["consumed"] += self.samples_per_step
-                epoch_end = self.progress["consumed"] // self.samples_per_step >= self.steps_per_epoch
+                self.progress["sample_in_epoch"] += self.global_batch
+                epoch_end = self.progress["sample_in_epoch"] + self.global_batch > self.sampler.usable
                 if epoch_end:
-                    self.progress.update(epoch=self.epoch + 1, consumed=0)
+                    self.progress.update(epoch=self.epoch + 1, sample_in_epoch=0)
                 self._maybe_log(loss)
                 if run.boundary(self.step):
                     return {"stopped": True, "first_step": first_step, "step": self.step,
@@ -116,13 +121,34 @@ class Trainer:
         return {**run.finish(epoch=self.epoch), "stopped": False, "first_step": first_step,
                 "resumed_from": run.resumed_from}
 
+    def _check_position(self) -> None:
+        """A resumed position this world size can continue: global, and at the batch it was written with.
+
+        Without ``train.global_batch_size`` the batch follows the world size, so a resume on another
+        one would change it: refused with the setting that keeps it.
+        """
+        progress, run = self.progress, self.run
+        if "sample_in_epoch" not in progress:
+            raise old_position(progress)
+        saved = int(progress.get("global_batch", self.global_batch))
+        moved = run.resumed_world_size not in (None, self.env.world_size)
+        if moved and saved != self.global_batch and self.cfg.train.global_batch_size is None:
+            raise ConfigError(explain(
+                f"the snapshot of step {self.step} was written at global batch {saved} by {run.resumed_world_size} "
+                f"ranks; this job has {self.env.world_size} ranks, so without train.global_batch_size its batch "
+                f"would be {self.global_batch}", expected="the same global batch on resume",
+                hint=f"add train.global_batch_size={saved} (the accumulation then follows the world size; "
+                f"it needs train.grad_accum=1), or resume on {run.resumed_world_size} ranks"),
+                key="train.global_batch_size")
+        progress["global_batch"] = self.global_batch
+
     def _epoch_batches(self) -> Iterator[Any]:
-        """This rank's remaining micro-batches of the current epoch, from the saved position."""
-        consumed = int(self.progress["consumed"])
-        self.sampler.resume(self.epoch, consumed)
+        """This rank's remaining micro-batches of the current epoch, from the saved (global) position."""
+        position = int(self.progress["sample_in_epoch"])
+        self.sampler.resume(self.epoch, position)
         # DataLoader workers draw their seeds from this generator: same seeds after a resume
         self.loader.generator.manual_seed(self.cfg.train.seed * 100003 + self.env.rank * 1009 + self.epoch)
-        left = (self.steps_per_epoch - consumed // self.samples_per_step) * self.cfg.train.grad_accum
+        left = (self.sampler.usable - position) // self.global_batch * self.grad_accum
         return iter(itertools.islice(self.loader, left))
 
     def _autocast(self) -> torch.autocast:
@@ -133,15 +159,15 @@ class Trainer:
     def _run_step(self, micro_batches: Any) -> torch.Tensor:
         train = self.cfg.train
         total = torch.zeros((), device=self.device)
-        for i in range(train.grad_accum):
+        for i in range(self.grad_accum):
             batch = to_device(next(micro_batches), self.device)
-            last = i == train.grad_accum - 1
+            last = i == self.grad_accum - 1
             with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce once per step
                 self.run.beat(self.step + 1, "forward")
                 with self._autocast():
                     loss = self.task.loss(self.ddp, batch)
                 self.run.beat(self.step + 1, "backward")
-                self.scaler.scale(loss / train.grad_accum).backward()
+                self.scaler.scale(loss / self.grad_accum).backward()
             total += loss.detach().float()
         self.run.beat(self.step + 1, "optimizer")
         if train.clip_grad_norm is not None:
@@ -152,7 +178,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        return total / train.grad_accum
+        return total / self.grad_accum
 
     def _maybe_log(self, loss: torch.Tensor) -> None:
         last = self.done()
@@ -160,7 +186,7 @@ class Trainer:
             return
         mean_loss = all_mean(float(loss.item()), self.device)  # every rank takes part
         now, (then, then_step) = time.monotonic(), self._last_log
-        rate = (self.step - then_step) * self.samples_per_step * self.env.world_size / max(now - then, 1e-9)
+        rate = (self.step - then_step) * self.global_batch / max(now - then, 1e-9)
         self._last_log = (now, self.step)
         if not self.env.is_main:
             return

@@ -33,7 +33,7 @@ def test_the_sampler_position_counts_what_the_loop_took_and_resumes_across_epoch
     first = ShardSampler(20, rank=1, world_size=2, seed=3)
     head = taken(first, DataLoader(data, batch_size=3, sampler=first, drop_last=True), 4)  # epoch 0 ends at 3
     state = first.state_dict()
-    assert state == {"epoch": 1, "consumed": 3}
+    assert state == {"epoch": 1, "sample_in_epoch": 6}  # global: 3 samples on each of the 2 ranks
     second = ShardSampler(20, rank=1, world_size=2, seed=3)
     second.load_state_dict(state)
     tail = taken(second, DataLoader(data, batch_size=3, sampler=second, drop_last=True), 3)
