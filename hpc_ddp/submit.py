@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import layout
-from hpc_ddp.batching import node_counts, plan, slurm_nodes
+from hpc_ddp.batching import node_counts, plan, resume_batch_problem, slurm_nodes
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
@@ -263,6 +263,20 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
         raise in_use(run_dir, live[0], f"nothing in it was changed; {live[1]}")
     if earlier:
         _check_earlier(run_dir, resume)
+        if resume and cfg.train.task:
+            _check_resume_batch(cfg)
+
+
+def _check_resume_batch(cfg: RunConfig) -> None:
+    """Refuse a resume at another world size that would change the global batch (manifests only: no torch)."""
+    from hpc_ddp.snapshot import committed_steps, read_manifest, step_dir
+
+    run_dir = Path(cfg.run_dir)
+    steps = committed_steps(run_dir)
+    manifest = read_manifest(step_dir(run_dir, steps[0])) if steps else None
+    problem = resume_batch_problem(manifest, cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node) if manifest else None
+    if problem:
+        raise HpcDdpError(problem, key="train.global_batch_size")
 
 
 def _check_earlier(run_dir: Path, resume: bool) -> None:

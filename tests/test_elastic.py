@@ -4,6 +4,7 @@ global batch and data order. Real processes through the local rehearsal (gloo, C
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -52,7 +53,8 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The uninterrupted 2x2 run, and one stopped at step 10 (a time-out, not requeued: max_timeouts=0)."""
+    """The uninterrupted 2x2 run, and one stopped one boundary after step 9 (a time-out, not requeued:
+    max_timeouts=0)."""
     base = tmp_path_factory.mktemp("elastic")
     plain, stopped = base / "plain", base / "stopped"
     proc = submit(plain, 2, 2)
@@ -72,7 +74,7 @@ def test_a_stopped_run_resumes_at_another_geometry_with_the_same_batches(runs: d
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["world_size"], a["grad_accum"]) for a in attempts] == [
         ("timeout", 4, 2), ("finished", nodes * tasks, GLOBAL // (2 * nodes * tasks))]
-    assert attempts[1]["resumed_from"] == attempts[0]["last_step"] == 10
+    assert attempts[1]["resumed_from"] == attempts[0]["last_step"] >= 10
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     if nodes * tasks != 4:
         assert "at another world size: written by 4 ranks (accumulation 2, global batch 16)" in logs
@@ -96,3 +98,37 @@ def test_a_stopped_run_resumes_at_another_geometry_with_the_same_batches(runs: d
     if nodes * tasks == 4:  # same world size, other nodes x tasks: every rank finds its RNG, still bit-identical
         assert got == expected and json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == \
             json.loads((plain / "DONE.json").read_text())["params_sha256"]
+
+
+def test_a_resume_that_would_change_the_global_batch_is_refused_before_anything_is_written(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "refused"
+    shutil.copytree(runs["stopped"], run_dir)
+    config = (run_dir / "config.yaml").read_bytes()
+    proc = submit(run_dir, 1, 2, "--resume", "train.global_batch_size=null", "train.grad_accum=2")
+    assert proc.returncode == 2
+    assert "written by 4 ranks at global batch 16" in proc.stderr and "the batch would be 8" in proc.stderr
+    assert "HINT: add train.global_batch_size=16" in proc.stderr
+    assert (run_dir / "config.yaml").read_bytes() == config and not (run_dir / "logs" / "rank0-1.log").exists()
+
+
+def test_a_snapshot_with_a_per_rank_position_is_refused_with_the_fix(runs: dict[str, Path], tmp_path: Path) -> None:
+    """As written before positions were global: progress {epoch, consumed}. Re-hashed, so only the layout is old."""
+    from hpc_ddp import snapshot
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(runs["stopped"], run_dir)
+    directory = snapshot.step_dir(run_dir, snapshot.committed_steps(run_dir)[0])
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = torch.load(directory / name, weights_only=True)
+        data["replicated"]["progress"] = {"epoch": 0, "consumed": 40}
+        torch.save(data, directory / name)
+        manifest["files"][name] = {"size": (directory / name).stat().st_size, "sha256": hashlib.sha256(
+            (directory / name).read_bytes()).hexdigest()}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    proc = submit(run_dir, 2, 2, "--resume")
+    assert proc.returncode != 0
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "per-rank data position" in logs and "start a new run (run_dir=...)" in logs
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["timeout", "error"]  # recorded once, not requeued

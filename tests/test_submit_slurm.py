@@ -197,3 +197,38 @@ def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_clust
     assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads((loop_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
         (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+
+
+def test_a_node_range_starts_on_the_free_node_and_resumes_on_two(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """slurm.nodes=1-2 while another job holds one node: the run starts on the other, is stopped and requeued,
+    and continues on both nodes with the same global batch (the accumulation halves)."""
+    blocker = subprocess.run(["sbatch", "--parsable", "-N1", "-c4", "-o", "/dev/null", "--wrap", "sleep 600"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        assert wait_until(lambda: _squeue(blocker, "%T") == "RUNNING", 60)
+        run_dir = tmp_path / "elastic"
+        job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", "slurm.nodes=1-2", "slurm.tasks_per_node=2",
+                         "train.batch_size=4", "train.global_batch_size=32", "train.max_steps=1000",
+                         "train.log_every=10", "slurm.timeout_min=30", f"run_dir={run_dir}"))
+        metrics = run_dir / "metrics.jsonl"
+        assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120)
+        assert _squeue(job, "%D") == "1"  # started on the one free node
+    finally:
+        subprocess.run(["scancel", blocker], check=True)
+    assert wait_until(lambda: not _squeue(blocker, "%T"), 60)  # its node is free again
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_until((run_dir / "DONE.json").exists, 240), cli("hpc_ddp.status", str(run_dir)).stdout
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["nodes"], a["world_size"], a["grad_accum"]) for a in attempts] == [
+        ("preemption", 1, 2, 4), ("finished", 2, 4, 2)]
+    assert attempts[1]["resumed_from"] == attempts[0]["last_step"] > 0
+    assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(10, 1001, 10))  # one continuous curve: no step lost or logged twice
+    log = (run_dir / "slurm" / f"{job}_0_log.err").read_text(errors="replace")
+    assert "at another world size: written by 2 ranks (accumulation 4, global batch 32), now 4 ranks" in log
+    assert "1x2 accum 4" in cli("hpc_ddp.status", str(run_dir)).stdout
+
+
+def _squeue(job: str, field: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", field], capture_output=True, text=True).stdout.strip()
