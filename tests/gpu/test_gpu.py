@@ -62,3 +62,26 @@ def test_async_staging_of_cuda_tensors_is_pinned() -> None:
 
     staged = _stage({"w": torch.ones(8, device="cuda")})
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["w"].sum().item() == 8
+
+
+def test_a_two_rank_cpu_snapshot_resumes_on_one_gpu_under_nccl(tmp_path: Path) -> None:
+    """Elastic resume across backends: written by 2 gloo ranks on CPU, continued by 1 NCCL rank on cuda:0."""
+    task = ["train.task=tests.tasks.elastic:IdsTask", "train.batch_size=2", "train.global_batch_size=16",
+            "train.max_steps=40", "train.log_every=1", "slurm.max_timeouts=0"]
+
+    def run(run_dir: Path, tasks: int, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "--local", "name=gpu_elastic", *task,
+                               f"run_dir={run_dir}", "slurm.nodes=1", f"slurm.tasks_per_node={tasks}", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    plain = run(tmp_path / "plain", 2, "dist.backend=gloo")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run(tmp_path / "moved", 2, "dist.backend=gloo", "--timeout-at", "9")
+    resumed = run(tmp_path / "moved", 1, "dist.backend=auto", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "moved" / "logs").glob("*.log"))
+    assert "backend nccl" in logs and "at another world size: written by 2 ranks" in logs
+    expected, got = losses(tmp_path / "plain"), losses(tmp_path / "moved")
+    assert sorted(got) == list(range(1, 41))
+    for step, loss in expected.items():  # CUDA's kernels sum in another order than CPU's
+        assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}"
