@@ -31,6 +31,7 @@ EPILOG = """\
 examples:
   python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 slurm.tasks_per_node=4
   python -m hpc_ddp.submit examples/mlp.yaml --resume                     # continue a stopped run, new job
+  python -m hpc_ddp.submit examples/mlp.yaml slurm.nodes=1-2 train.global_batch_size=256   # 1 or 2 nodes
   python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch && sbatch job.sbatch
   python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch --launcher torchrun   # torchrun per node
   python -m hpc_ddp.submit examples/mlp.yaml --multirun train.lr=0.1,0.01 train.seed=1,2   # 4-run job array
@@ -38,6 +39,8 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
+  python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
+                                            # continue a 2 x 2 rehearsal on 1 node, same global batch
 
 Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
 (see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
