@@ -33,7 +33,7 @@ def main() -> None:
                              torch.randn(512, 1, generator=torch.Generator().manual_seed(2)))
         sampler = ShardSampler(len(data), env.rank, env.world_size, seed=0)
         for epoch in range(2):
-            sampler.set_epoch(epoch)  # sampler.resume(epoch, consumed) continues mid-epoch
+            sampler.set_epoch(epoch)  # sampler.resume(epoch, sample_in_epoch) continues mid-epoch
             for inputs, targets in DataLoader(data, batch_size=32, sampler=sampler, drop_last=True):
                 loss = torch.nn.functional.mse_loss(model(inputs.to(device)), targets.to(device))
                 optimizer.zero_grad()
