@@ -222,7 +222,8 @@ class Run:
         geometry = geometry_change(restored.world_size, restored.config, self.config.train, self.world_size)
         if (changed or geometry) and self.is_main:
             log.warning("resuming from the snapshot of step %d%s%s%s", restored.step, geometry,
-                        f"; changed config: {describe_diff(changed)}" if changed else "", applied)
+                        f"{'; resumed' if geometry else ''} with a changed config: {describe_diff(changed)}"
+                        if changed else "", applied)
 
     def _settle_buckets_on_first_forward(self, ddp: DistributedDataParallel) -> None:
         """Before the first forward of this attempt, one forward/backward that trains nothing.

@@ -76,8 +76,9 @@ def test_bad_config_values_stop_before_any_process_starts(tmp_path: Path,
 def test_dry_run_shows_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
     assert submit([str(ROOT / "examples" / "simple.yaml"), "--dry-run", "slurm.nodes=3"]) == 0
     out = capsys.readouterr().out
-    table = out[out.index("run simple: 3 nodes x 2 tasks"):out.index("preflight:")]
-    assert len(table.splitlines()) == 3 + 6  # header lines, then one line per rank
+    assert "run simple: 3 nodes x 2 tasks" in out and "3 nodes -> 6 ranks x" in out  # and the batch plan
+    table = out[out.index("every rank as Slurm job"):out.index("preflight:")]
+    assert len(table.splitlines()) == 2 + 6  # header lines, then one line per rank
 
 
 def test_worker_without_a_config_argument_explains(tmp_path: Path) -> None:
