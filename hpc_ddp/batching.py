@@ -101,13 +101,14 @@ def fitting_node_counts(train: Any, nodes: Any, tasks_per_node: int) -> tuple[li
 
 
 def check_geometry(train: Any, nodes: Any, tasks_per_node: int) -> None:
-    """Every node count Slurm may grant must split the global batch, and a range needs a fixed global batch.
+    """Every node count Slurm may grant must split the global batch, and a range needs a fixed global batch
+    for our Trainer (``train.task``; a loop or a script may size its batch its own way).
 
     Slurm (22.05) takes only ``MIN-MAX``, not a list of counts, so a range with one count that
     does not fit would fail the job after its wait in the queue: refused here, with the counts that fit.
     """
     counts = node_counts(nodes)
-    if len(counts) > 1 and getattr(train, "global_batch_size", None) is None:
+    if len(counts) > 1 and getattr(train, "global_batch_size", None) is None and getattr(train, "task", ""):
         raise ConfigError(explain(
             f"slurm.nodes={nodes} lets Slurm choose the node count, but train.global_batch_size is unset, so "
             "the batch per optimizer step would change with the count Slurm grants",

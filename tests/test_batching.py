@@ -60,6 +60,12 @@ def test_a_range_needs_a_fixed_global_batch() -> None:
     assert err.value.key == "train.global_batch_size"
 
 
+def test_a_script_or_loop_may_take_a_range_without_a_global_batch() -> None:
+    for program in ("train.loop=tests.tasks.loops:ignores_stop", "train.script=train.py"):
+        one = load_config([], ["name=b", program, "slurm.nodes=1-3"])
+        assert list(node_counts(one.slurm.nodes)) == [1, 2, 3]
+
+
 def test_a_range_with_counts_that_do_not_fit_is_refused_with_those_that_do() -> None:
     with pytest.raises(ConfigError, match=r"(?s)at 3 nodes x 2 tasks.*counts that fit: 1, 2, 4 \(e.g. slurm.nodes=1-2\)"):
         cfg("slurm.nodes=1-4", "slurm.tasks_per_node=2", "train.global_batch_size=16")
