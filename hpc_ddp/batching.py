@@ -168,29 +168,35 @@ def geometry_change(before: int | None, before_config: Mapping[str, Any] | None,
             "order, so the run is no longer bit-identical to one that never stopped (losses agree to float rounding)")
 
 
+def batch_change_problem(written: int, saved_batch: int, train: Any, world_size: int) -> str | None:
+    """Why resuming a snapshot written by ``written`` ranks at global batch ``saved_batch`` on ``world_size``
+    ranks would change the batch (``train.global_batch_size`` unset), or None. The one check behind the login
+    node's refusal of ``--resume`` and the Trainer's (a job from an sbatch template never passed the login node)."""
+    if getattr(train, "global_batch_size", None) is not None or world_size == written:
+        return None
+    now = plan(train, world_size).global_batch
+    if now == saved_batch:
+        return None
+    return explain(
+        f"the snapshot was written by {_ranks(written)} at global batch {saved_batch}; on {_ranks(world_size)} "
+        f"the batch would be {now}, because train.global_batch_size is unset",
+        expected="the same global batch when the world size changes",
+        hint=f"add train.global_batch_size={saved_batch} train.grad_accum=1 (the accumulation then follows the "
+        f"world size), or resume on {_ranks(written)}")
+
+
 def resume_batch_problem(manifest: Mapping[str, Any], train: Any, nodes: Any, tasks_per_node: int) -> str | None:
-    """Why resuming the snapshot with this ``manifest`` at these node counts would change the global batch
-    (``train.global_batch_size`` unset and another world size), or None. Asked on the login node, so that
-    ``--resume slurm.nodes=1`` is refused before anything is written or queued."""
+    """:func:`batch_change_problem` for the newest snapshot's ``manifest`` at every count of ``slurm.nodes``.
+    Asked on the login node, so that ``--resume slurm.nodes=1`` is refused before anything is written or queued."""
     written, config = manifest.get("world_size"), manifest.get("config")
-    if getattr(train, "global_batch_size", None) is not None or not isinstance(written, int) or not config:
+    if not isinstance(written, int) or not config:
         return None
     try:
         saved = plan(_TrainView(config), written).global_batch
-        changed = [n for n in node_counts(nodes) if n * tasks_per_node != written
-                   and plan(train, n * tasks_per_node).global_batch != saved]
+        problems = (batch_change_problem(written, saved, train, n * tasks_per_node) for n in node_counts(nodes))
+        return next((problem for problem in problems if problem), None)
     except (ConfigError, KeyError, TypeError, ValueError):
         return None
-    if not changed:
-        return None
-    world = changed[0] * tasks_per_node
-    return explain(
-        f"the newest snapshot was written by {_ranks(written)} at global batch {saved}; at {changed[0]} node"
-        f"{'s' if changed[0] > 1 else ''} x {tasks_per_node} ({_ranks(world)}) the batch would be "
-        f"{plan(train, world).global_batch}, because train.global_batch_size is unset",
-        expected="the same global batch when the world size changes",
-        hint=f"add train.global_batch_size={saved} train.grad_accum=1 (the accumulation then follows the world "
-        f"size), or resume on {_ranks(written)}")
 
 
 def _ranks(count: int) -> str:

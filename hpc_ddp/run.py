@@ -373,4 +373,3 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-

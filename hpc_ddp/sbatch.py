@@ -41,7 +41,7 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "teardown": [settle_line(configs, python)] if configs else [],
         "srun_args": ["--kill-on-bad-exit=1", *slurm.srun_args],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
-                                  **({"nodes": slurm_nodes(slurm.nodes)} if "-" in slurm_nodes(slurm.nodes) else {}),
+                                  **({"nodes": slurm_nodes(slurm.nodes)} if len(node_counts(slurm.nodes)) > 1 else {}),
                                   **slurm.sbatch_extra},
     }
     optional = {"gpus_per_node": slurm.gpus_per_node or None, "partition": slurm.partition,

@@ -182,10 +182,11 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     config_path = _write_config(cfg, resume)
     job_id = int(time.time()) % 10**6
     _write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(), "pid": os.getpid()})
-    nodes = node_counts(cfg.slurm.nodes)[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
+    counts = node_counts(cfg.slurm.nodes)
+    nodes = counts[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
     print(f"rehearsing {cfg.name} as {nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine"
           + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N continues at "
-             "another count)" if "-" in slurm_nodes(cfg.slurm.nodes) else "") + f"; run dir {run_dir}", flush=True)
+             "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}", flush=True)
     try:
         code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
                         preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal))

@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from hpc_ddp.batching import batch_change_problem
 from hpc_ddp.config import RunConfig
 from hpc_ddp.distributed import all_mean
 from hpc_ddp.errors import ConfigError, explain
@@ -131,15 +132,10 @@ class Trainer:
         if "sample_in_epoch" not in progress:
             raise old_position(progress)
         saved = int(progress.get("global_batch", self.global_batch))
-        moved = run.resumed_world_size not in (None, self.env.world_size)
-        if moved and saved != self.global_batch and self.cfg.train.global_batch_size is None:
-            raise ConfigError(explain(
-                f"the snapshot of step {self.step} was written at global batch {saved} by {run.resumed_world_size} "
-                f"ranks; this job has {self.env.world_size} ranks, so without train.global_batch_size its batch "
-                f"would be {self.global_batch}", expected="the same global batch on resume",
-                hint=f"add train.global_batch_size={saved} (the accumulation then follows the world size; "
-                f"it needs train.grad_accum=1), or resume on {run.resumed_world_size} ranks"),
-                key="train.global_batch_size")
+        problem = batch_change_problem(run.resumed_world_size or self.env.world_size, saved, self.cfg.train,
+                                       self.env.world_size)
+        if problem:
+            raise ConfigError(problem, key="train.global_batch_size")
         progress["global_batch"] = self.global_batch
 
     def _epoch_batches(self) -> Iterator[Any]:
