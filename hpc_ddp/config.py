@@ -180,7 +180,11 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
         merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
     for item in overrides:
         merged = _merge(merged, _parse_override(item), f"override {item!r}", key=item.partition("=")[0])
-    if not merged.name:
+    try:
+        name = merged.name  # resolves an interpolation such as name=${x}: a missing key fails here
+    except Exception as err:
+        raise _translate(err, "the merged config") from err
+    if not name:
         if not paths:
             raise ConfigError(explain("the run has no name", expected="a name for the run directory",
                                       hint="pass a config file or add name=my_run"), key="name")
