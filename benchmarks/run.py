@@ -1,6 +1,6 @@
 """``python -m benchmarks.run``: every figure of docs/performance.md, as ratios measured side by side.
 
-Writes ``benchmarks/results.json`` (sections B1..B6: raw medians, the ratio, the
+Writes ``benchmarks/results.json`` (sections B1..B7: raw medians, the ratio, the
 target, met or not) and prints the markdown table; ``--write-docs`` puts the
 table into docs/performance.md. Medians over interleaved repeats: this machine
 is noisy (2 cores, hypervisor steal), so only ratios from one run mean much.
@@ -129,6 +129,12 @@ def _wait(predicate: Callable[[], Any], timeout: float) -> float:
     raise TimeoutError(f"waited {timeout}s")
 
 
+def b7_split(scratch: Path, megabytes: float, counts: tuple[int, ...]) -> dict[str, Any]:
+    from benchmarks.split import b7_split as figure
+
+    return figure(scratch, megabytes, counts)
+
+
 def b6_scale(ranks: int = 4096) -> dict[str, Any]:
     from hpc_ddp.slurm_env import from_environ, simulated_environ
 
@@ -184,6 +190,15 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| B6 scale | from_environ for {s['ranks']} ranks: {s['all_ranks_s']} s "
                     f"({s['per_rank_us']} us each); all agree: {s['agree_on_address_and_port']} | {s['target']} "
                     f"| {mark(s)} |")
+    if "B7" in b:
+        s = b["B7"]
+        for nodes, row in s["nodes"].items():
+            rows.append(f"| B7 split snapshot, {nodes} x 1, {s['state_mb']} MB state | bytes written / state: "
+                        f"replicas 1 {row['r1']['bytes_per_state']}, 2 {row['r2']['bytes_per_state']}, every node "
+                        f"{row['every']['bytes_per_state']}; busiest node (replicas 2) "
+                        f"{row['r2']['busiest_per_state']}; save {row['r2']['save_s']} s = "
+                        f"{row['r2_save_vs_every']} x every node's, restore {row['r2']['restore_s']} s = "
+                        f"{row['r2_restore_vs_every']} x | {s['target']} | {mark(s)} |")
     return "\n".join(rows)
 
 
@@ -201,7 +216,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6", help="comma-separated figures, e.g. B1,B3")
+    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7", help="comma-separated figures, e.g. B1,B3")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args(argv)
@@ -218,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("B2", lambda: b2_training(1 if quick else 3, 60 if quick else 160, 40)),
                  ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),
                  ("B4", lambda: b4_stop(scratch, 1 if quick else 3, results["B3"]["100MB"]["sync_s"])),
-                 ("B5", b5_slurm), ("B6", b6_scale)]
+                 ("B5", b5_slurm), ("B6", b6_scale),
+                 ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8)))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -1,16 +1,19 @@
-"""Who writes which snapshot file, when a snapshot is due, and restoring every rank.
+"""Who writes which slice of a snapshot, when a snapshot is due, and restoring every rank.
 
-Saving is collective: every rank's RNG state is gathered; local rank 0 of each
-node writes that node's file (the replicated training state plus the RNG states
-of its ranks); global rank 0 writes the manifest once every node's file is
-durable, then prunes; a barrier ends the save. In async mode the step only
-copies the state to CPU; a background thread writes, and the commit happens at
-a later step boundary, once no node's writer is busy (at most one in flight). Restoring: rank 0 picks the
-newest committed step that verifies and tells everyone; each rank loads its own
-node's file, or another node's copy of the replicated state (then its RNG is
-reseeded deterministically, with a warning). A snapshot written at another world
-size loads too (any node's file holds the replicated state); no rank's RNG is
-restored then, and the run object says what changed.
+Saving is collective. Each node's ranks hand their RNG states to the node's writer (its
+local rank 0) in a gather within the node: no RNG state crosses the job. The writer
+writes the node's file: its slices of the replicated state (:mod:`hpc_ddp.slicing`: about
+``replicas / nodes`` of the bytes) and its ranks' RNG states. Global rank 0 writes the
+manifest once every node's file is durable, then prunes; a barrier ends the save. In
+async mode the step only copies the node's slices to CPU; a background thread writes,
+and the commit happens at a later step boundary, once no node's writer is busy (at most
+one in flight).
+
+Restoring: rank 0 reads the manifests (small) and tells everyone; the ranks verify the
+step's files between them (each file hashed by one rank, the verdicts gathered), so no
+rank reads every file; each rank then loads (mmap) one good file per slice and puts the
+state together. At the same world size a rank's RNG comes from the file of the node that
+held it; when that file is bad, or the world size changed, the Run reseeds it and says so.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_ddp import snapshot
+from hpc_ddp import slicing, snapshot
 from hpc_ddp.config import SnapshotConfig
 from hpc_ddp.slurm_env import DistEnv
 
@@ -110,7 +113,9 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._written: dict[str, Any] | None = None
         self._failed: BaseException | None = None
-        self._staging: Any = None  # CPU copy of the state for async writes, reused across snapshots
+        self._staging: Any = None  # CPU copy of the node's slices for async writes, reused across snapshots
+        self._layouts: dict[int, dict[str, Any]] = {}  # step -> its layout, until committed (rank 0's goes in)
+        self._node: tuple[Any, int, int] | None = None  # (process group of this node's ranks, its writer, size)
 
     def due_by_steps(self, step: int) -> bool:
         """every_steps: the same answer on every rank, so it needs no agreement."""
@@ -120,26 +125,60 @@ class Checkpointer:
         """every_minutes, by this rank's clock; the trainer asks rank 0 and agrees on its answer."""
         return bool(self.cfg.every_minutes) and self.clock() - self.last_time >= self.cfg.every_minutes * 60
 
-    def _payload(self, state: dict[str, Any], rng: dict[str, Any]) -> dict[str, Any] | None:
-        """Collective: gather every rank's RNG; the node's writer gets its file's content."""
-        gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, (self.env.node_rank, rng))
-        if not self.env.is_node_main:
+    def _gather_rng(self, rng: dict[str, Any]) -> dict[int, Any] | None:
+        """Collective within each node: the node's writer gets {rank: RNG state} of its ranks; others None."""
+        env = self.env
+        if env.world_size == env.num_nodes:  # one rank per node: it is its own writer
+            return {env.rank: rng}
+        if self._node is None:  # once: which ranks share this node, and a process group of just them
+            members: list[Any] = [None] * env.world_size
+            dist.all_gather_object(members, (env.node_rank, env.local_rank))
+            mine = sorted((local, rank) for rank, (node, local) in enumerate(members) if node == env.node_rank)
+            ranks = [rank for _, rank in mine]
+            self._node = (dist.new_group(ranks, use_local_synchronization=True), ranks[0], len(ranks))
+        group, writer, size = self._node
+        gathered: list[Any] | None = [None] * size if env.rank == writer else None
+        dist.gather_object((env.rank, rng), gathered, dst=writer, group=group)
+        return dict(gathered) if gathered is not None else None
+
+    def _payload(self, state: dict[str, Any], rng: dict[str, Any], staged: bool = False) -> dict[str, Any] | None:
+        """Collective: the node's writer gets its file's content (its slices, its ranks' RNG); others None.
+
+        ``staged``: the slices are copied into CPU staging memory kept from the previous async
+        snapshot (it is free again: async saves run only when nothing is pending).
+        """
+        rngs = self._gather_rng(rng)
+        if rngs is None:
             return None
-        mine = {rank: r for rank, (node, r) in enumerate(gathered) if node == self.env.node_rank}
-        return {"replicated": state, "rng": mine}
+        skeleton, tensors = slicing.split(state)
+        split = slicing.layout_for(tensors, self.env.num_nodes, self.cfg.replicas)
+        held = slicing.slices_of(self.env.node_rank, self.env.num_nodes, self.cfg.replicas)
+        pieces = slicing.pieces_for(split, tensors, held, copy=not staged)
+        if staged:
+            pieces = self._staging = _stage(pieces, self._staging)
+        return {"content": {"format": slicing.FORMAT, "skeleton": skeleton, "pieces": pieces, "rng": rngs},
+                "layout": split, "slices": held, "ranks": sorted(rngs)}
+
+    def _write(self, step: int, payload: dict[str, Any]) -> dict[str, Any]:
+        """This node's file; its manifest entry (the layout's digest: the commit checks all writers agree)."""
+        entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
+                                         payload["content"])
+        return {**entry, "slices": payload["slices"], "ranks": payload["ranks"],
+                "digest": slicing.layout_digest(payload["layout"])}
 
     def _commit(self, step: int, entry: dict[str, Any] | None) -> None:
         """Collective: once every node's file is durable, rank 0 writes the manifest; then a barrier."""
         entries: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(entries, entry)
-        failures = [e["error"] for e in entries if e and "error" in e]
+        written = [e for e in entries if e]
+        failures = [e["error"] for e in written if "error" in e]
+        if not failures and len({e["digest"] for e in written}) > 1:  # a bug, not a disk: never commit it
+            failures = [f"the nodes split the state differently ({sorted({e['digest'] for e in written})})"]
         if failures:  # every rank raises the same error: none is left waiting in a collective
             raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {failures[0]}")
-        directory = snapshot.step_dir(self.run_dir, step)
+        directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)
         if self.env.is_main:
-            snapshot.commit(directory, step, [e for e in entries if e], self.env.world_size, self.config_hash,
-                            self.config)
+            snapshot.commit(directory, step, written, self.env.world_size, self.config_hash, self.config, split=split)
             # Deleting an old step (~20 ms per 100 MB) need not hold the step up; prune uncommits first,
             # so a process that exits in the middle leaves an ignored leftover, never a broken commit.
             threading.Thread(target=snapshot.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
@@ -155,32 +194,30 @@ class Checkpointer:
         payload = self._payload(state, rng)
         entry = None
         if payload is not None:
+            self._layouts[step] = payload["layout"]
             try:
-                entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank, payload)
+                entry = self._write(step, payload)
             except snapshot.SnapshotError as err:
                 entry = {"error": str(err)}
         self._commit(step, entry)
         self.last_time = self.clock()
 
     def save_async(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
-        """Collective: copy the state to CPU now; the node's writer writes it in a background thread.
+        """Collective: copy this node's slices to CPU now; its writer writes them in a background thread.
 
-        The step is blocked only for the copy, made by the node's writer alone into staging
-        memory kept from the previous async snapshot (it is free again: this runs only when
-        nothing is pending). :meth:`finish_async` commits it later, at a boundary where no
-        writer is busy any more.
+        The step is blocked only for the copy, made by the node's writer alone.
+        :meth:`finish_async` commits it later, at a boundary where no writer is busy any more.
         """
-        payload = self._payload(state, rng)
+        payload = self._payload(state, rng, staged=True)
         self.pending = step
         self.last_time = self.clock()
         if payload is None:
             return
-        payload["replicated"] = self._staging = _stage(payload["replicated"], self._staging)
-        directory = snapshot.step_dir(self.run_dir, step)
+        self._layouts[step] = payload["layout"]
 
         def write() -> None:
             try:
-                self._written = snapshot.write_node_file(directory, self.env.node_rank, payload)
+                self._written = self._write(step, payload)
             except BaseException as err:  # re-raised on the training thread by finish_async
                 self._failed = err
 
@@ -204,46 +241,56 @@ class Checkpointer:
         self._commit(step, {"error": str(self._failed)} if self._failed is not None else self._written)
 
     def restore(self) -> Restored | None:
-        """Collective: the newest usable committed snapshot, or None for a fresh start."""
-        choice: list[Any] = [None]
+        """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
+        found: list[Any] = [None]
         if self.env.is_main:
-            try:
-                choice[0] = snapshot.choose(self.run_dir)
-            except snapshot.SnapshotError as err:
-                choice[0] = str(err)  # every rank raises it, none waits in a collective
-        dist.broadcast_object_list(choice, src=0)
-        if isinstance(choice[0], str):
-            raise snapshot.SnapshotError(choice[0])
-        found: snapshot.Choice | None = choice[0]
-        if found is None:
+            found[0] = snapshot.committed(self.run_dir)  # manifests only: small
+        dist.broadcast_object_list(found, src=0)
+        quiet: Callable[..., None] = lambda *args: None  # noqa: E731
+        # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
+        choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found[0],
+                                 warn=log.warning if self.env.is_main else quiet)
+        if choice is None:
             return None
-        written_by = found.manifest.get("world_size")
-        name, own = self._file_to_read(found, written_by)
-        data = snapshot.load_file(found.directory / name)
-        # At another world size no saved RNG state belongs to this rank any more: the Run reseeds it
-        rng = data["rng"].get(self.env.rank) if own else None
-        self.last_step, self.last_time = found.step, self.clock()
-        log.info("resuming from the snapshot of step %d (%s)", found.step, name)
-        return Restored(found.step, data["replicated"], rng, found.manifest.get("config"),
+        problem, loaded = None, None
+        try:
+            loaded = self._load(choice)
+        except snapshot.SnapshotError as err:
+            problem = str(err)
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
+            problem = f"the files of step {choice.step} in {choice.directory} do not hold what its manifest says ({err!r})"
+        problems: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(problems, problem)  # every rank stops alike, none waits in a collective
+        first = next((p for p in problems if p), None)
+        if first or loaded is None:
+            raise snapshot.SnapshotError(first or "a snapshot could not be loaded")
+        state, rng = loaded
+        written_by = choice.manifest.get("world_size")
+        self.last_step, self.last_time = choice.step, self.clock()
+        log.info("resuming from the snapshot of step %d (%s)", choice.step, ", ".join(sorted(set(
+            choice.sources.values()))))
+        return Restored(choice.step, state, rng, choice.manifest.get("config"),
                         written_by if isinstance(written_by, int) else None)
 
-    def _file_to_read(self, found: snapshot.Choice, written_by: Any) -> tuple[str, bool]:
-        """(the file this rank loads, whether it holds this rank's RNG state).
+    def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
+        """Collective: each file hashed by one rank (file k by rank k*W/F: with one rank per file, the
+        writer's node), the verdicts gathered; no rank reads every file."""
+        names, world = sorted(manifest.get("files", {})), self.env.world_size
+        mine = {name: snapshot.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
+                                            else {})
+                for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        return {name: why for verdicts in gathered for name, why in verdicts.items()}
 
-        At the same world size, the file of the node that held this rank (its RNG is there; the
-        nodes x tasks split may differ). At another one no RNG state belongs to this rank any
-        more, and the nodes spread their reads over the good files: each holds the whole
-        replicated state.
-        """
-        good, env = found.good_files, self.env
-        nodes_before = found.manifest.get("num_nodes")
-        if written_by == env.world_size and isinstance(nodes_before, int) and nodes_before > 0 \
-                and env.world_size % nodes_before == 0:
-            holder = snapshot.node_file_name(env.rank // (env.world_size // nodes_before))
-            if holder in good:
-                return holder, True
-            fallback = good[env.rank % len(good)]
-            log.warning("snapshot file %s (this rank's RNG state) is not usable; using %s for the replicated "
-                        "state and reseeding this rank's RNG deterministically", holder, fallback)
-            return fallback, False
-        return good[env.node_rank % len(good)], False
+    def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(the replicated state, this rank's RNG state or None) from the chosen step's good files."""
+        manifest, env = choice.manifest, self.env
+        holder = slicing.rank_file(manifest, env.rank) if manifest.get("world_size") == env.world_size else None
+        if holder is not None and holder not in choice.good_files:
+            log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
+                        "reseeding this rank's RNG deterministically", holder,
+                        ", ".join(sorted(set(choice.sources.values()))))
+            holder = None
+        state, files = snapshot.read_state(choice, also=holder)
+        return state, files[holder]["rng"].get(env.rank) if holder else None

@@ -118,6 +118,11 @@ class SnapshotConfig:
     every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step count.")
     every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by time.")
     keep_last: int = _doc(2, "Committed snapshots to keep (the newest is never deleted early).")
+    replicas: int = _doc(2, "Nodes whose files hold each slice of the replicated state. Each node writes "
+                         "replicas/nodes of it, so a snapshot costs replicas x the state at any node count. "
+                         "1: fewest bytes, a lost file falls back to the previous snapshot; 2 (default): any "
+                         "one lost or damaged file is survived with the newest step; >= nodes: a whole copy "
+                         "in every node's file.")
     async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
                              "to CPU); the stop snapshot is always synchronous.")
 

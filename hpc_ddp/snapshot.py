@@ -1,14 +1,16 @@
 """Per-node snapshot files, the manifest that commits them, and choosing what to resume from.
 
 Layout: ``RUN_DIR/snapshots/step-00000123/node-00000.pt`` (one per node, written by
-its local rank 0) and ``manifest.json`` (files, sizes, sha256, step, world size,
-config hash), written last by global rank 0: a step without a valid manifest does
-not exist. Every file is written to a temporary name, fsynced, renamed, and the
-directory fsynced, so a crash at any point leaves the last committed step intact.
-Loads use ``torch.load(weights_only=True)``: a file that needs arbitrary
-unpickling is refused, nothing in it runs. The collective part (who writes what,
-when) is in :mod:`hpc_ddp.checkpointer`; this module is plain file handling, and
-imports torch only to serialise (``status`` reads manifests without it).
+its local rank 0: its slices of the replicated state, see :mod:`hpc_ddp.slicing`, and
+its ranks' RNG states) and ``manifest.json`` (files with their sizes, sha256, slices
+and ranks; the layout; step, world size, config), written last by global rank 0: a
+step without a valid manifest does not exist. Every file is written to a temporary
+name, fsynced, renamed, and the directory fsynced, so a crash at any point leaves the
+last committed step intact. Loads use ``torch.load(weights_only=True)``: a file that
+needs arbitrary unpickling is refused, nothing in it runs. The collective part (who
+writes what, who verifies what) is in :mod:`hpc_ddp.checkpointer`; this module is
+plain file handling, and imports torch only to serialise (``status`` reads manifests
+without it).
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from hpc_ddp import layout
-from hpc_ddp import atomic
+from hpc_ddp import atomic, layout, slicing
 from hpc_ddp.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
@@ -124,15 +125,19 @@ def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any]) ->
     return {"name": name, "size": hashing[0].size, "sha256": hashing[0].sha256.hexdigest()}
 
 
+FILE_KEYS = ("size", "sha256", "slices", "ranks")  # what the manifest keeps of a writer's entry
+
+
 def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str,
-           config: dict[str, Any] | None = None) -> None:
+           config: dict[str, Any] | None = None, split: dict[str, Any] | None = None) -> None:
     """Write the manifest: from now on the step exists. ``config``: the config that wrote it, as
-    :func:`hpc_ddp.config.flat_values` (a resume with another config says what changed)."""
+    :func:`hpc_ddp.config.flat_values` (a resume with another config says what changed); ``split``:
+    the layout of the replicated state over the files (:func:`hpc_ddp.slicing.layout_for`)."""
     _fault("before_manifest", directory / MANIFEST)
     manifest = {"step": step, "world_size": world_size, "num_nodes": len(entries), "config_hash": config_hash,
-                **({"config": config} if config is not None else {}),
-                "created": time.time(), "files": {e["name"]: {"size": e["size"], "sha256": e["sha256"]}
-                                                  for e in entries}}
+                **({"config": config} if config is not None else {}), "created": time.time(),
+                "files": {e["name"]: {k: e[k] for k in FILE_KEYS if k in e} for e in entries},
+                **({"layout": split} if split is not None else {})}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
@@ -146,19 +151,26 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest if ok else None
 
 
-def committed_steps(run_dir: Path) -> list[int]:
-    """Steps with a readable manifest, newest first."""
+def committed(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(step, manifest) of every step with a readable manifest, newest first."""
     root = layout.snapshots(run_dir)
-    steps = []
+    found = []
     for entry in root.glob("step-*") if root.exists() else []:
         manifest = read_manifest(entry)
         if manifest is not None and entry.name == f"step-{manifest['step']:08d}":
-            steps.append(manifest["step"])
-    return sorted(steps, reverse=True)
+            found.append((manifest["step"], manifest))
+    return sorted(found, key=lambda pair: pair[0], reverse=True)
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    """Steps with a readable manifest, newest first."""
+    return [step for step, _ in committed(run_dir)]
 
 
 def file_problem(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
     """Why this file cannot be trusted (missing, truncated, altered), or None when it verifies."""
+    if not name or "/" in name or name.startswith("."):
+        return "not a file name of this snapshot"
     path = directory / name
     try:
         size = path.stat().st_size
@@ -175,36 +187,53 @@ def file_problem(directory: Path, name: str, expected: dict[str, Any]) -> str | 
 
 @dataclass(frozen=True)
 class Choice:
-    """What to resume from: a committed step and its files that verified."""
+    """What to resume from: a committed step, its files that verified, and which to read each slice from."""
 
     step: int
     directory: Path
     good_files: tuple[str, ...]
     manifest: dict[str, Any]
+    sources: dict[int, str]  # slice -> a good file that holds it (format 1: slice 0, a whole copy)
 
 
-def choose(run_dir: Path) -> Choice | None:
-    """The newest committed step with at least one file that verifies; warn about every bad file.
+Verify = Callable[[Path, dict[str, Any]], dict[str, "str | None"]]
 
-    None when there is no committed step (a fresh start). When there are committed steps
-    but no file of any of them verifies, raise: starting over would silently throw the
-    run away, and its snapshots might be restorable from a backup.
+
+def verify_here(directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
+    """Every file of the step checked by this process: {name: problem or None}."""
+    files = manifest.get("files", {})
+    return {name: file_problem(directory, name, e if isinstance(e, dict) else {}) for name, e in sorted(files.items())}
+
+
+def choose(run_dir: Path, verify: Verify = verify_here, found: list[tuple[int, dict[str, Any]]] | None = None,
+           warn: Callable[..., None] = log.warning) -> Choice | None:
+    """The newest committed step of which every slice has a file that verifies; warn about every bad file.
+
+    ``verify`` checks a step's files (the checkpointer spreads that over the ranks);
+    ``found``: the committed steps, when already read. None when there is no committed
+    step (a fresh start). When there are committed steps but none can be restored,
+    raise: starting over would silently throw the run away, and its snapshots might be
+    restorable from a backup.
     """
     bad: list[str] = []
-    for step in committed_steps(run_dir):
+    for step, manifest in committed(run_dir) if found is None else found:
         directory = step_dir(run_dir, step)
-        manifest = read_manifest(directory) or {}
-        good = []
-        for name, expected in sorted(manifest.get("files", {}).items()):
-            problem = file_problem(directory, name, expected if isinstance(expected, dict) else {})
-            if problem:
-                log.warning("snapshot file %s is not usable (%s)", directory / name, problem)
-                bad.append(f"{directory / name} ({problem})")
-            else:
-                good.append(name)
-        if good:
-            return Choice(step, directory, tuple(good), manifest)
-        log.warning("no usable file in committed snapshot step %d; trying the one before", step)
+        problem = slicing.layout_problem(manifest)
+        if problem:
+            warn("snapshot manifest %s is not usable (%s)", directory / MANIFEST, problem)
+            bad.append(f"{directory / MANIFEST} ({problem})")
+            continue
+        verdicts = verify(directory, manifest)
+        for name, why in sorted(verdicts.items()):
+            if why:
+                warn("snapshot file %s is not usable (%s)", directory / name, why)
+                bad.append(f"{directory / name} ({why})")
+        good = tuple(name for name, why in sorted(verdicts.items()) if why is None)
+        sources = slicing.sources(manifest, good) if good else None
+        if sources is not None:
+            return Choice(step, directory, good, manifest, sources)
+        warn("committed snapshot step %d has no usable copy of %s; trying the one before", step,
+             "its files" if not good else "every slice")
     if bad:
         raise SnapshotError(explain(f"no committed snapshot of {run_dir} verifies: {'; '.join(bad[:4])}"
                                     + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""),
@@ -224,6 +253,25 @@ def load_file(path: Path) -> dict[str, Any]:
                                     f"which could run code ({str(err).splitlines()[0][:120]})",
                                     hint="snapshots hold tensors and plain values only; delete this step "
                                     "directory if you did not write it")) from None
+
+
+def read_state(choice: Choice, also: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the replicated state, {name: loaded file}) of a chosen step: one good file per slice, plus ``also``
+    (the file of a rank's RNG state). Not collective: a notebook can read a run's newest snapshot with
+    ``read_state(choose(run_dir))[0]``."""
+    split = choice.manifest.get("layout")
+    needed = {choice.sources[0]} if split is None else set(choice.sources.values())
+    files = {name: load_file(choice.directory / name) for name in sorted(needed | ({also} if also else set()))}
+    if split is None:  # format 1: every file holds the whole replicated state
+        return files[choice.sources[0]]["replicated"], files
+    try:
+        pieces = {index: files[choice.sources[owner]]["pieces"][index]
+                  for index, (_, _, _, owner) in enumerate(split["pieces"])}
+        return slicing.assemble(split, files[choice.sources[0]]["skeleton"], pieces), files
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        raise SnapshotError(explain(f"the files of step {choice.step} in {choice.directory} do not hold what its "
+                                    f"manifest says ({err!r})", hint="move this step directory away to resume "
+                                    "from the one before")) from None
 
 
 def prune(run_dir: Path, keep_last: int) -> None:

@@ -122,10 +122,10 @@ def test_a_snapshot_with_a_per_rank_position_is_refused_with_the_fix(runs: dict[
     manifest = json.loads((directory / "manifest.json").read_text())
     for name in manifest["files"]:
         data = torch.load(directory / name, weights_only=True)
-        data["replicated"]["progress"] = {"epoch": 0, "consumed": 40}
+        data["skeleton"]["progress"] = {"epoch": 0, "consumed": 40}  # plain values: in every file's skeleton
         torch.save(data, directory / name)
-        manifest["files"][name] = {"size": (directory / name).stat().st_size, "sha256": hashlib.sha256(
-            (directory / name).read_bytes()).hexdigest()}
+        manifest["files"][name].update(size=(directory / name).stat().st_size, sha256=hashlib.sha256(
+            (directory / name).read_bytes()).hexdigest())
     (directory / "manifest.json").write_text(json.dumps(manifest))
     proc = submit(run_dir, 2, 2, "--resume")
     assert proc.returncode != 0

@@ -70,3 +70,10 @@ class NoSlurmClient(MLPTask):
     def __init__(self) -> None:
         os.environ["PATH"] = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
                                              if not os.path.exists(os.path.join(d, "scontrol")))
+
+
+class WideMLP(MLPTask):
+    """examples.mlp with a 640-wide hidden layer: its weight and Adam moments (1.6 MB each) are larger than
+    slicing.MIN_SPLIT, so a split snapshot cuts them between nodes (the small MLP's tensors all stay whole)."""
+
+    hidden = 640

@@ -1,0 +1,178 @@
+"""Snapshots split across nodes (snapshot.replicas): exact resume after three stops at 2x2 and 4x1 with one
+and two copies of each slice, lost or damaged node files with and without a replica, a tampered manifest
+and a pickle payload in a split file. Real gloo ranks through the local rehearsal; the task's hidden layer
+is wide enough that its tensors are cut between nodes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp import slicing, snapshot
+from hpc_ddp.preemption import read_attempts
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+WIDE = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1",
+        "train.max_steps=36", "snapshot.every_steps=4"]
+STOPS = ["--preempt-at", "7,17", "--timeout-at", "27"]
+CASES = {"2x2-r1": (2, 2, 1, []), "2x2-r2": (2, 2, 2, []), "4x1-r1": (4, 1, 1, []),
+         "4x1-r2-async": (4, 1, 2, ["snapshot.async_write=true"])}
+
+
+def submit(run_dir: Path, nodes: int, tasks: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *WIDE, f"run_dir={run_dir}",
+                           f"slurm.nodes={nodes}", f"slurm.tasks_per_node={tasks}", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+
+
+def done(run_dir: Path) -> dict:
+    return json.loads((run_dir / "DONE.json").read_text())
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("split") / "uninterrupted"
+    proc = submit(run_dir, 2, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def stopped(reference: Path) -> dict[str, Path]:
+    """Each case stopped three times (preemption, preemption, time-out) and resumed to the end."""
+    runs = {}
+    for name, (nodes, tasks, replicas, extra) in CASES.items():
+        run_dir = reference.parent / name
+        proc = submit(run_dir, nodes, tasks, f"snapshot.replicas={replicas}", *extra, *STOPS)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        runs[name] = run_dir
+    return runs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_three_stops_resume_bit_identically_from_split_snapshots(reference: Path, stopped: dict[str, Path],
+                                                                 name: str) -> None:
+    nodes, _, replicas, _ = CASES[name]
+    run_dir = stopped[name]
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["preemption", "preemption", "timeout", "finished"]
+    assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]
+    assert losses(run_dir) == losses(reference)
+    step = snapshot.committed_steps(run_dir)[0]
+    manifest = snapshot.read_manifest(snapshot.step_dir(run_dir, step))
+    layout = manifest["layout"]
+    assert (layout["slices"], layout["replicas"]) == (nodes, replicas)
+    assert any(stop - start < math.prod(layout["tensors"][tensor][1])  # a tensor was cut between nodes
+               for tensor, start, stop, _ in layout["pieces"])
+    assert [e["slices"] for _, e in sorted(manifest["files"].items())] == \
+        [slicing.slices_of(n, nodes, replicas) for n in range(nodes)]
+    sizes = [e["size"] for e in manifest["files"].values()]
+    state = sum(4 * math.prod(shape) for _, shape in layout["tensors"])
+    assert sum(sizes) <= (replicas + 0.05) * state  # the bytes of a snapshot do not grow with the node count
+    assert max(sizes) <= replicas / nodes * state * 1.1
+
+
+def damaged_copy(run: Path, to: Path, damage: str) -> tuple[Path, int, int]:
+    """A copy of a finished run made to look requeued, with node 1's file of the newest step damaged."""
+    shutil.copytree(run, to)
+    (to / "DONE.json").unlink()
+    newest, previous = snapshot.committed_steps(to)[:2]
+    node1 = snapshot.step_dir(to, newest) / snapshot.node_file_name(1)
+    if damage == "truncate":
+        node1.write_bytes(node1.read_bytes()[:1000])
+    else:
+        node1.unlink()
+    return node1, newest, previous
+
+
+@pytest.mark.parametrize("case,damage", [("2x2-r2", "delete"), ("4x1-r2-async", "truncate"),
+                                         ("2x2-r1", "truncate"), ("4x1-r1", "delete")])
+def test_a_lost_node_file_falls_back_to_its_replica_or_else_to_the_previous_step(
+        reference: Path, stopped: dict[str, Path], tmp_path: Path, case: str, damage: str) -> None:
+    nodes, tasks, replicas, extra = CASES[case]
+    run_dir = tmp_path / "damaged"
+    node1, newest, previous = damaged_copy(stopped[case], run_dir, damage)
+    proc = submit(run_dir, nodes, tasks, f"snapshot.replicas={replicas}", *extra, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = logs(run_dir)
+    assert f"{node1} is not usable ({'size 1000 bytes' if damage == 'truncate' else 'missing'}" in text
+    resumed = read_attempts(run_dir)[-1]["resumed_from"]
+    if replicas > 1:  # node 1's slice is in node 2's file (node 0's at 2 nodes): the newest step holds
+        assert resumed == newest
+        assert "snapshot file node-00001.pt (this rank's RNG state) is not usable" in text
+    else:  # the only copy of slice 1 is gone: the step before, restored whole, so still bit for bit
+        assert resumed == previous and f"committed snapshot step {newest} has no usable copy of every slice" in text
+        assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]
+    assert done(run_dir)["step"] == 36
+
+
+def test_a_manifest_that_points_a_piece_at_the_wrong_file_stops_every_rank_with_the_step_named(
+        stopped: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "tampered"
+    shutil.copytree(stopped["4x1-r1"], run_dir)
+    (run_dir / "DONE.json").unlink()
+    step = snapshot.committed_steps(run_dir)[0]
+    path = snapshot.step_dir(run_dir, step) / snapshot.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["layout"]["pieces"][0][3] = (manifest["layout"]["pieces"][0][3] + 1) % 4  # still a valid slice
+    path.write_text(json.dumps(manifest))
+    proc = submit(run_dir, 4, 1, "snapshot.replicas=1", "--resume")
+    assert proc.returncode != 0
+    assert f"the files of step {step} in {path.parent} do not hold what its manifest says" in logs(run_dir)
+    assert [a["reason"] for a in read_attempts(run_dir)][-1] in ("failed", "error")  # recorded, not a hang
+    assert not (run_dir / "DONE.json").exists()
+
+
+def test_a_split_layout_tampered_into_nonsense_is_skipped_for_the_step_before(stopped: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    run_dir = tmp_path / "nonsense"
+    shutil.copytree(stopped["2x2-r2"], run_dir)
+    newest, previous = snapshot.committed_steps(run_dir)[:2]
+    path = snapshot.step_dir(run_dir, newest) / snapshot.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["layout"]["pieces"][0][0] = "__import__('os').system('touch /tmp/x')"
+    path.write_text(json.dumps(manifest))
+    choice = snapshot.choose(run_dir)
+    assert choice is not None and choice.step == previous
+
+
+def test_a_pickle_payload_in_a_split_file_is_refused_and_never_runs(stopped: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    import torch
+
+    marker = tmp_path / "executed"
+
+    class Evil:
+        def __reduce__(self):  # noqa: D105
+            return (Path.touch, (marker,))
+
+    run_dir = tmp_path / "evil"
+    shutil.copytree(stopped["2x2-r1"], run_dir)
+    (run_dir / "DONE.json").unlink()
+    step = snapshot.committed_steps(run_dir)[0]
+    directory = snapshot.step_dir(run_dir, step)
+    name = snapshot.node_file_name(1)
+    torch.save({"format": 2, "skeleton": Evil(), "pieces": {}, "rng": {}}, directory / name)
+    manifest = json.loads((directory / snapshot.MANIFEST).read_text())
+    data = (directory / name).read_bytes()
+    manifest["files"][name].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())  # it verifies
+    (directory / snapshot.MANIFEST).write_text(json.dumps(manifest))
+    proc = submit(run_dir, 2, 2, "snapshot.replicas=1", "--resume")
+    assert proc.returncode != 0 and not marker.exists()
+    assert f"refused to load snapshot file {directory / name}: it needs arbitrary unpickling" in logs(run_dir)
