@@ -258,7 +258,8 @@ class Checkpointer:
         except snapshot.SnapshotError as err:
             problem = str(err)
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
-            problem = f"the files of step {choice.step} in {choice.directory} do not hold what its manifest says ({err!r})"
+            problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
+                       f"says ({err!r})")
         problems: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(problems, problem)  # every rank stops alike, none waits in a collective
         first = next((p for p in problems if p), None)

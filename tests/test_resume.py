@@ -18,7 +18,9 @@ from hpc_ddp.preemption import read_attempts
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-MLP = ["examples/mlp.yaml", "--local", "train.log_every=1", "train.num_workers=1", "train.max_steps=80"]
+# The wide MLP: its tensors are cut between the two nodes' files (split snapshots, snapshot.replicas=2)
+MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1", "train.num_workers=1",
+       "train.max_steps=80"]
 
 
 def submit(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -58,6 +60,8 @@ def test_three_stops_mid_epoch_give_bit_identical_results(uninterrupted: Path, t
         manifest = snapshot.read_manifest(directory)
         assert all(snapshot.file_problem(directory, n, e) is None for n, e in manifest["files"].items())
     assert len(snapshot.committed_steps(run_dir)) == 2  # keep_last
+    files = manifest["files"].values()  # split over the 2 nodes, each slice in both files (replicas 2)
+    assert manifest["layout"]["slices"] == 2 and sorted(sorted(f["slices"]) for f in files) == [[0, 1], [0, 1]]
 
 
 @pytest.mark.parametrize("point", ["tmp", "before_rename", "before_manifest"])
