@@ -176,3 +176,29 @@ def test_a_pickle_payload_in_a_split_file_is_refused_and_never_runs(stopped: dic
     proc = submit(run_dir, 2, 2, "snapshot.replicas=1", "--resume")
     assert proc.returncode != 0 and not marker.exists()
     assert f"refused to load snapshot file {directory / name}: it needs arbitrary unpickling" in logs(run_dir)
+
+
+def test_a_snapshot_from_before_the_split_still_resumes_bit_identically(reference: Path, stopped: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """Format 1: every node's file a whole copy ("replicated") plus its ranks' RNG; a manifest without layout."""
+    import torch
+
+    run_dir = tmp_path / "format1"
+    shutil.copytree(stopped["2x2-r1"], run_dir)
+    (run_dir / "DONE.json").unlink()
+    newest = snapshot.committed_steps(run_dir)[0]
+    choice = snapshot.choose(run_dir)
+    state, files = snapshot.read_state(choice)
+    manifest = dict(choice.manifest)
+    del manifest["layout"]
+    for name in sorted(manifest["files"]):
+        data = snapshot.load_file(choice.directory / name)
+        torch.save({"replicated": state, "rng": data["rng"]}, choice.directory / "new.pt")  # the old ones
+        os.replace(choice.directory / "new.pt", choice.directory / name)  # stay mapped until then
+        raw = (choice.directory / name).read_bytes()
+        manifest["files"][name] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (choice.directory / snapshot.MANIFEST).write_text(json.dumps(manifest))
+    proc = submit(run_dir, 2, 2, "snapshot.replicas=1", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_attempts(run_dir)[-1]["resumed_from"] == newest
+    assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]  # each rank found its RNG
