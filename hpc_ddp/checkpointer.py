@@ -174,6 +174,8 @@ class Checkpointer:
         failures = [e["error"] for e in written if "error" in e]
         if not failures and len({e["digest"] for e in written}) > 1:  # a bug, not a disk: never commit it
             failures = [f"the nodes split the state differently ({sorted({e['digest'] for e in written})})"]
+        if not failures and entries[0] is None:  # Slurm and torchrun both make rank 0 local rank 0 of node 0
+            failures = ["rank 0 is not its node's writer (local rank 0), so it has no layout to commit"]
         if failures:  # every rank raises the same error: none is left waiting in a collective
             raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {failures[0]}")
         directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)

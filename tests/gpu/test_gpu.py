@@ -64,6 +64,23 @@ def test_async_staging_of_cuda_tensors_is_pinned() -> None:
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["w"].sum().item() == 8
 
 
+def test_a_cuda_state_split_over_nodes_is_staged_pinned_and_comes_back_whole() -> None:
+    """Split snapshots on CUDA: the parts of a cut tensor are views until staged, then pinned CPU copies."""
+    from hpc_ddp import slicing
+    from hpc_ddp.checkpointer import _stage
+
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda"), "step": 3}
+    skeleton, tensors = slicing.split(state)
+    split = slicing.layout_for(tensors, 4, 2)
+    staged = {}
+    for node in range(4):
+        pieces = _stage(slicing.pieces_for(split, tensors, slicing.slices_of(node, 4, 2), copy=False))
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in pieces.values())
+        staged.update(pieces)
+    back = slicing.assemble(split, skeleton, staged)
+    assert torch.equal(back["w"], state["w"].cpu()) and torch.equal(back["b"], state["b"].cpu()) and back["step"] == 3
+
+
 def test_a_two_rank_cpu_snapshot_resumes_on_one_gpu_under_nccl(tmp_path: Path) -> None:
     """Elastic resume across backends: written by 2 gloo ranks on CPU, continued by 1 NCCL rank on cuda:0."""
     task = ["train.task=tests.tasks.elastic:IdsTask", "train.batch_size=2", "train.global_batch_size=16",
