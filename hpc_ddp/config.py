@@ -128,6 +128,19 @@ class SnapshotConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where rank 0's metrics go besides metrics.jsonl; each stays one run across requeues."""
+
+    tensorboard: bool = _doc(False, "Write TensorBoard event files to RUN_DIR/tensorboard (pip install "
+                             "'hpc_ddp[tensorboard]'); a resumed attempt replaces the steps after its snapshot.")
+    wandb: bool = _doc(False, "Log to Weights & Biases (pip install 'hpc_ddp[wandb]'): one W&B run per run, its "
+                       "id kept in RUN_DIR/wandb_id.txt so every requeued attempt resumes it.")
+    wandb_project: str = _doc("", "W&B project; empty: the run's name.")
+    wandb_mode: str = _doc("online", "W&B mode: online, offline (no network needed; upload later with wandb "
+                           "sync RUN_DIR/wandb/offline-run-*) or disabled.")
+
+
+@dataclass
 class RunConfig:
     """One run: where it lives, what it asks of Slurm, and how it trains."""
 
@@ -137,6 +150,7 @@ class RunConfig:
     dist: DistConfig = _doc_factory(DistConfig, "Process group settings.")
     train: TrainConfig = _doc_factory(TrainConfig, "Training loop settings.")
     snapshot: SnapshotConfig = _doc_factory(SnapshotConfig, "Snapshot policy.")
+    metrics: MetricsConfig = _doc_factory(MetricsConfig, "TensorBoard and W&B (metrics.jsonl is always written).")
 
 
 def schema_rows(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:

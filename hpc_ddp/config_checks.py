@@ -102,6 +102,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
     "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's file)"),
+    "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"), "one of online, offline, disabled"),
 }
 OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}

@@ -6,6 +6,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     config.yaml        the resolved config every attempt reads
     attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
     metrics.jsonl      step, loss, lr, samples/s (rank 0)
+    tensorboard/       TensorBoard event files (metrics.tensorboard=true)
+    wandb_id.txt       the W&B run every attempt resumes; wandb/ its local files (metrics.wandb=true)
     snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business)
     lock.json          which job holds the run now
     job.json           the job id (or the local launcher's pid) of the last submission
@@ -30,6 +32,8 @@ LOCK = "lock.json"
 JOB = "job.json"
 DONE = "DONE.json"
 MODEL = "model.pt"
+TENSORBOARD = "tensorboard"
+WANDB_ID = "wandb_id.txt"
 ERRORS = "errors"
 LOGS = "logs"
 SLURM_LOGS = "slurm"
@@ -65,6 +69,14 @@ def done(run_dir: Path | str) -> Path:
 
 def model(run_dir: Path | str) -> Path:
     return Path(run_dir) / MODEL
+
+
+def tensorboard(run_dir: Path | str) -> Path:
+    return Path(run_dir) / TENSORBOARD
+
+
+def wandb_id(run_dir: Path | str) -> Path:
+    return Path(run_dir) / WANDB_ID
 
 
 def errors(run_dir: Path | str) -> Path:

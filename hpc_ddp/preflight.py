@@ -265,11 +265,20 @@ def _first_class(origin: str) -> str | None:
         isinstance(item, ast.FunctionDef) and item.name == "build_model" for item in node.body)), None)
 
 
+def check_metrics(cfg: RunConfig) -> list[Finding]:
+    """A ``metrics.*`` sink switched on without its package: the job would fail at its first logged step."""
+    from hpc_ddp.tracking import EXTRAS, missing_extras
+
+    return [Finding("error", f"metrics.{key}", f"metrics.{key}=true needs the {EXTRAS[key][0]} package, which is "
+                    "not installed", f"pip install 'hpc_ddp[{EXTRAS[key][1]}]' (here and in the job's environment), "
+                    f"or set metrics.{key}=false") for key in missing_extras(cfg.metrics)]
+
+
 def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str | None] = shutil.which,
               runner: Runner = subprocess.run) -> list[Finding]:
     """All checks for ``cfg``; ``slurm=False`` leaves out those that ask Slurm (for --emit-sbatch)."""
     findings = [*check_run_dir(Path(cfg.run_dir)), *check_signal_delay(cfg), *check_geometry(cfg),
-                *check_task(cfg)]
+                *check_task(cfg), *check_metrics(cfg)]
     if slurm:
         commands = check_commands(which)
         findings = commands + findings + ([] if commands else check_partition(cfg.slurm.partition, runner))

@@ -25,6 +25,7 @@ import ctypes
 import io
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import StopFlag
 from hpc_ddp.slurm_env import DistEnv
+from hpc_ddp.tracking import Sink, log_to, open_sinks
 
 log = logging.getLogger("hpc_ddp.run")
 STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
@@ -111,6 +113,7 @@ class Run:
         self.finished: dict[str, Any] | None = None
         self._resumed = False
         self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
+        self._sinks: list[Sink] | None = None  # TensorBoard, W&B: opened by rank 0's first log_metrics
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -175,7 +178,7 @@ class Run:
             raise RunUsageError(explain(
                 f"the snapshot of step {restored.step} has no {', '.join(missing)} (it holds "
                 f"{', '.join(sorted(k for k in state if k != STEP))})",
-                hint="track the same names as the run that wrote it, or start a new run (another name=...)"))
+                hint="track the same names as the run that wrote it, or start a new run in another run_dir=..."))
         built = {name: [base_lr(g) for g in obj.param_groups] for name, obj in self.tracked.items()
                  if isinstance(obj, torch.optim.Optimizer)}
         for name, obj in self.tracked.items():
@@ -329,10 +332,30 @@ class Run:
 
     # -- metrics and the end ---------------------------------------------------------------------------
     def log_metrics(self, step: int, **values: Any) -> None:
-        """Rank 0 appends ``{"step": step, **values}`` to the run's metrics.jsonl (other ranks: nothing)."""
-        if self.is_main:
-            with open(layout.metrics(self.run_dir), "a") as out:
-                out.write(json.dumps({"step": step, **values}) + "\n")
+        """Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
+        sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on (other ranks: nothing).
+
+        The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
+        logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
+        """
+        if not self.is_main:
+            return
+        with open(layout.metrics(self.run_dir), "a") as out:
+            out.write(json.dumps({"step": step, **values, "time": round(time.time(), 3)}) + "\n")  # time: status ETA
+        if self._sinks is None:
+            first = self.resumed_from or 0
+            self._sinks = log_to(open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config)), first,
+                                 {"hpc_ddp/attempt": self.restart_count})
+        self._sinks = log_to(self._sinks, step, values)
+
+    def close_metrics(self) -> None:
+        """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
+        for sink in self._sinks or []:
+            try:
+                sink.close(self.stopped)
+            except Exception as err:  # a sink that fails to close must not turn a clean stop into a failure
+                log.warning("closing %s failed: %s", type(sink).__name__, err)
+        self._sinks = None
 
     def model(self) -> torch.nn.Module | None:
         """The tracked model (named ``model``, else the first module tracked)."""

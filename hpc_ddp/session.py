@@ -131,6 +131,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
         try:
             watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(),
                                 on_hang=_on_hang(attempt, cfg.dist.timeout_s)).start()
+            run: Run | None = None
             try:
                 checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
                                             config=flat_values(cfg))
@@ -146,6 +147,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)
             finally:
+                if run is not None:
+                    run.close_metrics()
                 watchdog.stop()
             attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0,
                                   last_step=run.step, resumed_from=run.resumed_from)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.helptext import for_help
 from hpc_ddp import layout
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
@@ -100,7 +101,7 @@ def pick_config(configs: list[str], environ: Mapping[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.settle", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.settle", description=for_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example (the line after srun in a batch script):\n"
                                      "  python -m hpc_ddp.settle --exit-code $? runs/mlp/config.yaml")

@@ -14,9 +14,11 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.helptext import for_help
 from hpc_ddp import layout
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import job_state, read_attempts
@@ -48,11 +50,59 @@ def _read_json(path: Path) -> Any:
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl, one entry per step in step order: where an attempt resumed from an older snapshot
+    and logged a step again, its (later) value wins, as in TensorBoard."""
     try:
         lines = layout.metrics(run_dir).read_text().splitlines()
     except OSError:
         return []
-    return [json.loads(line) for line in lines if line.strip().startswith("{")]
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash mid-write
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+            by_step[entry["step"]] = entry
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
+    """A local rehearsal's state from its launcher and its ledger (no Slurm to ask)."""
+    if alive:
+        return "RUNNING (local)"
+    if done:
+        return "FINISHED"
+    if not attempts:
+        return "NOT STARTED (local)"
+    last = attempts[-1]
+    if last.get("reason") in ("timeout", "preemption", "interrupted", "cancelled"):
+        why = "cap reached" if last.get("capped") else "--resume continues it"
+        return f"STOPPED (local, {why})"
+    return "FAILED (local)"
+
+
+def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_steps: int | None, running: bool,
+           now: float) -> dict[str, Any]:
+    """Time used over all attempts, the recent steps/s and, with max_steps, the ETA in seconds."""
+    ended = sum(a["end"] - a["start"] for a in attempts if isinstance(a.get("start"), (int, float))
+                and isinstance(a.get("end"), (int, float)))
+    since = attempts[-1].get("end", 0) if attempts else 0
+    current = [m for m in metrics if isinstance(m.get("time"), (int, float)) and m["time"] > since]
+    out: dict[str, Any] = {"time_used_s": round(ended + (now - current[0]["time"] if running and current else 0))}
+    recent = current[-20:] if running else []
+    if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
+        rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
+        out["steps_per_s"] = round(rate, 3)
+        if max_steps and rate > 0:
+            out["eta_s"] = round((max_steps - recent[-1]["step"]) / rate)
+    return out
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, minutes = seconds // 3600, seconds % 3600 // 60
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds % 60:02d}s"
 
 
 def _errors(run_dir: Path, slurm_logs: Path, lines: int = 15) -> list[str]:
@@ -79,16 +129,15 @@ def collect(run_dir: Path) -> dict[str, Any]:
     else:  # a local rehearsal's id is no Slurm job's: ask whether its launcher lives, not squeue
         from hpc_ddp.runlock import holder_alive
 
-        state = "RUNNING (local)" if holder_alive({**job, "local": True}) else None
+        state = local_state(attempts, bool(done), holder_alive({**job, "local": True}))
     progress: dict[str, Any] = {}
+    max_steps = _max_steps(run_dir)
     if metrics:
         last = metrics[-1]
-        progress = {"step": last["step"], "loss": last["loss"], "samples_per_s": last.get("samples_per_s")}
-        max_steps = _max_steps(run_dir)
-        if max_steps and len(metrics) >= 2 and not done:
-            rate = (metrics[-1]["step"] - metrics[0]["step"]) / max(1, len(metrics) - 1)
-            progress["max_steps"] = max_steps
-            progress["eta_logs"] = round((max_steps - last["step"]) / max(rate, 1e-9))
+        progress = {"step": last["step"], "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s"),
+                    **({"max_steps": max_steps} if max_steps else {})}
+    running = bool(state) and str(state).startswith("RUNNING") and not done
+    progress.update(timing(metrics, attempts, max_steps, running, time.time()))
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None}
@@ -116,6 +165,16 @@ def _max_steps(run_dir: Path) -> int | None:
         return None
 
 
+def _run_name(run_dir: Path) -> str:
+    """The run's name from its config (the directory's name when the config cannot be read)."""
+    from hpc_ddp.config import load_config
+
+    try:
+        return load_config([layout.config(run_dir)]).name
+    except HpcDdpError:
+        return run_dir.name
+
+
 def _shape(attempt: dict[str, Any]) -> str:
     """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation; '-' for older ledgers."""
     world, nodes = attempt.get("world_size"), attempt.get("nodes")
@@ -128,25 +187,35 @@ def _shape(attempt: dict[str, Any]) -> str:
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
     progress = info["progress"]
-    if progress:
+    if progress.get("step") is not None:
         line = f"step    {progress['step']}"
         if progress.get("max_steps"):
             line += f"/{progress['max_steps']}"
-        line += f"  loss {progress['loss']:.6g}"
+        if isinstance(progress.get("loss"), (int, float)):
+            line += f"  loss {progress['loss']:.6g}"
         if progress.get("samples_per_s"):
             line += f"  {progress['samples_per_s']} samples/s"
+        out.append(line)
+    if progress.get("time_used_s") or progress.get("eta_s") is not None:
+        line = f"time    {_duration(progress.get('time_used_s', 0))} used over {len(info['attempts']) or 1} attempt(s)"
+        if progress.get("eta_s") is not None:
+            line += f"; about {_duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
         out.append(line)
     if info["done"]:
         out.append(f"done    step {info['done']['step']}  params_sha256 {info['done']['params_sha256'][:16]}")
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
     if info["attempts"]:
         out.append("attempts:")
-        out.append("  #  job      restart  ended for    steps        geometry     resumed from")
+        out.append("  #  job      restart  ended for        steps        geometry     resumed from")
         for i, a in enumerate(info["attempts"]):
-            steps = f"{a.get('first_step')}->{a.get('last_step')}"
-            out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} "
-                       f"{a.get('reason', '?') + (' (cap)' if a.get('capped') else ''):<12} {steps:<12} "
-                       f"{_shape(a):<12} {a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
+            first, last = a.get("first_step"), a.get("last_step")
+            steps = "-" if last is None else f"{first or 0}->{last}"
+            reason = a.get("reason", "?") + (" (cap)" if a.get("capped") else "")
+            if a.get("reason") in ("failed", "error", "hung") and not last and not info["progress"].get("step"):
+                steps = "before step 1"
+            out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} {reason:<16} "
+                       f"{steps:<12} {_shape(a):<12} "
+                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     if info.get("last_errors"):
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
@@ -168,13 +237,23 @@ def plot(run_dir: Path, out: Path) -> str:
     if not metrics:
         raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no entries yet",
                                   hint="wait for the first log step (train.log_every)"), key="--plot")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    from matplotlib.ticker import FormatStrFormatter
+
+    metrics = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="loss")
-    for attempt in read_attempts(run_dir)[1:]:
-        if attempt.get("first_step"):
-            ax.axvline(attempt["first_step"], color="grey", ls=":", lw=1)  # where a requeued attempt resumed
-    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title=run_dir.name)
-    ax.set_yscale("log" if min(m["loss"] for m in metrics) > 0 else "linear")
+    attempts = read_attempts(run_dir)
+    for number, attempt in enumerate(attempts[1:], start=1):
+        if attempt.get("first_step"):  # where a requeued attempt resumed, and why the one before ended
+            ax.axvline(attempt["first_step"], color="grey", ls=":", lw=1)
+            ax.annotate(f"#{number} after {attempts[number - 1].get('reason', '?')}", (attempt["first_step"], 1),
+                        xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
+                        color="dimgrey")
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title=f"{_run_name(run_dir)}: loss")
+    if min(m["loss"] for m in metrics) > 0:
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(FormatStrFormatter("%g"))  # 0.5, 2 rather than 5x10^-1, 2x10^0
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -182,15 +261,16 @@ def plot(run_dir: Path, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=__doc__, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the loss curve to this image")
     args = parser.parse_args(argv)
-    if not args.run_dir.is_dir():
-        print(f"error: {args.run_dir} is not a run directory.\nHINT: pass the run dir that submit printed",
-              file=sys.stderr)
+    if not layout.config(args.run_dir).is_file():
+        found = "does not exist" if not args.run_dir.exists() else f"has no {layout.CONFIG}"
+        print(f"error: {args.run_dir} is not a run directory (it {found}).\nHINT: pass the run dir that submit "
+              "printed, e.g. runs/NAME", file=sys.stderr)
         return 2
     if args.plot:
         try:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.helptext import for_help
 from hpc_ddp import layout
 from hpc_ddp.batching import node_counts, plan, resume_batch_problem, slurm_nodes
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
@@ -50,7 +51,7 @@ Also installed as the console script `hpc-ddp-submit`.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=__doc__, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
                         help="config files, then overrides such as train.lr=0.01")
@@ -143,7 +144,7 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
     nodes = node_counts(cfg.slurm.nodes)
     environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
-    print(f"run {cfg.name}: {slurm_nodes(cfg.slurm.nodes)} nodes x {cfg.slurm.tasks_per_node} tasks, "
+    print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
           f"run dir {cfg.run_dir}")
     if not cfg.train.script:
         print(batch_plans(cfg))
@@ -153,7 +154,11 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     if not checks:
         return 0
     findings = preflight(cfg)
-    print("preflight: " + ("all checks pass" if not findings else "\n" + "\n".join(map(str, findings))))
+    if findings:
+        print(f"preflight: {len(findings)} finding(s)")
+        print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))
+    else:
+        print("preflight: all checks pass")
     errors = sum(f.level == "error" for f in findings)
     if errors:  # a "dry-run first" gate must stop here, as the submit would
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
@@ -184,7 +189,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     _write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(), "pid": os.getpid()})
     counts = node_counts(cfg.slurm.nodes)
     nodes = counts[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
-    print(f"rehearsing {cfg.name} as {nodes} nodes x {cfg.slurm.tasks_per_node} tasks on this machine"
+    print(f"rehearsing {cfg.name} as {shape(nodes, cfg.slurm.tasks_per_node)} on this machine"
           + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N continues at "
              "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}", flush=True)
     try:
@@ -302,6 +307,11 @@ def _check_earlier(run_dir: Path, resume: bool) -> None:
                                   "runs/NAME); to start a new run, drop --resume"), key="run_dir")
 
 
+def shape(nodes: int | str, tasks: int) -> str:
+    """'1 node x 1 task', '2-4 nodes x 8 tasks': what the job asks of Slurm, in words."""
+    return f"{nodes} node{'' if str(nodes) == '1' else 's'} x {tasks} task{'' if tasks == 1 else 's'}"
+
+
 def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
     """Print the warnings; raise with every error when there is one."""
     from hpc_ddp.preflight import preflight
@@ -334,7 +344,7 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
         _write_job(Path(one.run_dir), {"job_id": job.job_id, "logs": str(folder)})
     first = jobs[0].job_id.split("_")[0]
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
-    print(f"submitted {what}: {cfg.name}, {slurm_nodes(cfg.slurm.nodes)} nodes x {cfg.slurm.tasks_per_node} tasks")
+    print(f"submitted {what}: {cfg.name}, {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
     for job, one in zip(jobs, cfgs):
         log_path = folder / f"{job.job_id}_0_log.out"
         print(f"{'  [' + job.job_id + ']' if array else ''}\n  run dir  {one.run_dir}\n  logs     {folder} "
@@ -384,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return dry_run(cfgs, checks=not args.no_preflight)
         if args.local:
+            from hpc_ddp.tracking import require_extras
+
+            for cfg in cfgs:  # the Slurm path checks this in preflight
+                require_extras(cfg.metrics)
             again = resume_command(args.items, args.multirun)
             codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again) for cfg in cfgs]
             return next((code for code in codes if code), 0)

@@ -103,6 +103,7 @@ class Trainer:
         self.step = first_step = run.resume(model=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
                                             scaler=self.scaler, progress=self.progress)
         self._check_position()
+        self._last_log = (time.monotonic(), first_step)  # samples/s counts this attempt's steps only
         while not self.done():
             micro_batches = self._epoch_batches()
             while True:

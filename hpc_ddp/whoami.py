@@ -4,7 +4,7 @@ The first thing to run when ranks do not meet: under ``srun`` each task prints
 its rank, node, and rendezvous address and port, and whether that address
 resolves on this node. ``--simulate 2x2`` shows all ranks of a 2-node x
 2-task job without any cluster. Like the worker, this is an entry point, so it
-reads ``os.environ`` (``main`` takes a mapping for tests). No torch.
+reads ``os.environ``. No torch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
+from hpc_ddp.helptext import for_help
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm_env import DistEnv, from_environ, rendezvous_endpoint, simulated_environ
 
@@ -68,7 +69,7 @@ def _simulate(shape: str, job_id: int) -> int:
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.whoami", description=__doc__, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.whoami", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--simulate", metavar="NODESxTASKS", help="show every rank of a simulated job, e.g. 2x2")
     parser.add_argument("--job-id", type=int, default=4242, help="job id of the simulated job (default 4242)")

@@ -2,7 +2,7 @@
 
 Started by srun (the sbatch templates), by the submitit callable, or by the
 local simulation. The one place that reads ``os.environ``: it derives this
-process's DistEnv and runs one attempt of the run's program: a Task (our
+process's rank, node and rendezvous, and runs one attempt of the run's program: a Task (our
 Trainer), a ``train.loop`` function, or a ``train.script`` (see :mod:`hpc_ddp.session`
 for opening and closing the run, :mod:`hpc_ddp.script` for scripts).
 :func:`session` is the same for a script of your own: ``with hpc_ddp.session() as run:``.
@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.helptext import for_help
 from hpc_ddp import layout
 from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
@@ -187,7 +188,7 @@ def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.worker", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.worker", description=for_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example:\n  srun python -m hpc_ddp.worker --config runs/mlp/config.yaml")
     parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")

@@ -46,6 +46,35 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "quickstart" / "index.html").exists()
 
 
+CODE_WIDTH = 90  # characters of code the theme shows at 1280 px beside both sidebars (docs/stylesheets/extra.css)
+
+
+def test_no_code_line_is_wider_than_the_theme_shows() -> None:
+    """A command cut off at the edge, or behind a scrollbar, is a command a reader copies wrong."""
+    wide = []
+    for page in sorted(DOCS.rglob("*.md")):
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside and len(line) > CODE_WIDTH:
+                wide.append(f"{page.relative_to(DOCS)}:{number} ({len(line)} characters)")
+    assert wide == [], f"code lines wider than {CODE_WIDTH} characters: {wide}"
+
+
+def test_nested_lists_are_indented_so_they_render_nested() -> None:
+    """Python-Markdown nests a list only under a 4-space indent; a 2-space one is flattened into its parent."""
+    flat = []
+    for page in sorted(DOCS.rglob("*.md")):
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif not inside and re.match(r"^ {1,3}([-*]|\d+\.) ", line):
+                flat.append(f"{page.relative_to(DOCS)}:{number}")
+    assert flat == [], f"indent these nested items by 4 spaces: {flat}"
+
+
 def test_every_config_key_is_in_the_reference() -> None:
     page = (DOCS / "config.md").read_text()
     assert [key for key, *_ in schema_rows() if f"`{key}`" not in page] == []
@@ -80,7 +109,7 @@ def quickstart_commands(section: str) -> list[list[str]]:
     body = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", body, flags=re.S):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # a command continued with a backslash
             if line.startswith(".venv/bin/python -m hpc_ddp.") and "slurm_local" not in line:
                 commands.append(shlex.split(line.split("  #", 1)[0]))
     return commands
@@ -99,7 +128,8 @@ def test_quickstart_dry_run_and_rehearsal_work_as_written(tmp_path: Path) -> Non
         proc = _run(argv, tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         outputs.append(proc.stdout)
-    assert "preemption" in outputs[-1] and "finished" in outputs[-1]  # what the page says status shows
+    assert re.search(r"preemption +0->41 .*\n.*finished +41->100", outputs[-1]), outputs[-1]  # as the page says
+    assert "at step 41" in (DOCS / "quickstart.md").read_text()
 
 
 @pytest.mark.slurm

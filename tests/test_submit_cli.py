@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config
+from hpc_ddp.config import load_config, save_config
 from hpc_ddp.status import main as status
 from hpc_ddp.submit import main as submit
 from hpc_ddp.whoami import main as whoami
@@ -62,6 +62,7 @@ def test_local_multirun_rehearses_every_combination(tmp_path: Path) -> None:
 
 def test_status_plot_draws_the_loss_curve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+    save_config(load_config([MLP], [f"run_dir={tmp_path}"]), tmp_path / "config.yaml")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1 / s}) + "\n"
                                                     for s in range(1, 30)))
     assert status([str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 0
@@ -70,6 +71,7 @@ def test_status_plot_draws_the_loss_curve(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_status_plot_without_metrics_explains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_config(load_config([MLP], [f"run_dir={tmp_path}"]), tmp_path / "config.yaml")
     assert status([str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 2
     assert "nothing to plot" in capsys.readouterr().err
 

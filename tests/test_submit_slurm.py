@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: Cluster
     assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --requeue" in script
     assert "--kill-on-bad-exit=1" in script
     status = cli("hpc_ddp.status", str(run_dir))
-    assert status.returncode == 0 and "state FINISHED" in status.stdout and "finished     0->100" in status.stdout
+    assert status.returncode == 0 and "state FINISHED" in status.stdout and re.search(r"finished +0->100", status.stdout)
     info = json.loads(cli("hpc_ddp.status", str(run_dir), "--json").stdout)
     assert info["done"]["world_size"] == 4 and info["attempts"][0]["job_id"] == int(job)
 

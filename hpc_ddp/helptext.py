@@ -1,0 +1,16 @@
+"""A module docstring as ``--help`` shows it: plain text, not the reST that the API reference renders.
+
+Double backticks become plain words and roles such as ``:mod:`x``` their target, so a user
+reading ``--help`` in a terminal sees ``python -m hpc_ddp.status RUN_DIR``, not markup.
+"""
+
+from __future__ import annotations
+
+import re
+
+_ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc):`~?([^`]+)`")
+
+
+def for_help(doc: str | None) -> str:
+    text = _ROLE.sub(r"\1", doc or "")
+    return text.replace("``", "")

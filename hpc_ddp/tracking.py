@@ -1,0 +1,136 @@
+"""Where rank 0's metrics go besides metrics.jsonl: TensorBoard and Weights & Biases, one run across requeues.
+
+A run that is stopped and requeued five times is still one run to the person watching it:
+
+- **TensorBoard** (``metrics.tensorboard=true``, extra ``hpc_ddp[tensorboard]``): event files
+  under ``RUN_DIR/tensorboard``. Each attempt opens its writer with ``purge_step`` = the first
+  step it will log, so what an earlier attempt logged after the snapshot it resumed from (a crash
+  between snapshots) is dropped by TensorBoard: one value per step, one continuous curve.
+- **Weights & Biases** (``metrics.wandb=true``, extra ``hpc_ddp[wandb]``): the W&B run id is kept
+  in ``RUN_DIR/wandb_id.txt``; every attempt resumes that run (``resume="allow"``). W&B keeps the
+  first value logged for a step, so after a crash the replayed steps are not doubled either.
+  ``metrics.wandb_mode=offline`` writes under ``RUN_DIR/wandb`` with no network (``wandb sync``
+  uploads it later).
+
+Both also get the attempt boundaries (an ``attempt`` scalar at each attempt's first step). The
+extras are checked at submit (:func:`missing_extras`, no import) and when the sink opens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from hpc_ddp import layout
+from hpc_ddp.atomic import write_atomic
+from hpc_ddp.errors import ConfigError, explain
+
+log = logging.getLogger("hpc_ddp.tracking")
+EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}  # key: (module, extra)
+
+
+def missing_extras(metrics: Any) -> list[str]:
+    """The ``metrics.*`` sinks switched on whose package is not installed (checked without importing it)."""
+    return [key for key, (module, _) in EXTRAS.items()
+            if getattr(metrics, key, False) and importlib.util.find_spec(module) is None]
+
+
+def require_extras(metrics: Any) -> None:
+    """Raise :func:`missing_error` for the first ``metrics.*`` sink switched on without its package."""
+    for key in missing_extras(metrics):
+        raise missing_error(key)
+
+
+def missing_error(key: str) -> ConfigError:
+    module, extra = EXTRAS[key]
+    return ConfigError(explain(f"metrics.{key}=true needs the {module} package, which is not installed",
+                               hint=f"pip install 'hpc_ddp[{extra}]' (on the login node and in the job's "
+                               f"environment), or set metrics.{key}=false"), key=f"metrics.{key}")
+
+
+class Sink(Protocol):
+    def log(self, step: int, values: Mapping[str, float]) -> None: ...
+
+    def close(self, stopped: bool) -> None: ...
+
+
+def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoardSink:
+    """Scalars under ``train/``; ``purge_step`` hides an earlier attempt's steps from ``first_step`` on."""
+
+    def __init__(self, run_dir: Path, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(layout.tensorboard(run_dir)), purge_step=first_step)
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        for key, value in _numbers(values).items():
+            self.writer.add_scalar(key if "/" in key else f"train/{key}", value, step)
+        self.writer.flush()  # once per logged step: a watcher sees it now, and a crash loses none of it
+
+    def close(self, stopped: bool) -> None:
+        self.writer.close()  # flushes: a stopped attempt's last steps are on disk before the requeue
+
+
+class WandbSink:
+    """One W&B run per hpc_ddp run: the id is made once and kept in the run dir."""
+
+    def __init__(self, run_dir: Path, name: str, project: str, mode: str, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        id_file = layout.wandb_id(run_dir)
+        run_id = id_file.read_text().strip() if id_file.exists() else ""
+        if not run_id:
+            run_id = secrets.token_hex(4)  # W&B ids: up to 64 of [a-z0-9]; made once, kept for every attempt
+            write_atomic(id_file, run_id + "\n")
+        self.run = wandb.init(id=run_id, resume="allow", project=project or name, name=name, dir=str(run_dir),
+                              mode=mode, config=dict(config))
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self.run.log(_numbers(values), step=step)
+
+    def close(self, stopped: bool) -> None:
+        if stopped:
+            self.run.mark_preempting()  # the W&B UI shows "preempted" until the requeued attempt resumes it
+        self.run.finish(quiet=True)
+
+
+def open_sinks(cfg: Any, run_dir: Path, first_step: int, config: Mapping[str, Any]) -> list[Sink]:
+    """The sinks ``cfg.metrics`` switches on (rank 0 only); a missing package is a ConfigError naming the extra.
+
+    A sink that fails to open for another reason (no network for W&B online, a full disk) is
+    left out with a warning: watching the run is not worth stopping its training.
+    """
+    require_extras(cfg.metrics)
+    makers = {"tensorboard": lambda: TensorBoardSink(run_dir, first_step),
+              "wandb": lambda: WandbSink(run_dir, cfg.name, cfg.metrics.wandb_project, cfg.metrics.wandb_mode,
+                                         config)}
+    sinks: list[Sink] = []
+    for key, make in makers.items():
+        if getattr(cfg.metrics, key):
+            try:
+                sinks.append(make())
+            except Exception as err:  # noqa: BLE001 - any failure of a third-party logger
+                log.warning("metrics.%s: could not open it (%s: %s); training goes on without it", key,
+                            type(err).__name__, err)
+    return sinks
+
+
+def log_to(sinks: list[Sink], step: int, values: Mapping[str, Any]) -> list[Sink]:
+    """Send ``values`` to every sink; one that fails is dropped with a warning (the others go on)."""
+    kept = []
+    for sink in sinks:
+        try:
+            sink.log(step, values)
+            kept.append(sink)
+        except Exception as err:  # noqa: BLE001
+            log.warning("%s failed at step %d (%s: %s); no more metrics go there in this attempt",
+                        type(sink).__name__, step, type(err).__name__, err)
+    return kept

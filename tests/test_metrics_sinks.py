@@ -1,0 +1,79 @@
+"""TensorBoard and W&B stay one run across attempts: a crash after a snapshot (the next attempt replays steps
+from the older snapshot), a preemption and its requeue. Real gloo ranks through the local rehearsal; the
+event files are read back with TensorBoard's own reader, W&B runs offline (no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.preemption import read_attempts
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Attempt 0 is killed at step 25 (snapshot at 20), attempt 1 is preempted at 27, attempt 2 finishes 40."""
+    pytest.importorskip("tensorboard", reason="needs the tensorboard extra (pip install 'hpc_ddp[tensorboard]')")
+    pytest.importorskip("wandb", reason="needs the wandb extra (pip install 'hpc_ddp[wandb]')")
+    run_dir = tmp_path_factory.mktemp("watched") / "run"
+    env = {**os.environ, "HPC_DDP_TEST_FAULT": "kill:1:25", "WANDB_SILENT": "true"}
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", f"run_dir={run_dir}",
+                           "train.task=tests.tasks:Faulty", "slurm.nodes=1", "slurm.tasks_per_node=2",
+                           "train.max_steps=40", "train.log_every=1", "snapshot.every_steps=10",
+                           "slurm.max_failures=1", "metrics.tensorboard=true", "metrics.wandb=true",
+                           "metrics.wandb_mode=offline", "--preempt-at", "27"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(a["reason"], a.get("resumed_from")) for a in read_attempts(run_dir)] == \
+        [("failed", None), ("preemption", 20), ("finished", 28)]
+    return run_dir
+
+
+def last_values(run_dir: Path) -> dict[int, float]:
+    """metrics.jsonl's loss per step, the later attempt's value where a step was logged twice."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_tensorboard_shows_one_value_per_step_across_a_crash_a_stop_and_a_requeue(watched: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = (watched / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) > 40  # the crashed attempt logged steps 21-24 that the next one logged again
+    files = sorted((watched / "tensorboard").glob("events.out.tfevents.*"))
+    crashed = EventAccumulator(str(files[0])).Reload()  # attempt 0's own file still holds what it logged
+    assert max(e.step for e in crashed.Scalars("train/loss")) > 20
+    events = EventAccumulator(str(watched / "tensorboard")).Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 41))  # every step once, in order: the replays were purged
+    assert {e.step: round(e.value, 5) for e in loss} == {s: round(v, 5) for s, v in last_values(watched).items()}
+    assert {e.step for e in events.Scalars("train/samples_per_s")} == set(range(1, 41))
+    assert {e.step for e in events.Scalars("train/lr")} == set(range(1, 41))
+    attempts = [(e.step, int(e.value)) for e in events.Scalars("hpc_ddp/attempt")]
+    assert attempts == [(0, 0), (20, 1), (28, 2)]  # where each attempt began
+
+
+def test_wandb_offline_keeps_one_run_id_across_attempts(watched: Path) -> None:
+    run_id = (watched / "wandb_id.txt").read_text().strip()
+    runs = sorted(p.name for p in (watched / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3 and all(name.endswith(f"-{run_id}") for name in runs), runs
+
+
+@pytest.mark.parametrize("where", ["--local", "--emit-sbatch"])
+def test_a_sink_without_its_package_is_refused_at_submit_with_the_extra_to_install(tmp_path: Path, where: str) -> None:
+    code = ("import sys, importlib.util as u; real = u.find_spec\n"
+            "u.find_spec = lambda name, *a: None if name == 'tensorboard' else real(name, *a)\n"
+            "from hpc_ddp.submit import main; sys.exit(main(sys.argv[1:]))")
+    args = [where] if where == "--local" else [where, str(tmp_path / "job.sbatch")]
+    proc = subprocess.run([sys.executable, "-c", code, "examples/mlp.yaml", *args, f"run_dir={tmp_path / 'r'}",
+                           "metrics.tensorboard=true"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "metrics.tensorboard=true needs the tensorboard package, which is not installed" in proc.stderr
+    assert "pip install 'hpc_ddp[tensorboard]'" in proc.stderr and not (tmp_path / "r" / "logs").exists()

@@ -1,0 +1,114 @@
+"""`python -m hpc_ddp.status`: a state for every kind of run, time used and an ETA, one row per step, and a
+clear refusal of a directory that is not a run. Run dirs are written by hand here (ledger, metrics, job.json):
+status only reads files, so these are its real inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.config import load_config, save_config
+from hpc_ddp.status import _metrics, collect, local_state, main, render, timing
+
+MLP = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.yaml")
+
+
+def run_dir(tmp_path: Path, attempts: list[dict] = (), metrics: list[dict] = (), done: bool = False,
+            alive: bool = False) -> Path:
+    path = tmp_path / "run"
+    path.mkdir()
+    save_config(load_config([MLP], [f"run_dir={path}", "train.max_steps=100"]), path / "config.yaml")
+    (path / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (path / "job.json").write_text(json.dumps({"job_id": 5, "local": True, "pid": os.getpid() if alive else 2**22,
+                                               "host": socket.gethostname()}))
+    if done:
+        (path / "DONE.json").write_text(json.dumps({"step": 100, "params_sha256": "ab" * 32}))
+    return path
+
+
+@pytest.mark.parametrize("attempts,done,alive,state", [
+    ([], False, True, "RUNNING (local)"),
+    ([{"reason": "finished"}], True, False, "FINISHED"),
+    ([{"reason": "preemption"}], False, False, "STOPPED (local, --resume continues it)"),
+    ([{"reason": "timeout", "capped": True}], False, False, "STOPPED (local, cap reached)"),
+    ([{"reason": "failed"}], False, False, "FAILED (local)"),
+    ([{"reason": "error"}], False, False, "FAILED (local)"),
+    ([], False, False, "NOT STARTED (local)"),
+])
+def test_a_local_run_has_a_state_from_its_launcher_and_ledger(attempts: list[dict], done: bool, alive: bool,
+                                                              state: str) -> None:
+    assert local_state(attempts, done, alive) == state
+
+
+def test_a_step_logged_twice_shows_once_with_the_later_value(tmp_path: Path) -> None:
+    path = run_dir(tmp_path, metrics=[{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 1.5},
+                                      {"step": 3, "loss": 1.0}])
+    (path / "metrics.jsonl").write_text((path / "metrics.jsonl").read_text() + '{"step": 4, "lo')  # cut by a crash
+    assert [(m["step"], m["loss"]) for m in _metrics(path)] == [(1, 3.0), (2, 1.5), (3, 1.0)]
+
+
+def test_time_used_adds_every_attempt_and_the_eta_comes_from_recent_steps() -> None:
+    attempts = [{"start": 1000.0, "end": 1100.0}, {"start": 1200.0, "end": 1260.0}]
+    metrics = [{"step": s, "time": 1300.0 + 2 * (s - 40)} for s in range(40, 61)]  # 0.5 steps/s now
+    got = timing(metrics, attempts, max_steps=100, running=True, now=1345.0)
+    assert got == {"time_used_s": 160 + 45, "steps_per_s": 0.5, "eta_s": 80}
+    assert timing(metrics, attempts, 100, running=False, now=1345.0) == {"time_used_s": 160}
+
+
+def test_status_prints_the_state_time_and_eta_of_a_running_local_run(tmp_path: Path) -> None:
+    import time
+
+    now = time.time()
+    path = run_dir(tmp_path, alive=True, attempts=[{"reason": "preemption", "start": now - 500, "end": now - 400,
+                                                     "first_step": 0, "last_step": 30, "restart_count": 0}],
+                   metrics=[{"step": s, "loss": 1.0, "time": now - 60 + s - 40} for s in range(40, 61)])
+    text = render(collect(path))
+    assert "state RUNNING (local)" in text and "step    60/100" in text
+    assert "used over 1 attempt(s); about 0m40s left at 1.0 steps/s" in text
+    assert "preemption       0->30" in text
+
+
+def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:
+    path = run_dir(tmp_path, attempts=[{"reason": "failed", "job_id": 5, "restart_count": 0}])
+    text = render(collect(path))
+    assert "state FAILED (local)" in text and "failed           before step 1" in text and "None" not in text
+
+
+def test_a_directory_that_is_not_a_run_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a run directory (it has no config.yaml)" in capsys.readouterr().err
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "(it does not exist)" in capsys.readouterr().err
+
+
+def test_the_plot_labels_each_attempt_and_names_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+    import matplotlib.pyplot as plt
+
+    from hpc_ddp import status
+
+    path = run_dir(tmp_path, attempts=[{"reason": "preemption", "first_step": 0, "last_step": 30},
+                                       {"reason": "finished", "first_step": 30, "last_step": 60}],
+                   metrics=[{"step": s, "loss": 3.0 / s} for s in range(1, 61)])
+    captured = {}
+    real = plt.Figure.savefig
+
+    def keep(fig, out, *args, **kwargs):  # noqa: ANN001
+        captured["fig"] = fig
+        return real(fig, out, *args, **kwargs)
+
+    plt.Figure.savefig = keep
+    try:
+        status.plot(path, tmp_path / "loss.png")
+    finally:
+        plt.Figure.savefig = real
+    ax = captured["fig"].axes[0]
+    assert ax.get_title() == "mlp: loss"
+    assert [t.get_text() for t in ax.texts] == ["#1 after preemption"]
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=True) + ax.get_yticklabels() if t.get_text()]
+    assert labels and not any("times" in t or "^" in t for t in labels)  # plain numbers, no 2.4x10^0
