@@ -103,6 +103,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
     "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's file)"),
     "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"), "one of online, offline, disabled"),
+    "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
+                              "a W&B project name without / \\ # ? % : (empty: the run's name)"),
 }
 OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}

@@ -141,7 +141,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None}
-    if not done and (state in (None, "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")):
+    if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
+                                                           "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
         result["last_errors"] = _errors(run_dir, Path(job.get("logs") or layout.slurm_logs(run_dir)))
     return result
@@ -206,7 +207,7 @@ def render(info: dict[str, Any]) -> str:
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
     if info["attempts"]:
         out.append("attempts:")
-        out.append("  #  job      restart  ended for        steps        geometry     resumed from")
+        out.append("  #  job      restart  ended for        steps          geometry     resumed from")
         for i, a in enumerate(info["attempts"]):
             first, last = a.get("first_step"), a.get("last_step")
             steps = "-" if last is None else f"{first or 0}->{last}"
@@ -214,7 +215,7 @@ def render(info: dict[str, Any]) -> str:
             if a.get("reason") in ("failed", "error", "hung") and not last and not info["progress"].get("step"):
                 steps = "before step 1"
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} {reason:<16} "
-                       f"{steps:<12} {_shape(a):<12} "
+                       f"{steps:<14} {_shape(a):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     if info.get("last_errors"):
         out.append("last errors:")

@@ -203,9 +203,22 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
         print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
     metrics = layout.metrics(run_dir)
-    print(f"{'finished' if code == 0 else f'FAILED (exit code {code})'}: "
-          + (f"metrics in {metrics}, " if metrics.exists() else "") + f"logs in {run_dir / 'logs'}", flush=True)
+    print(f"{_outcome(run_dir, code)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+          + f"logs in {run_dir / 'logs'}", flush=True)
     return code
+
+
+def _outcome(run_dir: Path, code: int) -> str:
+    """How a rehearsal ended, in one word or three: a stop at a requeue cap is not a failure."""
+    from hpc_ddp.preemption import REASONS_CAPPED, read_attempts
+
+    last = (read_attempts(run_dir) or [{}])[-1]
+    if code == 0:
+        return "finished"
+    if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
+        return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
+               "--resume continues it)"
+    return f"FAILED (exit code {code})"
 
 
 def _write_config(cfg: RunConfig, resume: bool) -> Path:

@@ -76,7 +76,7 @@ def test_status_prints_the_state_time_and_eta_of_a_running_local_run(tmp_path: P
 def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:
     path = run_dir(tmp_path, attempts=[{"reason": "failed", "job_id": 5, "restart_count": 0}])
     text = render(collect(path))
-    assert "state FAILED (local)" in text and "failed           before step 1" in text and "None" not in text
+    assert "state FAILED (local)" in text and "failed           before step 1 " in text and "None" not in text
 
 
 def test_a_directory_that_is_not_a_run_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
