@@ -72,16 +72,24 @@ def test_three_stops_mid_epoch_give_bit_identical_results(uninterrupted: Path, s
     assert manifest["layout"]["slices"] == 2 and sorted(sorted(f["slices"]) for f in files) == [[0, 1], [0, 1]]
 
 
-@pytest.mark.parametrize("point", ["tmp", "before_rename", "before_manifest"])
-def test_killed_inside_a_snapshot_write_resumes_from_the_previous_commit(uninterrupted: Path, tmp_path: Path,
-                                                                         point: str) -> None:
-    run_dir = tmp_path / point
-    crashed = submit(run_dir, "snapshot.every_steps=10", env={"HPC_DDP_FAULT_POINT": f"{point}:20"})
-    assert crashed.returncode != 0 and "exit code -9" in crashed.stderr
-    assert snapshot.committed_steps(run_dir) == [10]  # step 20 never committed
+def test_killed_inside_each_phase_of_a_snapshot_write_resumes_from_the_previous_commit(uninterrupted: Path,
+                                                                                       tmp_path: Path) -> None:
+    """SIGKILL in each write phase of one run, one after another: in the temporary file (step 20), before its
+    rename (step 40), before the manifest (step 60). Each resume starts from the commit before; the end is
+    bit-identical to a run that was never killed. (One run for the three phases: a third of the launches.)"""
+    run_dir = tmp_path / "killed"
+    resumed: int | None = None
+    for point, step in (("tmp", 20), ("before_rename", 40), ("before_manifest", 60)):
+        crashed = submit(run_dir, "snapshot.every_steps=10", *(["--resume"] if resumed is not None else []),
+                         env={"HPC_DDP_FAULT_POINT": f"{point}:{step}"})
+        assert crashed.returncode != 0 and "exit code -9" in crashed.stderr, f"{point}: {crashed.stderr[-2000:]}"
+        assert snapshot.committed_steps(run_dir)[0] == step - 10, point  # the killed step never committed
+        if resumed is not None:
+            assert f"resuming from the snapshot of step {resumed}" in crashed.stdout + crashed.stderr
+        resumed = step - 10
     proc = submit(run_dir, "snapshot.every_steps=10", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming from the snapshot of step 10" in proc.stdout + proc.stderr
+    assert "resuming from the snapshot of step 50" in proc.stdout + proc.stderr
     assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
     assert not list((run_dir / "snapshots").glob("step-*/.*tmp*"))  # no temporary file counted or left
 

@@ -24,8 +24,10 @@ pytestmark = pytest.mark.slow
 WIDE = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1",
         "train.max_steps=36", "snapshot.every_steps=4"]
 STOPS = ["--preempt-at", "7,17", "--timeout-at", "27"]
-# 2x2 with the default 2 replicas: test_resume.py (three stops, a truncated file, a kill in each write phase)
-CASES = {"2x2-r1": (2, 2, 1, []), "4x1-r1": (4, 1, 1, []), "4x1-r2-async": (4, 1, 2, ["snapshot.async_write=true"])}
+# 2x2 with the default 2 replicas: test_resume.py (three stops, a truncated file, a kill in each write phase).
+# 4x1 with 1 replica is left out to keep the suite within its time: its layout is 2x2-r1's at 4 slices, and
+# tests/test_slicing.py covers every slice count and replica count without processes.
+CASES = {"2x2-r1": (2, 2, 1, []), "4x1-r2-async": (4, 1, 2, ["snapshot.async_write=true"])}
 
 
 def submit(run_dir: Path, nodes: int, tasks: int, *args: str) -> subprocess.CompletedProcess[str]:
@@ -102,7 +104,7 @@ def damaged_copy(run: Path, to: Path, damage: str) -> tuple[Path, int, int]:
 
 
 @pytest.mark.parametrize("case,damage", [("4x1-r2-async", "delete"), ("2x2-r1", "truncate"),
-                                         ("4x1-r1", "delete")])
+                                         ("2x2-r1", "delete")])
 def test_a_lost_node_file_falls_back_to_its_replica_or_else_to_the_previous_step(
         reference: Path, stopped: dict[str, Path], tmp_path: Path, case: str, damage: str) -> None:
     nodes, tasks, replicas, extra = CASES[case]
@@ -125,14 +127,14 @@ def test_a_lost_node_file_falls_back_to_its_replica_or_else_to_the_previous_step
 def test_a_manifest_that_points_a_piece_at_the_wrong_file_stops_every_rank_with_the_step_named(
         stopped: dict[str, Path], tmp_path: Path) -> None:
     run_dir = tmp_path / "tampered"
-    shutil.copytree(stopped["4x1-r1"], run_dir)
+    shutil.copytree(stopped["2x2-r1"], run_dir)
     (run_dir / "DONE.json").unlink()
     step = snapshot.committed_steps(run_dir)[0]
     path = snapshot.step_dir(run_dir, step) / snapshot.MANIFEST
     manifest = json.loads(path.read_text())
-    manifest["layout"]["pieces"][0][3] = (manifest["layout"]["pieces"][0][3] + 1) % 4  # still a valid slice
+    manifest["layout"]["pieces"][0][3] = (manifest["layout"]["pieces"][0][3] + 1) % 2  # still a valid slice
     path.write_text(json.dumps(manifest))
-    proc = submit(run_dir, 4, 1, "snapshot.replicas=1", "--resume")
+    proc = submit(run_dir, 2, 2, "snapshot.replicas=1", "--resume")
     assert proc.returncode != 0
     assert f"the files of step {step} in {path.parent} do not hold what its manifest says" in logs(run_dir)
     assert [a["reason"] for a in read_attempts(run_dir)][-1] in ("failed", "error")  # recorded, not a hang
