@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,29 +50,26 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
 CODE_WIDTH = 90  # characters of code the theme shows at 1280 px beside both sidebars (docs/stylesheets/extra.css)
 
 
-def test_no_code_line_is_wider_than_the_theme_shows() -> None:
-    """A command cut off at the edge, or behind a scrollbar, is a command a reader copies wrong."""
-    wide = []
+def doc_lines() -> Iterator[tuple[str, str, bool]]:
+    """("page:line", text, inside a fenced code block) for every line of every docs page."""
     for page in sorted(DOCS.rglob("*.md")):
         inside = False
         for number, line in enumerate(page.read_text().splitlines(), 1):
             if line.lstrip().startswith("```"):
                 inside = not inside
-            elif inside and len(line) > CODE_WIDTH:
-                wide.append(f"{page.relative_to(DOCS)}:{number} ({len(line)} characters)")
+            else:
+                yield f"{page.relative_to(DOCS)}:{number}", line, inside
+
+
+def test_no_code_line_is_wider_than_the_theme_shows() -> None:
+    """A command cut off at the edge, or behind a scrollbar, is a command a reader copies wrong."""
+    wide = [f"{where} ({len(line)} characters)" for where, line, code in doc_lines() if code and len(line) > CODE_WIDTH]
     assert wide == [], f"code lines wider than {CODE_WIDTH} characters: {wide}"
 
 
 def test_nested_lists_are_indented_so_they_render_nested() -> None:
     """Python-Markdown nests a list only under a 4-space indent; a 2-space one is flattened into its parent."""
-    flat = []
-    for page in sorted(DOCS.rglob("*.md")):
-        inside = False
-        for number, line in enumerate(page.read_text().splitlines(), 1):
-            if line.lstrip().startswith("```"):
-                inside = not inside
-            elif not inside and re.match(r"^ {1,3}([-*]|\d+\.) ", line):
-                flat.append(f"{page.relative_to(DOCS)}:{number}")
+    flat = [where for where, line, code in doc_lines() if not code and re.match(r"^ {1,3}([-*]|\d+\.) ", line)]
     assert flat == [], f"indent these nested items by 4 spaces: {flat}"
 
 
