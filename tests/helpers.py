@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
+from hpc_ddp.preemption import read_attempts
+
 
 def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.2) -> bool:
     """Poll ``predicate`` until it is truthy or ``timeout`` seconds pass; return its last value as a bool."""
@@ -15,6 +17,16 @@ def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.
             return True
         time.sleep(poll)
     return bool(predicate())
+
+
+def finished(run_dir: Path) -> bool:
+    """The run is over and recorded: DONE.json exists and the ledger's last line says "finished".
+
+    DONE.json is written by the program's last step; rank 0 appends the ledger line a moment later,
+    when the run is closed. Waiting for DONE.json alone and then reading the ledger races that moment.
+    """
+    attempts = read_attempts(run_dir)
+    return (run_dir / "DONE.json").exists() and bool(attempts) and attempts[-1].get("reason") == "finished"
 
 
 def alive_with(marker: str) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 
 from hpc_ddp.config import schema_rows
 from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import wait_until
+from tests.helpers import finished, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -135,6 +135,6 @@ def test_quickstart_slurm_job_works_as_written(slurm_cluster: ClusterSpec, tmp_p
     submit_cmd, status_cmd = quickstart_commands("3. A first Slurm job")
     proc = _run(submit_cmd, tmp_path)
     assert proc.returncode == 0 and "submitted job" in proc.stdout, proc.stderr[-2000:]
-    assert wait_until((tmp_path / "quickstart-slurm" / "DONE.json").exists, 240)
+    assert wait_until(lambda: finished(tmp_path / "quickstart-slurm"), 240)
     status = _run(status_cmd, tmp_path)
     assert status.returncode == 0 and "state FINISHED" in status.stdout

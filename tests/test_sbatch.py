@@ -15,7 +15,7 @@ from hpc_ddp.preemption import read_attempts
 from hpc_ddp.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.submit import submitit_script
-from tests.helpers import wait_until
+from tests.helpers import finished, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -80,7 +80,7 @@ def test_emitted_script_runs_with_plain_sbatch(slurm_cluster: ClusterSpec, tmp_p
     run_dir, script = tmp_path / "emitted", tmp_path / "job.sbatch"
     emit(script, "train.max_steps=50", f"run_dir={run_dir}")
     sbatch(script, cwd=tmp_path)  # submitted from elsewhere: the job still imports examples.mlp from ROOT
-    assert wait_until((run_dir / "DONE.json").exists, 180), job_log(run_dir)
+    assert wait_until(lambda: finished(run_dir), 180), job_log(run_dir)
     assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4
 
 
@@ -95,7 +95,7 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
     metrics = run_dir / "metrics.jsonl"
     assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120), job_log(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    assert wait_until((run_dir / "DONE.json").exists, 180), job_log(run_dir)
+    assert wait_until(lambda: finished(run_dir), 180), job_log(run_dir)
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
         ("preemption", 0, int(job)), ("finished", 1, int(job))], (attempts, job_log(run_dir))

@@ -11,7 +11,7 @@ import pytest
 
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.slurm_env import master_port
-from tests.helpers import wait_until
+from tests.helpers import finished, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -103,7 +103,7 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 def finished(run_dir: Path, out: Path, timeout: float) -> None:
-    assert wait_until((run_dir / "DONE.json").exists, timeout), out.read_text()[-3000:]
+    assert wait_until(lambda: finished(run_dir), timeout), out.read_text()[-3000:]
 
 
 def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster: ClusterSpec,

@@ -14,7 +14,7 @@ import pytest
 from hpc_ddp.config import load_config
 from hpc_ddp.preemption import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import wait_until
+from tests.helpers import finished, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slurm
@@ -36,7 +36,7 @@ def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: Cluster
                "train.max_steps=100", f"run_dir={run_dir}")
     job = job_id(proc)
     assert f"scancel {job}" in proc.stdout and f"python -m hpc_ddp.status {run_dir}" in proc.stdout
-    assert wait_until((run_dir / "DONE.json").exists, 180), proc.stdout
+    assert wait_until(lambda: finished(run_dir), 180), proc.stdout
     script = (run_dir / "slurm" / f"{job}_submission.sh").read_text()
     assert "#SBATCH --signal=USR2@120" in script and "#SBATCH --requeue" in script
     assert "--kill-on-bad-exit=1" in script
@@ -59,7 +59,7 @@ def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_
         assert refused.returncode == 5 and f"is in use by job {job} (RUNNING)" in refused.stderr, refused.stderr
         assert (run_dir / "config.yaml").read_bytes() == config
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    assert wait_until((run_dir / "DONE.json").exists, 180)
+    assert wait_until(lambda: finished(run_dir), 180)
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)]
     local = cli("hpc_ddp.submit", "examples/mlp.yaml", "--local", *options, f"run_dir={tmp_path / 'local'}")
@@ -77,7 +77,7 @@ def test_a_two_value_multirun_is_a_job_array_of_two_finished_runs(slurm_cluster:
     assert proc.returncode == 0, proc.stderr[-3000:]
     array = proc.stdout.split("submitted job array ", 1)[1].split(" ", 1)[0]
     runs = [tmp_path / "lr=0.02", tmp_path / "lr=0.005"]
-    assert all(wait_until((run / "DONE.json").exists, 240) for run in runs), proc.stdout
+    assert all(wait_until(lambda: finished(run), 240) for run in runs), proc.stdout
     for index, run in enumerate(runs):
         assert json.loads((run / "job.json").read_text())["job_id"] == f"{array}_{index}"
         assert load_config([run / "config.yaml"]).train.lr == [0.02, 0.005][index]
@@ -97,7 +97,7 @@ def test_a_killed_rank_on_the_cluster_is_settled_by_the_batch_shell_and_requeued
                            f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HPC_DDP_TEST_FAULT": "kill:1:23"})
     job = job_id(proc)
-    assert wait_until((run_dir / "DONE.json").exists, 240), cli("hpc_ddp.status", str(run_dir)).stdout
+    assert wait_until(lambda: finished(run_dir), 240), cli("hpc_ddp.status", str(run_dir)).stdout
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
         ("failed", 0, int(job)), ("finished", 1, int(job))]
@@ -127,7 +127,7 @@ def test_scancel_snapshots_and_ends_the_job_without_a_requeue(slurm_cluster: Clu
     resumed = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, "train.max_steps=400", f"run_dir={run_dir}",
                   "--resume")
     job_id(resumed)
-    assert wait_until((run_dir / "DONE.json").exists, 180)
+    assert wait_until(lambda: finished(run_dir), 180)
     assert read_attempts(run_dir)[-1]["resumed_from"] == attempt["last_step"]
 
 
@@ -158,7 +158,7 @@ def test_tasks_without_scontrol_are_requeued_once_by_the_batch_shell(slurm_clust
     metrics = run_dir / "metrics.jsonl"
     assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    assert wait_until((run_dir / "DONE.json").exists, 180), cli("hpc_ddp.status", str(run_dir)).stdout
+    assert wait_until(lambda: finished(run_dir), 180), cli("hpc_ddp.status", str(run_dir)).stdout
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
     assert attempts[0]["requeue_by"] == "batch shell"
@@ -188,7 +188,7 @@ def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_clust
                 signalled.add(job)
         return len(signalled) == 2
     assert wait_until(signal_when_ready, 240), cli("hpc_ddp.status", str(script_dir)).stdout
-    assert wait_until(lambda: (loop_dir / "DONE.json").exists() and (script_dir / "DONE.json").exists(), 300)
+    assert wait_until(lambda: finished(loop_dir) and finished(script_dir), 300)
     for run_dir, job in ((loop_dir, loop_job), (script_dir, script_job)):
         assert [(a["reason"], a["restart_count"], a["job_id"]) for a in read_attempts(run_dir)] == [
             ("preemption", 0, int(job)), ("finished", 1, int(job))]
@@ -218,7 +218,7 @@ def test_a_node_range_starts_on_the_free_node_and_resumes_on_two(slurm_cluster: 
         subprocess.run(["scancel", blocker], check=True)
     assert wait_until(lambda: not _squeue(blocker, "%T"), 60)  # its node is free again
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    assert wait_until((run_dir / "DONE.json").exists, 240), cli("hpc_ddp.status", str(run_dir)).stdout
+    assert wait_until(lambda: finished(run_dir), 240), cli("hpc_ddp.status", str(run_dir)).stdout
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["nodes"], a["world_size"], a["grad_accum"]) for a in attempts] == [
         ("preemption", 1, 2, 4), ("finished", 2, 4, 2)]
