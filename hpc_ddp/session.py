@@ -16,6 +16,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -120,6 +121,9 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
 
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
     threads(environ, env)
+    # DataLoader workers from a forkserver (our Trainer's, and a loop's that asks for one) are forked from a
+    # server that has imported torch once: each epoch's new workers then start in ms, not an import each.
+    multiprocessing.forkserver.set_forkserver_preload(["torch"])
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count)
     with process_group(env, cfg.dist, peer_error) as device:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing.forkserver
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -76,9 +75,7 @@ class Trainer:
                                     global_batch=self.global_batch)
         # Workers come from a forkserver, never a fork of this process: forking a process whose
         # process group threads hold a lock can hang the child in os.fork() (seen here once in ~60 starts).
-        # The server imports torch once, so each epoch's new workers start without importing it again.
-        if train.num_workers:
-            multiprocessing.forkserver.set_forkserver_preload(["torch"])
+        # (open_run has the server import torch once, so each epoch's new workers start without importing it.)
         self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
                                  num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
                                  multiprocessing_context="forkserver" if train.num_workers else None,

@@ -20,8 +20,11 @@ from hpc_ddp.preemption import read_attempts
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 # The wide MLP: its tensors are cut between the two nodes' files (split snapshots, snapshot.replicas=2)
-MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1", "train.num_workers=1",
-       "train.max_steps=80"]
+MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1", "train.max_steps=80"]
+# DataLoader workers in the three-stop run only (they cost a forkserver and a worker per rank per epoch): it must
+# equal the uninterrupted run without them bit for bit, so the workers change nothing and resume exactly.
+WORKERS = "train.num_workers=1"
+ONE_RANK = ["slurm.nodes=1", "slurm.tasks_per_node=1", "train.max_steps=20"]  # the caps are rank 0's alone
 
 
 def submit(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -47,9 +50,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stopped three times mid-epoch (preemption, preemption, time-out) and resumed to the end."""
+    """Stopped three times mid-epoch (preemption, preemption, time-out) and resumed to the end, with loader workers."""
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
-    proc = submit(run_dir, "--preempt-at", "7,40", "--timeout-at", "61")
+    proc = submit(run_dir, WORKERS, "--preempt-at", "7,40", "--timeout-at", "61")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -101,7 +104,7 @@ def test_a_truncated_node_file_falls_back_to_the_other_nodes_copy(stopped: Path,
     step = snapshot.committed_steps(run_dir)[0]
     node1 = snapshot.step_dir(run_dir, step) / snapshot.node_file_name(1)
     node1.write_bytes(node1.read_bytes()[:1000])
-    proc = submit(run_dir, "--resume")
+    proc = submit(run_dir, WORKERS, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert f"{node1} is not usable (size 1000 bytes" in logs
@@ -137,13 +140,13 @@ def test_a_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
 
 def test_caps_end_the_run_with_the_cap_named(tmp_path: Path) -> None:
     run_dir = tmp_path / "capped"
-    proc = submit(run_dir, "slurm.max_preemptions=1", "--preempt-at", "5,10")
+    proc = submit(run_dir, *ONE_RANK, "slurm.max_preemptions=1", "--preempt-at", "5,10")
     assert proc.returncode == 1
     assert "more than slurm.max_preemptions=1" in proc.stderr and "slurm.max_preemptions=11" in proc.stderr
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["capped"]) for a in attempts] == [("preemption", False), ("preemption", True)]
     assert not (run_dir / "DONE.json").exists() and snapshot.committed_steps(run_dir)[0] == attempts[-1]["last_step"]
-    timeouts = submit(tmp_path / "t", "slurm.max_timeouts=0", "--timeout-at", "5")
+    timeouts = submit(tmp_path / "t", *ONE_RANK, "slurm.max_timeouts=0", "--timeout-at", "5")
     assert timeouts.returncode == 1 and "more than slurm.max_timeouts=0" in timeouts.stderr
 
 

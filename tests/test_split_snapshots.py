@@ -1,4 +1,4 @@
-"""Snapshots split across nodes (snapshot.replicas): exact resume after three stops at 2x2 and 4x1 with one
+"""Snapshots split across nodes (snapshot.replicas): exact resume after two stops at 2x2 and 4x1 with one
 and two copies of each slice, lost or damaged node files with and without a replica, a tampered manifest
 and a pickle payload in a split file. Real gloo ranks through the local rehearsal; the task's hidden layer
 is wide enough that its tensors are cut between nodes."""
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 WIDE = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1",
         "train.max_steps=36", "snapshot.every_steps=4"]
-STOPS = ["--preempt-at", "7,17", "--timeout-at", "27"]
+STOPS = ["--preempt-at", "9", "--timeout-at", "22"]  # a preemption and a time-out: each resume from a split
 # 2x2 with the default 2 replicas: test_resume.py (three stops, a truncated file, a kill in each write phase).
 # 4x1 with 1 replica is left out to keep the suite within its time: its layout is 2x2-r1's at 4 slices, and
 # tests/test_slicing.py covers every slice count and replica count without processes.
@@ -58,7 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stopped(reference: Path) -> dict[str, Path]:
-    """Each case stopped three times (preemption, preemption, time-out) and resumed to the end."""
+    """Each case stopped twice (preemption, time-out) and resumed to the end."""
     runs = {}
     for name, (nodes, tasks, replicas, extra) in CASES.items():
         run_dir = reference.parent / name
@@ -69,11 +69,11 @@ def stopped(reference: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_three_stops_resume_bit_identically_from_split_snapshots(reference: Path, stopped: dict[str, Path],
+def test_stops_resume_bit_identically_from_split_snapshots(reference: Path, stopped: dict[str, Path],
                                                                  name: str) -> None:
     nodes, _, replicas, _ = CASES[name]
     run_dir = stopped[name]
-    assert [a["reason"] for a in read_attempts(run_dir)] == ["preemption", "preemption", "timeout", "finished"]
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["preemption", "timeout", "finished"]
     assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]
     assert losses(run_dir) == losses(reference)
     step = snapshot.committed_steps(run_dir)[0]
