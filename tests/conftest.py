@@ -26,30 +26,13 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-# Most expensive first: under pytest-xdist (dev/test.sh) the longest work starts first, so no worker is left
-# with a long module at the end. The real-cluster tests are one group that waits on Slurm far more than it
-# computes (time-limit ticks, KillWait, requeue delays); it runs beside the CPU-bound rehearsal tests.
-HEAVY_FIRST = ("test_resume", "test_split_snapshots", "test_own_loop", "test_faults", "test_elastic",
-               "test_metrics_sinks", "test_local_training")
-
-
-def group_of(item: pytest.Item) -> str:
-    """Every test that uses the real cluster in one group (one cluster per machine, two nodes); else its module,
-    so a module's expensive module-scoped runs are made once, on one worker."""
-    return "slurm" if "slurm_cluster" in getattr(item, "fixturenames", ()) else item.module.__name__.rsplit(".", 1)[-1]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order the tests as HEAVY_FIRST says (Slurm first) and, under xdist's loadgroup, mark each with its group."""
-    def rank(item: pytest.Item) -> int:
-        group = group_of(item)
-        return -1 if group == "slurm" else HEAVY_FIRST.index(group) if group in HEAVY_FIRST else len(HEAVY_FIRST)
-
-    items.sort(key=rank)  # stable: each module keeps its own order
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no":
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(group_of(item)))
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the real cluster is marked ``slurm``, so ``-m slurm`` selects them all: dev/test.sh
+    runs them in a pytest of their own beside the rest, since they mostly wait on Slurm's clock."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
 
 
 def unavailable(reason: str) -> None:

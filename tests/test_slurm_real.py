@@ -102,7 +102,7 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def finished(run_dir: Path, out: Path, timeout: float) -> None:
+def wait_finished(run_dir: Path, out: Path, timeout: float) -> None:
     assert wait_until(lambda: finished(run_dir), timeout), out.read_text()[-3000:]
 
 
@@ -111,17 +111,17 @@ def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster
     """scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume."""
     from hpc_ddp.preemption import read_attempts
 
-    overrides = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
+    overrides = ["train.max_steps=300", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
     script, run_dir = worker_job(tmp_path, "slurm", overrides)
     job = sbatch("-N2", "--ntasks-per-node=2", "--time=2", "--requeue", "--open-mode=append",
                  f"--output={tmp_path / 'job.out'}", str(script))
     assert wait_until(lambda: len(logged_steps(run_dir)) >= 5, 120)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    finished(run_dir, tmp_path / "job.out", 180)
+    wait_finished(run_dir, tmp_path / "job.out", 180)
     attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["timeout", "finished"]
     assert [a["restart_count"] for a in attempts] == [0, 1] and attempts[1]["resumed_from"] == attempts[0]["last_step"]
-    assert logged_steps(run_dir) == list(range(10, 601, 10))  # continuous: nothing twice, nothing skipped
+    assert logged_steps(run_dir) == list(range(10, 301, 10))  # continuous: nothing twice, nothing skipped
 
     local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *overrides,
                             f"run_dir={tmp_path / 'local'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -135,17 +135,17 @@ def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster
     """A job in `high` needs both nodes: the `debug` job gets USR2 at once, saves, is requeued, resumes."""
     from hpc_ddp.preemption import read_attempts
 
-    script, run_dir = worker_job(tmp_path, "p", ["train.max_steps=600", "train.log_every=10",
+    script, run_dir = worker_job(tmp_path, "p", ["train.max_steps=300", "train.log_every=10",
                                                  "slurm.timeout_min=30"])
     sbatch("-p", "debug", "-N2", "--ntasks-per-node=2", "--time=30", "--requeue", "--open-mode=append",
            f"--output={tmp_path / 'job.out'}", str(script))
     assert wait_until(lambda: len(logged_steps(run_dir)) >= 5, 120)
     sbatch("-p", "high", "-N2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 1")
-    finished(run_dir, tmp_path / "job.out", 240)
+    wait_finished(run_dir, tmp_path / "job.out", 240)
     attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["preemption", "finished"]
     assert attempts[1]["resumed_from"] == attempts[0]["last_step"]
-    assert logged_steps(run_dir) == list(range(10, 601, 10))
+    assert logged_steps(run_dir) == list(range(10, 301, 10))
 
 
 @pytest.mark.slow
@@ -157,7 +157,7 @@ def test_real_time_limit_warning_requeues_until_done(slurm_cluster: ClusterSpec,
                                                  "slurm.timeout_min=1", "slurm.signal_delay_s=50"])
     sbatch("-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue", "--open-mode=append",
            f"--output={tmp_path / 'job.out'}", str(script))
-    finished(run_dir, tmp_path / "job.out", 300)
+    wait_finished(run_dir, tmp_path / "job.out", 300)
     reasons = [a["reason"] for a in read_attempts(run_dir)]
     assert reasons[-1] == "finished" and set(reasons[:-1]) == {"timeout"} and len(reasons) >= 2
     assert logged_steps(run_dir) == list(range(100, 2501, 100))
