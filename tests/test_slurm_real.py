@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +94,10 @@ def worker_job(tmp_path: Path, name: str, overrides: list[str]) -> tuple[Path, P
     return script, run_dir
 
 
-def sbatch(*args: str) -> str:
-    return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, check=True).stdout.strip()
+def sbatch(*args: str, env: dict[str, str] | None = None) -> str:
+    """Submit; the job's tasks get this process's environment plus ``env`` (sbatch's default --export=ALL)."""
+    return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, **(env or {})}).stdout.strip()
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -153,11 +156,14 @@ def test_real_time_limit_warning_requeues_until_done(slurm_cluster: ClusterSpec,
     """--time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot -> requeue, until finished."""
     from hpc_ddp.preemption import read_attempts
 
-    script, run_dir = worker_job(tmp_path, "t", ["train.max_steps=2500", "train.log_every=100",
-                                                 "slurm.timeout_min=1", "slurm.signal_delay_s=50"])
+    # Each step sleeps 100 ms (the Faulty task's slow fault): 300 steps take 30 s or more on any machine, longer
+    # than the first warning tick (10-26 s after the start), so at least one time-out comes, with little compute
+    script, run_dir = worker_job(tmp_path, "t", ["train.task=tests.tasks:Faulty", "train.max_steps=300",
+                                                 "train.log_every=30", "slurm.timeout_min=1",
+                                                 "slurm.signal_delay_s=50"])
     sbatch("-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue", "--open-mode=append",
-           f"--output={tmp_path / 'job.out'}", str(script))
+           f"--output={tmp_path / 'job.out'}", str(script), env={"HPC_DDP_TEST_FAULT": "slow:-1:0.1"})
     wait_finished(run_dir, tmp_path / "job.out", 300)
     reasons = [a["reason"] for a in read_attempts(run_dir)]
     assert reasons[-1] == "finished" and set(reasons[:-1]) == {"timeout"} and len(reasons) >= 2
-    assert logged_steps(run_dir) == list(range(100, 2501, 100))
+    assert logged_steps(run_dir) == list(range(30, 301, 30))
