@@ -28,8 +28,8 @@ if os.environ.get("CI"):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that uses the real cluster is marked ``slurm``, so ``-m slurm`` selects them all: dev/test.sh
-    runs them in a pytest of their own beside the rest, since they mostly wait on Slurm's clock."""
+    """Every test that uses the real cluster is marked ``slurm`` (no test can forget it), so ``-m slurm`` and
+    ``-m "not slurm"`` select the cluster tests and the rest."""
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)

@@ -25,8 +25,10 @@ def finished(run_dir: Path) -> bool:
     DONE.json is written by the program's last step; rank 0 appends the ledger line a moment later,
     when the run is closed. Waiting for DONE.json alone and then reading the ledger races that moment.
     """
+    if not (run_dir / "DONE.json").exists():  # the cheap check first: this is polled
+        return False
     attempts = read_attempts(run_dir)
-    return (run_dir / "DONE.json").exists() and bool(attempts) and attempts[-1].get("reason") == "finished"
+    return bool(attempts) and attempts[-1].get("reason") == "finished"
 
 
 def alive_with(marker: str) -> list[int]:

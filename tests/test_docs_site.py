@@ -128,7 +128,8 @@ def test_quickstart_dry_run_and_rehearsal_work_as_written(tmp_path: Path) -> Non
         outputs.append(proc.stdout)
     # as the page says: the next boundary after the signal, 41, or 42 when the signal arrives during that boundary
     assert re.search(r"preemption +0->(41|42) .*\n.*finished +\1->100", outputs[-1]), outputs[-1]
-    assert "at step 41" in (DOCS / "quickstart.md").read_text() and "at 42 when" in (DOCS / "quickstart.md").read_text()
+    page = (DOCS / "quickstart.md").read_text()
+    assert "at step 41" in page and "at 42 when" in page
 
 
 @pytest.mark.slurm
