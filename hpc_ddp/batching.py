@@ -165,7 +165,8 @@ def geometry_change(before: int | None, before_config: Mapping[str, Any] | None,
         pass
     return (f" at another world size: written by {_ranks(before)}{was}, now {_ranks(world_size)}{now}. Same "
             "data order; every rank's RNG is reseeded from (seed, step, rank) and gradients are summed in another "
-            "order, so the run is no longer bit-identical to one that never stopped (losses agree to float rounding)")
+            "order, so the run is no longer bit-identical to one that never stopped (without dropout or other "
+            "randomness, losses agree to float rounding; with it, they follow another random stream)")
 
 
 def batch_change_problem(written: int, saved_batch: int, train: Any, world_size: int) -> str | None:
@@ -189,12 +190,22 @@ def resume_batch_problem(manifest: Mapping[str, Any], train: Any, nodes: Any, ta
     """:func:`batch_change_problem` for the newest snapshot's ``manifest`` at every count of ``slurm.nodes``.
     Asked on the login node, so that ``--resume slurm.nodes=1`` is refused before anything is written or queued."""
     written, config = manifest.get("world_size"), manifest.get("config")
-    if not isinstance(written, int) or not config:
+    try:
+        counts = node_counts(nodes)
+    except (ConfigError, ValueError):
+        return None
+    problems = (snapshot_batch_problem(written, config, train, n * tasks_per_node) for n in counts)
+    return next((problem for problem in problems if problem), None)
+
+
+def snapshot_batch_problem(written: Any, config: Mapping[str, Any] | None, train: Any, world_size: int) -> str | None:
+    """:func:`batch_change_problem` for a snapshot written by ``written`` ranks under ``config`` (its flat_values);
+    None when the snapshot does not record enough to tell. Asked on the login node and by the run on resume."""
+    if not isinstance(written, int) or not config or written == world_size:
         return None
     try:
         saved = plan(_TrainView(config), written).global_batch
-        problems = (batch_change_problem(written, saved, train, n * tasks_per_node) for n in node_counts(nodes))
-        return next((problem for problem in problems if problem), None)
+        return batch_change_problem(written, saved, train, world_size)
     except (ConfigError, KeyError, TypeError, ValueError):
         return None
 

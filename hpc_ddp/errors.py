@@ -33,6 +33,12 @@ class SlurmEnvError(HpcDdpError):
     """The Slurm, torchrun or MASTER_* variables cannot give a consistent rank layout."""
 
 
+class UsageError(HpcDdpError, ValueError):
+    """A training program used hpc_ddp's API the wrong way (an argument of the wrong kind, calls out of
+    order). Deterministic like a config error: exit 2, recorded once, never requeued. Also a ValueError,
+    which is what such a mistake raised before it had a class of its own."""
+
+
 class ClusterError(HpcDdpError):
     """The throw-away local Slurm cluster could not be started, checked or stopped."""
 

@@ -35,33 +35,25 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp import layout
+from hpc_ddp import replication
 from hpc_ddp.atomic import write_atomic
-from hpc_ddp.batching import BatchPlan, geometry_change, plan
+from hpc_ddp.batching import BatchPlan, geometry_change, plan, snapshot_batch_problem
 from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
-from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.errors import ConfigError, explain
 from hpc_ddp.preemption import StopFlag
 from hpc_ddp.slurm_env import DistEnv
+from hpc_ddp.tracked import PerRank, RunUsageError, check_trackable, load_into, pack, state_of, unloadable, unpack, unwrap
 from hpc_ddp.tracking import Sink, log_to, open_sinks
 
 log = logging.getLogger("hpc_ddp.run")
 STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
-
-
-class RunUsageError(HpcDdpError):
-    """The loop used the run object out of order (boundary before resume, step not rising)."""
+PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
 
 
 class LoopIgnoredStop(RunUsageError):
     """The loop called run.boundary again after it returned True. The session ends the attempt as the stop
     it was (the stop snapshot is committed; the steps after it are dropped) and the ledger says so."""
-
-
-def unwrap(model: Any) -> Any:
-    """The module under DDP (and torch.compile): snapshots and model.pt hold plain parameter names."""
-    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
-        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
-    return model
 
 
 def params_sha256(model: torch.nn.Module) -> str:
@@ -80,15 +72,6 @@ def base_lr(group: Mapping[str, Any]) -> float:
     return float(group.get("initial_lr", group["lr"]))
 
 
-def _check_trackable(name: str, obj: Any) -> None:
-    if isinstance(obj, dict) or (callable(getattr(obj, "state_dict", None))
-                                 and callable(getattr(obj, "load_state_dict", None))):
-        return
-    raise RunUsageError(explain(f"run.resume({name}=...) got a {type(obj).__name__}, which has no "
-                                "state_dict()/load_state_dict()", hint="track a model, optimizer, scheduler, "
-                                "scaler, sampler, or a dict of your own counters (restored in place)"), key=name)
-
-
 class Run:
     """One rank's view of one attempt of a run; the session builds it inside the process group.
 
@@ -105,7 +88,10 @@ class Run:
         self.run_dir = Path(cfg.run_dir)
         self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
         self._beat = beat or (lambda step, phase: None)
-        self.tracked: dict[str, Any] = {}
+        self.tracked: dict[str, Any] = {}  # replicated: one copy in the snapshot, checked alike on every rank
+        self.per_rank: dict[str, PerRank] = {}  # saved and restored per rank, like the RNG
+        self.boundaries = 0  # run.boundary calls in this attempt: a loop that makes none cannot honour a stop
+        self._per_rank_checked = False
         self.step = 0
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None  # the world size that wrote the snapshot resumed from
@@ -147,7 +133,8 @@ class Run:
 
         Collective: call it on every rank, once, before the first step. Anything with
         ``state_dict()``/``load_state_dict()`` can be tracked, and a dict (restored in
-        place). This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
+        place). State that differs by rank goes in as ``name=hpc_ddp.per_rank(obj)``: it is
+        saved and restored per rank. This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
         A DDP model's gradient buckets are settled before its first step (see
         :meth:`_settle_buckets_on_first_forward`), so a resumed run sums gradients in
         the same order as one that never stopped.
@@ -156,8 +143,13 @@ class Run:
             raise RunUsageError(explain("run.resume() was called twice", hint="call it once, before the loop"))
         for name, obj in objects.items():
             if obj is not None:
-                _check_trackable(name, obj)
-                self.tracked[name] = obj
+                check_trackable(name, obj)
+                if isinstance(obj, PerRank):
+                    self.per_rank[name] = obj
+                else:
+                    self.tracked[name] = obj
+                    if hasattr(obj, "tracked") and type(obj).__name__ == "ShardSampler":
+                        obj.tracked = True  # its iteration outside iterate() now warns: the position would be lost
         self._resumed = True
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -181,19 +173,55 @@ class Run:
                 hint="track the same names as the run that wrote it, or start a new run in another run_dir=..."))
         built = {name: [base_lr(g) for g in obj.param_groups] for name, obj in self.tracked.items()
                  if isinstance(obj, torch.optim.Optimizer)}
+        self._refuse_batch_change(restored)
         for name, obj in self.tracked.items():
-            if isinstance(obj, dict):
-                obj.clear()
-                obj.update(state[name])
-            else:
-                unwrap(obj).load_state_dict(state[name])
+            load_into(obj, state[name], self.device)
         self.step = self.resumed_from = restored.step
         self.resumed_world_size = restored.world_size
+        rng = dict(restored.rng) if restored.rng is not None else None
+        self._load_per_rank(rng.pop(PER_RANK, None) if rng else None, restored)
         self._report_changes(restored, built)
-        if restored.rng is not None:
-            restore_rng(restored.rng)
+        if rng is not None:
+            restore_rng(rng)
         else:
             reseed(self.config.train.seed, self.step, self.rank)
+
+    def _refuse_batch_change(self, restored: Any) -> None:
+        """A loop resumed at another world size with ``train.global_batch_size`` unset would change its global
+        batch: refused, as on the login node (a job from an sbatch template never passed there)."""
+        if not self.config.train.script:
+            problem = snapshot_batch_problem(restored.world_size, restored.config, self.config.train, self.world_size)
+            if problem:
+                raise ConfigError(problem, key="train.global_batch_size")
+
+    def _load_per_rank(self, blob: bytes | None, restored: Any) -> None:
+        """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
+        raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
+        if not self.per_rank:
+            return
+        saved = unpack(blob) if blob is not None else None
+        problem = None
+        for name, wanted in self.per_rank.items():
+            if saved is not None and name in saved:
+                load_into(wanted.obj, saved[name], self.device)
+                continue
+            why = (f"was written by {restored.world_size} ranks and this attempt has {self.world_size}"
+                   if restored.world_size not in (None, self.world_size) else
+                   "has no per-rank state named " + repr(name) if saved is not None else
+                   f"lost rank {self.rank}'s per-rank state (its node's file is damaged, or it predates per_rank)")
+            if wanted.elastic == "fresh":
+                log.warning("the snapshot of step %d %s: %s keeps the value this attempt built "
+                            "(per_rank(..., elastic='fresh'))", restored.step, why, name)
+                continue
+            problem = problem or explain(
+                f"cannot restore the per-rank state {name!r}: the snapshot of step {restored.step} {why}",
+                hint=f"resume at the world size that wrote it, or track it with hpc_ddp.per_rank({name}, "
+                "elastic='fresh') to keep the value each rank builds in the new attempt")
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise RunUsageError(first)
 
     def _report_changes(self, restored: Any, built: dict[str, list[float]]) -> None:
         """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
@@ -240,9 +268,9 @@ class Run:
         buckets when the real forward starts.
         """
         def hook(module: DistributedDataParallel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            handle.remove()
             if not torch.is_grad_enabled() or not module.training:
-                return
+                return  # an eval forward (maybe on rank 0 only, as nanoGPT's first eval): wait for the training one
+            handle.remove()
             rng, sync = capture_rng(), module.require_backward_grad_sync
             module.eval()
             module.require_backward_grad_sync = True
@@ -272,6 +300,7 @@ class Run:
         """
         self._check_step(step)
         self.step = step
+        self.boundaries += 1
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
@@ -306,12 +335,32 @@ class Run:
         if ckpt.pending is not None and (stop or not busy):
             ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
         self.beat(step, "snapshot")
-        if stop:
-            ckpt.save(step, self.state(), capture_rng())  # the stop snapshot is always synchronous
-        elif due and self.config.snapshot.async_write and ckpt.pending is None:
-            ckpt.save_async(step, self.state(), capture_rng())
-        elif due and not self.config.snapshot.async_write:
-            ckpt.save(step, self.state(), capture_rng())
+        if stop or (due and (not self.config.snapshot.async_write or ckpt.pending is None)):
+            state, rng = self._checked_state(step)
+            if stop or not self.config.snapshot.async_write:
+                ckpt.save(step, state, rng)  # the stop snapshot is always synchronous
+            else:
+                ckpt.save_async(step, state, rng)
+
+    def _checked_state(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
+        state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
+        if self.world_size > 1:
+            for obj in self.tracked.values():
+                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers:
+                    for buffer in obj.module.buffers():
+                        dist.broadcast(buffer, 0)
+        state = self.state()
+        replication.check({n: v for n, v in state.items() if n != STEP}, step, self.device)
+        rng = capture_rng()
+        if self.per_rank:
+            if not self._per_rank_checked:
+                problem = unloadable(self.per_rank)
+                if problem:
+                    raise RunUsageError(problem)
+                self._per_rank_checked = True
+            rng[PER_RANK] = pack(self.per_rank)
+        return state, rng
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
@@ -325,8 +374,7 @@ class Run:
 
     def state(self) -> dict[str, Any]:
         """What a snapshot holds besides the RNG: every tracked object's state_dict, and the step."""
-        state: dict[str, Any] = {name: dict(obj) if isinstance(obj, dict) else unwrap(obj).state_dict()
-                                 for name, obj in self.tracked.items()}
+        state: dict[str, Any] = {name: state_of(obj) for name, obj in self.tracked.items()}
         state[STEP] = self.step
         return state
 
@@ -340,6 +388,7 @@ class Run:
         """
         if not self.is_main:
             return
+        values = {key: metric_value(key, value) for key, value in values.items()}
         with open(layout.metrics(self.run_dir), "a") as out:
             out.write(json.dumps({"step": step, **values, "time": round(time.time(), 3)}) + "\n")  # time: status ETA
         if self._sinks is None:
@@ -385,6 +434,20 @@ class Run:
                      f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
         self.finished = done
         return done
+
+
+def metric_value(key: str, value: Any) -> Any:
+    """A value metrics.jsonl can hold: a 0-d (or one-element) tensor or a NumPy scalar becomes its number."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        if getattr(value, "size", None) == 1 or (isinstance(value, torch.Tensor) and value.numel() == 1):
+            return value.item()
+    raise RunUsageError(explain(f"run.log_metrics(..., {key}=...) got a {type(value).__name__}"
+                                + (f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""),
+                                expected="a number, a string or a one-element tensor",
+                                hint=f"log one number per key, e.g. {key}=loss.item() or {key}=t.mean().item()"),
+                        key=key)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

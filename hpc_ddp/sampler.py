@@ -16,13 +16,16 @@ and the global RNG stream are the same after a resume.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.errors import HpcDdpError, UsageError, explain
+
+log = logging.getLogger("hpc_ddp.sampler")
 
 
 def epoch_order(length: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -46,9 +49,10 @@ class ShardSampler(Sampler[int]):
                  global_batch: int | None = None) -> None:
         unit = global_batch or world_size
         if unit % world_size:
-            raise ValueError(f"a global batch of {unit} samples cannot be split over {world_size} ranks")
+            raise UsageError(explain(f"ShardSampler(global_batch={unit}) cannot be split over {world_size} ranks",
+                                     hint="pass global_batch=run.batch.global_batch (a multiple of the world size)"))
         if length < unit:
-            raise ValueError(f"a dataset of {length} samples cannot be sharded over {world_size} ranks"
+            raise UsageError(f"a dataset of {length} samples cannot be sharded over {world_size} ranks"
                              + (f" in global batches of {unit}" if global_batch else ""))
         self.length, self.rank, self.world_size = length, rank, world_size
         self.seed, self.shuffle = seed, shuffle
@@ -56,6 +60,9 @@ class ShardSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0  # global position this iteration starts at
         self.sample_in_epoch = 0  # global position: samples of this epoch taken by all ranks (via iterate)
+        self.tracked = False  # run.resume(sampler=...) sets it: its position must then come from iterate()
+        self._iterating = False  # inside iterate(): the loader's own pass over the indices counts
+        self._warned = False
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (call once per epoch, as with DistributedSampler)."""
@@ -77,6 +84,11 @@ class ShardSampler(Sampler[int]):
         return self.usable // self.world_size
 
     def __iter__(self) -> Iterator[int]:
+        if self.tracked and not self._iterating and not self._warned:
+            self._warned = True  # once: a loop that does this, does it every epoch
+            log.warning("a tracked ShardSampler is being iterated outside sampler.iterate(loader): its position "
+                        "stays at the start of the epoch, so a resume replays the epoch from its start. "
+                        "HINT: take the batches with `for batch in sampler.iterate(loader):`")
         order = epoch_order(self.length, self.epoch, self.seed, self.shuffle)
         return iter(order[self.start + self.rank:self.usable:self.world_size])
 
@@ -102,11 +114,23 @@ class ShardSampler(Sampler[int]):
         would shift the dropout stream.
         """
         if getattr(loader, "sampler", None) is not self:
-            raise ValueError("sampler.iterate(loader) needs a DataLoader built with sampler=this sampler")
+            raise UsageError(explain(
+                "sampler.iterate(loader) needs a DataLoader built with sampler=this sampler",
+                found=type(getattr(loader, "sampler", None)).__name__,
+                hint="DataLoader(data, batch_size=..., sampler=sampler), then `for batch in sampler.iterate(loader)`"))
         loader.generator = torch.Generator().manual_seed(self.seed * 100003 + self.rank * 1009 + self.epoch)
         self.start = self.sample_in_epoch
         size = (loader.batch_size or 1) * self.world_size
-        for batch in loader:
+        batches: Iterator[Any] | None = None
+        while True:
+            self._iterating = True  # only while the loader draws indices: the loop's body may do anything
+            try:
+                batches = batches or iter(loader)  # workers prefetch (and so iterate this sampler) here
+                batch = next(batches)
+            except StopIteration:
+                break
+            finally:
+                self._iterating = False
             self.sample_in_epoch = min(self.sample_in_epoch + size, self.usable)
             yield batch
         self.set_epoch(self.epoch + 1)

@@ -150,6 +150,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                     run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)
+                    _note_ignored_stop(attempt, run)
             finally:
                 if run is not None:
                     run.close_metrics()
@@ -162,6 +163,20 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
         finally:
             if env.is_main and not attempt.wrapped:
                 release(attempt.run_dir, attempt.holder)
+
+
+def _note_ignored_stop(attempt: Attempt, run: Run) -> None:
+    """A stop signal arrived and the loop, which never called run.boundary, could not act on it: on a cluster
+    the job is killed at the grace period's end with nothing saved. The ledger line and the log say so."""
+    if not attempt.flag.is_set or run.boundaries or attempt.wrapped:
+        return  # no signal, or one that came after the last boundary (the run was ending anyway)
+    name = signal.Signals(attempt.flag.signum).name if attempt.flag.signum else "a stop signal"
+    attempt.record["stop_ignored"] = name
+    attempt.record["note"] = f"{name} arrived and was never acted on: the loop never called run.boundary(step)"
+    log.error("%s arrived and was never acted on: the loop never called run.boundary(step), so it took no "
+              "snapshot and could not stop; on a cluster the job is killed at the end of the grace period and "
+              "everything since the start is lost.\nHINT: call `if run.boundary(step): return` after every "
+              "optimizer step", name)
 
 
 def lock(run_dir: Path, me: dict[str, Any], env: DistEnv, from_main: Any) -> None:

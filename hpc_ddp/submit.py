@@ -202,23 +202,36 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
         kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
         print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
+    if code == 0 and _ignored_stop(run_dir, job_id):
+        code = 1  # a rehearsal that would lose the run on the cluster has not passed
     metrics = layout.metrics(run_dir)
-    print(f"{_outcome(run_dir, code)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+    print(f"{_outcome(run_dir, code, job_id)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
           + f"logs in {run_dir / 'logs'}", flush=True)
     return code
 
 
-def _outcome(run_dir: Path, code: int) -> str:
+def _outcome(run_dir: Path, code: int, job_id: int | None = None) -> str:
     """How a rehearsal ended, in one word or three: a stop at a requeue cap is not a failure."""
     from hpc_ddp.preemption import REASONS_CAPPED, read_attempts
 
     last = (read_attempts(run_dir) or [{}])[-1]
     if code == 0:
         return "finished"
+    ignored = _ignored_stop(run_dir, job_id)
+    if ignored:
+        return (f"FAILED: {ignored['stop_ignored']} was sent but never acted on (attempt {ignored['restart_count']}): "
+                "the loop never called run.boundary(step); on a cluster this job is killed with nothing saved")
     if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
         return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
                "--resume continues it)"
     return f"FAILED (exit code {code})"
+
+
+def _ignored_stop(run_dir: Path, job_id: int | None) -> dict[str, Any] | None:
+    """This rehearsal's attempt whose loop got a stop signal and never acted on it, if any."""
+    from hpc_ddp.preemption import read_attempts
+
+    return next((a for a in read_attempts(run_dir) if a.get("stop_ignored") and a.get("job_id") == job_id), None)
 
 
 def _write_config(cfg: RunConfig, resume: bool) -> Path:
@@ -285,7 +298,7 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
         raise in_use(run_dir, live[0], f"nothing in it was changed; {live[1]}")
     if earlier:
         _check_earlier(run_dir, resume)
-        if resume and cfg.train.task:
+        if resume and not cfg.train.script:  # a task or a loop: both take run.batch's share of the global batch
             _check_resume_batch(cfg)
 
 

@@ -29,3 +29,119 @@ def ignores_stop(run: Any) -> None:
 
 def no_argument() -> None:
     """train.loop must accept the run."""
+
+
+class _Net(torch.nn.Module):
+    """A small regression net with dropout (per-rank RNG) and no buffers, like nanoGPT's GPT with flash attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                        torch.nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def nanogpt_shaped(run: Any) -> None:
+    """nanoGPT train.py's shape, which our examples never had: every rank seeds its own data stream
+    (``seed + rank``) and prefetches its next batch before the step, rank 0 alone evaluates the DDP model under
+    no_grad before the first step, a per-rank counter, a per-rank module that is not wrapped in DDP, and the loss
+    logged as a 0-d tensor. DONE.json gets every rank's counter and probe, so a test compares them too."""
+    import hpc_ddp
+    import torch.distributed as dist
+    from torch.nn import functional as F
+
+    cfg = run.config.train
+    torch.manual_seed(cfg.seed)  # the same initial parameters on every rank
+    model = torch.nn.parallel.DistributedDataParallel(_Net())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    torch.manual_seed(cfg.seed + 1 + run.rank)  # nanoGPT's seed_offset: each rank draws its own batches
+    fixed = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    probe = torch.nn.Linear(16, 1)  # each rank's own, never all-reduced
+
+    def get_batch() -> dict[str, torch.Tensor]:
+        x = torch.randn(cfg.batch_size, 16)
+        return {"x": x, "y": x.sum(1, keepdim=True).sin()}
+
+    batch, counters = get_batch(), {"seen": 0.0, "steps": 0}
+    step = run.resume(model=model, optimizer=optimizer, batch=hpc_ddp.per_rank(batch),
+                      counters=hpc_ddp.per_rank(counters), probe=hpc_ddp.per_rank(probe))
+    while step < cfg.max_steps:
+        if step % 5 == 0 and run.is_main:  # nanoGPT: estimate_loss() on the master process only
+            model.eval()
+            with torch.no_grad():
+                model(fixed)
+            model.train()
+        loss = F.mse_loss(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        batch.update(get_batch())  # prefetch the next batch from this rank's RNG, as nanoGPT does
+        counters["seen"] += float(batch["x"].sum())
+        counters["steps"] += 1
+        with torch.no_grad():
+            probe.weight.add_(batch["x"].mean(0) * 0.01)
+        step += 1
+        run.log_metrics(step, loss=loss.detach())  # a 0-d tensor
+        if run.boundary(step):
+            return
+    mine = (counters["seen"], counters["steps"], float(probe.weight.detach().sum()))
+    every: list[Any] = [None] * run.world_size
+    dist.all_gather_object(every, mine)
+    run.finish(per_rank=every)
+
+
+def replicated_differs(run: Any) -> None:
+    """A DDP model with BatchNorm (its running stats differ by rank until DDP's next forward broadcasts rank
+    0's: not a mismatch) and a dict of per-rank values tracked as if it were replicated (a mismatch)."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                                          torch.nn.BatchNorm1d(4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = {"rank_loss": 0.0, "steps": 0}
+    step = run.resume(model=model, optimizer=optimizer, stats=stats)
+    torch.manual_seed(run.rank)
+    while step < 20:
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stats["rank_loss"] = loss.item()
+        stats["steps"] += 1
+        step += 1
+        if run.boundary(step):
+            return
+
+
+def wrong_loader(run: Any) -> None:
+    """sampler.iterate() on a loader built with another sampler: a usage error (exit 2), not a crash."""
+    import hpc_ddp
+    from torch.utils.data import DataLoader
+
+    model, optimizer = _tiny(run)
+    sampler = hpc_ddp.ShardSampler(16, run.rank, run.world_size)
+    run.resume(model=model, optimizer=optimizer, sampler=sampler)
+    for _ in sampler.iterate(DataLoader(list(range(16)), batch_size=2)):
+        pass
+
+
+def torch_sampler(run: Any) -> None:
+    """torch's DistributedSampler handed to run.resume: refused, naming hpc_ddp.ShardSampler."""
+    from torch.utils.data import DistributedSampler
+
+    model, optimizer = _tiny(run)
+    data = list(range(16))
+    run.resume(model=model, optimizer=optimizer,
+               sampler=DistributedSampler(data, num_replicas=run.world_size, rank=run.rank))
+
+
+def never_calls_boundary(run: Any) -> None:
+    """Trains 30 short steps and returns, never calling run.boundary: a stop signal cannot be acted on."""
+    model, optimizer = _tiny(run)
+    run.resume(model=model, optimizer=optimizer)
+    for _ in range(30):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(0.05)

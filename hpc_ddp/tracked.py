@@ -1,0 +1,150 @@
+"""What ``run.resume(...)`` may track, and the state that differs by rank.
+
+Most of what a loop tracks is **replicated**: a DDP model, its optimizer and schedulers,
+and the sampler's global position hold the same values on every rank after each
+optimizer step, so a snapshot keeps one copy (split across nodes) and every rank gets
+that copy back. Some state is **per rank**: a batch each rank prefetched from its own
+RNG, a per-rank counter, a module that is not wrapped in DDP, a ``torch.Generator``.
+One copy of that would give every rank one rank's value, so it is tracked with
+:func:`per_rank` and saved like the RNG states: each rank's value in its node's file,
+back to the same rank on resume.
+
+At another world size a rank's saved value has no owner. :func:`per_rank`'s
+``elastic`` says what then: ``"refuse"`` (the default) stops the resume with the
+reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warning.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from hpc_ddp.errors import UsageError, explain
+
+ELASTIC = ("refuse", "fresh")
+
+
+class RunUsageError(UsageError):
+    """The loop used the run API the wrong way (boundary before resume, a step not rising, an object that
+    cannot be tracked): exit 2, recorded once, never requeued."""
+
+
+def unwrap(model: Any) -> Any:
+    """The module under DDP (and torch.compile): snapshots and model.pt hold plain parameter names."""
+    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """A tracked object whose value differs by rank (made by :func:`per_rank`)."""
+
+    obj: Any
+    elastic: str = "refuse"
+
+
+def per_rank(obj: Any, elastic: str = "refuse") -> PerRank:
+    """Mark ``obj`` for ``run.resume`` as per-rank state: saved and restored per rank, like the RNG.
+
+    ``obj``: a dict (of tensors, numbers, strings, lists; restored in place), a
+    ``torch.Generator``, or anything with ``state_dict()``/``load_state_dict()`` that is
+    not a DDP model (a DDP model is replicated: track it plainly). ``elastic``: what a
+    resume at another world size (or with this rank's file damaged) does with it:
+    ``"refuse"`` stops with the reason, ``"fresh"`` keeps what the loop built in this attempt.
+    """
+    if elastic not in ELASTIC:
+        raise RunUsageError(explain(f"hpc_ddp.per_rank(..., elastic={elastic!r})", expected=" or ".join(
+            repr(e) for e in ELASTIC), hint="'refuse' stops a resume at another world size; 'fresh' keeps the "
+            "value built in that attempt"))
+    if isinstance(obj, DistributedDataParallel):
+        raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the same on every rank",
+                                 hint="track it plainly (run.resume(model=model)); per_rank is for state that "
+                                 "differs by rank"))
+    if not isinstance(obj, (dict, torch.Generator)) and not _has_state_dict(obj):
+        raise RunUsageError(explain(f"hpc_ddp.per_rank() got a {type(obj).__name__}, which has no "
+                                 "state_dict()/load_state_dict()", hint="pass a dict (restored in place), a "
+                                 "torch.Generator, or a module/object with state_dict()"))
+    return PerRank(obj, elastic)
+
+
+def _has_state_dict(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def check_trackable(name: str, obj: Any) -> None:
+    """Refuse what run.resume cannot save and restore, with what to track instead."""
+    if isinstance(obj, DistributedSampler):
+        raise RunUsageError(explain(
+            f"run.resume({name}=...) got torch's DistributedSampler, which keeps no position within an epoch: a "
+            "resume would replay the epoch from its start", hint="use hpc_ddp.ShardSampler(len(data), run.rank, "
+            "run.world_size, seed=...) and take the batches with `for batch in sampler.iterate(loader)`"), key=name)
+    if isinstance(obj, PerRank) or isinstance(obj, dict) or _has_state_dict(obj):
+        return
+    raise RunUsageError(explain(f"run.resume({name}=...) got a {type(obj).__name__}, which has no "
+                             "state_dict()/load_state_dict()", hint="track a model, optimizer, scheduler, scaler, "
+                             "sampler, a dict of your own counters (restored in place), or per-rank state with "
+                             "hpc_ddp.per_rank(obj)"), key=name)
+
+
+def state_of(obj: Any) -> Any:
+    """What a snapshot keeps of one tracked object."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, dict):
+        return dict(obj)
+    return unwrap(obj).state_dict()
+
+
+def load_into(obj: Any, state: Any, device: torch.device | None = None) -> None:
+    """Put a saved state back into ``obj`` in place (a dict's tensors go where the built one's were)."""
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, dict):
+        places = {k: v.device for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        obj.clear()
+        obj.update({k: v.to(places.get(k, device or v.device)) if isinstance(v, torch.Tensor) else v
+                    for k, v in state.items()})
+    else:
+        unwrap(obj).load_state_dict(state)
+
+
+def _cpu(value: Any) -> Any:
+    """A compact CPU copy (a view would save its whole storage; training goes on changing the original)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True).contiguous()
+    if isinstance(value, Mapping):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu(v) for v in value)
+    return value
+
+
+def pack(objects: Mapping[str, PerRank]) -> bytes:
+    """This rank's per-rank states as bytes: they travel with its RNG state to the node's writer."""
+    buffer = io.BytesIO()
+    torch.save({name: _cpu(state_of(p.obj)) for name, p in objects.items()}, buffer)
+    return buffer.getvalue()
+
+
+def unpack(blob: bytes) -> dict[str, Any]:
+    """The inverse of :func:`pack`; ``weights_only`` like every snapshot load."""
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+
+
+def unloadable(objects: Mapping[str, PerRank]) -> str | None:
+    """Checked at the first snapshot: per-rank state that a resume could not load back is refused now, not then."""
+    for name, p in objects.items():
+        try:
+            unpack(pack({name: p}))
+        except Exception as err:  # noqa: BLE001 - the unpickler names the type it refused
+            return explain(f"the per-rank state {name} holds something a snapshot cannot load back "
+                           f"({str(err).splitlines()[0]})", hint="keep tensors, numbers, strings, lists and dicts "
+                           "in it")
+    return None

@@ -1,0 +1,117 @@
+"""Own loops shaped like the ones people have, not like our examples (issue 22), through the real local
+simulation (gloo, CPU, real signals): per-rank state, an eval forward on rank 0 only, replicated state that is
+not, sampler misuse, a 0-d tensor as a metric, and a loop that never calls run.boundary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.preemption import read_attempts
+from hpc_ddp.snapshot import committed_steps
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+LOOPS = "tests.tasks.loops"
+NANO = ["examples/own_loop_gpt.yaml", "--local", f"train.loop={LOOPS}:nanogpt_shaped", "train.max_steps=18",
+        "train.batch_size=4", "train.log_every=1", "snapshot.every_steps=4"]
+SMALL = ["examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=2"]
+
+
+def submit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def done(run_dir: Path) -> dict:
+    return json.loads((run_dir / "DONE.json").read_text())
+
+
+def test_a_nanogpt_shaped_loop_stopped_three_times_at_2x2_ends_bit_identical(tmp_path: Path) -> None:
+    """Rank 0 evaluates the DDP model alone before the first step (this hung: the bucket-settling hook was spent
+    on that eval forward); each rank's prefetched batch, counter and un-wrapped probe module come back to that
+    rank (they came back as one rank's copy); the loss is logged as a 0-d tensor (it killed the job)."""
+    stopped = submit(*NANO, f"run_dir={tmp_path / 'stopped'}", "--preempt-at", "3,8", "--timeout-at", "13")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    straight = submit(*NANO, f"run_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert [a["reason"] for a in read_attempts(tmp_path / "stopped")] == ["preemption", "preemption", "timeout",
+                                                                          "finished"]
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 18
+    ends = done(tmp_path / "stopped"), done(tmp_path / "straight")
+    assert ends[0]["params_sha256"] == ends[1]["params_sha256"]
+    assert ends[0]["per_rank"] == ends[1]["per_rank"]  # every rank's counter and probe, rank by rank
+    assert len({json.dumps(r) for r in ends[1]["per_rank"]}) == 4  # and they do differ by rank
+
+
+def test_per_rank_state_at_another_world_size_is_refused_and_so_is_a_changed_global_batch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "elastic"
+    first = submit(*NANO, f"run_dir={run_dir}", "--preempt-at", "3", "slurm.max_preemptions=0")
+    assert first.returncode != 0 and "STOPPED at step 4" in first.stdout, first.stdout[-2000:]
+    # a loop's global batch would change (train.global_batch_size unset): refused on the login node, as for a task
+    batch = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1")
+    assert batch.returncode == 2 and "train.global_batch_size=32" in batch.stderr, batch.stderr[-2000:]
+    assert len(read_attempts(run_dir)) == 1
+    # with the batch kept, the per-rank state has no owner at 2 ranks: refused on every rank, exit 2, not requeued
+    ranks = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1", "train.global_batch_size=32",
+                   "train.grad_accum=1")
+    assert ranks.returncode == 2, ranks.stderr[-3000:]
+    assert "cannot restore the per-rank state 'batch'" in ranks.stderr and "elastic='fresh'" in ranks.stderr
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["preemption", "error"]
+
+
+def test_replicated_state_that_differs_by_rank_is_refused_before_any_snapshot_is_committed(tmp_path: Path) -> None:
+    """A dict of per-rank values tracked as replicated; the DDP model's BatchNorm statistics (different on each rank
+    after a step) are not a mismatch: DDP's next forward would broadcast rank 0's, and the snapshot holds those."""
+    run_dir = tmp_path / "differs"
+    proc = submit(*SMALL, f"train.loop={LOOPS}:replicated_differs", f"run_dir={run_dir}", "snapshot.every_steps=3",
+                  "slurm.max_failures=2")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "'stats' is tracked as replicated but differs between ranks (first at rank_loss: ranks [1]" in proc.stderr
+    assert "run.resume(stats=hpc_ddp.per_rank(stats))" in proc.stderr
+    assert committed_steps(run_dir) == []
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["error"]  # once: a requeue would fail the same way
+
+
+@pytest.mark.parametrize("loop, message, fix", [
+    ("wrong_loader", "sampler.iterate(loader) needs a DataLoader built with sampler=this sampler", "sampler=sampler"),
+    ("torch_sampler", "got torch's DistributedSampler", "hpc_ddp.ShardSampler("),
+])
+def test_sampler_misuse_is_a_usage_error_recorded_once_and_never_requeued(tmp_path: Path, loop: str, message: str,
+                                                                          fix: str) -> None:
+    run_dir = tmp_path / loop
+    proc = submit(*SMALL, f"train.loop={LOOPS}:{loop}", f"run_dir={run_dir}", "slurm.max_failures=3")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and fix in proc.stderr
+    assert proc.stderr.count(message) <= 2 and "Traceback" not in proc.stderr  # rank 0's error, rank 1's once
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["error"]
+    assert "max_failures" not in proc.stderr
+
+
+def test_a_stop_that_the_loop_never_acts_on_fails_the_rehearsal_and_the_ledger_says_so(tmp_path: Path) -> None:
+    run_dir = tmp_path / "deaf"
+    proc = submit(*SMALL, f"train.loop={LOOPS}:never_calls_boundary", f"run_dir={run_dir}", "--preempt-at", "0")
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "FAILED: SIGTERM was sent but never acted on" in proc.stdout
+    assert "HINT: call `if run.boundary(step): return`" in proc.stderr
+    last = read_attempts(run_dir)[-1]
+    assert last["stop_ignored"] == "SIGTERM" and "never called run.boundary" in last["note"]
+
+
+def test_the_own_loop_docs_diff_stops_at_max_steps() -> None:
+    """The diff in docs/own-loop.md, read as a loop: the step count is checked where the step is counted, not
+    only at the end of an epoch (copied literally with max_steps=40 it ran to step 64)."""
+    text = (ROOT / "docs" / "own-loop.md").read_text()
+    diff = text[text.index("```diff"):text.index("```", text.index("```diff") + 7)]
+    new = [line[1:] for line in diff.splitlines()[1:] if not line.startswith("-")]
+    body = new[next(i for i, line in enumerate(new) if "sampler.iterate(loader)" in line):]
+    assert any("max_steps" in line and ("break" in line or "return" in line) for line in body) or any(
+        "max_steps" in a and ("break" in b or "return" in b) for a, b in zip(body, body[1:])), "\n".join(body)
