@@ -13,6 +13,7 @@ import re
 # The library use of hpc_ddp: what own_loop.py-style code imports. Order is the page's order.
 PUBLIC = {
     "hpc_ddp.run": ["Run", "params_sha256"],
+    "hpc_ddp.tracked": ["per_rank"],
     "hpc_ddp.worker": ["session"],
     "hpc_ddp.slurm_env": ["DistEnv", "from_environ", "torch_env", "master_port", "rendezvous_endpoint",
                           "simulated_environ", "parse_tasks_per_node"],

@@ -42,6 +42,7 @@ from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.errors import ConfigError, explain
 from hpc_ddp.preemption import StopFlag
+from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import DistEnv
 from hpc_ddp.tracked import PerRank, RunUsageError, check_trackable, load_into, pack, state_of, unloadable, unpack, unwrap
 from hpc_ddp.tracking import Sink, log_to, open_sinks
@@ -148,7 +149,7 @@ class Run:
                     self.per_rank[name] = obj
                 else:
                     self.tracked[name] = obj
-                    if hasattr(obj, "tracked") and type(obj).__name__ == "ShardSampler":
+                    if isinstance(obj, ShardSampler):
                         obj.tracked = True  # its iteration outside iterate() now warns: the position would be lost
         self._resumed = True
         if self.is_main:
@@ -442,7 +443,7 @@ def metric_value(key: str, value: Any) -> Any:
         return value
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         if getattr(value, "size", None) == 1 or (isinstance(value, torch.Tensor) and value.numel() == 1):
-            return value.item()
+            return value.detach().item() if isinstance(value, torch.Tensor) else value.item()
     raise RunUsageError(explain(f"run.log_metrics(..., {key}=...) got a {type(value).__name__}"
                                 + (f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""),
                                 expected="a number, a string or a one-element tensor",

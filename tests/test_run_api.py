@@ -94,3 +94,72 @@ def test_finish_writes_the_model_and_done_last(tmp_path) -> None:
     assert layout.done(tmp_path).exists() and layout.model(tmp_path).exists()
     assert done["step"] == 1 and done["note"] == "x" and len(done["params_sha256"]) == 64
     assert run.finish() is done  # idempotent: the session may call it again
+
+
+def test_log_metrics_takes_one_element_tensors_and_numpy_scalars_and_names_the_key_of_anything_else(tmp_path) -> None:
+    import json
+
+    import numpy as np
+
+    run = make_run(tmp_path)
+    run.resume()
+    loss = torch.tensor(0.25, requires_grad=True) * 2
+    run.log_metrics(1, loss=loss, lr=np.float32(0.5), tokens=np.int64(7), note="warmup")
+    row = json.loads(layout.metrics(tmp_path).read_text())
+    assert (row["loss"], row["lr"], row["tokens"], row["note"]) == (0.5, 0.5, 7, "warmup")
+    with pytest.raises(RunUsageError, match=r"grads=\.\.\.\) got a Tensor of shape \(3,\)") as err:
+        run.log_metrics(2, grads=torch.ones(3))
+    assert err.value.key == "grads" and "HINT" in str(err.value)
+
+
+def test_a_tracked_sampler_iterated_outside_iterate_warns_once(tmp_path, caplog) -> None:
+    sampler = ShardSampler(8, 0, 1)
+    loader = DataLoader(list(range(8)), batch_size=2, sampler=sampler)
+    taken(sampler, loader, 2)  # before it is tracked: the Trainer iterates its own sampler directly
+    make_run(tmp_path).resume(sampler=sampler)
+    taken(sampler, loader, 5)
+    assert not [r for r in caplog.records if "outside sampler.iterate" in r.message]
+    for _ in range(2):
+        list(loader)
+    warned = [r for r in caplog.records if "outside sampler.iterate" in r.message]
+    assert len(warned) == 1 and "replays the epoch" in warned[0].message
+
+
+def test_per_rank_refuses_what_it_cannot_keep_per_rank() -> None:
+    import hpc_ddp
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(RunUsageError, match="elastic='later'"):
+        hpc_ddp.per_rank({}, elastic="later")
+    with pytest.raises(RunUsageError, match="has no state_dict"):
+        hpc_ddp.per_rank([1, 2])
+    assert hpc_ddp.per_rank(torch.Generator()).elastic == "refuse" and hpc_ddp.per_rank(model).obj is model
+
+
+def test_per_rank_state_round_trips_through_its_bytes(tmp_path) -> None:
+    import hpc_ddp
+    from hpc_ddp.tracked import load_into, pack, unloadable, unpack
+
+    generator, batch = torch.Generator().manual_seed(3), {"x": torch.arange(4.0)[1:], "n": 2}
+    objects = {"g": hpc_ddp.per_rank(generator), "batch": hpc_ddp.per_rank(batch)}
+    blob = pack(objects)
+    expected = torch.rand(3, generator=generator)
+    batch.update(x=torch.zeros(1), n=0)
+    saved = unpack(blob)
+    load_into(generator, saved["g"])
+    load_into(batch, saved["batch"])
+    assert torch.equal(torch.rand(3, generator=generator), expected) and batch["n"] == 2
+    assert batch["x"].tolist() == [1.0, 2.0, 3.0]
+    assert "cannot load back" in unloadable({"odd": hpc_ddp.per_rank({"when": object()})})
+
+
+def test_the_first_difference_names_the_key_and_the_ranks() -> None:
+    from hpc_ddp.replication import digests, first_difference
+
+    same = {"w": torch.ones(100_000), "n": 3}
+    other = {"w": torch.ones(100_000), "n": 4}
+    assert digests(same) == digests({"n": 3, "w": torch.ones(100_000)})  # key order does not matter
+    assert first_difference([digests(same), digests(same), digests(other)]) == ("n", [2])
+    spread = torch.ones(100_000)
+    spread[50_000:] = 2  # a large tensor is sampled, and a change over a range of it is seen
+    assert first_difference([digests({"w": torch.ones(100_000)}), digests({"w": spread})]) == ("w", [1])
