@@ -7,10 +7,11 @@ A run that is stopped and requeued five times is still one run to the person wat
   step it will log, so what an earlier attempt logged after the snapshot it resumed from (a crash
   between snapshots) is dropped by TensorBoard: one value per step, one continuous curve.
 - **Weights & Biases** (``metrics.wandb=true``, extra ``hpc_ddp[wandb]``): the W&B run id is kept
-  in ``RUN_DIR/wandb_id.txt``; every attempt resumes that run (``resume="allow"``). W&B keeps the
-  first value logged for a step, so after a crash the replayed steps are not doubled either.
-  ``metrics.wandb_mode=offline`` writes under ``RUN_DIR/wandb`` with no network (``wandb sync``
-  uploads it later).
+  in ``RUN_DIR/wandb_id.txt``; every attempt resumes that run (``resume="allow"``). The sink sends
+  each step once (the first value logged for it): after a crash the replayed steps are not doubled,
+  and not renumbered by ``wandb sync`` either (see :class:`WandbSink`).
+  ``metrics.wandb_mode=offline`` writes one ``RUN_DIR/wandb/offline-run-*`` per attempt with no
+  network (``wandb sync RUN_DIR/wandb`` uploads them later, in order, as the one run).
 
 Both also get the attempt boundaries (an ``attempt`` scalar at each attempt's first step). The
 extras are checked at submit (:func:`missing_extras`, no import) and when the sink opens.
@@ -80,7 +81,19 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run per hpc_ddp run: the id is made once and kept in the run dir."""
+    """One W&B run per hpc_ddp run: the id is made once and kept in the run dir, and no step is sent twice.
+
+    Each attempt is a W&B *fragment* of that run (offline: its own ``offline-run-*`` directory,
+    which knows nothing of the others). ``wandb sync`` (0.31) uploads the fragments in start order
+    and renumbers a row whose step is not above every step already uploaded to the next free step,
+    so a crash's replayed steps would shift the rest of the curve. The sink therefore keeps the
+    highest step it handed to W&B in ``RUN_DIR/wandb/hpc_ddp_last_step.txt`` and drops steps at or
+    below it when a later attempt logs them again: the first value logged for a step stays (online,
+    W&B drops them too). hpc_ddp's own markers (``hpc_ddp/*``, such as each attempt's
+    ``hpc_ddp/attempt``) logged at such a step move to the next step that is sent, so every
+    attempt's boundary still shows. Within one attempt, calls go to W&B as they come (several
+    calls at one step make one row).
+    """
 
     def __init__(self, run_dir: Path, name: str, project: str, mode: str, config: Mapping[str, Any]) -> None:
         import wandb
@@ -90,16 +103,47 @@ class WandbSink:
         if not run_id:
             run_id = secrets.token_hex(4)  # W&B ids: up to 64 of [a-z0-9]; made once, kept for every attempt
             write_atomic(id_file, run_id + "\n")
+        # quiet is a setting, not an argument of finish(): wandb 0.31 dropped finish(quiet=...)
         self.run = wandb.init(id=run_id, resume="allow", project=project or name, name=name, dir=str(run_dir),
-                              mode=mode, config=dict(config))
+                              mode=mode, config=dict(config), settings=wandb.Settings(quiet=True))
+        self.step_file = run_dir / "wandb" / "hpc_ddp_last_step.txt"
+        self.step_file.parent.mkdir(parents=True, exist_ok=True)  # mode=disabled makes no wandb/ of its own
+        # the highest step earlier attempts sent: online, W&B knows it too; offline, only the step file does
+        self.floor = self.last = max(_read_step(self.step_file), self.run.starting_step - 1)
+        self.held: dict[str, float] = {}
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        self.run.log(_numbers(values), step=step)
+        numbers = _numbers(values)
+        if step <= self.floor:  # an earlier attempt sent this step: keep its value
+            self.held.update({k: v for k, v in numbers.items() if k.startswith("hpc_ddp/")})
+            return
+        self.run.log({**self.held, **numbers}, step=step)
+        self.held = {}
+        if step > self.last:
+            self.last = step
+            _write_step(self.step_file, step)
 
     def close(self, stopped: bool) -> None:
         if stopped:
             self.run.mark_preempting()  # the W&B UI shows "preempted" until the requeued attempt resumes it
-        self.run.finish(quiet=True)
+        self.run.finish()  # writes the attempt's last rows: an attempt that never finishes leaves its file empty
+
+
+def _read_step(path: Path) -> int:
+    """The highest step an earlier attempt sent to W&B; -1 when none did (or the file is unreadable)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def _write_step(path: Path, step: int) -> None:
+    """Record ``step`` as sent, on every logged step: an attempt killed without ``close`` must not have
+    its steps sent again (they would be renumbered). No fsync: a node crash loses W&B's unflushed rows
+    too, and a rename never leaves the file half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{step}\n")
+    tmp.replace(path)
 
 
 def open_sinks(cfg: Any, run_dir: Path, first_step: int, config: Mapping[str, Any]) -> list[Sink]:

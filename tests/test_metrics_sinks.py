@@ -1,6 +1,7 @@
 """TensorBoard and W&B stay one run across attempts: a crash after a snapshot (the next attempt replays steps
 from the older snapshot), a preemption and its requeue. Real gloo ranks through the local rehearsal; the
-event files are read back with TensorBoard's own reader, W&B runs offline (no network)."""
+event files are read back with TensorBoard's own reader, and W&B runs offline (no network), its run files read
+back with W&B's own reader (``wandb leet inspect --json``, wandb-core's transaction-log reader)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,6 +64,53 @@ def test_tensorboard_shows_one_value_per_step_across_a_crash_a_stop_and_a_requeu
     attempts = [(e.step, int(e.value)) for e in events.Scalars("hpc_ddp/attempt")]
     stop = read_attempts(watched)[1]["last_step"]
     assert attempts == [(0, 0), (20, 1), (stop, 2)]  # where each attempt began
+
+
+def first_values(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """metrics.jsonl's record per step, the first attempt's where a step was logged twice."""
+    firsts: dict[int, dict[str, Any]] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        firsts.setdefault(record["step"], record)
+    return firsts
+
+
+def wandb_fragments(run_dir: Path) -> list[dict[str, Any]]:
+    """Each attempt's offline run file as W&B's own reader sees it, in start order: its history rows
+    (``_step`` and the values) and the types of all its records."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}  # no telemetry upload
+    fragments = []
+    for path in (run_dir / "wandb").glob("offline-run-*/run-*.wandb"):
+        proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        starts = [r["run"]["start_time"] for r in records if r["type"] == "run"]
+        assert starts, f"{path} ({path.stat().st_size} bytes) holds no run: the attempt's Run.finish() failed?"
+        fragments.append({"start": starts[0], "types": [r["type"] for r in records],
+                          "rows": [r["history"]["item"] for r in records if r["type"] == "history"]})
+    return sorted(fragments, key=lambda f: f["start"])
+
+
+def test_wandb_offline_history_has_every_logged_step_once_across_a_crash_a_stop_and_a_requeue(watched: Path) -> None:
+    logged = first_values(watched)
+    assert len((watched / "metrics.jsonl").read_text().splitlines()) > len(logged)  # the crash's steps were replayed
+    fragments = wandb_fragments(watched)
+    assert [f["types"].count("exit") for f in fragments] == [1, 1, 1]  # every attempt finished its W&B run
+    assert ["preempting" in f["types"] for f in fragments] == [False, True, False]  # mark_preempting on the stop
+    steps = [[row["_step"] for row in f["rows"]] for f in fragments]
+    # `wandb sync` uploads the fragments in start order as the one run, and wandb-core (its history step
+    # tracker, core/internal/stream/historystep.go; string present in the 0.31 binary) renumbers a row whose
+    # step is not above every step already uploaded to the next free step (a re-logged step would shift the
+    # rest of the curve): so each fragment must begin above where the one before it ended, and W&B keeps
+    # the first value logged for a step.
+    assert all(s == sorted(set(s)) for s in steps) and all(b[-1] < a[0] for b, a in zip(steps, steps[1:])), steps
+    assert [step for s in steps for step in s] == [0, *sorted(logged)]  # step 0: only attempt 0's marker
+    rows = {row["_step"]: row for f in fragments for row in f["rows"]}
+    for key in ("loss", "samples_per_s"):  # samples/s differs between a step and its replay
+        assert {s: rows[s][key] for s in logged} == pytest.approx({s: r[key] for s, r in logged.items()})
+    markers = [(row["_step"], row["hpc_ddp/attempt"]) for row in rows.values() if "hpc_ddp/attempt" in row]
+    assert markers == [(s[0], n) for n, s in enumerate(steps)]  # each attempt's first step that W&B kept
+    assert markers[2][0] == read_attempts(watched)[1]["last_step"] + 1
 
 
 def test_wandb_offline_keeps_one_run_id_across_attempts(watched: Path) -> None:
