@@ -203,7 +203,7 @@ def render(info: dict[str, Any]) -> str:
             line += f"; about {_duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
         out.append(line)
     if info["done"]:
-        out.append(f"done    step {info['done']['step']}  params_sha256 {info['done']['params_sha256'][:16]}")
+        out.append(f"done    {done_line(info['done'])}")
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
     if info["attempts"]:
         out.append("attempts:")
@@ -286,3 +286,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def done_line(done: dict[str, Any]) -> str:
+    """DONE.json in a line, whichever program wrote it: a loop or task (step, params_sha256) or a script (its
+    exit code, and no step: a script's steps are its own)."""
+    parts = [f"step {done['step']}"] if "step" in done else []
+    if "script" in done:
+        parts.append(f"script {done['script']} exited {done.get('exit_code', '?')}")
+    if done.get("params_sha256"):
+        parts.append(f"params_sha256 {str(done['params_sha256'])[:16]}")
+    return "  ".join(parts) or "(DONE.json holds no step)"

@@ -112,3 +112,16 @@ def test_the_plot_labels_each_attempt_and_names_the_run(tmp_path: Path) -> None:
     assert [t.get_text() for t in ax.texts] == ["#1 after preemption"]
     labels = [t.get_text() for t in ax.get_yticklabels(minor=True) + ax.get_yticklabels() if t.get_text()]
     assert labels and not any("times" in t or "^" in t for t in labels)  # plain numbers, no 2.4x10^0
+
+
+@pytest.mark.parametrize("done, shown", [
+    ({"script": "examples/torchrun_script.py", "world_size": 4, "exit_code": 0},
+     "done    script examples/torchrun_script.py exited 0"),  # a train.script run: no step (it crashed: KeyError)
+    ({"step": 40, "world_size": 4}, "done    step 40"),  # a loop that tracked no model: no params_sha256
+    ({"step": 100, "params_sha256": "ab" * 32, "world_size": 4}, "done    step 100  params_sha256 abababab"),
+])
+def test_status_shows_every_kind_of_finished_run(tmp_path: Path, done: dict, shown: str) -> None:
+    path = run_dir(tmp_path, attempts=[{"reason": "finished", "restart_count": 0, "start": 1.0, "end": 9.0}])
+    (path / "DONE.json").write_text(json.dumps(done))
+    text = render(collect(path))
+    assert "state FINISHED" in text and shown in text
