@@ -32,6 +32,7 @@ EPILOG = """\
 examples:
   python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 slurm.tasks_per_node=4
   python -m hpc_ddp.submit examples/mlp.yaml --resume                     # continue a stopped run, new job
+  python -m hpc_ddp.submit runs/mlp --resume train.max_steps=200           # the run dir stands in for the YAML
   python -m hpc_ddp.submit examples/mlp.yaml slurm.nodes=1-2 train.global_batch_size=256   # 1 or 2 nodes
   python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch && sbatch job.sbatch
   python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch --launcher torchrun   # torchrun per node
@@ -45,7 +46,8 @@ examples:
 
 Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
 (see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
---multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1.
+--multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
+own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
 Also installed as the console script `hpc-ddp-submit`.
 """
 
@@ -67,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KEY=V1,V2 overrides sweep: one job array, one run dir per combination")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in RUN_DIR from its newest snapshot (a new job; with --local, a "
-                        "new rehearsal)")
+                        "new rehearsal), with the run's own config.yaml and only the KEY=VALUE given now on top; "
+                        "CONFIG may be the run dir")
     parser.add_argument("--no-preflight", action="store_true",
                         help="submit without the login-node checks (Slurm commands, partition, run dir, "
                         "geometry, task module)")
@@ -90,26 +93,58 @@ def _steps(text: str) -> list[int]:
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
-    """Config files (``*.yaml``/``*.yml``) and ``key=value`` overrides, each in the given order."""
-    paths = [i for i in items if i.endswith((".yaml", ".yml")) and "=" not in i]
-    return paths, [i for i in items if i not in paths]
+    """Config files (``*.yaml``/``*.yml``, or a run dir: its config.yaml) and ``key=value`` overrides, each in
+    the given order."""
+    def as_path(item: str) -> str | None:
+        if "=" in item:
+            return None
+        if item.endswith((".yaml", ".yml")):
+            return item
+        return str(layout.config(item)) if layout.config(item).is_file() else None
+
+    paths = [p for p in map(as_path, items) if p]
+    return paths, [i for i in items if as_path(i) is None]
 
 
-def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str = "") -> RunConfig:
+def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str = "",
+            resume: bool = False) -> RunConfig:
+    """The run's config. With ``resume``, the run's own config.yaml (its earlier overrides included) with
+    only this command line's ``overrides`` on top: the CONFIG file serves to find the run dir."""
     cfg = load_config(paths, list(overrides))
     run_dir = Path(cfg.run_dir).expanduser().resolve()  # workers may start elsewhere
     cfg.run_dir = str(run_dir / label if label else run_dir)
+    saved = layout.config(cfg.run_dir)
+    if resume and saved.is_file():
+        named = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
+        try:
+            own = load_config([saved], [o for o in overrides if not o.startswith("run_dir=")])
+        except HpcDdpError as err:
+            raise HpcDdpError(f"--resume reads the run's own config, {saved}, and it cannot be used: {err}",
+                              key="run_dir") from None
+        _note_file_differences(paths, flat_values(cfg), flat_values(own), named)
+        own.run_dir = cfg.run_dir
+        return own
     return cfg
 
 
-def resolve_all(items: list[str], multirun: bool) -> list[RunConfig]:
+def _note_file_differences(paths: list[str], from_file: dict[str, Any], own: dict[str, Any],
+                           named: set[str]) -> None:
+    """Say which keys the CONFIG file now sets otherwise than the run: --resume keeps the run's values."""
+    ignored = [d for d in config_diff(own, from_file) if d[0] not in named and d[0] != "run_dir"]
+    if ignored and paths:
+        print(f"--resume continues the run with its own config; {', '.join(paths)} differs in "
+              f"{describe_diff(ignored)}, which is not applied (name a key on the command line to change it)",
+              flush=True)
+
+
+def resolve_all(items: list[str], multirun: bool, resume: bool = False) -> list[RunConfig]:
     """The run's config, or with ``multirun`` one config per combination (each in RUN_DIR/<label>)."""
     paths, overrides = split_items(items)
     if not multirun:
-        return [resolve(paths, overrides)]
+        return [resolve(paths, overrides, resume=resume)]
     from hpc_ddp.sweep import expand
 
-    return [resolve(paths, combo.overrides, combo.label) for combo in expand(overrides)]
+    return [resolve(paths, combo.overrides, combo.label, resume) for combo in expand(overrides)]
 
 
 def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable,
@@ -416,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        cfgs = resolve_all(args.items, args.multirun)
+        cfgs = resolve_all(args.items, args.multirun, args.resume)
         if args.dry_run:
             return dry_run(cfgs, checks=not args.no_preflight)
         if args.local:

@@ -86,3 +86,27 @@ def test_config_master_port_applies_unless_the_environment_names_one() -> None:
     assert with_config_port({"SLURM_JOB_ID": "1"}, cfg)["MASTER_PORT"] == "29999"
     assert with_config_port({"MASTER_PORT": "1234"}, cfg)["MASTER_PORT"] == "1234"
     assert "MASTER_PORT" not in with_config_port({}, load_config([MLP]))
+
+
+def test_resume_continues_the_runs_own_config_with_only_the_new_overrides(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A run started with train.lr=0.05 train.max_steps=30 and resumed with plain --resume kept the YAML's
+    0.01 and 100 (issue 23): now the run's own config.yaml is the base, and only what the command line names
+    changes. The CONFIG argument finds the run dir; the run dir itself may be given instead."""
+    from hpc_ddp.submit import resolve_all
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    save_config(load_config([MLP], [f"run_dir={run_dir}", "train.lr=0.05", "train.max_steps=30"]),
+                run_dir / "config.yaml")
+    plain = resolve_all([MLP, f"run_dir={run_dir}"], False, resume=True)[0]
+    assert (plain.train.lr, plain.train.max_steps) == (0.05, 30)
+    out = capsys.readouterr().out
+    assert "differs in train.lr: 0.05 -> 0.01, train.max_steps: 30 -> 100, which is not applied" in out
+    longer = resolve_all([MLP, f"run_dir={run_dir}", "train.max_steps=50"], False, resume=True)[0]
+    assert (longer.train.lr, longer.train.max_steps, longer.run_dir) == (0.05, 50, str(run_dir))
+    assert "differs in train.lr: 0.05 -> 0.01, which" in capsys.readouterr().out  # max_steps is named: not listed
+    by_dir = resolve_all([str(run_dir), "train.max_steps=60"], False, resume=True)[0]
+    assert (by_dir.train.lr, by_dir.train.max_steps) == (0.05, 60) and capsys.readouterr().out == ""
+    fresh = resolve_all([MLP, f"run_dir={run_dir}"], False)[0]  # without --resume the YAML is the config
+    assert fresh.train.lr == 0.01
