@@ -1,6 +1,6 @@
 """``python -m benchmarks.run``: every figure of docs/performance.md, as ratios measured side by side.
 
-Writes ``benchmarks/results.json`` (sections B1..B7: raw medians, the ratio, the
+Writes ``benchmarks/results.json`` (sections B1..B8: raw medians, the ratio, the
 target, met or not) and prints the markdown table; ``--write-docs`` puts the
 table into docs/performance.md. Medians over interleaved repeats: this machine
 is noisy (2 cores, hypervisor steal), so only ratios from one run mean much.
@@ -135,6 +135,12 @@ def b7_split(scratch: Path, megabytes: float, counts: tuple[int, ...]) -> dict[s
     return figure(scratch, megabytes, counts)
 
 
+def b8_replication(scratch: Path, megabytes: float, repeats: int) -> dict[str, Any]:
+    from benchmarks.snapshots import replication_figures
+
+    return replication_figures(megabytes, scratch, repeats)
+
+
 def b6_scale(ranks: int = 4096) -> dict[str, Any]:
     from hpc_ddp.slurm_env import from_environ, simulated_environ
 
@@ -199,6 +205,10 @@ def table(results: dict[str, Any]) -> str:
                         f"{row['r2']['busiest_per_state']}; save {row['r2']['save_s']} s = "
                         f"{row['r2_save_vs_every']} x every node's, restore {row['r2']['restore_s']} s = "
                         f"{row['r2_restore_vs_every']} x | {s['target']} | {mark(s)} |")
+    if "B8" in b:
+        s = b["B8"]
+        rows.append(f"| B8 replication check, {s['state_mb']:.0f} MB state | fingerprints {s['fingerprint_s']} s = "
+                    f"{s['fingerprint_vs_sync']} x a sync snapshot ({s['sync_s']} s) | {s['target']} | {mark(s)} |")
     return "\n".join(rows)
 
 
@@ -216,7 +226,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7", help="comma-separated figures, e.g. B1,B3")
+    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7,B8", help="comma-separated figures, e.g. B1,B3")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args(argv)
@@ -234,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),
                  ("B4", lambda: b4_stop(scratch, 1 if quick else 3, results["B3"]["100MB"]["sync_s"])),
                  ("B5", b5_slurm), ("B6", b6_scale),
-                 ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8)))]
+                 ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
+                 ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -45,6 +45,21 @@ def _checkpointer(run_dir: Path) -> Any:
     return Checkpointer(run_dir, SnapshotConfig(every_steps=None, every_minutes=None, keep_last=1), env, "bench")
 
 
+def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(a checkpointer in a fresh ``run_dir``, its step counter, a timed sync save of ``state`` at the next step)."""
+    from hpc_ddp.checkpointer import capture_rng
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ckpt = _checkpointer(run_dir)
+    counter = iter(range(1, 10**6))
+
+    def sync() -> float:
+        start = time.perf_counter()
+        ckpt.save(next(counter), state, capture_rng())
+        return time.perf_counter() - start
+    return ckpt, counter, sync
+
+
 def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[str, Any]:
     """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load."""
     from hpc_ddp.checkpointer import capture_rng
@@ -55,14 +70,7 @@ def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[st
     size_mb = buffer.getbuffer().nbytes / 2**20
     del buffer
     run_dir = directory / f"b3-{int(megabytes)}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    ckpt = _checkpointer(run_dir)
-    counter = iter(range(1, 10**6))
-
-    def sync() -> float:
-        start = time.perf_counter()
-        ckpt.save(next(counter), state, capture_rng())
-        return time.perf_counter() - start
+    ckpt, counter, sync = _sync_saver(run_dir, state)
 
     def plain() -> float:
         start = time.perf_counter()
@@ -160,3 +168,27 @@ def stop_latency(directory: Path, megabytes: float, repeats: int) -> dict[str, A
                         "steps_lost": last["last_step"] - step, "size_mb": node_file.stat().st_size / 2**20})
         shutil.rmtree(run_dir, ignore_errors=True)
     return {key: round(median([r[key] for r in results]), 4) for key in results[0]} | {"repeats": repeats}
+
+
+def replication_figures(megabytes: float, directory: Path, repeats: int) -> dict[str, Any]:
+    """B8: the replication check's local work (fingerprints of every replicated object) against a sync snapshot
+    of the same state, interleaved. Its collective is one all_reduce of 2 int64 per object, not timed here."""
+    from hpc_ddp.replication import combined, digests
+
+    _, state = state_of(megabytes)
+    run_dir = directory / f"b8-{int(megabytes)}"
+    _, _, sync = _sync_saver(run_dir, state)
+
+    def fingerprint() -> float:
+        start = time.perf_counter()
+        [combined(digests(value)) for name, value in state.items() if name != "step"]
+        return time.perf_counter() - start
+
+    sync(), fingerprint()  # the first large write of a process is slower: not counted
+    samples = interleaved({"sync_s": sync, "fingerprint_s": fingerprint}, repeats)
+    medians = {name: median(values) for name, values in samples.items()}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ratio = medians["fingerprint_s"] / medians["sync_s"]
+    return {"state_mb": megabytes, **{k: round(v, 5) for k, v in medians.items()},
+            "fingerprint_vs_sync": round(ratio, 4), "target": "replication check <= 0.02 x a sync snapshot",
+            "met": ratio <= 0.02, "repeats": repeats}

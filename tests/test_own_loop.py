@@ -3,34 +3,18 @@ script (``train.script``), through the real local simulation (gloo, CPU, real si
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.preemption import read_attempts
+from tests.helpers import done, losses, submit
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 # 2 nodes x 1 task: each rank its own node's writer with its own dropout RNG (RNG gathered within a node: 2x2 in
 # test_resume.py); half the launch cost of the example's 2x2
 OWN = ["examples/own_loop_gpt.yaml", "--local", "slurm.tasks_per_node=1", "train.max_steps=16", "train.log_every=1",
        "train.grad_accum=2", "snapshot.every_steps=3", "snapshot.async_write=true"]
-
-
-def submit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
-def done(run_dir: Path) -> dict:
-    return json.loads((run_dir / "DONE.json").read_text())
 
 
 def test_own_loop_stopped_three_times_ends_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:

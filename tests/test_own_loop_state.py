@@ -5,34 +5,19 @@ not, sampler misuse, a 0-d tensor as a metric, and a loop that never calls run.b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.preemption import read_attempts
 from hpc_ddp.snapshot import committed_steps
+from tests.helpers import ROOT, done, losses, submit
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 LOOPS = "tests.tasks.loops"
 NANO = ["examples/own_loop_gpt.yaml", "--local", f"train.loop={LOOPS}:nanogpt_shaped", "train.max_steps=18",
         "train.batch_size=4", "train.log_every=1", "snapshot.every_steps=4"]
 SMALL = ["examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=2"]
-
-
-def submit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
-def done(run_dir: Path) -> dict:
-    return json.loads((run_dir / "DONE.json").read_text())
 
 
 def test_a_nanogpt_shaped_loop_stopped_three_times_at_2x2_ends_bit_identical(tmp_path: Path) -> None:
