@@ -163,3 +163,26 @@ def test_the_first_difference_names_the_key_and_the_ranks() -> None:
     spread = torch.ones(100_000)
     spread[50_000:] = 2  # a large tensor is sampled, and a change over a range of it is seen
     assert first_difference([digests({"w": torch.ones(100_000)}), digests({"w": spread})]) == ("w", [1])
+
+
+def test_per_rank_state_at_another_world_size_keeps_the_fresh_value_only_when_asked(tmp_path, caplog) -> None:
+    """The restore side alone (a process group of one; the refusal on real ranks is in test_own_loop_state)."""
+    import torch.distributed as dist
+
+    import hpc_ddp
+    from hpc_ddp.checkpointer import Restored
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        written_by_two = Restored(step=4, state={"step": 4}, rng=None, config=None, world_size=2)
+        fresh = {"x": torch.ones(2)}
+        run = make_run(tmp_path)
+        run.per_rank = {"batch": hpc_ddp.per_rank(fresh, elastic="fresh")}
+        run._load_per_rank(None, written_by_two)
+        assert fresh["x"].tolist() == [1.0, 1.0] and "keeps the value this attempt built" in caplog.text
+        run.per_rank = {"batch": hpc_ddp.per_rank(fresh)}
+        with pytest.raises(RunUsageError, match="was written by 2 ranks and this attempt has 1") as err:
+            run._load_per_rank(None, written_by_two)
+        assert "elastic='fresh'" in str(err.value)
+    finally:
+        dist.destroy_process_group()
