@@ -12,8 +12,14 @@ worker, which forwards the first stop signal (the warning signal, SIGTERM, Ctrl-
 When the script exits after one, the attempt is a time-out or preemption (or an
 interruption) and rank 0's worker records it and requeues within the caps, as for any
 program (:func:`hpc_ddp.session.conclude`). Exit 0 without a signal is a finished
-run; any other exit without a signal is a failure (settled and capped as usual). No
-torch in this process: the script imports what it needs.
+run; any other exit without a signal is a failure (settled and capped as usual).
+
+A crash on one rank reaches the others as a stop signal: srun's ``--kill-on-bad-exit``
+(and the local launcher) ends them with SIGTERM, which looks like a preemption. So a
+worker whose script crashed leaves a crash marker in the run dir before it exits, and a
+stopped worker that finds one records the attempt as ``failed`` (capped by
+``slurm.max_failures``), never as a preemption to requeue. No torch in this process:
+the script imports what it needs.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import EXIT_ERROR, StopFlag, read_attempts, recorded_error
+from hpc_ddp.preemption import EXIT_ERROR, StopFlag, append_attempt, read_attempts, recorded_error
 from hpc_ddp.runlock import acquire, release
 from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
 from hpc_ddp.shutdown import die_with_parent
@@ -38,6 +44,7 @@ from hpc_ddp.slurm_env import DistEnv, torch_env
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
+CRASH_WAIT_S = 1.0  # how long a stopped rank looks for another rank's crash marker (a shared filesystem's lag)
 
 
 class ScriptError(HpcDdpError):
@@ -90,6 +97,42 @@ def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def crash_path(run_dir: Path, env: DistEnv) -> Path:
+    return layout.errors(run_dir) / f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-{env.rank}.txt"
+
+
+def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
+    """Before this worker exits 1 (and srun ends the other tasks): say which rank's script crashed."""
+    marker = crash_path(attempt.run_dir, attempt.env)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, f"train.script {path} exited with code {code} on rank {attempt.env.rank}\n")
+    except OSError:
+        pass  # an unwritable run dir: the error is printed all the same
+
+
+def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:
+    """What other ranks' crash markers of this attempt say; waits up to ``wait_s`` for one to appear."""
+    env, deadline = attempt.env, time.monotonic() + wait_s
+    pattern = f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-*.txt"
+    while True:
+        found = sorted(layout.errors(attempt.run_dir).glob(pattern))
+        if found or time.monotonic() >= deadline:
+            return [p.read_text().strip() for p in found]
+        time.sleep(0.1)
+
+
+def record_crash(attempt: Attempt, crashed: list[str]) -> int:
+    """The attempt failed on another rank: rank 0 writes the one ``failed`` line (the settle step caps and
+    requeues it by slurm.max_failures); nobody requeues it as a stop."""
+    if attempt.env.is_main:
+        append_attempt(attempt.run_dir, {**attempt.record, "reason": "failed", "exit_code": 1,
+                                         "message": f"{crashed[0]}; the other ranks were ended by the job step"})
+    log.error("%s: this rank's script was ended because of it; the attempt is a failure (slurm.max_failures), "
+              "not a stop", crashed[0])
+    return 1
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -105,6 +148,9 @@ def run_script(attempt: Attempt) -> int:
                          script_environ(attempt.environ, env, attempt.run_dir), attempt.flag)
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
         if attempt.flag.is_set:
+            crashed = crashes(attempt) if code != 0 else []
+            if crashed:
+                return record_crash(attempt, crashed)
             if not env.is_main:
                 wait_for_ledger(attempt)
             return conclude(attempt, stopped=True, step=None)
@@ -115,6 +161,7 @@ def run_script(attempt: Attempt) -> int:
             return conclude(attempt, stopped=False, step=None)
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
+        mark_crash(attempt, path, code)
         print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop signal: "
               "a failure (requeued only within slurm.max_failures); its output is above", file=sys.stderr, flush=True)
         return 1

@@ -66,3 +66,16 @@ def test_bad_programs_are_refused_before_the_job_with_the_key_and_the_fix(tmp_pa
     signature = submit("examples/own_loop_gpt.yaml", "--dry-run", "train.loop=tests.tasks.loops:no_argument")
     assert signature.returncode == 2 and "no_argument() cannot be called with the run" in signature.stdout
     assert "def no_argument(run)" in signature.stdout  # the preflight report (dry-run prints it on stdout)
+
+
+def test_a_script_that_crashes_on_one_rank_is_a_failure_not_a_preemption(tmp_path: Path) -> None:
+    """Rank 1's script raises; the launcher (srun's --kill-on-bad-exit on a cluster) ends rank 0 with SIGTERM,
+    which rank 0's worker used to count as a preemption and requeue up to slurm.max_preemptions (issue 23)."""
+    run_dir = tmp_path / "crash"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "train.script=tests/tasks/crash_script.py",
+                  "train.args=[]", f"run_dir={run_dir}", "slurm.max_failures=1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert [a["reason"] for a in attempts] == ["failed", "failed"]  # requeued once, within max_failures=1
+    assert "exited with code 1 on rank 1" in attempts[0]["message"] and "max_preemptions" not in proc.stderr
+    assert "more than slurm.max_failures=1" in proc.stderr
