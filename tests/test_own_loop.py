@@ -72,7 +72,8 @@ def test_a_script_that_crashes_on_one_rank_is_a_failure_not_a_preemption(tmp_pat
     """Rank 1's script raises; the launcher (srun's --kill-on-bad-exit on a cluster) ends rank 0 with SIGTERM,
     which rank 0's worker used to count as a preemption and requeue up to slurm.max_preemptions (issue 23)."""
     run_dir = tmp_path / "crash"
-    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "train.script=tests/tasks/crash_script.py",
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1",
+                  "train.script=tests/tasks/crash_script.py",
                   "train.args=[]", f"run_dir={run_dir}", "slurm.max_failures=1")
     assert proc.returncode == 1, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
