@@ -185,6 +185,17 @@ def _shape(attempt: dict[str, Any]) -> str:
     return shape + (f" accum {attempt['grad_accum']}" if attempt.get("grad_accum") else "")
 
 
+def done_line(done: dict[str, Any]) -> str:
+    """DONE.json in a line, whichever program wrote it: a loop or task (step, params_sha256) or a script (its
+    exit code, and no step: a script's steps are its own)."""
+    parts = [f"step {done['step']}"] if "step" in done else []
+    if "script" in done:
+        parts.append(f"script {done['script']} exited {done.get('exit_code', '?')}")
+    if done.get("params_sha256"):
+        parts.append(f"params_sha256 {str(done['params_sha256'])[:16]}")
+    return "  ".join(parts) or "(DONE.json holds no step)"
+
+
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
     progress = info["progress"]
@@ -287,13 +298,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def done_line(done: dict[str, Any]) -> str:
-    """DONE.json in a line, whichever program wrote it: a loop or task (step, params_sha256) or a script (its
-    exit code, and no step: a script's steps are its own)."""
-    parts = [f"step {done['step']}"] if "step" in done else []
-    if "script" in done:
-        parts.append(f"script {done['script']} exited {done.get('exit_code', '?')}")
-    if done.get("params_sha256"):
-        parts.append(f"params_sha256 {str(done['params_sha256'])[:16]}")
-    return "  ".join(parts) or "(DONE.json holds no step)"

@@ -125,3 +125,16 @@ def test_status_shows_every_kind_of_finished_run(tmp_path: Path, done: dict, sho
     (path / "DONE.json").write_text(json.dumps(done))
     text = render(collect(path))
     assert "state FINISHED" in text and shown in text
+
+
+def test_status_runs_as_a_user_runs_it_from_another_directory(tmp_path: Path) -> None:
+    """As ``python -m hpc_ddp.status`` (a helper defined below the ``__main__`` guard once passed the in-process
+    tests and failed every user with a NameError)."""
+    import subprocess
+    import sys
+
+    path = run_dir(tmp_path, attempts=[{"reason": "finished", "restart_count": 0, "start": 1.0, "end": 9.0}], done=True)
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "state FINISHED" in proc.stdout and "done    step 100  params_sha256 abababab" in proc.stdout
