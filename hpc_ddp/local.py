@@ -56,7 +56,7 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
 
 
 def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None],
-         progress: re.Pattern[str] | None = None) -> None:
+         progress: re.Pattern[str] | None = None, watch: dict[str, object] | None = None) -> None:
     """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
 
     ``progress`` (``train.script_progress``) finds the step in an unmodified script's own lines.
@@ -74,6 +74,8 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             found = progress.search(text) if progress is not None else None
             if found:
                 on_step(int(found.group(1)))
+            if watch is not None and text.strip():
+                watch["line"] = text.strip()  # rank 0's last line: says why an injected stop never fired
             log.write(line)
             log.flush()
             erring = erring or bool(ERROR_LINE.match(text))
@@ -83,9 +85,11 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
 
 
 def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
-              err: IO[str]) -> Callable[[int], None]:
+              err: IO[str], watch: dict[str, object] | None = None) -> Callable[[int], None]:
     """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started)."""
     def on_step(step: int) -> None:
+        if watch is not None:
+            watch["step"] = step
         while events and step >= events[0][0]:
             at, signum = events.pop(0)
             err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
@@ -148,7 +152,7 @@ def script_progress(config_path: Path) -> re.Pattern[str] | None:
 
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
-           err: IO[str] = sys.stderr) -> int:
+           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None) -> int:
     """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -166,9 +170,9 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                           preexec_fn=die_with_parent))
             if rank:
                 out.close()  # type: ignore[union-attr]
-        on_step = _injector(procs, events if events is not None else [], err)
+        on_step = _injector(procs, events if events is not None else [], err, watch)
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
-                                                  script_progress(config_path)), daemon=True)
+                                                  script_progress(config_path), watch), daemon=True)
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
@@ -221,10 +225,14 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
     from hpc_ddp.settle import limits_of, settle
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
+    watch: dict[str, object] = {"step": None, "line": ""}
     restart = 0
     while True:
         code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
-                      events=events, stream=stream, err=err)
+                      events=events, stream=stream, err=err, watch=watch)
+        if code == 0 and events:  # the run ended before a stop it was asked to rehearse
+            err.write(unfired(events, watch, script_progress(config_path)) + "\n")
+            return 1
         if code in (0, EXIT_INTERRUPTED):
             return code
         if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, requeue if max_failures allows
@@ -236,3 +244,20 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
                 return code
         restart += 1
         err.write(f"[local] attempt {restart - 1} ended; requeued as attempt {restart}\n")
+
+
+def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress: re.Pattern[str] | None) -> str:
+    """Why the injected stops left in ``events`` never fired, naming each flag: the rehearsal did not happen."""
+    flags = ", ".join(f"{'--preempt-at' if signum == signal.SIGTERM else '--timeout-at'} {step}"
+                      for step, signum in events)
+    step = watch.get("step")
+    if progress is not None and not step:
+        why = (f"no line of rank 0's output matched train.script_progress ({progress.pattern!r}), so the "
+               f"rehearsal never learned the script's step; its last line was {watch.get('line')!r}. HINT: set "
+               "train.script_progress to a regex whose first group is the step in that line")
+    elif not step:
+        why = ("rank 0 reported no step after the start: a loop reports its step in run.boundary(step), which is "
+               "also where it acts on a stop. HINT: call `if run.boundary(step): return` after every optimizer step")
+    else:
+        why = f"the run finished at step {step} first. HINT: choose steps below the run's last step"
+    return f"error: {flags} never fired: {why}. The run finished, but the stop was not rehearsed."

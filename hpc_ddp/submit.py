@@ -253,6 +253,8 @@ def _outcome(run_dir: Path, code: int, job_id: int | None = None) -> str:
     if code == 0:
         return "finished"
     ignored = _ignored_stop(run_dir, job_id)
+    if last.get("reason") == "finished" and not ignored:
+        return "FAILED: the run finished, but a stop it was asked to rehearse never happened (the error above)"
     if ignored:
         return (f"FAILED: {ignored['stop_ignored']} was sent but never acted on (attempt {ignored['restart_count']}): "
                 "the loop never called run.boundary(step); on a cluster this job is killed with nothing saved")

@@ -80,3 +80,20 @@ def test_a_script_that_crashes_on_one_rank_is_a_failure_not_a_preemption(tmp_pat
     assert [a["reason"] for a in attempts] == ["failed", "failed"]  # requeued once, within max_failures=1
     assert "exited with code 1 on rank 1" in attempts[0]["message"] and "max_preemptions" not in proc.stderr
     assert "more than slurm.max_failures=1" in proc.stderr
+
+
+def test_an_injected_stop_that_never_fires_fails_the_rehearsal_and_says_why(tmp_path: Path) -> None:
+    """--preempt-at past the run's end, or a script whose progress lines the default train.script_progress does
+    not match (the PyTorch tutorial's multinode.py prints `Steps: 8`), ended `finished` as if rehearsed."""
+    late = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "train.args=[--epochs,1,--snapshot,"
+                  f"{tmp_path / 'late.pt'}]", f"run_dir={tmp_path / 'late'}", "--preempt-at", "500")
+    assert late.returncode == 1 and "--preempt-at 500 never fired: the run finished at step 32 first" in late.stderr
+    assert "FAILED: the run finished, but a stop it was asked to rehearse never happened" in late.stdout
+    script = tmp_path / "multinode.py"
+    script.write_text("for step in range(1, 30):\n    print(f'[GPU0] Epoch 0 | Batchsize: 32 | Steps: {step}')\n")
+    unmatched = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                       f"train.script={script}", "train.args=[]", f"run_dir={tmp_path / 'tutorial'}",
+                       "--timeout-at", "5")
+    assert unmatched.returncode == 1, unmatched.stderr[-2000:]
+    assert "--timeout-at 5 never fired: no line of rank 0's output matched train.script_progress" in unmatched.stderr
+    assert "'[GPU0] Epoch 0 | Batchsize: 32 | Steps: 29'" in unmatched.stderr

@@ -89,6 +89,11 @@ def test_a_stop_that_the_loop_never_acts_on_fails_the_rehearsal_and_the_ledger_s
     assert "HINT: call `if run.boundary(step): return`" in proc.stderr
     last = read_attempts(run_dir)[-1]
     assert last["stop_ignored"] == "SIGTERM" and "never called run.boundary" in last["note"]
+    # a stop at a later step is never even sent: the loop reports no step (a newcomer's run said "finished")
+    later = submit(*SMALL, f"train.loop={LOOPS}:never_calls_boundary", f"run_dir={tmp_path / 'later'}",
+                   "--preempt-at", "5")
+    assert later.returncode == 1 and "--preempt-at 5 never fired: rank 0 reported no step after the start" in \
+        later.stderr
 
 
 def test_the_own_loop_docs_diff_stops_at_max_steps() -> None:
