@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from typing import Any
 
 import torch
@@ -77,8 +77,9 @@ def first_difference(per_rank: list[list[tuple[str, int]]]) -> tuple[str, list[i
     return "(its keys)", [r for r, m in enumerate(maps) if m.keys() != maps[0].keys()]
 
 
-def check(states: Mapping[str, Any], step: int, device: torch.device) -> None:
-    """Collective: raise the same UsageError on every rank when a replicated object differs by rank."""
+def check(states: Mapping[str, Any], step: int, device: torch.device, modules: Set[str] = frozenset()) -> None:
+    """Collective: raise the same UsageError on every rank when a replicated object differs by rank.
+    ``modules``: the names that are modules (the fix then is DDP); for others it is computing them alike."""
     names = sorted(states)
     if not names or dist.get_world_size() == 1:
         return
@@ -94,8 +95,10 @@ def check(states: Mapping[str, Any], step: int, device: torch.device) -> None:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items[name])  # only on this error path: which key, which ranks
     key, ranks = first_difference(gathered)
+    alike = ("wrap it in DistributedDataParallel" if name in modules else
+             "make every rank compute it alike (e.g. dist.broadcast rank 0's value)")
     raise UsageError(explain(
         f"snapshot of step {step} not written: {name!r} is tracked as replicated but differs between ranks "
         f"(first at {key}: ranks {ranks} differ from rank 0)", hint=f"if {name} should be the same everywhere, "
-        "wrap the model in DistributedDataParallel (or make every rank compute it alike); if each rank has its "
-        f"own, track it per rank: run.resume({name}=hpc_ddp.per_rank({name}))"), key=name)
+        f"{alike}; if each rank has its own, track it per rank: run.resume({name}=hpc_ddp.per_rank({name}))"),
+        key=name)

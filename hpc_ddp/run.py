@@ -352,7 +352,8 @@ class Run:
                     for buffer in obj.module.buffers():
                         dist.broadcast(buffer, 0)
         state = self.state()
-        replication.check({n: v for n, v in state.items() if n != STEP}, step, self.device)
+        modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
+        replication.check({n: v for n, v in state.items() if n != STEP}, step, self.device, modules)
         rng = capture_rng()
         if self.per_rank:
             if not self._per_rank_checked:
@@ -381,8 +382,11 @@ class Run:
 
     # -- metrics and the end ---------------------------------------------------------------------------
     def log_metrics(self, step: int, **values: Any) -> None:
-        """Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
-        sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on (other ranks: nothing).
+        """Log numbers for a step: call it on every rank or on rank 0 alone; only rank 0 writes anything.
+
+        Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
+        sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value may be
+        a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
 
         The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
         logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
@@ -413,8 +417,10 @@ class Run:
         return modules.get("model", next(iter(modules.values()), None))
 
     def finish(self, **result: Any) -> dict[str, Any]:
-        """Collective: the run is complete. Drains the agreement and any async write; rank 0 writes
-        model.pt and, last, DONE.json (step, world size, params_sha256, and ``result``)."""
+        """Collective: the run is complete (the session calls it when the loop returns without a stop).
+
+        Drains the agreement and any async write; rank 0 writes model.pt and, last, DONE.json
+        (step, world size, params_sha256, and ``result``)."""
         if self.finished is not None:
             return self.finished
         self.beat(self.step, "finish")

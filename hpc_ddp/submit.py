@@ -207,7 +207,9 @@ def batch_plans(cfg: RunConfig) -> str:
             for n in node_counts(cfg.slurm.nodes)]
     fixed = (f"train.global_batch_size={cfg.train.global_batch_size}: the accumulation follows the node count"
              if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows the world size")
-    return f"batch ({fixed}):\n" + "\n".join(f"  {row}" for row in rows)
+    whose = "; run.batch gives a train.loop this plan, a loop that sizes its own batches ignores it" \
+        if cfg.train.loop else ""
+    return f"batch ({fixed}{whose}):\n" + "\n".join(f"  {row}" for row in rows)
 
 
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
