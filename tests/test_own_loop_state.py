@@ -5,6 +5,7 @@ not, sampler misuse, a 0-d tensor as a metric, and a loop that never calls run.b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,8 @@ def test_a_nanogpt_shaped_loop_stopped_three_times_at_2x2_ends_bit_identical(tmp
 def test_per_rank_state_at_another_world_size_is_refused_and_so_is_a_changed_global_batch(tmp_path: Path) -> None:
     run_dir = tmp_path / "elastic"
     first = submit(*NANO, f"run_dir={run_dir}", "--preempt-at", "3", "slurm.max_preemptions=0")
-    assert first.returncode != 0 and "STOPPED at step 4" in first.stdout, first.stdout[-2000:]
+    # at 4, or 5 when the signal lands during that boundary (as the quickstart says)
+    assert first.returncode != 0 and re.search(r"STOPPED at step [45] ", first.stdout), first.stdout[-2000:]
     # a loop's global batch would change (train.global_batch_size unset): refused on the login node, as for a task
     batch = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1")
     assert batch.returncode == 2 and "train.global_batch_size=32" in batch.stderr, batch.stderr[-2000:]
