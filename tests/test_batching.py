@@ -95,3 +95,16 @@ def test_dry_run_shows_the_plan_for_each_count(tmp_path: Path) -> None:
     assert "#SBATCH --nodes=1-2" in proc.stdout
     assert "1 node  -> 2 ranks x 2 samples x 4 micro-steps = global batch 16" in proc.stdout
     assert "2 nodes -> 4 ranks x 2 samples x 2 micro-steps = global batch 16" in proc.stdout
+
+
+def test_the_elastic_warning_promises_float_rounding_only_without_randomness() -> None:
+    """The warning said losses "agree to float rounding", untrue with dropout: every rank's RNG is reseeded."""
+    from hpc_ddp.batching import geometry_change
+    from hpc_ddp.config import load_config
+
+    train = load_config([], ["name=x", "train.loop=a.b:c", "train.global_batch_size=32", "train.grad_accum=1",
+                             "train.batch_size=4"]).train
+    text = geometry_change(4, None, train, 2)
+    assert "written by 4 ranks, now 2 ranks (accumulation 4, global batch 32)" in text
+    assert "without dropout or other randomness, losses agree to float rounding" in text
+    assert "with it, they follow another random stream" in text and geometry_change(2, None, train, 2) == ""
