@@ -88,6 +88,10 @@ class TrainConfig:
                        "in every task with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... set; the stop signal "
                        "reaches it and its exit after one is a requeue.")
     args: List[str] = _doc_factory(list, "Command-line arguments for train.script.")
+    resume_args: List[str] = _doc_factory(list, "Appended to train.args on every attempt that continues the run "
+                                          "(a requeue or --resume: the ledger has an earlier attempt), for "
+                                          "scripts that must be told to resume: ['--init_from=resume'] for "
+                                          "nanoGPT's train.py, ['--resume', '${run_dir}/ckpt.pt'].")
     script_progress: str = _doc(r"(?i)\bstep\b\D{0,3}(\d+)", "The local rehearsal's --preempt-at/--timeout-at "
                                 "find train.script's step in rank 0's output with this regex (group 1: the step).")
     max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs this or epochs; "

@@ -86,6 +86,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.loop": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:function'"),
     "train.script": (lambda v: v == "" or (v.strip() == v and "\n" not in v), "a path to a .py file"),
     "train.args": (_texts, "a list of text arguments"),
+    "train.resume_args": (_texts, "a list of text arguments"),
     "train.script_progress": (_regex_with_group, "a regular expression with one group that matches the step"),
     "train.max_steps": (_at_least(1), "an integer >= 1, or null"),
     "train.epochs": (_at_least(1), "an integer >= 1, or null"),
@@ -130,10 +131,12 @@ def _check_program(train: Any) -> None:
     if len(chosen) > 1:
         raise _fail(chosen[1], f"{' and '.join(chosen)} are both set", ", ".join(
             f"{key}={getattr(train, key.split('.')[1])}" for key in chosen), "exactly one of them",
-            f"keep one; unset the other with {chosen[1]}=''")
-    if train.args and not train.script:
-        raise _fail("train.args", "train.args is set but train.script is not", train.args,
-                    "arguments for train.script", "set train.script=path/to/train.py, or drop train.args")
+            "keep one; unset the other" + (" with " if len(chosen) == 2 else "s with ")
+            + " or ".join(f"{key}=''" for key in chosen))
+    for key in ("args", "resume_args"):
+        if getattr(train, key) and not train.script:
+            raise _fail(f"train.{key}", f"train.{key} is set but train.script is not", getattr(train, key),
+                        "arguments for train.script", f"set train.script=path/to/train.py, or drop train.{key}")
 
 
 def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = None) -> ConfigError:

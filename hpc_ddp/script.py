@@ -133,6 +133,16 @@ def record_crash(attempt: Attempt, crashed: list[str]) -> int:
     return 1
 
 
+def script_args(attempt: Attempt) -> list[str]:
+    """train.args, and train.resume_args when this attempt continues the run (the ledger has an earlier one)."""
+    train = attempt.cfg.train
+    if attempt.attempts and train.resume_args:
+        if attempt.env.is_main:
+            log.info("this attempt continues the run: appending train.resume_args %s", train.resume_args)
+        return [*train.args, *train.resume_args]
+    return list(train.args)
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -144,7 +154,7 @@ def run_script(attempt: Attempt) -> int:
             from hpc_ddp.local import PROGRESS_MARK
 
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
-        code = supervise([sys.executable, str(path), *cfg.train.args],
+        code = supervise([sys.executable, str(path), *script_args(attempt)],
                          script_environ(attempt.environ, env, attempt.run_dir), attempt.flag)
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
         if attempt.flag.is_set:

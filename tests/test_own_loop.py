@@ -97,3 +97,17 @@ def test_an_injected_stop_that_never_fires_fails_the_rehearsal_and_says_why(tmp_
     assert unmatched.returncode == 1, unmatched.stderr[-2000:]
     assert "--timeout-at 5 never fired: no line of rank 0's output matched train.script_progress" in unmatched.stderr
     assert "'[GPU0] Epoch 0 | Batchsize: 32 | Steps: 29'" in unmatched.stderr
+
+
+def test_resume_args_are_appended_on_the_attempts_that_continue_the_run(tmp_path: Path) -> None:
+    """nanoGPT's train.py resumes only with init_from=resume: train.resume_args says so, from the second attempt."""
+    script = tmp_path / "argv.py"
+    script.write_text("import sys, time\nprint('argv', sys.argv[1:], flush=True)\n"
+                      "for step in range(1, 40):\n    print(f'step {step}', flush=True)\n    time.sleep(0.1)\n")
+    run_dir = tmp_path / "args"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                  f"train.script={script}", "train.args=[--out,x]", "train.resume_args=[--init_from=resume]",
+                  f"run_dir={run_dir}", "--preempt-at", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = ((run_dir / "logs" / f"attempt-{n}-rank-0.log").read_text() for n in (0, 1))
+    assert "argv ['--out', 'x']\n" in first and "argv ['--out', 'x', '--init_from=resume']" in second
