@@ -240,7 +240,7 @@ def _read_yaml(path: Path) -> Any:
 
 
 def _parse_override(item: str) -> Any:
-    key, sep, _ = item.partition("=") if isinstance(item, str) else ("", "", "")
+    key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
     if not sep or not _KEY.fullmatch(key):
         hint = (f"give it a value: {key}=VALUE" if not sep and _KEY.fullmatch(key) else
                 "keys are dotted names (train.lr); quote values with spaces: 'slurm.setup=[\"a b\"]'")
@@ -251,8 +251,18 @@ def _parse_override(item: str) -> Any:
         return OmegaConf.from_dotlist([item])
     except Exception as err:
         raise ConfigError(explain(f"cannot parse the value of override {item!r}: {str(err).splitlines()[0]}",
-                                  hint="values are YAML: 0.1, true, null, [a, b], {k: v}, or quoted text"),
-                          key=key) from None
+                                  hint=_parse_hint(key, value)), key=key) from None
+
+
+def _parse_hint(key: str, value: str) -> str:
+    """What to type instead: an element with ${...} or a colon must be quoted inside a YAML list."""
+    hint = "values are YAML: 0.1, true, null, [a, b], {k: v}, or quoted text"
+    if value.startswith("[") and ("${" in value or ":" in value):
+        items = [v.strip() for v in value.strip("[]").split(",")]
+        quoted = ",".join(f'"{v}"' if ("${" in v or ":" in v) and not v.startswith(("'", '"')) else v for v in items)
+        hint += (f"; in a list, quote an element that holds ${{...}} or a colon, and the whole override for the "
+                 f"shell: '{key}=[{quoted}]'")
+    return hint
 
 
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")

@@ -7,6 +7,7 @@ reading ``--help`` in a terminal sees ``python -m hpc_ddp.status RUN_DIR``, not 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc):`~?([^`]+)`")
 
@@ -14,3 +15,13 @@ _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc):`~?([^`]+)`")
 def for_help(doc: str | None) -> str:
     text = _ROLE.sub(r"\1", doc or "")
     return text.replace("``", "")
+
+
+def add_version(parser: Any) -> None:
+    """``--version`` on every command: which hpc_ddp answered (and which Python), for a bug report."""
+    import platform
+
+    from hpc_ddp import __version__
+
+    parser.add_argument("--version", action="version",
+                        version=f"hpc_ddp {__version__} (Python {platform.python_version()})")

@@ -152,14 +152,15 @@ def script_progress(config_path: Path) -> re.Pattern[str] | None:
 
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
-           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None) -> int:
+           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None) -> int:
     """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
                              port=free_port(), base=os.environ)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
-    paths = [logs / f"attempt-{restart_count}-rank-{rank}.log" for rank in range(len(environs))]
+    index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
+    paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
     procs: list[subprocess.Popen[bytes]] = []
     tee = None
     try:
@@ -225,11 +226,14 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
     from hpc_ddp.settle import limits_of, settle
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
+    from hpc_ddp.preemption import read_attempts
+
     watch: dict[str, object] = {"step": None, "line": ""}
+    earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
     restart = 0
     while True:
         code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
-                      events=events, stream=stream, err=err, watch=watch)
+                      events=events, stream=stream, err=err, watch=watch, log_index=earlier + restart)
         if code == 0 and events:  # the run ended before a stop it was asked to rehearse
             err.write(unfired(events, watch, script_progress(config_path)) + "\n")
             return 1

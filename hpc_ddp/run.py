@@ -44,7 +44,8 @@ from hpc_ddp.errors import ConfigError, explain
 from hpc_ddp.preemption import StopFlag
 from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import DistEnv
-from hpc_ddp.tracked import PerRank, RunUsageError, check_trackable, load_into, pack, state_of, unloadable, unpack, unwrap
+from hpc_ddp.tracked import (PerRank, RunUsageError, check_trackable, load_into, pack, state_of, unloadable, unpack,
+                             unwrap)
 from hpc_ddp.tracking import Sink, log_to, open_sinks
 
 log = logging.getLogger("hpc_ddp.run")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.helptext import for_help
+from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example (the line after srun in a batch script):\n"
                                      "  python -m hpc_ddp.settle --exit-code $? runs/mlp/config.yaml")
+    add_version(parser)
     parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
     parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, in order)")
     args = parser.parse_args(argv)

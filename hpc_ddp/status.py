@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.helptext import for_help
+from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import job_state, read_attempts
@@ -275,6 +275,7 @@ def plot(run_dir: Path, out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the loss curve to this image")

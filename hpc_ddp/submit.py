@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.helptext import for_help
+from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout
 from hpc_ddp.batching import node_counts, plan, resume_batch_problem, slurm_nodes
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
@@ -55,6 +55,7 @@ Also installed as the console script `hpc-ddp-submit`.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
                         help="config files, then overrides such as train.lr=0.01")
     mode = parser.add_mutually_exclusive_group()
@@ -181,6 +182,7 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
           f"run dir {cfg.run_dir}")
+    print(f"program: {program_line(cfg)}")
     if not cfg.train.script:
         print(batch_plans(cfg))
     print(f"every rank as Slurm job 4242 would derive it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
@@ -199,6 +201,18 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
         return 2
     return 0
+
+
+def program_line(cfg: RunConfig) -> str:
+    """What every task runs, as --dry-run shows it: the script's command line resolved, or the loop or task."""
+    train = cfg.train
+    if train.script:
+        resume = f" (then on every attempt that continues the run: + {shlex.join(train.resume_args)})" \
+            if train.resume_args else ""
+        return f"python {shlex.join([train.script, *train.args])}{resume}"
+    if train.loop:
+        return f"train.loop={train.loop}, called as {train.loop.rsplit(':', 1)[-1]}(run) in every task"
+    return f"train.task={train.task}, trained by hpc_ddp's Trainer in every task"
 
 
 def batch_plans(cfg: RunConfig) -> str:
@@ -337,8 +351,25 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
         raise in_use(run_dir, live[0], f"nothing in it was changed; {live[1]}")
     if earlier:
         _check_earlier(run_dir, resume)
+        if resume:
+            _check_resume_caps(cfg)
         if resume and not cfg.train.script:  # a task or a loop: both take run.batch's share of the global batch
             _check_resume_batch(cfg)
+
+
+def _check_resume_caps(cfg: RunConfig) -> None:
+    """A --resume of a run already past slurm.max_preemptions would be refused by every rank at start (and
+    recorded as a failure): refused here instead, with the key to raise on the same command line."""
+    from hpc_ddp.preemption import read_attempts
+
+    count = sum(a.get("reason") == "preemption" for a in read_attempts(Path(cfg.run_dir)))
+    limit = cfg.slurm.max_preemptions
+    if count > limit:
+        raise HpcDdpError(explain(
+            f"--resume: the run has stopped for preemption {count} times, more than slurm.max_preemptions={limit} "
+            "(the run's own config), so its job would refuse to start",
+            hint=f"raise it on this command line: --resume slurm.max_preemptions={count + 10}"),
+            key="slurm.max_preemptions")
 
 
 def _check_resume_batch(cfg: RunConfig) -> None:
@@ -428,8 +459,17 @@ def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     path.chmod(0o755)
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
           f"submit it from any directory with: sbatch {path}\n"
-          f"  the job runs in {workdir} (its WORKDIR line), where train.task={cfg.train.task} is imported from")
+          f"  the job runs in {workdir} (its WORKDIR line), {_found_from(cfg)}")
     return 0
+
+
+def _found_from(cfg: RunConfig) -> str:
+    """Where the job finds its program: relative to the WORKDIR line."""
+    train = cfg.train
+    if train.script:
+        return f"where train.script={train.script} is found"
+    key, value = ("train.loop", train.loop) if train.loop else ("train.task", train.task)
+    return f"where {key}={value} is imported from"
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:

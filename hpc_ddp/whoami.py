@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from hpc_ddp.helptext import for_help
+from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm_env import DistEnv, from_environ, rendezvous_endpoint, simulated_environ
 
@@ -71,6 +71,7 @@ def _simulate(shape: str, job_id: int) -> int:
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.whoami", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     parser.add_argument("--simulate", metavar="NODESxTASKS", help="show every rank of a simulated job, e.g. 2x2")
     parser.add_argument("--job-id", type=int, default=4242, help="job id of the simulated job (default 4242)")
     parser.add_argument("--json", action="store_true", help="print this process's result as one JSON object")

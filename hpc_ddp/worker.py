@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.helptext import for_help
+from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout
 from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.worker", description=for_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example:\n  srun python -m hpc_ddp.worker --config runs/mlp/config.yaml")
+    add_version(parser)
     parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")
     flag = StopFlag()
     flag.install(EARLY_SIGNALS)

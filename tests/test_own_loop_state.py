@@ -43,16 +43,22 @@ def test_per_rank_state_at_another_world_size_is_refused_and_so_is_a_changed_glo
     first = submit(*NANO, f"run_dir={run_dir}", "--preempt-at", "3", "slurm.max_preemptions=0")
     # at 4, or 5 when the signal lands during that boundary (as the quickstart says)
     assert first.returncode != 0 and re.search(r"STOPPED at step [45] ", first.stdout), first.stdout[-2000:]
+    # --resume keeps the run's own config, max_preemptions=0 included: refused until the cap is raised
+    capped = submit(*NANO, f"run_dir={run_dir}", "--resume")
+    assert capped.returncode == 2 and "--resume slurm.max_preemptions=11" in capped.stderr, capped.stderr[-2000:]
     # a loop's global batch would change (train.global_batch_size unset): refused on the login node, as for a task
-    batch = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1")
+    batch = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1", "slurm.max_preemptions=1")
     assert batch.returncode == 2 and "train.global_batch_size=32" in batch.stderr, batch.stderr[-2000:]
     assert len(read_attempts(run_dir)) == 1
     # with the batch kept, the per-rank state has no owner at 2 ranks: refused on every rank, exit 2, not requeued
     ranks = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1", "train.global_batch_size=32",
-                   "train.grad_accum=1")
+                   "train.grad_accum=1", "slurm.max_preemptions=1")
     assert ranks.returncode == 2, ranks.stderr[-3000:]
     assert "cannot restore the per-rank state 'batch'" in ranks.stderr and "elastic='fresh'" in ranks.stderr
     assert [a["reason"] for a in read_attempts(run_dir)] == ["preemption", "error"]
+    logs = run_dir / "logs"  # the resumed rehearsal's logs follow the ledger: attempt 1, not attempt 0 again
+    assert "cannot restore the per-rank state" in (logs / "attempt-1-rank-0.log").read_text()
+    assert "cannot restore the per-rank state" not in (logs / "attempt-0-rank-0.log").read_text()
 
 
 def test_replicated_state_that_differs_by_rank_is_refused_before_any_snapshot_is_committed(tmp_path: Path) -> None:

@@ -110,3 +110,33 @@ def test_resume_continues_the_runs_own_config_with_only_the_new_overrides(tmp_pa
     assert (by_dir.train.lr, by_dir.train.max_steps) == (0.05, 60) and capsys.readouterr().out == ""
     fresh = resolve_all([MLP, f"run_dir={run_dir}"], False)[0]  # without --resume the YAML is the config
     assert fresh.train.lr == 0.01
+
+
+def test_dry_run_shows_what_every_task_runs_and_emit_sbatch_names_the_program_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = str(ROOT / "examples" / "torchrun_script.yaml")
+    assert submit([script, "--dry-run", "--no-preflight", f"run_dir={tmp_path / 's'}", "train.args=[--a,1]",
+                   "train.resume_args=[--resume]"]) == 0
+    out = capsys.readouterr().out
+    assert "program: python examples/torchrun_script.py --a 1 (then on every attempt that continues the run: " \
+           "+ --resume)" in out
+    loop = str(ROOT / "examples" / "own_loop_gpt.yaml")
+    assert submit([loop, "--emit-sbatch", str(tmp_path / "job.sbatch"), f"run_dir={tmp_path / 'l'}"]) == 0
+    out = capsys.readouterr().out
+    assert "where train.loop=examples.own_loop_gpt:train is imported from" in out and "train.task=" not in out
+
+
+def test_a_list_override_with_an_interpolation_gets_the_quoted_form_to_type(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit([MLP, "--dry-run", "train.args=[--ckpt,${run_dir}/x]"]) == 2
+    err = capsys.readouterr().err
+    assert "quote an element that holds ${...}" in err and """'train.args=[--ckpt,"${run_dir}/x"]'""" in err
+
+
+def test_every_command_says_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc_ddp import __version__
+
+    for command in (submit, status, whoami):
+        with pytest.raises(SystemExit) as end:
+            command(["--version"])
+        assert end.value.code == 0 and f"hpc_ddp {__version__}" in capsys.readouterr().out
