@@ -230,11 +230,12 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
 
     watch: dict[str, object] = {"step": None, "line": ""}
     earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
+    done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
     restart = 0
     while True:
         code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
                       events=events, stream=stream, err=err, watch=watch, log_index=earlier + restart)
-        if code == 0 and events:  # the run ended before a stop it was asked to rehearse
+        if code == 0 and events and not done_before:  # the run ended before a stop it was asked to rehearse
             err.write(unfired(events, watch, script_progress(config_path)) + "\n")
             return 1
         if code in (0, EXIT_INTERRUPTED):

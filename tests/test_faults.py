@@ -284,7 +284,7 @@ def test_a_read_only_run_dir_is_refused_before_anything_starts(tmp_path: Path) -
         step = snapshot.committed_steps(run_dir)[0]  # 15, or 16 when the signal lands after that boundary
         assert stopped.returncode == 1 and step == read_attempts(run_dir)[-1]["last_step"] >= 15
         subprocess.run(["mount", "-o", "remount,ro", str(run_dir)], check=True)
-        proc = local(run_dir, FAULTY, "--resume")
+        proc = local(run_dir, FAULTY, "--resume", "slurm.max_preemptions=1")  # the run's own cap (0) is kept
         assert proc.returncode == 2 and "Read-only file system" in proc.stderr and "run_dir" in proc.stderr
         assert snapshot.choose(run_dir).step == step  # type: ignore[union-attr]
     finally:
