@@ -299,6 +299,13 @@ def _write_config(cfg: RunConfig, resume: bool) -> Path:
             print(f"resuming with a changed config: {describe_diff(diff)}\n"
                   "  (the snapshot's optimizer state is kept; a changed learning rate takes effect, with the "
                   "schedule continuing from the snapshot's step: docs/resume.md)", flush=True)
+    if resume:
+        from hpc_ddp.finished import set_aside
+
+        kept = set_aside(Path(cfg.run_dir))
+        if kept:
+            print(f"the run had finished: its DONE.json is kept as {kept}; it goes on from its newest snapshot",
+                  flush=True)
     return save_config(cfg, path)
 
 
@@ -352,6 +359,9 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
     if earlier:
         _check_earlier(run_dir, resume)
         if resume:
+            from hpc_ddp import finished
+
+            finished.check(cfg)
             _check_resume_caps(cfg)
         if resume and not cfg.train.script:  # a task or a loop: both take run.batch's share of the global batch
             _check_resume_batch(cfg)

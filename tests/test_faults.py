@@ -241,8 +241,8 @@ def test_a_signal_at_the_last_step_ends_finished_with_at_most_one_requeue(clean:
     proc = local(run_dir, FAULTY, "--timeout-at", "40")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert reasons(run_dir) in (["finished"], ["timeout", "finished"]) and sha(run_dir) == sha(clean)
-    again = local(run_dir, FAULTY, "--resume", "--timeout-at", "0")  # a requeued finished run: nothing to do
-    assert again.returncode == 0 and "already finished" in again.stderr + logs(run_dir)
+    again = local(run_dir, FAULTY, "--resume", "--timeout-at", "0")  # a finished run: nothing would train
+    assert again.returncode == 2 and "would train nothing more" in again.stderr
     assert reasons(run_dir)[-1] == "finished"
 
 

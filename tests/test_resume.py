@@ -150,12 +150,36 @@ def test_caps_end_the_run_with_the_cap_named(tmp_path: Path) -> None:
     assert timeouts.returncode == 1 and "more than slurm.max_timeouts=0" in timeouts.stderr
 
 
+def test_a_finished_run_resumed_with_more_steps_goes_on_and_keeps_its_first_finish(uninterrupted: Path,
+                                                                                    tmp_path: Path) -> None:
+    """--resume train.max_steps=N of a finished run trains on to N (issue 23): DONE.json and model.pt of the first
+    finish are set aside with their step, the ledger and metrics go on."""
+    run_dir = tmp_path / "longer"
+    shutil.copytree(uninterrupted, run_dir)
+    first = done(run_dir)
+    proc = submit(run_dir, "--resume", f"train.max_steps={first['step'] + 10}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"its DONE.json is kept as {run_dir / ('DONE-step-%d.json' % first['step'])}" in proc.stdout
+    assert json.loads((run_dir / f"DONE-step-{first['step']}.json").read_text()) == first
+    assert (run_dir / f"model-step-{first['step']}.pt").exists() and (run_dir / "model.pt").exists()
+    assert done(run_dir)["step"] == first["step"] + 10
+    assert [a["reason"] for a in read_attempts(run_dir)][-2:] == ["finished", "finished"]
+    assert max(step for step, _ in losses(run_dir)) == first["step"] + 10
+
+
 def test_a_finished_run_requeued_again_exits_at_once(uninterrupted: Path) -> None:
     before = read_attempts(uninterrupted)
     refused = submit(uninterrupted)
     assert refused.returncode == 2 and "holds an earlier run" in refused.stderr and "--resume" in refused.stderr
+    # --resume that would train nothing is refused on the login node (it took an allocation and did nothing)
     proc = submit(uninterrupted, "--resume")
-    assert proc.returncode == 0 and "has already finished (DONE.json)" in proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "would train nothing more" in proc.stderr and "--resume train.max_steps=" in \
+        proc.stderr
+    # a job that Slurm requeues after the finish (its worker starts as rank 0 of 1 here) exits at once
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    worker = subprocess.run([sys.executable, "-m", "hpc_ddp.worker", "--config", str(uninterrupted / "config.yaml")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 0 and "has already finished (DONE.json)" in worker.stderr
     assert read_attempts(uninterrupted) == before
 
 

@@ -1,0 +1,78 @@
+"""``--resume`` of a finished run: train it longer, or refuse to take an allocation for nothing.
+
+A run that wrote ``DONE.json`` is over; a requeued job that finds it exits at once. A user who
+wants more steps resumes it with a larger ``train.max_steps`` (or ``train.epochs``; for a
+``train.script``, other ``train.args``): the final ``DONE.json`` and ``model.pt`` are set
+aside as ``DONE-step-N.json`` and ``model-step-N.pt`` (nothing is lost), and the job continues
+from the newest snapshot with the ledger, metrics and TensorBoard going on. A ``--resume``
+that changes none of these would train nothing: refused on the login node, with the key to
+raise. Login node: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp import layout
+from hpc_ddp.config import RunConfig, flat_values, load_config
+from hpc_ddp.errors import HpcDdpError, explain
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def nothing_to_train(cfg: RunConfig, done: dict[str, Any], before: dict[str, Any]) -> str | None:
+    """Why resuming ``cfg`` after a finish recorded in ``done`` (with config ``before``, flat) trains nothing."""
+    train = cfg.train
+    if train.script:
+        if [train.args, train.resume_args] != [before.get("train.args"), before.get("train.resume_args")]:
+            return None
+        return explain(f"--resume: train.script {train.script} already ran to its end (exit 0, DONE.json) with "
+                       "these arguments, so the job would do nothing", hint="give it other train.args (e.g. more "
+                       "epochs) to run it again, or start a new run with run_dir=...")
+    step = done.get("step")
+    if isinstance(step, int) and train.max_steps is not None and train.max_steps > step:
+        return None
+    if train.epochs is not None and train.epochs > (before.get("train.epochs") or 0):
+        return None
+    more = f"train.max_steps={2 * step}" if isinstance(step, int) and step else "train.max_steps=..."
+    return explain(f"--resume: the run finished at step {step} (DONE.json) and train.max_steps="
+                   f"{train.max_steps}, train.epochs={train.epochs} would train nothing more",
+                   hint=f"raise it on this command line to train it longer (--resume {more}), or start a new "
+                   "run with run_dir=...")
+
+
+def check(cfg: RunConfig) -> None:
+    """Refuse a --resume of a finished run that would train nothing (before anything is written)."""
+    run_dir = Path(cfg.run_dir)
+    if not layout.done(run_dir).exists():
+        return
+    try:
+        before = flat_values(load_config([layout.config(run_dir)]))
+    except HpcDdpError:
+        before = {}
+    problem = nothing_to_train(cfg, _read(layout.done(run_dir)), before)
+    if problem:
+        raise HpcDdpError(problem, key="train.max_steps" if not cfg.train.script else "train.args")
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Move DONE.json (and model.pt) of a finished run to names with its step: the run goes on, nothing is lost."""
+    done = layout.done(run_dir)
+    if not done.exists():
+        return None
+    step = _read(done).get("step")
+    suffix = f"step-{step}" if isinstance(step, int) else "finished"
+    kept = done.with_name(f"DONE-{suffix}.json")
+    model = layout.model(run_dir)
+    if model.exists():
+        model.replace(model.with_name(f"model-{suffix}.pt"))
+    done.replace(kept)  # last: a crash in between leaves DONE.json, and the run still reads as finished
+    return kept
