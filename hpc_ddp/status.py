@@ -83,13 +83,17 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
 
 
 def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_steps: int | None, running: bool,
-           now: float) -> dict[str, Any]:
-    """Time used over all attempts, the recent steps/s and, with max_steps, the ETA in seconds."""
+           now: float, started: float | None = None) -> dict[str, Any]:
+    """Time used over all attempts (the running one from ``started``, its lock's time, start-up included; else
+    from its first metric), how many attempts that is, the recent steps/s and, with max_steps, the ETA."""
     ended = sum(a["end"] - a["start"] for a in attempts if isinstance(a.get("start"), (int, float))
                 and isinstance(a.get("end"), (int, float)))
     since = attempts[-1].get("end", 0) if attempts else 0
     current = [m for m in metrics if isinstance(m.get("time"), (int, float)) and m["time"] > since]
-    out: dict[str, Any] = {"time_used_s": round(ended + (now - current[0]["time"] if running and current else 0))}
+    begun = started if isinstance(started, (int, float)) and started > since else (
+        current[0]["time"] if current else None)
+    out: dict[str, Any] = {"time_used_s": round(ended + (now - begun if running and begun else 0)),
+                           "attempts": len(attempts) + int(running)}
     recent = current[-20:] if running else []
     if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
         rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
@@ -137,7 +141,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         progress = {"step": last["step"], "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s"),
                     **({"max_steps": max_steps} if max_steps else {})}
     running = bool(state) and str(state).startswith("RUNNING") and not done
-    progress.update(timing(metrics, attempts, max_steps, running, time.time()))
+    lock = _read_json(layout.lock(run_dir)) or {}
+    progress.update(timing(metrics, attempts, max_steps, running, time.time(), lock.get("since")))
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None}
@@ -209,7 +214,8 @@ def render(info: dict[str, Any]) -> str:
             line += f"  {progress['samples_per_s']} samples/s"
         out.append(line)
     if progress.get("time_used_s") or progress.get("eta_s") is not None:
-        line = f"time    {_duration(progress.get('time_used_s', 0))} used over {len(info['attempts']) or 1} attempt(s)"
+        count = progress.get("attempts") or len(info["attempts"]) or 1
+        line = f"time    {_duration(progress.get('time_used_s', 0))} used over {count} attempt(s)"
         if progress.get("eta_s") is not None:
             line += f"; about {_duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
         out.append(line)

@@ -56,8 +56,10 @@ def test_time_used_adds_every_attempt_and_the_eta_comes_from_recent_steps() -> N
     attempts = [{"start": 1000.0, "end": 1100.0}, {"start": 1200.0, "end": 1260.0}]
     metrics = [{"step": s, "time": 1300.0 + 2 * (s - 40)} for s in range(40, 61)]  # 0.5 steps/s now
     got = timing(metrics, attempts, max_steps=100, running=True, now=1345.0)
-    assert got == {"time_used_s": 160 + 45, "steps_per_s": 0.5, "eta_s": 80}
-    assert timing(metrics, attempts, 100, running=False, now=1345.0) == {"time_used_s": 160}
+    assert got == {"time_used_s": 160 + 45, "attempts": 3, "steps_per_s": 0.5, "eta_s": 80}
+    assert timing(metrics, attempts, 100, running=False, now=1345.0) == {"time_used_s": 160, "attempts": 2}
+    # the running attempt's lock says when it began: its start-up before the first metric counts too
+    assert timing(metrics, attempts, 100, running=True, now=1345.0, started=1280.0)["time_used_s"] == 160 + 65
 
 
 def test_status_prints_the_state_time_and_eta_of_a_running_local_run(tmp_path: Path) -> None:
@@ -69,7 +71,7 @@ def test_status_prints_the_state_time_and_eta_of_a_running_local_run(tmp_path: P
                    metrics=[{"step": s, "loss": 1.0, "time": now - 60 + s - 40} for s in range(40, 61)])
     text = render(collect(path))
     assert "state RUNNING (local)" in text and "step    60/100" in text
-    assert "used over 1 attempt(s); about 0m40s left at 1.0 steps/s" in text
+    assert "used over 2 attempt(s); about 0m40s left at 1.0 steps/s" in text  # the running one counts
     assert "preemption       0->30" in text
 
 
