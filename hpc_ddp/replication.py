@@ -95,8 +95,9 @@ def check(states: Mapping[str, Any], step: int, device: torch.device, modules: S
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items[name])  # only on this error path: which key, which ranks
     key, ranks = first_difference(gathered)
-    alike = ("wrap it in DistributedDataParallel" if name in modules else
-             "make every rank compute it alike (e.g. dist.broadcast rank 0's value)")
+    alike = ("wrap it in DistributedDataParallel (a DDP model with broadcast_buffers=False keeps per-rank "
+             "buffers such as BatchNorm statistics: use SyncBatchNorm or broadcast_buffers=True)" if name in modules
+             else "make every rank compute it alike (e.g. dist.broadcast rank 0's value)")
     raise UsageError(explain(
         f"snapshot of step {step} not written: {name!r} is tracked as replicated but differs between ranks "
         f"(first at {key}: ranks {ranks} differ from rank 0)", hint=f"if {name} should be the same everywhere, "
