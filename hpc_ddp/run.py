@@ -40,13 +40,14 @@ from hpc_ddp.atomic import write_atomic
 from hpc_ddp.batching import BatchPlan, geometry_change, plan, snapshot_batch_problem
 from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
+from hpc_ddp.ddp_settle import settle_buckets_on_first_forward
 from hpc_ddp.errors import ConfigError, explain
 from hpc_ddp.preemption import StopFlag
 from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import DistEnv
-from hpc_ddp.tracked import (PerRank, RunUsageError, check_trackable, load_into, pack, state_of, unloadable, unpack,
-                             unwrap)
-from hpc_ddp.tracking import Sink, log_to, open_sinks
+from hpc_ddp.tracked import (PerRank, RunUsageError, check_trackable, load_into, pack, restore_per_rank, state_of,
+                             unloadable, unpack, unwrap)
+from hpc_ddp.tracking import Sink, log_to, metric_value, open_sinks
 
 log = logging.getLogger("hpc_ddp.run")
 STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
@@ -138,7 +139,7 @@ class Run:
         place). State that differs by rank goes in as ``name=hpc_ddp.per_rank(obj)``: it is
         saved and restored per rank. This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
         A DDP model's gradient buckets are settled before its first step (see
-        :meth:`_settle_buckets_on_first_forward`), so a resumed run sums gradients in
+        :mod:`hpc_ddp.ddp_settle`), so a resumed run sums gradients in
         the same order as one that never stopped.
         """
         if self._resumed:
@@ -160,7 +161,7 @@ class Run:
             self._load(restored)
         for obj in self.tracked.values():
             if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
-                self._settle_buckets_on_first_forward(obj)
+                settle_buckets_on_first_forward(obj)
         if self.on_step is not None:
             self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
         return self.step
@@ -201,24 +202,8 @@ class Run:
         raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
         if not self.per_rank:
             return
-        saved = unpack(blob) if blob is not None else None
-        problem = None
-        for name, wanted in self.per_rank.items():
-            if saved is not None and name in saved:
-                load_into(wanted.obj, saved[name], self.device)
-                continue
-            why = (f"was written by {restored.world_size} ranks and this attempt has {self.world_size}"
-                   if restored.world_size not in (None, self.world_size) else
-                   "has no per-rank state named " + repr(name) if saved is not None else
-                   f"lost rank {self.rank}'s per-rank state (its node's file is damaged, or it predates per_rank)")
-            if wanted.elastic == "fresh":
-                log.warning("the snapshot of step %d %s: %s keeps the value this attempt built "
-                            "(per_rank(..., elastic='fresh'))", restored.step, why, name)
-                continue
-            problem = problem or explain(
-                f"cannot restore the per-rank state {name!r}: the snapshot of step {restored.step} {why}",
-                hint=f"resume at the world size that wrote it, or track it with hpc_ddp.per_rank({name}, "
-                "elastic='fresh') to keep the value each rank builds in the new attempt")
+        problem = restore_per_rank(self.per_rank, unpack(blob) if blob is not None else None, restored,
+                                   self.rank, self.world_size, self.device)
         problems: list[Any] = [None] * self.world_size
         dist.all_gather_object(problems, problem)
         first = next((p for p in problems if p), None)
@@ -257,37 +242,6 @@ class Run:
             log.warning("resuming from the snapshot of step %d%s%s%s", restored.step, geometry,
                         f"{'; resumed' if geometry else ''} with a changed config: {describe_diff(changed)}"
                         if changed else "", applied)
-
-    def _settle_buckets_on_first_forward(self, ddp: DistributedDataParallel) -> None:
-        """Before the first forward of this attempt, one forward/backward that trains nothing.
-
-        DDP reorders its gradient buckets after the first backward of a process. A resumed
-        attempt would otherwise reduce its first step's gradients in the initial layout while
-        the uninterrupted run used the rebuilt one: a different summation order, last-bit
-        differences, no exact resume. So every attempt (fresh ones too) runs the first
-        batch once in eval mode (no dropout, no BatchNorm statistics) with all gradients
-        synchronised, restores the RNG states and drops the gradients; DDP rebuilds its
-        buckets when the real forward starts.
-        """
-        def hook(module: DistributedDataParallel, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not torch.is_grad_enabled() or not module.training:
-                return  # an eval forward (maybe on rank 0 only, as nanoGPT's first eval): wait for the training one
-            handle.remove()
-            rng, sync = capture_rng(), module.require_backward_grad_sync
-            module.eval()
-            module.require_backward_grad_sync = True
-            try:
-                tensors = [t for t in _tensors(module(*args, **kwargs)) if t.requires_grad]
-                if tensors:
-                    (sum(t.float().sum() for t in tensors) * 0).backward()
-            finally:
-                module.train()
-                module.require_backward_grad_sync = sync
-                for p in module.parameters():
-                    p.grad = None
-                restore_rng(rng)
-
-        handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
 
     # -- boundary ------------------------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
@@ -442,28 +396,3 @@ class Run:
                      f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
         self.finished = done
         return done
-
-
-def metric_value(key: str, value: Any) -> Any:
-    """A value metrics.jsonl can hold: a 0-d (or one-element) tensor or a NumPy scalar becomes its number."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
-        if getattr(value, "size", None) == 1 or (isinstance(value, torch.Tensor) and value.numel() == 1):
-            return value.detach().item() if isinstance(value, torch.Tensor) else value.item()
-    raise RunUsageError(explain(f"run.log_metrics(..., {key}=...) got a {type(value).__name__}"
-                                + (f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""),
-                                expected="a number, a string or a one-element tensor",
-                                hint=f"log one number per key, e.g. {key}=loss.item() or {key}=t.mean().item()"),
-                        key=key)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a (nested) model output."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []

@@ -17,6 +17,7 @@ reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warni
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from torch.utils.data import DistributedSampler
 
 from hpc_ddp.errors import UsageError, explain
 
+log = logging.getLogger("hpc_ddp.run")  # its warnings belong to the run API's resume
 ELASTIC = ("refuse", "fresh")
 
 
@@ -148,3 +150,30 @@ def unloadable(objects: Mapping[str, PerRank]) -> str | None:
                            f"({str(err).splitlines()[0]})", hint="keep tensors, numbers, strings, lists and dicts "
                            "in it")
     return None
+
+
+def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | None, restored: Any, rank: int,
+                     world_size: int, device: torch.device) -> str | None:
+    """Put this rank's saved values back into ``objects``; the problem (refused per ``elastic``), or None.
+
+    ``saved`` is None when the snapshot holds nothing for this rank: written at another world size,
+    or its node's file is damaged. ``elastic="fresh"`` then keeps the value this attempt built.
+    """
+    problem = None
+    for name, wanted in objects.items():
+        if saved is not None and name in saved:
+            load_into(wanted.obj, saved[name], device)
+            continue
+        why = (f"was written by {restored.world_size} ranks and this attempt has {world_size}"
+               if restored.world_size not in (None, world_size) else
+               "has no per-rank state named " + repr(name) if saved is not None else
+               f"lost rank {rank}'s per-rank state (its node's file is damaged, or it predates per_rank)")
+        if wanted.elastic == "fresh":
+            log.warning("the snapshot of step %d %s: %s keeps the value this attempt built "
+                        "(per_rank(..., elastic='fresh'))", restored.step, why, name)
+            continue
+        problem = problem or explain(
+            f"cannot restore the per-rank state {name!r}: the snapshot of step {restored.step} {why}",
+            hint=f"resume at the world size that wrote it, or track it with hpc_ddp.per_rank({name}, "
+            "elastic='fresh') to keep the value each rank builds in the new attempt")
+    return problem

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
-from hpc_ddp.errors import ConfigError, explain
+from hpc_ddp.errors import ConfigError, UsageError, explain
 
 log = logging.getLogger("hpc_ddp.tracking")
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}  # key: (module, extra)
@@ -178,3 +178,20 @@ def log_to(sinks: list[Sink], step: int, values: Mapping[str, Any]) -> list[Sink
             log.warning("%s failed at step %d (%s: %s); no more metrics go there in this attempt",
                         type(sink).__name__, step, type(err).__name__, err)
     return kept
+
+
+def metric_value(key: str, value: Any) -> Any:
+    """A value metrics.jsonl can hold: a one-element tensor (0-d: a loss) or a NumPy scalar becomes its number.
+
+    Duck-typed (``numel``/``size`` and ``item``), so this module stays importable without torch.
+    """
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+    if size == 1 and callable(getattr(value, "item", None)):
+        return (value.detach() if callable(getattr(value, "detach", None)) else value).item()
+    raise UsageError(explain(f"run.log_metrics(..., {key}=...) got a {type(value).__name__}"
+                             + (f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""),
+                             expected="a number, a string or a one-element tensor",
+                             hint=f"log one number per key, e.g. {key}=loss.item() or {key}=t.mean().item()"),
+                     key=key)

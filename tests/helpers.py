@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -48,23 +51,17 @@ def alive_with(marker: str) -> list[int]:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def submit(*args: str) -> "subprocess.CompletedProcess[str]":
+def submit(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m hpc_ddp.submit ARGS`` from the checkout, as a user runs it; its output captured."""
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
     """Rank 0's loss at every logged step, from metrics.jsonl."""
-    import json
-
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 def done(run_dir: Path) -> dict:
-    import json
-
+    """DONE.json of a finished run."""
     return json.loads((run_dir / "DONE.json").read_text())

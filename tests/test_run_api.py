@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from hpc_ddp import layout
 from hpc_ddp.config import load_config
-from hpc_ddp.errors import ConfigError
+from hpc_ddp.errors import ConfigError, UsageError
 from hpc_ddp.run import Run, RunUsageError
 from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import from_environ
@@ -107,7 +107,7 @@ def test_log_metrics_takes_one_element_tensors_and_numpy_scalars_and_names_the_k
     run.log_metrics(1, loss=loss, lr=np.float32(0.5), tokens=np.int64(7), note="warmup")
     row = json.loads(layout.metrics(tmp_path).read_text())
     assert (row["loss"], row["lr"], row["tokens"], row["note"]) == (0.5, 0.5, 7, "warmup")
-    with pytest.raises(RunUsageError, match=r"grads=\.\.\.\) got a Tensor of shape \(3,\)") as err:
+    with pytest.raises(UsageError, match=r"grads=\.\.\.\) got a Tensor of shape \(3,\)") as err:
         run.log_metrics(2, grads=torch.ones(3))
     assert err.value.key == "grads" and "HINT" in str(err.value)
 

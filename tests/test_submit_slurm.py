@@ -147,6 +147,23 @@ def test_a_deterministic_error_on_the_cluster_ends_the_job_without_a_requeue(slu
     assert "error; not requeued" in log, log[-3000:]
 
 
+def test_a_script_that_crashes_on_one_rank_is_a_failure_on_the_cluster(slurm_cluster: ClusterSpec,
+                                                                       tmp_path: Path) -> None:
+    """srun's --kill-on-bad-exit ends rank 0 with SIGTERM when rank 1's script raises: a failure (max_failures=0:
+    no requeue), not a preemption requeued up to slurm.max_preemptions (issue 23)."""
+    run_dir = tmp_path / "crash"
+    job = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/crash_script.py",
+                     "train.args=[]", "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.max_failures=0",
+                     f"run_dir={run_dir}"))
+    assert wait_until(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                                                 text=True).stdout.strip(), 180)
+    attempts = read_attempts(run_dir)
+    # rank 0's worker records it (naming rank 1's script) unless srun's SIGKILL came first; then the batch shell
+    assert [a["reason"] for a in attempts] == ["failed"], attempts
+    restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "Restarts=0" in restarts or not restarts.strip()  # never went back to the queue
+
+
 def test_tasks_without_scontrol_are_requeued_once_by_the_batch_shell(slurm_cluster: ClusterSpec,
                                                                      tmp_path: Path) -> None:
     """A container started by srun often has no Slurm client (NVIDIA/pyxis#129): rank 0 cannot requeue, so
