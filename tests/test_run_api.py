@@ -193,3 +193,12 @@ def test_two_program_keys_get_a_hint_that_names_both() -> None:
         load_config([], ["name=x", "train.loop=a.b:c", "train.script=t.py"])
     with pytest.raises(ConfigError, match="train.resume_args is set but train.script is not"):
         load_config([], ["name=x", "train.loop=a.b:c", "train.resume_args=[--resume]"])
+
+
+def test_torchs_distributed_sampler_is_refused_naming_the_one_that_keeps_its_position(tmp_path) -> None:
+    from torch.utils.data import DistributedSampler
+
+    with pytest.raises(RunUsageError, match="got torch's DistributedSampler, which keeps no position") as err:
+        make_run(tmp_path).resume(sampler=DistributedSampler(list(range(8)), num_replicas=1, rank=0))
+    assert "hpc_ddp.ShardSampler(" in str(err.value) and "sampler.iterate(loader)" in str(err.value)
+    assert isinstance(err.value, UsageError) and err.value.key == "sampler"  # exit 2, never requeued

@@ -126,16 +126,6 @@ def wrong_loader(run: Any) -> None:
         pass
 
 
-def torch_sampler(run: Any) -> None:
-    """torch's DistributedSampler handed to run.resume: refused, naming hpc_ddp.ShardSampler."""
-    from torch.utils.data import DistributedSampler
-
-    model, optimizer = _tiny(run)
-    data = list(range(16))
-    run.resume(model=model, optimizer=optimizer,
-               sampler=DistributedSampler(data, num_replicas=run.world_size, rank=run.rank))
-
-
 def never_calls_boundary(run: Any) -> None:
     """Trains 30 short steps and returns, never calling run.boundary: a stop signal cannot be acted on."""
     model, optimizer = _tiny(run)
