@@ -70,7 +70,7 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(value)
 
 
-def _stage(value: Any, old: Any = None) -> Any:
+def stage(value: Any, old: Any = None) -> Any:
     """A CPU copy of every tensor in a (nested) state, so training may go on changing the originals.
 
     Copies into ``old``'s tensors where shapes and dtypes match: the staging memory of the
@@ -84,10 +84,10 @@ def _stage(value: Any, old: Any = None) -> Any:
         buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda)
         return buffer.copy_(value)
     if isinstance(value, dict):
-        return {k: _stage(v, old.get(k) if isinstance(old, dict) else None) for k, v in value.items()}
+        return {k: stage(v, old.get(k) if isinstance(old, dict) else None) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         olds = old if isinstance(old, (list, tuple)) and len(old) == len(value) else [None] * len(value)
-        return type(value)(_stage(v, o) for v, o in zip(value, olds))
+        return type(value)(stage(v, o) for v, o in zip(value, olds))
     return value
 
 
@@ -155,7 +155,7 @@ class Checkpointer:
         held = slicing.slices_of(self.env.node_rank, self.env.num_nodes, self.cfg.replicas)
         pieces = slicing.pieces_for(split, tensors, held, copy=not staged)
         if staged:
-            pieces = self._staging = _stage(pieces, self._staging)
+            pieces = self._staging = stage(pieces, self._staging)
         return {"content": {"format": slicing.FORMAT, "skeleton": skeleton, "pieces": pieces, "rng": rngs},
                 "layout": split, "slices": held, "ranks": sorted(rngs)}
 

@@ -125,7 +125,8 @@ class ShardSampler(Sampler[int]):
         while True:
             self._iterating = True  # only while the loader draws indices: the loop's body may do anything
             try:
-                batches = batches or iter(loader)  # workers prefetch (and so iterate this sampler) here
+                if batches is None:
+                    batches = iter(loader)  # workers prefetch (and so iterate this sampler) here
                 batch = next(batches)
             except StopIteration:
                 break

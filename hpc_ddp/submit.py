@@ -103,8 +103,8 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
             return item
         return str(layout.config(item)) if layout.config(item).is_file() else None
 
-    paths = [p for p in map(as_path, items) if p]
-    return paths, [i for i in items if as_path(i) is None]
+    found = [(item, as_path(item)) for item in items]
+    return [p for _, p in found if p], [item for item, p in found if p is None]
 
 
 def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str = "",
@@ -253,22 +253,22 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
         kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
         print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
-    if code == 0 and _ignored_stop(run_dir, job_id):
+    ignored = _ignored_stop(run_dir, job_id)
+    if code == 0 and ignored:
         code = 1  # a rehearsal that would lose the run on the cluster has not passed
     metrics = layout.metrics(run_dir)
-    print(f"{_outcome(run_dir, code, job_id)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+    print(f"{_outcome(run_dir, code, ignored)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
           + f"logs in {run_dir / 'logs'}", flush=True)
     return code
 
 
-def _outcome(run_dir: Path, code: int, job_id: int | None = None) -> str:
+def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) -> str:
     """How a rehearsal ended, in one word or three: a stop at a requeue cap is not a failure."""
     from hpc_ddp.preemption import REASONS_CAPPED, read_attempts
 
     last = (read_attempts(run_dir) or [{}])[-1]
     if code == 0:
         return "finished"
-    ignored = _ignored_stop(run_dir, job_id)
     if last.get("reason") == "finished" and not ignored:
         return "FAILED: the run finished, but a stop it was asked to rehearse never happened (the error above)"
     if ignored:
@@ -370,11 +370,12 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
 def _check_resume_caps(cfg: RunConfig) -> None:
     """A --resume of a run already past slurm.max_preemptions would be refused by every rank at start (and
     recorded as a failure): refused here instead, with the key to raise on the same command line."""
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.preemption import cap_reached, read_attempts
 
-    count = sum(a.get("reason") == "preemption" for a in read_attempts(Path(cfg.run_dir)))
+    attempts = read_attempts(Path(cfg.run_dir))
     limit = cfg.slurm.max_preemptions
-    if count > limit:
+    if cap_reached("preemption", attempts, {"max_preemptions": limit}):  # the worker's own test at start
+        count = sum(a.get("reason") == "preemption" for a in attempts)
         raise HpcDdpError(explain(
             f"--resume: the run has stopped for preemption {count} times, more than slurm.max_preemptions={limit} "
             "(the run's own config), so its job would refuse to start",

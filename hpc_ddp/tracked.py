@@ -26,6 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from hpc_ddp.checkpointer import stage
 from hpc_ddp.errors import UsageError, explain
 
 log = logging.getLogger("hpc_ddp.run")  # its warnings belong to the run API's resume
@@ -117,21 +118,11 @@ def load_into(obj: Any, state: Any, device: torch.device | None = None) -> None:
         unwrap(obj).load_state_dict(state)
 
 
-def _cpu(value: Any) -> Any:
-    """A compact CPU copy (a view would save its whole storage; training goes on changing the original)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True).contiguous()
-    if isinstance(value, Mapping):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(v) for v in value)
-    return value
-
-
 def pack(objects: Mapping[str, PerRank]) -> bytes:
     """This rank's per-rank states as bytes: they travel with its RNG state to the node's writer."""
     buffer = io.BytesIO()
-    torch.save({name: _cpu(state_of(p.obj)) for name, p in objects.items()}, buffer)
+    # compact CPU copies: a view would save its whole storage, and training goes on changing the originals
+    torch.save({name: stage(state_of(p.obj)) for name, p in objects.items()}, buffer)
     return buffer.getvalue()
 
 

@@ -58,23 +58,23 @@ def test_cuda_rng_state_is_captured_and_restored() -> None:
 
 
 def test_async_staging_of_cuda_tensors_is_pinned() -> None:
-    from hpc_ddp.checkpointer import _stage
+    from hpc_ddp.checkpointer import stage
 
-    staged = _stage({"w": torch.ones(8, device="cuda")})
+    staged = stage({"w": torch.ones(8, device="cuda")})
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["w"].sum().item() == 8
 
 
 def test_a_cuda_state_split_over_nodes_is_staged_pinned_and_comes_back_whole() -> None:
     """Split snapshots on CUDA: the parts of a cut tensor are views until staged, then pinned CPU copies."""
     from hpc_ddp import slicing
-    from hpc_ddp.checkpointer import _stage
+    from hpc_ddp.checkpointer import stage
 
     state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda"), "step": 3}
     skeleton, tensors = slicing.split(state)
     split = slicing.layout_for(tensors, 4, 2)
     staged = {}
     for node in range(4):
-        pieces = _stage(slicing.pieces_for(split, tensors, slicing.slices_of(node, 4, 2), copy=False))
+        pieces = stage(slicing.pieces_for(split, tensors, slicing.slices_of(node, 4, 2), copy=False))
         assert all(p.device.type == "cpu" and p.is_pinned() for p in pieces.values())
         staged.update(pieces)
     back = slicing.assemble(split, skeleton, staged)
