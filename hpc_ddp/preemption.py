@@ -41,17 +41,22 @@ class PreemptionError(HpcDdpError):
 
 
 class StopFlag:
-    """Records the first stop signal; the handler does nothing else (it may run mid-collective)."""
+    """Records the first stop signal, and counts them all; the handler does nothing else (it may run
+    mid-collective). The count lets a wrapped script's worker tell a later signal (Slurm's SIGTERM at the
+    time limit, after the warning it forwarded) from the first."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
+        self.count = 0
+        self.last: int | None = None
 
     def install(self, signums: Iterable[int]) -> None:
         for signum in signums:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
+        self.count, self.last = self.count + 1, signum
         if self.signum is None:
             self.signum, self.received_at = signum, time.time()
 

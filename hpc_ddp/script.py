@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import EXIT_ERROR, StopFlag, append_attempt, read_attempts, recorded_error
 from hpc_ddp.runlock import acquire, release
+from hpc_ddp.script_output import Progress, start_relays
 from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
 from hpc_ddp.shutdown import die_with_parent
 from hpc_ddp.slurm_env import DistEnv, torch_env
@@ -45,6 +48,11 @@ from hpc_ddp.slurm_env import DistEnv, torch_env
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
 CRASH_WAIT_S = 1.0  # how long a stopped rank looks for another rank's crash marker (a shared filesystem's lag)
+
+
+IGNORED_HINT = ("HINT: on the signal, save and exit (docs/own-loop.md#scripts), or raise slurm.signal_delay_s if "
+                "the script saves only at an epoch end; after saving on a stop, exit non-zero: exit 0 after a "
+                "signal that was not acted on means the script ran to its end")
 
 
 class ScriptError(HpcDdpError):
@@ -69,32 +77,58 @@ def script_path(script: str) -> Path:
     return path
 
 
-def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag) -> int:
-    """Run the child to its end, forwarding the first stop signal this process receives; its exit code."""
-    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent)
-    forwarded = False
+def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progress: Progress | None = None,
+              on_later_stop: Callable[[], None] | None = None) -> int:
+    """Run the child to its end, forwarding the first stop signal this process receives; its exit code.
+
+    With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
+    ``on_later_stop`` is called once if another stop signal arrives while the child still runs after
+    the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by more than KillWait.
+    """
+    pipe = subprocess.PIPE if progress is not None else None
+    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
+                             stdout=pipe, stderr=pipe)
+    relays = [] if progress is None else start_relays(
+        [(child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)], progress)  # type: ignore[list-item]
+    seen, warned = 0, False
     while child.poll() is None:
-        if flag.signum is not None and not forwarded:
-            log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
-            child.send_signal(flag.signum)
-            forwarded = True
+        if flag.count > seen and flag.signum is not None:
+            if not seen:
+                log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
+                child.send_signal(flag.signum)
+                if progress is not None:
+                    progress.stop_forwarded()
+            elif on_later_stop is not None:
+                on_later_stop()
+                on_later_stop = None
+            seen = flag.count
+        if progress is not None and progress.ignored and not warned:
+            warned = True
+            log.warning("%s, so it took no snapshot of its own at the signal; on a cluster it is killed at the "
+                        "time limit or the end of the grace period. %s", progress.went_on(
+                            signal.Signals(flag.signum or signal.SIGTERM).name), IGNORED_HINT)
         time.sleep(POLL_S)
+    for relay in relays:
+        relay.join(timeout=5)
     return int(child.returncode)
 
 
-def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> None:
+def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any] | None:
     """A stopped rank other than 0 leaves only once rank 0 has recorded the attempt (and requeued).
 
     There is no process group among the workers of a script (the script has its own), so
     no closing barrier: without this wait, the first rank to exit with EXIT_REQUEUE would
-    make srun's --kill-on-bad-exit end rank 0 while it writes the ledger.
+    make srun's --kill-on-bad-exit end rank 0 while it writes the ledger. Returns rank 0's line
+    (it may say ``finished``: the scripts ignored the signal and ran to their end), or None.
     """
     deadline = time.monotonic() + timeout_s
     mine = (attempt.env.job_id, attempt.env.restart_count)
     while time.monotonic() < deadline:
-        if any((a.get("job_id"), a.get("restart_count")) == mine for a in read_attempts(attempt.run_dir)):
-            return
+        for line in read_attempts(attempt.run_dir):
+            if (line.get("job_id"), line.get("restart_count")) == mine:
+                return line
         time.sleep(0.2)
+    return None
 
 
 def crash_path(run_dir: Path, env: DistEnv) -> Path:
@@ -143,6 +177,43 @@ def script_args(attempt: Attempt) -> list[str]:
     return list(train.args)
 
 
+def _watch(attempt: Attempt) -> Progress | None:
+    """Rank 0 reads its script's output for progress lines (train.script_progress); the others do not."""
+    pattern = attempt.cfg.train.script_progress
+    return Progress(re.compile(pattern)) if attempt.env.is_main and pattern else None
+
+
+def _later_stop(attempt: Attempt, progress: Progress | None, outcome: dict[str, int]) -> Callable[[], None]:
+    """On a cluster: a second stop signal while the script still runs after the first one was forwarded
+    means Slurm is ending the job (the time limit's SIGTERM; KillWait later, SIGKILL). Rank 0 records the
+    attempt now, saying that the script did not act on the stop, and requeues it within the caps: a script
+    that also saves on its own (every N steps) goes on from there."""
+    def record() -> None:
+        flag = attempt.flag
+        first, now = signal.Signals(flag.signum or signal.SIGTERM).name, signal.Signals(flag.last or 15).name
+        went = progress.went_on(first) if progress is not None and progress.ignored else \
+            f"the script did not act on {first}"
+        waited = time.time() - (flag.received_at or time.time())
+        note = (f"{went}; it was still running when {now} came {waited:.0f} s later, and Slurm kills it with "
+                "nothing saved since its own last checkpoint")
+        attempt.record.update(stop_ignored=first, note=note, end=round(time.time(), 3),
+                              **({"last_step": progress.step} if progress is not None and progress.step else {}))
+        log.error("%s. %s", note, IGNORED_HINT)
+        outcome["code"] = conclude(attempt, stopped=True, step=None)
+    return record
+
+
+def _ran_to_its_end(attempt: Attempt, progress: Progress | None, code: int) -> bool:
+    """The script went on after the stop it was sent and exited 0: it finished, it did not stop."""
+    if code != 0 or progress is None or not progress.ignored:
+        return False
+    first = signal.Signals(attempt.flag.signum or signal.SIGTERM).name
+    note = f"{progress.went_on(first)} and exited 0: recorded as finished, not as a stop"
+    attempt.record.update(stop_ignored=first, note=note)
+    log.warning("%s. %s", note, IGNORED_HINT)
+    return True
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -154,15 +225,25 @@ def run_script(attempt: Attempt) -> int:
             from hpc_ddp.local import PROGRESS_MARK
 
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
-        code = supervise([sys.executable, str(path), *script_args(attempt)],
-                         script_environ(attempt.environ, env, attempt.run_dir), attempt.flag)
+        progress, later = _watch(attempt), {}
+        environ = script_environ(attempt.environ, env, attempt.run_dir)
+        if progress is not None:
+            environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
+        code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
+                         None if attempt.local or not env.is_main else _later_stop(attempt, progress, later))
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
-        if attempt.flag.is_set:
+        if progress is not None and progress.step is not None:
+            attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
+        if "code" in later:
+            return later["code"]  # recorded (and requeued) when Slurm's later signal came
+        if attempt.flag.is_set and not _ran_to_its_end(attempt, progress, code):
             crashed = crashes(attempt) if code != 0 else []
             if crashed:
                 return record_crash(attempt, crashed)
             if not env.is_main:
-                wait_for_ledger(attempt)
+                line = wait_for_ledger(attempt)
+                if line is not None and line.get("reason") == "finished":
+                    return 0  # rank 0's script went on after the signal and ran to its end
             return conclude(attempt, stopped=True, step=None)
         if code == 0:
             if env.is_main and not layout.done(attempt.run_dir).exists():

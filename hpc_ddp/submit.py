@@ -272,8 +272,10 @@ def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) ->
     if last.get("reason") == "finished" and not ignored:
         return "FAILED: the run finished, but a stop it was asked to rehearse never happened (the error above)"
     if ignored:
+        note = str(ignored.get("note", ""))
+        why = note if note.startswith("the script") else "the loop never called run.boundary(step)"
         return (f"FAILED: {ignored['stop_ignored']} was sent but never acted on (attempt {ignored['restart_count']}): "
-                "the loop never called run.boundary(step); on a cluster this job is killed with nothing saved")
+                f"{why}; on a cluster this job is killed with nothing saved")
     if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
         return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
                "--resume continues it)"

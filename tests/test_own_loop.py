@@ -111,3 +111,17 @@ def test_resume_args_are_appended_on_the_attempts_that_continue_the_run(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = ((run_dir / "logs" / f"attempt-{n}-rank-0.log").read_text() for n in (0, 1))
     assert "argv ['--out', 'x']\n" in first and "argv ['--out', 'x', '--init_from=resume']" in second
+
+
+def test_a_script_that_goes_on_after_the_stop_and_exits_0_has_finished(tmp_path: Path) -> None:
+    """A script whose handlers do not act on SIGTERM prints its steps on and exits 0: it ran to its end. It was
+    recorded as a preemption and rerun from scratch (issue 23); now `finished`, with a note and the hint, and the
+    rehearsal fails: on a cluster the script would be killed at the time limit with nothing saved."""
+    run_dir = tmp_path / "deaf"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "train.script=tests/tasks/deaf_script.py",
+                  "train.args=[--steps,12]", f"run_dir={run_dir}", "--preempt-at", "3")
+    assert proc.returncode == 1 and "FAILED: SIGTERM was sent but never acted on" in proc.stdout, proc.stderr[-3000:]
+    [attempt] = read_attempts(run_dir)
+    assert attempt["reason"] == "finished" and attempt["stop_ignored"] == "SIGTERM" and attempt["last_step"] == 12
+    assert "went on after SIGTERM" in attempt["note"] and "exited 0" in attempt["note"]
+    assert "HINT: on the signal, save and exit" in proc.stdout and (run_dir / "DONE.json").exists()

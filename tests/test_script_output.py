@@ -1,0 +1,45 @@
+"""Reading rank 0's script output: progress lines, and whether the script went on after a stop (pure)."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from hpc_ddp.config import RunConfig
+from hpc_ddp.script_output import IGNORED_AFTER, Progress, relay
+
+DEFAULT = re.compile(RunConfig().train.script_progress)
+
+
+def test_progress_lines_give_the_step_and_other_lines_are_passed_over() -> None:
+    progress = Progress(DEFAULT)
+    for text in ("loading data\n", "step 3 loss 2.1\n", "Step: 4\n", "saved to step_dir\n"):
+        progress.feed(text)
+    assert (progress.step, progress.lines, progress.line) == (4, 2, "Step: 4")
+
+
+def test_a_pattern_whose_group_is_not_a_number_or_that_has_no_group_reads_no_step() -> None:
+    words, no_group = Progress(re.compile(r"step (\w+)")), Progress(re.compile(r"step \d+"))
+    words.feed("step five\n")
+    no_group.feed("step 5\n")
+    assert (words.step, words.lines, no_group.step, no_group.lines) == (None, 0, None, 0)
+
+
+def test_one_line_after_the_stop_is_the_step_in_flight_two_mean_the_script_went_on() -> None:
+    progress = Progress(DEFAULT)
+    progress.feed("step 10\n")
+    assert not progress.ignored  # no stop forwarded yet
+    progress.stop_forwarded()
+    progress.feed("step 11\n")
+    assert not progress.ignored and progress.after_stop == 1
+    for step in range(12, 11 + IGNORED_AFTER):
+        progress.feed(f"step {step}\n")
+    assert progress.ignored
+    assert progress.went_on("SIGUSR2") == (f"the script went on after SIGUSR2: {IGNORED_AFTER} progress lines "
+                                           f"since (step 10 -> {10 + IGNORED_AFTER})")
+
+
+def test_relay_passes_every_byte_on_and_reads_the_lines() -> None:
+    source, sink, progress = io.BytesIO(b"step 1\n\xffbinary\nstep 2"), io.BytesIO(), Progress(DEFAULT)
+    relay(source, sink, progress)
+    assert sink.getvalue() == b"step 1\n\xffbinary\nstep 2" and progress.step == 2
