@@ -38,7 +38,8 @@ from typing import Any
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import EXIT_ERROR, StopFlag, append_attempt, read_attempts, recorded_error
+from hpc_ddp.preemption import (EXIT_ERROR, TICK_S, StopFlag, append_attempt, cancelled, job_spec, job_state,
+                                read_attempts, recorded_error)
 from hpc_ddp.runlock import acquire, release
 from hpc_ddp.script_output import Progress, start_relays
 from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
@@ -199,8 +200,19 @@ def _later_stop(attempt: Attempt, progress: Progress | None, outcome: dict[str, 
         attempt.record.update(stop_ignored=first, note=note, end=round(time.time(), 3),
                               **({"last_step": progress.step} if progress is not None and progress.step else {}))
         log.error("%s. %s", note, IGNORED_HINT)
-        outcome["code"] = conclude(attempt, stopped=True, step=None)
+        if flag.last == signal.SIGTERM and _cancelled_now(attempt):
+            append_attempt(attempt.run_dir, {**attempt.record, "reason": "cancelled"})
+            outcome["code"] = 0
+        else:
+            outcome["code"] = conclude(attempt, stopped=True, step=None)
     return record
+
+
+def _cancelled_now(attempt: Attempt) -> bool:
+    """The later SIGTERM is scancel's (never requeue), not the time limit's: both leave the job COMPLETING
+    (measured on 22.05), but only the time limit comes at the job's end."""
+    at_end = attempt.end_time is not None and time.time() >= attempt.end_time - TICK_S
+    return not at_end and cancelled(signal.SIGTERM, job_state(job_spec(attempt.environ)))
 
 
 def _ran_to_its_end(attempt: Attempt, progress: Progress | None, code: int) -> bool:

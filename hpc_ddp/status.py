@@ -161,24 +161,20 @@ def _ledger_job(run_dir: Path, attempts: list[dict[str, Any]]) -> str | None:
     return next((str(a["job_id"]) for a in reversed(attempts) if a.get("job_id") is not None), None)
 
 
-def _max_steps(run_dir: Path) -> int | None:
-    """train.max_steps of the run's resolved config (None when unset or unreadable)."""
+def _config(run_dir: Path) -> Any:
+    """The run's resolved config, or None when it cannot be read (status still shows the ledger)."""
     from hpc_ddp.config import load_config
 
     try:
-        return load_config([layout.config(run_dir)]).train.max_steps
+        return load_config([layout.config(run_dir)])
     except HpcDdpError:
         return None
 
 
-def _run_name(run_dir: Path) -> str:
-    """The run's name from its config (the directory's name when the config cannot be read)."""
-    from hpc_ddp.config import load_config
-
-    try:
-        return load_config([layout.config(run_dir)]).name
-    except HpcDdpError:
-        return run_dir.name
+def _max_steps(run_dir: Path) -> int | None:
+    """train.max_steps of the run's resolved config (None when unset or unreadable)."""
+    cfg = _config(run_dir)
+    return None if cfg is None else cfg.train.max_steps
 
 
 def _shape(attempt: dict[str, Any]) -> str:
@@ -234,10 +230,33 @@ def render(info: dict[str, Any]) -> str:
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} {reason:<16} "
                        f"{steps:<14} {_shape(a):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
+    notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
+    if notes:
+        out.append("notes:")
+        out.extend(f"  #{i}: {note}" for i, note in notes)
     if info.get("last_errors"):
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def _no_loss_hint(cfg: Any) -> str:
+    if cfg is not None and cfg.train.script:
+        return ("a train.script run writes no metrics of its own (hpc_ddp sees only its output); to plot one, log "
+                "from the script: `with hpc_ddp.session() as run:` ... `run.log_metrics(step, loss=...)`")
+    if cfg is not None and cfg.train.loop:
+        return "wait for the loop's first run.log_metrics(step, loss=...) call (rank 0 writes it)"
+    return "wait for the first log step (train.log_every)"
+
+
+def _log_scale(ax: Any, span: float) -> None:
+    """A log axis labelled 0.5, 2 rather than 5x10^-1; minor ticks are labelled only within one decade,
+    where there are few of them (over several decades their labels overlap)."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if span < 10 else NullFormatter())
 
 
 def plot(run_dir: Path, out: Path) -> str:
@@ -251,13 +270,11 @@ def plot(run_dir: Path, out: Path) -> str:
         raise HpcDdpError(explain("--plot needs matplotlib, which is not installed",
                                   hint="pip install 'hpc_ddp[plot]' (or pip install matplotlib)"),
                           key="--plot") from None
-    metrics = _metrics(run_dir)
+    cfg = _config(run_dir)
+    metrics = [m for m in _metrics(run_dir) if isinstance(m.get("loss"), (int, float))]
     if not metrics:
-        raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no entries yet",
-                                  hint="wait for the first log step (train.log_every)"), key="--plot")
-    from matplotlib.ticker import FormatStrFormatter
-
-    metrics = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
+        raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no loss yet", hint=_no_loss_hint(
+            cfg)), key="--plot")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="loss")
     attempts = read_attempts(run_dir)
@@ -267,11 +284,12 @@ def plot(run_dir: Path, out: Path) -> str:
             ax.annotate(f"#{number} after {attempts[number - 1].get('reason', '?')}", (attempt["first_step"], 1),
                         xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
                         color="dimgrey")
-    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title=f"{_run_name(run_dir)}: loss")
-    if min(m["loss"] for m in metrics) > 0:
-        ax.set_yscale("log")
-        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            axis(FormatStrFormatter("%g"))  # 0.5, 2 rather than 5x10^-1, 2x10^0
+    trainer = cfg is None or not (cfg.train.loop or cfg.train.script)  # only the Trainer averages over ranks
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)" if trainer else "loss (as rank 0 logged it)",
+           title=f"{run_dir.name if cfg is None else cfg.name}: loss")
+    losses = [m["loss"] for m in metrics]
+    if min(losses) > 0:
+        _log_scale(ax, max(losses) / min(losses))
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

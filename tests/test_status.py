@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.config import load_config, save_config
+from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.status import _metrics, collect, local_state, main, render, timing
 
 MLP = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.yaml")
 
 
 def run_dir(tmp_path: Path, attempts: list[dict] = (), metrics: list[dict] = (), done: bool = False,
-            alive: bool = False) -> Path:
+            alive: bool = False, overrides: tuple[str, ...] = ()) -> Path:
     path = tmp_path / "run"
     path.mkdir()
-    save_config(load_config([MLP], [f"run_dir={path}", "train.max_steps=100"]), path / "config.yaml")
+    save_config(load_config([MLP], [f"run_dir={path}", "train.max_steps=100", *overrides]), path / "config.yaml")
     (path / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (path / "job.json").write_text(json.dumps({"job_id": 5, "local": True, "pid": os.getpid() if alive else 2**22,
@@ -88,32 +89,66 @@ def test_a_directory_that_is_not_a_run_is_an_error(tmp_path: Path, capsys: pytes
     assert "(it does not exist)" in capsys.readouterr().err
 
 
-def test_the_plot_labels_each_attempt_and_names_the_run(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+def _plotted(path: Path, out: Path):  # noqa: ANN202
+    """status.plot's figure, kept as it is saved."""
     import matplotlib.pyplot as plt
 
     from hpc_ddp import status
 
-    path = run_dir(tmp_path, attempts=[{"reason": "preemption", "first_step": 0, "last_step": 30},
-                                       {"reason": "finished", "first_step": 30, "last_step": 60}],
-                   metrics=[{"step": s, "loss": 3.0 / s} for s in range(1, 61)])
-    captured = {}
-    real = plt.Figure.savefig
+    captured, real = {}, plt.Figure.savefig
 
-    def keep(fig, out, *args, **kwargs):  # noqa: ANN001
+    def keep(fig, target, *args, **kwargs):  # noqa: ANN001
         captured["fig"] = fig
-        return real(fig, out, *args, **kwargs)
+        return real(fig, target, *args, **kwargs)
 
     plt.Figure.savefig = keep
     try:
-        status.plot(path, tmp_path / "loss.png")
+        status.plot(path, out)
     finally:
         plt.Figure.savefig = real
-    ax = captured["fig"].axes[0]
-    assert ax.get_title() == "mlp: loss"
+    return captured["fig"]
+
+
+def test_the_plot_labels_each_attempt_and_names_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+    path = run_dir(tmp_path, attempts=[{"reason": "preemption", "first_step": 0, "last_step": 30},
+                                       {"reason": "finished", "first_step": 30, "last_step": 60}],
+                   metrics=[{"step": s, "loss": 3.0 / s} for s in range(1, 61)])
+    ax = _plotted(path, tmp_path / "loss.png").axes[0]
+    assert ax.get_title() == "mlp: loss" and ax.get_ylabel() == "loss (mean over ranks)"
     assert [t.get_text() for t in ax.texts] == ["#1 after preemption"]
     labels = [t.get_text() for t in ax.get_yticklabels(minor=True) + ax.get_yticklabels() if t.get_text()]
     assert labels and not any("times" in t or "^" in t for t in labels)  # plain numbers, no 2.4x10^0
+
+
+@pytest.mark.parametrize("span", [1000.0, 3.0])
+def test_the_plots_tick_labels_never_overlap(tmp_path: Path, span: float) -> None:
+    """A loss over several decades labelled every minor tick (2, 3, ... 9 of each decade): they overlapped."""
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+    path = run_dir(tmp_path, metrics=[{"step": s, "loss": 0.05 * span ** (1 - s / 100)} for s in range(1, 101)])
+    fig = _plotted(path, tmp_path / "loss.png")
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    fig.canvas.draw()
+    shown = [t for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True)
+             if t.get_text() and t.get_visible() and low <= t.get_position()[1] <= high]
+    boxes = sorted((t.get_window_extent() for t in shown), key=lambda box: box.y0)
+    assert len(boxes) >= 2, [t.get_text() for t in shown]  # a scale can be read off
+    assert all(lower.y1 <= upper.y0 for lower, upper in zip(boxes, boxes[1:])), [t.get_text() for t in shown]
+
+
+def test_an_own_loops_plot_says_whose_loss_and_a_script_run_says_how_to_get_one(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
+    from hpc_ddp import status
+
+    for sub in "ab":
+        (tmp_path / sub).mkdir()
+    loop = run_dir(tmp_path / "a", metrics=[{"step": s, "loss": 1.0 / s} for s in range(1, 9)],
+                   overrides=("train.task=''", "train.loop=examples.own_loop_gpt:train"))
+    assert _plotted(loop, tmp_path / "loop.png").axes[0].get_ylabel() == "loss (as rank 0 logged it)"
+    script = run_dir(tmp_path / "b", overrides=("train.task=''", "train.script=examples/torchrun_script.py"))
+    with pytest.raises(HpcDdpError, match="a train.script run writes no metrics of its own"):
+        status.plot(script, tmp_path / "script.png")
 
 
 @pytest.mark.parametrize("done, shown", [

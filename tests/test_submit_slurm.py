@@ -147,20 +147,35 @@ def test_a_deterministic_error_on_the_cluster_ends_the_job_without_a_requeue(slu
     assert "error; not requeued" in log, log[-3000:]
 
 
-def test_a_script_that_crashes_on_one_rank_is_a_failure_on_the_cluster(slurm_cluster: ClusterSpec,
-                                                                       tmp_path: Path) -> None:
-    """srun's --kill-on-bad-exit ends rank 0 with SIGTERM when rank 1's script raises: a failure (max_failures=0:
-    no requeue), not a preemption requeued up to slurm.max_preemptions (issue 23)."""
-    run_dir = tmp_path / "crash"
-    job = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/crash_script.py",
-                     "train.args=[]", "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.max_failures=0",
-                     f"run_dir={run_dir}"))
-    assert wait_until(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+def test_scripts_are_judged_by_what_they_did_on_the_cluster(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """Two scripts side by side (issue 23). One crashes on rank 1: srun's --kill-on-bad-exit ends rank 0 with
+    SIGTERM, and it is a failure (max_failures=0: no requeue), not a preemption requeued up to max_preemptions.
+    The other goes on after USR2; Slurm's SIGTERM at the time limit (sent here with scancel, as the time-limit
+    tests in test_slurm_real.py measure the real one) used to kill it with no ledger line: rank 0 now records
+    the stop with what the script did and the hint, and requeues it before KillWait's SIGKILL."""
+    crash_dir, deaf_dir = tmp_path / "crash", tmp_path / "deaf"
+    crash = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/crash_script.py",
+                       "train.args=[]", "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.max_failures=0",
+                       f"run_dir={crash_dir}"))
+    deaf = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/deaf_script.py",
+                      "train.args=[--steps,3000]", "slurm.nodes=1", "slurm.tasks_per_node=2", "slurm.timeout_min=30",
+                      f"run_dir={deaf_dir}"))
+    out = lambda: "".join(p.read_text(errors="replace") for p in (deaf_dir / "slurm").glob("*_log.*"))  # noqa: E731
+    assert wait_until(lambda: "step 5\n" in out(), 180), out()[-3000:]
+    subprocess.run(["scancel", "--signal=USR2", deaf], check=True)
+    assert wait_until(lambda: "the script went on after SIGUSR2" in out(), 60), out()[-3000:]
+    subprocess.run(["scancel", "--signal=TERM", deaf], check=True)  # what the time limit sends
+    assert wait_until(lambda: finished(deaf_dir), 180), out()[-3000:]
+    stopped, done = read_attempts(deaf_dir)
+    assert (stopped["reason"], stopped["stop_ignored"], done["reason"]) == ("preemption", "SIGUSR2", "finished")
+    assert "still running when SIGTERM came" in stopped["note"] and stopped["last_step"] > 5, stopped
+    assert "HINT: on the signal, save and exit" in out()
+    assert wait_until(lambda: not subprocess.run(["squeue", "-h", "-j", crash], capture_output=True,
                                                  text=True).stdout.strip(), 180)
-    attempts = read_attempts(run_dir)
+    attempts = read_attempts(crash_dir)
     # rank 0's worker records it (naming rank 1's script) unless srun's SIGKILL came first; then the batch shell
     assert [a["reason"] for a in attempts] == ["failed"], attempts
-    restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    restarts = subprocess.run(["scontrol", "show", "job", crash], capture_output=True, text=True).stdout
     assert "Restarts=0" in restarts or not restarts.strip()  # never went back to the queue
 
 
