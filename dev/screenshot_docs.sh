@@ -15,7 +15,7 @@ mkdir -p "$out"
 for page in "$@"; do
     name=${page%%#*}
     anchor=${page#"$name"}
-    "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,2400 \
+    "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,${HPC_DDP_SHOT_HEIGHT:-2400} \
         --screenshot="$out/${name//\//_}.png" "file://$PWD/runs/site/$name/index.html$anchor" 2>/dev/null
     echo "$out/${name//\//_}.png"
 done

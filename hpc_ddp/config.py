@@ -92,8 +92,9 @@ class TrainConfig:
                                           "(a requeue or --resume: the ledger has an earlier attempt), for "
                                           "scripts that must be told to resume: ['--init_from=resume'] for "
                                           "nanoGPT's train.py, ['--resume', '${run_dir}/ckpt.pt'].")
-    script_progress: str = _doc(r"(?i)\bstep\b\D{0,3}(\d+)", "The local rehearsal's --preempt-at/--timeout-at "
-                                "find train.script's step in rank 0's output with this regex (group 1: the step).")
+    script_progress: str = _doc(r"(?i)\bstep\b\D{0,3}(\d+)", "A regex that finds train.script's step in rank 0's "
+                                "output (group 1: the step): the local rehearsal's --preempt-at/--timeout-at fire "
+                                "by it, and the worker judges by it whether the script went on after a stop signal.")
     max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs this or epochs; "
                                     "a train.loop may read it from run.config).")
     epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")

@@ -7,12 +7,19 @@ Slurm as everywhere else, plus HPC_DDP_RUN_DIR, HPC_DDP_RESTART_COUNT and
 HPC_DDP_CONFIG so the script can find its own checkpoint (or open
 ``hpc_ddp.session()`` for an exact resume). No torchrun process is needed.
 
-The child runs in its own session, so a signal reaches it exactly once: from the
-worker, which forwards the first stop signal (the warning signal, SIGTERM, Ctrl-C).
-When the script exits after one, the attempt is a time-out or preemption (or an
-interruption) and rank 0's worker records it and requeues within the caps, as for any
-program (:func:`hpc_ddp.session.conclude`). Exit 0 without a signal is a finished
-run; any other exit without a signal is a failure (settled and capped as usual).
+The child runs in its own session, and the worker forwards the first stop signal (the
+warning signal, SIGTERM, Ctrl-C) to it; on a cluster Slurm signals every process of the
+step as well, so it may get the signal twice. When the script exits after one, the
+attempt is a time-out or preemption (or an interruption) and rank 0's worker records it
+and requeues within the caps, as for any program (:func:`hpc_ddp.session.conclude`).
+Exit 0 without a signal is a finished run; any other exit without a signal is a failure
+(settled and capped as usual).
+
+Rank 0's worker reads its script's output (:mod:`hpc_ddp.script_output`). A script that
+goes on printing progress after the signal did not act on it: exit 0 then means it ran to
+its end (``finished``, with ``stop_ignored`` and a note in the ledger), and a later stop
+signal on a cluster (the time limit's SIGTERM, KillWait before the SIGKILL) makes rank 0
+record and requeue the attempt at once, since nothing will run after the kill.
 
 A crash on one rank reaches the others as a stop signal: srun's ``--kill-on-bad-exit``
 (and the local launcher) ends them with SIGTERM, which looks like a preemption. So a
@@ -51,7 +58,7 @@ POLL_S = 0.05
 CRASH_WAIT_S = 1.0  # how long a stopped rank looks for another rank's crash marker (a shared filesystem's lag)
 
 
-IGNORED_HINT = ("HINT: on the signal, save and exit (docs/own-loop.md#scripts), or raise slurm.signal_delay_s if "
+IGNORED_HINT = ("HINT: on the signal, save and exit (docs/own-loop.md, tier 2), or raise slurm.signal_delay_s if "
                 "the script saves only at an epoch end; after saving on a stop, exit non-zero: exit 0 after a "
                 "signal that was not acted on means the script ran to its end")
 
