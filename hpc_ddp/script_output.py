@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 IGNORED_AFTER = 2  # progress lines after a forwarded stop that prove the script went on
+CHUNK = 65536
 
 
 @dataclass
@@ -68,14 +69,27 @@ class Progress:
 
 
 def relay(source: IO[bytes], sink: IO[bytes], progress: Progress) -> None:
-    """Copy ``source`` to ``sink`` line by line until it closes, feeding each line to ``progress``."""
-    for line in iter(source.readline, b""):
+    """Copy ``source`` to ``sink`` as bytes arrive until it closes, feeding each line to ``progress``.
+
+    Chunks, not lines, are passed on: a progress bar that redraws itself with ``\r`` shows
+    as it did without us. For reading, ``\r`` ends a line too.
+    """
+    pending = b""
+    while True:
+        chunk = source.read1(CHUNK)  # type: ignore[attr-defined]
+        if not chunk:
+            break
         try:
-            sink.write(line)
+            sink.write(chunk)
             sink.flush()
         except (OSError, ValueError):
             pass  # our own stream is gone (a closed pipe): keep reading, or the script blocks on a full pipe
-        progress.feed(line.decode(errors="replace"))
+        *lines, pending = re.split(rb"[\r\n]", pending + chunk)
+        pending = pending[-CHUNK:]  # a script that never ends a line does not grow this without bound
+        for line in lines:
+            progress.feed(line.decode(errors="replace"))
+    if pending:
+        progress.feed(pending.decode(errors="replace"))
 
 
 def start_relays(pairs: list[tuple[IO[bytes], IO[bytes]]], progress: Progress) -> list[threading.Thread]:

@@ -40,6 +40,8 @@ def test_one_line_after_the_stop_is_the_step_in_flight_two_mean_the_script_went_
 
 
 def test_relay_passes_every_byte_on_and_reads_the_lines() -> None:
-    source, sink, progress = io.BytesIO(b"step 1\n\xffbinary\nstep 2"), io.BytesIO(), Progress(DEFAULT)
+    """A progress bar redraws with \\r and no newline: its bytes pass on as they come, and \\r ends a line."""
+    data = b"step 1\n\xffbinary\r 40%| step 2 \r 80%| step 3 \rlast words, step 4"
+    source, sink, progress = io.BytesIO(data), io.BytesIO(), Progress(DEFAULT)
     relay(source, sink, progress)
-    assert sink.getvalue() == b"step 1\n\xffbinary\nstep 2" and progress.step == 2
+    assert sink.getvalue() == data and progress.step == 4 and progress.lines == 4
