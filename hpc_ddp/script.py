@@ -19,7 +19,9 @@ Rank 0's worker reads its script's output (:mod:`hpc_ddp.script_output`). A scri
 goes on printing progress after the signal did not act on it: exit 0 then means it ran to
 its end (``finished``, with ``stop_ignored`` and a note in the ledger), and a later stop
 signal on a cluster (the time limit's SIGTERM, KillWait before the SIGKILL) makes rank 0
-record and requeue the attempt at once, since nothing will run after the kill.
+record and requeue the attempt at once, since nothing will run after the kill. A script
+that prints no progress line for ``dist.timeout_s`` after its first one is hung: rank 0
+records ``hung`` and ends it (a script that prints none is not watched).
 
 A crash on one rank reaches the others as a stop signal: srun's ``--kill-on-bad-exit``
 (and the local launcher) ends them with SIGTERM, which looks like a preemption. So a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -40,14 +43,14 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.preemption import (EXIT_ERROR, TICK_S, StopFlag, append_attempt, cancelled, job_spec, job_state,
-                                read_attempts, recorded_error)
+from hpc_ddp.preemption import EXIT_ERROR, StopFlag, recorded_error
 from hpc_ddp.runlock import acquire, release
+from hpc_ddp.script_outcome import (IGNORED_HINT, crashes, hung, later_stop, mark_crash, ran_to_its_end,
+                                    record_crash, wait_for_ledger)
 from hpc_ddp.script_output import Progress, start_relays
 from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
 from hpc_ddp.shutdown import die_with_parent
@@ -55,12 +58,6 @@ from hpc_ddp.slurm_env import DistEnv, torch_env
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
-CRASH_WAIT_S = 1.0  # how long a stopped rank looks for another rank's crash marker (a shared filesystem's lag)
-
-
-IGNORED_HINT = ("HINT: on the signal, save and exit (docs/own-loop.md, tier 2), or raise slurm.signal_delay_s if "
-                "the script saves only at an epoch end; after saving on a stop, exit non-zero: exit 0 after a "
-                "signal that was not acted on means the script ran to its end")
 
 
 class ScriptError(HpcDdpError):
@@ -86,12 +83,15 @@ def script_path(script: str) -> Path:
 
 
 def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progress: Progress | None = None,
-              on_later_stop: Callable[[], None] | None = None) -> int:
+              on_later_stop: Callable[[], None] | None = None, hang_after_s: float | None = None,
+              on_hang: Callable[[float], None] | None = None) -> int:
     """Run the child to its end, forwarding the first stop signal this process receives; its exit code.
 
     With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
     ``on_later_stop`` is called once if another stop signal arrives while the child still runs after
     the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by more than KillWait.
+    ``on_hang`` is called when the child, after its first progress line and before any stop, prints
+    none for ``hang_after_s`` seconds; the child's process group is then ended.
     """
     pipe = subprocess.PIPE if progress is not None else None
     child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
@@ -110,6 +110,11 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
                 on_later_stop()
                 on_later_stop = None
             seen = flag.count
+        quiet = progress.quiet_for() if progress is not None and not seen else None
+        if on_hang is not None and hang_after_s is not None and quiet is not None and quiet > hang_after_s:
+            on_hang(quiet)
+            end_group(child)
+            break
         if progress is not None and progress.ignored and not warned:
             warned = True
             log.warning("%s, so it took no snapshot of its own at the signal; on a cluster it is killed at the "
@@ -118,61 +123,21 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
         time.sleep(POLL_S)
     for relay in relays:
         relay.join(timeout=5)
-    return int(child.returncode)
+    return int(child.wait())
 
 
-def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any] | None:
-    """A stopped rank other than 0 leaves only once rank 0 has recorded the attempt (and requeued).
-
-    There is no process group among the workers of a script (the script has its own), so
-    no closing barrier: without this wait, the first rank to exit with EXIT_REQUEUE would
-    make srun's --kill-on-bad-exit end rank 0 while it writes the ledger. Returns rank 0's line
-    (it may say ``finished``: the scripts ignored the signal and ran to their end), or None.
-    """
-    deadline = time.monotonic() + timeout_s
-    mine = (attempt.env.job_id, attempt.env.restart_count)
-    while time.monotonic() < deadline:
-        for line in read_attempts(attempt.run_dir):
-            if (line.get("job_id"), line.get("restart_count")) == mine:
-                return line
-        time.sleep(0.2)
-    return None
-
-
-def crash_path(run_dir: Path, env: DistEnv) -> Path:
-    return layout.errors(run_dir) / f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-{env.rank}.txt"
-
-
-def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
-    """Before this worker exits 1 (and srun ends the other tasks): say which rank's script crashed."""
-    marker = crash_path(attempt.run_dir, attempt.env)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(marker, f"train.script {path} exited with code {code} on rank {attempt.env.rank}\n")
-    except OSError:
-        pass  # an unwritable run dir: the error is printed all the same
-
-
-def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:
-    """What other ranks' crash markers of this attempt say; waits up to ``wait_s`` for one to appear."""
-    env, deadline = attempt.env, time.monotonic() + wait_s
-    pattern = f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-*.txt"
-    while True:
-        found = sorted(layout.errors(attempt.run_dir).glob(pattern))
-        if found or time.monotonic() >= deadline:
-            return [p.read_text().strip() for p in found]
-        time.sleep(0.1)
-
-
-def record_crash(attempt: Attempt, crashed: list[str]) -> int:
-    """The attempt failed on another rank: rank 0 writes the one ``failed`` line (the settle step caps and
-    requeues it by slurm.max_failures); nobody requeues it as a stop."""
-    if attempt.env.is_main:
-        append_attempt(attempt.run_dir, {**attempt.record, "reason": "failed", "exit_code": 1,
-                                         "message": f"{crashed[0]}; the other ranks were ended by the job step"})
-    log.error("%s: this rank's script was ended because of it; the attempt is a failure (slurm.max_failures), "
-              "not a stop", crashed[0])
-    return 1
+def end_group(child: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM the child's process group (the script and what it started), SIGKILL what is left."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def script_args(attempt: Attempt) -> list[str]:
@@ -191,48 +156,6 @@ def _watch(attempt: Attempt) -> Progress | None:
     return Progress(re.compile(pattern)) if attempt.env.is_main and pattern else None
 
 
-def _later_stop(attempt: Attempt, progress: Progress | None, outcome: dict[str, int]) -> Callable[[], None]:
-    """On a cluster: a second stop signal while the script still runs after the first one was forwarded
-    means Slurm is ending the job (the time limit's SIGTERM; KillWait later, SIGKILL). Rank 0 records the
-    attempt now, saying that the script did not act on the stop, and requeues it within the caps: a script
-    that also saves on its own (every N steps) goes on from there."""
-    def record() -> None:
-        flag = attempt.flag
-        first, now = signal.Signals(flag.signum or signal.SIGTERM).name, signal.Signals(flag.last or 15).name
-        went = progress.went_on(first) if progress is not None and progress.ignored else \
-            f"the script did not act on {first}"
-        waited = time.time() - (flag.received_at or time.time())
-        note = (f"{went}; it was still running when {now} came {waited:.0f} s later, and Slurm kills it with "
-                "nothing saved since its own last checkpoint")
-        attempt.record.update(stop_ignored=first, note=note, end=round(time.time(), 3),
-                              **({"last_step": progress.step} if progress is not None and progress.step else {}))
-        log.error("%s. %s", note, IGNORED_HINT)
-        if flag.last == signal.SIGTERM and _cancelled_now(attempt):
-            append_attempt(attempt.run_dir, {**attempt.record, "reason": "cancelled"})
-            outcome["code"] = 0
-        else:
-            outcome["code"] = conclude(attempt, stopped=True, step=None)
-    return record
-
-
-def _cancelled_now(attempt: Attempt) -> bool:
-    """The later SIGTERM is scancel's (never requeue), not the time limit's: both leave the job COMPLETING
-    (measured on 22.05), but only the time limit comes at the job's end."""
-    at_end = attempt.end_time is not None and time.time() >= attempt.end_time - TICK_S
-    return not at_end and cancelled(signal.SIGTERM, job_state(job_spec(attempt.environ)))
-
-
-def _ran_to_its_end(attempt: Attempt, progress: Progress | None, code: int) -> bool:
-    """The script went on after the stop it was sent and exited 0: it finished, it did not stop."""
-    if code != 0 or progress is None or not progress.ignored:
-        return False
-    first = signal.Signals(attempt.flag.signum or signal.SIGTERM).name
-    note = f"{progress.went_on(first)} and exited 0: recorded as finished, not as a stop"
-    attempt.record.update(stop_ignored=first, note=note)
-    log.warning("%s. %s", note, IGNORED_HINT)
-    return True
-
-
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -244,18 +167,19 @@ def run_script(attempt: Attempt) -> int:
             from hpc_ddp.local import PROGRESS_MARK
 
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
-        progress, later = _watch(attempt), {}
+        progress, decided = _watch(attempt), {}
         environ = script_environ(attempt.environ, env, attempt.run_dir)
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
-                         None if attempt.local or not env.is_main else _later_stop(attempt, progress, later))
+                         None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
+                         cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided))
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
         if progress is not None and progress.step is not None:
             attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
-        if "code" in later:
-            return later["code"]  # recorded (and requeued) when Slurm's later signal came
-        if attempt.flag.is_set and not _ran_to_its_end(attempt, progress, code):
+        if "code" in decided:
+            return decided["code"]  # recorded when Slurm's later signal came (and requeued), or hung
+        if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
             crashed = crashes(attempt) if code != 0 else []
             if crashed:
                 return record_crash(attempt, crashed)
@@ -263,6 +187,8 @@ def run_script(attempt: Attempt) -> int:
                 line = wait_for_ledger(attempt)
                 if line is not None and line.get("reason") == "finished":
                     return 0  # rank 0's script went on after the signal and ran to its end
+                if line is not None and line.get("reason") in ("hung", "failed"):
+                    return 1  # ended because rank 0's script hung or failed: rank 0's line says so
             return conclude(attempt, stopped=True, step=None)
         if code == 0:
             if env.is_main and not layout.done(attempt.run_dir).exists():

@@ -53,6 +53,12 @@ class Progress:
             if self.at_stop is None:
                 self.at_stop, self.step_at_stop = self.lines, self.step
 
+    def quiet_for(self, now: float | None = None) -> float | None:
+        """Seconds since the last progress line; None before the first one (start-up is not watched)."""
+        if self.seen_at is None:
+            return None
+        return (time.monotonic() if now is None else now) - self.seen_at
+
     @property
     def after_stop(self) -> int:
         """Progress lines printed since the stop was forwarded (0 before one was)."""

@@ -125,3 +125,16 @@ def test_a_script_that_goes_on_after_the_stop_and_exits_0_has_finished(tmp_path:
     assert attempt["reason"] == "finished" and attempt["stop_ignored"] == "SIGTERM" and attempt["last_step"] == 12
     assert "went on after SIGTERM" in attempt["note"] and "exited 0" in attempt["note"]
     assert "HINT: on the signal, save and exit" in proc.stdout and (run_dir / "DONE.json").exists()
+
+
+def test_a_script_that_hangs_after_its_third_progress_line_ends_as_hung(tmp_path: Path) -> None:
+    """A script stuck after `step 3` held the allocation until the time limit (issue 27): after dist.timeout_s
+    without a progress line rank 0 records `hung` with the last line, and the script's process group is ended."""
+    run_dir = tmp_path / "hang"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "train.script=tests/tasks/hang_script.py",
+                  "train.args=[]", "dist.timeout_s=3", f"run_dir={run_dir}")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    [attempt] = read_attempts(run_dir)
+    assert (attempt["reason"], attempt["last_step"]) == ("hung", 3)
+    assert "no progress line (train.script_progress) for 3 s" in attempt["message"] and "'step 3'" in attempt["message"]
+    assert "HINT: if it goes quiet this long on purpose" in proc.stdout + proc.stderr

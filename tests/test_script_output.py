@@ -45,3 +45,10 @@ def test_relay_passes_every_byte_on_and_reads_the_lines() -> None:
     source, sink, progress = io.BytesIO(data), io.BytesIO(), Progress(DEFAULT)
     relay(source, sink, progress)
     assert sink.getvalue() == data and progress.step == 4 and progress.lines == 4
+
+
+def test_the_quiet_time_counts_from_the_last_progress_line_and_not_before_the_first() -> None:
+    progress = Progress(DEFAULT)
+    assert progress.quiet_for(now=1e9) is None  # start-up (imports, data loading) is not watched
+    progress.feed("step 1\n")
+    assert progress.seen_at is not None and progress.quiet_for(now=progress.seen_at + 7.5) == 7.5

@@ -148,15 +148,19 @@ def test_a_deterministic_error_on_the_cluster_ends_the_job_without_a_requeue(slu
 
 
 def test_scripts_are_judged_by_what_they_did_on_the_cluster(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    """Two scripts side by side (issue 23). One crashes on rank 1: srun's --kill-on-bad-exit ends rank 0 with
+    """Three scripts side by side (issues 23, 27). One crashes on rank 1: srun's --kill-on-bad-exit ends rank 0 with
     SIGTERM, and it is a failure (max_failures=0: no requeue), not a preemption requeued up to max_preemptions.
     The other goes on after USR2; Slurm's SIGTERM at the time limit (sent here with scancel, as the time-limit
     tests in test_slurm_real.py measure the real one) used to kill it with no ledger line: rank 0 now records
-    the stop with what the script did and the hint, and requeues it before KillWait's SIGKILL."""
-    crash_dir, deaf_dir = tmp_path / "crash", tmp_path / "deaf"
+    the stop with what the script did and the hint, and requeues it before KillWait's SIGKILL. The third hangs
+    after `step 3`: rank 0 records `hung` after dist.timeout_s instead of holding the nodes to the time limit."""
+    crash_dir, deaf_dir, hang_dir = tmp_path / "crash", tmp_path / "deaf", tmp_path / "hang"
     crash = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/crash_script.py",
                        "train.args=[]", "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.max_failures=0",
                        f"run_dir={crash_dir}"))
+    hang = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/hang_script.py",
+                      "train.args=[]", "slurm.nodes=1", "slurm.tasks_per_node=1", "dist.timeout_s=3",
+                      f"run_dir={hang_dir}"))
     deaf = job_id(cli("hpc_ddp.submit", "examples/torchrun_script.yaml", "train.script=tests/tasks/deaf_script.py",
                       "train.args=[--steps,3000]", "slurm.nodes=1", "slurm.tasks_per_node=2", "slurm.timeout_min=30",
                       f"run_dir={deaf_dir}"))
@@ -170,8 +174,10 @@ def test_scripts_are_judged_by_what_they_did_on_the_cluster(slurm_cluster: Clust
     assert (stopped["reason"], stopped["stop_ignored"], done["reason"]) == ("preemption", "SIGUSR2", "finished")
     assert "still running when SIGTERM came" in stopped["note"] and stopped["last_step"] > 5, stopped
     assert "HINT: on the signal, save and exit" in out()
-    assert wait_until(lambda: not subprocess.run(["squeue", "-h", "-j", crash], capture_output=True,
-                                                 text=True).stdout.strip(), 180)
+    gone = lambda job: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True,  # noqa: E731
+                                          text=True).stdout.strip()
+    assert wait_until(lambda: gone(crash) and gone(hang), 180)
+    assert [(a["reason"], a["last_step"]) for a in read_attempts(hang_dir)] == [("hung", 3)]
     attempts = read_attempts(crash_dir)
     # rank 0's worker records it (naming rank 1's script) unless srun's SIGKILL came first; then the batch shell
     assert [a["reason"] for a in attempts] == ["failed"], attempts

@@ -1,0 +1,146 @@
+"""How an attempt of a ``train.script`` ended, judged by what the script and the other ranks did.
+
+The worker sees only its child's exit code, the stop signals it got, rank 0's progress
+lines and what the other ranks left in the run dir. From those: a crash on another rank
+(its marker in ``RUN_DIR/errors/``) is a failure, not the stop it looks like here; a
+script that went on after the stop and exited 0 ran to its end; a later stop signal while
+it still runs is Slurm ending the job, so rank 0 records the attempt at once; a script
+that went quiet for ``dist.timeout_s`` is hung. Rank 0 writes the ledger line; the other
+ranks wait for it (:func:`wait_for_ledger`). No torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp import layout
+from hpc_ddp.atomic import write_atomic
+from hpc_ddp.preemption import TICK_S, append_attempt, cancelled, job_spec, job_state, read_attempts
+from hpc_ddp.script_output import Progress
+from hpc_ddp.session import Attempt, conclude
+from hpc_ddp.slurm_env import DistEnv
+from hpc_ddp.watchdog import EXIT_HUNG
+
+log = logging.getLogger("hpc_ddp.script")
+
+CRASH_WAIT_S = 1.0  # how long a stopped rank looks for another rank's crash marker (a shared filesystem's lag)
+IGNORED_HINT = ("HINT: on the signal, save and exit (docs/own-loop.md, tier 2), or raise slurm.signal_delay_s if "
+                "the script saves only at an epoch end; after saving on a stop, exit non-zero: exit 0 after a "
+                "signal that was not acted on means the script ran to its end")
+
+
+
+def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any] | None:
+    """A stopped rank other than 0 leaves only once rank 0 has recorded the attempt (and requeued).
+
+    There is no process group among the workers of a script (the script has its own), so
+    no closing barrier: without this wait, the first rank to exit with EXIT_REQUEUE would
+    make srun's --kill-on-bad-exit end rank 0 while it writes the ledger. Returns rank 0's line
+    (it may say ``finished``: the scripts ignored the signal and ran to their end), or None.
+    """
+    deadline = time.monotonic() + timeout_s
+    mine = (attempt.env.job_id, attempt.env.restart_count)
+    while time.monotonic() < deadline:
+        for line in read_attempts(attempt.run_dir):
+            if (line.get("job_id"), line.get("restart_count")) == mine:
+                return line
+        time.sleep(0.2)
+    return None
+
+
+def crash_path(run_dir: Path, env: DistEnv) -> Path:
+    return layout.errors(run_dir) / f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-{env.rank}.txt"
+
+
+def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
+    """Before this worker exits 1 (and srun ends the other tasks): say which rank's script crashed."""
+    marker = crash_path(attempt.run_dir, attempt.env)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, f"train.script {path} exited with code {code} on rank {attempt.env.rank}\n")
+    except OSError:
+        pass  # an unwritable run dir: the error is printed all the same
+
+
+def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:
+    """What other ranks' crash markers of this attempt say; waits up to ``wait_s`` for one to appear."""
+    env, deadline = attempt.env, time.monotonic() + wait_s
+    pattern = f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-*.txt"
+    while True:
+        found = sorted(layout.errors(attempt.run_dir).glob(pattern))
+        if found or time.monotonic() >= deadline:
+            return [p.read_text().strip() for p in found]
+        time.sleep(0.1)
+
+
+def record_crash(attempt: Attempt, crashed: list[str]) -> int:
+    """The attempt failed on another rank: rank 0 writes the one ``failed`` line (the settle step caps and
+    requeues it by slurm.max_failures); nobody requeues it as a stop."""
+    if attempt.env.is_main:
+        append_attempt(attempt.run_dir, {**attempt.record, "reason": "failed", "exit_code": 1,
+                                         "message": f"{crashed[0]}; the other ranks were ended by the job step"})
+    log.error("%s: this rank's script was ended because of it; the attempt is a failure (slurm.max_failures), "
+              "not a stop", crashed[0])
+    return 1
+
+
+def later_stop(attempt: Attempt, progress: Progress | None, outcome: dict[str, int]) -> Callable[[], None]:
+    """On a cluster: a second stop signal while the script still runs after the first one was forwarded
+    means Slurm is ending the job (the time limit's SIGTERM; KillWait later, SIGKILL). Rank 0 records the
+    attempt now, saying that the script did not act on the stop, and requeues it within the caps: a script
+    that also saves on its own (every N steps) goes on from there."""
+    def record() -> None:
+        flag = attempt.flag
+        first, now = signal.Signals(flag.signum or signal.SIGTERM).name, signal.Signals(flag.last or 15).name
+        went = progress.went_on(first) if progress is not None and progress.ignored else \
+            f"the script did not act on {first}"
+        waited = time.time() - (flag.received_at or time.time())
+        note = (f"{went}; it was still running when {now} came {waited:.0f} s later, and Slurm kills it with "
+                "nothing saved since its own last checkpoint")
+        attempt.record.update(stop_ignored=first, note=note, end=round(time.time(), 3),
+                              **({"last_step": progress.step} if progress is not None and progress.step else {}))
+        log.error("%s. %s", note, IGNORED_HINT)
+        if flag.last == signal.SIGTERM and _cancelled_now(attempt):
+            append_attempt(attempt.run_dir, {**attempt.record, "reason": "cancelled"})
+            outcome["code"] = 0
+        else:
+            outcome["code"] = conclude(attempt, stopped=True, step=None)
+    return record
+
+
+def _cancelled_now(attempt: Attempt) -> bool:
+    """The later SIGTERM is scancel's (never requeue), not the time limit's: both leave the job COMPLETING
+    (measured on 22.05), but only the time limit comes at the job's end."""
+    at_end = attempt.end_time is not None and time.time() >= attempt.end_time - TICK_S
+    return not at_end and cancelled(signal.SIGTERM, job_state(job_spec(attempt.environ)))
+
+
+def hung(attempt: Attempt, progress: Progress, outcome: dict[str, int]) -> Callable[[float], None]:
+    """Rank 0's script printed no progress line for dist.timeout_s: record ``hung`` (requeued within
+    slurm.max_failures by the settle step, as any hang) before the worker ends the script."""
+    def record(quiet: float) -> None:
+        message = (f"train.script printed no progress line (train.script_progress) for {quiet:.0f} s, more than "
+                   f"dist.timeout_s={attempt.cfg.dist.timeout_s}; its last was {progress.line!r}")
+        attempt.record.update(end=round(time.time(), 3), last_step=progress.step)
+        append_attempt(attempt.run_dir, {**attempt.record, "reason": "hung", "message": message})
+        log.error("%s: the script is taken to be hung (a deadlocked collective, a stuck data loader) and is "
+                  "ended.\nHINT: if it goes quiet this long on purpose (an evaluation, a checkpoint), raise "
+                  "dist.timeout_s", message)
+        outcome["code"] = EXIT_HUNG
+    return record
+
+
+def ran_to_its_end(attempt: Attempt, progress: Progress | None, code: int) -> bool:
+    """The script went on after the stop it was sent and exited 0: it finished, it did not stop."""
+    if code != 0 or progress is None or not progress.ignored:
+        return False
+    first = signal.Signals(attempt.flag.signum or signal.SIGTERM).name
+    note = f"{progress.went_on(first)} and exited 0: recorded as finished, not as a stop"
+    attempt.record.update(stop_ignored=first, note=note)
+    log.warning("%s. %s", note, IGNORED_HINT)
+    return True
