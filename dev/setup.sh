@@ -2,7 +2,8 @@
 # Prepare this checkout on a fresh Debian/Ubuntu machine: Python venv in .venv with
 # torch==2.13.0 (installed first, so pip does not pull another build) and hpc_ddp[dev].
 # With --slurm, also Debian's Slurm, munge and MariaDB packages for the local test cluster.
-# Idempotent: what is already there is kept. Override: HPC_DDP_VENV, TORCH_SPEC.
+# Idempotent: what is already there is kept. Override: HPC_DDP_VENV, TORCH_SPEC, and
+# HPC_DDP_EXTRAS (default dev; dev/demo.sh sets it empty: torch, submitit and omegaconf only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +46,9 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "creating virtual environment $venv"
     python3 -m venv "$venv"
 fi
-echo "installing $torch_spec and hpc_ddp[dev] into $venv"
+extras="${HPC_DDP_EXTRAS-dev}"
+target="."
+[ -n "$extras" ] && target=".[$extras]"
+echo "installing $torch_spec and hpc_ddp${extras:+[$extras]} into $venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "$torch_spec"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$target"
