@@ -19,6 +19,8 @@ A run's config is one or more YAML files merged in order, then `key=value` overr
 line (`train.lr=0.01`, `slurm.setup=[module load cuda]`, `slurm.sbatch_extra.mail-type=END`).
 Values are YAML. `${name}` refers to another key, and `${oc.env:SCRATCH}` to an environment variable
 read on the login node. A shell variable in a setup line is written `$VAR`, or escaped as `\\${VAR}`.
+`key=null` unsets a key: an optional one becomes null, and a text key whose default is empty (such as
+`train.task`, to run a `train.loop` from a Task's YAML) becomes empty.
 An unknown key, a wrong type or a value out of range stops with a `ConfigError`. The error names the
 key, what was found and what is expected, and suggests the nearest valid key.
 

@@ -269,8 +269,27 @@ def _parse_hint(key: str, value: str) -> str:
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
 
 
+def _unset_nulls(raw: dict[str, Any], section: type | None = None) -> None:
+    """``train.task: null`` unsets a text key whose default is empty (it becomes ""), as on the command
+    line ``train.task=null``: the key is then not set. Other nulls are left to the schema's check."""
+    section = section or RunConfig
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    hints = _type_hints(section)
+    for name, value in raw.items():
+        field = fields.get(name)
+        if field is None:
+            continue
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints[name]):
+            _unset_nulls(value, hints[name])
+        elif value is None and hints[name] is str and field.default == "":
+            raw[name] = ""
+
+
 def _merge(base: Any, data: Any, source: str, key: str = "") -> Any:
     raw = OmegaConf.to_container(data, resolve=False)  # unresolved: "train=${x}" must not resolve here
+    if isinstance(raw, dict):
+        _unset_nulls(raw)
+        data = OmegaConf.create(raw)
     for section in (f.name for f in dataclasses.fields(RunConfig) if f.default_factory is not dataclasses.MISSING):
         if section in raw and not isinstance(raw[section], dict) and raw[section] is not None:
             raise ConfigError(explain(f"in {source}, {section} must be a section of keys",
@@ -308,11 +327,16 @@ def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErr
                                    expected=f"one of the keys of {parent or 'the top level'}: {', '.join(valid)}",
                                    hint=hint), key=key)
     if key:
-        _, tp = schema_node(key_path)
+        section, tp = schema_node(key_path)
         found = getattr(err, "value", None)
+        hint = f"set it as {key}=<{_expected(tp)}>"
+        if found is None and "Optional" not in _type_name(tp):
+            default = next((f.default for f in dataclasses.fields(section) if f.name == key_path.rpartition(".")[2]),
+                           None) if section else None
+            hint = (f"{key} cannot be unset (null): give {_expected(tp)}, or leave it out for its default"
+                    + (f" ({default})" if default not in (None, dataclasses.MISSING) else ""))
         return ConfigError(explain(f"bad value for config key {key} in {source}: {first_line}",
-                                   found=found, expected=_expected(tp),
-                                   hint=f"set it as {key}=<{_expected(tp)}>"), key=key)
+                                   found=found, expected=_expected(tp), hint=hint), key=key)
     return ConfigError(f"invalid config in {source}: {first_line}")
 
 

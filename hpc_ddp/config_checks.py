@@ -132,7 +132,7 @@ def _check_program(train: Any) -> None:
         raise _fail(chosen[1], f"{' and '.join(chosen)} are both set", ", ".join(
             f"{key}={getattr(train, key.split('.')[1])}" for key in chosen), "exactly one of them",
             "keep one; unset the other" + (" with " if len(chosen) == 2 else "s with ")
-            + " or ".join(f"{key}=''" for key in chosen))
+            + " or ".join(f"{key}=null" for key in chosen))
     for key in ("args", "resume_args"):
         if getattr(train, key) and not train.script:
             raise _fail(f"train.{key}", f"train.{key} is set but train.script is not", getattr(train, key),

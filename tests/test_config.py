@@ -77,7 +77,7 @@ ERRORS = [
     (["dist.master_port=70000"], "dist.master_port", "1..65535"),
     (["train.task=mymodule"], "train.task", "'package.module:ClassName'"),
     (["train.task=''"], "train.task", "nothing to train: train.task, train.loop and train.script are all unset"),
-    (["train.task="], "train.task", "expected text"),  # an empty YAML value is null
+    (["train.task="], "train.task", "nothing to train"),  # an empty YAML value is null: it unsets the key
     (["slurm.signal=USR1"], "slurm.signal", "NCCL uses SIGUSR1"),
     (["slurm.signal=BOGUS"], "slurm.signal", "a signal name"),
     (["slurm.timeout_min=1"], "slurm.signal_delay_s", "leaves no time to train"),
@@ -161,3 +161,17 @@ def test_shell_variables_in_setup_lines(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"for a shell variable in a setup line write \$VAR") as info:
         load_config([path], ['slurm.setup=["source ${HOME}/x"]'])
     assert info.value.key == "slurm.setup[0]"
+
+
+def test_null_unsets_a_text_key_and_a_required_key_says_what_to_give(tmp_path: Path) -> None:
+    """`train.task=null` failed with "expected text": null now unsets a key whose default is empty, on the
+    command line and in a file; a key that cannot be unset says so, with what to give and its default."""
+    unset = load_config(["examples/mlp.yaml"], ["train.task=null", "train.loop=examples.own_loop_gpt:train"])
+    assert (unset.train.task, unset.train.loop) == ("", "examples.own_loop_gpt:train")
+    path = tmp_path / "loop.yaml"
+    path.write_text("train:\n  task: ~\n  loop: examples.own_loop_gpt:train\n")
+    assert load_config(["examples/mlp.yaml", path]).train.task == ""
+    assert load_config(["examples/mlp.yaml"], ["slurm.mem_gb=null"]).slurm.mem_gb is None  # Optional: as before
+    with pytest.raises(ConfigError) as err:
+        load_config(["examples/mlp.yaml"], ["train.lr=null"])
+    assert "train.lr cannot be unset (null): give a number, or leave it out for its default (0.001)" in str(err.value)

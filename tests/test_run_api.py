@@ -189,7 +189,7 @@ def test_per_rank_state_at_another_world_size_keeps_the_fresh_value_only_when_as
 
 
 def test_two_program_keys_get_a_hint_that_names_both() -> None:
-    with pytest.raises(ConfigError, match=r"unset the other with train.loop='' or train.script=''"):
+    with pytest.raises(ConfigError, match=r"unset the other with train.loop=null or train.script=null"):
         load_config([], ["name=x", "train.loop=a.b:c", "train.script=t.py"])
     with pytest.raises(ConfigError, match="train.resume_args is set but train.script is not"):
         load_config([], ["name=x", "train.loop=a.b:c", "train.resume_args=[--resume]"])

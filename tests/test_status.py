@@ -144,9 +144,9 @@ def test_an_own_loops_plot_says_whose_loss_and_a_script_run_says_how_to_get_one(
     for sub in "ab":
         (tmp_path / sub).mkdir()
     loop = run_dir(tmp_path / "a", metrics=[{"step": s, "loss": 1.0 / s} for s in range(1, 9)],
-                   overrides=("train.task=''", "train.loop=examples.own_loop_gpt:train"))
+                   overrides=("train.task=null", "train.loop=examples.own_loop_gpt:train"))
     assert _plotted(loop, tmp_path / "loop.png").axes[0].get_ylabel() == "loss (as rank 0 logged it)"
-    script = run_dir(tmp_path / "b", overrides=("train.task=''", "train.script=examples/torchrun_script.py"))
+    script = run_dir(tmp_path / "b", overrides=("train.task=null", "train.script=examples/torchrun_script.py"))
     with pytest.raises(HpcDdpError, match="a train.script run writes no metrics of its own"):
         status.plot(script, tmp_path / "script.png")
 
