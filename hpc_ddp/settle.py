@@ -6,7 +6,8 @@ process that outlives them all: the batch shell (the line after ``srun`` in
 the submitit script and in both templates) or the local launcher. It is
 idempotent. When the workers recorded how the attempt ended (finished, stopped,
 hung, error), nothing is added. Otherwise a ``failed`` line goes in, with the exit
-code and the newest committed snapshot. A failure or a hang is requeued while
+code and how far the run got (:func:`last_known`: the last metrics line or the newest
+committed snapshot, and which). A failure or a hang is requeued while
 ``slurm.max_failures`` allows it; an ``error`` (bad config, task or environment,
 exit 2) never is: it would fail the same way after another wait in the queue. A
 stop that the workers could not requeue (no ``scontrol`` in the job's tasks,
@@ -16,6 +17,7 @@ stop that the workers could not requeue (no ``scontrol`` in the job's tasks,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -46,6 +48,35 @@ def _newest_snapshot(run_dir: Path) -> int | None:
     return steps[0] if steps else None
 
 
+def _last_metrics_step(run_dir: Path) -> int | None:
+    """The step of metrics.jsonl's last whole line (its tail only: the file grows with the run)."""
+    try:
+        with open(layout.metrics(run_dir), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a line cut by the crash, or the tail's first, partial line
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def last_known(run_dir: Path) -> dict[str, Any]:
+    """How far a run got that died without a word: the newer of metrics.jsonl's last step and the newest
+    committed snapshot, which of the two it is, and the snapshot (where the next attempt resumes)."""
+    logged, snapshot = _last_metrics_step(run_dir), _newest_snapshot(run_dir)
+    if logged is not None and (snapshot is None or logged > snapshot):
+        return {"last_step": logged, "last_step_from": "metrics.jsonl", "snapshot": snapshot}
+    return {"last_step": snapshot, "last_step_from": "snapshot" if snapshot is not None else None,
+            "snapshot": snapshot}
+
+
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
            requeue_job: Callable[[], None] | None, now: float | None = None) -> str:
     """Record the attempt if the workers could not; requeue a failure under its cap. Returns what happened."""
@@ -70,7 +101,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     else:
         record = {"job_id": job_id, "restart_count": restart_count, "exit_code": exit_code,
                   "reason": "error" if exit_code == EXIT_ERROR else "failed",
-                  "end": round(now if now is not None else time.time(), 3), "last_step": _newest_snapshot(run_dir)}
+                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir)}
         if record["reason"] == "error":
             append_attempt(run_dir, record)
             return f"error; {not_requeued(run_dir)}"

@@ -89,13 +89,23 @@ def test_a_local_holder_is_alive_while_its_process_is() -> None:
     assert not holder_alive(holder_record("1", local=True, pid=dead.pid))
 
 
+def test_settles_line_says_how_far_a_silently_killed_run_got_and_from_what(tmp_path: Path) -> None:
+    """A rank SIGKILLed at step ~60 left `"last_step": null` (issue 27): the newest committed snapshot was the
+    only source, and a run that had none yet said nothing though its metrics knew."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 50, "loss": 1.0}\n{"step": 60, "loss": 0.9}\n{"step": 7')
+    settle(tmp_path, job_id=7, restart_count=0, exit_code=137, limits=LIMITS, requeue_job=None, now=5.0)
+    [line] = read_attempts(tmp_path)
+    assert (line["last_step"], line["last_step_from"], line["snapshot"]) == (60, "metrics.jsonl", None)
+
+
 def test_settle_records_a_silent_failure_once_and_requeues_under_the_cap(tmp_path: Path) -> None:
     calls: list[int] = []
     outcome = settle(tmp_path, job_id=7, restart_count=0, exit_code=137, limits=LIMITS,
                      requeue_job=lambda: calls.append(1), now=5.0)
     assert "requeued" in outcome and calls == [1]
     assert read_attempts(tmp_path) == [{"job_id": 7, "restart_count": 0, "reason": "failed", "exit_code": 137,
-                                        "end": 5.0, "last_step": None, "capped": False}]
+                                        "end": 5.0, "last_step": None, "last_step_from": None, "snapshot": None,
+                                        "capped": False}]
     settle(tmp_path, job_id=7, restart_count=0, exit_code=137, limits=LIMITS, requeue_job=lambda: calls.append(1))
     assert len(read_attempts(tmp_path)) == 1  # idempotent (but a failure it already knows is requeued again)
     outcome = settle(tmp_path, job_id=7, restart_count=1, exit_code=1, limits=LIMITS, requeue_job=calls.clear)
