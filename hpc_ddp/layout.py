@@ -11,7 +11,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business)
     lock.json          which job holds the run now
     job.json           the job id (or the local launcher's pid) of the last submission
-    DONE.json          written last when training finished: step, world size, params_sha256
+    DONE.json          written last when training finished (after the ledger's finished line): step,
+                       world size, params_sha256
     model.pt           the final model's state_dict
     errors/            job-J-restart-N.txt: the full message of a deterministic error
     logs/              the local rehearsal's per-rank logs
@@ -22,6 +23,7 @@ No torch, no I/O: plain names and paths.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -65,6 +67,23 @@ def job(run_dir: Path | str) -> Path:
 
 def done(run_dir: Path | str) -> Path:
     return Path(run_dir) / DONE
+
+
+def done_pending(run_dir: Path | str) -> Path:
+    """DONE.json as a script's own hpc_ddp.session() leaves it: its worker publishes it after the ledger line."""
+    return Path(run_dir) / f".{DONE}.pending"
+
+
+def publish_done(run_dir: Path | str, fallback: str) -> None:
+    """DONE.json, last (after the ledger's finished line): the pending one a wrapped session left, else
+    ``fallback``. A reader that sees DONE.json finds the ledger complete."""
+    from hpc_ddp.atomic import write_atomic
+
+    pending = done_pending(run_dir)
+    if pending.exists():
+        os.replace(pending, done(run_dir))
+    elif not done(run_dir).exists():
+        write_atomic(done(run_dir), fallback)
 
 
 def model(run_dir: Path | str) -> Path:

@@ -374,8 +374,9 @@ class Run:
     def finish(self, **result: Any) -> dict[str, Any]:
         """Collective: the run is complete (the session calls it when the loop returns without a stop).
 
-        Drains the agreement and any async write; rank 0 writes model.pt and, last, DONE.json
-        (step, world size, params_sha256, and ``result``)."""
+        Drains the agreement and any async write; rank 0 writes model.pt. The DONE record (step,
+        world size, params_sha256, and ``result``) is kept in ``finished``: the session writes
+        DONE.json after the ledger's finished line."""
         if self.finished is not None:
             return self.finished
         self.beat(self.step, "finish")
@@ -391,7 +392,6 @@ class Run:
                 buffer = io.BytesIO()
                 torch.save(unwrap(model).state_dict(), buffer)
                 write_atomic(layout.model(self.run_dir), buffer.getbuffer())
-            write_atomic(layout.done(self.run_dir), json.dumps(done))  # last: the run is done
             log.info("done: step %d%s", self.step,
                      f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
         self.finished = done

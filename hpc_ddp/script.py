@@ -45,7 +45,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hpc_ddp import layout
-from hpc_ddp.atomic import write_atomic
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import EXIT_ERROR, StopFlag, recorded_error
 from hpc_ddp.runlock import acquire, release
@@ -191,10 +190,11 @@ def run_script(attempt: Attempt) -> int:
                     return 1  # ended because rank 0's script hung or failed: rank 0's line says so
             return conclude(attempt, stopped=True, step=None)
         if code == 0:
-            if env.is_main and not layout.done(attempt.run_dir).exists():
-                write_atomic(layout.done(attempt.run_dir), json.dumps(
+            result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
+            if env.is_main:
+                layout.publish_done(attempt.run_dir, json.dumps(
                     {"script": str(path), "world_size": env.world_size, "exit_code": 0}))
-            return conclude(attempt, stopped=False, step=None)
+            return result
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
         mark_crash(attempt, path, code)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import multiprocessing.forkserver
 import os
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp import layout
+from hpc_ddp.atomic import write_atomic
 from hpc_ddp.batching import plan
 from hpc_ddp.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.errors import HpcDdpError
@@ -160,6 +163,10 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
             # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
             attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)
+            if run.finished is not None and not run.stopped and env.is_main:
+                # last, after the ledger line; under train.script the worker publishes it after its own
+                target = layout.done_pending if attempt.wrapped else layout.done
+                write_atomic(target(attempt.run_dir), json.dumps(run.finished))
         finally:
             if env.is_main and not attempt.wrapped:
                 release(attempt.run_dir, attempt.holder)

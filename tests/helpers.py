@@ -25,8 +25,8 @@ def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.
 def finished(run_dir: Path) -> bool:
     """The run is over and recorded: DONE.json exists and the ledger's last line says "finished".
 
-    DONE.json is written by the program's last step; rank 0 appends the ledger line a moment later,
-    when the run is closed. Waiting for DONE.json alone and then reading the ledger races that moment.
+    DONE.json is written after the ledger's finished line (tests/test_local_training.py checks the order);
+    both are checked all the same, as a user's poller might.
     """
     if not (run_dir / "DONE.json").exists():  # the cheap check first: this is polled
         return False

@@ -117,3 +117,21 @@ def test_epochs_bf16_workers_and_syncbatchnorm(tmp_path: Path) -> None:
     assert (done["step"], done["epoch"]) == (4096 // 2 // 32, 1)  # one epoch: 2048 samples per rank, batch 32
     steps = [json.loads(line)["step"] for line in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [16, 32, 48, 64]
+
+
+def test_done_json_appears_only_after_the_ledgers_finished_line(tmp_path: Path) -> None:
+    """A user who polls DONE.json and then reads attempts.jsonl raced the ledger line (issue 27): DONE.json was
+    written by the program's last step, the ledger line when the run closed. Watched here as it happens."""
+    from hpc_ddp.preemption import read_attempts
+
+    run_dir = tmp_path / "done_order"
+    cmd = [sys.executable, "-m", "hpc_ddp.submit", "examples/simple.yaml", "--local", "slurm.nodes=1",
+           "train.max_steps=4", f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    done = run_dir / "DONE.json"
+    while not done.exists() and proc.poll() is None:
+        time.sleep(0.001)
+    seen = [a["reason"] for a in read_attempts(run_dir)] if done.exists() else None
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    assert seen == ["finished"]  # the ledger was complete the moment DONE.json could be seen

@@ -138,3 +138,15 @@ def test_a_script_that_hangs_after_its_third_progress_line_ends_as_hung(tmp_path
     assert (attempt["reason"], attempt["last_step"]) == ("hung", 3)
     assert "no progress line (train.script_progress) for 3 s" in attempt["message"] and "'step 3'" in attempt["message"]
     assert "HINT: if it goes quiet this long on purpose" in proc.stdout + proc.stderr
+
+
+def test_a_script_with_its_own_session_leaves_its_done_record_for_the_worker_to_publish_last(tmp_path: Path) -> None:
+    """Under train.script, hpc_ddp.session() inside the script writes no ledger line (its worker does): its DONE
+    record waits as a pending file, and the worker publishes it after the ledger's finished line (issue 27)."""
+    run_dir = tmp_path / "wrapped"
+    proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "train.loop=null",
+                  "train.script=examples/own_loop_gpt.py", "train.max_steps=6", f"run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["finished"]
+    assert done(run_dir)["step"] == 6 and "params_sha256" in done(run_dir)  # the session's record, not the worker's
+    assert not list(run_dir.glob(".DONE*"))
