@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -138,8 +139,19 @@ class _Clock(io.StringIO):
         return super().write(text)
 
 
-def stop_latency(directory: Path, megabytes: float, repeats: int) -> dict[str, Any]:
-    """B4: one rank with ~megabytes of state gets SIGTERM; time to the commit and to the exit; steps lost."""
+def sync_write_probe(run_dir: Path, megabytes: float) -> Callable[[], float]:
+    """A timed sync snapshot of ~megabytes of model + Adam state, warmed up (a process's first large write is
+    slower): B4's reference, measured beside each stop in the same invocation."""
+    _, state = state_of(megabytes)
+    _, _, sync = _sync_saver(run_dir, state)
+    sync()
+    return sync
+
+
+def stop_latency(directory: Path, megabytes: float, repeats: int,
+                 write_probe: Callable[[], float]) -> dict[str, Any]:
+    """B4: one rank with ~megabytes of state gets SIGTERM; time to the commit and to the exit; steps lost.
+    Before each stop, ``write_probe`` times a sync snapshot of the same size: the reference, side by side."""
     from hpc_ddp import snapshot
     from hpc_ddp.config import load_config, save_config
     from hpc_ddp.local import launch
@@ -153,6 +165,7 @@ def stop_latency(directory: Path, megabytes: float, repeats: int) -> dict[str, A
                                "train.max_steps=100000", "train.batch_size=16", "train.log_every=1000",
                                "snapshot.every_minutes=null"])
         path = save_config(cfg, run_dir / "config.yaml")
+        write_s = write_probe()
         clock = _Clock()
         os.environ["HPC_DDP_BENCH_MB"] = str(megabytes)
         code = launch(path, run_dir, 1, 1, job_id=1, events=[(20, int(signal.SIGTERM))], stream=io.StringIO(),
@@ -165,7 +178,9 @@ def stop_latency(directory: Path, megabytes: float, repeats: int) -> dict[str, A
         last = read_attempts(run_dir)[-1]
         results.append({"exit_code": code, "signal_to_exit_s": exited - (clock.sent_at or exited),
                         "commit_to_exit_s": time.time() - committed_wall - (time.perf_counter() - exited),
-                        "steps_lost": last["last_step"] - step, "size_mb": node_file.stat().st_size / 2**20})
+                        "steps_lost": last["last_step"] - step, "steps_after_signal": last["last_step"] - 20,
+                        "size_mb": node_file.stat().st_size / 2**20,
+                        "sync_write_s": write_s})
         shutil.rmtree(run_dir, ignore_errors=True)
     return {key: round(median([r[key] for r in results]), 4) for key in results[0]} | {"repeats": repeats}
 

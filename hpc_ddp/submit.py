@@ -169,7 +169,6 @@ def _log_folder(cfg: RunConfig, array: int | None) -> Path:
 
 
 def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
-    from hpc_ddp.preflight import preflight
     from hpc_ddp.whoami import table
 
     cfg, array = cfgs[0], (len(cfgs) if len(cfgs) > 1 else None)
@@ -190,6 +189,8 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
     if not checks:
         return 0
+    from hpc_ddp.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
+
     findings = preflight(cfg)
     if findings:
         print(f"preflight: {len(findings)} finding(s)")
