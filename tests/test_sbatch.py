@@ -60,8 +60,8 @@ def test_template_and_submitit_path_ask_for_the_same_things(tmp_path: Path) -> N
     assert [line for line in ours if line not in script.splitlines()] == []
 
 
-def emit(script: Path, *args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--emit-sbatch", str(script),
+def emit(script: Path, *args: str, config: str = "examples/mlp.yaml") -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", config, "--emit-sbatch", str(script),
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and f"sbatch {script}" in proc.stdout, proc.stderr
 
@@ -87,18 +87,29 @@ def test_emitted_script_runs_with_plain_sbatch(slurm_cluster: ClusterSpec, tmp_p
 @pytest.mark.slurm
 def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehearsal(
         slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death."""
+    """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death.
+    Beside it, an unmodified torchrun-style script (train.script) under the same template, 2 nodes x 1: the
+    worker under torchrun forwards the signal to its script, which resumes from its own snapshot (issue 27)."""
     options = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=30"]
     run_dir, script = tmp_path / "torchrun", tmp_path / "torchrun.sbatch"
     emit(script, "--launcher", "torchrun", *options, f"run_dir={run_dir}")
-    job = sbatch(script)
+    script_dir, script_job_file = tmp_path / "script", tmp_path / "script.sbatch"
+    emit(script_job_file, "--launcher", "torchrun", "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.timeout_min=30",
+         "train.args=[--epochs,60,--save-every,1,--snapshot,'${run_dir}/snapshot.pt']", f"run_dir={script_dir}",
+         config="examples/torchrun_script.yaml")
+    job, script_job = sbatch(script), sbatch(script_job_file)
     metrics = run_dir / "metrics.jsonl"
+    assert wait_until((script_dir / "snapshot.pt").exists, 120), job_log(script_dir)
+    subprocess.run(["scancel", "--signal=USR2", script_job], check=True)
     assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120), job_log(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    assert wait_until(lambda: finished(run_dir), 180), job_log(run_dir)
-    attempts = read_attempts(run_dir)
-    assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
-        ("preemption", 0, int(job)), ("finished", 1, int(job))], (attempts, job_log(run_dir))
+    assert wait_until(lambda: finished(run_dir) and finished(script_dir), 180), job_log(run_dir) + job_log(script_dir)
+    for ran, number in ((run_dir, job), (script_dir, script_job)):
+        attempts = read_attempts(ran)
+        assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
+            ("preemption", 0, int(number)), ("finished", 1, int(number))], (attempts, job_log(ran))
+    script_log = job_log(script_dir, tail=10**7)
+    assert "forwarding SIGUSR2 to the script" in script_log and "resuming training from snapshot at epoch" in script_log
     done = json.loads((run_dir / "DONE.json").read_text())
     log = job_log(run_dir, tail=10**7)
     assert done["world_size"] == 4 and "rank 0/4 local 0/2 node 0/2" in log
