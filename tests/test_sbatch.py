@@ -90,7 +90,7 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
     """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death.
     Beside it, an unmodified torchrun-style script (train.script) under the same template, 2 nodes x 1: the
     worker under torchrun forwards the signal to its script, which resumes from its own snapshot (issue 27)."""
-    options = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=30"]
+    options = ["train.max_steps=300", "train.log_every=10", "slurm.timeout_min=30"]  # signalled at step ~50
     run_dir, script = tmp_path / "torchrun", tmp_path / "torchrun.sbatch"
     emit(script, "--launcher", "torchrun", *options, f"run_dir={run_dir}")
     script_dir, script_job_file = tmp_path / "script", tmp_path / "script.sbatch"
