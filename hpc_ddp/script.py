@@ -20,8 +20,8 @@ goes on printing progress after the signal did not act on it: exit 0 then means 
 its end (``finished``, with ``stop_ignored`` and a note in the ledger), and a later stop
 signal on a cluster (the time limit's SIGTERM, KillWait before the SIGKILL) makes rank 0
 record and requeue the attempt at once, since nothing will run after the kill. A script
-that prints no progress line for ``dist.timeout_s`` after its first one is hung: rank 0
-records ``hung`` and ends it (a script that prints none is not watched).
+that, after its second progress line, prints none for ``dist.timeout_s`` (or 3 x its longest
+gap so far, if longer) is hung: rank 0 records ``hung`` and ends it.
 
 A crash on one rank reaches the others as a stop signal: srun's ``--kill-on-bad-exit``
 (and the local launcher) ends them with SIGTERM, which looks like a preemption. So a
@@ -89,8 +89,9 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
     With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
     ``on_later_stop`` is called once if another stop signal arrives while the child still runs after
     the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by more than KillWait.
-    ``on_hang`` is called when the child, after its first progress line and before any stop, prints
-    none for ``hang_after_s`` seconds; the child's process group is then ended.
+    ``on_hang`` is called when the child, after its second progress line and before any stop, prints
+    none for ``hang_after_s`` seconds (or 3 x its longest gap so far, if longer); the child's process
+    group is then ended.
     """
     pipe = subprocess.PIPE if progress is not None else None
     child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
@@ -110,7 +111,8 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
                 on_later_stop = None
             seen = flag.count
         quiet = progress.quiet_for() if progress is not None and not seen else None
-        if on_hang is not None and hang_after_s is not None and quiet is not None and quiet > hang_after_s:
+        if on_hang is not None and hang_after_s is not None and quiet is not None and \
+                quiet > progress.hang_limit(hang_after_s):  # type: ignore[union-attr]
             on_hang(quiet)
             end_group(child)
             break

@@ -124,8 +124,11 @@ def hung(attempt: Attempt, progress: Progress, outcome: dict[str, int]) -> Calla
     """Rank 0's script printed no progress line for dist.timeout_s: record ``hung`` (requeued within
     slurm.max_failures by the settle step, as any hang) before the worker ends the script."""
     def record(quiet: float) -> None:
+        limit = progress.hang_limit(attempt.cfg.dist.timeout_s)
+        bound = f"dist.timeout_s={attempt.cfg.dist.timeout_s}" if limit == attempt.cfg.dist.timeout_s else \
+            f"3 x its longest gap between progress lines ({progress.longest_gap:.0f} s)"
         message = (f"train.script printed no progress line (train.script_progress) for {quiet:.0f} s, more than "
-                   f"dist.timeout_s={attempt.cfg.dist.timeout_s}; its last was {progress.line!r}")
+                   f"{bound}; its last was {progress.line!r}")
         attempt.record.update(end=round(time.time(), 3), last_step=progress.step)
         append_attempt(attempt.run_dir, {**attempt.record, "reason": "hung", "message": message})
         log.error("%s: the script is taken to be hung (a deadlocked collective, a stuck data loader) and is "

@@ -22,6 +22,7 @@ from typing import IO
 
 IGNORED_AFTER = 2  # progress lines after a forwarded stop that prove the script went on
 CHUNK = 65536
+GAP_FACTOR = 3  # a script is hung after this many times its longest gap between progress lines (if longer)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Progress:
     line: str = ""
     lines: int = 0  # progress lines seen
     seen_at: float | None = None  # time.monotonic() of the last progress line
+    longest_gap: float = 0.0  # the longest time between two progress lines so far
     at_stop: int | None = None  # progress lines seen when the stop was forwarded
     step_at_stop: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -45,8 +47,11 @@ class Progress:
             step = int(found.group(1))
         except (TypeError, ValueError):
             return  # the group matched something that is not a number: not a step
+        now = time.monotonic()
         with self._lock:
-            self.step, self.line, self.lines, self.seen_at = step, text.strip(), self.lines + 1, time.monotonic()
+            if self.seen_at is not None:
+                self.longest_gap = max(self.longest_gap, now - self.seen_at)
+            self.step, self.line, self.lines, self.seen_at = step, text.strip(), self.lines + 1, now
 
     def stop_forwarded(self) -> None:
         with self._lock:
@@ -54,10 +59,16 @@ class Progress:
                 self.at_stop, self.step_at_stop = self.lines, self.step
 
     def quiet_for(self, now: float | None = None) -> float | None:
-        """Seconds since the last progress line; None before the first one (start-up is not watched)."""
-        if self.seen_at is None:
+        """Seconds since the last progress line; None before the second one (start-up and the first
+        interval are not watched: until then nothing says how often the script prints)."""
+        if self.seen_at is None or self.lines < 2:
             return None
         return (time.monotonic() if now is None else now) - self.seen_at
+
+    def hang_limit(self, timeout_s: float) -> float:
+        """Quiet time that means hung: ``timeout_s``, or 3 x the longest gap so far if that is longer
+        (a script that prints once per 20-minute epoch is not hung after 10 quiet minutes)."""
+        return max(timeout_s, GAP_FACTOR * self.longest_gap)
 
     @property
     def after_stop(self) -> int:

@@ -47,8 +47,15 @@ def test_relay_passes_every_byte_on_and_reads_the_lines() -> None:
     assert sink.getvalue() == data and progress.step == 4 and progress.lines == 4
 
 
-def test_the_quiet_time_counts_from_the_last_progress_line_and_not_before_the_first() -> None:
+def test_the_quiet_time_is_watched_from_the_second_line_and_a_slow_printer_gets_3_x_its_gap() -> None:
+    """A script that prints once per long epoch is not hung after dist.timeout_s of quiet: the limit is 3 x its
+    longest gap between progress lines when that is longer. Before its second line nothing says how often
+    it prints, so the start-up and the first interval are not watched."""
     progress = Progress(DEFAULT)
-    assert progress.quiet_for(now=1e9) is None  # start-up (imports, data loading) is not watched
+    assert progress.quiet_for(now=1e9) is None  # start-up (imports, data loading)
     progress.feed("step 1\n")
-    assert progress.seen_at is not None and progress.quiet_for(now=progress.seen_at + 7.5) == 7.5
+    assert progress.quiet_for(now=1e9) is None  # the first interval
+    progress.seen_at -= 1200  # the first epoch took 20 minutes
+    progress.feed("step 2\n")
+    assert progress.longest_gap >= 1200 and progress.quiet_for(now=progress.seen_at + 7.5) == 7.5
+    assert progress.hang_limit(600) >= 3600 and Progress(DEFAULT).hang_limit(600) == 600
