@@ -28,11 +28,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.helptext import add_version, for_help
+from hpc_ddp.preemption import StopFlag  # stdlib only: imported before the config (omegaconf, ~0.2 s)
+
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # caught before anything else is imported:
+# a signal during start-up must not kill the rank before the config names the warning signal (a requeued
+# attempt can get Slurm's warning at its first 30 s tick, right as it starts). SIGINT is Ctrl-C (the local
+# launcher forwards it; srun does on a second Ctrl-C): an interruption, not a preemption.
+EARLY_FLAG: StopFlag | None = None
+if __name__ == "__main__":  # `python -m hpc_ddp.worker` only: importing this module installs nothing
+    EARLY_FLAG = StopFlag()
+    EARLY_FLAG.install(EARLY_SIGNALS)
+
+from hpc_ddp.helptext import add_version, for_help  # noqa: E402
 from hpc_ddp import layout
 from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, StopFlag, cap_reached, read_attempts,
+from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, cap_reached, read_attempts,
                                 record_error, signal_number)
 from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError
 from hpc_ddp.slurm_env import DistEnv, from_environ
@@ -52,10 +63,6 @@ def setup_logging(env: DistEnv) -> None:
                         format=f"[rank {env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
 
-
-EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # caught from the first line of main: a
-# signal during start-up must not kill the rank before the config names the warning signal. SIGINT is
-# Ctrl-C (the local launcher forwards it; srun does on a second Ctrl-C): an interruption, not a preemption.
 
 
 def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = None) -> int:
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="example:\n  srun python -m hpc_ddp.worker --config runs/mlp/config.yaml")
     add_version(parser)
     parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")
-    flag = StopFlag()
+    flag = EARLY_FLAG or StopFlag()
     flag.install(EARLY_SIGNALS)
     args = parser.parse_args(argv)
     try:

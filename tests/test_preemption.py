@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,21 @@ def test_a_sigterm_while_the_job_is_completing_is_a_cancel() -> None:
     assert cancelled(signal.SIGTERM, "COMPLETING") and cancelled(signal.SIGTERM, "CANCELLED")
     assert not cancelled(signal.SIGTERM, "RUNNING")  # preemption: the job is still running
     assert not cancelled(signal.SIGUSR2, "COMPLETING") and not cancelled(signal.SIGTERM, None)
+
+
+def test_the_worker_catches_stop_signals_before_it_imports_the_config() -> None:
+    """Slurm's warning can come at a requeued attempt's first 30 s tick, as it starts: a rank still importing
+    omegaconf (~0.2 s) died of USR2 with nothing recorded (seen in CI). The handler is now installed first."""
+    probe = ("import runpy, signal, sys\n"
+             "class Probe:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'omegaconf':\n"
+             "            caught = signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None)\n"
+             "            print('caught' if caught else 'default', flush=True)\n"
+             "            raise SystemExit(0)\n"
+             "sys.meta_path.insert(0, Probe())\n"
+             "sys.argv = ['hpc_ddp.worker', '--config', 'unused.yaml']\n"
+             "runpy.run_module('hpc_ddp.worker', run_name='__main__', alter_sys=True)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout.strip() == "caught", proc.stdout + proc.stderr
