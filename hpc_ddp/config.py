@@ -60,6 +60,12 @@ class SlurmConfig:
     max_preemptions: int = _doc(20, "Requeues allowed after preemption.")
     max_failures: int = _doc(0, "Requeues allowed after a crash or a hang (0: a crash ends the run, keeping "
                              "its newest snapshot; a bug that crashes every time would burn the allocation).")
+    spare_nodes: int = _doc(0, "Nodes the job holds beside slurm.nodes and trains on only when one fails: a "
+                            "failed node is replaced inside the allocation and the resume is bit-exact "
+                            "(needs a fixed slurm.nodes; see docs/faults.md, healing).")
+    max_restarts_in_job: int = _doc(3, "New steps the batch shell may start inside the job after failed ones (a "
+                                    "crash, a hang, a lost node), on healthy nodes from the last snapshot, before "
+                                    "the failure takes the requeue path (slurm.max_failures); 0: never.")
     setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
     sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
     srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")

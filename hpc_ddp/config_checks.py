@@ -14,7 +14,7 @@ import signal as _signal
 from collections.abc import Callable
 from typing import Any
 
-from hpc_ddp.batching import check_geometry, valid_nodes
+from hpc_ddp.batching import check_geometry, node_counts, valid_nodes
 from hpc_ddp.errors import ConfigError, explain
 
 _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -74,6 +74,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
     "slurm.max_preemptions": (_at_least(0), "an integer >= 0"),
     "slurm.max_failures": (_at_least(0), "an integer >= 0"),
+    "slurm.spare_nodes": (_at_least(0), "an integer >= 0"),
+    "slurm.max_restarts_in_job": (_at_least(0), "an integer >= 0"),
     "slurm.setup": (_texts, "a list of shell lines"),
     "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
                            "(e.g. mail-type) to one-line text values"),
@@ -171,4 +173,10 @@ def check_config(cfg: Any) -> None:
                     f"train.grad_accum={cfg.train.grad_accum}, train.global_batch_size={cfg.train.global_batch_size}",
                     "one of them", "with train.global_batch_size the accumulation follows the world size: "
                     "drop train.grad_accum")
+    if cfg.slurm.spare_nodes and len(node_counts(cfg.slurm.nodes)) > 1:
+        raise _fail("slurm.spare_nodes", "slurm.spare_nodes needs a fixed node count, but slurm.nodes is a range",
+                    f"slurm.nodes={cfg.slurm.nodes}, slurm.spare_nodes={cfg.slurm.spare_nodes}",
+                    "slurm.nodes=N with spares, or a range without them",
+                    "with a range the run goes on with fewer nodes when one fails; spares keep the world size "
+                    "(bit-exact): choose one, e.g. slurm.nodes=2 slurm.spare_nodes=1")
     check_geometry(cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node)

@@ -172,8 +172,18 @@ def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
         os.fsync(out.fileno())
 
 
-def error_path(run_dir: Path, job_id: int | str | None, restart_count: int) -> Path:
-    return layout.errors(run_dir) / f"job-{job_id}-restart-{restart_count}.txt"
+def attempt_tag(job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:
+    """How an attempt's files are named: ``job-J-restart-R``, plus ``-step-K`` for the K-th in-job restart."""
+    return f"job-{job_id}-restart-{restart_count}" + (f"-step-{in_job}" if in_job else "")
+
+
+def attempt_key(record: Mapping[str, Any]) -> tuple[Any, int, int]:
+    """Which attempt a ledger line belongs to: job id, requeue count and in-job restart (absent: 0)."""
+    return record.get("job_id"), int(record.get("restart_count") or 0), int(record.get("in_job") or 0)
+
+
+def error_path(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> Path:
+    return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}.txt"
 
 
 def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:
@@ -185,7 +195,7 @@ def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool
     exclusively (O_EXCL works across the nodes of NFS and Lustre), and only its creator adds the
     ledger line, so there is one line per attempt however many ranks fail.
     """
-    path = error_path(run_dir, record.get("job_id"), int(record.get("restart_count", 0)))
+    path = error_path(run_dir, *attempt_key(record))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
@@ -202,12 +212,20 @@ def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool
     return True
 
 
-def recorded_error(run_dir: Path, job_id: int | str | None, restart_count: int) -> str | None:
+def recorded_error(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> str | None:
     """The message another rank of this attempt recorded, if one did."""
     try:
-        return error_path(run_dir, job_id, restart_count).read_text().rstrip() or None
+        return error_path(run_dir, job_id, restart_count, in_job).read_text().rstrip() or None
     except OSError:
         return None
+
+
+def healed_in_job(attempts: Sequence[Mapping[str, Any]]) -> set[tuple[Any, int, int]]:
+    """The attempts the batch shell followed with another step in the same job: they cost no requeue, so
+    ``max_failures`` does not count them (``slurm.max_restarts_in_job`` does)."""
+    keys = [attempt_key(a) for a in attempts]
+    later = {(job, restart, in_job - 1) for job, restart, in_job in keys if in_job}
+    return {key for key in keys if key in later}
 
 
 def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapping[str, int]) -> str | None:
@@ -215,7 +233,8 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapp
     key = REASONS_CAPPED.get(reason)
     if key is None:
         return None
-    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key)
+    healed = healed_in_job(attempts)
+    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key and attempt_key(a) not in healed)
     if count <= limits[key]:
         return None
     kinds = "failures and hangs" if key == "max_failures" else reason

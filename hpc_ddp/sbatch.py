@@ -15,9 +15,13 @@ from hpc_ddp.batching import node_counts, slurm_nodes
 from hpc_ddp.config import RunConfig
 
 
-def settle_line(configs: list[str], python: str = "python") -> str:
-    """The batch-shell line after srun: record a crash in the ledger, requeue it under max_failures."""
-    return " ".join([shlex.quote(python), "-m", "hpc_ddp.settle", "--exit-code", "$?", *map(shlex.quote, configs)])
+def supervise_line(configs: list[str], python: str = "python", srun_args: list[str] | None = None) -> str:
+    """The batch-shell line after submitit's srun: settle the step it ran, heal a failure inside the job
+    with steps of the worker (``{config}``: this array element's config), else requeue under max_failures."""
+    step = ["srun", "--kill-on-bad-exit=1", *(srun_args or []), python, "-m", "hpc_ddp.worker", "--config",
+            "{config}"]
+    return " ".join([shlex.quote(python), "-m", "hpc_ddp.supervise", "--exit-code", "$?",
+                     *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
 
 
 def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python") -> dict[str, Any]:
@@ -32,15 +36,17 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     slurm = cfg.slurm
     params: dict[str, Any] = {
         "job_name": cfg.name,
-        "nodes": node_counts(slurm.nodes)[-1],  # submitit multiplies it by the tasks per node: an int (a range goes below)
+        # submitit multiplies it by the tasks per node: an int (a range goes below); spares are held beside it
+        "nodes": node_counts(slurm.nodes)[-1] + slurm.spare_nodes,
         "ntasks_per_node": slurm.tasks_per_node,
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
         "signal_delay_s": slurm.signal_delay_s,
         "setup": list(slurm.setup),
-        "teardown": [settle_line(configs, python)] if configs else [],
-        "srun_args": ["--kill-on-bad-exit=1", *slurm.srun_args],
+        "teardown": [supervise_line(configs, python, list(slurm.srun_args))] if configs else [],
+        "srun_args": ["--kill-on-bad-exit=1", *spare_shape(cfg), *slurm.srun_args],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
+                                  "no_kill": True,
                                   **({"nodes": slurm_nodes(slurm.nodes)} if len(node_counts(slurm.nodes)) > 1 else {}),
                                   **slurm.sbatch_extra},
     }
@@ -49,6 +55,15 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
                 "mem": f"{slurm.mem_gb:g}GB" if slurm.mem_gb else None, "exclusive": slurm.exclusive or None}
     params.update({key: value for key, value in optional.items() if value is not None})
     return params
+
+
+def spare_shape(cfg: RunConfig) -> list[str]:
+    """With spares, submitit's first step runs on slurm.nodes of the job's nodes, not on all it holds."""
+    slurm = cfg.slurm
+    if not slurm.spare_nodes:
+        return []
+    nodes = node_counts(slurm.nodes)[-1]
+    return [f"--nodes={nodes}", f"--ntasks={nodes * slurm.tasks_per_node}"]
 
 
 LAUNCHERS = {"srun": "ddp.sbatch", "torchrun": "ddp_torchrun.sbatch"}
@@ -64,7 +79,8 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
     per_node = launcher == "torchrun"
     tasks, cpus = (1, slurm.cpus_per_task * slurm.tasks_per_node) if per_node else (slurm.tasks_per_node,
                                                                                       slurm.cpus_per_task)
-    options = [f"--job-name={cfg.name}", f"--nodes={slurm_nodes(slurm.nodes)}", f"--ntasks-per-node={tasks}"]
+    nodes = slurm_nodes(slurm.nodes) if not slurm.spare_nodes else str(node_counts(slurm.nodes)[-1] + slurm.spare_nodes)
+    options = [f"--job-name={cfg.name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
     if slurm.gpus_per_node:
         options.append(f"--gpus-per-node={slurm.gpus_per_node}")
     options += [f"--cpus-per-task={cpus}", f"--time={slurm.timeout_min}"]
@@ -76,7 +92,7 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
             options.append(f"--{flag}={value}")
     if slurm.exclusive:
         options.append("--exclusive")
-    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}", "--requeue", "--open-mode=append",
+    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}", "--requeue", "--no-kill", "--open-mode=append",
                 f"--output={cfg.run_dir}/slurm/%j.out"]
     options += [f"--{key}={value}" for key, value in slurm.sbatch_extra.items()]
     return [f"#SBATCH {option}" for option in options]
@@ -108,5 +124,5 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     for name, value in values.items():
         rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
     srun = " ".join(["srun", "--kill-on-bad-exit=1", *map(shlex.quote, cfg.slurm.srun_args)])
-    rest = re.sub(r"^srun --kill-on-bad-exit=1", lambda _m: srun, rest, flags=re.M)
+    rest = re.sub(r"^(\s*)srun --kill-on-bad-exit=1", lambda m: m.group(1) + srun, rest, flags=re.M)
     return head + "\n".join(lines) + "\n" + rest

@@ -67,7 +67,7 @@ def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path) -> d
     """The child's environment: this task's, plus what torchrun would set and where the run lives."""
     return {**environ, **torch_env(env), "GROUP_RANK": str(env.node_rank), "GROUP_WORLD_SIZE": str(env.num_nodes),
             "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
-            "TORCHELASTIC_RESTART_COUNT": str(env.restart_count), "HPC_DDP_RUN_DIR": str(run_dir),
+            "TORCHELASTIC_RESTART_COUNT": str(env.restart_count + env.in_job), "HPC_DDP_RUN_DIR": str(run_dir),
             "HPC_DDP_RESTART_COUNT": str(env.restart_count), CONFIG_VAR: str(layout.config(run_dir)),
             WRAPPED: "1"}
 
@@ -197,7 +197,7 @@ def run_script(attempt: Attempt) -> int:
                 layout.publish_done(attempt.run_dir, json.dumps(
                     {"script": str(path), "world_size": env.world_size, "exit_code": 0}))
             return result
-        if recorded_error(attempt.run_dir, env.job_id, env.restart_count):
+        if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
         mark_crash(attempt, path, code)
         print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop signal: "

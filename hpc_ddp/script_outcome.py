@@ -20,7 +20,8 @@ from typing import Any
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
-from hpc_ddp.preemption import TICK_S, append_attempt, cancelled, job_spec, job_state, read_attempts
+from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, attempt_tag, cancelled, job_spec, job_state,
+                                read_attempts)
 from hpc_ddp.script_output import Progress
 from hpc_ddp.session import Attempt, conclude
 from hpc_ddp.slurm_env import DistEnv
@@ -44,17 +45,18 @@ def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any]
     (it may say ``finished``: the scripts ignored the signal and ran to their end), or None.
     """
     deadline = time.monotonic() + timeout_s
-    mine = (attempt.env.job_id, attempt.env.restart_count)
+    env = attempt.env
+    mine = (env.job_id, env.restart_count, env.in_job)
     while time.monotonic() < deadline:
         for line in read_attempts(attempt.run_dir):
-            if (line.get("job_id"), line.get("restart_count")) == mine:
+            if attempt_key(line) == mine:
                 return line
         time.sleep(0.2)
     return None
 
 
 def crash_path(run_dir: Path, env: DistEnv) -> Path:
-    return layout.errors(run_dir) / f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-{env.rank}.txt"
+    return layout.errors(run_dir) / f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-crash-rank-{env.rank}.txt"
 
 
 def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
@@ -70,7 +72,7 @@ def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
 def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:
     """What other ranks' crash markers of this attempt say; waits up to ``wait_s`` for one to appear."""
     env, deadline = attempt.env, time.monotonic() + wait_s
-    pattern = f"job-{env.job_id}-restart-{env.restart_count}-crash-rank-*.txt"
+    pattern = f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-crash-rank-*.txt"
     while True:
         found = sorted(layout.errors(attempt.run_dir).glob(pattern))
         if found or time.monotonic() >= deadline:

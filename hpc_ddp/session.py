@@ -35,7 +35,8 @@ from hpc_ddp.preemption import (EXIT_REQUEUE, PreemptionError, StopFlag, append_
                                 job_end_time, job_spec, job_state, recorded_error, requeue, requeue_available,
                                 signal_number, stop_reason)
 from hpc_ddp.runlock import RunLockedError, acquire, holder_record, release
-from hpc_ddp.slurm_env import DistEnv
+from hpc_ddp.slurm_env import HEALED_VAR, DistEnv
+from hpc_ddp.hostlist import compress_hostlist
 from hpc_ddp.watchdog import EXIT_HUNG, poll_interval
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class Attempt:
 
     def __post_init__(self) -> None:
         self.record = {"job_id": self.env.job_id, "restart_count": self.env.restart_count,
-                       "start": round(time.time(), 3), **geometry(self.cfg, self.env)}
+                       **({"in_job": self.env.in_job} if self.env.in_job else {}), "start": round(time.time(), 3),
+                       **geometry(self.cfg, self.env), **healed(self.environ)}
         self.holder = holder_record(job_spec(self.environ) or str(self.env.job_id), local=self.local)
         # Asked first, before the program is loaded: a task may change PATH (a container without the
         # Slurm client), and a preemption later moves the end time forward.
@@ -101,12 +103,25 @@ class Attempt:
 def geometry(cfg: RunConfig, env: DistEnv) -> dict[str, Any]:
     """The attempt's shape for the ledger: nodes, world size and (when the config splits its batch) accumulation."""
     shape: dict[str, Any] = {"nodes": env.num_nodes, "world_size": env.world_size}
+    if env.nodelist:
+        shape["hosts"] = compress_hostlist(env.nodelist)
     if not cfg.train.script:
         try:
             shape["grad_accum"] = plan(cfg.train, env.world_size).grad_accum
         except HpcDdpError:
             pass  # the program raises it with the fix, and the ledger records that error
     return shape
+
+
+def healed(environ: Mapping[str, str]) -> dict[str, Any]:
+    """For a step the batch shell started after a failed one: what failed and what it left out, and why."""
+    text = environ.get(HEALED_VAR)
+    if not text:
+        return {}
+    try:
+        return {"healed": json.loads(text)}
+    except ValueError:
+        return {}
 
 
 @contextlib.contextmanager
@@ -128,7 +143,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     # server that has imported torch once: each epoch's new workers then start in ms, not an import each.
     multiprocessing.forkserver.set_forkserver_preload(["torch"])
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
-    peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count)
+    peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     with process_group(env, cfg.dist, peer_error) as device:
         import torch.distributed as dist
 

@@ -29,8 +29,8 @@ from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, STOP_REASONS, append_attempt, cap_reached,
-                                job_spec, read_attempts, requeue)
+from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, STOP_REASONS, append_attempt, attempt_key,
+                                cap_reached, job_spec, read_attempts, requeue)
 from hpc_ddp.runlock import EXIT_LOCKED
 
 FAILURE_REASONS = ("failed", "hung")
@@ -78,14 +78,18 @@ def last_known(run_dir: Path) -> dict[str, Any]:
 
 
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
-           requeue_job: Callable[[], None] | None, now: float | None = None) -> str:
-    """Record the attempt if the workers could not; requeue a failure under its cap. Returns what happened."""
+           requeue_job: Callable[[], None] | None, now: float | None = None, in_job: int = 0,
+           heal: Callable[[Mapping[str, Any]], str | None] | None = None,
+           extra: Mapping[str, Any] | None = None) -> str:
+    """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can (it
+    starts no step itself: it says what the next one will be, or None), else requeue it under its cap.
+    Returns what happened."""
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
     if layout.done(run_dir).exists():
         return "finished"
     attempts = read_attempts(run_dir)
-    mine = [a for a in attempts if a.get("job_id") == job_id and a.get("restart_count") == restart_count]
+    mine = [a for a in attempts if attempt_key(a) == (job_id, restart_count, in_job)]
     reason = mine[-1].get("reason") if mine else None
     if reason == "error":
         return f"error; {not_requeued(run_dir)}"
@@ -99,13 +103,19 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
-        record = {"job_id": job_id, "restart_count": restart_count, "exit_code": exit_code,
+        record = {"job_id": job_id, "restart_count": restart_count, **({"in_job": in_job} if in_job else {}),
+                  "exit_code": exit_code,
                   "reason": "error" if exit_code == EXIT_ERROR else "failed",
-                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir)}
+                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir), **(extra or {})}
         if record["reason"] == "error":
             append_attempt(run_dir, record)
             return f"error; {not_requeued(run_dir)}"
         attempts = attempts + [record]
+    healing = heal(record) if heal is not None else None
+    if healing:
+        if not mine:
+            append_attempt(run_dir, record)
+        return f"{record['reason']}; {healing}"
     capped = cap_reached(record["reason"], attempts, limits)
     if not mine:
         append_attempt(run_dir, {**record, "capped": bool(capped)})

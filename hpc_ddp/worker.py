@@ -112,6 +112,7 @@ def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
     if isinstance(err, RunLockedError) or err.retry_may_help:
         return
     record = {"job_id": env.job_id, "restart_count": env.restart_count, "rank": env.rank,
+              **({"in_job": env.in_job} if env.in_job else {}),
               "end": round(time.time(), 3)}
     record_error(run_dir, record, str(err))
 

@@ -1,0 +1,134 @@
+"""Healing inside the allocation: which nodes run the next step after a failed one (pure: no Slurm, no torch).
+
+The batch shell's supervisor (:mod:`hpc_ddp.supervise`) gathers the facts: what the job
+holds now (``scontrol show job``: ``SLURM_JOB_NODELIST`` goes stale once Slurm removes a
+node from a ``--no-kill`` job), the nodes' states, the node that srun named when the step
+failed, the ranks the watchdog named stuck, a probe of each node. This module turns them
+into a decision that tests can table: a list of nodes for the next step, or requeue.
+
+Suspects come in two strengths. A *hard* suspect (Slurm says down or drained, the job no
+longer holds it, it failed the probe, or it failed two steps in a row) is never used
+again. A *soft* one (one of its ranks died once, or hung) is replaced when a spare or
+a smaller world is at hand, and otherwise tried once more: the same world size on the
+same nodes is still a bit-exact resume, and a one-off crash is often not the node's fault.
+
+Preference, from best to worst: the same number of nodes without any suspect (a spare
+takes a lost node's place: bit-exact); the same number keeping soft suspects (a retry);
+fewer nodes, at least ``slurm.nodes``' minimum (an elastic resume with the same global
+batch); requeue.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hpc_ddp.hostlist import expand_hostlist
+
+# scontrol's State= flags that make a node unusable for the next step (State=IDLE+DRAIN, DOWN*, ...).
+BAD_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER", "REBOOT", "MAINT")
+_TASK_FAILED = re.compile(r"srun: error: (?P<node>[^\s:]+): tasks? [\d,\-]+: (?P<what>.+)$")
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (?P<node>[^\s:]+)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the next step runs on (``nodes``), or why there is none (``nodes`` empty: requeue)."""
+
+    nodes: list[str]
+    excluded: dict[str, str] = field(default_factory=dict)  # node -> why it is left out
+    how: str = ""  # "replaced", "retried", "shrunk" or "requeue"
+    why: str = ""
+
+    @property
+    def heals(self) -> bool:
+        return bool(self.nodes)
+
+
+def job_nodes(show_job: str) -> list[str]:
+    """The nodes ``scontrol show job`` says the job holds now (its ``NodeList=``), expanded."""
+    match = re.search(r"(?:^|\s)NodeList=(\S+)", show_job)
+    if match is None or match.group(1) in ("(null)", "None"):
+        return []
+    return expand_hostlist(match.group(1))
+
+
+def node_states(show_node: str) -> dict[str, str]:
+    """``scontrol show node -o`` (one node per line) -> {node: State=...}."""
+    states = {}
+    for line in show_node.splitlines():
+        name, state = re.search(r"NodeName=(\S+)", line), re.search(r"\bState=(\S+)", line)
+        if name and state:
+            states[name.group(1)] = state.group(1)
+    return states
+
+
+def bad_state(state: str) -> bool:
+    """Whether a node in this scontrol State (e.g. IDLE+DRAIN, DOWN*, MIXED) must not run a step."""
+    flags = state.upper().replace("*", "+NOT_RESPONDING").split("+")
+    return any(flag.startswith(bad) for flag in flags for bad in BAD_STATES)
+
+
+def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
+    """The node srun blamed first for a failed step: a node failure, or the first task that died.
+
+    With ``--kill-on-bad-exit`` srun ends the other tasks itself and reports them too
+    ("task 3: Killed"), so only the first report names the culprit; a node failure is
+    always named.
+    """
+    found: dict[str, str] = {}
+    first_task = True
+    for line in srun_lines:
+        lost = _NODE_FAILURE.search(line)
+        if lost:
+            found[lost.group("node")] = "node failure (srun)"
+            continue
+        died = _TASK_FAILED.search(line.strip())
+        if died and first_task:
+            first_task = False
+            found.setdefault(died.group("node"), f"a task died first there ({died.group('what').strip()})")
+    return found
+
+
+def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str], tasks_per_node: int) -> dict[str, str]:
+    """The nodes of the ranks the watchdog named stuck (rank // tasks per node in the step's node order)."""
+    named = {}
+    for rank in stuck_ranks:
+        index = rank // max(1, tasks_per_node)
+        if 0 <= index < len(nodes):
+            named[nodes[index]] = f"rank {rank} was stuck (watchdog)"
+    return named
+
+
+def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str], soft: Mapping[str, str],
+         counts: range) -> Plan:
+    """The nodes of the next step. ``held``: what the job holds now, in order; ``training``: the failed
+    step's nodes; ``hard``/``soft``: suspects with why; ``counts``: the node counts the run may train on."""
+    want = min(len(training), counts[-1])
+    usable = [n for n in held if n not in hard]
+    clean = [n for n in usable if n not in soft]
+    excluded = {n: hard[n] for n in held if n in hard} | {n: why for n, why in soft.items() if n in held}
+    if len(clean) >= want:
+        nodes = _prefer(clean, training, want)
+        how = "replaced" if set(nodes) != set(training) else "retried"
+        return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes}, how,
+                    f"{want} healthy nodes" + (" (a spare took a suspect's place)" if how == "replaced" else ""))
+    if len(usable) >= want:
+        nodes = _prefer(usable, training, want)
+        kept = [n for n in nodes if n in soft]
+        return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes}, "retried",
+                    f"no spare: {', '.join(kept)} failed once and still answers, so it is tried once more")
+    if len(clean) >= counts[0]:
+        nodes = _prefer(clean, training, len(clean))
+        return Plan(nodes, excluded, "shrunk", f"{len(nodes)} healthy nodes of {want}: slurm.nodes allows "
+                    f"{counts[0]}-{counts[-1]}, same global batch")
+    return Plan([], excluded, "requeue", f"{len(clean)} healthy node(s) left, {counts[0]} needed")
+
+
+def _prefer(candidates: Sequence[str], training: Sequence[str], want: int) -> list[str]:
+    """``want`` of the candidates: the failed step's own nodes first (their page cache holds the snapshot),
+    then the others in the job's order; returned in the job's order (srun numbers nodes that way)."""
+    chosen = [n for n in candidates if n in training][:want]
+    chosen += [n for n in candidates if n not in training][:want - len(chosen)]
+    return [n for n in candidates if n in chosen]

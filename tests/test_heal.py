@@ -1,0 +1,100 @@
+"""Healing inside the allocation, the pure part: what Slurm says, who is suspect, which nodes run next."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_ddp import heal
+from hpc_ddp.preemption import cap_reached, healed_in_job
+from hpc_ddp.settle import settle
+
+SHOW_JOB = ("JobId=41 JobName=mlp\n   UserId=root(0) JobState=RUNNING Reason=None Restarts=0\n"
+            "   NodeList=n[1,3] BatchHost=n1\n   NumNodes=2 NumCPUs=4\n")
+
+
+def test_the_job_holds_what_scontrol_says_now() -> None:
+    assert heal.job_nodes(SHOW_JOB) == ["n1", "n3"]
+    assert heal.job_nodes("JobId=41 ReqNodeList=(null) NodeList=(null)") == []
+
+
+def test_node_states_and_which_are_bad() -> None:
+    text = ("NodeName=n1 Arch=x86_64 State=ALLOCATED ThreadsPerCore=1\n"
+            "NodeName=n2 Arch=x86_64 State=DOWN+NOT_RESPONDING ThreadsPerCore=1\n"
+            "NodeName=n3 Arch=x86_64 State=MIXED+DRAIN ThreadsPerCore=1\n"
+            "NodeName=n4 Arch=x86_64 State=IDLE* ThreadsPerCore=1\n")
+    states = heal.node_states(text)
+    assert states == {"n1": "ALLOCATED", "n2": "DOWN+NOT_RESPONDING", "n3": "MIXED+DRAIN", "n4": "IDLE*"}
+    assert [n for n, s in states.items() if heal.bad_state(s)] == ["n2", "n3", "n4"]
+
+
+def test_srun_blames_the_first_task_to_die_and_every_lost_node() -> None:
+    lines = ["srun: error: n2: task 3: Killed",
+             "srun: launch/slurm: _step_signal: Terminating StepId=41.0",
+             "srun: error: n1: tasks 0-1: Killed", "srun: error: n2: task 2: Killed"]
+    assert heal.culprits(lines) == {"n2": "a task died first there (Killed)"}
+    lost = ["srun: error: Node failure on n3", "srun: error: n1: task 0: Killed"]
+    assert heal.culprits(lost) == {"n3": "node failure (srun)", "n1": "a task died first there (Killed)"}
+    assert heal.culprits(["srun: error: n1: task 0: Exited with exit code 1"]) == {
+        "n1": "a task died first there (Exited with exit code 1)"}
+
+
+def test_stuck_ranks_name_their_nodes() -> None:
+    assert heal.stuck_nodes([3], ["n1", "n2"], 2) == {"n2": "rank 3 was stuck (watchdog)"}
+    assert heal.stuck_nodes([9], ["n1", "n2"], 2) == {}
+
+
+@pytest.mark.parametrize("held, training, hard, soft, counts, nodes, how", [
+    # a spare takes the suspect's place: the same world size (bit-exact)
+    (["n1", "n2", "n3"], ["n1", "n2"], {}, {"n2": "died"}, range(2, 3), ["n1", "n3"], "replaced"),
+    # Slurm removed n2 from the job: the spare n3 replaces it
+    (["n1", "n3"], ["n1", "n2"], {"n2": "gone"}, {}, range(2, 3), ["n1", "n3"], "replaced"),
+    # no spare, a fixed size: the once-failed node is tried again
+    (["n1", "n2"], ["n1", "n2"], {}, {"n2": "died"}, range(2, 3), ["n1", "n2"], "retried"),
+    # no spare, a range: go on with fewer nodes rather than reuse a hard suspect
+    (["n1", "n2"], ["n1", "n2"], {"n2": "down"}, {}, range(1, 3), ["n1"], "shrunk"),
+    # the failure was elsewhere (no suspect): the same nodes again
+    (["n1", "n2", "n3"], ["n1", "n2"], {}, {}, range(2, 3), ["n1", "n2"], "retried"),
+    # the spare keeps the job's order (srun numbers nodes that way)
+    (["n1", "n2", "n3"], ["n2", "n3"], {"n2": "down"}, {}, range(2, 3), ["n1", "n3"], "replaced"),
+    # below the minimum: requeue
+    (["n1", "n2"], ["n1", "n2"], {"n1": "down", "n2": "down"}, {}, range(1, 3), [], "requeue"),
+    (["n1", "n2"], ["n1", "n2"], {"n2": "down"}, {}, range(2, 3), [], "requeue"),
+])
+def test_the_next_step_prefers_spares_then_retry_then_fewer_nodes(held, training, hard, soft, counts, nodes,
+                                                                     how) -> None:
+    plan = heal.plan(held, training, hard=hard, soft=soft, counts=counts)
+    assert (plan.nodes, plan.how) == (nodes, how)
+    assert plan.heals == bool(nodes)
+    assert set(plan.excluded).isdisjoint(plan.nodes)
+    assert set(hard) & set(held) <= set(plan.excluded)
+
+
+def test_failures_healed_in_the_job_do_not_count_against_max_failures() -> None:
+    attempts = [{"job_id": 7, "restart_count": 0, "reason": "failed"},
+                {"job_id": 7, "restart_count": 0, "in_job": 1, "reason": "failed"},
+                {"job_id": 7, "restart_count": 0, "in_job": 2, "reason": "failed"}]
+    assert healed_in_job(attempts) == {(7, 0, 0), (7, 0, 1)}
+    assert cap_reached("failed", attempts, {"max_failures": 1}) is None
+    assert "slurm.max_failures=0" in cap_reached("failed", attempts, {"max_failures": 0})
+
+
+def test_settle_heals_a_failure_but_never_an_error(tmp_path) -> None:
+    limits = {"max_timeouts": 1, "max_preemptions": 1, "max_failures": 0}
+    requeued = []
+    asked = []
+
+    def heal_it(record):
+        asked.append(record["reason"])
+        return "replaced: restarting inside the job on n[1,3]"
+    out = settle(tmp_path, job_id=5, restart_count=0, exit_code=137, limits=limits,
+                 requeue_job=lambda: requeued.append(1), heal=heal_it, extra={"hosts": "n[1-2]"})
+    assert out.startswith("failed; replaced") and not requeued and asked == ["failed"]
+    line = (tmp_path / "attempts.jsonl").read_text()
+    assert '"hosts": "n[1-2]"' in line and '"capped"' not in line
+    out = settle(tmp_path, job_id=5, restart_count=0, exit_code=2, limits=limits, requeue_job=None,
+                 in_job=1, heal=heal_it)
+    assert out.startswith("error") and asked == ["failed"]
+    # the healer declines: the requeue path as before
+    out = settle(tmp_path, job_id=5, restart_count=0, exit_code=1, limits=limits,
+                 requeue_job=lambda: requeued.append(1), in_job=2, heal=lambda record: None)
+    assert out.startswith("failed; not requeued") and "failures and hangs 1 times" in out and not requeued
