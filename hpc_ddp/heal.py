@@ -71,23 +71,30 @@ def bad_state(state: str) -> bool:
 
 
 def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
-    """The node srun blamed first for a failed step: a node failure, or the first task that died.
+    """The nodes srun blamed for a failed step: every lost node, and the node of the task that died first.
 
-    With ``--kill-on-bad-exit`` srun ends the other tasks itself and reports them too
-    ("task 3: Killed"), so only the first report names the culprit; a node failure is
-    always named.
+    With ``--kill-on-bad-exit`` srun ends the other tasks itself once one fails, and reports
+    them too; what it reports after its "Terminating StepId" line is a consequence, not a
+    cause. Before it, a task killed by a signal (SIGKILL from the OOM killer, a segfault) is
+    preferred over one that exited with a code: the peers of a killed rank exit with an
+    error of their own (a reset connection) within milliseconds, and may be reported first.
     """
     found: dict[str, str] = {}
-    first_task = True
+    died: list[tuple[str, str]] = []
+    terminating = False
     for line in srun_lines:
         lost = _NODE_FAILURE.search(line)
         if lost:
             found[lost.group("node")] = "node failure (srun)"
             continue
-        died = _TASK_FAILED.search(line.strip())
-        if died and first_task:
-            first_task = False
-            found.setdefault(died.group("node"), f"a task died first there ({died.group('what').strip()})")
+        if "Terminating StepId" in line or "Force Terminated" in line or "Job step aborted" in line:
+            terminating = True
+        task = _TASK_FAILED.search(line.strip())
+        if task and not terminating:
+            died.append((task.group("node"), task.group("what").strip()))
+    if died:
+        node, what = next(((n, w) for n, w in died if not w.startswith("Exited with exit code")), died[0])
+        found.setdefault(node, f"a task died first there ({what})")
     return found
 
 
@@ -108,7 +115,8 @@ def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str
     want = min(len(training), counts[-1])
     usable = [n for n in held if n not in hard]
     clean = [n for n in usable if n not in soft]
-    excluded = {n: hard[n] for n in held if n in hard} | {n: why for n, why in soft.items() if n in held}
+    known = [*held, *(n for n in training if n not in held)]  # a node Slurm took away is still named
+    excluded = {n: hard[n] if n in hard else soft[n] for n in known if n in hard or n in soft}
     if len(clean) >= want:
         nodes = _prefer(clean, training, want)
         how = "replaced" if set(nodes) != set(training) else "retried"

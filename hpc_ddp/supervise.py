@@ -106,6 +106,18 @@ class Supervisor:
         want = max(self.counts[0], min(len(held) - self.cfg.slurm.spare_nodes, self.counts[-1]))
         return held[:want]
 
+    def first_step_nodes(self) -> list[str]:
+        """Where the step submitit ran (``srun --nodes=N`` lets Slurm choose): accounting's record of step 0,
+        else the first nodes the job holds."""
+        try:
+            proc = self.runner(["sacct", "-n", "-P", "-j", f"{self.job}.0", "-o", "NodeList"], capture_output=True,
+                               text=True, timeout=30)
+            text = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+            nodes = expand_hostlist(text) if text and text not in ("None assigned", "(null)") else []
+        except (OSError, subprocess.SubprocessError, HpcDdpError):
+            nodes = []
+        return nodes or self.first_nodes()
+
     def _scontrol(self, *args: str) -> str:
         try:
             proc = self.runner(["scontrol", *args], capture_output=True, text=True, timeout=30)
@@ -221,6 +233,20 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
         step = sup.run_step(nodes, step.index + 1)
 
 
+def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:", tail_bytes: int = 1 << 16) -> list[str]:
+    """srun's own lines in this shell's stderr file since the last supervise line: what srun said of the step
+    submitit ran before handing over (its srun writes there; a requeued job appends to the same file)."""
+    try:
+        with open(stderr, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    last = max((i for i, line in enumerate(lines) if line.startswith(marker)), default=-1)
+    return [line for line in lines[last + 1:] if line.startswith("srun:")]
+
+
 def ran_on(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
     """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote one."""
     key = (int(environ["SLURM_JOB_ID"]) if environ.get("SLURM_JOB_ID", "").isdigit() else None,
@@ -254,7 +280,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         _stop_on_term(sup)
         first = None
         if args.exit_code is not None:
-            first = Step(ran_on(Path(cfg.run_dir), environ) or sup.first_nodes(), 0, args.exit_code)
+            first = Step(ran_on(Path(cfg.run_dir), environ) or sup.first_step_nodes(), 0, args.exit_code,
+                         srun_lines_before(Path("/proc/self/fd/2")))
         elif not command:
             parser.error("give the step to run after '--' (or --exit-code for one that already ran)")
         return supervise(sup, first, say)

@@ -7,6 +7,7 @@ import pytest
 from hpc_ddp import heal
 from hpc_ddp.preemption import cap_reached, healed_in_job
 from hpc_ddp.settle import settle
+from hpc_ddp.supervise import srun_lines_before
 
 SHOW_JOB = ("JobId=41 JobName=mlp\n   UserId=root(0) JobState=RUNNING Reason=None Restarts=0\n"
             "   NodeList=n[1,3] BatchHost=n1\n   NumNodes=2 NumCPUs=4\n")
@@ -36,6 +37,18 @@ def test_srun_blames_the_first_task_to_die_and_every_lost_node() -> None:
     assert heal.culprits(lost) == {"n3": "node failure (srun)", "n1": "a task died first there (Killed)"}
     assert heal.culprits(["srun: error: n1: task 0: Exited with exit code 1"]) == {
         "n1": "a task died first there (Exited with exit code 1)"}
+    # the killed rank's peer exited (a reset connection) and was reported first: the signal names the culprit
+    seen = ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Killed",
+            "srun: launch/slurm: _step_signal: Terminating StepId=5.0", "srun: error: n3: task 2: Killed"]
+    assert heal.culprits(seen) == {"n2": "a task died first there (Killed)"}
+
+
+def test_srun_lines_of_the_step_submitit_ran_are_read_back_from_the_shell_log(tmp_path) -> None:
+    log = tmp_path / "1_0_log.err"
+    log.write_text("srun: error: n1: task 0: Killed\nhpc_ddp.supervise: attempt 0 ...: failed; requeued\n"
+                   "[rank 0] resuming\nsrun: error: n2: task 1: Killed\n")
+    assert srun_lines_before(log) == ["srun: error: n2: task 1: Killed"]
+    assert srun_lines_before(tmp_path / "missing") == []
 
 
 def test_stuck_ranks_name_their_nodes() -> None:
@@ -66,7 +79,7 @@ def test_the_next_step_prefers_spares_then_retry_then_fewer_nodes(held, training
     assert (plan.nodes, plan.how) == (nodes, how)
     assert plan.heals == bool(nodes)
     assert set(plan.excluded).isdisjoint(plan.nodes)
-    assert set(hard) & set(held) <= set(plan.excluded)
+    assert set(hard) & (set(held) | set(training)) <= set(plan.excluded)
 
 
 def test_failures_healed_in_the_job_do_not_count_against_max_failures() -> None:

@@ -87,27 +87,6 @@ def test_a_two_value_multirun_is_a_job_array_of_two_finished_runs(slurm_cluster:
     assert first != second  # the two learning rates really trained two different models
 
 
-def test_a_killed_rank_on_the_cluster_is_settled_by_the_batch_shell_and_requeued(slurm_cluster: ClusterSpec,
-                                                                                 tmp_path: Path) -> None:
-    """SIGKILL leaves the rank no chance to write anything: the batch shell records it and requeues."""
-    options = ["train.task=tests.tasks:Faulty", "train.max_steps=40", "snapshot.every_steps=10",
-               "slurm.max_failures=1"]
-    run_dir = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", *options,
-                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HPC_DDP_TEST_FAULT": "kill:1:23"})
-    job = job_id(proc)
-    assert wait_until(lambda: finished(run_dir), 240), cli("hpc_ddp.status", str(run_dir)).stdout
-    attempts = read_attempts(run_dir)
-    assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
-        ("failed", 0, int(job)), ("finished", 1, int(job))]
-    assert attempts[0]["last_step"] == 20 and attempts[0]["exit_code"] != 0 and attempts[1]["resumed_from"] == 20
-    local = cli("hpc_ddp.submit", "examples/mlp.yaml", "--local", *options, f"run_dir={tmp_path / 'local'}")
-    assert local.returncode == 0, local.stderr[-2000:]
-    assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
-        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
-
-
 def test_scancel_snapshots_and_ends_the_job_without_a_requeue(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
     """scancel sends SIGTERM like a preemption, but the job is already COMPLETING: keep the work, do not requeue."""
     options = ["train.max_steps=3000", "train.log_every=10", "slurm.timeout_min=30"]

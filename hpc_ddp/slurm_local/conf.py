@@ -22,7 +22,7 @@ class ClusterSpec:
     """Where the cluster keeps its state and what it looks like."""
 
     root: Path = Path("/tmp/hpc_ddp-slurm")
-    nodes: int = 2
+    nodes: int = 3
     cpus_per_node: int = 4
     memory_mb: int = 4096
     node_prefix: str = "n"

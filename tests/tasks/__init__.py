@@ -38,7 +38,7 @@ class Faulty(MLPTask):
     """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (KIND raise, kill or sleep).
 
     The fault hits the given rank in the loss of its STEP-th training step of the first
-    attempt (SLURM_RESTART_COUNT=0) only, so a requeued attempt runs clean. "slow:-1:S"
+    attempt (SLURM_RESTART_COUNT=0, the job's first step) only, so a requeued or healed attempt runs clean. "slow:-1:S"
     makes every step of every rank take S seconds longer (the numbers do not change).
     """
 
@@ -52,8 +52,8 @@ class Faulty(MLPTask):
             time.sleep(float(self.step))
         if model.training:  # not the trainer's eval-mode warm-up pass
             self.steps += 1
-            if (dist.get_rank(), self.steps) == (self.rank, self.step) and os.environ.get("SLURM_RESTART_COUNT",
-                                                                                        "0") == "0":
+            first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
+            if (dist.get_rank(), self.steps) == (self.rank, self.step) and first:
                 if self.kind == "raise":
                     raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
                 if self.kind == "kill":

@@ -1,0 +1,115 @@
+"""Healing inside the allocation on the real local cluster (three slurmd nodes): a killed rank, a node that
+Slurm marks down, with a spare (bit-exact) and with a node range (fewer nodes, same global batch), and the
+requeue path once in-job restarts are used up. One uninterrupted local rehearsal is the reference for all."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.hostlist import expand_hostlist
+from hpc_ddp.preemption import read_attempts
+from hpc_ddp.slurm_local import ClusterSpec
+from tests.helpers import finished, losses, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slurm
+# 2 nodes x 2 tasks, or 1 x 2 with twice the accumulation: the same global batch either way
+OPTIONS = ["examples/mlp.yaml", "train.task=tests.tasks:Faulty", "train.max_steps=40", "snapshot.every_steps=10",
+           "train.log_every=5", "train.global_batch_size=128"]
+
+
+def submit(run_dir: Path, fault: str, *options: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *OPTIONS, *options, f"run_dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "HPC_DDP_TEST_FAULT": fault})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
+
+
+def scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60).stdout
+
+
+def wait_done(run_dir: Path) -> None:
+    status = lambda: subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run_dir)], capture_output=True,  # noqa: E731
+                                    text=True).stdout
+    assert wait_until(lambda: finished(run_dir), 240), status()
+
+
+def down_second_node_at(run_dir: Path, job: str, step: int) -> str:
+    """Mark the job's second node down (as Slurm's own tests do) once the run has logged ``step``."""
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and max(losses(run_dir), default=0) >= step, 120)
+    node = expand_hostlist(subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True,
+                                          text=True).stdout.strip())[1]
+    scontrol("update", f"nodename={node}", "state=down", "reason=hpc_ddp-heal-test")
+    return node
+
+
+def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *OPTIONS, "--local",
+                                f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
+    expected_losses = losses(tmp_path / "reference")
+
+    # (a) rank 1 is SIGKILLed at step 23; a spare takes its node's place: same job, no requeue, bit-exact
+    killed = tmp_path / "killed"
+    job = submit(killed, "kill:1:23", "slurm.spare_nodes=1")
+    wait_done(killed)
+    attempts = read_attempts(killed)
+    assert [(a["reason"], a["job_id"], a.get("in_job", 0)) for a in attempts] == [
+        ("failed", int(job), 0), ("finished", int(job), 1)]
+    healed = attempts[1]["healed"]
+    assert healed["how"] == "replaced" and list(healed["excluded"]) == ["n1"]  # ranks 0-1 were on n1
+    assert attempts[1]["hosts"] == "n[2-3]" and attempts[1]["resumed_from"] == 20
+    assert "Restarts=0" in scontrol("show", "job", job)
+    assert losses(killed) == expected_losses  # every step once, and the same numbers
+    assert json.loads((killed / "DONE.json").read_text())["params_sha256"] == expected
+
+    # (b) Slurm marks a training node down mid-run: the job keeps its other nodes (--no-kill), the spare joins
+    lost = tmp_path / "lost"
+    job = submit(lost, "slow:-1:0.15", "slurm.spare_nodes=1")
+    node = down_second_node_at(lost, job, 15)
+    try:
+        wait_done(lost)
+    finally:
+        scontrol("update", f"nodename={node}", "state=resume")
+    attempts = read_attempts(lost)
+    assert [a["reason"] for a in attempts] == ["failed", "finished"]
+    assert attempts[1]["healed"]["how"] == "replaced" and node in attempts[1]["healed"]["excluded"]
+    assert node not in expand_hostlist(attempts[1]["hosts"]) and attempts[1]["world_size"] == 4
+    assert json.loads((lost / "DONE.json").read_text())["params_sha256"] == expected
+
+    # (c) no spare, slurm.nodes=1-2: the run goes on with the one node left, the same global batch
+    shrunk = tmp_path / "shrunk"
+    job = submit(shrunk, "slow:-1:0.15", "slurm.nodes=1-2")
+    node = down_second_node_at(shrunk, job, 15)
+    try:
+        wait_done(shrunk)
+    finally:
+        scontrol("update", f"nodename={node}", "state=resume")
+    attempts = read_attempts(shrunk)
+    assert [(a["reason"], a["nodes"]) for a in attempts[1:]] == [("finished", 1)]
+    assert attempts[1]["healed"]["how"] == "shrunk" and attempts[1]["grad_accum"] == 2
+    got = losses(shrunk)
+    assert sorted(got) == sorted(expected_losses)
+    assert all(abs(got[s] - v) <= 1e-5 * abs(v) for s, v in expected_losses.items()), (got, expected_losses)
+
+    # (e) in-job restarts used up (0 allowed): the requeue path under slurm.max_failures, as before healing
+    requeued = tmp_path / "requeued"
+    job = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
+    wait_done(requeued)
+    attempts = read_attempts(requeued)
+    assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
+        ("failed", 0, int(job)), ("finished", 1, int(job))]
+    assert attempts[0]["last_step"] == 20 and attempts[0]["exit_code"] != 0 and attempts[1]["resumed_from"] == 20
+    assert json.loads((requeued / "DONE.json").read_text())["params_sha256"] == expected
+    log = (requeued / "slurm" / f"{job}_0_log.err").read_text(errors="replace")
+    assert "not healed in the job: slurm.max_restarts_in_job=0 in-job restarts used" in log
