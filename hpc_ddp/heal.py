@@ -98,6 +98,17 @@ def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
     return found
 
 
+def failed_at_same_point(previous: int | None, now: int | None) -> str:
+    """Why not to heal again when two steps in a row failed with the run at the same point (the same last
+    logged step or snapshot): a bug that fails there every time would use every in-job restart the same way.
+    ``previous`` is -1 before the first failure. Empty when healing may go on."""
+    if previous == -1 or previous != now:
+        return ""
+    where = "before its first step" if now is None else f"at step {now}"
+    return (f"the step failed twice in a row with the run {where}: a retry in the job would most likely fail the "
+            "same way")
+
+
 def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str], tasks_per_node: int) -> dict[str, str]:
     """The nodes of the ranks the watchdog named stuck (rank // tasks per node in the step's node order)."""
     named = {}

@@ -22,11 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 from hpc_ddp import layout
+from hpc_ddp.hostlist import compress_hostlist
 from hpc_ddp.preemption import EXIT_REQUEUE
 from hpc_ddp.shutdown import die_with_parent
 from hpc_ddp.slurm_env import simulated_environ
@@ -47,12 +48,13 @@ def free_port() -> int:
 
 
 def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int, port: int,
-                  base: Mapping[str, str]) -> list[dict[str, str]]:
+                  base: Mapping[str, str], hosts: Sequence[str] | None = None) -> list[dict[str, str]]:
     """The full environment of every simulated task."""
     threads = base.get("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
     return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
              "OMP_NUM_THREADS": threads, "HPC_DDP_LOCAL": "1"}
-            for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count)]
+            for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
+                                           hosts=hosts)]
 
 
 def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None],
@@ -85,11 +87,21 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
 
 
 def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
-              err: IO[str], watch: dict[str, object] | None = None) -> Callable[[int], None]:
-    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started)."""
+              err: IO[str], watch: dict[str, object] | None = None,
+              kills: list[tuple[int, Callable[[], tuple[str, list[int]]]]] | None = None) -> Callable[[int], None]:
+    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
+    (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``)."""
     def on_step(step: int) -> None:
         if watch is not None:
             watch["step"] = step
+        while kills and step >= kills[0][0]:
+            at, kill = kills.pop(0)
+            node, ranks = kill()
+            err.write(f"[local] rank 0 reached step {step}: killing {node} (ranks {', '.join(map(str, ranks))}; "
+                      f"--fail-at {at})\n")
+            for rank in ranks:
+                if procs[rank].poll() is None:
+                    os.killpg(procs[rank].pid, signal.SIGKILL)
         while events and step >= events[0][0]:
             at, signum = events.pop(0)
             err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
@@ -152,12 +164,15 @@ def script_progress(config_path: Path) -> re.Pattern[str] | None:
 
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
-           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None) -> int:
-    """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's."""
+           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None,
+           hosts: Sequence[str] | None = None, extra_env: Mapping[str, str] | None = None,
+           kills: list[tuple[int, Callable[[], tuple[str, list[int]]]]] | None = None) -> int:
+    """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's
+    (``watch["failed"]``: the ranks that failed, the first one first)."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
-                             port=free_port(), base=os.environ)
+                             port=free_port(), base={**os.environ, **(extra_env or {})}, hosts=hosts)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
     index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
@@ -171,7 +186,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                           preexec_fn=die_with_parent))
             if rank:
                 out.close()  # type: ignore[union-attr]
-        on_step = _injector(procs, events if events is not None else [], err, watch)
+        on_step = _injector(procs, events if events is not None else [], err, watch, kills)
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
                                                   script_progress(config_path), watch), daemon=True)
         tee.start()
@@ -182,6 +197,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             tee.join(timeout=5)
     if interrupted:
         return EXIT_INTERRUPTED
+    if watch is not None:
+        watch["failed"] = list(failed)
     if not failed:
         return int(codes[0] or 0)
     # ranks that fail the same way (a bad config fails everywhere) are shown together; the first one decides
@@ -217,44 +234,60 @@ def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int 
 
 def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
              preempt_at: list[int], timeout_at: list[int], warning_signal: int, stream: IO[str] = sys.stdout,
-             err: IO[str] = sys.stderr) -> int:
-    """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT + 1).
+             err: IO[str] = sys.stderr, fail_at: Sequence[tuple[int, int | None]] = ()) -> int:
+    """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT + 1), with
+    failed steps healed in-process first, as the batch shell heals them in the job (:mod:`hpc_ddp.local_heal`).
 
     ``preempt_at`` steps get SIGTERM, ``timeout_at`` steps the time-out warning signal,
-    each once, sent to every rank when rank 0 has finished that step.
+    each once, sent to every rank when rank 0 has finished that step; at each ``fail_at``
+    (step, node) the ranks of that simulated node are killed.
     """
-    from hpc_ddp.settle import limits_of, settle
+    from hpc_ddp.local_heal import LocalHealer
+    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.settle import last_known, limits_of, settle
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
-    from hpc_ddp.preemption import read_attempts
-
+    healer = LocalHealer.for_config(config_path, nodes)
+    kills = [(step, functools.partial(healer.kill, node)) for step, node in fail_at]
     watch: dict[str, object] = {"step": None, "line": ""}
     earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
     done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
-    restart = 0
+    restart, steps = 0, 0
     while True:
-        code = launch(config_path, run_dir, nodes, tasks_per_node, job_id=job_id, restart_count=restart,
-                      events=events, stream=stream, err=err, watch=watch, log_index=earlier + restart)
-        if code == 0 and events and not done_before:  # the run ended before a stop it was asked to rehearse
-            err.write(unfired(events, watch, script_progress(config_path)) + "\n")
+        code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
+                      restart_count=restart, events=events, stream=stream, err=err, watch=watch,
+                      log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills)
+        steps += 1
+        if code == 0 and (events or kills) and not done_before:  # the run ended before a stop it was to rehearse
+            err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills]) + "\n")
             return 1
         if code in (0, EXIT_INTERRUPTED):
             return code
-        if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, requeue if max_failures allows
+        if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, heal or requeue it
             requeued: list[bool] = []
+            failed = list(watch.get("failed") or [])  # type: ignore[call-overload]
             outcome = settle(run_dir, job_id=job_id, restart_count=restart, exit_code=code,
-                             limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True))
-            err.write(f"[local] attempt {restart} ended with exit code {code}: {outcome}\n")
+                             limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
+                             in_job=healer.index,
+                             heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
+                             extra={"hosts": compress_hostlist(healer.training)})
+            err.write(f"[local] attempt {restart}, step {healer.index} ended with exit code {code}: {outcome}"
+                      + (f" (not healed in the job: {healer.why_not})" if healer.why_not else "") + "\n")
+            healer.why_not = ""
+            if healer.advance():
+                continue
             if not requeued:
                 return code
         restart += 1
+        healer.requeued()
         err.write(f"[local] attempt {restart - 1} ended; requeued as attempt {restart}\n")
 
 
-def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress: re.Pattern[str] | None) -> str:
+def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress: re.Pattern[str] | None,
+            kills: Sequence[int] = ()) -> str:
     """Why the injected stops left in ``events`` never fired, naming each flag: the rehearsal did not happen."""
-    flags = ", ".join(f"{'--preempt-at' if signum == signal.SIGTERM else '--timeout-at'} {step}"
-                      for step, signum in events)
+    flags = ", ".join([f"{'--preempt-at' if signum == signal.SIGTERM else '--timeout-at'} {step}"
+                       for step, signum in events] + [f"--fail-at {step}" for step in kills])
     step = watch.get("step")
     if progress is not None and not step:
         why = (f"no line of rank 0's output matched train.script_progress ({progress.pattern!r}), so the "

@@ -277,13 +277,13 @@ def torch_env(dist_env: DistEnv) -> dict[str, str]:
 
 
 def simulated_environ(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int = 0,
-                      node_prefix: str = "node") -> list[dict[str, str]]:
+                      node_prefix: str = "node", hosts: Sequence[str] | None = None) -> list[dict[str, str]]:
     """The Slurm variables srun would give each task of a nodes x tasks_per_node step.
 
     Used by the local simulation and ``hpc_ddp.whoami --simulate``; names are
     compressed as Slurm does (``node[0-1]``, ``2(x2)``).
     """
-    hosts = [f"{node_prefix}{i}" for i in range(nodes)]
+    hosts = list(hosts) if hosts else [f"{node_prefix}{i}" for i in range(nodes)]
     common = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(nodes * tasks_per_node),
               "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": compress_hostlist(hosts),
               "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),

@@ -227,10 +227,13 @@ def render(info: dict[str, Any]) -> str:
             reason = a.get("reason", "?") + (" (cap)" if a.get("capped") else "")
             if a.get("reason") in ("failed", "error", "hung") and not last and not info["progress"].get("step"):
                 steps = "before step 1"
-            out.append(f"  {i:<2} {str(a.get('job_id')):<8} {a.get('restart_count', '-'):<8} {reason:<16} "
+            restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job") else "")
+            out.append(f"  {i:<2} {str(a.get('job_id')):<8} {restart:<8} {reason:<16} "
                        f"{steps:<14} {_shape(a):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
+    notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
+    notes.sort(key=lambda item: item[0])
     if notes:
         out.append("notes:")
         out.extend(f"  #{i}: {note}" for i, note in notes)
@@ -238,6 +241,15 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def healed_note(attempt: dict[str, Any]) -> str:
+    """One line on an in-job restart: after what, how, on which nodes, and what was left out and why."""
+    healed = attempt["healed"]
+    left_out = "; ".join(f"{node}: {why}" for node, why in (healed.get("excluded") or {}).items())
+    return (f"in-job restart {attempt.get('in_job')} after a {healed.get('after')} step on "
+            f"{healed.get('nodes_before')}: {healed.get('how')}, now on {attempt.get('hosts')}"
+            + (f" (left out {left_out})" if left_out else ""))
 
 
 def _no_loss_hint(cfg: Any) -> str:

@@ -41,6 +41,7 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
+  python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30     # a node lost, healed
   python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "first step)")
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: send the time-out warning signal after these steps, e.g. 31")
+    parser.add_argument("--fail-at", type=_fail_at, default=[], metavar="STEP[:NODE]",
+                        help="with --local: lose a simulated node (SIGKILL its ranks) after STEP, e.g. 30 or 30:0 "
+                        "(NODE: its index among the training nodes; default the last); the rehearsal heals as the "
+                        "batch shell would: a spare (slurm.spare_nodes), a retry, or fewer nodes")
     return parser
 
 
@@ -91,6 +96,15 @@ def _steps(text: str) -> list[int]:
     if any(s < 0 for s in steps):
         raise argparse.ArgumentTypeError(f"steps are >= 0 (0: after start-up, before the first step); found {text!r}")
     return steps
+
+
+def _fail_at(text: str) -> list[tuple[int, int | None]]:
+    from hpc_ddp.local_heal import parse_fail_at
+
+    try:
+        return parse_fail_at(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
@@ -148,6 +162,15 @@ def resolve_all(items: list[str], multirun: bool, resume: bool = False) -> list[
     return [resolve(paths, combo.overrides, combo.label, resume) for combo in expand(overrides)]
 
 
+def healing_line(slurm: Any) -> str:
+    """What a failure costs this run: spares, in-job restarts, then requeues (docs/faults.md, healing)."""
+    spares = (f"{slurm.spare_nodes} spare node(s) (the job holds {node_counts(slurm.nodes)[-1] + slurm.spare_nodes})"
+              if slurm.spare_nodes else "no spare node" + (", fewer nodes within slurm.nodes"
+                                                          if len(node_counts(slurm.nodes)) > 1 else ""))
+    return (f"on a failure: {slurm.max_restarts_in_job} in-job restart(s) (slurm.max_restarts_in_job), {spares}; "
+            f"then {slurm.max_failures} requeue(s) (slurm.max_failures)")
+
+
 def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable,
                     cfgs: list[RunConfig] | None = None) -> str:
     """The sbatch script submitit writes for this config (the same call it makes when submitting)."""
@@ -182,6 +205,7 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
           f"run dir {cfg.run_dir}")
     print(f"program: {program_line(cfg)}")
+    print(healing_line(cfg.slurm))
     if not cfg.train.script:
         print(batch_plans(cfg))
     print(f"every rank as Slurm job 4242 would derive it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
@@ -228,7 +252,7 @@ def batch_plans(cfg: RunConfig) -> str:
 
 
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
-              again: str = "") -> int:
+              again: str = "", fail_at: list[tuple[int, int | None]] | None = None) -> int:
     """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C)."""
     from hpc_ddp.local import EXIT_INTERRUPTED, rehearse
     from hpc_ddp.preemption import signal_number
@@ -246,7 +270,8 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
              "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}", flush=True)
     try:
         code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
-                        preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal))
+                        preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal),
+                        fail_at=fail_at or [])
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
     if code == EXIT_INTERRUPTED:
@@ -487,8 +512,8 @@ def _found_from(cfg: RunConfig) -> str:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
-    if (args.preempt_at or args.timeout_at) and not args.local:
-        return "--preempt-at and --timeout-at go with --local"
+    if (args.preempt_at or args.timeout_at or args.fail_at) and not args.local:
+        return "--preempt-at, --timeout-at and --fail-at go with --local"
     if args.launcher != "srun" and not args.emit_sbatch:
         return "--launcher goes with --emit-sbatch (submit and --local start one worker per task)"
     if args.multirun and args.emit_sbatch:
@@ -518,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in cfgs:  # the Slurm path checks this in preflight
                 require_extras(cfg.metrics)
             again = resume_command(args.items, args.multirun)
-            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again) for cfg in cfgs]
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at) for cfg in cfgs]
             return next((code for code in codes if code), 0)
         if not args.no_preflight:
             check_preflight(cfgs[0], slurm=not args.emit_sbatch)

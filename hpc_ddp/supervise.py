@@ -41,7 +41,7 @@ from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.preemption import attempt_key, job_spec, read_attempts, requeue
-from hpc_ddp.settle import pick_config, settle
+from hpc_ddp.settle import last_known, pick_config, settle
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, master_port
 
 PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
@@ -92,6 +92,7 @@ class Supervisor:
         self.healed: dict[str, Any] | None = None
         self.next_nodes: list[str] = []
         self.why_not = ""  # why the last failure was not healed in the job
+        self.last_failure: int | None = -1  # how far the run had got at the previous failed step (-1: none yet)
 
     def held(self) -> list[str]:
         """What the job holds now (scontrol; the batch shell's SLURM_JOB_NODELIST is a fallback, stale after
@@ -158,6 +159,12 @@ class Supervisor:
         if self.stopping or step.index >= cap:
             self.why_not = ("a stop signal reached the batch shell" if self.stopping
                             else f"slurm.max_restarts_in_job={cap} in-job restarts used")
+            return None
+        point = last_known(Path(self.cfg.run_dir))["last_step"]
+        again = heal.failed_at_same_point(self.last_failure, point)
+        self.last_failure = point
+        if again:
+            self.why_not = again
             return None
         held, hard, soft = self.suspects(step, record)
         plan = heal.plan(held, step.nodes, hard=hard, soft=soft, counts=self.counts)

@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 # Two nodes of one rank each: every fault here needs two nodes, none needs a second rank on a node (half the
 # launch cost of 2x2; the RNG gather within a node is tested at 2x2 in test_resume.py and test_split_snapshots.py)
+# The faults here take the requeue path (slurm.max_failures); healing in the job is tests/test_heal*.py's.
 BASE = ["examples/mlp.yaml", "--local", "slurm.nodes=2", "slurm.tasks_per_node=1", "train.log_every=5",
-        "snapshot.every_steps=10", "train.max_steps=40"]
+        "snapshot.every_steps=10", "train.max_steps=40", "slurm.max_restarts_in_job=0"]
 FAULTY = "train.task=tests.tasks:Faulty"
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hpc_ddp import heal
@@ -49,6 +53,12 @@ def test_srun_lines_of_the_step_submitit_ran_are_read_back_from_the_shell_log(tm
                    "[rank 0] resuming\nsrun: error: n2: task 1: Killed\n")
     assert srun_lines_before(log) == ["srun: error: n2: task 1: Killed"]
     assert srun_lines_before(tmp_path / "missing") == []
+
+
+def test_two_failures_at_the_same_point_are_not_healed_again() -> None:
+    assert heal.failed_at_same_point(-1, 20) == "" and heal.failed_at_same_point(20, 30) == ""
+    assert "twice in a row with the run at step 20" in heal.failed_at_same_point(20, 20)
+    assert "before its first step" in heal.failed_at_same_point(None, None)
 
 
 def test_stuck_ranks_name_their_nodes() -> None:
@@ -111,3 +121,57 @@ def test_settle_heals_a_failure_but_never_an_error(tmp_path) -> None:
     out = settle(tmp_path, job_id=5, restart_count=0, exit_code=1, limits=limits,
                  requeue_job=lambda: requeued.append(1), in_job=2, heal=lambda record: None)
     assert out.startswith("failed; not requeued") and "failures and hangs 1 times" in out and not requeued
+
+
+def test_the_batch_shell_supervisor_imports_no_torch_and_dry_run_says_what_a_failure_costs() -> None:
+    code = ("import sys, hpc_ddp.supervise; from hpc_ddp.config import load_config; "
+            "from hpc_ddp.submit import healing_line; "
+            "cfg = load_config(['examples/mlp.yaml'], ['slurm.spare_nodes=1', 'slurm.max_failures=2']); "
+            "print(healing_line(cfg.slurm)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.splitlines()
+    assert out == ["on a failure: 3 in-job restart(s) (slurm.max_restarts_in_job), 1 spare node(s) (the job holds "
+                   "3); then 2 requeue(s) (slurm.max_failures)", "False"]
+
+
+def test_spares_with_a_node_range_are_refused_with_the_choice_explained() -> None:
+    from hpc_ddp.config import load_config
+    from hpc_ddp.errors import HpcDdpError
+
+    with pytest.raises(HpcDdpError, match="needs a fixed node count") as err:
+        load_config(["examples/mlp.yaml"], ["slurm.nodes=1-2", "slurm.spare_nodes=1",
+                                            "train.global_batch_size=128"])
+    assert err.value.key == "slurm.spare_nodes"
+
+
+LOCAL = ["examples/mlp.yaml", "--local", "slurm.tasks_per_node=1", "train.max_steps=40", "snapshot.every_steps=10",
+         "train.log_every=5", "train.global_batch_size=64"]
+
+
+def rehearse(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *LOCAL, f"run_dir={run_dir}", *args],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+
+
+def test_the_rehearsal_loses_a_node_and_heals_on_a_spare_or_on_fewer_nodes(tmp_path: Path) -> None:
+    """--fail-at kills one simulated node's ranks; the rehearsal chooses as the batch shell would."""
+    from hpc_ddp.preemption import read_attempts
+    from tests.helpers import done, losses
+
+    clean = rehearse(tmp_path / "clean", "slurm.nodes=2")
+    spare = rehearse(tmp_path / "spare", "slurm.nodes=2", "slurm.spare_nodes=1", "--fail-at", "23")
+    shrunk = rehearse(tmp_path / "shrunk", "slurm.nodes=1-2", "--fail-at", "23:0")
+    for proc in (clean, spare, shrunk):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = read_attempts(tmp_path / "spare")
+    assert (first["reason"], first["hosts"], second["in_job"], second["hosts"]) == ("failed", "node[0-1]", 1,
+                                                                                    "node[0,2]")
+    assert second["healed"]["how"] == "replaced" and "--fail-at" in second["healed"]["excluded"]["node1"]
+    assert done(tmp_path / "spare")["params_sha256"] == done(tmp_path / "clean")["params_sha256"]
+    assert "killing node1 (ranks 1; --fail-at 23)" in spare.stderr
+    first, second = read_attempts(tmp_path / "shrunk")
+    assert (second["healed"]["how"], second["hosts"], second["world_size"], second["grad_accum"]) == (
+        "shrunk", "node1", 1, 2)
+    expected, got = losses(tmp_path / "clean"), losses(tmp_path / "shrunk")
+    assert sorted(got) == sorted(expected)
+    assert all(abs(got[s] - v) <= 1e-5 * abs(v) for s, v in expected.items())

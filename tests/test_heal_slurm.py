@@ -113,3 +113,40 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert json.loads((requeued / "DONE.json").read_text())["params_sha256"] == expected
     log = (requeued / "slurm" / f"{job}_0_log.err").read_text(errors="replace")
     assert "not healed in the job: slurm.max_restarts_in_job=0 in-job restarts used" in log
+
+
+def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cluster: ClusterSpec,
+                                                                        tmp_path: Path) -> None:
+    """The emitted scripts (srun per task, torchrun per node), `sbatch`ed as a user would: rank 1 SIGKILLed at
+    step 23, a spare node takes its node's place inside the job, and both end as the uninterrupted run."""
+    import os
+
+    options = [*OPTIONS[1:], "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.spare_nodes=1"]
+    runs = {}
+    for launcher in ("srun", "torchrun"):
+        run_dir, script = tmp_path / launcher, tmp_path / f"{launcher}.sbatch"
+        emitted = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", OPTIONS[0], "--emit-sbatch", str(script),
+                                  "--launcher", launcher, *options, f"run_dir={run_dir}"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+        assert emitted.returncode == 0, emitted.stderr
+        text = script.read_text()
+        assert "#SBATCH --nodes=3" in text and "#SBATCH --no-kill" in text and "hpc_ddp.supervise" in text
+        job = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, check=True, capture_output=True,
+                             text=True, env={**os.environ, "HPC_DDP_TEST_FAULT": "kill:1:23"}).stdout.strip()
+        wait_done(run_dir)
+        runs[launcher] = (run_dir, job)
+    reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", OPTIONS[0], "--local", *options,
+                                f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
+    for launcher, (run_dir, job) in runs.items():
+        attempts = read_attempts(run_dir)
+        log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*.out"))
+        assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], (
+            launcher, attempts, log[-3000:])
+        # srun names the node whose task died first (under torchrun: whose torchrun exited first)
+        assert attempts[1]["healed"]["how"] == "replaced" and attempts[1]["hosts"] in ("n[1,3]", "n[2-3]"), (
+            launcher, attempts)
+        assert "Restarts=0" in scontrol("show", "job", job)
+        assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected, launcher

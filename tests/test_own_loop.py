@@ -75,7 +75,7 @@ def test_a_script_that_crashes_on_one_rank_is_a_failure_not_a_preemption(tmp_pat
     run_dir = tmp_path / "crash"
     proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1",
                   "train.script=tests/tasks/crash_script.py",
-                  "train.args=[]", f"run_dir={run_dir}", "slurm.max_failures=1")
+                  "train.args=[]", f"run_dir={run_dir}", "slurm.max_failures=1", "slurm.max_restarts_in_job=0")
     assert proc.returncode == 1, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["failed", "failed"]  # requeued once, within max_failures=1
@@ -133,7 +133,7 @@ def test_a_script_that_hangs_after_its_third_progress_line_ends_as_hung(tmp_path
     without a progress line rank 0 records `hung` with the last line, and the script's process group is ended."""
     run_dir = tmp_path / "hang"
     proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "train.script=tests/tasks/hang_script.py",
-                  "train.args=[]", "dist.timeout_s=3", f"run_dir={run_dir}")
+                  "train.args=[]", "dist.timeout_s=3", f"run_dir={run_dir}", "slurm.max_restarts_in_job=0")
     assert proc.returncode == 4, proc.stderr[-3000:]
     [attempt] = read_attempts(run_dir)
     assert (attempt["reason"], attempt["last_step"]) == ("hung", 3)

@@ -25,13 +25,15 @@ def test_every_task_of_srun_2x2_derives_its_place(slurm_cluster: ClusterSpec) ->
     assert [t["rank"] for t in tasks] == [0, 1, 2, 3]
     assert [t["local_rank"] for t in tasks] == [0, 1, 0, 1]
     assert [t["node_rank"] for t in tasks] == [0, 0, 1, 1]
-    assert [t["node"] for t in tasks] == ["n1", "n1", "n2", "n2"]
+    first, second = tasks[0]["node"], tasks[2]["node"]  # two of the cluster's three nodes: whichever are free
+    assert [t["node"] for t in tasks] == [first, first, second, second] and first < second
     assert {(t["world_size"], t["local_world_size"], t["num_nodes"], t["source"]) for t in tasks} == {
         (4, 2, 2, "slurm")}
     job_id = tasks[0]["job_id"]
-    assert {(t["master_addr"], t["master_port"], t["job_id"]) for t in tasks} == {("n1", master_port(job_id),
+    assert {(t["master_addr"], t["master_port"], t["job_id"]) for t in tasks} == {(first, master_port(job_id),
                                                                                   job_id)}
-    assert {t["master_addr_resolved"] for t in tasks} == {"127.0.2.1"}  # the first node's address, everywhere
+    # the first node's address, everywhere (the local cluster's node nK is 127.0.2.K)
+    assert {t["master_addr_resolved"] for t in tasks} == {f"127.0.2.{first[1:]}"}
 
 
 def test_uneven_layout(slurm_cluster: ClusterSpec) -> None:

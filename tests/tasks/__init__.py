@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,8 @@ class Faulty(MLPTask):
                 if self.kind == "raise":
                     raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
                 if self.kind == "kill":
+                    if os.environ.get("HPC_DDP_TEST_FAULT_STAMP"):  # when it died, for benchmarks (B10)
+                        Path(os.environ["HPC_DDP_TEST_FAULT_STAMP"]).write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.kind == "sleep":
                     time.sleep(3600)  # a rank that stops making progress outside any collective

@@ -1,0 +1,124 @@
+"""The local rehearsal's batch shell: heal a failed attempt in-process, as ``hpc_ddp.supervise`` does on Slurm.
+
+The rehearsal simulates the job's nodes (``slurm.nodes`` plus ``slurm.spare_nodes``, named
+node0, node1, ...). ``--fail-at STEP[:NODE]`` kills every rank of one simulated node once rank
+0 has finished STEP: the node is lost, as if Slurm had taken it away. After a failed step
+this module makes the same choice as on the cluster (:func:`hpc_ddp.heal.plan`): a spare in
+the lost node's place, a retry, fewer nodes within a ``slurm.nodes`` range, or the requeue
+path. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp import heal
+from hpc_ddp.batching import node_counts
+from hpc_ddp.hostlist import compress_hostlist
+from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR
+
+
+def parse_fail_at(text: str) -> list[tuple[int, int | None]]:
+    """``"30"`` -> [(30, None)] (the last training node), ``"30:0,50:1"`` -> [(30, 0), (50, 1)]."""
+    events: list[tuple[int, int | None]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        step, _, node = item.partition(":")
+        if not step.isdigit() or (node and not node.isdigit()):
+            raise ValueError(f"expected STEP or STEP:NODE (e.g. 30 or 30:1); found {item!r}")
+        events.append((int(step), int(node) if node else None))
+    return sorted(events, key=lambda e: e[0])
+
+
+@dataclass
+class LocalHealer:
+    """The simulated job: what it holds, which nodes train, and the in-job restarts so far."""
+
+    held: list[str]
+    training: list[str]
+    counts: range
+    cap: int
+    tasks_per_node: int
+    index: int = 0  # the in-job restart of the step that runs now
+    lost: dict[str, str] = field(default_factory=dict)  # nodes killed by --fail-at, and why
+    failed_before: set[str] = field(default_factory=set)
+    healed: dict[str, Any] | None = None
+    next_nodes: list[str] = field(default_factory=list)
+    why_not: str = ""
+    last_failure: int | None = -1  # how far the run had got at the previous failed step (-1: none yet)
+    allocation: list[str] = field(default_factory=list)  # what a (requeued) job is granted
+    width: int = 0  # how many of them train at first
+
+    @classmethod
+    def for_config(cls, config_path: Path, nodes: int) -> LocalHealer:
+        from hpc_ddp.config import load_config
+
+        slurm = load_config([config_path]).slurm
+        held = [f"node{i}" for i in range(nodes + slurm.spare_nodes)]
+        return cls(held, held[:nodes], node_counts(slurm.nodes), slurm.max_restarts_in_job, slurm.tasks_per_node,
+                   allocation=list(held), width=nodes)
+
+    def environ(self) -> dict[str, str]:
+        """What the step's ranks get beside the simulated Slurm variables."""
+        if not self.index:
+            return {}
+        return {IN_JOB_VAR: str(self.index), HEALED_VAR: json.dumps(self.healed or {}, sort_keys=True)}
+
+    def node_of(self, rank: int) -> str:
+        return self.training[min(len(self.training) - 1, rank // max(1, self.tasks_per_node))]
+
+    def kill(self, node_index: int | None) -> tuple[str, list[int]]:
+        """The node --fail-at kills (its index in the training nodes; None: the last one) and its ranks."""
+        index = len(self.training) - 1 if node_index is None else min(node_index, len(self.training) - 1)
+        node = self.training[index]
+        self.lost[node] = "its ranks were killed (--fail-at): the node is lost"
+        return node, list(range(index * self.tasks_per_node, (index + 1) * self.tasks_per_node))
+
+    def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int], point: int | None) -> str | None:
+        """As :meth:`hpc_ddp.supervise.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run
+        got, :func:`hpc_ddp.settle.last_known`)."""
+        if self.index >= self.cap:
+            self.why_not = f"slurm.max_restarts_in_job={self.cap} in-job restarts used"
+            return None
+        again, self.last_failure = heal.failed_at_same_point(self.last_failure, point), point
+        if again:
+            self.why_not = again
+            return None
+        hard = {n: why for n, why in self.lost.items()}
+        soft = {self.node_of(r): f"rank {r} failed first there" for r in failed_ranks[:1]
+                if self.node_of(r) not in hard}
+        soft |= heal.stuck_nodes(record.get("stuck_ranks") or [], self.training, self.tasks_per_node)
+        for node in list(soft):
+            if node in self.failed_before:
+                hard[node] = f"{soft.pop(node)}, the second step in a row"
+        self.held = [n for n in self.held if n not in self.lost]
+        plan = heal.plan(self.held, self.training, hard=hard, soft=soft, counts=self.counts)
+        self.failed_before = set(soft) | set(hard)
+        left_out = "; ".join(f"{n}: {why}" for n, why in plan.excluded.items())
+        if not plan.heals:
+            self.why_not = plan.why + (f" ({left_out})" if left_out else "")
+            return None
+        self.next_nodes = plan.nodes
+        self.healed = {"after": record.get("reason"), "after_step": self.index, "how": plan.how,
+                       "excluded": plan.excluded, "nodes_before": compress_hostlist(self.training)}
+        return (f"{plan.how}: restarting inside the job on {compress_hostlist(plan.nodes)} (in-job restart "
+                f"{self.index + 1} of {self.cap}){'; left out ' + left_out if left_out else ''}")
+
+    def advance(self) -> bool:
+        """Move to the planned step; False when there is none (the requeue path, or done)."""
+        if not self.next_nodes:
+            return False
+        self.training, self.next_nodes, self.index = self.next_nodes, [], self.index + 1
+        self.lost = {}
+        return True
+
+    def requeued(self) -> None:
+        """A requeued job starts over with a whole allocation (Slurm grants the nodes anew)."""
+        self.index, self.healed, self.failed_before, self.lost, self.last_failure = 0, None, set(), {}, -1
+        self.held = list(self.allocation)
+        self.training = self.held[:self.width]
