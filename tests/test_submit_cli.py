@@ -39,7 +39,7 @@ def test_multirun_dry_run_shows_one_array_element_per_combination(tmp_path: Path
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--preempt-at", "3"], "--preempt-at and --timeout-at go with --local"),
+    (["--preempt-at", "3"], "--preempt-at, --timeout-at and --fail-at go with --local"),
     (["--launcher", "torchrun", "--dry-run"], "--launcher goes with --emit-sbatch"),
     (["--multirun", "--emit-sbatch", "x.sbatch", "train.lr=1,2"], "--multirun submits a job array"),
 ])
