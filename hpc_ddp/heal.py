@@ -71,7 +71,7 @@ def bad_state(state: str) -> bool:
 
 
 def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
-    """The nodes srun blamed for a failed step: every lost node, and the node of the task that died first.
+    """The nodes srun blamed for a failed step: every lost node, or else the node of the task that died first.
 
     With ``--kill-on-bad-exit`` srun ends the other tasks itself once one fails, and reports
     them too; what it reports after its "Terminating StepId" line is a consequence, not a
@@ -92,7 +92,7 @@ def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
         task = _TASK_FAILED.search(line.strip())
         if task and not terminating:
             died.append((task.group("node"), task.group("what").strip()))
-    if died:
+    if died and not found:  # a lost node's peers are killed because of it: they are not to blame
         node, what = next(((n, w) for n, w in died if not w.startswith("Exited with exit code")), died[0])
         found.setdefault(node, f"a task died first there ({what})")
     return found
@@ -136,8 +136,9 @@ def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str
     if len(usable) >= want:
         nodes = _prefer(usable, training, want)
         kept = [n for n in nodes if n in soft]
-        return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes}, "retried",
-                    f"no spare: {', '.join(kept)} failed once and still answers, so it is tried once more")
+        return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes},
+                    "replaced" if set(nodes) != set(training) else "retried",
+                    f"no other spare: {', '.join(kept)} failed once and still answers, so it is tried once more")
     if len(clean) >= counts[0]:
         nodes = _prefer(clean, training, len(clean))
         return Plan(nodes, excluded, "shrunk", f"{len(nodes)} healthy nodes of {want}: slurm.nodes allows "

@@ -38,7 +38,7 @@ def test_srun_blames_the_first_task_to_die_and_every_lost_node() -> None:
              "srun: error: n1: tasks 0-1: Killed", "srun: error: n2: task 2: Killed"]
     assert heal.culprits(lines) == {"n2": "a task died first there (Killed)"}
     lost = ["srun: error: Node failure on n3", "srun: error: n1: task 0: Killed"]
-    assert heal.culprits(lost) == {"n3": "node failure (srun)", "n1": "a task died first there (Killed)"}
+    assert heal.culprits(lost) == {"n3": "node failure (srun)"}  # n1's task died of n3's loss
     assert heal.culprits(["srun: error: n1: task 0: Exited with exit code 1"]) == {
         "n1": "a task died first there (Exited with exit code 1)"}
     # the killed rank's peer exited (a reset connection) and was reported first: the signal names the culprit
@@ -79,6 +79,8 @@ def test_stuck_ranks_name_their_nodes() -> None:
     (["n1", "n2", "n3"], ["n1", "n2"], {}, {}, range(2, 3), ["n1", "n2"], "retried"),
     # the spare keeps the job's order (srun numbers nodes that way)
     (["n1", "n2", "n3"], ["n2", "n3"], {"n2": "down"}, {}, range(2, 3), ["n1", "n3"], "replaced"),
+    # a node lost and another one suspect once, one spare: the spare joins, the suspect is kept
+    (["n1", "n3"], ["n1", "n2"], {"n2": "gone"}, {"n1": "died"}, range(2, 3), ["n1", "n3"], "replaced"),
     # below the minimum: requeue
     (["n1", "n2"], ["n1", "n2"], {"n1": "down", "n2": "down"}, {}, range(1, 3), [], "requeue"),
     (["n1", "n2"], ["n1", "n2"], {"n2": "down"}, {}, range(2, 3), [], "requeue"),

@@ -102,6 +102,16 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert sorted(got) == sorted(expected_losses)
     assert all(abs(got[s] - v) <= 1e-5 * abs(v) for s, v in expected_losses.items()), (got, expected_losses)
 
+    # (d) rank 1 stops making progress at step 23: the watchdog names it, and its node is replaced by the spare
+    hung = tmp_path / "hung"
+    job = submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=5")
+    wait_done(hung)
+    attempts = read_attempts(hung)
+    assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("hung", 0), ("finished", 1)]
+    assert attempts[0]["stuck_ranks"] == [1] and attempts[1]["healed"]["how"] == "replaced"
+    assert "rank 1 was stuck (watchdog)" in attempts[1]["healed"]["excluded"]["n1"]  # ranks 0-1 are on n1
+    assert json.loads((hung / "DONE.json").read_text())["params_sha256"] == expected
+
     # (e) in-job restarts used up (0 allowed): the requeue path under slurm.max_failures, as before healing
     requeued = tmp_path / "requeued"
     job = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
