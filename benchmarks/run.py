@@ -156,8 +156,10 @@ def b10_healing() -> dict[str, Any]:
                            check=True)
             _wait(lambda: (run_dir / "DONE.json").exists(), 300)
             died = float(stamp.read_text())
-            times = [json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            seconds[name] = round(min(t for t in times if t > died) - died, 2)
+            lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            # the resumed run's first line is where the steps go back (to the snapshot's next step)
+            first = next(b for a, b in zip(lines, lines[1:]) if b["step"] <= a["step"])
+            seconds[name] = round(first["time"] - died, 2)
     ratio = round(seconds["in_job"] / seconds["requeue"], 3)
     return {"in_job_s": seconds["in_job"], "requeue_s": seconds["requeue"], "in_job_vs_requeue": ratio,
             "target": "in-job < 20 s and <= 0.5 x the requeue path",
