@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_ddp import slicing, snapshot
+from hpc_ddp import slicing, snapshot, spread
 from hpc_ddp.config import SnapshotConfig
 from hpc_ddp.slurm_env import DistEnv
 
@@ -98,6 +98,26 @@ class Restored:
     rng: dict[str, Any] | None  # this rank's RNG state; None when it had to come from another node
     config: dict[str, Any] | None = None  # the config that wrote it (flat_values), when the manifest has it
     world_size: int | None = None  # the world size that wrote it
+    read: dict[str, Any] | None = None  # on rank 0: bytes read from snapshot files (total, busiest node, state)
+
+
+def _commit_problem(entries: list[Any]) -> str | None:
+    """Rank 0's verdict on the writers' entries: why the step must not be committed, or None."""
+    written = [e for e in entries if e]
+    failures = [e["error"] for e in written if "error" in e]
+    if not failures and len({e["digest"] for e in written}) > 1:  # a bug, not a disk: never commit it
+        failures = [f"the nodes split the state differently ({sorted({e['digest'] for e in written})})"]
+    if not failures and entries[0] is None:  # Slurm and torchrun both make rank 0 local rank 0 of node 0
+        failures = ["rank 0 is not its node's writer (local rank 0), so it has no layout to commit"]
+    return failures[0] if failures else None
+
+
+def _read_summary(read_by: list[Any], state: int) -> dict[str, Any]:
+    """For the ledger: the bytes all ranks read from snapshot files, the busiest node's, and the state's."""
+    nodes: dict[int, int] = {}
+    for node, read in read_by:
+        nodes[node] = nodes.get(node, 0) + int(read)
+    return {"bytes": sum(nodes.values()), "busiest_node": max(nodes.values()), "state": state, "nodes": len(nodes)}
 
 
 class Checkpointer:
@@ -167,19 +187,21 @@ class Checkpointer:
                 "digest": slicing.layout_digest(payload["layout"])}
 
     def _commit(self, step: int, entry: dict[str, Any] | None) -> None:
-        """Collective: once every node's file is durable, rank 0 writes the manifest; then a barrier."""
-        entries: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(entries, entry)
-        written = [e for e in entries if e]
-        failures = [e["error"] for e in written if "error" in e]
-        if not failures and len({e["digest"] for e in written}) > 1:  # a bug, not a disk: never commit it
-            failures = [f"the nodes split the state differently ({sorted({e['digest'] for e in written})})"]
-        if not failures and entries[0] is None:  # Slurm and torchrun both make rank 0 local rank 0 of node 0
-            failures = ["rank 0 is not its node's writer (local rank 0), so it has no layout to commit"]
-        if failures:  # every rank raises the same error: none is left waiting in a collective
-            raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {failures[0]}")
+        """Collective: once every node's file is durable, rank 0 writes the manifest; then a barrier.
+
+        The entries go to rank 0 alone, and rank 0 sends back one verdict: a non-zero rank sends
+        and receives one small object, however many ranks there are."""
+        entries: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(entry, entries, dst=0)
+        verdict: list[Any] = [None]
+        if entries is not None:
+            verdict[0] = _commit_problem(entries)
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:  # every rank raises the same error: none is left waiting in a collective
+            raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {verdict[0]}")
         directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)
-        if self.env.is_main:
+        if entries is not None:
+            written = [e for e in entries if e]
             snapshot.commit(directory, step, written, self.env.world_size, self.config_hash, self.config, split=split)
             # Deleting an old step (~20 ms per 100 MB) need not hold the step up; prune uncommits first,
             # so a process that exits in the middle leaves an ignored leftover, never a broken commit.
@@ -262,18 +284,20 @@ class Checkpointer:
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
             problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
                        f"says ({err!r})")
-        problems: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(problems, problem)  # every rank stops alike, none waits in a collective
-        first = next((p for p in problems if p), None)
+        # every rank stops alike, none waits in a collective
+        first = spread.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
         if first or loaded is None:
             raise snapshot.SnapshotError(first or "a snapshot could not be loaded")
-        state, rng = loaded
+        state, rng, read = loaded
+        read_by: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object((self.env.node_rank, read), read_by, dst=0)
+        summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
         written_by = choice.manifest.get("world_size")
         self.last_step, self.last_time = choice.step, self.clock()
         log.info("resuming from the snapshot of step %d (%s)", choice.step, ", ".join(sorted(set(
             choice.sources.values()))))
         return Restored(choice.step, state, rng, choice.manifest.get("config"),
-                        written_by if isinstance(written_by, int) else None)
+                        written_by if isinstance(written_by, int) else None, summary)
 
     def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
         """Collective: each file hashed by one rank (file k by rank k*W/F: with one rank per file, the
@@ -282,12 +306,12 @@ class Checkpointer:
         mine = {name: snapshot.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
                                             else {})
                 for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        return {name: why for verdicts in gathered for name, why in verdicts.items()}
+        return spread.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})
 
-    def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """(the replicated state, this rank's RNG state or None) from the chosen step's good files."""
+    def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        """(the replicated state, this rank's RNG state or None, the tensor bytes this rank read from files)
+        from the chosen step's good files: spread over the nodes (``snapshot.load=spread``, collective) or
+        every slice on every rank (``every_rank``)."""
         manifest, env = choice.manifest, self.env
         holder = slicing.rank_file(manifest, env.rank) if manifest.get("world_size") == env.world_size else None
         if holder is not None and holder not in choice.good_files:
@@ -295,5 +319,9 @@ class Checkpointer:
                         "reseeding this rank's RNG deterministically", holder,
                         ", ".join(sorted(set(choice.sources.values()))))
             holder = None
+        if self.cfg.load == "spread" and manifest.get("layout") is not None:
+            state, read = spread.load(choice, env)
+            rng = snapshot.load_file(choice.directory / holder)["rng"].get(env.rank) if holder else None
+            return state, rng, read
         state, files = snapshot.read_state(choice, also=holder)
-        return state, files[holder]["rng"].get(env.rank) if holder else None
+        return state, files[holder]["rng"].get(env.rank) if holder else None, spread.state_bytes(state)

@@ -97,6 +97,7 @@ class Run:
         self._per_rank_checked = False
         self.step = 0
         self.resumed_from: int | None = None
+        self.resume_read: dict[str, Any] | None = None  # rank 0: bytes the resume read from snapshot files
         self.resumed_world_size: int | None = None  # the world size that wrote the snapshot resumed from
         self.stopped = False
         self.finished: dict[str, Any] | None = None
@@ -180,7 +181,7 @@ class Run:
         for name, obj in self.tracked.items():
             load_into(obj, state[name], self.device)
         self.step = self.resumed_from = restored.step
-        self.resumed_world_size = restored.world_size
+        self.resumed_world_size, self.resume_read = restored.world_size, restored.read
         rng = dict(restored.rng) if restored.rng is not None else None
         self._load_per_rank(rng.pop(PER_RANK, None) if rng else None, restored)
         self._report_changes(restored, built)

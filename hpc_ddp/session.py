@@ -174,7 +174,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                     run.close_metrics()
                 watchdog.stop()
             attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0,
-                                  last_step=run.step, resumed_from=run.resumed_from)
+                                  last_step=run.step, resumed_from=run.resumed_from,
+                                  **({"resume_read": run.resume_read} if run.resume_read else {}))
             # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
             # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
             attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)

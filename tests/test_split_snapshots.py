@@ -88,6 +88,22 @@ def test_stops_resume_bit_identically_from_split_snapshots(reference: Path, stop
     state = sum(4 * math.prod(shape) for _, shape in layout["tensors"])
     assert sum(sizes) <= (replicas + 0.05) * state  # the bytes of a snapshot do not grow with the node count
     assert max(sizes) <= replicas / nodes * state * 1.1
+    for attempt in read_attempts(run_dir)[1:]:  # each resume read the state from the files once (issue 26)
+        read = attempt["resume_read"]
+        assert (read["nodes"], read["state"]) == (nodes, state) and read["bytes"] <= 1.05 * state, read
+        assert read["busiest_node"] <= 1.1 * state / nodes, read
+
+
+def test_every_rank_reads_every_slice_when_asked(reference: Path, stopped: dict[str, Path], tmp_path: Path) -> None:
+    """snapshot.load=every_rank, the fallback: the same bits, and the filesystem serves the state per rank."""
+    run_dir = tmp_path / "every_rank"
+    shutil.copytree(stopped["2x2-r1"], run_dir)
+    (run_dir / "DONE.json").unlink()
+    proc = submit(run_dir, 2, 2, "snapshot.replicas=1", "snapshot.load=every_rank", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = read_attempts(run_dir)[-1]["resume_read"]
+    assert read["bytes"] == 4 * read["state"] and read["busiest_node"] == 2 * read["state"]
+    assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]
 
 
 def damaged_copy(run: Path, to: Path, damage: str) -> tuple[Path, int, int]:
@@ -118,6 +134,8 @@ def test_a_lost_node_file_falls_back_to_its_replica_or_else_to_the_previous_step
     if replicas > 1:  # node 1's slice is in node 2's file too: the newest step holds
         assert resumed == newest
         assert "snapshot file node-00001.pt (this rank's RNG state) is not usable" in text
+        read = read_attempts(run_dir)[-1]["resume_read"]  # node 2 read slice 1 for node 1: twice its share
+        assert read["bytes"] <= 1.05 * read["state"] and read["busiest_node"] >= 1.8 * read["state"] / nodes
     else:  # the only copy of slice 1 is gone: the step before, restored whole, so still bit for bit
         assert resumed == previous and f"committed snapshot step {newest} has no usable copy of every slice" in text
         assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]
