@@ -1,6 +1,6 @@
 """``python -m benchmarks.run``: every figure of docs/performance.md, as ratios measured side by side.
 
-Writes ``benchmarks/results.json`` (sections B1..B8 and B10: raw medians, the ratio, the
+Writes ``benchmarks/results.json`` (sections B1..B10: raw medians, the ratio, the
 target, met or not) and prints the markdown table; ``--write-docs`` puts the
 table into docs/performance.md. Medians over interleaved repeats: this machine
 is noisy (2 cores, hypervisor steal), so only ratios from one run mean much.
@@ -174,6 +174,12 @@ def b7_split(scratch: Path, megabytes: float, counts: tuple[int, ...]) -> dict[s
     return figure(scratch, megabytes, counts)
 
 
+def b9_spread(scratch: Path, megabytes: float, counts: tuple[int, ...]) -> dict[str, Any]:
+    from benchmarks.spread import b9_spread as figure
+
+    return figure(scratch, megabytes, counts)
+
+
 def b8_replication(scratch: Path, megabytes: float, repeats: int) -> dict[str, Any]:
     from benchmarks.snapshots import replication_figures
 
@@ -245,6 +251,14 @@ def table(results: dict[str, Any]) -> str:
                         f"{row['r2']['busiest_per_state']}; save {row['r2']['save_s']} s = "
                         f"{row['r2_save_vs_every']} x every node's, restore {row['r2']['restore_s']} s = "
                         f"{row['r2_restore_vs_every']} x | {s['target']} | {mark(s)} |")
+    if "B9" in b:
+        s = b["B9"]
+        for shape, row in s["rows"].items():
+            rows.append(f"| B9 resume reads, {shape}, {s['state_mb']:.0f} MB state | bytes read / state: spread "
+                        f"{row['spread_read_per_state']} (busiest node {row['spread_busiest_per_state']}), every rank "
+                        f"{row['every_rank_read_per_state']}; resume {row['spread_s']} s vs {row['every_rank_s']} s; "
+                        f"a save's object bytes per non-zero rank {row['save_object_bytes_per_nonzero_rank']} "
+                        f"| {s['target']} | {mark(s)} |")
     if "B10" in b and "skipped" not in b["B10"]:
         s = b["B10"]
         rows.append(f"| B10 a killed rank, 2 x 1 on the local cluster | failure to the first resumed step: healed in "
@@ -278,7 +292,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7,B8,B10", help="comma-separated figures, e.g. B1,B3")
+    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7,B8,B9,B10", help="comma-separated figures, e.g. B1,B3")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args(argv)
@@ -302,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B5", b5_slurm), ("B6", b6_scale),
                  ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5)),
+                 ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B10", b10_healing)]
         for name, run in steps:
             if name in only:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from hpc_ddp.hostlist import expand_hostlist
+from hpc_ddp.hostlist import compress_hostlist, expand_hostlist
 
 # scontrol's State= flags that make a node unusable for the next step (State=IDLE+DRAIN, DOWN*, ...).
 BAD_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER", "REBOOT", "MAINT")
@@ -152,3 +153,43 @@ def _prefer(candidates: Sequence[str], training: Sequence[str], want: int) -> li
     chosen = [n for n in candidates if n in training][:want]
     chosen += [n for n in candidates if n not in training][:want - len(chosen)]
     return [n for n in candidates if n in chosen]
+
+
+@dataclass
+class Healer:
+    """What one job's healer remembers between its steps, and its decision after a failed one; used by the
+    batch shell (:mod:`hpc_ddp.supervise`) and the local rehearsal (:mod:`hpc_ddp.local_heal`) alike."""
+
+    cap: int  # slurm.max_restarts_in_job
+    counts: range  # the node counts slurm.nodes allows
+    failed_before: set[str] = field(default_factory=set)  # the nodes blamed for the previous failed step
+    last_failure: int | None = -1  # how far the run had got at the previous failed step (-1: none yet)
+    next_nodes: list[str] = field(default_factory=list)
+    healed: dict[str, Any] | None = None  # for the next step's ledger line
+    why_not: str = ""  # why the last failure was not healed in the job
+
+    def decide(self, record: Mapping[str, Any], index: int, held: Sequence[str], training: Sequence[str],
+               hard: dict[str, str], soft: dict[str, str], point: int | None) -> str | None:
+        """After step ``index`` on ``training`` failed: a sentence on the next step (its nodes in
+        ``next_nodes``), or None with ``why_not`` (the requeue path). ``point``: how far the run got."""
+        if index >= self.cap:
+            self.why_not = f"slurm.max_restarts_in_job={self.cap} in-job restarts used"
+            return None
+        again, self.last_failure = failed_at_same_point(self.last_failure, point), point
+        if again:
+            self.why_not = again
+            return None
+        for node in list(soft):
+            if node in self.failed_before:
+                hard[node] = f"{soft.pop(node)}, the second step in a row"
+        chosen = plan(held, training, hard=hard, soft=soft, counts=self.counts)
+        self.failed_before = set(soft) | set(hard)
+        left_out = "; ".join(f"{n}: {why}" for n, why in chosen.excluded.items())
+        if not chosen.heals:
+            self.why_not = chosen.why + (f" ({left_out})" if left_out else "")
+            return None
+        self.next_nodes = chosen.nodes
+        self.healed = {"after": record.get("reason"), "after_step": index, "how": chosen.how,
+                       "excluded": chosen.excluded, "nodes_before": compress_hostlist(training)}
+        return (f"{chosen.how}: restarting inside the job on {compress_hostlist(chosen.nodes)} (in-job restart "
+                f"{index + 1} of {self.cap}){'; left out ' + left_out if left_out else ''}")

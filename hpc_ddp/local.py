@@ -271,9 +271,9 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
                              in_job=healer.index,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
                              extra={"hosts": compress_hostlist(healer.training)})
+            why_not, healer.memory.why_not = healer.memory.why_not, ""
             err.write(f"[local] attempt {restart}, step {healer.index} ended with exit code {code}: {outcome}"
-                      + (f" (not healed in the job: {healer.why_not})" if healer.why_not else "") + "\n")
-            healer.why_not = ""
+                      + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
             if healer.advance():
                 continue
             if not requeued:

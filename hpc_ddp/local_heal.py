@@ -18,7 +18,6 @@ from typing import Any
 
 from hpc_ddp import heal
 from hpc_ddp.batching import node_counts
-from hpc_ddp.hostlist import compress_hostlist
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR
 
 
@@ -41,16 +40,10 @@ class LocalHealer:
 
     held: list[str]
     training: list[str]
-    counts: range
-    cap: int
     tasks_per_node: int
+    memory: heal.Healer
     index: int = 0  # the in-job restart of the step that runs now
     lost: dict[str, str] = field(default_factory=dict)  # nodes killed by --fail-at, and why
-    failed_before: set[str] = field(default_factory=set)
-    healed: dict[str, Any] | None = None
-    next_nodes: list[str] = field(default_factory=list)
-    why_not: str = ""
-    last_failure: int | None = -1  # how far the run had got at the previous failed step (-1: none yet)
     allocation: list[str] = field(default_factory=list)  # what a (requeued) job is granted
     width: int = 0  # how many of them train at first
 
@@ -60,14 +53,15 @@ class LocalHealer:
 
         slurm = load_config([config_path]).slurm
         held = [f"node{i}" for i in range(nodes + slurm.spare_nodes)]
-        return cls(held, held[:nodes], node_counts(slurm.nodes), slurm.max_restarts_in_job, slurm.tasks_per_node,
+        return cls(held, held[:nodes], slurm.tasks_per_node, heal.Healer(slurm.max_restarts_in_job,
+                                                                         node_counts(slurm.nodes)),
                    allocation=list(held), width=nodes)
 
     def environ(self) -> dict[str, str]:
         """What the step's ranks get beside the simulated Slurm variables."""
         if not self.index:
             return {}
-        return {IN_JOB_VAR: str(self.index), HEALED_VAR: json.dumps(self.healed or {}, sort_keys=True)}
+        return {IN_JOB_VAR: str(self.index), HEALED_VAR: json.dumps(self.memory.healed or {}, sort_keys=True)}
 
     def node_of(self, rank: int) -> str:
         return self.training[min(len(self.training) - 1, rank // max(1, self.tasks_per_node))]
@@ -82,43 +76,24 @@ class LocalHealer:
     def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int], point: int | None) -> str | None:
         """As :meth:`hpc_ddp.supervise.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run
         got, :func:`hpc_ddp.settle.last_known`)."""
-        if self.index >= self.cap:
-            self.why_not = f"slurm.max_restarts_in_job={self.cap} in-job restarts used"
-            return None
-        again, self.last_failure = heal.failed_at_same_point(self.last_failure, point), point
-        if again:
-            self.why_not = again
-            return None
-        hard = {n: why for n, why in self.lost.items()}
+        hard = dict(self.lost)
         soft = {self.node_of(r): f"rank {r} failed first there" for r in failed_ranks[:1]
                 if self.node_of(r) not in hard}
         soft |= heal.stuck_nodes(record.get("stuck_ranks") or [], self.training, self.tasks_per_node)
-        for node in list(soft):
-            if node in self.failed_before:
-                hard[node] = f"{soft.pop(node)}, the second step in a row"
         self.held = [n for n in self.held if n not in self.lost]
-        plan = heal.plan(self.held, self.training, hard=hard, soft=soft, counts=self.counts)
-        self.failed_before = set(soft) | set(hard)
-        left_out = "; ".join(f"{n}: {why}" for n, why in plan.excluded.items())
-        if not plan.heals:
-            self.why_not = plan.why + (f" ({left_out})" if left_out else "")
-            return None
-        self.next_nodes = plan.nodes
-        self.healed = {"after": record.get("reason"), "after_step": self.index, "how": plan.how,
-                       "excluded": plan.excluded, "nodes_before": compress_hostlist(self.training)}
-        return (f"{plan.how}: restarting inside the job on {compress_hostlist(plan.nodes)} (in-job restart "
-                f"{self.index + 1} of {self.cap}){'; left out ' + left_out if left_out else ''}")
+        return self.memory.decide(record, self.index, self.held, self.training, hard, soft, point)
 
     def advance(self) -> bool:
         """Move to the planned step; False when there is none (the requeue path, or done)."""
-        if not self.next_nodes:
+        if not self.memory.next_nodes:
             return False
-        self.training, self.next_nodes, self.index = self.next_nodes, [], self.index + 1
+        self.training, self.memory.next_nodes, self.index = self.memory.next_nodes, [], self.index + 1
         self.lost = {}
         return True
 
     def requeued(self) -> None:
         """A requeued job starts over with a whole allocation (Slurm grants the nodes anew)."""
-        self.index, self.healed, self.failed_before, self.lost, self.last_failure = 0, None, set(), {}, -1
+        self.index, self.lost = 0, {}
+        self.memory = heal.Healer(self.memory.cap, self.memory.counts)
         self.held = list(self.allocation)
         self.training = self.held[:self.width]

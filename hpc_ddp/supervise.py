@@ -87,12 +87,8 @@ class Supervisor:
         self.job = environ.get("SLURM_JOB_ID", "")
         self.tasks_per_node = int(environ.get("SLURM_NTASKS_PER_NODE", "") or cfg.slurm.tasks_per_node)
         self.counts = node_counts(cfg.slurm.nodes)
-        self.failed_before: set[str] = set()  # nodes blamed for the previous failed step
+        self.healer = heal.Healer(cfg.slurm.max_restarts_in_job, self.counts)
         self.stopping = False
-        self.healed: dict[str, Any] | None = None
-        self.next_nodes: list[str] = []
-        self.why_not = ""  # why the last failure was not healed in the job
-        self.last_failure: int | None = -1  # how far the run had got at the previous failed step (-1: none yet)
 
     def held(self) -> list[str]:
         """What the job holds now (scontrol; the batch shell's SLURM_JOB_NODELIST is a fallback, stale after
@@ -148,36 +144,16 @@ class Supervisor:
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(to_probe)))) as pool:
             answers = dict(zip(to_probe, pool.map(self.probe, to_probe)))
         hard |= {n: f"no answer to a probe step within {PROBE_TIMEOUT_S:g} s" for n, ok in answers.items() if not ok}
-        for node in list(soft):
-            if node in self.failed_before:
-                hard[node] = f"{soft.pop(node)}, the second step in a row"
         return held, hard, soft
 
     def heal(self, step: Step, record: Mapping[str, Any]) -> str | None:
         """Called by settle for a failure: the next step's plan as a sentence, or None (requeue path)."""
-        cap = self.cfg.slurm.max_restarts_in_job
-        if self.stopping or step.index >= cap:
-            self.why_not = ("a stop signal reached the batch shell" if self.stopping
-                            else f"slurm.max_restarts_in_job={cap} in-job restarts used")
+        if self.stopping:
+            self.healer.why_not = "a stop signal reached the batch shell"
             return None
         point = last_known(Path(self.cfg.run_dir))["last_step"]
-        again = heal.failed_at_same_point(self.last_failure, point)
-        self.last_failure = point
-        if again:
-            self.why_not = again
-            return None
         held, hard, soft = self.suspects(step, record)
-        plan = heal.plan(held, step.nodes, hard=hard, soft=soft, counts=self.counts)
-        self.failed_before = set(soft) | set(hard)
-        left_out = "; ".join(f"{n}: {why}" for n, why in plan.excluded.items())
-        if not plan.heals:
-            self.why_not = plan.why + (f" ({left_out})" if left_out else "")
-            return None
-        self.next_nodes = plan.nodes
-        self.healed = {"after": record.get("reason"), "after_step": step.index, "how": plan.how,
-                       "excluded": plan.excluded, "nodes_before": compress_hostlist(step.nodes)}
-        return (f"{plan.how}: restarting inside the job on {compress_hostlist(plan.nodes)} (in-job restart "
-                f"{step.index + 1} of {cap}){'; left out ' + left_out if left_out else ''}")
+        return self.healer.decide(record, step.index, held, step.nodes, hard, soft, point)
 
     def step_argv(self, nodes: Sequence[str]) -> list[str]:
         """The supervised command with the step's shape put right after ``srun``."""
@@ -194,7 +170,7 @@ class Supervisor:
         if index:
             env[IN_JOB_VAR] = str(index)
             env["MASTER_PORT"] = str(self._port(index))  # the failed step's store may still hold its port
-            env[HEALED_VAR] = json.dumps(self.healed or {}, sort_keys=True)
+            env[HEALED_VAR] = json.dumps(self.healer.healed or {}, sort_keys=True)
         return env
 
     def _port(self, index: int) -> int:
@@ -227,16 +203,16 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
     restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
     step = first or sup.run_step(sup.first_nodes(), 0)
     while True:
-        sup.why_not = ""
+        sup.healer.why_not = ""
         outcome = settle(run_dir, job_id=int(sup.job) if sup.job.isdigit() else None, restart_count=restart,
                          exit_code=step.code, limits=limits, requeue_job=(lambda: requeue(spec)) if spec else None,
                          in_job=step.index, heal=lambda record, s=step: sup.heal(s, record),
                          extra={"hosts": compress_hostlist(step.nodes)})
         say(f"attempt {restart} of job {spec or '-'}, step {step.index} on {compress_hostlist(step.nodes)}: "
-            f"{outcome}" + (f" (not healed in the job: {sup.why_not})" if sup.why_not else ""))
-        if not sup.next_nodes:
+            f"{outcome}" + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else ""))
+        if not sup.healer.next_nodes:
             return step.code
-        nodes, sup.next_nodes = sup.next_nodes, []
+        nodes, sup.healer.next_nodes = sup.healer.next_nodes, []
         step = sup.run_step(nodes, step.index + 1)
 
 

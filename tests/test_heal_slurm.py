@@ -41,14 +41,20 @@ def wait_done(run_dir: Path) -> None:
     assert wait_until(lambda: finished(run_dir), 240), status()
 
 
-def down_second_node_at(run_dir: Path, job: str, step: int) -> str:
-    """Mark the job's second node down (as Slurm's own tests do) once the run has logged ``step``."""
+def lose_a_node(run_dir: Path, *options: str) -> tuple[list[dict], str]:
+    """Submit a slowed run; once it has logged step 15, mark its second node down (as Slurm's own tests do);
+    wait for the end, put the node back. Returns the ledger and the node."""
+    job = submit(run_dir, "slow:-1:0.15", *options)
     metrics = run_dir / "metrics.jsonl"
-    assert wait_until(lambda: metrics.exists() and max(losses(run_dir), default=0) >= step, 120)
+    assert wait_until(lambda: metrics.exists() and max(losses(run_dir), default=0) >= 15, 120)
     node = expand_hostlist(subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True,
                                           text=True).stdout.strip())[1]
     scontrol("update", f"nodename={node}", "state=down", "reason=hpc_ddp-heal-test")
-    return node
+    try:
+        wait_done(run_dir)
+    finally:
+        scontrol("update", f"nodename={node}", "state=resume")
+    return read_attempts(run_dir), node
 
 
 def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
@@ -75,13 +81,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
 
     # (b) Slurm marks a training node down mid-run: the job keeps its other nodes (--no-kill), the spare joins
     lost = tmp_path / "lost"
-    job = submit(lost, "slow:-1:0.15", "slurm.spare_nodes=1")
-    node = down_second_node_at(lost, job, 15)
-    try:
-        wait_done(lost)
-    finally:
-        scontrol("update", f"nodename={node}", "state=resume")
-    attempts = read_attempts(lost)
+    attempts, node = lose_a_node(lost, "slurm.spare_nodes=1")
     assert [a["reason"] for a in attempts] == ["failed", "finished"]
     assert attempts[1]["healed"]["how"] == "replaced" and node in attempts[1]["healed"]["excluded"]
     assert node not in expand_hostlist(attempts[1]["hosts"]) and attempts[1]["world_size"] == 4
@@ -89,13 +89,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
 
     # (c) no spare, slurm.nodes=1-2: the run goes on with the one node left, the same global batch
     shrunk = tmp_path / "shrunk"
-    job = submit(shrunk, "slow:-1:0.15", "slurm.nodes=1-2")
-    node = down_second_node_at(shrunk, job, 15)
-    try:
-        wait_done(shrunk)
-    finally:
-        scontrol("update", f"nodename={node}", "state=resume")
-    attempts = read_attempts(shrunk)
+    attempts, node = lose_a_node(shrunk, "slurm.nodes=1-2")
     assert [(a["reason"], a["nodes"]) for a in attempts[1:]] == [("finished", 1)]
     assert attempts[1]["healed"]["how"] == "shrunk" and attempts[1]["grad_accum"] == 2
     got = losses(shrunk)
