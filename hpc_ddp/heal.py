@@ -189,7 +189,7 @@ class Healer:
             self.why_not = chosen.why + (f" ({left_out})" if left_out else "")
             return None
         self.next_nodes = chosen.nodes
-        self.healed = {"after": record.get("reason"), "after_step": index, "how": chosen.how,
+        self.healed = {"after": record.get("reason"), "how": chosen.how,
                        "excluded": chosen.excluded, "nodes_before": compress_hostlist(training)}
         return (f"{chosen.how}: restarting inside the job on {compress_hostlist(chosen.nodes)} (in-job restart "
                 f"{index + 1} of {self.cap}){'; left out ' + left_out if left_out else ''}")

@@ -38,6 +38,7 @@ ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL
 POLL_S = 0.02
 GRACE_S = 3.0
 EXIT_INTERRUPTED = 130  # the launcher was interrupted with Ctrl-C (128 + SIGINT, as a shell reports it)
+EXIT_USAGE = 2  # a flag that cannot be rehearsed (--fail-at naming a node the rehearsal does not have)
 
 
 def free_port() -> int:
@@ -97,8 +98,10 @@ def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]
         while kills and step >= kills[0][0]:
             at, kill = kills.pop(0)
             node, ranks = kill()
-            err.write(f"[local] rank 0 reached step {step}: killing {node} (ranks {', '.join(map(str, ranks))}; "
-                      f"--fail-at {at})\n")
+            err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): SIGKILL to its "
+                      f"{_ranks(ranks)}\n")
+            if watch is not None:
+                watch["lost"] = (node, ranks)
             for rank in ranks:
                 if procs[rank].poll() is None:
                     os.killpg(procs[rank].pid, signal.SIGKILL)
@@ -110,6 +113,10 @@ def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]
                 if proc.poll() is None:
                     os.kill(proc.pid, signum)
     return on_step
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _end(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -201,6 +208,12 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         watch["failed"] = list(failed)
     if not failed:
         return int(codes[0] or 0)
+    lost = watch.pop("lost", None) if watch is not None else None
+    if lost:  # an injected node loss, not an error of the program: one line, not the survivors' tracebacks
+        err.write(f"[local] {lost[0]} was lost ({_ranks(lost[1])} killed); the other ranks "
+                  f"were ended as srun would end them; every rank's log is in {logs}\n")
+        watch["failed"] = list(lost[1])  # type: ignore[index]
+        return -int(signal.SIGKILL)
     # ranks that fail the same way (a bad config fails everywhere) are shown together; the first one decides
     final = [p.poll() for p in procs]
     failed += [rank for rank, code in enumerate(final) if code == codes[failed[0]] and rank not in failed]
@@ -248,12 +261,19 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
     healer = LocalHealer.for_config(config_path, nodes)
-    kills = [(step, functools.partial(healer.kill, node)) for step, node in fail_at]
+    problem = healer.fail_at_problem(fail_at)
+    if problem:
+        err.write(f"error: {problem}\n")
+        return EXIT_USAGE
+    restart = 0
+    marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
+    kills = [(step, lambda node=node, step=step: healer.kill(node, marks())) for step, node in fail_at]
     watch: dict[str, object] = {"step": None, "line": ""}
     earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
     done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
-    restart, steps = 0, 0
+    steps = 0
     while True:
+        started = round(time.time(), 3)
         code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
                       restart_count=restart, events=events, stream=stream, err=err, watch=watch,
                       log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills)
@@ -270,9 +290,9 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
                              limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
                              in_job=healer.index,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
-                             extra={"hosts": compress_hostlist(healer.training)})
+                             extra={"hosts": compress_hostlist(healer.training), "start": started})
             why_not, healer.memory.why_not = healer.memory.why_not, ""
-            err.write(f"[local] attempt {restart}, step {healer.index} ended with exit code {code}: {outcome}"
+            err.write(f"[local] attempt {restart}, job step {healer.index} ended with exit code {code}: {outcome}"
                       + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
             if healer.advance():
                 continue
@@ -298,4 +318,5 @@ def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress
                "also where it acts on a stop. HINT: call `if run.boundary(step): return` after every optimizer step")
     else:
         why = f"the run finished at step {step} first. HINT: choose steps below the run's last step"
-    return f"error: {flags} never fired: {why}. The run finished, but the stop was not rehearsed."
+    what = "stop" if events else "failure"
+    return f"error: {flags} never fired: {why}. The run finished, but the {what} was not rehearsed."

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_ddp import heal
 from hpc_ddp.batching import node_counts
+from hpc_ddp.preemption import crash_marker
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR
 
 
@@ -66,12 +67,31 @@ class LocalHealer:
     def node_of(self, rank: int) -> str:
         return self.training[min(len(self.training) - 1, rank // max(1, self.tasks_per_node))]
 
-    def kill(self, node_index: int | None) -> tuple[str, list[int]]:
-        """The node --fail-at kills (its index in the training nodes; None: the last one) and its ranks."""
+    def kill(self, node_index: int | None, marks: tuple[Path, int, int] | None = None) -> tuple[str, list[int]]:
+        """The node --fail-at kills (its index in the training nodes; None: the last one) and its ranks.
+        ``marks`` (run dir, job id, requeue count): note each killed rank's crash, as a dying rank's worker
+        would, so the workers left do not take the launcher's SIGTERM for a stop signal."""
         index = len(self.training) - 1 if node_index is None else min(node_index, len(self.training) - 1)
         node = self.training[index]
         self.lost[node] = "its ranks were killed (--fail-at): the node is lost"
-        return node, list(range(index * self.tasks_per_node, (index + 1) * self.tasks_per_node))
+        ranks = list(range(index * self.tasks_per_node, (index + 1) * self.tasks_per_node))
+        if marks is not None:
+            run_dir, job_id, restart = marks
+            for rank in ranks:
+                path = crash_marker(run_dir, job_id, restart, self.index, rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"{node} was lost (--fail-at): rank {rank} was killed\n")
+        return node, ranks
+
+    def fail_at_problem(self, fail_at: Sequence[tuple[int, int | None]]) -> str | None:
+        """Why a --fail-at names a node the rehearsal does not train on (None: it is fine)."""
+        for step, node in fail_at:
+            if node is not None and node >= len(self.training):
+                return (f"--fail-at {step}:{node} names training node {node}, but the rehearsal trains on "
+                        f"{len(self.training)} node(s), numbered 0..{len(self.training) - 1} (spares are not "
+                        f"training nodes). HINT: --fail-at {step}:{len(self.training) - 1}, or --fail-at {step} "
+                        "for the last one")
+        return None
 
     def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int], point: int | None) -> str | None:
         """As :meth:`hpc_ddp.supervise.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run

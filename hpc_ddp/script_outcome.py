@@ -20,7 +20,7 @@ from typing import Any
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
-from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, attempt_tag, cancelled, job_spec, job_state,
+from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, attempt_tag, cancelled, crash_marker, job_spec, job_state,
                                 read_attempts)
 from hpc_ddp.script_output import Progress
 from hpc_ddp.session import Attempt, conclude
@@ -56,7 +56,7 @@ def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any]
 
 
 def crash_path(run_dir: Path, env: DistEnv) -> Path:
-    return layout.errors(run_dir) / f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-crash-rank-{env.rank}.txt"
+    return crash_marker(run_dir, env.job_id, env.restart_count, env.in_job, env.rank)
 
 
 def mark_crash(attempt: Attempt, path: Path, code: int) -> None:

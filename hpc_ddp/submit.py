@@ -81,10 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "first step)")
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: send the time-out warning signal after these steps, e.g. 31")
-    parser.add_argument("--fail-at", type=_fail_at, default=[], metavar="STEP[:NODE]",
-                        help="with --local: lose a simulated node (SIGKILL its ranks) after STEP, e.g. 30 or 30:0 "
-                        "(NODE: its index among the training nodes; default the last); the rehearsal heals as the "
-                        "batch shell would: a spare (slurm.spare_nodes), a retry, or fewer nodes")
+    parser.add_argument("--fail-at", type=_fail_at, default=[], metavar="STEP[:NODE],...",
+                        help="with --local: lose a simulated node (SIGKILL its ranks) after STEP, e.g. 30, 30:0 or "
+                        "30,60 (NODE: its index among the training nodes, from 0; default the last). The rehearsal "
+                        "heals as the batch shell would: a spare takes its place (slurm.spare_nodes), or the run "
+                        "goes on with fewer nodes (a slurm.nodes range); else the requeue path (slurm.max_failures)")
     return parser
 
 
@@ -272,6 +273,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
         code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
                         preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal),
                         fail_at=fail_at or [])
+        code = 128 - code if code < 0 else code  # a rank killed by a signal: as a shell reports it (-9 -> 137)
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
     if code == EXIT_INTERRUPTED:
@@ -498,7 +500,8 @@ def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     path.chmod(0o755)
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
           f"submit it from any directory with: sbatch {path}\n"
-          f"  the job runs in {workdir} (its WORKDIR line), {_found_from(cfg)}")
+          f"  the job runs in {workdir} (its WORKDIR line), {_found_from(cfg)}\n"
+          f"  {healing_line(cfg.slurm)}")
     return 0
 
 
@@ -513,7 +516,8 @@ def _found_from(cfg: RunConfig) -> str:
 
 def _usage_error(args: argparse.Namespace) -> str | None:
     if (args.preempt_at or args.timeout_at or args.fail_at) and not args.local:
-        return "--preempt-at, --timeout-at and --fail-at go with --local"
+        return ("--preempt-at, --timeout-at and --fail-at go with --local. HINT: they rehearse stops and failures "
+                "on this machine; add --local (a job on the cluster gets its stops from Slurm)")
     if args.launcher != "srun" and not args.emit_sbatch:
         return "--launcher goes with --emit-sbatch (submit and --local start one worker per task)"
     if args.multirun and args.emit_sbatch:

@@ -11,7 +11,8 @@ first step). It starts ``srun`` on the nodes that train (the job's nodes less
    probes those nodes, leaves out the suspects (:mod:`hpc_ddp.heal`) and starts a new step
    on the chosen nodes with a fresh rendezvous port: the workers resume from the last
    committed snapshot, with a spare in a lost node's place (bit-exact) or on fewer nodes;
-3. otherwise does what settle does today: requeue under ``slurm.max_failures``, or not.
+3. otherwise takes the requeue path, as settle alone would: requeue under ``slurm.max_failures``,
+   or not.
 
 A deterministic error (exit 2), a stop (time-out, preemption, cancel) and a finished run
 are never restarted here. The shell takes a SIGTERM (cancel, preemption) as "start no
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,6 +63,7 @@ class Step:
     index: int = 0  # the in-job restart it is (0: the job's first step)
     code: int = 0
     srun_lines: list[str] = field(default_factory=list)
+    start: float | None = None  # when the batch shell started it (None: submitit's own step)
 
 
 def run_srun(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, list[str]]:
@@ -190,8 +193,9 @@ class Supervisor:
         return {k: v for k, v in self.environ.items() if k not in drop}
 
     def run_step(self, nodes: list[str], index: int) -> Step:
+        start = round(time.time(), 3)
         code, lines = self.srun(self.step_argv(nodes), self.step_environ(index))
-        return Step(nodes, index, code, lines)
+        return Step(nodes, index, code, lines, start)
 
 
 def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -> int:
@@ -207,8 +211,9 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
         outcome = settle(run_dir, job_id=int(sup.job) if sup.job.isdigit() else None, restart_count=restart,
                          exit_code=step.code, limits=limits, requeue_job=(lambda: requeue(spec)) if spec else None,
                          in_job=step.index, heal=lambda record, s=step: sup.heal(s, record),
-                         extra={"hosts": compress_hostlist(step.nodes)})
-        say(f"attempt {restart} of job {spec or '-'}, step {step.index} on {compress_hostlist(step.nodes)}: "
+                         extra={"hosts": compress_hostlist(step.nodes),
+                                **({"start": step.start} if step.start else {})})
+        say(f"attempt {restart} of job {spec or '-'}, job step {step.index} on {compress_hostlist(step.nodes)}: "
             f"{outcome}" + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else ""))
         if not sup.healer.next_nodes:
             return step.code
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                      usage="%(prog)s [--exit-code N] CONFIG [CONFIG ...] -- srun [ARGS] PROGRAM\n"
                                      "({config} in the command is replaced by this array element's config)")
     add_version(parser)
-    parser.add_argument("--exit-code", type=int, default=None,
+    parser.add_argument("--exit-code", type=int, default=None, metavar="N",
                         help="the first step already ran (submitit's srun) and ended with this code")
     parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, in order)")
     ours, command = _split(sys.argv[1:] if argv is None else argv)

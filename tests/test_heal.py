@@ -163,6 +163,8 @@ def test_the_rehearsal_loses_a_node_and_heals_on_a_spare_or_on_fewer_nodes(tmp_p
     clean = rehearse(tmp_path / "clean", "slurm.nodes=2")
     spare = rehearse(tmp_path / "spare", "slurm.nodes=2", "slurm.spare_nodes=1", "--fail-at", "23")
     shrunk = rehearse(tmp_path / "shrunk", "slurm.nodes=1-2", "--fail-at", "23:0")
+    wrong = rehearse(tmp_path / "wrong", "slurm.nodes=2", "slurm.spare_nodes=1", "--fail-at", "23:2")
+    assert wrong.returncode == 2 and "names training node 2, but the rehearsal trains on 2 node(s)" in wrong.stderr
     for proc in (clean, spare, shrunk):
         assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = read_attempts(tmp_path / "spare")
@@ -170,7 +172,7 @@ def test_the_rehearsal_loses_a_node_and_heals_on_a_spare_or_on_fewer_nodes(tmp_p
                                                                                     "node[0,2]")
     assert second["healed"]["how"] == "replaced" and "--fail-at" in second["healed"]["excluded"]["node1"]
     assert done(tmp_path / "spare")["params_sha256"] == done(tmp_path / "clean")["params_sha256"]
-    assert "killing node1 (ranks 1; --fail-at 23)" in spare.stderr
+    assert "losing node1 (--fail-at 23): SIGKILL to its rank 1" in spare.stderr
     first, second = read_attempts(tmp_path / "shrunk")
     assert (second["healed"]["how"], second["hosts"], second["world_size"], second["grad_accum"]) == (
         "shrunk", "node1", 1, 2)
