@@ -124,8 +124,11 @@ class Checkpointer:
     """Snapshots of one run; build it inside the process group, on every rank."""
 
     def __init__(self, run_dir: Path, cfg: SnapshotConfig, env: DistEnv, config_hash: str,
-                 clock: Callable[[], float] = time.monotonic, config: dict[str, Any] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, config: dict[str, Any] | None = None,
+                 local: bool = False) -> None:
         self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
+        # snapshot.load=auto: every rank reads in the local rehearsal (one page cache, B9), spread on a cluster
+        self.load = cfg.load if cfg.load != "auto" else ("every_rank" if local else "spread")
         self.config = config  # recorded in every manifest
         self.last_time = clock()
         self.last_step: int | None = None
@@ -319,7 +322,7 @@ class Checkpointer:
                         "reseeding this rank's RNG deterministically", holder,
                         ", ".join(sorted(set(choice.sources.values()))))
             holder = None
-        if self.cfg.load == "spread" and manifest.get("layout") is not None:
+        if self.load == "spread" and manifest.get("layout") is not None:
             state, read = spread.load(choice, env)
             rng = snapshot.load_file(choice.directory / holder)["rng"].get(env.rank) if holder else None
             return state, rng, read

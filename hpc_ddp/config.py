@@ -134,9 +134,10 @@ class SnapshotConfig:
                          "1: fewest bytes, a lost file falls back to the previous snapshot; 2 (default): any "
                          "one lost or damaged file is survived with the newest step; >= nodes: a whole copy "
                          "in every node's file.")
-    load: str = _doc("spread", "How a resume reads the snapshot: spread (each node reads its own slices once, the "
-                     "rest arrives over the process group: the filesystem serves the state once) or every_rank "
-                     "(every rank reads every slice: the state once per node at best).")
+    load: str = _doc("auto", "How a resume reads the snapshot: spread (each node reads its own slices once, the "
+                     "rest arrives over the process group: the filesystem serves the state once), every_rank "
+                     "(every rank reads every slice: the state once per node at best), or auto: spread on a "
+                     "cluster, every_rank in the local rehearsal (one page cache; broadcasts there cost more, B9).")
     async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
                              "to CPU); the stop snapshot is always synchronous.")
 

@@ -105,7 +105,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
     "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's file)"),
-    "snapshot.load": (lambda v: v in ("spread", "every_rank"), "one of spread, every_rank"),
+    "snapshot.load": (lambda v: v in ("auto", "spread", "every_rank"), "one of auto, spread, every_rank"),
     "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"), "one of online, offline, disabled"),
     "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
                               "a W&B project name without / \\ # ? % : (empty: the run's name)"),

@@ -156,7 +156,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             run: Run | None = None
             try:
                 checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
-                                            config=flat_values(cfg))
+                                            config=flat_values(cfg), local=attempt.local)
                 on_step = _print_progress if attempt.local and env.is_main else None
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 STEPS, GLOBAL, SAMPLES = 40, 16, 256  # 16 steps per epoch: the resumed part crosses two epoch ends
 RUN = ["--local", "train.task=tests.tasks.elastic:IdsTask", "name=elastic", "train.batch_size=2",
-       f"train.global_batch_size={GLOBAL}", f"train.max_steps={STEPS}", "train.log_every=1", "slurm.max_timeouts=0"]
+       f"train.global_batch_size={GLOBAL}", f"train.max_steps={STEPS}", "train.log_every=1", "slurm.max_timeouts=0",
+       "snapshot.load=spread"]  # the cluster's read: auto would pick every_rank in the rehearsal
 
 
 def submit(run_dir: Path, nodes: int, tasks: int, *args: str) -> subprocess.CompletedProcess[str]:

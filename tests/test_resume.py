@@ -20,7 +20,9 @@ from hpc_ddp.preemption import read_attempts
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 # The wide MLP: its tensors are cut between the two nodes' files (split snapshots, snapshot.replicas=2)
-MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1", "train.max_steps=80"]
+# snapshot.load=spread: the cluster's read (auto picks every_rank in the rehearsal), so it is what these test
+MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.log_every=1", "train.max_steps=80",
+       "snapshot.load=spread"]
 # DataLoader workers in the three-stop run only (they cost a forkserver and a worker per rank per epoch): it must
 # equal the uninterrupted run without them bit for bit, so the workers change nothing and resume exactly.
 WORKERS = "train.num_workers=1"
