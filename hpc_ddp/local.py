@@ -94,7 +94,7 @@ def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]
     (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``)."""
     def on_step(step: int) -> None:
         if watch is not None:
-            watch["step"] = step
+            watch["step"] = max(step, int(watch.get("step") or 0))  # the furthest, across healed job steps
         while kills and step >= kills[0][0]:
             at, kill = kills.pop(0)
             node, ranks = kill()

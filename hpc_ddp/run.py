@@ -42,7 +42,7 @@ from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.ddp_settle import settle_buckets_on_first_forward
 from hpc_ddp.errors import ConfigError, explain
-from hpc_ddp.preemption import StopFlag
+from hpc_ddp.preemption import StopFlag, read_attempts
 from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import DistEnv
 from hpc_ddp.tracked import (PerRank, RunUsageError, check_trackable, load_into, pack, restore_per_rank, state_of,
@@ -355,7 +355,7 @@ class Run:
         if self._sinks is None:
             first = self.resumed_from or 0
             self._sinks = log_to(open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config)), first,
-                                 {"hpc_ddp/attempt": self.restart_count})
+                                 {"hpc_ddp/attempt": len(read_attempts(self.run_dir))})  # the ledger's #
         self._sinks = log_to(self._sinks, step, values)
 
     def close_metrics(self) -> None:
