@@ -121,10 +121,9 @@ def one(nodes: int, tasks: int, megabytes: float, scratch: Path) -> dict[str, An
 def b9_spread(scratch: Path, megabytes: float = 200, counts: tuple[int, ...] = (1, 2, 4, 8),
               tasks: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     from benchmarks.snapshots import state_of
-    from hpc_ddp import slicing
+    from hpc_ddp.spread import state_bytes
 
-    _, state = state_of(megabytes)
-    size = sum(t.nbytes for _, t in slicing.split(state)[1])
+    size = state_bytes(state_of(megabytes)[1])
     rows = {f"{n}x{t}": one(n, t, megabytes, scratch) for t in tasks for n in counts}
     flat = True
     for t in tasks:  # per tasks per node: the RNG gather within a node adds a rank's RNG state at T > 1

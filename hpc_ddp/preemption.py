@@ -177,6 +177,16 @@ def attempt_tag(job_id: int | str | None, restart_count: int, in_job: int = 0) -
     return f"job-{job_id}-restart-{restart_count}" + (f"-step-{in_job}" if in_job else "")
 
 
+def attempt_fields(job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
+    """A ledger line's identity: job id, requeue count and, for an in-job restart, ``in_job``."""
+    return {"job_id": job_id, "restart_count": restart_count, **({"in_job": in_job} if in_job else {})}
+
+
+def caps(slurm: Any) -> dict[str, int]:
+    """The requeue caps of a config's ``slurm`` section, by name (what :func:`cap_reached` takes)."""
+    return {key: getattr(slurm, key) for key in set(REASONS_CAPPED.values())}
+
+
 def attempt_key(record: Mapping[str, Any]) -> tuple[Any, int, int]:
     """Which attempt a ledger line belongs to: job id, requeue count and in-job restart (absent: 0)."""
     return record.get("job_id"), int(record.get("restart_count") or 0), int(record.get("in_job") or 0)

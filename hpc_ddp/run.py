@@ -354,8 +354,10 @@ class Run:
             out.write(json.dumps({"step": step, **values, "time": round(time.time(), 3)}) + "\n")  # time: status ETA
         if self._sinks is None:
             first = self.resumed_from or 0
-            self._sinks = log_to(open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config)), first,
-                                 {"hpc_ddp/attempt": len(read_attempts(self.run_dir))})  # the ledger's #
+            sinks = open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config))
+            if sinks:  # the attempt's number in the ledger, read only when a sink will show it
+                sinks = log_to(sinks, first, {"hpc_ddp/attempt": len(read_attempts(self.run_dir))})
+            self._sinks = sinks
         self._sinks = log_to(self._sinks, step, values)
 
     def close_metrics(self) -> None:

@@ -37,7 +37,7 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     params: dict[str, Any] = {
         "job_name": cfg.name,
         # submitit multiplies it by the tasks per node: an int (a range goes below); spares are held beside it
-        "nodes": node_counts(slurm.nodes)[-1] + slurm.spare_nodes,
+        "nodes": held_nodes(slurm),
         "ntasks_per_node": slurm.tasks_per_node,
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
@@ -55,6 +55,11 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
                 "mem": f"{slurm.mem_gb:g}GB" if slurm.mem_gb else None, "exclusive": slurm.exclusive or None}
     params.update({key: value for key, value in optional.items() if value is not None})
     return params
+
+
+def held_nodes(slurm: Any) -> int:
+    """The nodes a job with spares asks for: the most ``slurm.nodes`` allows, plus ``slurm.spare_nodes``."""
+    return node_counts(slurm.nodes)[-1] + slurm.spare_nodes
 
 
 def spare_shape(cfg: RunConfig) -> list[str]:
@@ -79,7 +84,7 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
     per_node = launcher == "torchrun"
     tasks, cpus = (1, slurm.cpus_per_task * slurm.tasks_per_node) if per_node else (slurm.tasks_per_node,
                                                                                       slurm.cpus_per_task)
-    nodes = slurm_nodes(slurm.nodes) if not slurm.spare_nodes else str(node_counts(slurm.nodes)[-1] + slurm.spare_nodes)
+    nodes = str(held_nodes(slurm)) if slurm.spare_nodes else slurm_nodes(slurm.nodes)
     options = [f"--job-name={cfg.name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
     if slurm.gpus_per_node:
         options.append(f"--gpus-per-node={slurm.gpus_per_node}")

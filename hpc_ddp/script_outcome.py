@@ -20,8 +20,8 @@ from typing import Any
 
 from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
-from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, attempt_tag, cancelled, crash_marker, job_spec, job_state,
-                                read_attempts)
+from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, attempt_tag, cancelled, crash_marker, job_spec,
+                                job_state, read_attempts)
 from hpc_ddp.script_output import Progress
 from hpc_ddp.session import Attempt, conclude
 from hpc_ddp.slurm_env import DistEnv

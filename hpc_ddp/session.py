@@ -31,7 +31,8 @@ from hpc_ddp.atomic import write_atomic
 from hpc_ddp.batching import plan
 from hpc_ddp.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_REQUEUE, PreemptionError, StopFlag, append_attempt, cancelled, cap_reached,
+from hpc_ddp.preemption import (EXIT_REQUEUE, PreemptionError, StopFlag, append_attempt, attempt_fields, cancelled,
+                                cap_reached,
                                 job_end_time, job_spec, job_state, recorded_error, requeue, requeue_available,
                                 signal_number, stop_reason)
 from hpc_ddp.runlock import RunLockedError, acquire, holder_record, release
@@ -82,9 +83,8 @@ class Attempt:
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
 
     def __post_init__(self) -> None:
-        self.record = {"job_id": self.env.job_id, "restart_count": self.env.restart_count,
-                       **({"in_job": self.env.in_job} if self.env.in_job else {}), "start": round(time.time(), 3),
-                       **geometry(self.cfg, self.env), **healed(self.environ)}
+        self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
+                       "start": round(time.time(), 3), **geometry(self.cfg, self.env), **healed(self.environ)}
         self.holder = holder_record(job_spec(self.environ) or str(self.env.job_id), local=self.local)
         # Asked first, before the program is loaded: a task may change PATH (a container without the
         # Slurm client), and a preemption later moves the end time forward.

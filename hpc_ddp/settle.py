@@ -29,8 +29,8 @@ from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, STOP_REASONS, append_attempt, attempt_key,
-                                cap_reached, job_spec, read_attempts, requeue)
+from hpc_ddp.preemption import (EXIT_ERROR, STOP_REASONS, append_attempt, attempt_fields,
+                                attempt_key, cap_reached, caps, job_spec, read_attempts, requeue)
 from hpc_ddp.runlock import EXIT_LOCKED
 
 FAILURE_REASONS = ("failed", "hung")
@@ -103,8 +103,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
-        record = {"job_id": job_id, "restart_count": restart_count, **({"in_job": in_job} if in_job else {}),
-                  "exit_code": exit_code,
+        record = {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
                   "reason": "error" if exit_code == EXIT_ERROR else "failed",
                   "end": round(now if now is not None else time.time(), 3), **last_known(run_dir), **(extra or {})}
         if record["reason"] == "error":
@@ -127,7 +126,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
 
 def limits_of(config_path: Path) -> tuple[Path, dict[str, int]]:
     cfg = load_config([config_path])
-    return Path(cfg.run_dir), {key: getattr(cfg.slurm, key) for key in set(REASONS_CAPPED.values())}
+    return Path(cfg.run_dir), caps(cfg.slurm)
 
 
 def pick_config(configs: list[str], environ: Mapping[str, str]) -> str:

@@ -25,7 +25,7 @@ from hpc_ddp import layout
 from hpc_ddp.batching import node_counts, plan, resume_batch_problem, slurm_nodes
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
 from hpc_ddp.errors import HpcDdpError, explain
-from hpc_ddp.sbatch import LAUNCHERS, render, submitit_parameters
+from hpc_ddp.sbatch import LAUNCHERS, held_nodes, render, submitit_parameters
 from hpc_ddp.slurm_env import from_environ, simulated_environ
 
 EPILOG = """\
@@ -165,7 +165,7 @@ def resolve_all(items: list[str], multirun: bool, resume: bool = False) -> list[
 
 def healing_line(slurm: Any) -> str:
     """What a failure costs this run: spares, in-job restarts, then requeues (docs/faults.md, healing)."""
-    spares = (f"{slurm.spare_nodes} spare node(s) (the job holds {node_counts(slurm.nodes)[-1] + slurm.spare_nodes})"
+    spares = (f"{slurm.spare_nodes} spare node(s) (the job holds {held_nodes(slurm)})"
               if slurm.spare_nodes else "no spare node" + (", fewer nodes within slurm.nodes"
                                                           if len(node_counts(slurm.nodes)) > 1 else ""))
     return (f"on a failure: {slurm.max_restarts_in_job} in-job restart(s) (slurm.max_restarts_in_job), {spares}; "

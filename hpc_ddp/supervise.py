@@ -42,9 +42,9 @@ from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp.hostlist import compress_hostlist, expand_hostlist
-from hpc_ddp.preemption import attempt_key, job_spec, read_attempts, requeue
+from hpc_ddp.preemption import attempt_key, caps, job_spec, read_attempts, requeue
 from hpc_ddp.settle import last_known, pick_config, settle
-from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, master_port
+from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, rendezvous_endpoint
 
 PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
 EPILOG = """\
@@ -88,6 +88,8 @@ class Supervisor:
         self.cfg, self.environ, self.command = cfg, environ, list(command)
         self.runner, self.srun = runner, srun
         self.job = environ.get("SLURM_JOB_ID", "")
+        self.job_id = int(self.job) if self.job.isdigit() else None
+        self.restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
         self.tasks_per_node = int(environ.get("SLURM_NTASKS_PER_NODE", "") or cfg.slurm.tasks_per_node)
         self.counts = node_counts(cfg.slurm.nodes)
         self.healer = heal.Healer(cfg.slurm.max_restarts_in_job, self.counts)
@@ -177,13 +179,10 @@ class Supervisor:
         return env
 
     def _port(self, index: int) -> int:
-        given = self.environ.get("MASTER_PORT") or self.cfg.dist.master_port
-        if given:
-            base = int(given)
-        else:
-            array = self.environ.get("SLURM_ARRAY_TASK_ID")
-            base = master_port(int(self.environ.get("SLURM_ARRAY_JOB_ID") or self.job or 0),
-                               int(array) if array else None)
+        """The first step's port (the workers' rule: MASTER_PORT, else dist.master_port, else from the job
+        id), moved on by the in-job restart's number."""
+        given = {} if self.cfg.dist.master_port is None else {"MASTER_PORT": str(self.cfg.dist.master_port)}
+        _, base = rendezvous_endpoint({**given, **self.environ})
         return base + index if base + index <= 65535 else base - index
 
     def _env_without_step_shape(self) -> dict[str, str]:
@@ -200,16 +199,12 @@ class Supervisor:
 
 def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -> int:
     """Run steps until one ends without a failure to heal; returns the last step's exit code."""
-    cfg, environ = sup.cfg, sup.environ
-    run_dir, limits = Path(cfg.run_dir), {k: getattr(cfg.slurm, k) for k in
-                                          ("max_timeouts", "max_preemptions", "max_failures")}
-    spec = job_spec(environ)
-    restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    run_dir, spec, restart = Path(sup.cfg.run_dir), job_spec(sup.environ), sup.restart
     step = first or sup.run_step(sup.first_nodes(), 0)
     while True:
         sup.healer.why_not = ""
-        outcome = settle(run_dir, job_id=int(sup.job) if sup.job.isdigit() else None, restart_count=restart,
-                         exit_code=step.code, limits=limits, requeue_job=(lambda: requeue(spec)) if spec else None,
+        outcome = settle(run_dir, job_id=sup.job_id, restart_count=restart, exit_code=step.code,
+                         limits=caps(sup.cfg.slurm), requeue_job=(lambda: requeue(spec)) if spec else None,
                          in_job=step.index, heal=lambda record, s=step: sup.heal(s, record),
                          extra={"hosts": compress_hostlist(step.nodes),
                                 **({"start": step.start} if step.start else {})})
@@ -235,11 +230,10 @@ def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:", tail_byt
     return [line for line in lines[last + 1:] if line.startswith("srun:")]
 
 
-def ran_on(run_dir: Path, environ: Mapping[str, str]) -> list[str]:
+def ran_on(sup: Supervisor) -> list[str]:
     """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote one."""
-    key = (int(environ["SLURM_JOB_ID"]) if environ.get("SLURM_JOB_ID", "").isdigit() else None,
-           int(environ.get("SLURM_RESTART_COUNT", "0") or 0), 0)
-    lines = [a for a in read_attempts(run_dir) if attempt_key(a) == key and a.get("hosts")]
+    key = (sup.job_id, sup.restart, 0)
+    lines = [a for a in read_attempts(Path(sup.cfg.run_dir)) if attempt_key(a) == key and a.get("hosts")]
     return expand_hostlist(lines[-1]["hosts"]) if lines else []
 
 
@@ -268,7 +262,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         _stop_on_term(sup)
         first = None
         if args.exit_code is not None:
-            first = Step(ran_on(Path(cfg.run_dir), environ) or sup.first_step_nodes(), 0, args.exit_code,
+            first = Step(ran_on(sup) or sup.first_step_nodes(), 0, args.exit_code,
                          srun_lines_before(Path("/proc/self/fd/2")))
         elif not command:
             parser.error("give the step to run after '--' (or --exit-code for one that already ran)")

@@ -43,8 +43,8 @@ from hpc_ddp.helptext import add_version, for_help  # noqa: E402
 from hpc_ddp import layout
 from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_ERROR, REASONS_CAPPED, cap_reached, read_attempts,
-                                record_error, signal_number)
+from hpc_ddp.preemption import (EXIT_ERROR, attempt_fields, cap_reached, caps, read_attempts, record_error,
+                                signal_number)
 from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError
 from hpc_ddp.slurm_env import DistEnv, from_environ
 from hpc_ddp.whoami import describe
@@ -97,7 +97,7 @@ def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag) -> Prep
     if layout.done(run_dir).exists():
         log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
         return 0
-    limits = {key: getattr(cfg.slurm, key) for key in set(REASONS_CAPPED.values())}
+    limits = caps(cfg.slurm)
     attempts = read_attempts(run_dir)
     capped = cap_reached("preemption", attempts, limits)
     if capped:  # Slurm requeued a preempted job once more than allowed
@@ -111,8 +111,7 @@ def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
     wait in the queue); a lock refusal leaves the run, which belongs to another job, untouched."""
     if isinstance(err, RunLockedError) or err.retry_may_help:
         return
-    record = {"job_id": env.job_id, "restart_count": env.restart_count, "rank": env.rank,
-              **({"in_job": env.in_job} if env.in_job else {}),
+    record = {**attempt_fields(env.job_id, env.restart_count, env.in_job), "rank": env.rank,
               "end": round(time.time(), 3)}
     record_error(run_dir, record, str(err))
 
