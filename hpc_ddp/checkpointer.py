@@ -30,9 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from hpc_ddp import slicing, snapshot, spread
+from hpc_ddp import control, slicing, snapshot, spread
 from hpc_ddp.config import SnapshotConfig
 from hpc_ddp.slurm_env import DistEnv
 
@@ -154,14 +153,12 @@ class Checkpointer:
         if env.world_size == env.num_nodes:  # one rank per node: it is its own writer
             return {env.rank: rng}
         if self._node is None:  # once: which ranks share this node, and a process group of just them
-            members: list[Any] = [None] * env.world_size
-            dist.all_gather_object(members, (env.node_rank, env.local_rank))
+            members = control.all_gather((env.node_rank, env.local_rank))
             mine = sorted((local, rank) for rank, (node, local) in enumerate(members) if node == env.node_rank)
             ranks = [rank for _, rank in mine]
-            self._node = (dist.new_group(ranks, use_local_synchronization=True), ranks[0], len(ranks))
+            self._node = (control.subgroup(ranks), ranks[0], len(ranks))
         group, writer, size = self._node
-        gathered: list[Any] | None = [None] * size if env.rank == writer else None
-        dist.gather_object((env.rank, rng), gathered, dst=writer, group=group)
+        gathered = control.gather_within((env.rank, rng), writer, size, group)
         return dict(gathered) if gathered is not None else None
 
     def _payload(self, state: dict[str, Any], rng: dict[str, Any], staged: bool = False) -> dict[str, Any] | None:
@@ -194,14 +191,10 @@ class Checkpointer:
 
         The entries go to rank 0 alone, and rank 0 sends back one verdict: a non-zero rank sends
         and receives one small object, however many ranks there are."""
-        entries: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
-        dist.gather_object(entry, entries, dst=0)
-        verdict: list[Any] = [None]
-        if entries is not None:
-            verdict[0] = _commit_problem(entries)
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:  # every rank raises the same error: none is left waiting in a collective
-            raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {verdict[0]}")
+        entries = control.to_main(entry)
+        verdict = control.from_main(_commit_problem(entries) if entries is not None else None)
+        if verdict:  # every rank raises the same error: none is left waiting in a collective
+            raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {verdict}")
         directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)
         if entries is not None:
             written = [e for e in entries if e]
@@ -211,7 +204,7 @@ class Checkpointer:
             threading.Thread(target=snapshot.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
                              name="snapshot-prune").start()
             log.info("snapshot of step %d committed in %s", step, directory)
-        dist.barrier()
+        control.barrier()
         self.last_step = step
 
     def save(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
@@ -269,13 +262,10 @@ class Checkpointer:
 
     def restore(self) -> Restored | None:
         """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
-        found: list[Any] = [None]
-        if self.env.is_main:
-            found[0] = snapshot.committed(self.run_dir)  # manifests only: small
-        dist.broadcast_object_list(found, src=0)
+        found = control.from_main(snapshot.committed(self.run_dir) if self.env.is_main else None)  # manifests
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
         # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
-        choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found[0],
+        choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found,
                                  warn=log.warning if self.env.is_main else quiet)
         if choice is None:
             return None
@@ -288,12 +278,11 @@ class Checkpointer:
             problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
                        f"says ({err!r})")
         # every rank stops alike, none waits in a collective
-        first = spread.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
+        first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
         if first or loaded is None:
             raise snapshot.SnapshotError(first or "a snapshot could not be loaded")
         state, rng, read = loaded
-        read_by: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
-        dist.gather_object((self.env.node_rank, read), read_by, dst=0)
+        read_by = control.to_main((self.env.node_rank, read))
         summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
         written_by = choice.manifest.get("world_size")
         self.last_step, self.last_time = choice.step, self.clock()
@@ -309,7 +298,7 @@ class Checkpointer:
         mine = {name: snapshot.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
                                             else {})
                 for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
-        return spread.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})
+        return control.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})
 
     def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """(the replicated state, this rank's RNG state or None, the tensor bytes this rank read from files)

@@ -7,9 +7,10 @@ applies them. A world of one uses an in-memory store: no port, no network.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -17,10 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_ddp import control
 from hpc_ddp.config import DistConfig
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.shutdown import exit_fast  # noqa: F401  (part of the library API)
 from hpc_ddp.slurm_env import DistEnv, torch_env
+
+
+log = logging.getLogger("hpc_ddp.distributed")
 
 
 class DistributedError(HpcDdpError):
@@ -115,13 +120,35 @@ def device_for(backend: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[str, str] | None = None,
-                       peer_error: Callable[[], str | None] = lambda: None) -> torch.device:
-    """Join the job's process group (once); return this rank's device.
+def failure_env(environ: Mapping[str, str], dumps: str | None) -> dict[str, str]:
+    """The NCCL variables that make a failure end fast and leave a record, where the user set none.
 
-    Exports the rendezvous variables and ``dist.nccl_env`` first: NCCL reads its
-    variables when it initialises, so they must be in the environment before.
-    ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`).
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: a communicator whose collective failed or timed out is
+    aborted and the process torn down (torch's default, 3, skips the abort: a wedged
+    communicator can then hold the process, and the job's GPUs, until the walltime). The
+    flight recorder keeps the last collectives of every group (NCCL's and, since torch 2.10,
+    gloo's) and NCCL's own watchdog dumps it on a timeout into ``dumps`` + rank: the run dir's
+    errors/. Our hang watchdog dumps the same record when it fires first (:mod:`hpc_ddp.flight`).
+    """
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_ENTRIES),
+              "TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if dumps:
+        wanted.update(TORCH_NCCL_DEBUG_INFO_TEMP_FILE=dumps, TORCH_FR_DUMP_TEMP_FILE=dumps)
+    return {key: value for key, value in wanted.items() if key not in environ}
+
+
+TRACE_ENTRIES = 2000  # collectives the flight recorder keeps per process (a few hundred bytes each)
+
+
+def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[str, str] | None = None,
+                       peer_error: Callable[[], str | None] = lambda: None, dumps: str | None = None,
+                       own_control_group: bool | None = None) -> torch.device:
+    """Join the job's process group (once) and open its CPU control group; return this rank's device.
+
+    Exports the rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` first: NCCL reads
+    its variables when it initialises, so they must be in the environment before.
+    ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`);
+    ``own_control_group`` forces a separate gloo group for control traffic even over gloo (tests).
     """
     backend = choose_backend(cfg.backend, torch.cuda.is_available())
     device = device_for(backend, env)
@@ -129,8 +156,9 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
-    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s and names the stuck
-    # ranks; the collectives' own timeout only says "timed out", so it is set to come later.
+    target.update(failure_env(target, dumps))
+    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck ranks
+    # and dumps the flight recorder; the collectives' own timeout only says "timed out", so it comes later.
     timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -143,6 +171,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     else:
         dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error), rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
+    control.open_group(backend, own_control_group)
     return device
 
 
@@ -155,46 +184,62 @@ def default_store() -> Any:
 
 
 def teardown() -> None:
-    """Leave the process group; safe to call when none exists."""
+    """Leave the process group after a clean end (every rank met at a barrier); safe when none exists."""
+    control.close_group()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-@contextmanager
-def process_group(env: DistEnv, cfg: DistConfig,
-                  peer_error: Callable[[], str | None] = lambda: None) -> Iterator[torch.device]:
-    """``with process_group(env, cfg) as device:`` -- teardown runs on every exit path.
+def abort() -> None:
+    """After an error: drop every communicator at once, waiting for no peer.
 
-    On a normal exit all ranks meet at a barrier first, so that no rank tears its
-    connections down while a peer still uses them (gloo then aborts the peer with
-    "terminate called without an active exception"). After an error there is no
-    barrier: the other ranks may never arrive.
+    Never ``destroy_process_group()`` here: it waits for a wedged NCCL communicator (an OOM, a
+    dead peer) and deadlocks, holding the job's GPUs until the walltime while ``srun
+    --kill-on-bad-exit`` waits for a task to exit. The process then leaves with ``os._exit``
+    (:func:`hpc_ddp.shutdown.exit_fast`).
     """
-    device = init_process_group(env, cfg, peer_error=peer_error)
+    control.close_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()  # no public name in torch 2.x; every group, NCCL's at once
+    except Exception as err:  # an older torch without it, or a backend that cannot abort: os._exit follows
+        log.debug("aborting the process groups: %s", err)
+
+
+@contextmanager
+def process_group(env: DistEnv, cfg: DistConfig, peer_error: Callable[[], str | None] = lambda: None,
+                  dumps: str | None = None, own_control_group: bool | None = None) -> Iterator[torch.device]:
+    """``with process_group(env, cfg) as device:`` -- left by a clean teardown or, after an error, an abort.
+
+    On a normal exit all ranks meet at a barrier first (on the control group), so that no rank tears
+    its connections down while a peer still uses them (gloo then aborts the peer with "terminate
+    called without an active exception"). After an error there is no barrier, since the other ranks
+    may never arrive, and no destroy (see :func:`abort`).
+    """
+    device = init_process_group(env, cfg, peer_error=peer_error, dumps=dumps, own_control_group=own_control_group)
     try:
         yield device
         if env.world_size > 1:
-            dist.barrier()
-    finally:
-        teardown()
+            control.barrier()
+    except BaseException:
+        abort()
+        raise
+    teardown()
 
 
-def all_mean(value: float, device: torch.device) -> float:
-    """The mean of one float over all ranks (one small all_reduce)."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return float(tensor.item()) / dist.get_world_size()
+def all_mean(value: float, device: torch.device | None = None) -> float:
+    """The mean of one float over all ranks (one small all_reduce on the CPU control group: reading a
+    CUDA tensor back would wait for the GPU). ``device`` is accepted for older callers and unused."""
+    return control.sum_of(value) / dist.get_world_size()
 
 
 def from_main(text: str | None) -> str | None:
     """Rank 0's ``text`` on every rank (one broadcast): a refusal every rank repeats word for word."""
-    box = [text]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return control.from_main(text)
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when it is True on any rank (the stop-flag agreement)."""
-    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank when it is True on any rank (the stop-flag agreement), on the CPU control group.
+    ``device`` is accepted for older callers and unused."""
+    return bool(control.max_of(torch.tensor([int(flag)], dtype=torch.int32)).item())

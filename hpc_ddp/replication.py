@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_ddp import control
 from hpc_ddp.errors import UsageError, explain
 
 WHOLE_BYTES = 64 * 1024  # tensors up to this size are hashed whole
@@ -77,7 +78,7 @@ def first_difference(per_rank: list[list[tuple[str, int]]]) -> tuple[str, list[i
     return "(its keys)", [r for r, m in enumerate(maps) if m.keys() != maps[0].keys()]
 
 
-def check(states: Mapping[str, Any], step: int, device: torch.device, modules: Set[str] = frozenset()) -> None:
+def check(states: Mapping[str, Any], step: int, modules: Set[str] = frozenset()) -> None:
     """Collective: raise the same UsageError on every rank when a replicated object differs by rank.
     ``modules``: the names that are modules (the fix then is DDP); for others it is computing them alike."""
     names = sorted(states)
@@ -85,15 +86,13 @@ def check(states: Mapping[str, Any], step: int, device: torch.device, modules: S
         return
     items = {name: digests(states[name]) for name in names}
     values = torch.tensor([combined(items[n]) for n in names], dtype=torch.int64)
-    both = torch.cat([values, -values]).to(device)  # one all_reduce gives max and (negated) min
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    top, bottom = both.cpu().tensor_split(2)
+    both = control.max_of(torch.cat([values, -values]))  # one all_reduce (CPU) gives max and (negated) min
+    top, bottom = both.tensor_split(2)
     differing = [n for n, hi, lo in zip(names, top.tolist(), bottom.tolist()) if hi != -lo]
     if not differing:
         return
     name = differing[0]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, items[name])  # only on this error path: which key, which ranks
+    gathered = control.all_gather(items[name])  # only on this error path: which key, which ranks
     key, ranks = first_difference(gathered)
     alike = ("wrap it in DistributedDataParallel (a DDP model with broadcast_buffers=False keeps per-rank "
              "buffers such as BatchNorm statistics: use SyncBatchNorm or broadcast_buffers=True)" if name in modules

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp import layout
-from hpc_ddp import replication
+from hpc_ddp import control, layout, replication
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.batching import BatchPlan, geometry_change, plan, snapshot_batch_problem
 from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
@@ -205,9 +204,7 @@ class Run:
             return
         problem = restore_per_rank(self.per_rank, unpack(blob) if blob is not None else None, restored,
                                    self.rank, self.world_size, self.device)
-        problems: list[Any] = [None] * self.world_size
-        dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p), None)
+        first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
         if first:
             raise RunUsageError(first)
 
@@ -266,10 +263,10 @@ class Run:
             return False
         stop, due_time, busy = self._agreed()
         if not stop:
-            flags = torch.tensor([int(self.stop is not None and self.stop.is_set),
-                                  int(self.is_main and ckpt is not None and ckpt.due_by_time()),
-                                  int(ckpt is not None and ckpt.busy)], dtype=torch.int32, device=self.device)
-            self._agreeing = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
+            # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
+            self._agreeing = control.start_max([int(self.stop is not None and self.stop.is_set),
+                                                int(self.is_main and ckpt is not None and ckpt.due_by_time()),
+                                                int(ckpt is not None and ckpt.busy)])
         if ckpt is not None:
             self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
         self.stopped = stop
@@ -306,10 +303,10 @@ class Run:
             for obj in self.tracked.values():
                 if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers:
                     for buffer in obj.module.buffers():
-                        dist.broadcast(buffer, 0)
+                        dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
         state = self.state()
         modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
-        replication.check({n: v for n, v in state.items() if n != STEP}, step, self.device, modules)
+        replication.check({n: v for n, v in state.items() if n != STEP}, step, modules)
         rng = capture_rng()
         if self.per_rank:
             if not self._per_rank_checked:

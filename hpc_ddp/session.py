@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp import layout
+from hpc_ddp import flight, layout
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.batching import plan
 from hpc_ddp.config import RunConfig, flat_values, to_yaml
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_ddp.session")
 WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.script) in its child's environment
 CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
+CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "own": control traffic on its own gloo group over gloo too (tests)
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -144,10 +145,15 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     multiprocessing.forkserver.set_forkserver_preload(["torch"])
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
-    with process_group(env, cfg.dist, peer_error) as device:
+    dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
+    own = environ.get(CONTROL_GROUP_VAR) == "own"  # tests: control traffic on its own group even over gloo
+    with process_group(env, cfg.dist, peer_error, dumps=dumps, own_control_group=own or None) as device:
         import torch.distributed as dist
 
-        log.info("process group: backend %s, world size %d, device %s", dist.get_backend(), env.world_size, device)
+        from hpc_ddp import control
+
+        log.info("process group: backend %s, world size %d, device %s, control traffic on %s", dist.get_backend(),
+                 env.world_size, device, "its own gloo group" if control.group() is not None else "the same group")
         if not attempt.wrapped:
             lock(attempt.run_dir, attempt.holder, env, from_main)
         try:
@@ -228,11 +234,18 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
     own watchdog could record the hang.
     """
     def on_hang(message: str, stuck: list[int]) -> None:
+        env = attempt.env
+        dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
+        dumped = flight.dump(dumps, env.rank)  # which collective this rank is in, before anyone exits
+        if dumped is not None:
+            log.error("the collectives this rank was in: %s", dumped)
         if not attempt.env.is_main:
             time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
         if attempt.env.is_main and not attempt.wrapped:
             append_attempt(attempt.run_dir, {**attempt.record, "end": round(time.time(), 3), "reason": "hung",
-                                             "stuck_ranks": stuck, "message": message.splitlines()[0]})
+                                             "stuck_ranks": stuck, "message": message.splitlines()[0],
+                                             **({"collectives": str(Path(dumps).relative_to(attempt.run_dir))}
+                                                if dumped is not None else {})})
         from hpc_ddp.shutdown import exit_fast
 
         exit_fast(EXIT_HUNG)

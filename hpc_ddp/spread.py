@@ -6,11 +6,13 @@ has one reader: local rank 0 of the node that wrote the file it comes from (its 
 when that is good, the replica's holder when not); at another node count, the file's
 number modulo the nodes. The reader copies the slice's pieces out of its file into one
 byte buffer and broadcasts it; every rank unpacks the same bytes, so every rank ends
-with the whole state, bit-identical to reading the files itself. The broadcasts run on
-the training backend (NCCL on GPUs: the training network is faster than the filesystem).
+with the whole state, bit-identical to reading the files itself.
 
-Control traffic (the pieces' dtypes and sizes, the bytes each node read) goes to rank 0
-and back as one small object each (:func:`to_main_and_back`).
+Everything here runs on the CPU control group (:mod:`hpc_ddp.control`): the pieces'
+dtypes and sizes go to rank 0 and back as one small object, and the slices' bytes are
+broadcast as CPU tensors. On NCCL they would each need a GPU buffer as large as a slice
+(with one node, the whole state: more than a GPU holds for a large model with its
+optimizer) and a copy there and back, for bytes that are unpacked on the CPU anyway.
 """
 
 from __future__ import annotations
@@ -20,23 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from hpc_ddp import slicing, snapshot
+from hpc_ddp import control, slicing, snapshot
 from hpc_ddp.slurm_env import DistEnv
-
-
-def to_main_and_back(value: Any, merge: Any = None) -> Any:
-    """Collective: rank 0 gathers one object from every rank and broadcasts ``merge(list)`` (default: the
-    list). A non-zero rank sends one object and receives one: O(1) entries, not W as an all_gather."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(value, gathered, dst=0)
-    out: list[Any] = [None]
-    if rank == 0:
-        out[0] = merge(gathered) if merge is not None else gathered
-    dist.broadcast_object_list(out, src=0)
-    return out[0]
 
 
 def file_number(name: str) -> int:
@@ -51,7 +39,7 @@ def readers(sources: Mapping[int, str], node_readers: list[int]) -> dict[int, in
 
 def node_readers(env: DistEnv) -> list[int]:
     """Collective: the global rank of each node's local rank 0, by node."""
-    members = to_main_and_back((env.node_rank, env.local_rank))
+    members = control.to_main_and_back((env.node_rank, env.local_rank))
     first = {node: rank for rank, (node, local) in enumerate(members) if local == 0}
     return [first[node] for node in sorted(first)]
 
@@ -76,11 +64,10 @@ def load(choice: snapshot.Choice, env: DistEnv) -> tuple[dict[str, Any], int]:
         problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest says "
                    f"({err!r})")
     # every rank learns every piece's dtype and size, or the first problem: all stop alike, none waits
-    shapes, problem = to_main_and_back((shapes, problem), merge=lambda parts: (
+    shapes, problem = control.to_main_and_back((shapes, problem), merge=lambda parts: (
         {k: v for p, _ in parts for k, v in p.items()}, next((why for _, why in parts if why), None)))
     if problem:
         raise snapshot.SnapshotError(problem)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     pieces: dict[int, torch.Tensor] = {}
     read = 0
     for s in sorted(by_slice):
@@ -91,11 +78,10 @@ def load(choice: snapshot.Choice, env: DistEnv) -> tuple[dict[str, Any], int]:
             buffer = torch.cat([held[i].reshape(-1).view(torch.uint8) for i in indices]) if indices else \
                 torch.empty(0, dtype=torch.uint8)
             read += buffer.numel()
-            buffer = buffer.to(device)
         else:
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        dist.broadcast(buffer, src=who[s])
-        buffer, offset = buffer.cpu(), 0
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        control.broadcast(buffer, src=who[s])
+        offset = 0
         for i, size in zip(indices, sizes):
             dtype = getattr(torch, shapes[i][0])
             pieces[i] = buffer[offset:offset + size].clone().view(dtype)  # clone: aligned for the dtype

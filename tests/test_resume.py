@@ -26,6 +26,10 @@ MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.
 # DataLoader workers in the three-stop run only (they cost a forkserver and a worker per rank per epoch): it must
 # equal the uninterrupted run without them bit for bit, so the workers change nothing and resume exactly.
 WORKERS = "train.num_workers=1"
+# The stopped runs send their control traffic over a gloo group of its own, as on GPUs (hpc_ddp.control): the
+# training group is the default gloo one, so any control message left on it would be a second group's collective
+# issued in another order on some rank, and a hang or a mismatch here; the uninterrupted runs share one group.
+OWN_CONTROL = {"HPC_DDP_CONTROL_GROUP": "own"}
 ONE_RANK = ["slurm.nodes=1", "slurm.tasks_per_node=1", "train.max_steps=20"]  # the caps are rank 0's alone
 
 
@@ -54,8 +58,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stopped three times mid-epoch (preemption, preemption, time-out) and resumed to the end, with loader workers."""
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
-    proc = submit(run_dir, WORKERS, "--preempt-at", "7,40", "--timeout-at", "61")
+    proc = submit(run_dir, WORKERS, "--preempt-at", "7,40", "--timeout-at", "61", env=OWN_CONTROL)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "control traffic on its own gloo group" in (run_dir / "logs" / "attempt-0-rank-3.log").read_text()
     return run_dir
 
 
@@ -187,7 +192,8 @@ def test_a_finished_run_requeued_again_exits_at_once(uninterrupted: Path) -> Non
 
 def test_async_snapshots_resume_bit_exactly(uninterrupted: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "async"
-    proc = submit(run_dir, "snapshot.async_write=true", "snapshot.every_steps=5", "--preempt-at", "23,52")
+    proc = submit(run_dir, "snapshot.async_write=true", "snapshot.every_steps=5", "--preempt-at", "23,52",
+                  env=OWN_CONTROL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert done(run_dir)["params_sha256"] == done(uninterrupted)["params_sha256"]
     assert losses(run_dir) == losses(uninterrupted)

@@ -1,0 +1,117 @@
+"""Control traffic on the CPU: the small messages ranks agree on, over a gloo group beside the training one.
+
+Training collectives run on the training backend (NCCL on GPUs). Our own messages (the stop
+agreement at every boundary, a snapshot's commit entries and verdict, the restore's
+manifests, verdicts, refusals and state slices, rank 0's refusal, the RNG gather within a
+node) go over this group on CPU tensors. On NCCL they would each be a CUDA tensor read back
+with ``.item()``/``.tolist()``: a device-to-host copy queued behind the whole step, so the host
+would wait for the GPU to drain at every boundary and the next step's data loading and
+launches would no longer overlap the GPU's work. Pickled objects would also move through GPU
+memory, and a wedged NCCL communicator would take our error paths down with it.
+
+When the training backend is gloo already, the default group is that group and nothing more
+is created. :func:`open_group` must run on every rank right after the process group exists
+(creating a group is collective); :func:`close_group` forgets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_GROUP: Any = None  # the gloo group when the training backend is another; None: the default group is gloo
+
+
+def needs_own_group(backend: str) -> bool:
+    """A backend other than gloo trains on the device: the control traffic gets its own gloo group."""
+    return backend != "gloo"
+
+
+def open_group(backend: str, own: bool | None = None) -> None:
+    """Collective: the control group for this process group. ``own`` forces a separate gloo group even over
+    gloo (tests do, to show that every control message takes it); None decides by :func:`needs_own_group`."""
+    global _GROUP
+    _GROUP = dist.new_group(backend="gloo") if (needs_own_group(backend) if own is None else own) else None
+
+
+def close_group() -> None:
+    global _GROUP
+    _GROUP = None
+
+
+def group() -> Any:
+    """The group control collectives take (None: the default group, which is gloo)."""
+    return _GROUP
+
+
+def start_max(values: Sequence[int]) -> tuple[torch.Tensor, Any]:
+    """Start an element-wise max of small integers over all ranks (a CPU tensor, async: it overlaps the
+    next step); ``work.wait()`` and read the tensor when the answer is needed."""
+    tensor = torch.tensor(list(values), dtype=torch.int32)
+    return tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_GROUP, async_op=True)
+
+
+def max_of(tensor: torch.Tensor) -> torch.Tensor:
+    """Collective: the element-wise max of a CPU tensor over all ranks, in place."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_GROUP)
+    return tensor
+
+
+def sum_of(value: float) -> float:
+    """Collective: the sum of one float over all ranks."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=_GROUP)
+    return float(tensor.item())
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> None:
+    """Collective: ``src``'s CPU tensor on every rank (in place)."""
+    dist.broadcast(tensor, src=src, group=_GROUP)
+
+
+def from_main(value: Any) -> Any:
+    """Collective: rank 0's ``value`` on every rank (one pickled object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_GROUP)
+    return box[0]
+
+
+def to_main(value: Any) -> list[Any] | None:
+    """Collective: rank 0 gets every rank's ``value`` (by rank); the others get None."""
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0, group=_GROUP)
+    return gathered
+
+
+def to_main_and_back(value: Any, merge: Callable[[list[Any]], Any] | None = None) -> Any:
+    """Collective: rank 0 gathers one object from every rank and sends back ``merge(list)`` (default: the
+    list). A non-zero rank sends one object and receives one: O(1) entries, not W as an all_gather."""
+    gathered = to_main(value)
+    return from_main(None if gathered is None else merge(gathered) if merge is not None else gathered)
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Collective: every rank's ``value`` on every rank (only where each rank needs all of them)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=_GROUP)
+    return gathered
+
+
+def barrier() -> None:
+    """Collective: every rank has arrived (on the CPU: no device synchronisation)."""
+    dist.barrier(group=_GROUP)
+
+
+def subgroup(ranks: list[int]) -> Any:
+    """A gloo group of some ranks (collective among them alone)."""
+    return dist.new_group(ranks, use_local_synchronization=True, backend="gloo")
+
+
+def gather_within(value: Any, dst: int, members: int, group: Any) -> list[Any] | None:
+    """Collective within ``group`` (made by :func:`subgroup`): ``dst`` gets every member's value."""
+    gathered: list[Any] | None = [None] * members if dist.get_rank() == dst else None
+    dist.gather_object(value, gathered, dst=dst, group=group)
+    return gathered
