@@ -1,0 +1,131 @@
+"""Control traffic takes the CPU control group, never the training group (hpc_ddp.control).
+
+On GPUs the training group is NCCL: a control message left on it would read a CUDA tensor back
+(the host waits for the GPU to drain the step) or pickle bytes through GPU memory. Here two real
+gloo processes train on the default group and are given a second gloo group for control, as NCCL
+jobs are; every collective our code issues is recorded with the group it took, through a full
+attempt (resume, boundaries with a due snapshot, a stop agreed from rank 1's signal, the stop
+snapshot) and a resume from it (manifests, verdicts, the spread read, per-rank state).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.slurm_env import from_environ, simulated_environ
+
+COLLECTIVES = ("all_reduce", "broadcast", "gather_object", "broadcast_object_list", "all_gather_object", "barrier",
+               "gather", "all_gather", "reduce", "scatter", "scatter_object_list", "all_to_all", "new_group")
+
+
+def _record(calls: list[tuple[str, str, str]]) -> None:
+    """Wrap torch.distributed's collectives (the names our modules call) to note the group each call takes."""
+    import torch.distributed as dist
+
+    from hpc_ddp import control
+
+    subgroups: list[Any] = []
+
+    def which(group: Any) -> str:
+        if group is not None and group is control.group():
+            return "control"
+        if group is not None and any(group is g for g in subgroups):
+            return "control-subgroup"
+        return "training"
+
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def wrapped(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            if _name == "new_group":
+                made = _real(*args, **kwargs)
+                calls.append((_name, kwargs.get("backend") or "default", ""))
+                subgroups.append(made)
+                return made
+            tensor = next((a for a in args if hasattr(a, "device")), None)
+            calls.append((_name, which(kwargs.get("group")), "" if tensor is None else tensor.device.type))
+            return _real(*args, **kwargs)
+        setattr(dist, name, wrapped)
+
+
+def _rank_main(environ: dict[str, str], run_dir: str, out: "multiprocessing.Queue[Any]") -> None:
+    os.environ.update(environ)
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hpc_ddp import per_rank
+    from hpc_ddp.checkpointer import Checkpointer
+    from hpc_ddp.config import flat_values, load_config
+    from hpc_ddp.distributed import init_process_group, teardown
+    from hpc_ddp.preemption import StopFlag
+    from hpc_ddp.run import Run
+    from hpc_ddp.session import config_hash
+
+    env = from_environ(environ)
+    cfg = load_config([], ["name=c", f"run_dir={run_dir}", "train.loop=a.b:c", "snapshot.every_steps=3",
+                           "snapshot.load=spread", f"slurm.tasks_per_node={env.local_world_size}"])
+    device = init_process_group(env, cfg.dist, own_control_group=True)
+    calls: list[tuple[str, str, str]] = []
+    _record(calls)
+
+    def attempt(stop_at: int | None) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        flag = StopFlag()
+        run = Run(cfg, env, device, stop=flag, checkpointer=Checkpointer(Path(run_dir), cfg.snapshot, env,
+                                                                           config_hash(cfg), config=flat_values(cfg)))
+        step = first = run.resume(model=model, optimizer=optimizer, counter=per_rank({"seen": env.rank}))
+        while step < first + 8:
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if stop_at is not None and step == stop_at and env.rank == 1:
+                flag._handle(signal.SIGTERM, None)  # what the handler does: set the flag
+            if run.boundary(step):
+                return first, step
+        run.finish()
+        return first, step
+
+    stopped = attempt(stop_at=4)
+    resumed = attempt(stop_at=None)
+    teardown()
+    out.put((env.rank, stopped, resumed, calls))
+
+
+@pytest.mark.slow
+def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_training(tmp_path: Path) -> None:
+    from hpc_ddp.local import free_port
+
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                                                 str(tmp_path / "run"), out))
+             for e in simulated_environ(1, 2, job_id=7)]
+    for proc in procs:
+        proc.start()
+    results = sorted(out.get(timeout=240) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank, stopped, resumed, calls in results:
+        assert stopped == (0, 5), "rank 1's signal at step 4 is agreed at the next boundary on every rank"
+        assert resumed == (5, 13)
+        names = {name for name, _, _ in calls}
+        # the attempt did take every path: agreement, commit, restore's manifests and verdicts, spread, RNG gather
+        assert {"all_reduce", "gather_object", "broadcast_object_list", "barrier", "broadcast"} <= names
+        training = [(name, dev) for name, group, dev in calls if group == "training" and name != "new_group"]
+        # the only collectives on the training group: DDP's buffers made rank 0's before a snapshot (state, not
+        # control: DDP's own forward broadcasts them there too)
+        assert set(training) == {("broadcast", "cpu")}, training
+        assert len(training) == 3 * 5  # BatchNorm's 3 buffers at each snapshot: steps 3, 5 (the stop), 6, 9, 12
+        assert all(dev in ("", "cpu") for _, _, dev in calls)
+        assert all(backend == "gloo" for name, backend, _ in calls if name == "new_group")
