@@ -145,12 +145,28 @@ def collect(run_dir: Path) -> dict[str, Any]:
     progress.update(timing(metrics, attempts, max_steps, running, time.time(), lock.get("since")))
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
-              "attempts": attempts, "newest_snapshot": steps[0] if steps else None}
+              "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts)}
     if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
                                                            "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
         result["last_errors"] = _errors(run_dir, Path(job.get("logs") or layout.slurm_logs(run_dir)))
     return result
+
+
+def _hangs(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[int, str]:
+    """A note per hung attempt whose ranks dumped their flight record: where the dumps are, and which
+    collective the ranks waited in and who never reached it (:func:`hpc_ddp.flight.summarize`)."""
+    from hpc_ddp import flight  # no torch at import
+
+    notes = {}
+    for i, attempt in enumerate(attempts):
+        if attempt.get("reason") == "hung" and attempt.get("collectives"):
+            prefix = str(Path(run_dir) / attempt["collectives"])
+            dumps = flight.read(prefix)
+            lines = flight.summarize(dumps)
+            notes[i] = (f"hung; the collectives of ranks {','.join(map(str, sorted(dumps)))} are in "
+                        f"{attempt['collectives']}*.json" + "".join(f"\n      {line}" for line in lines))
+    return notes
 
 
 def _ledger_job(run_dir: Path, attempts: list[dict[str, Any]]) -> str | None:
@@ -233,6 +249,7 @@ def render(info: dict[str, Any]) -> str:
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
+    notes += list(info.get("hangs", {}).items())
     notes.sort(key=lambda item: item[0])
     if notes:
         out.append("notes:")

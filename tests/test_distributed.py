@@ -73,3 +73,29 @@ def test_real_gloo_collectives_across_four_processes() -> None:
         proc.join(timeout=30)
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     assert got == [(r, 1.5, True, False) for r in range(4)]
+
+
+def test_failure_env_ends_nccl_failures_fast_and_keeps_the_users_choices() -> None:
+    from hpc_ddp.distributed import failure_env
+
+    ours = failure_env({}, "/runs/x/errors/job-1-restart-0-collectives-rank-")
+    assert ours["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # abort the communicator and end the process
+    assert ours["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(ours["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert ours["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == ours["TORCH_FR_DUMP_TEMP_FILE"] == (
+        "/runs/x/errors/job-1-restart-0-collectives-rank-")
+    users = failure_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, None)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in users and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in users
+    assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in users  # no run dir: torch's default place
+
+
+def test_the_flight_summary_names_the_collective_waited_in_and_who_never_reached_it() -> None:
+    from hpc_ddp.flight import summarize
+
+    def dump(last: int, name: str) -> dict:
+        return {"pg_status": {"0": {"last_enqueued_collective": str(last)}, "1": {"last_enqueued_collective": "4"}},
+                "entries": [{"pg_id": 0, "collective_seq_id": last, "profiling_name": name, "is_p2p": False}]}
+
+    lines = summarize({0: dump(52, "nccl:all_reduce"), 1: dump(51, "nccl:all_reduce"), 2: dump(52, "nccl:all_reduce")})
+    assert lines == ["process group 0: ranks 0,2 wait in collective #52 (nccl:all_reduce); ranks 1 never reached "
+                     "it (last: #51)"]  # group 1 is alike on every rank: not named
+    assert summarize({0: dump(3, "x"), 1: dump(3, "x")}) == []

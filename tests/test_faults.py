@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -94,6 +95,15 @@ def test_a_stuck_rank_is_named_by_the_watchdog_with_its_stack(tmp_path: Path) ->
     assert "stacks of every thread of this rank" in rank1 and 'tests/tasks/__init__.py", line' in rank1
     assert "in loss" in rank1  # faulthandler shows where the stuck rank sits
     assert snapshot.committed_steps(run_dir)[0] == 10 and alive_with(str(run_dir)) == []
+    # the flight recorder: every rank dumped the collectives it was in, next to its stacks; status reads them
+    # back: rank 0 waits in a training all_reduce of step 17 that rank 1 never entered
+    prefix = run_dir / attempt["collectives"]
+    assert sorted(p.name for p in prefix.parent.glob(prefix.name + "*.json")) == [
+        f"{prefix.name}0.json", f"{prefix.name}1.json"]
+    status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run_dir)], capture_output=True, text=True)
+    assert f"hung; the collectives of ranks 0,1 are in {attempt['collectives']}*.json" in status.stdout
+    assert re.search(r"process group 0: ranks 0 wait in collective #\d+ \(gloo:all_?reduce\); ranks 1 never "
+                     r"reached it", status.stdout), status.stdout
 
 
 def test_a_killed_launcher_takes_its_ranks_along_and_resume_finishes_bit_exactly(clean: Path,
