@@ -1,6 +1,6 @@
 """``python -m benchmarks.run``: every figure of docs/performance.md, as ratios measured side by side.
 
-Writes ``benchmarks/results.json`` (sections B1..B10: raw medians, the ratio, the
+Writes ``benchmarks/results.json`` (sections B1..B10 and B2-GPU: raw medians, the ratio, the
 target, met or not) and prints the markdown table; ``--write-docs`` puts the
 table into docs/performance.md. Medians over interleaved repeats: this machine
 is noisy (2 cores, hypervisor steal), so only ratios from one run mean much.
@@ -63,6 +63,13 @@ def b2_training(rounds: int, steps: int, every: int) -> dict[str, Any]:
                       "raw DDP loop",
             "met": ratio >= 0.98 and own >= 0.98, "rounds": rounds, "steps": steps, "snapshot_every": every,
             "workload": "3 x Linear(1024,1024), MSE, SGD, batch 64/rank, 2 gloo ranks, 1 thread each"}
+
+
+def b2_gpu(quick: bool) -> dict[str, Any]:
+    """B2-GPU (benchmarks/gpu.py): measured only where CUDA is; elsewhere the section says so."""
+    from benchmarks.gpu import b2_gpu as measure
+
+    return measure(quick)
 
 
 def b3_snapshots(directory: Path, repeats: int, sizes: list[float]) -> dict[str, Any]:
@@ -219,6 +226,18 @@ def table(results: dict[str, Any]) -> str:
                     f"{s['steps_per_s']['raw']} steps/s); own loop + run API {s.get('own_loop_vs_raw')} x raw; {_stop_cost(s['stop_flag_cost'])}; "
                     f"snapshots every {s['snapshot_every']} steps: sync {s['sync_snapshots_vs_raw']} x, async "
                     f"{s['async_snapshots_vs_raw']} x raw | {s['target']} | {mark(s)} |")
+    if "B2-GPU" in b:
+        s = b["B2-GPU"]
+        if s.get("skipped"):
+            rows.append(f"| B2-GPU | **not yet measured**: {s['skipped']} | own loop + run API >= 0.99 x raw; "
+                        "async blocked <= 0.1 x sync | - |")
+        else:
+            rows.append(f"| B2-GPU ({s['device']} x {s['world_size']}, NCCL, bf16) | own loop + run API "
+                        f"{s['own_loop_vs_raw']} x raw ({s['steps_per_s']['own']} vs {s['steps_per_s']['raw']} "
+                        f"steps/s); trainer {s['trainer_vs_raw']} x; snapshots every {s['snapshot_every']} steps: "
+                        f"sync {s['sync_snapshots_vs_raw']} x, async {s['async_snapshots_vs_raw']} x raw; "
+                        f"{s['state_mb']:.0f} MB CUDA state: sync {s['sync_gb_s']} GB/s (dd {s['dd_gb_s']} GB/s), "
+                        f"async blocks {s['async_blocked_vs_sync']} x sync | {s['target']} | {mark(s)} |")
     if "B3" in b:
         for f in b["B3"].values():
             if isinstance(f, dict):
@@ -292,7 +311,8 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7,B8,B9,B10", help="comma-separated figures, e.g. B1,B3")
+    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B10",
+                        help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args(argv)
@@ -311,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         steps = [("B1", lambda: b1_cli(4 if quick else 10)),
                  ("B2", lambda: b2_training(1 if quick else 3, 60 if quick else 160, 40)),
+                 ("B2-GPU", lambda: b2_gpu(quick)),
                  ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),
                  ("B4", lambda: b4_stop(scratch, 1 if quick else 3)),
                  ("B5", b5_slurm), ("B6", b6_scale),

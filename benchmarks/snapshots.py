@@ -21,12 +21,12 @@ from benchmarks.common import interleaved, median, wall
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def state_of(megabytes: float) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Model + Adam state of about ``megabytes`` in total (parameters are a third of it)."""
+def state_of(megabytes: float, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Model + Adam state of about ``megabytes`` in total (parameters are a third of it), on ``device``."""
     width = int((megabytes / 3 * 2**20 / 4) ** 0.5)
-    model = torch.nn.Linear(width, width, bias=False)
+    model = torch.nn.Linear(width, width, bias=False, device=device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.ones(1, width)).sum().backward()
+    model(torch.ones(1, width, device=device)).sum().backward()
     optimizer.step()
     return model, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": None,
                    "scaler": {}, "step": 1, "epoch": 0, "consumed": 0}
@@ -61,11 +61,12 @@ def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
     return ckpt, counter, sync
 
 
-def snapshot_figures(megabytes: float, directory: Path, repeats: int) -> dict[str, Any]:
-    """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load."""
+def snapshot_figures(megabytes: float, directory: Path, repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load.
+    ``device="cuda"``: the state lives on the GPU (B2-GPU), so each snapshot copies it to the host first."""
     from hpc_ddp.checkpointer import capture_rng
 
-    model, state = state_of(megabytes)
+    model, state = state_of(megabytes, device)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     size_mb = buffer.getbuffer().nbytes / 2**20

@@ -77,9 +77,12 @@ class DistConfig:
 
     backend: str = _doc("auto", "auto (NCCL when CUDA is available, else gloo), nccl or gloo.")
     timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot write, the "
-                          "start-up) before the watchdog declares the job hung and names the stuck ranks.")
+                          "start-up) before the watchdog declares the job hung, names the stuck ranks and dumps the collectives "
+                          "each rank was in to RUN_DIR/errors/. The collectives' own timeout is 2 x this + 30 s.")
     master_port: Optional[int] = _doc(None, "Rendezvous port; null derives it from the job id.")
-    nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}.")
+    nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}. "
+                                 "They win over hpc_ddp's own NCCL defaults (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, the "
+                                 "flight recorder: docs/faults.md).")
 
 
 @dataclass

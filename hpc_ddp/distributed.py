@@ -120,7 +120,7 @@ def device_for(backend: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def failure_env(environ: Mapping[str, str], dumps: str | None) -> dict[str, str]:
+def failure_env(environ: Mapping[str, str], dumps: str | None, new_names: bool = True) -> dict[str, str]:
     """The NCCL variables that make a failure end fast and leave a record, where the user set none.
 
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: a communicator whose collective failed or timed out is
@@ -129,12 +129,15 @@ def failure_env(environ: Mapping[str, str], dumps: str | None) -> dict[str, str]
     flight recorder keeps the last collectives of every group (NCCL's and, since torch 2.10,
     gloo's) and NCCL's own watchdog dumps it on a timeout into ``dumps`` + rank: the run dir's
     errors/. Our hang watchdog dumps the same record when it fires first (:mod:`hpc_ddp.flight`).
+    ``new_names``: torch names the recorder's variables ``TORCH_FR_*`` (and warns about the old
+    ``TORCH_NCCL_*`` ones); a variable the user set under either name is left alone.
     """
-    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_ENTRIES),
-              "TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    if dumps:
-        wanted.update(TORCH_NCCL_DEBUG_INFO_TEMP_FILE=dumps, TORCH_FR_DUMP_TEMP_FILE=dumps)
-    return {key: value for key, value in wanted.items() if key not in environ}
+    names = {"buffer": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+             "file": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+    wanted = {("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "1", ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+              names["buffer"]: str(TRACE_ENTRIES), **({names["file"]: dumps} if dumps else {})}
+    return {(both[0] if new_names else both[-1]): value for both, value in wanted.items()
+            if not any(name in environ for name in both)}
 
 
 TRACE_ENTRIES = 2000  # collectives the flight recorder keeps per process (a few hundred bytes each)
@@ -156,7 +159,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
-    target.update(failure_env(target, dumps))
+    target.update(failure_env(target, dumps, new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
     # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck ranks
     # and dumps the flight recorder; the collectives' own timeout only says "timed out", so it comes later.
     timeout = timedelta(seconds=2 * cfg.timeout_s + 30)

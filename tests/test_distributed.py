@@ -78,14 +78,15 @@ def test_real_gloo_collectives_across_four_processes() -> None:
 def test_failure_env_ends_nccl_failures_fast_and_keeps_the_users_choices() -> None:
     from hpc_ddp.distributed import failure_env
 
-    ours = failure_env({}, "/runs/x/errors/job-1-restart-0-collectives-rank-")
+    prefix = "/runs/x/errors/job-1-restart-0-collectives-rank-"
+    ours = failure_env({}, prefix)
     assert ours["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # abort the communicator and end the process
-    assert ours["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(ours["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
-    assert ours["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == ours["TORCH_FR_DUMP_TEMP_FILE"] == (
-        "/runs/x/errors/job-1-restart-0-collectives-rank-")
+    assert ours["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(ours["TORCH_FR_BUFFER_SIZE"]) > 0
+    assert ours["TORCH_FR_DUMP_TEMP_FILE"] == prefix and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in ours  # deprecated
+    older = failure_env({}, prefix, new_names=False)  # a torch before the TORCH_FR_* names
+    assert older["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix and int(older["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     users = failure_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, None)
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in users and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in users
-    assert "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in users  # no run dir: torch's default place
+    assert users == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # the user's choices under either name; no run dir given
 
 
 def test_the_flight_summary_names_the_collective_waited_in_and_who_never_reached_it() -> None:

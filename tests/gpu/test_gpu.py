@@ -102,3 +102,44 @@ def test_a_two_rank_cpu_snapshot_resumes_on_one_gpu_under_nccl(tmp_path: Path) -
     assert sorted(got) == list(range(1, 41))
     for step, loss in expected.items():  # CUDA's kernels sum in another order than CPU's
         assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}"
+
+
+def test_fifty_steps_of_an_own_loop_on_nccl_never_sync_the_host_with_the_gpu() -> None:
+    """The run API's per-step protocol (the stop agreement on the CPU control group) never waits for the GPU."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "sync_free_loop.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "no sync in 50 steps" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _faulty(run_dir: Path, fault: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", "slurm.nodes=1",
+                           "slurm.tasks_per_node=1", "train.task=tests.tasks:Faulty", "train.max_steps=40",
+                           "snapshot.every_steps=5", "dist.timeout_s=10", "slurm.max_restarts_in_job=0",
+                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HPC_DDP_TEST_FAULT": fault})
+
+
+def test_a_hang_on_nccl_ends_within_the_timeout_and_leaves_the_flight_record(tmp_path: Path) -> None:
+    import time
+
+    start = time.monotonic()
+    proc = _faulty(tmp_path / "hang", "sleep:0:7")
+    assert proc.returncode == 4 and time.monotonic() - start < 10 + 90, proc.stderr[-3000:]
+    [attempt] = [json.loads(line) for line in (tmp_path / "hang" / "attempts.jsonl").read_text().splitlines()]
+    assert attempt["reason"] == "hung" and attempt["collectives"]
+    dump = tmp_path / "hang" / (attempt["collectives"] + "0.json")
+    record = json.loads(dump.read_text())
+    names = {e.get("profiling_name") for e in record["entries"]}
+    assert any(str(n).startswith("nccl:") for n in names), names  # DDP's gradient all_reduce on NCCL
+
+
+def test_a_crash_on_nccl_ends_at_once_by_abort_not_destroy(tmp_path: Path) -> None:
+    import time
+
+    start = time.monotonic()
+    proc = _faulty(tmp_path / "crash", "raise:0:7")
+    assert proc.returncode not in (0, None) and time.monotonic() - start < 90, proc.stderr[-3000:]
+    [attempt] = [json.loads(line) for line in (tmp_path / "crash" / "attempts.jsonl").read_text().splitlines()]
+    assert attempt["reason"] == "failed"
