@@ -190,7 +190,7 @@ def figures(rounds: int, steps: int, every: int, state_mb: float, smoke: bool) -
 def b2_gpu(quick: bool) -> dict[str, Any]:
     """The B2-GPU section of benchmarks/run.py: measured where CUDA is, else says so (never estimated)."""
     if not torch.cuda.is_available():
-        return {"skipped": "no CUDA GPU on this machine: not yet measured", "met": None}
+        return {"skipped": "no CUDA GPU on the machine that ran it", "met": None}
     return figures(1 if quick else 3, 100 if quick else 400, 50, 500 if quick else 2048, smoke=False)
 
 

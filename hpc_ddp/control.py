@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 _GROUP: Any = None  # the gloo group when the training backend is another; None: the default group is gloo
+_OPEN = False  # open_group ran for the current process group
 
 
 def needs_own_group(backend: str) -> bool:
@@ -33,13 +34,16 @@ def needs_own_group(backend: str) -> bool:
 def open_group(backend: str, own: bool | None = None) -> None:
     """Collective: the control group for this process group. ``own`` forces a separate gloo group even over
     gloo (tests do, to show that every control message takes it); None decides by :func:`needs_own_group`."""
-    global _GROUP
+    global _GROUP, _OPEN
+    if _OPEN:  # a process group the program made itself, joined again by hpc_ddp.session(): already there
+        return
     _GROUP = dist.new_group(backend="gloo") if (needs_own_group(backend) if own is None else own) else None
+    _OPEN = True
 
 
 def close_group() -> None:
-    global _GROUP
-    _GROUP = None
+    global _GROUP, _OPEN
+    _GROUP, _OPEN = None, False
 
 
 def group() -> Any:

@@ -155,7 +155,8 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     """
     backend = choose_backend(cfg.backend, torch.cuda.is_available())
     device = device_for(backend, env)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():  # the program made it (e.g. before hpc_ddp.session())
+        control.open_group(dist.get_backend(), own_control_group)
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
