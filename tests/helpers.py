@@ -65,3 +65,26 @@ def losses(run_dir: Path) -> dict[int, float]:
 def done(run_dir: Path) -> dict:
     """DONE.json of a finished run."""
     return json.loads((run_dir / "DONE.json").read_text())
+
+
+def spawn_ranks(target: Callable[..., None], nodes: int, tasks: int, *args: object, timeout: float = 240) -> list:
+    """Run ``target(environ, *args, queue)`` in one spawned process per simulated rank (real gloo, a free
+    port); return what each put on the queue, sorted, once every process exited 0."""
+    import multiprocessing
+
+    from hpc_ddp.local import free_port
+    from hpc_ddp.slurm_env import simulated_environ
+
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, *args,
+                                              out))
+             for e in simulated_environ(nodes, tasks, job_id=1)]
+    for proc in procs:
+        proc.start()
+    results = sorted(out.get(timeout=timeout) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return results

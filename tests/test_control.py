@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.slurm_env import from_environ, simulated_environ
+from hpc_ddp.slurm_env import from_environ
+from tests.helpers import spawn_ranks
 
 COLLECTIVES = ("all_reduce", "broadcast", "gather_object", "broadcast_object_list", "all_gather_object", "barrier",
                "gather", "all_gather", "reduce", "scatter", "scatter_object_list", "all_to_all", "new_group")
@@ -102,20 +103,7 @@ def _rank_main(environ: dict[str, str], run_dir: str, out: "multiprocessing.Queu
 
 @pytest.mark.slow
 def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_training(tmp_path: Path) -> None:
-    from hpc_ddp.local import free_port
-
-    port = free_port()
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                                                 str(tmp_path / "run"), out))
-             for e in simulated_environ(1, 2, job_id=7)]
-    for proc in procs:
-        proc.start()
-    results = sorted(out.get(timeout=240) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = spawn_ranks(_rank_main, 1, 2, str(tmp_path / "run"))
     for rank, stopped, resumed, calls in results:
         assert stopped == (0, 5), "rank 1's signal at step 4 is agreed at the next boundary on every rank"
         assert resumed == (5, 13)

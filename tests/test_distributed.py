@@ -8,7 +8,8 @@ import pytest
 
 from hpc_ddp.config import DistConfig
 from hpc_ddp.distributed import DistributedError, choose_backend, device_index
-from hpc_ddp.slurm_env import DistEnv, from_environ, simulated_environ
+from hpc_ddp.slurm_env import DistEnv, from_environ
+from tests.helpers import spawn_ranks
 
 
 @pytest.mark.parametrize(("requested", "cuda", "expected"), [("auto", True, "nccl"), ("auto", False, "gloo"),
@@ -58,20 +59,7 @@ def _rank_main(environ: dict[str, str], results: "multiprocessing.Queue[tuple[in
 
 
 def test_real_gloo_collectives_across_four_processes() -> None:
-    from hpc_ddp.local import free_port
-
-    port = free_port()
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                                                 results))
-             for e in simulated_environ(2, 2, job_id=1)]
-    for proc in procs:
-        proc.start()
-    got = sorted(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
-    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    got = spawn_ranks(_rank_main, 2, 2, timeout=120)
     assert got == [(r, 1.5, True, False) for r in range(4)]
 
 
