@@ -75,12 +75,43 @@ def _last(record: Mapping[str, Any], group: str) -> tuple[int, str]:
     return seq, name
 
 
+def _issued(record: Mapping[str, Any], group: str) -> dict[int, str]:
+    """{sequence number: "name [sizes]"} of the collectives this rank issued on ``group`` (as far as kept)."""
+    return {int(e["collective_seq_id"]): f"{e.get('profiling_name', '?')} of "
+            + (", ".join(map(str, e.get("input_sizes") or [])) or "nothing")
+            for e in record.get("entries", []) if str(e.get("pg_id")) == group and not e.get("is_p2p")
+            and isinstance(e.get("collective_seq_id"), int)}
+
+
+def first_mismatch(dumps: Mapping[int, Mapping[str, Any]], group: str) -> tuple[int, dict[str, list[int]]] | None:
+    """The first collective number at which the ranks issued different collectives on ``group`` (a branch
+    some ranks took and others did not), with the ranks that issued each; None when they agree."""
+    issued = {rank: _issued(record, group) for rank, record in dumps.items()}
+    common = set.intersection(*(set(ops) for ops in issued.values())) if issued else set()
+    for seq in sorted(common):
+        by_op: dict[str, list[int]] = {}
+        for rank in sorted(issued):
+            by_op.setdefault(issued[rank][seq], []).append(rank)
+        if len(by_op) > 1:
+            return seq, by_op
+    return None
+
+
 def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
-    """One line per process group where the ranks are not at the same collective: the collective the
-    furthest ranks wait in, and the ranks that never reached it (the ones to look at)."""
+    """One line per process group where the ranks part: the first collective they issued differently
+    (some ranks took a branch the others did not), else the collective the furthest ranks wait in and
+    the ranks that never reached it (the ones to look at)."""
     groups = sorted({g for record in dumps.values() for g in record.get("pg_status", {})}, key=str)
     lines = []
     for group in groups:
+        mismatch = first_mismatch({r: d for r, d in dumps.items() if group in d.get("pg_status", {})}, group)
+        if mismatch is not None:
+            seq, by_op = mismatch
+            lines.append(f"process group {group}: the ranks issued different collectives at #{seq}: "
+                         + "; ".join(f"ranks {_ranks(ranks)} {op}" for op, ranks in by_op.items())
+                         + " (a branch only some ranks take, e.g. a forward of the DDP model on rank 0 alone: "
+                         "docs/troubleshooting.md)")
+            continue
         last = {rank: _last(record, group) for rank, record in sorted(dumps.items())
                 if group in record.get("pg_status", {})}
         top = max(seq for seq, _ in last.values())

@@ -164,6 +164,11 @@ def _hangs(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[int, str]:
             prefix = str(Path(run_dir) / attempt["collectives"])
             dumps = flight.read(prefix)
             lines = flight.summarize(dumps)
+            world = attempt.get("world_size")
+            missing = [r for r in range(world) if r not in dumps] if isinstance(world, int) else []
+            if missing:  # e.g. a rank whose connection broke when a peer's watchdog ended it first
+                lines.append(f"no dump from ranks {','.join(map(str, missing))}: they ended before their watchdog "
+                             "fired (their logs say why)")
             notes[i] = (f"hung; the collectives of ranks {','.join(map(str, sorted(dumps)))} are in "
                         f"{attempt['collectives']}*.json" + "".join(f"\n      {line}" for line in lines))
     return notes

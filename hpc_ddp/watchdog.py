@@ -68,7 +68,9 @@ def describe_hang(rank: int, timeout_s: float, beats: Sequence[tuple[int, str] |
     more = f" and {len(stuck) - 16} more" if len(stuck) > 16 else ""
     return (f"rank {rank}: no progress for {timeout_s:g}s at {where}. Stuck: {places}{more}; the other ranks "
             "wait for them in a collective.\nHINT: the faulthandler stacks in the stuck ranks' logs show "
-            "where they are (a data loader, I/O, or code in the task)")
+            "where they are (a data loader, I/O, code in the task, or a collective only some ranks call, such as "
+            "a forward of the DDP model on rank 0 alone: docs/troubleshooting.md); `python -m hpc_ddp.status "
+            "RUN_DIR` names the collective where the ranks parted")
 
 
 class Watchdog:

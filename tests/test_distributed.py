@@ -88,3 +88,20 @@ def test_the_flight_summary_names_the_collective_waited_in_and_who_never_reached
     assert lines == ["process group 0: ranks 0,2 wait in collective #52 (nccl:all_reduce); ranks 1 never reached "
                      "it (last: #51)"]  # group 1 is alike on every rank: not named
     assert summarize({0: dump(3, "x"), 1: dump(3, "x")}) == []
+
+
+def test_the_flight_summary_names_the_first_collective_the_ranks_issued_differently() -> None:
+    """An eval forward of the DDP model on rank 0 alone: its buffer broadcast meets the others' all_reduce."""
+    from hpc_ddp.flight import summarize
+
+    def dump(*ops: tuple[int, str, list]) -> dict:
+        return {"pg_status": {"0": {"last_enqueued_collective": str(ops[-1][0])}},
+                "entries": [{"pg_id": 0, "collective_seq_id": seq, "profiling_name": name, "input_sizes": sizes}
+                            for seq, name, sizes in ops]}
+    same = (52, "gloo:all_reduce", [[641]])
+    lines = summarize({0: dump(same, (53, "gloo:broadcast", [[64]]), (54, "gloo:broadcast", [[1]])),
+                       1: dump(same, (53, "gloo:all_reduce", [[3]]), (54, "gloo:broadcast", [[32]]),
+                               (55, "gloo:broadcast", [[32]]))})
+    assert lines == ["process group 0: the ranks issued different collectives at #53: ranks 0 gloo:broadcast of "
+                     "[64]; ranks 1 gloo:all_reduce of [3] (a branch only some ranks take, e.g. a forward of the "
+                     "DDP model on rank 0 alone: docs/troubleshooting.md)"]
