@@ -87,11 +87,18 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             out.flush()
 
 
+SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop this late
+
+
 def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
               err: IO[str], watch: dict[str, object] | None = None,
-              kills: list[tuple[int, Callable[[], tuple[str, list[int]]]]] | None = None) -> Callable[[int], None]:
+              kills: list[tuple[int, Callable[[], tuple[str, list[int]]]]] | None = None,
+              skew_s: float = 0.0) -> Callable[[int], None]:
     """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
-    (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``)."""
+    (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``).
+
+    ``skew_s`` > 0 signals the other ranks first and rank 0 that much later, as a cluster's signal
+    reaches its nodes apart (a test of the race it opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``)."""
     def on_step(step: int) -> None:
         if watch is not None:
             watch["step"] = max(step, int(watch.get("step") or 0))  # the furthest, across healed job steps
@@ -109,7 +116,9 @@ def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]
             at, signum = events.pop(0)
             err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
                       f"(injected at {at})\n")
-            for proc in procs:
+            for index, proc in enumerate(procs[1:] + procs[:1] if skew_s > 0 else procs):
+                if skew_s > 0 and index == len(procs) - 1:
+                    time.sleep(skew_s)
                 if proc.poll() is None:
                     os.kill(proc.pid, signum)
     return on_step
@@ -193,7 +202,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                           preexec_fn=die_with_parent))
             if rank:
                 out.close()  # type: ignore[union-attr]
-        on_step = _injector(procs, events if events is not None else [], err, watch, kills)
+        on_step = _injector(procs, events if events is not None else [], err, watch, kills,
+                            skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0))
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
                                                   script_progress(config_path), watch), daemon=True)
         tee.start()

@@ -48,8 +48,8 @@ from hpc_ddp import layout
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import EXIT_ERROR, StopFlag, recorded_error
 from hpc_ddp.runlock import acquire, release
-from hpc_ddp.script_outcome import (IGNORED_HINT, crashes, hung, later_stop, mark_crash, ran_to_its_end,
-                                    record_crash, wait_for_ledger)
+from hpc_ddp.script_outcome import (IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop,
+                                    ran_to_its_end, record_crash, stopped_late, wait_for_ledger)
 from hpc_ddp.script_output import Progress, start_relays
 from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
 from hpc_ddp.shutdown import die_with_parent
@@ -83,15 +83,17 @@ def script_path(script: str) -> Path:
 
 def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progress: Progress | None = None,
               on_later_stop: Callable[[], None] | None = None, hang_after_s: float | None = None,
-              on_hang: Callable[[float], None] | None = None) -> int:
+              on_hang: Callable[[float], None] | None = None,
+              before_forward: Callable[[], None] | None = None) -> int:
     """Run the child to its end, forwarding the first stop signal this process receives; its exit code.
 
     With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
     ``on_later_stop`` is called once if another stop signal arrives while the child still runs after
     the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by more than KillWait.
-    ``on_hang`` is called when the child, after its second progress line and before any stop, prints
-    none for ``hang_after_s`` seconds (or 3 x its longest gap so far, if longer); the child's process
-    group is then ended.
+    ``before_forward`` is called just before the first stop is forwarded (the peers' scripts may die of
+    it before the signal reaches their workers). ``on_hang`` is called when the child, after its second
+    progress line and before any stop, prints none for ``hang_after_s`` seconds (or 3 x its longest gap
+    so far, if longer); the child's process group is then ended.
     """
     pipe = subprocess.PIPE if progress is not None else None
     child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
@@ -103,6 +105,8 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
         if flag.count > seen and flag.signum is not None:
             if not seen:
                 log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
+                if before_forward is not None:
+                    before_forward()
                 child.send_signal(flag.signum)
                 if progress is not None:
                     progress.stop_forwarded()
@@ -174,12 +178,15 @@ def run_script(attempt: Attempt) -> int:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
                          None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
-                         cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided))
+                         cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
+                         before_forward=lambda: mark_stop(attempt))
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
         if progress is not None and progress.step is not None:
             attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
         if "code" in decided:
             return decided["code"]  # recorded when Slurm's later signal came (and requeued), or hung
+        if code != 0 and not attempt.flag.is_set:
+            stopped_late(attempt, code)  # a peer's script may have died of the stop before it reached this rank
         if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
             crashed = crashes(attempt) if code != 0 else []
             if crashed:

@@ -30,6 +30,7 @@ from hpc_ddp.watchdog import EXIT_HUNG
 log = logging.getLogger("hpc_ddp.script")
 
 CRASH_WAIT_S = 1.0  # how long a stopped rank looks for another rank's crash marker (a shared filesystem's lag)
+STOP_SKEW_S = 5.0  # how long a rank whose script died after a peer's stop waits for its own signal
 IGNORED_HINT = ("HINT: on the signal, save and exit (docs/own-loop.md, tier 2), or raise slurm.signal_delay_s if "
                 "the script saves only at an epoch end; after saving on a stop, exit non-zero: exit 0 after a "
                 "signal that was not acted on means the script ran to its end")
@@ -67,6 +68,45 @@ def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
         write_atomic(marker, f"train.script {path} exited with code {code} on rank {attempt.env.rank}\n")
     except OSError:
         pass  # an unwritable run dir: the error is printed all the same
+
+
+def stop_path(run_dir: Path, env: DistEnv) -> Path:
+    return layout.errors(run_dir) / f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-stop-rank-{env.rank}.txt"
+
+
+def mark_stop(attempt: Attempt) -> None:
+    """Before this worker forwards a stop to its script: say so, for a peer whose script dies of it first."""
+    marker = stop_path(attempt.run_dir, attempt.env)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, f"rank {attempt.env.rank} forwarded {signal.Signals(attempt.flag.signum or 15).name}\n")
+    except OSError:
+        pass  # an unwritable run dir: the peer then judges by its own signals alone
+
+
+def stopped_late(attempt: Attempt, code: int, wait_s: float = STOP_SKEW_S) -> bool:
+    """After the script exited ``code`` != 0 with no stop signal here: is this a stop that has not arrived yet?
+
+    A stop reaches the nodes (and, under torchrun, each node's workers) some milliseconds apart. An
+    unmodified script dies of the forwarded signal on the rank it reached first, and its peers' scripts
+    die of the broken collective before the signal reaches them. Judged at once, such a rank recorded a
+    crash and the stop became a failure and an in-job restart (seen in CI, the torchrun template). A
+    rank that forwards a stop marks it first (:func:`mark_stop`), so a peer's marker is there before this
+    script died; with one, this rank waits up to ``wait_s`` for its own signal. A crash (no marker) pays
+    nothing.
+    """
+    env = attempt.env
+    pattern = f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-stop-rank-*.txt"
+    if not any(layout.errors(attempt.run_dir).glob(pattern)):
+        return False
+    deadline = time.monotonic() + wait_s
+    while not attempt.flag.is_set and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if attempt.flag.is_set:
+        log.info("the script exited with code %s just before %s reached this rank: another rank's script was "
+                 "ended by the stop first; this is a stop, not a crash", code,
+                 signal.Signals(attempt.flag.signum or signal.SIGTERM).name)
+    return attempt.flag.is_set
 
 
 def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:

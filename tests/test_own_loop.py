@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.local import SIGNAL_SKEW_VAR
 from hpc_ddp.preemption import read_attempts
 from tests.helpers import done, losses, submit
 
@@ -44,6 +45,23 @@ def test_an_unmodified_torchrun_script_is_requeued_once_and_resumes_from_its_own
     assert attempts[0]["script_exit_code"] == -15  # SIGTERM ended it: it has no handler of its own
     assert "resuming training from snapshot at epoch 1" in proc.stdout
     assert "sending SIGTERM" in proc.stderr and done(run_dir)["exit_code"] == 0
+
+
+def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_not_crashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster's signal reaches the nodes apart: rank 1's script dies of it, and rank 0's dies of the broken
+    collective before the signal reaches rank 0. Judged at once, rank 0 recorded a crash and the stop became a
+    failure (CI, the torchrun template). Injected: rank 0 gets the stop 3 s after rank 1."""
+    monkeypatch.setenv(SIGNAL_SKEW_VAR, "3")
+    run_dir = tmp_path / "skew"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", f"run_dir={run_dir}",
+                  "--preempt-at", "40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
+    assert attempts[0]["script_exit_code"] == 1  # rank 0's script died of its peer, not of the signal
+    assert "just before SIGTERM reached this rank" in proc.stdout + proc.stderr
+    assert "resuming training from snapshot at epoch 1" in proc.stdout
 
 
 def test_a_loop_that_goes_on_after_the_stop_is_ended_as_that_stop_and_the_ledger_says_so(tmp_path: Path) -> None:

@@ -109,7 +109,9 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
         assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
             ("preemption", 0, int(number)), ("finished", 1, int(number))], (attempts, job_log(ran))
     script_log = job_log(script_dir, tail=10**7)
-    assert "forwarding SIGUSR2 to the script" in script_log and "resuming training from snapshot at epoch" in script_log
+    # the worker forwarded the signal, or its script had just died of its peer's (the signal reaches nodes apart)
+    assert ("forwarding SIGUSR2 to the script" in script_log or "just before SIGUSR2 reached this rank" in script_log) \
+        and "resuming training from snapshot at epoch" in script_log, script_log[-6000:]
     done = json.loads((run_dir / "DONE.json").read_text())
     log = job_log(run_dir, tail=10**7)
     assert done["world_size"] == 4 and "rank 0/4 local 0/2 node 0/2" in log

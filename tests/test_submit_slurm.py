@@ -211,8 +211,10 @@ def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_clust
     assert wait_until(signal_when_ready, 240), cli("hpc_ddp.status", str(script_dir)).stdout
     assert wait_until(lambda: finished(loop_dir) and finished(script_dir), 300)
     for run_dir, job in ((loop_dir, loop_job), (script_dir, script_job)):
-        assert [(a["reason"], a["restart_count"], a["job_id"]) for a in read_attempts(run_dir)] == [
-            ("preemption", 0, int(job)), ("finished", 1, int(job))]
+        attempts = read_attempts(run_dir)
+        assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
+            ("preemption", 0, int(job)), ("finished", 1, int(job))], (attempts, "".join(
+                p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "slurm").glob("*_log.*"))))
     logs = "".join(p.read_text(errors="replace") for p in (script_dir / "slurm").glob("*_log.out"))
     assert "resuming training from snapshot at epoch" in logs
     local = cli("hpc_ddp.submit", "examples/own_loop_gpt.yaml", "--local", *own, f"run_dir={tmp_path / 'local'}")
