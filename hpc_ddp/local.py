@@ -116,12 +116,17 @@ def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]
             at, signum = events.pop(0)
             err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
                       f"(injected at {at})\n")
-            for index, proc in enumerate(procs[1:] + procs[:1] if skew_s > 0 else procs):
-                if skew_s > 0 and index == len(procs) - 1:
-                    time.sleep(skew_s)
-                if proc.poll() is None:
-                    os.kill(proc.pid, signum)
+            for proc in procs[1:] if skew_s > 0 else procs:
+                _signal(proc, signum)
+            if skew_s > 0:
+                time.sleep(skew_s)
+                _signal(procs[0], signum)
     return on_step
+
+
+def _signal(proc: subprocess.Popen[bytes], signum: int) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signum)
 
 
 def _ranks(ranks: list[int]) -> str:

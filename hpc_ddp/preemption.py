@@ -192,9 +192,11 @@ def attempt_key(record: Mapping[str, Any]) -> tuple[Any, int, int]:
     return record.get("job_id"), int(record.get("restart_count") or 0), int(record.get("in_job") or 0)
 
 
-def crash_marker(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int, rank: int) -> Path:
-    """Where a rank's crash is noted for the other ranks' workers (a wrapped script's, or a lost node's)."""
-    return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-crash-rank-{rank}.txt"
+def crash_marker(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int, rank: int | str,
+                 kind: str = "crash") -> Path:
+    """Where a rank's crash (a wrapped script's, or a lost node's), or the stop it forwarded (``kind="stop"``),
+    is noted for the other ranks' workers; ``rank="*"`` gives the glob pattern of every rank's."""
+    return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-{kind}-rank-{rank}.txt"
 
 
 def error_path(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> Path:

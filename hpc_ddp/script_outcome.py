@@ -18,13 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp import layout
 from hpc_ddp.atomic import write_atomic
-from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, attempt_tag, cancelled, crash_marker, job_spec,
+from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, cancelled, crash_marker, job_spec,
                                 job_state, read_attempts)
 from hpc_ddp.script_output import Progress
 from hpc_ddp.session import Attempt, conclude
-from hpc_ddp.slurm_env import DistEnv
 from hpc_ddp.watchdog import EXIT_HUNG
 
 log = logging.getLogger("hpc_ddp.script")
@@ -56,32 +54,34 @@ def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any]
     return None
 
 
-def crash_path(run_dir: Path, env: DistEnv) -> Path:
-    return crash_marker(run_dir, env.job_id, env.restart_count, env.in_job, env.rank)
+def _marker(attempt: Attempt, kind: str, rank: int | str = "*") -> Path:
+    """This attempt's ``kind`` marker of ``rank`` (``"*"``: the glob pattern of every rank's)."""
+    env = attempt.env
+    return crash_marker(attempt.run_dir, env.job_id, env.restart_count, env.in_job, rank, kind)
+
+
+def _mark(attempt: Attempt, kind: str, text: str) -> None:
+    marker = _marker(attempt, kind, attempt.env.rank)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, text + "\n")
+    except OSError:
+        pass  # an unwritable run dir: the error is printed all the same, and peers judge by their own signals
+
+
+def _marked(attempt: Attempt, kind: str) -> list[Path]:
+    pattern = _marker(attempt, kind)
+    return sorted(pattern.parent.glob(pattern.name))
 
 
 def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
     """Before this worker exits 1 (and srun ends the other tasks): say which rank's script crashed."""
-    marker = crash_path(attempt.run_dir, attempt.env)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(marker, f"train.script {path} exited with code {code} on rank {attempt.env.rank}\n")
-    except OSError:
-        pass  # an unwritable run dir: the error is printed all the same
-
-
-def stop_path(run_dir: Path, env: DistEnv) -> Path:
-    return layout.errors(run_dir) / f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-stop-rank-{env.rank}.txt"
+    _mark(attempt, "crash", f"train.script {path} exited with code {code} on rank {attempt.env.rank}")
 
 
 def mark_stop(attempt: Attempt) -> None:
     """Before this worker forwards a stop to its script: say so, for a peer whose script dies of it first."""
-    marker = stop_path(attempt.run_dir, attempt.env)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(marker, f"rank {attempt.env.rank} forwarded {signal.Signals(attempt.flag.signum or 15).name}\n")
-    except OSError:
-        pass  # an unwritable run dir: the peer then judges by its own signals alone
+    _mark(attempt, "stop", f"rank {attempt.env.rank} forwarded {signal.Signals(attempt.flag.signum or 15).name}")
 
 
 def stopped_late(attempt: Attempt, code: int, wait_s: float = STOP_SKEW_S) -> bool:
@@ -95,9 +95,7 @@ def stopped_late(attempt: Attempt, code: int, wait_s: float = STOP_SKEW_S) -> bo
     script died; with one, this rank waits up to ``wait_s`` for its own signal. A crash (no marker) pays
     nothing.
     """
-    env = attempt.env
-    pattern = f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-stop-rank-*.txt"
-    if not any(layout.errors(attempt.run_dir).glob(pattern)):
+    if not _marked(attempt, "stop"):
         return False
     deadline = time.monotonic() + wait_s
     while not attempt.flag.is_set and time.monotonic() < deadline:
@@ -111,10 +109,9 @@ def stopped_late(attempt: Attempt, code: int, wait_s: float = STOP_SKEW_S) -> bo
 
 def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:
     """What other ranks' crash markers of this attempt say; waits up to ``wait_s`` for one to appear."""
-    env, deadline = attempt.env, time.monotonic() + wait_s
-    pattern = f"{attempt_tag(env.job_id, env.restart_count, env.in_job)}-crash-rank-*.txt"
+    deadline = time.monotonic() + wait_s
     while True:
-        found = sorted(layout.errors(attempt.run_dir).glob(pattern))
+        found = _marked(attempt, "crash")
         if found or time.monotonic() >= deadline:
             return [p.read_text().strip() for p in found]
         time.sleep(0.1)
