@@ -32,6 +32,14 @@ class DistributedError(HpcDdpError):
     """The process group cannot be set up as configured on this node."""
 
 
+class RendezvousError(DistributedError):
+    """Rank 0's rendezvous port is taken, or rank 0 cannot be reached: another program or job may hold the
+    port now and not later, so this is a failure a new step (on a fresh port) or a requeue may fix, not a
+    configuration error (exit 1, healed or requeued, never exit 2)."""
+
+    retry_may_help = True
+
+
 PEER_POLL_S = 0.5  # how often a rank waiting for rank 0's store looks for an error rank 0 recorded
 
 
@@ -58,7 +66,7 @@ def rendezvous_store(env: DistEnv, timeout: timedelta,
         except (RuntimeError, OSError) as err:
             if not _port_taken(err):
                 raise
-            raise DistributedError(explain(
+            raise RendezvousError(explain(
                 f"the rendezvous port {port} on {host} (node 0, rank 0's host) is already in use by another "
                 "program", expected="a free TCP port for rank 0 to serve the job's rendezvous on",
                 hint="set dist.master_port=PORT to a port that is free on the job's first node (or unset "
@@ -78,10 +86,11 @@ def rendezvous_store(env: DistEnv, timeout: timedelta,
         thread.join(PEER_POLL_S)
         message = peer_error()
         if message:
-            raise DistributedError(f"the job cannot start, so rank {env.rank} stops too: {message}",
-                                   key="dist.master_port" if "rendezvous port" in message else None)
+            kind = RendezvousError if "rendezvous port" in message else DistributedError  # as retryable as rank 0's
+            raise kind(f"the job cannot start, so rank {env.rank} stops too: {message}",
+                       key="dist.master_port" if "rendezvous port" in message else None)
         if "error" in box:
-            raise DistributedError(explain(
+            raise RendezvousError(explain(
                 f"rank {env.rank} could not reach rank 0's rendezvous at {host}:{port} within "
                 f"{timeout.total_seconds():g}s: {str(box['error']).splitlines()[0]}",
                 hint="look at rank 0's log: it failed or never started; if another program holds the port "

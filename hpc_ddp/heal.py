@@ -21,7 +21,7 @@ batch); requeue.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,48 +110,64 @@ def failed_at_same_point(previous: int | None, now: int | None) -> str:
             "same way")
 
 
-def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str], tasks_per_node: int) -> dict[str, str]:
-    """The nodes of the ranks the watchdog named stuck (rank // tasks per node in the step's node order)."""
+def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str], ranks_per_node: int) -> dict[str, str]:
+    """The nodes of the ranks the watchdog named stuck (rank // ranks per node in the step's node order).
+
+    ``ranks_per_node`` counts the workers' global ranks on a node, which is not srun's tasks per node
+    under the torchrun template (one torchrun task per node, ``nproc_per_node`` ranks each): take it
+    from the ledger line (:func:`ranks_per_node`)."""
     named = {}
     for rank in stuck_ranks:
-        index = rank // max(1, tasks_per_node)
+        index = rank // max(1, ranks_per_node)
         if 0 <= index < len(nodes):
             named[nodes[index]] = f"rank {rank} was stuck (watchdog)"
     return named
 
 
+def ranks_per_node(record: Mapping[str, Any], nodes: Sequence[str], fallback: int) -> int:
+    """How many worker ranks ran on each node of the step: the ledger line's world size over its nodes
+    (what the workers saw), else ``fallback`` (srun's tasks per node, right for the srun launchers)."""
+    world = record.get("world_size")
+    if isinstance(world, int) and world > 0 and nodes and world % len(nodes) == 0:
+        return world // len(nodes)
+    return fallback
+
+
 def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str], soft: Mapping[str, str],
-         counts: range) -> Plan:
+         counts: range, avoid: Collection[str] = ()) -> Plan:
     """The nodes of the next step. ``held``: what the job holds now, in order; ``training``: the failed
-    step's nodes; ``hard``/``soft``: suspects with why; ``counts``: the node counts the run may train on."""
+    step's nodes; ``hard``/``soft``: suspects with why; ``counts``: the node counts the run may train on;
+    ``avoid``: nodes used only when nothing else is left (the batch host: a step that trains there takes
+    the supervisor down with it when the node is lost)."""
     want = min(len(training), counts[-1])
     usable = [n for n in held if n not in hard]
     clean = [n for n in usable if n not in soft]
     known = [*held, *(n for n in training if n not in held)]  # a node Slurm took away is still named
     excluded = {n: hard[n] if n in hard else soft[n] for n in known if n in hard or n in soft}
     if len(clean) >= want:
-        nodes = _prefer(clean, training, want)
+        nodes = prefer(clean, training, want, avoid)
         how = "replaced" if set(nodes) != set(training) else "retried"
         return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes}, how,
                     f"{want} healthy nodes" + (" (a spare took a suspect's place)" if how == "replaced" else ""))
     if len(usable) >= want:
-        nodes = _prefer(usable, training, want)
+        nodes = prefer(usable, training, want, avoid)
         kept = [n for n in nodes if n in soft]
         return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes},
                     "replaced" if set(nodes) != set(training) else "retried",
                     f"no other spare: {', '.join(kept)} failed once and still answers, so it is tried once more")
     if len(clean) >= counts[0]:
-        nodes = _prefer(clean, training, len(clean))
+        nodes = prefer(clean, training, len(clean), avoid)
         return Plan(nodes, excluded, "shrunk", f"{len(nodes)} healthy nodes of {want}: slurm.nodes allows "
                     f"{counts[0]}-{counts[-1]}, same global batch")
     return Plan([], excluded, "requeue", f"{len(clean)} healthy node(s) left, {counts[0]} needed")
 
 
-def _prefer(candidates: Sequence[str], training: Sequence[str], want: int) -> list[str]:
+def prefer(candidates: Sequence[str], training: Sequence[str], want: int, avoid: Collection[str] = ()) -> list[str]:
     """``want`` of the candidates: the failed step's own nodes first (their page cache holds the snapshot),
-    then the others in the job's order; returned in the job's order (srun numbers nodes that way)."""
-    chosen = [n for n in candidates if n in training][:want]
-    chosen += [n for n in candidates if n not in training][:want - len(chosen)]
+    then the others in the job's order, the ``avoid`` ones last; returned in the job's order (srun numbers
+    nodes that way)."""
+    ranked = sorted(candidates, key=lambda n: (n in avoid, n not in training))  # stable: the job's order within
+    chosen = set(ranked[:want])
     return [n for n in candidates if n in chosen]
 
 
@@ -169,24 +185,30 @@ class Healer:
     why_not: str = ""  # why the last failure was not healed in the job
 
     def decide(self, record: Mapping[str, Any], index: int, held: Sequence[str], training: Sequence[str],
-               hard: dict[str, str], soft: dict[str, str], point: int | None) -> str | None:
+               hard: dict[str, str], soft: dict[str, str], point: int | None, *, avoid: Collection[str] = (),
+               no_resize: str | None = None) -> str | None:
         """After step ``index`` on ``training`` failed: a sentence on the next step (its nodes in
-        ``next_nodes``), or None with ``why_not`` (the requeue path). ``point``: how far the run got."""
+        ``next_nodes``), or None with ``why_not`` (the requeue path). ``point``: how far the run got;
+        ``avoid``: see :func:`plan`; ``no_resize``: why the run's state cannot change its world size (then
+        the next step has the same number of nodes, or there is none)."""
+        self.healed, self.next_nodes = None, []
         if index >= self.cap:
             self.why_not = f"slurm.max_restarts_in_job={self.cap} in-job restarts used"
             return None
         again, self.last_failure = failed_at_same_point(self.last_failure, point), point
-        if again:
+        if again and not hard:  # a node Slurm or a probe found bad is hardware, not a bug that fails every time
             self.why_not = again
             return None
         for node in list(soft):
             if node in self.failed_before:
                 hard[node] = f"{soft.pop(node)}, the second step in a row"
-        chosen = plan(held, training, hard=hard, soft=soft, counts=self.counts)
+        counts = range(len(training), len(training) + 1) if no_resize else self.counts
+        chosen = plan(held, training, hard=hard, soft=soft, counts=counts, avoid=avoid)
         self.failed_before = set(soft) | set(hard)
         left_out = "; ".join(f"{n}: {why}" for n, why in chosen.excluded.items())
         if not chosen.heals:
-            self.why_not = chosen.why + (f" ({left_out})" if left_out else "")
+            self.why_not = chosen.why + (f" ({left_out})" if left_out else "") + (
+                f"; fewer nodes are no option: {no_resize}" if no_resize and len(self.counts) > 1 else "")
             return None
         self.next_nodes = chosen.nodes
         self.healed = {"after": record.get("reason"), "how": chosen.how,

@@ -18,7 +18,8 @@ from typing import Any
 
 from hpc_ddp import heal
 from hpc_ddp.batching import node_counts
-from hpc_ddp.preemption import crash_marker
+from hpc_ddp.preemption import attempt_key, crash_marker
+from hpc_ddp.shell_rules import lost_nodes, refuses_resize
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR
 
 
@@ -47,16 +48,18 @@ class LocalHealer:
     lost: dict[str, str] = field(default_factory=dict)  # nodes killed by --fail-at, and why
     allocation: list[str] = field(default_factory=list)  # what a (requeued) job is granted
     width: int = 0  # how many of them train at first
+    run_dir: Path | None = None  # where the ranks' liveness markers and the snapshots are
 
     @classmethod
     def for_config(cls, config_path: Path, nodes: int) -> LocalHealer:
         from hpc_ddp.config import load_config
 
-        slurm = load_config([config_path]).slurm
+        cfg = load_config([config_path])
+        slurm = cfg.slurm
         held = [f"node{i}" for i in range(nodes + slurm.spare_nodes)]
         return cls(held, held[:nodes], slurm.tasks_per_node, heal.Healer(slurm.max_restarts_in_job,
                                                                          node_counts(slurm.nodes)),
-                   allocation=list(held), width=nodes)
+                   allocation=list(held), width=nodes, run_dir=Path(cfg.run_dir))
 
     def environ(self) -> dict[str, str]:
         """What the step's ranks get beside the simulated Slurm variables."""
@@ -97,11 +100,19 @@ class LocalHealer:
         """As :meth:`hpc_ddp.supervise.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run
         got, :func:`hpc_ddp.settle.last_known`)."""
         hard = dict(self.lost)
+        per_node = heal.ranks_per_node(record, self.training, self.tasks_per_node)
+        if self.run_dir is not None:
+            job_id, restart, in_job = attempt_key(record)
+            for node, why in lost_nodes(self.run_dir, job_id, restart, in_job, self.training, per_node).items():
+                hard.setdefault(node, why)
+                self.lost.setdefault(node, why)
         soft = {self.node_of(r): f"rank {r} failed first there" for r in failed_ranks[:1]
                 if self.node_of(r) not in hard}
-        soft |= heal.stuck_nodes(record.get("stuck_ranks") or [], self.training, self.tasks_per_node)
+        soft |= {n: w for n, w in heal.stuck_nodes(record.get("stuck_ranks") or [], self.training,
+                                                     per_node).items() if n not in hard}
         self.held = [n for n in self.held if n not in self.lost]
-        return self.memory.decide(record, self.index, self.held, self.training, hard, soft, point)
+        return self.memory.decide(record, self.index, self.held, self.training, hard, soft, point,
+                                  no_resize=None if self.run_dir is None else refuses_resize(self.run_dir))
 
     def advance(self) -> bool:
         """Move to the planned step; False when there is none (the requeue path, or done)."""

@@ -33,7 +33,7 @@ STOP_REASONS = ("timeout", "preemption")  # the attempts that end in a requeue
 TICK_S = 45  # Slurm checks time limits every 30 s: the warning may come up to that much early
 # Why an attempt ended -> the cap that counts it (a hang counts as a failure).
 REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures",
-                  "hung": "max_failures"}
+                  "hung": "max_failures", "lost": "max_failures"}
 
 
 class PreemptionError(HpcDdpError):
@@ -147,7 +147,8 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
 
 
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
-    """The ledger, one dict per ended attempt (unreadable lines are skipped)."""
+    """The ledger, one dict per ended attempt (unreadable lines are skipped; ``amends`` lines are merged
+    into their attempt's line)."""
     try:
         lines = layout.ledger(run_dir).read_text().splitlines()
     except OSError:
@@ -158,9 +159,21 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict):
+        if isinstance(record, dict) and record.get("amends"):
+            _amend(attempts, record)
+        elif isinstance(record, dict):
             attempts.append(record)
     return attempts
+
+
+def _amend(attempts: list[dict[str, Any]], amendment: Mapping[str, Any]) -> None:
+    """An ``amends`` line adds fields to its attempt's line (the batch shell writes a failed attempt's line
+    before it decides anything, and what it decided after): one attempt, one record."""
+    key = attempt_key(amendment)
+    for record in reversed(attempts):
+        if attempt_key(record) == key:
+            record.update({k: v for k, v in amendment.items() if k != "amends"})
+            return
 
 
 def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
@@ -203,6 +216,26 @@ def error_path(run_dir: Path, job_id: int | str | None, restart_count: int, in_j
     return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}.txt"
 
 
+def _create_once(path: Path, message: str) -> bool:
+    """Write the message to a new file; False when another rank created it first (or it cannot be written)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except OSError:  # FileExistsError: another rank was first; else an unwritable run dir (printed anyway)
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(message.rstrip() + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    return True
+
+
+def note_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:
+    """A failure a retry may fix (a taken rendezvous port): its message for the other ranks and ``status``,
+    but no ``error`` line; the batch shell settles the attempt as ``failed`` and heals or requeues it."""
+    return _create_once(error_path(run_dir, *attempt_key(record)), message)
+
+
 def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:
     """The first rank of an attempt to fail with a deterministic error records it; True for that rank.
 
@@ -212,18 +245,8 @@ def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool
     exclusively (O_EXCL works across the nodes of NFS and Lustre), and only its creator adds the
     ledger line, so there is one line per attempt however many ranks fail.
     """
-    path = error_path(run_dir, *attempt_key(record))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    except FileExistsError:
+    if not _create_once(error_path(run_dir, *attempt_key(record)), message):
         return False
-    except OSError:  # an unwritable run dir: the error itself is printed on every rank anyway
-        return False
-    with os.fdopen(fd, "w") as out:
-        out.write(message.rstrip() + "\n")
-        out.flush()
-        os.fsync(out.fileno())
     append_attempt(run_dir, {**record, "reason": "error", "exit_code": EXIT_ERROR,
                              "message": message.splitlines()[0]})
     return True

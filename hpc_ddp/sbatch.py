@@ -63,12 +63,14 @@ def held_nodes(slurm: Any) -> int:
 
 
 def spare_shape(cfg: RunConfig) -> list[str]:
-    """With spares, submitit's first step runs on slurm.nodes of the job's nodes, not on all it holds."""
+    """With spares, submitit's first step runs on slurm.nodes of the job's nodes, not on all it holds, and
+    not on the first one (``--relative=1``): the batch shell runs there, and a step that loses its node would
+    take the supervisor with it (no ledger line, no heal). The batch host is a spare."""
     slurm = cfg.slurm
     if not slurm.spare_nodes:
         return []
     nodes = node_counts(slurm.nodes)[-1]
-    return [f"--nodes={nodes}", f"--ntasks={nodes * slurm.tasks_per_node}"]
+    return [f"--nodes={nodes}", f"--ntasks={nodes * slurm.tasks_per_node}", "--relative=1"]
 
 
 LAUNCHERS = {"srun": "ddp.sbatch", "torchrun": "ddp_torchrun.sbatch"}

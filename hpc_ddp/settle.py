@@ -106,22 +106,32 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         record = {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
                   "reason": "error" if exit_code == EXIT_ERROR else "failed",
                   "end": round(now if now is not None else time.time(), 3), **last_known(run_dir), **(extra or {})}
+        append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
         if record["reason"] == "error":
-            append_attempt(run_dir, record)
             return f"error; {not_requeued(run_dir)}"
         attempts = attempts + [record]
-    healing = heal(record) if heal is not None else None
+    healing, problem = _heal(heal, record)
     if healing:
-        if not mine:
-            append_attempt(run_dir, record)
         return f"{record['reason']}; {healing}"
     capped = cap_reached(record["reason"], attempts, limits)
-    if not mine:
-        append_attempt(run_dir, {**record, "capped": bool(capped)})
+    decided = {**({} if mine else {"capped": bool(capped)}), **({"heal_error": problem} if problem else {})}
+    if decided:
+        append_attempt(run_dir, {**attempt_fields(job_id, restart_count, in_job), "amends": True, **decided})
     if capped or requeue_job is None:
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
     requeue_job()
     return f"{record['reason']}; requeued (slurm.max_failures allows it)"
+
+
+def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None, record: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The healer's plan, or None and why not when it raised: a healer's bug (an scontrol line it cannot
+    read, a file it cannot list) must fall back to the requeue path, never end the job without one."""
+    if heal is None:
+        return None, ""
+    try:
+        return heal(record), ""
+    except Exception as err:  # noqa: BLE001 - any error: the requeue path still runs, and the ledger names it
+        return None, f"{type(err).__name__}: {err}"
 
 
 def limits_of(config_path: Path) -> tuple[Path, dict[str, int]]:

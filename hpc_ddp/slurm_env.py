@@ -86,6 +86,22 @@ def master_port(job_id: int, array_task_id: int | None = None) -> int:
     return MASTER_PORT_BASE + (job_id + (array_task_id or 0)) % MASTER_PORT_SPAN
 
 
+IN_JOB_PORT_BASE = 10000  # below the first steps' range (20000-31999) and the kernel's ephemeral ports (32768-)
+IN_JOB_PORT_SPAN = 10000
+IN_JOB_PORTS_PER_JOB = 16
+
+
+def in_job_port(job_id: int, array_task_id: int | None, restart: int) -> int:
+    """The rendezvous port of the ``restart``-th step restarted inside a job (1, 2, ...).
+
+    A range of its own: no job's first step derives a port in it (moving the first step's port on by the
+    restart's number gave another job's port), and the failed step's store may still hold the old one.
+    Each job has 16 consecutive ports there; jobs whose key differs by less than 625 never share one.
+    """
+    key = job_id + (array_task_id or 0)
+    return IN_JOB_PORT_BASE + (key * IN_JOB_PORTS_PER_JOB + restart % IN_JOB_PORTS_PER_JOB) % IN_JOB_PORT_SPAN
+
+
 _TASKS_ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 

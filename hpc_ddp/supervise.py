@@ -37,14 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp import heal
+from hpc_ddp import shell_rules as rules
 from hpc_ddp.batching import node_counts
 from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp.hostlist import compress_hostlist, expand_hostlist
-from hpc_ddp.preemption import attempt_key, caps, job_spec, read_attempts, requeue
+from hpc_ddp.preemption import attempt_key, caps, job_end_time, job_spec, read_attempts, requeue, signal_number
 from hpc_ddp.settle import last_known, pick_config, settle
-from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, rendezvous_endpoint
+from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, in_job_port
 
 PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
 EPILOG = """\
@@ -64,11 +65,22 @@ class Step:
     code: int = 0
     srun_lines: list[str] = field(default_factory=list)
     start: float | None = None  # when the batch shell started it (None: submitit's own step)
+    healed: dict[str, Any] | None = None  # how it came to be (an in-job restart), for its ledger line
 
 
-def run_srun(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, list[str]]:
-    """Run a step; srun's stderr is relayed line by line (it names the failed task's node) and kept."""
+Srun = Callable[[Sequence[str], Mapping[str, str], "float | None"], tuple[int, list[str]]]
+
+
+def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | None = None,
+             warning: int = signal.SIGUSR2) -> tuple[int, list[str]]:
+    """Run a step; srun's stderr is relayed line by line (it names the failed task's node) and kept. With
+    ``warn_in``, srun gets the stop warning that many seconds from now (srun forwards it to every task)."""
     proc = subprocess.Popen(list(argv), env=dict(environ), stderr=subprocess.PIPE, text=True, errors="replace")
+    timer = None
+    if warn_in is not None:
+        timer = threading.Timer(warn_in, lambda: proc.poll() is None and proc.send_signal(warning))
+        timer.daemon = True
+        timer.start()
     lines: list[str] = []
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -76,7 +88,10 @@ def run_srun(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, list
         sys.stderr.flush()
         if line.startswith("srun:"):
             lines.append(line.rstrip("\n"))
-    return proc.wait(), lines
+    code = proc.wait()
+    if timer is not None:
+        timer.cancel()
+    return code, lines
 
 
 class Supervisor:
@@ -84,9 +99,12 @@ class Supervisor:
 
     def __init__(self, cfg: RunConfig, environ: Mapping[str, str], command: Sequence[str], *,
                  runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                 srun: Callable[[Sequence[str], Mapping[str, str]], tuple[int, list[str]]] = run_srun) -> None:
+                 srun: Srun | None = None, clock: Callable[[], float] = time.time) -> None:
         self.cfg, self.environ, self.command = cfg, environ, list(command)
-        self.runner, self.srun = runner, srun
+        self.runner, self.clock = runner, clock
+        self.srun: Srun = srun or (lambda argv, env, warn_in: run_srun(
+            argv, env, warn_in, signal_number(cfg.slurm.signal)))
+        self.run_dir = Path(cfg.run_dir)
         self.job = environ.get("SLURM_JOB_ID", "")
         self.job_id = int(self.job) if self.job.isdigit() else None
         self.restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -94,19 +112,36 @@ class Supervisor:
         self.counts = node_counts(cfg.slurm.nodes)
         self.healer = heal.Healer(cfg.slurm.max_restarts_in_job, self.counts)
         self.stopping = False
+        self.batch_host = ""
+        self.end: float | None = None  # the job's end (squeue), asked once per decision
+
+    def command_problem(self) -> str:
+        """Why the supervised command cannot be run as a step (checked before the first decision, so an
+        unexpected command costs the healing, never the ledger line or the requeue)."""
+        if not self.command or Path(self.command[0]).name != "srun":
+            return (f"hpc_ddp.supervise runs an srun command; found {self.command[:1]!r}. HINT: put the step "
+                    "after '--': -- srun --kill-on-bad-exit=1 ...")
+        return ""
 
     def held(self) -> list[str]:
         """What the job holds now (scontrol; the batch shell's SLURM_JOB_NODELIST is a fallback, stale after
-        a node was removed from the job)."""
+        a node was removed from the job). Notes the batch host on the way."""
         text = self._scontrol("show", "job", self.job)
+        self.batch_host = rules.batch_host(text, self.environ)
         nodes = heal.job_nodes(text) if text else []
         return nodes or expand_hostlist(self.environ.get("SLURM_JOB_NODELIST", ""))
 
+    def avoid(self) -> list[str]:
+        """With spares the batch host is the last node to train on: a step there that loses its node loses
+        the supervisor too (no line, no heal). Without spares it trains like the others."""
+        return [self.batch_host] if self.cfg.slurm.spare_nodes and self.batch_host else []
+
     def first_nodes(self) -> list[str]:
-        """The first step trains on the job's nodes less the spares (at most the range's maximum)."""
+        """The first step trains on the job's nodes less the spares (at most the range's maximum); the batch
+        host is one of the spares."""
         held = self.held()
         want = max(self.counts[0], min(len(held) - self.cfg.slurm.spare_nodes, self.counts[-1]))
-        return held[:want]
+        return heal.prefer(held, [], want, self.avoid())
 
     def first_step_nodes(self) -> list[str]:
         """Where the step submitit ran (``srun --nodes=N`` lets Slurm choose): accounting's record of step 0,
@@ -127,10 +162,10 @@ class Supervisor:
             return ""
         return proc.stdout if proc.returncode == 0 else ""
 
-    def probe(self, node: str) -> bool:
-        """A short step on the node alone: does its slurmd start a task at all, within the timeout?"""
-        argv = ["srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", f"--nodelist={node}", "--time=1",
-                "--kill-on-bad-exit=1", "true"]
+    def probe(self, nodes: Sequence[str]) -> bool:
+        """One short step on these nodes: do their slurmds start a task at all, within the timeout?"""
+        argv = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1", "true"]
         try:
             return self.runner(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
                                env=self._env_without_step_shape()).returncode == 0
@@ -138,52 +173,89 @@ class Supervisor:
             return False
 
     def suspects(self, step: Step, record: Mapping[str, Any]) -> tuple[list[str], dict[str, str], dict[str, str]]:
-        """What the job holds, and the hard and soft suspects (see :mod:`hpc_ddp.heal`)."""
+        """What the job holds, and the hard and soft suspects (see :mod:`hpc_ddp.heal`), before any probe."""
         held = self.held()
         hard = {n: "the job no longer holds it (Slurm removed it)" for n in step.nodes if n not in held}
         states = heal.node_states(self._scontrol("show", "node", "-o", compress_hostlist(held))) if held else {}
         hard |= {n: f"Slurm says State={s}" for n, s in states.items() if n in held and heal.bad_state(s)}
-        soft = heal.culprits(step.srun_lines)
-        soft |= heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes, self.tasks_per_node)
-        to_probe = [n for n in held if n not in hard]
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(to_probe)))) as pool:
-            answers = dict(zip(to_probe, pool.map(self.probe, to_probe)))
-        hard |= {n: f"no answer to a probe step within {PROBE_TIMEOUT_S:g} s" for n, ok in answers.items() if not ok}
+        per_node = heal.ranks_per_node(record, step.nodes, self.tasks_per_node)
+        hard |= {n: why for n, why in rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes,
+                                                  per_node).items() if n not in hard}
+        soft = {n: why for n, why in heal.culprits(step.srun_lines).items() if n not in hard}
+        soft |= {n: why for n, why in heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes,
+                                                         per_node).items() if n not in hard}
         return held, hard, soft
+
+    def probed(self, held: Sequence[str], training: Sequence[str], hard: dict[str, str],
+               soft: Mapping[str, str]) -> None:
+        """Probe only the nodes the plan would use: one step across them all; when it fails, each of them
+        alone, and the silent ones become hard suspects before the plan is made again (three rounds at most).
+        At 512 nodes that is one step creation at slurmctld in the common case, not 512."""
+        soft_now = {n: w for n, w in soft.items() if n not in self.healer.failed_before}
+        strikes = {n: w for n, w in soft.items() if n in self.healer.failed_before}
+        for _ in range(3):
+            trial = heal.plan(held, training, hard={**hard, **strikes}, soft=soft_now, counts=self.counts,
+                              avoid=self.avoid())
+            if not trial.nodes or self.probe(trial.nodes):
+                return
+            with ThreadPoolExecutor(max_workers=max(1, min(16, len(trial.nodes)))) as pool:
+                answers = dict(zip(trial.nodes, pool.map(lambda n: self.probe([n]), trial.nodes)))
+            silent = {n: f"no answer to a probe step within {PROBE_TIMEOUT_S:g} s" for n, ok in answers.items()
+                      if not ok}
+            if not silent:
+                return
+            hard |= silent
 
     def heal(self, step: Step, record: Mapping[str, Any]) -> str | None:
         """Called by settle for a failure: the next step's plan as a sentence, or None (requeue path)."""
         if self.stopping:
             self.healer.why_not = "a stop signal reached the batch shell"
             return None
-        point = last_known(Path(self.cfg.run_dir))["last_step"]
+        point = last_known(self.run_dir)["last_step"]
         held, hard, soft = self.suspects(step, record)
-        return self.healer.decide(record, step.index, held, step.nodes, hard, soft, point)
+        self.probed(held, step.nodes, hard, soft)
+        late = "a stop signal reached the batch shell" if self.stopping else self._walltime()
+        if late:  # checked after the probes too: they may take PROBE_TIMEOUT_S
+            self.healer.why_not = late
+            return None
+        return self.healer.decide(record, step.index, held, step.nodes, hard, soft, point, avoid=self.avoid(),
+                                  no_resize=rules.refuses_resize(self.run_dir))
+
+    def _walltime(self) -> str:
+        self.end = job_end_time(job_spec(self.environ), self.runner) if self.job else None
+        return rules.walltime_problem(self.end, self.clock(), self.cfg.slurm.signal_delay_s)
 
     def step_argv(self, nodes: Sequence[str]) -> list[str]:
         """The supervised command with the step's shape put right after ``srun``."""
-        if not self.command or Path(self.command[0]).name != "srun":
-            raise HpcDdpError(f"hpc_ddp.supervise runs an srun command; found {self.command[:1]!r}",
-                              key="command", hint="put the step after '--': -- srun --kill-on-bad-exit=1 ...")
+        problem = self.command_problem()
+        if problem:
+            raise HpcDdpError(problem, key="command")
         n = len(nodes)
         shape = [f"--nodes={n}", f"--ntasks={n * self.tasks_per_node}",
                  f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}"]
         return [self.command[0], *shape, *self.command[1:]]
 
-    def step_environ(self, index: int) -> dict[str, str]:
+    def step_environ(self, index: int, healed: Mapping[str, Any] | None) -> dict[str, str]:
         env = self._env_without_step_shape()
         if index:
             env[IN_JOB_VAR] = str(index)
             env["MASTER_PORT"] = str(self._port(index))  # the failed step's store may still hold its port
-            env[HEALED_VAR] = json.dumps(self.healer.healed or {}, sort_keys=True)
+            env[HEALED_VAR] = json.dumps(healed or {}, sort_keys=True)
         return env
 
     def _port(self, index: int) -> int:
-        """The first step's port (the workers' rule: MASTER_PORT, else dist.master_port, else from the job
-        id), moved on by the in-job restart's number."""
-        given = {} if self.cfg.dist.master_port is None else {"MASTER_PORT": str(self.cfg.dist.master_port)}
-        _, base = rendezvous_endpoint({**given, **self.environ})
-        return base + index if base + index <= 65535 else base - index
+        """A restarted step's rendezvous port: a port the user chose (MASTER_PORT, dist.master_port) moved on
+        by the restart's number; else one of the job's own in-job ports, which no other job's first step
+        derives (:func:`hpc_ddp.slurm_env.in_job_port`)."""
+        given = self.environ.get("MASTER_PORT") or (None if self.cfg.dist.master_port is None
+                                                     else str(self.cfg.dist.master_port))
+        if given is not None:
+            base = int(given)
+            return base + index if base + index <= 65535 else base - index
+        job = self.environ.get("SLURM_ARRAY_JOB_ID") or self.job
+        array = self.environ.get("SLURM_ARRAY_TASK_ID")
+        return in_job_port(int(job) if job.isdigit() else 0, int(array) if array and array.isdigit() else None,
+                           index)
 
     def _env_without_step_shape(self) -> dict[str, str]:
         """The batch shell's environment without the job-wide counts srun would read as this step's shape."""
@@ -191,29 +263,51 @@ class Supervisor:
                 "SLURM_NTASKS_PER_NODE", HEALED_VAR, IN_JOB_VAR)
         return {k: v for k, v in self.environ.items() if k not in drop}
 
-    def run_step(self, nodes: list[str], index: int) -> Step:
-        start = round(time.time(), 3)
-        code, lines = self.srun(self.step_argv(nodes), self.step_environ(index))
-        return Step(nodes, index, code, lines, start)
+    def run_step(self, nodes: list[str], index: int, healed: dict[str, Any] | None = None) -> Step:
+        start = round(self.clock(), 3)
+        argv, env = self.step_argv(nodes), self.step_environ(index, healed)
+        rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes), start)
+        warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
+        code, lines = self.srun(argv, env, warn_in)
+        return Step(nodes, index, code, lines, start, healed)
 
 
 def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -> int:
-    """Run steps until one ends without a failure to heal; returns the last step's exit code."""
-    run_dir, spec, restart = Path(sup.cfg.run_dir), job_spec(sup.environ), sup.restart
+    """Run steps until one ends without a failure to heal; returns the last step's exit code.
+
+    Whatever goes wrong in here after a step ended (a healer's bug, srun missing for the next step), the
+    step's line is in the ledger and the requeue path runs: no failure that could be retried ends the job
+    unrecorded."""
     step = first or sup.run_step(sup.first_nodes(), 0)
     while True:
         sup.healer.why_not = ""
-        outcome = settle(run_dir, job_id=sup.job_id, restart_count=restart, exit_code=step.code,
-                         limits=caps(sup.cfg.slurm), requeue_job=(lambda: requeue(spec)) if spec else None,
-                         in_job=step.index, heal=lambda record, s=step: sup.heal(s, record),
-                         extra={"hosts": compress_hostlist(step.nodes),
-                                **({"start": step.start} if step.start else {})})
-        say(f"attempt {restart} of job {spec or '-'}, job step {step.index} on {compress_hostlist(step.nodes)}: "
-            f"{outcome}" + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else ""))
+        can_heal = not sup.command_problem()
+        outcome = _settle(sup, step, heal=can_heal)
+        say(f"attempt {sup.restart} of job {job_spec(sup.environ) or '-'}, job step {step.index} on "
+            f"{compress_hostlist(step.nodes)}: {outcome}"
+            + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else "")
+            + ("" if can_heal else f" (not healed in the job: {sup.command_problem()})"))
         if not sup.healer.next_nodes:
             return step.code
-        nodes, sup.healer.next_nodes = sup.healer.next_nodes, []
-        step = sup.run_step(nodes, step.index + 1)
+        nodes, healed, sup.healer.next_nodes = sup.healer.next_nodes, sup.healer.healed, []
+        if sup.stopping:  # a SIGTERM after the decision: start nothing; Slurm requeues a preempted job itself
+            say("a stop signal reached the batch shell: the planned step is not started")
+            return step.code
+        try:
+            step = sup.run_step(nodes, step.index + 1, healed)
+        except Exception as err:  # noqa: BLE001 - the step could not start: take the requeue path for the last one
+            say(f"error: the next job step could not start ({type(err).__name__}: {err}); taking the requeue path")
+            say(f"attempt {sup.restart}, job step {step.index}: {_settle(sup, step, heal=False)}")
+            return step.code or 1
+
+
+def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
+    spec = job_spec(sup.environ)
+    return settle(sup.run_dir, job_id=sup.job_id, restart_count=sup.restart, exit_code=step.code,
+                  limits=caps(sup.cfg.slurm), requeue_job=(lambda: requeue(spec, sup.runner)) if spec else None,
+                  in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
+                  extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
+                         **({"healed": step.healed} if step.healed else {})})
 
 
 def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:", tail_bytes: int = 1 << 16) -> list[str]:
@@ -258,17 +352,29 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     try:
         config = pick_config(args.configs, environ)
         cfg = load_config([Path(config)])
-        sup = Supervisor(cfg, environ, [part.replace("{config}", config) for part in command])
-        _stop_on_term(sup)
+    except HpcDdpError as err:
+        say(f"error: {err}")
+        return args.exit_code or 1
+    sup = Supervisor(cfg, environ, [part.replace("{config}", config) for part in command])
+    _stop_on_term(sup)
+    if args.exit_code is None and not command:
+        parser.error("give the step to run after '--' (or --exit-code for one that already ran)")
+    if sup.command_problem():
+        say(f"error: {sup.command_problem()}")
+    try:
+        lost = rules.settle_lost_step(sup.run_dir, sup.job_id, sup.restart, time.time())
+        if lost:
+            say(f"job step {lost.get('in_job', 0)} of attempt {lost['restart_count']} of job {lost['job_id']} on "
+                f"{lost.get('hosts')} left no ledger line: recorded as lost")
         first = None
         if args.exit_code is not None:
             first = Step(ran_on(sup) or sup.first_step_nodes(), 0, args.exit_code,
                          srun_lines_before(Path("/proc/self/fd/2")))
-        elif not command:
-            parser.error("give the step to run after '--' (or --exit-code for one that already ran)")
         return supervise(sup, first, say)
-    except HpcDdpError as err:
-        say(f"error: {err}")
+    except Exception as err:  # noqa: BLE001 - the last resort: the step's line and the requeue path, whatever broke
+        say(f"error: {type(err).__name__}: {err}")
+        if args.exit_code is not None:
+            say(f"job step 0: {_settle(sup, Step([], 0, args.exit_code), heal=False)}")
         return args.exit_code or 1
 
 

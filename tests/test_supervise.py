@@ -1,0 +1,257 @@
+"""The batch shell's supervisor through its seams (a fake Slurm runner, a fake srun, a clock): every failure
+path ends with the attempt in the ledger and either a new step or the requeue path, never silently."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp import heal, shell_rules
+from hpc_ddp.config import load_config
+from hpc_ddp.preemption import read_attempts
+from hpc_ddp.slurm_env import IN_JOB_PORT_BASE, IN_JOB_PORT_SPAN, MASTER_PORT_BASE, MASTER_PORT_SPAN, in_job_port
+from hpc_ddp.supervise import Step, Supervisor, main, supervise
+
+ROOT = Path(__file__).resolve().parent.parent
+SRUN = ["srun", "--kill-on-bad-exit=1", "python", "-m", "hpc_ddp.worker", "--config", "c.yaml"]
+
+
+class FakeSlurm:
+    """scontrol, squeue, sacct and probe steps, answered from a few facts that a test changes as it goes."""
+
+    def __init__(self, held: list[str], *, batch_host: str = "n1", down: Sequence[str] = (),
+                 silent: Sequence[str] = (), end: str | None = None) -> None:
+        self.held, self.batch_host, self.down, self.silent, self.end = held, batch_host, set(down), set(silent), end
+        self.probes: list[list[str]] = []
+        self.requeued = 0
+
+    def __call__(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        out, code = "", 0
+        if argv[:3] == ["scontrol", "show", "job"]:
+            out = f"JobId=7 JobState=RUNNING\n   NodeList={','.join(self.held)} BatchHost={self.batch_host}\n"
+        elif argv[:3] == ["scontrol", "show", "node"]:
+            out = "".join(f"NodeName={n} State={'DOWN' if n in self.down else 'ALLOCATED'}\n" for n in self.held)
+        elif argv[:2] == ["scontrol", "requeue"]:
+            self.requeued += 1
+        elif argv[0] == "squeue":
+            out, code = (self.end or ""), 0 if self.end else 1
+        elif argv[0] == "srun":  # a probe step
+            nodes = next(a for a in argv if a.startswith("--nodelist=")).partition("=")[2].split(",")
+            self.probes.append(nodes)
+            code = 1 if set(nodes) & self.silent else 0
+        return subprocess.CompletedProcess(list(argv), code, out, "")
+
+
+class FakeSrun:
+    """The steps the supervisor starts: each returns the next scripted (code, srun lines)."""
+
+    def __init__(self, *outcomes: tuple[int, list[str]]) -> None:
+        self.outcomes, self.calls = list(outcomes), []
+
+    def __call__(self, argv: Sequence[str], env: Mapping[str, str], warn_in: float | None) -> tuple[int, list[str]]:
+        self.calls.append({"argv": list(argv), "env": dict(env), "warn_in": warn_in})
+        return self.outcomes.pop(0)
+
+
+def make(tmp_path: Path, *overrides: str, slurm: FakeSlurm, srun: FakeSrun, environ: Mapping[str, str] = (),
+         command: Sequence[str] = SRUN, clock: float = 1_000_000.0) -> Supervisor:
+    cfg = load_config([ROOT / "examples" / "mlp.yaml"],
+                      [f"run_dir={tmp_path / 'run'}", "slurm.nodes=1", "slurm.tasks_per_node=2", *overrides])
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": ",".join(slurm.held), "SLURM_RESTART_COUNT": "0",
+           "SLURMD_NODENAME": slurm.batch_host, **dict(environ)}
+    sup = Supervisor(cfg, env, command, runner=slurm, srun=srun, clock=lambda: clock)
+    sup.say = []  # type: ignore[attr-defined]
+    return sup
+
+
+def run(sup: Supervisor, first: Step | None = None) -> int:
+    return supervise(sup, first, sup.say.append)  # type: ignore[attr-defined]
+
+
+def nodelist(call: Mapping[str, Any]) -> str:
+    return next(a for a in call["argv"] if a.startswith("--nodelist=")).partition("=")[2]
+
+
+def test_the_batch_host_trains_last_and_two_nodes_lost_in_a_row_both_heal(tmp_path: Path) -> None:
+    """A 1-node job with two spares: n1 runs the batch shell, so n2 trains; n2 is lost, n3 takes over; n3 is
+    lost before the run logs another step (the same point): hardware, not a bug, so it heals again, onto the
+    batch host, the only node left. Before: n1 trained first, and the second loss ended the run."""
+    slurm = FakeSlurm(["n1", "n2", "n3"])
+    srun = FakeSrun((137, ["srun: error: Node failure on n2"]), (137, ["srun: error: Node failure on n3"]), (0, []))
+    sup = make(tmp_path, "slurm.spare_nodes=2", "slurm.max_failures=0", slurm=slurm, srun=srun)
+
+    def lose(node: str) -> None:
+        slurm.held.remove(node)
+    def finish() -> None:
+        (tmp_path / "run" / "DONE.json").write_text("{}")
+    outcomes = iter([lambda: lose("n2"), lambda: lose("n3"), finish])
+    original = srun.__call__
+
+    def step(argv: Sequence[str], env: Mapping[str, str], warn_in: float | None) -> tuple[int, list[str]]:
+        result = original(argv, env, warn_in)
+        next(outcomes)()
+        return result
+    sup.srun = step
+    assert run(sup) == 0
+    assert [nodelist(c) for c in srun.calls] == ["n2", "n3", "n1"]
+    attempts = read_attempts(tmp_path / "run")
+    assert [(a["reason"], a.get("in_job", 0), a["hosts"]) for a in attempts] == [("failed", 0, "n2"),
+                                                                                   ("failed", 1, "n3")]
+    assert attempts[1]["healed"]["how"] == "replaced"  # the killed healed step keeps how it came to be
+
+
+def test_torchrun_ranks_are_mapped_to_nodes_by_the_workers_world_not_srun_tasks(tmp_path: Path) -> None:
+    """One torchrun per node (SLURM_NTASKS_PER_NODE=1) with 2 ranks each: rank 1 runs on n1, not n2."""
+    slurm = FakeSlurm(["n1", "n2", "n3"])
+    sup = make(tmp_path, "slurm.nodes=2", "slurm.spare_nodes=1", slurm=slurm, srun=FakeSrun(),
+               environ={"SLURM_NTASKS_PER_NODE": "1"})
+    record = {"reason": "hung", "stuck_ranks": [1], "world_size": 4, "nodes": 2}
+    _, hard, soft = sup.suspects(Step(["n1", "n2"], 0, 4), record)
+    assert soft == {"n1": "rank 1 was stuck (watchdog)"} and not hard
+    assert heal.stuck_nodes([1], ["n1", "n2"], heal.ranks_per_node(record, ["n1", "n2"], 1)) == soft
+
+
+def test_a_healer_that_raises_still_leaves_the_line_and_requeues(tmp_path: Path) -> None:
+    slurm = FakeSlurm(["n1", "n2"])
+    sup = make(tmp_path, "slurm.max_failures=1", slurm=slurm, srun=FakeSrun())
+
+    def broken(step: Step, record: Mapping[str, Any]) -> str | None:
+        raise ValueError("cannot read scontrol's line")
+    sup.heal = broken  # type: ignore[method-assign]
+    assert run(sup, Step(["n2"], 0, 137)) == 137
+    [line] = read_attempts(tmp_path / "run")
+    assert line["reason"] == "failed" and line["heal_error"] == "ValueError: cannot read scontrol's line"
+    assert slurm.requeued == 1 and line["capped"] is False
+    raw = (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()
+    assert json.loads(raw[0])["reason"] == "failed"  # the line came first, the decision after
+
+
+def test_no_step_starts_after_a_stop_or_without_the_walltime_to_reach_a_boundary(tmp_path: Path) -> None:
+    # a SIGTERM to the batch shell while the probes ran: no new step, the line is there
+    slurm = FakeSlurm(["n1", "n2", "n3"])
+    sup = make(tmp_path / "a", "slurm.spare_nodes=1", "slurm.max_failures=0", slurm=slurm, srun=FakeSrun())
+    probe = sup.probe
+
+    def stopped_while_probing(nodes: Sequence[str]) -> bool:
+        sup.stopping = True
+        return probe(nodes)
+    sup.probe = stopped_while_probing  # type: ignore[method-assign]
+    assert run(sup, Step(["n2"], 0, 137, ["srun: error: n2: task 0: Killed"])) == 137
+    assert "not healed in the job: a stop signal reached the batch shell" in sup.say[-1]  # type: ignore[attr-defined]
+    assert [a["reason"] for a in read_attempts(tmp_path / "a" / "run")] == ["failed"]
+    # 100 s left with a 120 s warning: a new step would be killed at the limit; the requeue path instead
+    slurm = FakeSlurm(["n1", "n2", "n3"], end="1970-01-12T13:48:20")
+    clock = shell_rules_epoch("1970-01-12T13:48:20") - 100
+    sup = make(tmp_path / "b", "slurm.spare_nodes=1", "slurm.max_failures=1", slurm=slurm, srun=FakeSrun(),
+               clock=clock)
+    assert run(sup, Step(["n2"], 0, 137, ["srun: error: n2: task 0: Killed"])) == 137
+    assert "100 s of walltime left, less than the stop warning's 120 s" in sup.say[-1]  # type: ignore[attr-defined]
+    assert slurm.requeued == 1
+
+
+def shell_rules_epoch(text: str) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(text).timestamp()
+
+
+def test_a_step_started_inside_the_warning_window_gets_the_warning_from_the_batch_shell() -> None:
+    end = 10_000.0
+    assert shell_rules.warning_due_in(end, start=5_000.0, now=5_000.0, signal_delay_s=120) is None  # Slurm's
+    assert shell_rules.warning_due_in(end, start=9_850.0, now=9_850.0, signal_delay_s=120) == 30.0
+    assert shell_rules.warning_due_in(end, start=9_900.0, now=9_900.0, signal_delay_s=120) == 0.0
+    assert shell_rules.warning_due_in(None, start=9_900.0, now=9_900.0, signal_delay_s=120) is None
+    assert shell_rules.walltime_problem(end, 9_700.0, 120) == ""
+    assert "179 s of walltime left" in shell_rules.walltime_problem(end, 9_821.0, 120)
+
+
+def test_in_job_restarts_take_ports_no_first_step_derives(tmp_path: Path) -> None:
+    firsts = range(MASTER_PORT_BASE, MASTER_PORT_BASE + MASTER_PORT_SPAN)
+    for job in (7, 12345, 999_999):
+        ports = [in_job_port(job, None, k) for k in range(1, 4)]
+        assert len(set(ports)) == 3 and not any(p in firsts for p in ports)
+        assert all(IN_JOB_PORT_BASE <= p < IN_JOB_PORT_BASE + IN_JOB_PORT_SPAN for p in ports)
+    slurm = FakeSlurm(["n1", "n2", "n3"])
+    srun = FakeSrun((0, []))
+    sup = make(tmp_path, "slurm.spare_nodes=1", slurm=slurm, srun=srun)
+    run(sup, Step(["n2"], 0, 137, ["srun: error: n2: task 0: Killed"]))
+    assert srun.calls[0]["env"]["MASTER_PORT"] == str(in_job_port(7, None, 1))
+    # a port the user chose is theirs: moved on by the restart's number
+    sup = make(tmp_path / "b", "slurm.spare_nodes=1", slurm=FakeSlurm(["n1", "n2", "n3"]), srun=FakeSrun((0, [])),
+               environ={"MASTER_PORT": "29500"})
+    run(sup, Step(["n2"], 0, 137, ["srun: error: n2: task 0: Killed"]))
+    assert sup.srun.calls[0]["env"]["MASTER_PORT"] == "29501"  # type: ignore[attr-defined]
+
+
+def test_a_taken_rendezvous_port_is_a_failure_to_heal_not_a_configuration_error() -> None:
+    from hpc_ddp.distributed import RendezvousError
+    assert RendezvousError("taken").retry_may_help
+
+
+def test_only_the_nodes_the_plan_uses_are_probed_in_one_step(tmp_path: Path) -> None:
+    held = [f"n{i}" for i in range(1, 10)]  # 8 training nodes and a spare (the batch host, n1)
+    slurm = FakeSlurm(held, silent=["n2"])
+    sup = make(tmp_path, "slurm.nodes=8", "slurm.spare_nodes=1", slurm=slurm, srun=FakeSrun())
+    said = sup.heal(Step(held[1:], 0, 137, ["srun: error: n5: task 8: Killed"]), {"reason": "failed"})
+    assert said is not None and said.startswith("replaced")
+    # the plan without n5 takes n1 (the only spare); one step over those 8 fails (n2 is silent), each is
+    # probed alone, and the plan made again has no node left to replace n2: a retry keeps n5 (soft)
+    assert slurm.probes[0] == ["n1", "n2", "n3", "n4", "n6", "n7", "n8", "n9"]
+    assert all(len(p) == 1 for p in slurm.probes[1:9]) and len(slurm.probes) == 1 + 8 + 1
+    assert "n2" not in sup.healer.next_nodes and "n2" in sup.healer.healed["excluded"]
+
+
+def test_an_unexpected_command_under_exit_code_still_settles_and_requeues(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "c.yaml"
+    from hpc_ddp.config import save_config
+    save_config(load_config([ROOT / "examples" / "mlp.yaml"], [f"run_dir={tmp_path / 'run'}",
+                                                                "slurm.max_failures=1"]), config)
+    slurm = FakeSlurm(["n1"])
+    import hpc_ddp.supervise as module
+    real = module.Supervisor
+
+    class Faked(real):  # type: ignore[misc, valid-type]
+        def __init__(self, cfg: Any, environ: Any, command: Any, **_: Any) -> None:
+            super().__init__(cfg, environ, command, runner=slurm, srun=FakeSrun())
+    module.Supervisor = Faked  # type: ignore[misc]
+    try:
+        code = main(["--exit-code", "137", str(config), "--", "python", "-m", "hpc_ddp.worker"],
+                    {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURMD_NODENAME": "n1"})
+    finally:
+        module.Supervisor = real  # type: ignore[misc]
+    assert code == 137 and slurm.requeued == 1
+    assert [a["reason"] for a in read_attempts(tmp_path / "run")] == ["failed"]
+    assert "hpc_ddp.supervise runs an srun command" in capsys.readouterr().err
+
+
+def test_a_step_lost_with_the_batch_host_is_recorded_by_the_next_batch_shell(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shell_rules.note_step(run_dir, 7, 0, 1, "n1", 100.0)  # the shell died with this step: no line
+    assert shell_rules.settle_lost_step(run_dir, 7, 0, 200.0) is None  # its own attempt: not judged
+    line = shell_rules.settle_lost_step(run_dir, 9, 0, 200.0)  # a --resume under a new job
+    assert line is not None and line["reason"] == "lost" and line["in_job"] == 1 and line["hosts"] == "n1"
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["lost"]
+    assert shell_rules.settle_lost_step(run_dir, 9, 0, 300.0) is None  # written once
+
+
+def test_the_supervisor_forwards_the_warning_with_srun(tmp_path: Path) -> None:
+    from hpc_ddp.supervise import run_srun
+    script = tmp_path / "srun"
+    script.write_text("#!/bin/sh\ntrap 'echo got-usr2 >&2; exit 3' USR2\nwhile :; do sleep 0.05; done\n")
+    script.chmod(0o755)
+    code, _ = run_srun([str(script)], {"PATH": "/usr/bin:/bin"}, warn_in=0.2, warning=signal.SIGUSR2)
+    assert code == 3
+
+
+@pytest.mark.parametrize("spares, nodes, first", [(0, "1", ["n1"]), (1, "1", ["n2"]), (2, "1", ["n2"]),
+                                                  (1, "2", ["n2", "n3"])])
+def test_the_first_step_leaves_the_batch_host_idle_when_there_are_spares(tmp_path: Path, spares: int, nodes: str,
+                                                                         first: list[str]) -> None:
+    slurm = FakeSlurm(["n1", "n2", "n3"][:int(nodes) + spares])
+    sup = make(tmp_path, f"slurm.spare_nodes={spares}", f"slurm.nodes={nodes}", slurm=slurm, srun=FakeSrun())
+    assert sup.first_nodes() == first
