@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Union
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from hpc_ddp.config_checks import check_config
+from hpc_ddp.config_checks import LIVENESS_S, check_config
 from hpc_ddp.errors import ConfigError, explain
 
 
@@ -79,6 +79,14 @@ class DistConfig:
     timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot write, the "
                           "start-up) before the watchdog declares the job hung, names the stuck ranks and dumps the collectives "
                           "each rank was in to RUN_DIR/errors/. The collectives' own timeout is 2 x this + 30 s.")
+    liveness_s: Optional[float] = _doc(LIVENESS_S, "Seconds without a liveness beat after which a rank or node "
+                                       "counts as lost (frozen, powered off): every rank beats from a side thread "
+                                       "to RUN_DIR/liveness/ (a long step or eval is not silence) and watches one "
+                                       "peer; the rank that sees the silence names the lost rank and its host in "
+                                       "RUN_DIR/errors/ and ends the step (exit 6), which the batch shell heals. "
+                                       "null or 0: off. It must be at most half of dist.timeout_s, or the hang "
+                                       "watchdog speaks first; the default steps aside (off) when dist.timeout_s is "
+                                       "below 60.")
     master_port: Optional[int] = _doc(None, "Rendezvous port; null derives it from the job id.")
     nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}. "
                                  "They win over hpc_ddp's own NCCL defaults (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, the "

@@ -21,6 +21,7 @@ _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+LIVENESS_S = 30.0  # dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
 SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
                  and s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR1"))
 
@@ -82,6 +83,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.srun_args": (_texts, "a list of text arguments"),
     "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),
     "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
+    "dist.liveness_s": (lambda v: v == 0 or (_positive(v) and v >= 1),
+                        "a number of seconds >= 1, or 0 or null to turn liveness off"),
     "dist.master_port": (lambda v: _at_least(1)(v) and v <= 65535, "a port 1..65535, or null"),
     "dist.nccl_env": (_mapping(_ENV_NAME), "a mapping of environment variable names to text values"),
     "train.task": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:ClassName'"),
@@ -110,7 +113,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
                               "a W&B project name without / \\ # ? % : (empty: the run's name)"),
 }
-OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port", "train.max_steps", "train.epochs", "train.global_batch_size",
+OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port",
+            "dist.liveness_s", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
 
 
@@ -148,6 +152,20 @@ def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = Non
                        key=key)
 
 
+def _check_liveness(dist: Any) -> None:
+    """A frozen node must be found by liveness before the hang watchdog (dist.timeout_s) fires on the ranks that
+    wait for it: otherwise the attempt is recorded as hung and the frozen node is only a soft suspect."""
+    live = dist.liveness_s
+    if not live or live == LIVENESS_S or 2 * live <= dist.timeout_s:
+        return
+    raise _fail("dist.liveness_s", f"dist.liveness_s={live:g} is not well below dist.timeout_s={dist.timeout_s}: "
+                "the hang watchdog would fire first on the ranks waiting for a frozen node, and the attempt would "
+                "be recorded as hung instead of naming the lost node", f"dist.liveness_s={live:g}",
+                f"at most half of dist.timeout_s (<= {dist.timeout_s / 2:g})",
+                f"lower it (dist.liveness_s={max(1, dist.timeout_s // 4)}), raise dist.timeout_s, or turn liveness "
+                "off with dist.liveness_s=0")
+
+
 def check_config(cfg: Any) -> None:
     """Raise :class:`ConfigError` for the first value out of its range or format."""
     sig = cfg.slurm.signal
@@ -169,6 +187,7 @@ def check_config(cfg: Any) -> None:
         raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
                     f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,
                     "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise slurm.timeout_min")
+    _check_liveness(cfg.dist)
     if cfg.train.global_batch_size is not None and cfg.train.grad_accum != 1:
         raise _fail("train.grad_accum", "train.grad_accum and train.global_batch_size are both set",
                     f"train.grad_accum={cfg.train.grad_accum}, train.global_batch_size={cfg.train.global_batch_size}",

@@ -14,7 +14,9 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     DONE.json          written last when training finished (after the ledger's finished line): step,
                        world size, params_sha256
     model.pt           the final model's state_dict
-    errors/            job-J-restart-N.txt: the full message of a deterministic error
+    errors/            job-J-restart-N.txt: the full message of a deterministic error;
+                       job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
+    liveness/          rank-K.json: rank K's newest beat (rewritten in place; hpc_ddp.liveness)
     logs/              the local rehearsal's per-rank logs
     slurm/             submitit's and the sbatch templates' job logs
 
@@ -39,6 +41,7 @@ WANDB_ID = "wandb_id.txt"
 ERRORS = "errors"
 LOGS = "logs"
 SLURM_LOGS = "slurm"
+LIVENESS = "liveness"
 
 
 def config(run_dir: Path | str) -> Path:
@@ -108,3 +111,15 @@ def logs(run_dir: Path | str) -> Path:
 
 def slurm_logs(run_dir: Path | str) -> Path:
     return Path(run_dir) / SLURM_LOGS
+
+
+def beat(run_dir: Path | str, rank: int) -> Path:
+    """Rank ``rank``'s beat file: one per rank, not per attempt (the attempt is in its content), so the run
+    dir never holds more of them than the largest world size."""
+    return Path(run_dir) / LIVENESS / f"rank-{rank}.json"
+
+
+def lost_marker(run_dir: Path | str, tag: str, rank: int | str) -> Path:
+    """The marker of rank ``rank`` declared lost in the attempt ``tag`` (:func:`hpc_ddp.preemption.attempt_tag`);
+    ``rank="*"`` gives the glob pattern of every rank's."""
+    return errors(run_dir) / f"{tag}-lost-rank-{rank}.json"

@@ -6,7 +6,8 @@ rendezvous pointed at loopback, and runs the same ``python -m hpc_ddp.worker``
 as on the cluster. Every rank's output goes to ``RUN_DIR/logs/``; rank 0's is
 also streamed here. When a rank fails, the others are ended (their whole
 process groups, DataLoader workers included) and its error is shown once, with
-the ranks that failed the same way. Ctrl-C is passed on to every rank as SIGINT:
+the ranks that failed the same way (a rank declared lost, :mod:`hpc_ddp.liveness`,
+in one line instead). Ctrl-C is passed on to every rank as SIGINT:
 they stop at the next boundary with a committed snapshot (a second Ctrl-C ends
 them at once). No torch in this process.
 """
@@ -26,11 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from hpc_ddp import layout
+from hpc_ddp import layout, liveness
 from hpc_ddp.hostlist import compress_hostlist
+from hpc_ddp.local_inject import (SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text,
+                                  unfired)
 from hpc_ddp.preemption import EXIT_REQUEUE
 from hpc_ddp.shutdown import die_with_parent
-from hpc_ddp.slurm_env import simulated_environ
+from hpc_ddp.slurm_env import IN_JOB_VAR, simulated_environ
 
 PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step (see worker.py)
 ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")  # where a rank's error starts
@@ -87,54 +90,15 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             out.flush()
 
 
-SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop this late
-
-
-def _injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
-              err: IO[str], watch: dict[str, object] | None = None,
-              kills: list[tuple[int, Callable[[], tuple[str, list[int]]]]] | None = None,
-              skew_s: float = 0.0) -> Callable[[int], None]:
-    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
-    (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``).
-
-    ``skew_s`` > 0 signals the other ranks first and rank 0 that much later, as a cluster's signal
-    reaches its nodes apart (a test of the race it opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``)."""
-    def on_step(step: int) -> None:
-        if watch is not None:
-            watch["step"] = max(step, int(watch.get("step") or 0))  # the furthest, across healed job steps
-        while kills and step >= kills[0][0]:
-            at, kill = kills.pop(0)
-            node, ranks = kill()
-            err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): SIGKILL to its "
-                      f"{_ranks(ranks)}\n")
-            if watch is not None:
-                watch["lost"] = (node, ranks)
-            for rank in ranks:
-                if procs[rank].poll() is None:
-                    os.killpg(procs[rank].pid, signal.SIGKILL)
-        while events and step >= events[0][0]:
-            at, signum = events.pop(0)
-            err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
-                      f"(injected at {at})\n")
-            for proc in procs[1:] if skew_s > 0 else procs:
-                _signal(proc, signum)
-            if skew_s > 0:
-                time.sleep(skew_s)
-                _signal(procs[0], signum)
-    return on_step
-
-
-def _signal(proc: subprocess.Popen[bytes], signum: int) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signum)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def _end(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every rank's process group, SIGKILL what is left after a grace period."""
+def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = ()) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after a grace period; the ``frozen`` ranks'
+    at once (a stopped process never acts on SIGTERM; their scripts die with them: PR_SET_PDEATHSIG)."""
+    for rank in frozen:
+        if procs[rank].poll() is None:
+            try:
+                os.killpg(procs[rank].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
             if proc.poll() is None:
@@ -187,9 +151,9 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
            err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None,
            hosts: Sequence[str] | None = None, extra_env: Mapping[str, str] | None = None,
-           kills: list[tuple[int, Callable[[], tuple[str, list[int]]]]] | None = None) -> int:
+           kills: list[Injection] | None = None, freezes: list[Injection] | None = None) -> int:
     """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's
-    (``watch["failed"]``: the ranks that failed, the first one first)."""
+    (``watch["failed"]``: the ranks that failed, the first one first; a rank declared lost comes first)."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
@@ -198,6 +162,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
     procs: list[subprocess.Popen[bytes]] = []
+    frozen: list[int] = []
     tee = None
     try:
         for rank, env in enumerate(environs):
@@ -207,14 +172,14 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                           preexec_fn=die_with_parent))
             if rank:
                 out.close()  # type: ignore[union-attr]
-        on_step = _injector(procs, events if events is not None else [], err, watch, kills,
-                            skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0))
+        on_step = injector(procs, events if events is not None else [], err, watch, kills,
+                           skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen)
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
                                                   script_progress(config_path), watch), daemon=True)
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
-        _end(procs)
+        _end(procs, frozen)
         if tee is not None:
             tee.join(timeout=5)
     if interrupted:
@@ -225,10 +190,19 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         return int(codes[0] or 0)
     lost = watch.pop("lost", None) if watch is not None else None
     if lost:  # an injected node loss, not an error of the program: one line, not the survivors' tracebacks
-        err.write(f"[local] {lost[0]} was lost ({_ranks(lost[1])} killed); the other ranks "
+        err.write(f"[local] {lost[0]} was lost ({ranks_text(lost[1])} killed); the other ranks "
                   f"were ended as srun would end them; every rank's log is in {logs}\n")
         watch["failed"] = list(lost[1])  # type: ignore[index]
         return -int(signal.SIGKILL)
+    attempt = (run_dir, job_id, restart_count, int((extra_env or {}).get(IN_JOB_VAR) or 0))
+    declared = liveness.lost_ranks(*attempt)
+    if declared:  # a rank stopped beating (frozen, --freeze-at): one line, not the survivors' tracebacks
+        err.write(f"[local] {liveness.describe(*attempt)}: the rank that saw it ended the step (exit "
+                  f"{liveness.EXIT_LOST}) and the others were ended as srun would end them; every rank's log is "
+                  f"in {logs}\n")
+        if watch is not None:
+            watch["failed"] = sorted(declared) + [rank for rank in failed if rank not in declared]
+        return liveness.EXIT_LOST
     # ranks that fail the same way (a bad config fails everywhere) are shown together; the first one decides
     final = [p.poll() for p in procs]
     failed += [rank for rank, code in enumerate(final) if code == codes[failed[0]] and rank not in failed]
@@ -262,13 +236,15 @@ def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int 
 
 def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
              preempt_at: list[int], timeout_at: list[int], warning_signal: int, stream: IO[str] = sys.stdout,
-             err: IO[str] = sys.stderr, fail_at: Sequence[tuple[int, int | None]] = ()) -> int:
+             err: IO[str] = sys.stderr, fail_at: Sequence[tuple[int, int | None]] = (),
+             freeze_at: Sequence[tuple[int, int | None]] = ()) -> int:
     """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT + 1), with
     failed steps healed in-process first, as the batch shell heals them in the job (:mod:`hpc_ddp.local_heal`).
 
     ``preempt_at`` steps get SIGTERM, ``timeout_at`` steps the time-out warning signal,
     each once, sent to every rank when rank 0 has finished that step; at each ``fail_at``
-    (step, node) the ranks of that simulated node are killed.
+    (step, node) the ranks of that simulated node are killed, at each ``freeze_at`` they are
+    stopped (SIGSTOP: found by liveness, then SIGKILLed when the step ends).
     """
     from hpc_ddp.local_heal import LocalHealer
     from hpc_ddp.preemption import read_attempts
@@ -276,13 +252,15 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
     healer = LocalHealer.for_config(config_path, nodes)
-    problem = healer.fail_at_problem(fail_at)
+    problem = healer.fail_at_problem(fail_at) or freeze_problem(freeze_at, len(healer.training))
     if problem:
         err.write(f"error: {problem}\n")
         return EXIT_USAGE
     restart = 0
     marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
     kills = [(step, lambda node=node, step=step: healer.kill(node, marks())) for step, node in fail_at]
+    freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training, tasks_per_node, node))
+                                for step, node in freeze_at]
     watch: dict[str, object] = {"step": None, "line": ""}
     earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
     done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
@@ -291,10 +269,12 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
         started = round(time.time(), 3)
         code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
                       restart_count=restart, events=events, stream=stream, err=err, watch=watch,
-                      log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills)
+                      log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills,
+                      freezes=freezes)
         steps += 1
-        if code == 0 and (events or kills) and not done_before:  # the run ended before a stop it was to rehearse
-            err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills]) + "\n")
+        if code == 0 and (events or kills or freezes) and not done_before:  # ended before what it was to rehearse
+            err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills],
+                              freezes=[s for s, _ in freezes]) + "\n")
             return 1
         if code in (0, EXIT_INTERRUPTED):
             return code
@@ -305,7 +285,8 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
                              limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
                              in_job=healer.index,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
-                             extra={"hosts": compress_hostlist(healer.training), "start": started})
+                             extra={"hosts": compress_hostlist(healer.training), "start": started,
+                                    **liveness.ledger_fields(run_dir, job_id, restart, healer.index)})
             why_not, healer.memory.why_not = healer.memory.why_not, ""
             err.write(f"[local] attempt {restart}, job step {healer.index} ended with exit code {code}: {outcome}"
                       + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
@@ -316,22 +297,3 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
         restart += 1
         healer.requeued()
         err.write(f"[local] attempt {restart - 1} ended; requeued as attempt {restart}\n")
-
-
-def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress: re.Pattern[str] | None,
-            kills: Sequence[int] = ()) -> str:
-    """Why the injected stops left in ``events`` never fired, naming each flag: the rehearsal did not happen."""
-    flags = ", ".join([f"{'--preempt-at' if signum == signal.SIGTERM else '--timeout-at'} {step}"
-                       for step, signum in events] + [f"--fail-at {step}" for step in kills])
-    step = watch.get("step")
-    if progress is not None and not step:
-        why = (f"no line of rank 0's output matched train.script_progress ({progress.pattern!r}), so the "
-               f"rehearsal never learned the script's step; its last line was {watch.get('line')!r}. HINT: set "
-               "train.script_progress to a regex whose first group is the step in that line")
-    elif not step:
-        why = ("rank 0 reported no step after the start: a loop reports its step in run.boundary(step), which is "
-               "also where it acts on a stop. HINT: call `if run.boundary(step): return` after every optimizer step")
-    else:
-        why = f"the run finished at step {step} first. HINT: choose steps below the run's last step"
-    what = "stop" if events else "failure"
-    return f"error: {flags} never fired: {why}. The run finished, but the {what} was not rehearsed."

@@ -82,6 +82,7 @@ class Attempt:
     holder: dict[str, Any] = field(default_factory=dict)  # who this job is, for the run dir's lock
     code: int | None = None  # this rank's exit code, once the attempt is closed
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
+    liveness: Any = None  # this rank's hpc_ddp.liveness.Liveness while it beats
 
     def __post_init__(self) -> None:
         self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
@@ -147,7 +148,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     own = environ.get(CONTROL_GROUP_VAR) == "own"  # tests: control traffic on its own group even over gloo
-    with process_group(env, cfg.dist, peer_error, dumps=dumps, own_control_group=own or None) as device:
+    with beating(attempt), process_group(env, cfg.dist, peer_error, dumps=dumps,
+                                         own_control_group=own or None) as device:
         import torch.distributed as dist
 
         from hpc_ddp import control
@@ -192,6 +194,22 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
         finally:
             if env.is_main and not attempt.wrapped:
                 release(attempt.run_dir, attempt.holder)
+
+
+@contextlib.contextmanager
+def beating(attempt: Attempt) -> Iterator[None]:
+    """This rank's liveness beats (:mod:`hpc_ddp.liveness`) for the attempt, from before the rendezvous (a node
+    that freezes in it is found too) to after the closing barrier; the last beat says it left, on every way
+    out. A wrapped script's own session does not beat: the worker that started it does."""
+    from hpc_ddp import liveness
+
+    attempt.liveness = None if attempt.wrapped else liveness.start(attempt.run_dir, attempt.cfg.dist, attempt.env,
+                                                                  attempt.environ)
+    try:
+        yield
+    finally:
+        if attempt.liveness is not None:
+            attempt.liveness.leave()
 
 
 def _note_ignored_stop(attempt: Attempt, run: Run) -> None:
@@ -248,6 +266,8 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
                                                 if dumped is not None else {})})
         from hpc_ddp.shutdown import exit_fast
 
+        if attempt.liveness is not None:
+            attempt.liveness.leave()  # this exit is the hang's, not a lost rank's
         exit_fast(EXIT_HUNG)
     return on_hang
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp import liveness
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.preemption import TICK_S, append_attempt, attempt_fields, attempt_key, read_attempts
 
@@ -111,14 +112,10 @@ def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nod
                per_node: int) -> dict[str, str]:
     """The nodes of the ranks the survivors declared lost (they stopped beating for dist.liveness_s:
     frozen, or gone without closing a socket). Hard suspects: a frozen node is not tried again."""
-    try:
-        from hpc_ddp import liveness
-    except ImportError:  # pragma: no cover - liveness lands with its own module
-        return {}
     found: dict[str, str] = {}
     for rank, host in sorted(liveness.lost_ranks(run_dir, job_id, restart, in_job).items()):
-        node = host if host in nodes else nodes[rank // max(1, per_node)] if rank // max(1, per_node) < len(nodes) \
-            else None
+        index = rank // max(1, per_node)
+        node = host if host in nodes else nodes[index] if index < len(nodes) else None
         if node is not None:
             found.setdefault(node, f"rank {rank} stopped beating (liveness): frozen or lost")
     return found

@@ -42,6 +42,7 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30     # a node lost, healed
+  python -m hpc_ddp.submit examples/mlp.yaml --local --freeze-at 30:0 dist.liveness_s=5  # a node frozen, found
   python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "30,60 (NODE: its index among the training nodes, from 0; default the last). The rehearsal "
                         "heals as the batch shell would: a spare takes its place (slurm.spare_nodes), or the run "
                         "goes on with fewer nodes (a slurm.nodes range); else the requeue path (slurm.max_failures)")
+    parser.add_argument("--freeze-at", type=_fail_at, default=[], metavar="STEP[:NODE],...",
+                        help="with --local: freeze a simulated node (SIGSTOP its ranks) after STEP, as --fail-at "
+                        "names it; nothing closes, so the rank watching it declares it lost after dist.liveness_s "
+                        "and the step ends (exit 6), healed like --fail-at")
     return parser
 
 
@@ -253,7 +258,8 @@ def batch_plans(cfg: RunConfig) -> str:
 
 
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
-              again: str = "", fail_at: list[tuple[int, int | None]] | None = None) -> int:
+              again: str = "", fail_at: list[tuple[int, int | None]] | None = None,
+              freeze_at: list[tuple[int, int | None]] | None = None) -> int:
     """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C)."""
     from hpc_ddp.local import EXIT_INTERRUPTED, rehearse
     from hpc_ddp.preemption import signal_number
@@ -272,7 +278,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     try:
         code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
                         preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal),
-                        fail_at=fail_at or [])
+                        fail_at=fail_at or [], freeze_at=freeze_at or [])
         code = 128 - code if code < 0 else code  # a rank killed by a signal: as a shell reports it (-9 -> 137)
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
@@ -515,9 +521,9 @@ def _found_from(cfg: RunConfig) -> str:
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
-    if (args.preempt_at or args.timeout_at or args.fail_at) and not args.local:
-        return ("--preempt-at, --timeout-at and --fail-at go with --local. HINT: they rehearse stops and failures "
-                "on this machine; add --local (a job on the cluster gets its stops from Slurm)")
+    if (args.preempt_at or args.timeout_at or args.fail_at or args.freeze_at) and not args.local:
+        return ("--preempt-at, --timeout-at and --fail-at go with --local, as does --freeze-at. HINT: they rehearse "
+                "stops and failures on this machine; add --local (a job on the cluster gets its stops from Slurm)")
     if args.launcher != "srun" and not args.emit_sbatch:
         return "--launcher goes with --emit-sbatch (submit and --local start one worker per task)"
     if args.multirun and args.emit_sbatch:
@@ -547,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in cfgs:  # the Slurm path checks this in preflight
                 require_extras(cfg.metrics)
             again = resume_command(args.items, args.multirun)
-            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at) for cfg in cfgs]
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at, args.freeze_at)
+                     for cfg in cfgs]
             return next((code for code in codes if code), 0)
         if not args.no_preflight:
             check_preflight(cfgs[0], slurm=not args.emit_sbatch)

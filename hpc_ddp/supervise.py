@@ -32,11 +32,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp import heal
+from hpc_ddp import heal, liveness
 from hpc_ddp import shell_rules as rules
 from hpc_ddp.batching import node_counts
 from hpc_ddp.config import RunConfig, load_config
@@ -46,6 +45,7 @@ from hpc_ddp.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.preemption import attempt_key, caps, job_end_time, job_spec, read_attempts, requeue, signal_number
 from hpc_ddp.settle import last_known, pick_config, settle
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, in_job_port
+from hpc_ddp.steps import Srun, Step, run_srun, srun_lines_before
 
 PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
 EPILOG = """\
@@ -54,44 +54,6 @@ examples (the last line of a batch script; the srun line is the step it supervis
       srun --kill-on-bad-exit=1 python -m hpc_ddp.worker --config runs/mlp/config.yaml
   python -m hpc_ddp.supervise --exit-code $? runs/mlp/config.yaml -- srun ...   # the first step already ran
 """
-
-
-@dataclass
-class Step:
-    """One step of the job: the nodes it ran on, how it ended and what srun said."""
-
-    nodes: list[str]
-    index: int = 0  # the in-job restart it is (0: the job's first step)
-    code: int = 0
-    srun_lines: list[str] = field(default_factory=list)
-    start: float | None = None  # when the batch shell started it (None: submitit's own step)
-    healed: dict[str, Any] | None = None  # how it came to be (an in-job restart), for its ledger line
-
-
-Srun = Callable[[Sequence[str], Mapping[str, str], "float | None"], tuple[int, list[str]]]
-
-
-def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | None = None,
-             warning: int = signal.SIGUSR2) -> tuple[int, list[str]]:
-    """Run a step; srun's stderr is relayed line by line (it names the failed task's node) and kept. With
-    ``warn_in``, srun gets the stop warning that many seconds from now (srun forwards it to every task)."""
-    proc = subprocess.Popen(list(argv), env=dict(environ), stderr=subprocess.PIPE, text=True, errors="replace")
-    timer = None
-    if warn_in is not None:
-        timer = threading.Timer(warn_in, lambda: proc.poll() is None and proc.send_signal(warning))
-        timer.daemon = True
-        timer.start()
-    lines: list[str] = []
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-        if line.startswith("srun:"):
-            lines.append(line.rstrip("\n"))
-    code = proc.wait()
-    if timer is not None:
-        timer.cancel()
-    return code, lines
 
 
 class Supervisor:
@@ -307,21 +269,8 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
                   limits=caps(sup.cfg.slurm), requeue_job=(lambda: requeue(spec, sup.runner)) if spec else None,
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
                   extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
-                         **({"healed": step.healed} if step.healed else {})})
-
-
-def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:", tail_bytes: int = 1 << 16) -> list[str]:
-    """srun's own lines in this shell's stderr file since the last supervise line: what srun said of the step
-    submitit ran before handing over (its srun writes there; a requeued job appends to the same file)."""
-    try:
-        with open(stderr, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - tail_bytes))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return []
-    last = max((i for i, line in enumerate(lines) if line.startswith(marker)), default=-1)
-    return [line for line in lines[last + 1:] if line.startswith("srun:")]
+                         **({"healed": step.healed} if step.healed else {}),
+                         **liveness.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
 
 
 def ran_on(sup: Supervisor) -> list[str]:

@@ -8,7 +8,8 @@ for opening and closing the run, :mod:`hpc_ddp.script` for scripts).
 :func:`session` is the same for a script of your own: ``with hpc_ddp.session() as run:``.
 Exit codes: 0 finished (or cancelled, or interrupted with Ctrl-C: snapshot
 committed, not requeued), 3 stopped for a requeue, 4 hung (the watchdog ended
-it), 5 another job holds the run dir, 2 bad config, task or environment (recorded
+it), 5 another job holds the run dir, 6 the rank this one watches was lost (no
+liveness beat for ``dist.liveness_s``), 2 bad config, task or environment (recorded
 in the ledger as ``error`` and never requeued: it would fail the same way), 1 any
 other failure (traceback in the log, prefixed by the rank) or a requeue cap reached.
 """
@@ -43,8 +44,8 @@ from hpc_ddp.helptext import add_version, for_help  # noqa: E402
 from hpc_ddp import layout
 from hpc_ddp.config import RunConfig, load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_ERROR, attempt_fields, cap_reached, caps, read_attempts, record_error,
-                                signal_number)
+from hpc_ddp.preemption import (EXIT_ERROR, attempt_fields, cap_reached, caps, note_error, read_attempts,
+                                record_error, signal_number)
 from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError
 from hpc_ddp.slurm_env import DistEnv, from_environ
 from hpc_ddp.whoami import describe
@@ -109,10 +110,13 @@ def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag) -> Prep
 def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
     """A deterministic error goes into the ledger once (a requeue would fail the same way after another
     wait in the queue); a lock refusal leaves the run, which belongs to another job, untouched."""
-    if isinstance(err, RunLockedError) or err.retry_may_help:
+    if isinstance(err, RunLockedError):
         return
     record = {**attempt_fields(env.job_id, env.restart_count, env.in_job), "rank": env.rank,
               "end": round(time.time(), 3)}
+    if err.retry_may_help:  # a failure (the batch shell settles, heals or requeues it): no `error` line, but
+        note_error(run_dir, record, str(err))  # the message, for the ranks still waiting at the rendezvous
+        return
     record_error(run_dir, record, str(err))
 
 
@@ -120,13 +124,14 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
              attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
     """Open the run, hand it to the program (a Task's Trainer or a ``train.loop`` function), close it;
     or, for ``train.script``, run the script as this task's program (:mod:`hpc_ddp.script`)."""
-    from hpc_ddp.session import Attempt, open_run
+    from hpc_ddp.session import Attempt, beating, open_run
 
     attempt = Attempt(cfg, env, environ, flag, attempts, limits)
     if cfg.train.script:
         from hpc_ddp.script import run_script
 
-        return run_script(attempt)
+        with beating(attempt):  # the script's process group is its own: this worker beats for its rank
+            return run_script(attempt)
     program = _program(cfg)
     with open_run(attempt) as run:
         program(run)

@@ -73,8 +73,9 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert [(a["reason"], a["job_id"], a.get("in_job", 0)) for a in attempts] == [
         ("failed", int(job), 0), ("finished", int(job), 1)]
     healed = attempts[1]["healed"]
-    assert healed["how"] == "replaced" and list(healed["excluded"]) == ["n1"]  # ranks 0-1 were on n1
-    assert attempts[1]["hosts"] == "n[2-3]" and attempts[1]["resumed_from"] == 20
+    assert attempts[0]["hosts"] == "n[2-3]"  # n1 runs the batch shell: with a spare it is the spare
+    assert healed["how"] == "replaced" and list(healed["excluded"]) == ["n2"]  # ranks 0-1 were on n2
+    assert attempts[1]["hosts"] == "n[1,3]" and attempts[1]["resumed_from"] == 20
     assert "Restarts=0" in scontrol("show", "job", job)
     assert losses(killed) == expected_losses  # every step once, and the same numbers
     assert json.loads((killed / "DONE.json").read_text())["params_sha256"] == expected
@@ -103,8 +104,21 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     attempts = read_attempts(hung)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("hung", 0), ("finished", 1)]
     assert attempts[0]["stuck_ranks"] == [1] and attempts[1]["healed"]["how"] == "replaced"
-    assert "rank 1 was stuck (watchdog)" in attempts[1]["healed"]["excluded"]["n1"]  # ranks 0-1 are on n1
+    assert "rank 1 was stuck (watchdog)" in attempts[1]["healed"]["excluded"]["n2"]  # ranks 0-1 are on n2
     assert json.loads((hung / "DONE.json").read_text())["params_sha256"] == expected
+
+    # (f) rank 1 freezes at step 23 (SIGSTOP: no socket closes, srun sees nothing): its peer misses its beats for
+    # dist.liveness_s (30 s by default) and ends the step; the frozen node is excluded, the spare joins. Without
+    # liveness the step would wait out dist.timeout_s (600 s), past wait_done's limit.
+    frozen = tmp_path / "frozen"
+    job = submit(frozen, "stop:1:23", "slurm.spare_nodes=1")
+    wait_done(frozen)
+    attempts = read_attempts(frozen)
+    assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
+    assert attempts[0]["lost_ranks"] == [1] and attempts[0]["lost_hosts"] == ["n2"]  # ranks 0-1 are on n2
+    assert "stopped beating" in attempts[1]["healed"]["excluded"]["n2"] and attempts[1]["hosts"] == "n[1,3]"
+    assert "Restarts=0" in scontrol("show", "job", job)
+    assert json.loads((frozen / "DONE.json").read_text())["params_sha256"] == expected
 
     # (e) in-job restarts used up (0 allowed): the requeue path under slurm.max_failures, as before healing
     requeued = tmp_path / "requeued"
@@ -150,7 +164,45 @@ def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cl
         assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], (
             launcher, attempts, log[-3000:])
         # srun names the node whose task died first (under torchrun: whose torchrun exited first)
-        assert attempts[1]["healed"]["how"] == "replaced" and attempts[1]["hosts"] in ("n[1,3]", "n[2-3]"), (
+        assert attempts[0]["hosts"] == "n[2-3]", (launcher, attempts)  # the batch host n1 is the spare
+        assert attempts[1]["healed"]["how"] == "replaced" and attempts[1]["hosts"] in ("n[1,3]", "n[1-2]"), (
             launcher, attempts)
         assert "Restarts=0" in scontrol("show", "job", job)
         assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected, launcher
+
+
+def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm_cluster: ClusterSpec,
+                                                                          tmp_path: Path) -> None:
+    """A 1-node job with two spares (the whole cluster): n1 runs the batch shell, so n2 trains; n2 is marked
+    down, n3 takes over; n3 is marked down before the run logs another step (the same point: before, the
+    second loss was "failed twice in a row" and, with max_failures=0, the end of the run). It heals twice in
+    the same job, the batch host trains last, and the run ends bit-identical to an uninterrupted one."""
+    options = ["slurm.nodes=1", "slurm.spare_nodes=2", "slurm.max_failures=0"]
+    reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *OPTIONS, "slurm.nodes=1", "--local",
+                                f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    run_dir = tmp_path / "twice"
+    job = submit(run_dir, "slow:-1:0.15", *options)
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_until(lambda: metrics.exists() and max(losses(run_dir), default=0) >= 15, 120)
+    downed = []
+    try:
+        for node in ("n2", "n3"):  # the first training node, then the spare that replaced it
+            scontrol("update", f"nodename={node}", "state=down", "reason=hpc_ddp-heal-test")
+            downed.append(node)
+            if node == "n2":  # the batch shell starts the next step: take its node before it logs a step
+                step = run_dir / "step.json"
+                started = lambda: step.exists() and json.loads(step.read_text()).get("in_job") == 1  # noqa: E731
+                assert wait_until(started, 120), read_attempts(run_dir)
+        wait_done(run_dir)
+    finally:
+        for node in downed:
+            scontrol("update", f"nodename={node}", "state=resume")
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a.get("in_job", 0), a["hosts"]) for a in attempts] == [
+        ("failed", 0, "n2"), ("failed", 1, "n3"), ("finished", 2, "n1")], attempts
+    assert [a["healed"]["how"] for a in attempts[1:]] == ["replaced", "replaced"]
+    assert "Restarts=0" in scontrol("show", "job", job)
+    expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
+    assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected

@@ -36,7 +36,7 @@ class NoLoss:
 
 
 class Faulty(MLPTask):
-    """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (KIND raise, kill or sleep).
+    """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (KIND raise, kill, sleep or stop).
 
     The fault hits the given rank in the loss of its STEP-th training step of the first
     attempt (SLURM_RESTART_COUNT=0, the job's first step) only, so a requeued or healed attempt runs clean. "slow:-1:S"
@@ -63,6 +63,8 @@ class Faulty(MLPTask):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.kind == "sleep":
                     time.sleep(3600)  # a rank that stops making progress outside any collective
+                if self.kind == "stop":  # a frozen node as seen from outside: every thread stops, no socket closes
+                    os.kill(os.getpid(), signal.SIGSTOP)
         return super().loss(model, batch)
 
 

@@ -1,0 +1,264 @@
+"""Liveness: a frozen rank or node is found in seconds (hpc_ddp.liveness).
+
+The pure parts with a fake clock (the judge, the beat format, the reader, the config rules),
+then real rehearsals: a node frozen with SIGSTOP ends the job within dist.liveness_s plus
+seconds (for our Trainer and for a wrapped torchrun script, whose worker beats), and a
+rank-0-only evaluation longer than dist.liveness_s is slow, not lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp import layout, liveness
+from hpc_ddp.config import load_config
+from hpc_ddp.errors import ConfigError
+from hpc_ddp.liveness import Beat, Judge, Liveness, decode, effective, encode, lost_ranks
+from hpc_ddp.local_inject import freeze_problem, unfired
+from hpc_ddp.preemption import read_attempts
+from tests.helpers import alive_with, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+LIVENESS_S = 3
+# dist.timeout_s far above the test's own limit: a job that waited for the hang watchdog fails the test
+SLOW = ["dist.timeout_s=3600", f"dist.liveness_s={LIVENESS_S}", "slurm.max_restarts_in_job=0"]
+TEST_TIMEOUT_S = 300
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(count: int, left: bool = False, tag: str = "job-7-restart-0") -> Beat:
+    return Beat(tag, 1, "node1", count, left)
+
+
+# --- the judge: one watcher's view of one peer, by its own clock ---
+
+def test_a_peer_that_stops_beating_is_lost_after_liveness_s_of_silence_and_not_before() -> None:
+    judge = Judge(3.0)
+    assert judge.observe(beat(1), 0.0) is None
+    assert judge.observe(beat(2), 0.5) is None
+    silences = [judge.observe(beat(2), 0.5 + 0.5 * i) for i in range(1, 7)]  # the counter stays at 2
+    assert silences[:5] == [None] * 5 and silences[5] == pytest.approx(3.0)
+    assert judge.last == beat(2)
+
+
+def test_a_peer_that_beats_however_slowly_it_trains_is_never_lost() -> None:
+    judge = Judge(3.0)
+    assert all(judge.observe(beat(i), 0.5 * i) is None for i in range(1, 200))
+
+
+def test_a_peer_that_has_not_beaten_yet_is_not_judged() -> None:
+    judge = Judge(3.0)
+    assert all(judge.observe(None, 0.5 * i) is None for i in range(200))
+
+
+def test_a_peer_that_left_is_never_lost() -> None:
+    judge = Judge(3.0)
+    judge.observe(beat(1), 0.0)
+    judge.observe(beat(2, left=True), 0.5)
+    assert all(judge.observe(None, 0.5 * i) is None for i in range(2, 100)) and judge.left
+
+
+def test_silence_the_watcher_could_not_watch_is_not_counted() -> None:
+    """Its own thread starved, the file server stalled, or the job suspended: the window starts again."""
+    judge = Judge(3.0)
+    judge.observe(beat(1), 0.0)
+    judge.observe(beat(1), 0.5)
+    assert judge.observe(beat(1), 60.0) is None  # 59.5 s unwatched
+    later = [judge.observe(beat(1), 60.0 + 0.5 * i) for i in range(1, 7)]  # watched again, every 0.5 s
+    assert later[:5] == [None] * 5 and later[5] == pytest.approx(3.0)
+
+
+def test_an_unreadable_beat_after_good_ones_is_silence_not_a_reset() -> None:
+    judge = Judge(3.0)
+    judge.observe(beat(5), 0.0)
+    results = [judge.observe(None, 0.5 * i) for i in range(1, 7)]
+    assert results[-1] == pytest.approx(3.0)
+
+
+# --- the beat file ---
+
+def test_beats_have_one_width_and_decode_only_for_their_attempt() -> None:
+    raw = encode(Beat("job-7-restart-0", 3, "node1", 12, wall=1.5))
+    assert len(raw) == liveness.WIDTH == len(encode(Beat("job-7-restart-0", 3, "node1", 10**9, left=True)))
+    assert decode(raw, "job-7-restart-0") == Beat("job-7-restart-0", 3, "node1", 12, False, 1.5)
+    assert decode(raw, "job-7-restart-1") is None  # an older attempt's beat: not this attempt's peer
+    assert decode(raw[:40], "job-7-restart-0") is None and decode(b"", "job-7-restart-0") is None
+    # a longer beat written over a shorter one leaves nothing that matters: the first JSON object counts
+    assert decode(raw + b"}garbage", "job-7-restart-0") == decode(raw, "job-7-restart-0")
+
+
+def test_the_period_and_when_liveness_is_off() -> None:
+    assert liveness.period(30) == 5 and liveness.period(1) == liveness.MIN_PERIOD_S
+    assert effective(30, 600) == 30 and effective(3, 6) == 3
+    assert effective(None, 600) is None and effective(0, 600) is None
+    assert effective(30, 40) is None  # more than half of dist.timeout_s: the watchdog would speak first
+
+
+def test_liveness_needs_no_torch() -> None:
+    """The batch shell reads lost_ranks, and a train.script's worker beats: neither imports torch."""
+    code = "import sys, hpc_ddp.liveness, hpc_ddp.local; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
+        "False"
+
+
+def test_the_host_is_the_slurm_node_name() -> None:
+    assert liveness.host_of({"SLURMD_NODENAME": "gpu7"}, ("a", "b"), 1) == "gpu7"
+    assert liveness.host_of({}, ("a", "b"), 1) == "b"
+
+
+# --- two ranks in one process, with a fake clock: the I/O through the run dir ---
+
+def pair(run_dir: Path, clock: Clock, lost: list[str], in_job: int = 0) -> tuple[Liveness, Liveness]:
+    return tuple(Liveness(run_dir, 7, 0, in_job, rank, 2, f"node{rank}", LIVENESS_S, on_lost=lost.append,
+                          clock=clock) for rank in (0, 1))  # type: ignore[return-value]
+
+
+def test_a_silent_peer_is_declared_lost_with_a_marker_that_names_it_and_its_host(tmp_path: Path) -> None:
+    clock, lost = Clock(), []
+    watcher, peer = pair(tmp_path, clock, lost)
+    for _ in range(4):
+        peer.beat()
+        assert watcher.check() is None
+        clock.now += 0.5
+    silences = []
+    while not lost and clock.now < 10:  # the peer freezes: no more beats
+        silences.append(watcher.check())
+        clock.now += 0.5
+    assert lost and silences[-1] is not None and LIVENESS_S <= silences[-1] < LIVENESS_S + 1
+    assert "rank 1 on node1 is lost: no liveness beat for 3s" in lost[0] and "HINT" in lost[0]
+    assert lost_ranks(tmp_path, 7, 0, 0) == {1: "node1"}
+    marker = json.loads(layout.lost_marker(tmp_path, "job-7-restart-0", 1).read_text())
+    assert marker["by_rank"] == 0 and marker["silent_s"] >= LIVENESS_S and marker["last_beat"] == 4
+    assert "rank 1 on node1 lost" in liveness.describe(tmp_path, 7, 0)
+    assert liveness.ledger_fields(tmp_path, 7, 0) == {
+        "lost_ranks": [1], "lost_hosts": ["node1"], "message": liveness.describe(tmp_path, 7, 0)}
+    assert (tmp_path / "errors" / "job-7-restart-0-crash-rank-1.txt").exists()  # for a train.script's workers
+    # the watcher said it leaves: its own watcher never takes it for lost
+    assert decode(layout.beat(tmp_path, 0).read_bytes(), "job-7-restart-0").left  # type: ignore[union-attr]
+    assert lost_ranks(tmp_path, 7, 1, 0) == {} and lost_ranks(tmp_path, 7, 0, 1) == {}  # other attempts
+
+
+def test_a_peer_that_left_is_not_lost_and_nobody_is_watched_after(tmp_path: Path) -> None:
+    clock, lost = Clock(), []
+    watcher, peer = pair(tmp_path, clock, lost)
+    peer.beat()
+    watcher.check()
+    peer.leave()
+    peer.beat()  # a beat after leaving writes nothing
+    for _ in range(40):
+        clock.now += 0.5
+        assert watcher.check() is None
+    assert not lost and lost_ranks(tmp_path, 7, 0, 0) == {} and watcher.peer == watcher.rank
+
+
+def test_a_peer_of_an_earlier_attempt_is_not_judged(tmp_path: Path) -> None:
+    clock, lost = Clock(), []
+    _, old_peer = pair(tmp_path, clock, lost)
+    watcher, _ = pair(tmp_path, clock, lost, in_job=1)
+    old_peer.beat()  # rank 1's file holds the earlier attempt's beat; this attempt's rank 1 never starts
+    for _ in range(40):
+        clock.now += 0.5
+        assert watcher.check() is None
+    assert not lost
+
+
+def test_the_thread_beats_and_declares_a_frozen_peer_lost(tmp_path: Path) -> None:
+    """The real thread and clock: a peer whose thread stops without a last beat (as a frozen process's does)."""
+    lost: list[str] = []
+    found = threading.Event()
+    watcher = Liveness(tmp_path, 8, 0, 0, 0, 2, "node0", 1, on_lost=lambda m: (lost.append(m), found.set()))
+    peer = Liveness(tmp_path, 8, 0, 0, 1, 2, "node1", 1, on_lost=lost.append)
+    peer.start()
+    watcher.start()
+    assert wait_until(lambda: watcher.judge.count is not None and watcher.judge.count >= 3, timeout=30, poll=0.05)
+    assert not lost
+    peer._stopped.set()  # frozen: no more beats, no last one
+    assert found.wait(timeout=30) and lost_ranks(tmp_path, 8, 0, 0) == {1: "node1"}
+    watcher.leave()
+
+
+# --- the config ---
+
+@pytest.mark.parametrize("value", ["-1", "0.5", "'abc'"])
+def test_a_bad_liveness_s_names_the_key(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config([ROOT / "examples" / "mlp.yaml"], [f"dist.liveness_s={value}"])
+    assert "dist.liveness_s" in str(err.value)
+
+
+def test_liveness_s_must_be_well_below_the_timeout_and_the_default_steps_aside() -> None:
+    mlp = [ROOT / "examples" / "mlp.yaml"]
+    with pytest.raises(ConfigError) as err:
+        load_config(mlp, ["dist.liveness_s=20", "dist.timeout_s=30"])
+    text = str(err.value)
+    assert "dist.liveness_s=20 is not well below dist.timeout_s=30" in text and "recorded as hung" in text
+    assert "HINT: lower it (dist.liveness_s=7)" in text
+    small = load_config(mlp, ["dist.timeout_s=8"]).dist  # the default with a small timeout: off, not an error
+    assert small.liveness_s == 30 and effective(small.liveness_s, small.timeout_s) is None
+    assert load_config(mlp, ["dist.liveness_s=null"]).dist.liveness_s is None
+    assert effective(load_config(mlp, ["dist.liveness_s=0"]).dist.liveness_s, 600) is None
+
+
+# --- the rehearsal's --freeze-at ---
+
+def test_freeze_at_names_only_training_nodes_and_says_when_it_never_fired() -> None:
+    assert freeze_problem([(5, 1)], 2) is None and freeze_problem([(5, None)], 1) is None
+    assert "HINT: --freeze-at 5:1" in (freeze_problem([(5, 2)], 2) or "")
+    text = unfired([], {"step": 40}, None, freezes=[90])
+    assert "--freeze-at 90 never fired" in text and "the failure was not rehearsed" in text
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--freeze-at", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "as does --freeze-at" in proc.stderr
+
+
+def rehearse(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "hpc_ddp.submit", "--local", "slurm.nodes=2", "slurm.tasks_per_node=1",
+           f"run_dir={run_dir}", *SLOW, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TEST_TIMEOUT_S,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", [
+    ["examples/mlp.yaml", "train.max_steps=400", "train.log_every=10"],  # our Trainer, in the process group
+    ["examples/torchrun_script.yaml"],  # a wrapped script: its worker beats for it
+], ids=["trainer", "script"])
+def test_a_frozen_node_is_declared_lost_and_the_job_ends_instead_of_waiting(tmp_path: Path,
+                                                                            program: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = rehearse(run_dir, *program, "--freeze-at", "10:1")
+    assert proc.returncode == liveness.EXIT_LOST, proc.stderr[-3000:]
+    assert "freezing node1 (--freeze-at 10): SIGSTOP to its rank 1" in proc.stderr
+    assert "rank 1 on node1 lost (no liveness beat for" in proc.stderr
+    [attempt] = read_attempts(run_dir)[:1]
+    assert attempt["reason"] == "failed" and attempt["exit_code"] == liveness.EXIT_LOST
+    assert attempt["lost_ranks"] == [1] and attempt["lost_hosts"] == ["node1"]
+    assert lost_ranks(run_dir, attempt["job_id"], 0, 0) == {1: "node1"}  # what the batch shell reads
+    assert alive_with(str(run_dir)) == []  # the stopped ranks were SIGKILLed with the step
+
+
+@pytest.mark.slow
+def test_a_rank0_evaluation_longer_than_liveness_s_is_slow_not_lost(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = rehearse(run_dir, "examples/mlp.yaml", "train.task=null", "train.loop=tests.tasks.liveness:rank0_evaluates",
+                    "train.max_steps=6", env={"HPC_DDP_TEST_EVAL_S": str(3 * LIVENESS_S)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [a["reason"] for a in read_attempts(run_dir)] == ["finished"]
+    assert not list((run_dir / "errors").glob("*-lost-rank-*")) and "is lost" not in proc.stderr
+    raw = [json.loads(layout.beat(run_dir, rank).read_text()) for rank in (0, 1)]
+    assert [b["state"] for b in raw] == ["left", "left"]  # both left cleanly
+    assert all(b["count"] > 3 * LIVENESS_S / liveness.period(LIVENESS_S) for b in raw)  # they beat all along
