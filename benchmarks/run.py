@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import interleaved, median, wall
+from hpc_ddp import metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
@@ -117,13 +118,13 @@ def b5_slurm() -> dict[str, Any]:
                               env=env, capture_output=True, text=True, check=True)
         job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
         first = _wait(lambda: metrics.exists() and metrics.stat().st_size > 0, 180) - begin
-        lines = lambda: metrics.read_text().splitlines()  # noqa: E731
+        lines = lambda: metrics_file.entries(metrics.read_text().splitlines())  # noqa: E731  (whole lines only)
         _wait(lambda: len(lines()) >= 20, 120)
         signalled = time.perf_counter()
         subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
         _wait(lambda: (run_dir / "attempts.jsonl").exists(), 120)
         stopped = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[0])["last_step"]
-        resumed = _wait(lambda: any(json.loads(x)["step"] > stopped for x in lines()), 300) - signalled
+        resumed = _wait(lambda: any(x["step"] > stopped for x in lines()), 300) - signalled
         subprocess.run(["scancel", job], env=env, check=False)  # the run dir goes; the job ends on its own
     return {"submit_to_first_step_s": round(first, 2), "signal_to_first_resumed_step_s": round(resumed, 2),
             "target": "(reported; no target)", "met": None,
@@ -163,9 +164,9 @@ def b10_healing() -> dict[str, Any]:
                            check=True)
             _wait(lambda: (run_dir / "DONE.json").exists(), 300)
             died = float(stamp.read_text())
-            lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            # the resumed run's first line is where the steps go back (to the snapshot's next step)
-            first = next(b for a, b in zip(lines, lines[1:]) if b["step"] <= a["step"])
+            lines = metrics_file.entries((run_dir / "metrics.jsonl").read_text().splitlines())
+            # the resumed run's first line: where an attempt begins, by the rule every reader uses
+            first = lines[metrics_file.resumes(lines)[-1][0]]
             seconds[name] = round(first["time"] - died, 2)
     ratio = round(seconds["in_job"] / seconds["requeue"], 3)
     return {"in_job_s": seconds["in_job"], "requeue_s": seconds["requeue"], "in_job_vs_requeue": ratio,

@@ -22,6 +22,7 @@ PUBLIC = {
                             "any_rank", "exit_fast"],
     "hpc_ddp.sampler": ["ShardSampler"],
     "hpc_ddp.preemption": ["StopFlag", "stop_reason", "requeue", "read_attempts", "cap_reached"],
+    "hpc_ddp.metrics_file": ["read", "history", "line"],
     "hpc_ddp.snapshot": ["committed_steps", "choose", "read_state", "file_problem", "load_file", "commit", "prune"],
     "hpc_ddp.checkpointer": ["Checkpointer"],
     "hpc_ddp.watchdog": ["Watchdog", "laggards"],

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.helptext import add_version, for_help
-from hpc_ddp import layout
+from hpc_ddp import layout, metrics_file
 from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import job_state, read_attempts
 
@@ -47,24 +47,6 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl, one entry per step in step order: where an attempt resumed from an older snapshot
-    and logged a step again, its (later) value wins, as in TensorBoard."""
-    try:
-        lines = layout.metrics(run_dir).read_text().splitlines()
-    except OSError:
-        return []
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash mid-write
-        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
-            by_step[entry["step"]] = entry
-    return [by_step[step] for step in sorted(by_step)]
 
 
 def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
@@ -124,7 +106,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     from hpc_ddp import snapshot  # manifests only: no torch
 
     job = _read_json(layout.job(run_dir)) or {}
-    metrics = _metrics(run_dir)
+    metrics = metrics_file.read(run_dir)  # one record per step: a resumed attempt's values replace replays
     done = _read_json(layout.done(run_dir))
     attempts = read_attempts(run_dir)
     job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)
@@ -294,7 +276,8 @@ def _log_scale(ax: Any, span: float) -> None:
 
 
 def plot(run_dir: Path, out: Path) -> str:
-    """Write the loss curve of ``run_dir`` (one line per attempt, so requeues show) to ``out``."""
+    """Write the loss curve of ``run_dir`` to ``out``: each step once, with the value of the newest attempt
+    that logged it (:mod:`hpc_ddp.metrics_file`), and a dotted line where each requeued attempt resumed."""
     try:
         import matplotlib
 
@@ -305,7 +288,7 @@ def plot(run_dir: Path, out: Path) -> str:
                                   hint="pip install 'hpc_ddp[plot]' (or pip install matplotlib)"),
                           key="--plot") from None
     cfg = _config(run_dir)
-    metrics = [m for m in _metrics(run_dir) if isinstance(m.get("loss"), (int, float))]
+    metrics = [m for m in metrics_file.read(run_dir) if isinstance(m.get("loss"), (int, float))]
     if not metrics:
         raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no loss yet", hint=_no_loss_hint(
             cfg)), key="--plot")

@@ -1,17 +1,19 @@
 """Where rank 0's metrics go besides metrics.jsonl: TensorBoard and Weights & Biases, one run across requeues.
 
-A run that is stopped and requeued five times is still one run to the person watching it:
+A run that is stopped and requeued five times is still one run to the person watching it, and every
+sink follows the rule of :mod:`hpc_ddp.metrics_file`: **a resumed attempt's values replace the steps it
+replays** (an attempt that crashed after its last snapshot logged steps the next one logs again).
 
 - **TensorBoard** (``metrics.tensorboard=true``, extra ``hpc_ddp[tensorboard]``): event files
   under ``RUN_DIR/tensorboard``. Each attempt opens its writer with ``purge_step`` = the first
-  step it will log, so what an earlier attempt logged after the snapshot it resumed from (a crash
-  between snapshots) is dropped by TensorBoard: one value per step, one continuous curve.
+  step it will log, so TensorBoard's reader drops what an earlier attempt logged from there on:
+  one value per step, the newest attempt's, one continuous curve.
 - **Weights & Biases** (``metrics.wandb=true``, extra ``hpc_ddp[wandb]``): the W&B run id is kept
-  in ``RUN_DIR/wandb_id.txt``; every attempt resumes that run (``resume="allow"``). The sink sends
-  each step once (the first value logged for it): after a crash the replayed steps are not doubled,
-  and not renumbered by ``wandb sync`` either (see :class:`WandbSink`).
+  in ``RUN_DIR/wandb_id.txt``; an attempt that will replay steps W&B holds rewinds that run to its
+  snapshot's step (``wandb.init(resume_from="ID?_step=N")``), any other attempt resumes it
+  (``resume="allow"``); see :class:`WandbSink`, and where W&B cannot rewind.
   ``metrics.wandb_mode=offline`` writes one ``RUN_DIR/wandb/offline-run-*`` per attempt with no
-  network (``wandb sync RUN_DIR/wandb`` uploads them later, in order, as the one run).
+  network (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads them later, in order, as the one run).
 
 Both also get the attempt boundaries (an ``attempt`` scalar at each attempt's first step). The
 extras are checked at submit (:func:`missing_extras`, no import) and when the sink opens.
@@ -81,21 +83,27 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run per hpc_ddp run: the id is made once and kept in the run dir, and no step is sent twice.
+    """One W&B run per hpc_ddp run: the id is made once and kept in the run dir; a resumed attempt's values
+    replace the steps it replays, by W&B's own rewind (``wandb.init(resume_from="ID?_step=N")``).
 
-    Each attempt is a W&B *fragment* of that run (offline: its own ``offline-run-*`` directory,
-    which knows nothing of the others). ``wandb sync`` (0.31) uploads the fragments in start order
-    and renumbers a row whose step is not above every step already uploaded to the next free step,
-    so a crash's replayed steps would shift the rest of the curve. The sink therefore keeps the
-    highest step it handed to W&B in ``RUN_DIR/wandb/hpc_ddp_last_step.txt`` and drops steps at or
-    below it when a later attempt logs them again: the first value logged for a step stays (online,
-    W&B drops them too). hpc_ddp's own markers (``hpc_ddp/*``, such as each attempt's
-    ``hpc_ddp/attempt``) logged at such a step move to the next step that is sent, so every
-    attempt's boundary still shows. Within one attempt, calls go to W&B as they come (several
-    calls at one step make one row).
+    ``RUN_DIR/wandb/hpc_ddp_last_step.txt`` holds the highest step this run dir has sent to W&B
+    (rewritten on every logged step above it). An attempt that resumed from step N while that file
+    says more (a crash after the last snapshot: it will log those steps again) rewinds the W&B run to
+    N; otherwise it resumes it (``resume="allow"``), so a requeue after a clean stop archives
+    nothing. The file is never set back: a rewind that an attempt killed early did not record is
+    asked for again by the next one (rewinding to a step W&B already ends at changes nothing).
+    Online, wandb asks the server to rewind at ``init``; rewind is a W&B server feature in preview,
+    and a server that refuses it (or a run the server does not hold) is answered by resuming
+    instead, with a warning: there, the replayed steps keep their first value. Offline, each attempt
+    is its own ``offline-run-*`` fragment and a rewinding one holds the branch point in its run
+    record (wandb 0.31); ``wandb sync`` uploads the fragments in start order and asks the server to
+    rewind before it uploads that fragment (wandb-core's ``runupserter.InitRun``).
+    hpc_ddp's own markers (``hpc_ddp/*``, such as each attempt's ``hpc_ddp/attempt``) logged at a step
+    W&B already holds move to the next step that is sent, so every attempt's boundary still shows.
     """
 
-    def __init__(self, run_dir: Path, name: str, project: str, mode: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, run_dir: Path, name: str, project: str, mode: str, config: Mapping[str, Any],
+                 resumed_from: int = 0) -> None:
         import wandb
 
         id_file = layout.wandb_id(run_dir)
@@ -103,18 +111,34 @@ class WandbSink:
         if not run_id:
             run_id = secrets.token_hex(4)  # W&B ids: up to 64 of [a-z0-9]; made once, kept for every attempt
             write_atomic(id_file, run_id + "\n")
-        # quiet is a setting, not an argument of finish(): wandb 0.31 dropped finish(quiet=...)
-        self.run = wandb.init(id=run_id, resume="allow", project=project or name, name=name, dir=str(run_dir),
-                              mode=mode, config=dict(config), settings=wandb.Settings(quiet=True))
         self.step_file = run_dir / "wandb" / "hpc_ddp_last_step.txt"
         self.step_file.parent.mkdir(parents=True, exist_ok=True)  # mode=disabled makes no wandb/ of its own
-        # the highest step earlier attempts sent: online, W&B knows it too; offline, only the step file does
-        self.floor = self.last = max(_read_step(self.step_file), self.run.starting_step - 1)
+        sent = _read_step(self.step_file)  # the highest step sent to W&B so far (-1: none, or unreadable)
+        # quiet is a setting, not an argument of finish(): wandb 0.31 dropped finish(quiet=...)
+        args = dict(id=run_id, project=project or name, name=name, dir=str(run_dir), mode=mode, config=dict(config),
+                    settings=wandb.Settings(quiet=True))
+        self.rewound = sent > resumed_from and self._rewind(wandb, args, resumed_from, sent)
+        if not self.rewound:
+            self.run = wandb.init(resume="allow", **args)
+        # W&B takes this attempt's steps above floor: after a rewind, from N + 1; else past what it holds
+        self.floor = resumed_from if self.rewound else max(sent, self.run.starting_step - 1)
+        self.last = max(sent, self.floor)
         self.held: dict[str, float] = {}
+
+    def _rewind(self, wandb: Any, args: dict[str, Any], step: int, sent: int) -> bool:
+        """Open the W&B run rewound to ``step``; False (and a warning) when W&B refuses."""
+        try:
+            self.run = wandb.init(resume_from=f"{args['id']}?_step={step}", **args)
+            return True
+        except Exception as err:  # noqa: BLE001 - the server's answer to a preview feature
+            log.warning("metrics.wandb: W&B did not rewind run %s to step %d (%s: %s); it is resumed instead, and "
+                        "steps %d..%d keep the values W&B already has", args["id"], step, type(err).__name__, err,
+                        step + 1, sent)
+            return False
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         numbers = _numbers(values)
-        if step <= self.floor:  # an earlier attempt sent this step: keep its value
+        if step <= self.floor:  # W&B holds this step already (its marker, or a replay it would not rewind)
             self.held.update({k: v for k, v in numbers.items() if k.startswith("hpc_ddp/")})
             return
         self.run.log({**self.held, **numbers}, step=step)
@@ -138,8 +162,8 @@ def _read_step(path: Path) -> int:
 
 
 def _write_step(path: Path, step: int) -> None:
-    """Record ``step`` as sent, on every logged step: an attempt killed without ``close`` must not have
-    its steps sent again (they would be renumbered). No fsync: a node crash loses W&B's unflushed rows
+    """Record ``step`` as sent, on every logged step above the last: the next attempt must know whether an
+    attempt killed without ``close`` sent steps it will replay. No fsync: a node crash loses W&B's unflushed rows
     too, and a rename never leaves the file half written."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f"{step}\n")
@@ -155,7 +179,7 @@ def open_sinks(cfg: Any, run_dir: Path, first_step: int, config: Mapping[str, An
     require_extras(cfg.metrics)
     makers = {"tensorboard": lambda: TensorBoardSink(run_dir, first_step),
               "wandb": lambda: WandbSink(run_dir, cfg.name, cfg.metrics.wandb_project, cfg.metrics.wandb_mode,
-                                         config)}
+                                         config, first_step - 1)}
     sinks: list[Sink] = []
     for key, make in makers.items():
         if getattr(cfg.metrics, key):

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
+from hpc_ddp import metrics_file
 from hpc_ddp.preemption import read_attempts
 
 
@@ -58,8 +59,9 @@ def submit(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """Rank 0's loss at every logged step, from metrics.jsonl."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    """Rank 0's loss at every logged step, from metrics.jsonl as every reader reads it (hpc_ddp.metrics_file):
+    each step once, the newest attempt's value; a line still being written is skipped."""
+    return {r["step"]: r["loss"] for r in metrics_file.read(run_dir)}
 
 
 def done(run_dir: Path) -> dict:

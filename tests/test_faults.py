@@ -205,7 +205,8 @@ def test_a_deterministic_error_is_launched_once_and_shown_once(tmp_path: Path) -
 
 
 def test_a_taken_rendezvous_port_is_named_on_every_rank_within_seconds(tmp_path: Path) -> None:
-    """dist.timeout_s=600: before, rank 1 waited out 2 x 600 + 30 s (or talked to whatever held the port)."""
+    """dist.timeout_s=600: before, rank 1 waited out 2 x 600 + 30 s (or talked to whatever held the port).
+    Before issue 33 it was exit 2, an `error` that was never healed or requeued."""
     import socket
 
     from hpc_ddp.config import load_config, save_config
@@ -222,10 +223,12 @@ def test_a_taken_rendezvous_port_is_named_on_every_rank_within_seconds(tmp_path:
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for env in rank_environs(1, 2, job_id=31, restart_count=0, port=port, base=os.environ)]
         outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [2, 2], outputs
+    # a failure, not a configuration error: the port may be free for the next step or a requeue (exit 1,
+    # settled as failed by the batch shell, healed or requeued), so no `error` line stops the run
+    assert [rank.returncode for rank in ranks] == [1, 1], outputs
     for text in outputs:
         assert f"the rendezvous port {port} on 127.0.0.1 (node 0" in text and "dist.master_port=" in text, text
-    assert [a["reason"] for a in read_attempts(run_dir)] == ["error"]
+    assert read_attempts(run_dir) == []
 
 
 @pytest.mark.parametrize(("name", "args", "env"), [

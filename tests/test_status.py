@@ -13,7 +13,8 @@ import pytest
 
 from hpc_ddp.config import load_config, save_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.status import _metrics, collect, local_state, main, render, timing
+from hpc_ddp import metrics_file
+from hpc_ddp.status import collect, local_state, main, render, timing
 
 MLP = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.yaml")
 
@@ -50,7 +51,17 @@ def test_a_step_logged_twice_shows_once_with_the_later_value(tmp_path: Path) -> 
     path = run_dir(tmp_path, metrics=[{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 1.5},
                                       {"step": 3, "loss": 1.0}])
     (path / "metrics.jsonl").write_text((path / "metrics.jsonl").read_text() + '{"step": 4, "lo')  # cut by a crash
-    assert [(m["step"], m["loss"]) for m in _metrics(path)] == [(1, 3.0), (2, 1.5), (3, 1.0)]
+    assert [(m["step"], m["loss"]) for m in metrics_file.read(path)] == [(1, 3.0), (2, 1.5), (3, 1.0)]
+
+
+def test_while_an_attempt_replays_steps_status_shows_its_step_not_the_crashed_attempts(tmp_path: Path) -> None:
+    # attempt 0 logged up to 25 and crashed (snapshot 20); attempt 1 resumed from 20 and is at step 22 now
+    crashed = [{"step": s, "loss": 1.0, "time": 1000.0 + s} for s in range(1, 26)]
+    resumed = [{"step": s, "loss": 0.5, "time": 2000.0 + s} for s in (21, 22)]
+    path = run_dir(tmp_path, attempts=[{"reason": "failed", "start": 1000.0, "end": 1030.0, "last_step": 25}],
+                   metrics=crashed + resumed, alive=True)
+    progress = collect(path)["progress"]
+    assert (progress["step"], progress["loss"]) == (22, 0.5)  # what the run has now, as TensorBoard shows it
 
 
 def test_time_used_adds_every_attempt_and_the_eta_comes_from_recent_steps() -> None:
