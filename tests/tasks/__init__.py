@@ -57,9 +57,9 @@ class Faulty(MLPTask):
             if (dist.get_rank(), self.steps) == (self.rank, self.step) and first:
                 if self.kind == "raise":
                     raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+                if self.kind in ("kill", "stop") and os.environ.get("HPC_DDP_TEST_FAULT_STAMP"):
+                    Path(os.environ["HPC_DDP_TEST_FAULT_STAMP"]).write_text(repr(time.time()))  # for B10
                 if self.kind == "kill":
-                    if os.environ.get("HPC_DDP_TEST_FAULT_STAMP"):  # when it died, for benchmarks (B10)
-                        Path(os.environ["HPC_DDP_TEST_FAULT_STAMP"]).write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.kind == "sleep":
                     time.sleep(3600)  # a rank that stops making progress outside any collective
