@@ -120,6 +120,20 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert "Restarts=0" in scontrol("show", "job", job)
     assert json.loads((frozen / "DONE.json").read_text())["params_sha256"] == expected
 
+    # (g) another program holds the rendezvous port: a failure the next step retries on a port of its own (before:
+    # exit 2, a configuration error, never healed or requeued)
+    import socket
+    clash = tmp_path / "clash"
+    with socket.socket() as squatter:
+        squatter.bind(("", 0))
+        squatter.listen(8)
+        port = squatter.getsockname()[1]
+        submit(clash, "none:-1:-1", "slurm.spare_nodes=1", f"dist.master_port={port}")
+        wait_done(clash)
+    attempts = read_attempts(clash)
+    assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
+    assert f"rendezvous port {port}" in (clash / "errors" / f"job-{attempts[0]['job_id']}-restart-0.txt").read_text()
+
     # (e) in-job restarts used up (0 allowed): the requeue path under slurm.max_failures, as before healing
     requeued = tmp_path / "requeued"
     job = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
