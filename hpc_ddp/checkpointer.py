@@ -129,6 +129,7 @@ class Checkpointer:
         # snapshot.load=auto: every rank reads in the local rehearsal (one page cache, B9), spread on a cluster
         self.load = cfg.load if cfg.load != "auto" else ("every_rank" if local else "spread")
         self.config = config  # recorded in every manifest
+        self.refuses_resize: str | None = None  # why the run cannot resume at another world size (the Run says)
         self.last_time = clock()
         self.last_step: int | None = None
         self.pending: int | None = None  # an async snapshot written but not yet committed
@@ -198,7 +199,8 @@ class Checkpointer:
         directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)
         if entries is not None:
             written = [e for e in entries if e]
-            snapshot.commit(directory, step, written, self.env.world_size, self.config_hash, self.config, split=split)
+            snapshot.commit(directory, step, written, self.env.world_size, self.config_hash, self.config, split=split,
+                            refuses_resize=self.refuses_resize)
             # Deleting an old step (~20 ms per 100 MB) need not hold the step up; prune uncommits first,
             # so a process that exits in the middle leaves an ignored leftover, never a broken commit.
             threading.Thread(target=snapshot.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,

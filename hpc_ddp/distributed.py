@@ -132,12 +132,16 @@ def device_for(backend: str, env: DistEnv) -> torch.device:
 def failure_env(environ: Mapping[str, str], dumps: str | None, new_names: bool = True) -> dict[str, str]:
     """The NCCL variables that make a failure end fast and leave a record, where the user set none.
 
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: a communicator whose collective failed or timed out is
-    aborted and the process torn down (torch's default, 3, skips the abort: a wedged
-    communicator can then hold the process, and the job's GPUs, until the walltime). The
-    flight recorder keeps the last collectives of every group (NCCL's and, since torch 2.10,
-    gloo's) and NCCL's own watchdog dumps it on a timeout into ``dumps`` + rank: the run dir's
-    errors/. Our hang watchdog dumps the same record when it fires first (:mod:`hpc_ddp.flight`).
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear down): when a collective fails or outlives the
+    process group's timeout, NCCL's watchdog thread aborts the communicator and ends the process,
+    so a hung NCCL collective ends its rank (and ``srun --kill-on-bad-exit`` the step) instead of
+    blocking it forever, as with 0 (no handling). Set here, it holds whatever the torch version or
+    the site defaults to. torch's default since 2.2 is 3, which ends the process too but skips the
+    abort (``ncclCommAbort`` can itself hang with some NCCL versions); 1 aborts first, as torch's
+    default did before. The flight recorder keeps the last collectives of every group (NCCL's and,
+    since torch 2.10, gloo's) and NCCL's own watchdog dumps it on a timeout into ``dumps`` + rank:
+    the run dir's errors/. Our hang watchdog dumps the same record when it fires first
+    (:mod:`hpc_ddp.flight`).
     ``new_names``: torch names the recorder's variables ``TORCH_FR_*`` (and warns about the old
     ``TORCH_NCCL_*`` ones); a variable the user set under either name is left alone.
     """

@@ -4,9 +4,10 @@ A run that wrote ``DONE.json`` is over; a requeued job that finds it exits at on
 wants more steps resumes it with a larger ``train.max_steps`` (or ``train.epochs``; for a
 ``train.script``, other ``train.args``): the final ``DONE.json`` and ``model.pt`` are set
 aside as ``DONE-step-N.json`` and ``model-step-N.pt`` (nothing is lost), and the job continues
-from the newest snapshot with the ledger, metrics and TensorBoard going on. A ``--resume``
-that changes none of these would train nothing: refused on the login node, with the key to
-raise. Login node: no torch.
+from the newest snapshot with the ledger, metrics and TensorBoard going on. A run stops at
+whichever of ``train.max_steps`` and ``train.epochs`` comes first, so a ``--resume`` after which
+either still ends it at the finished step would train nothing: refused on the login node, with
+the key to raise and a value for it. Login node: no torch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ def _read(path: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
+def limits_reached(cfg: RunConfig, done: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """The keys that would end a resumed run at the step it finished (``done``: DONE.json; ``before``: the
+    finished run's config, flat). A run stops at whichever of train.max_steps and train.epochs comes first,
+    so raising one while the other is still reached trains nothing. [] when the run would train on."""
+    train, step, epoch = cfg.train, done.get("step"), done.get("epoch")
+    if train.max_steps is None and train.epochs is None:
+        return ["train.max_steps"]  # nothing says how far: nothing more would be trained
+    reached = []
+    if train.max_steps is not None and not (isinstance(step, int) and train.max_steps > step):
+        reached.append("train.max_steps")
+    if train.epochs is not None:
+        last = epoch if isinstance(epoch, int) else before.get("train.epochs") or 0  # own loops write no epoch
+        if train.epochs <= last:
+            reached.append("train.epochs")
+    return reached
+
+
 def nothing_to_train(cfg: RunConfig, done: dict[str, Any], before: dict[str, Any]) -> str | None:
     """Why resuming ``cfg`` after a finish recorded in ``done`` (with config ``before``, flat) trains nothing."""
     train = cfg.train
@@ -37,16 +55,21 @@ def nothing_to_train(cfg: RunConfig, done: dict[str, Any], before: dict[str, Any
         return explain(f"--resume: train.script {train.script} already ran to its end (exit 0, DONE.json) with "
                        "these arguments, so the job would do nothing", hint="give it other train.args (e.g. more "
                        "epochs) to run it again, or start a new run with run_dir=...")
-    step = done.get("step")
-    if isinstance(step, int) and train.max_steps is not None and train.max_steps > step:
+    reached = limits_reached(cfg, done, before)
+    if not reached:
         return None
-    if train.epochs is not None and train.epochs > (before.get("train.epochs") or 0):
-        return None
-    more = f"train.max_steps={2 * step}" if isinstance(step, int) and step else "train.max_steps=..."
-    return explain(f"--resume: the run finished at step {step} (DONE.json) and train.max_steps="
-                   f"{train.max_steps}, train.epochs={train.epochs} would train nothing more",
-                   hint=f"raise it on this command line to train it longer (--resume {more}), or start a new "
-                   "run with run_dir=...")
+    step, epoch = done.get("step"), done.get("epoch")
+    values = {"train.max_steps": train.max_steps, "train.epochs": train.epochs}
+    raise_to = {"train.max_steps": 2 * step if isinstance(step, int) and step else "...",
+                "train.epochs": epoch + 1 if isinstance(epoch, int) else "..."}
+    other = next((key for key in values if key not in reached and values[key] is not None), None)
+    first = (f"; {other}={values[other]} would allow more, but the run stops at whichever of train.max_steps "
+             "and train.epochs comes first" if other else "")
+    return explain(f"--resume: the run finished at step {step} (DONE.json) and "
+                   f"{' and '.join(f'{key}={values[key]}' for key in reached)} would end it there again, so it "
+                   f"would train nothing more{first}",
+                   hint=f"raise {' and '.join(reached)} on this command line to train it longer (--resume "
+                   f"{' '.join(f'{key}={raise_to[key]}' for key in reached)}), or start a new run with run_dir=...")
 
 
 def check(cfg: RunConfig) -> None:
@@ -58,9 +81,11 @@ def check(cfg: RunConfig) -> None:
         before = flat_values(load_config([layout.config(run_dir)]))
     except HpcDdpError:
         before = {}
-    problem = nothing_to_train(cfg, _read(layout.done(run_dir)), before)
+    done = _read(layout.done(run_dir))
+    problem = nothing_to_train(cfg, done, before)
     if problem:
-        raise HpcDdpError(problem, key="train.max_steps" if not cfg.train.script else "train.args")
+        key = "train.args" if cfg.train.script else limits_reached(cfg, done, before)[0]
+        raise HpcDdpError(problem, key=key)
 
 
 def set_aside(run_dir: Path) -> Path | None:

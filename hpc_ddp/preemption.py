@@ -34,6 +34,9 @@ TICK_S = 45  # Slurm checks time limits every 30 s: the warning may come up to t
 # Why an attempt ended -> the cap that counts it (a hang counts as a failure).
 REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures",
                   "hung": "max_failures", "lost": "max_failures"}
+# A ledger line {"caps_from": "resume", "time": T}, no attempt: a person's --resume, from which the caps count
+# afresh. read_attempts leaves it out and marks every attempt before it BEFORE_RESUME, which the caps skip.
+CAPS_FROM, BEFORE_RESUME = "caps_from", "before_resume"
 
 
 class PreemptionError(HpcDdpError):
@@ -148,7 +151,8 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
 
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     """The ledger, one dict per ended attempt (unreadable lines are skipped; ``amends`` lines are merged
-    into their attempt's line)."""
+    into their attempt's line; a ``caps_from`` line, a person's ``--resume``, is no attempt: the attempts
+    before it get ``"before_resume": true``, which the caps skip)."""
     try:
         lines = layout.ledger(run_dir).read_text().splitlines()
     except OSError:
@@ -161,9 +165,21 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
             continue
         if isinstance(record, dict) and record.get("amends"):
             _amend(attempts, record)
+        elif isinstance(record, dict) and CAPS_FROM in record:
+            for earlier in attempts:
+                earlier[BEFORE_RESUME] = True
         elif isinstance(record, dict):
             attempts.append(record)
     return attempts
+
+
+def start_caps_afresh(run_dir: Path, why: str = "resume") -> None:
+    """A person's ``--resume`` is an attended decision: the requeue caps count only the attempts after it.
+
+    Without this, a run stopped by its cap ("--resume continues it") was refused by its own cap at the
+    next start. Written on the login node before the job is submitted; unattended requeues never write it.
+    """
+    append_attempt(run_dir, {CAPS_FROM: why, "time": round(time.time(), 3)})
 
 
 def _amend(attempts: list[dict[str, Any]], amendment: Mapping[str, Any]) -> None:
@@ -208,7 +224,8 @@ def attempt_key(record: Mapping[str, Any]) -> tuple[Any, int, int]:
 def crash_marker(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int, rank: int | str,
                  kind: str = "crash") -> Path:
     """Where a rank's crash (a wrapped script's, or a lost node's), or the stop it forwarded (``kind="stop"``),
-    is noted for the other ranks' workers; ``rank="*"`` gives the glob pattern of every rank's."""
+    is noted for the other ranks' workers. Peers read it by this name, rank by rank, never by listing the
+    directory (NFS caches listings): see :mod:`hpc_ddp.script_outcome`."""
     return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-{kind}-rank-{rank}.txt"
 
 
@@ -269,15 +286,18 @@ def healed_in_job(attempts: Sequence[Mapping[str, Any]]) -> set[tuple[Any, int, 
 
 
 def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapping[str, int]) -> str | None:
-    """A message when this attempt's reason exceeds its cap (counting this attempt), else None."""
+    """A message when this attempt's reason exceeds its cap (counting this attempt), else None. Attempts before
+    the last ``--resume`` (marked by :func:`read_attempts`) do not count: a person's resume starts afresh."""
     key = REASONS_CAPPED.get(reason)
     if key is None:
         return None
     healed = healed_in_job(attempts)
-    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key and attempt_key(a) not in healed)
+    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key and attempt_key(a) not in healed
+                and not a.get(BEFORE_RESUME))
     if count <= limits[key]:
         return None
     kinds = "failures and hangs" if key == "max_failures" else reason
-    return explain(f"the run stopped for {kinds} {count} times, more than slurm.{key}={limits[key]}",
-                   hint=f"raise it (slurm.{key}={limits[key] + 10}) and resubmit with --resume; "
-                   "the newest snapshot is kept")
+    since = " since its last --resume" if any(a.get(BEFORE_RESUME) for a in attempts) else ""
+    return explain(f"the run stopped for {kinds} {count} times{since}, more than slurm.{key}={limits[key]}",
+                   hint=f"--resume continues it from the newest snapshot, with its caps counted afresh; to allow "
+                   f"more per submission, raise the cap on that command line (slurm.{key}={limits[key] + 10})")

@@ -6,17 +6,29 @@ dict of per-rank counters, a batch drawn from each rank's RNG), that copy is a m
 ranks and the resume is silently wrong. So before anything is written, every rank
 fingerprints each replicated object and one all_reduce of a few int64 compares them.
 
-A fingerprint hashes every leaf: small tensors (up to 64 KiB) whole, larger ones as an
-evenly strided sample of 4096 elements plus their shape and dtype, and other values by
-``repr``. A mismatch is an error on every rank alike, naming the object, its first
-differing key and the ranks that differ, with the fix: wrap it in DDP, or track it with
-``hpc_ddp.per_rank``. Costs are in docs/performance.md (B10).
+A fingerprint hashes every leaf, and every element of every tensor counts at every
+snapshot: a sample would miss a difference confined to the rows it skips (a few rows of
+an embedding that one rank alone updated). Tensors up to 16 KiB are hashed whole. A
+larger one is summed on its own device, as 8-byte words in rows of about sqrt(words)
+(integer sums wrap, so they are exact and the same in any order, on any device); the row
+sums, the bytes before and after the rows, shape and dtype are hashed. A changed value
+changes its row's sum (other changes in the same row would have to cancel it modulo 2**64).
+Only a reordering of words within one row keeps the sums. The rows start at an offset
+derived from the step, so words d apart are split by a row's edge at about d in sqrt(words)
+snapshots: a shuffle across rows is seen at once, two neighbouring words swapped late.
+The summaries of a device's tensors reach the host in one copy (on CUDA, one transfer
+instead of one per leaf; on the CPU no copy at all). Other values are hashed by ``repr``.
+
+A mismatch is an error on every rank alike, naming the object, its first differing key
+and the ranks that differ, with the fix: wrap it in DDP, or track it with
+``hpc_ddp.per_rank``. Costs are in docs/performance.md (B8).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 from collections.abc import Iterator, Mapping, Set
 from typing import Any
 
@@ -26,8 +38,7 @@ import torch.distributed as dist
 from hpc_ddp import control
 from hpc_ddp.errors import UsageError, explain
 
-WHOLE_BYTES = 64 * 1024  # tensors up to this size are hashed whole
-SAMPLES = 4096  # elements sampled from a larger tensor
+WHOLE_BYTES = 16 * 1024  # tensors up to this size are hashed byte for byte; larger ones by their row sums
 MASK = (1 << 62) - 1  # digests fit an int64 with room to negate
 
 
@@ -43,25 +54,69 @@ def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() * flat.element_size() > WHOLE_BYTES:
-        flat = flat[::max(1, flat.numel() // SAMPLES)][:SAMPLES]
-    data = flat.to("cpu").contiguous()
-    raw = ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()) if data.numel() else b""
-    return f"{tensor.dtype}{tuple(tensor.shape)}".encode() + raw
+def offset(step: int) -> int:
+    """Where the rows start at this step's snapshot (modulo a tensor's row width): the same on every rank,
+    moving from snapshot to snapshot whatever the snapshot interval is."""
+    return int.from_bytes(hashlib.blake2b(str(step).encode(), digest_size=8).digest(), "little")
 
 
-def leaf_digest(value: Any) -> int:
-    raw = _tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode()
+def summary(tensor: torch.Tensor, step: int = 0, moved: int | None = None) -> torch.Tensor:
+    """A uint8 tensor on ``tensor``'s device that changes when any element does: its bytes when small; else
+    the wrapped int64 sums of its 8-byte words in rows of about sqrt(words), starting at an offset that moves
+    with ``step`` (``moved``: :func:`offset` of it, computed once), then the bytes before and after the rows
+    as they are. No host sync: every shape is known without the data."""
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    if raw.numel() <= WHOLE_BYTES:
+        return raw
+    count = raw.numel() // 8
+    try:
+        words = raw[: count * 8].view(torch.int64)
+    except RuntimeError:  # a view that starts off an 8-byte boundary (a slice of a flat buffer): copy it once
+        words = raw[: count * 8].clone().view(torch.int64)
+    width = math.isqrt(count)
+    start = (offset(step) if moved is None else moved) % width
+    rows = (count - start) // width
+    end = start + rows * width
+    sums = words[start:end].view(rows, width).sum(1)
+    return torch.cat([sums.view(torch.uint8), raw[: start * 8], raw[end * 8:]])
+
+
+def _host_bytes(summaries: list[torch.Tensor]) -> list[bytes]:
+    """Each summary's bytes on the host: one copy per device (a CPU tensor is read where it is)."""
+    found: list[bytes] = [b""] * len(summaries)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, part in enumerate(summaries):
+        by_device.setdefault(part.device, []).append(i)
+    for device, indices in by_device.items():
+        parts = [summaries[i] for i in indices]
+        joined = torch.cat(parts).contiguous() if device.type != "cpu" else None
+        host = joined.to("cpu") if joined is not None else None  # the one device-to-host copy of this device
+        at = 0
+        for i, part in zip(indices, parts):
+            data = part.contiguous() if host is None else host[at: at + part.numel()]
+            at += part.numel()
+            found[i] = ctypes.string_at(data.data_ptr(), data.numel()) if data.numel() else b""
+    return found
+
+
+def _digest(raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & MASK
 
 
-def digests(state: Any) -> list[tuple[str, int]]:
+def fingerprints(states: Mapping[str, Any], step: int = 0) -> dict[str, list[tuple[str, int]]]:
+    """Every object's leaves as (path, digest); its tensors summarised on their devices, read back together."""
+    found = {name: list(leaves(value)) for name, value in states.items()}
+    tensors = [leaf for items in found.values() for _, leaf in items if isinstance(leaf, torch.Tensor)]
+    moved = offset(step)
+    read = iter(_host_bytes([summary(t, step, moved) for t in tensors]))
+    return {name: [(path, _digest(f"{leaf.dtype}{tuple(leaf.shape)}".encode() + next(read))
+                    if isinstance(leaf, torch.Tensor) else _digest(repr(leaf).encode())) for path, leaf in items]
+            for name, items in found.items()}
+
+
+def digests(state: Any, step: int = 0) -> list[tuple[str, int]]:
     """Every leaf's (path, digest) of one object's state."""
-    return [(path, leaf_digest(leaf)) for path, leaf in leaves(state)]
-
-
+    return fingerprints({"": state}, step)[""]
 def combined(items: list[tuple[str, int]]) -> int:
     """One object's fingerprint: its leaves' paths and digests together."""
     raw = "\n".join(f"{path}={d}" for path, d in items).encode()
@@ -84,7 +139,7 @@ def check(states: Mapping[str, Any], step: int, modules: Set[str] = frozenset())
     names = sorted(states)
     if not names or dist.get_world_size() == 1:
         return
-    items = {name: digests(states[name]) for name in names}
+    items = fingerprints({name: states[name] for name in names}, step)
     values = torch.tensor([combined(items[n]) for n in names], dtype=torch.int64)
     both = control.max_of(torch.cat([values, -values]))  # one all_reduce (CPU) gives max and (negated) min
     top, bottom = both.tensor_split(2)

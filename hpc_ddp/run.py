@@ -23,9 +23,7 @@ from __future__ import annotations
 import hashlib
 import ctypes
 import io
-import json
 import logging
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,18 +32,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp import control, layout, replication
+from hpc_ddp import control, layout, metrics_file, replication
 from hpc_ddp.atomic import write_atomic
 from hpc_ddp.batching import BatchPlan, geometry_change, plan, snapshot_batch_problem
 from hpc_ddp.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
 from hpc_ddp.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.ddp_settle import settle_buckets_on_first_forward
-from hpc_ddp.errors import ConfigError, explain
+from hpc_ddp.errors import explain
 from hpc_ddp.preemption import StopFlag, read_attempts
 from hpc_ddp.sampler import ShardSampler
 from hpc_ddp.slurm_env import DistEnv
-from hpc_ddp.tracked import (PerRank, RunUsageError, check_trackable, load_into, pack, restore_per_rank, state_of,
-                             unloadable, unpack, unwrap)
+from hpc_ddp.tracked import (PerRank, RunUsageError, check_trackable, load_into, pack, resize_refusal,
+                             resize_refused, restore_per_rank, state_of, unloadable, unpack, unwrap)
 from hpc_ddp.tracking import Sink, log_to, metric_value, open_sinks
 
 log = logging.getLogger("hpc_ddp.run")
@@ -156,6 +154,8 @@ class Run:
         self._resumed = True
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.checkpointer is not None:  # every manifest says whether this run may resume at another size
+            self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
             self._load(restored)
@@ -194,8 +194,8 @@ class Run:
         batch: refused, as on the login node (a job from an sbatch template never passed there)."""
         if not self.config.train.script:
             problem = snapshot_batch_problem(restored.world_size, restored.config, self.config.train, self.world_size)
-            if problem:
-                raise ConfigError(problem, key="train.global_batch_size")
+            if problem:  # a configuration error on a person's --resume; a failure on a requeue or in-job restart
+                raise resize_refused(problem, self.env, self.run_dir, restored.step, key="train.global_batch_size")
 
     def _load_per_rank(self, blob: bytes | None, restored: Any) -> None:
         """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
@@ -205,6 +205,8 @@ class Run:
         problem = restore_per_rank(self.per_rank, unpack(blob) if blob is not None else None, restored,
                                    self.rank, self.world_size, self.device)
         first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
+        if first and restored.world_size not in (None, self.world_size):  # refused at another world size
+            raise resize_refused(first, self.env, self.run_dir, restored.step)
         if first:
             raise RunUsageError(first)
 
@@ -347,13 +349,14 @@ class Run:
         if not self.is_main:
             return
         values = {key: metric_value(key, value) for key, value in values.items()}
-        with open(layout.metrics(self.run_dir), "a") as out:
-            out.write(json.dumps({"step": step, **values, "time": round(time.time(), 3)}) + "\n")  # time: status ETA
+        attempt = len(read_attempts(self.run_dir)) if self._sinks is None else None  # the attempt's first line
+        with open(layout.metrics(self.run_dir), "a") as out:  # its first line says where it resumed (readers)
+            out.write(metrics_file.line(step, values, resumed_from=self.resumed_from, attempt=attempt))
         if self._sinks is None:
             first = self.resumed_from or 0
             sinks = open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config))
-            if sinks:  # the attempt's number in the ledger, read only when a sink will show it
-                sinks = log_to(sinks, first, {"hpc_ddp/attempt": len(read_attempts(self.run_dir))})
+            if sinks:
+                sinks = log_to(sinks, first, {"hpc_ddp/attempt": attempt})
             self._sinks = sinks
         self._sinks = log_to(self._sinks, step, values)
 

@@ -17,9 +17,11 @@ from hpc_ddp.config import RunConfig
 
 def supervise_line(configs: list[str], python: str = "python", srun_args: list[str] | None = None) -> str:
     """The batch-shell line after submitit's srun: settle the step it ran, heal a failure inside the job
-    with steps of the worker (``{config}``: this array element's config), else requeue under max_failures."""
+    with steps of the worker, else requeue under max_failures. The worker's config is the run's own path;
+    a job array's elements each have theirs, so there the line says ``{config}`` and supervise puts in
+    the element's (a person reading the script of one run sees the real path)."""
     step = ["srun", "--kill-on-bad-exit=1", *(srun_args or []), python, "-m", "hpc_ddp.worker", "--config",
-            "{config}"]
+            configs[0] if len(configs) == 1 else "{config}"]
     return " ".join([shlex.quote(python), "-m", "hpc_ddp.supervise", "--exit-code", "$?",
                      *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
 

@@ -49,7 +49,7 @@ from hpc_ddp.errors import HpcDdpError, explain
 from hpc_ddp.preemption import EXIT_ERROR, StopFlag, recorded_error
 from hpc_ddp.runlock import acquire, release
 from hpc_ddp.script_outcome import (IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop,
-                                    ran_to_its_end, record_crash, stopped_late, wait_for_ledger)
+                                    prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger)
 from hpc_ddp.script_output import Progress, start_relays
 from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, conclude
 from hpc_ddp.shutdown import die_with_parent
@@ -168,6 +168,7 @@ def run_script(attempt: Attempt) -> int:
     if env.is_main:
         acquire(attempt.run_dir, attempt.holder)
     try:
+        prepare_marks(attempt)  # before the script can crash or be stopped: peers read the marks by name
         if attempt.local and env.is_main:
             from hpc_ddp.local import PROGRESS_MARK
 

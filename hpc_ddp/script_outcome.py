@@ -7,18 +7,27 @@ script that went on after the stop and exited 0 ran to its end; a later stop sig
 it still runs is Slurm ending the job, so rank 0 records the attempt at once; a script
 that went quiet for ``dist.timeout_s`` is hung. Rank 0 writes the ledger line; the other
 ranks wait for it (:func:`wait_for_ledger`). No torch.
+
+The marks (a rank's crash, the stop it forwarded) live on a shared filesystem, which on NFS
+caches directory listings and failed lookups for up to ``acdirmax`` (30-60 s): a mark found by
+listing the directory, or by looking up a name that did not exist a moment ago, may be missed
+(a stop read as a crash, or a crash as a stop). So no mark is ever found by a listing or needs a
+new name to appear: each rank creates its own mark files, empty, when its attempt starts
+(:func:`prepare_marks`); a mark is written into that file in place, and peers read every rank's
+file by its known name (the world size is known). ``open()`` revalidates the file (close-to-open
+consistency), so a reader sees the content its writer closed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.atomic import write_atomic
 from hpc_ddp.preemption import (TICK_S, append_attempt, attempt_key, cancelled, crash_marker, job_spec,
                                 job_state, read_attempts)
 from hpc_ddp.script_output import Progress
@@ -54,24 +63,65 @@ def wait_for_ledger(attempt: Attempt, timeout_s: float = 60.0) -> dict[str, Any]
     return None
 
 
-def _marker(attempt: Attempt, kind: str, rank: int | str = "*") -> Path:
-    """This attempt's ``kind`` marker of ``rank`` (``"*"``: the glob pattern of every rank's)."""
+MARK_KINDS = ("crash", "stop")
+
+
+def _marker(attempt: Attempt, kind: str, rank: int) -> Path:
+    """This attempt's ``kind`` mark of ``rank``."""
     env = attempt.env
     return crash_marker(attempt.run_dir, env.job_id, env.restart_count, env.in_job, rank, kind)
 
 
+def prepare_marks(attempt: Attempt) -> None:
+    """Before the script starts: this rank's mark files, created empty, so that marking later writes into a
+    name that has existed since the attempt began (a peer never waits for a new name to show up on NFS)."""
+    for kind in MARK_KINDS:
+        marker = _marker(attempt, kind, attempt.env.rank)
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
+        except OSError:
+            pass  # an unwritable run dir: _mark fails the same way, and peers judge by their own signals
+
+
 def _mark(attempt: Attempt, kind: str, text: str) -> None:
+    """Write this rank's mark into its file in place (same inode, no rename): a reader's open() sees it whole
+    once it is closed; a reader that comes before sees an empty file, which is no mark."""
     marker = _marker(attempt, kind, attempt.env.rank)
+    data = (text.rstrip("\n") + "\n").encode()
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(marker, text + "\n")
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, data)
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError:
         pass  # an unwritable run dir: the error is printed all the same, and peers judge by their own signals
 
 
-def _marked(attempt: Attempt, kind: str) -> list[Path]:
-    pattern = _marker(attempt, kind)
-    return sorted(pattern.parent.glob(pattern.name))
+def read_mark(path: Path) -> str | None:
+    """A mark's text, read by name; None when the file is missing, empty or not yet whole (no final newline)."""
+    try:
+        text = path.read_text()
+    except (OSError, ValueError):
+        return None
+    return text.strip() if text.endswith("\n") and text.strip() else None
+
+
+def _marked(attempt: Attempt, kind: str, first: bool = False) -> list[str]:
+    """The ``kind`` marks of every rank of this attempt (``first``: stop at the first one found), read by name,
+    rank by rank, never by listing the directory (see the module's docstring)."""
+    found = []
+    for rank in range(attempt.env.world_size):
+        text = read_mark(_marker(attempt, kind, rank))
+        if text is not None:
+            found.append(text)
+            if first:
+                break
+    return found
 
 
 def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
@@ -95,7 +145,7 @@ def stopped_late(attempt: Attempt, code: int, wait_s: float = STOP_SKEW_S) -> bo
     script died; with one, this rank waits up to ``wait_s`` for its own signal. A crash (no marker) pays
     nothing.
     """
-    if not _marked(attempt, "stop"):
+    if not _marked(attempt, "stop", first=True):
         return False
     deadline = time.monotonic() + wait_s
     while not attempt.flag.is_set and time.monotonic() < deadline:
@@ -108,13 +158,17 @@ def stopped_late(attempt: Attempt, code: int, wait_s: float = STOP_SKEW_S) -> bo
 
 
 def crashes(attempt: Attempt, wait_s: float = CRASH_WAIT_S) -> list[str]:
-    """What other ranks' crash markers of this attempt say; waits up to ``wait_s`` for one to appear."""
-    deadline = time.monotonic() + wait_s
+    """What another rank's crash mark of this attempt says (the first found); waits up to ``wait_s`` for one.
+
+    Each pass opens one file per rank: the passes are spaced by the world size (0.1 s up to 500 ranks), so
+    that a large job's ranks do not flood the shared filesystem when they all look at once."""
+    deadline, pause = time.monotonic() + wait_s, max(0.1, attempt.env.world_size / 5000)
     while True:
-        found = _marked(attempt, "crash")
-        if found or time.monotonic() >= deadline:
-            return [p.read_text().strip() for p in found]
-        time.sleep(0.1)
+        found = _marked(attempt, "crash", first=True)
+        left = deadline - time.monotonic()
+        if found or left <= 0:
+            return found
+        time.sleep(min(pause, left))
 
 
 def record_crash(attempt: Attempt, crashed: list[str]) -> int:

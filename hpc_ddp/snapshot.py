@@ -34,6 +34,7 @@ from hpc_ddp.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
+REFUSES_RESIZE = "refuses_resize"  # the manifest's key: why the run cannot resume at another world size
 # Tests only: "POINT:STEP[:SIGNAL]" with POINT one of tmp, before_rename, before_manifest: at that point of the
 # write of that step this process gets SIGNAL (default KILL, as if killed there; TERM or USR2: a stop mid-write).
 FAULT_POINT: str | None = None
@@ -129,15 +130,18 @@ FILE_KEYS = ("size", "sha256", "slices", "ranks")  # what the manifest keeps of 
 
 
 def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str,
-           config: dict[str, Any] | None = None, split: dict[str, Any] | None = None) -> None:
+           config: dict[str, Any] | None = None, split: dict[str, Any] | None = None,
+           refuses_resize: str | None = None) -> None:
     """Write the manifest: from now on the step exists. ``config``: the config that wrote it, as
     :func:`hpc_ddp.config.flat_values` (a resume with another config says what changed); ``split``:
-    the layout of the replicated state over the files (:func:`hpc_ddp.slicing.layout_for`)."""
+    the layout of the replicated state over the files (:func:`hpc_ddp.slicing.layout_for`);
+    ``refuses_resize``: why the run cannot resume at another world size (:func:`refuses_resize`)."""
     _fault("before_manifest", directory / MANIFEST)
     manifest = {"step": step, "world_size": world_size, "num_nodes": len(entries), "config_hash": config_hash,
                 **({"config": config} if config is not None else {}), "created": time.time(),
                 "files": {e["name"]: {k: e[k] for k in FILE_KEYS if k in e} for e in entries},
-                **({"layout": split} if split is not None else {})}
+                **({"layout": split} if split is not None else {}),
+                **({REFUSES_RESIZE: refuses_resize} if refuses_resize else {})}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
@@ -165,6 +169,16 @@ def committed(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
 def committed_steps(run_dir: Path) -> list[int]:
     """Steps with a readable manifest, newest first."""
     return [step for step, _ in committed(run_dir)]
+
+
+def refuses_resize(run_dir: Path) -> str | None:
+    """Why the run in ``run_dir`` cannot resume at another world size (naming the per-rank state that refuses
+    it, or the global batch that would change), or None when it can (or has no snapshot: a fresh start can
+    run at any size). From the newest committed manifest; no torch, for the batch shell: a heal by fewer
+    nodes would only be refused by every rank of the new step."""
+    found = committed(run_dir)
+    reason = found[0][1].get(REFUSES_RESIZE) if found else None
+    return reason if isinstance(reason, str) and reason else None
 
 
 def file_problem(directory: Path, name: str, expected: dict[str, Any]) -> str | None:

@@ -1,8 +1,9 @@
 """``python -m hpc_ddp.status RUN_DIR``: where a run stands, from its files and Slurm.
 
 Job state (squeue, else sacct), the attempts ledger as a table, progress with an
-ETA, the newest committed snapshot, and the last error lines of the logs when the
-run is not going well. ``--json`` prints the same as one object; ``--plot
+ETA, the newest committed snapshot, and the last error lines of the log that says why
+when the run is not going well (the first rank's own exception, not a survivor's view of
+it: :mod:`hpc_ddp.failure_logs`). ``--json`` prints the same as one object; ``--plot
 loss.png`` draws the loss curve (matplotlib, the ``plot`` extra). No torch.
 Also installed as the console script ``hpc-ddp-status``.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from hpc_ddp.helptext import add_version, for_help
 from hpc_ddp import layout, metrics_file
 from hpc_ddp.errors import HpcDdpError, explain
+from hpc_ddp.failure_logs import last_errors
 from hpc_ddp.preemption import job_state, read_attempts
 
 EPILOG = """\
@@ -91,16 +93,6 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds % 60:02d}s"
 
 
-def _errors(run_dir: Path, slurm_logs: Path, lines: int = 15) -> list[str]:
-    """The tail of the newest log that holds a traceback or an error line."""
-    logs = sorted([*slurm_logs.glob("*.err"), *run_dir.glob("logs/*.log")], key=lambda p: p.stat().st_mtime)
-    for log in reversed(logs):
-        text = log.read_text(errors="replace").splitlines()
-        if any("Traceback" in line or "error:" in line.lower() for line in text):
-            return [f"{log}:"] + text[-lines:]
-    return []
-
-
 def collect(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data."""
     from hpc_ddp import snapshot  # manifests only: no torch
@@ -131,7 +123,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
                                                            "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
-        result["last_errors"] = _errors(run_dir, Path(job.get("logs") or layout.slurm_logs(run_dir)))
+        result["last_errors"] = last_errors(run_dir, Path(job.get("logs") or layout.slurm_logs(run_dir)))
     return result
 
 

@@ -204,7 +204,7 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print("# the sbatch script submit would hand to Slurm (through submitit):\n"
           + submitit_script(cfg, array, cfgs=cfgs))
     if array:
-        print(f"job array of {array} runs:")
+        print(f"job array of {array} runs ({{config}} in the teardown line: each element's RUN_DIR/config.yaml):")
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
     nodes = node_counts(cfg.slurm.nodes)
     environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
@@ -324,7 +324,8 @@ def _ignored_stop(run_dir: Path, job_id: int | None) -> dict[str, Any] | None:
 
 
 def _write_config(cfg: RunConfig, resume: bool) -> Path:
-    """RUN_DIR/config.yaml; on --resume, first say which keys differ from the run's previous config."""
+    """RUN_DIR/config.yaml; on --resume, first say which keys differ from the run's previous config, and after
+    it start the run's requeue caps afresh (a ledger line: :func:`hpc_ddp.preemption.start_caps_afresh`)."""
     path = layout.config(cfg.run_dir)
     if resume and path.exists():
         try:
@@ -342,7 +343,12 @@ def _write_config(cfg: RunConfig, resume: bool) -> Path:
         if kept:
             print(f"the run had finished: its DONE.json is kept as {kept}; it goes on from its newest snapshot",
                   flush=True)
-    return save_config(cfg, path)
+    saved = save_config(cfg, path)  # first: a run dir it cannot write is refused here, with the fix
+    if resume:
+        from hpc_ddp.preemption import start_caps_afresh
+
+        start_caps_afresh(Path(cfg.run_dir))  # a person's --resume: the requeue caps count from here
+    return saved
 
 
 def _write_job(run_dir: Path, record: dict[str, object]) -> None:
@@ -398,25 +404,8 @@ def _check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
             from hpc_ddp import finished
 
             finished.check(cfg)
-            _check_resume_caps(cfg)
         if resume and not cfg.train.script:  # a task or a loop: both take run.batch's share of the global batch
             _check_resume_batch(cfg)
-
-
-def _check_resume_caps(cfg: RunConfig) -> None:
-    """A --resume of a run already past slurm.max_preemptions would be refused by every rank at start (and
-    recorded as a failure): refused here instead, with the key to raise on the same command line."""
-    from hpc_ddp.preemption import cap_reached, read_attempts
-
-    attempts = read_attempts(Path(cfg.run_dir))
-    limit = cfg.slurm.max_preemptions
-    if cap_reached("preemption", attempts, {"max_preemptions": limit}):  # the worker's own test at start
-        count = sum(a.get("reason") == "preemption" for a in attempts)
-        raise HpcDdpError(explain(
-            f"--resume: the run has stopped for preemption {count} times, more than slurm.max_preemptions={limit} "
-            "(the run's own config), so its job would refuse to start",
-            hint=f"raise it on this command line: --resume slurm.max_preemptions={count + 10}"),
-            key="slurm.max_preemptions")
 
 
 def _check_resume_batch(cfg: RunConfig) -> None:

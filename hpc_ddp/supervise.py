@@ -143,9 +143,13 @@ class Supervisor:
         per_node = heal.ranks_per_node(record, step.nodes, self.tasks_per_node)
         hard |= {n: why for n, why in rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes,
                                                   per_node).items() if n not in hard}
-        soft = {n: why for n, why in heal.culprits(step.srun_lines).items() if n not in hard}
-        soft |= {n: why for n, why in heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes,
-                                                         per_node).items() if n not in hard}
+        stuck = heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes, per_node)
+        # srun names the first task to exit; after a hang or a loss that is the rank that saw it and ended
+        # the step on purpose (the watchdog's recorder, the lost rank's watcher), not the culprit
+        told = stuck or record.get("lost_ranks") or liveness.lost_ranks(self.run_dir, self.job_id, self.restart,
+                                                                          step.index)
+        soft = {} if told else {n: why for n, why in heal.culprits(step.srun_lines).items() if n not in hard}
+        soft |= {n: why for n, why in stuck.items() if n not in hard}
         return held, hard, soft
 
     def probed(self, held: Sequence[str], training: Sequence[str], hard: dict[str, str],

@@ -12,14 +12,24 @@ back to the same rank on resume.
 At another world size a rank's saved value has no owner. :func:`per_rank`'s
 ``elastic`` says what then: ``"refuse"`` (the default) stops the resume with the
 reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warning.
+
+Such a run cannot resume on fewer nodes, so every snapshot's manifest says so
+(:func:`resize_refusal`, read without torch by :func:`hpc_ddp.snapshot.refuses_resize`):
+the batch shell then never heals a failure by shrinking it. Where a resize is refused all
+the same on an attempt nobody asked for (a requeued job that Slurm gave fewer nodes, an
+in-job restart planned before the manifest said so), the refusal is a failure, not a
+configuration error (:func:`resize_refused`): the requeue path goes on and gets the whole
+allocation back. On a person's ``--resume`` at another size it stays an error (exit 2).
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from hpc_ddp.checkpointer import stage
-from hpc_ddp.errors import UsageError, explain
+from hpc_ddp.errors import ConfigError, HpcDdpError, UsageError, explain
+from hpc_ddp.preemption import append_attempt, attempt_fields
+from hpc_ddp.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.run")  # its warnings belong to the run API's resume
 ELASTIC = ("refuse", "fresh")
@@ -36,6 +48,14 @@ ELASTIC = ("refuse", "fresh")
 class RunUsageError(UsageError):
     """The loop used the run API the wrong way (boundary before resume, a step not rising, an object that
     cannot be tracked): exit 2, recorded once, never requeued."""
+
+
+class ResizeRefused(HpcDdpError):
+    """An attempt nobody asked for (an in-job restart, a requeue) runs at another world size than its snapshot's,
+    and the run's state refuses that: a failure (exit 1), recorded as ``failed`` by rank 0, so the requeue path
+    goes on (a requeued job gets its whole allocation back)."""
+
+    retry_may_help = True
 
 
 def unwrap(model: Any) -> Any:
@@ -168,3 +188,48 @@ def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | 
             hint=f"resume at the world size that wrote it, or track it with hpc_ddp.per_rank({name}, "
             "elastic='fresh') to keep the value each rank builds in the new attempt")
     return problem
+
+
+def resize_refusal(objects: Mapping[str, PerRank], train: Any) -> str | None:
+    """Why a resume of this run at another world size would be refused, or None: the per-rank state tracked
+    with ``elastic="refuse"`` (named), and a global batch that follows the world size. Recorded in every
+    snapshot's manifest for the batch shell (:func:`hpc_ddp.snapshot.refuses_resize`)."""
+    reasons = []
+    refusing = [name for name, p in objects.items() if p.elastic == "refuse"]
+    if refusing:
+        reasons.append(f"the per-rank state {', '.join(map(repr, refusing))} is tracked with hpc_ddp.per_rank(..., "
+                       "elastic='refuse'): a rank's saved value has no owner at another world size")
+    if getattr(train, "global_batch_size", None) is None and not getattr(train, "script", None):
+        reasons.append("train.global_batch_size is unset: the global batch would change with the world size")
+    return "; ".join(reasons) or None
+
+
+def unattended(env: DistEnv) -> str | None:
+    """What started this attempt without a person: an in-job restart by the batch shell, or a requeue."""
+    if env.in_job:
+        return f"in-job restart {env.in_job}, which the batch shell started on {env.num_nodes} node(s)"
+    if env.restart_count:
+        return f"requeue {env.restart_count}, which Slurm started on {env.num_nodes} node(s)"
+    return None
+
+
+def resize_refused(problem: str, env: DistEnv, run_dir: Path, step: int, key: str | None = None) -> HpcDdpError:
+    """The error for a resume at another world size that the run's state refuses (every rank raises it alike).
+
+    On a person's ``--resume``: the configuration error it always was (exit 2, ``error``, never requeued).
+    On an unattended attempt: :class:`ResizeRefused` (exit 1), and rank 0 writes the ``failed`` line that says
+    why, before it raises: the batch shell's settle step finds it and takes the requeue path.
+    """
+    started = unattended(env)
+    if started is None:
+        return ConfigError(problem, key=key) if key else RunUsageError(problem)
+    first = problem.splitlines()[0]
+    message = (f"{first} This attempt ({started}) refused to resume at {env.world_size} ranks: recorded as failed, "
+               "not as a configuration error, so the run goes on the requeue path (a requeued job gets its whole "
+               "allocation back).")
+    if env.is_main:
+        append_attempt(run_dir, {**attempt_fields(env.job_id, env.restart_count, env.in_job), "reason": "failed",
+                                 "exit_code": 1, "end": round(time.time(), 3), "nodes": env.num_nodes,
+                                 "world_size": env.world_size, "snapshot": step, "last_step": step,
+                                 "last_step_from": "snapshot", "resize_refused": first, "message": message})
+    return ResizeRefused("\n".join([message, *problem.splitlines()[1:]]), key=key)

@@ -4,32 +4,52 @@ A rank stuck outside a collective (a deadlocked data loader, a sleep, an
 infinite loop in the loss) leaves every other rank waiting inside one, until the
 walltime runs out. Each rank therefore runs this thread. The training loop
 calls :meth:`Watchdog.beat` with its step and phase (cheap: two assignments and
-a clock read). The thread publishes the newest beat in the process group's
-store. When the rank's own beat is older than the timeout, the thread:
+a clock read); the thread publishes the newest beat in the process group's store.
 
-1. dumps every thread's stack with ``faulthandler`` into the rank's log;
-2. reads every rank's last beat from the store and names the ranks that are
-   behind (the stuck ones; the others wait for them in a collective);
-3. calls ``on_hang`` (by default: exit the process with :data:`EXIT_HUNG`).
+Who is stuck must not depend on timing (which rank's thread looked first, whether a
+beat was published yet, how slow the machine is), so the verdict is rank 0's alone,
+from every rank's *final* position:
 
-The process group's own timeout is set above this one, so the watchdog
-speaks first. No torch import: the store is passed in.
+1. A rank whose own beat is older than the timeout is quiet: it publishes where it
+   stays (step, phase, and from torch's flight recorder the last collective it entered
+   on each process group) and waits for rank 0's verdict (a beat that moves on takes
+   it back: it was slow, not stuck).
+2. Rank 0, once quiet, reads the positions. The ranks that never entered a
+   collective the others wait in are stuck; without a flight recorder, the ranks
+   behind in (step, phase) (:func:`laggards`). A rank that looks behind is named only
+   once its position is final: a stale one would name a rank that has moved on.
+3. When every rank is at the same place, the evidence is weak (a start-up or a
+   snapshot write that every rank is slow in looks the same), so rank 0 gives the job
+   twice the timeout before it says so; the collectives' own timeout (2 x this + 30 s)
+   still comes later.
+4. Every rank dumps its stacks and calls ``on_hang`` with rank 0's verdict (by
+   default: exit with :data:`EXIT_HUNG`); rank 0 records it, once the quiet ranks have
+   said they saw the verdict (the store lives in rank 0's process: it goes when rank 0 exits).
+
+The verdict itself is :mod:`hpc_ddp.hang` (pure). No torch import: the store is passed in, and the
+flight recorder is read lazily.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import IO, Any, Protocol
+
+from hpc_ddp.hang import (PHASES, UNREADABLE, Issued, Position, describe_hang, laggards, never_entered, places,
+                          verdict)
+
+__all__ = ["EXIT_HUNG", "PHASES", "UNREADABLE", "Position", "Watchdog", "describe_hang", "laggards",
+           "never_entered", "poll_interval", "recorded_collectives", "verdict"]
 
 log = logging.getLogger("hpc_ddp.watchdog")
 EXIT_HUNG = 4
-# Order within a step: a rank in a later phase is waiting for the ones in earlier phases.
-PHASES = ("start", "data", "forward", "backward", "optimizer", "boundary", "snapshot", "finish")
+BEAT_KEY, VERDICT_KEY, SEEN_KEY = "hpc_ddp/beat/", "hpc_ddp/hang/verdict", "hpc_ddp/hang/seen/"
 
 
 def poll_interval(timeout_s: float) -> float:
@@ -43,34 +63,19 @@ class Store(Protocol):
     def check(self, keys: list[str]) -> bool: ...
 
 
-def laggards(beats: Sequence[tuple[int, str] | None]) -> list[int]:
-    """The ranks whose (step, phase) is behind the rest; every rank that never beat counts as behind.
+def recorded_collectives() -> dict[str, int] | None:
+    """This rank's last collective per process group, from torch's flight recorder; None without one."""
+    try:
+        import torch
 
-    Empty when all ranks are at the same place (then a collective itself hangs, or all are stuck).
-    """
-    keys = [(-1, -1) if beat is None else (beat[0], PHASES.index(beat[1])) for beat in beats]
-    lowest = min(keys)
-    behind = [rank for rank, key in enumerate(keys) if key == lowest]
-    return [] if len(behind) == len(keys) else behind
-
-
-def describe_hang(rank: int, timeout_s: float, beats: Sequence[tuple[int, str] | None]) -> str:
-    """The message every watchdog logs; it names the stuck ranks."""
-    mine = beats[rank]
-    where = f"step {mine[0]} phase {mine[1]}" if mine else "start-up"
-    stuck = laggards(beats)
-    if not stuck:
-        return (f"rank {rank}: no progress for {timeout_s:g}s at {where}; every rank is at the same place, so a "
-                "collective itself is stuck (network, NCCL) or every rank is stuck.\nHINT: the stacks below "
-                "show where; NCCL_DEBUG=INFO (dist.nccl_env) logs the collectives")
-    places = ", ".join(f"rank {r} at " + (f"step {beats[r][0]} {beats[r][1]}" if beats[r] else "start-up")
-                       for r in stuck[:16])
-    more = f" and {len(stuck) - 16} more" if len(stuck) > 16 else ""
-    return (f"rank {rank}: no progress for {timeout_s:g}s at {where}. Stuck: {places}{more}; the other ranks "
-            "wait for them in a collective.\nHINT: the faulthandler stacks in the stuck ranks' logs show "
-            "where they are (a data loader, I/O, code in the task, or a collective only some ranks call, such as "
-            "a forward of the DDP model on rank 0 alone: docs/troubleshooting.md); `python -m hpc_ddp.status "
-            "RUN_DIR` names the collective where the ranks parted")
+        c10d = torch._C._distributed_c10d
+        reader = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+        if reader is None:
+            return None
+        status = json.loads(reader(includeCollectives=False)).get("pg_status") or {}
+        return {str(g): int(s["last_enqueued_collective"]) for g, s in status.items()} or None
+    except Exception:  # a diagnosis only: without it the phases decide
+        return None
 
 
 class Watchdog:
@@ -78,13 +83,15 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, *, store: Store | None = None,
                  on_hang: Callable[[str, list[int]], Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 stream: IO[str] | None = None, poll_s: float | None = None) -> None:
+                 stream: IO[str] | None = None, poll_s: float | None = None,
+                 collectives: Callable[[], Issued | None] | None = recorded_collectives) -> None:
         self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
         self.on_hang = on_hang or _exit_hung
-        self.clock, self.stream = clock, stream
+        self.clock, self.stream, self.collectives = clock, stream, collectives
         self.poll_s = poll_s if poll_s is not None else poll_interval(timeout_s)
         self.step, self.phase, self.last = 0, "start", clock()
-        self._published: tuple[int, str] | None = None
+        self._published: str | None = None
+        self._final: Position | None = None  # this rank's final position while it is quiet
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpc_ddp-watchdog", daemon=True)
 
@@ -101,11 +108,23 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def check(self) -> bool:
-        """Publish the newest beat; fire if it is too old. True when it fired (for tests)."""
-        self._publish()
-        if self.clock() - self.last <= self.timeout_s:
+        """Publish this rank's position; quiet for the timeout, judge (rank 0) or wait for rank 0's verdict.
+
+        Fires once there is a verdict; True when it fired (for tests)."""
+        last, quiet = self.last, self.clock() - self.last
+        if quiet <= self.timeout_s:
+            self._final = None
+            self._publish(Position(self.step, self.phase))
             return False
-        self._fire()
+        if self._final is None or (self._final.step, self._final.phase) != (self.step, self.phase):
+            self._final = Position(self.step, self.phase, True, self.collectives() if self.collectives else None)
+        self._publish(self._final)
+        found = self._judge(quiet, last) if self.rank == 0 else self._verdict_of_rank_0(quiet)
+        if found is None:  # no verdict yet (or rank 0 moved on before it gave one)
+            return False
+        if self.rank == 0:
+            self._wait_until_seen()
+        self._fire(*found)
         return True
 
     def _run(self) -> None:
@@ -113,40 +132,79 @@ class Watchdog:
             if self.check():
                 return
 
-    def _publish(self) -> None:
-        beat = (self.step, self.phase)
-        if self.store is None or beat == self._published:
+    def _publish(self, position: Position) -> None:
+        text = position.encode()
+        if self.store is None or text == self._published:
             return
         try:
-            self.store.set(f"hpc_ddp/beat/{self.rank}", f"{beat[0]}:{beat[1]}")
-            self._published = beat
+            self.store.set(f"{BEAT_KEY}{self.rank}", text)
+            self._published = text
         except Exception as err:  # the store lives on rank 0's node: it may be gone with it
             log.debug("heartbeat not published: %s", err)
 
-    def beats(self) -> list[tuple[int, str] | None]:
-        """Every rank's last published beat (None when unknown); this rank's own from memory."""
-        found: list[tuple[int, str] | None] = []
-        for rank in range(self.world_size):
-            if rank == self.rank:
-                found.append((self.step, self.phase))
-                continue
-            found.append(self._read(rank))
-        return found
+    def positions(self) -> list[Position | str | None]:
+        """Every rank's last published position (None: never published; UNREADABLE); this rank's own from memory."""
+        return [self._final or Position(self.step, self.phase) if rank == self.rank else self._read(rank)
+                for rank in range(self.world_size)]
 
-    def _read(self, rank: int) -> tuple[int, str] | None:
-        key = f"hpc_ddp/beat/{rank}"
+    def beats(self) -> list[tuple[int, str] | None]:
+        """Every rank's last published (step, phase), None when unknown; this rank's own from memory."""
+        return places(self.positions())
+
+    def _read(self, rank: int) -> Position | str | None:
+        key = f"{BEAT_KEY}{rank}"
         try:
             if self.store is None or not self.store.check([key]):
                 return None
-            step, phase = self.store.get(key).decode().split(":", 1)
-            return (int(step), phase) if phase in PHASES else None
+            return Position.decode(self.store.get(key).decode())
         except Exception:
-            return None
+            return UNREADABLE
 
-    def _fire(self) -> None:
-        stream = self.stream or sys.stderr
+    def _judge(self, quiet: float, last: float) -> tuple[str, list[int]] | None:
+        """Rank 0: the verdict from every rank's position, published for the others; None to wait (or when
+        rank 0's own beat moved on meanwhile: it was slow, not stuck)."""
+        positions = self.positions()
+        stuck = verdict(positions, quiet, self.timeout_s)
+        if stuck is None or self.last != last:
+            return None
+        message = describe_hang(self.rank, self.timeout_s, places(positions), stuck, quiet)
+        if self.store is not None:
+            try:
+                self.store.set(VERDICT_KEY, json.dumps({"stuck": stuck, "message": message}))
+            except Exception as err:
+                log.debug("hang verdict not published: %s", err)
+        return message, stuck
+
+    def _wait_until_seen(self) -> None:
+        """Rank 0: before it records and exits (taking the store along), every quiet rank has read the verdict
+        and dumped its stacks; at most two polls and 2 s more (a rank that cannot answer is not waited for)."""
+        waiting = {r for r, p in enumerate(self.positions()) if r != self.rank and isinstance(p, Position) and p.final}
+        deadline = time.monotonic() + 2 * self.poll_s + 2
+        while waiting and time.monotonic() < deadline and self.store is not None:
+            try:
+                waiting = {r for r in waiting if not self.store.check([f"{SEEN_KEY}{r}"])}
+            except Exception:
+                return
+            time.sleep(min(0.05, self.poll_s))
+
+    def _verdict_of_rank_0(self, quiet: float) -> tuple[str, list[int]] | None:
+        """Another rank: rank 0's verdict once it is published; its own view if none comes before the
+        collectives' own timeout (2 x the timeout + 30 s: rank 0 is gone, or makes progress)."""
+        try:
+            if self.store is not None and self.store.check([VERDICT_KEY]):
+                found = json.loads(self.store.get(VERDICT_KEY).decode())
+                return f"rank {self.rank}: rank 0's verdict: {found['message'].removeprefix('rank 0: ')}", \
+                    list(found["stuck"])
+        except Exception:
+            pass
+        if quiet < 2 * self.timeout_s + 30:
+            return None
         beats = self.beats()
-        message = describe_hang(self.rank, self.timeout_s, beats)
+        return f"rank 0 gave no verdict; {describe_hang(self.rank, self.timeout_s, beats, quiet_s=quiet)}", \
+            laggards(beats)
+
+    def _fire(self, message: str, stuck: list[int]) -> None:
+        stream = self.stream or sys.stderr
         log.error("%s", message)
         stream.write(f"[rank {self.rank}] hpc_ddp watchdog: stacks of every thread of this rank:\n")
         stream.flush()
@@ -154,7 +212,12 @@ class Watchdog:
             faulthandler.dump_traceback(file=stream, all_threads=True)
         except (ValueError, OSError, AttributeError):  # a stream without a file descriptor (tests)
             pass
-        self.on_hang(message, laggards(beats))
+        if self.rank != 0 and self.store is not None:
+            try:
+                self.store.set(f"{SEEN_KEY}{self.rank}", "1")  # rank 0 may record and exit now
+            except Exception:
+                pass
+        self.on_hang(message, stuck)
 
 
 def _exit_hung(message: str, stuck: list[int]) -> None:

@@ -63,6 +63,19 @@ def test_real_gloo_collectives_across_four_processes() -> None:
     assert got == [(r, 1.5, True, False) for r in range(4)]
 
 
+def test_failure_envs_reason_for_mode_1_is_what_torch_says_mode_1_does() -> None:
+    """torch's docs: 0 no handling, 1 abort the communicator and tear the process down, 2 abort only, 3 (the
+    default since 2.2) tear down without the abort. The docstring said 3 let a wedged communicator hold the
+    process until the walltime: 3 ends the process too; what 1 buys over 0 is that a hung collective ends."""
+    from hpc_ddp.distributed import failure_env
+
+    doc = " ".join((failure_env.__doc__ or "").split())
+    assert "aborts the communicator and ends the process, so a hung NCCL collective ends its rank" in doc
+    assert "instead of blocking it forever, as with 0 (no handling)" in doc
+    assert "default since 2.2 is 3, which ends the process too but skips the abort" in doc
+    assert "can then hold the process" not in doc
+
+
 def test_failure_env_ends_nccl_failures_fast_and_keeps_the_users_choices() -> None:
     from hpc_ddp.distributed import failure_env
 

@@ -18,7 +18,7 @@ from hpc_ddp import snapshot
 from hpc_ddp.preemption import read_attempts
 from hpc_ddp.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
 from hpc_ddp.settle import pick_config, settle
-from hpc_ddp.watchdog import Watchdog, describe_hang, laggards
+from hpc_ddp.watchdog import UNREADABLE, Position, Watchdog, describe_hang, laggards, never_entered, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = {"max_timeouts": 5, "max_preemptions": 5, "max_failures": 1}
@@ -51,10 +51,10 @@ def test_the_ranks_behind_are_the_stuck_ones() -> None:
 def test_watchdog_fires_once_the_beat_is_older_than_the_timeout() -> None:
     now = [100.0]
     store, fired = FakeStore(), []
-    other = Watchdog(10, 1, 2, store=store, clock=lambda: now[0])
+    other = Watchdog(10, 1, 2, store=store, clock=lambda: now[0], collectives=None)
     other.beat(5, "backward")
     other.check()  # publishes rank 1's beat
-    dog = Watchdog(10, 0, 2, store=store, clock=lambda: now[0], stream=io.StringIO(),
+    dog = Watchdog(10, 0, 2, store=store, clock=lambda: now[0], stream=io.StringIO(), collectives=None,
                    on_hang=lambda message, stuck: fired.append((message, stuck)))
     dog.beat(5, "forward")
     now[0] += 9
@@ -62,7 +62,57 @@ def test_watchdog_fires_once_the_beat_is_older_than_the_timeout() -> None:
     now[0] += 2
     assert dog.check() is True
     assert fired[0][1] == [0] and "Stuck: rank 0 at step 5 forward" in fired[0][0]
-    assert store.data["hpc_ddp/beat/0"] == b"5:forward"
+    assert store.data["hpc_ddp/beat/0"] == b"5:forward:final:{}"  # where rank 0 stays: rank 1 is past it
+
+
+def test_rank_0_names_the_stuck_rank_from_final_positions_whatever_the_timing() -> None:
+    """Who is stuck must not depend on which rank's thread looked first or published last (test_heal_slurm (d)
+    recorded stuck_ranks [] on a busy machine): a rank that looks behind is named once its position is final."""
+    def final(step: int, phase: str, issued: dict[str, int] | None = None) -> Position:
+        return Position(step, phase, True, issued)
+
+    # rank 1 sleeps in step 23's forward; the others wait in its backward all-reduce
+    assert verdict([final(23, "backward"), final(23, "forward"), Position(23, "backward")], 5.5, 5) == [1]
+    # rank 2's thread has not published its newest beat yet: it looks behind, so rank 0 waits for its final one
+    assert verdict([final(23, "backward"), final(23, "forward"), Position(23, "data")], 5.5, 5) is None
+    assert verdict([final(23, "backward"), final(23, "forward"), final(23, "backward")], 6, 5) == [1]
+    assert verdict([final(9, "forward"), Position(9, "backward")], 5.5, 5) == [0]  # rank 0 is the one stuck
+    assert verdict([final(5, "backward"), UNREADABLE, final(5, "forward")], 5.5, 5) == [2]  # the store went away
+    # every rank at one place (a slow start-up, a snapshot write): said only after twice the timeout
+    assert verdict([final(0, "start")] * 3, 6, 5) is None and verdict([final(0, "start")] * 3, 10, 5) == []
+    # an own loop beats at its boundaries only: the phases are alike, the flight recorder says who never entered
+    alike = [final(7, "snapshot", {"0": 40}), final(7, "snapshot", {"0": 39}), final(7, "snapshot", {"0": 40, "1": 3})]
+    assert verdict(alike, 5.5, 5) == [1]
+    assert never_entered({0: {"0": 4, "2": 1}, 1: {"0": 4}, 2: {"0": 4, "2": 0}}) == [2]
+    assert Position.decode(final(7, "snapshot", {"0": 40}).encode()) == final(7, "snapshot", {"0": 40})
+    assert Position.decode("5:forward") == Position(5, "forward")
+
+
+def test_a_start_up_every_rank_is_slow_in_is_no_hang_and_a_quiet_rank_waits_for_rank_0() -> None:
+    """Rank 0's watchdog fired at (step 0, start) while DDP imported torch._dynamo (no one stuck: stuck_ranks []);
+    and a stuck rank exited after a fixed 2 x poll + 2 s, so a rank 0 slower than that recorded a failure."""
+    import threading
+
+    now, store, fired = [0.0], FakeStore(), []
+    dogs = [Watchdog(5, rank, 2, store=store, clock=lambda: now[0], stream=io.StringIO(), collectives=None,
+                     poll_s=0.01, on_hang=lambda message, stuck, rank=rank: fired.append((rank, stuck, message)))
+            for rank in range(2)]
+    now[0] = 6  # both still at (0, start) after the timeout: every rank is slow there
+    assert not dogs[1].check() and not dogs[0].check() and fired == []
+    for dog in dogs:
+        dog.beat(1, "data")  # it was a slow start-up
+    now[0] = 9
+    assert not dogs[0].check() and not dogs[1].check()
+    dogs[1].beat(17, "forward")  # rank 1 stops in its forward; rank 0 waits in the backward all-reduce
+    dogs[0].beat(17, "backward")
+    now[0] = 14.5
+    assert not dogs[1].check()  # quiet first: it says where it stays and waits for rank 0's verdict
+    other = threading.Thread(target=dogs[1]._run)  # rank 1's thread: it fires once rank 0's verdict is out
+    other.start()
+    assert dogs[0].check()
+    other.join()
+    assert sorted((rank, stuck) for rank, stuck, _ in fired) == [(0, [1]), (1, [1])]
+    assert all("Stuck: rank 1 at step 17 forward" in message for _, _, message in fired)
 
 
 def test_the_lock_names_a_live_holder_and_is_taken_over_from_a_dead_one(tmp_path: Path) -> None:

@@ -106,6 +106,35 @@ def test_a_stuck_rank_is_named_by_the_watchdog_with_its_stack(tmp_path: Path) ->
                      r"reached it", status.stdout), status.stdout
 
 
+def test_the_stuck_rank_is_named_after_a_start_up_slower_than_the_timeout(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a busy 2-core machine DDP's first import of torch._dynamo took longer than dist.timeout_s=5: every
+    rank's watchdog saw no progress at (step 0, start), rank 0 recorded a hang with stuck_ranks [] and the
+    real hang was never reached (tests/test_heal_slurm.py (d)). A place every rank shares gets twice the
+    timeout now; a rank left behind is named at the timeout, from every rank's final position."""
+    monkeypatch.setenv("HPC_DDP_TEST_SLOW_START_S", "7")  # more than dist.timeout_s, less than twice it
+    run_dir = tmp_path / "slow"
+    proc = local(run_dir, "train.task=tests.tasks.hangs:SlowStart", "dist.timeout_s=6", fault="sleep:1:17")
+    assert proc.returncode != 0
+    [attempt] = read_attempts(run_dir)
+    assert (attempt["reason"], attempt["stuck_ranks"]) == ("hung", [1]), attempt
+    assert "Stuck: rank 1 at step 17 forward" in attempt["message"]
+    rank1 = (run_dir / "logs" / "attempt-0-rank-1.log").read_text()
+    assert "rank 1: rank 0's verdict: no progress" in rank1 and "stacks of every thread of this rank" in rank1
+
+
+def test_an_own_loops_stuck_rank_is_named_by_the_collective_it_never_entered(tmp_path: Path) -> None:
+    """An own loop beats at its boundaries only, so every rank's last beat was the same (step 12, snapshot) and
+    the hang named nobody: stuck_ranks []. The flight recorder says which rank never entered the collective."""
+    run_dir = tmp_path / "own"
+    proc = local(run_dir, "train.task=null", "train.loop=tests.tasks.hangs:stuck_in_step", "dist.timeout_s=4")
+    assert proc.returncode != 0
+    [attempt] = read_attempts(run_dir)
+    assert (attempt["reason"], attempt["stuck_ranks"]) == ("hung", [1]), attempt
+    assert "Stuck: rank 1; every rank last beat at step 12 phase snapshot, and these never entered" in \
+        attempt["message"]
+
+
 def test_a_killed_launcher_takes_its_ranks_along_and_resume_finishes_bit_exactly(clean: Path,
                                                                                  tmp_path: Path) -> None:
     run_dir = tmp_path / "orphan"

@@ -220,3 +220,26 @@ def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm
     assert "Restarts=0" in scontrol("show", "job", job)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
     assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected
+
+
+def test_the_torchrun_template_excludes_the_node_of_the_stuck_rank(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """One torchrun per node with two ranks each (srun's tasks per node is 1): rank 2 stops making progress on
+    the second training node. Before, the batch shell mapped rank 2 with srun's 1 task per node to a third node
+    that does not exist, blamed nobody and retried on the same nodes; now that node is left out."""
+    import os
+
+    run_dir, script = tmp_path / "torchrun-hang", tmp_path / "hang.sbatch"
+    options = [*OPTIONS[1:], "slurm.nodes=2", "slurm.tasks_per_node=2", "slurm.spare_nodes=1", "dist.timeout_s=10"]
+    emitted = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", OPTIONS[0], "--emit-sbatch", str(script),
+                              "--launcher", "torchrun", *options, f"run_dir={run_dir}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert emitted.returncode == 0, emitted.stderr
+    subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, check=True, capture_output=True, text=True,
+                   env={**os.environ, "HPC_DDP_TEST_FAULT": "sleep:2:23"})
+    wait_done(run_dir)
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("hung", 0), ("finished", 1)], attempts
+    first = expand_hostlist(attempts[0]["hosts"])
+    assert attempts[0]["stuck_ranks"] == [2] and len(first) == 2, attempts  # ranks 2-3 ran on the second node
+    assert list(attempts[1]["healed"]["excluded"]) == [first[1]], attempts
+    assert "rank 2 was stuck (watchdog)" in attempts[1]["healed"]["excluded"][first[1]]

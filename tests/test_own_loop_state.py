@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp import snapshot
 from hpc_ddp.preemption import read_attempts
 from hpc_ddp.snapshot import committed_steps
 from tests.helpers import ROOT, done, losses, submit
@@ -43,9 +44,6 @@ def test_per_rank_state_at_another_world_size_is_refused_and_so_is_a_changed_glo
     first = submit(*NANO, f"run_dir={run_dir}", "--preempt-at", "3", "slurm.max_preemptions=0")
     # at 4, or 5 when the signal lands during that boundary (as the quickstart says)
     assert first.returncode != 0 and re.search(r"STOPPED at step [45] ", first.stdout), first.stdout[-2000:]
-    # --resume keeps the run's own config, max_preemptions=0 included: refused until the cap is raised
-    capped = submit(*NANO, f"run_dir={run_dir}", "--resume")
-    assert capped.returncode == 2 and "--resume slurm.max_preemptions=11" in capped.stderr, capped.stderr[-2000:]
     # a loop's global batch would change (train.global_batch_size unset): refused on the login node, as for a task
     batch = submit(*NANO, f"run_dir={run_dir}", "--resume", "slurm.nodes=1", "slurm.max_preemptions=1")
     assert batch.returncode == 2 and "train.global_batch_size=32" in batch.stderr, batch.stderr[-2000:]
@@ -59,6 +57,31 @@ def test_per_rank_state_at_another_world_size_is_refused_and_so_is_a_changed_glo
     logs = run_dir / "logs"  # the resumed rehearsal's logs follow the ledger: attempt 1, not attempt 0 again
     assert "cannot restore the per-rank state" in (logs / "attempt-1-rank-0.log").read_text()
     assert "cannot restore the per-rank state" not in (logs / "attempt-0-rank-0.log").read_text()
+
+
+def test_a_shrink_that_per_rank_state_refuses_is_a_failure_and_the_requeue_finishes_the_run(tmp_path: Path) -> None:
+    """slurm.nodes=1-2 and a node lost: the batch shell healed by shrinking to one node, every rank refused the
+    per-rank state at 2 ranks with exit 2 (an `error`, never requeued) and the run ended. Every manifest now says
+    the run refuses a resize (the healer then never shrinks it); where a shrink happens all the same (here: a
+    snapshot from before manifests said so), the refusal is `failed`, and the requeue gets both nodes back."""
+    run_dir = tmp_path / "shrunk"
+    ranged = [*NANO, f"run_dir={run_dir}", "slurm.nodes=1-2", "train.global_batch_size=32", "train.grad_accum=1"]
+    first = submit(*ranged, "--preempt-at", "3", "slurm.max_preemptions=0")
+    assert read_attempts(run_dir)[0]["reason"] == "preemption", first.stderr[-3000:]
+    assert "'batch', 'counters', 'probe'" in str(snapshot.refuses_resize(run_dir))  # what the healer reads
+    for step in committed_steps(run_dir):  # as an hpc_ddp from before wrote them
+        manifest = snapshot.step_dir(run_dir, step) / snapshot.MANIFEST
+        manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items()
+                                        if k != snapshot.REFUSES_RESIZE}))
+    proc = submit(*ranged, "--resume", "slurm.max_preemptions=1", "slurm.max_failures=1", "--fail-at", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a.get("in_job", 0), a.get("world_size")) for a in attempts][1:] == [
+        ("failed", 0, None), ("failed", 1, 2), ("finished", 0, 4)], attempts
+    refused = attempts[2]
+    assert refused["exit_code"] == 1 and "cannot restore the per-rank state 'batch'" in refused["resize_refused"]
+    assert "recorded as failed, not as a configuration error" in refused["message"]
+    assert done(run_dir)["step"] == 18
 
 
 def test_replicated_state_that_differs_by_rank_is_refused_before_any_snapshot_is_committed(tmp_path: Path) -> None:

@@ -70,6 +70,25 @@ def test_ledger_round_trip_skips_damaged_lines(tmp_path: Path) -> None:
     assert [a["reason"] for a in read_attempts(tmp_path)] == ["timeout", "finished"]
 
 
+def test_a_resume_starts_the_caps_afresh_and_its_ledger_line_is_no_attempt(tmp_path: Path) -> None:
+    from hpc_ddp.preemption import start_caps_afresh
+
+    append_attempt(tmp_path, {"reason": "preemption", "job_id": 1, "restart_count": 0, "capped": True})
+    assert cap_reached("preemption", read_attempts(tmp_path) + [{"reason": "preemption"}], LIMITS)
+    start_caps_afresh(tmp_path)  # a person's --resume
+    attempts = read_attempts(tmp_path)
+    assert [a["reason"] for a in attempts] == ["preemption"] and attempts[0]["before_resume"] is True
+    assert cap_reached("preemption", attempts, LIMITS) is None  # what the worker asks at start: it may run
+    assert cap_reached("preemption", attempts + [{"reason": "preemption"}], LIMITS) is None  # 1 of 1 allowed
+    append_attempt(tmp_path, {"reason": "preemption", "job_id": 2, "restart_count": 0})
+    message = cap_reached("preemption", read_attempts(tmp_path) + [{"reason": "preemption"}], LIMITS)
+    assert message and "stopped for preemption 2 times since its last --resume, more than slurm.max_preemptions=1" \
+        in message and "--resume continues it" in message
+    start_caps_afresh(tmp_path)  # the last resume counts: every earlier attempt is before it
+    assert all(a.get("before_resume") for a in read_attempts(tmp_path))
+    assert cap_reached("failed", read_attempts(tmp_path) + [{"reason": "failed"}], LIMITS) is not None  # 0 allowed
+
+
 def test_caps_count_this_attempt() -> None:
     assert cap_reached("preemption", [{"reason": "preemption"}], LIMITS) is None
     message = cap_reached("preemption", [{"reason": "preemption"}] * 2, LIMITS)

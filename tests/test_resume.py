@@ -157,6 +157,25 @@ def test_caps_end_the_run_with_the_cap_named(tmp_path: Path) -> None:
     assert timeouts.returncode == 1 and "more than slurm.max_timeouts=0" in timeouts.stderr
 
 
+def test_a_run_stopped_by_its_cap_continues_with_a_plain_resume_and_its_caps_count_afresh(tmp_path: Path) -> None:
+    """"STOPPED ... (slurm.max_preemptions reached; --resume continues it)": and a plain --resume, with the run's
+    own max_preemptions=0, was refused because the cap was reached. A person's --resume starts a fresh budget."""
+    run_dir = tmp_path / "capped"
+    first = submit(run_dir, *ONE_RANK, "slurm.max_preemptions=0", "--preempt-at", "6")
+    assert first.returncode == 1 and "(slurm.max_preemptions reached; --resume continues it)" in first.stdout, \
+        first.stdout[-2000:] + first.stderr[-2000:]
+    again = submit(run_dir, *ONE_RANK, "--resume", "--preempt-at", "12")  # still capped at 0 preemptions: per resume
+    assert again.returncode == 1 and "stopped for preemption 1 times since its last --resume, more than " \
+        "slurm.max_preemptions=0" in again.stderr, again.stderr[-3000:]
+    last = submit(run_dir, *ONE_RANK, "--resume")
+    assert last.returncode == 0, last.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert [(a["reason"], a.get("capped")) for a in attempts] == [("preemption", True), ("preemption", True),
+                                                                   ("finished", None)]
+    assert [a.get("before_resume", False) for a in attempts] == [True, True, False]
+    assert done(run_dir)["step"] == 20 and attempts[1]["resumed_from"] == attempts[0]["last_step"]
+
+
 def test_a_finished_run_resumed_with_more_steps_goes_on_and_keeps_its_first_finish(uninterrupted: Path,
                                                                                     tmp_path: Path) -> None:
     """--resume train.max_steps=N of a finished run trains on to N (issue 23): DONE.json and model.pt of the first

@@ -25,7 +25,7 @@ RENDERERS = {
     "ddp_torchrun.sbatch": lambda cfg: render(cfg, "/runs/mlp/config.yaml", python="python", launcher="torchrun",
                                               workdir="/home/me/my project"),
     "submitit.sbatch": lambda cfg: submitit_script(cfg, python="python"),
-    "submitit_array.sbatch": lambda cfg: submitit_script(cfg, array=4, python="python"),
+    "submitit_array.sbatch": lambda cfg: submitit_script(cfg, array=4, python="python", cfgs=[cfg] * 4),
 }
 
 

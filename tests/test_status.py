@@ -186,3 +186,69 @@ def test_status_runs_as_a_user_runs_it_from_another_directory(tmp_path: Path) ->
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "state FINISHED" in proc.stdout and "done    step 100  params_sha256 abababab" in proc.stdout
+
+
+SURVIVOR = """[rank 0] 14:43:39 ERROR hpc_ddp.worker: training failed
+Traceback (most recent call last):
+  File "/work/main/hpc_ddp/trainer.py", line 168, in _run_step
+    self.scaler.scale(loss / self.grad_accum).backward()
+RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:49871. \
+This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.
+"""
+CRASHED = """[rank 1] 14:43:39 ERROR hpc_ddp.worker: training failed
+Traceback (most recent call last):
+  File "/work/main/tests/tasks/__init__.py", line 59, in loss
+    raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+RuntimeError: injected failure on rank 1 at step 13.0
+"""
+
+
+def _log(path: Path, text: str, mtime: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.utime(path, (mtime, mtime))
+
+
+def test_last_errors_show_the_crashed_ranks_exception_not_a_survivors_connection_closed_by_peer(tmp_path) -> None:
+    """The survivor writes its traceback last; the newest log with a traceback was shown, and it blamed a peer."""
+    path = run_dir(tmp_path, attempts=[{"reason": "failed", "job_id": 5, "restart_count": 0, "last_step": 10}])
+    _log(path / "logs" / "attempt-0-rank-0.log", "older attempt\n" + CRASHED.replace("13.0", "3.0"), 100.0)
+    _log(path / "logs" / "attempt-1-rank-1.log", CRASHED, 200.0)
+    _log(path / "logs" / "attempt-1-rank-0.log", SURVIVOR, 201.0)
+    text = render(collect(path))
+    assert f"{path / 'logs' / 'attempt-1-rank-1.log'}:" in text
+    assert "injected failure on rank 1 at step 13.0" in text and "Connection closed by peer" not in text
+    submitit = tmp_path / "submitit"  # a job's per-task logs (%j_%t_log.err): the same choice
+    _log(submitit / "slurm" / "77_0_log.err", SURVIVOR, 301.0)
+    _log(submitit / "slurm" / "77_1_log.err", CRASHED, 300.0)
+    assert collect_errors(submitit)[0] == f"{submitit / 'slurm' / '77_1_log.err'}:"
+    killed = tmp_path / "killed"  # a rank killed outright writes no traceback: the survivor's view is all there is
+    _log(killed / "logs" / "attempt-0-rank-0.log", SURVIVOR, 400.0)
+    _log(killed / "logs" / "attempt-0-rank-1.log", "[rank 1] 14:43:38 INFO step 10\n", 399.0)
+    assert "Connection closed by peer" in collect_errors(killed)[-1]
+
+
+def collect_errors(run: Path) -> list[str]:
+    from hpc_ddp.failure_logs import last_errors
+
+    return last_errors(run, run / "slurm")
+
+
+@pytest.mark.slow
+def test_status_of_a_rehearsal_where_rank_1_raised_shows_rank_1s_exception(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(MLP).parent.parent
+    path = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", MLP, "--local", "slurm.nodes=2",
+                           "slurm.tasks_per_node=1", "train.max_steps=40", "snapshot.every_steps=10",
+                           "slurm.max_restarts_in_job=0", "train.task=tests.tasks:Faulty", f"run_dir={path}"],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HPC_DDP_TEST_FAULT": "raise:1:13"})
+    assert proc.returncode != 0 and "injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(path)], cwd=root, capture_output=True,
+                           text=True, timeout=120).stdout
+    errors = shown.split("last errors:")[1]
+    assert "attempt-0-rank-1.log:" in errors and "RuntimeError: injected failure on rank 1 at step 13" in errors
+    assert "Connection closed by peer" not in errors

@@ -26,6 +26,8 @@ def test_dry_run_prints_the_sbatch_script_the_ranks_and_preflight(tmp_path: Path
     assert "#SBATCH --signal=USR2@120" in out and "#SBATCH --partition=gpu" in out
     assert f"-m submitit.core._submit {tmp_path / 'r' / 'slurm'}" in out
     assert "master_addr" in out and "preflight:" in out
+    # the teardown heals with steps of the worker on this run's config: its path, not submitit's placeholder
+    assert f"-m hpc_ddp.worker --config {tmp_path / 'r' / 'config.yaml'}\n" in out and "{config}" not in out
     assert not (tmp_path / "r").exists()  # a dry run writes nothing
 
 
@@ -36,6 +38,8 @@ def test_multirun_dry_run_shows_one_array_element_per_combination(tmp_path: Path
     out = capsys.readouterr().out
     assert "#SBATCH --array=0-3%" in out and f"--output={tmp_path}/slurm/%A_%a_0_log.out" in out
     assert f"[3] {tmp_path}/lr=0.01,seed=2" in out
+    # each element heals with its own config: the teardown's placeholder, said where the script is shown
+    assert "--config '{config}'" in out and "({config} in the teardown line: each element's RUN_DIR/config.yaml)" in out
 
 
 @pytest.mark.parametrize(("args", "words"), [

@@ -255,3 +255,17 @@ def test_the_first_step_leaves_the_batch_host_idle_when_there_are_spares(tmp_pat
     slurm = FakeSlurm(["n1", "n2", "n3"][:int(nodes) + spares])
     sup = make(tmp_path, f"slurm.spare_nodes={spares}", f"slurm.nodes={nodes}", slurm=slurm, srun=FakeSrun())
     assert sup.first_nodes() == first
+
+
+def test_after_a_hang_srun_s_first_exit_is_the_watchdog_s_recorder_not_the_culprit(tmp_path: Path) -> None:
+    """Seen on the local cluster under the torchrun template: rank 0 (n2) records the hang and exits first, srun
+    names n2; blaming it too left no clean pair of nodes, and the step was retried on the stuck node."""
+    slurm = FakeSlurm(["n1", "n2", "n3"])
+    sup = make(tmp_path, "slurm.nodes=2", "slurm.tasks_per_node=2", "slurm.spare_nodes=1", slurm=slurm,
+               srun=FakeSrun(), environ={"SLURM_NTASKS_PER_NODE": "1"})
+    record = {"reason": "hung", "stuck_ranks": [2], "world_size": 4, "nodes": 2, "job_id": 7, "restart_count": 0}
+    step = Step(["n2", "n3"], 0, 1, ["srun: error: n2: task 0: Exited with exit code 1",
+                                     "srun: launch/slurm: _step_signal: Terminating StepId=14.0"])
+    said = sup.heal(step, record)
+    assert said is not None and sup.healer.next_nodes == ["n1", "n2"], said
+    assert list(sup.healer.healed["excluded"]) == ["n3"]
