@@ -78,7 +78,9 @@ class DistConfig:
     backend: str = _doc("auto", "auto (NCCL when CUDA is available, else gloo), nccl or gloo.")
     timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot write, the "
                           "start-up) before the watchdog declares the job hung, names the stuck ranks and dumps the collectives "
-                          "each rank was in to RUN_DIR/errors/. The collectives' own timeout is 2 x this + 30 s.")
+                          "each rank was in to RUN_DIR/errors/. When every rank is at the same place (a collective "
+                          "itself is stuck), rank 0 waits up to 2 x this before it declares the hang. The "
+                          "collectives' own timeout is 2 x this + 30 s.")
     liveness_s: Optional[float] = _doc(LIVENESS_S, "Seconds without a liveness beat after which a rank or node "
                                        "counts as lost (frozen, powered off): every rank beats from a side thread "
                                        "to RUN_DIR/liveness/ (a long step or eval is not silence) and watches one "
