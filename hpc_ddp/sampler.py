@@ -63,9 +63,25 @@ class ShardSampler(Sampler[int]):
         self.tracked = False  # run.resume(sampler=...) sets it: its position must then come from iterate()
         self._iterating = False  # inside iterate(): the loader's own pass over the indices counts
         self._warned = False
+        self._restored: tuple[int, int] | None = None  # the position a resume set, until the loop moves on
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (call once per epoch, as with DistributedSampler)."""
+        """Start ``epoch`` from its beginning (call once per epoch, as with DistributedSampler).
+
+        Not needed with :meth:`iterate`, which moves to the next epoch itself. After a resume restored a
+        position (``load_state_dict``/``resume``), setting the epoch it is in keeps that position (a
+        tutorial's ``for epoch ...: sampler.set_epoch(epoch)`` loop stays exact), and setting another one is
+        an error: it would silently train on other data than the run that was never stopped."""
+        if self._restored is not None and (epoch, 0) != self._restored:
+            if epoch == self._restored[0]:
+                return  # the restored position within this epoch stands
+            raise UsageError(explain(
+                f"sampler.set_epoch({epoch}) after run.resume restored epoch {self._restored[0]} at sample "
+                f"{self._restored[1]}: it would throw that position away, and the resumed run would differ from "
+                "one that was never stopped",
+                hint=f"start the epoch loop at the restored epoch (for epoch in range(sampler.epoch, ...)), or drop "
+                     "set_epoch: `for batch in sampler.iterate(loader)` moves to the next epoch by itself"))
+        self._restored = None
         self.epoch, self.start, self.sample_in_epoch = epoch, 0, 0
 
     def resume(self, epoch: int, sample_in_epoch: int) -> None:
@@ -77,6 +93,7 @@ class ShardSampler(Sampler[int]):
                 hint="resume at a world size that divides the global batch the run was written with "
                      "(set train.global_batch_size to it)"), key="train.global_batch_size")
         self.epoch, self.start, self.sample_in_epoch = epoch, sample_in_epoch, sample_in_epoch
+        self._restored = (epoch, sample_in_epoch)
 
     @property
     def per_rank(self) -> int:
@@ -118,6 +135,7 @@ class ShardSampler(Sampler[int]):
                 "sampler.iterate(loader) needs a DataLoader built with sampler=this sampler",
                 found=type(getattr(loader, "sampler", None)).__name__,
                 hint="DataLoader(data, batch_size=..., sampler=sampler), then `for batch in sampler.iterate(loader)`"))
+        self._restored = None  # from here the loop owns the position
         loader.generator = torch.Generator().manual_seed(self.seed * 100003 + self.rank * 1009 + self.epoch)
         self.start = self.sample_in_epoch
         size = (loader.batch_size or 1) * self.world_size
