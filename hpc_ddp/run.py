@@ -129,7 +129,7 @@ class Run:
         self._beat(step, phase)
 
     # -- resume --------------------------------------------------------------------------------------
-    def resume(self, **objects: Any) -> int:
+    def resume(self, *positional: Any, **objects: Any) -> int:
         """Track these objects and load them from the newest committed snapshot; return its step (0: fresh).
 
         Collective: call it on every rank, once, before the first step. Anything with
@@ -140,6 +140,11 @@ class Run:
         :mod:`hpc_ddp.ddp_settle`), so a resumed run sums gradients in
         the same order as one that never stopped.
         """
+        if positional:
+            raise RunUsageError(explain(
+                f"run.resume() takes its objects by name; found {len(positional)} positional argument(s) "
+                f"({', '.join(type(p).__name__ for p in positional)})",
+                hint="run.resume(model=model, optimizer=optimizer, sampler=sampler): the names key the snapshot"))
         if self._resumed:
             raise RunUsageError(explain("run.resume() was called twice", hint="call it once, before the loop"))
         for name, obj in objects.items():

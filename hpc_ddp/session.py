@@ -215,6 +215,11 @@ def beating(attempt: Attempt) -> Iterator[None]:
 def _note_ignored_stop(attempt: Attempt, run: Run) -> None:
     """A stop signal arrived and the loop, which never called run.boundary, could not act on it: on a cluster
     the job is killed at the grace period's end with nothing saved. The ledger line and the log say so."""
+    if not attempt.flag.is_set and not run.boundaries and not attempt.wrapped and not run.resumed_from:
+        attempt.record["note"] = "the loop never called run.boundary(step): no snapshot, and no stop could be acted on"
+        log.warning("the loop returned without ever calling run.boundary(step): the run counts as finished at step "
+                    "0, no snapshot was taken, and a preemption or time-out would have lost everything.\nHINT: "
+                    "call `if run.boundary(step): return` after every optimizer step (docs/own-loop.md)")
     if not attempt.flag.is_set or run.boundaries or attempt.wrapped:
         return  # no signal, or one that came after the last boundary (the run was ending anyway)
     name = signal.Signals(attempt.flag.signum).name if attempt.flag.signum else "a stop signal"

@@ -134,9 +134,25 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
             return run_script(attempt)
     program = _program(cfg)
     with open_run(attempt) as run:
-        program(run)
+        try:
+            program(run)
+        except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
+            raise _explained(err) or err
     assert attempt.code is not None
     return attempt.code
+
+
+def _explained(err: Exception) -> HpcDdpError | None:
+    """A usage error for an error torch raises that only a program's own code causes (it fails the same way on every
+    retry, so it must not be retried under slurm.max_failures), or None."""
+    from hpc_ddp.errors import UsageError, explain
+
+    if "initialize the default process group twice" in str(err):
+        return UsageError(explain(
+            "the loop called torch.distributed.init_process_group, but hpc_ddp has already started the process "
+            "group", hint="remove the init_process_group (and destroy_process_group) calls: the run's process group "
+            "is up before the loop starts, on the backend dist.backend chose (docs/own-loop.md)"))
+    return None
 
 
 def _program(cfg: RunConfig) -> Callable[[Any], Any]:

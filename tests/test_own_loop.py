@@ -170,3 +170,23 @@ def test_a_script_with_its_own_session_leaves_its_done_record_for_the_worker_to_
     assert [a["reason"] for a in read_attempts(run_dir)] == ["finished"]
     assert done(run_dir)["step"] == 6 and "params_sha256" in done(run_dir)  # the session's record, not the worker's
     assert not list(run_dir.glob(".DONE*"))
+
+
+@pytest.mark.parametrize("loop, code, said", [
+    ("forgets_boundary", 0, "without ever calling run.boundary(step)"),
+    ("inits_twice", 2, "hpc_ddp has already started the process group"),
+    ("positional_resume", 2, "run.resume() takes its objects by name"),
+])
+def test_a_newcomers_mistakes_in_a_loop_are_named_not_retried(tmp_path: Path, loop: str, code: int, said: str) -> None:
+    """Seen by a newcomer converting the DDP tutorial: a loop without run.boundary ended `finished` at step 0 with
+    no word; calling init_process_group again and a positional run.resume were retried as failures, with advice
+    to raise slurm.max_failures."""
+    run_dir = tmp_path / loop
+    proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                  f"train.loop=tests.tasks.loops:{loop}", f"run_dir={run_dir}")
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert proc.returncode == code and said in proc.stdout + proc.stderr + logs, proc.stderr[-2000:]
+    [attempt] = read_attempts(run_dir)
+    assert attempt["reason"] == ("finished" if code == 0 else "error"), attempt
+    assert code or "never called run.boundary" in attempt["note"]
+    assert "max_failures" not in proc.stderr
