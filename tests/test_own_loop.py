@@ -173,7 +173,7 @@ def test_a_script_with_its_own_session_leaves_its_done_record_for_the_worker_to_
 
 
 @pytest.mark.parametrize("loop, code, said", [
-    ("forgets_boundary", 0, "without ever calling run.boundary(step)"),
+    ("never_calls_boundary", 0, "without ever calling run.boundary(step)"),
     ("inits_twice", 2, "hpc_ddp has already started the process group"),
     ("positional_resume", 2, "run.resume() takes its objects by name"),
 ])

@@ -137,16 +137,6 @@ def never_calls_boundary(run: Any) -> None:
         time.sleep(0.05)
 
 
-def forgets_boundary(run: Any) -> None:
-    """Trains a few steps and never calls run.boundary (a newcomer's missing call)."""
-    model, optimizer = _tiny(run)
-    run.resume(model=model, optimizer=optimizer)
-    for _ in range(3):
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def inits_twice(run: Any) -> None:
     """Starts the process group itself, as the tutorial it came from did."""
     import torch.distributed as dist
