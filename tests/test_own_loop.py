@@ -61,7 +61,9 @@ def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_no
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
     assert attempts[0]["script_exit_code"] == 1  # rank 0's script died of its peer, not of the signal
     assert "just before SIGTERM reached this rank" in proc.stdout + proc.stderr
-    assert "resuming training from snapshot at epoch 1" in proc.stdout
+    # which epoch snapshot it resumes from depends on how far the script got before the launcher saw step 40
+    # (a loaded CI machine saw a later one): the resume itself is what matters here
+    assert re.search(r"resuming training from snapshot at epoch [1-9]", proc.stdout), proc.stdout[-2000:]
 
 
 def test_a_loop_that_goes_on_after_the_stop_is_ended_as_that_stop_and_the_ledger_says_so(tmp_path: Path) -> None:
