@@ -304,16 +304,20 @@ def lost_ranks(run_dir: Path, job_id: int | str | None, restart_count: int, in_j
 def describe(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:
     """One line for the ledger and the logs, e.g. ``rank 3 on node1 lost (no liveness beat for 31s, seen by
     rank 2)``; "" when no rank was declared lost."""
+    return _describe(lost_markers(run_dir, job_id, restart_count, in_job))
+
+
+def _describe(markers: Mapping[int, Mapping[str, Any]]) -> str:
     return "; ".join(f"rank {rank} on {m.get('host') or '?'} lost (no liveness beat for "
-                     f"{m.get('silent_s', '?')}s, seen by rank {m.get('by_rank', '?')})"
-                     for rank, m in lost_markers(run_dir, job_id, restart_count, in_job).items())
+                     f"{m.get('silent_s', '?')}s, seen by rank {m.get('by_rank', '?')})" for rank, m in markers.items())
 
 
 def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
     """What a ``failed`` ledger line adds when ranks were declared lost: ``lost_ranks``, ``lost_hosts`` and
     the ``message``; empty when none was."""
-    lost = lost_ranks(run_dir, job_id, restart_count, in_job)
-    if not lost:
+    markers = lost_markers(run_dir, job_id, restart_count, in_job)  # read once: the ranks, hosts and message
+    if not markers:
         return {}
-    return {"lost_ranks": sorted(lost), "lost_hosts": sorted({h for h in lost.values() if h}),
-            "message": describe(run_dir, job_id, restart_count, in_job)}
+    return {"lost_ranks": sorted(markers), "lost_hosts": sorted({str(m.get("host")) for m in markers.values()
+                                                                 if m.get("host")}),
+            "message": _describe(markers)}

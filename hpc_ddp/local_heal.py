@@ -19,7 +19,8 @@ from typing import Any
 from hpc_ddp import heal
 from hpc_ddp.batching import node_counts
 from hpc_ddp.preemption import attempt_key, crash_marker
-from hpc_ddp.shell_rules import lost_nodes, refuses_resize
+from hpc_ddp.shell_rules import lost_nodes
+from hpc_ddp.snapshot import refuses_resize
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR
 
 

@@ -19,7 +19,6 @@ left, and a step started inside the warning window gets the warning from the bat
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,17 +94,7 @@ def batch_host(show_job: str, environ: Mapping[str, str]) -> str:
     for part in show_job.split():
         if part.startswith("BatchHost="):
             return part.partition("=")[2]
-    return environ.get("SLURMD_NODENAME", "") or os.environ.get("SLURMD_NODENAME", "")
-
-
-def refuses_resize(run_dir: Path) -> str | None:
-    """Why the run's state cannot resume on another number of nodes (``per_rank(..., elastic="refuse")``), or
-    None: the healer then never plans fewer nodes (the workers would refuse them and the step would be lost)."""
-    try:
-        from hpc_ddp.snapshot import refuses_resize as refuses
-    except ImportError:  # pragma: no cover
-        return None
-    return refuses(run_dir)
+    return environ.get("SLURMD_NODENAME", "")
 
 
 def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nodes: Sequence[str],

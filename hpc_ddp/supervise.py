@@ -45,6 +45,7 @@ from hpc_ddp.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.preemption import attempt_key, caps, job_end_time, job_spec, read_attempts, requeue, signal_number
 from hpc_ddp.settle import last_known, pick_config, settle
 from hpc_ddp.slurm_env import HEALED_VAR, IN_JOB_VAR, in_job_port
+from hpc_ddp.snapshot import refuses_resize
 from hpc_ddp.steps import Srun, Step, run_srun, srun_lines_before
 
 PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
@@ -141,13 +142,12 @@ class Supervisor:
         states = heal.node_states(self._scontrol("show", "node", "-o", compress_hostlist(held))) if held else {}
         hard |= {n: f"Slurm says State={s}" for n, s in states.items() if n in held and heal.bad_state(s)}
         per_node = heal.ranks_per_node(record, step.nodes, self.tasks_per_node)
-        hard |= {n: why for n, why in rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes,
-                                                  per_node).items() if n not in hard}
+        lost = rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes, per_node)
+        hard |= {n: why for n, why in lost.items() if n not in hard}
         stuck = heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes, per_node)
         # srun names the first task to exit; after a hang or a loss that is the rank that saw it and ended
         # the step on purpose (the watchdog's recorder, the lost rank's watcher), not the culprit
-        told = stuck or record.get("lost_ranks") or liveness.lost_ranks(self.run_dir, self.job_id, self.restart,
-                                                                          step.index)
+        told = stuck or lost or record.get("lost_ranks")
         soft = {} if told else {n: why for n, why in heal.culprits(step.srun_lines).items() if n not in hard}
         soft |= {n: why for n, why in stuck.items() if n not in hard}
         return held, hard, soft
@@ -185,7 +185,7 @@ class Supervisor:
             self.healer.why_not = late
             return None
         return self.healer.decide(record, step.index, held, step.nodes, hard, soft, point, avoid=self.avoid(),
-                                  no_resize=rules.refuses_resize(self.run_dir))
+                                  no_resize=refuses_resize(self.run_dir))
 
     def _walltime(self) -> str:
         self.end = job_end_time(job_spec(self.environ), self.runner) if self.job else None
