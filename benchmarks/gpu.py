@@ -4,14 +4,17 @@ One process per visible GPU, NCCL, bf16 autocast, a small GPT (examples/own_loop
 whose steps take a few milliseconds: the case where a host-device sync per step would show.
 Variants, interleaved round by round:
 
-- ``raw``: a plain DDP loop (DataLoader, autocast, forward, backward, AdamW step);
+- ``raw``: a plain DDP loop (DataLoader, autocast, forward, backward, AdamW step), and ``raw2``,
+  the same again: raw2 / raw is the noise floor every other ratio is read against;
 - ``own``: the same loop with ``run.resume`` before it and ``run.boundary(step)`` after every
   step (the stop agreement on the CPU control group), no snapshot due;
 - ``trainer``: hpc_ddp's Trainer on the same model, data and optimizer, no snapshot due;
 - ``sync`` / ``async``: ``own`` with a snapshot every ``every`` steps.
 
-Then a state of ``--state-mb`` on the GPU: a sync snapshot against dd (GB/s) and the time an
-async snapshot blocks the loop (benchmarks/snapshots.py's B3 figures with the state on CUDA).
+Each ratio is the median of the per-round ratios (each round runs every variant once, in turn),
+with their quartiles beside it. Then a state of ``--state-mb`` on the GPU: a sync snapshot against
+dd (GB/s) and the time an async snapshot blocks the loop (benchmarks/snapshots.py's B3 figures with
+the state on CUDA), and B8's replication check with both of its states on the GPU.
 
 ``--smoke`` runs the same code on the CPU with gloo and tiny sizes: it checks the benchmark
 itself on a machine without a GPU, and its figures mean nothing.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -120,7 +124,7 @@ def variant_rate(variant: str, env: Any, device: torch.device, steps: int, warmu
     from hpc_ddp.run import Run
     from hpc_ddp.trainer import Trainer
 
-    if variant == "raw":
+    if variant in ("raw", "raw2"):
         return loop(device, steps, warmup)
     with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
         cfg = _config(control.from_main(tmp), steps, variant, every)  # rank 0's directory on every rank
@@ -151,7 +155,7 @@ def worker(rank: int, world: int, port: int, out: str, rounds: int, steps: int, 
     env = from_environ({**simulated_environ(1, world, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port)})
     device = init_process_group(env, DistConfig(backend="gloo" if smoke else "nccl", timeout_s=300))
-    variants = ["raw", "own", "trainer", "sync", "async"]
+    variants = ["raw", "raw2", "own", "trainer", "sync", "async"]
     samples: dict[str, list[float]] = {v: [] for v in variants}
     warmup = max(5, steps // 10)
     for _ in range(rounds):
@@ -162,22 +166,38 @@ def worker(rank: int, world: int, port: int, out: str, rounds: int, steps: int, 
     teardown()
 
 
+def ratio_of(samples: dict[str, list[float]], variant: str) -> tuple[float, list[float]]:
+    """The median over rounds of variant / raw (both from the same round), and the quartiles of those ratios."""
+    ratios = [v / r for v, r in zip(samples[variant], samples["raw"])]
+    if len(ratios) < 2:
+        return ratios[0], [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median(ratios), [round(q1, 3), round(q3, 3)]
+
+
 def figures(rounds: int, steps: int, every: int, state_mb: float, smoke: bool) -> dict[str, Any]:
-    from benchmarks.snapshots import snapshot_figures
+    from benchmarks.snapshots import replication_figures, snapshot_figures
     from hpc_ddp.local import free_port
 
     world = 1 if smoke else torch.cuda.device_count()
+    device = "cpu" if smoke else "cuda"
     with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
         out = Path(tmp) / "rates.json"
         mp.spawn(worker, args=(world, free_port(), str(out), rounds, steps, every, smoke), nprocs=world, join=True)
-        rates = {name: median(values) for name, values in json.loads(out.read_text()).items()}
-        state = snapshot_figures(state_mb, Path(tmp), 2 if smoke else 3, device="cpu" if smoke else "cuda")
-    own, trainer = rates["own"] / rates["raw"], rates["trainer"] / rates["raw"]
+        samples = json.loads(out.read_text())
+        rates = {name: median(values) for name, values in samples.items()}
+        state = snapshot_figures(state_mb, Path(tmp), 2 if smoke else 3, device=device)
+        replication = replication_figures(min(state_mb, 1000), Path(tmp), 2 if smoke else 5, device=device)
+    own, own_iqr = ratio_of(samples, "own")
+    trainer, trainer_iqr = ratio_of(samples, "trainer")
+    floor, floor_iqr = ratio_of(samples, "raw2")
     return {"device": "CPU (smoke run: the figures mean nothing)" if smoke else torch.cuda.get_device_name(0),
             "world_size": world, "steps_per_s": {k: round(v, 2) for k, v in rates.items()},
-            "own_loop_vs_raw": round(own, 3), "trainer_vs_raw": round(trainer, 3),
-            "sync_snapshots_vs_raw": round(rates["sync"] / rates["raw"], 3),
-            "async_snapshots_vs_raw": round(rates["async"] / rates["raw"], 3),
+            "own_loop_vs_raw": round(own, 3), "own_loop_iqr": own_iqr, "trainer_vs_raw": round(trainer, 3),
+            "trainer_iqr": trainer_iqr, "raw_vs_raw": round(floor, 3), "raw_vs_raw_iqr": floor_iqr,
+            "sync_snapshots_vs_raw": round(ratio_of(samples, "sync")[0], 3),
+            "async_snapshots_vs_raw": round(ratio_of(samples, "async")[0], 3),
+            "replication": {name: replication[name] for name in ("gpt", "large", "state_mb", "met")},
             "state_mb": state["size_mb"], "sync_gb_s": round(state["sync_mb_s"] / 1024, 2),
             "dd_gb_s": round(state["dd_mb_s"] / 1024, 2), "async_blocked_s": state["async_blocked_s"],
             "sync_s": state["sync_s"], "async_blocked_vs_sync": state["async_blocked_vs_sync"],
@@ -191,7 +211,7 @@ def b2_gpu(quick: bool) -> dict[str, Any]:
     """The B2-GPU section of benchmarks/run.py: measured where CUDA is, else says so (never estimated)."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA GPU on the machine that ran it", "met": None}
-    return figures(1 if quick else 3, 100 if quick else 400, 50, 500 if quick else 2048, smoke=False)
+    return figures(1 if quick else 9, 100 if quick else 400, 50, 500 if quick else 2048, smoke=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,6 +177,10 @@ def b6_scale(ranks: int = 4096) -> dict[str, Any]:
             "agree_on_address_and_port": agree, "target": "every rank agrees", "met": agree}
 
 
+def _span(pair: list[float] | None) -> str:
+    return "-" if not pair else f"{pair[0]}-{pair[1]}"
+
+
 def _round(values: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in values.items()}
 
@@ -203,12 +207,21 @@ def table(results: dict[str, Any]) -> str:
             rows.append(f"| B2-GPU | **not yet measured**: {s['skipped']} | own loop + run API >= 0.99 x raw; "
                         "async blocked <= 0.1 x sync | - |")
         else:
-            rows.append(f"| B2-GPU ({s['device']} x {s['world_size']}, NCCL, bf16) | own loop + run API "
-                        f"{s['own_loop_vs_raw']} x raw ({s['steps_per_s']['own']} vs {s['steps_per_s']['raw']} "
-                        f"steps/s); trainer {s['trainer_vs_raw']} x; snapshots every {s['snapshot_every']} steps: "
+            rows.append(f"| B2-GPU ({s['device']} x {s['world_size']}, NCCL, bf16, {s['rounds']} rounds) | own "
+                        f"loop + run API {s['own_loop_vs_raw']} x raw (IQR {_span(s.get('own_loop_iqr'))}; "
+                        f"{s['steps_per_s']['own']} vs {s['steps_per_s']['raw']} steps/s); trainer "
+                        f"{s['trainer_vs_raw']} x (IQR {_span(s.get('trainer_iqr'))}); noise floor raw vs raw "
+                        f"{s.get('raw_vs_raw')} x (IQR {_span(s.get('raw_vs_raw_iqr'))}); snapshots every "
+                        f"{s['snapshot_every']} steps: "
                         f"sync {s['sync_snapshots_vs_raw']} x, async {s['async_snapshots_vs_raw']} x raw; "
                         f"{s['state_mb']:.0f} MB CUDA state: sync {s['sync_gb_s']} GB/s (dd {s['dd_gb_s']} GB/s), "
                         f"async blocks {s['async_blocked_vs_sync']} x sync | {s['target']} | {mark(s)} |")
+            for label, row in ((k, (s.get("replication") or {}).get(k)) for k in ("gpt", "large")):
+                if row:
+                    rows.append(f"| B8 replication check on CUDA, {label} ({row['leaves']} leaves, {row['tensors']} "
+                                f"tensors, {row['state_mb']} MB) | {row['fingerprint_s'] * 1e3:.2f} ms = "
+                                f"{row['fingerprint_vs_sync']} x a sync snapshot (IQR {_span(row['ratio_iqr'])}) | "
+                                f"<= 0.02 x | {'yes' if row['fingerprint_vs_sync'] <= 0.02 else '**no**'} |")
     if "B3" in b:
         for f in b["B3"].values():
             if isinstance(f, dict):

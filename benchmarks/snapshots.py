@@ -187,9 +187,9 @@ def stop_latency(directory: Path, megabytes: float, repeats: int,
     return {key: round(median([r[key] for r in results]), 4) for key in results[0]} | {"repeats": repeats}
 
 
-def gpt_state() -> dict[str, Any]:
+def gpt_state(device: str = "cpu") -> dict[str, Any]:
     """What a snapshot of examples/own_loop_gpt.py checks: the model, AdamW after a step, the sampler's position
-    (run.state() of its tracked objects, the step left out as replication.check leaves it out)."""
+    (run.state() of its tracked objects, the step left out as replication.check leaves it out), on ``device``."""
     from examples.char_gpt import BLOCK, TEXT, CharWindows
     from examples.own_loop_gpt import GPT
     from hpc_ddp.sampler import ShardSampler
@@ -197,9 +197,9 @@ def gpt_state() -> dict[str, Any]:
 
     torch.manual_seed(0)
     data = CharWindows(TEXT.read_text())
-    model = GPT(len(data.vocab))
+    model = GPT(len(data.vocab)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    inputs = torch.randint(len(data.vocab), (2, BLOCK))
+    inputs = torch.randint(len(data.vocab), (2, BLOCK), device=device)
     torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), inputs.flatten()).backward()
     optimizer.step()
     sampler = ShardSampler(len(data), 0, 1)
@@ -238,15 +238,17 @@ def _check_vs_sync(name: str, state: dict[str, Any], directory: Path, rounds: in
             "rounds": rounds}
 
 
-def replication_figures(megabytes: float, directory: Path, repeats: int) -> dict[str, Any]:
+def replication_figures(megabytes: float, directory: Path, repeats: int, device: str = "cpu") -> dict[str, Any]:
     """B8: the replication check's local work (every replicated object fingerprinted, every element of every
     tensor read) against a sync snapshot of the same state: the GPT example's state, with its real leaf count
     (many small leaves: the per-leaf cost shows), and a ``megabytes`` model + Adam state of three large tensors
-    (the bandwidth shows). Its collective is one all_reduce of 2 int64 per object, not timed here."""
-    _, large = state_of(megabytes)
+    (the bandwidth shows). Its collective is one all_reduce of 2 int64 per object, not timed here. With
+    ``device="cuda"`` both states live on the GPU: the sums run there and one copy per device reaches the host
+    (the sync snapshot copies the whole state to the host first)."""
+    _, large = state_of(megabytes, device)
     large.pop("step")
-    gpt = _check_vs_sync("gpt", gpt_state(), directory, 10 * repeats)
+    gpt = _check_vs_sync("gpt", gpt_state(device), directory, 10 * repeats)
     big = _check_vs_sync(f"{int(megabytes)}mb", large, directory, repeats)
     worst = max(gpt["fingerprint_vs_sync"], big["fingerprint_vs_sync"])
     return {"gpt": gpt, "large": big, "state_mb": megabytes, "target": "replication check <= 0.02 x a sync snapshot "
-            "(median per-round ratio, each state)", "met": worst <= 0.02, "repeats": repeats}
+            "(median per-round ratio, each state)", "met": worst <= 0.02, "repeats": repeats, "device": device}

@@ -1,7 +1,8 @@
 """The flight recorder's dumps: which collective each rank was in when the job hung.
 
 torch keeps the last collectives of every process group in a ring buffer (the flight
-recorder; NCCL's groups, and gloo's since torch 2.10), switched on by the variables of
+recorder; NCCL's groups, and gloo's since torch 2.10, in two recorders: one for CUDA events,
+one for the rest), switched on by the variables of
 :func:`hpc_ddp.distributed.failure_env`. When the hang watchdog fires it dumps that record
 as JSON into the run dir's errors/, next to the Python stacks in the rank's log, and
 ``hpc_ddp.status`` reads the dumps back and says which collective the ranks wait in and
@@ -31,27 +32,50 @@ def prefix(run_dir: Path | str, job_id: int | str | None, restart_count: int, in
     return str(layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-collectives-rank-")
 
 
+READERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")  # gloo's (and others') recorder, then NCCL's
+
+
 def dump(target_prefix: str, rank: int) -> Path | None:
-    """This process's flight record as ``PREFIX<rank>.json``; None where torch keeps none (an older torch,
-    or a record switched off)."""
+    """This process's flight record as ``PREFIX<rank>.json``, both recorders merged (on a GPU the training
+    group's NCCL entries are in one, the gloo control group's in the other: seen on an H100 with torch 2.11);
+    None where torch keeps none (an older torch, or a record switched off)."""
     import torch
 
     c10d = torch._C._distributed_c10d
-    reader = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
-    if reader is None:
-        return None
-    try:
-        raw = reader()
-        record = json.loads(raw)
-    except Exception as err:  # the dump is a diagnosis: never let it stop the hang from being recorded
-        log.warning("the flight recorder could not be dumped: %s", err)
-        return None
+    records = []
+    for name in READERS:
+        reader = getattr(c10d, name, None)
+        if reader is None:
+            continue
+        try:
+            records.append(json.loads(reader()))
+        except Exception as err:  # the dump is a diagnosis: never let it stop the hang from being recorded
+            log.warning("the flight recorder could not be dumped (%s): %s", name, err)
+    record = merged(records)
     if not record.get("entries"):
         return None
     path = Path(f"{target_prefix}{rank}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, raw if isinstance(raw, bytes) else str(raw).encode())
+    write_atomic(path, json.dumps(record).encode())
     return path
+
+
+def merged(records: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One record of several recorders' dumps: entries in the order they were created, and each recorder's
+    per-group status and config (the groups differ between recorders; the first recorder wins a clash)."""
+    out: dict[str, Any] = {}
+    entries: list[Any] = []
+    for record in records:
+        entries += list(record.get("entries") or [])
+        for key, value in record.items():
+            if key == "entries":
+                continue
+            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = {**value, **out[key]}
+            else:
+                out.setdefault(key, value)
+    out["entries"] = sorted(entries, key=lambda e: e.get("time_created_ns", 0) if isinstance(e, Mapping) else 0)
+    return out
 
 
 def read(target_prefix: str) -> dict[int, dict[str, Any]]:

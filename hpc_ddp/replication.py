@@ -16,8 +16,8 @@ changes its row's sum (other changes in the same row would have to cancel it mod
 Only a reordering of words within one row keeps the sums. The rows start at an offset
 derived from the step, so words d apart are split by a row's edge at about d in sqrt(words)
 snapshots: a shuffle across rows is seen at once, two neighbouring words swapped late.
-The summaries of a device's tensors reach the host in one copy (on CUDA, one transfer
-instead of one per leaf; on the CPU no copy at all). Other values are hashed by ``repr``.
+On a GPU every tensor of a device is summed by one fused reduction and the summaries
+reach the host in one copy (:func:`fused`); on the CPU leaf by leaf, with no copy at all. Other values are hashed by ``repr``.
 
 A mismatch is an error on every rank alike, naming the object, its first differing key
 and the ranks that differ, with the fix: wrap it in DDP, or track it with
@@ -39,6 +39,7 @@ from hpc_ddp import control
 from hpc_ddp.errors import UsageError, explain
 
 WHOLE_BYTES = 16 * 1024  # tensors up to this size are hashed byte for byte; larger ones by their row sums
+FUSED_BYTES = 1 << 20  # on a GPU, tensors up to this size share one reduction; larger ones are summed alone
 MASK = (1 << 62) - 1  # digests fit an int64 with room to negate
 
 
@@ -68,35 +69,85 @@ def summary(tensor: torch.Tensor, step: int = 0, moved: int | None = None) -> to
     raw = tensor.detach().reshape(-1).view(torch.uint8)
     if raw.numel() <= WHOLE_BYTES:
         return raw
+    raw, start, rows, width = _layout(tensor, offset(step) if moved is None else moved)
     count = raw.numel() // 8
     try:
         words = raw[: count * 8].view(torch.int64)
     except RuntimeError:  # a view that starts off an 8-byte boundary (a slice of a flat buffer): copy it once
         words = raw[: count * 8].clone().view(torch.int64)
-    width = math.isqrt(count)
-    start = (offset(step) if moved is None else moved) % width
-    rows = (count - start) // width
     end = start + rows * width
     sums = words[start:end].view(rows, width).sum(1)
     return torch.cat([sums.view(torch.uint8), raw[: start * 8], raw[end * 8:]])
 
 
-def _host_bytes(summaries: list[torch.Tensor]) -> list[bytes]:
-    """Each summary's bytes on the host: one copy per device (a CPU tensor is read where it is)."""
-    found: list[bytes] = [b""] * len(summaries)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, part in enumerate(summaries):
-        by_device.setdefault(part.device, []).append(i)
-    for device, indices in by_device.items():
-        parts = [summaries[i] for i in indices]
-        joined = torch.cat(parts).contiguous() if device.type != "cpu" else None
-        host = joined.to("cpu") if joined is not None else None  # the one device-to-host copy of this device
-        at = 0
-        for i, part in zip(indices, parts):
-            data = part.contiguous() if host is None else host[at: at + part.numel()]
-            at += part.numel()
-            found[i] = ctypes.string_at(data.data_ptr(), data.numel()) if data.numel() else b""
+def _layout(tensor: torch.Tensor, moved: int) -> tuple[torch.Tensor, int, int, int]:
+    """(its bytes, first summed word, rows, row width) of a tensor summed by rows (see :func:`summary`)."""
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    count = raw.numel() // 8
+    width = math.isqrt(count)
+    start = moved % width
+    return raw, start, (count - start) // width, width
+
+
+def fused(tensors: list[torch.Tensor], step: int = 0, moved: int | None = None) -> list[bytes]:
+    """:func:`summary` of every tensor of one device, on the host, from a handful of kernels in all.
+
+    Per leaf, :func:`summary` launches a sum and a concatenation: on a GPU, a model of hundreds of leaves
+    pays hundreds of launches. Here the summed words of every tensor up to ``FUSED_BYTES`` are concatenated
+    and reduced into their rows by one ``index_add_`` (int64 adds wrap, so the order of the atomics does not
+    matter); a larger tensor is summed alone (its long rows would make the atomics queue on a few
+    addresses: 1 GB took 10.8 ms fused against 1.9 ms alone on an H100). The row sums, the bytes outside
+    the rows and the small tensors reach the host in one copy. The bytes of each leaf are the same as
+    :func:`summary`'s (tested), so ranks may mix the two.
+    """
+    moved = offset(step) if moved is None else moved
+    parts: list[torch.Tensor] = []  # what is copied to the host after the row sums
+    bodies: list[torch.Tensor] = []
+    plan: list[tuple[int, int, int, int]] = []  # per tensor: first row, rows, part index of head, or -1 if small
+    widths: list[int] = []  # per summed tensor: its row width and its rows
+    counts: list[int] = []
+    for tensor in tensors:
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        if raw.numel() <= WHOLE_BYTES or raw.numel() > FUSED_BYTES:  # atomics on few rows are slow when large
+            plan.append((0, 0, len(parts), -1))
+            parts.append(summary(tensor, step, moved))
+            continue
+        raw, start, rows, width = _layout(tensor, moved)
+        end = start + rows * width
+        plan.append((sum(counts), rows, len(parts), 1))
+        parts += [raw[: start * 8], raw[end * 8:]]
+        bodies.append(raw[start * 8: end * 8])
+        widths.append(width)
+        counts.append(rows)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    total_rows = sum(counts)
+    sums = torch.zeros(total_rows, dtype=torch.int64, device=device)
+    if bodies:
+        words = torch.cat(bodies).view(torch.int64)
+        # each word's row: the widths per row from two short lists (one entry per tensor), not one per row
+        per_row = torch.repeat_interleave(torch.tensor(widths, device=device), torch.tensor(counts, device=device),
+                                          output_size=total_rows)
+        rows = torch.repeat_interleave(torch.arange(total_rows, device=device), per_row, output_size=words.numel())
+        sums.index_add_(0, rows, words)
+    sizes = [sums.numel() * 8] + [p.numel() for p in parts]
+    joined = torch.cat([sums.view(torch.uint8), *parts]).cpu()  # the one device-to-host copy
+    raw_all = ctypes.string_at(joined.data_ptr(), joined.numel()) if joined.numel() else b""
+    cuts = [0]
+    for size in sizes:
+        cuts.append(cuts[-1] + size)
+    piece = [raw_all[cuts[i]: cuts[i + 1]] for i in range(len(sizes))]
+    found = []
+    for first, rows, at, large in plan:
+        if large < 0:
+            found.append(piece[1 + at])
+        else:
+            found.append(piece[0][first * 8: (first + rows) * 8] + piece[1 + at] + piece[2 + at])
     return found
+
+
+def _host_bytes(summaries: list[torch.Tensor]) -> list[bytes]:
+    """Each CPU summary's bytes, read where it is (no copy)."""
+    return [ctypes.string_at(p.contiguous().data_ptr(), p.numel()) if p.numel() else b"" for p in summaries]
 
 
 def _digest(raw: bytes) -> int:
@@ -104,12 +155,23 @@ def _digest(raw: bytes) -> int:
 
 
 def fingerprints(states: Mapping[str, Any], step: int = 0) -> dict[str, list[tuple[str, int]]]:
-    """Every object's leaves as (path, digest); its tensors summarised on their devices, read back together."""
+    """Every object's leaves as (path, digest); its tensors summarised on their devices, read back together
+    (on the CPU leaf by leaf with no copy; on a GPU by :func:`fused`, one copy per device)."""
     found = {name: list(leaves(value)) for name, value in states.items()}
     tensors = [leaf for items in found.values() for _, leaf in items if isinstance(leaf, torch.Tensor)]
     moved = offset(step)
-    read = iter(_host_bytes([summary(t, step, moved) for t in tensors]))
-    return {name: [(path, _digest(f"{leaf.dtype}{tuple(leaf.shape)}".encode() + next(read))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    summaries: list[bytes] = [b""] * len(tensors)
+    for device, indices in by_device.items():
+        chosen = [tensors[i] for i in indices]
+        read = (_host_bytes([summary(t, step, moved) for t in chosen]) if device.type == "cpu"
+                else fused(chosen, step, moved))
+        for i, raw in zip(indices, read):
+            summaries[i] = raw
+    read_back = iter(summaries)
+    return {name: [(path, _digest(f"{leaf.dtype}{tuple(leaf.shape)}".encode() + next(read_back))
                     if isinstance(leaf, torch.Tensor) else _digest(repr(leaf).encode())) for path, leaf in items]
             for name, items in found.items()}
 

@@ -118,3 +118,18 @@ def test_the_flight_summary_names_the_first_collective_the_ranks_issued_differen
     assert lines == ["process group 0: the ranks issued different collectives at #53: ranks 0 gloo:broadcast of "
                      "[64]; ranks 1 gloo:all_reduce of [3] (a branch only some ranks take, e.g. a forward of the "
                      "DDP model on rank 0 alone: docs/troubleshooting.md)"]
+
+
+def test_a_flight_dump_merges_the_nccl_recorder_with_the_gloo_one() -> None:
+    """torch 2.11 keeps NCCL's entries (CUDA events) and gloo's in two recorders: on an H100 a dump of one held
+    only the control group's gloo entries, and the training group's NCCL all_reduce was missing."""
+    from hpc_ddp.flight import merged
+
+    gloo = {"version": "2.10", "pg_status": {"1": {"last_enqueued_collective": "9"}},
+            "entries": [{"pg_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 20}]}
+    nccl = {"version": "2.10", "nccl_version": "2.28.9", "pg_status": {"0": {"last_enqueued_collective": "7"}},
+            "entries": [{"pg_id": 0, "profiling_name": "nccl:all_reduce", "time_created_ns": 10}]}
+    record = merged([gloo, nccl])
+    assert [e["profiling_name"] for e in record["entries"]] == ["nccl:all_reduce", "gloo:all_reduce"]
+    assert set(record["pg_status"]) == {"0", "1"} and record["nccl_version"] == "2.28.9"
+    assert merged([]) == {"entries": []}

@@ -1,8 +1,10 @@
-"""50 steps of an own DDP loop on NCCL with the run API, under ``torch.cuda.set_sync_debug_mode("error")``.
+"""50 steps on NCCL under ``torch.cuda.set_sync_debug_mode("error")``: an own loop with the run API, or the Trainer.
 
-Run by tests/gpu/test_gpu.py in a process of its own (world size 1, NCCL): any host-device
-synchronisation in a step (an ``.item()`` or ``.tolist()`` of a CUDA tensor, a blocking copy)
-raises there. Prints ``no sync in 50 steps`` when none did.
+Run by tests/gpu/test_gpu.py in a process of its own (world size 1, NCCL):
+``python tests/gpu/sync_free_loop.py own|trainer``. Any host-device synchronisation in a step
+(an ``.item()`` or ``.tolist()`` of a CUDA tensor, a blocking copy) raises there. Prints
+``no sync in 50 steps (VARIANT)`` when none did. The Trainer logs only at ``train.log_every``
+(its loss is read back then, on purpose), so the 50 checked steps fall between two log steps.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,42 +25,76 @@ from hpc_ddp.preemption import StopFlag  # noqa: E402
 from hpc_ddp.run import Run  # noqa: E402
 from hpc_ddp.slurm_env import from_environ, simulated_environ  # noqa: E402
 
+WARMUP, CHECKED = 5, 50  # warm-up: DDP builds its buckets, AdamW its state
 
-def main() -> None:
+
+def model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+
+
+class SquareTask:
+    """The Trainer's variant: the same model, random inputs, a loss with no target."""
+
+    def build_model(self, cfg: Any) -> torch.nn.Module:
+        return model()
+
+    def build_dataset(self, cfg: Any) -> torch.utils.data.Dataset:
+        return torch.utils.data.TensorDataset(torch.randn(4096, 256, generator=torch.Generator().manual_seed(0)))
+
+    def build_optimizer(self, net: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def loss(self, net: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return net(batch[0]).float().pow(2).mean()
+
+
+def checked(step: int) -> None:
+    """Sync debug mode on for steps WARMUP+1 .. WARMUP+CHECKED (the boundary calls this at each step's end)."""
+    if step == WARMUP:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    elif step == WARMUP + CHECKED:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def own_loop(run: Run, device: torch.device) -> None:
     from torch.nn.parallel import DistributedDataParallel
+
+    net = DistributedDataParallel(model().to(device), device_ids=[device])
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    step = run.resume(model=net, optimizer=optimizer)
+    x = torch.randn(64, 256, device=device)
+    while step < WARMUP + CHECKED:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = net(x).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        assert not run.boundary(step)
+    run.finish()
+
+
+def main(variant: str) -> None:
+    from hpc_ddp.trainer import Trainer
 
     env = from_environ({**simulated_environ(1, 1, job_id=1)[0], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config([], ["name=sync", f"run_dir={tmp}", "train.loop=a.b:c", "dist.backend=nccl",
-                               "snapshot.every_steps=1000", "snapshot.every_minutes=null"])
+        program = (["train.loop=a.b:c"] if variant == "own" else
+                   ["train.task=tests.gpu.sync_free_loop:SquareTask", "train.batch_size=64", "train.amp=bf16",
+                    f"train.max_steps={WARMUP + CHECKED + 5}", "train.log_every=1000"])
+        cfg = load_config([], ["name=sync", f"run_dir={tmp}", "dist.backend=nccl", "snapshot.every_steps=1000",
+                               "snapshot.every_minutes=null", *program])
         device = init_process_group(env, cfg.dist)
-        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(),
-                                                            torch.nn.Linear(256, 256)).to(device), device_ids=[device])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        run = Run(cfg, env, device, checkpointer=Checkpointer(Path(tmp), cfg.snapshot, env, "sync"), stop=StopFlag())
-        step = run.resume(model=model, optimizer=optimizer)
-        x = torch.randn(64, 256, device=device)
-
-        def one_step() -> bool:
-            nonlocal step
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            return run.boundary(step)
-        for _ in range(5):  # warm-up: DDP builds its buckets, AdamW its state
-            one_step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        for _ in range(50):
-            assert not one_step()
-        torch.cuda.set_sync_debug_mode(0)
-        run.finish()
+        run = Run(cfg, env, device, checkpointer=Checkpointer(Path(tmp), cfg.snapshot, env, "sync"), stop=StopFlag(),
+                  on_step=checked)
+        if variant == "own":
+            own_loop(run, device)
+        else:
+            Trainer(SquareTask(), cfg, run).train()
         teardown()
-    print("no sync in 50 steps")
+    print(f"no sync in {CHECKED} steps ({variant})")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "own")

@@ -3,7 +3,16 @@
 Skipped, with the reason, on a machine without CUDA (CI's has none); run on a lent GPU with
 ``python -m pytest tests/gpu -q``. The own-loop example (dropout, bf16 autocast, grad_accum 2,
 a DataLoader worker, async snapshots) is stopped twice at world size 1 on NCCL and must end
-bit-identical to an uninterrupted run: every step's loss and the final params_sha256.
+bit-identical to an uninterrupted run: every step's loss and the final params_sha256; two
+uninterrupted runs are compared first, so a nondeterministic kernel fails as that, not as a
+resume bug.
+
+What one GPU cannot show: NCCL refuses two ranks on one device, so every NCCL test here runs at
+world size 1, where no peer can wedge a communicator. A hang here is one rank stalled outside any
+collective (the watchdog's path), and a crash ends the attempt whether the code aborts the
+communicator or destroys it. Multi-rank failures (a peer dead inside a collective) are tested on
+gloo (tests/test_faults.py: a crashing rank ends the job fast); a wedged NCCL communicator, and
+abort instead of destroy, wait for a machine with two GPUs.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from hpc_ddp.preemption import read_attempts
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
@@ -35,15 +46,18 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_own_loop_resumes_bit_exactly_on_nccl_with_cuda_rng_and_pinned_staging(tmp_path: Path) -> None:
-    stopped = rehearse(tmp_path / "stopped", "--preempt-at", "7", "--timeout-at", "16")
     rehearse(tmp_path / "straight")
+    rehearse(tmp_path / "again")
+    assert losses(tmp_path / "again") == losses(tmp_path / "straight"), "two uninterrupted runs differ: the " \
+        "comparison below would mean nothing (a nondeterministic CUDA kernel?)"
+    stopped = rehearse(tmp_path / "stopped", "--preempt-at", "7", "--timeout-at", "16")
     log = stopped.stdout + stopped.stderr
     assert "backend nccl" in log and "device cuda:0" in log
-    reasons = [json.loads(line)["reason"] for line in (tmp_path / "stopped" / "attempts.jsonl").read_text().splitlines()]
+    reasons = [attempt["reason"] for attempt in read_attempts(tmp_path / "stopped")]
     assert reasons == ["preemption", "timeout", "finished"]
     assert losses(tmp_path / "stopped") == losses(tmp_path / "straight")
-    done = [json.loads((tmp_path / name / "DONE.json").read_text()) for name in ("stopped", "straight")]
-    assert done[0]["params_sha256"] == done[1]["params_sha256"]
+    done = [json.loads((tmp_path / name / "DONE.json").read_text()) for name in ("stopped", "straight", "again")]
+    assert done[0]["params_sha256"] == done[1]["params_sha256"] == done[2]["params_sha256"]
 
 
 def test_cuda_rng_state_is_captured_and_restored() -> None:
@@ -104,11 +118,14 @@ def test_a_two_rank_cpu_snapshot_resumes_on_one_gpu_under_nccl(tmp_path: Path) -
         assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}"
 
 
-def test_fifty_steps_of_an_own_loop_on_nccl_never_sync_the_host_with_the_gpu() -> None:
-    """The run API's per-step protocol (the stop agreement on the CPU control group) never waits for the GPU."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "sync_free_loop.py")], cwd=ROOT,
+@pytest.mark.parametrize("variant", ["own", "trainer"])
+def test_fifty_steps_on_nccl_never_sync_the_host_with_the_gpu(variant: str) -> None:
+    """The per-step protocol (the stop agreement on the CPU control group) never waits for the GPU: an own loop
+    with the run API, and the Trainer between two of its log steps."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "sync_free_loop.py"), variant], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "no sync in 50 steps" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and f"no sync in 50 steps ({variant})" in proc.stdout, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def _faulty(run_dir: Path, fault: str) -> subprocess.CompletedProcess[str]:
@@ -121,13 +138,15 @@ def _faulty(run_dir: Path, fault: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "HPC_DDP_TEST_FAULT": fault})
 
 
-def test_a_hang_on_nccl_ends_within_the_timeout_and_leaves_the_flight_record(tmp_path: Path) -> None:
+def test_a_rank_stalled_outside_any_collective_on_nccl_is_recorded_hung_with_the_flight_record(
+        tmp_path: Path) -> None:
+    """World size 1: the watchdog (no peer) sees the stall; the NCCL flight recorder's dump names DDP's all_reduce."""
     import time
 
     start = time.monotonic()
     proc = _faulty(tmp_path / "hang", "sleep:0:7")
     assert proc.returncode == 4 and time.monotonic() - start < 10 + 90, proc.stderr[-3000:]
-    [attempt] = [json.loads(line) for line in (tmp_path / "hang" / "attempts.jsonl").read_text().splitlines()]
+    [attempt] = read_attempts(tmp_path / "hang")  # the ledger's reader: an 'amends' line joins its attempt
     assert attempt["reason"] == "hung" and attempt["collectives"]
     dump = tmp_path / "hang" / (attempt["collectives"] + "0.json")
     record = json.loads(dump.read_text())
@@ -135,11 +154,26 @@ def test_a_hang_on_nccl_ends_within_the_timeout_and_leaves_the_flight_record(tmp
     assert any(str(n).startswith("nccl:") for n in names), names  # DDP's gradient all_reduce on NCCL
 
 
-def test_a_crash_on_nccl_ends_at_once_by_abort_not_destroy(tmp_path: Path) -> None:
+def test_a_crash_on_nccl_at_world_size_one_is_recorded_failed_and_ends_at_once(tmp_path: Path) -> None:
+    """World size 1 cannot tell abort from destroy (no peer can wedge the communicator): it shows the error path
+    runs on NCCL and the attempt is recorded; abort instead of destroy needs a peer, so two GPUs."""
     import time
 
     start = time.monotonic()
     proc = _faulty(tmp_path / "crash", "raise:0:7")
     assert proc.returncode not in (0, None) and time.monotonic() - start < 90, proc.stderr[-3000:]
-    [attempt] = [json.loads(line) for line in (tmp_path / "crash" / "attempts.jsonl").read_text().splitlines()]
+    [attempt] = read_attempts(tmp_path / "crash")
     assert attempt["reason"] == "failed"
+
+
+def test_the_replication_fingerprint_of_a_cuda_state_is_its_cpu_copys() -> None:
+    """On a GPU every tensor of the device is summed by one fused reduction and read back in one copy: each leaf's
+    digest is the one the per-leaf CPU path gives for the same bytes, and a change in a tensor's tail shows."""
+    from hpc_ddp.replication import fingerprints
+
+    state = {"w": torch.randn(20_479, device="cuda"), "b": torch.randn(7, device="cuda"),
+             "e": torch.randn(300, 70, device="cuda").to(torch.bfloat16), "step": 3}
+    on_cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    assert fingerprints({"m": state}, 10) == fingerprints({"m": on_cpu}, 10)
+    state["w"][-1] += 1
+    assert fingerprints({"m": state}, 10) != fingerprints({"m": on_cpu}, 10)
