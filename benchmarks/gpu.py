@@ -70,7 +70,7 @@ def loop(device: torch.device, steps: int, warmup: int, run: Any = None) -> floa
     """Steps/s of the plain DDP loop; with ``run``, the same loop with the run API's two calls."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hpc_ddp.sampler import ShardSampler
+    from hpc_ddp.rank.sampler import ShardSampler
 
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(VOCAB).to(device), device_ids=[device] if device.type == "cuda" else None)
@@ -108,7 +108,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _config(run_dir: str, steps: int, variant: str, every: int) -> Any:
-    from hpc_ddp.config import load_config
+    from hpc_ddp.core.config import load_config
 
     snapshots = [f"snapshot.every_steps={every}", f"snapshot.async_write={variant == 'async'}"] if variant in (
         "sync", "async") else ["snapshot.every_steps=null"]
@@ -118,11 +118,11 @@ def _config(run_dir: str, steps: int, variant: str, every: int) -> Any:
 
 
 def variant_rate(variant: str, env: Any, device: torch.device, steps: int, warmup: int, every: int) -> float:
-    from hpc_ddp import control
-    from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.preemption import StopFlag
-    from hpc_ddp.run import Run
-    from hpc_ddp.trainer import Trainer
+    from hpc_ddp.rank import control
+    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.core.stopping import StopFlag
+    from hpc_ddp.rank.run import Run
+    from hpc_ddp.rank.trainer import Trainer
 
     if variant in ("raw", "raw2"):
         return loop(device, steps, warmup)
@@ -148,9 +148,9 @@ def variant_rate(variant: str, env: Any, device: torch.device, steps: int, warmu
 
 
 def worker(rank: int, world: int, port: int, out: str, rounds: int, steps: int, every: int, smoke: bool) -> None:
-    from hpc_ddp.config import DistConfig
-    from hpc_ddp.distributed import init_process_group, teardown
-    from hpc_ddp.slurm_env import from_environ, simulated_environ
+    from hpc_ddp.core.config import DistConfig
+    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     env = from_environ({**simulated_environ(1, world, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port)})
@@ -177,7 +177,7 @@ def ratio_of(samples: dict[str, list[float]], variant: str) -> tuple[float, list
 
 def figures(rounds: int, steps: int, every: int, state_mb: float, smoke: bool) -> dict[str, Any]:
     from benchmarks.snapshots import replication_figures, snapshot_figures
-    from hpc_ddp.local import free_port
+    from hpc_ddp.rehearsal.local import free_port
 
     world = 1 if smoke else torch.cuda.device_count()
     device = "cpu" if smoke else "cuda"

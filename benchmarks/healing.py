@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import median
-from hpc_ddp import metrics_file
+from hpc_ddp.rundir import metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_HOLD_S, DEFAULT_HOLD_S = 6.0, 121.0

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import interleaved, median, wall
-from hpc_ddp import metrics_file
+from hpc_ddp.rundir import metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
@@ -46,7 +46,7 @@ def b1_cli(repeats: int) -> dict[str, Any]:
 
 def b2_training(rounds: int, steps: int, every: int) -> dict[str, Any]:
     from benchmarks.common import median as med_of
-    from hpc_ddp.local import free_port
+    from hpc_ddp.rehearsal.local import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "b2.json"
@@ -165,7 +165,7 @@ def b8_replication(scratch: Path, megabytes: float, repeats: int) -> dict[str, A
 
 
 def b6_scale(ranks: int = 4096) -> dict[str, Any]:
-    from hpc_ddp.slurm_env import from_environ, simulated_environ
+    from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     environs = simulated_environ(ranks // 8, 8, job_id=987654)
     start = time.perf_counter()

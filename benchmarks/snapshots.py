@@ -36,9 +36,9 @@ def state_of(megabytes: float, device: str = "cpu") -> tuple[torch.nn.Module, di
 def _checkpointer(run_dir: Path) -> Any:
     import torch.distributed as dist
 
-    from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.config import SnapshotConfig
-    from hpc_ddp.slurm_env import DistEnv
+    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.core.config import SnapshotConfig
+    from hpc_ddp.core.slurm_env import DistEnv
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -49,7 +49,7 @@ def _checkpointer(run_dir: Path) -> Any:
 
 def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(a checkpointer in a fresh ``run_dir``, its step counter, a timed sync save of ``state`` at the next step)."""
-    from hpc_ddp.checkpointer import capture_rng
+    from hpc_ddp.rank.checkpointer import capture_rng
 
     shutil.rmtree(run_dir, ignore_errors=True)
     ckpt = _checkpointer(run_dir)
@@ -65,7 +65,7 @@ def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
 def snapshot_figures(megabytes: float, directory: Path, repeats: int, device: str = "cpu") -> dict[str, Any]:
     """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load.
     ``device="cuda"``: the state lives on the GPU (B2-GPU), so each snapshot copies it to the host first."""
-    from hpc_ddp.checkpointer import capture_rng
+    from hpc_ddp.rank.checkpointer import capture_rng
 
     model, state = state_of(megabytes, device)
     buffer = io.BytesIO()
@@ -154,10 +154,10 @@ def stop_latency(directory: Path, megabytes: float, repeats: int,
                  write_probe: Callable[[], float]) -> dict[str, Any]:
     """B4: one rank with ~megabytes of state gets SIGTERM; time to the commit and to the exit; steps lost.
     Before each stop, ``write_probe`` times a sync snapshot of the same size: the reference, side by side."""
-    from hpc_ddp import snapshot
-    from hpc_ddp.config import load_config, save_config
-    from hpc_ddp.local import launch
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.rundir import snapshot
+    from hpc_ddp.core.config import load_config, save_config
+    from hpc_ddp.rehearsal.local import launch
+    from hpc_ddp.rundir.ledger import read_attempts
 
     results = []
     for i in range(repeats):
@@ -192,8 +192,8 @@ def gpt_state(device: str = "cpu") -> dict[str, Any]:
     (run.state() of its tracked objects, the step left out as replication.check leaves it out), on ``device``."""
     from examples.char_gpt import BLOCK, TEXT, CharWindows
     from examples.own_loop_gpt import GPT
-    from hpc_ddp.sampler import ShardSampler
-    from hpc_ddp.tracked import state_of
+    from hpc_ddp.rank.sampler import ShardSampler
+    from hpc_ddp.rank.tracked import state_of
 
     torch.manual_seed(0)
     data = CharWindows(TEXT.read_text())
@@ -214,7 +214,7 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 def _check_vs_sync(name: str, state: dict[str, Any], directory: Path, rounds: int) -> dict[str, Any]:
     """The check's local work on ``state`` (its fingerprints, as replication.check makes them) against a sync
     snapshot of the same state, interleaved ``rounds`` times; the ratio's median and its quartiles over rounds."""
-    from hpc_ddp.replication import combined, fingerprints, leaves
+    from hpc_ddp.rank.replication import combined, fingerprints, leaves
 
     run_dir = directory / f"b8-{name}"
     _, _, sync = _sync_saver(run_dir, {**state, "step": 1})

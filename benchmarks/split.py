@@ -1,7 +1,7 @@
 """B7: what a snapshot costs the cluster at 1, 2, 4 and 8 nodes (x 1 task), split vs a whole copy per node.
 
 Each node is a real gloo process with the same ~200 MB replicated state (model + Adam) and
-a real :class:`~hpc_ddp.checkpointer.Checkpointer`. For each node count it measures, with
+a real :class:`~hpc_ddp.rank.checkpointer.Checkpointer`. For each node count it measures, with
 ``snapshot.replicas`` 1, 2 and "every node" (the layout before splitting, the reference):
 the bytes one snapshot writes over the state's size, the busiest node's bytes, the save's
 wall time and the restore's (verify + load + put together, page cache warm). One disk and
@@ -38,9 +38,9 @@ def worker(rank: int, world: int, port: int, run_dir: Path, replicas: int, megab
     import torch.distributed as dist
 
     from benchmarks.snapshots import state_of
-    from hpc_ddp.checkpointer import Checkpointer, capture_rng
-    from hpc_ddp.config import SnapshotConfig
-    from hpc_ddp.slurm_env import DistEnv
+    from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng
+    from hpc_ddp.core.config import SnapshotConfig
+    from hpc_ddp.core.slurm_env import DistEnv
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -67,7 +67,7 @@ def worker(rank: int, world: int, port: int, run_dir: Path, replicas: int, megab
 
 def one(nodes: int, replicas: int, megabytes: float, scratch: Path) -> dict[str, Any]:
     """One snapshot and one restore at ``nodes`` x 1 task: bytes, busiest node, save and restore times."""
-    from hpc_ddp import snapshot
+    from hpc_ddp.rundir import snapshot
 
     run_dir = scratch / f"b7-{nodes}-{replicas}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -88,7 +88,7 @@ def one(nodes: int, replicas: int, megabytes: float, scratch: Path) -> dict[str,
 def b7_split(scratch: Path, megabytes: float = 200, counts: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
     """The figure: per node count, replicas 1, 2 and every node (the reference, as before the split)."""
     from benchmarks.snapshots import state_of
-    from hpc_ddp import slicing
+    from hpc_ddp.rundir import slicing
 
     _, state = state_of(megabytes)
     size = sum(t.nbytes for _, t in slicing.split(state)[1])

@@ -1,7 +1,7 @@
 """B9: what a resume reads from the filesystem, and what a commit sends to each rank, at 1-8 nodes x 1 and 2 tasks.
 
 Every rank is a real gloo process with the same replicated state (model + Adam) and a real
-:class:`~hpc_ddp.checkpointer.Checkpointer`; node n is ranks ``n*T .. n*T+T-1``. One
+:class:`~hpc_ddp.rank.checkpointer.Checkpointer`; node n is ranks ``n*T .. n*T+T-1``. One
 snapshot is written (replicas 2), then restored twice, interleaved: ``snapshot.load=spread``
 and ``every_rank``. Figures: the bytes read from snapshot files over the state's size (the
 loader counts the tensor bytes it copies out of the files, not the page cache), the busiest
@@ -62,9 +62,9 @@ def worker(rank: int, world: int, tasks: int, port: int, run_dir: Path, megabyte
     import torch.distributed as dist
 
     from benchmarks.snapshots import state_of
-    from hpc_ddp.checkpointer import Checkpointer, capture_rng
-    from hpc_ddp.config import SnapshotConfig
-    from hpc_ddp.slurm_env import DistEnv
+    from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng
+    from hpc_ddp.core.config import SnapshotConfig
+    from hpc_ddp.core.slurm_env import DistEnv
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -121,7 +121,7 @@ def one(nodes: int, tasks: int, megabytes: float, scratch: Path) -> dict[str, An
 def b9_spread(scratch: Path, megabytes: float = 200, counts: tuple[int, ...] = (1, 2, 4, 8),
               tasks: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     from benchmarks.snapshots import state_of
-    from hpc_ddp.spread import state_bytes
+    from hpc_ddp.rank.spread import state_bytes
 
     size = state_bytes(state_of(megabytes)[1])
     rows = {f"{n}x{t}": one(n, t, megabytes, scratch) for t in tasks for n in counts}

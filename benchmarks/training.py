@@ -63,10 +63,10 @@ def raw_loop(steps: int, warmup: int, run: Any = None) -> float:
 
 def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
     """A Run as the session builds one, with the pieces the variant has."""
-    from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.preemption import StopFlag
-    from hpc_ddp.run import Run
-    from hpc_ddp.slurm_env import from_environ, simulated_environ
+    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.core.stopping import StopFlag
+    from hpc_ddp.rank.run import Run
+    from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     rank = dist.get_rank()
     env = from_environ({**simulated_environ(1, 2, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
@@ -78,8 +78,8 @@ def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
 
 def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
     """Steps/s of hpc_ddp's Trainer in one of the variants, or of the raw loop with the API (``own``)."""
-    from hpc_ddp.config import load_config
-    from hpc_ddp.trainer import Trainer
+    from hpc_ddp.core.config import load_config
+    from hpc_ddp.rank.trainer import Trainer
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
         run_dirs: list[Any] = [tmp]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from hpc_ddp.config import schema_rows
+from hpc_ddp.core.config import schema_rows
 
 HEADER = """\
 # Config reference

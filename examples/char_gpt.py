@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from hpc_ddp.config import RunConfig
+from hpc_ddp.core.config import RunConfig
 
 TEXT = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 BLOCK, LAYERS, HEADS, EMBED, STRIDE = 64, 2, 4, 96, 4

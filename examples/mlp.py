@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from hpc_ddp.config import RunConfig
+from hpc_ddp.core.config import RunConfig
 
 
 class SyntheticRegression(Dataset[tuple[torch.Tensor, torch.Tensor]]):

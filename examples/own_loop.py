@@ -17,10 +17,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from hpc_ddp.config import DistConfig
-from hpc_ddp.distributed import all_mean, any_rank, exit_fast, process_group
-from hpc_ddp.sampler import ShardSampler
-from hpc_ddp.slurm_env import from_environ
+from hpc_ddp.core.config import DistConfig
+from hpc_ddp.rank.distributed import all_mean, any_rank, exit_fast, process_group
+from hpc_ddp.rank.sampler import ShardSampler
+from hpc_ddp.core.slurm_env import from_environ
 
 
 def main() -> None:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_ddp.errors import ClusterError, ConfigError, HpcDdpError, SlurmEnvError, UsageError
+from hpc_ddp import compat
+from hpc_ddp.core.errors import ClusterError, ConfigError, HpcDdpError, SlurmEnvError, UsageError
 
 __all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError", "UsageError",
            "__version__", "per_rank", "session"]
-__version__ = "0.1.0"
-_LAZY = {"Run": "hpc_ddp.run", "ShardSampler": "hpc_ddp.sampler", "session": "hpc_ddp.worker",
-         "per_rank": "hpc_ddp.tracked"}
+__version__ = "0.2.0"
+_LAZY = {"Run": "hpc_ddp.rank.run", "ShardSampler": "hpc_ddp.rank.sampler", "session": "hpc_ddp.rank.worker",
+         "per_rank": "hpc_ddp.rank.tracked"}
+
+
+compat.install()  # hpc_ddp.config, hpc_ddp.sampler, ... (0.1's paths) keep working, with a warning
 
 
 def __getattr__(name: str) -> Any:

@@ -1,240 +1,30 @@
-"""``python -m hpc_ddp.worker --config RUN_DIR/config.yaml``: what every task of a job runs.
+"""``python -m hpc_ddp.worker`` (and ``hpc-ddp-worker``): one task of a run; and submitit's job callable.
 
-Started by srun (the sbatch templates), by the submitit callable, or by the
-local simulation. The one place that reads ``os.environ``: it derives this
-process's rank, node and rendezvous, and runs one attempt of the run's program: a Task (our
-Trainer), a ``train.loop`` function, or a ``train.script`` (see :mod:`hpc_ddp.session`
-for opening and closing the run, :mod:`hpc_ddp.script` for scripts).
-:func:`session` is the same for a script of your own: ``with hpc_ddp.session() as run:``.
-Exit codes: 0 finished (or cancelled, or interrupted with Ctrl-C: snapshot
-committed, not requeued), 3 stopped for a requeue, 4 hung (the watchdog ended
-it), 5 another job holds the run dir, 6 the rank this one watches was lost (no
-liveness beat for ``dist.liveness_s``), 2 bad config, task or environment (recorded
-in the ledger as ``error`` and never requeued: it would fail the same way), 1 any
-other failure (traceback in the log, prefixed by the rank) or a requeue cap reached.
+An entry point at a path that never moves. submitit pickles :func:`job_main` by its module path
+(``hpc_ddp.worker.job_main``), and Slurm keeps batch scripts that run ``-m hpc_ddp.worker``:
+a job submitted before an upgrade must still find both after it. So they live here, import
+nothing at load, and hand over to :mod:`hpc_ddp.rank.worker`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import logging
-import os
-import signal
-import socket
-import sys
-import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hpc_ddp.preemption import StopFlag  # stdlib only: imported before the config (omegaconf, ~0.2 s)
+EARLY_FLAG = None
+if __name__ == "__main__":  # first, before omegaconf or torch load: a stop signal at start-up is recorded
+    from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag  # stdlib only
 
-EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # caught before anything else is imported:
-# a signal during start-up must not kill the rank before the config names the warning signal (a requeued
-# attempt can get Slurm's warning at its first 30 s tick, right as it starts). SIGINT is Ctrl-C (the local
-# launcher forwards it; srun does on a second Ctrl-C): an interruption, not a preemption.
-EARLY_FLAG: StopFlag | None = None
-if __name__ == "__main__":  # `python -m hpc_ddp.worker` only: importing this module installs nothing
     EARLY_FLAG = StopFlag()
     EARLY_FLAG.install(EARLY_SIGNALS)
 
-from hpc_ddp.helptext import add_version, for_help  # noqa: E402
-from hpc_ddp import layout
-from hpc_ddp.config import RunConfig, load_config
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preemption import (EXIT_ERROR, attempt_fields, cap_reached, caps, note_error, read_attempts,
-                                record_error, signal_number)
-from hpc_ddp.runlock import EXIT_LOCKED, RunLockedError
-from hpc_ddp.slurm_env import DistEnv, from_environ
-from hpc_ddp.whoami import describe
-
-if TYPE_CHECKING:
-    from hpc_ddp.run import Run
-
-log = logging.getLogger("hpc_ddp.worker")
-# torch warns on import when numpy is absent (a bare torch install); keep every rank's log free of it
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-
-def setup_logging(env: DistEnv) -> None:
-    """Rank-prefixed lines; every rank logs warnings, rank 0 also progress."""
-    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING, force=True, stream=sys.stderr,
-                        format=f"[rank {env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-
-
-
-def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = None) -> int:
-    """One attempt of the run described by ``config_path``, as the rank ``environ`` says this is.
-
-    Returns 0 when training finished (or had finished before), EXIT_REQUEUE when it
-    stopped at a committed snapshot for a requeue, 1 when a requeue cap is reached.
-    """
-    prepared = _prepare(load_config([config_path]), environ, flag or StopFlag())
-    if isinstance(prepared, int):
-        return prepared
-    cfg, env = prepared[0], prepared[1]
-    try:
-        return _attempt(*prepared)
-    except HpcDdpError as err:
-        _record(env, Path(cfg.run_dir), err)
-        raise
-
-
-Prepared = tuple[RunConfig, DistEnv, Mapping[str, str], StopFlag, list[dict[str, Any]], dict[str, int]]
-
-
-def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag) -> Prepared | int:
-    """This rank's place, signal handlers and logging; an exit code instead when there is nothing to do
-    (the run finished before) or a preempted job came back once more than slurm.max_preemptions allows."""
-    environ = with_config_port(environ, cfg)
-    env = from_environ(environ)
-    flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
-    setup_logging(env)
-    log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
-    run_dir = Path(cfg.run_dir)
-    if layout.done(run_dir).exists():
-        log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
-        return 0
-    limits = caps(cfg.slurm)
-    attempts = read_attempts(run_dir)
-    capped = cap_reached("preemption", attempts, limits)
-    if capped:  # Slurm requeued a preempted job once more than allowed
-        log.error("%s", capped)
-        return 1
-    return cfg, env, environ, flag, attempts, limits
-
-
-def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
-    """A deterministic error goes into the ledger once (a requeue would fail the same way after another
-    wait in the queue); a lock refusal leaves the run, which belongs to another job, untouched."""
-    if isinstance(err, RunLockedError):
-        return
-    record = {**attempt_fields(env.job_id, env.restart_count, env.in_job), "rank": env.rank,
-              "end": round(time.time(), 3)}
-    if err.retry_may_help:  # a failure (the batch shell settles, heals or requeues it): no `error` line, but
-        note_error(run_dir, record, str(err))  # the message, for the ranks still waiting at the rendezvous
-        return
-    record_error(run_dir, record, str(err))
-
-
-def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: StopFlag,
-             attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
-    """Open the run, hand it to the program (a Task's Trainer or a ``train.loop`` function), close it;
-    or, for ``train.script``, run the script as this task's program (:mod:`hpc_ddp.script`)."""
-    from hpc_ddp.session import Attempt, beating, open_run
-
-    attempt = Attempt(cfg, env, environ, flag, attempts, limits)
-    if cfg.train.script:
-        from hpc_ddp.script import run_script
-
-        with beating(attempt):  # the script's process group is its own: this worker beats for its rank
-            return run_script(attempt)
-    program = _program(cfg)
-    with open_run(attempt) as run:
-        try:
-            program(run)
-        except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
-            raise _explained(err) or err
-    assert attempt.code is not None
-    return attempt.code
-
-
-def _explained(err: Exception) -> HpcDdpError | None:
-    """A usage error for an error torch raises that only a program's own code causes (it fails the same way on every
-    retry, so it must not be retried under slurm.max_failures), or None."""
-    from hpc_ddp.errors import UsageError, explain
-
-    if "initialize the default process group twice" in str(err):
-        return UsageError(explain(
-            "the loop called torch.distributed.init_process_group, but hpc_ddp has already started the process "
-            "group", hint="remove the init_process_group (and destroy_process_group) calls: the run's process group "
-            "is up before the loop starts, on the backend dist.backend chose (docs/own-loop.md)"))
-    return None
-
-
-def _program(cfg: RunConfig) -> Callable[[Any], Any]:
-    """What trains: ``train.loop``'s function, or our Trainer for ``train.task``. Loaded before the
-    process group starts: an import error is reported at once, on every rank, without a rendezvous."""
-    from hpc_ddp.task import load_loop, load_task
-
-    if cfg.train.loop:
-        return load_loop(cfg.train.loop)
-    task = load_task(cfg.train.task)
-
-    def train_task(run: Any) -> None:
-        from hpc_ddp.trainer import Trainer
-
-        Trainer(task, cfg, run).train()
-    return train_task
-
-
-@contextlib.contextmanager
-def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> Iterator[Run]:
-    """``with hpc_ddp.session() as run:``: the run object for a script of your own.
-
-    The config comes from ``config`` (a YAML file), else from the run the script belongs
-    to (``train.script`` sets HPC_DDP_CONFIG), else from the defaults with the script's
-    name; ``overrides`` are ``key=value`` items. Ranks and rendezvous come from Slurm or
-    torchrun variables as everywhere. Inside the block: ``run.resume(...)`` and
-    ``run.boundary(step)``. Leaving it after a stop ends the process with the stop's exit
-    code (3: requeued; the ledger line is written and the job requeued first); after a
-    finished run the script goes on. Under ``train.script`` the worker that started the
-    script keeps the lock, the ledger and the requeue; standalone (``srun python train.py``)
-    the session does them itself.
-    """
-    from hpc_ddp.session import CONFIG_VAR, WRAPPED, Attempt, open_run
-
-    environ: Mapping[str, str] = os.environ
-    wrapped = environ.get(WRAPPED) == "1"
-    path = config or environ.get(CONFIG_VAR)
-    script = Path(sys.argv[0] or "script.py")
-    defaults = [] if path else [f"name={script.stem}", f"train.script={script}"]
-    cfg = load_config([Path(path)] if path else [], [*defaults, *overrides])
-    prepared = _prepare(cfg, environ, StopFlag())
-    if isinstance(prepared, int):
-        raise SystemExit(prepared)
-
-    attempt = Attempt(*prepared, wrapped=wrapped)
-    try:
-        with open_run(attempt) as run:
-            yield run
-    except HpcDdpError as err:
-        _record(attempt.env, Path(cfg.run_dir), err)
-        raise
-    if attempt.code:
-        raise SystemExit(attempt.code)
-
-
-def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:
-    """``dist.master_port`` as MASTER_PORT unless the environment names one (it wins, as torchrun's does)."""
-    if cfg.dist.master_port is None or "MASTER_PORT" in environ:
-        return environ
-    return {**environ, "MASTER_PORT": str(cfg.dist.master_port)}
+__all__ = ["console_main", "job_main", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.worker", description=for_help(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example:\n  srun python -m hpc_ddp.worker --config runs/mlp/config.yaml")
-    add_version(parser)
-    parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")
-    flag = EARLY_FLAG or StopFlag()
-    flag.install(EARLY_SIGNALS)
-    args = parser.parse_args(argv)
-    try:
-        return run(args.config, os.environ, flag)
-    except RunLockedError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_LOCKED
-    except HpcDdpError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1 if err.retry_may_help else EXIT_ERROR  # 1: a failure, settled and capped by max_failures
-    except Exception:
-        log.exception("training failed")
-        return 1
+    """One task's attempt; its exit code (see :func:`hpc_ddp.rank.worker.main`)."""
+    from hpc_ddp.rank.worker import main as run_task
+
+    return run_task(argv, early=EARLY_FLAG)
 
 
 def job_main(config_path: str) -> None:
@@ -244,16 +34,23 @@ def job_main(config_path: str) -> None:
     exit code. Our signal handlers, installed inside, replace submitit's, so exactly one
     requeue happens per stop (ours, from rank 0).
     """
-    from hpc_ddp.shutdown import exit_fast
+    from hpc_ddp.core.shutdown import exit_fast
 
     exit_fast(main(["--config", config_path]))
 
 
 def console_main() -> None:
     """The ``hpc-ddp-worker`` console script: like ``python -m hpc_ddp.worker``."""
-    from hpc_ddp.shutdown import exit_fast  # snapshots, ledger and DONE.json are fsynced by now
+    from hpc_ddp.core.shutdown import exit_fast  # snapshots, ledger and DONE.json are fsynced by now
 
     exit_fast(main())
+
+
+def __getattr__(name: str) -> Any:
+    """``hpc_ddp.worker.session`` and the rest of the task's code, from :mod:`hpc_ddp.rank.worker`."""
+    import importlib
+
+    return getattr(importlib.import_module("hpc_ddp.rank.worker"), name)
 
 
 if __name__ == "__main__":

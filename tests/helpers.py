@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
-from hpc_ddp import metrics_file
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rundir import metrics_file
+from hpc_ddp.rundir.ledger import read_attempts
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.2) -> bool:
@@ -59,7 +59,7 @@ def submit(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """Rank 0's loss at every logged step, from metrics.jsonl as every reader reads it (hpc_ddp.metrics_file):
+    """Rank 0's loss at every logged step, from metrics.jsonl as every reader reads it (hpc_ddp.rundir.metrics_file):
     each step once, the newest attempt's value; a line still being written is skipped."""
     return {r["step"]: r["loss"] for r in metrics_file.read(run_dir)}
 
@@ -74,8 +74,8 @@ def spawn_ranks(target: Callable[..., None], nodes: int, tasks: int, *args: obje
     port); return what each put on the queue, sorted, once every process exited 0."""
     import multiprocessing
 
-    from hpc_ddp.local import free_port
-    from hpc_ddp.slurm_env import simulated_environ
+    from hpc_ddp.rehearsal.local import free_port
+    from hpc_ddp.core.slurm_env import simulated_environ
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")

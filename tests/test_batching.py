@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.batching import fitting_world_sizes, node_counts, plan, slurm_nodes
-from hpc_ddp.config import load_config
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.sbatch import sbatch_options, submitit_parameters
+from hpc_ddp.core.batching import fitting_world_sizes, node_counts, plan, slurm_nodes
+from hpc_ddp.core.config import load_config
+from hpc_ddp.core.errors import ConfigError
+from hpc_ddp.login.sbatch import sbatch_options, submitit_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["name=b", "train.task=examples.mlp:MLPTask", "train.max_steps=5", "train.batch_size=2"]
@@ -99,8 +99,8 @@ def test_dry_run_shows_the_plan_for_each_count(tmp_path: Path) -> None:
 
 def test_the_elastic_warning_promises_float_rounding_only_without_randomness() -> None:
     """The warning said losses "agree to float rounding", untrue with dropout: every rank's RNG is reseeded."""
-    from hpc_ddp.batching import geometry_change
-    from hpc_ddp.config import load_config
+    from hpc_ddp.core.batching import geometry_change
+    from hpc_ddp.core.config import load_config
 
     train = load_config([], ["name=x", "train.loop=a.b:c", "train.global_batch_size=32", "train.grad_accum=1",
                              "train.batch_size=4"]).train

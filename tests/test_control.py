@@ -1,4 +1,4 @@
-"""Control traffic takes the CPU control group, never the training group (hpc_ddp.control).
+"""Control traffic takes the CPU control group, never the training group (hpc_ddp.rank.control).
 
 On GPUs the training group is NCCL: a control message left on it would read a CUDA tensor back
 (the host waits for the GPU to drain the step) or pickle bytes through GPU memory. Here two real
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.slurm_env import from_environ
+from hpc_ddp.core.slurm_env import from_environ
 from tests.helpers import spawn_ranks
 
 COLLECTIVES = ("all_reduce", "broadcast", "gather_object", "broadcast_object_list", "all_gather_object", "barrier",
@@ -29,7 +29,7 @@ def _record(calls: list[tuple[str, str, str]]) -> None:
     """Wrap torch.distributed's collectives (the names our modules call) to note the group each call takes."""
     import torch.distributed as dist
 
-    from hpc_ddp import control
+    from hpc_ddp.rank import control
 
     subgroups: list[Any] = []
 
@@ -61,12 +61,12 @@ def _rank_main(environ: dict[str, str], run_dir: str, out: "multiprocessing.Queu
     from torch.nn.parallel import DistributedDataParallel
 
     from hpc_ddp import per_rank
-    from hpc_ddp.checkpointer import Checkpointer
-    from hpc_ddp.config import flat_values, load_config
-    from hpc_ddp.distributed import init_process_group, teardown
-    from hpc_ddp.preemption import StopFlag
-    from hpc_ddp.run import Run
-    from hpc_ddp.session import config_hash
+    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.core.config import flat_values, load_config
+    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.core.stopping import StopFlag
+    from hpc_ddp.rank.run import Run
+    from hpc_ddp.rank.session import config_hash
 
     env = from_environ(environ)
     cfg = load_config([], ["name=c", f"run_dir={run_dir}", "train.loop=a.b:c", "snapshot.every_steps=3",

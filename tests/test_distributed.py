@@ -6,9 +6,9 @@ import multiprocessing
 
 import pytest
 
-from hpc_ddp.config import DistConfig
-from hpc_ddp.distributed import DistributedError, choose_backend, device_index
-from hpc_ddp.slurm_env import DistEnv, from_environ
+from hpc_ddp.core.config import DistConfig
+from hpc_ddp.rank.distributed import DistributedError, choose_backend, device_index
+from hpc_ddp.core.slurm_env import DistEnv, from_environ
 from tests.helpers import spawn_ranks
 
 
@@ -47,7 +47,7 @@ def _rank_main(environ: dict[str, str], results: "multiprocessing.Queue[tuple[in
     import os
 
     os.environ.update(environ)
-    from hpc_ddp.distributed import all_mean, any_rank, init_process_group, teardown
+    from hpc_ddp.rank.distributed import all_mean, any_rank, init_process_group, teardown
 
     dist_env = from_environ(environ)
     device = init_process_group(dist_env, DistConfig(backend="gloo", timeout_s=30))
@@ -67,7 +67,7 @@ def test_failure_envs_reason_for_mode_1_is_what_torch_says_mode_1_does() -> None
     """torch's docs: 0 no handling, 1 abort the communicator and tear the process down, 2 abort only, 3 (the
     default since 2.2) tear down without the abort. The docstring said 3 let a wedged communicator hold the
     process until the walltime: 3 ends the process too; what 1 buys over 0 is that a hung collective ends."""
-    from hpc_ddp.distributed import failure_env
+    from hpc_ddp.rank.distributed import failure_env
 
     doc = " ".join((failure_env.__doc__ or "").split())
     assert "aborts the communicator and ends the process, so a hung NCCL collective ends its rank" in doc
@@ -77,7 +77,7 @@ def test_failure_envs_reason_for_mode_1_is_what_torch_says_mode_1_does() -> None
 
 
 def test_failure_env_ends_nccl_failures_fast_and_keeps_the_users_choices() -> None:
-    from hpc_ddp.distributed import failure_env
+    from hpc_ddp.rank.distributed import failure_env
 
     prefix = "/runs/x/errors/job-1-restart-0-collectives-rank-"
     ours = failure_env({}, prefix)
@@ -91,7 +91,7 @@ def test_failure_env_ends_nccl_failures_fast_and_keeps_the_users_choices() -> No
 
 
 def test_the_flight_summary_names_the_collective_waited_in_and_who_never_reached_it() -> None:
-    from hpc_ddp.flight import summarize
+    from hpc_ddp.rundir.flight import summarize
 
     def dump(last: int, name: str) -> dict:
         return {"pg_status": {"0": {"last_enqueued_collective": str(last)}, "1": {"last_enqueued_collective": "4"}},
@@ -105,7 +105,7 @@ def test_the_flight_summary_names_the_collective_waited_in_and_who_never_reached
 
 def test_the_flight_summary_names_the_first_collective_the_ranks_issued_differently() -> None:
     """An eval forward of the DDP model on rank 0 alone: its buffer broadcast meets the others' all_reduce."""
-    from hpc_ddp.flight import summarize
+    from hpc_ddp.rundir.flight import summarize
 
     def dump(*ops: tuple[int, str, list]) -> dict:
         return {"pg_status": {"0": {"last_enqueued_collective": str(ops[-1][0])}},
@@ -123,7 +123,7 @@ def test_the_flight_summary_names_the_first_collective_the_ranks_issued_differen
 def test_a_flight_dump_merges_the_nccl_recorder_with_the_gloo_one() -> None:
     """torch 2.11 keeps NCCL's entries (CUDA events) and gloo's in two recorders: on an H100 a dump of one held
     only the control group's gloo entries, and the training group's NCCL all_reduce was missing."""
-    from hpc_ddp.flight import merged
+    from hpc_ddp.rundir.flight import merged
 
     gloo = {"version": "2.10", "pg_status": {"1": {"last_enqueued_collective": "9"}},
             "entries": [{"pg_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 20}]}

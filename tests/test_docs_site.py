@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import schema_rows
+from hpc_ddp.core.config import schema_rows
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import finished, wait_until
 

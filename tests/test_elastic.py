@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def test_a_resume_that_would_change_the_global_batch_is_refused_before_anything_
 
 def test_a_snapshot_with_a_per_rank_position_is_refused_with_the_fix(runs: dict[str, Path], tmp_path: Path) -> None:
     """As written before positions were global: progress {epoch, consumed}. Re-hashed, so only the layout is old."""
-    from hpc_ddp import snapshot
+    from hpc_ddp.rundir import snapshot
 
     run_dir = tmp_path / "old"
     shutil.copytree(runs["stopped"], run_dir)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import snapshot
-from hpc_ddp.preemption import read_attempts
-from hpc_ddp.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
-from hpc_ddp.settle import pick_config, settle
-from hpc_ddp.watchdog import UNREADABLE, Position, Watchdog, describe_hang, laggards, never_entered, verdict
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
+from hpc_ddp.shell.settle import pick_config, settle
+from hpc_ddp.rank.watchdog import UNREADABLE, Position, Watchdog, describe_hang, laggards, never_entered, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = {"max_timeouts": 5, "max_preemptions": 5, "max_failures": 1}
@@ -201,8 +201,8 @@ def test_altered_bytes_fall_back_to_the_previous_step_then_fail_naming_the_file(
 
 def test_files_are_created_with_the_umask_and_never_world_writable(tmp_path: Path) -> None:
     code = ("import os, sys; os.umask(int(sys.argv[2], 8)); from pathlib import Path\n"
-            "from hpc_ddp.atomic import write_atomic; from hpc_ddp.runlock import acquire, holder_record\n"
-            "from hpc_ddp.config import load_config, save_config\n"
+            "from hpc_ddp.core.atomic import write_atomic; from hpc_ddp.rundir.runlock import acquire, holder_record\n"
+            "from hpc_ddp.core.config import load_config, save_config\n"
             "d = Path(sys.argv[1]); save_config(load_config([], ['name=u', 'train.task=a:B', 'train.max_steps=1']),"
             " d / 'run' / 'config.yaml'); write_atomic(d / 'run' / 'f', b'x')\n"
             "acquire(d / 'run', holder_record('1', local=True))\n")

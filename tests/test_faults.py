@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import snapshot
-from hpc_ddp.preemption import read_attempts
-from hpc_ddp.runlock import EXIT_LOCKED, LOCK
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.core.codes import EXIT_LOCKED
+from hpc_ddp.rundir.runlock import LOCK
 from tests.helpers import alive_with, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,7 +175,7 @@ def test_a_second_job_on_the_same_run_dir_refuses_and_names_the_holder(clean: Pa
 def test_ranks_started_beside_a_live_run_all_name_the_job_that_holds_it(tmp_path: Path) -> None:
     """Two jobs whose workers start at once (two sbatch of one emitted script): whichever rank's refusal
     reaches the user first names the holder (before, only rank 0's did, and rank 1's often came first)."""
-    from hpc_ddp.local import launch
+    from hpc_ddp.rehearsal.local import launch
 
     run_dir = tmp_path / "held"
     first = local(run_dir, FAULTY, "train.log_every=1", fault="slow:-1:0.3", wait=False)
@@ -238,8 +239,8 @@ def test_a_taken_rendezvous_port_is_named_on_every_rank_within_seconds(tmp_path:
     Before issue 33 it was exit 2, an `error` that was never healed or requeued."""
     import socket
 
-    from hpc_ddp.config import load_config, save_config
-    from hpc_ddp.local import rank_environs
+    from hpc_ddp.core.config import load_config, save_config
+    from hpc_ddp.rehearsal.local import rank_environs
 
     run_dir = tmp_path / "port"
     config = save_config(load_config([ROOT / "examples" / "mlp.yaml"], [f"run_dir={run_dir}", "dist.timeout_s=600"]),

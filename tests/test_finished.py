@@ -1,4 +1,4 @@
-"""``--resume`` of a finished run (hpc_ddp.finished): trains on only when no limit ends it where it finished.
+"""``--resume`` of a finished run (hpc_ddp.login.finished): trains on only when no limit ends it where it finished.
 
 A run stops at whichever of ``train.max_steps`` and ``train.epochs`` comes first. Raising one while the
 other still ends the run at the finished step took an allocation to train nothing (issue 36): refused on the
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import flat_values, load_config, save_config
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.finished import check, nothing_to_train
+from hpc_ddp.core.config import flat_values, load_config, save_config
+from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.login.finished import check, nothing_to_train
 
 MLP = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.yaml")
 

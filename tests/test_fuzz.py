@@ -13,12 +13,11 @@ from pathlib import Path
 from hypothesis import example, HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpc_ddp import snapshot
-from hpc_ddp.config import load_config, schema_rows
-from hpc_ddp.errors import ConfigError, HpcDdpError, SlurmEnvError
-from hpc_ddp.hostlist import expand_hostlist
-from hpc_ddp.slurm_env import (JOB_ID_VARS, NODELIST_VARS, NUM_NODES_VARS, STEP_ID_VARS, TASKS_PER_NODE_VARS,
-                               TORCHRUN_VARS, WORLD_SIZE_VARS, from_environ)
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.core.config import load_config, schema_rows
+from hpc_ddp.core.errors import ConfigError, HpcDdpError, SlurmEnvError
+from hpc_ddp.core.hostlist import expand_hostlist
+from hpc_ddp.core.slurm_env import JOB_ID_VARS, NODELIST_VARS, NUM_NODES_VARS, STEP_ID_VARS, TASKS_PER_NODE_VARS, TORCHRUN_VARS, WORLD_SIZE_VARS, from_environ
 
 CASES = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # load_config runs omegaconf's merge and the schema checks (~30 ms): 300 drawn dotlists (fixed in CI, new ones on a

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import heal
-from hpc_ddp.preemption import cap_reached, healed_in_job
-from hpc_ddp.settle import settle
-from hpc_ddp.supervise import srun_lines_before
+from hpc_ddp.shell import heal
+from hpc_ddp.rundir.ledger import cap_reached, healed_in_job
+from hpc_ddp.shell.settle import settle
+from hpc_ddp.shell.supervise import srun_lines_before
 
 SHOW_JOB = ("JobId=41 JobName=mlp\n   UserId=root(0) JobState=RUNNING Reason=None Restarts=0\n"
             "   NodeList=n[1,3] BatchHost=n1\n   NumNodes=2 NumCPUs=4\n")
@@ -126,8 +126,8 @@ def test_settle_heals_a_failure_but_never_an_error(tmp_path) -> None:
 
 
 def test_the_batch_shell_supervisor_imports_no_torch_and_dry_run_says_what_a_failure_costs() -> None:
-    code = ("import sys, hpc_ddp.supervise; from hpc_ddp.config import load_config; "
-            "from hpc_ddp.submit import healing_line; "
+    code = ("import sys, hpc_ddp.supervise; from hpc_ddp.core.config import load_config; "
+            "from hpc_ddp.login.submit import healing_line; "
             "cfg = load_config(['examples/mlp.yaml'], ['slurm.spare_nodes=1', 'slurm.max_failures=2']); "
             "print(healing_line(cfg.slurm)); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -137,8 +137,8 @@ def test_the_batch_shell_supervisor_imports_no_torch_and_dry_run_says_what_a_fai
 
 
 def test_spares_with_a_node_range_are_refused_with_the_choice_explained() -> None:
-    from hpc_ddp.config import load_config
-    from hpc_ddp.errors import HpcDdpError
+    from hpc_ddp.core.config import load_config
+    from hpc_ddp.core.errors import HpcDdpError
 
     with pytest.raises(HpcDdpError, match="needs a fixed node count") as err:
         load_config(["examples/mlp.yaml"], ["slurm.nodes=1-2", "slurm.spare_nodes=1",
@@ -157,7 +157,7 @@ def rehearse(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_rehearsal_loses_a_node_and_heals_on_a_spare_or_on_fewer_nodes(tmp_path: Path) -> None:
     """--fail-at kills one simulated node's ranks; the rehearsal chooses as the batch shell would."""
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.rundir.ledger import read_attempts
     from tests.helpers import done, losses
 
     clean = rehearse(tmp_path / "clean", "slurm.nodes=2")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.hostlist import expand_hostlist
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.core.hostlist import expand_hostlist
+from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import finished, losses, wait_until
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpc_ddp.errors import SlurmEnvError
-from hpc_ddp.hostlist import MAX_RANGE, compress_hostlist, expand_hostlist
+from hpc_ddp.core.errors import SlurmEnvError
+from hpc_ddp.core.hostlist import MAX_RANGE, compress_hostlist, expand_hostlist
 
 TABLE = [
     ("n1", ["n1"]),

@@ -17,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import layout, liveness
-from hpc_ddp.config import load_config
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.liveness import Beat, Judge, Liveness, decode, effective, encode, lost_ranks
-from hpc_ddp.local_inject import freeze_problem, unfired
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rundir import layout
+from hpc_ddp.core import codes
+from hpc_ddp.rank import liveness
+from hpc_ddp.rundir import losses
+from hpc_ddp.core.config import load_config
+from hpc_ddp.core.errors import ConfigError
+from hpc_ddp.rank.liveness import Beat, Judge, Liveness, decode, effective, encode
+from hpc_ddp.rundir.losses import lost_ranks
+from hpc_ddp.rehearsal.local_inject import freeze_problem, unfired
+from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import alive_with, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +114,7 @@ def test_the_period_and_when_liveness_is_off() -> None:
 
 def test_liveness_needs_no_torch() -> None:
     """The batch shell reads lost_ranks, and a train.script's worker beats: neither imports torch."""
-    code = "import sys, hpc_ddp.liveness, hpc_ddp.local; print('torch' in sys.modules)"
+    code = "import sys, hpc_ddp.liveness, hpc_ddp.rehearsal.local; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
         "False"
 
@@ -143,9 +147,9 @@ def test_a_silent_peer_is_declared_lost_with_a_marker_that_names_it_and_its_host
     assert lost_ranks(tmp_path, 7, 0, 0) == {1: "node1"}
     marker = json.loads(layout.lost_marker(tmp_path, "job-7-restart-0", 1).read_text())
     assert marker["by_rank"] == 0 and marker["silent_s"] >= LIVENESS_S and marker["last_beat"] == 4
-    assert "rank 1 on node1 lost" in liveness.describe(tmp_path, 7, 0)
-    assert liveness.ledger_fields(tmp_path, 7, 0) == {
-        "lost_ranks": [1], "lost_hosts": ["node1"], "message": liveness.describe(tmp_path, 7, 0)}
+    assert "rank 1 on node1 lost" in losses.describe(tmp_path, 7, 0)
+    assert losses.ledger_fields(tmp_path, 7, 0) == {
+        "lost_ranks": [1], "lost_hosts": ["node1"], "message": losses.describe(tmp_path, 7, 0)}
     assert (tmp_path / "errors" / "job-7-restart-0-crash-rank-1.txt").exists()  # for a train.script's workers
     # the watcher said it leaves: its own watcher never takes it for lost
     assert decode(layout.beat(tmp_path, 0).read_bytes(), "job-7-restart-0").left  # type: ignore[union-attr]
@@ -241,11 +245,11 @@ def test_a_frozen_node_is_declared_lost_and_the_job_ends_instead_of_waiting(tmp_
                                                                             program: list[str]) -> None:
     run_dir = tmp_path / "run"
     proc = rehearse(run_dir, *program, "--freeze-at", "10:1")
-    assert proc.returncode == liveness.EXIT_LOST, proc.stderr[-3000:]
+    assert proc.returncode == codes.EXIT_LOST, proc.stderr[-3000:]
     assert "freezing node1 (--freeze-at 10): SIGSTOP to its rank 1" in proc.stderr
     assert "rank 1 on node1 lost (no liveness beat for" in proc.stderr
     [attempt] = read_attempts(run_dir)[:1]
-    assert attempt["reason"] == "failed" and attempt["exit_code"] == liveness.EXIT_LOST
+    assert attempt["reason"] == "failed" and attempt["exit_code"] == codes.EXIT_LOST
     assert attempt["lost_ranks"] == [1] and attempt["lost_hosts"] == ["node1"]
     assert lost_ranks(run_dir, attempt["job_id"], 0, 0) == {1: "node1"}  # what the batch shell reads
     assert alive_with(str(run_dir)) == []  # the stopped ranks were SIGKILLed with the step

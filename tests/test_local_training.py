@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.submit import main as submit
+from hpc_ddp.login.submit import main as submit
 from tests.helpers import alive_with
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def test_epochs_bf16_workers_and_syncbatchnorm(tmp_path: Path) -> None:
 def test_done_json_appears_only_after_the_ledgers_finished_line(tmp_path: Path) -> None:
     """A user who polls DONE.json and then reads attempts.jsonl raced the ledger line (issue 27): DONE.json was
     written by the program's last step, the ledger line when the run closed. Watched here as it happens."""
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.rundir.ledger import read_attempts
 
     run_dir = tmp_path / "done_order"
     cmd = [sys.executable, "-m", "hpc_ddp.submit", "examples/simple.yaml", "--local", "slurm.nodes=1",

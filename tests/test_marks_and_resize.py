@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp import snapshot
-from hpc_ddp.preemption import read_attempts
-from hpc_ddp.settle import settle
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.shell.settle import settle
 
 LIMITS = {"max_timeouts": 5, "max_preemptions": 5, "max_failures": 1}
 
@@ -55,10 +55,10 @@ def stale_listing(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def script_attempt(run_dir: Path, rank: int, world: int = 2) -> Any:
     """A train.script attempt's view on one rank of a 2-node job (no process group: the worker has none)."""
-    from hpc_ddp.config import load_config
-    from hpc_ddp.preemption import StopFlag
-    from hpc_ddp.session import Attempt
-    from hpc_ddp.slurm_env import from_environ, simulated_environ
+    from hpc_ddp.core.config import load_config
+    from hpc_ddp.core.stopping import StopFlag
+    from hpc_ddp.rank.session import Attempt
+    from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     environ = {**simulated_environ(world, 1, job_id=7)[rank], "HPC_DDP_LOCAL": "1"}
     cfg = load_config([], ["name=marks", f"run_dir={run_dir}", "train.task=null", "train.script=train.py"])
@@ -71,8 +71,8 @@ def test_script_marks_are_found_by_name_when_the_directory_listing_is_stale(tmp_
     whose script died of the stop first, recorded a crash (and the reverse). Marks are read by name now."""
     import signal
 
-    from hpc_ddp import script_outcome as outcome
-    from hpc_ddp.preemption import crash_marker
+    from hpc_ddp.rank import script_outcome as outcome
+    from hpc_ddp.rundir.ledger import crash_marker
 
     (tmp_path / "errors").mkdir()
     stale_listing(tmp_path / "errors")  # cached while the directory was still empty
@@ -98,7 +98,7 @@ def test_script_marks_are_found_by_name_when_the_directory_listing_is_stale(tmp_
 def test_the_manifest_says_whether_the_run_may_resume_at_another_world_size(tmp_path: Path) -> None:
     """What the batch shell asks before it heals a failure with fewer nodes (no torch)."""
     import hpc_ddp
-    from hpc_ddp.tracked import resize_refusal
+    from hpc_ddp.rank.tracked import resize_refusal
 
     assert snapshot.refuses_resize(tmp_path) is None  # no snapshot: a fresh start runs at any size
     fixed = load_config([], ["name=x", "train.loop=a.b:c", "train.global_batch_size=32"]).train
@@ -117,7 +117,7 @@ def test_the_manifest_says_whether_the_run_may_resume_at_another_world_size(tmp_
 
 
 def load_config(paths: list[Path], overrides: list[str]) -> Any:
-    from hpc_ddp.config import load_config as load
+    from hpc_ddp.core.config import load_config as load
 
     return load(paths, overrides)
 
@@ -135,10 +135,10 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
     import torch
     import torch.distributed as dist
 
-    from hpc_ddp.checkpointer import Restored
-    from hpc_ddp.run import Run
-    from hpc_ddp.slurm_env import from_environ
-    from hpc_ddp.worker import _record
+    from hpc_ddp.rank.checkpointer import Restored
+    from hpc_ddp.rank.run import Run
+    from hpc_ddp.core.slurm_env import from_environ
+    from hpc_ddp.rank.worker import _record
 
     cfg = load_config([], ["name=x", f"run_dir={tmp_path}", "train.loop=a.b:c"])
     env = dataclasses.replace(from_environ(environ), job_id=9)
@@ -146,7 +146,7 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
     run.per_rank = {"batch": hpc_ddp.per_rank({"x": torch.ones(2)})}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(hpc_ddp.errors.HpcDdpError) as info:
+        with pytest.raises(hpc_ddp.core.errors.HpcDdpError) as info:
             run._load_per_rank(None, Restored(step=4, state={"step": 4}, rng=None, config=None, world_size=2))
     finally:
         dist.destroy_process_group()

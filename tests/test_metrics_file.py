@@ -1,4 +1,4 @@
-"""metrics.jsonl read back as the run's history (hpc_ddp.metrics_file): each step once, the newest attempt's values,
+"""metrics.jsonl read back as the run's history (hpc_ddp.rundir.metrics_file): each step once, the newest attempt's values,
 and what an earlier attempt logged past the step a later one resumed from dropped, as TensorBoard's purge_step
 and W&B's rewind drop it. Files are written by hand: the reader's only input is the file."""
 
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp import metrics_file
-from hpc_ddp.metrics_file import history, line
+from hpc_ddp.rundir import metrics_file
+from hpc_ddp.rundir.metrics_file import history, line
 
 
 def lines(*attempts: tuple[int | None, range], marked: bool = False) -> list[str]:

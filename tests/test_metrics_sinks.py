@@ -1,7 +1,7 @@
 """Every sink shows one run across attempts, and one rule for the steps an attempt replays: a resumed attempt's
 values replace them. A crash after a snapshot (the next attempt replays steps from the older snapshot), a
 preemption and its requeue, with real gloo ranks through the local rehearsal. Each sink is read back with its
-own reader: metrics.jsonl with hpc_ddp.metrics_file (what status and --plot use), the event files with
+own reader: metrics.jsonl with hpc_ddp.rundir.metrics_file (what status and --plot use), the event files with
 TensorBoard's EventAccumulator, and W&B (offline, no network) with W&B's own reader of its run files
 (``wandb leet inspect --json``, wandb-core's transaction-log reader)."""
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp import metrics_file
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rundir import metrics_file
+from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-LIGHT = ["hpc_ddp", "hpc_ddp.errors", "hpc_ddp.hostlist", "hpc_ddp.config", "hpc_ddp.config_checks",
-         "hpc_ddp.slurm_env", "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__",
-         "hpc_ddp.submit", "hpc_ddp.local", "hpc_ddp.task", "hpc_ddp.status", "hpc_ddp.sbatch",
-         "hpc_ddp.snapshot", "hpc_ddp.preemption", "hpc_ddp.worker", "hpc_ddp.preflight", "hpc_ddp.sweep"]
+LIGHT = ["hpc_ddp", "hpc_ddp.core.errors", "hpc_ddp.core.hostlist", "hpc_ddp.core.config", "hpc_ddp.core.config_checks",
+         "hpc_ddp.core.slurm_env", "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__",
+         "hpc_ddp.submit", "hpc_ddp.rehearsal.local", "hpc_ddp.rank.task", "hpc_ddp.status", "hpc_ddp.login.sbatch",
+         "hpc_ddp.rundir.snapshot", "hpc_ddp.preemption", "hpc_ddp.worker", "hpc_ddp.login.preflight", "hpc_ddp.login.sweep"]
 
 
 @pytest.mark.parametrize("module", LIGHT)
@@ -23,7 +23,7 @@ def test_import_does_not_pull_in_torch(module: str) -> None:
 def test_loading_a_config_and_deriving_ranks_does_not_import_torch(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("train: {task: a.b:C, max_steps: 1}\n")
-    code = ("import sys\nfrom hpc_ddp.config import load_config\nfrom hpc_ddp.whoami import main\n"
+    code = ("import sys\nfrom hpc_ddp.core.config import load_config\nfrom hpc_ddp.whoami import main\n"
             f"load_config([{str(cfg)!r}])\nmain(['--simulate', '2x2'])\n"
             f"from hpc_ddp.submit import main as submit\nsubmit([{str(cfg)!r}, '--dry-run'])\n"
             f"submit([{str(cfg)!r}, '--dry-run', '--multirun', 'train.lr=1,2'])\n"

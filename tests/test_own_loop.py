@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.local import SIGNAL_SKEW_VAR
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rehearsal.local import SIGNAL_SKEW_VAR
+from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_a_loop_that_goes_on_after_the_stop_is_ended_as_that_stop_and_the_ledger
     attempts = read_attempts(run_dir)
     assert attempts[0]["reason"] == "preemption" and "went on after run.boundary returned True" in attempts[0]["note"]
     assert "run.boundary(" in proc.stderr and "leave the loop (return)" in proc.stderr
-    from hpc_ddp import snapshot  # the stop snapshot is committed and usable
+    from hpc_ddp.rundir import snapshot  # the stop snapshot is committed and usable
 
     assert snapshot.committed_steps(run_dir)[0] == attempts[0]["last_step"]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import snapshot
-from hpc_ddp.preemption import read_attempts
-from hpc_ddp.snapshot import committed_steps
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.snapshot import committed_steps
 from tests.helpers import ROOT, done, losses, submit
 
 pytestmark = pytest.mark.slow

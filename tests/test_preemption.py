@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.preemption import (PreemptionError, StopFlag, append_attempt, cap_reached, job_spec, read_attempts,
-                                requeue, signal_number, stop_reason)
+from hpc_ddp.core.slurm_jobs import PreemptionError, job_spec, requeue
+from hpc_ddp.core.stopping import StopFlag, signal_number, stop_reason
+from hpc_ddp.rundir.ledger import append_attempt, cap_reached, read_attempts
 
 USR2, TERM = int(signal.SIGUSR2), int(signal.SIGTERM)
 LIMITS = {"max_timeouts": 2, "max_preemptions": 1, "max_failures": 0}
@@ -71,7 +72,7 @@ def test_ledger_round_trip_skips_damaged_lines(tmp_path: Path) -> None:
 
 
 def test_a_resume_starts_the_caps_afresh_and_its_ledger_line_is_no_attempt(tmp_path: Path) -> None:
-    from hpc_ddp.preemption import start_caps_afresh
+    from hpc_ddp.rundir.ledger import start_caps_afresh
 
     append_attempt(tmp_path, {"reason": "preemption", "job_id": 1, "restart_count": 0, "capped": True})
     assert cap_reached("preemption", read_attempts(tmp_path) + [{"reason": "preemption"}], LIMITS)
@@ -98,7 +99,7 @@ def test_caps_count_this_attempt() -> None:
 
 
 def test_a_sigterm_while_the_job_is_completing_is_a_cancel() -> None:
-    from hpc_ddp.preemption import cancelled
+    from hpc_ddp.core.stopping import cancelled
 
     assert cancelled(signal.SIGTERM, "COMPLETING") and cancelled(signal.SIGTERM, "CANCELLED")
     assert not cancelled(signal.SIGTERM, "RUNNING")  # preemption: the job is still running

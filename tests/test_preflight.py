@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config
-from hpc_ddp.preflight import (check_commands, check_geometry, check_partition, check_run_dir, check_signal_delay,
-                               check_task, find_module)
+from hpc_ddp.core.config import load_config
+from hpc_ddp.login.preflight import check_commands, check_geometry, check_partition, check_run_dir, check_signal_delay, check_task, find_module
 from hpc_ddp.slurm_local import ClusterSpec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import settle as settle_module
-from hpc_ddp.config import config_diff, describe_diff, flat_values, load_config
-from hpc_ddp.preemption import read_attempts, record_error, recorded_error
-from hpc_ddp.preflight import check_task, defines
-from hpc_ddp.submit import main as submit_main
+from hpc_ddp.shell import settle as settle_module
+from hpc_ddp.core.config import config_diff, describe_diff, flat_values, load_config
+from hpc_ddp.rundir.ledger import read_attempts, record_error, recorded_error
+from hpc_ddp.login.preflight import check_task, defines
+from hpc_ddp.login.submit import main as submit_main
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "examples" / "mlp.yaml")
@@ -69,7 +69,7 @@ def test_settle_still_requeues_a_crash_under_max_failures(tmp_path: Path) -> Non
 # --- the batch shell requeues a stop that the workers could not (no scontrol in their container) -----------
 
 def _stopped(run_dir: Path, requeue_by: str) -> None:
-    from hpc_ddp.preemption import append_attempt
+    from hpc_ddp.rundir.ledger import append_attempt
 
     append_attempt(run_dir, {"job_id": 7, "restart_count": 0, "reason": "timeout", "capped": False,
                              "requeue_by": requeue_by})
@@ -89,7 +89,7 @@ def test_settle_does_not_requeue_a_stop_the_workers_requeued_themselves(tmp_path
 
 
 def test_the_worker_leaves_the_requeue_to_the_batch_shell_where_scontrol_is_missing() -> None:
-    from hpc_ddp.preemption import requeue_available
+    from hpc_ddp.core.slurm_jobs import requeue_available
 
     assert requeue_available(lambda name: f"/usr/bin/{name}")
     assert not requeue_available(lambda name: None)

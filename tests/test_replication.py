@@ -1,4 +1,4 @@
-"""The replication check sees every element of every tensor (hpc_ddp.replication, issue 36).
+"""The replication check sees every element of every tensor (hpc_ddp.rank.replication, issue 36).
 
 It used to sample 4096 elements at a fixed stride from offset 0: a float32 tensor of 20,479 elements
 was read only up to element 16,380, so a divergence confined to its last rows was never caught.
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from hpc_ddp.config import DistConfig
-from hpc_ddp.slurm_env import from_environ
+from hpc_ddp.core.config import DistConfig
+from hpc_ddp.core.slurm_env import from_environ
 from tests.helpers import spawn_ranks
 
 NUMEL = 20_479  # a little above 64 KiB of float32: a fixed stride of numel // 4096 = 4 stops at 16,380
@@ -22,9 +22,9 @@ SNAPSHOTS = (100, 200, 300, 400)  # snapshot steps; caught within these or not a
 
 def _rank_main(environ: dict[str, str], out: "multiprocessing.Queue[Any]") -> None:
     os.environ.update(environ)
-    from hpc_ddp import replication
-    from hpc_ddp.distributed import init_process_group, teardown
-    from hpc_ddp.errors import UsageError
+    from hpc_ddp.rank import replication
+    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.core.errors import UsageError
 
     env = from_environ(environ)
     init_process_group(env, DistConfig(backend="gloo", timeout_s=30))
@@ -56,7 +56,7 @@ def test_a_divergence_confined_to_an_unsampled_tail_is_caught_at_the_first_snaps
 
 
 def test_every_element_counts_at_every_snapshot_and_a_reordering_only_within_a_row_waits() -> None:
-    from hpc_ddp.replication import digests
+    from hpc_ddp.rank.replication import digests
 
     base = torch.randn(NUMEL)
     for index in (0, 16_381, 16_383, NUMEL - 1):  # one element anywhere, changed in its last bit: seen at once
@@ -76,7 +76,7 @@ def test_every_element_counts_at_every_snapshot_and_a_reordering_only_within_a_r
 def test_the_fused_reduction_of_a_gpu_gives_each_leaf_the_bytes_of_its_own_summary() -> None:
     """The GPU path (one index_add over every tensor of a device, one copy) and the per-leaf path agree byte for
     byte, so a digest does not depend on which ran; checked here on CPU tensors, the arithmetic is the same."""
-    from hpc_ddp.replication import fused, summary
+    from hpc_ddp.rank.replication import fused, summary
 
     generator = torch.Generator().manual_seed(5)
     tensors = [torch.randn(20_479, generator=generator), torch.randn(7, generator=generator),

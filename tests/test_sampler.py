@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.sampler import ShardSampler
+from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.rank.sampler import ShardSampler
 
 
 @settings(max_examples=100, deadline=None)
@@ -93,7 +93,7 @@ def test_a_tutorial_set_epoch_after_a_resume_keeps_the_restored_position_or_says
     the call threw the restored position away, and a preempted run ended with other weights than an
     uninterrupted one (69 of 120 losses differed), with no word. Now the epoch it is in keeps the position,
     and another epoch is an error that names the fix."""
-    from hpc_ddp.errors import UsageError
+    from hpc_ddp.core.errors import UsageError
 
     sampler = ShardSampler(64, rank=0, world_size=2, seed=3)
     sampler.load_state_dict({"epoch": 2, "sample_in_epoch": 16})

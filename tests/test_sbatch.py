@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config
-from hpc_ddp.preemption import read_attempts
-from hpc_ddp.sbatch import render, sbatch_options, submitit_parameters
+from hpc_ddp.core.config import load_config
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.login.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
-from hpc_ddp.submit import submitit_script
+from hpc_ddp.login.submit import submitit_script
 from tests.helpers import finished, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,11 +77,34 @@ def job_log(run_dir: Path, tail: int = 4000) -> str:
 
 @pytest.mark.slurm
 def test_emitted_script_runs_with_plain_sbatch(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """Today's emitted script, and (in the same wait) one emitted before the layout move, as a job that Slurm
+    still held across an upgrade would run it: tests/golden/before_layout_move."""
     run_dir, script = tmp_path / "emitted", tmp_path / "job.sbatch"
     emit(script, "train.max_steps=50", f"run_dir={run_dir}")
     sbatch(script, cwd=tmp_path)  # submitted from elsewhere: the job still imports examples.mlp from ROOT
+    old_dir = tmp_path / "before_move"
+    old_script = script_from_before_the_move(old_dir)
+    sbatch(old_script, cwd=tmp_path)
     assert wait_until(lambda: finished(run_dir), 180), job_log(run_dir)
     assert json.loads((run_dir / "DONE.json").read_text())["world_size"] == 4
+    assert wait_until(lambda: finished(old_dir), 180), job_log(old_dir)
+    assert json.loads((old_dir / "DONE.json").read_text())["world_size"] == 2
+    assert [a["reason"] for a in read_attempts(old_dir)] == ["finished"]
+
+
+def script_from_before_the_move(run_dir: Path) -> Path:
+    """The srun script and config emitted by the code before the layout move, with this test's paths."""
+    before = GOLDEN / "before_layout_move"
+
+    def here(text: str) -> str:
+        text = text.replace("/tmp/RUN_DIR_BEFORE_MOVE", str(run_dir)).replace("PYTHON=/work/main/.venv/bin/python",
+                                                                             f"PYTHON={sys.executable}")
+        return text.replace("WORKDIR=/work/main", f"WORKDIR={ROOT}")
+    (run_dir / "slurm").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(here((before / "config.yaml").read_text()))
+    script = run_dir.parent / "before_move.sbatch"
+    script.write_text(here((before / "srun.sbatch").read_text()))
+    return script
 
 
 @pytest.mark.slurm

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import re
 
-from hpc_ddp.config import RunConfig
-from hpc_ddp.script_output import IGNORED_AFTER, Progress, relay
+from hpc_ddp.core.config import RunConfig
+from hpc_ddp.rank.script_output import IGNORED_AFTER, Progress, relay
 
 DEFAULT = re.compile(RunConfig().train.script_progress)
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_ddp import slicing
+from hpc_ddp.rundir import slicing
 
 SIZES = st.lists(st.tuples(st.integers(0, 3_000_000), st.sampled_from([1, 2, 4, 8])), max_size=12)
 

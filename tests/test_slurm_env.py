@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_ddp.errors import SlurmEnvError
-from hpc_ddp.slurm_env import (MASTER_PORT_BASE, MASTER_PORT_SPAN, SINGLE_PROCESS_PORT, DistEnv, from_environ,
-                               master_port, parse_tasks_per_node, simulated_environ, torch_env)
+from hpc_ddp.core.errors import SlurmEnvError
+from hpc_ddp.core.slurm_env import MASTER_PORT_BASE, MASTER_PORT_SPAN, SINGLE_PROCESS_PORT, DistEnv, from_environ, master_port, parse_tasks_per_node, simulated_environ, torch_env
 
 
 def srun_task(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:

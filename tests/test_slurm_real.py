@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.slurm_local import ClusterSpec
-from hpc_ddp.slurm_env import master_port
+from hpc_ddp.core.slurm_env import master_port
 from tests.helpers import finished, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -85,7 +85,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def worker_job(tmp_path: Path, name: str, overrides: list[str]) -> tuple[Path, Path]:
     """The MLP example's resolved config and a batch script that sruns the worker on it."""
-    from hpc_ddp.config import load_config, save_config
+    from hpc_ddp.core.config import load_config, save_config
 
     run_dir = tmp_path / name
     cfg = load_config([ROOT / "examples" / "mlp.yaml"], [*overrides, f"run_dir={run_dir}"])
@@ -114,7 +114,7 @@ def wait_finished(run_dir: Path, out: Path, timeout: float) -> None:
 def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster: ClusterSpec,
                                                                      tmp_path: Path) -> None:
     """scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume."""
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.rundir.ledger import read_attempts
 
     overrides = ["train.max_steps=300", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
     script, run_dir = worker_job(tmp_path, "slurm", overrides)
@@ -138,7 +138,7 @@ def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster
 def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster: ClusterSpec,
                                                                    tmp_path: Path) -> None:
     """A job in `high` needs both nodes: the `debug` job gets USR2 at once, saves, is requeued, resumes."""
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.rundir.ledger import read_attempts
 
     script, run_dir = worker_job(tmp_path, "p", ["train.max_steps=300", "train.log_every=10",
                                                  "slurm.timeout_min=30"])
@@ -156,7 +156,7 @@ def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster
 @pytest.mark.slow
 def test_real_time_limit_warning_requeues_until_done(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
     """--time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot -> requeue, until finished."""
-    from hpc_ddp.preemption import read_attempts
+    from hpc_ddp.rundir.ledger import read_attempts
 
     # Each step sleeps 100 ms (the Faulty task's slow fault): 300 steps take 30 s or more on any machine, longer
     # than the first warning tick (10-26 s after the start), so at least one time-out comes, with little compute

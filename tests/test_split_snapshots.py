@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp import slicing, snapshot
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config, save_config
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp import metrics_file
-from hpc_ddp.status import collect, local_state, main, render, timing
+from hpc_ddp.core.config import load_config, save_config
+from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.rundir import metrics_file
+from hpc_ddp.login.status import collect, local_state, main, render, timing
 
 MLP = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.yaml")
 
@@ -104,7 +104,7 @@ def _plotted(path: Path, out: Path):  # noqa: ANN202
     """status.plot's figure, kept as it is saved."""
     import matplotlib.pyplot as plt
 
-    from hpc_ddp import status
+    from hpc_ddp.login import status
 
     captured, real = {}, plt.Figure.savefig
 
@@ -150,7 +150,7 @@ def test_the_plots_tick_labels_never_overlap(tmp_path: Path, span: float) -> Non
 
 def test_an_own_loops_plot_says_whose_loss_and_a_script_run_says_how_to_get_one(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is in the dev extra that CI installs")
-    from hpc_ddp import status
+    from hpc_ddp.login import status
 
     for sub in "ab":
         (tmp_path / sub).mkdir()
@@ -229,7 +229,7 @@ def test_last_errors_show_the_crashed_ranks_exception_not_a_survivors_connection
 
 
 def collect_errors(run: Path) -> list[str]:
-    from hpc_ddp.failure_logs import last_errors
+    from hpc_ddp.login.failure_logs import last_errors
 
     return last_errors(run, run / "slurm")
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config, save_config
-from hpc_ddp.status import main as status
-from hpc_ddp.submit import main as submit
-from hpc_ddp.whoami import main as whoami
-from hpc_ddp.worker import with_config_port
+from hpc_ddp.core.config import load_config, save_config
+from hpc_ddp.login.status import main as status
+from hpc_ddp.login.submit import main as submit
+from hpc_ddp.core.whoami import main as whoami
+from hpc_ddp.rank.worker import with_config_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "examples" / "mlp.yaml")
@@ -97,7 +97,7 @@ def test_resume_continues_the_runs_own_config_with_only_the_new_overrides(tmp_pa
     """A run started with train.lr=0.05 train.max_steps=30 and resumed with plain --resume kept the YAML's
     0.01 and 100 (issue 23): now the run's own config.yaml is the base, and only what the command line names
     changes. The CONFIG argument finds the run dir; the run dir itself may be given instead."""
-    from hpc_ddp.submit import resolve_all
+    from hpc_ddp.login.submit import resolve_all
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.core.config import load_config
+from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import finished, wait_until
 
@@ -99,7 +99,7 @@ def test_scancel_snapshots_and_ends_the_job_without_a_requeue(slurm_cluster: Clu
                                                  text=True).stdout.strip(), 120)
     [attempt] = read_attempts(run_dir)
     assert attempt["reason"] == "cancelled" and not (run_dir / "DONE.json").exists()
-    from hpc_ddp import snapshot
+    from hpc_ddp.rundir import snapshot
 
     assert snapshot.committed_steps(run_dir)[0] == attempt["last_step"]  # the work up to the cancel is kept
     resumed = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, "train.max_steps=400", f"run_dir={run_dir}",

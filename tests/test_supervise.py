@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp import heal, shell_rules
-from hpc_ddp.config import load_config
-from hpc_ddp.preemption import read_attempts
-from hpc_ddp.slurm_env import IN_JOB_PORT_BASE, IN_JOB_PORT_SPAN, MASTER_PORT_BASE, MASTER_PORT_SPAN, in_job_port
-from hpc_ddp.supervise import Step, Supervisor, main, supervise
+from hpc_ddp.shell import heal, shell_rules
+from hpc_ddp.core.config import load_config
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.core.slurm_env import IN_JOB_PORT_BASE, IN_JOB_PORT_SPAN, MASTER_PORT_BASE, MASTER_PORT_SPAN, in_job_port
+from hpc_ddp.shell.supervise import Step, Supervisor, main, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 SRUN = ["srun", "--kill-on-bad-exit=1", "python", "-m", "hpc_ddp.worker", "--config", "c.yaml"]
@@ -189,7 +189,7 @@ def test_in_job_restarts_take_ports_no_first_step_derives(tmp_path: Path) -> Non
 
 
 def test_a_taken_rendezvous_port_is_a_failure_to_heal_not_a_configuration_error() -> None:
-    from hpc_ddp.distributed import RendezvousError
+    from hpc_ddp.rank.distributed import RendezvousError
     assert RendezvousError("taken").retry_may_help
 
 
@@ -208,11 +208,11 @@ def test_only_the_nodes_the_plan_uses_are_probed_in_one_step(tmp_path: Path) -> 
 
 def test_an_unexpected_command_under_exit_code_still_settles_and_requeues(tmp_path: Path, capsys) -> None:
     config = tmp_path / "c.yaml"
-    from hpc_ddp.config import save_config
+    from hpc_ddp.core.config import save_config
     save_config(load_config([ROOT / "examples" / "mlp.yaml"], [f"run_dir={tmp_path / 'run'}",
                                                                 "slurm.max_failures=1"]), config)
     slurm = FakeSlurm(["n1"])
-    import hpc_ddp.supervise as module
+    import hpc_ddp.shell.supervise as module
     real = module.Supervisor
 
     class Faked(real):  # type: ignore[misc, valid-type]
@@ -240,7 +240,7 @@ def test_a_step_lost_with_the_batch_host_is_recorded_by_the_next_batch_shell(tmp
 
 
 def test_the_supervisor_forwards_the_warning_with_srun(tmp_path: Path) -> None:
-    from hpc_ddp.supervise import run_srun
+    from hpc_ddp.shell.supervise import run_srun
     script = tmp_path / "srun"
     script.write_text("#!/bin/sh\ntrap 'echo got-usr2 >&2; exit 3' USR2\nwhile :; do sleep 0.05; done\n")
     script.chmod(0o755)

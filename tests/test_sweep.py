@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_ddp.errors import ConfigError
-from hpc_ddp.sweep import expand, split_top_level
+from hpc_ddp.core.errors import ConfigError
+from hpc_ddp.login.sweep import expand, split_top_level
 
 
 def test_two_axes_give_the_cartesian_product_in_order() -> None:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hpc_ddp.slurm_env import master_port
-from hpc_ddp.whoami import main
+from hpc_ddp.core.slurm_env import master_port
+from hpc_ddp.core.whoami import main
 
 
 def test_simulated_table(capsys: pytest.CaptureFixture[str]) -> None:

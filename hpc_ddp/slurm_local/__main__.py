@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.slurm_local.conf import ClusterSpec
 from hpc_ddp.slurm_local.daemons import APT_PACKAGES, is_up, missing_pieces, start, stop
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.hostlist import compress_hostlist
+from hpc_ddp.core.hostlist import compress_hostlist
 
 HOSTS_TAG = "# hpc_ddp slurm-local"
 

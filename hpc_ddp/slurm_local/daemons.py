@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpc_ddp.errors import ClusterError, explain
+from hpc_ddp.core.errors import ClusterError, explain
 from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf,
                                       render_slurmdbd_conf)
 

@@ -18,12 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hpc_ddp.checkpointer import Checkpointer  # noqa: E402
-from hpc_ddp.config import load_config  # noqa: E402
-from hpc_ddp.distributed import init_process_group, teardown  # noqa: E402
-from hpc_ddp.preemption import StopFlag  # noqa: E402
-from hpc_ddp.run import Run  # noqa: E402
-from hpc_ddp.slurm_env import from_environ, simulated_environ  # noqa: E402
+from hpc_ddp.rank.checkpointer import Checkpointer  # noqa: E402
+from hpc_ddp.core.config import load_config  # noqa: E402
+from hpc_ddp.rank.distributed import init_process_group, teardown  # noqa: E402
+from hpc_ddp.core.stopping import StopFlag  # noqa: E402
+from hpc_ddp.rank.run import Run  # noqa: E402
+from hpc_ddp.core.slurm_env import from_environ, simulated_environ  # noqa: E402
 
 WARMUP, CHECKED = 5, 50  # warm-up: DDP builds its buckets, AdamW its state
 
@@ -76,7 +76,7 @@ def own_loop(run: Run, device: torch.device) -> None:
 
 
 def main(variant: str) -> None:
-    from hpc_ddp.trainer import Trainer
+    from hpc_ddp.rank.trainer import Trainer
 
     env = from_environ({**simulated_environ(1, 1, job_id=1)[0], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     with tempfile.TemporaryDirectory() as tmp:

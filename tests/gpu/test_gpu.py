@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.preemption import read_attempts
+from hpc_ddp.rundir.ledger import read_attempts
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
@@ -61,7 +61,7 @@ def test_own_loop_resumes_bit_exactly_on_nccl_with_cuda_rng_and_pinned_staging(t
 
 
 def test_cuda_rng_state_is_captured_and_restored() -> None:
-    from hpc_ddp.checkpointer import capture_rng, restore_rng
+    from hpc_ddp.rank.checkpointer import capture_rng, restore_rng
 
     torch.cuda.manual_seed(3)
     state = capture_rng()
@@ -72,7 +72,7 @@ def test_cuda_rng_state_is_captured_and_restored() -> None:
 
 
 def test_async_staging_of_cuda_tensors_is_pinned() -> None:
-    from hpc_ddp.checkpointer import stage
+    from hpc_ddp.rank.checkpointer import stage
 
     staged = stage({"w": torch.ones(8, device="cuda")})
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["w"].sum().item() == 8
@@ -80,8 +80,8 @@ def test_async_staging_of_cuda_tensors_is_pinned() -> None:
 
 def test_a_cuda_state_split_over_nodes_is_staged_pinned_and_comes_back_whole() -> None:
     """Split snapshots on CUDA: the parts of a cut tensor are views until staged, then pinned CPU copies."""
-    from hpc_ddp import slicing
-    from hpc_ddp.checkpointer import stage
+    from hpc_ddp.rundir import slicing
+    from hpc_ddp.rank.checkpointer import stage
 
     state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda"), "step": 3}
     skeleton, tensors = slicing.split(state)
@@ -169,7 +169,7 @@ def test_a_crash_on_nccl_at_world_size_one_is_recorded_failed_and_ends_at_once(t
 def test_the_replication_fingerprint_of_a_cuda_state_is_its_cpu_copys() -> None:
     """On a GPU every tensor of the device is summed by one fused reduction and read back in one copy: each leaf's
     digest is the one the per-leaf CPU path gives for the same bytes, and a change in a tensor's tail shows."""
-    from hpc_ddp.replication import fingerprints
+    from hpc_ddp.rank.replication import fingerprints
 
     state = {"w": torch.randn(20_479, device="cuda"), "b": torch.randn(7, device="cuda"),
              "e": torch.randn(300, 70, device="cuda").to(torch.bfloat16), "step": 3}

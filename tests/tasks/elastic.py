@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from examples.mlp import MLPTask, SyntheticRegression
-from hpc_ddp.config import RunConfig
+from hpc_ddp.core.config import RunConfig
 
 
 class WithIds(Dataset[Any]):

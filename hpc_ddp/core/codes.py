@@ -1,0 +1,17 @@
+"""Every exit code and marker the processes of a run tell each other, in one table.
+
+A worker's exit code is how srun, the batch shell (:mod:`hpc_ddp.shell.supervise`) and the
+rehearsal (:mod:`hpc_ddp.rehearsal.local`) learn why a step ended, before they read the
+ledger; the progress mark is how rank 0 tells the rehearsal its step. No imports.
+"""
+
+from __future__ import annotations
+
+EXIT_ERROR = 2  # a bad config, task or environment: the same again on every retry, so never requeued
+EXIT_REQUEUE = 3  # a worker that stopped for a requeue (the local simulation relaunches on it)
+EXIT_HUNG = 4  # the hang watchdog ended a rank stuck longer than dist.timeout_s
+EXIT_LOCKED = 5  # a worker refused to start: another job holds the run dir (nothing of that run is touched)
+EXIT_LOST = 6  # this rank declared the peer it watches lost (frozen rank or node): the batch shell heals the step
+EXIT_USAGE = 2  # the rehearsal: a flag that cannot be rehearsed (--fail-at naming a node it does not have)
+EXIT_INTERRUPTED = 130  # the rehearsal was interrupted with Ctrl-C (128 + SIGINT, as a shell reports it)
+PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step; the rehearsal reads it

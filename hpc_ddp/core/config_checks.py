@@ -1,0 +1,202 @@
+"""Checks on a loaded config that the schema's types alone cannot express.
+
+Ranges, choices, formats, element types of lists and mappings (omegaconf lets
+``[a, [b]]`` through as ``List[str]``), and rules across keys. Each failure is a
+:class:`ConfigError` naming the key, the value found, what is expected and how
+to set it. Pure: no omegaconf, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal as _signal
+from collections.abc import Callable
+from typing import Any
+
+from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
+from hpc_ddp.core.errors import ConfigError, explain
+
+_TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+_SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+LIVENESS_S = 30.0  # dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
+SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
+                 and s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR1"))
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _texts(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _mapping(key_pattern: re.Pattern[str]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and key_pattern.fullmatch(k) and isinstance(x, str) and "\n" not in x
+        for k, x in v.items())
+
+
+def _word(v: Any) -> bool:
+    """One sbatch option value: it lands on an ``#SBATCH`` line, so no spaces or newlines."""
+    return isinstance(v, str) and bool(v) and not any(c.isspace() for c in v)
+
+
+def _regex_with_group(v: Any) -> bool:
+    try:
+        return isinstance(v, str) and re.compile(v).groups >= 1
+    except re.error:
+        return False
+
+
+# key -> (check, expected); None passes for keys whose schema type is Optional.
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
+    "run_dir": (lambda v: bool(v.strip()), "a directory path"),
+    "slurm.nodes": (valid_nodes, "an integer >= 1, or a range MIN-MAX such as 2-4"),
+    "slurm.tasks_per_node": (_at_least(1), "an integer >= 1"),
+    "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
+    "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
+    "slurm.mem_gb": (_positive, "a number of GB > 0, or null"),
+    "slurm.timeout_min": (_at_least(1), "an integer number of minutes >= 1"),
+    "slurm.partition": (_word, "a partition name without spaces (a,b for several), or null"),
+    "slurm.account": (_word, "an account name without spaces, or null"),
+    "slurm.qos": (_word, "a QOS name without spaces, or null"),
+    "slurm.constraint": (_word, "a feature expression without spaces, e.g. 'a100|h100', or null"),
+    "slurm.signal": (lambda v: v in SIGNALS, f"a signal name, one of {', '.join(SIGNALS)}"),
+    "slurm.signal_delay_s": (_at_least(0), "an integer number of seconds >= 0"),
+    "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
+    "slurm.max_preemptions": (_at_least(0), "an integer >= 0"),
+    "slurm.max_failures": (_at_least(0), "an integer >= 0"),
+    "slurm.spare_nodes": (_at_least(0), "an integer >= 0"),
+    "slurm.max_restarts_in_job": (_at_least(0), "an integer >= 0"),
+    "slurm.setup": (_texts, "a list of shell lines"),
+    "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
+                           "(e.g. mail-type) to one-line text values"),
+    "slurm.srun_args": (_texts, "a list of text arguments"),
+    "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),
+    "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
+    "dist.liveness_s": (lambda v: v == 0 or (_positive(v) and v >= 1),
+                        "a number of seconds >= 1, or 0 or null to turn liveness off"),
+    "dist.master_port": (lambda v: _at_least(1)(v) and v <= 65535, "a port 1..65535, or null"),
+    "dist.nccl_env": (_mapping(_ENV_NAME), "a mapping of environment variable names to text values"),
+    "train.task": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:ClassName'"),
+    "train.loop": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:function'"),
+    "train.script": (lambda v: v == "" or (v.strip() == v and "\n" not in v), "a path to a .py file"),
+    "train.args": (_texts, "a list of text arguments"),
+    "train.resume_args": (_texts, "a list of text arguments"),
+    "train.script_progress": (_regex_with_group, "a regular expression with one group that matches the step"),
+    "train.max_steps": (_at_least(1), "an integer >= 1, or null"),
+    "train.epochs": (_at_least(1), "an integer >= 1, or null"),
+    "train.batch_size": (_at_least(1), "an integer >= 1"),
+    "train.grad_accum": (_at_least(1), "an integer >= 1"),
+    "train.global_batch_size": (_at_least(1), "an integer >= 1, or null"),
+    "train.lr": (_positive, "a finite number > 0"),
+    "train.amp": (lambda v: v in ("off", "bf16", "fp16"), "one of off, bf16, fp16"),
+    "train.clip_grad_norm": (_positive, "a finite number > 0, or null"),
+    "train.seed": (_at_least(0), "an integer >= 0"),
+    "train.log_every": (_at_least(1), "an integer >= 1"),
+    "train.num_workers": (_at_least(0), "an integer >= 0"),
+    "snapshot.every_steps": (_at_least(1), "an integer >= 1, or null"),
+    "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
+    "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
+    "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's file)"),
+    "snapshot.load": (lambda v: v in ("auto", "spread", "every_rank"), "one of auto, spread, every_rank"),
+    "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"), "one of online, offline, disabled"),
+    "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
+                              "a W&B project name without / \\ # ? % : (empty: the run's name)"),
+}
+OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port",
+            "dist.liveness_s", "train.max_steps", "train.epochs", "train.global_batch_size",
+            "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+PROGRAMS = ("train.task", "train.loop", "train.script")
+
+
+def _check_program(train: Any) -> None:
+    """Exactly one of train.task, train.loop and train.script names what the job runs."""
+    chosen = [key for key in PROGRAMS if getattr(train, key.split(".")[1])]
+    if not chosen:
+        raise _fail("train.task", "nothing to train: train.task, train.loop and train.script are all unset", "",
+                    "exactly one of them", "set one: train.task=mypkg.tasks:MyTask (our Trainer), "
+                    "train.loop=mypkg.train:main (your loop, called with the run), or train.script=train.py "
+                    "(an unmodified torchrun-style script)")
+    if len(chosen) > 1:
+        raise _fail(chosen[1], f"{' and '.join(chosen)} are both set", ", ".join(
+            f"{key}={getattr(train, key.split('.')[1])}" for key in chosen), "exactly one of them",
+            "keep one; unset the other" + (" with " if len(chosen) == 2 else "s with ")
+            + " or ".join(f"{key}=null" for key in chosen))
+    for key in ("args", "resume_args"):
+        if getattr(train, key) and not train.script:
+            raise _fail(f"train.{key}", f"train.{key} is set but train.script is not", getattr(train, key),
+                        "arguments for train.script", f"set train.script=path/to/train.py, or drop train.{key}")
+
+
+def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = None) -> ConfigError:
+    return ConfigError(explain(what, found=found, expected=expected,
+                               hint=hint or f"set {key} in the config file or as {key}=... on the command line"),
+                       key=key)
+
+
+def _check_liveness(dist: Any) -> None:
+    """A frozen node must be found by liveness before the hang watchdog (dist.timeout_s) fires on the ranks that
+    wait for it: otherwise the attempt is recorded as hung and the frozen node is only a soft suspect."""
+    live = dist.liveness_s
+    if not live or live == LIVENESS_S or 2 * live <= dist.timeout_s:
+        return
+    raise _fail("dist.liveness_s", f"dist.liveness_s={live:g} is not well below dist.timeout_s={dist.timeout_s}: "
+                "the hang watchdog would fire first on the ranks waiting for a frozen node, and the attempt would "
+                "be recorded as hung instead of naming the lost node", f"dist.liveness_s={live:g}",
+                f"at most half of dist.timeout_s (<= {dist.timeout_s / 2:g})",
+                f"lower it (dist.liveness_s={max(1, dist.timeout_s // 4)}), raise dist.timeout_s, or turn liveness "
+                "off with dist.liveness_s=0")
+
+
+def check_config(cfg: Any) -> None:
+    """Raise :class:`ConfigError` for the first value out of its range or format."""
+    sig = cfg.slurm.signal
+    if isinstance(sig, str) and sig.upper().removeprefix("SIG") == "USR1":
+        raise _fail("slurm.signal", "slurm.signal must not be USR1", sig, "USR2 (the default) or another signal",
+                    "NCCL uses SIGUSR1 internally; a USR1 warning would be swallowed. Use slurm.signal=USR2")
+    cfg.slurm.signal = sig.upper().removeprefix("SIG") if isinstance(sig, str) else sig
+    for key, (ok, expected) in RULES.items():
+        value = _get(cfg, key)
+        if value is None and key in OPTIONAL:
+            continue
+        if not ok(value):
+            raise _fail(key, f"bad value for config key {key}", value, expected)
+    _check_program(cfg.train)
+    if cfg.train.task and cfg.train.max_steps is None and cfg.train.epochs is None:
+        raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
+                    None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
+    if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:
+        raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
+                    f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,
+                    "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise slurm.timeout_min")
+    _check_liveness(cfg.dist)
+    if cfg.train.global_batch_size is not None and cfg.train.grad_accum != 1:
+        raise _fail("train.grad_accum", "train.grad_accum and train.global_batch_size are both set",
+                    f"train.grad_accum={cfg.train.grad_accum}, train.global_batch_size={cfg.train.global_batch_size}",
+                    "one of them", "with train.global_batch_size the accumulation follows the world size: "
+                    "drop train.grad_accum")
+    if cfg.slurm.spare_nodes and len(node_counts(cfg.slurm.nodes)) > 1:
+        raise _fail("slurm.spare_nodes", "slurm.spare_nodes needs a fixed node count, but slurm.nodes is a range",
+                    f"slurm.nodes={cfg.slurm.nodes}, slurm.spare_nodes={cfg.slurm.spare_nodes}",
+                    "slurm.nodes=N with spares, or a range without them",
+                    "with a range the run goes on with fewer nodes when one fails; spares keep the world size "
+                    "(bit-exact): choose one, e.g. slurm.nodes=2 slurm.spare_nodes=1")
+    check_geometry(cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node)

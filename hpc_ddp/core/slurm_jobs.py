@@ -1,0 +1,67 @@
+"""The Slurm commands a job asks about itself: its end time and state (squeue), and its requeue
+(``scontrol requeue``, from global rank 0 alone). Each takes a command runner (a seam for tests). No torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from datetime import datetime
+from collections.abc import Callable, Mapping
+
+from hpc_ddp.core.errors import HpcDdpError, explain
+
+
+class PreemptionError(HpcDdpError):
+    """A requeue could not be done, or a requeue cap was reached."""
+
+
+def job_end_time(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> float | None:
+    """The job's end time (start + time limit) from squeue, as epoch seconds; None when unknown.
+
+    Asked once when an attempt starts: a preemption later moves the end time forward.
+    (Slurm 22.05 does not put SLURM_JOB_END_TIME in the environment.)
+    """
+    if not spec or not shutil.which("squeue"):
+        return None
+    try:
+        proc = runner(["squeue", "-h", "-j", spec, "-o", "%e"], capture_output=True, text=True, timeout=30)
+        return datetime.fromisoformat(proc.stdout.strip()).timestamp()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def job_state(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> str | None:
+    """The job's state as squeue prints it (RUNNING, COMPLETING, ...); None when unknown."""
+    if not spec or not shutil.which("squeue"):
+        return None
+    try:
+        proc = runner(["squeue", "-h", "-j", spec, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def job_spec(environ: Mapping[str, str]) -> str:
+    """The id `scontrol requeue` needs: ARRAYJOB_TASK for an array element, else the job id."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else environ.get("SLURM_JOB_ID", "")
+
+
+def requeue_available(which: Callable[[str], str | None] = shutil.which) -> bool:
+    """Whether this process can requeue its job: containers started by srun often lack the Slurm client."""
+    return which("scontrol") is not None
+
+
+def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> None:
+    """``scontrol requeue SPEC``; a clear error when scontrol is missing or refuses."""
+    if not shutil.which("scontrol"):
+        raise PreemptionError(explain(f"cannot requeue job {spec}: scontrol is not on PATH in the job",
+                                      hint="the snapshot is committed: submitting the same job again resumes "
+                                      "from it; to requeue by itself, the job needs the Slurm client "
+                                      "(containers often lack it)"))
+    proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise PreemptionError(explain(f"`scontrol requeue {spec}` failed: {(proc.stderr or proc.stdout).strip()}",
+                                      hint="requeueing needs JobRequeue=1 (or sbatch --requeue); the snapshot "
+                                      "is committed, so resubmitting resumes from it"))

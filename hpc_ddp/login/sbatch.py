@@ -1,0 +1,137 @@
+"""From the run config to what Slurm is asked for (pure: no submitit, no torch).
+
+``submitit_parameters`` is the one place that maps config keys to sbatch options,
+so the submit path and (later) the rendered templates cannot disagree.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from importlib import resources
+from typing import Any
+
+from hpc_ddp.core.batching import node_counts, slurm_nodes
+from hpc_ddp.core.config import RunConfig
+
+
+def supervise_line(configs: list[str], python: str = "python", srun_args: list[str] | None = None) -> str:
+    """The batch-shell line after submitit's srun: settle the step it ran, heal a failure inside the job
+    with steps of the worker, else requeue under max_failures. The worker's config is the run's own path;
+    a job array's elements each have theirs, so there the line says ``{config}`` and supervise puts in
+    the element's (a person reading the script of one run sees the real path)."""
+    step = ["srun", "--kill-on-bad-exit=1", *(srun_args or []), python, "-m", "hpc_ddp.worker", "--config",
+            configs[0] if len(configs) == 1 else "{config}"]
+    return " ".join([shlex.quote(python), "-m", "hpc_ddp.supervise", "--exit-code", "$?",
+                     *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
+
+
+def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python") -> dict[str, Any]:
+    """Keyword arguments for ``submitit.SlurmExecutor.update_parameters``.
+
+    Our warning signal replaces submitit's fixed ``USR2@delay`` (``additional_parameters``
+    are applied last), ``--requeue`` lets the worker's ``scontrol requeue`` work, and
+    ``--kill-on-bad-exit=1`` makes one crashing task end the whole step at once instead
+    of leaving the other ranks waiting in a collective. With ``configs`` (one per array
+    element), the teardown settles the attempt (:mod:`hpc_ddp.shell.settle`).
+    """
+    slurm = cfg.slurm
+    params: dict[str, Any] = {
+        "job_name": cfg.name,
+        # submitit multiplies it by the tasks per node: an int (a range goes below); spares are held beside it
+        "nodes": held_nodes(slurm),
+        "ntasks_per_node": slurm.tasks_per_node,
+        "cpus_per_task": slurm.cpus_per_task,
+        "time": slurm.timeout_min,
+        "signal_delay_s": slurm.signal_delay_s,
+        "setup": list(slurm.setup),
+        "teardown": [supervise_line(configs, python, list(slurm.srun_args))] if configs else [],
+        "srun_args": ["--kill-on-bad-exit=1", *spare_shape(cfg), *slurm.srun_args],
+        "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
+                                  "no_kill": True,
+                                  **({"nodes": slurm_nodes(slurm.nodes)} if len(node_counts(slurm.nodes)) > 1 else {}),
+                                  **slurm.sbatch_extra},
+    }
+    optional = {"gpus_per_node": slurm.gpus_per_node or None, "partition": slurm.partition,
+                "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint,
+                "mem": f"{slurm.mem_gb:g}GB" if slurm.mem_gb else None, "exclusive": slurm.exclusive or None}
+    params.update({key: value for key, value in optional.items() if value is not None})
+    return params
+
+
+def held_nodes(slurm: Any) -> int:
+    """The nodes a job with spares asks for: the most ``slurm.nodes`` allows, plus ``slurm.spare_nodes``."""
+    return node_counts(slurm.nodes)[-1] + slurm.spare_nodes
+
+
+def spare_shape(cfg: RunConfig) -> list[str]:
+    """With spares, submitit's first step runs on slurm.nodes of the job's nodes, not on all it holds, and
+    not on the first one (``--relative=1``): the batch shell runs there, and a step that loses its node would
+    take the supervisor with it (no ledger line, no heal). The batch host is a spare."""
+    slurm = cfg.slurm
+    if not slurm.spare_nodes:
+        return []
+    nodes = node_counts(slurm.nodes)[-1]
+    return [f"--nodes={nodes}", f"--ntasks={nodes * slurm.tasks_per_node}", "--relative=1"]
+
+
+LAUNCHERS = {"srun": "ddp.sbatch", "torchrun": "ddp_torchrun.sbatch"}
+
+
+def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
+    """The ``#SBATCH`` lines of a rendered template; the same choices as :func:`submitit_parameters`.
+
+    With ``launcher="torchrun"`` Slurm starts one task per node (torchrun starts the
+    workers), so that task gets the CPUs of all the node's workers.
+    """
+    slurm = cfg.slurm
+    per_node = launcher == "torchrun"
+    tasks, cpus = (1, slurm.cpus_per_task * slurm.tasks_per_node) if per_node else (slurm.tasks_per_node,
+                                                                                      slurm.cpus_per_task)
+    nodes = str(held_nodes(slurm)) if slurm.spare_nodes else slurm_nodes(slurm.nodes)
+    options = [f"--job-name={cfg.name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
+    if slurm.gpus_per_node:
+        options.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    options += [f"--cpus-per-task={cpus}", f"--time={slurm.timeout_min}"]
+    if slurm.mem_gb:
+        options.append(f"--mem={slurm.mem_gb:g}GB")
+    for flag, value in (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos),
+                        ("constraint", slurm.constraint)):
+        if value:
+            options.append(f"--{flag}={value}")
+    if slurm.exclusive:
+        options.append("--exclusive")
+    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}", "--requeue", "--no-kill", "--open-mode=append",
+                f"--output={cfg.run_dir}/slurm/%j.out"]
+    options += [f"--{key}={value}" for key, value in slurm.sbatch_extra.items()]
+    return [f"#SBATCH {option}" for option in options]
+
+
+def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: str = "srun",
+           workdir: str | None = None) -> str:
+    """The ``launcher``'s template (hpc_ddp/templates, linked from slurm/) rendered from ``cfg``.
+
+    Replaced: the ``#SBATCH`` block, the setup block, the ``CONFIG=``, ``PYTHON=``,
+    ``WORKDIR=`` (when ``workdir`` is given: the script then works wherever ``sbatch`` is
+    called, as the task module is found there), ``NPROC_PER_NODE=`` and ``SIGNAL=``
+    lines, and the srun arguments (the line that starts
+    with ``srun --kill-on-bad-exit=1``); the rest is the
+    template's text, so a hand edit of a template shows up in every rendered script.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}; found {launcher!r}")
+    text = resources.files("hpc_ddp.templates").joinpath(LAUNCHERS[launcher]).read_text()
+    block = re.search(r"^#SBATCH .*?^# --- end of options ---\n", text, flags=re.M | re.S)
+    if block is None:
+        raise ValueError(f"template {LAUNCHERS[launcher]} has no '#SBATCH ... # --- end of options ---' block")
+    head, rest = text[:block.start()], text[block.end():]
+    lines = [*sbatch_options(cfg, launcher), "# --- end of options ---"]
+    rest = re.sub(r"(# --- setup[^\n]*\n)(?:.*\n)*?(# --- end of setup ---)",
+                  lambda m: m.group(1) + "".join(f"{line}\n" for line in cfg.slurm.setup) + m.group(2), rest)
+    values = {"CONFIG": config_path, "PYTHON": python, "NPROC_PER_NODE": str(cfg.slurm.tasks_per_node),
+              "SIGNAL": cfg.slurm.signal, **({"WORKDIR": workdir} if workdir else {})}
+    for name, value in values.items():
+        rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
+    srun = " ".join(["srun", "--kill-on-bad-exit=1", *map(shlex.quote, cfg.slurm.srun_args)])
+    rest = re.sub(r"^(\s*)srun --kill-on-bad-exit=1", lambda m: m.group(1) + srun, rest, flags=re.M)
+    return head + "\n".join(lines) + "\n" + rest

@@ -1,0 +1,407 @@
+"""The public run object: what any training loop calls to survive preemption and time limits.
+
+A loop gets a :class:`Run` (from ``train.loop``, ``hpc_ddp.session()`` or our Trainer) and
+adds two calls::
+
+    step = run.resume(model=model, optimizer=optimizer, sampler=sampler)   # 0 on a fresh start
+    while step < max_steps:
+        ...one optimizer step...
+        step += 1
+        if run.boundary(step):     # True once every rank agreed to stop; the snapshot is committed
+            return
+
+Everything else is the stop protocol, in this one place: the stop flag agreed by all ranks
+one boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by
+step count or by rank 0's clock (sync, or async with the copy in the step), the stop
+snapshot, every rank's RNG captured and restored, the hang watchdog's heartbeat, the final
+model and DONE marker. Who writes which file is the checkpointer's business; what happens
+after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.rank.session`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ctypes
+import io
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hpc_ddp.rank import control, replication
+from hpc_ddp.rundir import layout, metrics_file
+from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.core.batching import BatchPlan, geometry_change, plan, snapshot_batch_problem
+from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
+from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values
+from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward
+from hpc_ddp.core.errors import explain
+from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rank.sampler import ShardSampler
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.rank.tracked import PerRank, RunUsageError, check_trackable, load_into, pack, resize_refusal, resize_refused, restore_per_rank, state_of, unloadable, unpack, unwrap
+from hpc_ddp.rank.tracking import Sink, log_to, metric_value, open_sinks
+
+log = logging.getLogger("hpc_ddp.run")
+STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
+PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
+
+
+class LoopIgnoredStop(RunUsageError):
+    """The loop called run.boundary again after it returned True. The session ends the attempt as the stop
+    it was (the stop snapshot is committed; the steps after it are dropped) and the ledger says so."""
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over the state_dict: names in sorted order, each tensor's raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(unwrap(model).state_dict().items()):
+        flat = tensor.detach().cpu().contiguous()
+        digest.update(name.encode())
+        # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
+        digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+    return digest.hexdigest()
+
+
+def base_lr(group: Mapping[str, Any]) -> float:
+    """A param group's base learning rate: before any scheduler's factor (``initial_lr``) when it has one."""
+    return float(group.get("initial_lr", group["lr"]))
+
+
+class Run:
+    """One rank's view of one attempt of a run; the session builds it inside the process group.
+
+    Attributes a loop uses: ``rank``, ``local_rank``, ``world_size``, ``local_world_size``,
+    ``node_rank``, ``is_main``, ``device``, ``device_ids`` (for DDP), ``run_dir``,
+    ``restart_count``, ``config`` (the run's :class:`RunConfig`), ``step`` (the last
+    boundary's), ``resumed_from`` (the snapshot's step, or None), ``stopped``.
+    """
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, device: torch.device, *, checkpointer: Checkpointer | None,
+                 stop: StopFlag | None, beat: Callable[[int, str], None] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.config, self.env, self.device = cfg, env, device
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
+        self._beat = beat or (lambda step, phase: None)
+        self.tracked: dict[str, Any] = {}  # replicated: one copy in the snapshot, checked alike on every rank
+        self.per_rank: dict[str, PerRank] = {}  # saved and restored per rank, like the RNG
+        self.boundaries = 0  # run.boundary calls in this attempt: a loop that makes none cannot honour a stop
+        self._per_rank_checked = False
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.resume_read: dict[str, Any] | None = None  # rank 0: bytes the resume read from snapshot files
+        self.resumed_world_size: int | None = None  # the world size that wrote the snapshot resumed from
+        self.stopped = False
+        self.finished: dict[str, Any] | None = None
+        self._resumed = False
+        self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
+        self._sinks: list[Sink] | None = None  # TensorBoard, W&B: opened by rank 0's first log_metrics
+
+    rank = property(lambda self: self.env.rank)
+    local_rank = property(lambda self: self.env.local_rank)
+    world_size = property(lambda self: self.env.world_size)
+    local_world_size = property(lambda self: self.env.local_world_size)
+    node_rank = property(lambda self: self.env.node_rank)
+    is_main = property(lambda self: self.env.is_main)
+    restart_count = property(lambda self: self.env.restart_count)
+
+    @property
+    def batch(self) -> BatchPlan:
+        """This world size's share of the global batch: ``batch_size`` per micro-step, ``grad_accum`` micro-steps.
+
+        With ``train.global_batch_size`` set, ``grad_accum`` follows the world size, so a loop that
+        accumulates ``run.batch.grad_accum`` micro-steps keeps the same global batch on any node count.
+        """
+        return plan(self.config.train, self.world_size)
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What DDP's ``device_ids`` wants: this rank's GPU, or None on CPU."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    def beat(self, step: int, phase: str) -> None:
+        """Tell the hang watchdog where this rank is (optional: every boundary is a beat)."""
+        self._beat(step, phase)
+
+    # -- resume --------------------------------------------------------------------------------------
+    def resume(self, *positional: Any, **objects: Any) -> int:
+        """Track these objects and load them from the newest committed snapshot; return its step (0: fresh).
+
+        Collective: call it on every rank, once, before the first step. Anything with
+        ``state_dict()``/``load_state_dict()`` can be tracked, and a dict (restored in
+        place). State that differs by rank goes in as ``name=hpc_ddp.per_rank(obj)``: it is
+        saved and restored per rank. This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
+        A DDP model's gradient buckets are settled before its first step (see
+        :mod:`hpc_ddp.rank.ddp_settle`), so a resumed run sums gradients in
+        the same order as one that never stopped.
+        """
+        if positional:
+            raise RunUsageError(explain(
+                f"run.resume() takes its objects by name; found {len(positional)} positional argument(s) "
+                f"({', '.join(type(p).__name__ for p in positional)})",
+                hint="run.resume(model=model, optimizer=optimizer, sampler=sampler): the names key the snapshot"))
+        if self._resumed:
+            raise RunUsageError(explain("run.resume() was called twice", hint="call it once, before the loop"))
+        for name, obj in objects.items():
+            if obj is not None:
+                check_trackable(name, obj)
+                if isinstance(obj, PerRank):
+                    self.per_rank[name] = obj
+                else:
+                    self.tracked[name] = obj
+                    if isinstance(obj, ShardSampler):
+                        obj.tracked = True  # its iteration outside iterate() now warns: the position would be lost
+        self._resumed = True
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.checkpointer is not None:  # every manifest says whether this run may resume at another size
+            self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
+        restored = self.checkpointer.restore() if self.checkpointer is not None else None
+        if restored is not None:
+            self._load(restored)
+        for obj in self.tracked.values():
+            if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
+                settle_buckets_on_first_forward(obj)
+        if self.on_step is not None:
+            self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
+        return self.step
+
+    def _load(self, restored: Any) -> None:
+        state = restored.state
+        missing = sorted(set(self.tracked) - set(state))
+        if missing:
+            raise RunUsageError(explain(
+                f"the snapshot of step {restored.step} has no {', '.join(missing)} (it holds "
+                f"{', '.join(sorted(k for k in state if k != STEP))})",
+                hint="track the same names as the run that wrote it, or start a new run in another run_dir=..."))
+        built = {name: [base_lr(g) for g in obj.param_groups] for name, obj in self.tracked.items()
+                 if isinstance(obj, torch.optim.Optimizer)}
+        self._refuse_batch_change(restored)
+        for name, obj in self.tracked.items():
+            load_into(obj, state[name], self.device)
+        self.step = self.resumed_from = restored.step
+        self.resumed_world_size, self.resume_read = restored.world_size, restored.read
+        rng = dict(restored.rng) if restored.rng is not None else None
+        self._load_per_rank(rng.pop(PER_RANK, None) if rng else None, restored)
+        self._report_changes(restored, built)
+        if rng is not None:
+            restore_rng(rng)
+        else:
+            reseed(self.config.train.seed, self.step, self.rank)
+
+    def _refuse_batch_change(self, restored: Any) -> None:
+        """A loop resumed at another world size with ``train.global_batch_size`` unset would change its global
+        batch: refused, as on the login node (a job from an sbatch template never passed there)."""
+        if not self.config.train.script:
+            problem = snapshot_batch_problem(restored.world_size, restored.config, self.config.train, self.world_size)
+            if problem:  # a configuration error on a person's --resume; a failure on a requeue or in-job restart
+                raise resize_refused(problem, self.env, self.run_dir, restored.step, key="train.global_batch_size")
+
+    def _load_per_rank(self, blob: bytes | None, restored: Any) -> None:
+        """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
+        raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
+        if not self.per_rank:
+            return
+        problem = restore_per_rank(self.per_rank, unpack(blob) if blob is not None else None, restored,
+                                   self.rank, self.world_size, self.device)
+        first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
+        if first and restored.world_size not in (None, self.world_size):  # refused at another world size
+            raise resize_refused(first, self.env, self.run_dir, restored.step)
+        if first:
+            raise RunUsageError(first)
+
+    def _report_changes(self, restored: Any, built: dict[str, list[float]]) -> None:
+        """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
+
+        An optimizer's state dict carries the learning rate it was built with, so loading it
+        would silently undo ``--resume train.lr=...``. Where an optimizer built in this attempt
+        has another base rate than the snapshot's, its param groups (and the tracked
+        schedulers' bases) are rescaled to it: the schedule goes on from the snapshot's step
+        at the new peak. An unchanged config builds the same rates: an exact resume is untouched.
+        """
+        changed = config_diff(restored.config, flat_values(self.config)) if restored.config is not None else []
+        changed = [c for c in changed if c[0] != "run_dir"]
+        schedulers = [o for o in self.tracked.values() if isinstance(getattr(o, "base_lrs", None), list)]
+        applied = ""
+        for name, new_lrs in built.items():
+            optimizer = self.tracked[name]
+            saved = [base_lr(g) for g in optimizer.param_groups]
+            for i, (group, new, old) in enumerate(zip(optimizer.param_groups, new_lrs, saved)):
+                if new != old and old:
+                    group["lr"] *= new / old
+                    if "initial_lr" in group:
+                        group["initial_lr"] = new
+                    for scheduler in schedulers:
+                        if getattr(scheduler, "optimizer", None) is optimizer and i < len(scheduler.base_lrs):
+                            scheduler.base_lrs[i] = new
+            if new_lrs != saved and not applied:
+                applied = (f"; the learning rate is now based on {new_lrs[0]:g} (the snapshot's optimizer had "
+                           f"{saved[0]:g}), the schedule continuing from this step")
+        geometry = geometry_change(restored.world_size, restored.config, self.config.train, self.world_size)
+        if (changed or geometry) and self.is_main:
+            log.warning("resuming from the snapshot of step %d%s%s%s", restored.step, geometry,
+                        f"{'; resumed' if geometry else ''} with a changed config: {describe_diff(changed)}"
+                        if changed else "", applied)
+
+    # -- boundary ------------------------------------------------------------------------------------
+    def boundary(self, step: int) -> bool:
+        """Call after every optimizer step with the step count; True once every rank agreed to stop.
+
+        Collective and cheap: it acts on the agreement started at the previous boundary
+        (stop? a snapshot due by rank 0's clock? a writer busy?) and starts the next one,
+        which runs while the next step computes. So a stop takes effect one step after its
+        signal, at the same step on every rank. A due snapshot is written here (copied in
+        the step and written in the background with ``snapshot.async_write``); the stop
+        snapshot is always synchronous and committed when this returns True.
+        """
+        self._check_step(step)
+        self.step = step
+        self.boundaries += 1
+        if self.on_step is not None:
+            self.on_step(step)
+        self.beat(step, "boundary")
+        ckpt = self.checkpointer
+        if ckpt is None and self.stop is None:
+            return False
+        stop, due_time, busy = self._agreed()
+        if not stop:
+            # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
+            self._agreeing = control.start_max([int(self.stop is not None and self.stop.is_set),
+                                                int(self.is_main and ckpt is not None and ckpt.due_by_time()),
+                                                int(ckpt is not None and ckpt.busy)])
+        if ckpt is not None:
+            self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
+        self.stopped = stop
+        return stop
+
+    def _check_step(self, step: int) -> None:
+        if not self._resumed:
+            raise RunUsageError(explain("run.boundary() before run.resume()",
+                                        hint="call step = run.resume(model=..., optimizer=...) before the loop"))
+        if self.stopped:
+            raise LoopIgnoredStop(explain(f"run.boundary({step}) after it returned True at step {self.step}",
+                                        hint="leave the loop (return) when run.boundary(step) is True: the "
+                                        "snapshot is committed and the job is being requeued"))
+        if not isinstance(step, int) or step <= self.step:
+            raise RunUsageError(explain(f"run.boundary() got step {step!r} after step {self.step}",
+                                        expected="the optimizer step count, rising by one per call",
+                                        hint="start from step = run.resume(...) and add 1 after each step"))
+
+    def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
+        if ckpt.pending is not None and (stop or not busy):
+            ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
+        self.beat(step, "snapshot")
+        if stop or (due and (not self.config.snapshot.async_write or ckpt.pending is None)):
+            state, rng = self._checked_state(step)
+            if stop or not self.config.snapshot.async_write:
+                ckpt.save(step, state, rng)  # the stop snapshot is always synchronous
+            else:
+                ckpt.save_async(step, state, rng)
+
+    def _checked_state(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
+        state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
+        if self.world_size > 1:
+            for obj in self.tracked.values():
+                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers:
+                    for buffer in obj.module.buffers():
+                        dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
+        state = self.state()
+        modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
+        replication.check({n: v for n, v in state.items() if n != STEP}, step, modules)
+        rng = capture_rng()
+        if self.per_rank:
+            if not self._per_rank_checked:
+                problem = unloadable(self.per_rank)
+                if problem:
+                    raise RunUsageError(problem)
+                self._per_rank_checked = True
+            rng[PER_RANK] = pack(self.per_rank)
+        return state, rng
+
+    def _agreed(self) -> tuple[bool, bool, bool]:
+        """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
+        if self._agreeing is None:
+            return False, False, False
+        flags, work = self._agreeing
+        work.wait()
+        self._agreeing = None
+        stop, due, busy = (bool(v) for v in flags.tolist())
+        return stop, due, busy
+
+    def state(self) -> dict[str, Any]:
+        """What a snapshot holds besides the RNG: every tracked object's state_dict, and the step."""
+        state: dict[str, Any] = {name: state_of(obj) for name, obj in self.tracked.items()}
+        state[STEP] = self.step
+        return state
+
+    # -- metrics and the end ---------------------------------------------------------------------------
+    def log_metrics(self, step: int, **values: Any) -> None:
+        """Log numbers for a step: call it on every rank or on rank 0 alone; only rank 0 writes anything.
+
+        Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
+        sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value may be
+        a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
+
+        The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
+        logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
+        """
+        if not self.is_main:
+            return
+        values = {key: metric_value(key, value) for key, value in values.items()}
+        attempt = len(read_attempts(self.run_dir)) if self._sinks is None else None  # the attempt's first line
+        with open(layout.metrics(self.run_dir), "a") as out:  # its first line says where it resumed (readers)
+            out.write(metrics_file.line(step, values, resumed_from=self.resumed_from, attempt=attempt))
+        if self._sinks is None:
+            first = self.resumed_from or 0
+            sinks = open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config))
+            if sinks:
+                sinks = log_to(sinks, first, {"hpc_ddp/attempt": attempt})
+            self._sinks = sinks
+        self._sinks = log_to(self._sinks, step, values)
+
+    def close_metrics(self) -> None:
+        """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
+        for sink in self._sinks or []:
+            try:
+                sink.close(self.stopped)
+            except Exception as err:  # a sink that fails to close must not turn a clean stop into a failure
+                log.warning("closing %s failed: %s", type(sink).__name__, err)
+        self._sinks = None
+
+    def model(self) -> torch.nn.Module | None:
+        """The tracked model (named ``model``, else the first module tracked)."""
+        modules = {n: o for n, o in self.tracked.items() if isinstance(o, torch.nn.Module)}
+        return modules.get("model", next(iter(modules.values()), None))
+
+    def finish(self, **result: Any) -> dict[str, Any]:
+        """Collective: the run is complete (the session calls it when the loop returns without a stop).
+
+        Drains the agreement and any async write; rank 0 writes model.pt. The DONE record (step,
+        world size, params_sha256, and ``result``) is kept in ``finished``: the session writes
+        DONE.json after the ledger's finished line."""
+        if self.finished is not None:
+            return self.finished
+        self.beat(self.step, "finish")
+        self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
+        if self.checkpointer is not None:
+            self.checkpointer.finish_async()  # never leave a background write behind
+        model = self.model()
+        done = {"step": self.step, **result, "world_size": self.world_size}
+        if model is not None:
+            done["params_sha256"] = params_sha256(model)
+        if self.is_main:
+            if model is not None:
+                buffer = io.BytesIO()
+                torch.save(unwrap(model).state_dict(), buffer)
+                write_atomic(layout.model(self.run_dir), buffer.getbuffer())
+            log.info("done: step %d%s", self.step,
+                     f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
+        self.finished = done
+        return done

@@ -1,0 +1,296 @@
+"""Rehearse a Slurm job on this machine: nodes x tasks_per_node worker processes on gloo.
+
+Each worker gets the variables srun would give it (``simulated_environ``: a
+compressed ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE=2(x2)``, ...) with the
+rendezvous pointed at loopback, and runs the same ``python -m hpc_ddp.worker``
+as on the cluster. Every rank's output goes to ``RUN_DIR/logs/``; rank 0's is
+also streamed here. When a rank fails, the others are ended (their whole
+process groups, DataLoader workers included) and its error is shown once, with
+the ranks that failed the same way (a rank declared lost, :mod:`hpc_ddp.liveness`,
+in one line instead). Ctrl-C is passed on to every rank as SIGINT:
+they stop at the next boundary with a committed snapshot (a second Ctrl-C ends
+them at once). No torch in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import losses
+from hpc_ddp.core.hostlist import compress_hostlist
+from hpc_ddp.rehearsal.local_inject import SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text, unfired
+from hpc_ddp.core.codes import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
+from hpc_ddp.core.shutdown import die_with_parent
+from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
+
+ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")  # where a rank's error starts
+
+POLL_S = 0.02
+GRACE_S = 3.0
+
+
+def free_port() -> int:
+    """A port that is free on loopback right now (the kernel picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int, port: int,
+                  base: Mapping[str, str], hosts: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """The full environment of every simulated task."""
+    threads = base.get("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+    return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+             "OMP_NUM_THREADS": threads, "HPC_DDP_LOCAL": "1"}
+            for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
+                                           hosts=hosts)]
+
+
+def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None],
+         progress: re.Pattern[str] | None = None, watch: dict[str, object] | None = None) -> None:
+    """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
+
+    ``progress`` (``train.script_progress``) finds the step in an unmodified script's own lines.
+
+    From rank 0's first error line on (``error: ...``, a traceback, an ERROR log record) its lines
+    go to ``err``: errors reach stderr, and the launcher's summary need not print them again.
+    """
+    erring = False
+    with open(log_path, "ab") as log:
+        for line in iter(source.readline, b""):
+            text = line.decode(errors="replace")
+            if text.startswith(PROGRESS_MARK):
+                on_step(int(text[len(PROGRESS_MARK):]))
+                continue
+            found = progress.search(text) if progress is not None else None
+            if found:
+                on_step(int(found.group(1)))
+            if watch is not None and text.strip():
+                watch["line"] = text.strip()  # rank 0's last line: says why an injected stop never fired
+            log.write(line)
+            log.flush()
+            erring = erring or bool(ERROR_LINE.match(text))
+            out = err if erring else stream
+            out.write(text)
+            out.flush()
+
+
+def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = ()) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after a grace period; the ``frozen`` ranks'
+    at once (a stopped process never acts on SIGTERM; their scripts die with them: PR_SET_PDEATHSIG)."""
+    for rank in frozen:
+        if procs[rank].poll() is None:
+            try:
+                os.killpg(procs[rank].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + GRACE_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
+
+
+def error_text(path: Path) -> str:
+    """What a failed rank said: its ``error: ...`` message when it printed one, else its log's tail."""
+    text = tail(path)
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    return "\n".join(lines[starts[-1]:]) if starts else text
+
+
+def report_failures(failed: list[int], codes: list[int | None], paths: list[Path], err: IO[str]) -> None:
+    """Each distinct error once, with the ranks that failed that way (rank 0's was streamed already)."""
+    groups: dict[tuple[int | None, str], list[int]] = {}
+    for rank in failed:
+        groups.setdefault((codes[rank], error_text(paths[rank])), []).append(rank)
+    for (code, text), ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        if 0 in ranks:
+            err.write(f"\n{who} failed with exit code {code} (the error above)\n")
+        else:
+            err.write(f"\n{who} failed with exit code {code}; from {paths[ranks[0]]}:\n{text}\n")
+
+
+def script_progress(config_path: Path) -> re.Pattern[str] | None:
+    """For a ``train.script`` run: the regex that finds its step in rank 0's output."""
+    from hpc_ddp.core.config import load_config
+
+    train = load_config([config_path]).train
+    return re.compile(train.script_progress) if train.script else None
+
+
+def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+           restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
+           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None,
+           hosts: Sequence[str] | None = None, extra_env: Mapping[str, str] | None = None,
+           kills: list[Injection] | None = None, freezes: list[Injection] | None = None) -> int:
+    """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's
+    (``watch["failed"]``: the ranks that failed, the first one first; a rank declared lost comes first)."""
+    logs = layout.logs(run_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
+                             port=free_port(), base={**os.environ, **(extra_env or {})}, hosts=hosts)
+    cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
+    index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
+    paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
+    procs: list[subprocess.Popen[bytes]] = []
+    frozen: list[int] = []
+    tee = None
+    try:
+        for rank, env in enumerate(environs):
+            out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=die_with_parent))
+            if rank:
+                out.close()  # type: ignore[union-attr]
+        on_step = injector(procs, events if events is not None else [], err, watch, kills,
+                           skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen)
+        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
+                                                  script_progress(config_path), watch), daemon=True)
+        tee.start()
+        codes, failed, interrupted = _wait(procs, err)
+    finally:
+        _end(procs, frozen)
+        if tee is not None:
+            tee.join(timeout=5)
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if watch is not None:
+        watch["failed"] = list(failed)
+    if not failed:
+        return int(codes[0] or 0)
+    lost = watch.pop("lost", None) if watch is not None else None
+    if lost:  # an injected node loss, not an error of the program: one line, not the survivors' tracebacks
+        err.write(f"[local] {lost[0]} was lost ({ranks_text(lost[1])} killed); the other ranks "
+                  f"were ended as srun would end them; every rank's log is in {logs}\n")
+        watch["failed"] = list(lost[1])  # type: ignore[index]
+        return -int(signal.SIGKILL)
+    attempt = (run_dir, job_id, restart_count, int((extra_env or {}).get(IN_JOB_VAR) or 0))
+    declared = losses.lost_ranks(*attempt)
+    if declared:  # a rank stopped beating (frozen, --freeze-at): one line, not the survivors' tracebacks
+        err.write(f"[local] {losses.describe(*attempt)}: the rank that saw it ended the step (exit "
+                  f"{EXIT_LOST}) and the others were ended as srun would end them; every rank's log is "
+                  f"in {logs}\n")
+        if watch is not None:
+            watch["failed"] = sorted(declared) + [rank for rank in failed if rank not in declared]
+        return EXIT_LOST
+    # ranks that fail the same way (a bad config fails everywhere) are shown together; the first one decides
+    final = [p.poll() for p in procs]
+    failed += [rank for rank, code in enumerate(final) if code == codes[failed[0]] and rank not in failed]
+    report_failures(sorted(failed), final, paths, err)
+    stopped = "the other ranks were stopped; " if len(failed) < len(procs) else ""
+    err.write(f"{stopped}every rank's log is in {logs}\n")
+    return int(codes[failed[0]] or 1)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int | None], list[int], bool]:
+    """Until every rank has exited or one has failed: (exit codes, failed ranks, interrupted with Ctrl-C)."""
+    interrupted = False
+    while True:
+        try:
+            codes = [p.poll() for p in procs]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0, EXIT_REQUEUE)]
+            if failed or all(code is not None for code in codes):
+                return codes, [] if interrupted else failed, interrupted
+            time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            if interrupted:  # the second Ctrl-C: no more waiting for the snapshot
+                err.write("[local] interrupted again: ending every rank now\n")
+                return [p.poll() for p in procs], [], True
+            interrupted = True
+            err.write("[local] Ctrl-C: every rank stops at its next step boundary and commits a snapshot "
+                      "(Ctrl-C again ends them at once)\n")
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGINT)
+
+
+def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+             preempt_at: list[int], timeout_at: list[int], warning_signal: int, stream: IO[str] = sys.stdout,
+             err: IO[str] = sys.stderr, fail_at: Sequence[tuple[int, int | None]] = (),
+             freeze_at: Sequence[tuple[int, int | None]] = ()) -> int:
+    """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT + 1), with
+    failed steps healed in-process first, as the batch shell heals them in the job (:mod:`hpc_ddp.rehearsal.local_heal`).
+
+    ``preempt_at`` steps get SIGTERM, ``timeout_at`` steps the time-out warning signal,
+    each once, sent to every rank when rank 0 has finished that step; at each ``fail_at``
+    (step, node) the ranks of that simulated node are killed, at each ``freeze_at`` they are
+    stopped (SIGSTOP: found by liveness, then SIGKILLed when the step ends).
+    """
+    from hpc_ddp.rehearsal.local_heal import LocalHealer
+    from hpc_ddp.rundir.ledger import read_attempts
+    from hpc_ddp.shell.settle import last_known, limits_of, settle
+
+    events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
+    healer = LocalHealer.for_config(config_path, nodes)
+    problem = healer.fail_at_problem(fail_at) or freeze_problem(freeze_at, len(healer.training))
+    if problem:
+        err.write(f"error: {problem}\n")
+        return EXIT_USAGE
+    restart = 0
+    marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
+    kills = [(step, lambda node=node, step=step: healer.kill(node, marks())) for step, node in fail_at]
+    freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training, tasks_per_node, node))
+                                for step, node in freeze_at]
+    watch: dict[str, object] = {"step": None, "line": ""}
+    earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
+    done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
+    steps = 0
+    while True:
+        started = round(time.time(), 3)
+        code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
+                      restart_count=restart, events=events, stream=stream, err=err, watch=watch,
+                      log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills,
+                      freezes=freezes)
+        steps += 1
+        if code == 0 and (events or kills or freezes) and not done_before:  # ended before what it was to rehearse
+            err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills],
+                              freezes=[s for s, _ in freezes]) + "\n")
+            return 1
+        if code in (0, EXIT_INTERRUPTED):
+            return code
+        if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, heal or requeue it
+            requeued: list[bool] = []
+            failed = list(watch.get("failed") or [])  # type: ignore[call-overload]
+            outcome = settle(run_dir, job_id=job_id, restart_count=restart, exit_code=code,
+                             limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
+                             in_job=healer.index,
+                             heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
+                             extra={"hosts": compress_hostlist(healer.training), "start": started,
+                                    **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
+            why_not, healer.memory.why_not = healer.memory.why_not, ""
+            err.write(f"[local] attempt {restart}, job step {healer.index} ended with exit code {code}: {outcome}"
+                      + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
+            if healer.advance():
+                continue
+            if not requeued:
+                return code
+        restart += 1
+        healer.requeued()
+        err.write(f"[local] attempt {restart - 1} ended; requeued as attempt {restart}\n")

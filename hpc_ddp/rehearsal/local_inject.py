@@ -1,0 +1,132 @@
+"""What the local rehearsal injects: stop signals at chosen steps, a lost node (``--fail-at``), a frozen
+node (``--freeze-at``); and why an injection never fired. The launcher (:mod:`hpc_ddp.rehearsal.local`) calls
+:func:`injector`'s function with each step rank 0 reports. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+Injection = tuple[int, Callable[[], tuple[str, list[int]]]]  # (step, which node's ranks) of --fail-at, --freeze-at
+
+SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop this late
+
+
+def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
+             err: IO[str], watch: dict[str, object] | None = None, kills: list[Injection] | None = None,
+             skew_s: float = 0.0, freezes: list[Injection] | None = None,
+             frozen: list[int] | None = None) -> Callable[[int], None]:
+    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
+    (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``); each of
+    ``freezes`` SIGSTOPs them and what they started (``--freeze-at``), noting their ranks in ``frozen``.
+
+    ``skew_s`` > 0 signals the other ranks first and rank 0 that much later, as a cluster's signal
+    reaches its nodes apart (a test of the race it opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``)."""
+    def on_step(step: int) -> None:
+        if watch is not None:
+            watch["step"] = max(step, int(watch.get("step") or 0))  # the furthest, across healed job steps
+        while kills and step >= kills[0][0]:
+            at, kill = kills.pop(0)
+            node, ranks = kill()
+            err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): SIGKILL to its "
+                      f"{ranks_text(ranks)}\n")
+            if watch is not None:
+                watch["lost"] = (node, ranks)
+            for rank in ranks:
+                if procs[rank].poll() is None:
+                    os.killpg(procs[rank].pid, signal.SIGKILL)
+        while freezes and step >= freezes[0][0]:
+            at, freeze = freezes.pop(0)
+            node, ranks = freeze()
+            err.write(f"[local] rank 0 reached step {step}: freezing {node} (--freeze-at {at}): SIGSTOP to its "
+                      f"{ranks_text(ranks)} and their children\n")
+            for rank in ranks:
+                if procs[rank].poll() is None:
+                    _freeze(procs[rank].pid)
+            if frozen is not None:
+                frozen.extend(ranks)
+        while events and step >= events[0][0]:
+            at, signum = events.pop(0)
+            err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
+                      f"(injected at {at})\n")
+            for proc in procs[1:] if skew_s > 0 else procs:
+                _signal(proc, signum)
+            if skew_s > 0:
+                time.sleep(skew_s)
+                _signal(procs[0], signum)
+    return on_step
+
+
+def _freeze(pid: int) -> None:
+    """SIGSTOP a rank's process group and every process it started (a script runs in a session of its own), as
+    a frozen node stops everything on it at once; SIGKILL still ends them when the step ends."""
+    family, found = {pid}, True
+    while found:  # /proc/*/stat: the children of every process found so far, until no new one turns up
+        found = False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            child = int(stat.parent.name)
+            if int(fields[1]) in family and child not in family:
+                family.add(child)
+                found = True
+    for member in family:
+        for stop in (os.killpg, os.kill):
+            try:
+                stop(member, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _signal(proc: subprocess.Popen[bytes], signum: int) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signum)
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def node_ranks(training: Sequence[str], tasks_per_node: int, node: int | None) -> tuple[str, list[int]]:
+    """A training node (its index; None: the last one) and its ranks."""
+    index = len(training) - 1 if node is None else min(node, len(training) - 1)
+    return training[index], list(range(index * tasks_per_node, (index + 1) * tasks_per_node))
+
+
+def freeze_problem(freeze_at: Sequence[tuple[int, int | None]], nodes: int) -> str | None:
+    """Why a --freeze-at names a node the rehearsal does not train on (None: it is fine)."""
+    for step, node in freeze_at:
+        if node is not None and node >= nodes:
+            return (f"--freeze-at {step}:{node} names training node {node}, but the rehearsal trains on {nodes} "
+                    f"node(s), numbered 0..{nodes - 1}. HINT: --freeze-at {step}:{nodes - 1}, or --freeze-at {step} "
+                    "for the last one")
+    return None
+
+
+def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress: re.Pattern[str] | None,
+            kills: Sequence[int] = (), freezes: Sequence[int] = ()) -> str:
+    """Why the injected stops left in ``events`` never fired, naming each flag: the rehearsal did not happen."""
+    flags = ", ".join([f"{'--preempt-at' if signum == signal.SIGTERM else '--timeout-at'} {step}"
+                       for step, signum in events] + [f"--fail-at {step}" for step in kills]
+                      + [f"--freeze-at {step}" for step in freezes])
+    step = watch.get("step")
+    if progress is not None and not step:
+        why = (f"no line of rank 0's output matched train.script_progress ({progress.pattern!r}), so the "
+               f"rehearsal never learned the script's step; its last line was {watch.get('line')!r}. HINT: set "
+               "train.script_progress to a regex whose first group is the step in that line")
+    elif not step:
+        why = ("rank 0 reported no step after the start: a loop reports its step in run.boundary(step), which is "
+               "also where it acts on a stop. HINT: call `if run.boundary(step): return` after every optimizer step")
+    else:
+        why = f"the run finished at step {step} first. HINT: choose steps below the run's last step"
+    what = "stop" if events else "failure"
+    return f"error: {flags} never fired: {why}. The run finished, but the {what} was not rehearsed."

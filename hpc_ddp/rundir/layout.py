@@ -1,0 +1,125 @@
+"""The run directory's layout, named once: every module asks here for a path.
+
+A run directory is keyed by the run's name, never by a job id, so a requeued job
+(or a resubmitted one) finds its own state. What it holds::
+
+    config.yaml        the resolved config every attempt reads
+    attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
+    metrics.jsonl      step, loss, lr, samples/s (rank 0)
+    tensorboard/       TensorBoard event files (metrics.tensorboard=true)
+    wandb_id.txt       the W&B run every attempt resumes; wandb/ its local files (metrics.wandb=true)
+    snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business)
+    lock.json          which job holds the run now
+    job.json           the job id (or the local launcher's pid) of the last submission
+    DONE.json          written last when training finished (after the ledger's finished line): step,
+                       world size, params_sha256
+    model.pt           the final model's state_dict
+    errors/            job-J-restart-N.txt: the full message of a deterministic error;
+                       job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
+    liveness/          rank-K.json: rank K's newest beat (rewritten in place; hpc_ddp.liveness)
+    logs/              the local rehearsal's per-rank logs
+    slurm/             submitit's and the sbatch templates' job logs
+
+No torch, no I/O: plain names and paths.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CONFIG = "config.yaml"
+LEDGER = "attempts.jsonl"
+METRICS = "metrics.jsonl"
+SNAPSHOTS = "snapshots"
+LOCK = "lock.json"
+JOB = "job.json"
+DONE = "DONE.json"
+MODEL = "model.pt"
+TENSORBOARD = "tensorboard"
+WANDB_ID = "wandb_id.txt"
+ERRORS = "errors"
+LOGS = "logs"
+SLURM_LOGS = "slurm"
+LIVENESS = "liveness"
+
+
+def config(run_dir: Path | str) -> Path:
+    return Path(run_dir) / CONFIG
+
+
+def ledger(run_dir: Path | str) -> Path:
+    return Path(run_dir) / LEDGER
+
+
+def metrics(run_dir: Path | str) -> Path:
+    return Path(run_dir) / METRICS
+
+
+def snapshots(run_dir: Path | str) -> Path:
+    return Path(run_dir) / SNAPSHOTS
+
+
+def lock(run_dir: Path | str) -> Path:
+    return Path(run_dir) / LOCK
+
+
+def job(run_dir: Path | str) -> Path:
+    return Path(run_dir) / JOB
+
+
+def done(run_dir: Path | str) -> Path:
+    return Path(run_dir) / DONE
+
+
+def done_pending(run_dir: Path | str) -> Path:
+    """DONE.json as a script's own hpc_ddp.session() leaves it: its worker publishes it after the ledger line."""
+    return Path(run_dir) / f".{DONE}.pending"
+
+
+def publish_done(run_dir: Path | str, fallback: str) -> None:
+    """DONE.json, last (after the ledger's finished line): the pending one a wrapped session left, else
+    ``fallback``. A reader that sees DONE.json finds the ledger complete."""
+    from hpc_ddp.core.atomic import write_atomic
+
+    pending = done_pending(run_dir)
+    if pending.exists():
+        os.replace(pending, done(run_dir))
+    elif not done(run_dir).exists():
+        write_atomic(done(run_dir), fallback)
+
+
+def model(run_dir: Path | str) -> Path:
+    return Path(run_dir) / MODEL
+
+
+def tensorboard(run_dir: Path | str) -> Path:
+    return Path(run_dir) / TENSORBOARD
+
+
+def wandb_id(run_dir: Path | str) -> Path:
+    return Path(run_dir) / WANDB_ID
+
+
+def errors(run_dir: Path | str) -> Path:
+    return Path(run_dir) / ERRORS
+
+
+def logs(run_dir: Path | str) -> Path:
+    return Path(run_dir) / LOGS
+
+
+def slurm_logs(run_dir: Path | str) -> Path:
+    return Path(run_dir) / SLURM_LOGS
+
+
+def beat(run_dir: Path | str, rank: int) -> Path:
+    """Rank ``rank``'s beat file: one per rank, not per attempt (the attempt is in its content), so the run
+    dir never holds more of them than the largest world size."""
+    return Path(run_dir) / LIVENESS / f"rank-{rank}.json"
+
+
+def lost_marker(run_dir: Path | str, tag: str, rank: int | str) -> Path:
+    """The marker of rank ``rank`` declared lost in the attempt ``tag`` (:func:`hpc_ddp.rundir.ledger.attempt_tag`);
+    ``rank="*"`` gives the glob pattern of every rank's."""
+    return errors(run_dir) / f"{tag}-lost-rank-{rank}.json"

@@ -1,0 +1,183 @@
+"""The ledger of attempts (``RUN_DIR/attempts.jsonl``) and the files an attempt leaves for the next: one
+line per attempt, ``amends`` lines merged into it, a person's ``--resume`` from which the caps count
+afresh, the error files and crash markers. Written by ranks, the batch shell and the rehearsal, read
+by all of them and by ``status``. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.codes import EXIT_ERROR
+from hpc_ddp.core.errors import explain
+
+
+LEDGER = layout.LEDGER
+ERRORS = layout.ERRORS  # RUN_DIR/errors/job-J-restart-N.txt: the full message of an attempt's deterministic error
+STOP_REASONS = ("timeout", "preemption")  # the attempts that end in a requeue
+# A ledger line {"caps_from": "resume", "time": T}, no attempt: a person's --resume, from which the caps count
+# afresh. read_attempts leaves it out and marks every attempt before it BEFORE_RESUME, which the caps skip.
+CAPS_FROM, BEFORE_RESUME = "caps_from", "before_resume"
+# Why an attempt ended -> the cap that counts it (a hang counts as a failure).
+REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "failed": "max_failures",
+                  "hung": "max_failures", "lost": "max_failures"}
+
+
+def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger, one dict per ended attempt (unreadable lines are skipped; ``amends`` lines are merged
+    into their attempt's line; a ``caps_from`` line, a person's ``--resume``, is no attempt: the attempts
+    before it get ``"before_resume": true``, which the caps skip)."""
+    try:
+        lines = layout.ledger(run_dir).read_text().splitlines()
+    except OSError:
+        return []
+    attempts = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("amends"):
+            _amend(attempts, record)
+        elif isinstance(record, dict) and CAPS_FROM in record:
+            for earlier in attempts:
+                earlier[BEFORE_RESUME] = True
+        elif isinstance(record, dict):
+            attempts.append(record)
+    return attempts
+
+
+def start_caps_afresh(run_dir: Path, why: str = "resume") -> None:
+    """A person's ``--resume`` is an attended decision: the requeue caps count only the attempts after it.
+
+    Without this, a run stopped by its cap ("--resume continues it") was refused by its own cap at the
+    next start. Written on the login node before the job is submitted; unattended requeues never write it.
+    """
+    append_attempt(run_dir, {CAPS_FROM: why, "time": round(time.time(), 3)})
+
+
+def _amend(attempts: list[dict[str, Any]], amendment: Mapping[str, Any]) -> None:
+    """An ``amends`` line adds fields to its attempt's line (the batch shell writes a failed attempt's line
+    before it decides anything, and what it decided after): one attempt, one record."""
+    key = attempt_key(amendment)
+    for record in reversed(attempts):
+        if attempt_key(record) == key:
+            record.update({k: v for k, v in amendment.items() if k != "amends"})
+            return
+
+
+def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """One line per attempt, appended and fsynced (rank 0 only)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(layout.ledger(run_dir), "a") as out:
+        out.write(json.dumps(dict(record), sort_keys=True) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def attempt_tag(job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:
+    """How an attempt's files are named: ``job-J-restart-R``, plus ``-step-K`` for the K-th in-job restart."""
+    return f"job-{job_id}-restart-{restart_count}" + (f"-step-{in_job}" if in_job else "")
+
+
+def attempt_fields(job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
+    """A ledger line's identity: job id, requeue count and, for an in-job restart, ``in_job``."""
+    return {"job_id": job_id, "restart_count": restart_count, **({"in_job": in_job} if in_job else {})}
+
+
+def caps(slurm: Any) -> dict[str, int]:
+    """The requeue caps of a config's ``slurm`` section, by name (what :func:`cap_reached` takes)."""
+    return {key: getattr(slurm, key) for key in set(REASONS_CAPPED.values())}
+
+
+def attempt_key(record: Mapping[str, Any]) -> tuple[Any, int, int]:
+    """Which attempt a ledger line belongs to: job id, requeue count and in-job restart (absent: 0)."""
+    return record.get("job_id"), int(record.get("restart_count") or 0), int(record.get("in_job") or 0)
+
+
+def crash_marker(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int, rank: int | str,
+                 kind: str = "crash") -> Path:
+    """Where a rank's crash (a wrapped script's, or a lost node's), or the stop it forwarded (``kind="stop"``),
+    is noted for the other ranks' workers. Peers read it by this name, rank by rank, never by listing the
+    directory (NFS caches listings): see :mod:`hpc_ddp.rank.script_outcome`."""
+    return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-{kind}-rank-{rank}.txt"
+
+
+def error_path(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> Path:
+    return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}.txt"
+
+
+def _create_once(path: Path, message: str) -> bool:
+    """Write the message to a new file; False when another rank created it first (or it cannot be written)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except OSError:  # FileExistsError: another rank was first; else an unwritable run dir (printed anyway)
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(message.rstrip() + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    return True
+
+
+def note_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:
+    """A failure a retry may fix (a taken rendezvous port): its message for the other ranks and ``status``,
+    but no ``error`` line; the batch shell settles the attempt as ``failed`` and heals or requeues it."""
+    return _create_once(error_path(run_dir, *attempt_key(record)), message)
+
+
+def record_error(run_dir: Path, record: Mapping[str, Any], message: str) -> bool:
+    """The first rank of an attempt to fail with a deterministic error records it; True for that rank.
+
+    Every rank usually fails the same way at nearly the same time (a missing task class, a
+    bad geometry), and srun's exit code cannot tell the batch shell (it reports the ranks it
+    terminated: 143). So the ranks record it themselves: the message file is created
+    exclusively (O_EXCL works across the nodes of NFS and Lustre), and only its creator adds the
+    ledger line, so there is one line per attempt however many ranks fail.
+    """
+    if not _create_once(error_path(run_dir, *attempt_key(record)), message):
+        return False
+    append_attempt(run_dir, {**record, "reason": "error", "exit_code": EXIT_ERROR,
+                             "message": message.splitlines()[0]})
+    return True
+
+
+def recorded_error(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> str | None:
+    """The message another rank of this attempt recorded, if one did."""
+    try:
+        return error_path(run_dir, job_id, restart_count, in_job).read_text().rstrip() or None
+    except OSError:
+        return None
+
+
+def healed_in_job(attempts: Sequence[Mapping[str, Any]]) -> set[tuple[Any, int, int]]:
+    """The attempts the batch shell followed with another step in the same job: they cost no requeue, so
+    ``max_failures`` does not count them (``slurm.max_restarts_in_job`` does)."""
+    keys = [attempt_key(a) for a in attempts]
+    later = {(job, restart, in_job - 1) for job, restart, in_job in keys if in_job}
+    return {key for key in keys if key in later}
+
+
+def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapping[str, int]) -> str | None:
+    """A message when this attempt's reason exceeds its cap (counting this attempt), else None. Attempts before
+    the last ``--resume`` (marked by :func:`read_attempts`) do not count: a person's resume starts afresh."""
+    key = REASONS_CAPPED.get(reason)
+    if key is None:
+        return None
+    healed = healed_in_job(attempts)
+    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key and attempt_key(a) not in healed
+                and not a.get(BEFORE_RESUME))
+    if count <= limits[key]:
+        return None
+    kinds = "failures and hangs" if key == "max_failures" else reason
+    since = " since its last --resume" if any(a.get(BEFORE_RESUME) for a in attempts) else ""
+    return explain(f"the run stopped for {kinds} {count} times{since}, more than slurm.{key}={limits[key]}",
+                   hint=f"--resume continues it from the newest snapshot, with its caps counted afresh; to allow "
+                   f"more per submission, raise the cap on that command line (slurm.{key}={limits[key] + 10})")

@@ -1,0 +1,62 @@
+"""The lost-rank markers a rank's liveness watcher leaves in ``RUN_DIR/errors/`` (:mod:`hpc_ddp.rank.liveness`),
+read by the batch shell and the rehearsal: which ranks and hosts an attempt lost, and the ledger's line
+for it. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.rundir.ledger import attempt_tag
+
+
+
+def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: int,
+                 in_job: int = 0) -> dict[int, dict[str, Any]]:
+    """Every lost-rank marker of an attempt, by rank (an unreadable one as ``{}``)."""
+    pattern = layout.lost_marker(run_dir, attempt_tag(job_id, restart_count, in_job), "*")
+    head, tail = pattern.name.split("*")
+    found: dict[int, dict[str, Any]] = {}
+    for path in sorted(pattern.parent.glob(pattern.name)):
+        rank = path.name[len(head):len(path.name) - len(tail)]
+        if not rank.isdigit():
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = {}
+        found[int(rank)] = record if isinstance(record, dict) else {}
+    return found
+
+
+def lost_ranks(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int) -> dict[int, str]:
+    """rank -> host of the ranks declared lost in that attempt (the host "" if its marker is unreadable);
+    empty when none was. For the batch shell and the rehearsal: a lost rank's node is a hard suspect."""
+    return {rank: str(record.get("host") or "") for rank, record in lost_markers(
+        run_dir, job_id, restart_count, in_job).items()}
+
+
+def describe(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:
+    """One line for the ledger and the logs, e.g. ``rank 3 on node1 lost (no liveness beat for 31s, seen by
+    rank 2)``; "" when no rank was declared lost."""
+    return _describe(lost_markers(run_dir, job_id, restart_count, in_job))
+
+
+def _describe(markers: Mapping[int, Mapping[str, Any]]) -> str:
+    return "; ".join(f"rank {rank} on {m.get('host') or '?'} lost (no liveness beat for "
+                     f"{m.get('silent_s', '?')}s, seen by rank {m.get('by_rank', '?')})" for rank, m in markers.items())
+
+
+def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
+    """What a ``failed`` ledger line adds when ranks were declared lost: ``lost_ranks``, ``lost_hosts`` and
+    the ``message``; empty when none was."""
+    markers = lost_markers(run_dir, job_id, restart_count, in_job)  # read once: the ranks, hosts and message
+    if not markers:
+        return {}
+    return {"lost_ranks": sorted(markers), "lost_hosts": sorted({str(m.get("host")) for m in markers.values()
+                                                                 if m.get("host")}),
+            "message": _describe(markers)}

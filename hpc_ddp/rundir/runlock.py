@@ -1,0 +1,149 @@
+"""One job per run dir: ``RUN_DIR/lock.json`` names the job that holds it.
+
+Two jobs writing one run dir would interleave their snapshots and their ledger
+lines. Rank 0 takes the lock when an attempt starts and gives it back when the
+attempt ends. A requeued attempt of the same job takes it over. A lock left
+behind by a crash is taken over once its holder is gone: a Slurm job that
+``squeue`` no longer lists, or a local rehearsal whose process has died.
+
+This uses a file and not ``flock``: flock is not reliable across the nodes
+of NFS or Lustre, and a file can name its holder in the error message.
+"""
+
+from __future__ import annotations
+
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.errors import HpcDdpError, explain
+from hpc_ddp.core.slurm_jobs import job_state
+
+log = logging.getLogger("hpc_ddp.runlock")
+LOCK = layout.LOCK
+
+
+class RunLockedError(HpcDdpError):
+    """Another live job holds the run dir."""
+
+
+def holder_record(job: str, *, local: bool, pid: int | None = None, host: str | None = None,
+                  now: float | None = None) -> dict[str, Any]:
+    """What the lock file says about its holder."""
+    return {"job": job, "local": local, "host": host or socket.gethostname(), "pid": pid or os.getpid(),
+            "since": round(now if now is not None else time.time(), 3)}
+
+
+def holder_alive(holder: Mapping[str, Any], runner: Callable[..., Any] = subprocess.run) -> bool:
+    """Whether the holder may still write: its local process lives, or Slurm still lists its job.
+
+    When that cannot be told (no squeue where a Slurm job holds it), the answer is yes: refusing is
+    safe, and the error says how to remove the lock.
+    """
+    if holder.get("local"):
+        if holder.get("host") != socket.gethostname():
+            return True
+        try:
+            pid = int(holder.get("pid", 0))
+            os.kill(pid, 0)
+        except (ProcessLookupError, ValueError, TypeError):
+            return False
+        except PermissionError:
+            return True
+        return not _zombie(pid)
+    if not shutil.which("squeue"):
+        return True
+    return job_state(str(holder.get("job")), runner) is not None
+
+
+def in_use(run_dir: Path, who: str, hint: str) -> RunLockedError:
+    """The refusal for a run dir that a live job holds: the same words from submit and from any rank."""
+    return RunLockedError(explain(f"run dir {run_dir} is in use by {who}",
+                                  expected="one job per run dir (two would interleave snapshots)",
+                                  hint=f"{hint}; for a separate run choose another run_dir=... (its default is "
+                                  "runs/NAME, from name=...)"), key="run_dir")
+
+
+def _where(holder: Mapping[str, Any]) -> str:
+    since = holder.get("since")
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if isinstance(
+        since, (int, float)) else ""
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{when}"
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process not yet reaped (state Z): dead, though kill(pid, 0) still finds it. A killed
+    launcher's ranks go to PID 1, which reaps slowly on some machines (containers)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _create(path: Path, record: Mapping[str, Any]) -> bool:
+    """Create the lock file exclusively; False when it exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(dict(record), sort_keys=True) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    return True
+
+
+def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
+    """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder."""
+    path = layout.lock(run_dir)
+    for _ in range(3):
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            created = _create(path, me)
+        except OSError as err:
+            raise HpcDdpError(explain(f"cannot write the run dir {run_dir}: {err.strerror}",
+                                      hint="the run needs a writable run dir with free space; the snapshots "
+                                      "already there are untouched"), key="run_dir") from None
+        if created:
+            return
+        holder = _read(path)
+        if holder is None:  # being written right now, or torn by a crash: look again shortly
+            time.sleep(0.2)
+            holder = _read(path)
+        if holder is not None and holder.get("job") == me["job"] and holder.get("local") == me["local"]:
+            path.unlink(missing_ok=True)  # our own job, requeued (or restarted by the local launcher)
+            continue
+        if holder is not None and alive(holder):
+            raise in_use(run_dir, f"job {holder.get('job')} ({_where(holder)})",
+                         f"wait for that job or cancel it; if you are sure nothing uses it, delete {path}")
+        log.warning("taking over the lock of %s from job %s, which is gone", run_dir,
+                    holder.get("job") if holder else "(unreadable lock)")
+        path.unlink(missing_ok=True)
+    raise RunLockedError(explain(f"could not take the lock {path}: it keeps changing",
+                                 hint="another job is starting in this run dir; start one at a time"),
+                         key="run_dir")
+
+
+def release(run_dir: Path, me: Mapping[str, Any]) -> None:
+    """Give the lock back if ``me`` still holds it (a successor may have taken over a stale one)."""
+    path = layout.lock(run_dir)
+    holder = _read(path)
+    if holder is not None and holder.get("job") == me["job"] and holder.get("pid") == me["pid"]:
+        path.unlink(missing_ok=True)

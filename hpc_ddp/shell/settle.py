@@ -1,0 +1,180 @@
+"""``python -m hpc_ddp.settle``: after the job step, make sure the attempt is in the ledger.
+
+A rank that is SIGKILLed (by the OOM killer, say) writes nothing, and neither does a
+rank that srun kills because another one failed. So the settling is done by the
+process that outlives them all: the batch shell (the line after ``srun`` in
+the submitit script and in both templates) or the local launcher. It is
+idempotent. When the workers recorded how the attempt ended (finished, stopped,
+hung, error), nothing is added. Otherwise a ``failed`` line goes in, with the exit
+code and how far the run got (:func:`last_known`: the last metrics line or the newest
+committed snapshot, and which). A failure or a hang is requeued while
+``slurm.max_failures`` allows it; an ``error`` (bad config, task or environment,
+exit 2) never is: it would fail the same way after another wait in the queue. A
+stop that the workers could not requeue (no ``scontrol`` in the job's tasks,
+``requeue_by: batch shell`` in the ledger) is requeued here, once. No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.core.helptext import add_version, for_help
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.config import load_config
+from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.codes import EXIT_ERROR
+from hpc_ddp.rundir.ledger import STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps, read_attempts
+from hpc_ddp.core.slurm_jobs import job_spec, requeue
+from hpc_ddp.core.codes import EXIT_LOCKED
+
+FAILURE_REASONS = ("failed", "hung")
+
+
+def not_requeued(run_dir: Path) -> str:
+    return ("not requeued: a configuration, task or environment error fails the same way every time; the message "
+            f"is in the rank logs and in {layout.errors(run_dir)}; fix it, then submit again")
+
+
+def _newest_snapshot(run_dir: Path) -> int | None:
+    from hpc_ddp.rundir import snapshot  # manifests only: no torch
+
+    steps = snapshot.committed_steps(run_dir)
+    return steps[0] if steps else None
+
+
+def _last_metrics_step(run_dir: Path) -> int | None:
+    """The step of metrics.jsonl's last whole line (its tail only: the file grows with the run)."""
+    try:
+        with open(layout.metrics(run_dir), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a line cut by the crash, or the tail's first, partial line
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def last_known(run_dir: Path) -> dict[str, Any]:
+    """How far a run got that died without a word: the newer of metrics.jsonl's last step and the newest
+    committed snapshot, which of the two it is, and the snapshot (where the next attempt resumes)."""
+    logged, snapshot = _last_metrics_step(run_dir), _newest_snapshot(run_dir)
+    if logged is not None and (snapshot is None or logged > snapshot):
+        return {"last_step": logged, "last_step_from": "metrics.jsonl", "snapshot": snapshot}
+    return {"last_step": snapshot, "last_step_from": "snapshot" if snapshot is not None else None,
+            "snapshot": snapshot}
+
+
+def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
+           requeue_job: Callable[[], None] | None, now: float | None = None, in_job: int = 0,
+           heal: Callable[[Mapping[str, Any]], str | None] | None = None,
+           extra: Mapping[str, Any] | None = None) -> str:
+    """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can (it
+    starts no step itself: it says what the next one will be, or None), else requeue it under its cap.
+    Returns what happened."""
+    if exit_code == EXIT_LOCKED:
+        return "refused to start: another job holds the run dir (its ledger is left alone)"
+    if layout.done(run_dir).exists():
+        return "finished"
+    attempts = read_attempts(run_dir)
+    mine = [a for a in attempts if attempt_key(a) == (job_id, restart_count, in_job)]
+    reason = mine[-1].get("reason") if mine else None
+    if reason == "error":
+        return f"error; {not_requeued(run_dir)}"
+    if reason in STOP_REASONS and mine[-1].get("requeue_by") == "batch shell":
+        if requeue_job is None:
+            return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
+        requeue_job()  # the workers left it to us (no scontrol in their container): exactly one requeue
+        return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
+    if mine and reason not in FAILURE_REASONS:
+        return f"recorded by the workers: {reason}"
+    if mine:
+        record: dict[str, Any] = mine[-1]
+    else:
+        record = {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
+                  "reason": "error" if exit_code == EXIT_ERROR else "failed",
+                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir), **(extra or {})}
+        append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
+        if record["reason"] == "error":
+            return f"error; {not_requeued(run_dir)}"
+        attempts = attempts + [record]
+    healing, problem = _heal(heal, record)
+    if healing:
+        return f"{record['reason']}; {healing}"
+    capped = cap_reached(record["reason"], attempts, limits)
+    decided = {**({} if mine else {"capped": bool(capped)}), **({"heal_error": problem} if problem else {})}
+    if decided:
+        append_attempt(run_dir, {**attempt_fields(job_id, restart_count, in_job), "amends": True, **decided})
+    if capped or requeue_job is None:
+        return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
+    requeue_job()
+    return f"{record['reason']}; requeued (slurm.max_failures allows it)"
+
+
+def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None, record: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The healer's plan, or None and why not when it raised: a healer's bug (an scontrol line it cannot
+    read, a file it cannot list) must fall back to the requeue path, never end the job without one."""
+    if heal is None:
+        return None, ""
+    try:
+        return heal(record), ""
+    except Exception as err:  # noqa: BLE001 - any error: the requeue path still runs, and the ledger names it
+        return None, f"{type(err).__name__}: {err}"
+
+
+def limits_of(config_path: Path) -> tuple[Path, dict[str, int]]:
+    cfg = load_config([config_path])
+    return Path(cfg.run_dir), caps(cfg.slurm)
+
+
+def pick_config(configs: list[str], environ: Mapping[str, str]) -> str:
+    """The config of this job, or of this array element (SLURM_ARRAY_TASK_ID indexes the list)."""
+    if len(configs) == 1:
+        return configs[0]
+    index = int(environ.get("SLURM_ARRAY_TASK_ID", "-1"))
+    if not 0 <= index < len(configs):
+        raise HpcDdpError(f"SLURM_ARRAY_TASK_ID={environ.get('SLURM_ARRAY_TASK_ID')} does not index the "
+                          f"{len(configs)} configs given", key="SLURM_ARRAY_TASK_ID")
+    return configs[index]
+
+
+def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.settle", description=for_help(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="example (the line after srun in a batch script):\n"
+                                     "  python -m hpc_ddp.settle --exit-code $? runs/mlp/config.yaml")
+    add_version(parser)
+    parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
+    parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, in order)")
+    args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    try:
+        run_dir, limits = limits_of(Path(pick_config(args.configs, environ)))
+        job = environ.get("SLURM_JOB_ID", "")
+        spec = job_spec(environ)
+        outcome = settle(run_dir, job_id=int(job) if job.isdigit() else None,
+                         restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0), exit_code=args.exit_code,
+                         limits=limits, requeue_job=(lambda: requeue(spec)) if spec else None)
+    except HpcDdpError as err:
+        print(f"hpc_ddp.shell.settle: error: {err}", file=sys.stderr)
+        return args.exit_code or 1
+    print(f"hpc_ddp.shell.settle: attempt {environ.get('SLURM_RESTART_COUNT', '0')} of job {spec or '-'}: {outcome}",
+          file=sys.stderr)
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The batch shell's rules that need no Slurm: which step is still unsettled, and whether walltime allows another.
+
+Pure functions and one small run-dir file, so that tests can table them and
+:mod:`hpc_ddp.supervise` stays a thin loop around them. No torch.
+
+**The running step's record.** Before the batch shell starts a step it writes
+``RUN_DIR/step.json`` (its job, requeue count, in-job restart, nodes, start). When the
+node the batch shell runs on is lost, the shell dies with its step and nobody writes
+the attempt's ledger line. The next batch shell of the run (a requeue, or a person's
+``--resume``) finds that record without a line and writes the missing ``lost`` line
+first, so every attempt is in the ledger and ``slurm.max_failures`` counts it.
+
+**Walltime.** Slurm sends its stop warning once (``--signal=USR2@120``) to the steps that
+run at that moment. A step started later never gets it and is killed at the limit, with
+no snapshot. So no step starts when less than the warning plus a margin to resume is
+left, and a step started inside the warning window gets the warning from the batch shell.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import losses
+from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.core.stopping import TICK_S
+from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, read_attempts
+
+STEP_FILE = "step.json"
+RESUME_MARGIN_S = 60.0  # a new step needs this long beyond the stop warning to resume and reach a boundary
+
+
+def step_file(run_dir: Path) -> Path:
+    return Path(run_dir) / STEP_FILE
+
+
+def note_step(run_dir: Path, job_id: int | None, restart_count: int, in_job: int, hosts: str, start: float) -> None:
+    """Record the step the batch shell is about to start (replaced at each step; atomic)."""
+    record = {**attempt_fields(job_id, restart_count, in_job), "hosts": hosts, "start": start}
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(step_file(run_dir), json.dumps(record, sort_keys=True) + "\n")
+
+
+def unsettled_step(run_dir: Path, attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The step the previous batch shell started and nobody recorded (its node was lost with it), or None."""
+    try:
+        record = json.loads(step_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or any(attempt_key(a) == attempt_key(record) for a in attempts):
+        return None
+    return record
+
+
+def settle_lost_step(run_dir: Path, job_id: int | None, restart_count: int, now: float) -> dict[str, Any] | None:
+    """Write the ``lost`` line of an unsettled step of an earlier batch shell; returns it (None: nothing to do).
+    The current attempt's own step is not judged here (its line comes when it ends)."""
+    record = unsettled_step(run_dir, read_attempts(run_dir))
+    if record is None or attempt_key(record)[:2] == (job_id, restart_count):
+        return None
+    line = {**record, "reason": "lost", "end": None, "noted": round(now, 3),
+            "message": "the batch shell ended with this step and wrote nothing: the node it ran on (the batch host) "
+                       "was most likely lost; recorded by the next batch shell of the run"}
+    append_attempt(run_dir, line)
+    return line
+
+
+def walltime_problem(end: float | None, now: float, signal_delay_s: float, margin_s: float = RESUME_MARGIN_S) -> str:
+    """Why no new step may start with the job ending at ``end`` (epoch s; None: unknown); empty when it may."""
+    if end is None:
+        return ""
+    left = end - now
+    if left >= signal_delay_s + margin_s:
+        return ""
+    return (f"{max(0.0, left):.0f} s of walltime left, less than the stop warning's {signal_delay_s:g} s plus "
+            f"{margin_s:g} s to resume: a step started now would be killed at the limit without a snapshot")
+
+
+def warning_due_in(end: float | None, start: float, now: float, signal_delay_s: float) -> float | None:
+    """Seconds until the batch shell must send the stop warning to a step that started at ``start`` itself;
+    None when Slurm's own warning will reach it (it started well before the warning time, or no end is known).
+    A step started within one Slurm tick of the warning time may have missed it (Slurm checks every ~30 s)."""
+    if end is None:
+        return None
+    warn_at = end - signal_delay_s
+    if start < warn_at - TICK_S:
+        return None
+    return max(0.0, warn_at - now)
+
+
+def batch_host(show_job: str, environ: Mapping[str, str]) -> str:
+    """The node the batch shell runs on: scontrol's BatchHost=, else SLURMD_NODENAME (set in the batch shell)."""
+    for part in show_job.split():
+        if part.startswith("BatchHost="):
+            return part.partition("=")[2]
+    return environ.get("SLURMD_NODENAME", "")
+
+
+def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nodes: Sequence[str],
+               per_node: int) -> dict[str, str]:
+    """The nodes of the ranks the survivors declared lost (they stopped beating for dist.liveness_s:
+    frozen, or gone without closing a socket). Hard suspects: a frozen node is not tried again."""
+    found: dict[str, str] = {}
+    for rank, host in sorted(losses.lost_ranks(run_dir, job_id, restart, in_job).items()):
+        index = rank // max(1, per_node)
+        node = host if host in nodes else nodes[index] if index < len(nodes) else None
+        if node is not None:
+            found.setdefault(node, f"rank {rank} stopped beating (liveness): frozen or lost")
+    return found
