@@ -14,7 +14,7 @@ from hpc_ddp.core.config import load_config
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.login.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
-from hpc_ddp.login.submit import submitit_script
+from hpc_ddp.login.dry_run import submitit_script
 from tests.helpers import finished, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -97,7 +97,7 @@ def test_resume_continues_the_runs_own_config_with_only_the_new_overrides(tmp_pa
     """A run started with train.lr=0.05 train.max_steps=30 and resumed with plain --resume kept the YAML's
     0.01 and 100 (issue 23): now the run's own config.yaml is the base, and only what the command line names
     changes. The CONFIG argument finds the run dir; the run dir itself may be given instead."""
-    from hpc_ddp.login.submit import resolve_all
+    from hpc_ddp.login.resolve import resolve_all
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()

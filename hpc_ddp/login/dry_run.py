@@ -1,0 +1,110 @@
+"""``submit --dry-run``: what would be submitted, shown and checked, nothing started; and the lines
+that say how a failure is healed and how the batch is split (shared with the real submission).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.batching import node_counts, plan, slurm_nodes
+from hpc_ddp.core.config import RunConfig
+from hpc_ddp.login.sbatch import held_nodes, submitit_parameters
+from hpc_ddp.core.slurm_env import from_environ, simulated_environ
+
+
+def healing_line(slurm: Any) -> str:
+    """What a failure costs this run: spares, in-job restarts, then requeues (docs/faults.md, healing)."""
+    spares = (f"{slurm.spare_nodes} spare node(s) (the job holds {held_nodes(slurm)})"
+              if slurm.spare_nodes else "no spare node" + (", fewer nodes within slurm.nodes"
+                                                          if len(node_counts(slurm.nodes)) > 1 else ""))
+    return (f"on a failure: {slurm.max_restarts_in_job} in-job restart(s) (slurm.max_restarts_in_job), {spares}; "
+            f"then {slurm.max_failures} requeue(s) (slurm.max_failures)")
+
+
+def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable,
+                    cfgs: list[RunConfig] | None = None) -> str:
+    """The sbatch script submitit writes for this config (the same call it makes when submitting)."""
+    from submitit.slurm.slurm import _make_sbatch_string  # no public renderer; pinned by a golden file
+
+    folder = log_folder(cfg, array)
+    command = f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return _make_sbatch_string(command=command, folder=folder, map_count=array,
+                               **submitit_parameters(cfg, _config_paths(cfgs or [cfg]), python))
+
+
+def _config_paths(cfgs: list[RunConfig]) -> list[str]:
+    return [str(layout.config(c.run_dir)) for c in cfgs]
+
+
+def log_folder(cfg: RunConfig, array: int | None) -> Path:
+    """submitit's folder: RUN_DIR/slurm, or for a job array the sweep's base dir's slurm/."""
+    return (Path(cfg.run_dir).parent if array else Path(cfg.run_dir)) / layout.SLURM_LOGS
+
+
+def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
+    from hpc_ddp.core.whoami import table
+
+    cfg, array = cfgs[0], (len(cfgs) if len(cfgs) > 1 else None)
+    print("# the sbatch script submit would hand to Slurm (through submitit):\n"
+          + submitit_script(cfg, array, cfgs=cfgs))
+    if array:
+        print(f"job array of {array} runs ({{config}} in the teardown line: each element's RUN_DIR/config.yaml):")
+        print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
+    nodes = node_counts(cfg.slurm.nodes)
+    environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
+    print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
+          f"run dir {cfg.run_dir}")
+    print(f"program: {program_line(cfg)}")
+    print(healing_line(cfg.slurm))
+    if not cfg.train.script:
+        print(batch_plans(cfg))
+    print(f"every rank as Slurm job 4242 would derive it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
+          "(nodes named node0..; the port follows the job id):")
+    print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
+    if not checks:
+        return 0
+    from hpc_ddp.login.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
+
+    findings = preflight(cfg)
+    if findings:
+        print(f"preflight: {len(findings)} finding(s)")
+        print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))
+    else:
+        print("preflight: all checks pass")
+    errors = sum(f.level == "error" for f in findings)
+    if errors:  # a "dry-run first" gate must stop here, as the submit would
+        print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
+        return 2
+    return 0
+
+
+def program_line(cfg: RunConfig) -> str:
+    """What every task runs, as --dry-run shows it: the script's command line resolved, or the loop or task."""
+    train = cfg.train
+    if train.script:
+        resume = f" (then on every attempt that continues the run: + {shlex.join(train.resume_args)})" \
+            if train.resume_args else ""
+        return f"python {shlex.join([train.script, *train.args])}{resume}"
+    if train.loop:
+        return f"train.loop={train.loop}, called as {train.loop.rsplit(':', 1)[-1]}(run) in every task"
+    return f"train.task={train.task}, trained by hpc_ddp's Trainer in every task"
+
+
+def batch_plans(cfg: RunConfig) -> str:
+    """How each node count Slurm may grant splits the global batch (one line per count)."""
+    rows = [f"{n} node{'s' if n > 1 else ' '} -> {plan(cfg.train, n * cfg.slurm.tasks_per_node)}"
+            for n in node_counts(cfg.slurm.nodes)]
+    fixed = (f"train.global_batch_size={cfg.train.global_batch_size}: the accumulation follows the node count"
+             if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows the world size")
+    whose = "; run.batch gives a train.loop this plan, a loop that sizes its own batches ignores it" \
+        if cfg.train.loop else ""
+    return f"batch ({fixed}{whose}):\n" + "\n".join(f"  {row}" for row in rows)
+
+
+def shape(nodes: int | str, tasks: int) -> str:
+    """'1 node x 1 task', '2-4 nodes x 8 tasks': what the job asks of Slurm, in words."""
+    return f"{nodes} node{'' if str(nodes) == '1' else 's'} x {tasks} task{'' if tasks == 1 else 's'}"

@@ -1,0 +1,84 @@
+"""``submit --local``: the rehearsal driven from the login node's command line, and the outcome line it
+prints (finished, stopped, failed), read back from the run dir.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.login.dry_run import shape
+from hpc_ddp.login.guards import check_free, write_config, write_job
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.batching import node_counts, slurm_nodes
+from hpc_ddp.core.config import RunConfig
+
+
+def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
+              again: str = "", fail_at: list[tuple[int, int | None]] | None = None,
+              freeze_at: list[tuple[int, int | None]] | None = None) -> int:
+    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C)."""
+    from hpc_ddp.core.codes import EXIT_INTERRUPTED
+    from hpc_ddp.rehearsal.local import rehearse
+    from hpc_ddp.core.stopping import signal_number
+    from hpc_ddp.rundir.snapshot import committed_steps
+
+    run_dir = Path(cfg.run_dir)
+    check_free(cfg, resume)
+    config_path = write_config(cfg, resume)
+    job_id = int(time.time()) % 10**6
+    write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(), "pid": os.getpid()})
+    counts = node_counts(cfg.slurm.nodes)
+    nodes = counts[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
+    print(f"rehearsing {cfg.name} as {shape(nodes, cfg.slurm.tasks_per_node)} on this machine"
+          + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N continues at "
+             "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}", flush=True)
+    try:
+        code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
+                        preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal),
+                        fail_at=fail_at or [], freeze_at=freeze_at or [])
+        code = 128 - code if code < 0 else code  # a rank killed by a signal: as a shell reports it (-9 -> 137)
+    except KeyboardInterrupt:  # between attempts: the ranks are gone already
+        code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+        steps = committed_steps(run_dir)
+        kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
+        print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
+        return code
+    ignored = _ignored_stop(run_dir, job_id)
+    if code == 0 and ignored:
+        code = 1  # a rehearsal that would lose the run on the cluster has not passed
+    metrics = layout.metrics(run_dir)
+    print(f"{_outcome(run_dir, code, ignored)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+          + f"logs in {run_dir / 'logs'}", flush=True)
+    return code
+
+
+def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) -> str:
+    """How a rehearsal ended, in one word or three: a stop at a requeue cap is not a failure."""
+    from hpc_ddp.rundir.ledger import REASONS_CAPPED, read_attempts
+
+    last = (read_attempts(run_dir) or [{}])[-1]
+    if code == 0:
+        return "finished"
+    if last.get("reason") == "finished" and not ignored:
+        return "FAILED: the run finished, but a stop it was asked to rehearse never happened (the error above)"
+    if ignored:
+        note = str(ignored.get("note", ""))
+        why = note if note.startswith("the script") else "the loop never called run.boundary(step)"
+        return (f"FAILED: {ignored['stop_ignored']} was sent but never acted on (attempt {ignored['restart_count']}): "
+                f"{why}; on a cluster this job is killed with nothing saved")
+    if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
+        return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
+               "--resume continues it)"
+    return f"FAILED (exit code {code})"
+
+
+def _ignored_stop(run_dir: Path, job_id: int | None) -> dict[str, Any] | None:
+    """This rehearsal's attempt whose loop got a stop signal and never acted on it, if any."""
+    from hpc_ddp.rundir.ledger import read_attempts
+
+    return next((a for a in read_attempts(run_dir) if a.get("stop_ignored") and a.get("job_id") == job_id), None)

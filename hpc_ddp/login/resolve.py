@@ -1,0 +1,83 @@
+"""The command line's configs: YAML files and ``key=value`` items resolved into run configs, one per
+sweep point, with what differs from an earlier run's config said; and the command that resumes them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values, load_config
+from hpc_ddp.core.errors import HpcDdpError
+
+
+def split_items(items: list[str]) -> tuple[list[str], list[str]]:
+    """Config files (``*.yaml``/``*.yml``, or a run dir: its config.yaml) and ``key=value`` overrides, each in
+    the given order."""
+    def as_path(item: str) -> str | None:
+        if "=" in item:
+            return None
+        if item.endswith((".yaml", ".yml")):
+            return item
+        return str(layout.config(item)) if layout.config(item).is_file() else None
+
+    found = [(item, as_path(item)) for item in items]
+    return [p for _, p in found if p], [item for item, p in found if p is None]
+
+
+def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str = "",
+            resume: bool = False) -> RunConfig:
+    """The run's config. With ``resume``, the run's own config.yaml (its earlier overrides included) with
+    only this command line's ``overrides`` on top: the CONFIG file serves to find the run dir."""
+    cfg = load_config(paths, list(overrides))
+    run_dir = Path(cfg.run_dir).expanduser().resolve()  # workers may start elsewhere
+    cfg.run_dir = str(run_dir / label if label else run_dir)
+    saved = layout.config(cfg.run_dir)
+    if resume and saved.is_file():
+        named = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
+        try:
+            own = load_config([saved], [o for o in overrides if not o.startswith("run_dir=")])
+        except HpcDdpError as err:
+            raise HpcDdpError(f"--resume reads the run's own config, {saved}, and it cannot be used: {err}",
+                              key="run_dir") from None
+        _note_file_differences(paths, flat_values(cfg), flat_values(own), named)
+        own.run_dir = cfg.run_dir
+        return own
+    return cfg
+
+
+def _note_file_differences(paths: list[str], from_file: dict[str, Any], own: dict[str, Any],
+                           named: set[str]) -> None:
+    """Say which keys the CONFIG file now sets otherwise than the run: --resume keeps the run's values."""
+    ignored = [d for d in config_diff(own, from_file) if d[0] not in named and d[0] != "run_dir"]
+    if ignored and paths:
+        print(f"--resume continues the run with its own config; {', '.join(paths)} differs in "
+              f"{describe_diff(ignored)}, which is not applied (name a key on the command line to change it)",
+              flush=True)
+
+
+def resolve_all(items: list[str], multirun: bool, resume: bool = False) -> list[RunConfig]:
+    """The run's config, or with ``multirun`` one config per combination (each in RUN_DIR/<label>)."""
+    paths, overrides = split_items(items)
+    if not multirun:
+        return [resolve(paths, overrides, resume=resume)]
+    from hpc_ddp.login.sweep import expand
+
+    return [resolve(paths, combo.overrides, combo.label, resume) for combo in expand(overrides)]
+
+
+def resume_command(items: list[str], multirun: bool) -> str:
+    """The command that continues this rehearsal (printed after Ctrl-C)."""
+    return shlex.join(["python", "-m", "hpc_ddp.submit", *items, "--local", "--resume",
+                       *(["--multirun"] if multirun else [])])
+
+
+def found_from(cfg: RunConfig) -> str:
+    """Where the job finds its program: relative to the WORKDIR line."""
+    train = cfg.train
+    if train.script:
+        return f"where train.script={train.script} is found"
+    key, value = ("train.loop", train.loop) if train.loop else ("train.task", train.task)
+    return f"where {key}={value} is imported from"
