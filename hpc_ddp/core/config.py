@@ -6,8 +6,8 @@ failure is turned into a :class:`ConfigError` that names the key, the value, wha
 was expected and the fix. Checks omegaconf does not do (ranges, choices, the
 element types of lists and dicts) are in :mod:`hpc_ddp.core.config_checks`.
 
-Every field carries its documentation in ``metadata["doc"]``: the config
-reference is generated from it (:func:`schema_rows`), so it cannot drift.
+The schema itself (one dataclass per section, every field documented) is in
+:mod:`hpc_ddp.core.config_schema`; its classes are importable from here too, where they always were.
 """
 
 from __future__ import annotations
@@ -16,204 +16,20 @@ import dataclasses
 import difflib
 import os
 import re
-import typing
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from hpc_ddp.core.config_checks import LIVENESS_S, check_config
+from hpc_ddp.core.config_schema import (DistConfig, MetricsConfig, RunConfig, SlurmConfig, SnapshotConfig, TrainConfig,
+                                        schema_node, schema_rows, type_hints, type_name)
+from hpc_ddp.core.config_checks import check_config
 from hpc_ddp.core.errors import ConfigError, explain
 
-
-def _doc(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
-
-
-def _doc_factory(factory: Any, doc: str) -> Any:
-    return field(default_factory=factory, metadata={"doc": doc})
-
-
-@dataclass
-class SlurmConfig:
-    """What to ask Slurm for, and how often a run may be requeued."""
-
-    nodes: Union[int, str] = _doc(1, "Number of nodes, or a range MIN-MAX (e.g. 2-4): Slurm starts the job on any "
-                                  "count in it that is free, and each requeue may get another (needs "
-                                  "train.global_batch_size; see docs/resume.md).")
-    tasks_per_node: int = _doc(1, "Processes per node; one per GPU on GPU nodes.")
-    gpus_per_node: int = _doc(0, "GPUs to request per node (0 on CPU partitions).")
-    cpus_per_task: int = _doc(1, "CPU cores per task (data loader workers need their own).")
-    mem_gb: Optional[float] = _doc(None, "Memory per node in GB; null keeps the partition's default.")
-    timeout_min: int = _doc(60, "Time limit of one attempt in minutes.")
-    partition: Optional[str] = _doc(None, "Partition (-p); null uses the cluster's default.")
-    account: Optional[str] = _doc(None, "Account to charge (-A).")
-    qos: Optional[str] = _doc(None, "Quality of service (--qos).")
-    constraint: Optional[str] = _doc(None, "Node features (-C), e.g. 'a100'.")
-    exclusive: bool = _doc(False, "Ask for whole nodes (--exclusive).")
-    signal: str = _doc("USR2", "Warning signal Slurm sends before the time limit; never USR1 (NCCL uses it).")
-    signal_delay_s: int = _doc(120, "Seconds before the time limit that the warning signal arrives.")
-    max_timeouts: int = _doc(20, "Requeues allowed after running into the time limit.")
-    max_preemptions: int = _doc(20, "Requeues allowed after preemption.")
-    max_failures: int = _doc(0, "Requeues allowed after a crash or a hang (0: a crash ends the run, keeping "
-                             "its newest snapshot; a bug that crashes every time would burn the allocation).")
-    spare_nodes: int = _doc(0, "Nodes the job holds beside slurm.nodes and trains on only when one fails: a "
-                            "failed node is replaced inside the allocation and the resume is bit-exact "
-                            "(needs a fixed slurm.nodes; see docs/faults.md, healing).")
-    max_restarts_in_job: int = _doc(3, "New steps the batch shell may start inside the job after failed ones (a "
-                                    "crash, a hang, a lost node), on healthy nodes from the last snapshot, before "
-                                    "the failure takes the requeue path (slurm.max_failures); 0: never.")
-    setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
-    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
-    srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")
-
-
-@dataclass
-class DistConfig:
-    """How the processes of a job find each other."""
-
-    backend: str = _doc("auto", "auto (NCCL when CUDA is available, else gloo), nccl or gloo.")
-    timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot write, the "
-                          "start-up) before the watchdog declares the job hung, names the stuck ranks and dumps the collectives "
-                          "each rank was in to RUN_DIR/errors/. When every rank is at the same place (a collective "
-                          "itself is stuck), rank 0 waits up to 2 x this before it declares the hang. The "
-                          "collectives' own timeout is 2 x this + 30 s.")
-    liveness_s: Optional[float] = _doc(LIVENESS_S, "Seconds without a liveness beat after which a rank or node "
-                                       "counts as lost (frozen, powered off): every rank beats from a side thread "
-                                       "to RUN_DIR/liveness/ (a long step or eval is not silence) and watches one "
-                                       "peer; the rank that sees the silence names the lost rank and its host in "
-                                       "RUN_DIR/errors/ and ends the step (exit 6), which the batch shell heals. "
-                                       "null or 0: off. It must be at most half of dist.timeout_s, or the hang "
-                                       "watchdog speaks first; the default steps aside (off) when dist.timeout_s is "
-                                       "below 60.")
-    master_port: Optional[int] = _doc(None, "Rendezvous port; null derives it from the job id.")
-    nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}. "
-                                 "They win over hpc_ddp's own NCCL defaults (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, the "
-                                 "flight recorder: docs/faults.md).")
-
-
-@dataclass
-class TrainConfig:
-    """The training loop."""
-
-    task: str = _doc("", "The task class our Trainer trains, as 'package.module:ClassName'. Exactly one of "
-                     "train.task, train.loop and train.script names what the job runs.")
-    loop: str = _doc("", "Your own training loop, as 'package.module:function': called as function(run) in "
-                     "every task, with the run object (run.resume, run.boundary; see docs/own-loop.md).")
-    script: str = _doc("", "An unmodified torchrun-style script (a .py path, relative to the submit directory) run "
-                       "in every task with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... set; the stop signal "
-                       "reaches it and its exit after one is a requeue.")
-    args: List[str] = _doc_factory(list, "Command-line arguments for train.script.")
-    resume_args: List[str] = _doc_factory(list, "Appended to train.args on every attempt that continues the run "
-                                          "(a requeue or --resume: the ledger has an earlier attempt), for "
-                                          "scripts that must be told to resume: ['--init_from=resume'] for "
-                                          "nanoGPT's train.py, ['--resume', '${run_dir}/ckpt.pt'].")
-    script_progress: str = _doc(r"(?i)\bstep\b\D{0,3}(\d+)", "A regex that finds train.script's step in rank 0's "
-                                "output (group 1: the step): the local rehearsal's --preempt-at/--timeout-at fire "
-                                "by it, and the worker judges by it whether the script went on after a stop signal.")
-    max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs this or epochs; "
-                                    "a train.loop may read it from run.config).")
-    epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")
-    batch_size: int = _doc(32, "Samples per rank per micro-step.")
-    grad_accum: int = _doc(1, "Micro-steps per optimizer step (with train.global_batch_size set, it follows the "
-                           "world size instead).")
-    global_batch_size: Optional[int] = _doc(None, "Samples per optimizer step over all ranks. Set, it stays the "
-                                            "same at any world size: the accumulation is global_batch_size / "
-                                            "(batch_size x world size), so a run can resume on another node count "
-                                            "with the same batch and data order. Null: batch_size x grad_accum x "
-                                            "world size.")
-    lr: float = _doc(1e-3, "Learning rate given to the task's optimizer.")
-    amp: str = _doc("off", "Mixed precision: off, bf16 (autocast) or fp16 (autocast with a grad scaler).")
-    clip_grad_norm: Optional[float] = _doc(None, "Clip the gradient norm to this value; null: no clipping.")
-    sync_batchnorm: bool = _doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
-    find_unused_parameters: bool = _doc(False, "DDP's find_unused_parameters (slower; only if the model needs it).")
-    seed: int = _doc(0, "Seed for model init, shuffling and every rank's RNG.")
-    log_every: int = _doc(10, "Write a metrics line every this many steps.")
-    num_workers: int = _doc(0, "DataLoader worker processes per rank.")
-
-
-@dataclass
-class SnapshotConfig:
-    """When snapshots are written and how many are kept."""
-
-    every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step count.")
-    every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by time.")
-    keep_last: int = _doc(2, "Committed snapshots to keep (the newest is never deleted early).")
-    replicas: int = _doc(2, "Nodes whose files hold each slice of the replicated state. Each node writes "
-                         "replicas/nodes of it, so a snapshot costs replicas x the state at any node count. "
-                         "1: fewest bytes, a lost file falls back to the previous snapshot; 2 (default): any "
-                         "one lost or damaged file is survived with the newest step; >= nodes: a whole copy "
-                         "in every node's file.")
-    load: str = _doc("auto", "How a resume reads the snapshot: spread (each node reads its own slices once, the "
-                     "rest arrives over the process group: the filesystem serves the state once), every_rank "
-                     "(every rank reads every slice: the state once per node at best), or auto: spread on a "
-                     "cluster, every_rank in the local rehearsal (one page cache; broadcasts there cost more, B9).")
-    async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
-                             "to CPU); the stop snapshot is always synchronous.")
-
-
-@dataclass
-class MetricsConfig:
-    """Where rank 0's metrics go besides metrics.jsonl; each stays one run across requeues."""
-
-    tensorboard: bool = _doc(False, "Write TensorBoard event files to RUN_DIR/tensorboard (pip install "
-                             "'hpc_ddp[tensorboard]'); a resumed attempt replaces the steps after its snapshot.")
-    wandb: bool = _doc(False, "Log to Weights & Biases (pip install 'hpc_ddp[wandb]'): one W&B run per run, its "
-                       "id kept in RUN_DIR/wandb_id.txt so every requeued attempt resumes it.")
-    wandb_project: str = _doc("", "W&B project; empty: the run's name.")
-    wandb_mode: str = _doc("online", "W&B mode: online, offline (no network needed; upload later with wandb "
-                           "sync RUN_DIR/wandb/offline-run-*) or disabled.")
-
-
-@dataclass
-class RunConfig:
-    """One run: where it lives, what it asks of Slurm, and how it trains."""
-
-    name: str = _doc("", "Run name; keys the run directory. Defaults to the first config file's name.")
-    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs.")
-    slurm: SlurmConfig = _doc_factory(SlurmConfig, "Slurm resources and requeue caps.")
-    dist: DistConfig = _doc_factory(DistConfig, "Process group settings.")
-    train: TrainConfig = _doc_factory(TrainConfig, "Training loop settings.")
-    snapshot: SnapshotConfig = _doc_factory(SnapshotConfig, "Snapshot policy.")
-    metrics: MetricsConfig = _doc_factory(MetricsConfig, "TensorBoard and W&B (metrics.jsonl is always written).")
-
-
-def schema_rows(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
-    """(key path, type, default, doc) for every leaf of the schema, in declaration order."""
-    hints = _type_hints(schema)
-    for f in dataclasses.fields(schema):
-        path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from schema_rows(hints[f.name], prefix=f"{path}.")
-        else:
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            yield path, _type_name(hints[f.name]), default, f.metadata.get("doc", "")
-
-
-def _type_hints(schema: type) -> dict[str, Any]:
-    return typing.get_type_hints(schema)
-
-
-def _type_name(tp: Any) -> str:
-    text = repr(tp).replace("typing.", "")
-    return getattr(tp, "__name__", text) if not hasattr(tp, "__args__") else text
-
-
-def schema_node(path: str) -> tuple[type | None, Any]:
-    """(section dataclass, field type) at a dotted key path; (None, None) if unknown."""
-    section: type = RunConfig
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        hints = _type_hints(section)
-        if part not in hints:
-            return (section if i == len(parts) - 1 else None), None
-        if i == len(parts) - 1 or not dataclasses.is_dataclass(hints[part]):
-            return section, hints[part]
-        section = hints[part]
-    return None, None
+__all__ = ["DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig", "TrainConfig", "config_diff",
+           "describe_diff", "flat_values", "load_config", "save_config", "schema_node", "schema_rows", "to_yaml"]
 
 
 def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = ()) -> RunConfig:
@@ -297,7 +113,7 @@ def _unset_nulls(raw: dict[str, Any], section: type | None = None) -> None:
     line ``train.task=null``: the key is then not set. Other nulls are left to the schema's check."""
     section = section or RunConfig
     fields = {f.name: f for f in dataclasses.fields(section)}
-    hints = _type_hints(section)
+    hints = type_hints(section)
     for name, value in raw.items():
         field = fields.get(name)
         if field is None:
@@ -325,7 +141,7 @@ def _merge(base: Any, data: Any, source: str, key: str = "") -> Any:
 
 
 def _first_key(section: str) -> str:
-    return dataclasses.fields(_type_hints(RunConfig)[section])[0].name
+    return dataclasses.fields(type_hints(RunConfig)[section])[0].name
 
 
 def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigError:
@@ -353,7 +169,7 @@ def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErr
         section, tp = schema_node(key_path)
         found = getattr(err, "value", None)
         hint = f"set it as {key}=<{_expected(tp)}>"
-        if found is None and "Optional" not in _type_name(tp):
+        if found is None and "Optional" not in type_name(tp):
             default = next((f.default for f in dataclasses.fields(section) if f.name == key_path.rpartition(".")[2]),
                            None) if section else None
             hint = (f"{key} cannot be unset (null): give {_expected(tp)}, or leave it out for its default"
@@ -364,7 +180,7 @@ def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErr
 
 
 def _expected(tp: Any) -> str:
-    name = _type_name(tp)
+    name = type_name(tp)
     for words, text in (("List", "a list of text, e.g. [a, b]"), ("Dict", "a mapping, e.g. {k: v}"),
                         ("bool", "true or false"), ("int", "an integer"), ("float", "a number"), ("str", "text")):
         if words in name:

@@ -1,0 +1,70 @@
+"""``status --plot``: a run's loss and throughput curve, one line per attempt, with matplotlib (the
+``plot`` extra), imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.login.status_read import read_config
+from hpc_ddp.rundir import metrics_file
+from hpc_ddp.core.errors import HpcDdpError, explain
+from hpc_ddp.rundir.ledger import read_attempts
+
+
+def _log_scale(ax: Any, span: float) -> None:
+    """A log axis labelled 0.5, 2 rather than 5x10^-1; minor ticks are labelled only within one decade,
+    where there are few of them (over several decades their labels overlap)."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g") if span < 10 else NullFormatter())
+
+
+def plot(run_dir: Path, out: Path) -> str:
+    """Write the loss curve of ``run_dir`` to ``out``: each step once, with the value of the newest attempt
+    that logged it (:mod:`hpc_ddp.rundir.metrics_file`), and a dotted line where each requeued attempt resumed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # login nodes have no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HpcDdpError(explain("--plot needs matplotlib, which is not installed",
+                                  hint="pip install 'hpc_ddp[plot]' (or pip install matplotlib)"),
+                          key="--plot") from None
+    cfg = read_config(run_dir)
+    metrics = [m for m in metrics_file.read(run_dir) if isinstance(m.get("loss"), (int, float))]
+    if not metrics:
+        raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no loss yet", hint=_no_loss_hint(
+            cfg)), key="--plot")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="loss")
+    attempts = read_attempts(run_dir)
+    for number, attempt in enumerate(attempts[1:], start=1):
+        if attempt.get("first_step"):  # where a requeued attempt resumed, and why the one before ended
+            ax.axvline(attempt["first_step"], color="grey", ls=":", lw=1)
+            ax.annotate(f"#{number} after {attempts[number - 1].get('reason', '?')}", (attempt["first_step"], 1),
+                        xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
+                        color="dimgrey")
+    trainer = cfg is None or not (cfg.train.loop or cfg.train.script)  # only the Trainer averages over ranks
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)" if trainer else "loss (as rank 0 logged it)",
+           title=f"{run_dir.name if cfg is None else cfg.name}: loss")
+    losses = [m["loss"] for m in metrics]
+    if min(losses) > 0:
+        _log_scale(ax, max(losses) / min(losses))
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}"
+
+
+def _no_loss_hint(cfg: Any) -> str:
+    if cfg is not None and cfg.train.script:
+        return ("a train.script run writes no metrics of its own (hpc_ddp sees only its output); to plot one, log "
+                "from the script: `with hpc_ddp.session() as run:` ... `run.log_metrics(step, loss=...)`")
+    if cfg is not None and cfg.train.loop:
+        return "wait for the loop's first run.log_metrics(step, loss=...) call (rank 0 writes it)"
+    return "wait for the first log step (train.log_every)"
