@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from hpc_ddp.rank.restore import load_per_rank
 from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.shell.settle import settle
@@ -147,7 +148,7 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(hpc_ddp.core.errors.HpcDdpError) as info:
-            run._load_per_rank(None, Restored(step=4, state={"step": 4}, rng=None, config=None, world_size=2))
+            load_per_rank(run, None, Restored(step=4, state={"step": 4}, rng=None, config=None, world_size=2))
     finally:
         dist.destroy_process_group()
     err = info.value

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from hpc_ddp.rank.restore import load_per_rank
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import ConfigError, UsageError
@@ -180,11 +181,11 @@ def test_per_rank_state_at_another_world_size_keeps_the_fresh_value_only_when_as
         fresh = {"x": torch.ones(2)}
         run = make_run(tmp_path)
         run.per_rank = {"batch": hpc_ddp.per_rank(fresh, elastic="fresh")}
-        run._load_per_rank(None, written_by_two)
+        load_per_rank(run, None, written_by_two)
         assert fresh["x"].tolist() == [1.0, 1.0] and "keeps the value this attempt built" in caplog.text
         run.per_rank = {"batch": hpc_ddp.per_rank(fresh)}
         with pytest.raises(RunUsageError, match="was written by 2 ranks and this attempt has 1") as err:
-            run._load_per_rank(None, written_by_two)
+            load_per_rank(run, None, written_by_two)
         assert "elastic='fresh'" in str(err.value)
     finally:
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ import hashlib
 import ctypes
 import io
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +32,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.rank import control, replication
+from hpc_ddp.rank import control, replication, restore
+from hpc_ddp.rank.restore import PER_RANK, STEP
 from hpc_ddp.rundir import layout, metrics_file
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.core.batching import BatchPlan, geometry_change, plan, snapshot_batch_problem
-from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng, reseed, restore_rng
-from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values
+from hpc_ddp.core.batching import BatchPlan, plan
+from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng
+from hpc_ddp.core.config import RunConfig, flat_values
 from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rank.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank.tracked import PerRank, RunUsageError, check_trackable, load_into, pack, resize_refusal, resize_refused, restore_per_rank, state_of, unloadable, unpack, unwrap
+from hpc_ddp.rank.tracked import PerRank, RunUsageError, check_trackable, pack, resize_refusal, state_of, unloadable, unwrap
 from hpc_ddp.rank.tracking import Sink, log_to, metric_value, open_sinks
 
 log = logging.getLogger("hpc_ddp.run")
-STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
-PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
 
 
 class LoopIgnoredStop(RunUsageError):
@@ -66,11 +65,6 @@ def params_sha256(model: torch.nn.Module) -> str:
         # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
         digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
     return digest.hexdigest()
-
-
-def base_lr(group: Mapping[str, Any]) -> float:
-    """A param group's base learning rate: before any scheduler's factor (``initial_lr``) when it has one."""
-    return float(group.get("initial_lr", group["lr"]))
 
 
 class Run:
@@ -164,90 +158,13 @@ class Run:
             self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
-            self._load(restored)
+            restore.load(self, restored)
         for obj in self.tracked.values():
             if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
                 settle_buckets_on_first_forward(obj)
         if self.on_step is not None:
             self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
         return self.step
-
-    def _load(self, restored: Any) -> None:
-        state = restored.state
-        missing = sorted(set(self.tracked) - set(state))
-        if missing:
-            raise RunUsageError(explain(
-                f"the snapshot of step {restored.step} has no {', '.join(missing)} (it holds "
-                f"{', '.join(sorted(k for k in state if k != STEP))})",
-                hint="track the same names as the run that wrote it, or start a new run in another run_dir=..."))
-        built = {name: [base_lr(g) for g in obj.param_groups] for name, obj in self.tracked.items()
-                 if isinstance(obj, torch.optim.Optimizer)}
-        self._refuse_batch_change(restored)
-        for name, obj in self.tracked.items():
-            load_into(obj, state[name], self.device)
-        self.step = self.resumed_from = restored.step
-        self.resumed_world_size, self.resume_read = restored.world_size, restored.read
-        rng = dict(restored.rng) if restored.rng is not None else None
-        self._load_per_rank(rng.pop(PER_RANK, None) if rng else None, restored)
-        self._report_changes(restored, built)
-        if rng is not None:
-            restore_rng(rng)
-        else:
-            reseed(self.config.train.seed, self.step, self.rank)
-
-    def _refuse_batch_change(self, restored: Any) -> None:
-        """A loop resumed at another world size with ``train.global_batch_size`` unset would change its global
-        batch: refused, as on the login node (a job from an sbatch template never passed there)."""
-        if not self.config.train.script:
-            problem = snapshot_batch_problem(restored.world_size, restored.config, self.config.train, self.world_size)
-            if problem:  # a configuration error on a person's --resume; a failure on a requeue or in-job restart
-                raise resize_refused(problem, self.env, self.run_dir, restored.step, key="train.global_batch_size")
-
-    def _load_per_rank(self, blob: bytes | None, restored: Any) -> None:
-        """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
-        raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
-        if not self.per_rank:
-            return
-        problem = restore_per_rank(self.per_rank, unpack(blob) if blob is not None else None, restored,
-                                   self.rank, self.world_size, self.device)
-        first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
-        if first and restored.world_size not in (None, self.world_size):  # refused at another world size
-            raise resize_refused(first, self.env, self.run_dir, restored.step)
-        if first:
-            raise RunUsageError(first)
-
-    def _report_changes(self, restored: Any, built: dict[str, list[float]]) -> None:
-        """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
-
-        An optimizer's state dict carries the learning rate it was built with, so loading it
-        would silently undo ``--resume train.lr=...``. Where an optimizer built in this attempt
-        has another base rate than the snapshot's, its param groups (and the tracked
-        schedulers' bases) are rescaled to it: the schedule goes on from the snapshot's step
-        at the new peak. An unchanged config builds the same rates: an exact resume is untouched.
-        """
-        changed = config_diff(restored.config, flat_values(self.config)) if restored.config is not None else []
-        changed = [c for c in changed if c[0] != "run_dir"]
-        schedulers = [o for o in self.tracked.values() if isinstance(getattr(o, "base_lrs", None), list)]
-        applied = ""
-        for name, new_lrs in built.items():
-            optimizer = self.tracked[name]
-            saved = [base_lr(g) for g in optimizer.param_groups]
-            for i, (group, new, old) in enumerate(zip(optimizer.param_groups, new_lrs, saved)):
-                if new != old and old:
-                    group["lr"] *= new / old
-                    if "initial_lr" in group:
-                        group["initial_lr"] = new
-                    for scheduler in schedulers:
-                        if getattr(scheduler, "optimizer", None) is optimizer and i < len(scheduler.base_lrs):
-                            scheduler.base_lrs[i] = new
-            if new_lrs != saved and not applied:
-                applied = (f"; the learning rate is now based on {new_lrs[0]:g} (the snapshot's optimizer had "
-                           f"{saved[0]:g}), the schedule continuing from this step")
-        geometry = geometry_change(restored.world_size, restored.config, self.config.train, self.world_size)
-        if (changed or geometry) and self.is_main:
-            log.warning("resuming from the snapshot of step %d%s%s%s", restored.step, geometry,
-                        f"{'; resumed' if geometry else ''} with a changed config: {describe_diff(changed)}"
-                        if changed else "", applied)
 
     # -- boundary ------------------------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
