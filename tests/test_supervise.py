@@ -16,7 +16,8 @@ from hpc_ddp.shell import heal, shell_rules
 from hpc_ddp.core.config import load_config
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.core.slurm_env import IN_JOB_PORT_BASE, IN_JOB_PORT_SPAN, MASTER_PORT_BASE, MASTER_PORT_SPAN, in_job_port
-from hpc_ddp.shell.supervise import Step, Supervisor, main, supervise
+from hpc_ddp.shell.supervise import Step, main, supervise
+from hpc_ddp.shell.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 SRUN = ["srun", "--kill-on-bad-exit=1", "python", "-m", "hpc_ddp.worker", "--config", "c.yaml"]
@@ -240,7 +241,7 @@ def test_a_step_lost_with_the_batch_host_is_recorded_by_the_next_batch_shell(tmp
 
 
 def test_the_supervisor_forwards_the_warning_with_srun(tmp_path: Path) -> None:
-    from hpc_ddp.shell.supervise import run_srun
+    from hpc_ddp.shell.steps import run_srun
     script = tmp_path / "srun"
     script.write_text("#!/bin/sh\ntrap 'echo got-usr2 >&2; exit 3' USR2\nwhile :; do sleep 0.05; done\n")
     script.chmod(0o755)

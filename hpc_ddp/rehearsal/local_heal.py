@@ -98,7 +98,7 @@ class LocalHealer:
         return None
 
     def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int], point: int | None) -> str | None:
-        """As :meth:`hpc_ddp.shell.supervise.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run
+        """As :meth:`hpc_ddp.shell.supervisor.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run
         got, :func:`hpc_ddp.shell.settle.last_known`)."""
         hard = dict(self.lost)
         per_node = heal.ranks_per_node(record, self.training, self.tasks_per_node)
