@@ -11,7 +11,7 @@ The child runs in its own session, and the worker forwards the first stop signal
 warning signal, SIGTERM, Ctrl-C) to it; on a cluster Slurm signals every process of the
 step as well, so it may get the signal twice. When the script exits after one, the
 attempt is a time-out or preemption (or an interruption) and rank 0's worker records it
-and requeues within the caps, as for any program (:func:`hpc_ddp.rank.session.conclude`).
+and requeues within the caps, as for any program (:func:`hpc_ddp.rank.conclude.conclude`).
 Exit 0 without a signal is a finished run; any other exit without a signal is a failure
 (settled and capped as usual).
 
@@ -52,7 +52,8 @@ from hpc_ddp.rundir.ledger import recorded_error
 from hpc_ddp.rundir.runlock import acquire, release
 from hpc_ddp.rank.script_outcome import IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
 from hpc_ddp.rank.script_output import Progress, start_relays
-from hpc_ddp.rank.session import CONFIG_VAR, WRAPPED, Attempt, conclude
+from hpc_ddp.rank.session import CONFIG_VAR, WRAPPED, Attempt
+from hpc_ddp.rank.conclude import conclude
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
 

@@ -32,7 +32,8 @@ from hpc_ddp.core.stopping import TICK_S, cancelled
 from hpc_ddp.rundir.ledger import append_attempt, attempt_key, crash_marker, read_attempts
 from hpc_ddp.core.slurm_jobs import job_spec, job_state
 from hpc_ddp.rank.script_output import Progress
-from hpc_ddp.rank.session import Attempt, conclude
+from hpc_ddp.rank.session import Attempt
+from hpc_ddp.rank.conclude import conclude
 from hpc_ddp.core.codes import EXIT_HUNG
 
 log = logging.getLogger("hpc_ddp.script")

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.rank.conclude import conclude
 from hpc_ddp.rundir import flight, layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import plan
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.core.errors import HpcDdpError
-from hpc_ddp.core.codes import EXIT_REQUEUE
-from hpc_ddp.core.slurm_jobs import PreemptionError, job_end_time, job_spec, job_state, requeue, requeue_available
-from hpc_ddp.core.stopping import StopFlag, cancelled, signal_number, stop_reason
-from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, cap_reached, recorded_error
+from hpc_ddp.core.slurm_jobs import job_end_time, job_spec
+from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, recorded_error
 from hpc_ddp.rundir.runlock import RunLockedError, acquire, holder_record, release
 from hpc_ddp.core.slurm_env import HEALED_VAR, DistEnv
 from hpc_ddp.core.hostlist import compress_hostlist
@@ -276,52 +276,6 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
             attempt.liveness.leave()  # this exit is the hang's, not a lost rank's
         exit_fast(EXIT_HUNG)
     return on_hang
-
-
-def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
-    """Rank 0 writes the ledger line and requeues a stopped job; returns this rank's exit code."""
-    env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
-    at = "" if step is None else f" of step {step}"
-    if not stopped:
-        if env.is_main and not attempt.wrapped:
-            append_attempt(run_dir, {**record, "reason": "finished"})
-        return 0
-    if not env.is_main or attempt.wrapped:
-        return EXIT_REQUEUE
-    if flag.signum == signal.SIGINT:
-        append_attempt(run_dir, {**record, "reason": "interrupted"})
-        log.info("interrupted (Ctrl-C): snapshot%s committed, not requeued", at)
-        return 0
-    cfg = attempt.cfg
-    reason = "preemption" if flag.signum is None else stop_reason(
-        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), attempt.end_time,
-        cfg.slurm.signal_delay_s)
-    if not attempt.local and cancelled(flag.signum, job_state(job_spec(attempt.environ))):
-        append_attempt(run_dir, {**record, "reason": "cancelled"})
-        log.info("the job was cancelled (scancel): snapshot%s committed, not requeued; continue it "
-                 "with `python -m hpc_ddp.submit ... --resume`", at)
-        return 0
-    capped = cap_reached(reason, attempt.attempts + [{"reason": reason}], attempt.limits)
-    # Who requeues: rank 0, or (where the tasks have no scontrol, e.g. a container started by srun)
-    # the batch shell's settle step, which runs on the host. The ledger says which, so exactly one does.
-    by = "local" if attempt.local else "workers" if requeue_available() else "batch shell"
-    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
-                             **({} if capped else {"requeue_by": by})})
-    if capped:
-        log.error("%s", capped)
-        return 1
-    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", reason,
-             "the script was ended: the next attempt runs it again" if step is None else "snapshot committed")
-    if by == "batch shell":
-        log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
-    elif by == "workers":
-        # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm
-        # (measured on 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
-        try:
-            requeue(job_spec(attempt.environ))
-        except PreemptionError as err:
-            log.error("%s", err)
-    return EXIT_REQUEUE
 
 
 def _print_progress(step: int) -> None:
