@@ -33,8 +33,8 @@ MOVED: dict[str, tuple[str, ...]] = {
                                            "hang", "checkpointer", "tracked", "spread", "replication", "ddp_settle",
                                            "script", "script_outcome", "script_output")},
     **{m: (f"hpc_ddp.rehearsal.{m}",) for m in ("local", "local_heal", "local_inject")},
-    "preemption": ("hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs", "hpc_ddp.rundir.ledger", "hpc_ddp.core.codes"),
-    "liveness": ("hpc_ddp.rank.liveness", "hpc_ddp.rundir.losses", "hpc_ddp.core.codes"),
+    "preemption": ("hpc_ddp.core.codes", "hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs", "hpc_ddp.rundir.ledger"),
+    "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.liveness"),
     "tracking": ("hpc_ddp.rank.tracking", "hpc_ddp.core.extras"),
 }
 
@@ -46,17 +46,25 @@ def message(old: str, new: Sequence[str]) -> str:
 
 
 class _Successors(types.ModuleType):
-    """An old module that was split: each name is looked up in the modules that took its parts."""
+    """An old module that was split: each name is looked up in the modules that took its parts, and its
+    warning names the one module that has it now."""
 
     def __init__(self, name: str, parts: Sequence[types.ModuleType]) -> None:
         super().__init__(name, f"Moved: see {', '.join(p.__name__ for p in parts)}")
         self._parts = list(parts)
 
     def __getattr__(self, name: str) -> Any:
-        for part in self._parts:
-            if hasattr(part, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        having = [part for part in self._parts if hasattr(part, name)]
+        home = [part for part in having if getattr(getattr(part, name), "__module__", None) == part.__name__]
+        for part in home or having:  # where a function or class is defined, else the first that has it
+            if part:
+                warnings.warn(f"{self.__name__}.{name} moved to {part.__name__}.{name} in hpc_ddp 0.2; import it from "
+                              f"there (the old path goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
                 return getattr(part, name)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}: it was split in hpc_ddp 0.2 into "
+                             f"{', '.join(p.__name__ for p in self._parts)}, and none of them has it")
 
     def __dir__(self) -> list[str]:
         return sorted({n for p in self._parts for n in dir(p)})
@@ -68,9 +76,12 @@ class _Loader(importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[self.old]
-        warnings.warn(message(self.old, new), DeprecationWarning, stacklevel=_caller_level())
         parts = [importlib.import_module(n) for n in new]
-        return parts[0] if len(parts) == 1 else _Successors(spec.name, parts)
+        if len(parts) == 1:  # a split module warns per name instead, naming where that name went
+            # stacklevel 2: the importer's line (the warnings module skips the import machinery's frames)
+            warnings.warn(message(self.old, new), DeprecationWarning, stacklevel=2)
+            return parts[0]
+        return _Successors(spec.name, parts)
 
     def exec_module(self, module: types.ModuleType) -> None:
         sys.modules[f"hpc_ddp.{self.old}"] = module  # the module object at its new path, under the old name
@@ -81,18 +92,14 @@ class Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         head, _, old = fullname.partition(".")
+        if fullname == "hpc_ddp.session":
+            raise ModuleNotFoundError(
+                "hpc_ddp.session is the context manager (`with hpc_ddp.session() as run:`), not a module: in hpc_ddp "
+                "0.1 importing the module replaced the function. The module is hpc_ddp.rank.session; the function "
+                "is defined in hpc_ddp.rank.worker", name=fullname)
         if head != "hpc_ddp" or old not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(old))
-
-
-def _caller_level() -> int:
-    """The stack level of the first frame outside the import machinery and this module: the importer's line."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and ("importlib" in frame.f_code.co_filename or frame.f_code.co_filename == __file__
-                                 or frame.f_code.co_filename.startswith("<frozen")):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def install() -> None:

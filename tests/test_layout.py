@@ -76,7 +76,17 @@ def test_a_split_module_answers_every_name_from_its_successors() -> None:
     from hpc_ddp.rundir.losses import lost_ranks as losses
 
     assert StopFlag is moved and lost_ranks is losses and EXIT_REQUEUE == 3 and EXIT_LOST == 6
-    assert any("hpc_ddp.preemption moved to" in str(w.message) for w in seen)
+    said = [str(w.message) for w in seen if w.category is DeprecationWarning]
+    assert any(m.startswith("hpc_ddp.liveness.lost_ranks moved to hpc_ddp.rundir.losses.lost_ranks in hpc_ddp 0.2") for m in said)
+    assert any(m.startswith("hpc_ddp.liveness.EXIT_LOST moved to hpc_ddp.core.codes.EXIT_LOST") for m in said)
+    assert any(m.startswith("hpc_ddp.preemption.StopFlag moved to hpc_ddp.core.stopping.StopFlag") for m in said)
+    assert all(w.filename == __file__ for w in seen if w.category is DeprecationWarning)  # the importer's line
+
+
+def test_the_one_old_path_not_kept_says_why() -> None:
+    """``hpc_ddp.session`` is the context manager: serving a module there would bring 0.1's bug back."""
+    with pytest.raises(ModuleNotFoundError, match="hpc_ddp.session is the context manager"):
+        import hpc_ddp.session  # noqa: F401
 
 
 def test_hpc_ddp_session_is_the_context_manager_even_after_its_module_is_imported() -> None:

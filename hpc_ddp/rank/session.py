@@ -199,7 +199,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
 
 @contextlib.contextmanager
 def beating(attempt: Attempt) -> Iterator[None]:
-    """This rank's liveness beats (:mod:`hpc_ddp.liveness`) for the attempt, from before the rendezvous (a node
+    """This rank's liveness beats (:mod:`hpc_ddp.rank.liveness`) for the attempt, from before the rendezvous (a node
     that freezes in it is found too) to after the closing barrier; the last beat says it left, on every way
     out. A wrapped script's own session does not beat: the worker that started it does."""
     from hpc_ddp.rank import liveness

@@ -6,7 +6,7 @@ rendezvous pointed at loopback, and runs the same ``python -m hpc_ddp.worker``
 as on the cluster. Every rank's output goes to ``RUN_DIR/logs/``; rank 0's is
 also streamed here. When a rank fails, the others are ended (their whole
 process groups, DataLoader workers included) and its error is shown once, with
-the ranks that failed the same way (a rank declared lost, :mod:`hpc_ddp.liveness`,
+the ranks that failed the same way (a rank declared lost, :mod:`hpc_ddp.rank.liveness`,
 in one line instead). Ctrl-C is passed on to every rank as SIGINT:
 they stop at the next boundary with a committed snapshot (a second Ctrl-C ends
 them at once). No torch in this process.
@@ -179,6 +179,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         _end(procs, frozen)
         if tee is not None:
             tee.join(timeout=5)
+        if procs and procs[0].stdout is not None and (tee is None or not tee.is_alive()):
+            procs[0].stdout.close()  # rank 0's pipe, read by the tee until it ended
     if interrupted:
         return EXIT_INTERRUPTED
     if watch is not None:
