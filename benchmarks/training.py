@@ -6,7 +6,10 @@ trainer variants use the same model, data, per-rank batch and optimizer:
 
 - ``bare``: no stop flag and no snapshots, so no collective of its own;
 - ``stop``: the stop-flag agreement at every step boundary, as in production;
+- ``shared``: ``stop`` with the agreement on the training group itself (hpc_ddp before it gave the
+  control traffic a gloo group of its own on gloo too): what the separate group costs, if anything;
 - ``sync`` / ``async``: the stop flag plus a snapshot every ``every`` steps;
+- ``raw2``: the raw loop again; raw2 / raw is the noise floor every ratio is read against;
 - ``own``: the raw loop itself with the public API added (``run.resume`` before it,
   ``run.boundary(step)`` after every step, the stop-flag agreement included): what a
   user's own loop pays for hpc_ddp.
@@ -33,6 +36,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks import tasks
+from hpc_ddp.rank import control
 
 BATCH, LR = 64, 0.01
 
@@ -104,12 +108,21 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
 def worker(rank: int, out: str, rounds: int, steps: int, every: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    control.open_group("gloo")  # as hpc_ddp's own init does: the control traffic on a gloo group of its own
+    own_group = control.group()
     warmup = max(5, steps // 10)
-    variants = ["raw", "own", "bare", "stop", "sync", "async"]
+    variants = ["raw", "raw2", "own", "bare", "stop", "shared", "sync", "async"]
     samples: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for variant in variants:
-            rate = raw_loop(steps, warmup) if variant == "raw" else trainer_loop(steps, warmup, variant, every)
+            if variant.startswith("raw"):
+                rate = raw_loop(steps, warmup)
+            elif variant == "shared":
+                control._GROUP = None  # the measurement's one reach inside: the agreement on the default group
+                rate = trainer_loop(steps, warmup, "stop", every)
+                control._GROUP = own_group
+            else:
+                rate = trainer_loop(steps, warmup, variant, every)
             samples[variant].append(rate)
     if rank == 0:
         Path(out).write_text(json.dumps({"samples": samples, "steps": steps, "every": every}))

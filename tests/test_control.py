@@ -13,6 +13,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +119,40 @@ def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_
         assert len(training) == 3 * 5  # BatchNorm's 3 buffers at each snapshot: steps 3, 5 (the stop), 6, 9, 12
         assert all(dev in ("", "cpu") for _, _, dev in calls)
         assert all(backend == "gloo" for name, backend, _ in calls if name == "new_group")
+
+
+@pytest.mark.slow
+def test_a_rank0_only_all_reduce_in_a_users_loop_is_not_matched_with_the_stop_agreement(tmp_path: Path) -> None:
+    """On gloo the stop agreement has a group of its own too. A user's evaluation all_reduce on rank 0 alone
+    (tests.tasks.loops.rank0_only_all_reduce: no DDP, no snapshot, so nothing else of the program's is on the
+    training group) used to meet the other rank's agreement there: a mismatch that ended the run as a crash in
+    our collective (or, with other sizes, a wrong value). Now it waits for a partner that never comes: the
+    watchdog records a hang of rank 0, and its flight record shows the user's all_reduce alone on the training
+    group, our agreements on the control group."""
+    from hpc_ddp.rundir import flight
+    from hpc_ddp.rundir.ledger import read_attempts
+    from tests.helpers import ROOT
+
+    def rehearse(name: str, control: str) -> Path:
+        run_dir = tmp_path / name
+        subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/own_loop_gpt.yaml", "--local",
+                        "slurm.nodes=1", "slurm.tasks_per_node=2", "train.loop=tests.tasks.loops:rank0_only_all_reduce",
+                        "dist.timeout_s=10", "slurm.max_restarts_in_job=0", "slurm.max_failures=0",
+                        "snapshot.every_steps=null", "snapshot.every_minutes=null", f"run_dir={run_dir}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HPC_DDP_CONTROL_GROUP": control})
+        return run_dir
+
+    shared = rehearse("shared", "shared")  # the agreement on the training group, as before
+    [crashed] = read_attempts(shared)
+    logs = "".join(p.read_text() for p in (shared / "logs").glob("*.log"))
+    assert crashed["reason"] == "failed" and "collective mismatch" in logs, crashed
+
+    own = rehearse("own", "")
+    [hung] = read_attempts(own)
+    assert hung["reason"] == "hung" and hung["stuck_ranks"] == [0], hung
+    record = flight.read(str(own / hung["collectives"]))[0]
+    training = [e for e in record["entries"] if str(e.get("pg_id")) == "0"]
+    control = [e for e in record["entries"] if str(e.get("pg_id")) != "0"]
+    assert [(e["profiling_name"], e["input_sizes"]) for e in training][-1:] == [("gloo:all_reduce", [[3]])]
+    assert len(training) == 1 and len(control) >= 3  # the user's one collective; our agreements elsewhere

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from importlib.machinery import PathFinder
 from pathlib import Path
 
+from hpc_ddp.core import limits
+from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.config import RunConfig
 
 # submitit needs sbatch and squeue (and looks for srun); the partition check needs sinfo.
@@ -187,6 +189,22 @@ def defines(source: str, name: str) -> bool | None:
     return None if "*" in names or "__getattr__" in names else False
 
 
+def check_open_files(cfg: RunConfig, rlimit: tuple[int, int] | None = None) -> list[Finding]:
+    """The planned world size against this shell's limit on open files: Slurm hands the job the limits of
+    the shell that submits it (unless the site's PropagateResourceLimits says otherwise), and each rank
+    can raise its soft limit only up to the hard one. ``rlimit``: (soft, hard), for tests."""
+    if rlimit is None:
+        import resource
+
+        rlimit = resource.getrlimit(resource.RLIMIT_NOFILE)
+    world = max(node_counts(cfg.slurm.nodes)) * cfg.slurm.tasks_per_node
+    problem = limits.problem(world, *rlimit)
+    if not problem:
+        return []
+    message, hint = problem.split(" HINT: ")
+    return [Finding("warning", "slurm.nodes", message, hint)]
+
+
 def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Finding]:
     """The program the job runs can be found from here: train.task's or train.loop's module and name
     (read with ``ast``, never imported), or train.script's file."""
@@ -278,7 +296,7 @@ def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str 
               runner: Runner = subprocess.run) -> list[Finding]:
     """All checks for ``cfg``; ``slurm=False`` leaves out those that ask Slurm (for --emit-sbatch)."""
     findings = [*check_run_dir(Path(cfg.run_dir)), *check_signal_delay(cfg), *check_geometry(cfg),
-                *check_task(cfg), *check_metrics(cfg)]
+                *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg)]
     if slurm:
         commands = check_commands(which)
         findings = commands + findings + ([] if commands else check_partition(cfg.slurm.partition, runner))

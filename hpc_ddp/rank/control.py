@@ -9,14 +9,25 @@ would wait for the GPU to drain at every boundary and the next step's data loadi
 launches would no longer overlap the GPU's work. Pickled objects would also move through GPU
 memory, and a wedged NCCL communicator would take our error paths down with it.
 
-When the training backend is gloo already, the default group is that group and nothing more
-is created. :func:`open_group` must run on every rank right after the process group exists
-(creating a group is collective); :func:`close_group` forgets it.
+On gloo too the control traffic has a group of its own: a collective in the user's loop that only
+some ranks issue (an evaluation's all_reduce on rank 0 alone) would otherwise be matched with our
+stop agreement on the others: a silent wrong value, or a mismatch error that names our collective.
+On its own group the user's collective waits for partners that never come, and the hang watchdog
+names it (tests/test_control.py). The cost, one more gloo group, is in docs/performance.md (B2).
+The control groups connect lazily (``TORCH_GLOO_LAZY_INIT=1`` while they are made, unless the
+user set it): gloo would otherwise open a socket to every other rank in each group at once, and a
+rank's open files grow by the world size per group (B12 in docs/performance.md: 4,096 ranks would
+need about 12,000 descriptors, against the 1,024 many clusters allow). Lazily, a rank connects to
+the peers it talks to: its neighbours in the agreement's ring, and rank 0 to those that gather to it.
+:func:`open_group` must run on every rank right after the process group exists (creating a group
+is collective); :func:`close_group` forgets it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,17 +38,20 @@ _OPEN = False  # open_group ran for the current process group
 
 
 def needs_own_group(backend: str) -> bool:
-    """A backend other than gloo trains on the device: the control traffic gets its own gloo group."""
-    return backend != "gloo"
+    """Every backend: on NCCL the training group is on the device; on gloo it is the user's (module docstring)."""
+    return True
 
 
 def open_group(backend: str, own: bool | None = None) -> None:
-    """Collective: the control group for this process group. ``own`` forces a separate gloo group even over
-    gloo (tests do, to show that every control message takes it); None decides by :func:`needs_own_group`."""
+    """Collective: the control group for this process group. ``own=False`` puts the control traffic on the
+    default group when it is gloo (only for measurements: B2's cost of the separate group); None decides by
+    :func:`needs_own_group`."""
     global _GROUP, _OPEN
     if _OPEN:  # a process group the program made itself, joined again by hpc_ddp.session(): already there
         return
-    _GROUP = dist.new_group(backend="gloo") if (needs_own_group(backend) if own is None else own) else None
+    own_group = needs_own_group(backend) if own is None else (own or backend != "gloo")  # never on NCCL
+    with lazily():
+        _GROUP = dist.new_group(backend="gloo") if own_group else None
     _OPEN = True
 
 
@@ -111,7 +125,25 @@ def barrier() -> None:
 
 def subgroup(ranks: list[int]) -> Any:
     """A gloo group of some ranks (collective among them alone)."""
-    return dist.new_group(ranks, use_local_synchronization=True, backend="gloo")
+    with lazily():
+        return dist.new_group(ranks, use_local_synchronization=True, backend="gloo")
+
+
+LAZY_VAR = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def lazily() -> Iterator[None]:
+    """gloo groups made inside connect a pair of ranks on its first message (module docstring); a value the
+    user exported is left alone, and the training group, made before, is not touched."""
+    if LAZY_VAR in os.environ:
+        yield
+        return
+    os.environ[LAZY_VAR] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_VAR, None)
 
 
 def gather_within(value: Any, dst: int, members: int, group: Any) -> list[Any] | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_ddp.core import limits
 from hpc_ddp.rank import control
 from hpc_ddp.core.config import DistConfig
 from hpc_ddp.core.errors import HpcDdpError, explain
@@ -164,10 +165,12 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     Exports the rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` first: NCCL reads
     its variables when it initialises, so they must be in the environment before.
     ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`);
-    ``own_control_group`` forces a separate gloo group for control traffic even over gloo (tests).
+    ``own_control_group=False`` leaves the control traffic on a gloo default group (measurements only; the
+    default gives it a gloo group of its own on every backend: :mod:`hpc_ddp.rank.control`).
     """
     backend = choose_backend(cfg.backend, torch.cuda.is_available())
     device = device_for(backend, env)
+    enough_open_files(env)
     if dist.is_available() and dist.is_initialized():  # the program made it (e.g. before hpc_ddp.session())
         control.open_group(dist.get_backend(), own_control_group)
         return device
@@ -190,6 +193,16 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
     control.open_group(backend, own_control_group)
     return device
+
+
+def enough_open_files(env: DistEnv) -> None:
+    """Raise this rank's soft limit on open files to what the world size needs (a cluster's default soft
+    limit is often 1,024, its hard one far higher); rank 0 warns when even the hard limit is short."""
+    want = limits.needed(env.world_size)
+    soft, hard = limits.raise_soft_limit(want)
+    problem = limits.problem(env.world_size, soft, hard)
+    if problem and env.is_main:
+        log.warning("%s", problem)
 
 
 def default_store() -> Any:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_ddp.session")
 WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.rank.script) in its child's environment
 CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
-CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "own": control traffic on its own gloo group over gloo too (tests)
+CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -148,9 +148,9 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
-    own = environ.get(CONTROL_GROUP_VAR) == "own"  # tests: control traffic on its own group even over gloo
+    shared = environ.get(CONTROL_GROUP_VAR) == "shared"  # tests: the control traffic on a gloo training group
     with beating(attempt), process_group(env, cfg.dist, peer_error, dumps=dumps,
-                                         own_control_group=own or None) as device:
+                                         own_control_group=False if shared else None) as device:
         import torch.distributed as dist
 
         from hpc_ddp.rank import control

@@ -148,3 +148,30 @@ def positional_resume(run: Any) -> None:
     """Hands run.resume its objects without names."""
     model, optimizer = _tiny(run)
     run.resume(model, optimizer)
+
+
+def rank0_only_all_reduce(run: Any) -> None:
+    """A newcomer's evaluation on rank 0 alone with a collective in it (an all_reduce of its counts) at step 3.
+
+    No DDP and no snapshot here, so nothing else of the program's is on the training group: if our stop
+    agreement shared that group, rank 0's all_reduce would be matched with the other ranks' agreement (same
+    size: three int32), and rank 1 would read rank 0's counts as "stop". On a group of its own, the user's
+    all_reduce waits for partners that never come: a hang in the user's collective, which the watchdog names.
+    """
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)  # the same on every rank, no gradient all_reduce
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = run.resume(model=model, optimizer=optimizer)
+    while step < 10:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step == 3 and dist.get_rank() == 0:
+            counts = torch.tensor([7, 9, 1], dtype=torch.int32)  # correct, total, batches of an evaluation
+            dist.all_reduce(counts)  # the mistake: a collective only rank 0 takes
+        if run.boundary(step):
+            return
+        time.sleep(0.05)
