@@ -182,6 +182,19 @@ def b8_replication(scratch: Path, megabytes: float, repeats: int) -> dict[str, A
     return replication_figures(megabytes, scratch, repeats)
 
 
+def b12_control_plane(quick: bool) -> dict[str, Any]:
+    """B12 (benchmarks/scale.py): the control plane at 2..32 real gloo ranks, before (every gloo group eager)
+    and after (hpc_ddp's control groups connect lazily), fitted and extrapolated to 4,096 and 32,768 ranks."""
+    from benchmarks.scale import b12
+
+    worlds = [2, 4] if quick else [2, 4, 8, 16, 32]
+    before, after = b12(worlds, 8, "none"), b12(worlds, 8, "control")
+    at = after["fits"]["control_init_s"]["at_4096"]
+    return {"before": before, "after": after, "target": "the control groups' creation does not grow with the world "
+            "size; every rank's open files covered (core.limits)", "met": at < before["fits"]["control_init_s"]["at_4096"]
+            / 10}
+
+
 def b6_scale(ranks: int = 4096) -> dict[str, Any]:
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
@@ -245,6 +258,18 @@ def table(results: dict[str, Any]) -> str:
                                 f"tensors, {row['state_mb']} MB) | {row['fingerprint_s'] * 1e3:.2f} ms = "
                                 f"{row['fingerprint_vs_sync']} x a sync snapshot (IQR {_span(row['ratio_iqr'])}) | "
                                 f"<= 0.02 x | {'yes' if row['fingerprint_vs_sync'] <= 0.02 else '**no**'} |")
+    if "B12" in b:
+        for when in ("before", "after"):
+            s12 = b["B12"][when]
+            big = s12["rows"][-1]
+            fits = s12["fits"]
+            rows.append(f"| B12 control plane, {'every gloo group eager' if when == 'before' else 'control groups lazy'}"
+                        f" ({big['world_size']} ranks measured; fit to 4,096) | control group made in "
+                        f"{big['control_init_s'] * 1e3:.1f} ms (4,096: {fits['control_init_s']['at_4096']:.2f} s, "
+                        f"{fits['control_init_s']['grows']}); open files {big['fds']} ({fits['fds']['at_4096']:.0f}); "
+                        f"agreement {big['agreement_ms']:.1f} ms ({fits['agreement_ms']['at_4096'] / 1e3:.1f} s); commit "
+                        f"{big['commit_ms']:.0f} ms ({fits['commit_ms']['at_4096'] / 1e3:.0f} s) | {b['B12']['target']} | "
+                        f"{mark(b['B12']) if when == 'after' else '-'} |")
     if "B3" in b:
         for f in b["B3"].values():
             if isinstance(f, dict):
@@ -327,7 +352,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B10",
+    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B10,B12",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -354,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5)),
                  ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
-                 ("B10", b10_healing)]
+                 ("B10", b10_healing), ("B12", lambda: b12_control_plane(quick))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -1,11 +1,12 @@
 """Open files against the world size: a rank's sockets grow with the job, and many clusters cap them at 1,024.
 
-gloo connects a rank to every other rank of a group when the group is made, unless
-``TORCH_GLOO_LAZY_INIT=1`` has it connect a pair on its first message (hpc_ddp sets it:
-:func:`hpc_ddp.rank.distributed.gloo_env`). Even then rank 0 hears from every rank (the
-commit's entries, the refusals and the flight summary gather there), so its descriptors grow
-with the world size; the other ranks' stay near constant. B12 (docs/performance.md) measured
-both with real gloo ranks; :func:`needed` is that fit with room to spare.
+gloo connects a rank to every other rank of a group: at once when the group is made, or, for
+hpc_ddp's control groups (made with ``TORCH_GLOO_LAZY_INIT=1``), on the first message between
+them; and a gather of pickled objects exchanges sizes with every rank, so after a snapshot's
+commit every pair of the control group is connected either way. B12 (docs/performance.md)
+measured 31 descriptors plus 3.16 per other rank with real gloo ranks (2 to 32, a gloo training
+group, the control group, each node's group), whether the control groups connect lazily or not;
+:func:`needed` is that fit with room to spare. At 4,096 ranks that is about 13,000.
 
 Two seams: the rank raises its soft limit to the hard one when it needs more
 (:func:`raise_soft_limit`, the ``resource`` module behind a getter and a setter), and preflight
@@ -17,24 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-BASE = 64  # the interpreter, torch's libraries, logs, the store, the liveness files: measured ~40, with room
-PER_RANK_EAGER = 3  # every pair of the training group, the control group and the node's group: measured 3
-PER_RANK_LAZY = 1.2  # rank 0 with lazy connections: one socket to each rank that sends to it (measured ~1)
+BASE = 64  # the interpreter, torch's libraries, logs, the store, the liveness files: 31 measured (B12)
+PER_RANK = 3.5  # sockets per other rank: the training group's, the control group's, the node's group: 3.16 measured
 
 
-def needed(world_size: int, lazy: bool = True) -> int:
-    """Descriptors the busiest rank (rank 0) needs at this world size, with room to spare."""
-    per_rank = PER_RANK_LAZY if lazy else PER_RANK_EAGER
-    return int(BASE + per_rank * max(0, world_size - 1)) + 64
+def needed(world_size: int) -> int:
+    """Descriptors a rank needs at this world size, with room to spare (B12's fit, rounded up)."""
+    return int(BASE + PER_RANK * max(0, world_size - 1)) + 64
 
 
-def problem(world_size: int, soft: int, hard: int, lazy: bool = True) -> str | None:
+def problem(world_size: int, soft: int, hard: int) -> str | None:
     """What goes wrong when the hard limit is below what ``world_size`` ranks need; None when it is enough.
     (A soft limit below it is raised by each rank itself up to the hard one.)"""
-    want = needed(world_size, lazy)
+    want = needed(world_size)
     if hard < 0 or hard >= want:  # RLIM_INFINITY is -1
         return None
-    return (f"{world_size} ranks need about {want} open files on rank 0 (its sockets to the other ranks), but the "
+    return (f"{world_size} ranks need about {want} open files each (their sockets to the other ranks), but the "
             f"hard limit here is {hard} (soft {soft}): the job would fail to connect its process group with "
             f"'Too many open files'. HINT: ask for a higher limit (`ulimit -Hn` on the compute nodes; Slurm hands the "
             f"job the limits of the shell you submit from unless the site says otherwise), or use fewer ranks")
