@@ -12,6 +12,21 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles: the spread beside a median."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def per_round(samples: dict[str, list[float]], name: str, reference: str) -> tuple[float, list[float]]:
+    """The median over rounds of ``name`` / ``reference`` from the same round, and those ratios' quartiles."""
+    ratios = [a / b for a, b in zip(samples[name], samples[reference])]
+    if len(ratios) < 2:
+        return ratios[0], [round(ratios[0], 3)] * 2
+    q1, q3 = quartiles(ratios)
+    return median(ratios), [round(q1, 3), round(q3, 3)]
+
+
 def interleaved(named: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
     """Run every measurement once per round, rounds ``repeats`` times; the machine's drift hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in named}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import median  # noqa: E402
+from benchmarks.common import median, per_round  # noqa: E402
 from examples.own_loop_gpt import GPT  # noqa: E402
 
 VOCAB, LENGTH, BATCH, LR = 65, 64, 64, 3e-4
@@ -166,15 +165,6 @@ def worker(rank: int, world: int, port: int, out: str, rounds: int, steps: int, 
     teardown()
 
 
-def ratio_of(samples: dict[str, list[float]], variant: str) -> tuple[float, list[float]]:
-    """The median over rounds of variant / raw (both from the same round), and the quartiles of those ratios."""
-    ratios = [v / r for v, r in zip(samples[variant], samples["raw"])]
-    if len(ratios) < 2:
-        return ratios[0], [ratios[0], ratios[0]]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return median(ratios), [round(q1, 3), round(q3, 3)]
-
-
 def figures(rounds: int, steps: int, every: int, state_mb: float, smoke: bool) -> dict[str, Any]:
     from benchmarks.snapshots import replication_figures, snapshot_figures
     from hpc_ddp.rehearsal.local import free_port
@@ -188,15 +178,15 @@ def figures(rounds: int, steps: int, every: int, state_mb: float, smoke: bool) -
         rates = {name: median(values) for name, values in samples.items()}
         state = snapshot_figures(state_mb, Path(tmp), 2 if smoke else 3, device=device)
         replication = replication_figures(min(state_mb, 1000), Path(tmp), 2 if smoke else 5, device=device)
-    own, own_iqr = ratio_of(samples, "own")
-    trainer, trainer_iqr = ratio_of(samples, "trainer")
-    floor, floor_iqr = ratio_of(samples, "raw2")
+    own, own_iqr = per_round(samples, "own", "raw")
+    trainer, trainer_iqr = per_round(samples, "trainer", "raw")
+    floor, floor_iqr = per_round(samples, "raw2", "raw")
     return {"device": "CPU (smoke run: the figures mean nothing)" if smoke else torch.cuda.get_device_name(0),
             "world_size": world, "steps_per_s": {k: round(v, 2) for k, v in rates.items()},
             "own_loop_vs_raw": round(own, 3), "own_loop_iqr": own_iqr, "trainer_vs_raw": round(trainer, 3),
             "trainer_iqr": trainer_iqr, "raw_vs_raw": round(floor, 3), "raw_vs_raw_iqr": floor_iqr,
-            "sync_snapshots_vs_raw": round(ratio_of(samples, "sync")[0], 3),
-            "async_snapshots_vs_raw": round(ratio_of(samples, "async")[0], 3),
+            "sync_snapshots_vs_raw": round(per_round(samples, "sync", "raw")[0], 3),
+            "async_snapshots_vs_raw": round(per_round(samples, "async", "raw")[0], 3),
             "replication": {name: replication[name] for name in ("gpt", "large", "state_mb", "met")},
             "state_mb": state["size_mb"], "sync_gb_s": round(state["sync_mb_s"] / 1024, 2),
             "dd_gb_s": round(state["dd_mb_s"] / 1024, 2), "async_blocked_s": state["async_blocked_s"],

@@ -12,7 +12,6 @@ import argparse
 import json
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import interleaved, median, wall
+from benchmarks.common import interleaved, median, per_round, wall
 from hpc_ddp.rundir import metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,30 +57,20 @@ def b2_training(rounds: int, steps: int, every: int) -> dict[str, Any]:
     samples = data["samples"]
     rates = {name: median(values) for name, values in samples.items()}
     ratio = {name: per_round(samples, name, "raw") for name in samples if name != "raw"}
-    stop_cost = per_round(samples, "stop", "bare")
+    stop_cost, own_group = per_round(samples, "stop", "bare"), per_round(samples, "stop", "shared")
     trainer, own = ratio["stop"][0], ratio["own"][0]
     return {"steps_per_s": _round(rates), "trainer_vs_raw": round(trainer, 3), "trainer_iqr": ratio["stop"][1],
             "own_loop_vs_raw": round(own, 3), "own_loop_iqr": ratio["own"][1],
             "raw_vs_raw": round(ratio["raw2"][0], 3), "raw_vs_raw_iqr": ratio["raw2"][1],
             "bare_trainer_vs_raw": round(ratio["bare"][0], 3),
             "stop_flag_cost": round(1 - stop_cost[0], 3), "stop_vs_bare_iqr": stop_cost[1],
-            "own_group_vs_shared": round(per_round(samples, "stop", "shared")[0], 3),
-            "own_group_vs_shared_iqr": per_round(samples, "stop", "shared")[1],
+            "own_group_vs_shared": round(own_group[0], 3), "own_group_vs_shared_iqr": own_group[1],
             "sync_snapshots_vs_raw": round(ratio["sync"][0], 3),
             "async_snapshots_vs_raw": round(ratio["async"][0], 3),
             "target": "trainer and own loop + run API (with the per-step stop agreement, no snapshots) >= 0.98 x "
                       "raw DDP loop (median of per-round ratios)",
             "met": trainer >= 0.98 and own >= 0.98, "rounds": rounds, "steps": steps, "snapshot_every": every,
             "workload": "3 x Linear(1024,1024), MSE, SGD, batch 64/rank, 2 gloo ranks, 1 thread each"}
-
-
-def per_round(samples: dict[str, list[float]], name: str, reference: str) -> tuple[float, list[float]]:
-    """The median over rounds of ``name`` / ``reference`` from the same round, and those ratios' quartiles."""
-    ratios = [a / b for a, b in zip(samples[name], samples[reference])]
-    if len(ratios) < 2:
-        return ratios[0], [round(ratios[0], 3)] * 2
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return median(ratios), [round(q1, 3), round(q3, 3)]
 
 
 def b2_gpu(quick: bool) -> dict[str, Any]:

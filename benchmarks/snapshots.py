@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import interleaved, median, wall
+from benchmarks.common import interleaved, median, quartiles, wall
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,11 +205,6 @@ def gpt_state(device: str = "cpu") -> dict[str, Any]:
     return {name: state_of(obj) for name, obj in {"model": model, "optimizer": optimizer, "sampler": sampler}.items()}
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q3
-
-
 def _check_vs_sync(name: str, state: dict[str, Any], directory: Path, rounds: int) -> dict[str, Any]:
     """The check's local work on ``state`` (its fingerprints, as replication.check makes them) against a sync
     snapshot of the same state, interleaved ``rounds`` times; the ratio's median and its quartiles over rounds."""
@@ -230,7 +224,7 @@ def _check_vs_sync(name: str, state: dict[str, Any], directory: Path, rounds: in
     shutil.rmtree(run_dir, ignore_errors=True)
     ratios = [f / s for f, s in zip(samples["fingerprint_s"], samples["sync_s"])]
     tensors = [leaf for _, leaf in leaves(state) if isinstance(leaf, torch.Tensor)]
-    q1, q3 = _quartiles(ratios)
+    q1, q3 = quartiles(ratios)
     return {"leaves": len(list(leaves(state))), "tensors": len(tensors),
             "state_mb": round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 2),
             **{k: round(median(v), 5) for k, v in samples.items()},

@@ -58,11 +58,11 @@ class _Successors(types.ModuleType):
             raise AttributeError(name)
         having = [part for part in self._parts if hasattr(part, name)]
         home = [part for part in having if getattr(getattr(part, name), "__module__", None) == part.__name__]
-        for part in home or having:  # where a function or class is defined, else the first that has it
-            if part:
-                warnings.warn(f"{self.__name__}.{name} moved to {part.__name__}.{name} in hpc_ddp 0.2; import it from "
-                              f"there (the old path goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
-                return getattr(part, name)
+        if having:
+            part = (home or having)[0]  # where a function or class is defined, else the first that has it
+            warnings.warn(f"{self.__name__}.{name} moved to {part.__name__}.{name} in hpc_ddp 0.2; import it from "
+                          f"there (the old path goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+            return getattr(part, name)
         raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}: it was split in hpc_ddp 0.2 into "
                              f"{', '.join(p.__name__ for p in self._parts)}, and none of them has it")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
+from hpc_ddp.rundir.runlock import read_record
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.batching import resume_batch_problem
 from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
@@ -49,14 +49,6 @@ def write_job(run_dir: Path, record: dict[str, object]) -> None:
     layout.job(run_dir).write_text(json.dumps({**record, "submitted": time.time()}) + "\n")
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def live_holder(run_dir: Path) -> tuple[str, str] | None:
     """(who, how to stop it) for a job or rehearsal still using the run dir, else None.
 
@@ -67,7 +59,7 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
     from hpc_ddp.core.slurm_jobs import job_state
     from hpc_ddp.rundir.runlock import holder_alive
 
-    job = _read_json(layout.job(run_dir)) or {}
+    job = read_record(layout.job(run_dir)) or {}
     if job.get("local") and holder_alive({"local": True, "host": job.get("host"), "pid": job.get("pid")}):
         return (f"job {job.get('job_id')} (a local rehearsal: launcher pid {job.get('pid')} on {job.get('host')})",
                 "wait for it, or press Ctrl-C in its terminal")
@@ -75,7 +67,7 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
         state = job_state(str(job["job_id"]))
         if state:
             return f"job {job['job_id']} ({state})", f"wait for it, or cancel it: scancel {job['job_id']}"
-    lock = _read_json(layout.lock(run_dir))
+    lock = read_record(layout.lock(run_dir))
     if lock and holder_alive(lock):
         return (f"job {lock.get('job')} (it holds {layout.lock(run_dir)}: host {lock.get('host')}, pid {lock.get('pid')})",
                 f"wait for it or stop it; if you are sure nothing uses the run dir, delete {layout.lock(run_dir)}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Set
 from typing import Any
@@ -69,7 +70,7 @@ def summary(tensor: torch.Tensor, step: int = 0, moved: int | None = None) -> to
     raw = tensor.detach().reshape(-1).view(torch.uint8)
     if raw.numel() <= WHOLE_BYTES:
         return raw
-    raw, start, rows, width = _layout(tensor, offset(step) if moved is None else moved)
+    start, rows, width = _layout(raw, offset(step) if moved is None else moved)
     count = raw.numel() // 8
     try:
         words = raw[: count * 8].view(torch.int64)
@@ -80,13 +81,12 @@ def summary(tensor: torch.Tensor, step: int = 0, moved: int | None = None) -> to
     return torch.cat([sums.view(torch.uint8), raw[: start * 8], raw[end * 8:]])
 
 
-def _layout(tensor: torch.Tensor, moved: int) -> tuple[torch.Tensor, int, int, int]:
-    """(its bytes, first summed word, rows, row width) of a tensor summed by rows (see :func:`summary`)."""
-    raw = tensor.detach().reshape(-1).view(torch.uint8)
+def _layout(raw: torch.Tensor, moved: int) -> tuple[int, int, int]:
+    """(first summed word, rows, row width) of a tensor's bytes ``raw`` summed by rows (see :func:`summary`)."""
     count = raw.numel() // 8
     width = math.isqrt(count)
     start = moved % width
-    return raw, start, (count - start) // width, width
+    return start, (count - start) // width, width
 
 
 def fused(tensors: list[torch.Tensor], step: int = 0, moved: int | None = None) -> list[bytes]:
@@ -103,18 +103,18 @@ def fused(tensors: list[torch.Tensor], step: int = 0, moved: int | None = None) 
     moved = offset(step) if moved is None else moved
     parts: list[torch.Tensor] = []  # what is copied to the host after the row sums
     bodies: list[torch.Tensor] = []
-    plan: list[tuple[int, int, int, int]] = []  # per tensor: first row, rows, part index of head, or -1 if small
+    plan: list[tuple[int, int | None, int]] = []  # per tensor: its first part, its first row (None: no rows), rows
     widths: list[int] = []  # per summed tensor: its row width and its rows
     counts: list[int] = []
     for tensor in tensors:
         raw = tensor.detach().reshape(-1).view(torch.uint8)
         if raw.numel() <= WHOLE_BYTES or raw.numel() > FUSED_BYTES:  # atomics on few rows are slow when large
-            plan.append((0, 0, len(parts), -1))
+            plan.append((len(parts), None, 0))
             parts.append(summary(tensor, step, moved))
             continue
-        raw, start, rows, width = _layout(tensor, moved)
+        start, rows, width = _layout(raw, moved)
         end = start + rows * width
-        plan.append((sum(counts), rows, len(parts), 1))
+        plan.append((len(parts), sum(counts), rows))
         parts += [raw[: start * 8], raw[end * 8:]]
         bodies.append(raw[start * 8: end * 8])
         widths.append(width)
@@ -129,20 +129,12 @@ def fused(tensors: list[torch.Tensor], step: int = 0, moved: int | None = None) 
                                           output_size=total_rows)
         rows = torch.repeat_interleave(torch.arange(total_rows, device=device), per_row, output_size=words.numel())
         sums.index_add_(0, rows, words)
-    sizes = [sums.numel() * 8] + [p.numel() for p in parts]
     joined = torch.cat([sums.view(torch.uint8), *parts]).cpu()  # the one device-to-host copy
     raw_all = ctypes.string_at(joined.data_ptr(), joined.numel()) if joined.numel() else b""
-    cuts = [0]
-    for size in sizes:
-        cuts.append(cuts[-1] + size)
-    piece = [raw_all[cuts[i]: cuts[i + 1]] for i in range(len(sizes))]
-    found = []
-    for first, rows, at, large in plan:
-        if large < 0:
-            found.append(piece[1 + at])
-        else:
-            found.append(piece[0][first * 8: (first + rows) * 8] + piece[1 + at] + piece[2 + at])
-    return found
+    cuts = list(itertools.accumulate([sums.numel() * 8] + [p.numel() for p in parts], initial=0))
+    sums_bytes, piece = raw_all[: cuts[1]], [raw_all[a:b] for a, b in zip(cuts[1:], cuts[2:])]
+    return [piece[at] if first is None else sums_bytes[first * 8: (first + rows) * 8] + piece[at] + piece[at + 1]
+            for at, first, rows in plan]
 
 
 def _host_bytes(summaries: list[torch.Tensor]) -> list[bytes]:

@@ -89,7 +89,8 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A JSON object file of the run dir (lock, job record), or None when missing, unreadable or not an object."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -123,10 +124,10 @@ def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, 
                                       "already there are untouched"), key="run_dir") from None
         if created:
             return
-        holder = _read(path)
+        holder = read_record(path)
         if holder is None:  # being written right now, or torn by a crash: look again shortly
             time.sleep(0.2)
-            holder = _read(path)
+            holder = read_record(path)
         if holder is not None and holder.get("job") == me["job"] and holder.get("local") == me["local"]:
             path.unlink(missing_ok=True)  # our own job, requeued (or restarted by the local launcher)
             continue
@@ -144,6 +145,6 @@ def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, 
 def release(run_dir: Path, me: Mapping[str, Any]) -> None:
     """Give the lock back if ``me`` still holds it (a successor may have taken over a stale one)."""
     path = layout.lock(run_dir)
-    holder = _read(path)
+    holder = read_record(path)
     if holder is not None and holder.get("job") == me["job"] and holder.get("pid") == me["pid"]:
         path.unlink(missing_ok=True)
