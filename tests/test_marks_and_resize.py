@@ -165,3 +165,26 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
                          requeue_job=lambda: None, in_job=env.in_job)
         assert outcome == "failed; requeued (slurm.max_failures allows it)"
         assert len(read_attempts(tmp_path)) == 1  # the workers' line, not a second one
+
+
+def test_a_stop_that_comes_as_the_script_exits_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The stop reached this worker in the same poll as its script's exit (the script died of a peer's stop
+    a moment before): nothing was forwarded, and the log says why the script ended (seen in CI, torchrun)."""
+    import logging
+    import signal
+    import sys
+
+    from hpc_ddp.core.stopping import StopFlag
+    from hpc_ddp.rank.script import supervise
+
+    flag = StopFlag()
+    cmd = [sys.executable, "-c", f"import os, signal; os.kill(os.getppid(), {int(signal.SIGUSR2)}); os._exit(3)"]
+    flag.install([signal.SIGUSR2])
+    try:
+        with caplog.at_level(logging.INFO, logger="hpc_ddp.script"):
+            code = supervise(cmd, os.environ, flag)
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    assert code == 3 and flag.is_set
+    said = [r.getMessage() for r in caplog.records]
+    assert any("just before SIGUSR2 reached this rank (not forwarded" in m for m in said), said

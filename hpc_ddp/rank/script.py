@@ -130,7 +130,11 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
         time.sleep(POLL_S)
     for relay in relays:
         relay.join(timeout=5)
-    return int(child.wait())
+    code = int(child.wait())
+    if flag.is_set and not seen:  # the stop came in the same poll as the script's exit: nothing to forward
+        log.info("the script exited with code %s just before %s reached this rank (not forwarded: it had ended)",
+                 code, signal.Signals(flag.signum or signal.SIGTERM).name)
+    return code
 
 
 def end_group(child: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
