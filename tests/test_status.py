@@ -88,6 +88,24 @@ def test_status_prints_the_state_time_and_eta_of_a_running_local_run(tmp_path: P
     assert "preemption       0->30" in text
 
 
+def test_status_says_how_many_steps_each_failure_threw_away(tmp_path: Path) -> None:
+    """A failure costs the steps since the snapshot the next attempt resumed from (issue 35): status says how
+    many, for a healed failure and for one whose next attempt has not started; a stop loses none."""
+    from hpc_ddp.rundir.ledger import steps_lost
+
+    attempts = [{"reason": "failed", "job_id": 5, "restart_count": 0, "first_step": 0, "last_step": 37,
+                 "snapshot": 30},
+                {"reason": "preemption", "job_id": 5, "restart_count": 0, "in_job": 1, "first_step": 31,
+                 "last_step": 50, "resumed_from": 30},
+                {"reason": "lost", "job_id": 5, "restart_count": 1, "first_step": 51, "last_step": 58, "resumed_from": 50,
+                 "snapshot": 50}]
+    assert steps_lost(attempts) == {0: {"last_step": 37, "resumed_from": 30, "pending": False, "lost": 7},
+                                    2: {"last_step": 58, "resumed_from": 50, "pending": True, "lost": 8}}
+    text = render(collect(run_dir(tmp_path, attempts=attempts)))
+    assert "#0: lost 7 step(s): got to step 37, resumed from 30" in text
+    assert "#2: lost 8 step(s): got to step 58, will resume from 50" in text and "#1: lost" not in text
+
+
 def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:
     path = run_dir(tmp_path, attempts=[{"reason": "failed", "job_id": 5, "restart_count": 0}])
     text = render(collect(path))

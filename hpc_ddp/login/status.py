@@ -87,6 +87,7 @@ def render(info: dict[str, Any]) -> str:
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
     notes += list(info.get("hangs", {}).items())
+    notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items() if "lost" in entry]
     notes.sort(key=lambda item: item[0])
     if notes:
         out.append("notes:")
@@ -95,6 +96,13 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def lost_note(entry: dict[str, Any]) -> str:
+    """What a failure cost: the steps since the snapshot the run resumed (or will resume) from."""
+    start = entry["resumed_from"] if entry["resumed_from"] is not None else "the start"
+    return (f"lost {entry['lost']} step(s): got to step {entry['last_step']}, "
+            f"{'will resume' if entry['pending'] else 'resumed'} from {start}")
 
 
 def healed_note(attempt: dict[str, Any]) -> str:

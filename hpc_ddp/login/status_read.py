@@ -16,7 +16,7 @@ from hpc_ddp.rundir import layout, metrics_file
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
-from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.ledger import read_attempts, steps_lost
 
 
 def _slurm_state(job_id: str) -> str | None:
@@ -105,7 +105,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     progress.update(timing(metrics, attempts, max_steps, running, time.time(), lock.get("since")))
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
-              "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts)}
+              "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
+              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()}}  # by attempt (JSON keys)
     if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
                                                            "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm

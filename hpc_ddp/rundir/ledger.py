@@ -181,3 +181,25 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]], limits: Mapp
     return explain(f"the run stopped for {kinds} {count} times{since}, more than slurm.{key}={limits[key]}",
                    hint=f"--resume continues it from the newest snapshot, with its caps counted afresh; to allow "
                    f"more per submission, raise the cap on that command line (slurm.{key}={limits[key] + 10})")
+
+
+FAILURE_REASONS = ("failed", "lost", "hung")  # the attempts that end without a stop snapshot
+
+
+def steps_lost(attempts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per failed attempt (by index): the steps its failure threw away, ``last_step`` (how far it got, by
+    its ledger line) less the step the next attempt resumed from (or, before there is one, the snapshot its
+    line names: where the next will resume). A stop loses nothing by design and is not listed; an attempt
+    whose figures are missing is listed without ``lost``."""
+    found: dict[int, dict[str, Any]] = {}
+    for i, attempt in enumerate(attempts):
+        if attempt.get("reason") not in FAILURE_REASONS:
+            continue
+        after = attempts[i + 1] if i + 1 < len(attempts) else None
+        resumed = after.get("resumed_from") if after is not None else attempt.get("snapshot")
+        last = attempt.get("last_step")
+        entry: dict[str, Any] = {"last_step": last, "resumed_from": resumed, "pending": after is None}
+        if isinstance(last, int):
+            entry["lost"] = last - (resumed if isinstance(resumed, int) else 0)
+        found[i] = entry
+    return found
