@@ -147,6 +147,19 @@ def _wait(predicate: Callable[[], Any], timeout: float) -> float:
     raise TimeoutError(f"waited {timeout}s")
 
 
+def b9_on_slurm(scratch: Path, megabytes: float) -> dict[str, Any]:
+    """B9 as one job of 3 nodes x 2 tasks on the local Slurm cluster (started here if it is not running)."""
+    from benchmarks.spread import b9_slurm
+    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
+
+    spec = ClusterSpec()
+    missing = missing_pieces(spec)
+    if missing:
+        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
+    start(spec)
+    return b9_slurm(scratch, megabytes, 3, 2, {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)})
+
+
 def b10_healing() -> dict[str, Any]:
     from benchmarks.healing import b10_healing as figure
 
@@ -291,14 +304,19 @@ def table(results: dict[str, Any]) -> str:
                         f"{row['r2']['busiest_per_state']}; save {row['r2']['save_s']} s = "
                         f"{row['r2_save_vs_every']} x every node's, restore {row['r2']['restore_s']} s = "
                         f"{row['r2_restore_vs_every']} x | {s['target']} | {mark(s)} |")
-    if "B9" in b:
-        s = b["B9"]
-        for shape, row in s["rows"].items():
-            rows.append(f"| B9 resume reads, {shape}, {s['state_mb']:.0f} MB state | bytes read / state: spread "
-                        f"{row['spread_read_per_state']} (busiest node {row['spread_busiest_per_state']}), every rank "
-                        f"{row['every_rank_read_per_state']}; resume {row['spread_s']} s vs {row['every_rank_s']} s; "
-                        f"a save's object bytes per non-zero rank {row['save_object_bytes_per_nonzero_rank']} "
-                        f"| {s['target']} | {mark(s)} |")
+    for key, where in (("B9", "rehearsal"), ("B9-Slurm", "local Slurm cluster")):
+        s = b.get(key, {})
+        if s.get("skipped"):
+            rows.append(f"| B9 resume reads, {where} | **not measured**: {s['skipped']} | - | - |")
+        for shape, row in s.get("rows", {}).items():
+            rows.append(
+                f"| B9 resume reads, {where}, {shape}, {s['state_mb']:.0f} MB state | disk read / state (kernel): "
+                f"spread {row.get('spread_disk_per_state', '-')}, every rank {row.get('every_rank_disk_per_state', '-')}; "
+                f"copied out of files / state (loader): spread {row['spread_read_per_state']} (busiest node "
+                f"{row['spread_busiest_per_state']}), every rank {row['every_rank_read_per_state']}; resume: spread "
+                f"{row['spread_s']} s, as before (one level) {row.get('flat_spread_s', '-')} s, every rank "
+                f"{row['every_rank_s']} s; a save's object bytes per non-zero rank "
+                f"{row['save_object_bytes_per_nonzero_rank']} | {s['target']} | {mark(s)} |")
     if "B10" in b and "skipped" not in b["B10"]:
         s = b["B10"]
         names = {"killed": "a killed rank", "node_down": "a node marked down", "frozen": "a frozen rank (SIGSTOP)",
@@ -341,7 +359,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B10,B12",
+    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-Slurm,B10,B12",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -368,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5)),
                  ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
+                 ("B9-Slurm", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
                  ("B10", b10_healing), ("B12", lambda: b12_control_plane(quick))]
         for name, run in steps:
             if name in only:

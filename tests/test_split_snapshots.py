@@ -222,3 +222,36 @@ def test_a_snapshot_from_before_the_split_still_resumes_bit_identically(referenc
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_attempts(run_dir)[-1]["resumed_from"] == newest
     assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]  # each rank found its RNG
+
+
+def test_the_spread_read_groups_every_rank_makes_two_in_the_same_order() -> None:
+    """A node's ranks share through a group of the node; the nodes' first ranks exchange through a group of
+    their own. Every rank makes exactly two groups (itself alone where it is no member): torch names a group
+    made by its members alone by the count of groups the process holds, so uneven counts would hang."""
+    from hpc_ddp.core.slurm_env import DistEnv
+    from hpc_ddp.rank.spread import Groups
+
+    members = [(node, local) for node in range(3) for local in range(2)]  # 3 nodes x 2 ranks
+    made: dict[int, list[list[int]]] = {}
+    for rank, (node, local) in enumerate(members):
+        env = DistEnv(rank=rank, local_rank=local, world_size=6, local_world_size=2, node_rank=node, num_nodes=3,
+                      master_addr="n1", master_port=1)
+        groups = Groups(members, env, make=lambda ranks, r=rank: made.setdefault(r, []).append(ranks) or tuple(ranks))
+        assert groups.leaders == [0, 2, 4] and groups.node == [2 * node, 2 * node + 1] and groups.leader == 2 * node
+        assert groups.within == (2 * node, 2 * node + 1)
+        assert groups.between == ((0, 2, 4) if local == 0 else None)
+    assert made == {r: [[2 * (r // 2), 2 * (r // 2) + 1], [0, 2, 4] if r % 2 == 0 else [r]] for r in range(6)}
+    one_each = [(node, 0) for node in range(2)]  # 2 nodes x 1: no node groups to share through
+    env = DistEnv(rank=1, local_rank=0, world_size=2, local_world_size=1, node_rank=1, num_nodes=2,
+                  master_addr="n1", master_port=1)
+    groups = Groups(one_each, env, make=tuple)
+    assert groups.within is None and groups.between == (0, 1)
+
+
+def test_auto_reads_spread_only_where_it_spares_the_filesystem() -> None:
+    """B9: resume hashes every file, so with no more nodes than replicas each node's own file holds the whole
+    state and every_rank reads no more; the local rehearsal's nodes share one page cache."""
+    from hpc_ddp.rank.checkpointer import auto_load
+
+    assert [auto_load(False, nodes, 2) for nodes in (1, 2, 3, 8)] == ["every_rank", "every_rank", "spread", "spread"]
+    assert auto_load(True, 8, 2) == "every_rank" and auto_load(False, 2, 1) == "spread"

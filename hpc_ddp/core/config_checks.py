@@ -102,6 +102,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.amp": (lambda v: v in ("off", "bf16", "fp16"), "one of off, bf16, fp16"),
     "train.clip_grad_norm": (_positive, "a finite number > 0, or null"),
     "train.seed": (_at_least(0), "an integer >= 0"),
+    "train.rng": (lambda v: v in ("derived", "saved"), "one of derived, saved"),
     "train.log_every": (_at_least(1), "an integer >= 1"),
     "train.num_workers": (_at_least(0), "an integer >= 0"),
     "snapshot.every_steps": (_at_least(1), "an integer >= 1, or null"),

@@ -116,6 +116,10 @@ class TrainConfig:
     sync_batchnorm: bool = _doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
     find_unused_parameters: bool = _doc(False, "DDP's find_unused_parameters (slower; only if the model needs it).")
     seed: int = _doc(0, "Seed for model init, shuffling and every rank's RNG.")
+    rng: str = _doc("derived", "Every rank's RNGs (Python, NumPy, torch, CUDA) between steps. derived: reseeded "
+                    "at every run.boundary(step) and resume from (seed, step, rank), so a lost rank's are known "
+                    "without saving them (snapshot.jit needs it); saved: one stream per rank carried from step to "
+                    "step and saved in every snapshot.")
     log_every: int = _doc(10, "Write a metrics line every this many steps.")
     num_workers: int = _doc(0, "DataLoader worker processes per rank.")
 
@@ -132,10 +136,15 @@ class SnapshotConfig:
                          "1: fewest bytes, a lost file falls back to the previous snapshot; 2 (default): any "
                          "one lost or damaged file is survived with the newest step; >= nodes: a whole copy "
                          "in every node's file.")
-    load: str = _doc("auto", "How a resume reads the snapshot: spread (each node reads its own slices once, the "
-                     "rest arrives over the process group: the filesystem serves the state once), every_rank "
-                     "(every rank reads every slice: the state once per node at best), or auto: spread on a "
-                     "cluster, every_rank in the local rehearsal (one page cache; broadcasts there cost more, B9).")
+    load: str = _doc("auto", "How a resume reads the snapshot: spread (one rank per node reads that node's "
+                     "slices; they go to the other nodes' first ranks and from each to its node's ranks, over "
+                     "gloo), every_rank (every rank reads every slice: the state once per node at best), or "
+                     "auto: spread on a cluster of more nodes than replicas, every_rank otherwise and in the "
+                     "local rehearsal (there the filesystem serves no more, and broadcasts only add time: B9).")
+    jit: bool = _doc(True, "When a rank is lost, the survivors write a snapshot of the newest step they hold "
+                     "before they exit, so a failure costs the step in flight, not the work since the last "
+                     "snapshot (needs train.rng=derived and no per_rank objects; else the run resumes from the "
+                     "last periodic snapshot and the ledger says why).")
     async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
                              "to CPU); the stop snapshot is always synchronous.")
 

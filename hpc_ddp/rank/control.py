@@ -91,6 +91,11 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
     dist.broadcast(tensor, src=src, group=_GROUP)
 
 
+def broadcast_in(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """Collective within ``group`` (made by :func:`subgroup`): global rank ``src``'s CPU tensor, in place."""
+    dist.broadcast(tensor, src=src, group=group)
+
+
 def from_main(value: Any) -> Any:
     """Collective: rank 0's ``value`` on every rank (one pickled object)."""
     box = [value]

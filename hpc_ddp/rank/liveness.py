@@ -157,6 +157,7 @@ class Liveness:
         self.rank, self.world_size, self.host, self.liveness_s = rank, world_size, host, liveness_s
         self.period_s = period(liveness_s)
         self.on_lost = on_lost or _exit_lost
+        self.before_exit: Callable[[str], Any] | None = None  # set by the session once the run exists
         self.clock, self.wall = clock, wall
         self.count = 0
         self.peer = (rank + 1) % world_size
@@ -255,6 +256,8 @@ class Liveness:
             log.error("the lost-rank marker could not be written: %s", err)
         log.error("%s", message)
         self.leave()
+        if self.before_exit is not None:
+            self.before_exit(message)  # the survivors' just-in-time snapshot (rank/jit.py), from this thread
         self.on_lost(message)
 
 

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.rank import control, replication, restore
+from hpc_ddp.rank import control, jit, replication, restore
 from hpc_ddp.rank.restore import PER_RANK, STEP
 from hpc_ddp.rundir import layout, metrics_file
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import BatchPlan, plan
-from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng
+from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng, reseed
 from hpc_ddp.core.config import RunConfig, flat_values
 from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward
 from hpc_ddp.core.errors import explain
@@ -96,6 +96,7 @@ class Run:
         self._resumed = False
         self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
         self._sinks: list[Sink] | None = None  # TensorBoard, W&B: opened by rank 0's first log_metrics
+        self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -158,7 +159,12 @@ class Run:
             self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
-            restore.load(self, restored)
+            restore.load(self, restored)  # reseeds the RNGs for this step under train.rng=derived
+        elif self.config.train.rng == "derived":
+            reseed(self.config.train.seed, self.step, self.rank)
+        self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
+        if self.held is not None:
+            self.held.mark(self.step)
         for obj in self.tracked.values():
             if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
                 settle_buckets_on_first_forward(obj)
@@ -180,6 +186,8 @@ class Run:
         self._check_step(step)
         self.step = step
         self.boundaries += 1
+        if self.held is not None:
+            self.held.mark(step)  # what a just-in-time snapshot of this step takes (rank/jit.py)
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
@@ -194,6 +202,8 @@ class Run:
                                                 int(ckpt is not None and ckpt.busy)])
         if ckpt is not None:
             self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
+        if self.config.train.rng == "derived":
+            reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
         self.stopped = stop
         return stop
 

@@ -135,6 +135,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     process group is torn down on every exit path.
     """
     from hpc_ddp.rundir import snapshot
+    from hpc_ddp.rank import jit
     from hpc_ddp.rank.checkpointer import Checkpointer
     from hpc_ddp.rank.distributed import default_store, from_main, process_group
     from hpc_ddp.rank.run import LoopIgnoredStop, Run
@@ -169,12 +170,19 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 on_step = _print_progress if attempt.local and env.is_main else None
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)
+                if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
+                    attempt.liveness.before_exit = lambda message: jit.after_failure(run, PeerLost(message))
                 try:
                     yield run
                 except LoopIgnoredStop as err:  # the stop snapshot is committed: end the attempt as that stop
                     log.error("%s", err)
                     attempt.record["note"] = "the loop went on after run.boundary returned True"
                     run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
+                except HpcDdpError:
+                    raise  # the program's own error (explained): it fails the same way after any resume
+                except Exception as err:  # a collective failed (a peer died), or the program crashed
+                    jit.after_failure(run, err)
+                    raise
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)
                     _note_ignored_stop(attempt, run)
@@ -276,6 +284,10 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
             attempt.liveness.leave()  # this exit is the hang's, not a lost rank's
         exit_fast(EXIT_HUNG)
     return on_hang
+
+
+class PeerLost(RuntimeError):
+    """What a just-in-time snapshot follows when this rank's liveness thread found its peer frozen."""
 
 
 def _print_progress(step: int) -> None:

@@ -152,9 +152,14 @@ def sources(manifest: Mapping[str, Any], good: Iterable[str]) -> dict[int, str] 
 def rank_file(manifest: Mapping[str, Any], rank: int) -> str | None:
     """The file that holds ``rank``'s RNG state in the snapshot's own geometry (None: no such rank)."""
     files, written_by = manifest.get("files", {}), manifest.get("world_size")
+    listed = False
     for name, entry in sorted(files.items()):
-        if isinstance(entry, dict) and isinstance(entry.get("ranks"), list) and rank in entry["ranks"]:
-            return name
+        if isinstance(entry, dict) and isinstance(entry.get("ranks"), list):
+            listed = True
+            if rank in entry["ranks"]:
+                return name
+    if listed:  # the files say whose RNG they hold, and none holds this rank's (a just-in-time snapshot's)
+        return None
     nodes = manifest.get("num_nodes")  # format 1: nodes held consecutive blocks of ranks
     if _count(nodes) and _count(written_by) and written_by % nodes == 0 and 0 <= rank < written_by:
         return f"node-{rank // (written_by // nodes):05d}.pt"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import jit_files, layout
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
@@ -106,7 +106,8 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     else:
         record = {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
                   "reason": "error" if exit_code == EXIT_ERROR else "failed",
-                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir), **(extra or {})}
+                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
+                  **jit_files.summary(run_dir, job_id, restart_count, in_job), **(extra or {})}
         append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
         if record["reason"] == "error":
             return f"error; {not_requeued(run_dir)}"

@@ -1,0 +1,204 @@
+"""Just-in-time snapshot: when a rank is lost, the survivors write the step they hold (issue 35).
+
+DDP keeps the replicated state (model, optimizer, schedulers, the global data position) alike on
+every rank after each optimizer step, so when a rank dies the others still hold all of it. A
+failure then need not cost the work since the last periodic snapshot: a survivor writes the
+newest step it holds whole, and the healed step (or the requeue) resumes from it.
+
+**What a rank holds whole** (:class:`Held`). Parameters and optimizer state change only in
+``optimizer.step()``: they are read live, and the optimizers' step hooks say whether an update
+began since the last ``run.boundary(k)``. If none did, the live parameters are step k's. What
+changes during a step besides them (module buffers in the forward, the sampler's position as a
+batch is drawn, a learning rate set before the step, any other tracked object) is copied at each
+boundary, which costs a few microseconds for the usual small objects. A rank whose optimizer
+stepped after boundary k holds no whole step: the code between ``step()`` and the next boundary
+(a scheduler, an EMA, a logging collective) may not have run, and it is no source.
+
+**Per-rank state.** Under ``train.rng=derived`` every rank's RNGs are reseeded from (seed, step,
+rank) at every boundary and resume, so the lost ranks' randomness is known without a copy.
+``per_rank(...)`` objects are not mirrored to another node yet: with any of them, or with
+``train.rng=saved``, no snapshot is written and the run resumes from the last periodic one; the
+survivors' offers say why, and the batch shell's ledger line repeats it.
+
+**Agreeing without the lost rank.** The process group is broken and its store may have been on
+the lost node, so the survivors meet in the run dir, which every node shares. Each survivor
+whose collective failed writes its offer (``RUN_DIR/jit/<attempt>/rank-K.json``: the step it
+holds whole and the state's fingerprint, or why it holds none). A source claims its step by
+creating ``claim-step-S`` exclusively (one writer per step, whichever comes first), writes the
+whole replicated state as one file, compares its fingerprint with every other offer of that step
+it can read (survivors that disagree: nothing is committed), and commits the manifest with a
+``jit`` entry (writer, seconds, the failure). A survivor that holds a newer step (it passed one
+more optimizer update before its collective failed) claims that one: resume takes the newest.
+It is an ordinary committed snapshot, verified like any other on resume.
+
+A survivor that stays alive keeps the peers that wait on it blocked (gloo frees a rank only when
+the peer it waits on exits, measured), so one source writes and every rank exits as soon as it is
+done; a rank blocked elsewhere is freed as the others exit. The write must end within Slurm's
+KillWait (the time between srun's SIGTERM and its SIGKILL, 30 s by default) or the rehearsal's
+grace: an unfinished write is never committed, and the run falls back to the periodic snapshot.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.rank import replication
+from hpc_ddp.rank.restore import STEP
+from hpc_ddp.rank.tracked import state_of, unwrap
+from hpc_ddp.rundir import jit_files, slicing, snapshot
+
+log = logging.getLogger("hpc_ddp.jit")
+
+
+class Held:
+    """The whole state of the last boundary's step, as long as no optimizer update began since (module docstring)."""
+
+    def __init__(self, tracked: dict[str, Any]) -> None:
+        self.tracked = tracked
+        self.step: int | None = None
+        self.updates = 0  # optimizer updates begun since the last boundary
+        self.copies: dict[str, Any] = {}
+        self._buffers = {name: buffer_keys(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
+        for obj in tracked.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._began)
+
+    def _began(self, *args: Any) -> None:
+        self.updates += 1
+
+    def mark(self, step: int) -> None:
+        """At run.boundary(step) and resume: the live state is this step's; copy what the next step changes early."""
+        self.step, self.updates = step, 0
+        self.copies = {name: self._copy(name, obj) for name, obj in self.tracked.items()}
+
+    def _copy(self, name: str, obj: Any) -> Any:
+        if isinstance(obj, torch.optim.Optimizer):
+            return copy.deepcopy(obj.state_dict()["param_groups"])  # learning rates and the like: small
+        if isinstance(obj, torch.nn.Module):
+            module = unwrap(obj)
+            return {key: tensor.detach().clone() for key, tensor in module.state_dict(keep_vars=True).items()
+                    if key in self._buffers[name]}
+        return copy.deepcopy(state_of(obj))
+
+    def whole(self) -> tuple[int, dict[str, Any]] | str:
+        """(step, the replicated state of it) as a snapshot holds it, or why this rank holds no whole step."""
+        if self.step is None:
+            return "this rank had not finished run.resume()"
+        if self.updates:
+            return (f"this rank's optimizer had begun the update after step {self.step} and its "
+                    f"run.boundary({self.step + 1}) had not come")
+        state: dict[str, Any] = {}
+        for name, obj in self.tracked.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                state[name] = {**obj.state_dict(), "param_groups": self.copies[name]}
+            elif isinstance(obj, torch.nn.Module):
+                state[name] = {**unwrap(obj).state_dict(), **self.copies[name]}
+            else:
+                state[name] = self.copies[name]
+        state[STEP] = self.step
+        return self.step, state
+
+
+def buffer_keys(module: torch.nn.Module) -> set[str]:
+    """The state_dict keys of a module's buffers (they change in the forward; parameters only in step())."""
+    inner = unwrap(module)
+    params = {id(p) for p in inner.parameters()}
+    return {key for key, value in inner.state_dict(keep_vars=True).items() if id(value) not in params}
+
+
+def why_not(run: Any) -> str | None:
+    """Why this run can write no just-in-time snapshot whatever rank is lost, or None."""
+    if run.config.train.rng != "derived":
+        return "train.rng=saved: a lost rank's RNG state died with it (train.rng=derived derives it)"
+    if run.per_rank:
+        return (f"per_rank objects ({', '.join(sorted(run.per_rank))}) are not mirrored to another node: a lost "
+                "rank's died with it")
+    return None
+
+
+def fingerprint(state: dict[str, Any], step: int, skip_buffers: dict[str, set[str]]) -> int:
+    """One number for the replicated state (rank/replication.py's digests), without the buffers DDP broadcasts
+    from rank 0 at the next forward (they differ by rank between boundaries, by design)."""
+    kept = {name: ({k: v for k, v in value.items() if k not in skip_buffers[name]} if name in skip_buffers else value)
+            for name, value in state.items() if name != STEP}
+    return replication.combined([(f"{name}/{path}", d) for name, items in replication.fingerprints(kept, step).items()
+                                 for path, d in items])
+
+
+def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
+    """This rank's part after its program raised (a collective that failed because a peer died): offer what it
+    holds, and write and commit it if it is the first source of its step. Returns what it did (also in its
+    offer), or None when snapshot.jit is off. Never raises: the failure it follows is what the worker reports."""
+    if run.held is None:
+        return None
+    started = time.monotonic()
+    env: DistEnv = run.env
+    folder = jit_files.folder(run.run_dir, env.job_id, env.restart_count, env.in_job)
+    offer: dict[str, Any] = {"rank": env.rank, "host": os.uname().nodename, "error": str(error).splitlines()[0][:300]
+                             if str(error) else type(error).__name__, "time": round(time.time(), 3)}
+    try:
+        reason = why_not(run)
+        held = run.held.whole() if reason is None else reason
+        if isinstance(held, str):
+            offer.update(source=False, why=held)
+            jit_files.offer(folder, env.rank, offer)
+            log.warning("no just-in-time snapshot from this rank: %s", held)
+            return offer
+        step, state = held
+        skip = {name: run.held._buffers[name] for name, obj in run.tracked.items()
+                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
+        offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
+        jit_files.offer(folder, env.rank, offer)
+        newest = snapshot.committed_steps(run.run_dir)
+        if newest and newest[0] >= step:
+            offer.update(outcome=f"step {newest[0]} is committed already")
+        elif not jit_files.claim(folder, step):
+            offer.update(outcome=f"another survivor claimed step {step}")
+        else:
+            offer.update(outcome=_write(run, folder, step, state, offer, started))
+        jit_files.offer(folder, env.rank, offer)
+        return offer
+    except Exception as err:  # noqa: BLE001 - the snapshot is a bonus: the failure it follows must still be reported
+        log.error("the just-in-time snapshot failed: %r", err)
+        offer.update(outcome=f"failed: {err!r}")
+        try:
+            jit_files.offer(folder, env.rank, offer)
+        except OSError:
+            pass
+        return offer
+
+
+def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float) -> str:
+    """The claimed step's file and, if no other source disagrees, its manifest: the snapshot is committed."""
+    env, ckpt = run.env, run.checkpointer
+    skeleton, tensors = slicing.split(state)
+    split = slicing.layout_for(tensors, 1, 1)
+    pieces = slicing.pieces_for(split, tensors, slicing.slices_of(0, 1, 1), copy=False)
+    content = {"format": slicing.FORMAT, "skeleton": skeleton, "pieces": pieces, "rng": {}}
+    directory = snapshot.step_dir(run.run_dir, step)
+    entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(env.rank))
+    if run.held.updates:  # written from the liveness thread while the training thread began an update
+        return "not committed: this rank's optimizer began an update while the state was written"
+    others = [o for o in jit_files.offers(folder, env.world_size) if o.get("source") and o.get("step") == step]
+    differing = sorted(o["rank"] for o in others if o.get("fingerprint") != offer["fingerprint"])
+    if differing:
+        log.error("no just-in-time snapshot: ranks %s hold another state of step %d than this rank", differing, step)
+        return f"not committed: ranks {differing} hold another state of step {step} than rank {env.rank}"
+    took = round(time.monotonic() - started, 3)
+    record = {"attempt": folder.name, "writer": env.rank, "host": offer["host"], "took_s": took,
+              "sources": sorted(o["rank"] for o in others), "after": offer["error"]}
+    snapshot.commit(directory, step, [{**entry, "slices": [0], "ranks": [], "digest": slicing.layout_digest(split)}],
+                    env.world_size, ckpt.config_hash if ckpt else "", ckpt.config if ckpt else None, split=split,
+                    refuses_resize=ckpt.refuses_resize if ckpt else None, extra={"jit": record})
+    log.warning("just-in-time snapshot of step %d committed in %s (%.2f s): the run resumes from it", step,
+                directory, took)
+    return f"committed step {step}"

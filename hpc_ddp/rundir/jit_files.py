@@ -1,0 +1,83 @@
+"""The run dir's part of a just-in-time snapshot (:mod:`hpc_ddp.rank.jit`): where the survivors of an attempt
+meet, without a process group or a store. No torch: the batch shell reads what they said.
+
+``RUN_DIR/jit/job-J-restart-R[-step-K]/`` holds one offer per survivor (``rank-K.json``: the step it holds
+whole and its fingerprint, or why it holds none, and what came of it) and one empty ``claim-step-S`` per
+claimed step, created with O_EXCL (atomic on local filesystems and on NFS v3 and later): one writer per step.
+Offers are read by name (the world size is known), never found by listing the directory, as the crash marks
+are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the step ended,
+lists the folder for the ledger's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.rundir.ledger import attempt_tag
+
+JIT = "jit"
+
+
+def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> Path:
+    return Path(run_dir) / JIT / attempt_tag(job_id, restart_count, in_job)
+
+
+def file_name(rank: int) -> str:
+    """The snapshot file a survivor writes: its own name, apart from the nodes' files of a periodic save of
+    the same step that a failure may have left half-written (a manifest lists only what it commits)."""
+    return f"jit-{rank:05d}.pt"
+
+
+def offer(where: Path, rank: int, content: dict[str, Any]) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    write_atomic(where / f"rank-{rank}.json", json.dumps(content).encode())
+
+
+def offers(where: Path, world_size: int) -> list[dict[str, Any]]:
+    """Every offer of the attempt that can be read now, by rank."""
+    found = []
+    for rank in range(world_size):
+        try:
+            found.append(json.loads((where / f"rank-{rank}.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def claim(where: Path, step: int) -> bool:
+    """True for the one survivor that creates ``claim-step-S`` first."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(where / f"claim-step-{step}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
+    """For the failed attempt's ledger line: the just-in-time snapshot committed (``jit_snapshot``: its step,
+    writer, seconds) or why there is none (``jit_fallback``); empty when no survivor said anything (snapshot.jit
+    off, a script, or every rank died)."""
+    where = folder(run_dir, job_id, restart_count, in_job)
+    try:
+        names = sorted(p.name for p in where.glob("rank-*.json"))
+    except OSError:
+        return {}
+    said = []
+    for name in names:
+        try:
+            said.append(json.loads((where / name).read_text()))
+        except (OSError, ValueError):
+            continue
+    if not said:
+        return {}
+    done = [o for o in said if str(o.get("outcome", "")).startswith("committed")]
+    if done:
+        best = max(done, key=lambda o: o["step"])
+        return {"jit_snapshot": {"step": best["step"], "writer": best["rank"], "host": best.get("host")}}
+    reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
+    return {"jit_fallback": "; ".join(reasons)[:500]}
