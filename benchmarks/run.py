@@ -304,7 +304,7 @@ def table(results: dict[str, Any]) -> str:
                         f"{row['r2']['busiest_per_state']}; save {row['r2']['save_s']} s = "
                         f"{row['r2_save_vs_every']} x every node's, restore {row['r2']['restore_s']} s = "
                         f"{row['r2_restore_vs_every']} x | {s['target']} | {mark(s)} |")
-    for key, where in (("B9", "rehearsal"), ("B9-Slurm", "local Slurm cluster")):
+    for key, where in (("B9", "rehearsal"), ("B9-SLURM", "local Slurm cluster")):
         s = b.get(key, {})
         if s.get("skipped"):
             rows.append(f"| B9 resume reads, {where} | **not measured**: {s['skipped']} | - | - |")
@@ -359,7 +359,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-Slurm,B10,B12",
+    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B12",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B7", lambda: b7_split(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5)),
                  ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
-                 ("B9-Slurm", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
+                 ("B9-SLURM", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
                  ("B10", b10_healing), ("B12", lambda: b12_control_plane(quick))]
         for name, run in steps:
             if name in only:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rank.conclude import conclude
-from hpc_ddp.rundir import flight, layout
+from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import plan
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
@@ -84,6 +84,7 @@ class Attempt:
     code: int | None = None  # this rank's exit code, once the attempt is closed
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
     liveness: Any = None  # this rank's hpc_ddp.rank.liveness.Liveness while it beats
+    after_failure: Any = None  # the just-in-time snapshot's part of this rank (rank/jit.py), once the run exists
 
     def __post_init__(self) -> None:
         self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
@@ -170,6 +171,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 on_step = _print_progress if attempt.local and env.is_main else None
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)
+                attempt.after_failure = functools.partial(jit.after_failure, run)
                 if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
                     attempt.liveness.before_exit = lambda message: jit.after_failure(run, PeerLost(message))
                 try:
@@ -271,11 +273,15 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
         dumped = flight.dump(dumps, env.rank)  # which collective this rank is in, before anyone exits
         if dumped is not None:
             log.error("the collectives this rank was in: %s", dumped)
+        if attempt.after_failure is not None and env.rank not in stuck:  # it waits in a collective: it holds a step
+            attempt.after_failure(PeerLost(message.splitlines()[0]))
         if not attempt.env.is_main:
             time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
         if attempt.env.is_main and not attempt.wrapped:
             append_attempt(attempt.run_dir, {**attempt.record, "end": round(time.time(), 3), "reason": "hung",
                                              "stuck_ranks": stuck, "message": message.splitlines()[0],
+                                             **jit_files.summary(attempt.run_dir, env.job_id, env.restart_count,
+                                                                 env.in_job),
                                              **({"collectives": str(Path(dumps).relative_to(attempt.run_dir))}
                                                 if dumped is not None else {})})
         from hpc_ddp.core.shutdown import exit_fast
@@ -287,7 +293,8 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
 
 
 class PeerLost(RuntimeError):
-    """What a just-in-time snapshot follows when this rank's liveness thread found its peer frozen."""
+    """What a just-in-time snapshot follows when this rank's liveness thread found its peer frozen, or its
+    watchdog found another rank stuck."""
 
 
 def _print_progress(step: int) -> None:

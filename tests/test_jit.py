@@ -1,0 +1,144 @@
+"""A failure costs the step in flight (issue 35): the survivors of a lost rank write a just-in-time snapshot of
+the step they hold whole, and the run resumes from it bit-identically; where no consistent source exists it falls
+back to the periodic snapshot and the ledger says why. The parts first (what a rank holds whole, the run dir's
+claims and offers, derived RNGs), then the real local rehearsal (gloo processes, a node SIGKILLed)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpc_ddp.rank.checkpointer import reseed
+from hpc_ddp.rank.jit import Held, buffer_keys, fingerprint
+from hpc_ddp.rundir import jit_files, slicing
+from hpc_ddp.rundir.ledger import read_attempts
+from tests.helpers import done, losses, submit
+
+
+def test_a_rank_holds_its_last_step_whole_until_its_optimizer_begins_the_next_update() -> None:
+    """Between boundaries the forward changes BatchNorm's buffers, the loop draws a batch (the data position
+    moves) and may set the learning rate; the parameters change only in step(). What a snapshot of step k needs
+    is copied at boundary k; once step() begins, the rank holds no whole step (the code after it may not run)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    position = {"sample": 0}
+    held = Held({"model": model, "optimizer": optimizer, "position": position})
+    assert buffer_keys(model) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    held.mark(7)
+    marked = {k: v.clone() for k, v in model.state_dict().items()}
+    position["sample"] += 8  # the next step draws its batch
+    optimizer.param_groups[0]["lr"] = 0.05  # and a schedule set its rate first
+    loss = model(torch.randn(8, 4)).sum()
+    loss.backward()  # ...and its gradient all-reduce fails here: the live state is still step 7's
+    step, state = held.whole()  # type: ignore[misc]
+    assert step == 7 and state["step"] == 7 and state["position"] == {"sample": 0}
+    assert all(torch.equal(state["model"][k], marked[k]) for k in marked)  # buffers from the copy, params live
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert not torch.equal(model.state_dict()["1.running_mean"], marked["1.running_mean"])  # the forward moved it
+    optimizer.step()  # the update began: this rank holds no whole step until its next boundary
+    assert "had begun the update after step 7" in str(held.whole())
+    held.mark(8)
+    assert held.whole()[0] == 8  # type: ignore[index]
+    same = fingerprint(held.whole()[1], 8, {})  # type: ignore[index]
+    assert same == fingerprint(held.whole()[1], 8, {})  # type: ignore[index]
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1
+    assert fingerprint(held.whole()[1], 8, {}) != same  # type: ignore[index]
+
+
+def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_path: Path) -> None:
+    where = jit_files.folder(tmp_path, 5, 0, 1)
+    assert where.name == "job-5-restart-0-step-1"
+    assert jit_files.claim(where, 40) and not jit_files.claim(where, 40) and jit_files.claim(where, 41)
+    assert jit_files.summary(tmp_path, 5, 0, 1) == {}  # no survivor said anything
+    jit_files.offer(where, 2, {"rank": 2, "source": False, "why": "train.rng=saved: ..."})
+    assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_fallback": "train.rng=saved: ..."}
+    jit_files.offer(where, 0, {"rank": 0, "source": True, "step": 40, "host": "n1", "outcome": "committed step 40"})
+    assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1"}}
+    assert [o["rank"] for o in jit_files.offers(where, 4)] == [0, 2]  # read by name, rank by rank
+
+
+def test_a_snapshot_whose_files_list_their_ranks_has_no_guessed_rng_file() -> None:
+    """A just-in-time snapshot's file holds no rank's RNG (they are derived): no rank looks for a node file that
+    is not there; a snapshot from before files listed their ranks still finds each rank's by the node blocks."""
+    jit = {"files": {"jit-00001.pt": {"ranks": []}}, "world_size": 4, "num_nodes": 1}
+    assert slicing.rank_file(jit, 3) is None
+    assert slicing.rank_file({"files": {"node-00000.pt": {}, "node-00001.pt": {}}, "world_size": 4,
+                              "num_nodes": 2}, 3) == "node-00001.pt"
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def test_derived_randomness_depends_on_seed_step_and_rank_alone() -> None:
+    reseed(0, 40, 1)
+    first = draws()
+    draws()  # a step's worth of randomness used
+    reseed(0, 40, 1)
+    assert draws() == first
+    assert len({(reseed(s, k, r), draws())[1] for s, k, r in [(0, 40, 1), (1, 40, 1), (0, 41, 1), (0, 40, 2)]}) == 4
+
+
+LOOP = ["examples/own_loop_gpt.yaml", "--local", "slurm.spare_nodes=1", "train.max_steps=30", "train.log_every=1"]
+NO_SNAPSHOTS = ["snapshot.every_steps=null", "snapshot.every_minutes=null"]
+
+
+@pytest.mark.slow
+def test_a_lost_node_costs_no_step_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
+    """2 x 2 with dropout, no periodic snapshot at all, node 1 SIGKILLed once rank 0 has finished step 20:
+    the survivors write step 20 (or 19, had they not finished it), the spare takes the node's place, and the run
+    equals one that never failed, loss for loss."""
+    failed = submit(*LOOP, *NO_SNAPSHOTS, f"run_dir={tmp_path / 'failed'}", "--fail-at", "20:1")
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    straight = submit(*LOOP, *NO_SNAPSHOTS, f"run_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first, second = read_attempts(tmp_path / "failed")
+    assert first["reason"] == "failed" and second["reason"] == "finished" and second["in_job"] == 1
+    assert second["resumed_from"] >= 19 and first["jit_snapshot"]["step"] == second["resumed_from"], first
+    assert first["last_step"] - second["resumed_from"] == 0  # nothing logged was lost
+    assert losses(tmp_path / "failed") == losses(tmp_path / "straight")
+    assert done(tmp_path / "failed")["params_sha256"] == done(tmp_path / "straight")["params_sha256"]
+    status = submit_status(tmp_path / "failed")
+    assert "#0: lost 0 step(s)" in status
+
+
+@pytest.mark.slow
+def test_without_a_consistent_source_the_run_falls_back_to_the_periodic_snapshot_bit_exact(tmp_path: Path) -> None:
+    """train.rng=saved: a lost rank's RNG stream died with it, so no survivor may write a snapshot (it would be a
+    mixture); the run resumes from the periodic one, bit-exact, and the ledger says why."""
+    saved = ["train.rng=saved", "snapshot.every_steps=10"]
+    failed = submit(*LOOP, *saved, f"run_dir={tmp_path / 'failed'}", "--fail-at", "15:1")
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    straight = submit(*LOOP, *saved, f"run_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first, second = read_attempts(tmp_path / "failed")
+    assert "jit_snapshot" not in first and "train.rng=saved" in first["jit_fallback"], first
+    assert second["resumed_from"] == 10
+    assert done(tmp_path / "failed")["params_sha256"] == done(tmp_path / "straight")["params_sha256"]
+    assert "#0: lost 5 step(s): got to step 15, resumed from 10" in submit_status(tmp_path / "failed")
+
+
+def submit_status(run_dir: Path) -> str:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run_dir)], capture_output=True,
+                          text=True).stdout
+
+
+def test_the_manifest_of_a_jit_snapshot_says_who_wrote_it(tmp_path: Path) -> None:
+    """Committed through the same function as every snapshot; the extra key rides along."""
+    from hpc_ddp.rundir import snapshot
+
+    directory = snapshot.step_dir(tmp_path, 3)
+    directory.mkdir(parents=True)
+    snapshot.commit(directory, 3, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
+                    4, "h", extra={"jit": {"writer": 1}})
+    assert json.loads((directory / snapshot.MANIFEST).read_text())["jit"] == {"writer": 1}
