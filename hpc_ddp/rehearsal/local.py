@@ -30,7 +30,7 @@ from typing import IO
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir import losses
 from hpc_ddp.core.hostlist import compress_hostlist
-from hpc_ddp.rehearsal.local_inject import SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text, unfired
+from hpc_ddp.rehearsal.local_inject import KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text, unfired
 from hpc_ddp.core.codes import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
@@ -170,7 +170,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             if rank:
                 out.close()  # type: ignore[union-attr]
         on_step = injector(procs, events if events is not None else [], err, watch, kills,
-                           skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen)
+                           skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen,
+                           kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0))
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
                                                   script_progress(config_path), watch), daemon=True)
         tee.start()

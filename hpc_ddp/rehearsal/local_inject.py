@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,12 +18,13 @@ from typing import IO
 Injection = tuple[int, Callable[[], tuple[str, list[int]]]]  # (step, which node's ranks) of --fail-at, --freeze-at
 
 SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop this late
+KILL_DELAY_VAR = "HPC_DDP_LOCAL_KILL_DELAY_S"  # fault injection: --fail-at's SIGKILL lands this long after the step
 
 
 def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
              err: IO[str], watch: dict[str, object] | None = None, kills: list[Injection] | None = None,
              skew_s: float = 0.0, freezes: list[Injection] | None = None,
-             frozen: list[int] | None = None) -> Callable[[int], None]:
+             frozen: list[int] | None = None, kill_delay_s: float = 0.0) -> Callable[[int], None]:
     """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
     (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``); each of
     ``freezes`` SIGSTOPs them and what they started (``--freeze-at``), noting their ranks in ``frozen``.
@@ -36,12 +38,13 @@ def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]]
             at, kill = kills.pop(0)
             node, ranks = kill()
             err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): SIGKILL to its "
-                      f"{ranks_text(ranks)}\n")
+                      f"{ranks_text(ranks)}" + (f" {kill_delay_s:.3f} s later" if kill_delay_s else "") + "\n")
             if watch is not None:
                 watch["lost"] = (node, ranks)
-            for rank in ranks:
-                if procs[rank].poll() is None:
-                    os.killpg(procs[rank].pid, signal.SIGKILL)
+            if kill_delay_s:  # a point inside the next step (B11): the rank 0 reader thread must not wait
+                threading.Timer(kill_delay_s, _kill, args=(procs, ranks)).start()
+            else:
+                _kill(procs, ranks)
         while freezes and step >= freezes[0][0]:
             at, freeze = freezes.pop(0)
             node, ranks = freeze()
@@ -62,6 +65,12 @@ def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]]
                 time.sleep(skew_s)
                 _signal(procs[0], signum)
     return on_step
+
+
+def _kill(procs: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
+    for rank in ranks:
+        if procs[rank].poll() is None:
+            os.killpg(procs[rank].pid, signal.SIGKILL)
 
 
 def _freeze(pid: int) -> None:
