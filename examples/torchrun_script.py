@@ -20,7 +20,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -89,7 +89,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False, sampler=DistributedSampler(data))
     trainer = Trainer(model, loader, torch.optim.SGD(model.parameters(), lr=1e-2), args.save_every, args.snapshot)
     trainer.train(args.epochs)
-    destroy_process_group()
+    barrier()  # every rank done with its last collective before any tears the group down (a gloo peer that
+    destroy_process_group()  # closed first aborted the other at exit, "terminate called", under load)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     attempts = read_attempts(hung)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("hung", 0), ("finished", 1)]
     assert attempts[0]["stuck_ranks"] == [1] and attempts[1]["healed"]["how"] == "replaced"
+    assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22  # the waiting ranks wrote it
     assert "rank 1 was stuck (watchdog)" in attempts[1]["healed"]["excluded"]["n2"]  # ranks 0-1 are on n2
     assert json.loads((hung / "DONE.json").read_text())["params_sha256"] == expected
 
@@ -118,6 +119,8 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     attempts = read_attempts(frozen)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     assert attempts[0]["lost_ranks"] == [1] and attempts[0]["lost_hosts"] == ["n2"]  # ranks 0-1 are on n2
+    # rank 0 found it, and wrote step 22 (rank 1 froze in step 23) from its liveness thread before it left
+    assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, attempts
     assert "stopped beating" in attempts[1]["healed"]["excluded"]["n2"] and attempts[1]["hosts"] == "n[1,3]"
     assert "Restarts=0" in scontrol("show", "job", job)
     assert json.loads((frozen / "DONE.json").read_text())["params_sha256"] == expected

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpc_ddp.rank.checkpointer import reseed
-from hpc_ddp.rank.jit import Held, buffer_keys, fingerprint
+from hpc_ddp.rank.jit import Held, buffers, fingerprint
 from hpc_ddp.rundir import jit_files, slicing
 from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
@@ -29,7 +29,7 @@ def test_a_rank_holds_its_last_step_whole_until_its_optimizer_begins_the_next_up
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     position = {"sample": 0}
     held = Held({"model": model, "optimizer": optimizer, "position": position})
-    assert buffer_keys(model) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert set(buffers(model)) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     held.mark(7)
     marked = {k: v.clone() for k, v in model.state_dict().items()}
     position["sample"] += 8  # the next step draws its batch
@@ -59,8 +59,17 @@ def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_p
     assert jit_files.summary(tmp_path, 5, 0, 1) == {}  # no survivor said anything
     jit_files.offer(where, 2, {"rank": 2, "source": False, "why": "train.rng=saved: ..."})
     assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_fallback": "train.rng=saved: ..."}
+    from hpc_ddp.rundir import snapshot
+
     jit_files.offer(where, 0, {"rank": 0, "source": True, "step": 40, "host": "n1", "outcome": "committed step 40"})
-    assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1"}}
+    assert "jit_snapshot" not in jit_files.summary(tmp_path, 5, 0, 1)  # an offer is no commit: the manifest is
+    directory = snapshot.step_dir(tmp_path, 40)
+    directory.mkdir(parents=True)
+    snapshot.commit(directory, 40, [{"name": "jit-00000.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
+                    4, "h", extra={"jit": {"attempt": where.name, "writer": 0, "host": "n1", "took_s": 0.1}})
+    assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1",
+                                                                     "took_s": 0.1}}
+    assert jit_files.summary(tmp_path, 5, 1) == {}  # another attempt's snapshot is not this one's
     assert [o["rank"] for o in jit_files.offers(where, 4)] == [0, 2]  # read by name, rank by rank
 
 
@@ -142,3 +151,21 @@ def test_the_manifest_of_a_jit_snapshot_says_who_wrote_it(tmp_path: Path) -> Non
     snapshot.commit(directory, 3, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
                     4, "h", extra={"jit": {"writer": 1}})
     assert json.loads((directory / snapshot.MANIFEST).read_text())["jit"] == {"writer": 1}
+
+
+def test_a_survivor_that_comes_late_and_holds_another_state_withdraws_the_commit(tmp_path: Path) -> None:
+    """The writer waited for the offers it could get; one that came after its commit and differs (a replicated
+    dict that differed by rank, seen by a newcomer) takes the snapshot back: never resume from a mixture."""
+    from hpc_ddp.rank.jit import _check_commit
+    from hpc_ddp.rundir import snapshot
+
+    where = jit_files.folder(tmp_path, 5, 0)
+    directory = snapshot.step_dir(tmp_path, 50)
+    directory.mkdir(parents=True)
+    snapshot.commit(directory, 50, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
+                    4, "h", extra={"jit": {"attempt": where.name, "writer": 1, "fingerprint": 7}})
+    assert "same fingerprint" in _check_commit(tmp_path, where, 50, 50, {"rank": 0, "fingerprint": 7})
+    assert snapshot.committed_steps(tmp_path) == [50]
+    said = _check_commit(tmp_path, where, 50, 50, {"rank": 0, "fingerprint": 8})
+    assert said == "withdrew step 50: rank 1 wrote another state than rank 0 holds"
+    assert snapshot.committed_steps(tmp_path) == []

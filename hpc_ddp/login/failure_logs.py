@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from hpc_ddp.core.codes import PEER_SYMPTOMS
+
 # What a rank says when a peer died under it: never the cause. Matched in the log's last lines.
-PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                 "caused by a remote worker crashing", "remote process exited", "NCCL communicator was aborted")
+
 _RANK_PART = re.compile(r"rank-\d+|_\d+_log")  # attempt-0-rank-3.log, 1234_3_log.err (submitit, task 3)
 
 

@@ -57,6 +57,7 @@ from hpc_ddp.rank.tracked import state_of, unwrap
 from hpc_ddp.rundir import jit_files, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
+OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other survivors' offers before comparing
 
 
 class Held:
@@ -67,7 +68,11 @@ class Held:
         self.step: int | None = None
         self.updates = 0  # optimizer updates begun since the last boundary
         self.copies: dict[str, Any] = {}
-        self._buffers = {name: buffer_keys(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
+        # found once: the buffers' tensors (updated in place by the forward) and each optimizer group's
+        # parameter indices as its state_dict numbers them (they never change)
+        self._buffers = {name: buffers(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
+        self._params = {name: [g["params"] for g in obj.state_dict()["param_groups"]]
+                        for name, obj in tracked.items() if isinstance(obj, torch.optim.Optimizer)}
         for obj in tracked.values():
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._began)
@@ -81,12 +86,12 @@ class Held:
         self.copies = {name: self._copy(name, obj) for name, obj in self.tracked.items()}
 
     def _copy(self, name: str, obj: Any) -> Any:
-        if isinstance(obj, torch.optim.Optimizer):
-            return copy.deepcopy(obj.state_dict()["param_groups"])  # learning rates and the like: small
+        """What ``obj``'s state needs from now (tens of microseconds for a model, its optimizer and a sampler)."""
+        if isinstance(obj, torch.optim.Optimizer):  # its groups' settings, numbered as state_dict() numbers them
+            return [{**{k: copy.copy(v) for k, v in group.items() if k != "params"}, "params": params}
+                    for group, params in zip(obj.param_groups, self._params[name])]
         if isinstance(obj, torch.nn.Module):
-            module = unwrap(obj)
-            return {key: tensor.detach().clone() for key, tensor in module.state_dict(keep_vars=True).items()
-                    if key in self._buffers[name]}
+            return {key: tensor.detach().clone() for key, tensor in self._buffers[name].items()}
         return copy.deepcopy(state_of(obj))
 
     def whole(self) -> tuple[int, dict[str, Any]] | str:
@@ -108,11 +113,11 @@ class Held:
         return self.step, state
 
 
-def buffer_keys(module: torch.nn.Module) -> set[str]:
-    """The state_dict keys of a module's buffers (they change in the forward; parameters only in step())."""
+def buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's buffers by state_dict key (they change in the forward; parameters only in step())."""
     inner = unwrap(module)
     params = {id(p) for p in inner.parameters()}
-    return {key for key, value in inner.state_dict(keep_vars=True).items() if id(value) not in params}
+    return {key: value for key, value in inner.state_dict(keep_vars=True).items() if id(value) not in params}
 
 
 def why_not(run: Any) -> str | None:
@@ -123,6 +128,17 @@ def why_not(run: Any) -> str | None:
         return (f"per_rank objects ({', '.join(sorted(run.per_rank))}) are not mirrored to another node: a lost "
                 "rank's died with it")
     return None
+
+
+def warn_unprotected(run: Any) -> None:
+    """Rank 0, at resume: a run that can have no just-in-time snapshot and takes no periodic one would lose
+    everything since its start to a failure; say so now, not after the failure."""
+    reason, cfg = why_not(run), run.config.snapshot
+    if reason and run.env.is_main and not cfg.every_steps and not cfg.every_minutes:
+        log.warning("a failure would lose every step since the start: the survivors can write no snapshot (%s) "
+                    "and snapshot.every_steps and snapshot.every_minutes are null.\nHINT: set "
+                    "snapshot.every_steps=N (or every_minutes), or track no per_rank objects with train.rng=derived",
+                    reason)
 
 
 def fingerprint(state: dict[str, Any], step: int, skip_buffers: dict[str, set[str]]) -> int:
@@ -154,15 +170,15 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
             log.warning("no just-in-time snapshot from this rank: %s", held)
             return offer
         step, state = held
-        skip = {name: run.held._buffers[name] for name, obj in run.tracked.items()
+        skip = {name: set(run.held._buffers[name]) for name, obj in run.tracked.items()
                 if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
         jit_files.offer(folder, env.rank, offer)
         newest = snapshot.committed_steps(run.run_dir)
         if newest and newest[0] >= step:
-            offer.update(outcome=f"step {newest[0]} is committed already")
+            offer.update(outcome=_check_commit(run.run_dir, folder, step, newest[0], offer))
         elif not jit_files.claim(folder, step):
-            offer.update(outcome=f"another survivor claimed step {step}")
+            offer.update(outcome=_claimed_by_another(run.run_dir, step))
         else:
             offer.update(outcome=_write(run, folder, step, state, offer, started))
         jit_files.offer(folder, env.rank, offer)
@@ -177,6 +193,36 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         return offer
 
 
+def _check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dict[str, Any]) -> str:
+    """This source came after the step was committed: if another survivor's snapshot of the same step holds
+    another state than this rank (their fingerprints differ), withdraw it (the manifest is renamed away before
+    any rank of the next step can read it: they start once every rank of this one has exited)."""
+    if newest != step:
+        return f"step {newest} is committed already"
+    directory = snapshot.step_dir(run_dir, step)
+    manifest = snapshot.read_manifest(directory) or {}
+    record = manifest.get("jit")
+    if not isinstance(record, dict) or record.get("attempt") != folder.name:
+        return f"step {step} is committed already"
+    if record.get("fingerprint") == offer["fingerprint"]:
+        return f"step {step} committed by another survivor (same fingerprint)"
+    os.replace(directory / snapshot.MANIFEST, directory / f"{snapshot.MANIFEST}.withdrawn")
+    log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than this rank holds",
+              step, record.get("writer"))
+    return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
+
+
+def _claimed_by_another(run_dir: Path, step: int, wait_s: float = 10.0) -> str:
+    """Another survivor writes the step: wait a little for its commit (this rank's exit would free ranks that
+    wait on it, but also tells the batch shell the step ended), and say what came of it."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if step in snapshot.committed_steps(run_dir):
+            return f"step {step} committed by another survivor"
+        time.sleep(0.1)
+    return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
+
+
 def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float) -> str:
     """The claimed step's file and, if no other source disagrees, its manifest: the snapshot is committed."""
     env, ckpt = run.env, run.checkpointer
@@ -188,6 +234,7 @@ def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict
     entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(env.rank))
     if run.held.updates:  # written from the liveness thread while the training thread began an update
         return "not committed: this rank's optimizer began an update while the state was written"
+    time.sleep(max(0.0, OFFER_WAIT_S - (time.monotonic() - started)))  # the other survivors' offers come in
     others = [o for o in jit_files.offers(folder, env.world_size) if o.get("source") and o.get("step") == step]
     differing = sorted(o["rank"] for o in others if o.get("fingerprint") != offer["fingerprint"])
     if differing:
@@ -195,6 +242,7 @@ def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict
         return f"not committed: ranks {differing} hold another state of step {step} than rank {env.rank}"
     took = round(time.monotonic() - started, 3)
     record = {"attempt": folder.name, "writer": env.rank, "host": offer["host"], "took_s": took,
+              "fingerprint": offer["fingerprint"],
               "sources": sorted(o["rank"] for o in others), "after": offer["error"]}
     snapshot.commit(directory, step, [{**entry, "slices": [0], "ranks": [], "digest": slicing.layout_digest(split)}],
                     env.world_size, ckpt.config_hash if ckpt else "", ckpt.config if ckpt else None, split=split,

@@ -165,6 +165,7 @@ class Run:
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
         if self.held is not None:
             self.held.mark(self.step)
+            jit.warn_unprotected(self)
         for obj in self.tracked.values():
             if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
                 settle_buckets_on_first_forward(obj)

@@ -34,7 +34,7 @@ from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError
-from hpc_ddp.core.codes import EXIT_ERROR
+from hpc_ddp.core.codes import EXIT_ERROR, PEER_SYMPTOMS
 from hpc_ddp.rundir.ledger import attempt_fields, cap_reached, caps, note_error, read_attempts, record_error
 from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.codes import EXIT_LOCKED
@@ -207,6 +207,12 @@ def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str,
     return {**environ, "MASTER_PORT": str(cfg.dist.master_port)}
 
 
+def peer_lost(err: BaseException) -> bool:
+    """A collective failed because a peer's process died (its sockets closed): the failure is the peer's, and
+    this rank's traceback only says where it waited."""
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_SYMPTOMS)
+
+
 def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
     """One task's attempt; its exit code. ``early``: the flag ``python -m hpc_ddp.worker`` installed before it
     imported anything (:data:`hpc_ddp.core.stopping.EARLY_SIGNALS`)."""
@@ -226,6 +232,10 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1 if err.retry_may_help else EXIT_ERROR  # 1: a failure, settled and capped by max_failures
-    except Exception:
-        log.exception("training failed")
+    except Exception as err:
+        if peer_lost(err):  # where this rank waited is no news; what the survivors wrote is in the log above
+            log.error("a peer rank was lost, so this rank's collective failed (%s: %s)", type(err).__name__,
+                      str(err).splitlines()[0])
+        else:
+            log.exception("training failed")
         return 1

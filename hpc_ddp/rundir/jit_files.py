@@ -63,6 +63,13 @@ def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job:
     writer, seconds) or why there is none (``jit_fallback``); empty when no survivor said anything (snapshot.jit
     off, a script, or every rank died)."""
     where = folder(run_dir, job_id, restart_count, in_job)
+    from hpc_ddp.rundir.snapshot import committed  # manifests only: no torch
+
+    for step, manifest in committed(Path(run_dir)):  # the manifest is the commit: it, not an offer, decides
+        record = manifest.get("jit")
+        if isinstance(record, dict) and record.get("attempt") == where.name:
+            return {"jit_snapshot": {"step": step, "writer": record.get("writer"), "host": record.get("host"),
+                                     "took_s": record.get("took_s")}}
     try:
         names = sorted(p.name for p in where.glob("rank-*.json"))
     except OSError:
@@ -75,9 +82,5 @@ def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job:
             continue
     if not said:
         return {}
-    done = [o for o in said if str(o.get("outcome", "")).startswith("committed")]
-    if done:
-        best = max(done, key=lambda o: o["step"])
-        return {"jit_snapshot": {"step": best["step"], "writer": best["rank"], "host": best.get("host")}}
     reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
     return {"jit_fallback": "; ".join(reasons)[:500]}
