@@ -33,6 +33,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", f"run_dir={run_dir}",
                            "train.task=tests.tasks:Faulty", "slurm.nodes=1", "slurm.tasks_per_node=2",
                            "train.max_steps=40", "train.log_every=1", "snapshot.every_steps=10",
+                           "snapshot.jit=false",  # the replay of steps 21-25 is what the sinks must rewind
                            "slurm.max_failures=1", "metrics.tensorboard=true", "metrics.wandb=true",
                            "metrics.wandb_mode=offline", "--preempt-at", "27"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
