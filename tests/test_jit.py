@@ -169,3 +169,22 @@ def test_a_survivor_that_comes_late_and_holds_another_state_withdraws_the_commit
     said = _check_commit(tmp_path, where, 50, 50, {"rank": 0, "fingerprint": 8})
     assert said == "withdrew step 50: rank 1 wrote another state than rank 0 holds"
     assert snapshot.committed_steps(tmp_path) == []
+
+
+def test_rank_0_warns_at_resume_when_a_failure_would_lose_everything(caplog: pytest.LogCaptureFixture) -> None:
+    """No survivors' snapshot possible (a per_rank object) and no periodic one: say so before the failure."""
+    import logging
+    from types import SimpleNamespace
+
+    from hpc_ddp.core.config import RunConfig
+    from hpc_ddp.rank.jit import warn_unprotected
+
+    cfg = RunConfig()
+    cfg.snapshot.every_steps, cfg.snapshot.every_minutes = None, None
+    run = SimpleNamespace(config=cfg, per_rank={"batch": object()}, env=SimpleNamespace(is_main=True))
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
+        warn_unprotected(run)
+        cfg.snapshot.every_steps = 10
+        warn_unprotected(run)  # a periodic snapshot bounds the loss: nothing to say
+    [record] = caplog.records
+    assert "would lose every step since the start" in record.getMessage() and "(batch)" in record.getMessage()
