@@ -122,7 +122,7 @@ def worker(rank: int, world: int, tasks: int, port: int, run_dir: Path, megabyte
         for load in (("spread", "every_rank", "flat") if round_ % 2 == 0 else ("flat", "every_rank", "spread")):
             # flat: spread as before issue 36, every slice broadcast to every rank over one group
             spread.share = two_levels if load != "flat" else (  # type: ignore[assignment]
-                lambda buffer, reader, groups, rank: control.broadcast(buffer, reader))
+                lambda buffer, reader, groups: control.broadcast(buffer, reader))
             if env.rank == 0:
                 drop_pages(run_dir)
             dist.barrier()

@@ -190,14 +190,11 @@ class Checkpointer:
         rngs = self._gather_rng(rng)
         if rngs is None:
             return None
-        skeleton, tensors = slicing.split(state)
-        split = slicing.layout_for(tensors, self.env.num_nodes, self.cfg.replicas)
-        held = slicing.slices_of(self.env.node_rank, self.env.num_nodes, self.cfg.replicas)
-        pieces = slicing.pieces_for(split, tensors, held, copy=not staged)
+        content, split, held = slicing.node_content(state, self.env.node_rank, self.env.num_nodes, self.cfg.replicas,
+                                                    rngs, copy=not staged)
         if staged:
-            pieces = self._staging = stage(pieces, self._staging)
-        return {"content": {"format": slicing.FORMAT, "skeleton": skeleton, "pieces": pieces, "rng": rngs},
-                "layout": split, "slices": held, "ranks": sorted(rngs)}
+            content["pieces"] = self._staging = stage(content["pieces"], self._staging)
+        return {"content": content, "layout": split, "slices": held, "ranks": sorted(rngs)}
 
     def _write(self, step: int, payload: dict[str, Any]) -> dict[str, Any]:
         """This node's file; its manifest entry (the layout's digest: the commit checks all writers agree)."""

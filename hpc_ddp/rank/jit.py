@@ -217,7 +217,7 @@ def _claimed_by_another(run_dir: Path, step: int, wait_s: float = 10.0) -> str:
     wait on it, but also tells the batch shell the step ended), and say what came of it."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if step in snapshot.committed_steps(run_dir):
+        if snapshot.read_manifest(snapshot.step_dir(run_dir, step)) is not None:
             return f"step {step} committed by another survivor"
         time.sleep(0.1)
     return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
@@ -226,10 +226,7 @@ def _claimed_by_another(run_dir: Path, step: int, wait_s: float = 10.0) -> str:
 def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float) -> str:
     """The claimed step's file and, if no other source disagrees, its manifest: the snapshot is committed."""
     env, ckpt = run.env, run.checkpointer
-    skeleton, tensors = slicing.split(state)
-    split = slicing.layout_for(tensors, 1, 1)
-    pieces = slicing.pieces_for(split, tensors, slicing.slices_of(0, 1, 1), copy=False)
-    content = {"format": slicing.FORMAT, "skeleton": skeleton, "pieces": pieces, "rng": {}}
+    content, split, held = slicing.node_content(state, 0, 1, 1, {}, copy=False)  # one file, the whole state
     directory = snapshot.step_dir(run.run_dir, step)
     entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(env.rank))
     if run.held.updates:  # written from the liveness thread while the training thread began an update
@@ -244,7 +241,7 @@ def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict
     record = {"attempt": folder.name, "writer": env.rank, "host": offer["host"], "took_s": took,
               "fingerprint": offer["fingerprint"],
               "sources": sorted(o["rank"] for o in others), "after": offer["error"]}
-    snapshot.commit(directory, step, [{**entry, "slices": [0], "ranks": [], "digest": slicing.layout_digest(split)}],
+    snapshot.commit(directory, step, [{**entry, "slices": held, "ranks": [], "digest": slicing.layout_digest(split)}],
                     env.world_size, ckpt.config_hash if ckpt else "", ckpt.config if ckpt else None, split=split,
                     refuses_resize=ckpt.refuses_resize if ckpt else None, extra={"jit": record})
     log.warning("just-in-time snapshot of step %d committed in %s (%.2f s): the run resumes from it", step,

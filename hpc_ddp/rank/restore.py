@@ -51,9 +51,9 @@ def load(run: Run, restored: Any) -> None:
     rng = dict(restored.rng) if restored.rng is not None else None
     load_per_rank(run, rng.pop(PER_RANK, None) if rng else None, restored)
     report_changes(run, restored, built)
-    if rng is not None and run.config.train.rng == "saved":
-        restore_rng(rng)
-    else:  # train.rng=derived (as at every boundary), or this rank's saved state is lost
+    if rng is not None:
+        restore_rng(rng)  # train.rng=derived reseeds after it (Run.resume), as at every boundary
+    else:
         reseed(run.config.train.seed, run.step, run.rank)
 
 def refuse_batch_change(run: Run, restored: Any) -> None:

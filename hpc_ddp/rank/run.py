@@ -159,9 +159,9 @@ class Run:
             self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
-            restore.load(self, restored)  # reseeds the RNGs for this step under train.rng=derived
-        elif self.config.train.rng == "derived":
-            reseed(self.config.train.seed, self.step, self.rank)
+            restore.load(self, restored)
+        if self.config.train.rng == "derived":
+            reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
         if self.held is not None:
             self.held.mark(self.step)

@@ -173,7 +173,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                           beat=watchdog.beat)
                 attempt.after_failure = functools.partial(jit.after_failure, run)
                 if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
-                    attempt.liveness.before_exit = lambda message: jit.after_failure(run, PeerLost(message))
+                    attempt.liveness.before_exit = lambda message: attempt.after_failure(PeerLost(message))
                 try:
                     yield run
                 except LoopIgnoredStop as err:  # the stop snapshot is committed: end the attempt as that stop
@@ -183,7 +183,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 except HpcDdpError:
                     raise  # the program's own error (explained): it fails the same way after any resume
                 except Exception as err:  # a collective failed (a peer died), or the program crashed
-                    jit.after_failure(run, err)
+                    attempt.after_failure(err)
                     raise
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)

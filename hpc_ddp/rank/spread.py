@@ -109,7 +109,7 @@ def load(choice: snapshot.Choice, env: DistEnv, groups: Groups) -> tuple[dict[st
             read += buffer.numel()
         else:
             buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        share(buffer, who[s], groups, env.rank)
+        share(buffer, who[s], groups)
         offset = 0
         for i, size in zip(indices, sizes):
             dtype = getattr(torch, shapes[i][0])
@@ -119,7 +119,7 @@ def load(choice: snapshot.Choice, env: DistEnv, groups: Groups) -> tuple[dict[st
     return state, read
 
 
-def share(buffer: torch.Tensor, reader: int, groups: Groups, rank: int) -> None:
+def share(buffer: torch.Tensor, reader: int, groups: Groups) -> None:
     """Collective: ``reader``'s bytes into every rank's ``buffer``: to the other nodes' leaders, then within
     each node from its leader (global ranks name the source in a subgroup too)."""
     if groups.between is not None:

@@ -235,6 +235,17 @@ def pieces_for(layout: Mapping[str, Any], tensors: Sequence[tuple[Path_, torch.T
     return out
 
 
+def node_content(state: Any, node: int, nodes: int, replicas: int, rng: Any,
+                 copy: bool = True) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
+    """(what node ``node``'s file holds: the skeleton, its slices' pieces and ``rng``; the layout over ``nodes``;
+    the slices it holds). A periodic snapshot's writers and a just-in-time snapshot's (one node) alike."""
+    skeleton, tensors = split(state)
+    layout = layout_for(tensors, nodes, replicas)
+    held = slices_of(node, nodes, replicas)
+    pieces = pieces_for(layout, tensors, held, copy=copy)
+    return {"format": FORMAT, "skeleton": skeleton, "pieces": pieces, "rng": rng}, layout, held
+
+
 def assemble(layout: Mapping[str, Any], skeleton: Any, pieces: Mapping[int, torch.Tensor]) -> Any:
     """The replicated state again: ``skeleton`` with every tensor put back from its pieces."""
     import torch
