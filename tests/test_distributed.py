@@ -43,24 +43,34 @@ def test_more_tasks_than_gpus_is_a_geometry_error() -> None:
         device_index(env(0, 4), 2)
 
 
-def _rank_main(environ: dict[str, str], results: "multiprocessing.Queue[tuple[int, float, bool, bool]]") -> None:
+def _timeout_s(group: object) -> float:
+    import torch
+
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # type: ignore[attr-defined]
+
+
+def _rank_main(environ: dict[str, str], results: "multiprocessing.Queue[tuple[int, float, bool, bool, float, float]]") -> None:
     import os
 
     os.environ.update(environ)
+    from hpc_ddp.rank import control
     from hpc_ddp.rank.distributed import all_mean, any_rank, init_process_group, teardown
 
     dist_env = from_environ(environ)
     device = init_process_group(dist_env, DistConfig(backend="gloo", timeout_s=30))
     assert init_process_group(dist_env, DistConfig(backend="gloo", timeout_s=30)) == device  # idempotent
     mean = all_mean(float(dist_env.rank), device)
-    results.put((dist_env.rank, mean, any_rank(dist_env.rank == 2, device), any_rank(False, device)))
+    # the control group and its subgroups time out with the training group (2 x 30 + 30 s), not new_group's 30 minutes
+    node = control.subgroup([dist_env.rank - dist_env.local_rank, dist_env.rank - dist_env.local_rank + 1])
+    results.put((dist_env.rank, mean, any_rank(dist_env.rank == 2, device), any_rank(False, device),
+                 _timeout_s(control.group()), _timeout_s(node)))
     teardown()
     teardown()
 
 
 def test_real_gloo_collectives_across_four_processes() -> None:
     got = spawn_ranks(_rank_main, 2, 2, timeout=120)
-    assert got == [(r, 1.5, True, False) for r in range(4)]
+    assert got == [(r, 1.5, True, False, 90.0, 90.0) for r in range(4)]
 
 
 def test_failure_envs_reason_for_mode_1_is_what_torch_says_mode_1_does() -> None:

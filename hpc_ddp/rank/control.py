@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 _GROUP: Any = None  # the gloo group when the training backend is another; None: the default group is gloo
 _OPEN = False  # open_group ran for the current process group
+_TIMEOUT: Any = None  # the training group's timeout; dist.new_group would default to 30 minutes whatever it was
 
 
 def needs_own_group(backend: str) -> bool:
@@ -43,22 +44,24 @@ def needs_own_group(backend: str) -> bool:
     return True
 
 
-def open_group(backend: str, own: bool | None = None) -> None:
+def open_group(backend: str, own: bool | None = None, timeout: Any = None) -> None:
     """Collective: the control group for this process group. ``own=False`` puts the control traffic on the
     default group when it is gloo (only for measurements: B2's cost of the separate group); None decides by
-    :func:`needs_own_group`."""
-    global _GROUP, _OPEN
+    :func:`needs_own_group`. ``timeout`` (a timedelta) is the training group's: without it ``dist.new_group``
+    gives the control group and every subgroup 30 minutes, whatever the process group was given."""
+    global _GROUP, _OPEN, _TIMEOUT
+    _TIMEOUT = timeout
     if _OPEN:  # a process group the program made itself, joined again by hpc_ddp.session(): already there
         return
     own_group = needs_own_group(backend) if own is None else (own or backend != "gloo")  # never on NCCL
     with lazily():
-        _GROUP = dist.new_group(backend="gloo") if own_group else None
+        _GROUP = dist.new_group(backend="gloo", timeout=timeout) if own_group else None
     _OPEN = True
 
 
 def close_group() -> None:
-    global _GROUP, _OPEN
-    _GROUP, _OPEN = None, False
+    global _GROUP, _OPEN, _TIMEOUT
+    _GROUP, _OPEN, _TIMEOUT = None, False, None
 
 
 def group() -> Any:
@@ -132,7 +135,7 @@ def barrier() -> None:
 def subgroup(ranks: list[int]) -> Any:
     """A gloo group of some ranks (collective among them alone)."""
     with lazily():
-        return dist.new_group(ranks, use_local_synchronization=True, backend="gloo")
+        return dist.new_group(ranks, use_local_synchronization=True, backend="gloo", timeout=_TIMEOUT)
 
 
 LAZY_VAR = "TORCH_GLOO_LAZY_INIT"

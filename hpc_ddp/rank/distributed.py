@@ -171,15 +171,15 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     backend = choose_backend(cfg.backend, torch.cuda.is_available())
     device = device_for(backend, env)
     enough_open_files(env)
+    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck ranks
+    # and dumps the flight recorder; the collectives' own timeout only says "timed out", so it comes later.
+    timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
     if dist.is_available() and dist.is_initialized():  # the program made it (e.g. before hpc_ddp.session())
-        control.open_group(dist.get_backend(), own_control_group)
+        control.open_group(dist.get_backend(), own_control_group, timeout)
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
     target.update(failure_env(target, dumps, new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
-    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck ranks
-    # and dumps the flight recorder; the collectives' own timeout only says "timed out", so it comes later.
-    timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     device_id = device if device.type == "cuda" else None
@@ -191,7 +191,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     else:
         dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error), rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
-    control.open_group(backend, own_control_group)
+    control.open_group(backend, own_control_group, timeout)
     return device
 
 
