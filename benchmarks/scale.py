@@ -58,7 +58,8 @@ def worker(rank: int, world: int, tasks_per_node: int, port: int, out: str, scra
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
     from hpc_ddp.rank import control, replication
-    from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng
+    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.rng import capture_rng
 
     torch.set_num_threads(1)
     nodes = max(1, world // tasks_per_node)

@@ -48,7 +48,7 @@ def _checkpointer(run_dir: Path) -> Any:
 
 def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(a checkpointer in a fresh ``run_dir``, its step counter, a timed sync save of ``state`` at the next step)."""
-    from hpc_ddp.rank.checkpointer import capture_rng
+    from hpc_ddp.rank.rng import capture_rng
 
     shutil.rmtree(run_dir, ignore_errors=True)
     ckpt = _checkpointer(run_dir)
@@ -64,7 +64,7 @@ def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
 def snapshot_figures(megabytes: float, directory: Path, repeats: int, device: str = "cpu") -> dict[str, Any]:
     """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load.
     ``device="cuda"``: the state lives on the GPU (B2-GPU), so each snapshot copies it to the host first."""
-    from hpc_ddp.rank.checkpointer import capture_rng
+    from hpc_ddp.rank.rng import capture_rng
 
     model, state = state_of(megabytes, device)
     buffer = io.BytesIO()

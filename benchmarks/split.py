@@ -38,7 +38,8 @@ def worker(rank: int, world: int, port: int, run_dir: Path, replicas: int, megab
     import torch.distributed as dist
 
     from benchmarks.snapshots import state_of
-    from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng
+    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.rng import capture_rng
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import DistEnv
 

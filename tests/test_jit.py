@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_ddp.rank.checkpointer import reseed
+from hpc_ddp.rank.rng import reseed
 from hpc_ddp.rank.jit import Held, buffers, fingerprint
 from hpc_ddp.rundir import jit_files, slicing
 from hpc_ddp.rundir.ledger import read_attempts

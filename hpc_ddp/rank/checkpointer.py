@@ -18,9 +18,7 @@ held it; when that file is bad, or the world size changed, the Run reseeds it an
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from hpc_ddp.rank import control, spread
@@ -37,42 +34,6 @@ from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
-
-
-def capture_rng() -> dict[str, Any]:
-    """This rank's RNG states (Python, NumPy, torch CPU, CUDA where present) as plain values.
-
-    Plain lists, not tensors: they travel through all_gather_object (which mishandles
-    tensors in torch 2.13) and load under weights_only=True.
-    """
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state().tolist(),
-                             "numpy": (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
-def reseed(seed: int, step: int, rank: int) -> None:
-    """Every RNG of this rank from (seed, step, rank) alone: ``train.rng=derived`` at every boundary and resume,
-    and the deterministic substitute when a saved RNG state is lost. About 7 µs on a CPU: the torch generator
-    is seeded directly (``torch.manual_seed`` also walks every other device type, 95 µs), CUDA's only where it
-    is in use."""
-    value = int.from_bytes(hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest(), "little")
-    random.seed(value)
-    np.random.seed(value % 2**32)
-    torch.default_generator.manual_seed(value)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(value)
 
 
 def stage(value: Any, old: Any = None) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.rank.checkpointer import capture_rng, restore_rng
+from hpc_ddp.rank.rng import capture_rng, restore_rng
 
 
 def settle_buckets_on_first_forward(ddp: DistributedDataParallel) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from hpc_ddp.rank import control
 from hpc_ddp.core.errors import UsageError, explain
+from hpc_ddp.rank.tracked import unwrap
 
 WHOLE_BYTES = 16 * 1024  # tensors up to this size are hashed byte for byte; larger ones by their row sums
 FUSED_BYTES = 1 << 20  # on a GPU, tensors up to this size share one reduction; larger ones are summed alone
@@ -211,3 +212,14 @@ def check(states: Mapping[str, Any], step: int, modules: Set[str] = frozenset())
         f"(first at {key}: ranks {ranks} differ from rank 0)", hint=f"if {name} should be the same everywhere, "
         f"{alike}; if each rank has its own, track it per rank: run.resume({name}=hpc_ddp.per_rank({name}))"),
         key=name)
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over the state_dict: names in sorted order, each tensor's raw bytes."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(unwrap(model).state_dict().items()):
+        flat = tensor.detach().cpu().contiguous()
+        digest.update(name.encode())
+        # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
+        digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+    return digest.hexdigest()

@@ -13,7 +13,7 @@ import torch
 
 from hpc_ddp.rank import control
 from hpc_ddp.core.batching import geometry_change, snapshot_batch_problem
-from hpc_ddp.rank.checkpointer import reseed, restore_rng
+from hpc_ddp.rank.rng import reseed, restore_rng
 from hpc_ddp.core.config import config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import explain
 from hpc_ddp.rank.tracked import RunUsageError, load_into, resize_refused, restore_per_rank, unpack

@@ -20,8 +20,6 @@ after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_
 
 from __future__ import annotations
 
-import hashlib
-import ctypes
 import io
 import logging
 from collections.abc import Callable
@@ -33,20 +31,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.rank import control, jit, replication, restore
+from hpc_ddp.rank.replication import params_sha256
 from hpc_ddp.rank.restore import PER_RANK, STEP
-from hpc_ddp.rundir import layout, metrics_file
+from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import BatchPlan, plan
-from hpc_ddp.rank.checkpointer import Checkpointer, capture_rng, reseed
-from hpc_ddp.core.config import RunConfig, flat_values
+from hpc_ddp.rank.checkpointer import Checkpointer
+from hpc_ddp.rank.rng import capture_rng, reseed
+from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rank.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.tracked import PerRank, RunUsageError, check_trackable, pack, resize_refusal, state_of, unloadable, unwrap
-from hpc_ddp.rank.tracking import Sink, log_to, metric_value, open_sinks
+from hpc_ddp.rank.run_metrics import MetricsLog
 
 log = logging.getLogger("hpc_ddp.run")
 
@@ -54,17 +53,6 @@ log = logging.getLogger("hpc_ddp.run")
 class LoopIgnoredStop(RunUsageError):
     """The loop called run.boundary again after it returned True. The session ends the attempt as the stop
     it was (the stop snapshot is committed; the steps after it are dropped) and the ledger says so."""
-
-
-def params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over the state_dict: names in sorted order, each tensor's raw bytes."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(unwrap(model).state_dict().items()):
-        flat = tensor.detach().cpu().contiguous()
-        digest.update(name.encode())
-        # raw bytes in one copy (bytes(storage) walks element by element: 2 s for a small GPT)
-        digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
-    return digest.hexdigest()
 
 
 class Run:
@@ -95,7 +83,7 @@ class Run:
         self.finished: dict[str, Any] | None = None
         self._resumed = False
         self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
-        self._sinks: list[Sink] | None = None  # TensorBoard, W&B: opened by rank 0's first log_metrics
+        self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
 
     rank = property(lambda self: self.env.rank)
@@ -280,28 +268,12 @@ class Run:
         The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
         logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
         """
-        if not self.is_main:
-            return
-        values = {key: metric_value(key, value) for key, value in values.items()}
-        attempt = len(read_attempts(self.run_dir)) if self._sinks is None else None  # the attempt's first line
-        with open(layout.metrics(self.run_dir), "a") as out:  # its first line says where it resumed (readers)
-            out.write(metrics_file.line(step, values, resumed_from=self.resumed_from, attempt=attempt))
-        if self._sinks is None:
-            first = self.resumed_from or 0
-            sinks = open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config))
-            if sinks:
-                sinks = log_to(sinks, first, {"hpc_ddp/attempt": attempt})
-            self._sinks = sinks
-        self._sinks = log_to(self._sinks, step, values)
+        if self.is_main:
+            self.metrics.log(step, values, self.resumed_from)
 
     def close_metrics(self) -> None:
         """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
-        for sink in self._sinks or []:
-            try:
-                sink.close(self.stopped)
-            except Exception as err:  # a sink that fails to close must not turn a clean stop into a failure
-                log.warning("closing %s failed: %s", type(sink).__name__, err)
-        self._sinks = None
+        self.metrics.close(self.stopped)
 
     def model(self) -> torch.nn.Module | None:
         """The tracked model (named ``model``, else the first module tracked)."""

@@ -61,7 +61,7 @@ def test_own_loop_resumes_bit_exactly_on_nccl_with_cuda_rng_and_pinned_staging(t
 
 
 def test_cuda_rng_state_is_captured_and_restored() -> None:
-    from hpc_ddp.rank.checkpointer import capture_rng, restore_rng
+    from hpc_ddp.rank.rng import capture_rng, restore_rng
 
     torch.cuda.manual_seed(3)
     state = capture_rng()
