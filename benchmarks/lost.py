@@ -11,6 +11,10 @@ bit-identical to one that never failed (``params_sha256``). Compared with the pe
 the survivors' snapshot, a failure at step S with ``snapshot.every_steps=N`` loses ``S mod N`` steps,
 and with the default 30 minutes, 15 minutes of steps on average (computed from the same steps and the
 measured step rate: the periodic path itself is measured by B10 and the healing tests).
+
+``--per-rank`` runs ``tests.tasks.loops:nanogpt_shaped`` instead: per_rank objects (a prefetched batch, counters,
+a module of each rank's own) mirrored to a buddy on the other node (rank/mirror.py); a trial is exact when the
+whole DONE record (params_sha256 and every rank's own state) equals the reference's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ RUN = ["examples/own_loop_gpt.yaml", "--local", "slurm.spare_nodes=1", "train.ma
        "snapshot.every_steps=null", "snapshot.every_minutes=null"]
 
 
+PER_RANK = ["train.loop=tests.tasks.loops:nanogpt_shaped"]
+
+
 def rehearse(run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     shutil.rmtree(run_dir, ignore_errors=True)
     return subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *RUN, f"run_dir={run_dir}", *extra], cwd=ROOT,
@@ -46,10 +53,10 @@ def step_seconds(run_dir: Path) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def trial(run_dir: Path, step: int, delay_s: float, reference: str) -> dict[str, Any]:
+def trial(run_dir: Path, step: int, delay_s: float, reference: dict[str, Any], *extra: str) -> dict[str, Any]:
     from hpc_ddp.rundir.ledger import read_attempts
 
-    proc = rehearse(run_dir, "--fail-at", f"{step}:1", env={"HPC_DDP_LOCAL_KILL_DELAY_S": f"{delay_s:.4f}"})
+    proc = rehearse(run_dir, *extra, "--fail-at", f"{step}:1", env={"HPC_DDP_LOCAL_KILL_DELAY_S": f"{delay_s:.4f}"})
     attempts = read_attempts(run_dir)
     if proc.returncode != 0 or len(attempts) < 2:
         return {"step": step, "delay_s": round(delay_s, 4), "error": proc.stderr[-800:]}
@@ -58,22 +65,23 @@ def trial(run_dir: Path, step: int, delay_s: float, reference: str) -> dict[str,
     return {"step": step, "delay_s": round(delay_s, 4), "last_step": first.get("last_step"),
             "resumed_from": resumed, "lost": (first.get("last_step") or 0) - resumed,
             "jit": first.get("jit_snapshot"), "fallback": first.get("jit_fallback"),
-            "exact": _done(run_dir)["params_sha256"] == reference}
+            "exact": _done(run_dir) == reference}
 
 
-def b11(scratch: Path, trials: int = 30, seed: int = 11) -> dict[str, Any]:
+def b11(scratch: Path, trials: int = 30, seed: int = 11, per_rank: bool = False) -> dict[str, Any]:
+    extra = PER_RANK if per_rank else []
     reference_dir = scratch / "b11-reference"
-    proc = rehearse(reference_dir)
+    proc = rehearse(reference_dir, *extra)
     if proc.returncode != 0:
         raise RuntimeError(f"B11 reference run failed: {proc.stderr[-2000:]}")
-    reference, per_step = _done(reference_dir)["params_sha256"], step_seconds(reference_dir)
+    reference, per_step = _done(reference_dir), step_seconds(reference_dir)
     rng = random.Random(seed)
-    rows = [trial(scratch / "b11-trial", rng.randint(8, 32), rng.random() * per_step, reference)
+    rows = [trial(scratch / "b11-trial", rng.randint(8, 32), rng.random() * per_step, reference, *extra)
             for _ in range(trials)]
     good = [r for r in rows if "error" not in r]
     lost = [r["lost"] for r in good]
     every_50 = [r["step"] % 50 for r in good]
-    return {"trials": trials, "completed": len(good), "step_s": round(per_step, 4), "rows": rows,
+    return {"trials": trials, "per_rank": per_rank, "completed": len(good), "step_s": round(per_step, 4), "rows": rows,
             "lost_histogram": {str(k): lost.count(k) for k in sorted(set(lost))},
             "max_lost": max(lost, default=None), "jit_written": sum(1 for r in good if r["jit"]),
             "exact": sum(1 for r in good if r["exact"]),
@@ -85,4 +93,6 @@ def b11(scratch: Path, trials: int = 30, seed: int = 11) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(b11(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 30), indent=1))
+    args = [a for a in sys.argv[1:] if a != "--per-rank"]
+    print(json.dumps(b11(Path(args[0]), int(args[1]) if len(args) > 1 else 30, per_rank="--per-rank" in sys.argv),
+                     indent=1))

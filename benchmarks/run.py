@@ -160,11 +160,12 @@ def b9_on_slurm(scratch: Path, megabytes: float) -> dict[str, Any]:
     return b9_slurm(scratch, megabytes, 3, 2, {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)})
 
 
-def b11_lost(scratch: Path, trials: int) -> dict[str, Any]:
-    """B11 (benchmarks/lost.py): steps lost per failure at random points, with the survivors' snapshot."""
+def b11_lost(scratch: Path, trials: int, per_rank: bool = False) -> dict[str, Any]:
+    """B11 (benchmarks/lost.py): steps lost per failure at random points, with the survivors' snapshot (and with
+    per_rank objects mirrored to a buddy)."""
     from benchmarks.lost import b11
 
-    return b11(scratch, trials)
+    return b11(scratch, trials, per_rank=per_rank)
 
 
 def b10_healing() -> dict[str, Any]:
@@ -324,10 +325,12 @@ def table(results: dict[str, Any]) -> str:
                 f"{row['spread_s']} s, as before (one level) {row.get('flat_spread_s', '-')} s, every rank "
                 f"{row['every_rank_s']} s; a save's object bytes per non-zero rank "
                 f"{row['save_object_bytes_per_nonzero_rank']} | {s['target']} | {mark(s)} |")
-    if "B11" in b:
-        s = b["B11"]
-        rows.append(f"| B11 steps lost per failure, 2 x 2 rehearsal, a node SIGKILLed at {s['trials']} random points "
-                    f"inside steps ({s['step_s']} s each), no periodic snapshot | lost: "
+    for key, what in (("B11", ""), ("B11-PER-RANK", ", per_rank objects mirrored to a buddy")):
+        if key not in b:
+            continue
+        s = b[key]
+        rows.append(f"| {key} steps lost per failure, 2 x 2 rehearsal{what}, a node SIGKILLed at {s['trials']} random "
+                    f"points inside steps ({s['step_s']} s each), no periodic snapshot | lost: "
                     + ", ".join(f"{k} step(s) in {v}" for k, v in s["lost_histogram"].items())
                     + f" of {s['completed']} trials; survivors' snapshot written in {s['jit_written']}; bit-identical "
                     f"to the uninterrupted run in {s['exact']}; without it: every_steps=50 would have lost "
@@ -375,7 +378,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B12",
+    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B12",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -404,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B9-SLURM", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
                  ("B10", b10_healing), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
+                 ("B11-PER-RANK", lambda: b11_lost(scratch, 4 if quick else 30, per_rank=True)),
                  ("B12", lambda: b12_control_plane(quick))]
         for name, run in steps:
             if name in only:

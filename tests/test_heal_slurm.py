@@ -152,6 +152,39 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert "not healed in the job: slurm.max_restarts_in_job=0 in-job restarts used" in log
 
 
+PER_RANK = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=30",
+            "train.log_every=1", "snapshot.every_steps=null", "snapshot.every_minutes=null"]
+
+
+def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm_cluster: ClusterSpec,
+                                                                             tmp_path: Path) -> None:
+    """Issue 35 on the real cluster: an own loop with dropout and per_rank objects, no periodic snapshot. Rank 1
+    (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed, or frozen with SIGSTOP, in step 23: the
+    survivors' snapshot holds step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the
+    local rehearsal, every rank's own state included."""
+    def run(name: str, fault: str, *options: str) -> Path:
+        run_dir = tmp_path / name
+        local = ["--local"] if not fault else []
+        proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *PER_RANK, *options, *local,
+                               f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "HPC_DDP_TEST_FAULT": fault})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if fault:
+            wait_done(run_dir)
+        return run_dir
+
+    reference = run("reference", "")
+    for fault, options in (("kill:1:23", ()), ("stop:1:23", ("dist.liveness_s=6",))):
+        run_dir = run(fault.split(":")[0], fault, "slurm.spare_nodes=1", *options)
+        attempts = read_attempts(run_dir)
+        assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
+        assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, (fault, attempts)
+        manifest = json.loads((run_dir / "snapshots" / "step-00000022" / "manifest.json").read_text())
+        assert manifest["jit"]["per_rank_from"]["1"] == 3, manifest["jit"]  # rank 1's buddy
+        assert losses(run_dir) == losses(reference)
+        assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
+
+
 def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cluster: ClusterSpec,
                                                                         tmp_path: Path) -> None:
     """The emitted scripts (srun per task, torchrun per node), `sbatch`ed as a user would: rank 1 SIGKILLed at

@@ -64,6 +64,11 @@ def close_group() -> None:
     _GROUP, _OPEN, _TIMEOUT = None, False, None
 
 
+def timeout() -> Any:
+    """The training group's timeout (a timedelta; None before :func:`open_group`): every group made later takes it."""
+    return _TIMEOUT
+
+
 def group() -> Any:
     """The group control collectives take (None: the default group, which is gloo)."""
     return _GROUP
@@ -135,7 +140,7 @@ def barrier() -> None:
 def subgroup(ranks: list[int]) -> Any:
     """A gloo group of some ranks (collective among them alone)."""
     with lazily():
-        return dist.new_group(ranks, use_local_synchronization=True, backend="gloo", timeout=_TIMEOUT)
+        return dist.new_group(ranks, use_local_synchronization=True, backend="gloo", timeout=timeout())
 
 
 LAZY_VAR = "TORCH_GLOO_LAZY_INIT"

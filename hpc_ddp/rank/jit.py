@@ -16,9 +16,12 @@ stepped after boundary k holds no whole step: the code between ``step()`` and th
 
 **Per-rank state.** Under ``train.rng=derived`` every rank's RNGs are reseeded from (seed, step,
 rank) at every boundary and resume, so the lost ranks' randomness is known without a copy.
-``per_rank(...)`` objects are not mirrored to another node yet: with any of them, or with
-``train.rng=saved``, no snapshot is written and the run resumes from the last periodic one; the
-survivors' offers say why, and the batch shell's ledger line repeats it.
+``per_rank(...)`` objects are mirrored at every boundary to a buddy on another node
+(:mod:`hpc_ddp.rank.mirror`); each survivor leaves what it holds (its own state and its ward's) beside
+its offer, and the snapshot is committed only when every rank's state of the same step is there. When
+one is missing (a rank and its buddy both lost, a mirror a step behind), or with ``train.rng=saved``,
+nothing is committed and the run resumes from the last periodic snapshot; the offers say why, and the
+batch shell's ledger line repeats it.
 
 **Agreeing without the lost rank.** The process group is broken and its store may have been on
 the lost node, so the survivors meet in the run dir, which every node shares. Each survivor
@@ -27,7 +30,9 @@ holds whole and the state's fingerprint, or why it holds none). A source claims 
 creating ``claim-step-S`` exclusively (one writer per step, whichever comes first), writes the
 whole replicated state as one file, compares its fingerprint with every other offer of that step
 it can read (survivors that disagree: nothing is committed), and commits the manifest with a
-``jit`` entry (writer, seconds, the failure). A survivor that holds a newer step (it passed one
+``jit`` entry (writer, seconds, the failure). With per-rank state the survivor whose offer completes
+the set (the state file written, every rank's per-rank state of that step held by someone) commits,
+whoever it is: no survivor waits for another, so none keeps a blocked peer from contributing. A survivor that holds a newer step (it passed one
 more optimizer update before its collective failed) claims that one: resume takes the newest.
 It is an ordinary committed snapshot, verified like any other on resume.
 
@@ -51,7 +56,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank import replication
+from hpc_ddp.rank import jit_commit, replication
 from hpc_ddp.rank.restore import STEP
 from hpc_ddp.rank.tracked import state_of, unwrap
 from hpc_ddp.rundir import jit_files, slicing, snapshot
@@ -124,8 +129,8 @@ def why_not(run: Any) -> str | None:
     """Why this run can write no just-in-time snapshot whatever rank is lost, or None."""
     if run.config.train.rng != "derived":
         return "train.rng=saved: a lost rank's RNG state died with it (train.rng=derived derives it)"
-    if run.per_rank:
-        return (f"per_rank objects ({', '.join(sorted(run.per_rank))}) are not mirrored to another node: a lost "
+    if run.per_rank and getattr(run, "mirror", None) is None:
+        return (f"per_rank objects ({', '.join(sorted(run.per_rank))}) are not mirrored (one rank): a lost "
                 "rank's died with it")
     return None
 
@@ -162,12 +167,20 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
     offer: dict[str, Any] = {"rank": env.rank, "host": os.uname().nodename, "error": str(error).splitlines()[0][:300]
                              if str(error) else type(error).__name__, "time": round(time.time(), 3)}
     try:
+        mirror = getattr(run, "mirror", None)
+        if mirror is not None:  # this rank's per-rank state and its ward's, whatever this rank holds besides
+            blobs = mirror.held()
+            jit_files.write_blobs(folder, env.rank, blobs)
+            offer["blobs"] = {str(r): step for r, (step, _) in blobs.items()}
         reason = why_not(run)
         held = run.held.whole() if reason is None else reason
         if isinstance(held, str):
             offer.update(source=False, why=held)
             jit_files.offer(folder, env.rank, offer)
             log.warning("no just-in-time snapshot from this rank: %s", held)
+            if mirror is not None:  # its per-rank states may be what another survivor's snapshot lacks
+                offer.update(outcome=jit_commit.complete(run, folder))
+                jit_files.offer(folder, env.rank, offer)
             return offer
         step, state = held
         skip = {name: set(run.held._buffers[name]) for name, obj in run.tracked.items()
@@ -176,9 +189,10 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         jit_files.offer(folder, env.rank, offer)
         newest = snapshot.committed_steps(run.run_dir)
         if newest and newest[0] >= step:
-            offer.update(outcome=_check_commit(run.run_dir, folder, step, newest[0], offer))
+            offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, newest[0], offer))
         elif not jit_files.claim(folder, step):
-            offer.update(outcome=_claimed_by_another(run.run_dir, step))
+            offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
+                         else jit_commit.claimed_by_another(run.run_dir, step))
         else:
             offer.update(outcome=_write(run, folder, step, state, offer, started))
         jit_files.offer(folder, env.rank, offer)
@@ -193,57 +207,16 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         return offer
 
 
-def _check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dict[str, Any]) -> str:
-    """This source came after the step was committed: if another survivor's snapshot of the same step holds
-    another state than this rank (their fingerprints differ), withdraw it (the manifest is renamed away before
-    any rank of the next step can read it: they start once every rank of this one has exited)."""
-    if newest != step:
-        return f"step {newest} is committed already"
-    directory = snapshot.step_dir(run_dir, step)
-    manifest = snapshot.read_manifest(directory) or {}
-    record = manifest.get("jit")
-    if not isinstance(record, dict) or record.get("attempt") != folder.name:
-        return f"step {step} is committed already"
-    if record.get("fingerprint") == offer["fingerprint"]:
-        return f"step {step} committed by another survivor (same fingerprint)"
-    os.replace(directory / snapshot.MANIFEST, directory / f"{snapshot.MANIFEST}.withdrawn")
-    log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than this rank holds",
-              step, record.get("writer"))
-    return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
-
-
-def _claimed_by_another(run_dir: Path, step: int, wait_s: float = 10.0) -> str:
-    """Another survivor writes the step: wait a little for its commit (this rank's exit would free ranks that
-    wait on it, but also tells the batch shell the step ended), and say what came of it."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if snapshot.read_manifest(snapshot.step_dir(run_dir, step)) is not None:
-            return f"step {step} committed by another survivor"
-        time.sleep(0.1)
-    return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
-
-
 def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float) -> str:
-    """The claimed step's file and, if no other source disagrees, its manifest: the snapshot is committed."""
-    env, ckpt = run.env, run.checkpointer
+    """The claimed step's file; then, once the other survivors' offers had a moment to come in, the commit if
+    the set is complete (:func:`_complete`)."""
     content, split, held = slicing.node_content(state, 0, 1, 1, {}, copy=False)  # one file, the whole state
     directory = snapshot.step_dir(run.run_dir, step)
-    entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(env.rank))
+    entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(run.env.rank))
     if run.held.updates:  # written from the liveness thread while the training thread began an update
         return "not committed: this rank's optimizer began an update while the state was written"
+    offer.update(written={"step": step, "entry": {**entry, "slices": held, "ranks": []}, "layout": split,
+                          "took_s": round(time.monotonic() - started, 3)})
+    jit_files.offer(folder, run.env.rank, offer)  # a survivor whose offer comes later may complete the set
     time.sleep(max(0.0, OFFER_WAIT_S - (time.monotonic() - started)))  # the other survivors' offers come in
-    others = [o for o in jit_files.offers(folder, env.world_size) if o.get("source") and o.get("step") == step]
-    differing = sorted(o["rank"] for o in others if o.get("fingerprint") != offer["fingerprint"])
-    if differing:
-        log.error("no just-in-time snapshot: ranks %s hold another state of step %d than this rank", differing, step)
-        return f"not committed: ranks {differing} hold another state of step {step} than rank {env.rank}"
-    took = round(time.monotonic() - started, 3)
-    record = {"attempt": folder.name, "writer": env.rank, "host": offer["host"], "took_s": took,
-              "fingerprint": offer["fingerprint"],
-              "sources": sorted(o["rank"] for o in others), "after": offer["error"]}
-    snapshot.commit(directory, step, [{**entry, "slices": held, "ranks": [], "digest": slicing.layout_digest(split)}],
-                    env.world_size, ckpt.config_hash if ckpt else "", ckpt.config if ckpt else None, split=split,
-                    refuses_resize=ckpt.refuses_resize if ckpt else None, extra={"jit": record})
-    log.warning("just-in-time snapshot of step %d committed in %s (%.2f s): the run resumes from it", step,
-                directory, took)
-    return f"committed step {step}"
+    return jit_commit.complete(run, folder)

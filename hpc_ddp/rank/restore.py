@@ -51,7 +51,7 @@ def load(run: Run, restored: Any) -> None:
     rng = dict(restored.rng) if restored.rng is not None else None
     load_per_rank(run, rng.pop(PER_RANK, None) if rng else None, restored)
     report_changes(run, restored, built)
-    if rng is not None:
+    if rng:  # a just-in-time snapshot's entry holds the per-rank state alone (train.rng=derived)
         restore_rng(rng)  # train.rng=derived reseeds after it (Run.resume), as at every boundary
     else:
         reseed(run.config.train.seed, run.step, run.rank)

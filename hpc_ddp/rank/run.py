@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.rank import control, jit, replication, restore
+from hpc_ddp.rank import control, jit, mirror, replication, restore
 from hpc_ddp.rank.replication import params_sha256
 from hpc_ddp.rank.restore import PER_RANK, STEP
 from hpc_ddp.rundir import layout
@@ -85,6 +85,7 @@ class Run:
         self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
+        self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/mirror.py)
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -151,8 +152,9 @@ class Run:
         if self.config.train.rng == "derived":
             reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
+        self.mirror = mirror.open_for(self)
         if self.held is not None:
-            self.held.mark(self.step)
+            self._mark(self.step)
             jit.warn_unprotected(self)
         for obj in self.tracked.values():
             if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
@@ -176,7 +178,7 @@ class Run:
         self.step = step
         self.boundaries += 1
         if self.held is not None:
-            self.held.mark(step)  # what a just-in-time snapshot of this step takes (rank/jit.py)
+            self._mark(step)
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
@@ -195,6 +197,12 @@ class Run:
             reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
         self.stopped = stop
         return stop
+
+    def _mark(self, step: int) -> None:
+        """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy."""
+        self.held.mark(step)
+        if self.mirror is not None:
+            self.mirror.mark(step, pack(self.per_rank))
 
     def _check_step(self, step: int) -> None:
         if not self._resumed:

@@ -4,6 +4,9 @@ meet, without a process group or a store. No torch: the batch shell reads what t
 ``RUN_DIR/jit/job-J-restart-R[-step-K]/`` holds one offer per survivor (``rank-K.json``: the step it holds
 whole and its fingerprint, or why it holds none, and what came of it) and one empty ``claim-step-S`` per
 claimed step, created with O_EXCL (atomic on local filesystems and on NFS v3 and later): one writer per step.
+With ``per_rank`` objects each survivor also leaves ``blobs-K.pt``: the per-rank states it holds (its own and
+its ward's, from :mod:`hpc_ddp.rank.mirror`) by rank and step, and one ``commit-step-S`` (O_EXCL again) names
+the one survivor that puts them together and commits.
 Offers are read by name (the world size is known), never found by listing the directory, as the crash marks
 are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the step ended,
 lists the folder for the ledger's summary.
@@ -48,14 +51,39 @@ def offers(where: Path, world_size: int) -> list[dict[str, Any]]:
     return found
 
 
-def claim(where: Path, step: int) -> bool:
-    """True for the one survivor that creates ``claim-step-S`` first."""
+def claim(where: Path, step: int, what: str = "claim") -> bool:
+    """True for the one survivor that creates ``claim-step-S`` (or ``commit-step-S``: ``what="commit"``) first."""
     where.mkdir(parents=True, exist_ok=True)
     try:
-        os.close(os.open(where / f"claim-step-{step}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.close(os.open(where / f"{what}-step-{step}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     except FileExistsError:
         return False
     return True
+
+
+def ranks_file_name(step: int) -> str:
+    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state file)."""
+    return f"jit-ranks-{step:08d}.pt"
+
+
+def write_blobs(where: Path, rank: int, blobs: dict[int, tuple[int, bytes]]) -> None:
+    """A survivor's per-rank states ({rank: (step, packed bytes)}), before its offer names them."""
+    import torch
+
+    where.mkdir(parents=True, exist_ok=True)
+    write_atomic(where / f"blobs-{rank}.pt", lambda out: torch.save({r: [s, b] for r, (s, b) in blobs.items()}, out))
+
+
+def read_blob(where: Path, holder: int, rank: int, step: int) -> bytes | None:
+    """``rank``'s packed per-rank state at ``step`` from survivor ``holder``'s file (None: it holds another)."""
+    import torch
+
+    try:
+        blobs = torch.load(where / f"blobs-{holder}.pt", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError):
+        return None
+    found = blobs.get(rank) if isinstance(blobs, dict) else None
+    return found[1] if isinstance(found, list) and len(found) == 2 and found[0] == step else None
 
 
 def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:

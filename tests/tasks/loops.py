@@ -47,7 +47,8 @@ def nanogpt_shaped(run: Any) -> None:
     """nanoGPT train.py's shape, which our examples never had: every rank seeds its own data stream
     (``seed + rank``) and prefetches its next batch before the step, rank 0 alone evaluates the DDP model under
     no_grad before the first step, a per-rank counter, a per-rank module that is not wrapped in DDP, and the loss
-    logged as a 0-d tensor. DONE.json gets every rank's counter and probe, so a test compares them too."""
+    logged as a 0-d tensor. DONE.json gets every rank's counter and probe, so a test compares them too.
+    ``HPC_DDP_TEST_FAULT`` (as for tests.tasks.Faulty: kill or stop RANK in STEP) injects a fault on the real cluster."""
     import hpc_ddp
     import torch.distributed as dist
     from torch.nn import functional as F
@@ -68,6 +69,7 @@ def nanogpt_shaped(run: Any) -> None:
     step = run.resume(model=model, optimizer=optimizer, batch=hpc_ddp.per_rank(batch),
                       counters=hpc_ddp.per_rank(counters), probe=hpc_ddp.per_rank(probe))
     while step < cfg.max_steps:
+        _fault(run.rank, step + 1)
         if step % 5 == 0 and run.is_main:  # nanoGPT: estimate_loss() on the master process only
             model.eval()
             with torch.no_grad():
@@ -90,6 +92,17 @@ def nanogpt_shaped(run: Any) -> None:
     every: list[Any] = [None] * run.world_size
     dist.all_gather_object(every, mine)
     run.finish(per_rank=every)
+
+
+def _fault(rank: int, step: int) -> None:
+    """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt."""
+    import os
+    import signal
+
+    kind, at_rank, at_step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
+    first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
+    if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
 def replicated_differs(run: Any) -> None:

@@ -1,0 +1,117 @@
+"""The survivors' snapshot committed once, and only whole (:mod:`hpc_ddp.rank.jit` writes the state file).
+
+A survivor that finds the step committed already checks it against what it holds (:func:`check_commit`: a
+snapshot that another survivor disagrees with is withdrawn). Otherwise any survivor may complete the set
+(:func:`complete`): the newest written step whose sources agree, with every rank's per-rank state of that
+step in some survivor's file, is committed by the one survivor that creates ``commit-step-S``; the per-rank
+states go into one more file of the step, listed with the ranks it holds, so a resumed rank finds its own
+as it finds its RNG state in a periodic snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rank.restore import PER_RANK
+from hpc_ddp.rundir import jit_files, slicing, snapshot
+
+log = logging.getLogger("hpc_ddp.jit")
+
+
+def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dict[str, Any]) -> str:
+    """This source came after the step was committed: if another survivor's snapshot of the same step holds
+    another state than this rank (their fingerprints differ), withdraw it (the manifest is renamed away before
+    any rank of the next step can read it: they start once every rank of this one has exited)."""
+    if newest != step:
+        return f"step {newest} is committed already"
+    directory = snapshot.step_dir(run_dir, step)
+    manifest = snapshot.read_manifest(directory) or {}
+    record = manifest.get("jit")
+    if not isinstance(record, dict) or record.get("attempt") != folder.name:
+        return f"step {step} is committed already"
+    if record.get("fingerprint") == offer["fingerprint"]:
+        return f"step {step} committed by another survivor (same fingerprint)"
+    os.replace(directory / snapshot.MANIFEST, directory / f"{snapshot.MANIFEST}.withdrawn")
+    log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than this rank holds",
+              step, record.get("writer"))
+    return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
+
+
+def claimed_by_another(run_dir: Path, step: int, wait_s: float = 10.0) -> str:
+    """Another survivor writes the step: wait a little for its commit (this rank's exit would free ranks that
+    wait on it, but also tells the batch shell the step ended), and say what came of it."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if snapshot.read_manifest(snapshot.step_dir(run_dir, step)) is not None:
+            return f"step {step} committed by another survivor"
+        time.sleep(0.1)
+    return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
+
+
+def complete(run: Any, folder: Path) -> str:
+    """Commit the newest written step whose set is complete: no source of it holds another state, and (with
+    per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any survivor may
+    complete it; ``commit-step-S`` makes one the committer. Otherwise say what is missing."""
+    env = run.env
+    offers = jit_files.offers(folder, env.world_size)
+    written = sorted((o for o in offers if isinstance(o.get("written"), dict)), key=lambda o: -o["written"]["step"])
+    reasons = []
+    for writer in written:
+        step = writer["written"]["step"]
+        sources = [o for o in offers if o.get("source") and o.get("step") == step]
+        differing = sorted(o["rank"] for o in sources if o.get("fingerprint") != writer["fingerprint"])
+        if differing:
+            log.error("no just-in-time snapshot: ranks %s hold another state of step %d than rank %d", differing,
+                      step, writer["rank"])
+            reasons.append(f"ranks {differing} hold another state of step {step} than rank {writer['rank']}")
+            continue
+        holders: dict[int, int] = {}  # rank -> the survivor whose file holds its per-rank state of this step
+        for o in offers if run.per_rank else []:
+            for rank, held_step in (o.get("blobs") or {}).items():
+                if held_step == step and (int(rank) not in holders or int(rank) == o["rank"]):
+                    holders[int(rank)] = o["rank"]  # the rank's own copy where it survived, else its buddy's
+        missing = [r for r in range(env.world_size) if r not in holders] if run.per_rank else []
+        if missing:
+            reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step {step} (their "
+                           "buddies were lost too, or their mirror was a step behind)")
+            continue
+        if not jit_files.claim(folder, step, "commit"):
+            return f"step {step} committed by another survivor"
+        return _commit(run, folder, writer, sources, holders)
+    if not written:
+        return "no survivor had written a state file yet (a later survivor completes the snapshot)"
+    return "not committed: " + "; ".join(reasons)
+
+
+def _commit(run: Any, folder: Path, writer: dict[str, Any], sources: list[dict[str, Any]],
+            holders: dict[int, int]) -> str:
+    """The manifest of the writer's state file (and of every rank's per-rank state, put together in one more
+    file): the snapshot is committed."""
+    env, ckpt, step = run.env, run.checkpointer, writer["written"]["step"]
+    directory = snapshot.step_dir(run.run_dir, step)
+    entries = [writer["written"]["entry"]]
+    if holders:
+        states = {rank: jit_files.read_blob(folder, holder, rank, step) for rank, holder in holders.items()}
+        lost = sorted(rank for rank, blob in states.items() if blob is None)
+        if lost:
+            return f"not committed: the files holding the per_rank state of rank(s) {lost} could not be read"
+        content = {"format": slicing.FORMAT, "skeleton": None, "pieces": {},
+                   "rng": {rank: {PER_RANK: blob} for rank, blob in states.items()}}
+        entry = snapshot.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step))
+        entries.append({**entry, "slices": [], "ranks": sorted(states)})
+    took = round(time.time() - min(o["time"] for o in [writer, *sources]), 3)
+    record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"], "took_s": took,
+              "fingerprint": writer["fingerprint"], "sources": sorted(o["rank"] for o in sources),
+              "after": writer["error"],
+              **({"committer": env.rank, "per_rank_from": {str(r): h for r, h in sorted(holders.items())}}
+                 if holders else {})}
+    snapshot.commit(directory, step, entries, env.world_size, ckpt.config_hash if ckpt else "",
+                    ckpt.config if ckpt else None, split=writer["written"]["layout"],
+                    refuses_resize=ckpt.refuses_resize if ckpt else None, extra={"jit": record})
+    log.warning("just-in-time snapshot of step %d committed in %s (%.2f s after the failure): the run resumes "
+                "from it", step, directory, took)
+    return f"committed step {step}"

@@ -1,0 +1,87 @@
+"""Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.mirror`): who is whose buddy,
+and over real gloo processes that a rank killed right after its boundary leaves that step's state with its buddy
+(the case a split header and payload lost), and that a clean end leaves nothing in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from hpc_ddp.rank.mirror import FIRST_SIZE, buddy_of, ward_of
+from tests.helpers import spawn_ranks
+
+
+@pytest.mark.parametrize("local, world, buddies", [
+    (2, 4, [2, 3, 0, 1]),  # 2 nodes x 2: the same local rank on the next node
+    (1, 3, [1, 2, 0]),  # 3 nodes x 1
+    (2, 6, [2, 3, 4, 5, 0, 1]),  # the last node's ranks go to the first node
+    (2, 2, [1, 0]),  # one node: the next rank on it (a crash is covered, a lost node is not)
+])
+def test_the_buddy_is_the_same_local_rank_on_the_next_node(local: int, world: int, buddies: list[int]) -> None:
+    assert [buddy_of(r, local, world) for r in range(world)] == buddies
+    assert [ward_of(buddies[r], local, world) for r in range(world)] == list(range(world))
+
+
+def blob(rank: int, step: int) -> bytes:
+    """Grows past the first message size at step 10: the size change travels too."""
+    return f"rank {rank} step {step};".encode() * (10 if step < 10 else FIRST_SIZE // 10)
+
+
+def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
+    os.environ.update(environ)
+    import torch
+    import torch.distributed as dist
+
+    from hpc_ddp.rank.mirror import Mirror
+    from hpc_ddp.rank import control
+
+    from hpc_ddp.core.slurm_env import from_environ
+
+    env = from_environ(environ)
+    rank, world, local = env.rank, env.world_size, env.local_world_size
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with control.lazily():
+        group = dist.new_group(backend="gloo")
+    mirror = Mirror(rank, local, world, group).start()
+    try:
+        for step in range(1, 31):
+            dist.all_reduce(torch.ones(4))
+            mirror.mark(step, blob(rank, step))
+            if rank == victim and step == 20:
+                os.kill(os.getpid(), signal.SIGKILL)  # at once: its isend was only posted
+        mirror.close()
+        dist.destroy_process_group()
+    except RuntimeError:  # a peer was lost: what this survivor holds
+        pass
+    out.put((rank, {r: (s, b == blob(r, s)) for r, (s, b) in mirror.held().items()}))
+    out.close()
+    out.join_thread()  # the queue's feeder thread has sent it: os._exit would drop it
+    os._exit(0)  # a survivor's process group is broken: no destroy
+
+
+def test_a_clean_end_leaves_every_rank_with_its_wards_last_state() -> None:
+    got = spawn_ranks(_ranks, 2, 2, -1, timeout=60)
+    assert got == [(0, {0: (30, True), 2: (30, True)}), (1, {1: (30, True), 3: (30, True)}),
+                   (2, {2: (30, True), 0: (30, True)}), (3, {3: (30, True), 1: (30, True)})]
+
+
+def test_a_rank_killed_just_after_its_boundary_leaves_that_steps_state_with_its_buddy() -> None:
+    import multiprocessing
+
+    from hpc_ddp.core.slurm_env import simulated_environ
+    from hpc_ddp.rehearsal.local import free_port
+
+    port, ctx = free_port(), multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ranks, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, 1, out))
+             for e in simulated_environ(2, 2, job_id=1)]
+    for proc in procs:
+        proc.start()
+    got = dict(out.get(timeout=60) for _ in range(3))
+    for proc in procs:
+        proc.join(timeout=30)
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert got[3] == {3: (20, True), 1: (20, True)}  # rank 1's state of step 20, whole, with its buddy
