@@ -177,3 +177,59 @@ def test_the_replication_fingerprint_of_a_cuda_state_is_its_cpu_copys() -> None:
     assert fingerprints({"m": state}, 10) == fingerprints({"m": on_cpu}, 10)
     state["w"][-1] += 1
     assert fingerprints({"m": state}, 10) != fingerprints({"m": on_cpu}, 10)
+
+
+def _mirror_rank(environ: dict[str, str], out: object) -> None:
+    """Two gloo ranks on one GPU (NCCL refuses two ranks on one device): per-rank state holding a CUDA tensor is
+    packed at each boundary (a pinned CPU copy) and sent to the buddy; rank 1 dies right after step 5's."""
+    import os
+    import signal
+
+    os.environ.update(environ)
+    import torch.distributed as dist
+
+    from hpc_ddp.core.slurm_env import from_environ
+    from hpc_ddp.rank import control
+    from hpc_ddp.rank.mirror import Mirror
+    from hpc_ddp.rank.tracked import PerRank, pack, unpack
+
+    env = from_environ(environ)
+    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+    with control.lazily():
+        group = dist.new_group(backend="gloo")
+    mirror = Mirror(env.rank, env.local_world_size, env.world_size, group).start()
+    state = {"batch": torch.zeros(256, 256, device="cuda")}
+    try:
+        for step in range(1, 9):
+            state["batch"].add_(step * (env.rank + 1))  # on the GPU, asynchronously
+            dist.all_reduce(torch.ones(1))
+            mirror.mark(step, pack({"batch": PerRank(state)}))
+            if env.rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+    except RuntimeError:
+        pass
+    step, blob = mirror.held()[1 - env.rank]
+    value = unpack(blob)["batch"]["batch"]
+    out.put((env.rank, step, value.device.type, float(value[0, 0])))  # type: ignore[attr-defined]
+    out.close()  # type: ignore[attr-defined]
+    out.join_thread()  # type: ignore[attr-defined]
+    os._exit(0)
+
+
+def test_a_per_rank_cuda_tensor_reaches_the_buddy_whole_when_its_rank_dies() -> None:
+    import multiprocessing
+
+    from hpc_ddp.core.slurm_env import simulated_environ
+    from hpc_ddp.rehearsal.local import free_port
+
+    port, ctx = free_port(), multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_mirror_rank, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, out))
+             for e in simulated_environ(2, 1, job_id=1)]
+    for proc in procs:
+        proc.start()
+    rank, step, device, value = out.get(timeout=120)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert (rank, step, device) == (0, 5, "cpu")  # rank 1's state of step 5, a CPU copy
+    assert value == 2 * sum(range(1, 6))  # every asynchronous add of rank 1 up to step 5 is in it
