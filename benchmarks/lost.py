@@ -53,10 +53,12 @@ def step_seconds(run_dir: Path) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def trial(run_dir: Path, step: int, delay_s: float, reference: dict[str, Any], *extra: str) -> dict[str, Any]:
+def trial(run_dir: Path, step: int, delay_s: float, reference: dict[str, Any], *extra: str,
+          env: dict[str, str] | None = None) -> dict[str, Any]:
     from hpc_ddp.rundir.ledger import read_attempts
 
-    proc = rehearse(run_dir, *extra, "--fail-at", f"{step}:1", env={"HPC_DDP_LOCAL_KILL_DELAY_S": f"{delay_s:.4f}"})
+    proc = rehearse(run_dir, *extra, "--fail-at", f"{step}:1",
+                    env={**(env or {}), "HPC_DDP_LOCAL_KILL_DELAY_S": f"{delay_s:.4f}"})
     attempts = read_attempts(run_dir)
     if proc.returncode != 0 or len(attempts) < 2:
         return {"step": step, "delay_s": round(delay_s, 4), "error": proc.stderr[-800:]}
@@ -68,20 +70,25 @@ def trial(run_dir: Path, step: int, delay_s: float, reference: dict[str, Any], *
             "exact": _done(run_dir) == reference}
 
 
-def b11(scratch: Path, trials: int = 30, seed: int = 11, per_rank: bool = False) -> dict[str, Any]:
+def b11(scratch: Path, trials: int = 30, seed: int = 11, per_rank: bool = False,
+        compute_s: float = 0.0) -> dict[str, Any]:
+    """``compute_s``: every step of the per-rank loop computes that much longer before its forward, as a GPU step
+    does, while the work after the gradient all-reduce stays what it is."""
     extra = PER_RANK if per_rank else []
+    env = {"HPC_DDP_TEST_FAULT": f"slow:-1:{compute_s}"} if compute_s else None
     reference_dir = scratch / "b11-reference"
-    proc = rehearse(reference_dir, *extra)
+    proc = rehearse(reference_dir, *extra, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"B11 reference run failed: {proc.stderr[-2000:]}")
     reference, per_step = _done(reference_dir), step_seconds(reference_dir)
     rng = random.Random(seed)
-    rows = [trial(scratch / "b11-trial", rng.randint(8, 32), rng.random() * per_step, reference, *extra)
+    rows = [trial(scratch / "b11-trial", rng.randint(8, 32), rng.random() * per_step, reference, *extra, env=env)
             for _ in range(trials)]
     good = [r for r in rows if "error" not in r]
     lost = [r["lost"] for r in good]
     every_50 = [r["step"] % 50 for r in good]
-    return {"trials": trials, "per_rank": per_rank, "completed": len(good), "step_s": round(per_step, 4), "rows": rows,
+    return {"trials": trials, "per_rank": per_rank, "compute_s": compute_s, "completed": len(good),
+            "step_s": round(per_step, 4), "rows": rows,
             "lost_histogram": {str(k): lost.count(k) for k in sorted(set(lost))},
             "max_lost": max(lost, default=None), "jit_written": sum(1 for r in good if r["jit"]),
             "exact": sum(1 for r in good if r["exact"]),
@@ -93,6 +100,7 @@ def b11(scratch: Path, trials: int = 30, seed: int = 11, per_rank: bool = False)
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--per-rank"]
-    print(json.dumps(b11(Path(args[0]), int(args[1]) if len(args) > 1 else 30, per_rank="--per-rank" in sys.argv),
-                     indent=1))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    compute = next((float(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--compute-s=")), 0.0)
+    print(json.dumps(b11(Path(args[0]), int(args[1]) if len(args) > 1 else 30, per_rank="--per-rank" in sys.argv,
+                         compute_s=compute), indent=1))

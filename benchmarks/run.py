@@ -61,6 +61,8 @@ def b2_training(rounds: int, steps: int, every: int) -> dict[str, Any]:
     trainer, own = ratio["stop"][0], ratio["own"][0]
     return {"steps_per_s": _round(rates), "trainer_vs_raw": round(trainer, 3), "trainer_iqr": ratio["stop"][1],
             "own_loop_vs_raw": round(own, 3), "own_loop_iqr": ratio["own"][1],
+            **({"own_mirror_vs_raw": round(ratio["own_mirror"][0], 3), "own_mirror_iqr": ratio["own_mirror"][1]}
+               if "own_mirror" in ratio else {}),
             "raw_vs_raw": round(ratio["raw2"][0], 3), "raw_vs_raw_iqr": ratio["raw2"][1],
             "bare_trainer_vs_raw": round(ratio["bare"][0], 3),
             "stop_flag_cost": round(1 - stop_cost[0], 3), "stop_vs_bare_iqr": stop_cost[1],
@@ -165,7 +167,14 @@ def b11_lost(scratch: Path, trials: int, per_rank: bool = False) -> dict[str, An
     per_rank objects mirrored to a buddy)."""
     from benchmarks.lost import b11
 
-    return b11(scratch, trials, per_rank=per_rank)
+    return b11(scratch, trials, per_rank=per_rank, compute_s=0.1 if per_rank else 0.0)
+
+
+def b13_recovery(scratch: Path, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """B13 (benchmarks/recovery.py): a lost node to the first resumed step, survivors' snapshot against periodic."""
+    from benchmarks.recovery import b13
+
+    return b13(scratch, sizes)
 
 
 def b10_healing() -> dict[str, Any]:
@@ -240,7 +249,9 @@ def table(results: dict[str, Any]) -> str:
         s = b["B2"]
         rows.append(f"| B2 training ({s['rounds']} rounds) | trainer {s['trainer_vs_raw']} x raw (IQR "
                     f"{_span(s.get('trainer_iqr'))}; {s['steps_per_s']['stop']} vs {s['steps_per_s']['raw']} steps/s); "
-                    f"own loop + run API {s.get('own_loop_vs_raw')} x raw (IQR {_span(s.get('own_loop_iqr'))}); noise "
+                    f"own loop + run API {s.get('own_loop_vs_raw')} x raw (IQR {_span(s.get('own_loop_iqr'))}); "
+                    f"with per-rank state mirrored to a buddy {s.get('own_mirror_vs_raw')} x raw (IQR "
+                    f"{_span(s.get('own_mirror_iqr'))}); noise "
                     f"floor raw vs raw {s.get('raw_vs_raw')} x (IQR {_span(s.get('raw_vs_raw_iqr'))}); "
                     f"{_stop_cost(s['stop_flag_cost'])} (IQR of stop / bare {_span(s.get('stop_vs_bare_iqr'))}); "
                     f"the agreement on its own gloo group {s.get('own_group_vs_shared')} x on the training group "
@@ -325,7 +336,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{row['spread_s']} s, as before (one level) {row.get('flat_spread_s', '-')} s, every rank "
                 f"{row['every_rank_s']} s; a save's object bytes per non-zero rank "
                 f"{row['save_object_bytes_per_nonzero_rank']} | {s['target']} | {mark(s)} |")
-    for key, what in (("B11", ""), ("B11-PER-RANK", ", per_rank objects mirrored to a buddy")):
+    for key, what in (("B11", ""), ("B11-PER-RANK", ", per_rank objects mirrored to a buddy, 0.1 s of compute a step")):
         if key not in b:
             continue
         s = b[key]
@@ -336,6 +347,18 @@ def table(results: dict[str, Any]) -> str:
                     f"to the uninterrupted run in {s['exact']}; without it: every_steps=50 would have lost "
                     f"{s['periodic_every_50_mean_lost']} on average at these steps, the default 30 minutes about "
                     f"{s['periodic_30_min_mean_lost']} | {s['target']} | {mark(s)} |")
+    if "B13" in b:
+        s = b["B13"]
+        for size, row in s["rows"].items():
+            jit, periodic = row["jit"], row["periodic"]
+            if "error" in jit or "error" in periodic:
+                continue
+            rows.append(f"| B13 a lost node to the first resumed step, {size} of state, 2 x 1 rehearsal, failure after "
+                        f"step {jit['failed_at']} | survivors' snapshot: resumed from {jit['resumed_from']}, first step "
+                        f"{jit['first_step_s']} s, the failed step regained {jit['regained_s']} s; periodic (every 5 "
+                        f"steps): resumed from {periodic['resumed_from']}, first step {periodic['first_step_s']} s, "
+                        f"regained {periodic['regained_s']} s; every 50 steps would regain it after about "
+                        f"{row.get('periodic_every_50_regained_s')} s | {s['target']} | {mark(s)} |")
     if "B10" in b and "skipped" not in b["B10"]:
         s = b["B10"]
         names = {"killed": "a killed rank", "node_down": "a node marked down", "frozen": "a frozen rank (SIGSTOP)",
@@ -378,7 +401,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B12",
+    parser.add_argument("--only", default="B1,B2,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B12,B13",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -408,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("B9-SLURM", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
                  ("B10", b10_healing), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
                  ("B11-PER-RANK", lambda: b11_lost(scratch, 4 if quick else 30, per_rank=True)),
-                 ("B12", lambda: b12_control_plane(quick))]
+                 ("B12", lambda: b12_control_plane(quick)),
+                 ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000)))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

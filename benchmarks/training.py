@@ -12,7 +12,10 @@ trainer variants use the same model, data, per-rank batch and optimizer:
 - ``raw2``: the raw loop again; raw2 / raw is the noise floor every ratio is read against;
 - ``own``: the raw loop itself with the public API added (``run.resume`` before it,
   ``run.boundary(step)`` after every step, the stop-flag agreement included): what a
-  user's own loop pays for hpc_ddp.
+  user's own loop pays for hpc_ddp;
+- ``own_mirror``: ``own`` with per-rank state tracked (``hpc_ddp.per_rank``: a counter and the
+  step's batch, as nanoGPT prefetches one), so every boundary packs it and sends it to the buddy
+  rank (rank/mirror.py): what the per-rank mirror costs.
 
 Steps/s is measured over the steady state only: from step ``warmup`` to the
 last step, taken from the per-step callback. Rank 0 writes a JSON file.
@@ -41,16 +44,21 @@ from hpc_ddp.rank import control
 BATCH, LR = 64, 0.01
 
 
-def raw_loop(steps: int, warmup: int, run: Any = None) -> float:
-    """Steps/s of the tutorial's loop; with ``run``, the same loop with the public API's two calls added."""
+def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: bool = False) -> float:
+    """Steps/s of the tutorial's loop; with ``run``, the same loop with the public API's two calls added (and
+    per-rank state tracked, with ``per_rank``)."""
     model = DistributedDataParallel(tasks.model())
     sampler = DistributedSampler(tasks.dataset(), seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     start, done = 0.0, 0
+    seen: dict[str, Any] = {"steps": 0, "x": torch.zeros(BATCH, 1)}
     if run is not None:
-        done = run.resume(model=model, optimizer=optimizer)
+        from hpc_ddp import per_rank as mine
+
+        done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen)} if per_rank else {}))
     for x, y in loader:
+        seen["steps"], seen["x"] = seen["steps"] + 1, x
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -93,9 +101,9 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
         cfg = load_config([], ["name=b2", f"run_dir={run_dirs[0]}", "train.task=benchmarks.tasks:BenchTask",
                                f"train.max_steps={steps}", f"train.batch_size={BATCH}", f"train.lr={LR}",
                                f"train.log_every={steps}", "snapshot.every_minutes=null", *snapshots])
-        if variant == "own":
+        if variant in ("own", "own_mirror"):
             run = _run_for("stop", cfg)
-            rate = raw_loop(steps, warmup, run)
+            rate = raw_loop(steps, warmup, run, per_rank=variant == "own_mirror")
             run.finish()  # drains the last agreement in flight
             return rate
         times: dict[int, float] = {}
@@ -111,7 +119,7 @@ def worker(rank: int, out: str, rounds: int, steps: int, every: int) -> None:
     control.open_group("gloo")  # as hpc_ddp's own init does: the control traffic on a gloo group of its own
     own_group = control.group()
     warmup = max(5, steps // 10)
-    variants = ["raw", "raw2", "own", "bare", "stop", "shared", "sync", "async"]
+    variants = ["raw", "raw2", "own", "own_mirror", "bare", "stop", "shared", "sync", "async"]
     samples: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for variant in variants:

@@ -32,8 +32,9 @@ whole replicated state as one file, compares its fingerprint with every other of
 it can read (survivors that disagree: nothing is committed), and commits the manifest with a
 ``jit`` entry (writer, seconds, the failure). With per-rank state the survivor whose offer completes
 the set (the state file written, every rank's per-rank state of that step held by someone) commits,
-whoever it is: no survivor waits for another, so none keeps a blocked peer from contributing. A survivor that holds a newer step (it passed one
-more optimizer update before its collective failed) claims that one: resume takes the newest.
+whoever it is: no survivor waits for another, so none keeps a blocked peer from contributing
+(:mod:`hpc_ddp.rank.jit_commit`). A survivor that holds a newer step (it passed one more optimizer
+update before its collective failed) claims that one: resume takes the newest.
 It is an ordinary committed snapshot, verified like any other on resume.
 
 A survivor that stays alive keeps the peers that wait on it blocked (gloo frees a rank only when

@@ -11,21 +11,21 @@ the buddy is the next rank on it: a crashed rank is covered, a lost node is not.
 small objects) and posts the bytes with a non-blocking ``isend``: gloo's own transport thread writes
 them to the socket, so they leave at once (a Python thread would wait for the GIL while the next forward
 runs, and a rank killed a few milliseconds after its boundary would take its state with it). A waiter
-thread waits for each send to complete (a gloo wait with a timeout closes the connection when it expires,
-so the training thread cannot poll). Up to :data:`IN_FLIGHT` sends may be on their way (the waiter may
-not have had the GIL yet); beyond that (the buddy is frozen or slow) a boundary sends nothing, keeps its
-state for the waiter to send once one completes, and never waits: the mirror of that rank is then older than the state, and the
-survivors' snapshot falls back rather than mix. A receiver thread keeps the newest state its ward (the
-rank whose buddy this rank is) sent. Both use a gloo group of their own, so no collective of the
-training waits behind them, and a buddy that dies or freezes stalls only the receiver thread (gloo
-cannot abort a transfer: pytorch#130345): the step goes on.
+thread waits for each send to complete (a gloo wait with a timeout closes the connection when it
+expires, so the training thread cannot poll). Up to :data:`IN_FLIGHT` sends may be on their way (the
+waiter may not have had the GIL yet); beyond that (the buddy is frozen or slow) a boundary sends
+nothing, keeps its state for the waiter to send once one completes, and never waits: the mirror of that
+rank is then older than the state, and the survivors' snapshot falls back rather than mix. A receiver
+thread keeps the newest state its ward (the rank whose buddy this rank is) sent. Both use a gloo group
+of their own, so no collective of the training waits behind them, and a buddy that dies or freezes
+stalls only the receiver thread (gloo cannot abort a transfer: pytorch#130345): the step goes on.
 
 Each message is one buffer of a size both sides know (64 KiB at first): a header (step, byte count,
 next size) and the bytes. One message, not a header and then the bytes, because the receiver must have
 its buffer posted when the bytes arrive: gloo drops what came for a buffer not yet posted when the
 sender's connection closes, and a sender killed just after its boundary is the case that matters. A
-state that outgrows the size is preceded by a message that says the new size (the capacity doubles past
-it, so that is rare). Step -1 ends the exchange at the end of an attempt (every rank sends one, so every
+state that outgrows the size is preceded by a message that says the new size (a quarter more than it
+needs, so that is rare). Step -1 ends the exchange at the end of an attempt (every rank sends one, so every
 receiver leaves its loop and nothing is in flight when the process group is destroyed).
 """
 
@@ -36,6 +36,7 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -115,10 +116,8 @@ class Mirror:
         """Post the message (and a size change before it when the state outgrew the size; non-blocking): the
         works and the tensors they send from."""
         messages = []
-        if HEADER + len(blob) > self._size:  # double past it: room for a state that grows a little
-            grown = self._size
-            while grown < 2 * (HEADER + len(blob)):
-                grown *= 2
+        if HEADER + len(blob) > self._size:  # a quarter more than it needs: room for a state that grows a little
+            grown = -(-(HEADER + len(blob)) * 5 // 4 // 4096) * 4096
             messages.append(message(self._size, GROW, b"", grown))
             self._size = grown
         messages.append(message(self._size, step, blob, self._size))
@@ -186,9 +185,8 @@ def header(step: int, size: int, following: int) -> torch.Tensor:
 
 
 def message(capacity: int, step: int, blob: bytes, following: int) -> torch.Tensor:
-    """One buffer of ``capacity`` bytes: the header, then ``blob``."""
-    out = torch.zeros(capacity, dtype=torch.uint8)
+    """One buffer of ``capacity`` bytes: the header, then ``blob`` (the rest is never read: left as it was)."""
+    out = torch.empty(capacity, dtype=torch.uint8)
     out[:HEADER] = header(step, len(blob), following)
-    if blob:
-        out[HEADER:HEADER + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out.numpy()[HEADER:HEADER + len(blob)] = np.frombuffer(blob, dtype=np.uint8)  # one copy
     return out

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.rundir import losses
+from hpc_ddp.rundir import jit_files, losses
 from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.rehearsal.local_inject import KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text, unfired
 from hpc_ddp.core.codes import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
@@ -39,6 +39,7 @@ ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL
 
 POLL_S = 0.02
 GRACE_S = 3.0
+KILL_WAIT_S = 30.0  # Slurm's default KillWait: how long a survivor's just-in-time snapshot may take after SIGTERM
 
 
 def free_port() -> int:
@@ -87,9 +88,11 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             out.flush()
 
 
-def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = ()) -> None:
-    """SIGTERM every rank's process group, SIGKILL what is left after a grace period; the ``frozen`` ranks'
-    at once (a stopped process never acts on SIGTERM; their scripts die with them: PR_SET_PDEATHSIG)."""
+def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = (),
+         writing: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after a grace period (up to srun's KillWait
+    while a survivor still writes its just-in-time snapshot: ``writing``); the ``frozen`` ranks' at once (a
+    stopped process never acts on SIGTERM; their scripts die with them: PR_SET_PDEATHSIG)."""
     for rank in frozen:
         if procs[rank].poll() is None:
             try:
@@ -103,8 +106,9 @@ def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = ()) -> No
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + GRACE_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        start = time.monotonic()
+        while any(p.poll() is None for p in procs) and (time.monotonic() < start + GRACE_S or (
+                sig == signal.SIGTERM and time.monotonic() < start + KILL_WAIT_S and writing())):
             time.sleep(POLL_S)
 
 
@@ -177,7 +181,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
-        _end(procs, frozen)
+        _end(procs, frozen, lambda: jit_files.writing(run_dir, job_id, restart_count,
+                                                      int((extra_env or {}).get(IN_JOB_VAR) or 0)))
         if tee is not None:
             tee.join(timeout=5)
         if procs and procs[0].stdout is not None and (tee is None or not tee.is_alive()):

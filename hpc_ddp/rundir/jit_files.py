@@ -86,6 +86,20 @@ def read_blob(where: Path, holder: int, rank: int, step: int) -> bytes | None:
     return found[1] if isinstance(found, list) and len(found) == 2 and found[0] == step else None
 
 
+def writing(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
+    """A survivor of this attempt is still at its just-in-time snapshot: a source whose offer has no outcome yet
+    (the rehearsal then waits as srun waits KillWait, not its short grace)."""
+    where = folder(run_dir, job_id, restart_count, in_job)
+    for path in where.glob("rank-*.json") if where.is_dir() else []:
+        try:
+            said = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if said.get("source") and "outcome" not in said:
+            return True
+    return False
+
+
 def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
     """For the failed attempt's ledger line: the just-in-time snapshot committed (``jit_snapshot``: its step,
     writer, seconds) or why there is none (``jit_fallback``); empty when no survivor said anything (snapshot.jit

@@ -95,11 +95,14 @@ def nanogpt_shaped(run: Any) -> None:
 
 
 def _fault(rank: int, step: int) -> None:
-    """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt."""
+    """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt;
+    "slow:-1:S": every step of every rank computes S seconds longer before its forward (a GPU's compute, for B11)."""
     import os
     import signal
 
     kind, at_rank, at_step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
+    if kind == "slow":
+        time.sleep(float(at_step))
     first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
