@@ -155,7 +155,8 @@ def test_without_a_consistent_source_the_run_falls_back_to_the_periodic_snapshot
     assert "jit_snapshot" not in first and "train.rng=saved" in first["jit_fallback"], first
     assert second["resumed_from"] == 10
     assert done(tmp_path / "failed")["params_sha256"] == done(tmp_path / "straight")["params_sha256"]
-    assert "#0: lost 5 step(s): got to step 15, resumed from 10" in submit_status(tmp_path / "failed")
+    said = submit_status(tmp_path / "failed")
+    assert "#0: lost 5 step(s): got to step 15, resumed from 10; no survivors' snapshot: train.rng=saved" in said
 
 
 def submit_status(run_dir: Path) -> str:

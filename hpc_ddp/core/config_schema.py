@@ -143,8 +143,9 @@ class SnapshotConfig:
                      "local rehearsal (there the filesystem serves no more, and broadcasts only add time: B9).")
     jit: bool = _doc(True, "When a rank is lost, the survivors write a snapshot of the newest step they hold "
                      "before they exit, so a failure costs the step in flight, not the work since the last "
-                     "snapshot (needs train.rng=derived and no per_rank objects; else the run resumes from the "
-                     "last periodic snapshot and the ledger says why).")
+                     "snapshot (needs train.rng=derived; per_rank objects are mirrored to a buddy rank on the next node "
+                     "for it; where no whole copy of a step is left, the run resumes from the last periodic "
+                     "snapshot and the ledger says why).")
     async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
                              "to CPU); the stop snapshot is always synchronous.")
 

@@ -101,8 +101,10 @@ def render(info: dict[str, Any]) -> str:
 def lost_note(entry: dict[str, Any]) -> str:
     """What a failure cost: the steps since the snapshot the run resumed (or will resume) from."""
     start = entry["resumed_from"] if entry["resumed_from"] is not None else "the start"
+    why = entry.get("why") or ""
     return (f"lost {entry['lost']} step(s): got to step {entry['last_step']}, "
-            f"{'will resume' if entry['pending'] else 'resumed'} from {start}")
+            f"{'will resume' if entry['pending'] else 'resumed'} from {start}"
+            + (f"; no survivors' snapshot: {why[:200]}{'...' if len(why) > 200 else ''}" if why else ""))
 
 
 def healed_note(attempt: dict[str, Any]) -> str:

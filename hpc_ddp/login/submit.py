@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: send the time-out warning signal after these steps, e.g. 31")
     parser.add_argument("--fail-at", type=_fail_at, default=[], metavar="STEP[:NODE],...",
-                        help="with --local: lose a simulated node (SIGKILL its ranks) after STEP, e.g. 30, 30:0 or "
-                        "30,60 (NODE: its index among the training nodes, from 0; default the last). The rehearsal "
+                        help="with --local: lose a simulated node (SIGKILL its ranks right after their step STEP), e.g. 30, "
+                        "30:0 or 30,60 (NODE: its index among the training nodes, from 0; default the last). The rehearsal "
                         "heals as the batch shell would: a spare takes its place (slurm.spare_nodes), or the run "
                         "goes on with fewer nodes (a slurm.nodes range); else the requeue path (slurm.max_failures)")
     parser.add_argument("--freeze-at", type=_fail_at, default=[], metavar="STEP[:NODE],...",

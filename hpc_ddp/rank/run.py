@@ -202,7 +202,7 @@ class Run:
         """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy."""
         self.held.mark(step)
         if self.mirror is not None:
-            self.mirror.mark(step, pack(self.per_rank))
+            self.mirror.mark(step, self._packed())
 
     def _check_step(self, step: int) -> None:
         if not self._resumed:
@@ -241,13 +241,18 @@ class Run:
         replication.check({n: v for n, v in state.items() if n != STEP}, step, modules)
         rng = capture_rng()
         if self.per_rank:
-            if not self._per_rank_checked:
-                problem = unloadable(self.per_rank)
-                if problem:
-                    raise RunUsageError(problem)
-                self._per_rank_checked = True
-            rng[PER_RANK] = pack(self.per_rank)
+            rng[PER_RANK] = self._packed()
         return state, rng
+
+    def _packed(self) -> bytes:
+        """This rank's per-rank states as bytes; the first time, what a resume could not load back is refused
+        (every rank alike: a usage error, never retried)."""
+        if not self._per_rank_checked:
+            problem = unloadable(self.per_rank)
+            if problem:
+                raise RunUsageError(problem)
+            self._per_rank_checked = True
+        return pack(self.per_rank)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""

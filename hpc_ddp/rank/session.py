@@ -38,7 +38,7 @@ from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, recorded_error
 from hpc_ddp.rundir.runlock import RunLockedError, acquire, holder_record, release
 from hpc_ddp.core.slurm_env import HEALED_VAR, DistEnv
 from hpc_ddp.core.hostlist import compress_hostlist
-from hpc_ddp.core.codes import EXIT_HUNG
+from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_HUNG
 from hpc_ddp.rank.watchdog import poll_interval
 
 if TYPE_CHECKING:
@@ -169,6 +169,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
                                             config=flat_values(cfg), local=attempt.local)
                 on_step = _print_progress if attempt.local and env.is_main else None
+                if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
+                    on_step = functools.partial(_die_after, int(environ[DIE_AT_VAR]), on_step)
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)
                 attempt.after_failure = functools.partial(jit.after_failure, run)
@@ -297,6 +299,15 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
 class PeerLost(RuntimeError):
     """What a just-in-time snapshot follows when this rank's liveness thread found its peer frozen, or its
     watchdog found another rank stuck."""
+
+
+def _die_after(last: int, then: Any, step: int) -> None:
+    """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run, so its per-rank
+    state of that step has left for its buddy, as in a node lost during the next step."""
+    if then is not None:
+        then(step)
+    if step >= last:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _print_progress(step: int) -> None:

@@ -31,7 +31,7 @@ from hpc_ddp.rundir import layout
 from hpc_ddp.rundir import jit_files, losses
 from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.rehearsal.local_inject import KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text, unfired
-from hpc_ddp.core.codes import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
+from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
@@ -152,13 +152,16 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
            err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None,
            hosts: Sequence[str] | None = None, extra_env: Mapping[str, str] | None = None,
-           kills: list[Injection] | None = None, freezes: list[Injection] | None = None) -> int:
+           kills: list[Injection] | None = None, freezes: list[Injection] | None = None,
+           die_at: Mapping[int, int] | None = None) -> int:
     """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's
     (``watch["failed"]``: the ranks that failed, the first one first; a rank declared lost comes first)."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
                              port=free_port(), base={**os.environ, **(extra_env or {})}, hosts=hosts)
+    for rank, step in (die_at or {}).items():  # --fail-at: these ranks die after their own boundary of that step
+        environs[rank][DIE_AT_VAR] = str(step)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
     index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
@@ -175,7 +178,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                 out.close()  # type: ignore[union-attr]
         on_step = injector(procs, events if events is not None else [], err, watch, kills,
                            skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen,
-                           kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0))
+                           kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0), self_kill=bool(die_at))
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
                                                   script_progress(config_path), watch), daemon=True)
         tee.start()
@@ -264,6 +267,7 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
     restart = 0
     marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
     kills = [(step, lambda node=node, step=step: healer.kill(node, marks())) for step, node in fail_at]
+    at_boundary = not os.environ.get(KILL_DELAY_VAR)  # else B11's random points: the launcher kills, timed
     freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training, tasks_per_node, node))
                                 for step, node in freeze_at]
     watch: dict[str, object] = {"step": None, "line": ""}
@@ -275,7 +279,9 @@ def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, 
         code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
                       restart_count=restart, events=events, stream=stream, err=err, watch=watch,
                       log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills,
-                      freezes=freezes)
+                      freezes=freezes, die_at={rank: step for step, node in fail_at
+                                               if at_boundary and step in {k[0] for k in kills}
+                                               for rank in healer.victims(node)[1]})
         steps += 1
         if code == 0 and (events or kills or freezes) and not done_before:  # ended before what it was to rehearse
             err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills],

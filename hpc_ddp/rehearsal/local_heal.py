@@ -75,10 +75,8 @@ class LocalHealer:
         """The node --fail-at kills (its index in the training nodes; None: the last one) and its ranks.
         ``marks`` (run dir, job id, requeue count): note each killed rank's crash, as a dying rank's worker
         would, so the workers left do not take the launcher's SIGTERM for a stop signal."""
-        index = len(self.training) - 1 if node_index is None else min(node_index, len(self.training) - 1)
-        node = self.training[index]
+        node, ranks = self.victims(node_index)
         self.lost[node] = "its ranks were killed (--fail-at): the node is lost"
-        ranks = list(range(index * self.tasks_per_node, (index + 1) * self.tasks_per_node))
         if marks is not None:
             run_dir, job_id, restart = marks
             for rank in ranks:
@@ -86,6 +84,11 @@ class LocalHealer:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(f"{node} was lost (--fail-at): rank {rank} was killed\n")
         return node, ranks
+
+    def victims(self, node_index: int | None) -> tuple[str, list[int]]:
+        """The training node a --fail-at names (its index; None: the last one) and its ranks."""
+        index = len(self.training) - 1 if node_index is None else min(node_index, len(self.training) - 1)
+        return self.training[index], list(range(index * self.tasks_per_node, (index + 1) * self.tasks_per_node))
 
     def fail_at_problem(self, fail_at: Sequence[tuple[int, int | None]]) -> str | None:
         """Why a --fail-at names a node the rehearsal does not train on (None: it is fine)."""

@@ -19,30 +19,40 @@ Injection = tuple[int, Callable[[], tuple[str, list[int]]]]  # (step, which node
 
 SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop this late
 KILL_DELAY_VAR = "HPC_DDP_LOCAL_KILL_DELAY_S"  # fault injection: --fail-at's SIGKILL lands this long after the step
+BACKSTOP_S = 5.0  # --fail-at's ranks kill themselves after their step; the launcher's SIGKILL follows this late
 
 
 def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
              err: IO[str], watch: dict[str, object] | None = None, kills: list[Injection] | None = None,
              skew_s: float = 0.0, freezes: list[Injection] | None = None,
-             frozen: list[int] | None = None, kill_delay_s: float = 0.0) -> Callable[[int], None]:
+             frozen: list[int] | None = None, kill_delay_s: float = 0.0,
+             self_kill: bool = False) -> Callable[[int], None]:
     """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
     (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``); each of
     ``freezes`` SIGSTOPs them and what they started (``--freeze-at``), noting their ranks in ``frozen``.
 
     ``skew_s`` > 0 signals the other ranks first and rank 0 that much later, as a cluster's signal
-    reaches its nodes apart (a test of the race it opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``)."""
+    reaches its nodes apart (a test of the race it opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``).
+
+    ``self_kill``: the lost node's ranks kill themselves right after their own boundary of the step
+    (``HPC_DDP_LOCAL_DIE_AT``), so what they send there has left, and rank 0 may be a few milliseconds ahead
+    of them without the kill landing inside their step; the launcher's SIGKILL is a backstop, ``BACKSTOP_S``
+    later. ``kill_delay_s`` (B11's random points, ``HPC_DDP_LOCAL_KILL_DELAY_S``) kills from the launcher
+    that long after rank 0 reported the step."""
     def on_step(step: int) -> None:
         if watch is not None:
             watch["step"] = max(step, int(watch.get("step") or 0))  # the furthest, across healed job steps
         while kills and step >= kills[0][0]:
             at, kill = kills.pop(0)
             node, ranks = kill()
-            err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): SIGKILL to its "
-                      f"{ranks_text(ranks)}" + (f" {kill_delay_s:.3f} s later" if kill_delay_s else "") + "\n")
+            how = f"SIGKILL to its {ranks_text(ranks)}" + (
+                f" right after their own step {at}" if self_kill else f" {kill_delay_s:.3f} s later" if kill_delay_s
+                else "")
+            err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): {how}\n")
             if watch is not None:
                 watch["lost"] = (node, ranks)
-            if kill_delay_s:  # a point inside the next step (B11): the rank 0 reader thread must not wait
-                threading.Timer(kill_delay_s, _kill, args=(procs, ranks)).start()
+            if kill_delay_s or self_kill:  # the rank 0 reader thread must not wait
+                threading.Timer(BACKSTOP_S if self_kill else kill_delay_s, _kill, args=(procs, ranks)).start()
             else:
                 _kill(procs, ranks)
         while freezes and step >= freezes[0][0]:

@@ -190,7 +190,8 @@ def steps_lost(attempts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per failed attempt (by index): the steps its failure threw away, ``last_step`` (how far it got, by
     its ledger line) less the step the next attempt resumed from (or, before there is one, the snapshot its
     line names: where the next will resume). A stop loses nothing by design and is not listed; an attempt
-    whose figures are missing is listed without ``lost``."""
+    whose figures are missing is listed without ``lost``; ``why``: the ledger's reason the survivors wrote no
+    snapshot, where steps were lost."""
     found: dict[int, dict[str, Any]] = {}
     for i, attempt in enumerate(attempts):
         if attempt.get("reason") not in FAILURE_REASONS:
@@ -201,5 +202,7 @@ def steps_lost(attempts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         entry: dict[str, Any] = {"last_step": last, "resumed_from": resumed, "pending": after is None}
         if isinstance(last, int):
             entry["lost"] = last - (resumed if isinstance(resumed, int) else 0)
+        if entry.get("lost") and attempt.get("jit_fallback"):  # why the survivors wrote no snapshot
+            entry["why"] = attempt["jit_fallback"]
         found[i] = entry
     return found
