@@ -81,6 +81,8 @@ def test_the_run_object_says_what_was_used_out_of_order(tmp_path) -> None:
     assert run.boundary(1) is False
     with pytest.raises(RunUsageError, match="got step 1 after step 1"):
         run.boundary(1)
+    with pytest.raises(RunUsageError, match=r"got step '2' \(a str, not an int\) after step 1"):
+        run.boundary("2")  # type: ignore[arg-type]
     with pytest.raises(RunUsageError, match="has no state_dict"):
         make_run(tmp_path).resume(model=[1, 2])
     counters["seen"] = 5

@@ -43,6 +43,12 @@ class ClusterError(HpcDdpError):
     """The throw-away local Slurm cluster could not be started, checked or stopped."""
 
 
+def a_type(value: object) -> str:
+    """"a list", "an int": a value's type name with its article, for messages."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def explain(
     what: str,
     *,

@@ -90,6 +90,7 @@ class Mirror:
         self._in_flight = 0  # sends the waiter has not seen complete
         self._pending: tuple[int, bytes] | None = None  # a newer state that waits for it (the waiter sends it)
         self._lock = threading.Lock()
+        self._closed = False
         self._size = FIRST_SIZE  # of this rank's messages to its buddy
         self._sent: queue.SimpleQueue[Any] = queue.SimpleQueue()  # sends for the waiter (works and their tensors)
         self._threads = [threading.Thread(target=self._receive, name="hpc_ddp-mirror-receive", daemon=True),
@@ -147,8 +148,12 @@ class Mirror:
         return held
 
     def close(self) -> None:
-        """End of a clean attempt (every rank): send the end once the last send completed, and wait for the
-        receiver's end, so nothing is in flight when the process group goes."""
+        """End of a clean attempt (every rank; once, later calls do nothing): send the end once the last send
+        completed, and wait for the receiver's end, so nothing is in flight when the process group goes (a
+        receive left waiting aborts the process when the group is destroyed)."""
+        if self._closed:
+            return
+        self._closed = True
         self._sent.put(None)
         self._threads[1].join(JOIN_S)
         try:

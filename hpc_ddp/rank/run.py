@@ -213,8 +213,9 @@ class Run:
                                         hint="leave the loop (return) when run.boundary(step) is True: the "
                                         "snapshot is committed and the job is being requeued"))
         if not isinstance(step, int) or step <= self.step:
-            raise RunUsageError(explain(f"run.boundary() got step {step!r} after step {self.step}",
-                                        expected="the optimizer step count, rising by one per call",
+            kind = "" if isinstance(step, int) else f" (a {type(step).__name__}, not an int)"
+            raise RunUsageError(explain(f"run.boundary() got step {step!r}{kind} after step {self.step}",
+                                        expected="the optimizer step count, an int rising by one per call",
                                         hint="start from step = run.resume(...) and add 1 after each step"))
 
     def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
@@ -305,6 +306,8 @@ class Run:
         self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
         if self.checkpointer is not None:
             self.checkpointer.finish_async()  # never leave a background write behind
+        if self.mirror is not None:
+            self.mirror.close()  # nothing in flight when the process group goes
         model = self.model()
         done = {"step": self.step, **result, "world_size": self.world_size}
         if model is not None:

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from hpc_ddp.rank.checkpointer import stage
-from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, explain
+from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, a_type, explain
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields
 from hpc_ddp.core.slurm_env import DistEnv
 
@@ -91,7 +91,7 @@ def per_rank(obj: Any, elastic: str = "refuse") -> PerRank:
                                  hint="track it plainly (run.resume(model=model)); per_rank is for state that "
                                  "differs by rank"))
     if not isinstance(obj, (dict, torch.Generator)) and not _has_state_dict(obj):
-        raise RunUsageError(explain(f"hpc_ddp.per_rank() got a {type(obj).__name__}, which has no "
+        raise RunUsageError(explain(f"hpc_ddp.per_rank() got {a_type(obj)}, which has no "
                                  "state_dict()/load_state_dict()", hint="pass a dict (restored in place), a "
                                  "torch.Generator, or a module/object with state_dict()"))
     return PerRank(obj, elastic)
@@ -110,7 +110,7 @@ def check_trackable(name: str, obj: Any) -> None:
             "run.world_size, seed=...) and take the batches with `for batch in sampler.iterate(loader)`"), key=name)
     if isinstance(obj, PerRank) or isinstance(obj, dict) or _has_state_dict(obj):
         return
-    raise RunUsageError(explain(f"run.resume({name}=...) got a {type(obj).__name__}, which has no "
+    raise RunUsageError(explain(f"run.resume({name}=...) got {a_type(obj)}, which has no "
                              "state_dict()/load_state_dict()", hint="track a model, optimizer, scheduler, scaler, "
                              "sampler, a dict of your own counters (restored in place), or per-rank state with "
                              "hpc_ddp.per_rank(obj)"), key=name)

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.extras import require_extras
-from hpc_ddp.core.errors import UsageError, explain
+from hpc_ddp.core.errors import UsageError, a_type, explain
 
 log = logging.getLogger("hpc_ddp.tracking")
 
@@ -194,7 +194,7 @@ def metric_value(key: str, value: Any) -> Any:
     size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
     if size == 1 and callable(getattr(value, "item", None)):
         return (value.detach() if callable(getattr(value, "detach", None)) else value).item()
-    raise UsageError(explain(f"run.log_metrics(..., {key}=...) got a {type(value).__name__}"
+    raise UsageError(explain(f"run.log_metrics(..., {key}=...) got {a_type(value)}"
                              + (f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""),
                              expected="a number, a string or a one-element tensor",
                              hint=f"log one number per key, e.g. {key}=loss.item() or {key}=t.mean().item()"),
