@@ -196,6 +196,8 @@ class Run:
         if self.config.train.rng == "derived":
             reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
         self.stopped = stop
+        if stop and self.mirror is not None:
+            self.mirror.close()  # every rank stops here: nothing in flight when the process group goes
         return stop
 
     def _mark(self, step: int) -> None:
