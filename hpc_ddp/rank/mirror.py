@@ -3,7 +3,7 @@
 A just-in-time snapshot (:mod:`hpc_ddp.rank.jit`) takes the replicated state from any survivor, but a
 lost rank's own state (a prefetched batch, a per-rank counter, a non-DDP module) died with it. So at
 every ``run.boundary`` each rank packs its per-rank objects (the bytes a snapshot would hold for it) and
-a side thread sends them to its **buddy**: the rank with the same local rank on the next node (ring over
+sends them to its **buddy**: the rank with the same local rank on the next node (ring over
 the nodes), so a whole node's loss leaves every one of its ranks' state on the next node. With one node
 the buddy is the next rank on it: a crashed rank is covered, a lost node is not.
 

@@ -243,8 +243,9 @@ class Run:
         modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
         replication.check({n: v for n, v in state.items() if n != STEP}, step, modules)
         rng = capture_rng()
-        if self.per_rank:
-            rng[PER_RANK] = self._packed()
+        if self.per_rank:  # packed once per step: the mirror's copy of this boundary where there is one
+            own = self.mirror.own if self.mirror is not None else None
+            rng[PER_RANK] = own[1] if own is not None and own[0] == step else self._packed()
         return state, rng
 
     def _packed(self) -> bytes:

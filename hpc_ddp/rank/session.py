@@ -190,8 +190,6 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)
                     _note_ignored_stop(attempt, run)
-                if run.mirror is not None:
-                    run.mirror.close()  # every rank: nothing in flight when the process group goes
             finally:
                 if run is not None:
                     run.close_metrics()
