@@ -61,6 +61,7 @@ def test_a_line_cut_by_a_crash_and_lines_without_a_step_are_skipped(tmp_path: Pa
     text = "".join(lines((None, range(1, 4)))) + '{"note": "no step"}\n[1, 2]\n{"step": true}\n{"step": 4, "lo'
     (tmp_path / "metrics.jsonl").write_text(text)
     assert [r["step"] for r in metrics_file.read(tmp_path)] == [1, 2, 3]
+    assert [r["step"] for r in metrics_file.read(tmp_path / "metrics.jsonl")] == [1, 2, 3]  # the file itself too
     assert metrics_file.read(tmp_path / "none") == []
 
 

@@ -1,6 +1,6 @@
 """Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.mirror`): who is whose buddy,
-and over real gloo processes that a rank killed right after its boundary leaves that step's state with its buddy
-(the case a split header and payload lost), and that a clean end leaves nothing in flight."""
+and over real gloo processes that a rank killed as soon as its sender thread posted a step's state leaves that
+state with its buddy (the case a split header and payload lost), and that a clean end leaves nothing in flight."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
             dist.all_reduce(torch.ones(4))
             mirror.mark(step, blob(rank, step))
             if rank == victim and step == 20:
+                assert mirror.wait_posted(20, 5.0)
                 os.kill(os.getpid(), signal.SIGKILL)  # at once: its isend was only posted
         mirror.close()
         dist.destroy_process_group()
@@ -68,7 +69,7 @@ def test_a_clean_end_leaves_every_rank_with_its_wards_last_state() -> None:
                    (2, {2: (30, True), 0: (30, True)}), (3, {3: (30, True), 1: (30, True)})]
 
 
-def test_a_rank_killed_just_after_its_boundary_leaves_that_steps_state_with_its_buddy() -> None:
+def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_buddy() -> None:
     import multiprocessing
 
     from hpc_ddp.core.slurm_env import simulated_environ

@@ -143,11 +143,11 @@ def test_per_rank_refuses_what_it_cannot_keep_per_rank() -> None:
 
 def test_per_rank_state_round_trips_through_its_bytes(tmp_path) -> None:
     import hpc_ddp
-    from hpc_ddp.rank.tracked import load_into, pack, unloadable, unpack
+    from hpc_ddp.rank.tracked import load_into, pack, staged, unloadable, unpack
 
     generator, batch = torch.Generator().manual_seed(3), {"x": torch.arange(4.0)[1:], "n": 2}
     objects = {"g": hpc_ddp.per_rank(generator), "batch": hpc_ddp.per_rank(batch)}
-    blob = pack(objects)
+    blob = pack(staged(objects))
     expected = torch.rand(3, generator=generator)
     batch.update(x=torch.zeros(1), n=0)
     saved = unpack(blob)

@@ -44,7 +44,8 @@ from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank.tracked import PerRank, RunUsageError, check_trackable, pack, resize_refusal, state_of, unloadable, unwrap
+from hpc_ddp.rank.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
+                                   unloadable, unwrap)
 from hpc_ddp.rank.run_metrics import MetricsLog
 
 log = logging.getLogger("hpc_ddp.run")
@@ -204,7 +205,7 @@ class Run:
         """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy."""
         self.held.mark(step)
         if self.mirror is not None:
-            self.mirror.mark(step, self._packed())
+            self.mirror.mark(step, self._per_rank_state(copy=True))
 
     def _check_step(self, step: int) -> None:
         if not self._resumed:
@@ -244,19 +245,19 @@ class Run:
         replication.check({n: v for n, v in state.items() if n != STEP}, step, modules)
         rng = capture_rng()
         if self.per_rank:  # packed once per step: the mirror's copy of this boundary where there is one
-            own = self.mirror.own if self.mirror is not None else None
-            rng[PER_RANK] = own[1] if own is not None and own[0] == step else self._packed()
+            own = self.mirror.own_bytes(step) if self.mirror is not None else None
+            rng[PER_RANK] = own if own is not None else pack(self._per_rank_state())
         return state, rng
 
-    def _packed(self) -> bytes:
-        """This rank's per-rank states as bytes; the first time, what a resume could not load back is refused
-        (every rank alike: a usage error, never retried)."""
+    def _per_rank_state(self, copy: bool = False) -> dict[str, Any]:
+        """This rank's per-rank states, ready to serialize; the first time, what a resume could not load back is
+        refused (every rank alike: a usage error, never retried)."""
         if not self._per_rank_checked:
             problem = unloadable(self.per_rank)
             if problem:
                 raise RunUsageError(problem)
             self._per_rank_checked = True
-        return pack(self.per_rank)
+        return staged(self.per_rank, copy)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""

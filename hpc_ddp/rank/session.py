@@ -48,6 +48,7 @@ log = logging.getLogger("hpc_ddp.session")
 WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.rank.script) in its child's environment
 CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
 CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
+DIE_WAIT_S = 5.0  # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -169,10 +170,10 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
                                             config=flat_values(cfg), local=attempt.local)
                 on_step = _print_progress if attempt.local and env.is_main else None
-                if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
-                    on_step = functools.partial(_die_after, int(environ[DIE_AT_VAR]), on_step)
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)
+                if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
+                    run.on_step = functools.partial(_die_after, int(environ[DIE_AT_VAR]), on_step, run)
                 attempt.after_failure = functools.partial(jit.after_failure, run)
                 if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
                     attempt.liveness.before_exit = lambda message: attempt.after_failure(PeerLost(message))
@@ -299,12 +300,15 @@ class PeerLost(RuntimeError):
     watchdog found another rank stuck."""
 
 
-def _die_after(last: int, then: Any, step: int) -> None:
-    """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run, so its per-rank
-    state of that step has left for its buddy, as in a node lost during the next step."""
+def _die_after(last: int, then: Any, run: Run, step: int) -> None:
+    """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run and its per-rank
+    state of that step has left for its buddy (posted by the mirror's sender thread, within a millisecond or
+    so), as in a node lost during the next step."""
     if then is not None:
         then(step)
     if step >= last:
+        if run.mirror is not None:
+            run.mirror.wait_posted(step, DIE_WAIT_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

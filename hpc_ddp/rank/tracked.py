@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -138,12 +138,41 @@ def load_into(obj: Any, state: Any, device: torch.device | None = None) -> None:
         unwrap(obj).load_state_dict(state)
 
 
-def pack(objects: Mapping[str, PerRank]) -> bytes:
-    """This rank's per-rank states as bytes: they travel with its RNG state to the node's writer."""
+def pack(state: Mapping[str, Any]) -> bytes:
+    """Per-rank states (:func:`staged`) as bytes: they travel with the rank's RNG state to the node's writer."""
     buffer = io.BytesIO()
-    # compact CPU copies: a view would save its whole storage, and training goes on changing the originals
-    torch.save({name: stage(state_of(p.obj)) for name, p in objects.items()}, buffer)
+    serialize(state, buffer)
     return buffer.getvalue()
+
+
+def staged(objects: Mapping[str, PerRank], copy: bool = False) -> dict[str, Any]:
+    """The per-rank states as they are now: tensors on the CPU and compact (a view would save its whole
+    storage). With ``copy``, every tensor is a copy, for a state serialized later while training goes on (the
+    mirror's sender thread); without, a compact CPU tensor is not copied, for a state serialized at once."""
+    if copy:
+        return {name: stage(state_of(p.obj)) for name, p in objects.items()}
+    return {name: _compact(state_of(p.obj)) for name, p in objects.items()}
+
+
+def serialize(state: Any, out: BinaryIO) -> None:
+    """The per-rank format: torch's pickle format, not its zip one (packed at every boundary for the mirror, it
+    is 2.5 x faster, 50 us against 127 for a batch and a counter, and a third of the size); torch.load reads
+    either, ``weights_only``."""
+    torch.save(state, out, _use_new_zipfile_serialization=False)
+
+
+def _compact(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+        if value.device.type == "cpu" and whole and value.storage_offset() == 0 and value.is_contiguous():
+            return value
+        return stage(value)
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_compact(v) for v in value)
+    return value
 
 
 def unpack(blob: bytes) -> dict[str, Any]:
@@ -155,7 +184,7 @@ def unloadable(objects: Mapping[str, PerRank]) -> str | None:
     """Checked at the first snapshot: per-rank state that a resume could not load back is refused now, not then."""
     for name, p in objects.items():
         try:
-            unpack(pack({name: p}))
+            unpack(pack(staged({name: p})))
         except Exception as err:  # noqa: BLE001 - the unpickler names the type it refused
             return explain(f"the per-rank state {name} holds something a snapshot cannot load back "
                            f"({str(err).splitlines()[0]})", hint="keep tensors, numbers, strings, lists and dicts "

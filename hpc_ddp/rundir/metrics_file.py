@@ -87,9 +87,13 @@ def history(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def read(run_dir: Path | str) -> list[dict[str, Any]]:
-    """:func:`history` of ``RUN_DIR/metrics.jsonl`` (empty when there is none yet)."""
+    """:func:`history` of ``RUN_DIR/metrics.jsonl`` (empty when there is none yet). The file itself is taken
+    too: a newcomer who passed ``RUN_DIR/metrics.jsonl`` got an empty list, as if nothing had been logged."""
+    path = Path(run_dir)
+    if path.is_dir() or not path.name.endswith(".jsonl"):
+        path = layout.metrics(path)
     try:
-        text = layout.metrics(run_dir).read_text()
+        text = path.read_text()
     except OSError:
         return []
     return history(text.splitlines())

@@ -191,7 +191,7 @@ def _mirror_rank(environ: dict[str, str], out: object) -> None:
     from hpc_ddp.core.slurm_env import from_environ
     from hpc_ddp.rank import control
     from hpc_ddp.rank.mirror import Mirror
-    from hpc_ddp.rank.tracked import PerRank, pack, unpack
+    from hpc_ddp.rank.tracked import PerRank, staged, unpack
 
     env = from_environ(environ)
     dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
@@ -203,7 +203,7 @@ def _mirror_rank(environ: dict[str, str], out: object) -> None:
         for step in range(1, 9):
             state["batch"].add_(step * (env.rank + 1))  # on the GPU, asynchronously
             dist.all_reduce(torch.ones(1))
-            mirror.mark(step, pack({"batch": PerRank(state)}))
+            mirror.mark(step, staged({"batch": PerRank(state)}))
             if env.rank == 1 and step == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
     except RuntimeError:
