@@ -114,13 +114,15 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
     return (steps - warmup) / (times[steps] - times[warmup])
 
 
-def worker(rank: int, out: str, rounds: int, steps: int, every: int) -> None:
+ALL = ("raw", "raw2", "own", "own_mirror", "bare", "stop", "shared", "sync", "async")
+
+
+def worker(rank: int, out: str, rounds: int, steps: int, every: int, variants: tuple[str, ...] = ALL) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     control.open_group("gloo")  # as hpc_ddp's own init does: the control traffic on a gloo group of its own
     own_group = control.group()
     warmup = max(5, steps // 10)
-    variants = ["raw", "raw2", "own", "own_mirror", "bare", "stop", "shared", "sync", "async"]
     samples: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(rounds):
         for variant in variants:
@@ -139,12 +141,12 @@ def worker(rank: int, out: str, rounds: int, steps: int, every: int) -> None:
     dist.destroy_process_group()
 
 
-def run(out: Path, rounds: int, steps: int, every: int, port: int) -> dict[str, Any]:
+def run(out: Path, rounds: int, steps: int, every: int, port: int, variants: tuple[str, ...] = ALL) -> dict[str, Any]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    mp.spawn(worker, args=(str(out), rounds, steps, every), nprocs=2, join=True)
+    mp.spawn(worker, args=(str(out), rounds, steps, every, variants), nprocs=2, join=True)
     return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
     print(json.dumps(run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                         int(sys.argv[5]))))
+                         int(sys.argv[5]), tuple(sys.argv[6].split(",")) if len(sys.argv) > 6 else ALL)))

@@ -188,9 +188,10 @@ def first_difference(per_rank: list[list[tuple[str, int]]]) -> tuple[str, list[i
     return "(its keys)", [r for r, m in enumerate(maps) if m.keys() != maps[0].keys()]
 
 
-def check(states: Mapping[str, Any], step: int, modules: Set[str] = frozenset()) -> None:
+def check(states: Mapping[str, Any], step: int, modules: Set[str] = frozenset(), doing: str | None = None) -> None:
     """Collective: raise the same UsageError on every rank when a replicated object differs by rank.
-    ``modules``: the names that are modules (the fix then is DDP); for others it is computing them alike."""
+    ``modules``: the names that are modules (the fix then is DDP); for others it is computing them alike.
+    ``doing``: what the error says was stopped (by default the snapshot of ``step``)."""
     names = sorted(states)
     if not names or dist.get_world_size() == 1:
         return
@@ -208,7 +209,7 @@ def check(states: Mapping[str, Any], step: int, modules: Set[str] = frozenset())
              "buffers such as BatchNorm statistics: use SyncBatchNorm or broadcast_buffers=True)" if name in modules
              else "make every rank compute it alike (e.g. dist.broadcast rank 0's value)")
     raise UsageError(explain(
-        f"snapshot of step {step} not written: {name!r} is tracked as replicated but differs between ranks "
+        f"{doing or f'snapshot of step {step} not written'}: {name!r} is tracked as replicated but differs between ranks "
         f"(first at {key}: ranks {ranks} differ from rank 0)", hint=f"if {name} should be the same everywhere, "
         f"{alike}; if each rank has its own, track it per rank: run.resume({name}=hpc_ddp.per_rank({name}))"),
         key=name)

@@ -176,14 +176,18 @@ class Run:
         snapshot is always synchronous and committed when this returns True.
         """
         self._check_step(step)
+        ckpt = self.checkpointer
         self.step = step
         self.boundaries += 1
         if self.held is not None:
             self._mark(step)
+        if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
+            # what snapshots will hold is checked now, not at the first one (none may come before a failure,
+            # and a survivors' snapshot would then be refused for it)
+            self._checked_state(step, f"stopped at the first run.boundary of this attempt (step {step})")
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
-        ckpt = self.checkpointer
         if ckpt is None and self.stop is None:
             return False
         stop, due_time, busy = self._agreed()
@@ -232,7 +236,7 @@ class Run:
             else:
                 ckpt.save_async(step, state, rng)
 
-    def _checked_state(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _checked_state(self, step: int, doing: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
         state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
         if self.world_size > 1:
@@ -242,7 +246,7 @@ class Run:
                         dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
         state = self.state()
         modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
-        replication.check({n: v for n, v in state.items() if n != STEP}, step, modules)
+        replication.check({n: v for n, v in state.items() if n != STEP}, step, modules, doing)
         rng = capture_rng()
         if self.per_rank:  # packed once per step: the mirror's copy of this boundary where there is one
             own = self.mirror.own_bytes(step) if self.mirror is not None else None

@@ -181,7 +181,7 @@ def unpack(blob: bytes) -> dict[str, Any]:
 
 
 def unloadable(objects: Mapping[str, PerRank]) -> str | None:
-    """Checked at the first snapshot: per-rank state that a resume could not load back is refused now, not then."""
+    """Checked at the first boundary: per-rank state that a resume could not load back is refused now, not then."""
     for name, p in objects.items():
         try:
             unpack(pack(staged({name: p})))
