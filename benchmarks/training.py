@@ -14,9 +14,8 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   ``run.boundary(step)`` after every step, the stop-flag agreement included): what a
   user's own loop pays for hpc_ddp;
 - ``own_mirror``: ``own`` with per-rank state tracked (``hpc_ddp.per_rank``: a counter and the
-  step's 256 KB batch, as nanoGPT prefetches one), so every boundary copies it and the mirror's
-  thread serializes it and sends it to the buddy rank (rank/mirror.py): what the per-rank mirror
-  costs.
+  step's 256 KB batch, as nanoGPT prefetches one), so every boundary copies it into a message and
+  the mirror's thread sends it to the buddy rank (rank/mirror.py): what the per-rank mirror costs.
 
 Steps/s is measured over the steady state only: from step ``warmup`` to the
 last step, taken from the per-step callback. Rank 0 writes a JSON file.

@@ -86,3 +86,48 @@ def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_
         proc.join(timeout=30)
     assert procs[1].exitcode == -signal.SIGKILL
     assert got[3] == {3: (20, True), 1: (20, True)}  # rank 1's state of step 20, whole, with its buddy
+
+
+def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes() -> None:
+    """rank/flat.py: the usual per-rank state (containers, scalars, tensors of any dtype, views, int and tuple
+    keys) is copied into the message once and read back with the same types and bits; what it cannot give
+    back exactly (a NumPy array, a dict subclass) returns None, and the mirror sends torch.save bytes."""
+    from collections import OrderedDict, defaultdict
+
+    import numpy as np
+    import torch
+
+    from hpc_ddp.rank import flat
+
+    state = {"batch": {"x": torch.randn(4, 3), "y": torch.arange(5), "n": 3, "f": 0.1, "big": 2**70, "s": "a",
+                       "none": None, "b": True, "nan": float("nan"), "neg0": -0.0},
+             "g": torch.Generator().manual_seed(3).get_state(),
+             "mod": OrderedDict(w=torch.randn(2, 2, dtype=torch.bfloat16), empty=torch.zeros(0)),
+             "opt": {"state": {0: {"step": torch.tensor(3.0), "avg": torch.randn(3, dtype=torch.float64)}},
+                     "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "t": (1, (2, 3)), "keys": {(1, 2): "a tuple key"}, "mask": torch.tensor([True, False]),
+             "c": torch.randn(3, dtype=torch.complex64), "view": torch.arange(10.0)[2:7:2]}
+    layout = flat.plan(state)
+    assert layout is not None
+    message = torch.full((32 + layout.nbytes,), 7, dtype=torch.uint8)  # the body starts after the header
+    layout.write(message[32:])
+    back = flat.read(message[32:])
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor):
+            return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
+                    and a.contiguous().reshape(-1).view(torch.uint8).tolist()
+                    == b.contiguous().reshape(-1).view(torch.uint8).tolist())
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, float):
+            return repr(a) == repr(b)
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return bool(a == b)
+
+    assert same(state, back)
+    for odd in (np.zeros(3), defaultdict(int), np.float32(1.0), torch.zeros(3).to_sparse()):
+        assert flat.plan({"odd": odd}) is None

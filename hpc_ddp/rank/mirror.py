@@ -7,22 +7,25 @@ sends them to its **buddy**: the rank with the same local rank on the next node 
 the nodes), so a whole node's loss leaves every one of its ranks' state on the next node. With one node
 the buddy is the next rank on it: a crashed rank is covered, a lost node is not.
 
-**Off the critical path.** The training thread only copies its per-rank objects (what training will
-change next; a CUDA tensor comes to the CPU, which waits for the GPU) and hands the copy to a sender
-thread, which serializes it (torch's pickle format) straight into a message, posts it with a gloo
-``isend`` and waits for it to complete (a gloo wait with a timeout closes the connection when it expires,
-so nobody can poll). Measured on this machine's two shared cores (B2's 256 KB batch, 35 ms steps): the
-serializing took 0.5 ms of the step and an ``isend`` 0.3 ms at the median and over 2 ms for a quarter of
-them when the training thread did both (0.93 x raw); the copy alone is 0.15 ms. **The price** is a window:
-the state leaves when the sender thread has run (after the boundary, 2 ms at the median and 7 ms at the
-90th percentile there, far less on a node with idle cores); a rank lost inside it takes that step's
-state with it, like a rank lost between its gradient all-reduce and its boundary, and the survivors'
-snapshot falls back rather than mix. Up to :data:`IN_FLIGHT` states may be on their way; beyond that
-(the buddy is frozen or slow) the newest waits for one to complete and older ones are dropped, and the
-step never waits: the mirror of that rank is then older than the state. A receiver thread keeps the
-newest state its ward (the rank whose buddy this rank is) sent, in one of two buffers in turn (no copy).
-Both use a gloo group of their own, so no collective of the training waits behind them, and a buddy that
-dies or freezes stalls only these threads (gloo cannot abort a transfer: pytorch#130345).
+**Off the critical path.** The training thread writes its per-rank state into a message: one copy of
+each tensor beside a JSON skeleton (:mod:`hpc_ddp.rank.flat`; a CUDA tensor comes to the CPU, which
+waits for the GPU); ``torch.save`` bytes only for what that layout cannot give back exactly. A sender
+thread posts it with a gloo ``isend`` and waits for it to complete (a gloo wait with a timeout closes the
+connection when it expires, so nobody can poll). Measured with B2's 256 KB batch on this machine's two
+shared cores (35 ms steps; every CPU cost there is about 5 x what it is alone, the other rank computing
+beside it): the boundary's own CPU grows by 0.33 ms; with ``torch.save`` and the ``isend`` on the training
+thread it grew by 0.85 ms of CPU, and the ``isend`` alone took 0.3 ms of wall time at the median and over
+2 ms for a quarter of them. **The price** is a window: the state leaves when the sender thread has run,
+1.2 ms after the boundary at the median there and 6 ms at the 90th percentile (far less on a node with idle
+cores); a rank lost inside it takes that step's state with it, like a rank lost between its gradient
+all-reduce and its boundary, and the survivors' snapshot falls back rather than mix. Up to
+:data:`IN_FLIGHT` states may be on their way; beyond that (the buddy is frozen or slow) the newest waits for
+one to complete and older ones are dropped, and the step never waits: the mirror of that rank is then
+older than the state. Sent messages are reused for later ones (never this rank's newest, which a snapshot
+or a failure may read). A receiver thread keeps the newest message its ward (the rank whose buddy this
+rank is) sent, in one of two buffers in turn (no copy). Both use a gloo group of their own, so no
+collective of the training waits behind them, and a buddy that dies or freezes stalls only these threads
+(gloo cannot abort a transfer: pytorch#130345).
 
 Each message is one buffer of a size both sides know (4 KiB at first): a header (step, byte count,
 next size) and the bytes. One message, not a header and then the bytes, because the receiver must have
@@ -35,7 +38,7 @@ receiver leaves its loop and nothing is in flight when the process group is dest
 
 from __future__ import annotations
 
-import io
+import collections
 import logging
 import queue
 import threading
@@ -45,12 +48,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc_ddp.rank import control, tracked
+from hpc_ddp.rank import control, flat, tracked
 
 log = logging.getLogger("hpc_ddp.mirror")
 END = -1  # the header step that ends the exchange
 GROW = -2  # the header step that says the next message is larger
-HEADER = 24  # bytes: int64 step, byte count, the next message's size
+HEADER = 32  # bytes: int64 step, byte count, the next message's size, the body's kind
+BYTES, FLAT = 0, 1  # a body of bytes (torch.save's, or given as bytes), or rank/flat.py's layout
 FIRST_SIZE = 4096  # bytes of the first message (both sides start with it; grown as the state needs)
 IN_FLIGHT = 4  # sends on their way at most: a frozen buddy holds this many states in memory, never more
 JOIN_S = 10.0  # how long the end of an attempt waits for the threads (a peer that never sends its end)
@@ -88,15 +92,15 @@ class Mirror:
         self.rank, self.group = rank, group
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
-        self.own: tuple[int, Any] | None = None  # this rank's last boundary: step and its state
-        self._own_message: tuple[int, torch.Tensor] | None = None  # a step's state serialized by the sender
+        self.own: tuple[int, torch.Tensor] | None = None  # this rank's last boundary: step and its message
         self.kept: tuple[int, torch.Tensor] | None = None  # the ward's newest message received whole
         self.skipped = 0  # states never sent: a newer one replaced them while a send was on its way
         self.broken: str | None = None  # why the receiver stopped before the end (its ward died)
         self._in_flight = 0  # sends the waiter has not seen complete
-        self._pending: tuple[int, Any] | None = None  # a newer state that waits (the sender thread sends it)
+        self._pending: list[torch.Tensor] | None = None  # a newer state's messages that wait (the sender sends them)
         self._lock = threading.Lock()  # the in-flight count; and the received buffers while ``held`` copies one
         self._closed = False
+        self._free: collections.deque[torch.Tensor] = collections.deque(maxlen=3)  # sent messages to reuse
         self._size = FIRST_SIZE  # of this rank's next message to its buddy
         self.posted = -1  # the newest step the sender thread posted
         self._posted_changed = threading.Condition()
@@ -110,18 +114,21 @@ class Mirror:
         return self
 
     def mark(self, step: int, state: Any) -> None:
-        """At a boundary (training thread): this step's per-rank state (bytes, or a copy that training will not
-        change: :func:`tracked.staged` with ``copy``) is this rank's own, and the sender thread serializes it and
-        posts it to the buddy unless :data:`IN_FLIGHT` are on their way (the newest then waits for one to
-        complete). Never waits."""
-        self.own = (step, state)
+        """At a boundary (training thread): this step's per-rank state (bytes, or a state as
+        :func:`tracked.staged` gives it) is written into its message (:mod:`hpc_ddp.rank.flat`: one copy of each
+        tensor), which is this rank's own, and the sender thread posts it to the buddy unless :data:`IN_FLIGHT`
+        are on their way (the newest then waits for one to complete). Never waits."""
+        messages = self._messages(step, state)
+        self.own = (step, messages[-1])
         with self._lock:
             if self._in_flight >= IN_FLIGHT:
-                self.skipped += self._pending is not None
-                self._pending = (step, state)
+                if self._pending is not None:
+                    self.skipped += 1  # a size change it carried still goes first: the buddy's buffer follows it
+                    messages = [m for m in self._pending if step_of(m) == GROW] + messages
+                self._pending = messages
                 return
             self._in_flight += 1
-        self._sent.put((step, state))
+        self._sent.put(messages)
 
     def wait_posted(self, step: int, timeout: float) -> bool:
         """Whether the sender thread posted the state of ``step`` (or a later one) within ``timeout`` seconds: the
@@ -131,25 +138,38 @@ class Mirror:
 
     def own_bytes(self, step: int) -> bytes | None:
         """This rank's packed state of ``step`` when its last boundary was that step (a snapshot reuses it)."""
-        own, sent = self.own, self._own_message
-        if own is None or own[0] != step:
-            return None
-        return unpacked(sent[1]) if sent is not None and sent[0] == step else packed(own[1])
+        own = self.own
+        return unpacked(own[1]) if own is not None and own[0] == step else None
 
     def _messages(self, step: int, state: Any) -> list[torch.Tensor]:
-        """The state serialized straight into a message of the current size (no copy in between), preceded by a
-        size change when it outgrew it (a sixteenth more than it needs: room for a state that grows a little)."""
-        out = torch.empty(self._size, dtype=torch.uint8)
-        try:
-            size = _write(state, out.numpy(), HEADER)
-        except _Full:
-            blob = state if isinstance(state, bytes) else packed(state)
-            grown = -(-(HEADER + len(blob)) * 17 // 16 // 4096) * 4096
-            grow = message(self._size, GROW, b"", grown)
+        """The state written into a message of the current size, preceded by a size change when it outgrew it
+        (a sixteenth more than it needs: room for a state that grows a little). A state :mod:`~hpc_ddp.rank.flat`
+        cannot give back exactly goes as ``torch.save`` bytes."""
+        layout = None if isinstance(state, bytes) else flat.plan(state)
+        blob = b"" if layout is not None else state if isinstance(state, bytes) else tracked.pack(state)
+        size = layout.nbytes if layout is not None else len(blob)
+        messages = []
+        if HEADER + size > self._size:
+            grown = -(-(HEADER + size) * 17 // 16 // 4096) * 4096
+            messages.append(message(self._size, GROW, b"", grown))
             self._size = grown
-            return [grow, message(grown, step, blob, grown)]
-        out[:HEADER] = header(step, size, self._size)
-        return [out]
+        out = message(self._size, step, blob, self._size, self._reused())
+        if layout is not None:
+            layout.write(out[HEADER:HEADER + size])
+            out[:HEADER] = header(step, size, self._size, FLAT)
+        return messages + [out]
+
+    def _reused(self) -> torch.Tensor | None:
+        """A message whose send completed, to write the next one into (a fresh 256 KB buffer each step cost page
+        faults): never this rank's own, which a snapshot or a failure may still read."""
+        own = self.own[1] if self.own is not None else None
+        for _ in range(len(self._free)):
+            candidate = self._free.popleft()
+            if candidate is own:
+                self._free.append(candidate)  # reusable once a newer one is this rank's own
+            elif candidate.numel() == self._size:
+                return candidate
+        return None
 
     def _send(self, messages: list[torch.Tensor]) -> list[Any]:
         """Post the messages (non-blocking; gloo's transport thread writes them): their works."""
@@ -160,16 +180,14 @@ class Mirror:
         return works
 
     def _run_sends(self) -> None:
-        """The sender thread: serializes each state into its message, posts it and waits for it, all off the
-        training thread (serializing took 0.5 ms of a 35 ms step on this machine's two shared cores, and a gloo
-        ``isend`` can take milliseconds to return when the pair is busy: a median of 0.3 ms, a quarter over 2 ms)."""
-        while (item := self._sent.get()) is not None:
+        """The sender thread: posts each state and waits for it, off the training thread (a gloo ``isend`` can
+        take milliseconds to return when the pair is busy: a median of 0.3 ms and a quarter over 2 ms on this
+        machine's two shared cores)."""
+        while (messages := self._sent.get()) is not None:
             try:
-                messages = self._messages(*item)
-                if self.own is not None and self.own[0] == item[0]:
-                    self._own_message = (item[0], messages[-1])  # the snapshot of this step takes these bytes
                 for work in self._send(messages):
                     work.wait()
+                self._free.extend(messages[-1:])
             except Exception as err:  # noqa: BLE001 - the buddy was lost: no more sends (the flag stays up)
                 self.broken = str(err).splitlines()[0] if str(err) else type(err).__name__
                 with self._posted_changed:
@@ -185,7 +203,7 @@ class Mirror:
         """What a survivor can give a just-in-time snapshot: {rank: (step, packed state)} for itself and its ward."""
         held: dict[int, tuple[int, bytes]] = {}
         if self.own is not None:
-            held[self.rank] = (self.own[0], self.own_bytes(self.own[0]) or b"")
+            held[self.rank] = (self.own[0], unpacked(self.own[1]))
         with self._lock:  # the receiver does not write into the buffer kept while it is copied
             if self.kept is not None and self.ward != self.rank:
                 held[self.ward] = (self.kept[0], unpacked(self.kept[1]))
@@ -223,7 +241,7 @@ class Mirror:
                 if buffers[turn].numel() != size:
                     buffers[turn] = torch.empty(size, dtype=torch.uint8)
                 dist.recv(buffers[turn], self.ward, group=self.group)
-                step, _, following = (int(v) for v in buffers[turn][:HEADER].view(torch.int64).tolist())
+                step, _, following, _ = (int(v) for v in buffers[turn][:HEADER].view(torch.int64).tolist())
                 if step == END:
                     return
                 if step == GROW:  # the next message is larger: received into this same (unkept) turn
@@ -237,64 +255,27 @@ class Mirror:
             log.debug("per-rank mirror receiver ended: %s", self.broken)
 
 
-class _Full(Exception):
-    """The state does not fit the message: it grows."""
-
-
-def _write(state: Any, out: np.ndarray, at: int) -> int:
-    """Serialize ``state`` (or copy bytes) into ``out`` from ``at``; the byte count, or _Full."""
-    writer = _Into(out, at)
-    if isinstance(state, bytes):
-        writer.write(state)
-    else:
-        tracked.serialize(state, writer)  # type: ignore[arg-type]
-    return writer.at - at
-
-
-class _Into:
-    """A write-only file over a fixed buffer (what torch.save needs of one)."""
-
-    def __init__(self, out: np.ndarray, at: int) -> None:
-        self.out, self.at = out, at
-
-    def write(self, data: Any) -> int:
-        view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        end = self.at + len(view)
-        if end > len(self.out):
-            raise _Full
-        self.out[self.at:end] = view
-        self.at = end
-        return len(view)
-
-    def flush(self) -> None:
-        pass
-
-
-def packed(state: Any) -> bytes:
-    if isinstance(state, bytes):
-        return state
-    buffer = io.BytesIO()
-    tracked.serialize(state, buffer)
-    return buffer.getvalue()
-
-
 def step_of(m: torch.Tensor) -> int:
     return int(m[:8].view(torch.int64)[0])
 
 
 def unpacked(m: torch.Tensor) -> bytes:
-    """The state bytes a message carries (a copy: the message may be reused)."""
-    size = int(m[:HEADER].view(torch.int64)[1])
+    """The state bytes a message carries, as a snapshot holds them (``torch.save``'s; a copy either way)."""
+    _, size, _, kind = (int(v) for v in m[:HEADER].view(torch.int64).tolist())
+    if kind == FLAT:
+        return tracked.pack(flat.read(m[HEADER:HEADER + size]))
     return m[HEADER:HEADER + size].numpy().tobytes()
 
 
-def header(step: int, size: int, following: int) -> torch.Tensor:
-    return torch.tensor([step, size, following], dtype=torch.int64).view(torch.uint8)
+def header(step: int, size: int, following: int, kind: int = BYTES) -> torch.Tensor:
+    return torch.tensor([step, size, following, kind], dtype=torch.int64).view(torch.uint8)
 
 
-def message(capacity: int, step: int, blob: bytes, following: int) -> torch.Tensor:
-    """One buffer of ``capacity`` bytes: the header, then ``blob`` (the rest is never read: left as it was)."""
-    out = torch.empty(capacity, dtype=torch.uint8)
+def message(capacity: int, step: int, blob: bytes, following: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One buffer of ``capacity`` bytes (``out`` when it has that size): the header, then ``blob`` (the rest is
+    never read: left as it was)."""
+    if out is None or out.numel() != capacity:
+        out = torch.empty(capacity, dtype=torch.uint8)
     out[:HEADER] = header(step, len(blob), following)
     out.numpy()[HEADER:HEADER + len(blob)] = np.frombuffer(blob, dtype=np.uint8)  # one copy
     return out

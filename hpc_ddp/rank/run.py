@@ -209,7 +209,7 @@ class Run:
         """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy."""
         self.held.mark(step)
         if self.mirror is not None:
-            self.mirror.mark(step, self._per_rank_state(copy=True))
+            self.mirror.mark(step, self._per_rank_state())
 
     def _check_step(self, step: int) -> None:
         if not self._resumed:
@@ -253,7 +253,7 @@ class Run:
             rng[PER_RANK] = own if own is not None else pack(self._per_rank_state())
         return state, rng
 
-    def _per_rank_state(self, copy: bool = False) -> dict[str, Any]:
+    def _per_rank_state(self) -> dict[str, Any]:
         """This rank's per-rank states, ready to serialize; the first time, what a resume could not load back is
         refused (every rank alike: a usage error, never retried)."""
         if not self._per_rank_checked:
@@ -261,7 +261,7 @@ class Run:
             if problem:
                 raise RunUsageError(problem)
             self._per_rank_checked = True
-        return staged(self.per_rank, copy)
+        return staged(self.per_rank)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""

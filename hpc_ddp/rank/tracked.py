@@ -145,12 +145,10 @@ def pack(state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def staged(objects: Mapping[str, PerRank], copy: bool = False) -> dict[str, Any]:
-    """The per-rank states as they are now: tensors on the CPU and compact (a view would save its whole
-    storage). With ``copy``, every tensor is a copy, for a state serialized later while training goes on (the
-    mirror's sender thread); without, a compact CPU tensor is not copied, for a state serialized at once."""
-    if copy:
-        return {name: stage(state_of(p.obj)) for name, p in objects.items()}
+def staged(objects: Mapping[str, PerRank]) -> dict[str, Any]:
+    """The per-rank states as they are now, to be serialized or copied at once: tensors on the CPU and compact
+    (a view would save its whole storage). A compact CPU tensor is not copied: what uses it right away (a
+    snapshot's :func:`pack`, the mirror's message) needs no copy of its own."""
     return {name: _compact(state_of(p.obj)) for name, p in objects.items()}
 
 
