@@ -113,10 +113,12 @@ def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_
         # the attempt did take every path: agreement, commit, restore's manifests and verdicts, spread, RNG gather
         assert {"all_reduce", "gather_object", "broadcast_object_list", "barrier", "broadcast"} <= names
         training = [(name, dev) for name, group, dev in calls if group == "training" and name != "new_group"]
-        # the only collectives on the training group: DDP's buffers made rank 0's before a snapshot (state, not
-        # control: DDP's own forward broadcasts them there too)
+        # the only collectives on the training group: DDP's buffers made rank 0's before the replicated state is
+        # checked (state, not control: DDP's own forward broadcasts them there too)
         assert set(training) == {("broadcast", "cpu")}, training
-        assert len(training) == 3 * 5  # BatchNorm's 3 buffers at each snapshot: steps 3, 5 (the stop), 6, 9, 12
+        # BatchNorm's 3 buffers at each snapshot (steps 3, 5: the stop, 6, 9, 12) and at each attempt's first
+        # boundary (steps 1 and 6), where what snapshots will hold is checked before any is due
+        assert len(training) == 3 * 7
         assert all(dev in ("", "cpu") for _, _, dev in calls)
         assert all(backend == "gloo" for name, backend, _ in calls if name == "new_group")
 
