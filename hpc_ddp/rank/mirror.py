@@ -21,8 +21,7 @@ cores); a rank lost inside it takes that step's state with it, like a rank lost 
 all-reduce and its boundary, and the survivors' snapshot falls back rather than mix. Up to
 :data:`IN_FLIGHT` states may be on their way; beyond that (the buddy is frozen or slow) the newest waits for
 one to complete and older ones are dropped, and the step never waits: the mirror of that rank is then
-older than the state. Sent messages are reused for later ones (never this rank's newest, which a snapshot
-or a failure may read). A receiver thread keeps the newest message its ward (the rank whose buddy this
+older than the state. A receiver thread keeps the newest message its ward (the rank whose buddy this
 rank is) sent, in one of two buffers in turn (no copy). Both use a gloo group of their own, so no
 collective of the training waits behind them, and a buddy that dies or freezes stalls only these threads
 (gloo cannot abort a transfer: pytorch#130345).
@@ -38,7 +37,6 @@ receiver leaves its loop and nothing is in flight when the process group is dest
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -100,7 +98,6 @@ class Mirror:
         self._pending: list[torch.Tensor] | None = None  # a newer state's messages that wait (the sender sends them)
         self._lock = threading.Lock()  # the in-flight count; and the received buffers while ``held`` copies one
         self._closed = False
-        self._free: collections.deque[torch.Tensor] = collections.deque(maxlen=3)  # sent messages to reuse
         self._size = FIRST_SIZE  # of this rank's next message to its buddy
         self.posted = -1  # the newest step the sender thread posted
         self._posted_changed = threading.Condition()
@@ -153,23 +150,11 @@ class Mirror:
             grown = -(-(HEADER + size) * 17 // 16 // 4096) * 4096
             messages.append(message(self._size, GROW, b"", grown))
             self._size = grown
-        out = message(self._size, step, blob, self._size, self._reused())
+        out = message(self._size, step, blob, self._size)
         if layout is not None:
             layout.write(out[HEADER:HEADER + size])
             out[:HEADER] = header(step, size, self._size, FLAT)
         return messages + [out]
-
-    def _reused(self) -> torch.Tensor | None:
-        """A message whose send completed, to write the next one into (a fresh 256 KB buffer each step cost page
-        faults): never this rank's own, which a snapshot or a failure may still read."""
-        own = self.own[1] if self.own is not None else None
-        for _ in range(len(self._free)):
-            candidate = self._free.popleft()
-            if candidate is own:
-                self._free.append(candidate)  # reusable once a newer one is this rank's own
-            elif candidate.numel() == self._size:
-                return candidate
-        return None
 
     def _send(self, messages: list[torch.Tensor]) -> list[Any]:
         """Post the messages (non-blocking; gloo's transport thread writes them): their works."""
@@ -187,7 +172,6 @@ class Mirror:
             try:
                 for work in self._send(messages):
                     work.wait()
-                self._free.extend(messages[-1:])
             except Exception as err:  # noqa: BLE001 - the buddy was lost: no more sends (the flag stays up)
                 self.broken = str(err).splitlines()[0] if str(err) else type(err).__name__
                 with self._posted_changed:
@@ -271,11 +255,9 @@ def header(step: int, size: int, following: int, kind: int = BYTES) -> torch.Ten
     return torch.tensor([step, size, following, kind], dtype=torch.int64).view(torch.uint8)
 
 
-def message(capacity: int, step: int, blob: bytes, following: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One buffer of ``capacity`` bytes (``out`` when it has that size): the header, then ``blob`` (the rest is
-    never read: left as it was)."""
-    if out is None or out.numel() != capacity:
-        out = torch.empty(capacity, dtype=torch.uint8)
+def message(capacity: int, step: int, blob: bytes, following: int) -> torch.Tensor:
+    """One buffer of ``capacity`` bytes: the header, then ``blob`` (the rest is never read: left as it was)."""
+    out = torch.empty(capacity, dtype=torch.uint8)
     out[:HEADER] = header(step, len(blob), following)
     out.numpy()[HEADER:HEADER + len(blob)] = np.frombuffer(blob, dtype=np.uint8)  # one copy
     return out
