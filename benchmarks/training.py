@@ -15,7 +15,9 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   user's own loop pays for hpc_ddp;
 - ``own_mirror``: ``own`` with per-rank state tracked (``hpc_ddp.per_rank``: a counter and the
   step's 256 KB batch, as nanoGPT prefetches one), so every boundary copies it into a message and
-  the mirror's thread sends it to the buddy rank (rank/mirror.py): what the per-rank mirror costs.
+  the mirror's thread sends it to the buddy rank (rank/mirror.py): what the per-rank mirror costs;
+- ``own_mirror_counter``: ``own_mirror`` with the counter alone tracked (a message of a few hundred
+  bytes): the mirror's cost per message (threads, send, receive) without its cost per byte.
 
 Steps/s is measured over the steady state only: from step ``warmup`` to the
 last step, taken from the per-step callback. Rank 0 writes a JSON file.
@@ -44,9 +46,10 @@ from hpc_ddp.rank import control
 BATCH, LR = 64, 0.01
 
 
-def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: bool = False) -> float:
+def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> float:
     """Steps/s of the tutorial's loop; with ``run``, the same loop with the public API's two calls added (and
-    per-rank state tracked, with ``per_rank``)."""
+    per-rank state tracked, with ``per_rank``: "batch" for a counter and the step's batch, "counter" for the
+    counter alone, which leaves the mirror's cost per message without its cost per byte)."""
     model = DistributedDataParallel(tasks.model())
     sampler = DistributedSampler(tasks.dataset(), seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
@@ -56,9 +59,13 @@ def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: bool = False) -
     if run is not None:
         from hpc_ddp import per_rank as mine
 
+        if per_rank == "counter":
+            del seen["x"]
         done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen)} if per_rank else {}))
     for x, y in loader:
-        seen["steps"], seen["x"] = seen["steps"] + 1, x
+        seen["steps"] += 1
+        if "x" in seen:
+            seen["x"] = x
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -101,9 +108,9 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
         cfg = load_config([], ["name=b2", f"run_dir={run_dirs[0]}", "train.task=benchmarks.tasks:BenchTask",
                                f"train.max_steps={steps}", f"train.batch_size={BATCH}", f"train.lr={LR}",
                                f"train.log_every={steps}", "snapshot.every_minutes=null", *snapshots])
-        if variant in ("own", "own_mirror"):
+        if variant in ("own", "own_mirror", "own_mirror_counter"):
             run = _run_for("stop", cfg)
-            rate = raw_loop(steps, warmup, run, per_rank=variant == "own_mirror")
+            rate = raw_loop(steps, warmup, run, per_rank={"own": "", "own_mirror": "batch"}.get(variant, "counter"))
             run.finish()  # drains the last agreement in flight
             return rate
         times: dict[int, float] = {}

@@ -15,7 +15,7 @@ import torch
 
 from hpc_ddp.rank.rng import reseed
 from hpc_ddp.rank.jit import Held, buffers, fingerprint
-from hpc_ddp.rundir import jit_files, slicing
+from hpc_ddp.rundir import jit_files, slicing, snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
 
@@ -280,3 +280,26 @@ def test_the_rehearsal_waits_for_a_survivor_still_at_its_snapshot(tmp_path: Path
     assert jit_files.writing(tmp_path, 5, 0)
     jit_files.offer(where, 1, {"rank": 1, "source": True, "step": 8, "outcome": "committed step 8"})
     assert not jit_files.writing(tmp_path, 5, 0)
+
+
+def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committed(tmp_path: Path) -> None:
+    """A survivors' snapshot whose set never completed left jit-*.pt behind, newer than every commit, and prune
+    (which keeps what is newer than the newest commit) never removed it. A manifest, readable or not, keeps
+    its step: resume explains why it skips a damaged one, and those files are the evidence."""
+    def step_with(step: int, manifest: str | None) -> Path:
+        directory = snapshot.step_dir(tmp_path, step)
+        directory.mkdir(parents=True)
+        (directory / "jit-00001.pt").write_bytes(b"x" * 100)
+        if manifest is not None:
+            (directory / snapshot.MANIFEST).write_text(manifest)
+        return directory
+
+    committed = step_with(40, None)
+    snapshot.commit(committed, 40, [{"name": "jit-00001.pt", "size": 100, "sha256": "x", "slices": [0],
+                                     "ranks": []}], world_size=2, config_hash="h")
+    older, newer, damaged = step_with(30, None), step_with(41, None), step_with(50, "{not json")
+    (snapshot.layout.snapshots(tmp_path) / "step-notes").mkdir()
+    assert snapshot.drop_uncommitted(tmp_path) == {30: 100, 41: 100}
+    assert committed.exists() and damaged.exists() and not older.exists() and not newer.exists()
+    assert (snapshot.layout.snapshots(tmp_path) / "step-notes").exists()
+    assert snapshot.drop_uncommitted(tmp_path) == {}

@@ -178,3 +178,19 @@ def test_emitted_script_records_the_submit_directory_and_says_so(tmp_path: Path)
     where = subprocess.run(["bash", "-c", "\n".join(lines + ["pwd"])], cwd=script.parent, capture_output=True,
                            text=True, env={**os.environ, "SLURM_SUBMIT_DIR": str(script.parent)})
     assert where.stdout.strip() == str(ROOT)
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                  "[127.0.0.1]:49871. This is typically caused by a remote worker crashing.\nmore"),
+     "Connection closed by peer [127.0.0.1]:49871. This is typically caused by a remote worker crashing."),
+    (RuntimeError("[/pytorch/torch/csrc/distributed/c10d/TCPStore.cpp:125] Timed out"), "Timed out"),
+    (RuntimeError("step [3] of [x.cc:1] stays"), "step [3] of [x.cc:1] stays"),
+    (ConnectionError(), "ConnectionError"),
+])
+def test_an_errors_first_line_for_the_ledger_drops_the_cpp_source_location(error: Exception, expected: str) -> None:
+    """A survivor's ledger line and offer said "[../third_party/gloo/...pair.cc:553] Connection closed by peer":
+    the location in torch's build tree came first and pushed what happened out of a narrow terminal."""
+    from hpc_ddp.core.errors import first_line
+
+    assert first_line(error) == expected

@@ -126,9 +126,14 @@ def test_a_lost_node_file_falls_back_to_its_replica_or_else_to_the_previous_step
     nodes, tasks, replicas, extra = CASES[case]
     run_dir = tmp_path / "damaged"
     node1, newest, previous = damaged_copy(stopped[case], run_dir, damage)
+    # and a survivors' snapshot whose set never completed, newer than any commit (prune keeps those)
+    leftover = snapshot.step_dir(run_dir, newest + 2)
+    leftover.mkdir()
+    (leftover / "jit-00001.pt").write_bytes(b"x" * 4096)
     proc = submit(run_dir, nodes, tasks, f"snapshot.replicas={replicas}", *extra, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = logs(run_dir)
+    assert not leftover.exists() and f"removed the files of step(s) {newest + 2}: never committed" in text
     assert f"{node1} is not usable ({'size 1000 bytes' if damage == 'truncate' else 'missing'}" in text
     resumed = read_attempts(run_dir)[-1]["resumed_from"]
     if replicas > 1:  # node 1's slice is in node 2's file too: the newest step holds

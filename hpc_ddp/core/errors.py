@@ -8,6 +8,11 @@ read ``.key`` instead of parsing the message.
 
 from __future__ import annotations
 
+import re
+
+# "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] ": where in torch's C++ tree the message was made
+_SOURCE_PREFIX = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|cxx|cu|h|hpp):\d+\]\s*")
+
 
 class HpcDdpError(Exception):
     """Base class of every error hpc_ddp raises on purpose.
@@ -69,3 +74,13 @@ def explain(
     if hint:
         message += f"\nHINT: {hint}"
     return message
+
+
+def first_line(error: BaseException | str, limit: int = 300) -> str:
+    """An error's first line for a ledger line, an offer or a log line: without the C++ source location that
+    gloo and c10d put in front ("[../third_party/gloo/.../pair.cc:553] Connection closed by peer"), which
+    names torch's build tree rather than what went wrong; the exception's class name when it has no message."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__ if isinstance(error, BaseException) else ""
+    return _SOURCE_PREFIX.sub("", text.splitlines()[0])[:limit]

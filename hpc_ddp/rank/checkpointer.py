@@ -241,6 +241,8 @@ class Checkpointer:
 
     def restore(self) -> Restored | None:
         """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
+        if self.env.is_main:  # before the first collective: no rank of this attempt has written anything yet
+            self._drop_uncommitted()
         found = control.from_main(snapshot.committed(self.run_dir) if self.env.is_main else None)  # manifests
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
         # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
@@ -269,6 +271,17 @@ class Checkpointer:
             choice.sources.values()))))
         return Restored(choice.step, state, rng, choice.manifest.get("config"),
                         written_by if isinstance(written_by, int) else None, summary)
+
+    def _drop_uncommitted(self) -> None:
+        try:
+            dropped = snapshot.drop_uncommitted(self.run_dir)
+        except OSError as err:  # a leftover costs disk, not correctness: never fail a resume for it
+            log.warning("could not remove uncommitted snapshot files: %s", err)
+            return
+        if dropped:
+            log.info("removed the files of step(s) %s: never committed (a just-in-time snapshot whose set was "
+                     "incomplete, or a write cut short), so no resume could use them (%.1f MB)",
+                     ", ".join(map(str, dropped)), sum(dropped.values()) / 2**20)
 
     def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
         """Collective: each file hashed by one rank (file k by rank k*W/F: with one rank per file, the

@@ -35,6 +35,7 @@ class Plan:
 
     def __init__(self, meta: bytes, tensors: list[torch.Tensor]) -> None:
         self.meta, self.tensors = meta, tensors
+        self.cuda = any(t.is_cuda for t in tensors)  # its body should be pinned: the copies then never wait
         at = _up(META + len(meta))
         self.offsets = []
         for tensor in tensors:
@@ -43,13 +44,17 @@ class Plan:
         self.nbytes = at
 
     def write(self, body: torch.Tensor) -> None:
-        """Fill ``body`` (uint8, at least ``nbytes``): one copy of each tensor (from the GPU, a wait for it)."""
+        """Fill ``body`` (uint8, at least ``nbytes``): one copy of each tensor. A CUDA tensor's copy is only
+        enqueued on the current stream when ``body`` is pinned: its bytes are there once the stream reaches it
+        (the caller records an event and waits for it before reading), so the training thread never waits for
+        the GPU here. Into pageable memory the copy waits for the GPU, as a plain ``.cpu()`` would."""
         body[:META] = torch.tensor([len(self.meta)], dtype=torch.int64).view(torch.uint8)
         body[META:META + len(self.meta)] = torch.frombuffer(bytearray(self.meta), dtype=torch.uint8)
         for tensor, at in zip(self.tensors, self.offsets):
             size = tensor.numel() * tensor.element_size()
             if size:
-                body[at:at + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+                body[at:at + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8),
+                                         non_blocking=tensor.is_cuda and body.is_pinned())
 
 
 def plan(state: Any) -> Plan | None:

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank import jit_commit, replication
 from hpc_ddp.rank.restore import STEP
@@ -165,8 +166,8 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
     started = time.monotonic()
     env: DistEnv = run.env
     folder = jit_files.folder(run.run_dir, env.job_id, env.restart_count, env.in_job)
-    offer: dict[str, Any] = {"rank": env.rank, "host": os.uname().nodename, "error": str(error).splitlines()[0][:300]
-                             if str(error) else type(error).__name__, "time": round(time.time(), 3)}
+    offer: dict[str, Any] = {"rank": env.rank, "host": os.uname().nodename, "error": first_line(error),
+                             "time": round(time.time(), 3)}
     try:
         mirror = getattr(run, "mirror", None)
         if mirror is not None:  # this rank's per-rank state and its ward's, whatever this rank holds besides

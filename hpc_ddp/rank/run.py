@@ -209,7 +209,7 @@ class Run:
         """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy."""
         self.held.mark(step)
         if self.mirror is not None:
-            self.mirror.mark(step, self._per_rank_state())
+            self.mirror.mark(step, self._per_rank_state(cuda=True))
 
     def _check_step(self, step: int) -> None:
         if not self._resumed:
@@ -253,15 +253,16 @@ class Run:
             rng[PER_RANK] = own if own is not None else pack(self._per_rank_state())
         return state, rng
 
-    def _per_rank_state(self) -> dict[str, Any]:
-        """This rank's per-rank states, ready to serialize; the first time, what a resume could not load back is
-        refused (every rank alike: a usage error, never retried)."""
+    def _per_rank_state(self, cuda: bool = False) -> dict[str, Any]:
+        """This rank's per-rank states, ready to serialize (``cuda``: CUDA tensors left on the GPU, for the
+        mirror); the first time, what a resume could not load back is refused (every rank alike: a usage error,
+        never retried)."""
         if not self._per_rank_checked:
             problem = unloadable(self.per_rank)
             if problem:
                 raise RunUsageError(problem)
             self._per_rank_checked = True
-        return staged(self.per_rank)
+        return staged(self.per_rank, cuda)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""

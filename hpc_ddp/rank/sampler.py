@@ -79,7 +79,7 @@ class ShardSampler(Sampler[int]):
                 f"sampler.set_epoch({epoch}) after run.resume restored epoch {self._restored[0]} at sample "
                 f"{self._restored[1]}: it would throw that position away, and the resumed run would differ from "
                 "one that was never stopped",
-                hint=f"start the epoch loop at the restored epoch (for epoch in range(sampler.epoch, ...)), or drop "
+                hint="start the epoch loop at the restored epoch (for epoch in range(sampler.epoch, ...)), or drop "
                      "set_epoch: `for batch in sampler.iterate(loader)` moves to the next epoch by itself"))
         self._restored = None
         self.epoch, self.start, self.sample_in_epoch = epoch, 0, 0

@@ -145,11 +145,13 @@ def pack(state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def staged(objects: Mapping[str, PerRank]) -> dict[str, Any]:
+def staged(objects: Mapping[str, PerRank], cuda: bool = False) -> dict[str, Any]:
     """The per-rank states as they are now, to be serialized or copied at once: tensors on the CPU and compact
     (a view would save its whole storage). A compact CPU tensor is not copied: what uses it right away (a
-    snapshot's :func:`pack`, the mirror's message) needs no copy of its own."""
-    return {name: _compact(state_of(p.obj)) for name, p in objects.items()}
+    snapshot's :func:`pack`, the mirror's message) needs no copy of its own. ``cuda``: CUDA tensors stay where
+    they are, for the mirror, which enqueues their copies into a pinned message instead of waiting for the GPU
+    at every boundary (a ``.cpu()`` here would sync the host with the GPU once per step)."""
+    return {name: _compact(state_of(p.obj), cuda) for name, p in objects.items()}
 
 
 def serialize(state: Any, out: BinaryIO) -> None:
@@ -159,17 +161,19 @@ def serialize(state: Any, out: BinaryIO) -> None:
     torch.save(state, out, _use_new_zipfile_serialization=False)
 
 
-def _compact(value: Any) -> Any:
+def _compact(value: Any, cuda: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.detach()
+        if cuda and value.is_cuda:
+            return value
         whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
         if value.device.type == "cpu" and whole and value.storage_offset() == 0 and value.is_contiguous():
             return value
         return stage(value)
     if isinstance(value, dict):
-        return {k: _compact(v) for k, v in value.items()}
+        return {k: _compact(v, cuda) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_compact(v) for v in value)
+        return type(value)(_compact(v, cuda) for v in value)
     return value
 
 

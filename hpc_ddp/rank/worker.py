@@ -33,7 +33,7 @@ from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
-from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.errors import HpcDdpError, first_line
 from hpc_ddp.core.codes import EXIT_ERROR, PEER_SYMPTOMS
 from hpc_ddp.rundir.ledger import attempt_fields, cap_reached, caps, note_error, read_attempts, record_error
 from hpc_ddp.core.stopping import signal_number
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
     except Exception as err:
         if peer_lost(err):  # where this rank waited is no news; what the survivors wrote is in the log above
             log.error("a peer rank was lost, so this rank's collective failed (%s: %s)", type(err).__name__,
-                      str(err).splitlines()[0])
+                      first_line(err))
         else:
             log.exception("training failed")
         return 1

@@ -291,6 +291,25 @@ def read_state(choice: Choice, also: str | None = None) -> tuple[dict[str, Any],
                                     "from the one before")) from None
 
 
+def drop_uncommitted(run_dir: Path) -> dict[int, int]:
+    """At the start of an attempt, before it writes anything: step directories that hold files but no manifest
+    (a just-in-time snapshot whose set never completed, a write cut short by the end of its attempt) can never
+    be resumed from, and :func:`prune` keeps those newer than the newest commit, which may be every one of
+    them. Returns {step: bytes freed}. A step with a manifest, even an unreadable one, stays: resume says why
+    it skips it, and its files are the evidence."""
+    dropped: dict[int, int] = {}
+    for entry in sorted(layout.snapshots(run_dir).glob("step-*")):
+        try:
+            step = int(entry.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if not entry.is_dir() or (entry / MANIFEST).exists():
+            continue
+        dropped[step] = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        shutil.rmtree(entry, ignore_errors=True)
+    return dropped
+
+
 def prune(run_dir: Path, keep_last: int) -> None:
     """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted leftovers."""
     committed = committed_steps(run_dir)

@@ -181,7 +181,8 @@ def test_the_replication_fingerprint_of_a_cuda_state_is_its_cpu_copys() -> None:
 
 def _mirror_rank(environ: dict[str, str], out: object) -> None:
     """Two gloo ranks on one GPU (NCCL refuses two ranks on one device): per-rank state holding a CUDA tensor is
-    packed at each boundary (a pinned CPU copy) and sent to the buddy; rank 1 dies right after step 5's."""
+    copied at each boundary into a pinned message, without the training thread waiting for the GPU (the sync
+    debug mode would raise), and sent to the buddy once the copy is done; rank 1 dies once step 5's has left."""
     import os
     import signal
 
@@ -199,18 +200,26 @@ def _mirror_rank(environ: dict[str, str], out: object) -> None:
         group = dist.new_group(backend="gloo")
     mirror = Mirror(env.rank, env.local_world_size, env.world_size, group).start()
     state = {"batch": torch.zeros(256, 256, device="cuda")}
+    synced = None
     try:
         for step in range(1, 9):
             state["batch"].add_(step * (env.rank + 1))  # on the GPU, asynchronously
             dist.all_reduce(torch.ones(1))
-            mirror.mark(step, staged({"batch": PerRank(state)}))
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                mirror.mark(step, staged({"batch": PerRank(state)}, cuda=True))
+            except RuntimeError as err:  # the training thread waited for the GPU
+                synced = synced or str(err).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
             if env.rank == 1 and step == 5:
+                mirror.wait_posted(step, 30)
                 os.kill(os.getpid(), signal.SIGKILL)
     except RuntimeError:
         pass
     step, blob = mirror.held()[1 - env.rank]
     value = unpack(blob)["batch"]["batch"]
-    out.put((env.rank, step, value.device.type, float(value[0, 0])))  # type: ignore[attr-defined]
+    out.put((env.rank, step, value.device.type, float(value[0, 0]), synced))  # type: ignore[attr-defined]
     out.close()  # type: ignore[attr-defined]
     out.join_thread()  # type: ignore[attr-defined]
     os._exit(0)
@@ -228,8 +237,9 @@ def test_a_per_rank_cuda_tensor_reaches_the_buddy_whole_when_its_rank_dies() -> 
              for e in simulated_environ(2, 1, job_id=1)]
     for proc in procs:
         proc.start()
-    rank, step, device, value = out.get(timeout=120)
+    rank, step, device, value, synced = out.get(timeout=120)
     for proc in procs:
         proc.join(timeout=30)
     assert (rank, step, device) == (0, 5, "cpu")  # rank 1's state of step 5, a CPU copy
     assert value == 2 * sum(range(1, 6))  # every asynchronous add of rank 1 up to step 5 is in it
+    assert synced is None, f"mark waited for the GPU: {synced}"
