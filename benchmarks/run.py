@@ -290,12 +290,18 @@ def table(results: dict[str, Any]) -> str:
                     f"(IQR {_span(s.get('own_group_vs_shared_iqr'))}); "
                     f"snapshots every {s['snapshot_every']} steps: sync {s['sync_snapshots_vs_raw']} x, async "
                     f"{s['async_snapshots_vs_raw']} x raw | {s['target']} | {mark(s)} |")
-    if "B2-MIRROR" in b:
-        s = b["B2-MIRROR"]
-        rows.append(f"| B2-MIRROR ({s['rounds']} rounds) | own loop with per-rank state mirrored {s['own_mirror_vs_raw']} x "
-                    f"raw (IQR {_span(s['own_mirror_iqr'])}), {s['own_mirror_vs_own']} x the same loop without it "
-                    f"(IQR {_span(s['own_mirror_vs_own_iqr'])}); own loop {s['own_vs_raw']} x raw; noise floor raw vs "
-                    f"raw {s['raw_vs_raw']} x (IQR {_span(s['raw_vs_raw_iqr'])}) | {s['target']} | {mark(s)} |")
+    for name in ("B2-MIRROR", "B2-MIRROR-DEVICE"):  # the second: the same code run on a lent machine's CPUs
+        if name not in b:
+            continue
+        s = b[name]
+        where = f", {s['machine']}" if s.get("machine") else ""
+        counter = (f"; only a counter mirrored {s['counter_mirror_vs_own']} x the loop without it (IQR "
+                   f"{_span(s['counter_mirror_iqr'])})" if "counter_mirror_vs_own" in s else "")
+        rows.append(f"| {name} ({s['rounds']} rounds of {s['steps']} steps{where}) | own loop with per-rank state "
+                    f"mirrored {s['own_mirror_vs_raw']} x raw (IQR {_span(s['own_mirror_iqr'])}), "
+                    f"{s['own_mirror_vs_own']} x the same loop without it (IQR {_span(s['own_mirror_vs_own_iqr'])})"
+                    f"{counter}; own loop {s['own_vs_raw']} x raw; noise floor raw vs raw {s['raw_vs_raw']} x (IQR "
+                    f"{_span(s['raw_vs_raw_iqr'])}) | {s['target']} | {mark(s)} |")
     if "B2-GPU" in b:
         s = b["B2-GPU"]
         if s.get("skipped"):

@@ -5,7 +5,8 @@
 #           NCCL, the mirror with a CUDA tensor. Seen on an H200 machine (2026-11-26): the first 7 tests took
 #           170 s; the hang test waits up to 100 s and the crash test up to 90 s. Limit: 360 s.
 #   mirror  B2-MIRROR on that machine's 16 CPU cores (gloo, 2 ranks: more cores than ranks). About 11 s per round
-#           of 100 steps there. Limit: 30 s + 15 s per round.
+#           of 100 steps there. Limit: 30 s + 15 s per round. Its JSON goes into benchmarks/results.json by hand,
+#           as B2-MIRROR-DEVICE with a "machine" line (the table in docs/performance.md shows it).
 #   gpu     B2-GPU (benchmarks/gpu.py): over 170 s at 5 rounds there (with its 2048 MB snapshot figures); give it a
 #           call of its own. Limit: 540 s.
 # A session has 15 minutes of device time in all and a machine starts in about 30 s: run `tests,mirror` in one
