@@ -277,12 +277,13 @@ def table(results: dict[str, Any]) -> str:
                     f"{b['B1']['import_torch_s']} s | {b['B1']['target']} | {mark(b['B1'])} |")
     if "B2" in b:
         s = b["B2"]
+        vs_own = (f"; {s['own_mirror_vs_own']} x the same loop without it, IQR {_span(s.get('own_mirror_vs_own_iqr'))}"
+                  if "own_mirror_vs_own" in s else "")  # runs before 2026-11-26 did not measure it
         rows.append(f"| B2 training ({s['rounds']} rounds) | trainer {s['trainer_vs_raw']} x raw (IQR "
                     f"{_span(s.get('trainer_iqr'))}; {s['steps_per_s']['stop']} vs {s['steps_per_s']['raw']} steps/s); "
                     f"own loop + run API {s.get('own_loop_vs_raw')} x raw (IQR {_span(s.get('own_loop_iqr'))}); "
                     f"with per-rank state mirrored to a buddy {s.get('own_mirror_vs_raw')} x raw (IQR "
-                    f"{_span(s.get('own_mirror_iqr'))}; {s.get('own_mirror_vs_own', '?')} x the same loop without it, "
-                    f"IQR {_span(s.get('own_mirror_vs_own_iqr'))}; >= 0.99 x raw: "
+                    f"{_span(s.get('own_mirror_iqr'))}{vs_own}; >= 0.99 x raw: "
                     f"{'met' if s.get('mirror_met') else 'not met'}); noise "
                     f"floor raw vs raw {s.get('raw_vs_raw')} x (IQR {_span(s.get('raw_vs_raw_iqr'))}); "
                     f"{_stop_cost(s['stop_flag_cost'])} (IQR of stop / bare {_span(s.get('stop_vs_bare_iqr'))}); "
