@@ -67,7 +67,15 @@ def trial(run_dir: Path, step: int, delay_s: float, reference: dict[str, Any], *
     return {"step": step, "delay_s": round(delay_s, 4), "last_step": first.get("last_step"),
             "resumed_from": resumed, "lost": (first.get("last_step") or 0) - resumed,
             "jit": first.get("jit_snapshot"), "fallback": first.get("jit_fallback"),
-            "exact": _done(run_dir) == reference}
+            "exact": _done(run_dir) == reference, "uncommitted": uncommitted(run_dir)}
+
+
+def uncommitted(run_dir: Path) -> list[str]:
+    """Step directories left without a manifest: none should outlive the attempt after the one that left them."""
+    from hpc_ddp.rundir import layout
+    from hpc_ddp.rundir.snapshot import MANIFEST
+
+    return sorted(p.name for p in layout.snapshots(run_dir).glob("step-*") if not (p / MANIFEST).exists())
 
 
 def b11(scratch: Path, trials: int = 30, seed: int = 11, per_rank: bool = False,

@@ -267,6 +267,7 @@ def test_random_kill_points_lose_no_step_where_a_consistent_source_exists(tmp_pa
     assert result["completed"] == 3 and result["exact"] == 3, result["rows"]
     assert all(r["lost"] == 0 for r in result["rows"] if r["jit"]), result["rows"]
     assert result["jit_written"] >= 1, result["rows"]  # not vacuous: a source existed somewhere
+    assert not any(r["uncommitted"] for r in result["rows"]), result["rows"]  # a set left incomplete is removed
 
 
 def test_the_rehearsal_waits_for_a_survivor_still_at_its_snapshot(tmp_path: Path) -> None:
