@@ -15,7 +15,7 @@ import torch
 
 from hpc_ddp.rank.rng import reseed
 from hpc_ddp.rank.jit import Held, buffers, fingerprint
-from hpc_ddp.rundir import jit_files, slicing, snapshot
+from hpc_ddp.rundir import jit_files, retention, slicing, snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
 
@@ -300,7 +300,7 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
                                      "ranks": []}], world_size=2, config_hash="h")
     older, newer, damaged = step_with(30, None), step_with(41, None), step_with(50, "{not json")
     (snapshot.layout.snapshots(tmp_path) / "step-notes").mkdir()
-    assert snapshot.drop_uncommitted(tmp_path) == {30: 100, 41: 100}
+    assert retention.drop_uncommitted(tmp_path) == {30: 100, 41: 100}
     assert committed.exists() and damaged.exists() and not older.exists() and not newer.exists()
     assert (snapshot.layout.snapshots(tmp_path) / "step-notes").exists()
-    assert snapshot.drop_uncommitted(tmp_path) == {}
+    assert retention.drop_uncommitted(tmp_path) == {}

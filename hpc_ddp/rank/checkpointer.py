@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hpc_ddp.rank import control, spread
-from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir import retention, slicing, snapshot
 from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.slurm_env import DistEnv
 
@@ -180,7 +180,7 @@ class Checkpointer:
                             refuses_resize=self.refuses_resize)
             # Deleting an old step (~20 ms per 100 MB) need not hold the step up; prune uncommits first,
             # so a process that exits in the middle leaves an ignored leftover, never a broken commit.
-            threading.Thread(target=snapshot.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
+            threading.Thread(target=retention.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
                              name="snapshot-prune").start()
             log.info("snapshot of step %d committed in %s", step, directory)
         control.barrier()
@@ -242,7 +242,7 @@ class Checkpointer:
     def restore(self) -> Restored | None:
         """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
         if self.env.is_main:  # before the first collective: no rank of this attempt has written anything yet
-            self._drop_uncommitted()
+            retention.drop_uncommitted(self.run_dir)
         found = control.from_main(snapshot.committed(self.run_dir) if self.env.is_main else None)  # manifests
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
         # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
@@ -271,17 +271,6 @@ class Checkpointer:
             choice.sources.values()))))
         return Restored(choice.step, state, rng, choice.manifest.get("config"),
                         written_by if isinstance(written_by, int) else None, summary)
-
-    def _drop_uncommitted(self) -> None:
-        try:
-            dropped = snapshot.drop_uncommitted(self.run_dir)
-        except OSError as err:  # a leftover costs disk, not correctness: never fail a resume for it
-            log.warning("could not remove uncommitted snapshot files: %s", err)
-            return
-        if dropped:
-            log.info("removed the files of step(s) %s: never committed (a just-in-time snapshot whose set was "
-                     "incomplete, or a write cut short), so no resume could use them (%.1f MB)",
-                     ", ".join(map(str, dropped)), sum(dropped.values()) / 2**20)
 
     def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
         """Collective: each file hashed by one rank (file k by rank k*W/F: with one rank per file, the

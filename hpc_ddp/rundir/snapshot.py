@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import pickle
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -291,36 +290,10 @@ def read_state(choice: Choice, also: str | None = None) -> tuple[dict[str, Any],
                                     "from the one before")) from None
 
 
-def drop_uncommitted(run_dir: Path) -> dict[int, int]:
-    """At the start of an attempt, before it writes anything: step directories that hold files but no manifest
-    (a just-in-time snapshot whose set never completed, a write cut short by the end of its attempt) can never
-    be resumed from, and :func:`prune` keeps those newer than the newest commit, which may be every one of
-    them. Returns {step: bytes freed}. A step with a manifest, even an unreadable one, stays: resume says why
-    it skips it, and its files are the evidence."""
-    dropped: dict[int, int] = {}
-    for entry in sorted(layout.snapshots(run_dir).glob("step-*")):
-        try:
-            step = int(entry.name.split("-", 1)[1])
-        except ValueError:
-            continue
-        if not entry.is_dir() or (entry / MANIFEST).exists():
-            continue
-        dropped[step] = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-        shutil.rmtree(entry, ignore_errors=True)
-    return dropped
-
 
 def prune(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted leftovers."""
-    committed = committed_steps(run_dir)
-    if not committed:
-        return
-    keep = set(committed[:max(keep_last, 1)])  # the newest committed step is never deleted
-    for entry in layout.snapshots(run_dir).glob("step-*"):
-        try:
-            step = int(entry.name.split("-", 1)[1])
-        except ValueError:
-            continue
-        if step not in keep and step < committed[0]:
-            (entry / MANIFEST).unlink(missing_ok=True)  # uncommit first: a half-deleted step never counts
-            shutil.rmtree(entry, ignore_errors=True)
+    """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted leftovers
+    (:func:`hpc_ddp.rundir.retention.prune`, kept here where the library reference has always listed it)."""
+    from hpc_ddp.rundir import retention
+
+    retention.prune(run_dir, keep_last)
