@@ -55,7 +55,7 @@ GROW = -2  # the header step that says the next message is larger
 HEADER = 32  # bytes: int64 step, byte count, the next message's size, the body's kind
 BYTES, FLAT = 0, 1  # a body of bytes (torch.save's, or given as bytes), or rank/flat.py's layout
 FIRST_SIZE = 4096  # bytes of the first message (both sides start with it; grown as the state needs)
-Sent = tuple  # (messages, the CUDA event their copies complete at, or None): what the sender thread posts
+Sent = tuple  # (messages, the CUDA events their copies complete at, or None): what the sender thread posts
 IN_FLIGHT = 4  # sends on their way at most: a frozen buddy holds this many states in memory, never more
 JOIN_S = 10.0  # how long the end of an attempt waits for the threads (a peer that never sends its end)
 
@@ -160,9 +160,11 @@ class Mirror:
         if layout is not None:
             layout.write(out[HEADER:HEADER + size])
             out[:HEADER] = header(step, size, self._size, FLAT)
-            if layout.cuda:
-                ready = torch.cuda.Event()
-                ready.record()  # on the current stream, after the copies: the state of this boundary
+            if layout.cuda:  # after the copies, on the stream of each device they came from: this boundary's state
+                ready = []
+                for device in {t.device for t in layout.tensors if t.is_cuda}:
+                    ready.append(torch.cuda.Event())
+                    ready[-1].record(torch.cuda.current_stream(device))
         return messages + [out], ready
 
     def _send(self, messages: list[torch.Tensor]) -> list[Any]:
@@ -180,8 +182,8 @@ class Mirror:
         while (sent := self._sent.get()) is not None:
             messages, ready = sent
             try:
-                if ready is not None:
-                    ready.synchronize()  # the copies from the GPU are in the message (waits here, GIL released)
+                for event in ready or ():
+                    event.synchronize()  # the copies from the GPU are in the message (waits here, GIL released)
                 for work in self._send(messages):
                     work.wait()
             except Exception as err:  # noqa: BLE001 - the buddy was lost: no more sends (the flag stays up)
@@ -266,8 +268,8 @@ def unpacked(m: torch.Tensor) -> bytes:
 
 def _unpacked_own(own: tuple[int, torch.Tensor, Any]) -> bytes:
     """This rank's own message as snapshot bytes, once its copies from the GPU (if any) are in it."""
-    if own[2] is not None:
-        own[2].synchronize()
+    for event in own[2] or ():
+        event.synchronize()
     return unpacked(own[1])
 
 
