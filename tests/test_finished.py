@@ -66,3 +66,24 @@ def test_the_refusal_says_which_key_still_ends_the_run_and_what_to_raise_it_to(t
            "comes first" in text
     assert "HINT: raise train.max_steps on this command line to train it longer (--resume train.max_steps=40)" in text
     check(load_config([run_dir / "config.yaml"], ["train.epochs=9", "train.max_steps=40"]))  # trains on
+
+
+def test_a_finished_run_trained_longer_is_told_where_it_goes_on_from(tmp_path: Path) -> None:
+    """Before the finish committed a snapshot of its step, a finished run trained longer went on from an older
+    snapshot, or from step 0, and said "it goes on from its newest snapshot" either way (a newcomer's metrics
+    were replaced in silence). Now the line names the step, and warns when finished steps would be redone."""
+    from hpc_ddp.login.finished import goes_on_from
+    from hpc_ddp.rundir import snapshot
+
+    kept = tmp_path / "DONE-step-80.json"
+    kept.write_text(json.dumps({"step": 80}))
+    assert goes_on_from(tmp_path, kept).startswith("WARNING: it has no snapshot, so it starts again from step 0 "
+                                                   "and trains the 80 finished steps again")
+    for step in (40, 80):
+        directory = snapshot.step_dir(tmp_path, step)
+        directory.mkdir(parents=True)
+        snapshot.commit(directory, step, [], world_size=1, config_hash="h")
+        said = goes_on_from(tmp_path, kept)
+        assert said == ("it goes on from step 80, where it finished" if step == 80 else "WARNING: its newest "
+                        "snapshot is step 40, not the step it finished at (80): steps 41-80 are trained again "
+                        "(their rows in metrics.jsonl are replaced)")

@@ -179,18 +179,23 @@ def test_a_run_stopped_by_its_cap_continues_with_a_plain_resume_and_its_caps_cou
 def test_a_finished_run_resumed_with_more_steps_goes_on_and_keeps_its_first_finish(uninterrupted: Path,
                                                                                     tmp_path: Path) -> None:
     """--resume train.max_steps=N of a finished run trains on to N (issue 23): DONE.json and model.pt of the first
-    finish are set aside with their step, the ledger and metrics go on."""
+    finish are set aside with their step, the ledger and metrics go on. From the finished step: this run takes no
+    periodic snapshot (snapshot.every_minutes=30, every_steps null), and it went on from step 0 (a newcomer saw
+    its metrics replaced) until the finish committed a snapshot of its step."""
     run_dir = tmp_path / "longer"
     shutil.copytree(uninterrupted, run_dir)
-    first = done(run_dir)
+    first, before = done(run_dir), losses(run_dir)
     proc = submit(run_dir, "--resume", f"train.max_steps={first['step'] + 10}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"its DONE.json is kept as {run_dir / ('DONE-step-%d.json' % first['step'])}" in proc.stdout
+    assert f"its DONE.json is kept as {run_dir / ('DONE-step-%d.json' % first['step'])}; it goes on from step " \
+        f"{first['step']}, where it finished" in proc.stdout
     assert json.loads((run_dir / f"DONE-step-{first['step']}.json").read_text()) == first
     assert (run_dir / f"model-step-{first['step']}.pt").exists() and (run_dir / "model.pt").exists()
     assert done(run_dir)["step"] == first["step"] + 10
     assert [a["reason"] for a in read_attempts(run_dir)][-2:] == ["finished", "finished"]
     assert max(step for step, _ in losses(run_dir)) == first["step"] + 10
+    assert read_attempts(run_dir)[-1]["resumed_from"] == first["step"]
+    assert [row for row in losses(run_dir) if row[0] <= first["step"]] == before
 
 
 def test_a_finished_run_requeued_again_exits_at_once(uninterrupted: Path) -> None:

@@ -257,3 +257,21 @@ def test_a_node_range_starts_on_the_free_node_and_resumes_on_two(slurm_cluster: 
 
 def _squeue(job: str, field: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", field], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_job_sbatch_refuses_is_a_clean_error_and_a_finished_run_stays_finished(slurm_cluster: ClusterSpec,
+                                                                                 tmp_path: Path) -> None:
+    """A newcomer's --resume of a rehearsed run without --local (or with a partition that does not exist) printed
+    submitit's traceback, and the finished run's DONE.json and model.pt stayed set aside, so the run read as
+    FAILED although nothing had run."""
+    run_dir = tmp_path / "finished"
+    first = cli("hpc_ddp.submit", "examples/mlp.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                "train.max_steps=5", f"run_dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = (run_dir / "DONE.json").read_text()
+    proc = cli("hpc_ddp.submit", str(run_dir), "--resume", "train.max_steps=8", "--no-preflight",
+               "slurm.partition=no-such-partition")
+    assert proc.returncode == 2 and "error: sbatch refused the job, so nothing was queued" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "add --local" in proc.stderr and "partition" in proc.stderr
+    assert (run_dir / "DONE.json").read_text() == done and (run_dir / "model.pt").exists()
+    assert not (run_dir / "DONE-step-5.json").exists() and not (run_dir / "model-step-5.pt").exists()

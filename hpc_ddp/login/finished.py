@@ -4,7 +4,8 @@ A run that wrote ``DONE.json`` is over; a requeued job that finds it exits at on
 wants more steps resumes it with a larger ``train.max_steps`` (or ``train.epochs``; for a
 ``train.script``, other ``train.args``): the final ``DONE.json`` and ``model.pt`` are set
 aside as ``DONE-step-N.json`` and ``model-step-N.pt`` (nothing is lost), and the job continues
-from the newest snapshot with the ledger, metrics and TensorBoard going on. A run stops at
+from the newest snapshot (the finish commits one of its step) with the ledger, metrics and TensorBoard going
+on. A run stops at
 whichever of ``train.max_steps`` and ``train.epochs`` comes first, so a ``--resume`` after which
 either still ends it at the finished step would train nothing: refused on the login node, with
 the key to raise and a value for it. Login node: no torch.
@@ -90,14 +91,55 @@ def check(cfg: RunConfig) -> None:
 
 def set_aside(run_dir: Path) -> Path | None:
     """Move DONE.json (and model.pt) of a finished run to names with its step: the run goes on, nothing is lost."""
+    kept = done_step(run_dir)
+    if kept is None:
+        return None
+    model = layout.model(run_dir)
+    if model.exists():
+        model.replace(_kept_model(run_dir, kept))
+    layout.done(run_dir).replace(kept)  # last: a crash in between leaves DONE.json, and the run still reads as finished
+    return kept
+
+
+def done_step(run_dir: Path) -> Path | None:
+    """Where :func:`set_aside` would keep this run's DONE.json, or None when the run has not finished."""
     done = layout.done(run_dir)
     if not done.exists():
         return None
     step = _read(done).get("step")
-    suffix = f"step-{step}" if isinstance(step, int) else "finished"
-    kept = done.with_name(f"DONE-{suffix}.json")
-    model = layout.model(run_dir)
+    return done.with_name(f"DONE-{f'step-{step}' if isinstance(step, int) else 'finished'}.json")
+
+
+def put_back(run_dir: Path, kept: Path) -> None:
+    """Undo :func:`set_aside` when the job that would have trained the run longer was never queued (sbatch
+    refused it): the run reads as finished again, as it did before the command."""
+    done = layout.done(run_dir)
+    if done.exists() or not kept.exists():
+        return
+    model = _kept_model(run_dir, kept)
     if model.exists():
-        model.replace(model.with_name(f"model-{suffix}.pt"))
-    done.replace(kept)  # last: a crash in between leaves DONE.json, and the run still reads as finished
-    return kept
+        model.replace(layout.model(run_dir))
+    kept.replace(done)
+
+
+def goes_on_from(run_dir: Path, kept: Path) -> str:
+    """Where a finished run resumed longer goes on from, said before the job is queued. A run finished before
+    the finish committed a snapshot of its step may have only an older one, or none: then steps are trained
+    again and their metrics replaced, and the user should know before an allocation is spent on it."""
+    from hpc_ddp.rundir.snapshot import committed_steps  # manifests only: no torch
+
+    finished, steps = _read(kept).get("step"), committed_steps(run_dir)
+    newest = steps[0] if steps else None
+    if newest is not None and newest == finished:
+        return f"it goes on from step {newest}, where it finished"
+    if newest is None:
+        return (f"WARNING: it has no snapshot, so it starts again from step 0 and trains the {finished} finished "
+                "steps again (their rows in metrics.jsonl are replaced; the finished model is kept beside "
+                "DONE.json)")
+    return (f"WARNING: its newest snapshot is step {newest}, not the step it finished at ({finished}): steps "
+            f"{newest + 1}-{finished} are trained again (their rows in metrics.jsonl are replaced)")
+
+
+def _kept_model(run_dir: Path, kept: Path) -> Path:
+    """model.pt's name beside a kept DONE-step-N.json: model-step-N.pt."""
+    return layout.model(run_dir).with_name(f"model-{kept.name.removeprefix('DONE-').removesuffix('.json')}.pt")

@@ -30,11 +30,11 @@ def write_config(cfg: RunConfig, resume: bool) -> Path:
                   "  (the snapshot's optimizer state is kept; a changed learning rate takes effect, with the "
                   "schedule continuing from the snapshot's step: docs/resume.md)", flush=True)
     if resume:
-        from hpc_ddp.login.finished import set_aside
+        from hpc_ddp.login.finished import goes_on_from, set_aside
 
         kept = set_aside(Path(cfg.run_dir))
         if kept:
-            print(f"the run had finished: its DONE.json is kept as {kept}; it goes on from its newest snapshot",
+            print(f"the run had finished: its DONE.json is kept as {kept}; {goes_on_from(Path(cfg.run_dir), kept)}",
                   flush=True)
     saved = save_config(cfg, path)  # first: a run dir it cannot write is refused here, with the fix
     if resume:
@@ -94,8 +94,9 @@ def check_free(cfg: RunConfig, resume: bool, earlier: bool = True) -> None:
 
 
 def _check_resume_batch(cfg: RunConfig) -> None:
-    """Refuse a resume at another world size that would change the global batch (manifests only: no torch)."""
-    from hpc_ddp.rundir.snapshot import committed_steps, read_manifest, step_dir
+    """Refuse a resume at another world size that would change the global batch, or whose per-rank state cannot
+    be resumed at another size (manifests only: no torch), before config.yaml is rewritten or a job queued."""
+    from hpc_ddp.rundir.snapshot import committed_steps, read_manifest, refuses_resize, step_dir
 
     run_dir = Path(cfg.run_dir)
     steps = committed_steps(run_dir)
@@ -103,6 +104,18 @@ def _check_resume_batch(cfg: RunConfig) -> None:
     problem = resume_batch_problem(manifest, cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node) if manifest else None
     if problem:
         raise HpcDdpError(problem, key="train.global_batch_size")
+    world, written = cfg.slurm.nodes * cfg.slurm.tasks_per_node, (manifest or {}).get("world_size")
+    recorded = refuses_resize(run_dir) if isinstance(written, int) and written != world else None
+    # the per-rank part only: the batch part was recorded under the old config, and checked above under the new
+    refusal = "; ".join(r for r in (recorded or "").split("; ") if r.startswith("the per-rank state"))
+    if refusal:  # every rank would refuse it once the allocation came, after config.yaml was rewritten
+        raise HpcDdpError(explain(f"--resume at {world} ranks ({cfg.slurm.nodes} x {cfg.slurm.tasks_per_node}): the "
+                                  f"run's newest snapshot (step {steps[0]}) was written by {written} ranks, and "
+                                  f"{refusal}",
+                                  hint=f"resume at {written} ranks (slurm.nodes and slurm.tasks_per_node as the run "
+                                  "had them); or track that state with hpc_ddp.per_rank(..., elastic='fresh') if "
+                                  "each rank may start it afresh (docs/resume.md#resuming-on-another-number-of-nodes)"),
+                          key="slurm.nodes")
 
 
 def _check_earlier(run_dir: Path, resume: bool) -> None:

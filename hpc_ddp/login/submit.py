@@ -23,7 +23,7 @@ from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.batching import slurm_nodes
 from hpc_ddp.core.config import RunConfig, save_config
-from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.login.sbatch import LAUNCHERS, render, submitit_parameters
 
 EPILOG = """\
@@ -131,14 +131,27 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
 
     from hpc_ddp.worker import job_main
 
+    from hpc_ddp.login.finished import done_step, put_back
+
     for cfg in cfgs:
         check_free(cfg, resume)
+    finished = {one.run_dir: done_step(Path(one.run_dir)) for one in cfgs}  # set aside by write_config on --resume
     paths = [str(write_config(cfg, resume)) for cfg in cfgs]
     cfg, array = cfgs[0], len(cfgs) > 1
     folder = log_folder(cfg, len(cfgs) if array else None)
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable))
-    jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
+    try:
+        jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
+    except submitit.core.utils.FailedJobError as err:  # sbatch said no: nothing is queued
+        for run_dir, kept in finished.items():
+            if kept is not None:
+                put_back(Path(run_dir), kept)
+        lines = [line for line in str(err).splitlines() if line.strip()][:6]
+        raise HpcDdpError(explain("sbatch refused the job, so nothing was queued:\n  " + "\n  ".join(lines),
+                                  hint="fix what Slurm says above (partition, account, time limit, a cluster "
+                                  "this machine can reach); to rehearse on this machine instead, add --local"),
+                          key="slurm") from None
     for job, one in zip(jobs, cfgs):
         write_job(Path(one.run_dir), {"job_id": job.job_id, "logs": str(folder)})
     first = jobs[0].job_id.split("_")[0]

@@ -298,6 +298,22 @@ class Run:
         """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
         self.metrics.close(self.stopped)
 
+    def _final_snapshot(self, ckpt: Checkpointer) -> None:
+        """Collective: the finished step committed, unless it already is. A finished run trained longer
+        (``--resume train.max_steps=...``) goes on from where it finished, not from an older snapshot, or from
+        step 0 when no periodic one came (a run shorter than snapshot.every_minutes). Not when the loop made no
+        boundary in this attempt, or updated past its last one (a snapshot labelled with that step would hold
+        a later state): every rank decides alike."""
+        if ckpt.last_step == self.step or not self.boundaries:
+            return
+        if control.to_main_and_back(bool(self.held is not None and self.held.updates), merge=any):
+            log.warning("no final snapshot: the optimizer stepped after the last run.boundary(%d), so a snapshot "
+                        "of that step would hold a later state; training this run longer goes on from its "
+                        "newest snapshot", self.step)
+            return
+        state, rng = self._checked_state(self.step)
+        ckpt.save(self.step, state, rng)
+
     def model(self) -> torch.nn.Module | None:
         """The tracked model (named ``model``, else the first module tracked)."""
         modules = {n: o for n, o in self.tracked.items() if isinstance(o, torch.nn.Module)}
@@ -315,6 +331,7 @@ class Run:
         self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
         if self.checkpointer is not None:
             self.checkpointer.finish_async()  # never leave a background write behind
+            self._final_snapshot(self.checkpointer)
         if self.mirror is not None:
             self.mirror.close()  # nothing in flight when the process group goes
         model = self.model()
