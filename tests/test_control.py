@@ -116,9 +116,9 @@ def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_
         # the only collectives on the training group: DDP's buffers made rank 0's before the replicated state is
         # checked (state, not control: DDP's own forward broadcasts them there too)
         assert set(training) == {("broadcast", "cpu")}, training
-        # BatchNorm's 3 buffers at each snapshot (steps 3, 5: the stop, 6, 9, 12) and at each attempt's first
-        # boundary (steps 1 and 6), where what snapshots will hold is checked before any is due
-        assert len(training) == 3 * 7
+        # BatchNorm's 3 buffers at each snapshot (steps 3, 5: the stop, 6, 9, 12, and 13: the finish), and at each
+        # attempt's first boundary (steps 1 and 6), where what snapshots will hold is checked before any is due
+        assert len(training) == 3 * 8
         assert all(dev in ("", "cpu") for _, _, dev in calls)
         assert all(backend == "gloo" for name, backend, _ in calls if name == "new_group")
 
