@@ -69,7 +69,7 @@ def nanogpt_shaped(run: Any) -> None:
     step = run.resume(model=model, optimizer=optimizer, batch=hpc_ddp.per_rank(batch),
                       counters=hpc_ddp.per_rank(counters), probe=hpc_ddp.per_rank(probe))
     while step < cfg.max_steps:
-        _fault(run.rank, step + 1)
+        _fault(run.rank, step + 1, run)
         if step % 5 == 0 and run.is_main:  # nanoGPT: estimate_loss() on the master process only
             model.eval()
             with torch.no_grad():
@@ -94,9 +94,12 @@ def nanogpt_shaped(run: Any) -> None:
     run.finish(per_rank=every)
 
 
-def _fault(rank: int, step: int) -> None:
-    """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt;
-    "slow:-1:S": every step of every rank computes S seconds longer before its forward (a GPU's compute, for B11)."""
+def _fault(rank: int, step: int, run: Any = None) -> None:
+    """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt,
+    once the state of the step before has left for its buddy (the mirror's sender thread posts it about a
+    millisecond after the boundary: a rank lost inside that window takes that step's state with it, by design,
+    and a CI run caught rank 3 holding rank 1's step 21, not 22); "slow:-1:S": every step of every rank computes
+    S seconds longer before its forward (a GPU's compute, for B11)."""
     import os
     import signal
 
@@ -105,6 +108,8 @@ def _fault(rank: int, step: int) -> None:
         time.sleep(float(at_step))
     first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
+        if run is not None and run.mirror is not None:
+            run.mirror.wait_posted(step - 1, 5.0)
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
