@@ -199,10 +199,11 @@ def test_ctrl_c_commits_a_snapshot_prints_one_line_and_resume_continues_bit_exac
                                                                                    tmp_path: Path) -> None:
     run_dir = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "hpc_ddp.submit", *BASE, f"run_dir={run_dir}", FAULTY]
-    # 0.2 s a step: Ctrl-C at step 15 must land before step 40 (at 0.05 s the 1.25 s left were lost once on a
-    # loaded CI machine between the rank's log line and this reader, and the run finished)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HPC_DDP_TEST_FAULT": "slow:-1:0.2"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # SIGINT as a terminal's foreground process has it: a suite started in the background by a shell without job
+    # control inherits SIGINT ignored, and then Ctrl-C reached no one (two CI runs finished this run at step 40)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HPC_DDP_TEST_FAULT": "slow:-1:0.05"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = []
     for line in proc.stdout:  # type: ignore[union-attr]
         out.append(line)
