@@ -105,9 +105,7 @@ def _check_resume_batch(cfg: RunConfig) -> None:
     if problem:
         raise HpcDdpError(problem, key="train.global_batch_size")
     world, written = cfg.slurm.nodes * cfg.slurm.tasks_per_node, (manifest or {}).get("world_size")
-    recorded = refuses_resize(run_dir) if isinstance(written, int) and written != world else None
-    # the per-rank part only: the batch part was recorded under the old config, and checked above under the new
-    refusal = "; ".join(r for r in (recorded or "").split("; ") if r.startswith("the per-rank state"))
+    refusal = refuses_resize(run_dir, per_rank_only=True) if isinstance(written, int) and written != world else None
     if refusal:  # every rank would refuse it once the allocation came, after config.yaml was rewritten
         raise HpcDdpError(explain(f"--resume at {world} ranks ({cfg.slurm.nodes} x {cfg.slurm.tasks_per_node}): the "
                                   f"run's newest snapshot (step {steps[0]}) was written by {written} ranks, and "

@@ -129,9 +129,8 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
     """One job (or a job array, one element per config) through submitit; job.json in each run dir."""
     import submitit
 
-    from hpc_ddp.worker import job_main
-
     from hpc_ddp.login.finished import done_step, put_back
+    from hpc_ddp.worker import job_main
 
     for cfg in cfgs:
         check_free(cfg, resume)

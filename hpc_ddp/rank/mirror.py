@@ -92,7 +92,7 @@ class Mirror:
         self.rank, self.group = rank, group
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
-        # this rank's last boundary: its step, its message, and the event its copies from the GPU complete at
+        # this rank's last boundary: its step, its message, and the CUDA events its copies complete at (or None)
         self.own: tuple[int, torch.Tensor, Any] | None = None
         self.kept: tuple[int, torch.Tensor] | None = None  # the ward's newest message received whole
         self.skipped = 0  # states never sent: a newer one replaced them while a send was on its way
@@ -145,8 +145,8 @@ class Mirror:
         """The state written into a message of the current size, preceded by a size change when it outgrew it
         (a sixteenth more than it needs: room for a state that grows a little). A state :mod:`~hpc_ddp.rank.flat`
         cannot give back exactly goes as ``torch.save`` bytes. With CUDA tensors in it, the message is pinned
-        and its copies from the GPU only enqueued: the event returned beside it completes with them (else
-        None), and whoever reads the message waits for it first, never the training thread."""
+        and its copies from the GPU only enqueued: the events returned beside it (one per device; else None)
+        complete with them, and whoever reads the message waits for them first, never the training thread."""
         layout = None if isinstance(state, bytes) else flat.plan(state)
         blob = b"" if layout is not None else state if isinstance(state, bytes) else tracked.pack(state)
         size = layout.nbytes if layout is not None else len(blob)

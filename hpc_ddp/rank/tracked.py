@@ -39,6 +39,7 @@ from torch.utils.data import DistributedSampler
 from hpc_ddp.rank.checkpointer import stage
 from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, a_type, explain
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields
+from hpc_ddp.rundir.snapshot import PER_RANK_REASON, REASONS_JOIN
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.run")  # its warnings belong to the run API's resume
@@ -228,11 +229,11 @@ def resize_refusal(objects: Mapping[str, PerRank], train: Any) -> str | None:
     reasons = []
     refusing = [name for name, p in objects.items() if p.elastic == "refuse"]
     if refusing:
-        reasons.append(f"the per-rank state {', '.join(map(repr, refusing))} is tracked with hpc_ddp.per_rank(..., "
+        reasons.append(f"{PER_RANK_REASON}{', '.join(map(repr, refusing))} is tracked with hpc_ddp.per_rank(..., "
                        "elastic='refuse'): a rank's saved value has no owner at another world size")
     if getattr(train, "global_batch_size", None) is None and not getattr(train, "script", None):
         reasons.append("train.global_batch_size is unset: the global batch would change with the world size")
-    return "; ".join(reasons) or None
+    return REASONS_JOIN.join(reasons) or None
 
 
 def unattended(env: DistEnv) -> str | None:

@@ -35,6 +35,8 @@ from hpc_ddp.core.errors import HpcDdpError, explain
 log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
 REFUSES_RESIZE = "refuses_resize"  # the manifest's key: why the run cannot resume at another world size
+# its reasons are joined by REASONS_JOIN; the per-rank state's starts with PER_RANK_REASON (rank/tracked.py)
+REASONS_JOIN, PER_RANK_REASON = "; ", "the per-rank state "
 # Tests only: "POINT:STEP[:SIGNAL]" with POINT one of tmp, before_rename, before_manifest: at that point of the
 # write of that step this process gets SIGNAL (default KILL, as if killed there; TERM or USR2: a stop mid-write).
 FAULT_POINT: str | None = None
@@ -173,14 +175,19 @@ def committed_steps(run_dir: Path) -> list[int]:
     return [step for step, _ in committed(run_dir)]
 
 
-def refuses_resize(run_dir: Path) -> str | None:
+def refuses_resize(run_dir: Path, per_rank_only: bool = False) -> str | None:
     """Why the run in ``run_dir`` cannot resume at another world size (naming the per-rank state that refuses
     it, or the global batch that would change), or None when it can (or has no snapshot: a fresh start can
     run at any size). From the newest committed manifest; no torch, for the batch shell: a heal by fewer
-    nodes would only be refused by every rank of the new step."""
+    nodes would only be refused by every rank of the new step. ``per_rank_only``: the per-rank reason alone
+    (the batch reason was recorded under the config that wrote the snapshot; a --resume checks its own)."""
     found = committed(run_dir)
     reason = found[0][1].get(REFUSES_RESIZE) if found else None
-    return reason if isinstance(reason, str) and reason else None
+    if not isinstance(reason, str) or not reason:
+        return None
+    if per_rank_only:
+        reason = REASONS_JOIN.join(r for r in reason.split(REASONS_JOIN) if r.startswith(PER_RANK_REASON))
+    return reason or None
 
 
 def file_problem(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
