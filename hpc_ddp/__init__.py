@@ -4,6 +4,7 @@ Importing the package is light (no torch): the login-node path stays fast. The
 training-side API is loaded on first use::
 
     from hpc_ddp import Run, ShardSampler, per_rank, session   # torch is imported here
+    from hpc_ddp import worker_init   # DataLoader(..., worker_init_fn=worker_init()): no torch
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from hpc_ddp import compat
 from hpc_ddp.core.errors import ClusterError, ConfigError, HpcDdpError, SlurmEnvError, UsageError
 
 __all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError", "UsageError",
-           "__version__", "per_rank", "session"]
+           "__version__", "per_rank", "session", "worker_init"]
 __version__ = "0.2.0"
 _LAZY = {"Run": "hpc_ddp.rank.run", "ShardSampler": "hpc_ddp.rank.sampler", "session": "hpc_ddp.rank.worker",
-         "per_rank": "hpc_ddp.rank.tracked"}
+         "per_rank": "hpc_ddp.rank.tracked", "worker_init": "hpc_ddp.rank.loader_shield"}
 
 
 compat.install()  # hpc_ddp.config, hpc_ddp.sampler, ... (0.1's paths) keep working, with a warning

@@ -89,8 +89,9 @@ class Held:
 
     def mark(self, step: int) -> None:
         """At run.boundary(step) and resume: the live state is this step's; copy what the next step changes early."""
-        self.step, self.updates = step, 0
+        self.step, self.updates = None, 0  # an exception raised inside the copy (a signal handler's) leaves none
         self.copies = {name: self._copy(name, obj) for name, obj in self.tracked.items()}
+        self.step = step
 
     def _copy(self, name: str, obj: Any) -> Any:
         """What ``obj``'s state needs from now (tens of microseconds for a model, its optimizer and a sampler)."""

@@ -36,7 +36,9 @@ from hpc_ddp.rank.restore import PER_RANK, STEP
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import BatchPlan, plan
+from hpc_ddp.rank.broken_stop import stop_came_first
 from hpc_ddp.rank.checkpointer import Checkpointer
+from hpc_ddp.rank.child_deaths import ChildDeaths
 from hpc_ddp.rank.rng import capture_rng, reseed
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward
@@ -87,6 +89,7 @@ class Run:
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
         self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/mirror.py)
+        self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary, not mid-update
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -181,6 +184,7 @@ class Run:
         self.boundaries += 1
         if self.held is not None:
             self._mark(step)
+        self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/child_deaths.py)
         if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
             # what snapshots will hold is checked now, not at the first one (none may come before a failure,
             # and a survivors' snapshot would then be refused for it)

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.rank.broken_stop import StoppedMidStep, end_as_stop, stop_came_first
 from hpc_ddp.rank.conclude import conclude
+from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR
 from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import plan
@@ -147,7 +149,10 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     threads(environ, env)
     # DataLoader workers from a forkserver (our Trainer's, and a loop's that asks for one) are forked from a
     # server that has imported torch once: each epoch's new workers then start in ms, not an import each.
-    multiprocessing.forkserver.set_forkserver_preload(["torch"])
+    # The server ignores the stop signals (its workers exit when it dies); the workers' worker_init learns the
+    # run's warning signal from the environment they inherit (hpc_ddp.rank.loader_shield).
+    multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])
+    os.environ[STOP_SIGNALS_VAR] = cfg.slurm.signal
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
@@ -187,6 +192,9 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                     raise  # the program's own error (explained): it fails the same way after any resume
                 except Exception as err:  # a collective failed (a peer died), or the program crashed
                     attempt.after_failure(err)
+                    if stop_came_first(attempt.flag, err):  # a stop signal killed a child, or a peer left for it
+                        attempt.code = end_as_stop(attempt, run, err)
+                        raise StoppedMidStep(attempt.code) from err
                     raise
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)

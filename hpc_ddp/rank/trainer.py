@@ -25,6 +25,7 @@ from hpc_ddp.core.batching import batch_change_problem
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.distributed import all_mean
 from hpc_ddp.core.errors import ConfigError, explain
+from hpc_ddp.rank.loader_shield import worker_init
 from hpc_ddp.rank.run import Run
 from hpc_ddp.rank.sampler import ShardSampler, old_position
 from hpc_ddp.rank.task import Task
@@ -79,6 +80,7 @@ class Trainer:
         self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
                                  num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
                                  multiprocessing_context="forkserver" if train.num_workers else None,
+                                 worker_init_fn=worker_init() if train.num_workers else None,  # a stop spares them
                                  generator=torch.Generator().manual_seed(train.seed * 100003 + env.rank))
         self.steps_per_epoch = self.sampler.usable // self.global_batch
         self.step = 0

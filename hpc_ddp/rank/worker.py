@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
+from hpc_ddp.rank.broken_stop import StoppedMidStep
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
@@ -125,11 +126,14 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
         with beating(attempt):  # the script's process group is its own: this worker beats for its rank
             return run_script(attempt)
     program = _program(cfg)
-    with open_run(attempt) as run:
-        try:
-            program(run)
-        except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
-            raise _explained(err) or err
+    try:
+        with open_run(attempt) as run:
+            try:
+                program(run)
+            except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
+                raise _explained(err) or err
+    except StoppedMidStep as stop:  # a stop signal broke the step: recorded as that stop (rank/broken_stop.py)
+        return stop.code
     assert attempt.code is not None
     return attempt.code
 
@@ -193,6 +197,8 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     try:
         with open_run(attempt) as run:
             yield run
+    except StoppedMidStep as stop:
+        raise SystemExit(stop.code) from None
     except HpcDdpError as err:
         _record(attempt.env, Path(cfg.run_dir), err)
         raise

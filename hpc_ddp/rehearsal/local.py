@@ -30,7 +30,8 @@ from typing import IO
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir import jit_files, losses
 from hpc_ddp.core.hostlist import compress_hostlist
-from hpc_ddp.rehearsal.local_inject import KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector, node_ranks, ranks_text, unfired
+from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
+                                            node_ranks, ranks_text, signal_family, unfired)
 from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
@@ -50,11 +51,13 @@ def free_port() -> int:
 
 
 def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int, port: int,
-                  base: Mapping[str, str], hosts: Sequence[str] | None = None) -> list[dict[str, str]]:
-    """The full environment of every simulated task."""
-    threads = base.get("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+                  base: Mapping[str, str], hosts: Sequence[str] | None = None,
+                  cpus_per_task: int = 1) -> list[dict[str, str]]:
+    """The full environment of every simulated task. Each task gets ``slurm.cpus_per_task`` as srun gives it
+    (SLURM_CPUS_PER_TASK), so it runs as many intra-op threads as on the cluster (rank/session.py's threads):
+    another thread count sums in another order, and the rehearsal would not give the cluster's bits."""
     return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-             "OMP_NUM_THREADS": threads, "HPC_DDP_LOCAL": "1"}
+             "SLURM_CPUS_PER_TASK": str(cpus_per_task), "HPC_DDP_LOCAL": "1"}
             for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
                                            hosts=hosts)]
 
@@ -148,6 +151,13 @@ def script_progress(config_path: Path) -> re.Pattern[str] | None:
     return re.compile(train.script_progress) if train.script else None
 
 
+def cpus_per_task(config_path: Path) -> int:
+    """``slurm.cpus_per_task`` of the run: each simulated task's SLURM_CPUS_PER_TASK."""
+    from hpc_ddp.core.config import load_config
+
+    return int(load_config([config_path]).slurm.cpus_per_task)
+
+
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
            restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
            err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None,
@@ -159,7 +169,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
-                             port=free_port(), base={**os.environ, **(extra_env or {})}, hosts=hosts)
+                             port=free_port(), base={**os.environ, **(extra_env or {})}, hosts=hosts,
+                             cpus_per_task=cpus_per_task(config_path))
     for rank, step in (die_at or {}).items():  # --fail-at: these ranks die after their own boundary of that step
         environs[rank][DIE_AT_VAR] = str(step)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
@@ -239,7 +250,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int 
                       "(Ctrl-C again ends them at once)\n")
             for proc in procs:
                 if proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGINT)
+                    signal_family(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the loader workers too
 
 
 def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,

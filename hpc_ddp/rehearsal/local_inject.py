@@ -83,10 +83,10 @@ def _kill(procs: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
             os.killpg(procs[rank].pid, signal.SIGKILL)
 
 
-def _freeze(pid: int) -> None:
-    """SIGSTOP a rank's process group and every process it started (a script runs in a session of its own), as
-    a frozen node stops everything on it at once; SIGKILL still ends them when the step ends."""
-    family, found = {pid}, True
+def family(pid: int) -> list[int]:
+    """A rank and every process it started, children first (a script runs in a session of its own, a
+    forkserver's loader workers are its grandchildren): what Slurm's process tracking signals on a node."""
+    members, found = [pid], True
     while found:  # /proc/*/stat: the children of every process found so far, until no new one turns up
         found = False
         for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -95,20 +95,31 @@ def _freeze(pid: int) -> None:
             except (OSError, IndexError):
                 continue
             child = int(stat.parent.name)
-            if int(fields[1]) in family and child not in family:
-                family.add(child)
+            if int(fields[1]) in members and child not in members:
+                members.append(child)
                 found = True
-    for member in family:
-        for stop in (os.killpg, os.kill):
-            try:
-                stop(member, signal.SIGSTOP)
-            except (ProcessLookupError, PermissionError):
-                pass
+    return members[::-1]
+
+
+def signal_family(pid: int, signum: int) -> None:
+    """``signum`` to a rank's process group and every process it started, as Slurm signals every process of a
+    step (DataLoader workers included), not the rank alone."""
+    for member in family(pid):  # once each: a second SIGTERM means something to a wrapped script's worker
+        try:
+            os.kill(member, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _freeze(pid: int) -> None:
+    """SIGSTOP a rank and everything it started, as a frozen node stops everything on it at once; SIGKILL still
+    ends them when the step ends."""
+    signal_family(pid, signal.SIGSTOP)
 
 
 def _signal(proc: subprocess.Popen[bytes], signum: int) -> None:
     if proc.poll() is None:
-        os.kill(proc.pid, signum)
+        signal_family(proc.pid, signum)
 
 
 def ranks_text(ranks: list[int]) -> str:

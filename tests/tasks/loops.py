@@ -196,3 +196,61 @@ def rank0_only_all_reduce(run: Any) -> None:
         if run.boundary(step):
             return
         time.sleep(0.05)
+
+
+LOADER_VAR = "HPC_DDP_TEST_LOADER"  # "CONTEXT" or "CONTEXT:shield": the loader of loader_workers (fork, spawn, ...)
+
+
+class Windows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Samples that are a pure function of their index (picklable for spawn and forkserver workers); each takes
+    a few milliseconds, so a step waits on its loader workers as a real pipeline does."""
+
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.002)
+        x = torch.sin(torch.arange(16, dtype=torch.float32) * (index % 97 + 1) / 97)
+        return x, x.sum(dim=0, keepdim=True).cos()
+
+
+def loader_workers(run: Any) -> None:
+    """A newcomer's own loop (issue 43): BatchNorm, dropout, AdamW, a cosine schedule and a DataLoader with two
+    workers in the context ``HPC_DDP_TEST_LOADER`` names (PyTorch's default fork unless it says otherwise),
+    shielded with hpc_ddp.worker_init() only when it says ``:shield``. 0.05 s a step."""
+    import os
+
+    import hpc_ddp
+
+    cfg = run.config.train
+    context, _, shield = os.environ.get(LOADER_VAR, "fork").partition(":")
+    torch.manual_seed(cfg.seed)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),
+                              torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    max_steps = cfg.max_steps or 100
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_steps)
+    sampler = hpc_ddp.ShardSampler(4096, run.rank, run.world_size, seed=cfg.seed, global_batch=run.batch.global_batch)
+    loader = torch.utils.data.DataLoader(Windows(), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                                         num_workers=2, multiprocessing_context=None if context == "fork" else context,
+                                         worker_init_fn=hpc_ddp.worker_init() if shield == "shield" else None)
+    step = run.resume(model=model, optimizer=optimizer, scheduler=schedule, sampler=sampler)
+
+    def batches() -> Any:
+        while True:
+            yield from sampler.iterate(loader)
+
+    stream = batches()
+    while step < max_steps:
+        inputs, targets = next(stream)
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        step += 1
+        run.log_metrics(step, loss=loss.item())
+        time.sleep(0.05)
+        if run.boundary(step):
+            return

@@ -1,0 +1,79 @@
+"""A stop whose last step broke: the program raised after a stop signal had reached this rank (issue 43).
+
+Slurm signals every process of the step. A child the stop signal kills (a DataLoader worker not
+shielded with :func:`hpc_ddp.worker_init`, a forkserver, a helper process of the user's) makes the
+rank raise during the step before the boundary where every rank would have agreed to stop; a peer's
+collective then fails as that rank leaves. Neither is a failure of the run: the attempt ends as the
+stop it was (``cancelled``, ``preemption``, ``timeout``, ``interrupted``), with its ledger line, the
+survivors' snapshot of the step every rank held at its last boundary (:mod:`hpc_ddp.rank.jit`, written
+from the run dir without the training group), and no in-job restart used up. What it cost (the step
+in flight, or back to the last periodic snapshot when no whole step could be written) and the error
+are in the ledger line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from hpc_ddp.core.errors import first_line
+from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rank.conclude import conclude
+from hpc_ddp.rundir import snapshot
+
+if TYPE_CHECKING:
+    from hpc_ddp.rank.session import Attempt
+
+log = logging.getLogger("hpc_ddp.session")
+SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
+CHILD_DEATHS = ("DataLoader worker", "killed by signal", "exited unexpectedly")
+HINT = ("HINT: pass worker_init_fn=hpc_ddp.worker_init() to every DataLoader with workers (your own "
+        "worker_init_fn goes inside: hpc_ddp.worker_init(fn)); the workers then ignore the stop signals and the "
+        "rank stops at its next boundary with a snapshot (docs/own-loop.md#data-loader-workers-and-a-stop)")
+
+
+class StoppedMidStep(Exception):
+    """Leaves the process group with an abort (no closing barrier: the ranks are not in step) and carries the
+    exit code of the stop the attempt ended as."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the attempt ended as a stop (exit code {code})")
+        self.code = code
+
+
+def child_killed(error: BaseException) -> bool:
+    """The error says a child process of this rank died (PyTorch's DataLoader reports its workers so)."""
+    text = str(error)
+    return any(part in text for part in CHILD_DEATHS)
+
+
+def stop_came_first(flag: StopFlag, error: BaseException, wait_s: float = SIGNAL_WAIT_S,
+                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether the program's error follows a stop signal: the flag is set, or the error is a child's death and
+    the signal (sent to the whole step, the child first) arrives within ``wait_s``."""
+    if flag.is_set or not child_killed(error):
+        return flag.is_set
+    deadline = clock() + wait_s
+    while not flag.is_set and clock() < deadline:
+        sleep(0.05)
+    return flag.is_set
+
+
+def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
+    """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
+    every rank gets the stop's exit code (:func:`hpc_ddp.rank.conclude.conclude`)."""
+    steps = snapshot.committed_steps(attempt.run_dir)
+    saved = steps[0] if steps else None
+    held = run.held.step if run is not None and run.held is not None else None
+    killed = child_killed(error)
+    attempt.record.update(end=round(time.time(), 3), first_step=(run.resumed_from or 0) if run is not None else 0,
+                          last_step=saved, resumed_from=run.resumed_from if run is not None else None,
+                          stopped_mid_step={"error": first_line(error), "held": held, "snapshot": saved,
+                                            "child_killed": killed})
+    lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
+    log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends as the stop "
+              "it was; it resumes from %s%s.%s", first_line(error),
+              f"step {saved}" if saved is not None else "the start", lost, f"\n{HINT}" if killed else "")
+    return conclude(attempt, stopped=True, step=saved)
