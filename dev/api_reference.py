@@ -14,6 +14,7 @@ import re
 PUBLIC = {
     "hpc_ddp.rank.run": ["Run", "params_sha256"],
     "hpc_ddp.rank.tracked": ["per_rank"],
+    "hpc_ddp.rank.loader_shield": ["worker_init"],
     "hpc_ddp.rank.worker": ["session"],
     "hpc_ddp.core.slurm_env": ["DistEnv", "from_environ", "torch_env", "master_port", "rendezvous_endpoint",
                           "simulated_environ", "parse_tasks_per_node"],
@@ -21,8 +22,8 @@ PUBLIC = {
     "hpc_ddp.rank.distributed": ["process_group", "init_process_group", "choose_backend", "device_index", "all_mean",
                             "any_rank", "exit_fast"],
     "hpc_ddp.rank.sampler": ["ShardSampler"],
-    "hpc_ddp.core.stopping": ["StopFlag", "stop_reason"],
-    "hpc_ddp.core.slurm_jobs": ["requeue"],
+    "hpc_ddp.core.stopping": ["StopFlag", "stop_reason", "term_reason"],
+    "hpc_ddp.core.slurm_jobs": ["requeue", "job_fields"],
     "hpc_ddp.rundir.ledger": ["read_attempts", "cap_reached"],
     "hpc_ddp.rundir.metrics_file": ["read", "history", "line"],
     "hpc_ddp.rundir.snapshot": ["committed_steps", "choose", "read_state", "file_problem", "load_file", "commit", "prune"],

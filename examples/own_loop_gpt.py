@@ -84,9 +84,14 @@ def train(run: hpc_ddp.Run) -> None:  # hpc_ddp: the function train.loop names; 
     accum = run.batch.grad_accum  # hpc_ddp: micro-steps at this world size (train.global_batch_size fixes the batch)
     sampler = hpc_ddp.ShardSampler(len(data), run.rank, run.world_size, seed=cfg.seed,  # hpc_ddp: global position
                                    global_batch=run.batch.global_batch)
+    # worker_init: the workers ignore the stop signals Slurm sends every process of the step, so a scancel or a
+    # preemption reaches the loop, which stops at its next boundary with a snapshot. forkserver: a fork of a
+    # process whose gloo threads hold a lock can hang in os.fork(); a forkserver's children are forked from a
+    # server without threads (and hpc_ddp has it import torch once, so each epoch's workers start in ms).
     loader = DataLoader(data, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         num_workers=cfg.num_workers, pin_memory=run.device.type == "cuda",
-                        multiprocessing_context="forkserver" if cfg.num_workers else None)
+                        multiprocessing_context="forkserver" if cfg.num_workers else None,
+                        worker_init_fn=hpc_ddp.worker_init())  # hpc_ddp: a stop spares the loader workers
     max_steps = cfg.max_steps or 200
     step = run.resume(model=model, optimizer=optimizer, sampler=sampler)  # hpc_ddp: 0 on a fresh start
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from hpc_ddp.slurm_local import APT_PACKAGES, ClusterSpec, missing_pieces, start, stop
+from hpc_ddp.slurm_local import APT_PACKAGES, ClusterSpec, missing_pieces, set_preempt_signal, start, stop
 
 REQUIRE_SLURM = os.environ.get("HPC_DDP_REQUIRE_SLURM") == "1"
 # CI draws the same examples every run (a rare input found once must not make one CI run red and the next
@@ -56,6 +56,17 @@ def slurm_cluster() -> Iterator[ClusterSpec]:
         yield spec
     if started:
         stop(spec)
+
+
+@pytest.fixture()
+def sigterm_preemption(slurm_cluster: ClusterSpec) -> Iterator[ClusterSpec]:
+    """The cluster preempts as most clusters do, with SIGTERM and a grace time (not the job's --signal), for one
+    test; then back to the warning signal."""
+    set_preempt_signal(slurm_cluster, "term")
+    try:
+        yield slurm_cluster
+    finally:
+        set_preempt_signal(slurm_cluster, "user")
 
 
 @pytest.fixture(scope="session")

@@ -98,12 +98,45 @@ def test_caps_count_this_attempt() -> None:
     assert cap_reached("finished", [{"reason": "finished"}] * 9, LIMITS) is None
 
 
-def test_a_sigterm_while_the_job_is_completing_is_a_cancel() -> None:
-    from hpc_ddp.core.stopping import cancelled
+# What `scontrol show job` said at a task's first SIGTERM on the local 22.05 cluster (issue 43, measured)
+TERM_CASES = [
+    ({"JobState": "COMPLETING", "Reason": "None", "PreemptTime": "None", "Restarts": "0"}, 0, "cancelled"),  # scancel
+    ({"JobState": "RUNNING", "Reason": "None", "PreemptTime": "2026-11-26T12:35:13", "Restarts": "0"}, 0,
+     "preemption"),  # preempted, Slurm's default SIGTERM, within the grace time
+    ({"JobState": "COMPLETING", "Reason": "None", "Restarts": "1"}, 0, "preemption"),  # the grace time's end: requeued
+    ({"JobState": "COMPLETING", "Reason": "TimeLimit", "PreemptTime": "None", "Restarts": "0"}, 0, "timeout"),
+    ({"JobState": "COMPLETING", "Reason": "None", "PreemptTime": "None", "Restarts": "2"}, 2, "cancelled"),
+    ({"JobState": "RUNNING", "Reason": "None", "PreemptTime": "None", "Restarts": "0"}, 0, None),  # --signal=TERM
+    ({}, 0, None),  # Slurm could not be asked
+]
 
-    assert cancelled(signal.SIGTERM, "COMPLETING") and cancelled(signal.SIGTERM, "CANCELLED")
-    assert not cancelled(signal.SIGTERM, "RUNNING")  # preemption: the job is still running
-    assert not cancelled(signal.SIGUSR2, "COMPLETING") and not cancelled(signal.SIGTERM, None)
+
+@pytest.mark.parametrize(("fields", "restart_count", "reason"), TERM_CASES)
+def test_a_sigterms_reason_comes_from_what_slurm_says_of_the_job(fields: dict[str, str], restart_count: int,
+                                                                  reason: str | None) -> None:
+    from hpc_ddp.core.stopping import term_reason
+
+    assert term_reason(fields, restart_count) == reason
+
+
+def test_scontrols_one_line_is_read_for_the_fields_a_reason_needs() -> None:
+    from hpc_ddp.core.slurm_jobs import job_fields
+
+    line = ("JobId=5 JobName=x UserId=root(0) Priority=1 JobState=RUNNING Reason=None Dependency=(null) Requeue=1 "
+            "Restarts=0 BatchFlag=1 RunTime=00:00:03 TimeLimit=00:10:00 SubmitTime=2026-11-26T12:35:00 "
+            "EndTime=2026-11-26T12:35:23 PreemptEligibleTime=2026-11-26T12:35:01 PreemptTime=2026-11-26T12:35:13 "
+            "WorkDir=/tmp/a b StdOut=/tmp/o\n")
+    calls: list[list[str]] = []
+
+    def runner(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, line, "")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+        fields = job_fields("5", runner)
+    assert calls == [["scontrol", "show", "job", "-o", "5"]]
+    assert fields == {"JobState": "RUNNING", "Reason": "None", "Restarts": "0", "EndTime": "2026-11-26T12:35:23",
+                      "PreemptTime": "2026-11-26T12:35:13"}
 
 
 def test_the_worker_catches_stop_signals_before_it_imports_the_config() -> None:

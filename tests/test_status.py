@@ -271,3 +271,13 @@ def test_status_of_a_rehearsal_where_rank_1_raised_shows_rank_1s_exception(tmp_p
     errors = shown.split("last errors:")[1]
     assert "attempt-0-rank-1.log:" in errors and "RuntimeError: injected failure on rank 1 at step 13" in errors
     assert "Connection closed by peer" not in errors
+
+
+def test_a_stop_that_broke_a_step_is_a_note_that_says_what_it_cost_and_the_fix() -> None:
+    from hpc_ddp.login.status import broken_stop_note
+
+    kept = broken_stop_note({"error": "DataLoader worker (pid 7) is killed by signal: Terminated.", "held": 15,
+                             "snapshot": 15, "child_killed": True})
+    assert "kept the step every rank held" in kept and "worker_init_fn=hpc_ddp.worker_init()" in kept
+    lost = broken_stop_note({"error": "EOFError", "held": 15, "snapshot": 10, "child_killed": False})
+    assert "resumes from step 10 (5 step(s) lost)" in lost and "worker_init" not in lost

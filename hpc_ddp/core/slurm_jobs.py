@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from datetime import datetime
@@ -40,6 +41,24 @@ def job_state(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]]
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime")  # what a stop's reason is read from
+
+
+def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> dict[str, str]:
+    """``scontrol show job -o SPEC``'s :data:`JOB_FIELDS` (``{}`` when Slurm cannot be asked): what the job is
+    going through when a SIGTERM arrives (:func:`hpc_ddp.core.stopping.term_reason`)."""
+    if not spec or not shutil.which("scontrol"):
+        return {}
+    try:
+        proc = runner(["scontrol", "show", "job", "-o", spec], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if proc.returncode != 0:
+        return {}
+    found = re.findall(r"(?:^|\s)(" + "|".join(JOB_FIELDS) + r")=(\S*)", proc.stdout)
+    return {key: value for key, value in found}
 
 
 def job_spec(environ: Mapping[str, str]) -> str:

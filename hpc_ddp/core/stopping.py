@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 TICK_S = 45  # Slurm checks time limits every 30 s: the warning may come up to that much early
@@ -66,11 +66,19 @@ def stop_reason(signum: int, warning_signum: int, received_at: float, job_end_ti
     return "timeout" if received_at >= job_end_time - signal_delay_s - TICK_S else "preemption"
 
 
-def cancelled(signum: int | None, state: str | None) -> bool:
-    """A SIGTERM while the job is already COMPLETING (or CANCELLED) is `scancel`, not a preemption.
-
-    Measured on 22.05: on scancel the tasks get SIGTERM with the job COMPLETING; on
-    preemption (and before a time-out) they get their signal with the job still RUNNING.
-    A cancelled job must not requeue itself.
-    """
-    return signum == signal.SIGTERM and state in ("COMPLETING", "CANCELLED")
+def term_reason(fields: Mapping[str, str], restart_count: int) -> str | None:
+    """What a SIGTERM means, from what Slurm says of the job (``scontrol show job``'s fields), not from the
+    signal's name. Measured on 22.05 (docs/slurm-local.md): at a preemption the job is RUNNING with a
+    PreemptTime until the grace time ends; after it Slurm has requeued the job (Restarts > this attempt's
+    restart count) and it looks COMPLETING like a cancel; at the time limit it is COMPLETING with
+    Reason=TimeLimit; on ``scancel`` COMPLETING (or CANCELLED) without either. None: RUNNING and not being
+    preempted (a SIGTERM someone sent, ``scancel --signal=TERM``), or Slurm could not be asked."""
+    state, preempted = fields.get("JobState", ""), fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+    restarts = fields.get("Restarts", "")
+    if preempted or (restarts.isdigit() and int(restarts) > restart_count):
+        return "preemption"
+    if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
+        return "timeout"
+    if state in ("COMPLETING", "CANCELLED"):
+        return "cancelled"
+    return None

@@ -86,6 +86,8 @@ def render(info: dict[str, Any]) -> str:
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
+    notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
+              if isinstance(a.get("stopped_mid_step"), dict)]
     notes += list(info.get("hangs", {}).items())
     notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items() if "lost" in entry]
     notes.sort(key=lambda item: item[0])
@@ -105,6 +107,16 @@ def lost_note(entry: dict[str, Any]) -> str:
     return (f"lost {entry['lost']} step(s): got to step {entry['last_step']}, "
             f"{'will resume' if entry['pending'] else 'resumed'} from {start}"
             + (f"; no survivors' snapshot: {why[:200]}{'...' if len(why) > 200 else ''}" if why else ""))
+
+
+def broken_stop_note(entry: dict[str, Any]) -> str:
+    """One line on a stop whose last step broke (rank/broken_stop.py): what broke it and what it cost."""
+    held, saved = entry.get("held"), entry.get("snapshot")
+    cost = ("kept the step every rank held" if held is not None and saved == held else
+            f"resumes from {'step ' + str(saved) if saved is not None else 'the start'}"
+            + (f" ({held - saved} step(s) lost)" if isinstance(held, int) and isinstance(saved, int) else ""))
+    fix = "; give each DataLoader worker_init_fn=hpc_ddp.worker_init()" if entry.get("child_killed") else ""
+    return f"the stop signal broke a step ({entry.get('error')}): {cost}{fix}"
 
 
 def healed_note(attempt: dict[str, Any]) -> str:

@@ -11,14 +11,38 @@ import time
 from typing import TYPE_CHECKING
 
 from hpc_ddp.core.codes import EXIT_REQUEUE
-from hpc_ddp.core.slurm_jobs import PreemptionError, job_spec, job_state, requeue, requeue_available
-from hpc_ddp.core.stopping import cancelled, signal_number, stop_reason
+from hpc_ddp.core.slurm_jobs import PreemptionError, job_fields, job_spec, requeue, requeue_available
+from hpc_ddp.core.stopping import signal_number, stop_reason, term_reason
 from hpc_ddp.rundir.ledger import append_attempt, cap_reached
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.session import Attempt
 
 log = logging.getLogger("hpc_ddp.session")
+
+
+def why_stopped(attempt: Attempt) -> str:
+    """Rank 0: the stop's reason. A SIGTERM's from what Slurm says of the job now (:func:`term_reason`: a
+    preemption, the time limit or a cancel, whatever signal Slurm chose for it), recorded beside it in the
+    ledger line; the warning signal's from when it came (:func:`stop_reason`)."""
+    flag, cfg = attempt.flag, attempt.cfg
+    if flag.signum is not None:
+        attempt.record["signal"] = signal.Signals(flag.signum).name.removeprefix("SIG")
+    if flag.signum == signal.SIGTERM and not attempt.local:
+        fields = job_fields(job_spec(attempt.environ))
+        if fields:
+            attempt.record["slurm"] = {key: fields[key] for key in ("JobState", "Reason", "PreemptTime", "Restarts")
+                                       if key in fields}
+        why = term_reason(fields, attempt.env.restart_count)
+        if why is not None:
+            return why
+        if fields:  # RUNNING and not preempted: someone's `scancel --signal=TERM`, taken for a preemption
+            attempt.record["note"] = ("a SIGTERM while the job ran and was not being preempted (scancel "
+                                      "--signal=TERM?): taken for a preemption; a plain scancel cancels")
+        return "preemption"
+    return "preemption" if flag.signum is None else stop_reason(
+        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), attempt.end_time,
+        cfg.slurm.signal_delay_s)
 
 
 def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
@@ -35,11 +59,8 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
         append_attempt(run_dir, {**record, "reason": "interrupted"})
         log.info("interrupted (Ctrl-C): snapshot%s committed, not requeued", at)
         return 0
-    cfg = attempt.cfg
-    reason = "preemption" if flag.signum is None else stop_reason(
-        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), attempt.end_time,
-        cfg.slurm.signal_delay_s)
-    if not attempt.local and cancelled(flag.signum, job_state(job_spec(attempt.environ))):
+    reason = why_stopped(attempt)
+    if reason == "cancelled":
         append_attempt(run_dir, {**record, "reason": "cancelled"})
         log.info("the job was cancelled (scancel): snapshot%s committed, not requeued; continue it "
                  "with `python -m hpc_ddp.submit ... --resume`", at)

@@ -65,6 +65,7 @@ from hpc_ddp.rundir import jit_files, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
 OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other survivors' offers before comparing
+BUFFERS_SOURCE_WAIT_S = 1.0  # how long another survivor waits for rank 0's offer when DDP broadcasts rank 0's buffers
 
 
 class Held:
@@ -193,6 +194,9 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         newest = snapshot.committed_steps(run.run_dir)
         if newest and newest[0] >= step:
             offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, newest[0], offer))
+        elif any(skip.values()) and env.rank != 0 and _buffers_source_holds(folder, step):
+            offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
+                         else jit_commit.claimed_by_another(run.run_dir, step))
         elif not jit_files.claim(folder, step):
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step))
@@ -208,6 +212,22 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         except OSError:
             pass
         return offer
+
+
+def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S) -> bool:
+    """Whether rank 0 offers the same step (waiting up to ``wait_s`` for its offer). DDP broadcasts rank 0's
+    buffers (BatchNorm's running statistics) at every forward, so rank 0's are the step's: a periodic snapshot
+    holds them, and a survivors' snapshot written by another rank would hold that rank's own and the resumed
+    run would drift from one never stopped. Rank 0 then writes it (a stop that broke a step leaves every rank
+    alive); when rank 0 was lost, another survivor writes its own after the wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = next((o for o in jit_files.offers(folder, 1) if o.get("rank") == 0), None)
+        if found is not None:
+            return bool(found.get("source")) and found.get("step") == step
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float) -> str:

@@ -51,6 +51,7 @@ from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import recorded_error
 from hpc_ddp.rundir.runlock import acquire, release
 from hpc_ddp.rank.script_outcome import IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
+from hpc_ddp.rank.loader_shield import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script_output import Progress, start_relays
 from hpc_ddp.rank.session import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.conclude import conclude
@@ -192,6 +193,9 @@ def run_script(attempt: Attempt) -> int:
             attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
         if "code" in decided:
             return decided["code"]  # recorded when Slurm's later signal came (and requeued), or hung
+        if -code in stop_signals({STOP_SIGNALS_VAR: cfg.slurm.signal}):
+            mark_stop(attempt, -code)  # Slurm signals the script too: it may die of the stop before this worker
+            # forwards it, and the peers' scripts die of the broken collective before their own signal comes
         if code != 0 and not attempt.flag.is_set:
             stopped_late(attempt, code)  # a peer's script may have died of the stop before it reached this rank
         if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.stopping import TICK_S, cancelled
+from hpc_ddp.core.stopping import term_reason
 from hpc_ddp.rundir.ledger import append_attempt, attempt_key, crash_marker, read_attempts
-from hpc_ddp.core.slurm_jobs import job_spec, job_state
+from hpc_ddp.core.slurm_jobs import job_fields, job_spec
 from hpc_ddp.rank.script_output import Progress
 from hpc_ddp.rank.session import Attempt
 from hpc_ddp.rank.conclude import conclude
@@ -131,8 +131,12 @@ def mark_crash(attempt: Attempt, path: Path, code: int) -> None:
     _mark(attempt, "crash", f"train.script {path} exited with code {code} on rank {attempt.env.rank}")
 
 
-def mark_stop(attempt: Attempt) -> None:
-    """Before this worker forwards a stop to its script: say so, for a peer whose script dies of it first."""
+def mark_stop(attempt: Attempt, signum: int | None = None) -> None:
+    """Before this worker forwards a stop to its script (or once its script died of one, ``signum``, which Slurm
+    sent it directly): say so, for a peer whose script dies of it first."""
+    if signum is not None:
+        _mark(attempt, "stop", f"rank {attempt.env.rank}'s script died of {signal.Signals(signum).name}")
+        return
     _mark(attempt, "stop", f"rank {attempt.env.rank} forwarded {signal.Signals(attempt.flag.signum or 15).name}")
 
 
@@ -209,10 +213,9 @@ def later_stop(attempt: Attempt, progress: Progress | None, outcome: dict[str, i
 
 
 def _cancelled_now(attempt: Attempt) -> bool:
-    """The later SIGTERM is scancel's (never requeue), not the time limit's: both leave the job COMPLETING
-    (measured on 22.05), but only the time limit comes at the job's end."""
-    at_end = attempt.end_time is not None and time.time() >= attempt.end_time - TICK_S
-    return not at_end and cancelled(signal.SIGTERM, job_state(job_spec(attempt.environ)))
+    """The later SIGTERM is scancel's (never requeue), not the time limit's nor the end of a preemption's grace
+    time: all three leave the job COMPLETING (measured on 22.05); Slurm's fields tell them apart."""
+    return term_reason(job_fields(job_spec(attempt.environ)), attempt.env.restart_count) == "cancelled"
 
 
 def hung(attempt: Attempt, progress: Progress, outcome: dict[str, int]) -> Callable[[float], None]:

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from hpc_ddp.core.errors import HpcDdpError
-from hpc_ddp.slurm_local.conf import ClusterSpec
-from hpc_ddp.slurm_local.daemons import APT_PACKAGES, is_up, missing_pieces, start, stop
+from hpc_ddp.slurm_local.conf import PREEMPT_SIGNALS, ClusterSpec
+from hpc_ddp.slurm_local.daemons import APT_PACKAGES, is_up, missing_pieces, set_preempt_signal, start, stop
 
 EPILOG = f"""\
 examples:
@@ -16,9 +16,13 @@ examples:
   python -m hpc_ddp.slurm_local start --nodes 2
   eval "$(python -m hpc_ddp.slurm_local env)"     # point sbatch/srun/squeue at it
   srun -N2 --ntasks-per-node=2 hostname
+  python -m hpc_ddp.slurm_local preempt-signal --preempt-signal term   # preempt as most clusters do
   python -m hpc_ddp.slurm_local stop
 
-Partitions: debug (default, preemptable, GraceTime 10 s) and high (preempts debug).
+Partitions: debug (default, preemptable, GraceTime 10 s) and high (preempts debug). A preempted job
+gets its own --signal (our warning signal; --preempt-signal user, the default) or SIGTERM, then SIGKILL
+after the grace time (--preempt-signal term: Slurm's default and most clusters'); `preempt-signal`
+switches a running cluster (scontrol reconfigure).
 Start wipes the state directory: job ids begin at 1 against an empty accounting DB.
 """
 
@@ -26,12 +30,14 @@ Start wipes the state directory: job ids begin at 1 against an empty accounting 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.slurm_local", description=__doc__,
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["start", "stop", "status", "env"])
+    parser.add_argument("command", choices=["start", "stop", "status", "env", "preempt-signal"])
     parser.add_argument("--root", type=Path, default=ClusterSpec.root,
                         help="state directory: config, pid files, logs (default %(default)s)")
     parser.add_argument("--nodes", type=int, default=ClusterSpec.nodes, help="slurmd nodes (default %(default)s)")
     parser.add_argument("--cpus-per-node", type=int, default=ClusterSpec.cpus_per_node,
                         help="CPUs each node declares (default %(default)s)")
+    parser.add_argument("--preempt-signal", choices=PREEMPT_SIGNALS, default=ClusterSpec.preempt_signal,
+                        help="how a preempted job is told: its --signal (user) or SIGTERM (term); default %(default)s")
     parser.add_argument("--no-accounting", action="store_true",
                         help="skip MariaDB + slurmdbd (faster start; sacct will not work)")
     return parser
@@ -43,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --nodes and --cpus-per-node must be >= 1", file=sys.stderr)
         return 2
     spec = ClusterSpec(root=args.root, nodes=args.nodes, cpus_per_node=args.cpus_per_node,
-                       accounting=not args.no_accounting)
+                       accounting=not args.no_accounting, preempt_signal=args.preempt_signal)
     try:
         if args.command == "start":
             began = start(spec)
@@ -51,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"SLURM_CONF={spec.conf_path}")
         elif args.command == "stop":
             print(f"stopped {len(stop(spec))} daemons")
+        elif args.command == "preempt-signal":
+            set_preempt_signal(spec, args.preempt_signal)
+            print(f"preempted jobs now get {'their --signal' if args.preempt_signal == 'user' else 'SIGTERM'}")
         elif args.command == "env":
             print(f"export SLURM_CONF={spec.conf_path}")
         else:

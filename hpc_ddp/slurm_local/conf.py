@@ -35,6 +35,7 @@ class ClusterSpec:
     cluster_name: str = "hpcddp"
     grace_time_s: int = 10
     kill_wait_s: int = 5
+    preempt_signal: str = "user"  # "user": a preempted job gets its --signal; "term": SIGTERM (Slurm's default)
 
     @property
     def node_names(self) -> list[str]:
@@ -101,8 +102,7 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "MinJobAge=300",
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
-        "# preempted jobs get their --signal (our warning signal) instead of SIGTERM (22.05 spelling)",
-        "SlurmctldParameters=preempt_send_user_signal",
+        *preempt_lines(spec.preempt_signal),
         *accounting,
         f"NodeName={names} NodeHostname={names} NodeAddr={','.join(spec.node_addrs)} Port={ports} "
         f"CPUs={spec.cpus_per_node} Sockets=1 CoresPerSocket={spec.cpus_per_node} ThreadsPerCore=1 "
@@ -112,6 +112,26 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF",
     ]
     return "\n".join(lines) + "\n"
+
+
+PREEMPT_SIGNALS = ("user", "term")
+USER_SIGNAL_LINES = ["# preempted jobs get their --signal (our warning signal) instead of SIGTERM (22.05 spelling)",
+                     "SlurmctldParameters=preempt_send_user_signal"]
+TERM_SIGNAL_LINE = "# preempted jobs get SIGTERM, then SIGKILL after GraceTime (Slurm's default, most clusters')"
+
+
+def preempt_lines(mode: str) -> list[str]:
+    """How a preempted job is told (``preempt_signal``): its own --signal, or SIGTERM as most clusters do."""
+    if mode not in PREEMPT_SIGNALS:
+        raise ValueError(f"preempt_signal must be one of {', '.join(PREEMPT_SIGNALS)}, not {mode!r}")
+    return USER_SIGNAL_LINES if mode == "user" else [TERM_SIGNAL_LINE]
+
+
+def with_preempt_signal(conf: str, mode: str) -> str:
+    """slurm.conf's text with its preemption signal lines for ``mode`` (the rest as it was)."""
+    lines = [line for line in conf.splitlines() if line not in (*USER_SIGNAL_LINES, TERM_SIGNAL_LINE)]
+    at = next(i for i, line in enumerate(lines) if line.startswith("PreemptMode=")) + 1
+    return "\n".join([*lines[:at], *preempt_lines(mode), *lines[at:]]) + "\n"
 
 
 def render_slurmdbd_conf(spec: ClusterSpec) -> str:

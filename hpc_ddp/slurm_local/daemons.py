@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpc_ddp.core.errors import ClusterError, explain
-from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf,
+from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf, with_preempt_signal,
                                       render_slurmdbd_conf)
 
 APT_PACKAGES = "slurmctld slurmd slurm-client munge slurmdbd mariadb-server"
@@ -187,6 +187,21 @@ def _start_slurm(spec: ClusterSpec) -> None:
         return len(states) == spec.nodes and all(s == "idle" for s in states.values())
 
     _wait("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
+
+
+def set_preempt_signal(spec: ClusterSpec, mode: str) -> None:
+    """Switch a running cluster between telling a preempted job with its --signal ("user") and Slurm's default
+    SIGTERM ("term"): slurm.conf is rewritten and ``scontrol reconfigure`` applies it (measured on 22.05: no
+    restart needed)."""
+    spec.conf_path.write_text(with_preempt_signal(spec.conf_path.read_text(), mode))
+    _run(spec, ["scontrol", "reconfigure"])
+    want = "preempt_send_user_signal" if mode == "user" else "(null)"
+
+    def applied() -> bool:
+        shown = _run(spec, ["scontrol", "show", "config"], check=False).stdout
+        return any(line.split("=", 1)[-1].strip() == want for line in shown.splitlines()
+                   if line.startswith("SlurmctldParameters"))
+    _wait(f"slurmctld to take preempt_signal={mode}", applied, spec, log="slurmctld.log")
 
 
 def start(spec: ClusterSpec) -> bool:
