@@ -72,6 +72,17 @@ def test_a_stop_explains_a_childs_death_that_comes_first_within_the_wait() -> No
     assert not stop_came_first(StopFlag(), RuntimeError("CUDA out of memory"), wait_s=2.0)  # no wait for an OOM
 
 
+def test_a_peers_failed_collective_is_a_stop_only_when_a_peer_marked_its_step_broken_by_one(tmp_path: Path) -> None:
+    """srun's --kill-on-bad-exit (and the rehearsal) SIGTERM the survivors of a lost rank: a failure, not a stop."""
+    peer = RuntimeError("[../gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:4455")
+    flag, mark = StopFlag(), tmp_path / "jit" / "stopped-mid-step"
+    flag._handle(signal.SIGTERM, None)
+    assert not stop_came_first(flag, peer, mark, wait_s=0.2)  # nobody marked: the peer died
+    assert stop_came_first(flag, RuntimeError("DataLoader worker (pid(s) 9) exited unexpectedly"), mark, wait_s=0.2)
+    assert mark.exists() and stop_came_first(flag, peer, mark, wait_s=0.2)  # marked: the peer left for the stop
+    assert stop_came_first(flag, EOFError(), tmp_path / "other", wait_s=0.2)  # the stop's signal came first
+
+
 def test_a_childs_death_is_held_to_the_boundary_and_passed_over_for_a_stop() -> None:
     """PyTorch's SIGCHLD handler raises wherever the rank is; from the first boundary ours only notes it."""
     calls: list[int] = []
@@ -115,6 +126,9 @@ LOADER = textwrap.dedent("""
                                              worker_init_fn=hpc_ddp.worker_init() if shield else None)
         batches = iter(loader)
         next(batches)
+        from hpc_ddp.rank.loader_shield import unshielded_workers
+        while shield and unshielded_workers():  # a spawn worker still importing torch is not shielded yet
+            time.sleep(0.05)
         print("ready", flush=True)
         sys.stdin.readline()  # the test signals every process of this one's group, children first
         try:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.core.codes import PEER_SYMPTOMS
 from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.conclude import conclude
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import jit_files, snapshot
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.session import Attempt
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_ddp.session")
 SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
 CHILD_DEATHS = ("DataLoader worker", "killed by signal", "exited unexpectedly")
+MARK = "stopped-mid-step"  # created by a rank whose step a stop signal broke: its peers' failed collective is no failure
 HINT = ("HINT: pass worker_init_fn=hpc_ddp.worker_init() to every DataLoader with workers (your own "
         "worker_init_fn goes inside: hpc_ddp.worker_init(fn)); the workers then ignore the stop signals and the "
         "rank stops at its next boundary with a snapshot (docs/own-loop.md#data-loader-workers-and-a-stop)")
@@ -49,16 +52,52 @@ def child_killed(error: BaseException) -> bool:
     return any(part in text for part in CHILD_DEATHS)
 
 
-def stop_came_first(flag: StopFlag, error: BaseException, wait_s: float = SIGNAL_WAIT_S,
-                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Whether the program's error follows a stop signal: the flag is set, or the error is a child's death and
-    the signal (sent to the whole step, the child first) arrives within ``wait_s``."""
-    if flag.is_set or not child_killed(error):
-        return flag.is_set
-    deadline = clock() + wait_s
-    while not flag.is_set and clock() < deadline:
-        sleep(0.05)
-    return flag.is_set
+def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = None,
+                    wait_s: float = SIGNAL_WAIT_S, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether the program's error is a stop's doing, not a failure; ``marker`` (the attempt's, in the run dir)
+    tells the other ranks so.
+
+    - A child's death: a stop when this rank's own stop signal is here, or arrives within ``wait_s`` (Slurm
+      signals the child first as often as the rank).
+    - A collective that failed because a peer left: a stop only when a peer marked its step as broken by the
+      stop (it waited for nothing): srun's ``--kill-on-bad-exit`` and the rehearsal send the survivors of a
+      lost rank a SIGTERM too, and that failure must stay a failure.
+    - Any other error once a stop signal is here (a loader's queue that broke as its worker died): a stop.
+    """
+    if child_killed(error):
+        deadline = clock() + wait_s
+        while not flag.is_set and clock() < deadline:
+            sleep(0.05)
+        stopped = flag.is_set
+    elif peer_lost(error):
+        deadline = clock() + wait_s
+        while not (stopped := marker is not None and marker.exists()) and flag.is_set and clock() < deadline:
+            sleep(0.05)
+        return stopped
+    else:
+        stopped = flag.is_set
+    if stopped and marker is not None:
+        _mark(marker)
+    return stopped
+
+
+def _mark(marker: Path) -> None:
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
+
+
+def peer_lost(error: BaseException) -> bool:
+    """A collective failed because a peer's process left (its sockets closed)."""
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_SYMPTOMS)
+
+
+def marker(run_dir: Path, env: Any) -> Path:
+    """The attempt's mark that a stop signal broke a step (in its survivors' snapshot folder)."""
+    return jit_files.folder(run_dir, env.job_id, env.restart_count, env.in_job) / MARK
 
 
 def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rank.broken_stop import StoppedMidStep, end_as_stop, stop_came_first
+from hpc_ddp.rank.broken_stop import StoppedMidStep, end_as_stop, marker, stop_came_first
 from hpc_ddp.rank.conclude import conclude
 from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR
 from hpc_ddp.rundir import flight, jit_files, layout
@@ -192,7 +192,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                     raise  # the program's own error (explained): it fails the same way after any resume
                 except Exception as err:  # a collective failed (a peer died), or the program crashed
                     attempt.after_failure(err)
-                    if stop_came_first(attempt.flag, err):  # a stop signal killed a child, or a peer left for it
+                    if stop_came_first(attempt.flag, err, marker(attempt.run_dir, env)):  # a stop broke the step
                         attempt.code = end_as_stop(attempt, run, err)
                         raise StoppedMidStep(attempt.code) from err
                     raise
