@@ -52,7 +52,7 @@ def logs(run_dir: Path) -> str:
 
 def test_scancel_and_a_bare_sigterm_with_loader_workers_are_stops_that_keep_the_work(slurm_cluster: ClusterSpec,
                                                                                      tmp_path: Path) -> None:
-    """Four jobs side by side, each cancelled mid-run between periodic snapshots (every 50 steps): an own loop
+    """Five jobs side by side, each stopped mid-run between periodic snapshots (every 50 steps): an own loop
     whose fork workers are not shielded, one with spawn workers shielded by hpc_ddp.worker_init(), and a Task
     (our Trainer's loaders are shielded) get `scancel`: each is `cancelled`, with a ledger line and a snapshot
     of the step it held, not requeued. A bare `scancel --signal=TERM` to an own loop with unshielded spawn
@@ -94,10 +94,11 @@ def test_a_preemption_by_slurms_sigterm_is_requeued_and_ends_as_the_rehearsal_do
     with unshielded fork workers and three intra-op threads a task (slurm.cpus_per_task=3), and a Task with
     loader workers: `preemption`, requeued, finished, and the same params_sha256 as the rehearsal of the same
     config, threads included."""
-    own = LOOP + ["train.max_steps=80", "slurm.cpus_per_task=3"]
+    own = LOOP + ["train.max_steps=1000", "slurm.cpus_per_task=3"]  # about a minute: still training when the Task is
     task = TASK + ["train.max_steps=300"]
     jobs = {"own": submit(own, tmp_path / "own"), "task": submit(task, tmp_path / "task")}
     assert wait_until(lambda: all(logged(tmp_path / name) >= 15 for name in jobs), 300)
+    assert not any(finished(tmp_path / name) for name in jobs), "a job finished before it could be preempted"
     high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N3", "--exclusive", "--output=/dev/null",
                            "--wrap", "sleep 1"], capture_output=True, text=True, check=True).stdout.strip()
     for name, args in (("own", own), ("task", task)):  # the rehearsals run while Slurm preempts and requeues

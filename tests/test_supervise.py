@@ -270,3 +270,23 @@ def test_after_a_hang_srun_s_first_exit_is_the_watchdog_s_recorder_not_the_culpr
     said = sup.heal(step, record)
     assert said is not None and sup.healer.next_nodes == ["n1", "n2"], said
     assert list(sup.healer.healed["excluded"]) == ["n3"]
+
+
+@pytest.mark.parametrize(("reason", "requeued"), [("preemption", True), ("cancelled", False), ("timeout", True)])
+def test_a_step_a_stop_broke_without_a_ledger_line_is_that_stop_never_a_failure(tmp_path: Path, reason: str,
+                                                                               requeued: bool) -> None:
+    """A rank marked its step broken by a stop signal and rank 0 wrote no line (killed at the grace time's end):
+    the batch shell records the stop Slurm says it was, requeues it unless cancelled, and heals nothing."""
+    from hpc_ddp.rundir import jit_files
+    from hpc_ddp.shell.settle import settle
+
+    folder = jit_files.folder(tmp_path, 7, 0, 0)
+    folder.mkdir(parents=True)
+    (folder / jit_files.BROKEN_STOP_MARK).touch()
+    requeues: list[int] = []
+    outcome = settle(tmp_path, job_id=7, restart_count=0, exit_code=1, limits={"max_preemptions": 3,
+                     "max_timeouts": 3, "max_failures": 0}, requeue_job=lambda: requeues.append(1),
+                     heal=lambda record: pytest.fail("a stop is never healed"), stop_reason=lambda: reason)
+    [line] = read_attempts(tmp_path)
+    assert line["reason"] == reason and "recorded by the batch shell" in line["note"]
+    assert bool(requeues) == requeued and reason in outcome

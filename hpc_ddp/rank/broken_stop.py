@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_ddp.session")
 SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
 CHILD_DEATHS = ("DataLoader worker", "killed by signal", "exited unexpectedly")
-MARK = "stopped-mid-step"  # created by a rank whose step a stop signal broke: its peers' failed collective is no failure
 HINT = ("HINT: pass worker_init_fn=hpc_ddp.worker_init() to every DataLoader with workers (your own "
         "worker_init_fn goes inside: hpc_ddp.worker_init(fn)); the workers then ignore the stop signals and the "
         "rank stops at its next boundary with a snapshot (docs/own-loop.md#data-loader-workers-and-a-stop)")
@@ -97,7 +96,7 @@ def peer_lost(error: BaseException) -> bool:
 
 def marker(run_dir: Path, env: Any) -> Path:
     """The attempt's mark that a stop signal broke a step (in its survivors' snapshot folder)."""
-    return jit_files.folder(run_dir, env.job_id, env.restart_count, env.in_job) / MARK
+    return jit_files.folder(run_dir, env.job_id, env.restart_count, env.in_job) / jit_files.BROKEN_STOP_MARK
 
 
 def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:

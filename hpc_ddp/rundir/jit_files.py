@@ -29,6 +29,14 @@ def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: 
     return Path(run_dir) / JIT / attempt_tag(job_id, restart_count, in_job)
 
 
+BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/broken_stop.py) creates it
+
+
+def broken_stop_marked(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
+    """Whether a rank of this attempt found its step broken by a stop signal (opened by name, not listed)."""
+    return (folder(run_dir, job_id, restart_count, in_job) / BROKEN_STOP_MARK).exists()
+
+
 def file_name(rank: int) -> str:
     """The snapshot file a survivor writes: its own name, apart from the nodes' files of a periodic save of
     the same step that a failure may have left half-written (a manifest lists only what it commits)."""

@@ -81,7 +81,7 @@ def last_known(run_dir: Path) -> dict[str, Any]:
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
            requeue_job: Callable[[], None] | None, now: float | None = None, in_job: int = 0,
            heal: Callable[[Mapping[str, Any]], str | None] | None = None,
-           extra: Mapping[str, Any] | None = None) -> str:
+           extra: Mapping[str, Any] | None = None, stop_reason: Callable[[], str] | None = None) -> str:
     """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can (it
     starts no step itself: it says what the next one will be, or None), else requeue it under its cap.
     Returns what happened."""
@@ -101,6 +101,11 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
     if mine and reason not in FAILURE_REASONS:
         return f"recorded by the workers: {reason}"
+    if not mine and stop_reason is not None and jit_files.broken_stop_marked(run_dir, job_id, restart_count, in_job):
+        return _broken_stop(run_dir, stop_reason(), attempts, limits, requeue_job,
+                            {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
+                             "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
+                             **(extra or {})})
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
@@ -123,6 +128,20 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
     requeue_job()
     return f"{record['reason']}; requeued (slurm.max_failures allows it)"
+
+
+def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], limits: Mapping[str, int],
+                 requeue_job: Callable[[], None] | None, record: dict[str, Any]) -> str:
+    """A stop signal broke the step (a rank marked it) and rank 0 wrote no line (killed at the end of the grace
+    time, say): the attempt is that stop, never a failure to heal; requeued unless it was a cancel."""
+    capped = reason in STOP_REASONS and cap_reached(reason, attempts + [{"reason": reason}], limits)
+    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
+                             "note": "a stop signal broke the step and the ranks wrote no line: recorded by the batch "
+                             "shell"})
+    if reason not in STOP_REASONS or capped or requeue_job is None:
+        return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped else "")
+    requeue_job()
+    return f"{reason} (a stop signal broke the step); requeued by the batch shell"
 
 
 def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None, record: Mapping[str, Any]) -> tuple[str | None, str]:

@@ -39,7 +39,8 @@ from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.rundir.ledger import attempt_key, caps, read_attempts
-from hpc_ddp.core.slurm_jobs import job_spec, requeue
+from hpc_ddp.core.slurm_jobs import job_fields, job_spec, requeue
+from hpc_ddp.core.stopping import term_reason
 from hpc_ddp.shell.settle import pick_config, settle
 from hpc_ddp.shell.steps import Step, srun_lines_before
 
@@ -85,6 +86,7 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
     return settle(sup.run_dir, job_id=sup.job_id, restart_count=sup.restart, exit_code=step.code,
                   limits=caps(sup.cfg.slurm), requeue_job=(lambda: requeue(spec, sup.runner)) if spec else None,
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
+                  stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
                          **({"healed": step.healed} if step.healed else {}),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
