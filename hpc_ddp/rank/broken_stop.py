@@ -112,6 +112,7 @@ def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
                                             "child_killed": killed})
     lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
     log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends as the stop "
-              "it was; it resumes from %s%s.%s", first_line(error),
-              f"step {saved}" if saved is not None else "the start", lost, f"\n{HINT}" if killed else "")
+              "it was (not a failure); its newest snapshot is %s%s.%s", first_line(error),
+              f"step {saved}" if saved is not None else "none: it would start over", lost,
+              f"\n{HINT}" if killed else "")
     return conclude(attempt, stopped=True, step=saved)

@@ -209,6 +209,10 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
             # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
             attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)
+            if run.stopped and not attempt.wrapped and env.world_size > 1:
+                # every rank stopped here: each leaves with rank 0's code (0 for a cancel or Ctrl-C, not 3, which
+                # srun and sacct would report as a failed step)
+                attempt.code = control.from_main(attempt.code)
             if run.finished is not None and not run.stopped and env.is_main:
                 # last, after the ledger line; under train.script the worker publishes it after its own
                 target = layout.done_pending if attempt.wrapped else layout.done

@@ -1,4 +1,4 @@
-"""``python -m hpc_ddp.slurm_local {start,stop,status,env}``: the throw-away cluster's CLI."""
+"""``python -m hpc_ddp.slurm_local {start,stop,status,env,preempt-signal}``: the throw-away cluster's CLI."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ examples:
   python -m hpc_ddp.slurm_local start --nodes 2
   eval "$(python -m hpc_ddp.slurm_local env)"     # point sbatch/srun/squeue at it
   srun -N2 --ntasks-per-node=2 hostname
-  python -m hpc_ddp.slurm_local preempt-signal --preempt-signal term   # preempt as most clusters do
+  python -m hpc_ddp.slurm_local preempt-signal term   # a running cluster preempts as most clusters do
   python -m hpc_ddp.slurm_local stop
 
 Partitions: debug (default, preemptable, GraceTime 10 s) and high (preempts debug). A preempted job
 gets its own --signal (our warning signal; --preempt-signal user, the default) or SIGTERM, then SIGKILL
-after the grace time (--preempt-signal term: Slurm's default and most clusters'); `preempt-signal`
-switches a running cluster (scontrol reconfigure).
+after the grace time (term: Slurm's default and most clusters'): `start --preempt-signal term`, or
+`preempt-signal term|user` to switch a running cluster for every job on it (scontrol reconfigure).
 Start wipes the state directory: job ids begin at 1 against an empty accounting DB.
 """
 
@@ -30,7 +30,11 @@ Start wipes the state directory: job ids begin at 1 against an empty accounting 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.slurm_local", description=__doc__,
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["start", "stop", "status", "env", "preempt-signal"])
+    parser.add_argument("command", choices=["start", "stop", "status", "env", "preempt-signal"],
+                        help="start the cluster (a running one is kept as it is), stop it, say whether it is up, "
+                        "print its SLURM_CONF export, or switch how a running cluster preempts")
+    parser.add_argument("mode", nargs="?", choices=PREEMPT_SIGNALS,
+                        help="with preempt-signal: user (a preempted job gets its --signal) or term (SIGTERM)")
     parser.add_argument("--root", type=Path, default=ClusterSpec.root,
                         help="state directory: config, pid files, logs (default %(default)s)")
     parser.add_argument("--nodes", type=int, default=ClusterSpec.nodes, help="slurmd nodes (default %(default)s)")
@@ -58,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "stop":
             print(f"stopped {len(stop(spec))} daemons")
         elif args.command == "preempt-signal":
-            set_preempt_signal(spec, args.preempt_signal)
-            print(f"preempted jobs now get {'their --signal' if args.preempt_signal == 'user' else 'SIGTERM'}")
+            mode = args.mode or args.preempt_signal
+            set_preempt_signal(spec, mode)
+            print(f"preempted jobs now get {'their --signal' if mode == 'user' else 'SIGTERM, then SIGKILL after GraceTime'}")
         elif args.command == "env":
             print(f"export SLURM_CONF={spec.conf_path}")
         else:
