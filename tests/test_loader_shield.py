@@ -111,24 +111,26 @@ LOADER = textwrap.dedent("""
     import os, signal, sys, time
     import torch
     import hpc_ddp
-    from tests.test_loader_shield import Slow
+    from tests.test_loader_shield import Ready, Slow
 
     if __name__ == "__main__":
         import multiprocessing.forkserver
-        from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD
+        from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, at_exit_kill_workers
         multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])  # as the session does
-        context, shield = sys.argv[1], sys.argv[2] == "1"
+        context, shield, uncalled, folder = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4]
         got = []
         for signum in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             signal.signal(signum, lambda n, f: got.append(n))
-        loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=2,
-                                             multiprocessing_context=None if context == "fork" else context,
-                                             worker_init_fn=hpc_ddp.worker_init() if shield else None)
+        if uncalled:
+            at_exit_kill_workers()  # as the session does
+        init = (hpc_ddp.worker_init if uncalled else hpc_ddp.worker_init(Ready(folder))) if shield else None
+        loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=2, worker_init_fn=init,
+                                             multiprocessing_context=None if context == "fork" else context)
         batches = iter(loader)
         next(batches)
         from hpc_ddp.rank.loader_shield import unshielded_workers
-        while shield and unshielded_workers():  # a spawn worker still importing torch is not shielded yet
-            time.sleep(0.05)
+        while shield and (unshielded_workers() if uncalled else len(os.listdir(folder)) < 2):
+            time.sleep(0.05)  # every worker ran its init (a spawn worker imports torch for seconds first)
         print("ready", flush=True)
         sys.stdin.readline()  # the test signals every process of this one's group, children first
         try:
@@ -136,7 +138,7 @@ LOADER = textwrap.dedent("""
                 next(batches)
             print("delivered", sorted(got), flush=True)
         except Exception as err:
-            print("broke", type(err).__name__, err, flush=True)
+            print("broke", type(err).__name__, err, [(w.pid, w.exitcode) for w in batches._workers], flush=True)
 """)
 
 
@@ -151,33 +153,65 @@ class Slow:
         return index
 
 
-def _signalled_loader(context: str, shield: bool) -> str:
+class Ready:
+    """A worker_init_fn of the user's (picklable): says that this worker's init ran, after hpc_ddp's shield."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, worker_id: int) -> None:
+        Path(self.folder, f"ready-{worker_id}").touch()
+
+
+def _signalled_loader(context: str, shield: bool, uncalled: bool = False, folder: Path | None = None) -> str:
     """A DataLoader with two workers; once they run, SIGUSR2 then SIGTERM to every process of its group,
     the children first, as Slurm signals a step; what its next 20 batches did."""
-    proc = subprocess.Popen([sys.executable, "-c", LOADER, context, "1" if shield else "0"], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if uncalled:
+        env[loader_shield.STOP_SIGNALS_VAR] = "USR2"  # as the session sets it for the rank's children
+    proc = subprocess.Popen([sys.executable, "-c", LOADER, context, "1" if shield else "0", "1" if uncalled else "0",
+                             str(folder)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     assert proc.stdout is not None and proc.stdin is not None
-    assert proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
-    members = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()]
-    for signum in (signal.SIGUSR2, signal.SIGTERM):
-        for pid in sorted(members, key=lambda p: p == proc.pid):  # the workers and servers first, the rank last
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-    out, err = proc.communicate("go\n", timeout=120)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        members = [int(p) for p in subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        for signum in (signal.SIGUSR2, signal.SIGTERM):
+            for pid in sorted(members, key=lambda p: p == proc.pid):  # the workers and servers first, the rank last
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        out, err = proc.communicate("go\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     return out.strip() + err[-2000:]
 
 
 @pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
-def test_shielded_loader_workers_outlive_the_stop_signals_in_every_context(context: str) -> None:
-    assert _signalled_loader(context, shield=True).startswith("delivered [12, 15]")
+def test_shielded_loader_workers_outlive_the_stop_signals_in_every_context(context: str, tmp_path: Path) -> None:
+    assert _signalled_loader(context, shield=True, folder=tmp_path).startswith("delivered [12, 15]")
+
+
+def test_worker_init_passed_uncalled_shields_the_worker_all_the_same() -> None:
+    """A newcomer's `worker_init_fn=hpc_ddp.worker_init` (no parentheses): the loader calls it with the worker id;
+    in a rank of a run (its session kills the workers at exit) it shields as well, elsewhere it says the fix."""
+    assert _signalled_loader("spawn", shield=True, uncalled=True).startswith("delivered [12, 15]")
+    from hpc_ddp.core.errors import UsageError
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(loader_shield.STOP_SIGNALS_VAR, raising=False)
+        with pytest.raises(UsageError, match=r"worker_init_fn=hpc_ddp.worker_init\(\)"):
+            loader_shield.worker_init(0)
 
 
 def test_unshielded_fork_workers_die_of_slurms_sigterm() -> None:
     """What the shield is for: PyTorch's worker dies of a SIGTERM its parent did not send."""
-    assert _signalled_loader("fork", shield=False).startswith("broke RuntimeError DataLoader worker")
+    out = _signalled_loader("fork", shield=False)  # PyTorch's SIGCHLD handler raises wherever the process is
+    assert not out.startswith("delivered") and "RuntimeError: DataLoader worker" in out.replace("broke RuntimeError",
+                                                                                              "RuntimeError:"), out
 
 
 # The newcomer's own loop (tests.tasks.loops:loader_workers) rehearsed as 2 nodes x 1 task

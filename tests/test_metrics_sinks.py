@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Attempt 0 is killed at step 25 (snapshot at 20), attempt 1 is preempted after 27, attempt 2 finishes 40."""
+    """Attempt 0 is killed at step 25 (snapshot at 20), attempt 1 is preempted after 27, attempt 2 finishes 40.
+    The preemption comes as the warning signal: a SIGTERM reaches W&B's service process too, which then shuts
+    down without finishing the run (docs/submit.md, known limit; the rehearsal signals every process as Slurm)."""
     pytest.importorskip("tensorboard", reason="needs the tensorboard extra (pip install 'hpc_ddp[tensorboard]')")
     pytest.importorskip("wandb", reason="needs the wandb extra (pip install 'hpc_ddp[wandb]')")
     run_dir = tmp_path_factory.mktemp("watched") / "run"
@@ -35,7 +37,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            "train.max_steps=40", "train.log_every=1", "snapshot.every_steps=10",
                            "snapshot.jit=false",  # the replay of steps 21-25 is what the sinks must rewind
                            "slurm.max_failures=1", "metrics.tensorboard=true", "metrics.wandb=true",
-                           "metrics.wandb_mode=offline", "--preempt-at", "27"],
+                           "metrics.wandb_mode=offline", "--timeout-at", "27", "slurm.max_timeouts=1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
@@ -43,7 +45,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # loaded machine); any stop after the replayed steps and before the end keeps the scenario
     stop = attempts[1]["last_step"]
     assert 28 <= stop < 40 and [(a["reason"], a.get("resumed_from")) for a in attempts] == \
-        [("failed", None), ("preemption", 20), ("finished", stop)]
+        [("failed", None), ("timeout", 20), ("finished", stop)]
     return run_dir
 
 

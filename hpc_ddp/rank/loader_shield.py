@@ -27,13 +27,15 @@ processes it shields. No torch here (the forkserver imports this module before t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from hpc_ddp.core.errors import UsageError, explain
 from hpc_ddp.core.shutdown import kill_daemonic_children
 
 STOP_SIGNALS_VAR = "HPC_DDP_STOP_SIGNALS"  # set by the session: the run's warning signal, for the children
@@ -74,29 +76,56 @@ def worker_init(then: Callable[[int], object] | None = None) -> WorkerInit:
     """``DataLoader(..., worker_init_fn=hpc_ddp.worker_init())``: the workers ignore the stop signals, so a
     ``scancel``, a preemption or the time-limit warning reaches the rank alone and the rank stops at its next
     boundary with a snapshot. ``then``: your own ``worker_init_fn(worker_id)``, called after (it must be
-    picklable for the spawn and forkserver contexts: a module-level function)."""
+    picklable for the spawn and forkserver contexts: a module-level function). Passed uncalled
+    (``worker_init_fn=hpc_ddp.worker_init``), it shields the worker all the same."""
+    if isinstance(then, int) and not isinstance(then, bool):  # called by the loader as the worker_init_fn itself
+        if STOP_SIGNALS_VAR not in os.environ:  # no hpc_ddp session started this worker's rank (module docstring)
+            raise UsageError(explain(
+                "DataLoader(worker_init_fn=hpc_ddp.worker_init) passes the function itself, outside an hpc_ddp run",
+                expected="worker_init_fn=hpc_ddp.worker_init() (called): it also makes the process kill its "
+                "shielded workers at exit, which would otherwise wait for them for ever",
+                hint="add the parentheses: worker_init_fn=hpc_ddp.worker_init(), or hpc_ddp.worker_init(your_fn)"))
+        shield()  # in a rank of a run: its session kills the shielded workers when it leaves
+        return WorkerInit()
+    at_exit_kill_workers()  # in the rank, when the loader is built
+    return WorkerInit(then)
+
+
+def at_exit_kill_workers() -> None:
+    """Once per process (the session calls it in every rank): at a normal interpreter exit, SIGKILL the daemonic
+    children first (a shielded worker ignores the SIGTERM multiprocessing would send)."""
     global _registered
-    if not _registered:  # in the rank, when the loader is built: at a normal exit the workers are killed first
+    if not _registered:
         atexit.register(kill_daemonic_children)
         _start_resource_tracker()
         _registered = True
-    return WorkerInit(then)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """The stop signals blocked in this thread while a helper process starts inside (a signal mask is inherited
+    through fork and exec): it never receives them, as Slurm sends them to every process of the step. For
+    helpers that must outlive the stop: W&B's service process (its run is finished after the stop snapshot),
+    multiprocessing's resource tracker. Signals that arrive meanwhile reach this thread when it leaves. Main
+    thread only (elsewhere nothing is blocked)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals(os.environ))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _start_resource_tracker() -> None:
     """Start multiprocessing's resource tracker (spawn and forkserver loaders need one) with the stop signals
     blocked, as it already starts with SIGINT and SIGTERM: a warning signal would kill it, and its
-    replacement prints a traceback for every queue the loader frees. Main thread only (a signal mask is per
-    thread; elsewhere the tracker starts as usual when the loader first needs it)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
+    replacement prints a traceback for every queue the loader frees."""
     from multiprocessing import resource_tracker
 
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals(os.environ))
-    try:
+    with stop_signals_blocked():
         resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def ignores(pid: int, signum: int, proc: Path = Path("/proc")) -> bool | None:
@@ -111,8 +140,9 @@ def ignores(pid: int, signum: int, proc: Path = Path("/proc")) -> bool | None:
 
 
 def unshielded_workers(environ: Mapping[str, str] | None = None) -> list[int]:
-    """The pids of this process's daemonic children (DataLoader workers) that a stop signal would kill."""
+    """The pids of this process's daemonic children (DataLoader workers) that a stop signal would kill now. (A
+    forkserver's child ignores the stop signals from birth, as the server does, until PyTorch's worker sets
+    its own SIGTERM handler a moment before the worker_init_fn runs.)"""
     signums = stop_signals(os.environ if environ is None else environ)
     return sorted(child.pid for child in multiprocessing.active_children()
-                  if child.daemon and child.pid is not None
-                  and any(ignores(child.pid, s) is False for s in signums))
+                  if child.daemon and child.pid is not None and any(ignores(child.pid, s) is False for s in signums))

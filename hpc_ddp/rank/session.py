@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rank.broken_stop import StoppedMidStep, end_as_stop, marker, stop_came_first
 from hpc_ddp.rank.conclude import conclude
-from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR
+from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import plan
@@ -153,6 +153,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     # run's warning signal from the environment they inherit (hpc_ddp.rank.loader_shield).
     multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])
     os.environ[STOP_SIGNALS_VAR] = cfg.slurm.signal
+    at_exit_kill_workers()  # a script's normal exit must not wait for loader workers that ignore SIGTERM
     snapshot.FAULT_POINT = environ.get("HPC_DDP_FAULT_POINT")  # fault injection in tests only
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpc_ddp.rank.loader_shield import stop_signals_blocked
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.extras import require_extras
@@ -97,9 +98,10 @@ class WandbSink:
         # quiet is a setting, not an argument of finish(): wandb 0.31 dropped finish(quiet=...)
         args = dict(id=run_id, project=project or name, name=name, dir=str(run_dir), mode=mode, config=dict(config),
                     settings=wandb.Settings(quiet=True))
-        self.rewound = sent > resumed_from and self._rewind(wandb, args, resumed_from, sent)
-        if not self.rewound:
-            self.run = wandb.init(resume="allow", **args)
+        with stop_signals_blocked():  # W&B's service process starts here: Slurm's stop signals must not end it
+            self.rewound = sent > resumed_from and self._rewind(wandb, args, resumed_from, sent)
+            if not self.rewound:
+                self.run = wandb.init(resume="allow", **args)
         # W&B takes this attempt's steps above floor: after a rewind, from N + 1; else past what it holds
         self.floor = resumed_from if self.rewound else max(sent, self.run.starting_step - 1)
         self.last = max(sent, self.floor)
