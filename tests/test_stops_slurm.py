@@ -94,8 +94,10 @@ def test_a_preemption_by_slurms_sigterm_is_requeued_and_ends_as_the_rehearsal_do
     with unshielded fork workers and three intra-op threads a task (slurm.cpus_per_task=3), and a Task with
     loader workers: `preemption`, requeued, finished, and the same params_sha256 as the rehearsal of the same
     config, threads included."""
-    own = LOOP + ["train.max_steps=1000", "slurm.cpus_per_task=3"]  # about a minute: still training when the Task is
-    task = TASK + ["train.max_steps=300"]
+    # side by side on two 4-CPU nodes: 3 CPUs a node for the own loop, 1 for the Task; the own loop (about 40 s)
+    # still trains when the Task, slower to start, has logged its first steps
+    own = LOOP + ["train.max_steps=700", "slurm.cpus_per_task=3"]
+    task = TASK + ["train.max_steps=300", "slurm.tasks_per_node=1"]
     jobs = {"own": submit(own, tmp_path / "own"), "task": submit(task, tmp_path / "task")}
     assert wait_until(lambda: all(logged(tmp_path / name) >= 15 for name in jobs), 300)
     assert not any(finished(tmp_path / name) for name in jobs), "a job finished before it could be preempted"
