@@ -77,7 +77,8 @@ def worker_init(then: Callable[[int], object] | None = None) -> WorkerInit:
     ``scancel``, a preemption or the time-limit warning reaches the rank alone and the rank stops at its next
     boundary with a snapshot. ``then``: your own ``worker_init_fn(worker_id)``, called after (it must be
     picklable for the spawn and forkserver contexts: a module-level function). Passed uncalled
-    (``worker_init_fn=hpc_ddp.worker_init``), it shields the worker all the same."""
+    (``worker_init_fn=hpc_ddp.worker_init``), it shields the worker all the same inside a run (whose session
+    kills the shielded workers when the rank leaves), and is a usage error naming the fix elsewhere."""
     if isinstance(then, int) and not isinstance(then, bool):  # called by the loader as the worker_init_fn itself
         if STOP_SIGNALS_VAR not in os.environ:  # no hpc_ddp session started this worker's rank (module docstring)
             raise UsageError(explain(
