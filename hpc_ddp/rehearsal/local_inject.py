@@ -85,19 +85,19 @@ def _kill(procs: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
 
 def family(pid: int) -> list[int]:
     """A rank and every process it started, children first (a script runs in a session of its own, a
-    forkserver's loader workers are its grandchildren): what Slurm's process tracking signals on a node."""
-    members, found = [pid], True
-    while found:  # /proc/*/stat: the children of every process found so far, until no new one turns up
-        found = False
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            child = int(stat.parent.name)
-            if int(fields[1]) in members and child not in members:
-                members.append(child)
-                found = True
+    forkserver's loader workers are its grandchildren): what Slurm's process tracking signals on a node. One
+    pass over /proc/*/stat (the parent of every process), so the signal follows rank 0's step closely."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(parent, []).append(int(stat.parent.name))
+    members, at = [pid], 0
+    while at < len(members):
+        members.extend(child for child in parents.get(members[at], []) if child not in members)
+        at += 1
     return members[::-1]
 
 
