@@ -62,20 +62,19 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     - A collective that failed because a peer left: a stop only when a peer marked its step as broken by the
       stop (it waited for nothing): srun's ``--kill-on-bad-exit`` and the rehearsal send the survivors of a
       lost rank a SIGTERM too, and that failure must stay a failure.
-    - Any other error once a stop signal is here (a loader's queue that broke as its worker died): a stop.
+    - A loader's pipe that broke as its worker died (EOFError, ConnectionError) once a stop signal is here: a
+      stop. Any other error is a failure, whatever signal came with it (srun ends the survivors of a crash with
+      SIGTERM too).
     """
     if child_killed(error):
         deadline = clock() + wait_s
         while not flag.is_set and clock() < deadline:
             sleep(0.05)
         stopped = flag.is_set
-    elif peer_lost(error):
-        deadline = clock() + wait_s
-        while not (stopped := marker is not None and marker.exists()) and flag.is_set and clock() < deadline:
-            sleep(0.05)
-        return stopped
-    else:
-        stopped = flag.is_set
+    elif peer_lost(error):  # the peer marks before it leaves, so before its sockets close: no wait (a failure's
+        return flag.is_set and marker is not None and marker.exists()  # survivors must not linger: KillWait)
+    else:  # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop is here;
+        stopped = flag.is_set and isinstance(error, (EOFError, ConnectionError))  # any other error is a failure
     if stopped and marker is not None:
         _mark(marker)
     return stopped
