@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
-from hpc_ddp.rank.broken_stop import StoppedMidStep
+from hpc_ddp.rank.broken_stop import StoppedMidStep, peer_lost
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError, first_line
-from hpc_ddp.core.codes import EXIT_ERROR, PEER_SYMPTOMS
+from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir.ledger import attempt_fields, cap_reached, caps, note_error, read_attempts, record_error
 from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.codes import EXIT_LOCKED
@@ -211,12 +211,6 @@ def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str,
     if cfg.dist.master_port is None or "MASTER_PORT" in environ:
         return environ
     return {**environ, "MASTER_PORT": str(cfg.dist.master_port)}
-
-
-def peer_lost(err: BaseException) -> bool:
-    """A collective failed because a peer's process died (its sockets closed): the failure is the peer's, and
-    this rank's traceback only says where it waited."""
-    return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_SYMPTOMS)
 
 
 def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
