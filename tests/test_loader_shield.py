@@ -39,6 +39,20 @@ def test_sigign_is_read_from_proc_status(tmp_path: Path) -> None:
     assert loader_shield.ignores(8, signal.SIGTERM, tmp_path) is None
 
 
+def test_the_scontrol_a_stop_asks_outlives_the_steps_sigterm() -> None:
+    """Rank 0 asks Slurm why a SIGTERM came (scontrol show job) while srun may be ending the step with a SIGTERM
+    to every process in it: the child starts with the stop signals blocked, and this process's mask is restored."""
+    from hpc_ddp.rank.conclude import _shielded_run
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    asks = ("import os, signal; os.kill(os.getpid(), signal.SIGTERM); "
+            "print([line for line in open('/proc/self/status') if line.startswith('SigBlk')][0])")
+    proc = _shielded_run([sys.executable, "-c", asks], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc  # the TERM it sent itself stayed pending
+    assert int(proc.stdout.split()[1], 16) & (1 << (signal.SIGTERM - 1))
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
 def _seen(worker_id: int) -> None:
     os.environ["SEEN_WORKER"] = str(worker_id)
 

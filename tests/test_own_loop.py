@@ -3,6 +3,7 @@ script (``train.script``), through the real local simulation (gloo, CPU, real si
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def test_a_loop_that_goes_on_after_the_stop_is_ended_as_that_stop_and_the_ledger
                   "slurm.max_preemptions=0")
     attempts = read_attempts(run_dir)
     assert attempts[0]["reason"] == "preemption" and "went on after run.boundary returned True" in attempts[0]["note"]
+    # the line was written at the agreed stop, before the program let go (a slow teardown met KillWait first);
+    # the note came after it, as an amends line merged into it
+    [seen] = [json.loads(line) for line in (run_dir / "seen_at_stop.jsonl").read_text().splitlines()]
+    assert seen["reason"] == "preemption" and seen["last_step"] == attempts[0]["last_step"] and "note" not in seen
     assert "run.boundary(" in proc.stderr and "leave the loop (return)" in proc.stderr
     from hpc_ddp.rundir import snapshot  # the stop snapshot is committed and usable
 

@@ -90,6 +90,7 @@ class Run:
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
         self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/mirror.py)
         self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary, not mid-update
+        self.on_stop: Callable[[int], None] | None = None  # the session's ledger line at the agreed stop
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -207,6 +208,8 @@ class Run:
         self.stopped = stop
         if stop and self.mirror is not None:
             self.mirror.close()  # every rank stops here: nothing in flight when the process group goes
+        if stop and self.on_stop is not None:
+            self.on_stop(step)  # before the program lets go: its teardown may outlast Slurm's KillWait
         return stop
 
     def _mark(self, step: int) -> None:

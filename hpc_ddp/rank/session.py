@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rank.broken_stop import StoppedMidStep, end_as_stop, marker, stop_came_first
-from hpc_ddp.rank.conclude import conclude
+from hpc_ddp.rank.conclude import conclude, write_line
 from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
@@ -88,6 +88,7 @@ class Attempt:
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
     liveness: Any = None  # this rank's hpc_ddp.rank.liveness.Liveness while it beats
     after_failure: Any = None  # the just-in-time snapshot's part of this rank (rank/jit.py), once the run exists
+    ending: Any = None  # hpc_ddp.rank.conclude.Ending once the ledger line is written (at the agreed stop)
 
     def __post_init__(self) -> None:
         self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
@@ -181,13 +182,14 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
                     run.on_step = functools.partial(_die_after, int(environ[DIE_AT_VAR]), on_step, run)
                 attempt.after_failure = functools.partial(jit.after_failure, run)
+                run.on_stop = functools.partial(_line_at_stop, attempt, run)
                 if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
                     attempt.liveness.before_exit = lambda message: attempt.after_failure(PeerLost(message))
                 try:
                     yield run
                 except LoopIgnoredStop as err:  # the stop snapshot is committed: end the attempt as that stop
                     log.error("%s", err)
-                    attempt.record["note"] = "the loop went on after run.boundary returned True"
+                    _note(attempt, "the loop went on after run.boundary returned True")
                     run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
                 except HpcDdpError:
                     raise  # the program's own error (explained): it fails the same way after any resume
@@ -204,9 +206,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 if run is not None:
                     run.close_metrics()
                 watchdog.stop()
-            attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0,
-                                  last_step=run.step, resumed_from=run.resumed_from,
-                                  **({"resume_read": run.resume_read} if run.resume_read else {}))
+            if attempt.ending is None:
+                _close_record(attempt, run)
             # Inside the process group, before its closing barrier: the other ranks leave only after rank 0
             # has written the ledger and requeued, so srun's --kill-on-bad-exit cannot cut that short.
             attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)
@@ -237,6 +238,25 @@ def beating(attempt: Attempt) -> Iterator[None]:
     finally:
         if attempt.liveness is not None:
             attempt.liveness.leave()
+
+
+def _close_record(attempt: Attempt, run: Run) -> None:
+    attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0, last_step=run.step,
+                          resumed_from=run.resumed_from, **({"resume_read": run.resume_read} if run.resume_read else {}))
+
+
+def _line_at_stop(attempt: Attempt, run: Run, step: int) -> None:
+    """``run.boundary``'s agreed stop, its snapshot committed: the ledger line now (rank/conclude.py says why)."""
+    _close_record(attempt, run)
+    attempt.ending = write_line(attempt, stopped=True, step=step)
+
+
+def _note(attempt: Attempt, note: str) -> None:
+    """A note for the ledger line; where rank 0 already wrote it, an ``amends`` line adds the note to it."""
+    attempt.record["note"] = note
+    if attempt.ending is not None and attempt.env.is_main and not attempt.wrapped:
+        append_attempt(attempt.run_dir, {**attempt_fields(attempt.env.job_id, attempt.env.restart_count,
+                                                          attempt.env.in_job), "amends": True, "note": note})
 
 
 def _note_ignored_stop(attempt: Attempt, run: Run) -> None:
