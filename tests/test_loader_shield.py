@@ -17,7 +17,7 @@ import pytest
 
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank import loader_shield
-from hpc_ddp.rank.broken_stop import child_killed, stop_came_first
+from hpc_ddp.rank.broken_stop import child_killed, pipe_broke, stop_came_first
 from hpc_ddp.rank.child_deaths import ChildDeaths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +74,9 @@ def test_a_stop_explains_a_childs_death_that_comes_first_within_the_wait() -> No
     flag, now = StopFlag(), [0.0]
     died = RuntimeError("DataLoader worker (pid 12) is killed by signal: Terminated.")
     assert child_killed(died) and not child_killed(RuntimeError("CUDA out of memory"))
+    # a loader's queue from a worker that died: its pipe broke (the ledger's child_killed, and the HINT, say so)
+    assert pipe_broke(ConnectionResetError(104, "Connection reset by peer")) and pipe_broke(EOFError())
+    assert not pipe_broke(RuntimeError("Connection reset by peer"))  # a peer's gloo socket is not a child's pipe
 
     def sleep(seconds: float) -> None:
         now[0] += seconds

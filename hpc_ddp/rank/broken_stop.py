@@ -51,6 +51,12 @@ def child_killed(error: BaseException) -> bool:
     return any(part in text for part in CHILD_DEATHS)
 
 
+def pipe_broke(error: BaseException) -> bool:
+    """A pipe or socket to a child broke (a DataLoader's queue from a worker that died reads EOFError or
+    ConnectionResetError): a child's death once a stop signal is here."""
+    return isinstance(error, (EOFError, ConnectionError))
+
+
 def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = None,
                     wait_s: float = SIGNAL_WAIT_S, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep) -> bool:
@@ -74,7 +80,7 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     elif peer_lost(error):  # the peer marks before it leaves, so before its sockets close: no wait (a failure's
         return flag.is_set and marker is not None and marker.exists()  # survivors must not linger: KillWait)
     else:  # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop is here;
-        stopped = flag.is_set and isinstance(error, (EOFError, ConnectionError))  # any other error is a failure
+        stopped = flag.is_set and pipe_broke(error)  # any other error is a failure
     if stopped and marker is not None:
         _mark(marker)
     return stopped
@@ -104,7 +110,7 @@ def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
     steps = snapshot.committed_steps(attempt.run_dir)
     saved = steps[0] if steps else None
     held = run.held.step if run is not None and run.held is not None else None
-    killed = child_killed(error)
+    killed = child_killed(error) or pipe_broke(error)  # either way a child died: the HINT names the shield
     attempt.record.update(end=round(time.time(), 3), first_step=(run.resumed_from or 0) if run is not None else 0,
                           last_step=saved, resumed_from=run.resumed_from if run is not None else None,
                           stopped_mid_step={"error": first_line(error), "held": held, "snapshot": saved,
