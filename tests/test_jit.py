@@ -6,7 +6,9 @@ claims and offers, derived RNGs), then the real local rehearsal (gloo processes,
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +302,15 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
                                      "ranks": []}], world_size=2, config_hash="h")
     older, newer, damaged = step_with(30, None), step_with(41, None), step_with(50, "{not json")
     (snapshot.layout.snapshots(tmp_path) / "step-notes").mkdir()
+    # written seconds ago: another node's manifest may not be visible here yet (an NFS client's cached absence),
+    # so it stays; once older than the bound, its own listing without a manifest is the truth
+    fresh = step_with(60, None)
+    for directory in (committed, older, newer, damaged):
+        for path in (*directory.iterdir(), directory):
+            os.utime(path, (time.time() - 3600, time.time() - 3600))
     assert retention.drop_uncommitted(tmp_path) == {30: 100, 41: 100}
-    assert committed.exists() and damaged.exists() and not older.exists() and not newer.exists()
+    assert committed.exists() and damaged.exists() and not older.exists() and not newer.exists() and fresh.exists()
     assert (snapshot.layout.snapshots(tmp_path) / "step-notes").exists()
     assert retention.drop_uncommitted(tmp_path) == {}
+    assert retention.drop_uncommitted(tmp_path, clock=lambda: time.time() + retention.UNCOMMITTED_AGE_S + 1) == {
+        60: 100}

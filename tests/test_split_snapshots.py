@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,8 @@ def test_a_lost_node_file_falls_back_to_its_replica_or_else_to_the_previous_step
     leftover = snapshot.step_dir(run_dir, newest + 2)
     leftover.mkdir()
     (leftover / "jit-00001.pt").write_bytes(b"x" * 4096)
+    for path in (leftover / "jit-00001.pt", leftover):  # from an attempt long gone (a fresh one may be committed
+        os.utime(path, (time.time() - 3600, time.time() - 3600))  # on another node whose manifest is not seen yet)
     proc = submit(run_dir, nodes, tasks, f"snapshot.replicas={replicas}", *extra, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = logs(run_dir)

@@ -5,7 +5,10 @@ committed is :mod:`hpc_ddp.rundir.snapshot`'s."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.rundir import layout
@@ -24,26 +27,65 @@ def _steps(run_dir: Path) -> list[tuple[int, Path]]:
     return found
 
 
-def drop_uncommitted(run_dir: Path) -> dict[int, int]:
+# An NFS client caches names, absent ones too, and attributes for up to acdirmax (60 s by default): a manifest
+# another node committed seconds ago may look absent here. A step directory without one is dropped only when
+# its own listing says so and its newest file is older than this.
+UNCOMMITTED_AGE_S = 120.0
+
+
+def drop_uncommitted(run_dir: Path, min_age_s: float = UNCOMMITTED_AGE_S,
+                     clock: Callable[[], float] = time.time) -> dict[int, int]:
     """At the start of an attempt, before it writes anything: step directories that hold files but no manifest
     (a just-in-time snapshot whose set never completed, a write cut short by the end of its attempt) can never
     be resumed from, and :func:`prune` keeps those newer than the newest commit, which may be every one of
     them. Returns {step: bytes freed}, and logs them. A step with a manifest, even an unreadable one, stays:
     resume says why it skips it, and its files are the evidence. Never raises: a leftover costs disk, not
-    correctness, so no resume fails for it."""
+    correctness, so no resume fails for it.
+
+    "No manifest" is decided from the step directory's own listing (opening a directory revalidates it;
+    ``exists()`` on a name can answer from another node's cached absence), never when its newest file is
+    younger than ``min_age_s``: the survivors' snapshot a node committed just before this attempt started
+    is exactly that case (issue 44). Such a leftover stays until a later attempt."""
     dropped: dict[int, int] = {}
+    young: list[int] = []
     try:
         for step, entry in _steps(run_dir):
-            if entry.is_dir() and not (entry / MANIFEST).exists():
-                dropped[step] = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-                shutil.rmtree(entry, ignore_errors=True)
+            sizes = _uncommitted_files(entry, clock() - min_age_s)
+            if sizes is None:
+                continue
+            if not sizes[1]:
+                young.append(step)
+                continue
+            dropped[step] = sizes[0]
+            shutil.rmtree(entry, ignore_errors=True)
     except OSError as err:
         log.warning("could not remove uncommitted snapshot files: %s", err)
     if dropped:
         log.info("removed the files of step(s) %s: never committed (a just-in-time snapshot whose set was "
                  "incomplete, or a write cut short), so no resume could use them (%.1f MB)",
                  ", ".join(map(str, dropped)), sum(dropped.values()) / 2**20)
+    if young:
+        log.info("kept the files of step(s) %s: no manifest seen, but written within %.0f s (another node's "
+                 "commit may not be visible here yet); a later attempt removes them if they stay uncommitted",
+                 ", ".join(map(str, young)), min_age_s)
     return dropped
+
+
+def _uncommitted_files(entry: Path, written_before: float) -> tuple[int, bool] | None:
+    """(bytes, whether every file was written before ``written_before``) of a step directory whose own listing
+    holds no manifest; None for a committed step or what is no step directory."""
+    try:
+        names = os.listdir(entry)
+    except OSError:  # not a directory, or gone
+        return None
+    if MANIFEST in names:
+        return None
+    total, newest = 0, os.stat(entry).st_mtime
+    for root, _, files in os.walk(entry):
+        for name in files:
+            info = os.stat(os.path.join(root, name))
+            total, newest = total + info.st_size, max(newest, info.st_mtime)
+    return total, newest < written_before
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
