@@ -23,6 +23,7 @@ or Slurm ends the whole job when a node fails. No torch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -32,13 +33,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpc_ddp.shell.supervisor import Supervisor
-from hpc_ddp.rundir import losses
+from hpc_ddp.rundir import layout, losses
 from hpc_ddp.shell import shell_rules as rules
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
-from hpc_ddp.rundir.ledger import attempt_key, caps, read_attempts
+from hpc_ddp.rundir.ledger import attempt_key, attempt_tag, caps, read_attempts
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, requeue
 from hpc_ddp.core.stopping import term_reason
 from hpc_ddp.shell.settle import pick_config, settle
@@ -93,10 +94,34 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
 
 
 def ran_on(sup: Supervisor) -> list[str]:
-    """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote one."""
+    """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote one, else
+    from their liveness beats: a step that lost a node wrote no line, and accounting's record of the step
+    (sacct) can lag it by seconds, while the job's node list no longer holds the lost node (a CI run blamed
+    the spare that had not trained)."""
     key = (sup.job_id, sup.restart, 0)
     lines = [a for a in read_attempts(Path(sup.cfg.run_dir)) if attempt_key(a) == key and a.get("hosts")]
-    return expand_hostlist(lines[-1]["hosts"]) if lines else []
+    if lines:
+        return expand_hostlist(lines[-1]["hosts"])
+    return beat_hosts(Path(sup.cfg.run_dir), attempt_tag(sup.job_id, sup.restart), sup.tasks_per_node,
+                      sup.counts[-1])
+
+
+def beat_hosts(run_dir: Path, tag: str, ranks_per_node: int, max_nodes: int) -> list[str]:
+    """The hosts of the first rank of each node (ranks 0, R, 2R, ...) by their beats of attempt ``tag``, in
+    node order; it stops at the first node without one. Each beat file is opened by name (one per node)."""
+    hosts: list[str] = []
+    for node in range(max_nodes):
+        try:
+            raw = layout.beat(run_dir, node * max(1, ranks_per_node)).read_bytes()[:4096]
+            record, _ = json.JSONDecoder().raw_decode(raw.decode().lstrip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            break
+        host = record.get("host") if isinstance(record, dict) and record.get("attempt") == tag else None
+        if not isinstance(host, str) or not host:
+            break
+        if host not in hosts:
+            hosts.append(host)
+    return hosts
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
