@@ -51,7 +51,7 @@ def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
             dist.all_reduce(torch.ones(4))
             mirror.mark(step, blob(rank, step))
             if rank == victim and step == 20:
-                assert mirror.wait_posted(20, 5.0)
+                assert mirror.wait_sent(20, 5.0)
                 os.kill(os.getpid(), signal.SIGKILL)  # at once: its isend was only posted
         mirror.close()
         dist.destroy_process_group()

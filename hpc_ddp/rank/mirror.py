@@ -103,6 +103,7 @@ class Mirror:
         self._closed = False
         self._size = FIRST_SIZE  # of this rank's next message to its buddy
         self.posted = -1  # the newest step the sender thread posted
+        self.sent = -1  # the newest step whose send completed (gloo wrote it out: a SIGKILL no longer loses it)
         self._posted_changed = threading.Condition()
         self._sent: queue.SimpleQueue[Sent | None] = queue.SimpleQueue()  # for the sender thread (None: stop)
         self._threads = [threading.Thread(target=self._receive, name="hpc_ddp-mirror-receive", daemon=True),
@@ -130,11 +131,12 @@ class Mirror:
             self._in_flight += 1
         self._sent.put((messages, ready))
 
-    def wait_posted(self, step: int, timeout: float) -> bool:
-        """Whether the sender thread posted the state of ``step`` (or a later one) within ``timeout`` seconds: the
-        rehearsal's fault injection kills a rank once its state has left (``--fail-at``)."""
+    def wait_sent(self, step: int, timeout: float) -> bool:
+        """Whether the send of the state of ``step`` (or a later one) completed within ``timeout`` seconds: the
+        rehearsal's fault injection kills a rank once its state has left (``--fail-at``). Completed, not posted:
+        a CI run killed a rank whose posted send of step 22 never reached its buddy (it held step 21)."""
         with self._posted_changed:
-            return self._posted_changed.wait_for(lambda: self.posted >= step or self.broken is not None, timeout)
+            return self._posted_changed.wait_for(lambda: self.sent >= step or self.broken is not None, timeout)
 
     def own_bytes(self, step: int) -> bytes | None:
         """This rank's packed state of ``step`` when its last boundary was that step (a snapshot reuses it)."""
@@ -186,6 +188,9 @@ class Mirror:
                     event.synchronize()  # the copies from the GPU are in the message (waits here, GIL released)
                 for work in self._send(messages):
                     work.wait()
+                with self._posted_changed:
+                    self.sent = max(self.sent, step_of(messages[-1]))
+                    self._posted_changed.notify_all()
             except Exception as err:  # noqa: BLE001 - the buddy was lost: no more sends (the flag stays up)
                 self.broken = first_line(err)
                 with self._posted_changed:

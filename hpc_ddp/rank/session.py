@@ -341,7 +341,7 @@ def _die_after(last: int, then: Any, run: Run, step: int) -> None:
         then(step)
     if step >= last:
         if run.mirror is not None:
-            run.mirror.wait_posted(step, DIE_WAIT_S)
+            run.mirror.wait_sent(step, DIE_WAIT_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

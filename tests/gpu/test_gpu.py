@@ -213,7 +213,7 @@ def _mirror_rank(environ: dict[str, str], out: object) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             if env.rank == 1 and step == 5:
-                mirror.wait_posted(step, 30)
+                mirror.wait_sent(step, 30)
                 os.kill(os.getpid(), signal.SIGKILL)
     except RuntimeError:
         pass

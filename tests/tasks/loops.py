@@ -112,7 +112,7 @@ def _fault(rank: int, step: int, run: Any = None) -> None:
     first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
         if run is not None and run.mirror is not None:
-            run.mirror.wait_posted(step - 1, 5.0)
+            run.mirror.wait_sent(step - 1, 5.0)
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
