@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rank.broken_stop import StoppedMidStep, end_as_stop, marker, stop_came_first
-from hpc_ddp.rank.conclude import conclude, write_line
+from hpc_ddp.rank.conclude import Ending, conclude, write_line
 from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
@@ -88,7 +88,7 @@ class Attempt:
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
     liveness: Any = None  # this rank's hpc_ddp.rank.liveness.Liveness while it beats
     after_failure: Any = None  # the just-in-time snapshot's part of this rank (rank/jit.py), once the run exists
-    ending: Any = None  # hpc_ddp.rank.conclude.Ending once the ledger line is written (at the agreed stop)
+    ending: Ending | None = None  # once the ledger line is written (at the agreed stop)
 
     def __post_init__(self) -> None:
         self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
