@@ -10,6 +10,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -248,7 +249,7 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
     assert survivor(0, {0: (40, b"zero"), 2: (40, b"two")}) == "committed step 40"
     assert survivor(3, {3: (40, b"three")}) == "step 40 committed by another survivor"
     manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 40))
-    ranks_file = jit_files.ranks_file_name(40)
+    ranks_file = jit_files.ranks_file_name(40, 0)  # rank 0 committed
     assert manifest is not None and manifest["jit"]["per_rank_from"] == {"0": 0, "1": 1, "2": 2, "3": 1}
     assert [slicing.rank_file(manifest, r) for r in range(4)] == [ranks_file] * 4
     held = snapshot.load_file(snapshot.step_dir(tmp_path, 40) / ranks_file)["rng"]
@@ -314,3 +315,167 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
     assert retention.drop_uncommitted(tmp_path) == {}
     assert retention.drop_uncommitted(tmp_path, clock=lambda: time.time() + retention.UNCOMMITTED_AGE_S + 1) == {
         60: 100}
+
+
+def _one_rank_run(tmp_path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """What jit.after_failure reads of a run, for one rank of two (the other one lost), no per_rank objects."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.core.config import RunConfig
+
+    tracked = {"model": model, "optimizer": optimizer}
+    env = SimpleNamespace(rank=1, world_size=2, job_id=5, restart_count=0, in_job=0, is_main=False)
+    return SimpleNamespace(held=Held(tracked), tracked=tracked, env=env, run_dir=tmp_path, config=RunConfig(),
+                           per_rank={}, mirror=None, checkpointer=None)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_survivors_snapshot_written_while_the_training_thread_goes_on_is_never_committed_torn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A false alarm: the liveness thread writes what the rank holds while the training thread trains on. Its
+    boundary used to reset the update count that the write checked afterwards, so parameters half-way to step 8
+    could be committed as step 7 with a matching sha256. The held generation only grows: a write during which
+    the training went on is not committed, and one during which it did not is committed and equals step 7."""
+    import threading
+
+    from hpc_ddp.rank import jit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = _one_rank_run(tmp_path / "torn", model, optimizer)
+    run.held.mark(7)
+    at_7 = {k: v.clone() for k, v in model.state_dict().items()}
+    real_write = snapshot.write_node_file
+
+    def training_goes_on(*args: Any, **kwargs: Any) -> Any:  # the training thread runs while the bytes are written
+        _train_step(model, optimizer)
+        run.held.mark(8)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot, "write_node_file", training_goes_on)
+    side = threading.Thread(target=lambda: setattr(run, "offer", jit.after_failure(run, RuntimeError("peer lost"))))
+    side.start()
+    side.join()
+    assert "training went on" in run.offer["outcome"] and snapshot.committed_steps(run.run_dir) == []
+
+    monkeypatch.setattr(snapshot, "write_node_file", real_write)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = _one_rank_run(tmp_path / "whole", model, optimizer)
+    run.held.mark(7)
+    model(torch.randn(8, 4))  # the next step's forward moved the running statistics; no update began
+    assert jit.after_failure(run, RuntimeError("peer lost"))["outcome"] == "committed step 7"
+    state = snapshot.read_state(snapshot.choose(run.run_dir))[0]  # type: ignore[arg-type]
+    assert state["step"] == 7 and all(torch.equal(state["model"][k], v) for k, v in at_7.items())
+
+
+def test_one_failure_handler_per_process_whichever_thread_comes_first() -> None:
+    """The training, liveness and watchdog threads may each start the survivors' snapshot: the first writes, a
+    later one waits for it and returns what it did, and never writes the same files over it."""
+    import threading
+
+    from hpc_ddp.rank.jit import OneHandler
+
+    calls: list[str] = []
+    release = threading.Event()
+
+    def handler(error: BaseException) -> dict[str, Any]:
+        calls.append(str(error))
+        release.wait(5)
+        return {"outcome": f"committed after {error}"}
+
+    once = OneHandler(handler, wait_s=10)
+    results: list[Any] = []
+    first = threading.Thread(target=lambda: results.append(once(RuntimeError("liveness"))))
+    first.start()
+    while not calls:
+        time.sleep(0.01)
+    second = threading.Thread(target=lambda: results.append(once(RuntimeError("training"))))
+    second.start()
+    time.sleep(0.2)
+    assert second.is_alive()  # it waits for the first write
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert calls == ["liveness"] and results == [{"outcome": "committed after liveness"}] * 2
+
+
+def test_what_a_rank_holds_follows_reassigned_buffers_new_groups_and_tensor_rates() -> None:
+    """References taken once went stale: a buffer reassigned after resume (module.to, a user's assignment), a
+    parameter group added (progressive unfreezing), a tensor learning rate that a scheduler updates in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=torch.tensor(0.1))
+    held = Held({"model": model, "optimizer": optimizer})
+    held.mark(1)
+    model[1].running_mean = torch.full((4,), 3.0)  # a new tensor: the old reference would miss it
+    held.mark(2)
+    model(torch.randn(8, 4))  # moves the new running_mean
+    assert torch.equal(held.whole()[1]["model"]["1.running_mean"], torch.full((4,), 3.0))  # type: ignore[index]
+    optimizer.param_groups[0]["lr"].fill_(0.05)  # a scheduler's in-place update after the boundary
+    assert torch.equal(held.whole()[1]["optimizer"]["param_groups"][0]["lr"], torch.tensor(0.1))  # type: ignore[index]
+    optimizer.add_param_group({"params": list(model[2].parameters()), "lr": torch.tensor(0.01)})
+    assert "a group was added since" in str(held.whole())
+    held.mark(3)
+    step, state = held.whole()  # type: ignore[misc]
+    assert step == 3 and [g["params"] for g in state["optimizer"]["param_groups"]] == [[0, 1], [2, 3]]
+    optimizer.load_state_dict(state["optimizer"])  # what a resume does with it
+
+
+def test_a_gradscalers_state_is_held_without_a_device_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GradScaler.state_dict() calls .item() twice, a GPU sync at every boundary under fp16: its scale and growth
+    tracker are cloned as tensors at the boundary and read back only when a snapshot is written."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = Held({"model": model, "optimizer": optimizer, "scaler": scaler})
+    held.mark(0)  # not used yet: plain numbers
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    expected = scaler.state_dict()
+
+    def synced(*args: Any) -> None:
+        raise AssertionError("GradScaler.state_dict() at a boundary: a device sync")
+
+    monkeypatch.setattr(type(scaler), "state_dict", synced)
+    held.mark(1)
+    scaler._scale.mul_(2)  # what the next step's update may do in place
+    assert held.whole()[1]["scaler"] == expected  # type: ignore[index]
+
+
+def test_a_damaged_file_of_the_per_rank_state_skips_its_step_for_the_one_before(tmp_path: Path) -> None:
+    """A survivors' snapshot keeps every rank's per_rank state in one file, its only copy. When that file no longer
+    verifies, resuming from the step used to end the run as a configuration error (exit 2, never requeued) while
+    the periodic snapshot before it was intact: the step is now skipped, as one with a bad slice is. Without
+    per_rank objects a rank's RNG is reseeded and the step stays usable."""
+    import hashlib
+
+    def step(number: int, files: dict[str, list[int]]) -> Path:
+        directory = snapshot.step_dir(tmp_path, number)
+        directory.mkdir(parents=True)
+        entries = []
+        for name, ranks in files.items():
+            data = f"{name} of step {number}".encode()
+            (directory / name).write_bytes(data)
+            entries.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                            "slices": [] if name.startswith("jit-ranks") else [0], "ranks": ranks})
+        snapshot.commit(directory, number, entries, 2, "h", split=slicing.layout_for([], 1, 1))
+        return directory
+
+    step(10, {"node-00000.pt": [0, 1]})
+    ranks_file = jit_files.ranks_file_name(20, 1)
+    assert ranks_file == "jit-ranks-00000020-by-00001.pt"  # named after its committer: two never share a name
+    (step(20, {"jit-00001.pt": [], ranks_file: [0, 1]}) / ranks_file).write_bytes(b"damaged")
+    warned: list[str] = []
+    choice = snapshot.choose(tmp_path, ranks_needed=2, warn=lambda f, *a: warned.append(f % a))
+    assert choice is not None and choice.step == 10
+    assert any("per_rank state of rank(s) [0, 1]; trying the one before" in w for w in warned), warned
+    assert snapshot.choose(tmp_path, warn=lambda *a: None).step == 20  # type: ignore[union-attr]

@@ -131,3 +131,38 @@ def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes
     assert same(state, back)
     for odd in (np.zeros(3), defaultdict(int), np.float32(1.0), torch.zeros(3).to_sparse()):
         assert flat.plan({"odd": odd}) is None
+
+
+def _long_gap(environ: dict[str, str], out: Any) -> None:
+    os.environ.update(environ)
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hpc_ddp.rank import control
+    from hpc_ddp.rank.mirror import Mirror, new_group
+
+    rank = int(environ["SLURM_PROCID"])
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
+    with control.lazily():
+        group = new_group()
+    mirror = Mirror(rank, 1, 2, group).start()
+    mirror.mark(1, blob(rank, 1))
+    time.sleep(4)  # an evaluation longer than the group's timeout, without a boundary
+    mirror.mark(2, blob(rank, 2))
+    assert mirror.wait_sent(2, 10)
+    deadline = time.monotonic() + 10
+    while (mirror.kept is None or mirror.kept[0] < 2) and mirror.broken is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out.put((rank, mirror.broken, {r: (s, b == blob(r, s)) for r, (s, b) in mirror.held().items()}))
+    mirror.close()
+    dist.destroy_process_group()
+
+
+def test_a_gap_between_boundaries_longer_than_the_timeout_does_not_break_the_mirror() -> None:
+    """Its receive used to take the training group's timeout: a long evaluation without a boundary timed it out,
+    which closed the pair for good (said at debug level), and every later failure fell back. The mirror's group
+    now waits a day; the state of the step after the gap still reaches the buddy."""
+    got = spawn_ranks(_long_gap, 1, 2, timeout=60)
+    assert got == [(0, None, {0: (2, True), 1: (2, True)}), (1, None, {1: (2, True), 0: (2, True)})]

@@ -8,6 +8,7 @@ No torch.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -30,7 +31,8 @@ def write_atomic(path: Path, data: bytes | memoryview | str | Callable[[BinaryIO
     """
     if isinstance(data, str):
         data = data.encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # unique per thread: two threads of one process (a failure handler and the training thread) never share one
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
     try:
         with open(tmp, "wb") as out:
             if callable(data):

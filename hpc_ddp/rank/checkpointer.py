@@ -108,6 +108,7 @@ class Checkpointer:
         self.load = cfg.load if cfg.load != "auto" else auto_load(local, env.num_nodes, cfg.replicas)
         self.config = config  # recorded in every manifest
         self.refuses_resize: str | None = None  # why the run cannot resume at another world size (the Run says)
+        self.ranks_needed = False  # per_rank objects are tracked: a step whose file of a rank's state is bad is skipped
         self.last_time = clock()
         self.last_step: int | None = None
         self.pending: int | None = None  # an async snapshot written but not yet committed
@@ -247,7 +248,8 @@ class Checkpointer:
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
         # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
         choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found,
-                                 warn=log.warning if self.env.is_main else quiet)
+                                 warn=log.warning if self.env.is_main else quiet,
+                                 ranks_needed=self.ranks_needed and self.env.world_size)
         if choice is None:
             return None
         problem, loaded = None, None

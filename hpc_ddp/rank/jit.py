@@ -5,14 +5,12 @@ every rank after each optimizer step, so when a rank dies the others still hold 
 failure then need not cost the work since the last periodic snapshot: a survivor writes the
 newest step it holds whole, and the healed step (or the requeue) resumes from it.
 
-**What a rank holds whole** (:class:`Held`). Parameters and optimizer state change only in
-``optimizer.step()``: they are read live, and the optimizers' step hooks say whether an update
-began since the last ``run.boundary(k)``. If none did, the live parameters are step k's. What
-changes during a step besides them (module buffers in the forward, the sampler's position as a
-batch is drawn, a learning rate set before the step, any other tracked object) is copied at each
-boundary, which costs a few microseconds for the usual small objects. A rank whose optimizer
-stepped after boundary k holds no whole step: the code between ``step()`` and the next boundary
-(a scheduler, an EMA, a logging collective) may not have run, and it is no source.
+**What a rank holds whole** (:class:`hpc_ddp.rank.held.Held`): the live parameters and optimizer state
+while no update began since the last ``run.boundary(k)``, with what else a step changes copied at each
+boundary. A rank whose optimizer stepped after boundary k holds no whole step: the code between
+``step()`` and the next boundary (a scheduler, an EMA, a logging collective) may not have run, and it
+is no source. A write from a side thread while the training thread runs on (a false alarm) is
+committed only when the held generation did not move while it was written: nothing torn is committed.
 
 **Per-rank state.** Under ``train.rng=derived`` every rank's RNGs are reseeded from (seed, step,
 rank) at every boundary and resume, so the lost ranks' randomness is known without a copy.
@@ -46,8 +44,8 @@ grace: an unfinished write is never committed, and the run falls back to the per
 
 from __future__ import annotations
 
-import copy
 import logging
+import threading
 import os
 import time
 from pathlib import Path
@@ -59,74 +57,14 @@ from torch.nn.parallel import DistributedDataParallel
 from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank import jit_commit, replication
+from hpc_ddp.rank.held import Held, buffers  # noqa: F401  (Held and buffers were defined here first)
 from hpc_ddp.rank.restore import STEP
-from hpc_ddp.rank.tracked import state_of, unwrap
 from hpc_ddp.rundir import jit_files, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
 OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other survivors' offers before comparing
+HANDLER_WAIT_S = 25.0  # how long a second failure handler waits for the first one's write (under KillWait)
 BUFFERS_SOURCE_WAIT_S = 1.0  # how long another survivor waits for rank 0's offer when DDP broadcasts rank 0's buffers
-
-
-class Held:
-    """The whole state of the last boundary's step, as long as no optimizer update began since (module docstring)."""
-
-    def __init__(self, tracked: dict[str, Any]) -> None:
-        self.tracked = tracked
-        self.step: int | None = None
-        self.updates = 0  # optimizer updates begun since the last boundary
-        self.copies: dict[str, Any] = {}
-        # found once: the buffers' tensors (updated in place by the forward) and each optimizer group's
-        # parameter indices as its state_dict numbers them (they never change)
-        self._buffers = {name: buffers(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
-        self._params = {name: [g["params"] for g in obj.state_dict()["param_groups"]]
-                        for name, obj in tracked.items() if isinstance(obj, torch.optim.Optimizer)}
-        for obj in tracked.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                obj.register_step_pre_hook(self._began)
-
-    def _began(self, *args: Any) -> None:
-        self.updates += 1
-
-    def mark(self, step: int) -> None:
-        """At run.boundary(step) and resume: the live state is this step's; copy what the next step changes early."""
-        self.step, self.updates = None, 0  # an exception raised inside the copy (a signal handler's) leaves none
-        self.copies = {name: self._copy(name, obj) for name, obj in self.tracked.items()}
-        self.step = step
-
-    def _copy(self, name: str, obj: Any) -> Any:
-        """What ``obj``'s state needs from now (tens of microseconds for a model, its optimizer and a sampler)."""
-        if isinstance(obj, torch.optim.Optimizer):  # its groups' settings, numbered as state_dict() numbers them
-            return [{**{k: copy.copy(v) for k, v in group.items() if k != "params"}, "params": params}
-                    for group, params in zip(obj.param_groups, self._params[name])]
-        if isinstance(obj, torch.nn.Module):
-            return {key: tensor.detach().clone() for key, tensor in self._buffers[name].items()}
-        return copy.deepcopy(state_of(obj))
-
-    def whole(self) -> tuple[int, dict[str, Any]] | str:
-        """(step, the replicated state of it) as a snapshot holds it, or why this rank holds no whole step."""
-        if self.step is None:
-            return "this rank had not finished run.resume()"
-        if self.updates:
-            return (f"this rank's optimizer had begun the update after step {self.step} and its "
-                    f"run.boundary({self.step + 1}) had not come")
-        state: dict[str, Any] = {}
-        for name, obj in self.tracked.items():
-            if isinstance(obj, torch.optim.Optimizer):
-                state[name] = {**obj.state_dict(), "param_groups": self.copies[name]}
-            elif isinstance(obj, torch.nn.Module):
-                state[name] = {**unwrap(obj).state_dict(), **self.copies[name]}
-            else:
-                state[name] = self.copies[name]
-        state[STEP] = self.step
-        return self.step, state
-
-
-def buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's buffers by state_dict key (they change in the forward; parameters only in step())."""
-    inner = unwrap(module)
-    params = {id(p) for p in inner.parameters()}
-    return {key: value for key, value in inner.state_dict(keep_vars=True).items() if id(value) not in params}
 
 
 def why_not(run: Any) -> str | None:
@@ -176,7 +114,10 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
             blobs = mirror.held()
             jit_files.write_blobs(folder, env.rank, blobs)
             offer["blobs"] = {str(r): step for r, (step, _) in blobs.items()}
+            if mirror.broken is not None:
+                offer["mirror_broken"] = mirror.broken
         reason = why_not(run)
+        generation = run.held.generation  # read first: a write that sees it move holds a torn state
         held = run.held.whole() if reason is None else reason
         if isinstance(held, str):
             offer.update(source=False, why=held)
@@ -187,7 +128,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
                 jit_files.offer(folder, env.rank, offer)
             return offer
         step, state = held
-        skip = {name: set(run.held._buffers[name]) for name, obj in run.tracked.items()
+        skip = {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
                 if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
         jit_files.offer(folder, env.rank, offer)
@@ -201,7 +142,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step))
         else:
-            offer.update(outcome=_write(run, folder, step, state, offer, started))
+            offer.update(outcome=_write(run, folder, step, state, offer, started, generation))
         jit_files.offer(folder, env.rank, offer)
         return offer
     except Exception as err:  # noqa: BLE001 - the snapshot is a bonus: the failure it follows must still be reported
@@ -212,6 +153,37 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         except OSError:
             pass
         return offer
+
+
+class OneHandler:
+    """:func:`after_failure` once per process, whichever thread comes first (issue 44).
+
+    The training thread (its collective failed), the liveness thread (a frozen peer) and the watchdog
+    thread (a hang) may each start the survivors' snapshot, and the second used to write the same files
+    over the first (and a thread that exits after it cut the first write short). The first caller
+    writes; a later one waits for it, up to ``wait_s`` (under Slurm's KillWait, 30 s by default), and
+    returns what it did, so that whichever thread ends the process ends it after the write."""
+
+    def __init__(self, handler: Any, wait_s: float = HANDLER_WAIT_S) -> None:
+        self.handler, self.wait_s = handler, wait_s
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = False
+        self._result: dict[str, Any] | None = None
+
+    def __call__(self, error: BaseException) -> dict[str, Any] | None:
+        with self._lock:
+            first, self._started = not self._started, True
+        if not first:
+            if not self._done.wait(self.wait_s):
+                log.warning("the survivors' snapshot begun by another thread of this rank did not end within %g s",
+                            self.wait_s)
+            return self._result
+        try:
+            self._result = self.handler(error)
+        finally:
+            self._done.set()
+        return self._result
 
 
 def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S) -> bool:
@@ -230,14 +202,18 @@ def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURC
         time.sleep(0.05)
 
 
-def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float) -> str:
+def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float,
+           generation: int) -> str:
     """The claimed step's file; then, once the other survivors' offers had a moment to come in, the commit if
-    the set is complete (:func:`_complete`)."""
+    the set is complete (:func:`jit_commit.complete`). Not committed when the training thread began an update or
+    reached its next boundary while the state was read and written (``generation`` moved): the file may hold
+    parameters half-way to the next step."""
     content, split, held = slicing.node_content(state, 0, 1, 1, {}, copy=False)  # one file, the whole state
     directory = snapshot.step_dir(run.run_dir, step)
     entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(run.env.rank))
-    if run.held.updates:  # written from the liveness thread while the training thread began an update
-        return "not committed: this rank's optimizer began an update while the state was written"
+    if run.held.generation != generation:  # written from a side thread while the training thread went on
+        return ("not committed: this rank's training went on (an optimizer update or a boundary) while the "
+                "state was written")
     offer.update(written={"step": step, "entry": {**entry, "slices": held, "ranks": []}, "layout": split,
                           "took_s": round(time.monotonic() - started, 3)})
     jit_files.offer(folder, run.env.rank, offer)  # a survivor whose offer comes later may complete the set

@@ -101,7 +101,7 @@ def _commit(run: Any, folder: Path, writer: dict[str, Any], sources: list[dict[s
             return f"not committed: the files holding the per_rank state of rank(s) {lost} could not be read"
         content = {"format": slicing.FORMAT, "skeleton": None, "pieces": {},
                    "rng": {rank: {PER_RANK: blob} for rank, blob in states.items()}}
-        entry = snapshot.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step))
+        entry = snapshot.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
         entries.append({**entry, "slices": [], "ranks": sorted(states)})
     took = round(time.time() - min(o["time"] for o in [writer, *sources]), 3)
     record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"], "took_s": took,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,17 @@ BYTES, FLAT = 0, 1  # a body of bytes (torch.save's, or given as bytes), or rank
 FIRST_SIZE = 4096  # bytes of the first message (both sides start with it; grown as the state needs)
 Sent = tuple  # (messages, the CUDA events their copies complete at, or None): what the sender thread posts
 IN_FLIGHT = 4  # sends on their way at most: a frozen buddy holds this many states in memory, never more
+RECEIVE_TIMEOUT = timedelta(hours=24)  # the mirror group's: no gap between two boundaries is that long
 JOIN_S = 10.0  # how long the end of an attempt waits for the threads (a peer that never sends its end)
+
+
+def new_group() -> Any:
+    """Collective: the mirror's own gloo group, whose operations wait up to :data:`RECEIVE_TIMEOUT`. With the
+    training group's timeout, a gap between two boundaries longer than ``dist.timeout_s`` (a long evaluation
+    that beats but makes no boundary) timed the receive out, which closed the pair for good: every later
+    failure then fell back to the periodic snapshot, and only a debug line said so. A lost ward still ends
+    the receive at once (its connection closes); a frozen one holds only this thread."""
+    return dist.new_group(backend="gloo", timeout=RECEIVE_TIMEOUT)
 
 
 def buddy_of(rank: int, local_world_size: int, world_size: int) -> int:
@@ -81,7 +92,7 @@ def open_for(run: Any) -> Mirror | None:
     if not control.to_main_and_back(bool(run.per_rank), merge=any):
         return None
     with control.lazily():  # each rank connects to its buddy and its ward only, on the first message
-        group = dist.new_group(backend="gloo", timeout=control.timeout())
+        group = new_group()
     return Mirror(run.rank, run.local_world_size, run.world_size, group).start()
 
 
@@ -254,9 +265,13 @@ class Mirror:
                 with self._lock:
                     self.kept = (step, buffers[turn])
                 turn = 1 - turn
-        except Exception as err:  # noqa: BLE001 - its ward was lost: the training thread's collective says so
+        except Exception as err:  # noqa: BLE001 - its ward was lost, or the pair broke: a failure can lack its state
             self.broken = first_line(err)
-            log.debug("per-rank mirror receiver ended: %s", self.broken)
+            kept = self.kept[0] if self.kept is not None else None
+            log.warning("the per-rank mirror of rank %d stopped (%s); it holds rank %d's state of step %s. A "
+                        "survivors' snapshot needs that rank's state of the step it commits: if rank %d is alive, "
+                        "a later failure falls back to the periodic snapshot", self.ward, self.broken, self.ward,
+                        kept, self.ward)
 
 
 def step_of(m: torch.Tensor) -> int:

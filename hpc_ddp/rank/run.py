@@ -151,6 +151,7 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.checkpointer is not None:  # every manifest says whether this run may resume at another size
             self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
+            self.checkpointer.ranks_needed = bool(self.per_rank)  # a step without every rank's is skipped
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
             restore.load(self, restored)

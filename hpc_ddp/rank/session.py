@@ -181,7 +181,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                           beat=watchdog.beat)
                 if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
                     run.on_step = functools.partial(_die_after, int(environ[DIE_AT_VAR]), on_step, run)
-                attempt.after_failure = functools.partial(jit.after_failure, run)
+                attempt.after_failure = jit.OneHandler(functools.partial(jit.after_failure, run))
                 run.on_stop = functools.partial(_line_at_stop, attempt, run)
                 if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
                     attempt.liveness.before_exit = lambda message: attempt.after_failure(PeerLost(message))

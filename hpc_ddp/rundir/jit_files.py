@@ -69,9 +69,11 @@ def claim(where: Path, step: int, what: str = "claim") -> bool:
     return True
 
 
-def ranks_file_name(step: int) -> str:
-    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state file)."""
-    return f"jit-ranks-{step:08d}.pt"
+def ranks_file_name(step: int, committer: int) -> str:
+    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state file), named
+    after the survivor that committed it: on a filesystem without O_EXCL across nodes two may both believe they
+    hold the commit claim, and the same name would have one's bytes under the other's manifest."""
+    return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
 
 
 def write_blobs(where: Path, rank: int, blobs: dict[int, tuple[int, bytes]]) -> None:
@@ -133,4 +135,5 @@ def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job:
     if not said:
         return {}
     reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
-    return {"jit_fallback": "; ".join(reasons)[:500]}
+    broken = {str(o.get("rank")): o["mirror_broken"] for o in said if o.get("mirror_broken")}
+    return {"jit_fallback": "; ".join(reasons)[:500], **({"mirror_broken": broken} if broken else {})}

@@ -229,11 +229,13 @@ def verify_here(directory: Path, manifest: dict[str, Any]) -> dict[str, str | No
 
 
 def choose(run_dir: Path, verify: Verify = verify_here, found: list[tuple[int, dict[str, Any]]] | None = None,
-           warn: Callable[..., None] = log.warning) -> Choice | None:
+           warn: Callable[..., None] = log.warning, ranks_needed: int = 0) -> Choice | None:
     """The newest committed step of which every slice has a file that verifies; warn about every bad file.
 
     ``verify`` checks a step's files (the checkpointer spreads that over the ranks);
-    ``found``: the committed steps, when already read. None when there is no committed
+    ``found``: the committed steps, when already read; ``ranks_needed``: the world size when ``per_rank``
+    objects are tracked (each rank's state has no other copy: a step written at that size whose file of a
+    rank's state is bad is skipped, as one with a bad slice is; without them a rank's RNG is reseeded). None when there is no committed
     step (a fresh start). When there are committed steps but none can be restored,
     raise: starting over would silently throw the run away, and its snapshots might be
     restorable from a backup.
@@ -253,6 +255,11 @@ def choose(run_dir: Path, verify: Verify = verify_here, found: list[tuple[int, d
                 bad.append(f"{directory / name} ({why})")
         good = tuple(name for name, why in sorted(verdicts.items()) if why is None)
         sources = slicing.sources(manifest, good) if good else None
+        lacking = sorted(r for r in range(ranks_needed) if (f := slicing.rank_file(manifest, r)) and f not in good)
+        if sources is not None and lacking and manifest.get("world_size") == ranks_needed:
+            warn("committed snapshot step %d has no usable file of the per_rank state of rank(s) %s; trying the "
+                 "one before", step, lacking)
+            continue
         if sources is not None:
             return Choice(step, directory, good, manifest, sources)
         warn("committed snapshot step %d has no usable copy of %s; trying the one before", step,

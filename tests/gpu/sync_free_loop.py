@@ -1,7 +1,7 @@
 """50 steps on NCCL under ``torch.cuda.set_sync_debug_mode("error")``: an own loop with the run API, or the Trainer.
 
 Run by tests/gpu/test_gpu.py in a process of its own (world size 1, NCCL):
-``python tests/gpu/sync_free_loop.py own|trainer``. Any host-device synchronisation in a step
+``python tests/gpu/sync_free_loop.py own|own-fp16|trainer``. Any host-device synchronisation in a step
 (an ``.item()`` or ``.tolist()`` of a CUDA tensor, a blocking copy) raises there. Prints
 ``no sync in 50 steps (VARIANT)`` when none did. The Trainer logs only at ``train.log_every``
 (its loss is read back then, on purpose), so the 50 checked steps fall between two log steps.
@@ -57,18 +57,23 @@ def checked(step: int) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
-def own_loop(run: Run, device: torch.device) -> None:
+def own_loop(run: Run, device: torch.device, fp16: bool = False) -> None:
+    """bf16 autocast; or (``fp16``) fp16 with a tracked GradScaler, whose state_dict() would call .item() twice
+    at every boundary (rank/held.py clones its tensors instead), and a fused AdamW, whose step takes the scaler's
+    inf check on the GPU (another optimizer's GradScaler.step reads it back: a sync of torch's, not ours)."""
     from torch.nn.parallel import DistributedDataParallel
 
     net = DistributedDataParallel(model().to(device), device_ids=[device])
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    step = run.resume(model=net, optimizer=optimizer)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fp16)
+    scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+    step = run.resume(model=net, optimizer=optimizer, **({"scaler": scaler} if fp16 else {}))
     x = torch.randn(64, 256, device=device)
     while step < WARMUP + CHECKED:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.float16 if fp16 else torch.bfloat16):
             loss = net(x).float().pow(2).mean()
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         assert not run.boundary(step)
@@ -80,7 +85,7 @@ def main(variant: str) -> None:
 
     env = from_environ({**simulated_environ(1, 1, job_id=1)[0], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     with tempfile.TemporaryDirectory() as tmp:
-        program = (["train.loop=a.b:c"] if variant == "own" else
+        program = (["train.loop=a.b:c"] if variant.startswith("own") else
                    ["train.task=tests.gpu.sync_free_loop:SquareTask", "train.batch_size=64", "train.amp=bf16",
                     f"train.max_steps={WARMUP + CHECKED + 5}", "train.log_every=1000"])
         cfg = load_config([], ["name=sync", f"run_dir={tmp}", "dist.backend=nccl", "snapshot.every_steps=1000",
@@ -88,8 +93,8 @@ def main(variant: str) -> None:
         device = init_process_group(env, cfg.dist)
         run = Run(cfg, env, device, checkpointer=Checkpointer(Path(tmp), cfg.snapshot, env, "sync"), stop=StopFlag(),
                   on_step=checked)
-        if variant == "own":
-            own_loop(run, device)
+        if variant.startswith("own"):
+            own_loop(run, device, fp16=variant == "own-fp16")
         else:
             Trainer(SquareTask(), cfg, run).train()
         teardown()

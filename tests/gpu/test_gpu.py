@@ -118,7 +118,7 @@ def test_a_two_rank_cpu_snapshot_resumes_on_one_gpu_under_nccl(tmp_path: Path) -
         assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}"
 
 
-@pytest.mark.parametrize("variant", ["own", "trainer"])
+@pytest.mark.parametrize("variant", ["own", "own-fp16", "trainer"])
 def test_fifty_steps_on_nccl_never_sync_the_host_with_the_gpu(variant: str) -> None:
     """The per-step protocol (the stop agreement on the CPU control group) never waits for the GPU: an own loop
     with the run API, and the Trainer between two of its log steps."""
