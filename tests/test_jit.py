@@ -479,3 +479,37 @@ def test_a_damaged_file_of_the_per_rank_state_skips_its_step_for_the_one_before(
     assert choice is not None and choice.step == 10
     assert any("per_rank state of rank(s) [0, 1]; trying the one before" in w for w in warned), warned
     assert snapshot.choose(tmp_path, warn=lambda *a: None).step == 20  # type: ignore[union-attr]
+
+
+def test_every_source_compares_and_a_withdrawn_step_is_marked_in_the_file_a_cache_still_shows(tmp_path: Path) -> None:
+    """The fingerprint check is made: a source that lost the claim compares with the commit once it is there
+    (it used to say "committed by another survivor" unseen); a withdraw marks the manifest's own file before it
+    renames it, so a node whose cache still maps the name to that file (played by a hard link) reads no
+    manifest; and an offer that disagrees with a commit nobody withdrew keeps rank 0 from resuming from it."""
+    from hpc_ddp.rank.jit_commit import claimed_by_another
+
+    where = jit_files.folder(tmp_path, 5, 0)
+    directory = snapshot.step_dir(tmp_path, 50)
+    directory.mkdir(parents=True)
+    snapshot.commit(directory, 50, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
+                    4, "h", extra={"jit": {"attempt": where.name, "writer": 1, "fingerprint": 7}})
+    cached = tmp_path / "another-nodes-view"
+    cached.mkdir()
+    os.link(directory / snapshot.MANIFEST, cached / snapshot.MANIFEST)
+    assert claimed_by_another(tmp_path, 50, where, {"rank": 2, "fingerprint": 7}) == \
+        "step 50 committed by another survivor (same fingerprint)"
+    said = claimed_by_another(tmp_path, 50, where, {"rank": 0, "fingerprint": 8})
+    assert said == "withdrew step 50: rank 1 wrote another state than rank 0 holds"
+    assert snapshot.committed_steps(tmp_path) == [] and snapshot.read_manifest(cached) is None
+    assert "rank 0 holds another state" in json.loads((cached / snapshot.MANIFEST).read_text())["withdrawn"]
+
+    other = snapshot.step_dir(tmp_path, 60)  # committed, and a disagreeing offer came after every survivor's look
+    other.mkdir(parents=True)
+    snapshot.commit(other, 60, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
+                    4, "h", extra={"jit": {"attempt": where.name, "writer": 1, "fingerprint": 7}})
+    jit_files.offer(where, 1, {"rank": 1, "source": True, "step": 60, "fingerprint": 7})
+    assert [s for s, _ in snapshot.agreed(tmp_path, snapshot.committed(tmp_path))] == [60]
+    jit_files.offer(where, 3, {"rank": 3, "source": True, "step": 60, "fingerprint": 9})
+    warned: list[str] = []
+    assert snapshot.agreed(tmp_path, snapshot.committed(tmp_path), lambda f, *a: warned.append(f % a)) == []
+    assert "rank(s) [3] offered another state of it than its writer, rank 1" in warned[0]

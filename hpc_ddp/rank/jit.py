@@ -137,10 +137,10 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
             offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, newest[0], offer))
         elif any(skip.values()) and env.rank != 0 and _buffers_source_holds(folder, step):
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
-                         else jit_commit.claimed_by_another(run.run_dir, step))
+                         else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
         elif not jit_files.claim(folder, step):
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
-                         else jit_commit.claimed_by_another(run.run_dir, step))
+                         else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
         else:
             offer.update(outcome=_write(run, folder, step, state, offer, started, generation))
         jit_files.offer(folder, env.rank, offer)

@@ -35,19 +35,21 @@ def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dic
         return f"step {step} is committed already"
     if record.get("fingerprint") == offer["fingerprint"]:
         return f"step {step} committed by another survivor (same fingerprint)"
-    os.replace(directory / snapshot.MANIFEST, directory / f"{snapshot.MANIFEST}.withdrawn")
+    snapshot.withdraw(directory, f"rank {offer['rank']} holds another state of step {step} than rank "
+                                 f"{record.get('writer')} wrote")
     log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than this rank holds",
               step, record.get("writer"))
     return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
 
 
-def claimed_by_another(run_dir: Path, step: int, wait_s: float = 10.0) -> str:
+def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, Any], wait_s: float = 10.0) -> str:
     """Another survivor writes the step: wait a little for its commit (this rank's exit would free ranks that
-    wait on it, but also tells the batch shell the step ended), and say what came of it."""
+    wait on it, but also tells the batch shell the step ended), then compare it with what this rank holds
+    (:func:`check_commit`: withdrawn if it differs), and say what came of it."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if snapshot.read_manifest(snapshot.step_dir(run_dir, step)) is not None:
-            return f"step {step} committed by another survivor"
+            return check_commit(run_dir, folder, step, step, offer)
         time.sleep(0.1)
     return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
 

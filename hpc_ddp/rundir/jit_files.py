@@ -29,6 +29,19 @@ def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: 
     return Path(run_dir) / JIT / attempt_tag(job_id, restart_count, in_job)
 
 
+def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
+    """The survivors whose offer of a just-in-time snapshot's step holds another state than its writer's (their
+    fingerprints differ): a source that offered after the writer's last look, or whose withdraw another node's
+    cache hid. Empty for a periodic snapshot. Rank 0 asks it before resuming from a step."""
+    record = manifest.get("jit")
+    world = manifest.get("world_size")
+    if not isinstance(record, dict) or not isinstance(record.get("attempt"), str) or not isinstance(world, int):
+        return []
+    where = Path(run_dir) / JIT / record["attempt"]
+    return sorted(o["rank"] for o in offers(where, world) if o.get("source") and o.get("step") == manifest.get("step")
+                  and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
+
+
 BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/broken_stop.py) creates it
 
 

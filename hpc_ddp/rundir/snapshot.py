@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hpc_ddp.core import atomic
-from hpc_ddp.rundir import layout, slicing
+from hpc_ddp.rundir import jit_files, layout, slicing
 from hpc_ddp.core.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
+WITHDRAWN = "withdrawn"  # a manifest key: the step was taken back (why), whatever name a cache still shows
 REFUSES_RESIZE = "refuses_resize"  # the manifest's key: why the run cannot resume at another world size
 # its reasons are joined by REASONS_JOIN; the per-rank state's starts with PER_RANK_REASON (rank/tracked.py)
 REASONS_JOIN, PER_RANK_REASON = "; ", "the per-rank state "
@@ -150,13 +151,31 @@ def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The step's manifest, or None: none, unreadable, or withdrawn (:func:`withdraw`)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and isinstance(
-        manifest.get("step"), int)
+        manifest.get("step"), int) and WITHDRAWN not in manifest
     return manifest if ok else None
+
+
+def withdraw(directory: Path, why: str) -> None:
+    """Take a committed step back (survivors that disagree on its state). The mark goes into the manifest's own
+    file first, rewritten in place: a node whose cache still maps the name to that file reads the mark, which a
+    rename alone would not show it. Then the name goes (``manifest.json.withdrawn``). A reader that catches the
+    rewrite half-way reads no manifest, which is what it should read."""
+    path = directory / MANIFEST
+    with open(path, "r+b") as out:
+        manifest = json.loads(out.read())
+        out.seek(0)
+        out.write(json.dumps({**manifest, WITHDRAWN: why}, indent=1).encode())
+        out.truncate()
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(path, directory / f"{MANIFEST}.withdrawn")
+    atomic.fsync_dir(directory)
 
 
 def committed(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -168,6 +187,23 @@ def committed(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
         if manifest is not None and entry.name == f"step-{manifest['step']:08d}":
             found.append((manifest["step"], manifest))
     return sorted(found, key=lambda pair: pair[0], reverse=True)
+
+
+def agreed(run_dir: Path, found: list[tuple[int, dict[str, Any]]],
+           warn: Callable[..., None] = log.warning) -> list[tuple[int, dict[str, Any]]]:
+    """``found`` without the survivors' snapshots that a survivor's offer disagrees with
+    (:func:`hpc_ddp.rundir.jit_files.disagreeing`): as if withdrawn. Read on one rank (rank 0), whose list
+    every rank then takes: the offers are files another node may see otherwise."""
+    kept = []
+    for step, manifest in found:
+        differ = jit_files.disagreeing(run_dir, manifest)
+        if differ:
+            warn("the survivors' snapshot of step %d is not used: rank(s) %s offered another state of it than its "
+                 "writer, rank %s (a replicated object that differs by rank?)", step, differ,
+                 manifest["jit"].get("writer"))
+            continue
+        kept.append((step, manifest))
+    return kept
 
 
 def committed_steps(run_dir: Path) -> list[int]:
@@ -241,7 +277,7 @@ def choose(run_dir: Path, verify: Verify = verify_here, found: list[tuple[int, d
     restorable from a backup.
     """
     bad: list[str] = []
-    for step, manifest in committed(run_dir) if found is None else found:
+    for step, manifest in agreed(run_dir, committed(run_dir), warn) if found is None else found:
         directory = step_dir(run_dir, step)
         problem = slicing.layout_problem(manifest)
         if problem:
