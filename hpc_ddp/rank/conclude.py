@@ -77,7 +77,7 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
     if ending.requeue:
         ending.requeue = False
         try:
-            requeue(job_spec(attempt.environ))
+            requeue(job_spec(attempt.environ), runner=_shielded_run)  # srun's SIGTERM to the step spares it
         except PreemptionError as err:
             log.error("%s", err)
     return ending.code
