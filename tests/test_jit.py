@@ -513,3 +513,19 @@ def test_every_source_compares_and_a_withdrawn_step_is_marked_in_the_file_a_cach
     warned: list[str] = []
     assert snapshot.agreed(tmp_path, snapshot.committed(tmp_path), lambda f, *a: warned.append(f % a)) == []
     assert "rank(s) [3] offered another state of it than its writer, rank 1" in warned[0]
+
+
+def test_a_side_threads_failure_action_is_bounded_whatever_the_write_waits_for() -> None:
+    """On a GPU a read of the state can queue behind a wedged collective's kernel forever: the liveness or
+    watchdog thread's survivors' snapshot runs in a thread of its own, and the side thread goes on to exit
+    when its bound passes; a later caller waits no longer than its own bound either."""
+    import threading
+
+    from hpc_ddp.rank.jit import OneHandler
+
+    wedged = threading.Event()
+    once = OneHandler(lambda error: wedged.wait(30) and {"outcome": "late"}, wait_s=0.3)
+    assert once(RuntimeError("peer lost"), wait_s=0.2) is None  # the liveness thread: no outcome, but it returns
+    assert once(RuntimeError("collective failed")) is None  # the training thread, freed later: bounded too
+    assert not wedged.is_set() and not once._done.is_set()  # both returned while the write still waited
+    wedged.set()

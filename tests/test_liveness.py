@@ -195,6 +195,41 @@ def test_the_thread_beats_and_declares_a_frozen_peer_lost(tmp_path: Path) -> Non
     watcher.leave()
 
 
+def test_every_survivor_hears_the_declaration_and_writes_what_it_holds_before_it_exits(tmp_path: Path) -> None:
+    """Only rank 3 watches rank 0; ranks 1 and 2 used to learn of the loss when a peer they waited on exited and
+    gloo failed their collective (NCCL does not: they stayed blocked, and rank 0's buddy never wrote its state).
+    The declaration reaches them by name, read once the rendezvous is done, never from another attempt or their
+    own; each writes what it holds (before_exit) and exits."""
+    clock = Clock()
+    heard: dict[int, list[str]] = {1: [], 2: [], 3: []}
+    wrote: list[int] = []
+    ranks = [Liveness(tmp_path, 7, 0, 0, r, 4, f"node{r}", LIVENESS_S, clock=clock, on_lost=heard.get(r, []).append,
+                      on_heard=heard.get(r, []).append) for r in range(4)]
+    old = Liveness(tmp_path, 7, 0, 1, 3, 4, "node3", LIVENESS_S, clock=clock)  # another attempt of the same run
+    for rank in ranks:
+        rank.before_exit = lambda message, r=rank.rank: wrote.append(r)  # type: ignore[misc]
+        rank._thread.start = lambda: None  # type: ignore[method-assign]  # the test turns the periods
+        rank.start()
+    assert layout.declared(tmp_path).read_bytes() == b""  # created by rank 0 before the rendezvous
+    for rank in ranks:
+        rank.listen()
+    for _ in range(4):
+        for rank in ranks:
+            assert rank.check() is None
+        clock.now += 0.5
+    while not heard[3]:  # rank 0 freezes; rank 3 watches it
+        for rank in ranks[1:]:
+            rank.check()
+        clock.now += 0.5
+    assert "rank 0 on node0 is lost" in heard[3][0] and wrote == [3]
+    old.listening = True
+    assert old._hear() is None  # another attempt's declaration is not this attempt's
+    for rank in ranks[1:3]:
+        rank.check()
+    assert wrote == [3, 1, 2] and all("rank 3 declared rank 0 on node0 lost" in heard[r][0] for r in (1, 2))
+    assert all(decode(layout.beat(tmp_path, r).read_bytes(), "job-7-restart-0").left for r in (1, 2, 3))  # type: ignore[union-attr]
+
+
 # --- the config ---
 
 @pytest.mark.parametrize("value", ["-1", "0.5", "'abc'"])

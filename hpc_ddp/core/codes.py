@@ -11,6 +11,7 @@ EXIT_ERROR = 2  # a bad config, task or environment: the same again on every ret
 EXIT_REQUEUE = 3  # a worker that stopped for a requeue (the local simulation relaunches on it)
 EXIT_HUNG = 4  # the hang watchdog ended a rank stuck longer than dist.timeout_s
 EXIT_LOCKED = 5  # a worker refused to start: another job holds the run dir (nothing of that run is touched)
+EXIT_FAILED = 1  # a failure: the program crashed, or a peer's loss ended this rank (settled, capped by max_failures)
 EXIT_LOST = 6  # this rank declared the peer it watches lost (frozen rank or node): the batch shell heals the step
 EXIT_USAGE = 2  # the rehearsal: a flag that cannot be rehearsed (--fail-at naming a node it does not have)
 EXIT_INTERRUPTED = 130  # the rehearsal was interrupted with Ctrl-C (128 + SIGINT, as a shell reports it)

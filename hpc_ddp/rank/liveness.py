@@ -31,7 +31,17 @@ When the watched peer is silent for ``liveness_s``, this rank writes
 it) and a crash marker (a ``train.script`` worker then takes the SIGTERM that follows for a
 failure, not a stop), logs the error and exits at once with :data:`EXIT_LOST`, without touching
 the process group (a wedged communicator deadlocks a destroy). srun's ``--kill-on-bad-exit`` ends
-the step; the batch shell reads :func:`lost_ranks` and leaves the node out. No torch.
+the step; the batch shell reads :func:`lost_ranks` and leaves the node out.
+
+**Every survivor hears the declaration.** Only the watcher sees the silence; the other survivors
+used to learn of the loss when a peer they waited on exited and gloo failed their pending work.
+NCCL does not fail it: a survivor blocked in an NCCL collective stays blocked, and the buddies that
+hold the lost ranks' per-rank state never wrote it. So the watcher also writes the declaration into
+``RUN_DIR/liveness/declared.json`` (one file per run, rewritten in place, the attempt inside; rank 0
+creates it before the rendezvous, and the others read it only after, so no node caches its absence),
+and every rank's thread reads it each period once the rendezvous is done (:meth:`Liveness.listen`).
+A rank that hears it writes what it holds (the survivors' snapshot, from this thread) and exits with
+:data:`EXIT_FAILED`, whatever its training thread is waiting for. No torch.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.core.codes import EXIT_LOST
+from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
 from hpc_ddp.rundir.ledger import attempt_tag, crash_marker
 
 if TYPE_CHECKING:
@@ -151,13 +161,16 @@ class Liveness:
 
     def __init__(self, run_dir: Path | str, job_id: int | str | None, restart_count: int, in_job: int, rank: int,
                  world_size: int, host: str, liveness_s: float, *, on_lost: Callable[[str], Any] | None = None,
+                 on_heard: Callable[[str], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.run_dir, self.ids = Path(run_dir), (job_id, restart_count, in_job)
         self.tag = attempt_tag(job_id, restart_count, in_job)
         self.rank, self.world_size, self.host, self.liveness_s = rank, world_size, host, liveness_s
         self.period_s = period(liveness_s)
         self.on_lost = on_lost or _exit_lost
+        self.on_heard = on_heard or _exit_heard
         self.before_exit: Callable[[str], Any] | None = None  # set by the session once the run exists
+        self.listening = False  # reads the declaration once the rendezvous is done (:meth:`listen`)
         self.clock, self.wall = clock, wall
         self.count = 0
         self.peer = (rank + 1) % world_size
@@ -168,9 +181,17 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name="hpc_ddp-liveness", daemon=True)
 
     def start(self) -> Liveness:
+        if self.rank == 0:  # before the rendezvous: no rank reads the declaration before it exists
+            path = layout.declared(self.run_dir)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
         self.beat()
         self._thread.start()
         return self
+
+    def listen(self) -> None:
+        """After the rendezvous (rank 0 has created the declaration's file): hear declarations from now on."""
+        self.listening = True
 
     def beat(self) -> None:
         with self._lock:
@@ -194,6 +215,11 @@ class Liveness:
         """One period: beat, look at the peer, declare it lost once silent for ``liveness_s``; returns that
         silence (None: nothing declared)."""
         self.beat()
+        if self.listening and not self._left:
+            heard = self._hear()
+            if heard is not None:
+                self._act_on(heard)
+                return None
         if self.peer == self.rank:
             return None  # alone, or every other rank has left
         silent = self.judge.observe(self._read(self.peer), self.clock())
@@ -230,12 +256,41 @@ class Liveness:
                             "lost after %gs. HINT: RUN_DIR must be writable from every node", self.rank, err,
                             self.liveness_s)
 
+    def _write_declaration(self, record: dict[str, Any]) -> None:
+        """In place, one fixed width (a second declarer overwrites the first whole); created if rank 0 had not."""
+        fd = os.open(layout.declared(self.run_dir), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, (json.dumps(record, sort_keys=True).ljust(4 * WIDTH - 1) + "\n").encode(), 0)
+        finally:
+            os.close(fd)
+
     def _read(self, rank: int) -> Beat | None:
         try:
             with open(layout.beat(self.run_dir, rank), "rb") as beat_file:
                 return decode(beat_file.read(4 * WIDTH), self.tag)
         except OSError:
             return None
+
+    def _hear(self) -> dict[str, Any] | None:
+        """Another rank's declaration of a lost rank in this attempt, or None."""
+        try:
+            with open(layout.declared(self.run_dir), "rb") as declared:
+                record, _ = json.JSONDecoder().raw_decode(declared.read().decode().lstrip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(record, dict) or record.get("attempt") != self.tag or record.get("by_rank") == self.rank:
+            return None
+        return record
+
+    def _act_on(self, record: dict[str, Any]) -> None:
+        message = (f"rank {self.rank}: rank {record.get('by_rank')} declared rank {record.get('rank')} on "
+                   f"{record.get('host') or '?'} lost; this rank ends the step now instead of waiting in a "
+                   "collective for the process group to fail")
+        log.error("%s", message)
+        self.leave()
+        if self.before_exit is not None:
+            self.before_exit(message)  # what this rank holds, from this thread (rank/jit.py)
+        self.on_heard(message)
 
     def _declare(self, silent: float) -> None:
         last = self.judge.last
@@ -252,6 +307,7 @@ class Liveness:
             write_atomic(marker, json.dumps(record, sort_keys=True) + "\n")
             write_atomic(crash_marker(self.run_dir, *self.ids, self.peer),
                          f"rank {self.peer} on {host} was lost: no liveness beat for {silent:.0f}s\n")
+            self._write_declaration({**record, "attempt": self.tag})
         except OSError as err:
             log.error("the lost-rank marker could not be written: %s", err)
         log.error("%s", message)
@@ -273,6 +329,12 @@ def start(run_dir: Path, dist: Any, env: DistEnv, environ: Mapping[str, str]) ->
         return None
     return Liveness(run_dir, env.job_id, env.restart_count, env.in_job, env.rank, env.world_size,
                     host_of(environ, env.nodelist, env.node_rank), window).start()
+
+
+def _exit_heard(message: str) -> None:
+    from hpc_ddp.core.shutdown import exit_fast
+
+    exit_fast(EXIT_FAILED)
 
 
 def _exit_lost(message: str) -> None:

@@ -165,6 +165,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
 
         from hpc_ddp.rank import control
 
+        if attempt.liveness is not None:
+            attempt.liveness.listen()  # every rank is past the rendezvous: rank 0 created the declaration's file
         log.info("process group: backend %s, world size %d, device %s, control traffic on %s", dist.get_backend(),
                  env.world_size, device, "its own gloo group" if control.group() is not None else "the same group")
         if not attempt.wrapped:
@@ -184,7 +186,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 attempt.after_failure = jit.OneHandler(functools.partial(jit.after_failure, run))
                 run.on_stop = functools.partial(_line_at_stop, attempt, run)
                 if attempt.liveness is not None:  # a frozen peer: the rank that finds it writes what it holds
-                    attempt.liveness.before_exit = lambda message: attempt.after_failure(PeerLost(message))
+                    attempt.liveness.before_exit = lambda message: attempt.after_failure(
+                        PeerLost(message), wait_s=jit.SIDE_WAIT_S)  # then it exits, whatever the write waits for
                 try:
                     yield run
                 except LoopIgnoredStop as err:  # the stop snapshot is committed: end the attempt as that stop
@@ -310,7 +313,9 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
         if dumped is not None:
             log.error("the collectives this rank was in: %s", dumped)
         if attempt.after_failure is not None and env.rank not in stuck:  # it waits in a collective: it holds a step
-            attempt.after_failure(PeerLost(message.splitlines()[0]))
+            from hpc_ddp.rank.jit import SIDE_WAIT_S
+
+            attempt.after_failure(PeerLost(message.splitlines()[0]), wait_s=SIDE_WAIT_S)
         if not attempt.env.is_main:
             time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
         if attempt.env.is_main and not attempt.wrapped:

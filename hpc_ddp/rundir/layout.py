@@ -119,6 +119,13 @@ def beat(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / LIVENESS / f"rank-{rank}.json"
 
 
+def declared(run_dir: Path | str) -> Path:
+    """The last declaration of a lost rank (:mod:`hpc_ddp.rank.liveness`): one file per run, rewritten in place, the
+    attempt inside. Every rank reads it by name each period; rank 0 creates it before the rendezvous, so no node
+    ever looked the name up before it existed (an NFS client would keep that answer for up to 30 s)."""
+    return Path(run_dir) / LIVENESS / "declared.json"
+
+
 def lost_marker(run_dir: Path | str, tag: str, rank: int | str) -> Path:
     """The marker of rank ``rank`` declared lost in the attempt ``tag`` (:func:`hpc_ddp.rundir.ledger.attempt_tag`);
     ``rank="*"`` gives the glob pattern of every rank's."""
