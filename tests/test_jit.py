@@ -145,6 +145,41 @@ def test_a_lost_nodes_per_rank_state_comes_from_its_buddies_and_the_run_ends_bit
     assert done(tmp_path / "failed") == done(tmp_path / "straight")  # params_sha256 and every rank's own state
 
 
+BATCHNORM_LOOP = [*LOOP, "train.loop=tests.tasks.loops:batchnorm", *NO_SNAPSHOTS]
+
+
+@pytest.mark.slow
+def test_a_batchnorm_model_ends_bit_identical_whichever_node_is_lost_and_after_a_periodic_snapshot(
+        tmp_path: Path) -> None:
+    """BatchNorm with DDP's broadcast_buffers at 2 x 2, every rank on its own data: between two forwards each
+    rank's running statistics differ, and the step's are rank 0's. Losing node 0 (rank 0 with it) used to resume
+    from a survivor's own statistics: the run drifted from one never stopped (buffers, evaluations, params_sha256).
+    Now the boundary hands rank 0's to every rank, so node 0 lost, node 1 lost and a resume from a periodic
+    snapshot all end as the uninterrupted run does, loss for loss, evaluation for evaluation, buffers included."""
+    from hpc_ddp.rundir import metrics_file
+
+    def rehearse(name: str, *more: str) -> Path:
+        run_dir = tmp_path / name
+        proc = submit(*BATCHNORM_LOOP, f"run_dir={run_dir}", *more)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return run_dir
+
+    def seen(run_dir: Path) -> tuple[dict[int, float], dict[int, float], dict]:
+        evals = {r["step"]: r["eval"] for r in metrics_file.read(run_dir) if "eval" in r}
+        return losses(run_dir), evals, {k: v for k, v in done(run_dir).items() if k != "time"}
+
+    straight = seen(rehearse("straight"))
+    assert sorted(straight[1]) == [10, 20, 30]
+    for node in (0, 1):
+        failed = rehearse(f"node{node}", "--fail-at", f"23:{node}")  # not at an evaluation (its forward syncs them)
+        first, second = read_attempts(failed)
+        assert first["reason"] == "failed" and first["jit_snapshot"]["step"] == second["resumed_from"] >= 22, first
+        assert seen(failed) == straight, f"node {node} lost"
+    periodic = rehearse("periodic", "snapshot.jit=false", "snapshot.every_steps=10", "--fail-at", "15:0")
+    assert read_attempts(periodic)[1]["resumed_from"] == 10
+    assert seen(periodic) == straight
+
+
 @pytest.mark.slow
 def test_without_a_consistent_source_the_run_falls_back_to_the_periodic_snapshot_bit_exact(tmp_path: Path) -> None:
     """train.rng=saved: a lost rank's RNG stream died with it, so no survivor may write a snapshot (it would be a

@@ -53,3 +53,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def sync_buffers(ddp: DistributedDataParallel) -> bool:
+    """Rank 0's buffers to every rank now: the broadcast DDP makes at the start of each forward (its own method:
+    the same group, buckets, reassigned buffers and join handling), made at the boundary (rank/held.py says why).
+    False where DDP would not broadcast them that way (a buffer communication hook of the user's decides)."""
+    if hasattr(ddp, "buffer_hook") or not hasattr(ddp, "_sync_buffers"):
+        return False
+    ddp._sync_buffers()
+    return True

@@ -12,6 +12,13 @@ write that began at step k and ended after the next boundary would see no update
 parameters half-way to k+1 as step k. ``generation`` only grows (each update begun, each boundary):
 a write is committed only when the generation it read first is still the one after its last byte.
 
+**Buffers are rank 0's.** DDP with ``broadcast_buffers`` gives every rank rank 0's buffers (BatchNorm's
+running statistics) at the start of each forward, and each rank's forward then moves its own: between two
+forwards they differ by rank, and the step's are rank 0's (a periodic snapshot holds those). So the
+boundary broadcasts them once more, right after :meth:`mark` (the same broadcast DDP makes at the next
+forward, made earlier: the training is unchanged), and :meth:`synced` copies them again. A survivor then
+holds rank 0's buffers of the step even when rank 0 was lost.
+
 **References go stale.** A buffer reassigned after ``resume`` (``module.to(dtype)``, a user's
 ``self.running_mean = ...``) or a parameter group added (progressive unfreezing) would make a copy
 from the first references wrong. Each boundary checks the buffers' identity in their owners (a dict
@@ -44,6 +51,7 @@ class Held:
         self.step: int | None = None
         self.updates = 0  # optimizer updates begun since the last boundary
         self.generation = 0  # bumped by every update begun and every boundary; never reset (module docstring)
+        self.buffers_synced = False  # rank 0's buffers were broadcast after the last mark (:meth:`synced`)
         self.copies: dict[str, Any] = {}
         self._buffers = {name: slots(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
         self._groups: dict[str, tuple[tuple[int, ...], ...]] = {}  # the parameters' ids, group by group
@@ -63,10 +71,19 @@ class Held:
     def mark(self, step: int) -> None:
         """At run.boundary(step) and resume: the live state is this step's; copy what the next step changes early."""
         self.generation += 1
+        self.buffers_synced = False
         self.step, self.updates = None, 0  # an exception raised inside the copy (a signal handler's) leaves none
         self._refresh()
         self.copies = {name: self._copy(name, obj) for name, obj in self.tracked.items()}  # built, then published
         self.step = step
+
+    def synced(self) -> None:
+        """After the boundary broadcast rank 0's buffers to every rank (rank/run.py): copy them again. Every rank
+        then holds the buffers a snapshot of this step must hold, rank 0's, also when rank 0 is the one lost."""
+        self.generation += 1
+        self.copies = {**self.copies, **{name: {key: tensor.detach().clone() for key, (_, _, tensor) in found.items()}
+                                         for name, found in self._buffers.items()}}
+        self.buffers_synced = True
 
     def _refresh(self) -> None:
         for name, found in self._buffers.items():

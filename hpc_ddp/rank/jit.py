@@ -119,6 +119,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
                 offer["mirror_broken"] = mirror.broken
         reason = why_not(run)
         generation = run.held.generation  # read first: a write that sees it move holds a torn state
+        synced = run.held.buffers_synced  # rank 0's buffers on every rank (rank/held.py)
         held = run.held.whole() if reason is None else reason
         if isinstance(held, str):
             offer.update(source=False, why=held)
@@ -129,8 +130,9 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
                 jit_files.offer(folder, env.rank, offer)
             return offer
         step, state = held
-        skip = {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
-                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
+        skip = {} if synced else {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
+                                  if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers
+                                  and env.world_size > 1}
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
         jit_files.offer(folder, env.rank, offer)
         newest = snapshot.committed_steps(run.run_dir)

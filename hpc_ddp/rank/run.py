@@ -41,7 +41,7 @@ from hpc_ddp.rank.checkpointer import Checkpointer
 from hpc_ddp.rank.child_deaths import ChildDeaths
 from hpc_ddp.rank.rng import capture_rng, reseed
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward
+from hpc_ddp.rank.ddp_settle import settle_buckets_on_first_forward, sync_buffers
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.sampler import ShardSampler
@@ -88,6 +88,7 @@ class Run:
         self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
+        self._broadcasts_buffers: list[DistributedDataParallel] = []  # DDP modules whose buffers rank 0 sends
         self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/mirror.py)
         self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary, not mid-update
         self.on_stop: Callable[[int], None] | None = None  # the session's ledger line at the agreed stop
@@ -158,6 +159,9 @@ class Run:
         if self.config.train.rng == "derived":
             reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
+        self._broadcasts_buffers = [obj for obj in self.tracked.values() if isinstance(obj, DistributedDataParallel)
+                                    and obj.broadcast_buffers and self.world_size > 1
+                                    and next(obj.module.buffers(), None) is not None]
         self.mirror = mirror.open_for(self)
         if self.held is not None:
             self._mark(self.step)
@@ -214,10 +218,13 @@ class Run:
         return stop
 
     def _mark(self, step: int) -> None:
-        """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy."""
+        """What a just-in-time snapshot of this step takes (rank/jit.py), and the per-rank state to the buddy;
+        then rank 0's buffers to every rank (rank/held.py: a survivors' snapshot holds them, rank 0 lost or not)."""
         self.held.mark(step)
         if self.mirror is not None:
             self.mirror.mark(step, self._per_rank_state(cuda=True))
+        if self._broadcasts_buffers and all([sync_buffers(obj) for obj in self._broadcasts_buffers]):
+            self.held.synced()
 
     def _check_step(self, step: int) -> None:
         if not self._resumed:

@@ -97,6 +97,50 @@ def nanogpt_shaped(run: Any) -> None:
     run.finish(per_rank=every)
 
 
+class _BatchNormNet(torch.nn.Module):
+    """A regression net with BatchNorm (running statistics: buffers) and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),
+                                        torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def batchnorm(run: Any) -> None:
+    """A DDP model with BatchNorm and broadcast_buffers (DDP's default): each rank draws its own batches (the
+    derived RNG differs by rank), so between two forwards every rank's running statistics differ, and the step's
+    are rank 0's (DDP broadcasts them at the next forward). An evaluation of all ranks under no_grad every 10
+    steps, its output logged; DONE.json's params_sha256 covers the buffers."""
+    from torch.nn import functional as F
+
+    cfg = run.config.train
+    torch.manual_seed(cfg.seed)
+    model = torch.nn.parallel.DistributedDataParallel(_BatchNormNet())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    fixed = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    step = run.resume(model=model, optimizer=optimizer)
+    while step < cfg.max_steps:
+        x = torch.randn(cfg.batch_size, 16) * (1 + run.rank)  # this rank's own data: its own statistics
+        loss = F.mse_loss(model(x), x.sum(1, keepdim=True).sin())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        values = {"loss": loss.detach()}
+        if step % 10 == 0:
+            model.eval()
+            with torch.no_grad():
+                values["eval"] = float(model(fixed).sum())
+            model.train()
+        run.log_metrics(step, **values)
+        if run.boundary(step):
+            return
+    run.finish(running_mean=float(model.module.body[1].running_mean.sum()))
+
+
 def _fault(rank: int, step: int, run: Any = None) -> None:
     """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt,
     once the state of the step before has left for its buddy (the mirror's sender thread posts it about a
