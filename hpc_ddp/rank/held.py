@@ -25,6 +25,12 @@ from the first references wrong. Each boundary checks the buffers' identity in t
 lookup each, not a walk of the model: 330 us for 150 modules) and re-reads the optimizers' numbering
 when their groups changed; a group added after the boundary makes the rank no source.
 
+**Device truth.** On CUDA the host runs ahead of the device: after a peer dies inside step k+1's
+all-reduce, a survivor's CPU may have passed ``run.boundary(k+1)`` while the GPU never finished that
+all-reduce, and any read of the state (``torch.save``, a fingerprint) would queue behind the wedged kernel
+forever. Each mark records an event on the current stream, which is queried, never waited on: a rank whose
+last boundary's event has not completed holds no step it can read, and says so at once.
+
 **No device sync.** ``GradScaler.state_dict()`` calls ``.item()`` twice; its scale and growth tracker
 are cloned as tensors here, and read back to numbers only when a snapshot is written.
 """
@@ -54,6 +60,9 @@ class Held:
         self.buffers_synced = False  # rank 0's buffers were broadcast after the last mark (:meth:`synced`)
         self.copies: dict[str, Any] = {}
         self._buffers = {name: slots(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
+        self._cuda = any(p.is_cuda for obj in tracked.values() if isinstance(obj, torch.nn.Module)
+                         for p in obj.parameters())
+        self.event: Any = None  # CUDA: recorded at the last mark, on the current stream
         self._groups: dict[str, tuple[tuple[int, ...], ...]] = {}  # the parameters' ids, group by group
         self._params: dict[str, list[list[int]]] = {}  # each group's parameter indices as state_dict numbers them
         for obj in tracked.values():
@@ -75,6 +84,7 @@ class Held:
         self.step, self.updates = None, 0  # an exception raised inside the copy (a signal handler's) leaves none
         self._refresh()
         self.copies = {name: self._copy(name, obj) for name, obj in self.tracked.items()}  # built, then published
+        self.event = _recorded() if self._cuda else None
         self.step = step
 
     def synced(self) -> None:
@@ -116,6 +126,10 @@ class Held:
         if self.updates:
             return (f"this rank's optimizer had begun the update after step {step} and its "
                     f"run.boundary({step + 1}) had not come")
+        event = self.event
+        if event is not None and not event.query():
+            return (f"this rank's GPU had not finished the work of step {step} (its run.boundary({step}) came "
+                    "first on the host; a collective on the device may be wedged): its state cannot be read")
         state: dict[str, Any] = {}
         for name, obj in self.tracked.items():
             if isinstance(obj, torch.optim.Optimizer):
@@ -131,6 +145,12 @@ class Held:
                 state[name] = copies[name]
         state[STEP] = step
         return step, state
+
+
+def _recorded() -> Any:
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _value(value: Any) -> Any:

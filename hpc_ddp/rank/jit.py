@@ -45,8 +45,8 @@ grace: an unfinished write is never committed, and the run falls back to the per
 from __future__ import annotations
 
 import logging
-import threading
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any

@@ -243,3 +243,25 @@ def test_a_per_rank_cuda_tensor_reaches_the_buddy_whole_when_its_rank_dies() -> 
     assert (rank, step, device) == (0, 5, "cpu")  # rank 1's state of step 5, a CPU copy
     assert value == 2 * sum(range(1, 6))  # every asynchronous add of rank 1 up to step 5 is in it
     assert synced is None, f"mark waited for the GPU: {synced}"
+
+
+def test_a_step_whose_work_the_gpu_has_not_finished_is_not_held_and_saying_so_does_not_wait() -> None:
+    """On NCCL the host runs ahead of the device: a survivor's CPU can pass run.boundary(k) while the GPU never
+    finished step k's all-reduce, and every read of the state would queue behind it. A stream held busy by a long
+    kernel stands in for the wedged all-reduce: the rank says it holds no step at once, without waiting (a wait
+    would sit the whole kernel out), and holds the step once the device has finished it."""
+    from hpc_ddp.rank.held import Held
+
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = Held({"model": model, "optimizer": optimizer})
+    held.mark(1)
+    torch.cuda.synchronize()
+    assert held.whole()[0] == 1  # type: ignore[index]
+    torch.cuda._sleep(5_000_000_000)  # seconds of a busy stream on any current GPU
+    held.mark(2)
+    said = held.whole()
+    assert isinstance(said, str) and "had not finished the work of step 2" in said
+    assert not held.event.query()  # said while the kernel still ran: nothing waited for it
+    torch.cuda.synchronize()
+    assert held.whole()[0] == 2  # type: ignore[index]
