@@ -244,7 +244,8 @@ class Checkpointer:
         """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
         if self.env.is_main:  # before the first collective: no rank of this attempt has written anything yet
             retention.drop_uncommitted(self.run_dir)
-        found = control.from_main(snapshot.agreed(self.run_dir, snapshot.committed(self.run_dir))
+        found = control.from_main(snapshot.agreed(self.run_dir, snapshot.committed(
+            self.run_dir, wait_s=snapshot.NAME_CACHE_S))
                                   if self.env.is_main else None)  # manifests, decided on rank 0
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
         # every rank decides alike (and raises alike) from the same manifests and gathered verdicts

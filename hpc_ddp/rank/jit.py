@@ -59,7 +59,7 @@ from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank import jit_commit, replication
 from hpc_ddp.rank.held import Held, buffers  # noqa: F401  (Held and buffers were defined here first)
 from hpc_ddp.rank.restore import STEP
-from hpc_ddp.rundir import jit_files, slicing, snapshot
+from hpc_ddp.rundir import jit_files, newest, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
 OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other survivors' offers before comparing
@@ -135,9 +135,9 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
                                   and env.world_size > 1}
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
         jit_files.offer(folder, env.rank, offer)
-        newest = snapshot.committed_steps(run.run_dir)
-        if newest and newest[0] >= step:
-            offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, newest[0], offer))
+        latest = _latest_commit(run.run_dir)
+        if latest is not None and latest >= step:
+            offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, latest, offer))
         elif any(skip.values()) and env.rank != 0 and _buffers_source_holds(folder, step):
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
@@ -198,6 +198,17 @@ class OneHandler:
             self._result = self.handler(error)
         finally:
             self._done.set()
+
+
+def _latest_commit(run_dir: Path) -> int | None:
+    """The newest committed step, from the file that names it (read by name): not by reading every step's
+    manifest, which would look up the one survivors are about to commit and make this node's NFS client
+    remember it as absent (:mod:`hpc_ddp.rundir.newest`). A run dir older than that file: by its manifests."""
+    named = newest.read(run_dir)
+    if named is not None:
+        return int(named["step"])
+    steps = snapshot.committed_steps(run_dir)
+    return steps[0] if steps else None
 
 
 def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rank.restore import PER_RANK
-from hpc_ddp.rundir import jit_files, slicing, snapshot
+from hpc_ddp.rundir import jit_files, newest, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
 
@@ -47,9 +47,10 @@ def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, 
     wait on it, but also tells the batch shell the step ended), then compare it with what this rank holds
     (:func:`check_commit`: withdrawn if it differs), and say what came of it."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if snapshot.read_manifest(snapshot.step_dir(run_dir, step)) is not None:
-            return check_commit(run_dir, folder, step, step, offer)
+    while time.monotonic() < deadline:  # polls the newest commit's own file: never a manifest not there yet,
+        named = newest.read(run_dir)    # whose absence this node's NFS client would remember (rundir/newest.py)
+        if named is not None and named["step"] >= step:
+            return check_commit(run_dir, folder, step, named["step"], offer)
         time.sleep(0.1)
     return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, losses
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
 from hpc_ddp.rundir.ledger import attempt_tag, crash_marker
@@ -273,14 +273,8 @@ class Liveness:
 
     def _hear(self) -> dict[str, Any] | None:
         """Another rank's declaration of a lost rank in this attempt, or None."""
-        try:
-            with open(layout.declared(self.run_dir), "rb") as declared:
-                record, _ = json.JSONDecoder().raw_decode(declared.read().decode().lstrip())
-        except (OSError, ValueError, UnicodeDecodeError):
-            return None
-        if not isinstance(record, dict) or record.get("attempt") != self.tag or record.get("by_rank") == self.rank:
-            return None
-        return record
+        record = losses.declaration(self.run_dir, self.tag)
+        return None if record is None or record.get("by_rank") == self.rank else record
 
     def _act_on(self, record: dict[str, Any]) -> None:
         message = (f"rank {self.rank}: rank {record.get('by_rank')} declared rank {record.get('rank')} on "

@@ -139,7 +139,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     An exception from the program propagates (the worker records and reports it); the
     process group is torn down on every exit path.
     """
-    from hpc_ddp.rundir import snapshot
+    from hpc_ddp.rundir import newest, snapshot
     from hpc_ddp.rank import jit
     from hpc_ddp.rank.checkpointer import Checkpointer
     from hpc_ddp.rank.distributed import default_store, from_main, process_group
@@ -159,6 +159,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     peer_error = functools.partial(recorded_error, attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     shared = environ.get(CONTROL_GROUP_VAR) == "shared"  # tests: the control traffic on a gloo training group
+    if env.is_main and not attempt.wrapped:  # before the rendezvous: no node looks for it before it exists
+        newest.create(attempt.run_dir)
     with beating(attempt), process_group(env, cfg.dist, peer_error, dumps=dumps,
                                          own_control_group=False if shared else None) as device:
         import torch.distributed as dist

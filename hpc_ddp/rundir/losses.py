@@ -10,27 +10,51 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, view
 from hpc_ddp.rundir.ledger import attempt_tag
 
 
 
 def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: int,
                  in_job: int = 0) -> dict[int, dict[str, Any]]:
-    """Every lost-rank marker of an attempt, by rank (an unreadable one as ``{}``)."""
-    pattern = layout.lost_marker(run_dir, attempt_tag(job_id, restart_count, in_job), "*")
+    """Every lost-rank marker of an attempt, by rank (an unreadable one as ``{}``).
+
+    The listing of ``errors/`` may be another node's cached past on NFS and lack a marker written seconds ago;
+    the declaration (``liveness/declared.json``, created before the rendezvous and read by name) cannot: the
+    rank it names is always among these, so a stale listing never moves the blame to the detector's node."""
+    tag = attempt_tag(job_id, restart_count, in_job)
+    pattern = layout.lost_marker(run_dir, tag, "*")
     head, tail = pattern.name.split("*")
+    seen = view.current()
+    try:
+        names = sorted(n for n in seen.listdir(pattern.parent) if n.startswith(head) and n.endswith(tail))
+    except OSError:
+        names = []
     found: dict[int, dict[str, Any]] = {}
-    for path in sorted(pattern.parent.glob(pattern.name)):
-        rank = path.name[len(head):len(path.name) - len(tail)]
+    for name in names:
+        rank = name[len(head):len(name) - len(tail)]
         if not rank.isdigit():
             continue
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(seen.read_bytes(pattern.parent / name))
         except (OSError, ValueError):
             record = {}
         found[int(rank)] = record if isinstance(record, dict) else {}
-    return found
+    declared = declaration(run_dir, tag)
+    if declared is not None and isinstance(declared.get("rank"), int) and not found.get(declared["rank"]):
+        found[declared["rank"]] = {k: v for k, v in declared.items() if k != "attempt"}
+    return dict(sorted(found.items()))
+
+
+def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
+    """The last declaration of a lost rank, if it is of the attempt ``tag`` (:mod:`hpc_ddp.rank.liveness` writes
+    it in place, padded: read up to the first whole JSON value)."""
+    try:
+        text = view.current().read_bytes(layout.declared(run_dir)).decode().lstrip()
+        record, _ = json.JSONDecoder().raw_decode(text)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and record.get("attempt") == tag else None
 
 
 def lost_ranks(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int) -> dict[int, str]:

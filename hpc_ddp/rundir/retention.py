@@ -5,13 +5,13 @@ committed is :mod:`hpc_ddp.rundir.snapshot`'s."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, newest, view
 from hpc_ddp.rundir.snapshot import MANIFEST, committed_steps
 
 log = logging.getLogger("hpc_ddp.snapshot")
@@ -19,9 +19,13 @@ log = logging.getLogger("hpc_ddp.snapshot")
 
 def _steps(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
-    for entry in sorted(layout.snapshots(run_dir).glob("step-*")):
+    try:
+        names = sorted(n for n in view.current().listdir(layout.snapshots(run_dir)) if n.startswith("step-"))
+    except OSError:
+        return []
+    for name in names:
         try:
-            found.append((int(entry.name.split("-", 1)[1]), entry))
+            found.append((int(name.split("-", 1)[1]), layout.snapshots(run_dir) / name))
         except ValueError:
             continue
     return found
@@ -42,14 +46,18 @@ def drop_uncommitted(run_dir: Path, min_age_s: float = UNCOMMITTED_AGE_S,
     resume says why it skips it, and its files are the evidence. Never raises: a leftover costs disk, not
     correctness, so no resume fails for it.
 
-    "No manifest" is decided from the step directory's own listing (opening a directory revalidates it;
-    ``exists()`` on a name can answer from another node's cached absence), never when its newest file is
-    younger than ``min_age_s``: the survivors' snapshot a node committed just before this attempt started
-    is exactly that case (issue 44). Such a leftover stays until a later attempt."""
+    "No manifest" is decided from the step directory's listing as this node sees it (:mod:`hpc_ddp.rundir.view`:
+    on NFS a listing and a lookup can be another node's cached past), so never for the step the newest commit
+    names (:mod:`hpc_ddp.rundir.newest`, read by name) nor when its newest file is younger than ``min_age_s``,
+    longer than any client keeps a cached view: the survivors' snapshot a node committed just before this
+    attempt started is exactly that case (issue 44). Such a leftover stays until a later attempt."""
     dropped: dict[int, int] = {}
     young: list[int] = []
+    named = newest.read(run_dir) or {}  # the newest commit says so itself, whatever the listing shows
     try:
         for step, entry in _steps(run_dir):
+            if step == named.get("step"):
+                continue
             sizes = _uncommitted_files(entry, clock() - min_age_s)
             if sizes is None:
                 continue
@@ -74,18 +82,22 @@ def drop_uncommitted(run_dir: Path, min_age_s: float = UNCOMMITTED_AGE_S,
 def _uncommitted_files(entry: Path, written_before: float) -> tuple[int, bool] | None:
     """(bytes, whether every file was written before ``written_before``) of a step directory whose own listing
     holds no manifest; None for a committed step or what is no step directory."""
+    seen = view.current()
     try:
-        names = os.listdir(entry)
+        names = seen.listdir(entry)
+        if MANIFEST in names:
+            return None
+        total, latest = 0, seen.stat(entry).st_mtime
+        pending = [entry / name for name in names]
+        while pending:
+            path = pending.pop()
+            info = seen.stat(path)
+            if stat.S_ISDIR(info.st_mode):
+                pending.extend(path / name for name in seen.listdir(path))
+            total, latest = total + info.st_size, max(latest, info.st_mtime)
     except OSError:  # not a directory, or gone
         return None
-    if MANIFEST in names:
-        return None
-    total, newest = 0, os.stat(entry).st_mtime
-    for root, _, files in os.walk(entry):
-        for name in files:
-            info = os.stat(os.path.join(root, name))
-            total, newest = total + info.st_size, max(newest, info.st_mtime)
-    return total, newest < written_before
+    return total, latest < written_before
 
 
 def prune(run_dir: Path, keep_last: int) -> None:

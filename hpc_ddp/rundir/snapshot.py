@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hpc_ddp.core import atomic
-from hpc_ddp.rundir import jit_files, layout, slicing
+from hpc_ddp.rundir import jit_files, layout, newest, slicing, view
 from hpc_ddp.core.errors import HpcDdpError, explain
 
 log = logging.getLogger("hpc_ddp.snapshot")
@@ -148,12 +148,18 @@ def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size
                 **({"layout": split} if split is not None else {}),
                 **({REFUSES_RESIZE: refuses_resize} if refuses_resize else {}), **(extra or {})}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+    try:  # after the commit: a node that cached the manifest's absence learns of it here (rundir/newest.py)
+        jit = (extra or {}).get("jit")
+        newest.publish(directory.parent.parent, step, jit.get("attempt") if isinstance(jit, dict) else None)
+    except OSError as err:
+        log.warning("step %d is committed, but %s could not name it (%s): another node may resume from an older "
+                    "step until its view of the run dir catches up", step, newest.path(directory.parent.parent), err)
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """The step's manifest, or None: none, unreadable, or withdrawn (:func:`withdraw`)."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest = json.loads(view.current().read_bytes(directory / MANIFEST))
     except (OSError, ValueError):
         return None
     ok = isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and isinstance(
@@ -178,15 +184,62 @@ def withdraw(directory: Path, why: str) -> None:
     atomic.fsync_dir(directory)
 
 
-def committed(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(step, manifest) of every step with a readable manifest, newest first."""
+# How long an NFS client may keep a name's absence (acdirmax, 60 s by default), and a margin.
+NAME_CACHE_S = 65.0
+
+
+def committed(run_dir: Path, wait_s: float = 0.0, sleep: Callable[[float], None] = time.sleep
+              ) -> list[tuple[int, dict[str, Any]]]:
+    """(step, manifest) of every step with a readable manifest, newest first.
+
+    The listing of ``snapshots/`` and a lookup of a manifest can both be another node's cached view; the
+    newest commit's own file cannot (:mod:`hpc_ddp.rundir.newest`). When it names a step newer than any this
+    node sees, that step's manifest is read by name again for up to ``wait_s`` (the resume passes
+    :data:`NAME_CACHE_S`): the survivors' snapshot committed on another node seconds ago is found, not skipped
+    for an older step."""
     root = layout.snapshots(run_dir)
+    try:
+        names = [n for n in view.current().listdir(root) if n.startswith("step-")]
+    except OSError:
+        names = []
     found = []
-    for entry in root.glob("step-*") if root.exists() else []:
-        manifest = read_manifest(entry)
-        if manifest is not None and entry.name == f"step-{manifest['step']:08d}":
+    for name in names:
+        manifest = read_manifest(root / name)
+        if manifest is not None and name == f"step-{manifest['step']:08d}":
             found.append((manifest["step"], manifest))
+    named = newest.read(run_dir)
+    if named is not None and named["step"] > max((step for step, _ in found), default=-1):
+        manifest = _named(step_dir(run_dir, named["step"]), wait_s, sleep)
+        if manifest is not None and manifest["step"] == named["step"]:
+            found.append((named["step"], manifest))
     return sorted(found, key=lambda pair: pair[0], reverse=True)
+
+
+def _named(directory: Path, wait_s: float, sleep: Callable[[float], None]) -> dict[str, Any] | None:
+    """The manifest of the step the newest commit names, read by name until this node sees it (``wait_s``);
+    None at once for a withdrawn step."""
+    waited = 0.0
+    while (manifest := read_manifest(directory)) is None and waited < wait_s and not _withdrawn(directory):
+        if not waited:
+            log.warning("%s names %s as committed, but its manifest is not visible from this node yet (a cached "
+                        "view of the run dir); reading it again for up to %.0f s",
+                        newest.path(directory.parent.parent), directory.name, wait_s)
+        sleep(1.0)
+        waited += 1.0
+    if manifest is None and waited >= wait_s > 0:
+        log.warning("the manifest of %s did not become visible within %.0f s (removed by hand?): resuming from "
+                    "an older step", directory, wait_s)
+    return manifest
+
+
+def _withdrawn(directory: Path) -> bool:
+    for name in (MANIFEST, f"{MANIFEST}.withdrawn"):
+        try:
+            if WITHDRAWN in json.loads(view.current().read_bytes(directory / name)):
+                return True
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
 
 
 def agreed(run_dir: Path, found: list[tuple[int, dict[str, Any]]],

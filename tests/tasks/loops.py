@@ -143,6 +143,7 @@ def batchnorm(run: Any) -> None:
 
 def _fault(rank: int, step: int, run: Any = None) -> None:
     """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt,
+    ("stopnode:NODE:STEP": every rank of that node, a frozen node)
     once the state of the step before has left for its buddy (the mirror's sender thread posts it about a
     millisecond after the boundary: a rank lost inside that window takes that step's state with it, by design,
     and a CI run caught rank 3 holding rank 1's step 21, not 22); "slow:-1:S": every step of every rank computes
@@ -154,6 +155,8 @@ def _fault(rank: int, step: int, run: Any = None) -> None:
     if kind == "slow":
         time.sleep(float(at_step))
     first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
+    if kind == "stopnode" and run is not None:  # "stopnode:NODE:STEP": every rank of that node freezes
+        kind, at_rank = "stop", (rank if run.env.node_rank == int(at_rank) else -1)
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
         if run is not None and run.mirror is not None:
             run.mirror.wait_sent(step - 1, 5.0)

@@ -1,0 +1,58 @@
+"""``RUN_DIR/snapshots/newest.json``: the newest commit named in one file, so that a node can learn of a step
+another node committed seconds ago without trusting a cached listing or lookup.
+
+Every commit (a periodic snapshot's, the survivors') rewrites it in place after its manifest. Rank 0 creates it
+before the rendezvous, so no node ever looked the name up while it was absent, and an open by name always
+reaches the server (close-to-open): the content is as new as the last writer's close. A manifest it names that
+this node cannot see yet (its client cached the name's absence) becomes visible within ``acdirmax``; the
+resume waits that long for it rather than resuming from an older step (:func:`hpc_ddp.rundir.snapshot.committed`).
+No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.rundir import layout, view
+
+NAME = "newest.json"
+WIDTH = 256  # fixed: a rewrite in place replaces the whole record
+
+
+def path(run_dir: Path | str) -> Path:
+    return layout.snapshots(run_dir) / NAME
+
+
+def create(run_dir: Path | str) -> None:
+    """Rank 0, before the rendezvous: the file exists before any node looks for it (kept if it does)."""
+    target = path(run_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        if os.fstat(fd).st_size == 0:  # its block now: a rewrite on a full filesystem needs no new one
+            os.pwrite(fd, b" " * (WIDTH - 1) + b"\n", 0)
+    finally:
+        os.close(fd)
+
+
+def publish(run_dir: Path | str, step: int, attempt: str | None = None) -> None:
+    """After a commit: name its step (in place, one fixed width; created if rank 0 had not)."""
+    record = json.dumps({"step": step, **({"attempt": attempt} if attempt else {})}, sort_keys=True)
+    fd = os.open(path(run_dir), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, (record.ljust(WIDTH - 1)[:WIDTH - 1] + "\n").encode(), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(run_dir: Path | str) -> dict[str, Any] | None:
+    """The newest commit's record ({"step": S, ...}), or None: none yet, or unreadable."""
+    try:
+        record = json.loads(view.current().read_bytes(path(run_dir)).decode().strip() or "null")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
