@@ -27,7 +27,7 @@ from hpc_ddp.rank.liveness import Beat, Judge, Liveness, decode, effective, enco
 from hpc_ddp.rundir.losses import lost_ranks
 from hpc_ddp.rehearsal.local_inject import freeze_problem, unfired
 from hpc_ddp.rundir.ledger import read_attempts
-from tests.helpers import alive_with, wait_until
+from tests.helpers import alive_with, losses, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 LIVENESS_S = 3
@@ -301,3 +301,28 @@ def test_a_rank0_evaluation_longer_than_liveness_s_is_slow_not_lost(tmp_path: Pa
     raw = [json.loads(layout.beat(run_dir, rank).read_text()) for rank in (0, 1)]
     assert [b["state"] for b in raw] == ["left", "left"]  # both left cleanly
     assert all(b["count"] > 3 * LIVENESS_S / liveness.period(LIVENESS_S) for b in raw)  # they beat all along
+
+
+@pytest.mark.slow
+def test_a_false_alarm_commits_nothing_torn_and_the_run_ends_as_if_uninterrupted(tmp_path: Path) -> None:
+    """Issue 44: rank 1's beats stop at step 20 while it trains on (its beat thread starved): its watcher declares
+    it lost, and every rank writes what it holds from its liveness thread while its training thread still runs.
+    Whatever is committed must be a whole step, equal to the uninterrupted run's state at that step: the resumed
+    run's losses and final state (every rank's own included) are the reference's."""
+    program = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=400",
+               "train.log_every=1", "snapshot.every_steps=100", "snapshot.every_minutes=null",
+               "slurm.tasks_per_node=2", "slurm.spare_nodes=1", "slurm.max_restarts_in_job=3"]
+    reference = rehearse(tmp_path / "reference", *program, env={"HPC_DDP_TEST_FAULT": "mute:-1:-1"})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "alarm"
+    proc = rehearse(run_dir, *program, env={"HPC_DDP_TEST_FAULT": "mute:1:20"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert attempts[0]["reason"] == "failed" and attempts[0]["lost_ranks"] == [1], attempts[0]
+    assert attempts[-1]["reason"] == "finished" and attempts[1]["resumed_from"] > 20, attempts
+    resumed = attempts[1]["resumed_from"]
+    jit = attempts[0].get("jit_snapshot")
+    assert jit is None or jit["step"] == resumed, attempts[0]  # the survivors' snapshot, if any, is resumed from
+    assert losses(run_dir) == losses(tmp_path / "reference")
+    assert json.loads((run_dir / "DONE.json").read_text()) == json.loads(
+        (tmp_path / "reference" / "DONE.json").read_text())

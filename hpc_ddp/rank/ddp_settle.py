@@ -61,5 +61,6 @@ def sync_buffers(ddp: DistributedDataParallel) -> bool:
     False where DDP would not broadcast them that way (a buffer communication hook of the user's decides)."""
     if hasattr(ddp, "buffer_hook") or not hasattr(ddp, "_sync_buffers"):
         return False
-    ddp._sync_buffers()
+    if next(ddp.module.buffers(), None) is not None:  # DDP's own check: a broadcast of nothing asserts in c10d
+        ddp._sync_buffers()
     return True

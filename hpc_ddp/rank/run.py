@@ -254,10 +254,10 @@ class Run:
     def _checked_state(self, step: int, doing: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
         state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
-        if self.world_size > 1:
+        if self.world_size > 1 and not (self.held is not None and self.held.buffers_synced):  # else done at _mark
             for obj in self.tracked.values():
-                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers:
-                    for buffer in obj.module.buffers():
+                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and not sync_buffers(obj):
+                    for buffer in obj.module.buffers():  # a buffer hook of the user's: one broadcast each
                         dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
         state = self.state()
         modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}

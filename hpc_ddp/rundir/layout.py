@@ -8,7 +8,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     metrics.jsonl      step, loss, lr, samples/s (rank 0)
     tensorboard/       TensorBoard event files (metrics.tensorboard=true)
     wandb_id.txt       the W&B run every attempt resumes; wandb/ its local files (metrics.wandb=true)
-    snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business)
+    snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business); newest.json
+                       names the newest commit (hpc_ddp.rundir.newest)
     lock.json          which job holds the run now
     job.json           the job id (or the local launcher's pid) of the last submission
     DONE.json          written last when training finished (after the ledger's finished line): step,

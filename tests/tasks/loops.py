@@ -143,7 +143,8 @@ def batchnorm(run: Any) -> None:
 
 def _fault(rank: int, step: int, run: Any = None) -> None:
     """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt,
-    ("stopnode:NODE:STEP": every rank of that node, a frozen node)
+    ("stopnode:NODE:STEP": every rank of that node, a frozen node; "mute:RANK:STEP": that rank's liveness beats
+    stop from that step on while it trains, a false alarm)
     once the state of the step before has left for its buddy (the mirror's sender thread posts it about a
     millisecond after the boundary: a rank lost inside that window takes that step's state with it, by design,
     and a CI run caught rank 3 holding rank 1's step 21, not 22); "slow:-1:S": every step of every rank computes
@@ -154,9 +155,15 @@ def _fault(rank: int, step: int, run: Any = None) -> None:
     kind, at_rank, at_step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
     if kind == "slow":
         time.sleep(float(at_step))
+    if kind == "mute":  # "mute:RANK:STEP": a false alarm, steps long enough that it comes while the run goes on
+        time.sleep(0.02)
     first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
     if kind == "stopnode" and run is not None:  # "stopnode:NODE:STEP": every rank of that node freezes
         kind, at_rank = "stop", (rank if run.env.node_rank == int(at_rank) else -1)
+    if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind == "mute":
+        from hpc_ddp.rank import liveness  # this rank's beats stop (its thread starved), its training goes on
+
+        liveness.Liveness.beat = lambda self: None  # type: ignore[method-assign]
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
         if run is not None and run.mirror is not None:
             run.mirror.wait_sent(step - 1, 5.0)
