@@ -192,12 +192,12 @@ def b9_on_slurm(scratch: Path, megabytes: float) -> dict[str, Any]:
     return b9_slurm(scratch, megabytes, 3, 2, {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)})
 
 
-def b11_lost(scratch: Path, trials: int, per_rank: bool = False) -> dict[str, Any]:
+def b11_lost(scratch: Path, trials: int, per_rank: bool = False, batchnorm: bool = False) -> dict[str, Any]:
     """B11 (benchmarks/lost.py): steps lost per failure at random points, with the survivors' snapshot (and with
-    per_rank objects mirrored to a buddy)."""
+    per_rank objects mirrored to a buddy, or a BatchNorm model losing node 0 or node 1)."""
     from benchmarks.lost import b11
 
-    return b11(scratch, trials, per_rank=per_rank, compute_s=0.1 if per_rank else 0.0)
+    return b11(scratch, trials, per_rank=per_rank, compute_s=0.1 if per_rank else 0.0, batchnorm=batchnorm)
 
 
 def b13_recovery(scratch: Path, sizes: tuple[int, ...]) -> dict[str, Any]:
@@ -381,7 +381,8 @@ def table(results: dict[str, Any]) -> str:
                 f"{row['spread_s']} s, as before (one level) {row.get('flat_spread_s', '-')} s, every rank "
                 f"{row['every_rank_s']} s; a save's object bytes per non-zero rank "
                 f"{row['save_object_bytes_per_nonzero_rank']} | {s['target']} | {mark(s)} |")
-    for key, what in (("B11", ""), ("B11-PER-RANK", ", per_rank objects mirrored to a buddy, 0.1 s of compute a step")):
+    for key, what in (("B11", ""), ("B11-PER-RANK", ", per_rank objects mirrored to a buddy, 0.1 s of compute a step"),
+                      ("B11-BN", ", DDP with BatchNorm (buffers in params_sha256), node 0 or node 1 lost in turn")):
         if key not in b:
             continue
         s = b[key]
@@ -446,7 +447,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B12,B13",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -477,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B9-SLURM", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
                  ("B10", b10_healing), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
                  ("B11-PER-RANK", lambda: b11_lost(scratch, 4 if quick else 30, per_rank=True)),
+                 ("B11-BN", lambda: b11_lost(scratch, 4 if quick else 20, batchnorm=True)),
                  ("B12", lambda: b12_control_plane(quick)),
                  ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000)))]
         for name, run in steps:

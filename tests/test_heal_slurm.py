@@ -159,49 +159,40 @@ PER_RANK = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_
 def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm_cluster: ClusterSpec,
                                                                              tmp_path: Path) -> None:
     """Issue 35 on the real cluster: an own loop with dropout and per_rank objects, no periodic snapshot. Rank 1
-    (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed, or frozen with SIGSTOP, in step 23: the
-    survivors' snapshot holds step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the
-    local rehearsal, every rank's own state included."""
-    def run(name: str, fault: str, *options: str) -> Path:
-        return _per_rank_run(tmp_path / name, fault, *options)
-
-    reference = run("reference", "")
-    for fault, options in (("kill:1:23", ()), ("stop:1:23", ("dist.liveness_s=6",))):
-        run_dir = run(fault.split(":")[0], fault, "slurm.spare_nodes=1", *options)
-        attempts = read_attempts(run_dir)
-        assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
-        assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, (fault, attempts)
-        manifest = json.loads((run_dir / "snapshots" / "step-00000022" / "manifest.json").read_text())
-        assert manifest["jit"]["per_rank_from"]["1"] == 3, manifest["jit"]  # rank 1's buddy
-        assert losses(run_dir) == losses(reference)
-        assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
+    (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed in step 23: the survivors' snapshot holds
+    step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the local rehearsal, every
+    rank's own state included. Then issue 44's frozen node at 2 x 2: every rank of node 1 SIGSTOPped at the
+    default dist.liveness_s (:func:`_frozen_node_healed`)."""
+    reference = _per_rank_run(tmp_path / "reference", "")
+    killed = _per_rank_run(tmp_path / "kill", "kill:1:23", "slurm.spare_nodes=1")
+    attempts = read_attempts(killed)
+    assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
+    assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, attempts
+    manifest = json.loads((killed / "snapshots" / "step-00000022" / "manifest.json").read_text())
+    assert manifest["jit"]["per_rank_from"]["1"] == 3, manifest["jit"]  # rank 1's buddy
+    assert losses(killed) == losses(reference)
+    assert json.loads((killed / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
+    _frozen_node_healed(tmp_path / "frozen", reference, per_node=2, node=1)
 
 
-def _per_rank_run(run_dir: Path, fault: str, *options: str) -> Path:
-    """The PER_RANK own loop: rehearsed locally without a fault, submitted to the cluster with one."""
-    local = ["--local"] if not fault else []
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *PER_RANK, *options, *local,
-                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "HPC_DDP_TEST_FAULT": fault})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    if fault:
-        wait_done(run_dir)
-    return run_dir
+def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_per_node(
+        slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+    """Issue 44 at 2 x 3: node 0 frozen, rank 0 with it; the detector (rank 5) is not the buddy of any frozen
+    rank (:func:`_frozen_node_healed`)."""
+    geometry = "slurm.tasks_per_node=3"
+    reference = _per_rank_run(tmp_path / "reference", "", geometry)
+    _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0, options=(geometry,))
 
 
-@pytest.mark.parametrize("per_node, node", [(2, 1), (3, 0)], ids=["2x2-node1", "2x3-node0-rank0"])
-def test_a_frozen_node_heals_from_the_survivors_snapshot_bit_identical(slurm_cluster: ClusterSpec, tmp_path: Path,
-                                                                       per_node: int, node: int) -> None:
+def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int, options: tuple[str, ...] = ()
+                        ) -> None:
     """Issue 44: every rank of one node SIGSTOPped at the start of step 23 (a frozen node: no socket closes, srun
     sees nothing), default dist.liveness_s, per_rank state, no periodic snapshot, a spare. One rank of another
     node finds the node's first rank silent and declares it; every survivor hears the declaration, writes what
     it holds and exits, so the frozen ranks' buddies give their per-rank state although no peer of theirs
-    exited. At 2x3 with node 0 frozen, rank 0 is lost, and the detector (rank 5) is not its buddy. The run
-    resumes from step 22 (the last logged step) and ends bit-identical to the rehearsal, every rank's own
-    state included."""
-    geometry = f"slurm.tasks_per_node={per_node}"
-    reference = _per_rank_run(tmp_path / "reference", "", geometry)
-    run_dir = _per_rank_run(tmp_path / "frozen", f"stopnode:{node}:23", geometry, "slurm.spare_nodes=1")
+    exited. The run resumes from step 22 (the last logged step) and ends bit-identical to the rehearsal, every
+    rank's own state included."""
+    _per_rank_run(run_dir, f"stopnode:{node}:23", *options, "slurm.spare_nodes=1")
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     frozen = list(range(node * per_node, (node + 1) * per_node))
@@ -216,6 +207,18 @@ def test_a_frozen_node_heals_from_the_survivors_snapshot_bit_identical(slurm_clu
     assert manifest["jit"]["writer"] not in frozen, manifest["jit"]
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
+
+
+def _per_rank_run(run_dir: Path, fault: str, *options: str) -> Path:
+    """The PER_RANK own loop: rehearsed locally without a fault, submitted to the cluster with one."""
+    local = ["--local"] if not fault else []
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *PER_RANK, *options, *local,
+                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "HPC_DDP_TEST_FAULT": fault})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if fault:
+        wait_done(run_dir)
+    return run_dir
 
 
 def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cluster: ClusterSpec,
