@@ -27,7 +27,8 @@ from hpc_ddp.rank.liveness import Beat, Judge, Liveness, decode, effective, enco
 from hpc_ddp.rundir.losses import lost_ranks
 from hpc_ddp.rehearsal.local_inject import freeze_problem, unfired
 from hpc_ddp.rundir.ledger import read_attempts
-from tests.helpers import alive_with, losses, wait_until
+from tests.helpers import alive_with, wait_until
+from tests.helpers import losses as logged_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 LIVENESS_S = 3
@@ -323,6 +324,6 @@ def test_a_false_alarm_commits_nothing_torn_and_the_run_ends_as_if_uninterrupted
     resumed = attempts[1]["resumed_from"]
     jit = attempts[0].get("jit_snapshot")
     assert jit is None or jit["step"] == resumed, attempts[0]  # the survivors' snapshot, if any, is resumed from
-    assert losses(run_dir) == losses(tmp_path / "reference")
+    assert logged_losses(run_dir) == logged_losses(tmp_path / "reference")
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads(
         (tmp_path / "reference" / "DONE.json").read_text())
