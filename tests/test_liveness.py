@@ -310,7 +310,7 @@ def test_a_false_alarm_commits_nothing_torn_and_the_run_ends_as_if_uninterrupted
     it lost, and every rank writes what it holds from its liveness thread while its training thread still runs.
     Whatever is committed must be a whole step, equal to the uninterrupted run's state at that step: the resumed
     run's losses and final state (every rank's own included) are the reference's."""
-    program = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=400",
+    program = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=200",
                "train.log_every=1", "snapshot.every_steps=100", "snapshot.every_minutes=null",
                "slurm.tasks_per_node=2", "slurm.spare_nodes=1", "slurm.max_restarts_in_job=3"]
     reference = rehearse(tmp_path / "reference", *program, env={"HPC_DDP_TEST_FAULT": "mute:-1:-1"})
