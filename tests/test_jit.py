@@ -411,6 +411,43 @@ def test_a_survivors_snapshot_written_while_the_training_thread_goes_on_is_never
     assert state["step"] == 7 and all(torch.equal(state["model"][k], v) for k, v in at_7.items())
 
 
+class _BroadcastsBuffers(torch.nn.Module):
+    """Stands for DistributedDataParallel(broadcast_buffers=True) in a unit test: no process group."""
+    broadcast_buffers = True
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)  # type: ignore[no-any-return]
+
+
+def test_rank_0_lost_before_the_boundarys_buffer_broadcast_leaves_no_step_to_write_but_a_fallback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B11-BN caught it (1 trial of 20 not bit-identical): rank 0 was killed inside boundary 25, after the
+    survivors marked step 25 and before DDP's broadcast made rank 0's BatchNorm statistics theirs. A survivor
+    then wrote step 25 with its own statistics, a mixture. Now no survivor writes that step (the run falls back
+    and says why); once the broadcast finished, the step is whole on every rank and is written."""
+    from hpc_ddp.rank import jit
+
+    monkeypatch.setattr(jit, "DistributedDataParallel", _BroadcastsBuffers)
+    torch.manual_seed(0)
+    model = _BroadcastsBuffers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = _one_rank_run(tmp_path / "unsynced", model, optimizer)
+    _train_step(model, optimizer)
+    run.held.mark(25)  # rank 1's own statistics: rank 0's broadcast never came
+    offer = jit.after_failure(run, RuntimeError("peer lost"))
+    assert offer["source"] is False and "mix this rank's own statistics" in offer["why"], offer
+    assert snapshot.committed_steps(run.run_dir) == [] and not snapshot.step_dir(run.run_dir, 25).exists()
+
+    run = _one_rank_run(tmp_path / "synced", model, optimizer)
+    run.held.mark(25)
+    run.held.synced()  # the broadcast finished: these statistics are rank 0's
+    assert jit.after_failure(run, RuntimeError("peer lost"))["outcome"] == "committed step 25"
+
+
 def test_one_failure_handler_per_process_whichever_thread_comes_first() -> None:
     """The training, liveness and watchdog threads may each start the survivors' snapshot: the first writes, a
     later one waits for it and returns what it did, and never writes the same files over it."""

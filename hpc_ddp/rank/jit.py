@@ -122,23 +122,22 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         synced = run.held.buffers_synced  # rank 0's buffers on every rank (rank/held.py)
         held = run.held.whole() if reason is None else reason
         if isinstance(held, str):
-            offer.update(source=False, why=held)
-            jit_files.offer(folder, env.rank, offer)
-            log.warning("no just-in-time snapshot from this rank: %s", held)
-            if mirror is not None:  # its per-rank states may be what another survivor's snapshot lacks
-                offer.update(outcome=jit_commit.complete(run, folder))
-                jit_files.offer(folder, env.rank, offer)
-            return offer
+            return _no_source(run, folder, offer, held)
         step, state = held
         skip = {} if synced else {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
                                   if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers
                                   and env.world_size > 1}
+        if any(skip.values()) and env.rank != 0 and not _buffers_source_holds(folder, step):
+            return _no_source(run, folder, offer, (
+                f"rank 0's DDP buffers (BatchNorm's running statistics) of step {step} are not on this rank (the "
+                f"boundary's broadcast of them had not finished) and rank 0 offers no step {step}: a snapshot "
+                "from here would mix this rank's own statistics into the run"))
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
         jit_files.offer(folder, env.rank, offer)
         latest = _latest_commit(run.run_dir)
         if latest is not None and latest >= step:
             offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, latest, offer))
-        elif any(skip.values()) and env.rank != 0 and _buffers_source_holds(folder, step):
+        elif any(skip.values()) and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
         elif not jit_files.claim(folder, step):
@@ -211,12 +210,25 @@ def _latest_commit(run_dir: Path) -> int | None:
     return steps[0] if steps else None
 
 
+def _no_source(run: Any, folder: Path, offer: dict[str, Any], why: str) -> dict[str, Any]:
+    """This rank holds no step it may write: say why; with a mirror, its per-rank states may still be what
+    another survivor's snapshot lacks."""
+    offer.update(source=False, why=why)
+    jit_files.offer(folder, run.env.rank, offer)
+    log.warning("no just-in-time snapshot from this rank: %s", why)
+    if getattr(run, "mirror", None) is not None:
+        offer.update(outcome=jit_commit.complete(run, folder))
+        jit_files.offer(folder, run.env.rank, offer)
+    return offer
+
+
 def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S) -> bool:
     """Whether rank 0 offers the same step (waiting up to ``wait_s`` for its offer). DDP broadcasts rank 0's
     buffers (BatchNorm's running statistics) at every forward, so rank 0's are the step's: a periodic snapshot
     holds them, and a survivors' snapshot written by another rank would hold that rank's own and the resumed
     run would drift from one never stopped. Rank 0 then writes it (a stop that broke a step leaves every rank
-    alive); when rank 0 was lost, another survivor writes its own after the wait."""
+    alive). Only where the boundary's broadcast had not finished (rank/held.py ``buffers_synced``): when rank 0
+    was lost then, nobody writes that step, and the run falls back rather than resume from a mixture."""
     deadline = time.monotonic() + wait_s
     while True:
         found = next((o for o in jit_files.offers(folder, 1) if o.get("rank") == 0), None)

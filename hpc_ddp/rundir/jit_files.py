@@ -133,8 +133,11 @@ def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job:
     for step, manifest in committed(Path(run_dir)):  # the manifest is the commit: it, not an offer, decides
         record = manifest.get("jit")
         if isinstance(record, dict) and record.get("attempt") == where.name:
+            committer = record.get("committer")  # with per_rank state, whoever completed the set (may differ)
             return {"jit_snapshot": {"step": step, "writer": record.get("writer"), "host": record.get("host"),
-                                     "took_s": record.get("took_s")}}
+                                     "took_s": record.get("took_s"),
+                                     **({"committer": committer} if committer not in (None, record.get("writer"))
+                                        else {})}}
     try:
         names = sorted(p.name for p in where.glob("rank-*.json"))
     except OSError:
