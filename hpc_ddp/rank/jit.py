@@ -124,15 +124,17 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         if isinstance(held, str):
             return _no_source(run, folder, offer, held)
         step, state = held
-        skip = {} if synced else {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
-                                  if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers
-                                  and env.world_size > 1}
+        broadcast = {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
+                     if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
+        skip = {} if synced else broadcast  # this rank's buffers are its own, not rank 0's
         if any(skip.values()) and env.rank != 0 and not _buffers_source_holds(folder, step):
             return _no_source(run, folder, offer, (
                 f"rank 0's DDP buffers (BatchNorm's running statistics) of step {step} are not on this rank (the "
                 f"boundary's broadcast of them had not finished) and rank 0 offers no step {step}: a snapshot "
                 "from here would mix this rank's own statistics into the run"))
-        offer.update(source=True, step=step, fingerprint=fingerprint(state, step, skip))
+        # never over the broadcast buffers: a survivor whose boundary broadcast had finished and one whose had not
+        # hold the same step with other statistics; which of them may write is decided above, not by a mismatch
+        offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
         jit_files.offer(folder, env.rank, offer)
         latest = _latest_commit(run.run_dir)
         if latest is not None and latest >= step:
