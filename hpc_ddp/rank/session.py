@@ -160,7 +160,10 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     shared = environ.get(CONTROL_GROUP_VAR) == "shared"  # tests: the control traffic on a gloo training group
     if env.is_main and not attempt.wrapped:  # before the rendezvous: no node looks for it before it exists
-        newest.create(attempt.run_dir)
+        try:
+            newest.create(attempt.run_dir)
+        except OSError as err:  # a full or read-only run dir fails where it matters, with its own message
+            log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
     with beating(attempt), process_group(env, cfg.dist, peer_error, dumps=dumps,
                                          own_control_group=False if shared else None) as device:
         import torch.distributed as dist
