@@ -2,7 +2,9 @@
 
 Write to a temporary name beside the target, fsync it, rename it over the target,
 fsync the directory. A crash at any point leaves either the old file or the new one.
-No torch.
+And the other way, for a small record other nodes read by name again and again (a liveness beat, the
+declaration of a lost rank, the newest commit): rewritten in place, one fixed width, so the name never
+points at another file. No torch.
 """
 
 from __future__ import annotations
@@ -50,3 +52,16 @@ def write_atomic(path: Path, data: bytes | memoryview | str | Callable[[BinaryIO
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def rewrite_in_place(path: Path, data: bytes, sync: bool = False) -> None:
+    """Overwrite the start of ``path`` (created if missing) with ``data``, which has the record's fixed width. A
+    rename would give the name a new file, which a node that cached the old one may not see (NFS); the same
+    file rewritten is read anew at every open (close-to-open). ``sync``: fsync before returning."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rundir import layout, losses
-from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.core.atomic import rewrite_in_place, write_atomic
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
 from hpc_ddp.rundir.ledger import attempt_tag, crash_marker
 
@@ -241,14 +241,10 @@ class Liveness:
         path = layout.beat(self.run_dir, self.rank)
         try:
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                rewrite_in_place(path, encode(beat))
             except FileNotFoundError:  # the first beat of the run dir
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                os.pwrite(fd, encode(beat), 0)
-            finally:
-                os.close(fd)
+                rewrite_in_place(path, encode(beat))
         except OSError as err:
             if not self._warned:
                 self._warned = True
@@ -258,11 +254,8 @@ class Liveness:
 
     def _write_declaration(self, record: dict[str, Any]) -> None:
         """In place, one fixed width (a second declarer overwrites the first whole); created if rank 0 had not."""
-        fd = os.open(layout.declared(self.run_dir), os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.pwrite(fd, (json.dumps(record, sort_keys=True).ljust(4 * WIDTH - 1) + "\n").encode(), 0)
-        finally:
-            os.close(fd)
+        rewrite_in_place(layout.declared(self.run_dir),
+                         (json.dumps(record, sort_keys=True).ljust(4 * WIDTH - 1) + "\n").encode())
 
     def _read(self, rank: int) -> Beat | None:
         try:

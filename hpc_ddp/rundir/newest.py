@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.core import atomic
 from hpc_ddp.rundir import layout, view
 
 NAME = "newest.json"
@@ -41,12 +42,7 @@ def create(run_dir: Path | str) -> None:
 def publish(run_dir: Path | str, step: int, attempt: str | None = None) -> None:
     """After a commit: name its step (in place, one fixed width; created if rank 0 had not)."""
     record = json.dumps({"step": step, **({"attempt": attempt} if attempt else {})}, sort_keys=True)
-    fd = os.open(path(run_dir), os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, (record.ljust(WIDTH - 1)[:WIDTH - 1] + "\n").encode(), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic.rewrite_in_place(path(run_dir), (record.ljust(WIDTH - 1)[:WIDTH - 1] + "\n").encode(), sync=True)
 
 
 def read(run_dir: Path | str) -> dict[str, Any] | None:
