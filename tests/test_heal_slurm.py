@@ -177,8 +177,9 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm
 
 def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_per_node(
         slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    """Issue 44 at 2 x 3: node 0 frozen, rank 0 with it; the detector (rank 5) is not the buddy of any frozen
-    rank (:func:`_frozen_node_healed`)."""
+    """Issue 44 at 2 x 3: node 0 frozen, rank 0 with it. Node 1's first rank (rank 3) declares it; ranks 4 and 5,
+    the buddies of ranks 1 and 2, hear it through their node's relay, not the run dir (issue 45)
+    (:func:`_frozen_node_healed`)."""
     geometry = "slurm.tasks_per_node=3"
     reference = _per_rank_run(tmp_path / "reference", "", geometry)
     _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0, options=(geometry,))
@@ -188,7 +189,7 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
                         ) -> None:
     """Issue 44: every rank of one node SIGSTOPped at the start of step 23 (a frozen node: no socket closes, srun
     sees nothing), default dist.liveness_s, per_rank state, no periodic snapshot, a spare. One rank of another
-    node finds the node's first rank silent and declares it; every survivor hears the declaration, writes what
+    node finds the node's beat silent and declares every rank on it; every survivor hears the declaration, writes what
     it holds and exits, so the frozen ranks' buddies give their per-rank state although no peer of theirs
     exited. The run resumes from step 22 (the last logged step) and ends bit-identical to the rehearsal, every
     rank's own state included."""
@@ -196,7 +197,7 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     frozen = list(range(node * per_node, (node + 1) * per_node))
-    assert attempts[0]["lost_ranks"] == [frozen[0]], attempts[0]  # the one its watcher on another node saw
+    assert attempts[0]["lost_ranks"] == frozen, attempts[0]  # the node before it declares the node, every rank on it
     assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, attempts
     manifest = json.loads((run_dir / "snapshots" / "step-00000022" / "manifest.json").read_text())
     world = 2 * per_node

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import beats, layout
 from hpc_ddp.core import codes
 from hpc_ddp.rank import liveness
 from hpc_ddp.rundir import losses
@@ -98,7 +98,7 @@ def test_an_unreadable_beat_after_good_ones_is_silence_not_a_reset() -> None:
 
 def test_beats_have_one_width_and_decode_only_for_their_attempt() -> None:
     raw = encode(Beat("job-7-restart-0", 3, "node1", 12, wall=1.5))
-    assert len(raw) == liveness.WIDTH == len(encode(Beat("job-7-restart-0", 3, "node1", 10**9, left=True)))
+    assert len(raw) == beats.WIDTH == len(encode(Beat("job-7-restart-0", 3, "node1", 10**9, left=True)))
     assert decode(raw, "job-7-restart-0") == Beat("job-7-restart-0", 3, "node1", 12, False, 1.5)
     assert decode(raw, "job-7-restart-1") is None  # an older attempt's beat: not this attempt's peer
     assert decode(raw[:40], "job-7-restart-0") is None and decode(b"", "job-7-restart-0") is None
@@ -129,7 +129,7 @@ def test_the_host_is_the_slurm_node_name() -> None:
 
 def pair(run_dir: Path, clock: Clock, lost: list[str], in_job: int = 0) -> tuple[Liveness, Liveness]:
     return tuple(Liveness(run_dir, 7, 0, in_job, rank, 2, f"node{rank}", LIVENESS_S, on_lost=lost.append,
-                          clock=clock) for rank in (0, 1))  # type: ignore[return-value]
+                          clock=clock, node_base=run_dir / "node-local") for rank in (0, 1))  # type: ignore[return-value]
 
 
 def test_a_silent_peer_is_declared_lost_with_a_marker_that_names_it_and_its_host(tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_a_silent_peer_is_declared_lost_with_a_marker_that_names_it_and_its_host
         "lost_ranks": [1], "lost_hosts": ["node1"], "message": losses.describe(tmp_path, 7, 0)}
     assert (tmp_path / "errors" / "job-7-restart-0-crash-rank-1.txt").exists()  # for a train.script's workers
     # the watcher said it leaves: its own watcher never takes it for lost
-    assert decode(layout.beat(tmp_path, 0).read_bytes(), "job-7-restart-0").left  # type: ignore[union-attr]
+    assert decode(beats.node_beat(tmp_path, 0).read_bytes(), "job-7-restart-0").left  # type: ignore[union-attr]
     assert lost_ranks(tmp_path, 7, 1, 0) == {} and lost_ranks(tmp_path, 7, 0, 1) == {}  # other attempts
 
 
@@ -167,7 +167,7 @@ def test_a_peer_that_left_is_not_lost_and_nobody_is_watched_after(tmp_path: Path
     for _ in range(40):
         clock.now += 0.5
         assert watcher.check() is None
-    assert not lost and lost_ranks(tmp_path, 7, 0, 0) == {} and watcher.peer == watcher.rank
+    assert not lost and lost_ranks(tmp_path, 7, 0, 0) == {} and watcher.node_peer == watcher.place.node
 
 
 def test_a_peer_of_an_earlier_attempt_is_not_judged(tmp_path: Path) -> None:
@@ -185,11 +185,12 @@ def test_the_thread_beats_and_declares_a_frozen_peer_lost(tmp_path: Path) -> Non
     """The real thread and clock: a peer whose thread stops without a last beat (as a frozen process's does)."""
     lost: list[str] = []
     found = threading.Event()
-    watcher = Liveness(tmp_path, 8, 0, 0, 0, 2, "node0", 1, on_lost=lambda m: (lost.append(m), found.set()))
-    peer = Liveness(tmp_path, 8, 0, 0, 1, 2, "node1", 1, on_lost=lost.append)
+    watcher = Liveness(tmp_path, 8, 0, 0, 0, 2, "node0", 1, on_lost=lambda m: (lost.append(m), found.set()),
+                       node_base=tmp_path / "node-local")
+    peer = Liveness(tmp_path, 8, 0, 0, 1, 2, "node1", 1, on_lost=lost.append, node_base=tmp_path / "node-local")
     peer.start()
     watcher.start()
-    assert wait_until(lambda: watcher.judge.count is not None and watcher.judge.count >= 3, timeout=30, poll=0.05)
+    assert wait_until(lambda: watcher.node_judge.count is not None and watcher.node_judge.count >= 3, timeout=30, poll=0.05)
     assert not lost
     peer._stopped.set()  # frozen: no more beats, no last one
     assert found.wait(timeout=30) and lost_ranks(tmp_path, 8, 0, 0) == {1: "node1"}
@@ -205,8 +206,8 @@ def test_every_survivor_hears_the_declaration_and_writes_what_it_holds_before_it
     heard: dict[int, list[str]] = {1: [], 2: [], 3: []}
     wrote: list[int] = []
     ranks = [Liveness(tmp_path, 7, 0, 0, r, 4, f"node{r}", LIVENESS_S, clock=clock, on_lost=heard.get(r, []).append,
-                      on_heard=heard.get(r, []).append) for r in range(4)]
-    old = Liveness(tmp_path, 7, 0, 1, 3, 4, "node3", LIVENESS_S, clock=clock)  # another attempt of the same run
+                      on_heard=heard.get(r, []).append, node_base=tmp_path / "node-local") for r in range(4)]
+    old = Liveness(tmp_path, 7, 0, 1, 3, 4, "node3", LIVENESS_S, clock=clock, node_base=tmp_path / "node-local")  # another attempt of the same run
     for rank in ranks:
         rank.before_exit = lambda message, r=rank.rank: wrote.append(r)  # type: ignore[misc]
         rank._thread.start = lambda: None  # type: ignore[method-assign]  # the test turns the periods
@@ -228,7 +229,7 @@ def test_every_survivor_hears_the_declaration_and_writes_what_it_holds_before_it
     for rank in ranks[1:3]:
         rank.check()
     assert wrote == [3, 1, 2] and all("rank 3 declared rank 0 on node0 lost" in heard[r][0] for r in (1, 2))
-    assert all(decode(layout.beat(tmp_path, r).read_bytes(), "job-7-restart-0").left for r in (1, 2, 3))  # type: ignore[union-attr]
+    assert all(decode(beats.node_beat(tmp_path, r).read_bytes(), "job-7-restart-0").left for r in (1, 2, 3))  # type: ignore[union-attr]
 
 
 # --- the config ---
@@ -299,7 +300,7 @@ def test_a_rank0_evaluation_longer_than_liveness_s_is_slow_not_lost(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [a["reason"] for a in read_attempts(run_dir)] == ["finished"]
     assert not list((run_dir / "errors").glob("*-lost-rank-*")) and "is lost" not in proc.stderr
-    raw = [json.loads(layout.beat(run_dir, rank).read_text()) for rank in (0, 1)]
+    raw = [json.loads(beats.node_beat(run_dir, rank).read_text()) for rank in (0, 1)]
     assert [b["state"] for b in raw] == ["left", "left"]  # both left cleanly
     assert all(b["count"] > 3 * LIVENESS_S / liveness.period(LIVENESS_S) for b in raw)  # they beat all along
 
@@ -327,3 +328,115 @@ def test_a_false_alarm_commits_nothing_torn_and_the_run_ends_as_if_uninterrupted
     assert logged_losses(run_dir) == logged_losses(tmp_path / "reference")
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads(
         (tmp_path / "reference" / "DONE.json").read_text())
+
+
+# --- per node, not per rank (issue 45) ---
+
+class RunDirOpens:
+    """Every open under one folder, counted through Python's audit hook (open, os.open): what the file server
+    of a shared run dir would see, whatever code path made it."""
+
+    hooked: list[RunDirOpens] = []
+    installed = False  # an audit hook cannot be removed: one for the process, whatever the counters
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.count, self.on = str(folder), 0, False
+        if not RunDirOpens.installed:
+            sys.addaudithook(lambda event, args: RunDirOpens._seen(event, args))
+            RunDirOpens.installed = True
+        RunDirOpens.hooked.append(self)
+
+    @staticmethod
+    def _seen(event: str, args: tuple) -> None:
+        if event == "open" and args and isinstance(args[0], (str, os.PathLike)):
+            for counter in RunDirOpens.hooked:
+                if counter.on and os.fspath(args[0]).startswith(counter.folder):
+                    counter.count += 1
+
+    def close(self) -> None:
+        RunDirOpens.hooked.remove(self)
+
+
+def node_of_ranks(run_dir: Path, nodes: int, per_node: int, clock: Clock, heard: dict[int, list[str]],
+                  wrote: list[int]) -> list[Liveness]:
+    ranks = []
+    for rank in range(nodes * per_node):
+        node, local = divmod(rank, per_node)
+        live = Liveness(run_dir, 7, 0, 0, rank, nodes * per_node, f"n{node}", LIVENESS_S, clock=clock,
+                        place=liveness.Place(local, per_node, node, nodes), node_base=run_dir.parent / "node-local",
+                        on_lost=heard.setdefault(rank, []).append, on_heard=heard[rank].append)
+        live.before_exit = lambda message, r=rank: wrote.append(r)  # type: ignore[misc]
+        live._thread.start = lambda: None  # type: ignore[method-assign]  # the test turns the periods
+        ranks.append(live.start())
+    for live in ranks:
+        live.listen()
+    return ranks
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 4])
+def test_the_run_dir_sees_one_beat_file_and_three_opens_per_node_a_period_at_any_ranks_per_node(
+        tmp_path: Path, per_node: int) -> None:
+    """Every rank beats on its node; only each node's first rank writes to the run dir (its node's beat) and
+    reads it (the next node's beat, the declaration): what the shared filesystem sees per period is O(nodes)
+    and flat in the ranks per node."""
+    run_dir, clock = tmp_path / "run", Clock()
+    ranks = node_of_ranks(run_dir, 3, per_node, clock, {}, [])
+    counter = RunDirOpens(run_dir)
+    try:
+        counter.on = True
+        for _ in range(10):
+            for live in ranks:
+                assert live.check() is None
+            clock.now += 0.5
+        counter.on = False
+    finally:
+        counter.close()
+    assert counter.count == 10 * 3 * 3  # periods x nodes x (write own beat, read the next node's, the declaration)
+    assert sorted(p.name for p in (run_dir / "liveness").iterdir()) == [
+        "declared.json", "node-0.json", "node-1.json", "node-2.json"]
+    node1 = decode(beats.node_beat(run_dir, 1).read_bytes(), "job-7-restart-0")
+    assert node1 is not None and node1.ranks == tuple(range(per_node, 2 * per_node)) and node1.host == "n1"
+
+
+def test_a_frozen_rank_of_a_live_node_is_found_on_its_node_and_named_by_rank(tmp_path: Path) -> None:
+    """Rank 3 (node 1's second rank) freezes while node 1's first rank beats on for the node: node 1's first rank
+    watches it on the node, names rank 3 alone, and every survivor hears it: another node's ranks through their
+    first rank, which relays the run dir's declaration on its node."""
+    run_dir, clock, heard, wrote = tmp_path / "run", Clock(), {}, []
+    ranks = node_of_ranks(run_dir, 3, 2, clock, heard, wrote)
+    for _ in range(4):
+        for live in ranks:
+            live.check()
+        clock.now += 0.5
+    while not heard[2]:
+        for live in ranks[:3] + ranks[4:]:
+            if not live._left:
+                live.check()
+        clock.now += 0.5
+    assert "rank 2: rank 3 on n1 is lost: no liveness beat for 3s" in heard[2][0]
+    assert lost_ranks(run_dir, 7, 0, 0) == {3: "n1"}
+    for _ in range(2):  # leaders hear the run dir's declaration in one period, their node's ranks in the next
+        for live in ranks[:3] + ranks[4:]:
+            if not live._left:
+                live.check()
+    assert sorted(wrote) == [0, 1, 2, 4, 5] and all("rank 2 declared rank 3 on n1 lost" in heard[r][0]
+                                                     for r in (0, 1, 4, 5))
+
+
+def test_a_whole_frozen_node_is_declared_with_every_rank_on_it_by_the_node_before_it(tmp_path: Path) -> None:
+    run_dir, clock, heard, wrote = tmp_path / "run", Clock(), {}, []
+    ranks = node_of_ranks(run_dir, 3, 2, clock, heard, wrote)
+    for _ in range(4):
+        for live in ranks:
+            live.check()
+        clock.now += 0.5
+    while not heard[2]:  # node 2 (ranks 4 and 5) freezes; node 1's first rank watches it
+        for live in ranks[:4]:
+            if not live._left:
+                live.check()
+        clock.now += 0.5
+    assert "rank 2: ranks 4, 5 on n2 (node 2, every rank on it) are lost" in heard[2][0]
+    assert lost_ranks(run_dir, 7, 0, 0) == {4: "n2", 5: "n2"}
+    assert losses.describe(run_dir, 7, 0).startswith("ranks 4, 5 on n2 lost (no liveness beat for 3")
+    assert losses.ledger_fields(run_dir, 7, 0)["lost_ranks"] == [4, 5]
+    assert len(list((run_dir / "errors").glob("*-lost-rank-*"))) == 1  # one marker for the node

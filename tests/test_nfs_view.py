@@ -64,10 +64,9 @@ def test_a_node_that_looked_before_the_commit_finds_it_keeps_it_and_blames_the_f
 
     # node A, t=5: rank 2's liveness thread declares rank 4 (node n3) lost, and the survivors commit step 22
     clock.now = 5.0
-    detector = Liveness(run_dir, 7, 0, 0, 3, 8, "n2", 6.0, on_lost=lambda message: None, clock=clock)
-    detector.peer = 4
-    detector.judge.last = Beat(TAG, 4, "n3", 41)
-    detector._declare(6.5)
+    detector = Liveness(run_dir, 7, 0, 0, 3, 8, "n2", 6.0, on_lost=lambda message: None, clock=clock,
+                        node_base=tmp_path / "node-local")
+    detector._declare(6.5, [4], Beat(TAG, 4, "n3", 41))
     _commit(run_dir, 22, jit={"attempt": TAG, "writer": 2})
     for path in (*step_22.iterdir(), step_22):  # node A's files are as old as the failure, not this test
         os.utime(path, (time.time() - 5, time.time() - 5))

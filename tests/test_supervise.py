@@ -293,20 +293,22 @@ def test_a_step_a_stop_broke_without_a_ledger_line_is_that_stop_never_a_failure(
 
 
 def test_the_first_steps_nodes_come_from_its_beats_when_it_left_no_line(tmp_path: Path) -> None:
-    """A step that lost a node writes no ledger line, and sacct may not have its record yet: the first rank of
-    each node says where it beat (attempt tag and host, opened by name), in node order; another attempt's
-    beats, or none, say nothing."""
-    from hpc_ddp.rundir import layout
+    """A step that lost a node writes no ledger line, and sacct may not have its record yet: each node's beat
+    (``liveness/node-N.json``, written by its first rank for the node) says where it beat (attempt tag and
+    host, opened by name), in node order; another attempt's beats, or none, say nothing."""
+    from hpc_ddp.core.atomic import rewrite_in_place
+    from hpc_ddp.rundir import beats
     from hpc_ddp.shell.supervise import beat_hosts
 
-    def beat(rank: int, tag: str, host: str) -> None:
-        layout.beat(tmp_path, rank).parent.mkdir(parents=True, exist_ok=True)
-        layout.beat(tmp_path, rank).write_text(json.dumps({"attempt": tag, "rank": rank, "host": host}).ljust(200))
+    def beat(node: int, tag: str, host: str) -> None:
+        beats.node_beat(tmp_path, node).parent.mkdir(parents=True, exist_ok=True)
+        rewrite_in_place(beats.node_beat(tmp_path, node), beats.encode(beats.Beat(
+            tag, 2 * node, host, 1, node=node, ranks=(2 * node, 2 * node + 1))))
 
-    for rank, host in enumerate(["n2", "n2", "n4", "n4"]):
-        beat(rank, "job-7-restart-0", host)
-    assert beat_hosts(tmp_path, "job-7-restart-0", 2, 4) == ["n2", "n4"]  # stops at rank 4: no third node
-    assert beat_hosts(tmp_path, "job-7-restart-1", 2, 4) == []
-    beat(2, "job-7-restart-0-step-1", "n3")  # node 1's first rank beat for a later step: node 0 alone is known
-    assert beat_hosts(tmp_path, "job-7-restart-0", 2, 4) == ["n2"]
+    for node, host in enumerate(["n2", "n4"]):
+        beat(node, "job-7-restart-0", host)
+    assert beat_hosts(tmp_path, "job-7-restart-0", 4) == ["n2", "n4"]  # stops at node 2: no third node
+    assert beat_hosts(tmp_path, "job-7-restart-1", 4) == []
+    beat(1, "job-7-restart-0-step-1", "n3")  # node 1 beat for a later step: node 0 alone is known
+    assert beat_hosts(tmp_path, "job-7-restart-0", 4) == ["n2"]
 

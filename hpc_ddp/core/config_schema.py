@@ -68,7 +68,8 @@ class DistConfig:
                           "collectives' own timeout is 2 x this + 30 s.")
     liveness_s: Optional[float] = _doc(LIVENESS_S, "Seconds without a liveness beat after which a rank or node "
                                        "counts as lost (frozen, powered off): every rank beats from a side thread "
-                                       "to RUN_DIR/liveness/ (a long step or eval is not silence) and watches one "
+                                       "on its node (/dev/shm) and each node's first rank for the node to "
+                                       "RUN_DIR/liveness/ (a long step or eval is not silence); each watches one "
                                        "peer; the rank that sees the silence names the lost rank and its host in "
                                        "RUN_DIR/errors/ and ends the step (exit 6), which the batch shell heals. "
                                        "null or 0: off. It must be at most half of dist.timeout_s, or the hang "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,10 +26,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.rundir import jit_files, losses
+from hpc_ddp.rundir import beats, jit_files, losses
 from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
                                             node_ranks, ranks_text, signal_family, unfired)
@@ -253,7 +254,16 @@ def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int 
                     signal_family(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the loader workers too
 
 
-def rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+def rehearse(config_path: Path, run_dir: Path, *args: Any, **kwargs: Any) -> int:
+    """:func:`_rehearse`; then the simulated nodes' liveness folders on this machine (``/dev/shm``) go, a lost
+    node's included, as a real node's go with it."""
+    try:
+        return _rehearse(config_path, run_dir, *args, **kwargs)
+    finally:
+        shutil.rmtree(beats.run_folder(run_dir), ignore_errors=True)
+
+
+def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
              preempt_at: list[int], timeout_at: list[int], warning_signal: int, stream: IO[str] = sys.stdout,
              err: IO[str] = sys.stderr, fail_at: Sequence[tuple[int, int | None]] = (),
              freeze_at: Sequence[tuple[int, int | None]] = ()) -> int:

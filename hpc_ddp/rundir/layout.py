@@ -17,7 +17,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     model.pt           the final model's state_dict
     errors/            job-J-restart-N.txt: the full message of a deterministic error;
                        job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
-    liveness/          rank-K.json: rank K's newest beat (rewritten in place; hpc_ddp.liveness)
+    liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
+                       hpc_ddp.rundir.beats); declared.json: the last declaration of a loss
     logs/              the local rehearsal's per-rank logs
     slurm/             submitit's and the sbatch templates' job logs
 
@@ -114,15 +115,9 @@ def slurm_logs(run_dir: Path | str) -> Path:
     return Path(run_dir) / SLURM_LOGS
 
 
-def beat(run_dir: Path | str, rank: int) -> Path:
-    """Rank ``rank``'s beat file: one per rank, not per attempt (the attempt is in its content), so the run
-    dir never holds more of them than the largest world size."""
-    return Path(run_dir) / LIVENESS / f"rank-{rank}.json"
-
-
 def declared(run_dir: Path | str) -> Path:
     """The last declaration of a lost rank (:mod:`hpc_ddp.rank.liveness`): one file per run, rewritten in place, the
-    attempt inside. Every rank reads it by name each period; rank 0 creates it before the rendezvous, so no node
+    attempt inside. Each node's first rank reads it by name each period; rank 0 creates it before the rendezvous, so no node
     ever looked the name up before it existed (an NFS client would keep that answer for up to 30 s)."""
     return Path(run_dir) / LIVENESS / "declared.json"
 

@@ -39,22 +39,51 @@ def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: i
             record = json.loads(seen.read_bytes(pattern.parent / name))
         except (OSError, ValueError):
             record = {}
-        found[int(rank)] = record if isinstance(record, dict) else {}
+        record = record if isinstance(record, dict) else {}
+        for each in named_ranks(record) or [int(rank)]:  # a whole node's marker names every rank on it
+            found[each] = record
     declared = declaration(run_dir, tag)
-    if declared is not None and isinstance(declared.get("rank"), int) and not found.get(declared["rank"]):
-        found[declared["rank"]] = {k: v for k, v in declared.items() if k != "attempt"}
+    if declared is not None and isinstance(declared.get("rank"), int):
+        for each in named_ranks(declared):
+            if not found.get(each):
+                found[each] = {k: v for k, v in declared.items() if k != "attempt"}
     return dict(sorted(found.items()))
 
 
 def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
-    """The last declaration of a lost rank, if it is of the attempt ``tag`` (:mod:`hpc_ddp.rank.liveness` writes
-    it in place, padded: read up to the first whole JSON value)."""
+    """The last declaration of a lost rank or node, if it is of the attempt ``tag`` (:mod:`hpc_ddp.rank.liveness`
+    writes it in place, padded: read up to the first whole JSON value)."""
+    return declaration_in(layout.declared(run_dir), tag)
+
+
+def declaration_in(path: Path, tag: str) -> dict[str, Any] | None:
+    """A declaration in ``path``: the run dir's, or its relay on a node (:mod:`hpc_ddp.rundir.beats`)."""
     try:
-        text = view.current().read_bytes(layout.declared(run_dir)).decode().lstrip()
+        text = view.current().read_bytes(path).decode().lstrip()
         record, _ = json.JSONDecoder().raw_decode(text)
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return record if isinstance(record, dict) and record.get("attempt") == tag else None
+
+
+def padded(record: Mapping[str, Any]) -> bytes:
+    """A declaration as written in place: one fixed width, so a second declarer overwrites the first whole."""
+    text = json.dumps(record, sort_keys=True)
+    width = 1024 * (len(text) // 1024 + 1)
+    return (text.ljust(width - 1) + "\n").encode()
+
+
+def named_ranks(record: Mapping[str, Any]) -> list[int]:
+    """The ranks a marker or declaration names: ``ranks`` (a whole node) or ``rank``."""
+    ranks = record.get("ranks")
+    if isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
+        return list(ranks)
+    return [record["rank"]] if isinstance(record.get("rank"), int) else []
+
+
+def who(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 4, 5``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def lost_ranks(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int) -> dict[int, str]:
@@ -71,8 +100,13 @@ def describe(run_dir: Path, job_id: int | str | None, restart_count: int, in_job
 
 
 def _describe(markers: Mapping[int, Mapping[str, Any]]) -> str:
-    return "; ".join(f"rank {rank} on {m.get('host') or '?'} lost (no liveness beat for "
-                     f"{m.get('silent_s', '?')}s, seen by rank {m.get('by_rank', '?')})" for rank, m in markers.items())
+    """One clause per marker: a whole node's ranks together (``ranks 2, 3 on n2 lost ...``)."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for rank, m in markers.items():
+        key = (str(m.get("host") or "?"), str(m.get("silent_s", "?")), str(m.get("by_rank", "?")))
+        groups.setdefault(key, []).append(rank)
+    return "; ".join(f"{who(ranks)} on {host} lost (no "
+                     f"liveness beat for {silent}s, seen by rank {by})" for (host, silent, by), ranks in groups.items())
 
 
 def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:

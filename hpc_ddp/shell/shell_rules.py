@@ -102,10 +102,10 @@ def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nod
                per_node: int) -> dict[str, str]:
     """The nodes of the ranks the survivors declared lost (they stopped beating for dist.liveness_s:
     frozen, or gone without closing a socket). Hard suspects: a frozen node is not tried again."""
-    found: dict[str, str] = {}
+    ranks: dict[str, list[int]] = {}
     for rank, host in sorted(losses.lost_ranks(run_dir, job_id, restart, in_job).items()):
         index = rank // max(1, per_node)
         node = host if host in nodes else nodes[index] if index < len(nodes) else None
         if node is not None:
-            found.setdefault(node, f"rank {rank} stopped beating (liveness): frozen or lost")
-    return found
+            ranks.setdefault(node, []).append(rank)
+    return {node: f"{losses.who(lost)} stopped beating (liveness): frozen or lost" for node, lost in ranks.items()}

@@ -23,7 +23,6 @@ or Slurm ends the whole job when a node fails. No torch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -33,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpc_ddp.shell.supervisor import Supervisor
-from hpc_ddp.rundir import layout, losses
+from hpc_ddp.rundir import beats, losses
 from hpc_ddp.shell import shell_rules as rules
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
@@ -102,25 +101,19 @@ def ran_on(sup: Supervisor) -> list[str]:
     lines = [a for a in read_attempts(Path(sup.cfg.run_dir)) if attempt_key(a) == key and a.get("hosts")]
     if lines:
         return expand_hostlist(lines[-1]["hosts"])
-    return beat_hosts(Path(sup.cfg.run_dir), attempt_tag(sup.job_id, sup.restart), sup.tasks_per_node,
-                      sup.counts[-1])
+    return beat_hosts(Path(sup.cfg.run_dir), attempt_tag(sup.job_id, sup.restart), sup.counts[-1])
 
 
-def beat_hosts(run_dir: Path, tag: str, ranks_per_node: int, max_nodes: int) -> list[str]:
-    """The hosts of the first rank of each node (ranks 0, R, 2R, ...) by their beats of attempt ``tag``, in
-    node order; it stops at the first node without one. Each beat file is opened by name (one per node)."""
+def beat_hosts(run_dir: Path, tag: str, max_nodes: int) -> list[str]:
+    """The hosts of the step's nodes by their liveness beats of attempt ``tag`` (``liveness/node-N.json``, one
+    per node, opened by name), in node order; it stops at the first node without one."""
     hosts: list[str] = []
     for node in range(max_nodes):
-        try:
-            raw = layout.beat(run_dir, node * max(1, ranks_per_node)).read_bytes()[:4096]
-            record, _ = json.JSONDecoder().raw_decode(raw.decode().lstrip())
-        except (OSError, ValueError, UnicodeDecodeError):
+        beat = beats.read(beats.node_beat(run_dir, node), tag)
+        if beat is None or not beat.host:
             break
-        host = record.get("host") if isinstance(record, dict) and record.get("attempt") == tag else None
-        if not isinstance(host, str) or not host:
-            break
-        if host not in hosts:
-            hosts.append(host)
+        if beat.host not in hosts:
+            hosts.append(beat.host)
     return hosts
 
 

@@ -1,0 +1,153 @@
+"""Liveness beats: their format and where they lie (:mod:`hpc_ddp.rank.liveness` writes and watches them).
+
+Two places, one format (one JSON object padded to a multiple of :data:`WIDTH` bytes and rewritten in place):
+
+- **On the node** (:func:`node_dir`: ``/dev/shm`` or the temporary directory, one folder per run, attempt
+  and node): every rank's own beat, ``rank-L.beat`` by local rank, and ``declared.json``, the relay of a
+  declaration to the node's other ranks. Nothing here touches the shared filesystem.
+- **In the run dir**: ``liveness/node-N.json``, the node's beat, written by the node's first local rank for
+  the whole node (it names the node's ranks and host), and ``liveness/declared.json``. One file per node,
+  whatever the ranks per node: at 512 nodes x 8 GPUs the file server sees 512 beats a period, not 4,096.
+
+The batch shell reads the node beats for the hosts of a step that wrote no ledger line. No torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_ddp.rundir import layout
+
+WIDTH = 256  # every beat is padded to a multiple of this, so each write replaces the last one in place
+READ_LIMIT = 64 * WIDTH  # a node beat names its ranks: 4,096 bytes hold about 600 of them
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Beat:
+    tag: str  # the attempt (hpc_ddp.rundir.ledger.attempt_tag)
+    rank: int  # a rank's beat: the rank; a node's beat: its first rank
+    host: str
+    count: int
+    left: bool = False
+    wall: float = 0.0  # for people reading the file; never compared across nodes
+    node: int | None = None  # a node's beat: its index in the step
+    ranks: tuple[int, ...] = ()  # a node's beat: the ranks on it (those that have beaten)
+
+
+def encode(beat: Beat) -> bytes:
+    record = {"attempt": beat.tag, "rank": beat.rank, "host": beat.host, "count": beat.count,
+              "state": "left" if beat.left else "alive", "time": round(beat.wall, 3)}
+    if beat.node is not None:
+        record.update(node=beat.node, ranks=list(beat.ranks))
+    text = json.dumps(record)
+    width = WIDTH * (len(text) // WIDTH + 1)  # fixed within an attempt unless the node's ranks grow
+    return (text.ljust(width - 1) + "\n").encode()
+
+
+def decode(raw: bytes, tag: str) -> Beat | None:
+    """A beat of attempt ``tag``; None for anything else (no beat yet, another attempt's, a torn read)."""
+    try:
+        record, _ = json.JSONDecoder().raw_decode(raw.decode().lstrip())
+        if record.get("attempt") != tag:
+            return None
+        node = record.get("node")
+        return Beat(tag, int(record["rank"]), str(record.get("host") or ""), int(record["count"]),
+                    record.get("state") == "left", float(record.get("time") or 0),
+                    None if node is None else int(node), tuple(int(r) for r in record.get("ranks") or ()))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return None
+
+
+def read(path: Path, tag: str) -> Beat | None:
+    """The beat in ``path`` (opened by name), if it is of attempt ``tag``."""
+    try:
+        with open(path, "rb") as beat_file:
+            return decode(beat_file.read(READ_LIMIT), tag)
+    except OSError:
+        return None
+
+
+def node_beat(run_dir: Path | str, node: int) -> Path:
+    """Node ``node``'s beat in the run dir: one per node index, not per attempt (the attempt is inside)."""
+    return Path(run_dir) / layout.LIVENESS / f"node-{node}.json"
+
+
+def node_dir(run_dir: Path | str, tag: str, node: int, base: Path | None = None) -> Path:
+    """This node's folder for the beats of its ranks, on node-local storage (:func:`run_folder`), by attempt and
+    node index, so the rehearsal's simulated nodes (one machine) keep apart and so do two runs on one node."""
+    return run_folder(run_dir, base) / f"{tag}-node-{node}"
+
+
+def run_folder(run_dir: Path | str, base: Path | None = None) -> Path:
+    """The run's folder on this node: under ``/dev/shm`` where it is writable, else the temporary directory;
+    named by the user and the run dir."""
+    run = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    if base is None:
+        base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"hpc_ddp-{os.getuid()}-{run}"
+
+
+def local_beat(folder: Path, local_rank: int) -> Path:
+    return folder / f"rank-{local_rank}.beat"
+
+
+def local_declared(folder: Path) -> Path:
+    return folder / "declared.json"
+
+
+def clear_when_all_left(folder: Path, tag: str, local_size: int) -> None:
+    """Remove the node's folder once every rank on it has said it left (whoever leaves last): a finished or
+    stopped run leaves nothing in ``/dev/shm``. A lost rank never leaves; the next attempt's leader clears it."""
+    if all((beat := read(local_beat(folder, local), tag)) is not None and beat.left for local in range(local_size)):
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            folder.parent.rmdir()  # the run's folder, once no node of it is left on this machine
+        except OSError:
+            pass
+
+
+def clear_other_attempts(folder: Path, tag: str) -> None:
+    """The node's leader removes the folders earlier attempts of the run left on this node's storage."""
+    try:
+        for old in folder.parent.iterdir():
+            if not old.name.startswith(f"{tag}-node-"):
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        pass
+
+
+class Judge:
+    """One watcher's view of one peer, by the watcher's own clock. Pure: ``observe`` is given the time."""
+
+    def __init__(self, liveness_s: float) -> None:
+        self.liveness_s = liveness_s
+        self.stall_s = liveness_s / 2  # a gap this long between two looks: this rank was not watching
+        self.count: int | None = None
+        self.changed_at = 0.0
+        self.looked_at: float | None = None
+        self.left = False
+        self.last: Beat | None = None
+
+    def observe(self, beat: Beat | None, now: float) -> float | None:
+        """One look at the peer's file (None: nothing readable of this attempt); the silence in seconds once
+        it reaches ``liveness_s`` (the peer is lost), else None."""
+        if self.looked_at is not None and now - self.looked_at > self.stall_s:
+            self.changed_at = now  # the silence this rank missed is not the peer's fault: start again
+        self.looked_at = now
+        self.left = self.left or (beat is not None and beat.left)
+        if self.left:
+            return None
+        if beat is not None and beat.count != self.count:
+            self.count, self.changed_at, self.last = beat.count, now, beat
+            return None
+        if self.count is None:
+            return None  # not beaten yet in this attempt: not judged
+        silent = now - self.changed_at
+        return silent if silent >= self.liveness_s else None
