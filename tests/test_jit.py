@@ -23,6 +23,13 @@ from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
 
 
+def post(where: Path, rank: int, per_node: int = 2) -> jit_files.Post:
+    """Rank ``rank``'s post in a job of ``per_node`` ranks a node, its node's folder beside the run dir's."""
+    node, local = divmod(rank, per_node)
+    return jit_files.Post(where, where.parent.parent / "node-local" / f"{where.name}-node-{node}", rank, node, local,
+                          per_node)
+
+
 def test_a_rank_holds_its_last_step_whole_until_its_optimizer_begins_the_next_update() -> None:
     """Between boundaries the forward changes BatchNorm's buffers, the loop draws a batch (the data position
     moves) and may set the learning rate; the parameters change only in step(). What a snapshot of step k needs
@@ -60,11 +67,12 @@ def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_p
     assert where.name == "job-5-restart-0-step-1"
     assert jit_files.claim(where, 40) and not jit_files.claim(where, 40) and jit_files.claim(where, 41)
     assert jit_files.summary(tmp_path, 5, 0, 1) == {}  # no survivor said anything
-    jit_files.offer(where, 2, {"rank": 2, "source": False, "why": "train.rng=saved: ..."})
+    jit_files.offer(post(where, 2), {"rank": 2, "source": False, "why": "train.rng=saved: ..."})
     assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_fallback": "train.rng=saved: ..."}
     from hpc_ddp.rundir import snapshot
 
-    jit_files.offer(where, 0, {"rank": 0, "source": True, "step": 40, "host": "n1", "outcome": "committed step 40"})
+    jit_files.offer(post(where, 0), {"rank": 0, "source": True, "step": 40, "host": "n1",
+                                     "outcome": "committed step 40"})
     assert "jit_snapshot" not in jit_files.summary(tmp_path, 5, 0, 1)  # an offer is no commit: the manifest is
     directory = snapshot.step_dir(tmp_path, 40)
     directory.mkdir(parents=True)
@@ -73,7 +81,8 @@ def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_p
     assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1",
                                                                      "took_s": 0.1}}
     assert jit_files.summary(tmp_path, 5, 1) == {}  # another attempt's snapshot is not this one's
-    assert [o["rank"] for o in jit_files.offers(where, 4)] == [0, 2]  # read by name, rank by rank
+    assert [o["rank"] for o in jit_files.offers(where, 2)] == [0, 2]  # read by name, node by node
+    assert sorted(p.name for p in where.iterdir() if p.name.startswith("node-")) == ["node-0.json", "node-1.json"]
 
 
 def test_a_snapshot_whose_files_list_their_ranks_has_no_guessed_rng_file() -> None:
@@ -269,11 +278,11 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
                "layout": layout}
 
     def survivor(rank: int, blobs: dict[int, tuple[int, bytes]], **more: object) -> str:
-        jit_files.write_blobs(where, rank, blobs)
-        jit_files.offer(where, rank, {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0, "source": True,
+        jit_files.write_blobs(post(where, rank), blobs)
+        jit_files.offer(post(where, rank), {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0, "source": True,
                                       "step": 40, "fingerprint": 7,
                                       "blobs": {str(r): s for r, (s, _) in blobs.items()}, **more})
-        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4), per_rank={"batch": None},
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": None},
                               checkpointer=None, run_dir=tmp_path)
         return complete(run, where)
 
@@ -314,10 +323,10 @@ def test_the_rehearsal_waits_for_a_survivor_still_at_its_snapshot(tmp_path: Path
     outcome yet, the rehearsal waits as srun does."""
     where = jit_files.folder(tmp_path, 5, 0)
     assert not jit_files.writing(tmp_path, 5, 0)
-    jit_files.offer(where, 0, {"rank": 0, "source": False, "why": "mid-update"})
-    jit_files.offer(where, 1, {"rank": 1, "source": True, "step": 8})
+    jit_files.offer(post(where, 0), {"rank": 0, "source": False, "why": "mid-update"})
+    jit_files.offer(post(where, 1), {"rank": 1, "source": True, "step": 8})
     assert jit_files.writing(tmp_path, 5, 0)
-    jit_files.offer(where, 1, {"rank": 1, "source": True, "step": 8, "outcome": "committed step 8"})
+    jit_files.offer(post(where, 1), {"rank": 1, "source": True, "step": 8, "outcome": "committed step 8"})
     assert not jit_files.writing(tmp_path, 5, 0)
 
 
@@ -359,7 +368,8 @@ def _one_rank_run(tmp_path: Path, model: torch.nn.Module, optimizer: torch.optim
     from hpc_ddp.core.config import RunConfig
 
     tracked = {"model": model, "optimizer": optimizer}
-    env = SimpleNamespace(rank=1, world_size=2, job_id=5, restart_count=0, in_job=0, is_main=False)
+    env = SimpleNamespace(rank=1, world_size=2, job_id=5, restart_count=0, in_job=0, is_main=False, node_rank=1,
+                          num_nodes=2, local_rank=0, local_world_size=1)
     return SimpleNamespace(held=Held(tracked), tracked=tracked, env=env, run_dir=tmp_path, config=RunConfig(),
                            per_rank={}, mirror=None, checkpointer=None)
 
@@ -579,9 +589,9 @@ def test_every_source_compares_and_a_withdrawn_step_is_marked_in_the_file_a_cach
     other.mkdir(parents=True)
     snapshot.commit(other, 60, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
                     4, "h", extra={"jit": {"attempt": where.name, "writer": 1, "fingerprint": 7}})
-    jit_files.offer(where, 1, {"rank": 1, "source": True, "step": 60, "fingerprint": 7})
+    jit_files.offer(post(where, 1), {"rank": 1, "source": True, "step": 60, "fingerprint": 7})
     assert [s for s, _ in snapshot.agreed(tmp_path, snapshot.committed(tmp_path))] == [60]
-    jit_files.offer(where, 3, {"rank": 3, "source": True, "step": 60, "fingerprint": 9})
+    jit_files.offer(post(where, 3), {"rank": 3, "source": True, "step": 60, "fingerprint": 9})
     warned: list[str] = []
     assert snapshot.agreed(tmp_path, snapshot.committed(tmp_path), lambda f, *a: warned.append(f % a)) == []
     assert "rank(s) [3] offered another state of it than its writer, rank 1" in warned[0]

@@ -23,8 +23,9 @@ batch shell's ledger line repeats it.
 
 **Agreeing without the lost rank.** The process group is broken and its store may have been on
 the lost node, so the survivors meet in the run dir, which every node shares. Each survivor
-whose collective failed writes its offer (``RUN_DIR/jit/<attempt>/rank-K.json``: the step it
-holds whole and the state's fingerprint, or why it holds none). A source claims its step by
+whose collective failed writes its offer (the step it holds whole and the state's fingerprint, or why it
+holds none) on its node, and the node's ranks' offers are published together as one file per node
+(``RUN_DIR/jit/<attempt>/node-N.json``, :mod:`hpc_ddp.rundir.jit_files`). A source claims its step by
 creating ``claim-step-S`` exclusively (one writer per step, whichever comes first), writes the
 whole replicated state as one file, compares its fingerprint with every other offer of that step
 it can read (survivors that disagree: nothing is committed), and commits the manifest with a
@@ -106,14 +107,15 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         return None
     started = time.monotonic()
     env: DistEnv = run.env
-    folder = jit_files.folder(run.run_dir, env.job_id, env.restart_count, env.in_job)
+    post = jit_files.post_for(run.run_dir, env)
+    folder = post.shared
     offer: dict[str, Any] = {"rank": env.rank, "host": os.uname().nodename, "error": first_line(error),
                              "time": round(time.time(), 3)}
     try:
         mirror = getattr(run, "mirror", None)
         if mirror is not None:  # this rank's per-rank state and its ward's, whatever this rank holds besides
             blobs = mirror.held()
-            jit_files.write_blobs(folder, env.rank, blobs)
+            jit_files.write_blobs(post, blobs)
             offer["blobs"] = {str(r): step for r, (step, _) in blobs.items()}
             if mirror.broken is not None:
                 offer["mirror_broken"] = mirror.broken
@@ -122,20 +124,20 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         synced = run.held.buffers_synced  # rank 0's buffers on every rank (rank/held.py)
         held = run.held.whole() if reason is None else reason
         if isinstance(held, str):
-            return _no_source(run, folder, offer, held)
+            return _no_source(run, post, offer, held)
         step, state = held
         broadcast = {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
                      if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
         skip = {} if synced else broadcast  # this rank's buffers are its own, not rank 0's
         if any(skip.values()) and env.rank != 0 and not _buffers_source_holds(folder, step):
-            return _no_source(run, folder, offer, (
+            return _no_source(run, post, offer, (
                 f"rank 0's DDP buffers (BatchNorm's running statistics) of step {step} are not on this rank (the "
                 f"boundary's broadcast of them had not finished) and rank 0 offers no step {step}: a snapshot "
                 "from here would mix this rank's own statistics into the run"))
         # never over the broadcast buffers: a survivor whose boundary broadcast had finished and one whose had not
         # hold the same step with other statistics; which of them may write is decided above, not by a mismatch
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
-        jit_files.offer(folder, env.rank, offer)
+        jit_files.offer(post, offer)
         latest = _latest_commit(run.run_dir)
         if latest is not None and latest >= step:
             offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, latest, offer))
@@ -146,14 +148,14 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
         else:
-            offer.update(outcome=_write(run, folder, step, state, offer, started, generation))
-        jit_files.offer(folder, env.rank, offer)
+            offer.update(outcome=_write(run, post, step, state, offer, started, generation))
+        jit_files.offer(post, offer)
         return offer
     except Exception as err:  # noqa: BLE001 - the snapshot is a bonus: the failure it follows must still be reported
         log.error("the just-in-time snapshot failed: %r", err)
         offer.update(outcome=f"failed: {err!r}")
         try:
-            jit_files.offer(folder, env.rank, offer)
+            jit_files.offer(post, offer)
         except OSError:
             pass
         return offer
@@ -212,15 +214,15 @@ def _latest_commit(run_dir: Path) -> int | None:
     return steps[0] if steps else None
 
 
-def _no_source(run: Any, folder: Path, offer: dict[str, Any], why: str) -> dict[str, Any]:
+def _no_source(run: Any, post: jit_files.Post, offer: dict[str, Any], why: str) -> dict[str, Any]:
     """This rank holds no step it may write: say why; with a mirror, its per-rank states may still be what
     another survivor's snapshot lacks."""
     offer.update(source=False, why=why)
-    jit_files.offer(folder, run.env.rank, offer)
+    jit_files.offer(post, offer)
     log.warning("no just-in-time snapshot from this rank: %s", why)
     if getattr(run, "mirror", None) is not None:
-        offer.update(outcome=jit_commit.complete(run, folder))
-        jit_files.offer(folder, run.env.rank, offer)
+        offer.update(outcome=jit_commit.complete(run, post.shared))
+        jit_files.offer(post, offer)
     return offer
 
 
@@ -241,8 +243,8 @@ def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURC
         time.sleep(0.05)
 
 
-def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict[str, Any], started: float,
-           generation: int) -> str:
+def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], offer: dict[str, Any],
+           started: float, generation: int) -> str:
     """The claimed step's file; then, once the other survivors' offers had a moment to come in, the commit if
     the set is complete (:func:`jit_commit.complete`). Not committed when the training thread began an update or
     reached its next boundary while the state was read and written (``generation`` moved): the file may hold
@@ -255,6 +257,6 @@ def _write(run: Any, folder: Path, step: int, state: dict[str, Any], offer: dict
                 "state was written")
     offer.update(written={"step": step, "entry": {**entry, "slices": held, "ranks": []}, "layout": split,
                           "took_s": round(time.monotonic() - started, 3)})
-    jit_files.offer(folder, run.env.rank, offer)  # a survivor whose offer comes later may complete the set
+    jit_files.offer(post, offer)  # a survivor whose offer comes later may complete the set
     time.sleep(max(0.0, OFFER_WAIT_S - (time.monotonic() - started)))  # the other survivors' offers come in
-    return jit_commit.complete(run, folder)
+    return jit_commit.complete(run, post.shared)

@@ -60,7 +60,7 @@ def complete(run: Any, folder: Path) -> str:
     per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any survivor may
     complete it; ``commit-step-S`` makes one the committer. Otherwise say what is missing."""
     env = run.env
-    offers = jit_files.offers(folder, env.world_size)
+    offers = jit_files.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
     written = sorted((o for o in offers if isinstance(o.get("written"), dict)), key=lambda o: -o["written"]["step"])
     reasons = []
     for writer in written:
@@ -84,21 +84,23 @@ def complete(run: Any, folder: Path) -> str:
             continue
         if not jit_files.claim(folder, step, "commit"):
             return f"step {step} committed by another survivor"
-        return _commit(run, folder, writer, sources, holders)
+        return _commit(run, folder, writer, sources, holders, {o["rank"]: o.get("node", 0) for o in offers})
     if not written:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
     return "not committed: " + "; ".join(reasons)
 
 
 def _commit(run: Any, folder: Path, writer: dict[str, Any], sources: list[dict[str, Any]],
-            holders: dict[int, int]) -> str:
+            holders: dict[int, int], node_of: dict[int, int]) -> str:
     """The manifest of the writer's state file (and of every rank's per-rank state, put together in one more
     file): the snapshot is committed."""
     env, ckpt, step = run.env, run.checkpointer, writer["written"]["step"]
     directory = snapshot.step_dir(run.run_dir, step)
     entries = [writer["written"]["entry"]]
     if holders:
-        states = {rank: jit_files.read_blob(folder, holder, rank, step) for rank, holder in holders.items()}
+        loaded = {node: jit_files.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
+        states = {rank: jit_files.blob_of(loaded[node_of[holder]], holder, rank, step)
+                  for rank, holder in holders.items()}
         lost = sorted(rank for rank, blob in states.items() if blob is None)
         if lost:
             return f"not committed: the files holding the per_rank state of rank(s) {lost} could not be read"
@@ -109,7 +111,7 @@ def _commit(run: Any, folder: Path, writer: dict[str, Any], sources: list[dict[s
     took = round(time.time() - min(o["time"] for o in [writer, *sources]), 3)
     record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"], "took_s": took,
               "fingerprint": writer["fingerprint"], "sources": sorted(o["rank"] for o in sources),
-              "after": writer["error"],
+              "after": writer["error"], "nodes": max(1, env.num_nodes),
               **({"committer": env.rank, "per_rank_from": {str(r): h for r, h in sorted(holders.items())}}
                  if holders else {})}
     snapshot.commit(directory, step, entries, env.world_size, ckpt.config_hash if ckpt else "",

@@ -1,21 +1,30 @@
 """The run dir's part of a just-in-time snapshot (:mod:`hpc_ddp.rank.jit`): where the survivors of an attempt
 meet, without a process group or a store. No torch: the batch shell reads what they said.
 
-``RUN_DIR/jit/job-J-restart-R[-step-K]/`` holds one offer per survivor (``rank-K.json``: the step it holds
-whole and its fingerprint, or why it holds none, and what came of it) and one empty ``claim-step-S`` per
-claimed step, created with O_EXCL (atomic on local filesystems and on NFS v3 and later): one writer per step.
-With ``per_rank`` objects each survivor also leaves ``blobs-K.pt``: the per-rank states it holds (its own and
-its ward's, from :mod:`hpc_ddp.rank.mirror`) by rank and step, and one ``commit-step-S`` (O_EXCL again) names
-the one survivor that puts them together and commits.
-Offers are read by name (the world size is known), never found by listing the directory, as the crash marks
-are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the step ended,
-lists the folder for the ledger's summary.
+Per node, not per rank (issue 45). Each survivor leaves its offer (the step it holds whole and its
+fingerprint, or why it holds none, and what came of it) and, with ``per_rank`` objects, the per-rank
+states it holds (its own and its ward's, from :mod:`hpc_ddp.rank.mirror`) on its node, in the node's
+folder on node-local storage. Under a lock on the node, whoever offers last publishes what the node's
+ranks said as one file per node in ``RUN_DIR/jit/job-J-restart-R[-step-K]/``: ``node-N.json`` (the
+offers) and ``blobs-node-N.pt`` (the per-rank states, by holder), rewritten only when it changed. At
+4,096 ranks on 512 nodes that is about 512 files a failure, not 8,192, and a survivor that completes the
+set reads 512 offers, not 4,096.
+
+Beside them, one empty ``claim-step-S`` per claimed step, created with O_EXCL (atomic on local
+filesystems and on NFS v3 and later): one writer per step; and one ``commit-step-S`` (O_EXCL again)
+names the one survivor that puts the per-rank states together and commits.
+Node files are read by name (the node count is known), never found by listing the directory, as the
+crash marks are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the
+step ended, lists the folder for the ledger's summary.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +47,8 @@ def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
     if not isinstance(record, dict) or not isinstance(record.get("attempt"), str) or not isinstance(world, int):
         return []
     where = Path(run_dir) / JIT / record["attempt"]
-    return sorted(o["rank"] for o in offers(where, world) if o.get("source") and o.get("step") == manifest.get("step")
+    nodes = record.get("nodes") if isinstance(record.get("nodes"), int) else world  # older records: at most one a rank
+    return sorted(o["rank"] for o in offers(where, nodes) if o.get("source") and o.get("step") == manifest.get("step")
                   and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
 
 
@@ -56,20 +66,105 @@ def file_name(rank: int) -> str:
     return f"jit-{rank:05d}.pt"
 
 
-def offer(where: Path, rank: int, content: dict[str, Any]) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    write_atomic(where / f"rank-{rank}.json", json.dumps(content).encode())
+@dataclass(frozen=True)
+class Post:
+    """Where one survivor says what it holds: its node's folder on node-local storage (each rank's offer and
+    per-rank states, :func:`hpc_ddp.rundir.beats.node_dir`) and the attempt's folder in the run dir, where one
+    file per node gathers what the node's ranks said (:func:`publish`)."""
+
+    shared: Path  # RUN_DIR/jit/<attempt>
+    local: Path  # this node's folder for the attempt
+    rank: int
+    node: int
+    local_rank: int
+    local_size: int
 
 
-def offers(where: Path, world_size: int) -> list[dict[str, Any]]:
-    """Every offer of the attempt that can be read now, by rank."""
-    found = []
-    for rank in range(world_size):
+def post_for(run_dir: Path | str, env: Any) -> Post:
+    """This rank's :class:`Post` (``env``: a :class:`hpc_ddp.core.slurm_env.DistEnv`)."""
+    from hpc_ddp.rundir import beats
+
+    tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
+    return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank), env.rank, env.node_rank,
+                env.local_rank, max(1, env.local_world_size))
+
+
+def offer(post: Post, content: dict[str, Any]) -> None:
+    """This rank's offer: on its node first, then in its node's file in the run dir (:func:`publish`)."""
+    post.local.mkdir(parents=True, exist_ok=True)
+    write_atomic(post.local / f"offer-{post.local_rank}.json", json.dumps({**content, "node": post.node}).encode())
+    publish(post)
+
+
+def write_blobs(post: Post, blobs: dict[int, tuple[int, bytes]]) -> None:
+    """A survivor's per-rank states ({rank: (step, packed bytes)}), on its node, before its offer names them."""
+    import torch
+
+    post.local.mkdir(parents=True, exist_ok=True)
+    held = {"holder": post.rank, "blobs": {r: [s, b] for r, (s, b) in blobs.items()}}
+    write_atomic(post.local / f"blobs-{post.local_rank}.pt", lambda out: torch.save(held, out))
+
+
+def publish(post: Post) -> bool:
+    """The node's file in the run dir, ``node-N.json`` (every offer its ranks made, by rank), and with per-rank
+    state ``blobs-node-N.pt`` (each rank's per-rank states, by the rank that holds them): rewritten only when
+    what the node's ranks said changed since the last publish, under a lock on the node, so ranks that offer
+    together cost the file server one write for the node, not one per rank. True if it wrote."""
+    lock = post.local / "publish.lock"
+    with open(lock, "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        offers, blob_files = [], []
+        for local in range(post.local_size):
+            try:
+                offers.append(json.loads((post.local / f"offer-{local}.json").read_bytes()))
+            except (OSError, ValueError):
+                pass
+            blob = post.local / f"blobs-{local}.pt"
+            with contextlib.suppress(OSError):
+                stat = blob.stat()
+                blob_files.append((local, stat.st_mtime_ns, stat.st_size))
+        said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
+        published = post.local / "published.json"
+        with contextlib.suppress(OSError):
+            if published.read_text() == said:
+                return False
+        post.shared.mkdir(parents=True, exist_ok=True)
+        if blob_files:
+            _publish_blobs(post, [local for local, _, _ in blob_files])
+        write_atomic(post.shared / f"node-{post.node}.json",
+                     json.dumps({"node": post.node, "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode())
+        published.write_text(said)
+        return True
+
+
+def _publish_blobs(post: Post, locals_: list[int]) -> None:
+    import torch
+
+    by_holder: dict[int, Any] = {}
+    for local in locals_:
         try:
-            found.append(json.loads((where / f"rank-{rank}.json").read_text()))
-        except (OSError, ValueError):
+            held = torch.load(post.local / f"blobs-{local}.pt", weights_only=True)
+            by_holder[int(held["holder"])] = held["blobs"]
+        except (OSError, RuntimeError, ValueError, EOFError, KeyError, TypeError):
             continue
-    return found
+    write_atomic(post.shared / f"blobs-node-{post.node}.pt", lambda out: torch.save(by_holder, out))
+
+
+def offers(where: Path, nodes: int) -> list[dict[str, Any]]:
+    """Every offer of the attempt that can be read now: ``nodes`` files opened by name, one per node."""
+    found = []
+    for node in range(nodes):
+        found.extend(node_offers(where, node))
+    return sorted(found, key=lambda o: o.get("rank", -1))
+
+
+def node_offers(where: Path, node: int) -> list[dict[str, Any]]:
+    try:
+        record = json.loads((where / f"node-{node}.json").read_bytes())
+    except (OSError, ValueError):
+        return []
+    said = record.get("offers") if isinstance(record, dict) else None
+    return [o for o in said if isinstance(o, dict)] if isinstance(said, list) else []
 
 
 def claim(where: Path, step: int, what: str = "claim") -> bool:
@@ -89,38 +184,38 @@ def ranks_file_name(step: int, committer: int) -> str:
     return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
 
 
-def write_blobs(where: Path, rank: int, blobs: dict[int, tuple[int, bytes]]) -> None:
-    """A survivor's per-rank states ({rank: (step, packed bytes)}), before its offer names them."""
-    import torch
-
-    where.mkdir(parents=True, exist_ok=True)
-    write_atomic(where / f"blobs-{rank}.pt", lambda out: torch.save({r: [s, b] for r, (s, b) in blobs.items()}, out))
-
-
-def read_blob(where: Path, holder: int, rank: int, step: int) -> bytes | None:
-    """``rank``'s packed per-rank state at ``step`` from survivor ``holder``'s file (None: it holds another)."""
+def read_blobs(where: Path, node: int) -> dict[int, dict[int, list[Any]]]:
+    """Node ``node``'s per-rank states: {holder rank: {rank: [step, packed bytes]}} ({} if unreadable)."""
     import torch
 
     try:
-        blobs = torch.load(where / f"blobs-{holder}.pt", weights_only=True)
+        held = torch.load(where / f"blobs-node-{node}.pt", weights_only=True)
     except (OSError, RuntimeError, ValueError, EOFError):
-        return None
-    found = blobs.get(rank) if isinstance(blobs, dict) else None
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def blob_of(held: dict[int, dict[int, list[Any]]], holder: int, rank: int, step: int) -> bytes | None:
+    """``rank``'s packed per-rank state at ``step`` as survivor ``holder`` left it (None: it holds another)."""
+    found = (held.get(holder) or {}).get(rank)
     return found[1] if isinstance(found, list) and len(found) == 2 and found[0] == step else None
 
 
 def writing(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
     """A survivor of this attempt is still at its just-in-time snapshot: a source whose offer has no outcome yet
     (the rehearsal then waits as srun waits KillWait, not its short grace)."""
-    where = folder(run_dir, job_id, restart_count, in_job)
-    for path in where.glob("rank-*.json") if where.is_dir() else []:
-        try:
-            said = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if said.get("source") and "outcome" not in said:
-            return True
-    return False
+    return any(o.get("source") and "outcome" not in o for o in _listed(folder(run_dir, job_id, restart_count, in_job)))
+
+
+def _listed(where: Path) -> list[dict[str, Any]]:
+    """Every node's offers, the node files found by listing: only for the batch shell and the rehearsal, after
+    (or beside) the step, on the node that lists (never to decide what a survivor commits)."""
+    found = []
+    for path in sorted(where.glob("node-*.json")) if where.is_dir() else []:
+        number = path.stem.removeprefix("node-")
+        if number.isdigit():
+            found.extend(node_offers(where, int(number)))
+    return found
 
 
 def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
@@ -139,15 +234,9 @@ def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job:
                                      **({"committer": committer} if committer not in (None, record.get("writer"))
                                         else {})}}
     try:
-        names = sorted(p.name for p in where.glob("rank-*.json"))
+        said = _listed(where)
     except OSError:
         return {}
-    said = []
-    for name in names:
-        try:
-            said.append(json.loads((where / name).read_text()))
-        except (OSError, ValueError):
-            continue
     if not said:
         return {}
     reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
