@@ -611,3 +611,49 @@ def test_a_side_threads_failure_action_is_bounded_whatever_the_write_waits_for()
     assert once(RuntimeError("collective failed")) is None  # the training thread, freed later: bounded too
     assert not wedged.is_set() and not once._done.is_set()  # both returned while the write still waited
     wedged.set()
+
+
+def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice_is_written(tmp_path: Path) -> None:
+    """Issue 45: each surviving node writes its share of the state (its slices with snapshot.replicas >= 2, so the
+    node after a lost one writes its slice too), as a periodic snapshot does: the write per node falls with the
+    node count. Whoever finds every slice written commits every writer's file; a set with a slice nobody wrote,
+    or writers that cut the state differently, is not committed."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.rank.jit import replicas_of, split_over
+    from hpc_ddp.rank.jit_commit import complete
+
+    assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {}) == (2, 4)
+    assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {"model": {"bn.running_mean"}}) == (0, 1)
+    assert split_over(SimpleNamespace(num_nodes=1, node_rank=0), {}) == (0, 1)
+    assert [replicas_of(n, 1) for n in (1, 2, 3, 8)] == [1, 2, 2, 2] and replicas_of(8, 3) == 3
+    where = jit_files.folder(tmp_path, 5, 0)
+    tensors = [(("model", "w"), torch.zeros(3 << 18)), (("model", "b"), torch.zeros(3 << 18))]  # 2 x 3 MiB: cut
+    layout = slicing.layout_for(tensors, 3, 2)
+    snapshot.step_dir(tmp_path, 40).mkdir(parents=True)  # where the writers' files are
+
+    def writer(rank: int, node: int, cut: dict[str, Any] = layout) -> str:
+        held = slicing.slices_of(node, 3, 2)
+        written = {"step": 40, "layout": cut, "took_s": 0.5,
+                   "entry": {"name": jit_files.node_file_name(node), "size": 1, "sha256": "x", "slices": held,
+                             "ranks": []}}
+        jit_files.offer(post(where, rank, per_node=1), {"rank": rank, "host": f"n{node}", "error": "peer lost",
+                                                         "time": 1.0, "source": True, "step": 40, "fingerprint": 7,
+                                                         "written": written})
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=3, num_nodes=3), per_rank={},
+                              checkpointer=None, run_dir=tmp_path)
+        return complete(run, where)
+
+    said = writer(0, 0)  # node 1 was lost: node 0 holds slices 0 and 2, nobody slice 1 yet
+    assert "slice(s) [1] of step 40 not written (yet)" in said and snapshot.committed_steps(tmp_path) == []
+    assert writer(2, 2) == "committed step 40"  # node 2 holds slices 2 and 1
+    manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 40))
+    assert manifest is not None and sorted(manifest["files"]) == ["jit-node-00000.pt", "jit-node-00002.pt"]
+    assert slicing.sources(manifest, manifest["files"]) == {0: "jit-node-00000.pt", 1: "jit-node-00002.pt",
+                                                           2: "jit-node-00002.pt"}
+    assert manifest["jit"]["writer"] == 0 and manifest["jit"]["writers"] == {"0": 0.5, "2": 0.5}
+    other = jit_files.folder(tmp_path, 6, 0)  # another attempt: two writers that cut the state differently
+    where = other
+    writer(0, 0)
+    said = writer(2, 2, slicing.layout_for(tensors, 3, 3))
+    assert "cut the state in 2 different ways" in said

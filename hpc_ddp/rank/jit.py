@@ -129,6 +129,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         broadcast = {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
                      if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
         skip = {} if synced else broadcast  # this rank's buffers are its own, not rank 0's
+        share = split_over(env, broadcast)
         if any(skip.values()) and env.rank != 0 and not _buffers_source_holds(folder, step):
             return _no_source(run, post, offer, (
                 f"rank 0's DDP buffers (BatchNorm's running statistics) of step {step} are not on this rank (the "
@@ -144,11 +145,11 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         elif any(skip.values()) and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
-        elif not jit_files.claim(folder, step):
+        elif not jit_files.claim(folder, step, _claim_name(*share)):
             offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
         else:
-            offer.update(outcome=_write(run, post, step, state, offer, started, generation))
+            offer.update(outcome=_write(run, post, step, state, offer, started, generation, share))
         jit_files.offer(post, offer)
         return offer
     except Exception as err:  # noqa: BLE001 - the snapshot is a bonus: the failure it follows must still be reported
@@ -243,15 +244,39 @@ def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURC
         time.sleep(0.05)
 
 
+def split_over(env: DistEnv, broadcast: dict[str, set[str]]) -> tuple[int, int]:
+    """(this node's index, the node count) the survivors' snapshot is split over: each surviving node writes
+    its share, as in a periodic snapshot, so its time falls with the node count (issue 45). (0, 1), one
+    survivor writing the whole state, on one node and where DDP broadcasts buffers: only rank 0 or a rank that
+    holds rank 0's buffers may write then (:func:`_buffers_source_holds`), which no split can promise."""
+    if env.num_nodes < 2 or any(broadcast.values()):
+        return 0, 1
+    return env.node_rank, env.num_nodes
+
+
+def replicas_of(nodes: int, configured: int) -> int:
+    """How many nodes write each slice: at least 2 (the snapshot follows a loss: a lost node's slice is written
+    by the node after it), the configured ``snapshot.replicas`` if more, never more than the nodes."""
+    return 1 if nodes == 1 else min(nodes, max(2, int(configured)))
+
+
+def _claim_name(index: int, nodes: int) -> str:
+    """One writer per step (the whole state), or per node and step (a split)."""
+    return "claim" if nodes == 1 else f"claim-node-{index}"
+
+
 def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], offer: dict[str, Any],
-           started: float, generation: int) -> str:
+           started: float, generation: int, share: tuple[int, int] = (0, 1)) -> str:
     """The claimed step's file; then, once the other survivors' offers had a moment to come in, the commit if
     the set is complete (:func:`jit_commit.complete`). Not committed when the training thread began an update or
     reached its next boundary while the state was read and written (``generation`` moved): the file may hold
     parameters half-way to the next step."""
-    content, split, held = slicing.node_content(state, 0, 1, 1, {}, copy=False)  # one file, the whole state
+    index, nodes = share
+    content, split, held = slicing.node_content(state, index, nodes, replicas_of(nodes, run.config.snapshot.replicas),
+                                                {}, copy=False)
     directory = snapshot.step_dir(run.run_dir, step)
-    entry = snapshot.write_node_file(directory, 0, content, name=jit_files.file_name(run.env.rank))
+    name = jit_files.file_name(run.env.rank) if nodes == 1 else jit_files.node_file_name(index)
+    entry = snapshot.write_node_file(directory, 0, content, name=name)
     if run.held.generation != generation:  # written from a side thread while the training thread went on
         return ("not committed: this rank's training went on (an optimizer update or a boundary) while the "
                 "state was written")

@@ -56,15 +56,22 @@ def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, 
 
 
 def complete(run: Any, folder: Path) -> str:
-    """Commit the newest written step whose set is complete: no source of it holds another state, and (with
-    per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any survivor may
-    complete it; ``commit-step-S`` makes one the committer. Otherwise say what is missing."""
+    """Commit the newest written step whose set is complete: every slice of the state written by a survivor
+    (the whole state by one, or each node's share by that node, :func:`hpc_ddp.rank.jit.split_over`), no source
+    of it holds another state, and (with per_rank objects) every rank's per-rank state of that step is in some
+    survivor's file. Any survivor may complete it; ``commit-step-S`` makes one the committer. Otherwise say
+    what is missing."""
     env = run.env
     offers = jit_files.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
-    written = sorted((o for o in offers if isinstance(o.get("written"), dict)), key=lambda o: -o["written"]["step"])
+    steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)}, reverse=True)
     reasons = []
-    for writer in written:
-        step = writer["written"]["step"]
+    for step in steps:
+        writers = [o for o in offers if isinstance(o.get("written"), dict) and o["written"]["step"] == step]
+        unwritten = _unwritten(writers, step)
+        if unwritten:
+            reasons.append(unwritten)
+            continue
+        writer = writers[0]
         sources = [o for o in offers if o.get("source") and o.get("step") == step]
         differing = sorted(o["rank"] for o in sources if o.get("fingerprint") != writer["fingerprint"])
         if differing:
@@ -84,19 +91,34 @@ def complete(run: Any, folder: Path) -> str:
             continue
         if not jit_files.claim(folder, step, "commit"):
             return f"step {step} committed by another survivor"
-        return _commit(run, folder, writer, sources, holders, {o["rank"]: o.get("node", 0) for o in offers})
-    if not written:
+        return _commit(run, folder, writers, sources, holders, {o["rank"]: o.get("node", 0) for o in offers})
+    if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
     return "not committed: " + "; ".join(reasons)
 
 
-def _commit(run: Any, folder: Path, writer: dict[str, Any], sources: list[dict[str, Any]],
+def _unwritten(writers: list[dict[str, Any]], step: int) -> str | None:
+    """Why the state files of ``step`` are not a whole state yet: a slice nobody wrote (its node and the next
+    were lost, or they still write), or writers that cut the state differently; None when whole."""
+    layouts = {slicing.layout_digest(w["written"]["layout"]) for w in writers}
+    if len(layouts) > 1:
+        return f"the survivors' files of step {step} cut the state in {len(layouts)} different ways"
+    held = {s for w in writers for s in w["written"]["entry"].get("slices", [])}
+    missing = sorted(set(range(writers[0]["written"]["layout"]["slices"])) - held)
+    if missing:
+        return (f"slice(s) {missing} of step {step} not written (yet): the nodes that write them were lost, or "
+                "had not finished (a later survivor completes the snapshot)")
+    return None
+
+
+def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list[dict[str, Any]],
             holders: dict[int, int], node_of: dict[int, int]) -> str:
-    """The manifest of the writer's state file (and of every rank's per-rank state, put together in one more
+    """The manifest of the writers' state files (and of every rank's per-rank state, put together in one more
     file): the snapshot is committed."""
-    env, ckpt, step = run.env, run.checkpointer, writer["written"]["step"]
+    env, ckpt, writer = run.env, run.checkpointer, writers[0]
+    step = writer["written"]["step"]
     directory = snapshot.step_dir(run.run_dir, step)
-    entries = [writer["written"]["entry"]]
+    entries = [w["written"]["entry"] for w in writers]
     if holders:
         loaded = {node: jit_files.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
         states = {rank: jit_files.blob_of(loaded[node_of[holder]], holder, rank, step)
@@ -108,8 +130,10 @@ def _commit(run: Any, folder: Path, writer: dict[str, Any], sources: list[dict[s
                    "rng": {rank: {PER_RANK: blob} for rank, blob in states.items()}}
         entry = snapshot.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
         entries.append({**entry, "slices": [], "ranks": sorted(states)})
-    took = round(time.time() - min(o["time"] for o in [writer, *sources]), 3)
+    took = round(time.time() - min(o["time"] for o in [*writers, *sources]), 3)
+    shares = {str(w["rank"]): w["written"].get("took_s") for w in writers} if len(writers) > 1 else {}
     record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"], "took_s": took,
+              **({"writers": shares} if shares else {}),
               "fingerprint": writer["fingerprint"], "sources": sorted(o["rank"] for o in sources),
               "after": writer["error"], "nodes": max(1, env.num_nodes),
               **({"committer": env.rank, "per_rank_from": {str(r): h for r, h in sorted(holders.items())}}

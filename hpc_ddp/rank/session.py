@@ -139,7 +139,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     An exception from the program propagates (the worker records and reports it); the
     process group is torn down on every exit path.
     """
-    from hpc_ddp.rundir import newest, snapshot
+    from hpc_ddp.rundir import jit_files, newest, snapshot
     from hpc_ddp.rank import jit
     from hpc_ddp.rank.checkpointer import Checkpointer
     from hpc_ddp.rank.distributed import default_store, from_main, process_group
@@ -164,6 +164,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             newest.create(attempt.run_dir)
         except OSError as err:  # a full or read-only run dir fails where it matters, with its own message
             log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
+    if env.is_node_main and not attempt.wrapped and cfg.snapshot.jit and env.world_size > 1:
+        jit_files.prepare(jit_files.post_for(attempt.run_dir, env))  # the node's file, before anyone reads it
     with beating(attempt), process_group(env, cfg.dist, peer_error, dumps=dumps,
                                          own_control_group=False if shared else None) as device:
         import torch.distributed as dist

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,11 @@ def file_name(rank: int) -> str:
     return f"jit-{rank:05d}.pt"
 
 
+def node_file_name(node: int) -> str:
+    """A split survivors' snapshot's file of node ``node``'s share (one writer per node and step)."""
+    return f"jit-node-{node:05d}.pt"
+
+
 @dataclass(frozen=True)
 class Post:
     """Where one survivor says what it holds: its node's folder on node-local storage (each rank's offer and
@@ -87,6 +93,18 @@ def post_for(run_dir: Path | str, env: Any) -> Post:
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
     return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank), env.rank, env.node_rank,
                 env.local_rank, max(1, env.local_world_size))
+
+
+def prepare(post: Post) -> None:
+    """The node's first rank, before the rendezvous: its node's (empty) file exists before any survivor of
+    another node looks it up, so no NFS client remembers it as absent when the node offers (a survivor that
+    completes the set would not see it for up to a minute). One create per node and attempt; a failure to
+    create it is only a warning (the offer creates it)."""
+    try:
+        post.shared.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(post.shared / f"node-{post.node}.json", os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError as err:
+        logging.getLogger("hpc_ddp.jit").warning("could not create %s (%s)", post.shared, err)
 
 
 def offer(post: Post, content: dict[str, Any]) -> None:

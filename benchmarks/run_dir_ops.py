@@ -1,0 +1,144 @@
+"""B14: operations on the run dir per event, counted, not timed (issue 45).
+
+What a 512-node job costs the shared filesystem's administrator is how many creates, renames, unlinks, opens and
+listings it makes in the run dir, and whether that grows with the ranks per node. Each rehearsal here runs with
+``benchmarks/opcount`` first on ``PYTHONPATH``: every process of it (the launcher, which plays the batch shell,
+and every rank) counts its operations on the run dir through the interpreter's audit hook, whatever code path
+makes them (``benchmarks/opcount/sitecustomize.py``); liveness beats are counted apart (per period, not per event).
+
+Events are differences between runs of one geometry (examples/mlp.yaml, no periodic snapshot unless said):
+
+- **per step**: (16 steps - 6 steps) / 10;
+- **per periodic snapshot**: (16 steps with a snapshot every 5 steps - 16 steps) / 3;
+- **per failure**: 16 steps with node 1 SIGKILLed after step 8 (a spare replaces it) - 16 steps: the
+  survivors' snapshot, the failed line, the healed attempt's start and its resume (from 2 nodes);
+- **per stop**: 16 steps preempted after step 8 - 16 steps: the stop's snapshot, the requeue, the next attempt's
+  start and its resume;
+- **per run**: 6 steps - 6 x per step: the attempt's start, the final snapshot, DONE and the ledger.
+
+Each count is fitted as ``a + b x nodes + c x ranks`` by least squares over the geometries; the target is met
+when no count grows with the ranks per node (at each node count, the count at 4 ranks a node is at most the
+count at 1 plus 10% and 2) and the per-step count is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOK = ROOT / "benchmarks" / "opcount"
+KINDS = ("open_read", "open_write", "rename", "unlink", "listdir", "mkdir", "rmdir")
+BEATS = ("beat_open_read", "beat_open_write")
+BASE = ["examples/mlp.yaml", "--local", "train.log_every=1", "snapshot.every_minutes=null",
+        "snapshot.every_steps=null", "slurm.max_restarts_in_job=2"]
+SCENARIOS: dict[str, list[str]] = {
+    "short": ["train.max_steps=6"],
+    "long": ["train.max_steps=16"],
+    "snapshots": ["train.max_steps=16", "snapshot.every_steps=5"],
+    "failure": ["train.max_steps=16", "slurm.spare_nodes=1", "--fail-at", "8:1"],
+    "stop": ["train.max_steps=16", "--preempt-at", "8"],
+}
+GRID = [(n, p) for n in (1, 2, 4, 8) for p in (1, 2, 4)]
+
+
+def counted(scratch: Path, nodes: int, per_node: int, scenario: str) -> dict[str, Any]:
+    """One rehearsal's counts: {"rank": {kind: n}, "shell": {kind: n}} (shell: the launcher), or an error."""
+    run_dir, out = scratch / f"b14-{nodes}x{per_node}-{scenario}", scratch / f"b14-{nodes}x{per_node}-{scenario}.ops"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HPC_DDP_OPS_RUN_DIR": str(run_dir), "HPC_DDP_OPS_OUT": str(out)}
+    cmd = [sys.executable, "-m", "hpc_ddp.submit", *BASE, f"slurm.nodes={nodes}", f"slurm.tasks_per_node={per_node}",
+           f"run_dir={run_dir}", *SCENARIOS[scenario]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    totals: dict[str, dict[str, int]] = {"rank": dict.fromkeys(KINDS + BEATS, 0),
+                                         "shell": dict.fromkeys(KINDS + BEATS, 0)}
+    for path in out.glob("*.ops"):
+        raw = path.read_bytes()
+        values = [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True) for i in range(len(KINDS + BEATS))]
+        role = "rank" if path.stem.endswith("-rank") else "shell"
+        for kind, value in zip(KINDS + BEATS, values):
+            totals[role][kind] += value
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return totals
+
+
+def events(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per-event counts (ranks and shell together, beats apart) from one geometry's scenario runs."""
+    def total(name: str) -> dict[str, float] | None:
+        run = runs.get(name)
+        if run is None or "error" in run:
+            return None
+        return {k: float(run["rank"][k] + run["shell"][k]) for k in KINDS}
+
+    def diff(a: dict[str, float] | None, b: dict[str, float] | None, scale: float = 1.0) -> dict[str, float] | None:
+        return None if a is None or b is None else {k: round((a[k] - b[k]) / scale, 2) for k in KINDS}
+
+    short, long = total("short"), total("long")
+    step = diff(long, short, 10)
+    found = {"step": step, "snapshot": diff(total("snapshots"), long, 3), "failure": diff(total("failure"), long),
+             "stop": diff(total("stop"), long),
+             "run": None if short is None or step is None else {k: round(short[k] - 6 * step[k], 2) for k in KINDS}}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def fit(points: list[tuple[int, int, float]]) -> dict[str, float] | None:
+    """count = a + b x nodes + c x ranks, least squares over (nodes, ranks per node, count)."""
+    if len(points) < 3:
+        return None
+    import numpy as np
+
+    matrix = np.array([[1.0, n, n * p] for n, p, _ in points])
+    values = np.array([c for _, _, c in points])
+    (a, b, c), *_ = np.linalg.lstsq(matrix, values, rcond=None)
+    return {"a": round(float(a), 2), "per_node": round(float(b), 2), "per_rank": round(float(c), 2)}
+
+
+def flat_in_ranks_per_node(table: dict[tuple[int, int], float]) -> list[str]:
+    """Where a count grows with the ranks per node: at 4 a node above the count at 1 by more than 10% and 2."""
+    grows = []
+    for (nodes, per_node), count in sorted(table.items()):
+        base = table.get((nodes, 1))
+        if per_node > 1 and base is not None and count > base * 1.1 + 2:
+            grows.append(f"{nodes} node(s) x {per_node}: {count} against {base} at 1 rank a node")
+    return grows
+
+
+def b14(scratch: Path, grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for nodes, per_node in grid:
+        runs = {name: counted(scratch, nodes, per_node, name) for name in SCENARIOS
+                if not (name == "failure" and nodes < 2)}  # one node lost is every rank lost: nothing to survive
+        rows[f"{nodes}x{per_node}"] = {"events": events(runs), "beats": {
+            name: {k: run["rank"][k] + run["shell"][k] for k in BEATS} for name, run in runs.items() if "error" not in run},
+            "errors": {name: run["error"] for name, run in runs.items() if "error" in run}}
+    fits, grows, per_step = {}, [], {}
+    for event in ("run", "step", "snapshot", "failure", "stop"):
+        table = {}
+        for key, row in rows.items():
+            if event in row["events"]:
+                nodes, per_node = map(int, key.split("x"))
+                table[(nodes, per_node)] = sum(row["events"][event].values())
+        fits[event] = fit([(n, p, c) for (n, p), c in table.items()])
+        grows += [f"{event}: {g}" for g in flat_in_ranks_per_node(table)]
+        if event == "step":
+            per_step = {f"{n}x{p}": c for (n, p), c in table.items()}
+    errors = {key: row["errors"] for key, row in rows.items() if row["errors"]}
+    met = not errors and not grows and all(abs(c) < 0.5 for c in per_step.values())
+    return {"rows": rows, "fits": fits, "grows_with_ranks_per_node": grows, "per_step": per_step,
+            "target": "no count grows with the ranks per node; 0 per step outside the beats", "met": met}
+
+
+if __name__ == "__main__":
+    grid = [tuple(map(int, g.split("x"))) for g in sys.argv[2:]] or GRID
+    print(json.dumps(b14(Path(sys.argv[1]), grid), indent=1))  # type: ignore[arg-type]
