@@ -207,6 +207,13 @@ def b13_recovery(scratch: Path, sizes: tuple[int, ...]) -> dict[str, Any]:
     return b13(scratch, sizes)
 
 
+def b14_ops(scratch: Path, quick: bool) -> dict[str, Any]:
+    """B14 (benchmarks/run_dir_ops.py): run-dir operations per event, counted, at 1-8 nodes x 1-4 ranks a node."""
+    from benchmarks.run_dir_ops import GRID, b14
+
+    return b14(scratch, [(1, 1), (2, 1), (2, 2)] if quick else GRID)
+
+
 def b10_healing() -> dict[str, Any]:
     from benchmarks.healing import b10_healing as figure
 
@@ -405,6 +412,20 @@ def table(results: dict[str, Any]) -> str:
                         f"steps): resumed from {periodic['resumed_from']}, first step {periodic['first_step_s']} s, "
                         f"regained {periodic['regained_s']} s; every 50 steps would regain it after about "
                         f"{row.get('periodic_every_50_regained_s')} s | {s['target']} | {mark(s)} |")
+    if "B14" in b:
+        s = b["B14"]
+        names = {"run": "per run (start, final snapshot, DONE)", "step": "per step", "snapshot": "per periodic snapshot",
+                 "failure": "per failure (a node SIGKILLed, healed, resumed)", "stop": "per stop (preempted, resumed)"}
+        for event, name in names.items():
+            cells = [f"{key}: {sum(row['events'][event].values()):g}" for key, row in s["rows"].items()
+                     if event in row["events"]]
+            fit = s["fits"].get(event) or {}
+            grows = [g for g in s["grows_with_ranks_per_node"] if g.startswith(f"{event}:")]
+            rows.append(f"| B14 run-dir operations {name}, nodes x ranks a node (opens, creates, renames, unlinks, "
+                        f"listings, mkdirs; beats apart) | {', '.join(cells)}; fit {fit.get('a', '-')} + "
+                        f"{fit.get('per_node', '-')} x nodes + {fit.get('per_rank', '-')} x ranks"
+                        + (f"; grows with ranks a node: {'; '.join(g.split(': ', 1)[1] for g in grows)}" if grows else "")
+                        + f" | {s['target']} | {mark(s)} |")
     if "B10" in b and "skipped" not in b["B10"]:
         s = b["B10"]
         names = {"killed": "a killed rank", "node_down": "a node marked down", "frozen": "a frozen rank (SIGSTOP)",
@@ -447,7 +468,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B14",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -480,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("B11-PER-RANK", lambda: b11_lost(scratch, 4 if quick else 30, per_rank=True)),
                  ("B11-BN", lambda: b11_lost(scratch, 4 if quick else 20, batchnorm=True)),
                  ("B12", lambda: b12_control_plane(quick)),
-                 ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000)))]
+                 ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000))),
+                 ("B14", lambda: b14_ops(scratch, quick))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

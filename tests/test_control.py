@@ -37,9 +37,13 @@ def _record(calls: list[tuple[str, str, str]]) -> None:
     subgroups: list[Any] = []
 
     def which(group: Any) -> str:
+        from hpc_ddp.rank import tiers
+
+        two = tiers.current()  # the stop agreement's two levels, made with the process group (before this wrap)
+        made_before = [two.groups.within, two.groups.between] if two is not None else []
         if group is not None and group is control.group():
             return "control"
-        if group is not None and any(group is g for g in subgroups):
+        if group is not None and any(group is g for g in [*subgroups, *made_before]):
             return "control-subgroup"
         return "training"
 
@@ -113,7 +117,9 @@ def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_
         assert resumed == (5, 13)
         names = {name for name, _, _ in calls}
         # the attempt did take every path: agreement, commit, restore's manifests and verdicts, spread, RNG gather
-        assert {"all_reduce", "gather_object", "broadcast_object_list", "barrier", "broadcast"} <= names
+        # (the stop agreement and the commit's barrier: a reduce to the node's first rank and a broadcast back,
+        # rank/tiers.py)
+        assert {"all_reduce", "gather_object", "broadcast_object_list", "reduce", "broadcast"} <= names
         training = [(name, dev) for name, group, dev in calls if group == "training" and name != "new_group"]
         # the only collectives on the training group: DDP's own coalesced broadcast of the buffers (at its
         # construction, at each forward, and at each run.boundary, which makes them rank 0's before a snapshot

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,10 @@ def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_no
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
-    assert attempts[0]["script_exit_code"] == 1  # rank 0's script died of its peer, not of the signal
+    # rank 0's script died of its peer, not of the signal: by its RuntimeError (exit 1) or, about one run in eight
+    # here, by SIGABRT ("terminate called without an active exception": gloo's threads as the interpreter tears
+    # down after that error, in the plain torch script; seen with and without hpc_ddp's changes of the day)
+    assert attempts[0]["script_exit_code"] in (1, -signal.SIGABRT), attempts[0]
     assert "just before SIGTERM reached this rank" in proc.stdout + proc.stderr
     # which epoch snapshot it resumes from depends on how far the script got before the launcher saw step 40
     # (a loaded CI machine saw a later one): the resume itself is what matters here

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from hpc_ddp.rank import control, spread
+from hpc_ddp.rank import tiers as tiers_
 from hpc_ddp.rundir import retention, slicing, snapshot
 from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.slurm_env import DistEnv
@@ -118,6 +119,7 @@ class Checkpointer:
         self._staging: Any = None  # CPU copy of the node's slices for async writes, reused across snapshots
         self._layouts: dict[int, dict[str, Any]] = {}  # step -> its layout, until committed (rank 0's goes in)
         self._groups: spread.Groups | None = None  # this node's ranks and the nodes' leaders (made once)
+        self._tiers: tiers_.Tiers | bool | None = None  # the commit's two levels over them (False: one level)
 
     def due_by_steps(self, step: int) -> bool:
         """every_steps: the same answer on every rank, so it needs no agreement."""
@@ -135,6 +137,14 @@ class Checkpointer:
         groups = self.groups()
         gathered = control.gather_within((env.rank, rng), groups.leader, len(groups.node), groups.within)
         return dict(gathered) if gathered is not None else None
+
+    def tiers(self) -> tiers_.Tiers | None:
+        """Collective, once: the commit's two levels (the nodes' writers to rank 0, the verdict back through them,
+        :mod:`hpc_ddp.rank.tiers`); None for one rank, or where rank 0 is not node 0's writer (then one level)."""
+        if self._tiers is None and self.env.world_size > 1:
+            groups = self.groups()
+            self._tiers = tiers_.Tiers(groups, self.env) if groups.leaders[0] == 0 else False
+        return self._tiers or None
 
     def groups(self) -> spread.Groups:
         """Collective, once: this node's ranks and the nodes' leaders, with their gloo groups (the RNG gather
@@ -170,8 +180,10 @@ class Checkpointer:
 
         The entries go to rank 0 alone, and rank 0 sends back one verdict: a non-zero rank sends
         and receives one small object, however many ranks there are."""
-        entries = control.to_main(entry)
-        verdict = control.from_main(_commit_problem(entries) if entries is not None else None)
+        tiers = self.tiers()
+        entries = control.to_main(entry) if tiers is None else tiers.leaders_to_main(entry)  # the writers' entries
+        problem = _commit_problem(entries) if entries is not None else None
+        verdict = control.from_main(problem) if tiers is None else tiers.from_main(problem)
         if verdict:  # every rank raises the same error: none is left waiting in a collective
             raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {verdict}")
         directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)
@@ -184,7 +196,7 @@ class Checkpointer:
             threading.Thread(target=retention.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
                              name="snapshot-prune").start()
             log.info("snapshot of step %d committed in %s", step, directory)
-        control.barrier()
+        control.barrier() if tiers is None else tiers.barrier()
         self.last_step = step
 
     def save(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.core import limits
-from hpc_ddp.rank import control
+from hpc_ddp.rank import control, tiers
 from hpc_ddp.core.config import DistConfig
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.core.shutdown import exit_fast  # noqa: F401  (part of the library API)
@@ -41,7 +41,7 @@ class RendezvousError(DistributedError):
     retry_may_help = True
 
 
-PEER_POLL_S = 0.5  # how often a rank waiting for rank 0's store looks for an error rank 0 recorded
+PEER_POLL_S = 0.5  # how often a node's ranks waiting for rank 0's store look for an error rank 0 recorded
 
 
 def _port_taken(err: BaseException) -> bool:
@@ -84,7 +84,7 @@ def rendezvous_store(env: DistEnv, timeout: timedelta,
     thread = threading.Thread(target=connect, name="rendezvous", daemon=True)
     thread.start()
     while thread.is_alive() or "error" in box:
-        thread.join(PEER_POLL_S)
+        thread.join(PEER_POLL_S * max(1, env.local_world_size))  # a node's ranks together look as often as one
         message = peer_error()
         if message:
             kind = RendezvousError if "rendezvous port" in message else DistributedError  # as retryable as rank 0's
@@ -176,6 +176,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
     if dist.is_available() and dist.is_initialized():  # the program made it (e.g. before hpc_ddp.session())
         control.open_group(dist.get_backend(), own_control_group, timeout)
+        _open_tiers(env)
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
@@ -192,7 +193,17 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
         dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error), rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
     control.open_group(backend, own_control_group, timeout)
+    _open_tiers(env)
     return device
+
+
+def _open_tiers(env: DistEnv) -> None:
+    """The stop agreement's two levels (:mod:`hpc_ddp.rank.tiers`), beside the control group; none where the
+    control traffic shares a gloo training group (B2's and a test's measurement of that, as before)."""
+    if control.group() is not None:
+        tiers.open_tiers(env)
+    else:
+        tiers.close_tiers()
 
 
 def enough_open_files(env: DistEnv) -> None:
@@ -215,6 +226,7 @@ def default_store() -> Any:
 
 def teardown() -> None:
     """Leave the process group after a clean end (every rank met at a barrier); safe when none exists."""
+    tiers.close_tiers()
     control.close_group()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -228,6 +240,7 @@ def abort() -> None:
     --kill-on-bad-exit`` waits for a task to exit. The process then leaves with ``os._exit``
     (:func:`hpc_ddp.core.shutdown.exit_fast`).
     """
+    tiers.close_tiers()
     control.close_group()
     if not (dist.is_available() and dist.is_initialized()):
         return

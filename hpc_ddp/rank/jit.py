@@ -138,19 +138,21 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         # never over the broadcast buffers: a survivor whose boundary broadcast had finished and one whose had not
         # hold the same step with other statistics; which of them may write is decided above, not by a mismatch
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
-        jit_files.offer(post, offer)
+        news = jit_files.offer(post, offer)
         latest = _latest_commit(run.run_dir)
         if latest is not None and latest >= step:
             offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, latest, offer))
         elif any(skip.values()) and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
-            offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
+            offer.update(outcome=_check_set(run, folder, news) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
         elif not jit_files.claim(folder, step, _claim_name(*share)):
-            offer.update(outcome=jit_commit.complete(run, folder) if mirror is not None
-                         else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
+            offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
+                run, folder, step, offer, share))
         else:
             offer.update(outcome=_write(run, post, step, state, offer, started, generation, share))
-        jit_files.offer(post, offer)
+        if jit_files.offer(post, offer) and mirror is not None and not offer["outcome"].startswith("committed"):
+            offer.update(outcome=_check_set(run, folder, True))  # it carried another rank's news: check them
+            jit_files.offer(post, offer)
         return offer
     except Exception as err:  # noqa: BLE001 - the snapshot is a bonus: the failure it follows must still be reported
         log.error("the just-in-time snapshot failed: %r", err)
@@ -219,12 +221,29 @@ def _no_source(run: Any, post: jit_files.Post, offer: dict[str, Any], why: str) 
     """This rank holds no step it may write: say why; with a mirror, its per-rank states may still be what
     another survivor's snapshot lacks."""
     offer.update(source=False, why=why)
-    jit_files.offer(post, offer)
+    news = jit_files.offer(post, offer)
     log.warning("no just-in-time snapshot from this rank: %s", why)
     if getattr(run, "mirror", None) is not None:
-        offer.update(outcome=jit_commit.complete(run, post.shared))
+        offer.update(outcome=_check_set(run, post.shared, news))
         jit_files.offer(post, offer)
     return offer
+
+
+def _check_set(run: Any, folder: Path, news: bool) -> str:
+    """Whether this rank's offer completed the set, checked by the one rank whose publish of its node's file
+    brought news (:func:`hpc_ddp.rundir.jit_files.publish`): per node and change, not per rank."""
+    if not news:
+        return "this node's offers went out with another rank's, which checked the set"
+    return jit_commit.complete(run, folder)
+
+
+def _lost_claim(run: Any, folder: Path, step: int, offer: dict[str, Any], share: tuple[int, int]) -> str:
+    """Another source writes this step (the whole state), or this node's share of it (a split): with one writer
+    for the step, wait for its commit and compare (:func:`jit_commit.claimed_by_another`); a node's other
+    sources need not, and exit (rank 0 compares every source's offer before the next attempt resumes from it)."""
+    if share[1] == 1:
+        return jit_commit.claimed_by_another(run.run_dir, step, folder, offer)
+    return f"another rank of this node writes its share of step {step}"
 
 
 def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S) -> bool:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.rank import control, jit, mirror, replication, restore
+from hpc_ddp.rank import control, jit, mirror, replication, restore, tiers
 from hpc_ddp.rank.replication import params_sha256
 from hpc_ddp.rank.restore import PER_RANK, STEP
 from hpc_ddp.rundir import layout
@@ -203,7 +203,7 @@ class Run:
         stop, due_time, busy = self._agreed()
         if not stop:
             # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
-            self._agreeing = control.start_max([int(self.stop is not None and self.stop.is_set),
+            self._agreeing = (tiers.current() or control).start_max([int(self.stop is not None and self.stop.is_set),
                                                 int(self.is_main and ckpt is not None and ckpt.due_by_time()),
                                                 int(ckpt is not None and ckpt.busy)])
         if ckpt is not None:

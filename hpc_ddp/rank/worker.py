@@ -36,7 +36,9 @@ from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError, first_line
 from hpc_ddp.core.codes import EXIT_ERROR
-from hpc_ddp.rundir.ledger import attempt_fields, cap_reached, caps, note_error, read_attempts, record_error
+from hpc_ddp.rundir import beats, node_share
+from hpc_ddp.rundir.ledger import (attempt_fields, attempt_tag, cap_reached, caps, note_error, parse_attempts,
+                                   read_attempts, record_error)
 from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.codes import EXIT_LOCKED
 from hpc_ddp.rundir.runlock import RunLockedError
@@ -65,7 +67,8 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
     Returns 0 when training finished (or had finished before), EXIT_REQUEUE when it
     stopped at a committed snapshot for a requeue, 1 when a requeue cap is reached.
     """
-    prepared = _prepare(load_config([config_path]), environ, flag or StopFlag())
+    folder = _node_folder(Path(config_path).parent, environ)
+    prepared = _prepare(_config(Path(config_path), folder), environ, flag or StopFlag(), folder)
     if isinstance(prepared, int):
         return prepared
     cfg, env = prepared[0], prepared[1]
@@ -79,7 +82,30 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
 Prepared = tuple[RunConfig, DistEnv, Mapping[str, str], StopFlag, list[dict[str, Any]], dict[str, int]]
 
 
-def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag) -> Prepared | int:
+def _node_folder(run_dir: Path, environ: Mapping[str, str]) -> Path | None:
+    """Where this node's ranks share what they read from the run dir at the start (rundir/node_share.py); None
+    for a rank alone on its node, or a place the environment does not give yet (the error comes later)."""
+    try:
+        env = from_environ(environ)
+    except Exception:  # noqa: BLE001 - _prepare derives it again and raises what is wrong, with the config's port
+        return None
+    if env.local_world_size < 2:
+        return None
+    return beats.node_dir(run_dir, attempt_tag(env.job_id, env.restart_count, env.in_job), env.node_rank)
+
+
+def _config(path: Path, folder: Path | None) -> RunConfig:
+    """The run's config, read from the run dir once per node; an error names the run dir's file."""
+    if folder is not None and node_share.read_once(path, folder) is not None:
+        try:
+            return load_config([folder / path.name])
+        except HpcDdpError:
+            pass  # said again below, naming the file the user knows
+    return load_config([path])
+
+
+def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
+             folder: Path | None = None) -> Prepared | int:
     """This rank's place, signal handlers and logging; an exit code instead when there is nothing to do
     (the run finished before) or a preempted job came back once more than slurm.max_preemptions allows."""
     environ = with_config_port(environ, cfg)
@@ -92,7 +118,11 @@ def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag) -> Prep
         log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
         return 0
     limits = caps(cfg.slurm)
-    attempts = read_attempts(run_dir)
+    if folder is not None:  # the ledger as this node's first rank read it
+        attempts = parse_attempts((node_share.read_once(layout.ledger(run_dir), folder) or b"").decode(
+            errors="replace"))
+    else:
+        attempts = read_attempts(run_dir)
     capped = cap_reached("preemption", attempts, limits)
     if capped:  # Slurm requeued a preempted job once more than allowed
         log.error("%s", capped)

@@ -107,11 +107,12 @@ def prepare(post: Post) -> None:
         logging.getLogger("hpc_ddp.jit").warning("could not create %s (%s)", post.shared, err)
 
 
-def offer(post: Post, content: dict[str, Any]) -> None:
-    """This rank's offer: on its node first, then in its node's file in the run dir (:func:`publish`)."""
+def offer(post: Post, content: dict[str, Any]) -> bool:
+    """This rank's offer: on its node first, then in its node's file in the run dir (:func:`publish`, whose
+    answer it returns: whether this rank should check the set)."""
     post.local.mkdir(parents=True, exist_ok=True)
     write_atomic(post.local / f"offer-{post.local_rank}.json", json.dumps({**content, "node": post.node}).encode())
-    publish(post)
+    return publish(post)
 
 
 def write_blobs(post: Post, blobs: dict[int, tuple[int, bytes]]) -> None:
@@ -123,11 +124,18 @@ def write_blobs(post: Post, blobs: dict[int, tuple[int, bytes]]) -> None:
     write_atomic(post.local / f"blobs-{post.local_rank}.pt", lambda out: torch.save(held, out))
 
 
+OUTCOME_KEYS = ("outcome", "why")  # what an offer says came of it: news for the ledger, never for the set
+
+
 def publish(post: Post) -> bool:
     """The node's file in the run dir, ``node-N.json`` (every offer its ranks made, by rank), and with per-rank
     state ``blobs-node-N.pt`` (each rank's per-rank states, by the rank that holds them): rewritten only when
     what the node's ranks said changed since the last publish, under a lock on the node, so ranks that offer
-    together cost the file server one write for the node, not one per rank. True if it wrote."""
+    together cost the file server one write for the node, not one per rank.
+
+    True when the node's file now says something that may complete the set (a step held, a state file
+    written, per-rank states) that it did not say before: whoever publishes that checks the set
+    (:func:`hpc_ddp.rank.jit_commit.complete`), so one rank per change of the node checks it, not every rank."""
     lock = post.local / "publish.lock"
     with open(lock, "a+b") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
@@ -142,17 +150,21 @@ def publish(post: Post) -> bool:
                 stat = blob.stat()
                 blob_files.append((local, stat.st_mtime_ns, stat.st_size))
         said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
+        news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS} for o in offers],
+                           "blobs": blob_files}, sort_keys=True)
         published = post.local / "published.json"
-        with contextlib.suppress(OSError):
-            if published.read_text() == said:
-                return False
-        post.shared.mkdir(parents=True, exist_ok=True)
-        if blob_files:
+        try:
+            before = json.loads(published.read_text())
+        except (OSError, ValueError):
+            before = {}
+        if before.get("said") == said:
+            return False
+        if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])
-        write_atomic(post.shared / f"node-{post.node}.json",
-                     json.dumps({"node": post.node, "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode())
-        published.write_text(said)
-        return True
+        record = json.dumps({"node": post.node, "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
+        _shared(post, f"node-{post.node}.json", record)
+        published.write_text(json.dumps({"said": said, "news": news, "blobs": blob_files}))
+        return before.get("news") != news
 
 
 def _publish_blobs(post: Post, locals_: list[int]) -> None:
@@ -165,7 +177,17 @@ def _publish_blobs(post: Post, locals_: list[int]) -> None:
             by_holder[int(held["holder"])] = held["blobs"]
         except (OSError, RuntimeError, ValueError, EOFError, KeyError, TypeError):
             continue
-    write_atomic(post.shared / f"blobs-node-{post.node}.pt", lambda out: torch.save(by_holder, out))
+    _shared(post, f"blobs-node-{post.node}.pt", lambda out: torch.save(by_holder, out))
+
+
+def _shared(post: Post, name: str, data: Any) -> None:
+    """One of the node's files in the run dir; the folder made only when no node made it before the rendezvous
+    (:func:`prepare`), not at every write."""
+    try:
+        write_atomic(post.shared / name, data)
+    except FileNotFoundError:
+        post.shared.mkdir(parents=True, exist_ok=True)
+        write_atomic(post.shared / name, data)
 
 
 def offers(where: Path, nodes: int) -> list[dict[str, Any]]:
@@ -187,9 +209,13 @@ def node_offers(where: Path, node: int) -> list[dict[str, Any]]:
 
 def claim(where: Path, step: int, what: str = "claim") -> bool:
     """True for the one survivor that creates ``claim-step-S`` (or ``commit-step-S``: ``what="commit"``) first."""
-    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{what}-step-{step}"
     try:
-        os.close(os.open(where / f"{what}-step-{step}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileNotFoundError:  # the folder's first file
+            where.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     except FileExistsError:
         return False
     return True

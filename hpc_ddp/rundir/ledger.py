@@ -34,9 +34,14 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     into their attempt's line; a ``caps_from`` line, a person's ``--resume``, is no attempt: the attempts
     before it get ``"before_resume": true``, which the caps skip)."""
     try:
-        lines = layout.ledger(run_dir).read_text().splitlines()
+        return parse_attempts(layout.ledger(run_dir).read_text())
     except OSError:
         return []
+
+
+def parse_attempts(text: str) -> list[dict[str, Any]]:
+    """:func:`read_attempts` of the ledger's text (a node's copy of it: :mod:`hpc_ddp.rundir.node_share`)."""
+    lines = text.splitlines()
     attempts = []
     for line in lines:
         try:
