@@ -4,7 +4,8 @@ What a 512-node job costs the shared filesystem's administrator is how many crea
 listings it makes in the run dir, and whether that grows with the ranks per node. Each rehearsal here runs with
 ``benchmarks/opcount`` first on ``PYTHONPATH``: every process of it (the launcher, which plays the batch shell,
 and every rank) counts its operations on the run dir through the interpreter's audit hook, whatever code path
-makes them (``benchmarks/opcount/sitecustomize.py``); liveness beats are counted apart (per period, not per event).
+makes them (``benchmarks/opcount/sitecustomize.py``); liveness beats are counted apart (per period, not per event),
+and the rehearsal's own per-rank logs (``logs/``, its launcher's; on a cluster srun writes the task logs) not at all.
 
 Events are differences between runs of one geometry (examples/mlp.yaml, no periodic snapshot unless said):
 

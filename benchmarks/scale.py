@@ -7,14 +7,20 @@ simulated as W / tasks_per_node nodes, and measure on every rank (rank 0's figur
 - ``init_s``: the training process group's init; ``control_init_s``: the control group's;
 - ``fds``: open file descriptors per process once every control message below has run (sockets
   are most of them: gloo connects every pair of a group unless it connects lazily);
-- ``agreement_ms``: the boundary's stop agreement (``control.start_max`` + wait), median of 50;
+- ``agreement_ring_ms``: the stop agreement as one gloo all_reduce on the control group (a ring over
+  every rank: hpc_ddp before issue 45), and ``agreement_two_level_ms``: as hpc_ddp makes it now
+  (:mod:`hpc_ddp.rank.tiers`: within each node, then recursive doubling among the leaders, on the
+  agreement's thread); ``start_max`` + wait, median of 50;
 - ``commit_ms``: a snapshot of a tiny state (64 KiB, so the disk is not what is timed): the RNG
-  gather within each node, one file per node, the commit's entries gathered to rank 0 and its
-  verdict; median of 3;
+  gather within each node, one file per node, the writers' entries to rank 0 and its verdict back,
+  in two levels; ``commit_one_level_ms`` the same with every rank's entry to rank 0; median of 3;
+- ``fds_max`` against ``fds_budget``: the most descriptors any rank held, and what
+  :func:`hpc_ddp.core.limits.needed` raises each rank's limit to;
 - ``replication_ms``: the replication check's collective on a tiny state, median of 10.
 
-Each figure is fitted as ``a + b * W`` and as ``a + b * log2(W)``; the fit with the smaller
-residual is extrapolated to 4,096 and 32,768 ranks. ``--lazy`` chooses which gloo groups connect a
+Each figure is fitted as ``a + b * W`` and as ``a + b * log2(W)`` (kept for the record: a line through
+2 shared cores is no forecast); :func:`model` gives 4,096 and 32,768 ranks from message counts, with
+the network's hop latency an input. ``--lazy`` chooses which gloo groups connect a
 pair on its first message rather than every pair at once (``TORCH_GLOO_LAZY_INIT``): ``control``
 (hpc_ddp's default: its control groups), ``none`` (every group eager: hpc_ddp before B12) or
 ``all`` (the training group too). The before/after of the change is ``none`` against ``control``.
@@ -57,7 +63,8 @@ def worker(rank: int, world: int, tasks_per_node: int, port: int, out: str, scra
 
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
-    from hpc_ddp.rank import control, replication
+    from hpc_ddp.core import limits
+    from hpc_ddp.rank import control, replication, tiers
     from hpc_ddp.rank.checkpointer import Checkpointer
     from hpc_ddp.rank.rng import capture_rng
 
@@ -71,25 +78,34 @@ def worker(rank: int, world: int, tasks_per_node: int, port: int, out: str, scra
     start = time.perf_counter()
     control.open_group("gloo")
     control_init_s = time.perf_counter() - start
+    start = time.perf_counter()
+    two = tiers.open_tiers(env)
+    tiers_init_s = time.perf_counter() - start
     control.barrier()
 
-    def agree() -> None:
-        flags, work = control.start_max([0, 0, 0])
+    def agree(via: Any) -> None:
+        flags, work = via.start_max([0, 0, 0])
         work.wait()
-    agreement_ms = _timed(agree, 50)
+    ring_ms = _timed(lambda: agree(control), 50)  # one gloo all_reduce: a ring over every rank
+    two_level_ms = _timed(lambda: agree(two), 50) if two is not None else ring_ms
     state = {"model": {"w": torch.ones(16384)}, "step": 1}
     replication_ms = _timed(lambda: replication.check({"model": state["model"]}, 10), 10)
     ckpt = Checkpointer(Path(scratch), SnapshotConfig(every_steps=None, every_minutes=None, keep_last=1), env, "b12")
     steps = iter(range(1, 1000))
-    commit_ms = _timed(lambda: ckpt.save(next(steps), state, capture_rng()), 3)
+    commit_ms = _timed(lambda: ckpt.save(next(steps), state, capture_rng()), 3)  # two levels (rank/tiers.py)
+    ckpt._tiers = False  # the same commit in one level: every rank's entry to rank 0, the verdict back
+    commit_one_level_ms = _timed(lambda: ckpt.save(next(steps), state, capture_rng()), 3)
     control.barrier()
     fds = len(os.listdir("/proc/self/fd"))
     found = control.to_main({"fds": fds})
     if rank == 0:
-        Path(out).write_text(json.dumps({"init_s": init_s, "control_init_s": control_init_s, "fds": fds,
-                                         "fds_max": max(f["fds"] for f in found), "agreement_ms": agreement_ms,
-                                         "commit_ms": commit_ms, "replication_ms": replication_ms}))
+        Path(out).write_text(json.dumps({
+            "nodes": nodes, "init_s": init_s, "control_init_s": control_init_s, "tiers_init_s": tiers_init_s,
+            "fds": fds, "fds_max": max(f["fds"] for f in found), "fds_budget": limits.needed(world),
+            "agreement_ring_ms": ring_ms, "agreement_two_level_ms": two_level_ms, "commit_ms": commit_ms,
+            "commit_one_level_ms": commit_one_level_ms, "replication_ms": replication_ms}))
     control.barrier()
+    tiers.close_tiers()
     dist.destroy_process_group()
 
 
@@ -125,16 +141,62 @@ def fit(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 def b12(worlds: list[int], tasks_per_node: int, lazy: str) -> dict[str, Any]:
     rows = [measure(w, tasks_per_node, lazy) for w in worlds]
-    keys = ("init_s", "control_init_s", "fds", "agreement_ms", "commit_ms", "replication_ms")
+    keys = ("init_s", "control_init_s", "fds", "agreement_ring_ms", "agreement_two_level_ms", "commit_ms",
+            "commit_one_level_ms", "replication_ms")
     return {"lazy_init": lazy, "tasks_per_node": tasks_per_node, "rows": rows,
-            "fits": {k: fit(rows, k) for k in keys}}
+            "fits": {k: fit(rows, k) for k in keys}, "model": model(rows, tasks_per_node)}
+
+
+# -- the model for 4,096 and 32,768 ranks ----------------------------------------------------------------------
+NET_HOP_S = 25e-6  # one small gloo message between nodes over TCP (datacenter Ethernet or IPoIB): an input
+NODE_HOP_S = None  # one within a node: measured here (the one-node rows), unless given
+
+
+def model(rows: list[dict[str, Any]], per_node: int, net_hop_s: float = NET_HOP_S,
+          targets: tuple[int, ...] = TARGETS) -> dict[str, Any]:
+    """What the agreement and the commit cost at ``targets`` ranks (``per_node`` a node), from message counts:
+
+    - ring agreement (one gloo all_reduce): 2 (W - 1) steps, each as slow as the ring's slowest link, a network
+      hop: 2 (W - 1) x net;
+    - two-level agreement: a reduce and a broadcast within the node, (P - 1) local hops each (the pessimistic
+      linear count), and recursive doubling among the N leaders, ceil(log2 N) exchanges (+ 2 for the fold):
+      2 (P - 1) x node + (ceil(log2 N) + 2) x net;
+    - commit, one level: rank 0 takes W entries one after another: W x (net + entry), then a verdict and a
+      barrier (each a ring: 4 (W - 1) x net);
+    - commit, two levels: N entries to rank 0 (N x (net + entry)), the verdict back through the leaders (a
+      broadcast, 2 (N - 1) x net as a ring) and within nodes, and the two-level barrier (as the agreement).
+
+    ``node`` (a local hop) and ``entry`` (rank 0's cost per gathered entry: unpickling, a Python loop) are
+    fitted from the rows measured here; ``net`` is an input (this machine has no network). A model, not a
+    measurement: its value is which terms grow with what."""
+    one_node = [r for r in rows if r.get("nodes", 1) == 1 and r["world_size"] > 1]
+    node_hop = (statistics.median(r["agreement_ring_ms"] / 1e3 / (2 * (r["world_size"] - 1)) for r in one_node)
+                if one_node else 20e-6)
+    many = [r for r in rows if r["world_size"] > 2]
+    entry = max(1e-6, fit(many, "commit_one_level_ms")["slope"] / 1e3) if len(many) >= 2 else 1e-3
+    out: dict[str, Any] = {"inputs": {"net_hop_us": round(net_hop_s * 1e6, 1), "node_hop_us": round(node_hop * 1e6, 1),
+                                      "entry_us": round(entry * 1e6, 1), "ranks_per_node": per_node}}
+    for world in targets:
+        nodes = max(1, world // per_node)
+        doubling = math.ceil(math.log2(nodes)) + (2 if nodes & (nodes - 1) else 0) if nodes > 1 else 0
+        two_level = 2 * (per_node - 1) * node_hop + doubling * net_hop_s
+        out[str(world)] = {
+            "agreement_ring_ms": round(2 * (world - 1) * net_hop_s * 1e3, 2),
+            "agreement_two_level_ms": round(two_level * 1e3, 3),
+            "commit_one_level_s": round(world * (net_hop_s + entry) + 4 * (world - 1) * net_hop_s, 3),
+            "commit_two_level_s": round(nodes * (net_hop_s + entry) + per_node * (node_hop + entry)
+                                        + 2 * (nodes - 1) * net_hop_s + 2 * two_level, 3)}
+    at = out[str(targets[0])]
+    out["target"] = f"at {targets[0]} ranks: two-level agreement < 10 ms, commit < 1 s"
+    out["met"] = at["agreement_two_level_ms"] < 10 and at["commit_two_level_s"] < 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", default="2,4,8,16,32", help="world sizes, comma-separated")
-    parser.add_argument("--tasks-per-node", type=int, default=8)
+    parser.add_argument("--tasks-per-node", type=int, default=4)
     parser.add_argument("--lazy", choices=("control", "none", "all"), default="control",
                         help="which gloo groups connect lazily (default: hpc_ddp's control groups)")
     args = parser.parse_args(argv)

@@ -17,6 +17,8 @@ import sys
 
 KINDS = ("open_read", "open_write", "rename", "unlink", "listdir", "mkdir", "rmdir")
 BEATS = ("beat_open_read", "beat_open_write")  # liveness/: per period, not per event: counted apart
+# logs/ is the rehearsal's own (one file per rank, its launcher's: on a cluster srun writes the task logs) and is
+# not counted
 FIELDS = KINDS + BEATS
 
 
@@ -26,6 +28,7 @@ def _install() -> None:
         return
     run_dir = os.path.realpath(run_dir)
     beats = os.path.join(run_dir, "liveness")
+    logs = os.path.join(run_dir, "logs") + os.sep
     os.makedirs(out, exist_ok=True)
     role = "rank" if "SLURM_PROCID" in os.environ else "other"  # the rehearsal's ranks have Slurm's variables
     name = os.path.join(out, f"{os.getpid()}-{role}.ops")
@@ -57,7 +60,7 @@ def _install() -> None:
         busy[0] = True
         try:
             path = under(args[0])
-            if path is None:
+            if path is None or path.startswith(logs):
                 return
             beat = path.startswith(beats + os.sep)
             if trace is not None:
