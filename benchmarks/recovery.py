@@ -74,3 +74,38 @@ def b13(scratch: Path, sizes: tuple[int, ...] = (100, 1000)) -> dict[str, Any]:
 
 if __name__ == "__main__":
     print(json.dumps(b13(Path(sys.argv[1]), tuple(int(a) for a in sys.argv[2:]) or (100, 1000)), indent=1))
+
+
+def split_one(scratch: Path, megabytes: int, nodes: int) -> dict[str, Any]:
+    """One B13-SPLIT run: ``nodes`` x 1, node 1 SIGKILLed after step 8, no periodic snapshot; what each surviving
+    node wrote of the survivors' snapshot (the manifest's ``jit.writers``: seconds, bytes, slices)."""
+    run_dir = scratch / f"b13split-{megabytes}-{nodes}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [a for a in RUN if a != "slurm.nodes=2"] + [f"slurm.nodes={nodes}", *PATHS["jit"], f"run_dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "HPC_DDP_BENCH_MB": str(megabytes)})
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    manifests = sorted(layout.snapshots(run_dir).glob("step-*/manifest.json"))
+    record = next((json.loads(m.read_text()).get("jit") for m in manifests if json.loads(m.read_text()).get("jit")),
+                  None)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if not record:
+        return {"error": "no survivors' snapshot was committed"}
+    writers = record.get("writers") or {}
+    return {"writers": len(writers), "write_s_max": max(w["write_s"] for w in writers.values()),
+            "mb_per_node_max": round(max(w["bytes"] for w in writers.values()) / 1e6, 1),
+            "mb_all": round(sum(w["bytes"] for w in writers.values()) / 1e6, 1), "took_s": record.get("took_s")}
+
+
+def b13_split(scratch: Path, megabytes: int = 1000, node_counts: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+    """B13-SPLIT: the survivors' snapshot split over the surviving nodes (issue 45). Target: what the busiest
+    surviving node writes falls with the node count, in bytes and in seconds. The rehearsal's nodes share one
+    disk and 2 cores here, so the seconds are those of writers that compete (on a cluster each node has its
+    own client); the bytes are exact."""
+    rows = {str(n): split_one(scratch, megabytes, n) for n in node_counts}
+    good = [rows[str(n)] for n in node_counts if "error" not in rows[str(n)]]
+    falls = len(good) == len(node_counts) and all(
+        b["mb_per_node_max"] < a["mb_per_node_max"] and b["write_s_max"] < a["write_s_max"] for a, b in zip(good, good[1:]))
+    return {"megabytes": megabytes, "rows": rows, "met": falls,
+            "target": "the busiest surviving node writes less, in bytes and seconds, as the node count grows"}

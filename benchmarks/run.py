@@ -207,6 +207,13 @@ def b13_recovery(scratch: Path, sizes: tuple[int, ...]) -> dict[str, Any]:
     return b13(scratch, sizes)
 
 
+def b13_split(scratch: Path, quick: bool) -> dict[str, Any]:
+    """B13-SPLIT (benchmarks/recovery.py): the survivors' snapshot's write per node at 2 and 4 nodes."""
+    from benchmarks.recovery import b13_split as figure
+
+    return figure(scratch, 100 if quick else 1000)
+
+
 def b14_ops(scratch: Path, quick: bool) -> dict[str, Any]:
     """B14 (benchmarks/run_dir_ops.py): run-dir operations per event, counted, at 1-8 nodes x 1-4 ranks a node."""
     from benchmarks.run_dir_ops import GRID, b14
@@ -346,10 +353,11 @@ def table(results: dict[str, Any]) -> str:
         for world in ("4096", "32768"):
             row = m[world]
             rows.append(f"| B12 model, {world} ranks ({inputs['ranks_per_node']} a node; network hop "
-                        f"{inputs['net_hop_us']} us given, node hop {inputs['node_hop_us']} us and rank 0's "
-                        f"{inputs['entry_us']} us an entry fitted here) | agreement: ring "
-                        f"{row['agreement_ring_ms']} ms, two levels {row['agreement_two_level_ms']} ms; commit: one "
-                        f"level {row['commit_one_level_s']} s, two levels {row['commit_two_level_s']} s | "
+                        f"{inputs['net_hop_us']} us, node hop {inputs['node_hop_us']} us, store request "
+                        f"{inputs['store_op_us']} us given; rank 0's {inputs['entry_us']} us an entry measured) | "
+                        f"agreement: ring {row['agreement_ring_ms']} ms, two levels {row['agreement_two_level_ms']} ms; "
+                        f"commit: one level {row['commit_one_level_s']} s, two levels {row['commit_two_level_s']} s; "
+                        f"the agreement's groups made in {row['agreement_groups_s']} s | "
                         f"{m['target']} | {mark(m)} |")
     if "B3" in b:
         for f in b["B3"].values():
@@ -420,6 +428,13 @@ def table(results: dict[str, Any]) -> str:
                         f"steps): resumed from {periodic['resumed_from']}, first step {periodic['first_step_s']} s, "
                         f"regained {periodic['regained_s']} s; every 50 steps would regain it after about "
                         f"{row.get('periodic_every_50_regained_s')} s | {s['target']} | {mark(s)} |")
+    if "B13-SPLIT" in b:
+        s = b["B13-SPLIT"]
+        cells = "; ".join(f"{n} nodes: {r['writers']} writer(s), the busiest wrote {r['mb_per_node_max']} MB in "
+                          f"{r['write_s_max']} s ({r['mb_all']} MB in all)" if "error" not in r else f"{n} nodes: failed"
+                          for n, r in s["rows"].items())
+        rows.append(f"| B13-SPLIT the survivors' snapshot split over the surviving nodes, {s['megabytes']} MB of state, "
+                    f"N x 1 rehearsal, node 1 lost | {cells} | {s['target']} | {mark(s)} |")
     if "B14" in b:
         s = b["B14"]
         names = {"run": "per run (start, final snapshot, DONE)", "step": "per step", "snapshot": "per periodic snapshot",
@@ -476,7 +491,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B14",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
@@ -510,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B11-BN", lambda: b11_lost(scratch, 4 if quick else 20, batchnorm=True)),
                  ("B12", lambda: b12_control_plane(quick)),
                  ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000))),
+                 ("B13-SPLIT", lambda: b13_split(scratch, quick)),
                  ("B14", lambda: b14_ops(scratch, quick))]
         for name, run in steps:
             if name in only:

@@ -651,7 +651,8 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     assert manifest is not None and sorted(manifest["files"]) == ["jit-node-00000.pt", "jit-node-00002.pt"]
     assert slicing.sources(manifest, manifest["files"]) == {0: "jit-node-00000.pt", 1: "jit-node-00002.pt",
                                                            2: "jit-node-00002.pt"}
-    assert manifest["jit"]["writer"] == 0 and manifest["jit"]["writers"] == {"0": 0.5, "2": 0.5}
+    assert manifest["jit"]["writer"] == 0 and manifest["jit"]["writers"] == {
+        "0": {"write_s": None, "bytes": 1, "slices": [0, 2]}, "2": {"write_s": None, "bytes": 1, "slices": [2, 1]}}
     other = jit_files.folder(tmp_path, 6, 0)  # another attempt: two writers that cut the state differently
     where = other
     writer(0, 0)

@@ -440,3 +440,24 @@ def test_a_whole_frozen_node_is_declared_with_every_rank_on_it_by_the_node_befor
     assert losses.describe(run_dir, 7, 0).startswith("ranks 4, 5 on n2 lost (no liveness beat for 3")
     assert losses.ledger_fields(run_dir, 7, 0)["lost_ranks"] == [4, 5]
     assert len(list((run_dir / "errors").glob("*-lost-rank-*"))) == 1  # one marker for the node
+
+
+def test_the_last_rank_to_leave_clears_the_nodes_beats_but_never_a_survivors_snapshot_in_progress(
+        tmp_path: Path) -> None:
+    """A rank that hears a declaration leaves (its last beat) before it writes what it holds, in the node's
+    folder: the node's last rank to leave used to remove the whole folder, another rank's per-rank states with it
+    (the survivors' snapshot then could not read them: found by the frozen-node test on the local cluster)."""
+    run_dir, clock = tmp_path / "run", Clock()
+    ranks = node_of_ranks(run_dir, 1, 2, clock, {}, [])
+    folder = ranks[0].folder
+    (folder / "jit").mkdir()
+    (folder / "jit" / "blobs-1.pt").write_bytes(b"rank 1's per-rank states")
+    for live in ranks:
+        live.leave()
+    assert (folder / "jit" / "blobs-1.pt").exists() and not list(folder.glob("rank-*.beat"))
+    (folder / "jit" / "blobs-1.pt").unlink()
+    (folder / "jit").rmdir()
+    again = node_of_ranks(run_dir, 1, 2, clock, {}, [])  # a clean end: nothing of the node is left
+    for live in again:
+        live.leave()
+    assert not folder.exists() and not folder.parent.exists()

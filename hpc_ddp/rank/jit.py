@@ -295,12 +295,14 @@ def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], off
                                                 {}, copy=False)
     directory = snapshot.step_dir(run.run_dir, step)
     name = jit_files.file_name(run.env.rank) if nodes == 1 else jit_files.node_file_name(index)
+    writing = time.monotonic()
     entry = snapshot.write_node_file(directory, 0, content, name=name)
+    wrote_s = time.monotonic() - writing
     if run.held.generation != generation:  # written from a side thread while the training thread went on
         return ("not committed: this rank's training went on (an optimizer update or a boundary) while the "
                 "state was written")
     offer.update(written={"step": step, "entry": {**entry, "slices": held, "ranks": []}, "layout": split,
-                          "took_s": round(time.monotonic() - started, 3)})
+                          "took_s": round(time.monotonic() - started, 3), "write_s": round(wrote_s, 3)})
     jit_files.offer(post, offer)  # a survivor whose offer comes later may complete the set
     time.sleep(max(0.0, OFFER_WAIT_S - (time.monotonic() - started)))  # the other survivors' offers come in
     return jit_commit.complete(run, post.shared)

@@ -131,7 +131,8 @@ def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list
         entry = snapshot.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
         entries.append({**entry, "slices": [], "ranks": sorted(states)})
     took = round(time.time() - min(o["time"] for o in [*writers, *sources]), 3)
-    shares = {str(w["rank"]): w["written"].get("took_s") for w in writers} if len(writers) > 1 else {}
+    shares = {str(w["rank"]): {"write_s": w["written"].get("write_s"), "bytes": w["written"]["entry"].get("size"),
+                               "slices": w["written"]["entry"].get("slices")} for w in writers}
     record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"], "took_s": took,
               **({"writers": shares} if shares else {}),
               "fingerprint": writer["fingerprint"], "sources": sorted(o["rank"] for o in sources),

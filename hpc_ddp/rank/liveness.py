@@ -136,7 +136,10 @@ class Liveness:
         self.listening = False  # reads the declaration once the rendezvous is done (:meth:`listen`)
         self.clock, self.wall = clock, wall
         self.count = 0
-        self.on_node = {rank}  # the leader's: the node's ranks it has seen beat (named in the node's beat)
+        # the leader's: the node's ranks, named in the node's beat; Slurm's and torchrun's block layout until every
+        # rank of the node has beaten on it (then what they say: another distribution numbers them otherwise)
+        self.on_node = {rank - self.place.local_rank + i for i in range(self.place.local_size)}
+        self.seen: set[int] = {rank}
         self.local_peer, self.local_judge = (self.place.local_rank + 1) % self.place.local_size, Judge(liveness_s)
         self.node_peer, self.node_judge = (self.place.node + 1) % self.place.nodes, Judge(liveness_s)
         self._left, self._warned = False, False
@@ -187,7 +190,7 @@ class Liveness:
             if heard is not None:
                 self._act_on(heard)
                 return None
-        if self.leader and len(self.on_node) < self.place.local_size:
+        if self.leader and len(self.seen) < self.place.local_size:
             self._gather_ranks()
         silent = None
         if self.local_peer != self.place.local_rank:
@@ -230,7 +233,9 @@ class Liveness:
         for local in range(1, self.place.local_size):
             found = beats.read(beats.local_beat(self.folder, local), self.tag)
             if found is not None:
-                self.on_node.add(found.rank)
+                self.seen.add(found.rank)
+        if len(self.seen) == self.place.local_size:
+            self.on_node = set(self.seen)
 
     def _write(self, left: bool) -> None:
         wall = self.wall()

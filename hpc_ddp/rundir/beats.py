@@ -103,14 +103,21 @@ def local_declared(folder: Path) -> Path:
 
 
 def clear_when_all_left(folder: Path, tag: str, local_size: int) -> None:
-    """Remove the node's folder once every rank on it has said it left (whoever leaves last): a finished or
-    stopped run leaves nothing in ``/dev/shm``. A lost rank never leaves; the next attempt's leader clears it."""
-    if all((beat := read(local_beat(folder, local), tag)) is not None and beat.left for local in range(local_size)):
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            folder.parent.rmdir()  # the run's folder, once no node of it is left on this machine
-        except OSError:
-            pass
+    """Remove the node's files once every rank on it has said it left (whoever leaves last): a finished or
+    stopped run leaves nothing in ``/dev/shm``. Files only: a survivors' snapshot being written after a loss
+    keeps its own subfolder (``jit/``, :func:`hpc_ddp.rundir.jit_files.post_for`), and with it the folder, until
+    the next attempt's first rank on the node clears it. A lost rank never leaves; the next attempt clears that
+    too."""
+    if not all((beat := read(local_beat(folder, local), tag)) is not None and beat.left for local in range(local_size)):
+        return
+    try:
+        for entry in folder.iterdir():
+            if entry.is_file():
+                entry.unlink(missing_ok=True)
+        folder.rmdir()
+        folder.parent.rmdir()  # the run's folder, once no node of it is left on this machine
+    except OSError:
+        pass
 
 
 def clear_other_attempts(folder: Path, tag: str) -> None:

@@ -91,8 +91,8 @@ def post_for(run_dir: Path | str, env: Any) -> Post:
     from hpc_ddp.rundir import beats
 
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
-    return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank), env.rank, env.node_rank,
-                env.local_rank, max(1, env.local_world_size))
+    return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank) / JIT, env.rank,
+                env.node_rank, env.local_rank, max(1, env.local_world_size))
 
 
 def prepare(post: Post) -> None:
@@ -175,8 +175,9 @@ def _publish_blobs(post: Post, locals_: list[int]) -> None:
         try:
             held = torch.load(post.local / f"blobs-{local}.pt", weights_only=True)
             by_holder[int(held["holder"])] = held["blobs"]
-        except (OSError, RuntimeError, ValueError, EOFError, KeyError, TypeError):
-            continue
+        except (OSError, RuntimeError, ValueError, EOFError, KeyError, TypeError) as err:
+            logging.getLogger("hpc_ddp.jit").warning("the per-rank states of this node's local rank %d could not be "
+                                                     "read from %s: %r", local, post.local, err)
     _shared(post, f"blobs-node-{post.node}.pt", lambda out: torch.save(by_holder, out))
 
 
