@@ -200,11 +200,51 @@ def test_only_the_nodes_the_plan_uses_are_probed_in_one_step(tmp_path: Path) -> 
     sup = make(tmp_path, "slurm.nodes=8", "slurm.spare_nodes=1", slurm=slurm, srun=FakeSrun())
     said = sup.heal(Step(held[1:], 0, 137, ["srun: error: n5: task 8: Killed"]), {"reason": "failed"})
     assert said is not None and said.startswith("replaced")
-    # the plan without n5 takes n1 (the only spare); one step over those 8 fails (n2 is silent), each is
-    # probed alone, and the plan made again has no node left to replace n2: a retry keeps n5 (soft)
+    # the plan without n5 takes n1 (the only spare); one step over those 8 fails (n2 is silent), its halves are
+    # probed, then the failing half's halves, down to n2 alone; the plan made again has no node left to replace
+    # n2: a retry keeps n5 (soft)
     assert slurm.probes[0] == ["n1", "n2", "n3", "n4", "n6", "n7", "n8", "n9"]
-    assert all(len(p) == 1 for p in slurm.probes[1:9]) and len(slurm.probes) == 1 + 8 + 1
+    assert slurm.probes[1:7] == [["n1", "n2", "n3", "n4"], ["n6", "n7", "n8", "n9"], ["n1", "n2"], ["n3", "n4"],
+                                 ["n1"], ["n2"]]
+    assert len(slurm.probes) == 1 + 6 + 1
     assert "n2" not in sup.healer.next_nodes and "n2" in sup.healer.healed["excluded"]
+
+
+def test_the_silent_nodes_are_found_by_halves_in_log2_rounds_not_one_by_one() -> None:
+    """At 512 nodes one silent node cost 512 probes in 32 rounds of 16 (each up to 20 s); by halves it is
+    2 x log2(512) probes in 9 rounds, and three silent nodes about three times that."""
+    from hpc_ddp.shell.supervisor import bisect_silent
+
+    nodes = [f"n{i}" for i in range(512)]
+    for silent in (["n300"], ["n7", "n8", "n400"]):
+        probes: list[list[str]] = []
+
+        def probe(group: Sequence[str], bad: list[str] = silent) -> bool:
+            probes.append(list(group))
+            return not set(group) & set(bad)
+
+        assert bisect_silent(nodes, probe) == silent
+        assert len(probes) <= 2 * 9 * len(silent), len(probes)
+        assert max(len(p) for p in probes) == 256 and min(len(p) for p in probes) == 1
+
+
+def test_a_probe_that_times_out_has_its_step_cancelled(tmp_path: Path) -> None:
+    """Killing srun at the timeout leaves its step at slurmctld, holding the node: the step, found by its name in
+    squeue, is cancelled."""
+    class Hung(FakeSlurm):
+        def __call__(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+            self.calls = getattr(self, "calls", []) + [list(argv)]
+            if argv[0] == "srun":
+                self.name = next(a for a in argv if a.startswith("--job-name=")).partition("=")[2]
+                raise subprocess.TimeoutExpired(list(argv), 20)
+            if argv[0] == "squeue":
+                return subprocess.CompletedProcess(list(argv), 0, f"7.0 hpc_ddp\n7.4 {self.name}\n", "")
+            return super().__call__(argv, **kwargs)
+
+    slurm = Hung(["n1", "n2"])
+    sup = make(tmp_path, slurm=slurm, srun=FakeSrun())
+    assert sup.probe(["n2"]) is False
+    assert ["scancel", "7.4"] in slurm.calls and ["scancel", "7.0"] not in slurm.calls
 
 
 def test_an_unexpected_command_under_exit_code_still_settles_and_requeues(tmp_path: Path, capsys) -> None:

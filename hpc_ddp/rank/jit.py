@@ -291,8 +291,10 @@ def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], off
     reached its next boundary while the state was read and written (``generation`` moved): the file may hold
     parameters half-way to the next step."""
     index, nodes = share
+    # a part of a tensor is copied (torch.save of a view writes its whole storage: every node would write the
+    # whole state, as B13-SPLIT's first run showed); a whole tensor never is
     content, split, held = slicing.node_content(state, index, nodes, replicas_of(nodes, run.config.snapshot.replicas),
-                                                {}, copy=False)
+                                                {}, copy=nodes > 1)
     directory = snapshot.step_dir(run.run_dir, step)
     name = jit_files.file_name(run.env.rank) if nodes == 1 else jit_files.node_file_name(index)
     writing = time.monotonic()

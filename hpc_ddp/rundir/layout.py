@@ -19,6 +19,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
                        job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
     liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
                        hpc_ddp.rundir.beats); declared.json: the last declaration of a loss
+    jit/               job-J-restart-N[-step-K]/: what the survivors of a failure said, one node-N.json (and
+                       blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files)
     logs/              the local rehearsal's per-rank logs
     slurm/             submitit's and the sbatch templates' job logs
 

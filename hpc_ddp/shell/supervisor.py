@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,14 +101,31 @@ class Supervisor:
         return proc.stdout if proc.returncode == 0 else ""
 
     def probe(self, nodes: Sequence[str]) -> bool:
-        """One short step on these nodes: do their slurmds start a task at all, within the timeout?"""
+        """One short step on these nodes: do their slurmds start a task at all, within the timeout? A probe that
+        times out is cancelled (killing srun does not end its step at slurmctld, which would hold the nodes)."""
+        name = f"hpc_ddp-probe-{uuid.uuid4().hex[:8]}"
         argv = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1", "true"]
+                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1", f"--job-name={name}", "true"]
         try:
             return self.runner(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
                                env=self._env_without_step_shape()).returncode == 0
+        except subprocess.TimeoutExpired:
+            self._cancel_step(name)
+            return False
         except (OSError, subprocess.SubprocessError):
             return False
+
+    def _cancel_step(self, name: str) -> None:
+        """scancel this job's step named ``name`` (a probe that timed out), if slurmctld still lists it."""
+        try:
+            listed = self.runner(["squeue", "--steps", f"--jobs={self.job_id}", "--noheader", "--format=%i %j"],
+                                 capture_output=True, text=True, timeout=30)
+            for line in listed.stdout.splitlines() if listed.returncode == 0 else []:
+                step, _, step_name = line.strip().partition(" ")
+                if step_name.strip() == name:
+                    self.runner(["scancel", step], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass
 
     def suspects(self, step: Step, record: Mapping[str, Any]) -> tuple[list[str], dict[str, str], dict[str, str]]:
         """What the job holds, and the hard and soft suspects (see :mod:`hpc_ddp.shell.heal`), before any probe."""
@@ -128,9 +146,10 @@ class Supervisor:
 
     def probed(self, held: Sequence[str], training: Sequence[str], hard: dict[str, str],
                soft: Mapping[str, str]) -> None:
-        """Probe only the nodes the plan would use: one step across them all; when it fails, each of them
-        alone, and the silent ones become hard suspects before the plan is made again (three rounds at most).
-        At 512 nodes that is one step creation at slurmctld in the common case, not 512."""
+        """Probe only the nodes the plan would use: one step across them all; when it fails, halves of them
+        (:func:`bisect_silent`), and the silent ones become hard suspects before the plan is made again (three
+        rounds at most). At 512 nodes that is one step creation at slurmctld in the common case, not 512, and
+        about 2 x log2(512) = 18 for one silent node, in 9 rounds, not 32 rounds of 16."""
         soft_now = {n: w for n, w in soft.items() if n not in self.healer.failed_before}
         strikes = {n: w for n, w in soft.items() if n in self.healer.failed_before}
         for _ in range(3):
@@ -138,10 +157,8 @@ class Supervisor:
                               avoid=self.avoid())
             if not trial.nodes or self.probe(trial.nodes):
                 return
-            with ThreadPoolExecutor(max_workers=max(1, min(16, len(trial.nodes)))) as pool:
-                answers = dict(zip(trial.nodes, pool.map(lambda n: self.probe([n]), trial.nodes)))
-            silent = {n: f"no answer to a probe step within {PROBE_TIMEOUT_S:g} s" for n, ok in answers.items()
-                      if not ok}
+            silent = {n: f"no answer to a probe step within {PROBE_TIMEOUT_S:g} s"
+                      for n in bisect_silent(list(trial.nodes), self.probe)}
             if not silent:
                 return
             hard |= silent
@@ -210,3 +227,19 @@ class Supervisor:
         warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
         code, lines = self.srun(argv, env, warn_in)
         return Step(nodes, index, code, lines, start, healed)
+
+
+def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool], workers: int = 16) -> list[str]:
+    """The nodes that fail a probe, when one probe across all of them failed: each failing group is probed in
+    halves, the halves of a round at once (up to ``workers`` steps), until single nodes. k silent nodes among n
+    cost about 2 k log2(n) probes in log2(n) rounds, each round at most PROBE_TIMEOUT_S."""
+    silent: list[str] = []
+    groups = [nodes[:len(nodes) // 2], nodes[len(nodes) // 2:]] if len(nodes) > 1 else [nodes]
+    while groups:
+        groups = [g for g in groups if g]
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups)))) as pool:
+            answers = list(pool.map(probe, groups))
+        failing = [g for g, ok in zip(groups, answers) if not ok]
+        silent += [g[0] for g in failing if len(g) == 1]
+        groups = [half for g in failing if len(g) > 1 for half in (g[:len(g) // 2], g[len(g) // 2:])]
+    return sorted(silent, key=nodes.index)
