@@ -135,21 +135,34 @@ PER_RANK_LOOP = [*LOOP, "train.loop=tests.tasks.loops:nanogpt_shaped", *NO_SNAPS
 
 @pytest.mark.slow
 def test_a_lost_nodes_per_rank_state_comes_from_its_buddies_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
-    """The issue's case: dropout and per_rank objects (a prefetched batch drawn from each rank's own RNG, counters,
-    a module of its own), no periodic snapshot, node 1 (ranks 2, 3) SIGKILLed after step 20: their per-rank state
-    of that step comes from their buddies on node 0 (rank/mirror.py), and every rank's counters, probe and loss
-    equal those of a run that never failed."""
-    failed = submit(*PER_RANK_LOOP, f"run_dir={tmp_path / 'failed'}", "--fail-at", "20:1")
+    """The issue's case at 4 x 2 (issue 45's): dropout and per_rank objects (a prefetched batch drawn from each
+    rank's own RNG, counters, a module of its own), no periodic snapshot, node 1 (ranks 2, 3) SIGKILLed after step
+    20: their per-rank state of that step comes from their buddies on node 2 (rank/mirror.py), and every rank's
+    counters, probe and loss equal those of a run that never failed. Per node, not per rank: the survivors' offers
+    and per-rank states are one file per node, the state is split over the surviving nodes (a file per writing
+    node), and liveness beat one file per node."""
+    geometry = ["slurm.nodes=4", "slurm.tasks_per_node=2"]
+    failed = submit(*PER_RANK_LOOP, *geometry, f"run_dir={tmp_path / 'failed'}", "--fail-at", "20:1")
     assert failed.returncode == 0, failed.stderr[-3000:]
-    straight = submit(*PER_RANK_LOOP, f"run_dir={tmp_path / 'straight'}")
+    straight = submit(*PER_RANK_LOOP, *geometry, f"run_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-3000:]
     first, second = read_attempts(tmp_path / "failed")
     assert first["reason"] == "failed" and second["reason"] == "finished" and second["in_job"] == 1
     assert second["resumed_from"] == first["jit_snapshot"]["step"] == first["last_step"] >= 20, first
-    manifest = json.loads((tmp_path / "failed" / "snapshots" / f"step-{second['resumed_from']:08d}" /
-                           "manifest.json").read_text())
-    assert {int(r) for r in manifest["jit"]["per_rank_from"]} == {0, 1, 2, 3}
-    assert {manifest["jit"]["per_rank_from"][str(r)] for r in (2, 3)} <= {0, 1}  # the lost ranks' buddies
+    step_dir = tmp_path / "failed" / "snapshots" / f"step-{second['resumed_from']:08d}"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert {int(r) for r in manifest["jit"]["per_rank_from"]} == set(range(8))
+    assert {manifest["jit"]["per_rank_from"][str(r)] for r in (2, 3)} <= {4, 5}  # the lost ranks' buddies
+    writers = sorted(f for f in manifest["files"] if f.startswith("jit-node-"))
+    assert 2 <= len(writers) <= 3 and "jit-node-00001.pt" not in writers, manifest["files"]  # split, node 1 lost
+    assert sorted({s for f in writers for s in manifest["files"][f]["slices"]}) == [0, 1, 2, 3]
+    jit = tmp_path / "failed" / "jit" / f"job-{first['job_id']}-restart-0"
+    names = sorted(p.name for p in jit.iterdir())
+    assert [n for n in names if n.startswith("node-")] == [f"node-{n}.json" for n in range(4)]
+    assert {"blobs-node-0.pt", "blobs-node-2.pt"} <= set(names) and "blobs-node-1.pt" not in names
+    assert not [n for n in names if n.startswith("rank-")], names  # nothing per rank
+    assert sorted(p.name for p in (tmp_path / "failed" / "liveness").iterdir()) == [
+        "declared.json", "node-0.json", "node-1.json", "node-2.json", "node-3.json"]
     assert losses(tmp_path / "failed") == losses(tmp_path / "straight")
     assert done(tmp_path / "failed") == done(tmp_path / "straight")  # params_sha256 and every rank's own state
 
