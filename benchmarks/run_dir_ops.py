@@ -5,6 +5,7 @@ listings it makes in the run dir, and whether that grows with the ranks per node
 ``benchmarks/opcount`` first on ``PYTHONPATH``: every process of it (the launcher, which plays the batch shell,
 and every rank) counts its operations on the run dir through the interpreter's audit hook, whatever code path
 makes them (``benchmarks/opcount/sitecustomize.py``); liveness beats are counted apart (per period, not per event),
+as are metrics lines (one open-append of ``metrics.jsonl`` by rank 0 per line the loop logs: ``train.log_every``),
 and the rehearsal's own per-rank logs (``logs/``, its launcher's; on a cluster srun writes the task logs) not at all.
 
 Events are differences between runs of one geometry (examples/mlp.yaml, no periodic snapshot unless said):
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOOK = ROOT / "benchmarks" / "opcount"
 KINDS = ("open_read", "open_write", "rename", "unlink", "listdir", "mkdir", "rmdir")
 BEATS = ("beat_open_read", "beat_open_write")
+METRICS = ("metrics_line",)
 BASE = ["examples/mlp.yaml", "--local", "train.log_every=1", "snapshot.every_minutes=null",
         "snapshot.every_steps=null", "slurm.max_restarts_in_job=2"]
 SCENARIOS: dict[str, list[str]] = {
@@ -61,13 +63,13 @@ def counted(scratch: Path, nodes: int, per_node: int, scenario: str) -> dict[str
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
-    totals: dict[str, dict[str, int]] = {"rank": dict.fromkeys(KINDS + BEATS, 0),
-                                         "shell": dict.fromkeys(KINDS + BEATS, 0)}
+    fields = KINDS + BEATS + METRICS
+    totals: dict[str, dict[str, int]] = {"rank": dict.fromkeys(fields, 0), "shell": dict.fromkeys(fields, 0)}
     for path in out.glob("*.ops"):
         raw = path.read_bytes()
-        values = [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True) for i in range(len(KINDS + BEATS))]
+        values = [int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True) for i in range(len(fields))]
         role = "rank" if path.stem.endswith("-rank") else "shell"
-        for kind, value in zip(KINDS + BEATS, values):
+        for kind, value in zip(fields, values):
             totals[role][kind] += value
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
@@ -121,7 +123,8 @@ def b14(scratch: Path, grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
         runs = {name: counted(scratch, nodes, per_node, name) for name in SCENARIOS
                 if not (name == "failure" and nodes < 2)}  # one node lost is every rank lost: nothing to survive
         rows[f"{nodes}x{per_node}"] = {"events": events(runs), "beats": {
-            name: {k: run["rank"][k] + run["shell"][k] for k in BEATS} for name, run in runs.items() if "error" not in run},
+            name: {k: run["rank"][k] + run["shell"][k] for k in BEATS + METRICS} for name, run in runs.items()
+            if "error" not in run},
             "errors": {name: run["error"] for name, run in runs.items() if "error" in run}}
     fits, grows, per_step = {}, [], {}
     for event in ("run", "step", "snapshot", "failure", "stop"):

@@ -17,9 +17,10 @@ import sys
 
 KINDS = ("open_read", "open_write", "rename", "unlink", "listdir", "mkdir", "rmdir")
 BEATS = ("beat_open_read", "beat_open_write")  # liveness/: per period, not per event: counted apart
+METRICS = ("metrics_line",)  # metrics.jsonl: one append per line the loop logs (train.log_every): counted apart
 # logs/ is the rehearsal's own (one file per rank, its launcher's: on a cluster srun writes the task logs) and is
 # not counted
-FIELDS = KINDS + BEATS
+FIELDS = KINDS + BEATS + METRICS
 
 
 def _install() -> None:
@@ -29,6 +30,7 @@ def _install() -> None:
     run_dir = os.path.realpath(run_dir)
     beats = os.path.join(run_dir, "liveness")
     logs = os.path.join(run_dir, "logs") + os.sep
+    metrics = os.path.join(run_dir, "metrics.jsonl")
     os.makedirs(out, exist_ok=True)
     role = "rank" if "SLURM_PROCID" in os.environ else "other"  # the rehearsal's ranks have Slurm's variables
     name = os.path.join(out, f"{os.getpid()}-{role}.ops")
@@ -63,6 +65,9 @@ def _install() -> None:
             if path is None or path.startswith(logs):
                 return
             beat = path.startswith(beats + os.sep)
+            if path == metrics and event == "open":
+                bump("metrics_line")
+                return
             if trace is not None:
                 trace.write(f"{event} {args[1] if event == 'open' and len(args) > 1 else ''} {path}\n")
             if event == "open":

@@ -85,6 +85,8 @@ def rendezvous_store(env: DistEnv, timeout: timedelta,
     thread.start()
     while thread.is_alive() or "error" in box:
         thread.join(PEER_POLL_S * max(1, env.local_world_size))  # a node's ranks together look as often as one
+        if "store" in box:
+            break  # connected: no file to look at (at 4,096 ranks that would be 4,096 opens of the run dir)
         message = peer_error()
         if message:
             kind = RendezvousError if "rendezvous port" in message else DistributedError  # as retryable as rank 0's
