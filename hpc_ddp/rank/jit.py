@@ -145,7 +145,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         elif any(skip.values()) and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
             offer.update(outcome=_check_set(run, folder, news) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
-        elif not jit_files.claim(folder, step, _claim_name(*share)):
+        elif not jit_files.claim_on_node(post, step) or (share[1] == 1 and not jit_files.claim(folder, step)):
             offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
                 run, folder, step, offer, share))
         else:
@@ -277,11 +277,6 @@ def replicas_of(nodes: int, configured: int) -> int:
     """How many nodes write each slice: at least 2 (the snapshot follows a loss: a lost node's slice is written
     by the node after it), the configured ``snapshot.replicas`` if more, never more than the nodes."""
     return 1 if nodes == 1 else min(nodes, max(2, int(configured)))
-
-
-def _claim_name(index: int, nodes: int) -> str:
-    """One writer per step (the whole state), or per node and step (a split)."""
-    return "claim" if nodes == 1 else f"claim-node-{index}"
 
 
 def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], offer: dict[str, Any],

@@ -10,9 +10,11 @@ offers) and ``blobs-node-N.pt`` (the per-rank states, by holder), rewritten only
 4,096 ranks on 512 nodes that is about 512 files a failure, not 8,192, and a survivor that completes the
 set reads 512 offers, not 4,096.
 
-Beside them, one empty ``claim-step-S`` per claimed step, created with O_EXCL (atomic on local
-filesystems and on NFS v3 and later): one writer per step; and one ``commit-step-S`` (O_EXCL again)
-names the one survivor that puts the per-rank states together and commits.
+Who writes is decided on each node first (:func:`claim_on_node`: an exclusive create in the node's folder,
+one writer of the node's share per step); where one survivor writes the whole state, that node's winner
+also creates ``claim-step-S`` in the run dir with O_EXCL (atomic on local filesystems and on NFS v3 and
+later). One ``commit-step-S`` (O_EXCL again) names the one survivor that puts the per-rank states together
+and commits.
 Node files are read by name (the node count is known), never found by listing the directory, as the
 crash marks are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the
 step ended, lists the folder for the ledger's summary.
@@ -220,6 +222,13 @@ def claim(where: Path, step: int, what: str = "claim") -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def claim_on_node(post: Post, step: int) -> bool:
+    """True for the one rank of this node that claims ``step`` first, decided on the node (an exclusive create in
+    its folder): only that rank then goes to the run dir (:func:`claim`), so a node's sources cost the file
+    server one claim, not one each."""
+    return claim(post.local, step, "node-claim")
 
 
 def ranks_file_name(step: int, committer: int) -> str:
