@@ -373,6 +373,19 @@ def node_of_ranks(run_dir: Path, nodes: int, per_node: int, clock: Clock, heard:
     return ranks
 
 
+def turn_until(ranks: list[Liveness], clock: Clock, heard: list[str], frozen: set[int]) -> None:
+    """Four periods of every rank; then periods of the ranks not ``frozen`` (and not gone) until ``heard``."""
+    for _ in range(4):
+        for live in ranks:
+            live.check()
+        clock.now += 0.5
+    while not heard:
+        for live in ranks:
+            if live.rank not in frozen and not live._left:
+                live.check()
+        clock.now += 0.5
+
+
 @pytest.mark.parametrize("per_node", [1, 2, 4])
 def test_the_run_dir_sees_one_beat_file_and_three_opens_per_node_a_period_at_any_ranks_per_node(
         tmp_path: Path, per_node: int) -> None:
@@ -404,15 +417,7 @@ def test_a_frozen_rank_of_a_live_node_is_found_on_its_node_and_named_by_rank(tmp
     first rank, which relays the run dir's declaration on its node."""
     run_dir, clock, heard, wrote = tmp_path / "run", Clock(), {}, []
     ranks = node_of_ranks(run_dir, 3, 2, clock, heard, wrote)
-    for _ in range(4):
-        for live in ranks:
-            live.check()
-        clock.now += 0.5
-    while not heard[2]:
-        for live in ranks[:3] + ranks[4:]:
-            if not live._left:
-                live.check()
-        clock.now += 0.5
+    turn_until(ranks, clock, heard[2], frozen={3})
     assert "rank 2: rank 3 on n1 is lost: no liveness beat for 3s" in heard[2][0]
     assert lost_ranks(run_dir, 7, 0, 0) == {3: "n1"}
     for _ in range(2):  # leaders hear the run dir's declaration in one period, their node's ranks in the next
@@ -426,15 +431,7 @@ def test_a_frozen_rank_of_a_live_node_is_found_on_its_node_and_named_by_rank(tmp
 def test_a_whole_frozen_node_is_declared_with_every_rank_on_it_by_the_node_before_it(tmp_path: Path) -> None:
     run_dir, clock, heard, wrote = tmp_path / "run", Clock(), {}, []
     ranks = node_of_ranks(run_dir, 3, 2, clock, heard, wrote)
-    for _ in range(4):
-        for live in ranks:
-            live.check()
-        clock.now += 0.5
-    while not heard[2]:  # node 2 (ranks 4 and 5) freezes; node 1's first rank watches it
-        for live in ranks[:4]:
-            if not live._left:
-                live.check()
-        clock.now += 0.5
+    turn_until(ranks, clock, heard[2], frozen={4, 5})  # node 2 freezes; node 1's first rank watches it
     assert "rank 2: ranks 4, 5 on n2 (node 2, every rank on it) are lost" in heard[2][0]
     assert lost_ranks(run_dir, 7, 0, 0) == {4: "n2", 5: "n2"}
     assert losses.describe(run_dir, 7, 0).startswith("ranks 4, 5 on n2 lost (no liveness beat for 3")

@@ -150,7 +150,7 @@ def publish(post: Post) -> bool:
             blob = post.local / f"blobs-{local}.pt"
             with contextlib.suppress(OSError):
                 stat = blob.stat()
-                blob_files.append((local, stat.st_mtime_ns, stat.st_size))
+                blob_files.append([local, stat.st_mtime_ns, stat.st_size])  # a list: as published.json reads back
         said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
         news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS} for o in offers],
                            "blobs": blob_files}, sort_keys=True)
