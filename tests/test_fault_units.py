@@ -227,3 +227,40 @@ def test_the_login_node_path_never_runs_the_task_module(tmp_path: Path) -> None:
                               cwd=tmp_path, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
     assert not marker.exists()
+
+
+def test_each_slice_has_a_digest_of_its_own_and_a_changed_byte_is_named_where_it_is(tmp_path: Path) -> None:
+    """Issue 45: a node file's manifest entry carries a digest per slice (over its pieces, found in torch.save's
+    stream by their memory) and one of the rest; a resume checks the size first and hashes only what it reads.
+    A piece torch had to copy first (here a view of a larger tensor, saved whole) is covered by the rest."""
+    import torch
+
+    from hpc_ddp.rundir import slicing
+
+    state = {"model": {"w": torch.randn(600_000), "b": torch.randn(10), "empty": torch.empty(0)},
+             "optimizer": {"step": 3, "m": torch.randn(300_000)}}
+    content, layout, held = slicing.node_content(state, 0, 2, 2, {0: {"seed": torch.arange(5)}})
+    entry = snapshot.write_node_file(tmp_path, 0, content, split=layout)
+    path, digests = tmp_path / entry["name"], entry["digests"]
+    assert set(digests["slices"]) == {"0", "1"} and "sha256" not in entry
+    assert snapshot.file_problem(tmp_path, path.name, entry) is None
+    assert sorted(i for i, *_ in digests["spans"]) == sorted(content["pieces"])  # every piece found in the stream
+    for slice_, bit in ((0, 5), (1, 7)):
+        offset = next(o + n // 2 for _, o, n, s in digests["spans"] if s == slice_ and n)
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 1 << bit
+        path.write_bytes(bytes(data))
+        assert snapshot.file_problem(tmp_path, path.name, entry) == f"sha256 of slice {slice_} differs from the manifest"
+        assert snapshot.file_problem(tmp_path, path.name, entry, deep=False) is None  # same size: the reader's job
+        assert snapshot.rest_problem(path, entry) is None
+        data[offset] ^= 1 << bit
+        path.write_bytes(bytes(data))
+    data = bytearray(path.read_bytes())
+    data[40] ^= 1  # inside the zip's first record, outside every piece
+    path.write_bytes(bytes(data))
+    assert "outside the state's pieces" in (snapshot.rest_problem(path, entry) or "")
+    pieces = {0: torch.arange(10.0)[2:8]}  # a view: torch.save writes its whole storage, from a copy
+    entry = snapshot.write_node_file(tmp_path, 1, {"pieces": pieces}, split={"pieces": [[0, 0, 6, 0]]})
+    assert entry["digests"]["spans"] == [] and entry["digests"]["slices"] == {}
+    assert snapshot.file_problem(tmp_path, entry["name"], entry) is None
+    assert snapshot.slice_problem(entry, 0, ["00" * 32]) is None  # in the rest: verified with it

@@ -137,11 +137,14 @@ class SnapshotConfig:
                          "1: fewest bytes, a lost file falls back to the previous snapshot; 2 (default): any "
                          "one lost or damaged file is survived with the newest step; >= nodes: a whole copy "
                          "in every node's file.")
-    load: str = _doc("auto", "How a resume reads the snapshot: spread (one rank per node reads that node's "
-                     "slices; they go to the other nodes' first ranks and from each to its node's ranks, over "
-                     "gloo), every_rank (every rank reads every slice: the state once per node at best), or "
-                     "auto: spread on a cluster of more nodes than replicas, every_rank otherwise and in the "
-                     "local rehearsal (there the filesystem serves no more, and broadcasts only add time: B9).")
+    load: str = _doc("auto", "How a resume reads the snapshot (each reader hashes what it reads against the "
+                     "slice's digest; a copy that differs is replaced by its replica): spread (one rank per "
+                     "node reads that node's slices; they go to the other nodes' first ranks and from each to "
+                     "its node's ranks, over gloo: the filesystem serves the state once), every_node (each "
+                     "node's first rank reads every slice and shares it in the node: the state once per node; "
+                     "every_rank is its old name), or auto: spread on a cluster of more than one node, "
+                     "every_node on one node and in the local rehearsal (one page cache: the disk serves the "
+                     "state once either way, and broadcasts only add time: B9).")
     jit: bool = _doc(True, "When a rank is lost, the survivors write a snapshot of the newest step they hold "
                      "before they exit, so a failure costs the step in flight, not the work since the last "
                      "snapshot (needs train.rng=derived; per_rank objects are mirrored to a buddy rank on the next node "

@@ -32,6 +32,7 @@ from hpc_ddp.rank import control, spread
 from hpc_ddp.rank import tiers as tiers_
 from hpc_ddp.rundir import retention, slicing, snapshot
 from hpc_ddp.core.config import SnapshotConfig
+from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
@@ -88,15 +89,15 @@ def _read_summary(read_by: list[Any], state: int) -> dict[str, Any]:
 
 
 def auto_load(local: bool, nodes: int, replicas: int) -> str:
-    """``snapshot.load=auto``, by B9: ``spread`` where it spares the filesystem, ``every_rank`` elsewhere.
+    """``snapshot.load=auto``, by B9: ``spread`` on a cluster of more than one node, ``every_node`` elsewhere.
 
-    Resume hashes every file, so the filesystem serves ``min(replicas, nodes)`` states either way,
-    and with ``nodes <= replicas`` every node's own file already holds the whole state (in its page
-    cache once hashed): every_rank reads nothing more, and spread's broadcasts only add time. With
-    more nodes, every_rank makes each node read the slices it did not hash (up to ``nodes`` states
-    in all), spread none. In the local rehearsal every "node" shares one page cache, so the
-    broadcasts cost more than the reads at any count."""
-    return "every_rank" if local or nodes <= replicas else "spread"
+    Each reader hashes only the bytes it reads (a digest per slice, issue 45), so ``spread`` makes the
+    filesystem serve the state once in all, and ``every_node`` once per node. In the local rehearsal every
+    "node" shares one page cache, so the disk serves it once either way and spread's broadcasts only add
+    time. ``replicas`` no longer matters (before, resume hashed every file, replicas included, and with
+    ``nodes <= replicas`` every_rank read nothing more); kept for callers."""
+    del replicas
+    return "every_node" if local or nodes == 1 else "spread"
 
 
 class Checkpointer:
@@ -106,7 +107,8 @@ class Checkpointer:
                  clock: Callable[[], float] = time.monotonic, config: dict[str, Any] | None = None,
                  local: bool = False) -> None:
         self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
-        self.load = cfg.load if cfg.load != "auto" else auto_load(local, env.num_nodes, cfg.replicas)
+        load = "every_node" if cfg.load == "every_rank" else cfg.load  # every_rank: its name before issue 45
+        self.load = load if load != "auto" else auto_load(local, env.num_nodes, cfg.replicas)
         self.config = config  # recorded in every manifest
         self.refuses_resize: str | None = None  # why the run cannot resume at another world size (the Run says)
         self.ranks_needed = False  # per_rank objects are tracked: a step whose file of a rank's state is bad is skipped
@@ -171,7 +173,7 @@ class Checkpointer:
     def _write(self, step: int, payload: dict[str, Any]) -> dict[str, Any]:
         """This node's file; its manifest entry (the layout's digest: the commit checks all writers agree)."""
         entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
-                                         payload["content"])
+                                         payload["content"], split=payload["layout"])
         return {**entry, "slices": payload["slices"], "ranks": payload["ranks"],
                 "digest": slicing.layout_digest(payload["layout"])}
 
@@ -260,24 +262,40 @@ class Checkpointer:
             self.run_dir, wait_s=snapshot.NAME_CACHE_S))
                                   if self.env.is_main else None)  # manifests, decided on rank 0
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
-        # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
-        choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found,
-                                 warn=log.warning if self.env.is_main else quiet,
-                                 ranks_needed=self.ranks_needed and self.env.world_size)
-        if choice is None:
-            return None
-        problem, loaded = None, None
-        try:
-            loaded = self._load(choice)
-        except snapshot.SnapshotError as err:
-            problem = str(err)
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
-            problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
-                       f"says ({err!r})")
-        # every rank stops alike, none waits in a collective
-        first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
-        if first or loaded is None:
-            raise snapshot.SnapshotError(first or "a snapshot could not be loaded")
+        warn = log.warning if self.env.is_main else quiet
+        unverified: list[str] = []
+        while True:
+            # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
+            choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found, warn=warn,
+                                     ranks_needed=self.ranks_needed and self.env.world_size)
+            if choice is None and unverified:
+                raise snapshot.SnapshotError(explain(
+                    f"no committed snapshot of {self.run_dir} verifies: {'; '.join(unverified)}",
+                    hint=f"restore the files from a backup, or move {self.run_dir / 'snapshots'} away to start "
+                    "the run over"))
+            if choice is None:
+                return None
+            problem, loaded = None, None
+            try:
+                loaded = self._load(choice)
+            except snapshot.Unverified as err:
+                problem = (str(err), True)
+            except snapshot.SnapshotError as err:
+                problem = (str(err), False)
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
+                problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
+                           f"says ({err!r})", False)
+            # every rank stops alike, none waits in a collective
+            first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
+            if first and first[1]:  # read, it did not verify: the step before (each byte was hashed as it was read)
+                warn("committed snapshot step %d does not verify as it is read (%s); trying the one before",
+                     choice.step, first[0])
+                unverified.append(first[0])
+                found = [(step, manifest) for step, manifest in (found or []) if step < choice.step]
+                continue
+            if first or loaded is None:
+                raise snapshot.SnapshotError(first[0] if first else "a snapshot could not be loaded")
+            break
         state, rng, read = loaded
         read_by = control.to_main((self.env.node_rank, read))
         summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
@@ -289,28 +307,36 @@ class Checkpointer:
                         written_by if isinstance(written_by, int) else None, summary)
 
     def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
-        """Collective: each file hashed by one rank (file k by rank k*W/F: with one rank per file, the
-        writer's node), the verdicts gathered; no rank reads every file."""
+        """Collective: each file checked by one rank (file k by rank k*W/F: with one rank per file, the
+        writer's node), the verdicts gathered. Its size only, where the manifest has digests per slice: the
+        readers hash what they read (:func:`hpc_ddp.rank.spread.load`); a file without them is hashed whole."""
         names, world = sorted(manifest.get("files", {})), self.env.world_size
+        deep = manifest.get("layout") is None  # format 1: read_state reads whole copies, verified before
         mine = {name: snapshot.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
-                                            else {})
+                                            else {}, deep=deep)
                 for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
         return control.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})
 
     def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
         """(the replicated state, this rank's RNG state or None, the tensor bytes this rank read from files)
-        from the chosen step's good files: spread over the nodes (``snapshot.load=spread``, collective) or
-        every slice on every rank (``every_rank``)."""
+        from the chosen step's good files: read by the nodes' first ranks, spread over the nodes
+        (``snapshot.load=spread``) or every slice by every node (``every_node``), collective; a format-1
+        snapshot (whole copies) on every rank."""
         manifest, env = choice.manifest, self.env
+        if manifest.get("layout") is not None:
+            same = manifest.get("world_size") == env.world_size
+            loaded = spread.load(choice, env, self.groups(), across=self.load == "spread",
+                                 rng_needed=bool(self.ranks_needed and same))
+            if loaded.rng_unusable:
+                log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
+                            "reseeding this rank's RNG deterministically", loaded.rng_unusable,
+                            ", ".join(sorted(set(choice.sources.values()))))
+            return loaded.state, loaded.rng, loaded.read
         holder = slicing.rank_file(manifest, env.rank) if manifest.get("world_size") == env.world_size else None
         if holder is not None and holder not in choice.good_files:
             log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
                         "reseeding this rank's RNG deterministically", holder,
                         ", ".join(sorted(set(choice.sources.values()))))
             holder = None
-        if self.load == "spread" and manifest.get("layout") is not None:
-            state, read = spread.load(choice, env, self.groups())
-            rng = snapshot.load_file(choice.directory / holder)["rng"].get(env.rank) if holder else None
-            return state, rng, read
         state, files = snapshot.read_state(choice, also=holder)
         return state, files[holder]["rng"].get(env.rank) if holder else None, spread.state_bytes(state)

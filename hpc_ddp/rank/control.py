@@ -165,3 +165,11 @@ def gather_within(value: Any, dst: int, members: int, group: Any) -> list[Any] |
     gathered: list[Any] | None = [None] * members if dist.get_rank() == dst else None
     dist.gather_object(value, gathered, dst=dst, group=group)
     return gathered
+
+
+def scatter_within(values: list[Any] | None, src: int, group: Any) -> Any:
+    """Collective within ``group`` (made by :func:`subgroup`): member ``i`` gets ``src``'s ``values[i]`` (members
+    in the order of their global ranks)."""
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, values if dist.get_rank() == src else None, src=src, group=group)
+    return out[0]

@@ -293,7 +293,7 @@ def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], off
     directory = snapshot.step_dir(run.run_dir, step)
     name = jit_files.file_name(run.env.rank) if nodes == 1 else jit_files.node_file_name(index)
     writing = time.monotonic()
-    entry = snapshot.write_node_file(directory, 0, content, name=name)
+    entry = snapshot.write_node_file(directory, 0, content, name=name, split=split)
     wrote_s = time.monotonic() - writing
     if run.held.generation != generation:  # written from a side thread while the training thread went on
         return ("not committed: this rank's training went on (an optimizer update or a boundary) while the "

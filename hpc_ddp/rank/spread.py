@@ -25,7 +25,10 @@ or ``GLOO_SOCKET_IFNAME``), which on most clusters is the same fabric NCCL uses,
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,8 @@ import torch
 from hpc_ddp.rank import control
 from hpc_ddp.rundir import slicing, snapshot
 from hpc_ddp.core.slurm_env import DistEnv
+
+log = logging.getLogger("hpc_ddp.checkpointer")
 
 
 def file_number(name: str) -> int:
@@ -73,56 +78,156 @@ class Groups:
         return cls(control.to_main_and_back((env.node_rank, env.local_rank)), env)
 
 
-def load(choice: snapshot.Choice, env: DistEnv, groups: Groups) -> tuple[dict[str, Any], int]:
-    """Collective: (the replicated state, the bytes of snapshot tensors this rank read from files)."""
+@dataclass
+class Loaded:
+    """What a rank got from a step's files: the replicated state, the tensor bytes it read from files, its own
+    RNG entry (None: reseeded), and why not when its file had one but it was not usable."""
+
+    state: dict[str, Any]
+    read: int
+    rng: dict[str, Any] | None
+    rng_unusable: str | None = None  # the file that held it, when that file was not usable
+
+
+class _Files:
+    """The step's files this rank opened: each opened once, and loaded (memory-mapped) only after the bytes
+    outside its pieces verified (the pickle is never unpickled unverified)."""
+
+    def __init__(self, choice: snapshot.Choice) -> None:
+        self.choice, self.loaded, self.bad = choice, {}, {}  # type: dict[str, dict[str, Any]], dict[str, str]
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        if name not in self.loaded and name not in self.bad:
+            path, entry = self.choice.directory / name, self.choice.manifest["files"].get(name) or {}
+            why = snapshot.rest_problem(path, entry)
+            if why is None:  # a verified file that needs arbitrary unpickling was planted: stop, never fall back
+                self.loaded[name] = snapshot.load_file(path)
+            else:
+                self.bad[name] = why
+        return self.loaded.get(name)
+
+    def copies_of(self, slice_: int) -> list[str]:
+        """The good files holding ``slice_``: the chosen source first, then its replicas."""
+        first = self.choice.sources[slice_]
+        return [first] + [name for name, held in sorted(slicing.file_slices(self.choice.manifest).items())
+                          if slice_ in held and name != first and name in self.choice.good_files]
+
+
+def _read_slice(files: _Files, slice_: int, indices: list[int]) -> tuple[torch.Tensor, dict[int, tuple[str, int]]]:
+    """One slice's pieces end to end in one byte buffer, from the first copy whose bytes give the slice's
+    digest (hashed here, as they are read: nothing else hashes them): (the buffer, {piece: (dtype, numel)})."""
+    tried = []
+    for name in files.copies_of(slice_):
+        loaded = files.get(name)
+        if loaded is None:
+            tried.append(f"{name} ({files.bad[name]})")
+            continue
+        held = [loaded["pieces"][i] for i in indices]
+        buffer = torch.cat([t.reshape(-1).view(torch.uint8) for t in held]) if held else \
+            torch.empty(0, dtype=torch.uint8)
+        digests, offset = [], 0
+        for t in held:
+            digests.append(hashlib.sha256(buffer[offset:offset + t.nbytes].numpy()).hexdigest())
+            offset += t.nbytes
+        why = snapshot.slice_problem(files.choice.manifest["files"][name], slice_, digests)
+        if why is None:
+            if tried:
+                log.warning("slice %d of step %d read from %s instead: %s", slice_, files.choice.step, name,
+                            "; ".join(f"{files.choice.directory / t}" for t in tried))
+            return buffer, {i: (str(t.dtype).removeprefix("torch."), t.numel()) for i, t in zip(indices, held)}
+        files.bad[name] = why
+        log.warning("snapshot file %s is not usable (%s)", files.choice.directory / name, why)
+        tried.append(f"{name} ({why})")
+    raise snapshot.Unverified(f"no copy of slice {slice_} of step {files.choice.step} in {files.choice.directory} "
+                              f"verifies as it is read: {'; '.join(tried)}")
+
+
+def load(choice: snapshot.Choice, env: DistEnv, groups: Groups, across: bool = True,
+         rng_needed: bool = False) -> Loaded:
+    """Collective: the replicated state on every rank, and each rank's RNG entry.
+
+    Only the nodes' first ranks open files, each file once: ``across`` (``snapshot.load=spread``), slice ``s``
+    is read by one node (:func:`readers`) and sent to the others; otherwise every node reads every slice
+    itself. Each reader hashes the bytes it reads against the slice's digest and takes a replica when they
+    differ, so the disk serves each byte once (B9). A node's first rank reads its ranks' RNG entries and
+    hands each its own; rank 0 reads the state's skeleton (small) and sends it with the pieces' dtypes and
+    sizes. ``rng_needed``: ``per_rank`` objects are tracked, so a rank's unusable entry makes the step
+    unusable (:class:`hpc_ddp.rundir.snapshot.Unverified`) instead of a reseed."""
     split, sources = choice.manifest["layout"], choice.sources
-    who = readers(sources, groups.leaders)
-    mine = sorted(s for s, rank in who.items() if rank == env.rank)
     by_slice: dict[int, list[int]] = {}
     for index, (_, _, _, owner) in enumerate(split["pieces"]):
         by_slice.setdefault(owner, []).append(index)
-    problem, files, shapes = None, {}, {}
+    who = readers(sources, groups.leaders) if across else {s: groups.leader for s in sources}
+    mine = sorted(s for s, rank in who.items() if rank == env.rank)
+    files, buffers, shapes, skeleton, rngs = _Files(choice), {}, {}, None, None
+    problem: tuple[str, bool] | None = None
     try:
-        files = {name: snapshot.load_file(choice.directory / name)
-                 for name in {sources[s] for s in mine} | {sources[0]}}
-        shapes = {i: (str(files[sources[s]]["pieces"][i].dtype).removeprefix("torch."),
-                      files[sources[s]]["pieces"][i].numel()) for s in mine for i in by_slice.get(s, [])}
+        for s in mine:
+            buffers[s], found = _read_slice(files, s, by_slice.get(s, []))
+            shapes.update(found)
+        if env.rank == 0:
+            named = next((n for n in [*files.loaded, *sorted(set(sources.values()))] if files.get(n)), None)
+            if named is None:
+                raise snapshot.Unverified(f"no file of step {choice.step} in {choice.directory} verifies: "
+                                          + "; ".join(f"{n} ({why})" for n, why in sorted(files.bad.items())))
+            skeleton = files.loaded[named]["skeleton"]
+        if env.rank == groups.leader:
+            rngs = _node_rngs(files, sorted(groups.node), env.world_size, rng_needed)  # the group's order
+    except snapshot.Unverified as err:
+        problem = (str(err), True)
     except snapshot.SnapshotError as err:
-        problem = str(err)
+        problem = (str(err), False)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as err:
         problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest says "
-                   f"({err!r})")
-    # every rank learns every piece's dtype and size, or the first problem: all stop alike, none waits
-    shapes, problem = control.to_main_and_back((shapes, problem), merge=lambda parts: (
-        {k: v for p, _ in parts for k, v in p.items()}, next((why for _, why in parts if why), None)))
+                   f"({err!r})", False)
+    # every rank learns every piece's dtype and size, the skeleton, or the first problem: all stop alike
+    shapes, problem, skeleton = control.to_main_and_back((shapes, problem, skeleton), merge=lambda parts: (
+        {k: v for p, _, _ in parts for k, v in p.items()}, next((why for _, why, _ in parts if why), None),
+        parts[0][2]))
     if problem:
-        raise snapshot.SnapshotError(problem)
+        raise (snapshot.Unverified if problem[1] else snapshot.SnapshotError)(problem[0])
     pieces: dict[int, torch.Tensor] = {}
-    read = 0
+    read = sum(b.numel() for b in buffers.values())
     for s in sorted(by_slice):
         indices = by_slice[s]
         sizes = [shapes[i][1] * _itemsize(shapes[i][0]) for i in indices]
-        if who[s] == env.rank:
-            held = files[sources[s]]["pieces"]
-            buffer = torch.cat([held[i].reshape(-1).view(torch.uint8) for i in indices]) if indices else \
-                torch.empty(0, dtype=torch.uint8)
-            read += buffer.numel()
-        else:
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        share(buffer, who[s], groups)
+        buffer = buffers.pop(s) if s in buffers else torch.empty(sum(sizes), dtype=torch.uint8)
+        share(buffer, who[s], groups, across)
         offset = 0
         for i, size in zip(indices, sizes):
             dtype = getattr(torch, shapes[i][0])
             pieces[i] = buffer[offset:offset + size].clone().view(dtype)  # clone: aligned for the dtype
             offset += size
-    state = slicing.assemble(split, files[sources[0]]["skeleton"], pieces)
-    return state, read
+    state = slicing.assemble(split, skeleton, pieces)
+    mine_rng = (control.scatter_within(rngs, groups.leader, groups.within) if groups.within is not None
+                else (rngs or [(None, None)])[0])
+    return Loaded(state, read, *mine_rng)
 
 
-def share(buffer: torch.Tensor, reader: int, groups: Groups) -> None:
-    """Collective: ``reader``'s bytes into every rank's ``buffer``: to the other nodes' leaders, then within
-    each node from its leader (global ranks name the source in a subgroup too)."""
-    if groups.between is not None:
+def _node_rngs(files: _Files, node: list[int], world_size: int, needed: bool) -> list[tuple[Any, str | None]]:
+    """For each rank of this node, in order: (its RNG entry or None, the file that held it when that file was
+    not usable). Read from the files that hold them in the snapshot's own geometry (none at another world
+    size: every rank is reseeded)."""
+    manifest, out = files.choice.manifest, []
+    for rank in node:
+        holder = slicing.rank_file(manifest, rank) if manifest.get("world_size") == world_size else None
+        loaded = files.get(holder) if holder is not None and holder in files.choice.good_files else None
+        if holder is not None and loaded is None:
+            why = files.bad.get(holder, "not usable")
+            if needed:
+                raise snapshot.Unverified(f"the file of rank {rank}'s per_rank state in step {files.choice.step}, "
+                                          f"{files.choice.directory / holder}, is not usable ({why})")
+            out.append((None, holder))
+        else:
+            out.append((loaded["rng"].get(rank) if loaded is not None else None, None))
+    return out
+
+
+def share(buffer: torch.Tensor, reader: int, groups: Groups, across: bool = True) -> None:
+    """Collective: ``reader``'s bytes into every rank's ``buffer``: to the other nodes' leaders (``across``;
+    otherwise every leader read them itself), then within each node from its leader (global ranks name the
+    source in a subgroup too)."""
+    if across and groups.between is not None:
         control.broadcast_in(buffer, reader, groups.between)
     if groups.within is not None:
         control.broadcast_in(buffer, groups.leader, groups.within)

@@ -22,7 +22,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,11 @@ class SnapshotError(HpcDdpError):
     """A snapshot cannot be written or read."""
 
     retry_may_help = True  # a full or failing filesystem: once space is freed, a requeue succeeds
+
+
+class Unverified(SnapshotError):
+    """A committed step's bytes did not verify as they were read (no copy of a slice, or a file's records): a
+    resume takes the step before."""
 
 
 def _fault(point: str, path: Path) -> None:
@@ -82,15 +87,32 @@ class _Hashing:
 
     The hash of a chunk runs in a helper thread while the chunk is written: both release the
     GIL, so hashing hides behind the write (sha256 alone was ~35% of a 100 MB snapshot).
+
+    Each byte is hashed once, into one of two kinds of digest, so that a resume can verify exactly what it
+    reads (issue 45: before, every file was hashed whole, replicas included, and the disk served the state
+    twice). torch.save writes a tensor's storage in one call straight from the tensor's memory, so a write
+    whose address and size are a piece's (``pieces``: {index: CPU tensor}) is that piece: it gets a digest of
+    its own and its place in the file (a *span*). Everything else (the zip's records, the pickle, the RNG
+    states, a piece torch had to copy first, e.g. from a GPU) goes into one digest of the *rest*, the file
+    outside the spans, in file order.
     """
 
-    def __init__(self, out: BinaryIO, pool: ThreadPoolExecutor) -> None:
-        self.out, self.pool, self.sha256, self.size = out, pool, hashlib.sha256(), 0
+    def __init__(self, out: BinaryIO, pool: ThreadPoolExecutor, pieces: Mapping[tuple[int, int], int] | None = None
+                 ) -> None:
+        self.out, self.pool, self.rest, self.size = out, pool, hashlib.sha256(), 0
+        self.pieces = dict(pieces or {})  # (address, bytes) -> piece index
+        self.spans: dict[int, tuple[int, int, Any]] = {}  # piece index -> (offset, bytes, its sha256)
         self.error: OSError | None = None  # torch re-raises a failed write as a RuntimeError; keep the cause
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        hashed = self.pool.submit(self.sha256.update, view)
+        index = self.pieces.pop((_address(view), view.nbytes), None) if self.pieces and view.nbytes else None
+        if index is None:
+            hashed = self.pool.submit(self.rest.update, view)
+        else:
+            digest = hashlib.sha256()
+            self.spans[index] = (self.size, view.nbytes, digest)
+            hashed = self.pool.submit(digest.update, view)
         try:
             written = self.out.write(view)
         except OSError as err:
@@ -104,21 +126,58 @@ class _Hashing:
     def flush(self) -> None:
         self.out.flush()
 
+    def digests(self, slices: Mapping[int, int], sizes: Mapping[int, int]) -> dict[str, Any]:
+        """The manifest's ``digests`` of the file: the rest's; each piece's span ``[index, offset, bytes,
+        slice]`` (an empty piece: 0 bytes at 0); each slice's digest (:func:`slice_digest`) where every piece of
+        it has a span. A piece without one (torch copied it first) is in the rest, and so is its slice."""
+        found = {i: (offset, size, d.hexdigest()) for i, (offset, size, d) in self.spans.items()}
+        found.update({i: (0, 0, EMPTY) for i, size in sizes.items() if size == 0})
+        by_slice: dict[int, list[int]] = {}
+        for index, owner in slices.items():
+            by_slice.setdefault(owner, []).append(index)
+        return {"rest": self.rest.hexdigest(),
+                "spans": [[i, offset, size, slices.get(i, -1)] for i, (offset, size, _) in sorted(found.items())],
+                "slices": {str(s): slice_digest([found[i][2] for i in sorted(indices)])
+                           for s, indices in sorted(by_slice.items()) if all(i in found for i in indices)}}
 
-def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+
+EMPTY = hashlib.sha256(b"").hexdigest()
+
+
+def _address(view: memoryview) -> int:
+    """Where a buffer's bytes are in memory (numpy reads it from any buffer, read-only ones too)."""
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+
+
+def slice_digest(piece_digests: Sequence[str]) -> str:
+    """A slice's digest: sha256 over its pieces' sha256 digests, in piece order (so the writer may hash the
+    pieces in the order torch writes them, and the reader in the order it copies them)."""
+    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in piece_digests)).hexdigest()
+
+
+def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any], name: str | None = None,
+                    split: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Serialise one node's file straight into its temporary file, hashing on the way; return its
-    manifest entry (name, size, sha256). No in-memory copy of the state and no second pass to
+    manifest entry (name, size, digests). No in-memory copy of the state and no second pass to
     hash it: B3 measured the two at 60% of a 100 MB snapshot's time. ``name``: another file name than
-    the node's (a just-in-time snapshot's)."""
+    the node's (a just-in-time snapshot's); ``split``: the layout the payload's pieces follow (each
+    slice then gets a digest a resume checks as it reads the slice, :func:`slice_problem`)."""
     import torch
 
     directory.mkdir(parents=True, exist_ok=True)
     name = name or node_file_name(node_rank)
     hashing: list[_Hashing] = []
+    pieces: Mapping[int, Any] = payload.get("pieces") or {}
+    known = {(t.untyped_storage().data_ptr(), t.nbytes): i for i, t in pieces.items()
+             if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.nbytes
+             and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes}
+    slices = {i: split["pieces"][i][3] for i in pieces} if split is not None else {}
 
     def serialise(out: BinaryIO) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="snapshot-sha256") as pool:
-            hashing.append(_Hashing(out, pool))
+            hashing.append(_Hashing(out, pool, known))
             try:
                 torch.save(payload, hashing[0])
             except Exception:
@@ -127,10 +186,11 @@ def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any], na
                 raise
 
     write_atomic(directory / name, serialise)
-    return {"name": name, "size": hashing[0].size, "sha256": hashing[0].sha256.hexdigest()}
+    sizes = {i: t.nbytes for i, t in pieces.items() if isinstance(t, torch.Tensor)}
+    return {"name": name, "size": hashing[0].size, "digests": hashing[0].digests(slices, sizes)}
 
 
-FILE_KEYS = ("size", "sha256", "slices", "ranks")  # what the manifest keeps of a writer's entry
+FILE_KEYS = ("size", "sha256", "digests", "slices", "ranks")  # what the manifest keeps of a writer's entry
 
 
 def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size: int, config_hash: str,
@@ -279,22 +339,98 @@ def refuses_resize(run_dir: Path, per_rank_only: bool = False) -> str | None:
     return reason or None
 
 
-def file_problem(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
-    """Why this file cannot be trusted (missing, truncated, altered), or None when it verifies."""
+def file_problem(directory: Path, name: str, expected: dict[str, Any], deep: bool = True) -> str | None:
+    """Why this file cannot be trusted (missing, truncated, altered), or None when it verifies.
+
+    ``deep=False``: its size alone (what a resume checks before it reads: each slice is verified as it is
+    read, :func:`rest_problem` and :func:`slice_problem`), except for a file written before digests per
+    slice (issue 45), which is hashed whole as it always was."""
     if not name or "/" in name or name.startswith("."):
         return "not a file name of this snapshot"
     path = directory / name
     try:
-        size = path.stat().st_size
+        with open(path, "rb") as source:  # an open by name: on NFS, fresh attributes (close-to-open)
+            size = os.fstat(source.fileno()).st_size
+            if size != expected.get("size"):
+                return f"size {size} bytes, manifest says {expected.get('size')}"
+            digests = expected.get("digests")
+            if not isinstance(digests, dict):
+                return None if _sha256(source, [(0, size)]) == expected.get("sha256") else \
+                    "sha256 differs from the manifest"
+            if not deep:
+                return None
+            problem = _rest_problem(source, size, digests)
+            pieces = {i: _sha256(source, [(offset, length)]) for i, offset, length, _ in _spans(digests)}
     except OSError:
         return "missing"
-    if size != expected.get("size"):
-        return f"size {size} bytes, manifest says {expected.get('size')}"
+    except (TypeError, ValueError):
+        return "its manifest entry is not readable"
+    return problem or next((f"sha256 of slice {s} differs from the manifest" for s, want in
+                            sorted(digests.get("slices", {}).items())
+                            if not _composed(pieces, want, s, digests)), None)
+
+
+def rest_problem(path: Path, expected: Mapping[str, Any]) -> str | None:
+    """Why the file's bytes outside its pieces (the zip's records, the pickle, the RNG states) cannot be
+    trusted, or None. Small: a resume reads them anyway (torch.load reads the pickle); None for a file
+    with no digests (hashed whole before)."""
+    digests = expected.get("digests")
+    if not isinstance(digests, dict):
+        return None
+    try:
+        with open(path, "rb") as source:
+            return _rest_problem(source, int(expected["size"]), digests)
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    except (KeyError, TypeError, ValueError):
+        return "its manifest entry is not readable"
+
+
+def slice_problem(expected: Mapping[str, Any], slice_: int, piece_digests: Sequence[str]) -> str | None:
+    """Why slice ``slice_`` as read from this file (``piece_digests``: sha256 of each of its pieces' bytes,
+    in piece order) cannot be trusted, or None; None too when the file has no digest for it (its bytes were
+    in the rest, verified with it)."""
+    digests = expected.get("digests")
+    want = digests.get("slices", {}).get(str(slice_)) if isinstance(digests, dict) else None
+    if want is None or slice_digest(piece_digests) == want:
+        return None
+    return f"sha256 of slice {slice_} differs from the manifest"
+
+
+def _composed(pieces: Mapping[int, str], want: str, slice_: str, digests: Mapping[str, Any]) -> bool:
+    """Whether the slice's pieces, as hashed in the file, give its digest."""
+    indices = sorted(i for i, _, _, owner in _spans(digests) if str(owner) == slice_)
+    return bool(indices) and slice_digest([pieces[i] for i in indices]) == want
+
+
+def _spans(digests: Mapping[str, Any]) -> list[tuple[int, int, int, int]]:
+    return [(int(i), int(offset), int(length), int(owner)) for i, offset, length, owner in digests.get("spans", [])]
+
+
+def _rest_problem(source: BinaryIO, size: int, digests: Mapping[str, Any]) -> str | None:
+    """The rest's digest against the manifest: the file outside its spans, read in file order."""
+    outside, at = [], 0
+    for _, offset, length, _ in sorted(_spans(digests), key=lambda span: span[1]):
+        outside.append((at, offset - at))
+        at = offset + length
+    outside.append((at, size - at))
+    if _sha256(source, outside) != digests.get("rest"):
+        return "sha256 of its records outside the state's pieces differs from the manifest"
+    return None
+
+
+def _sha256(source: BinaryIO, ranges: Sequence[tuple[int, int]]) -> str:
+    """sha256 of these byte ranges of an open file, in order, read in blocks of 4 MiB."""
     digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        for block in iter(lambda: source.read(1 << 22), b""):
+    for offset, length in ranges:
+        source.seek(offset)
+        while length > 0:
+            block = source.read(min(length, 1 << 22))
+            if not block:
+                break
             digest.update(block)
-    return None if digest.hexdigest() == expected.get("sha256") else "sha256 differs from the manifest"
+            length -= len(block)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
