@@ -67,6 +67,7 @@ OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other 
 HANDLER_WAIT_S = 25.0  # how long a second failure handler waits for the first one's write (under KillWait)
 SIDE_WAIT_S = 20.0  # how long the liveness or watchdog thread waits for the survivors' snapshot before it exits
 BUFFERS_SOURCE_WAIT_S = 1.0  # how long another survivor waits for rank 0's offer when DDP broadcasts rank 0's buffers
+NEWEST_FRESH_S = 0.5  # how old a node's read of snapshots/newest.json may be for another survivor of the node
 
 
 def why_not(run: Any) -> str | None:
@@ -139,9 +140,11 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
         # hold the same step with other statistics; which of them may write is decided above, not by a mismatch
         offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
         news = jit_files.offer(post, offer)
-        latest = _latest_commit(run.run_dir)
+        latest = jit_files.once_per_node(post, "newest", lambda: _latest_commit(run.run_dir), fresh_s=NEWEST_FRESH_S)
         if latest is not None and latest >= step:
-            offer.update(outcome=jit_commit.check_commit(run.run_dir, folder, step, latest, offer))
+            offer.update(outcome=jit_files.once_per_node(  # the same state as a peer that compared it: its answer
+                post, f"checked-{step}-{offer['fingerprint']}",
+                lambda: jit_commit.check_commit(run.run_dir, folder, step, latest, offer)))
         elif any(skip.values()) and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
             offer.update(outcome=_check_set(run, folder, news) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))

@@ -77,12 +77,11 @@ class LocalHealer:
         would, so the workers left do not take the launcher's SIGTERM for a stop signal."""
         node, ranks = self.victims(node_index)
         self.lost[node] = "its ranks were killed (--fail-at): the node is lost"
-        if marks is not None:
-            run_dir, job_id, restart = marks
-            for rank in ranks:
-                path = crash_marker(run_dir, job_id, restart, self.index, rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(f"{node} was lost (--fail-at): rank {rank} was killed\n")
+        if marks is not None and ranks:  # one note for the node, as the liveness declaration is (a reader takes
+            run_dir, job_id, restart = marks  # the first note it finds, rank by rank: script_outcome._marked)
+            path = crash_marker(run_dir, job_id, restart, self.index, ranks[0])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{node} was lost (--fail-at): rank(s) {', '.join(map(str, ranks))} were killed\n")
         return node, ranks
 
     def victims(self, node_index: int | None) -> tuple[str, list[int]]:
