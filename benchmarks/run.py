@@ -78,6 +78,11 @@ def b2_training(rounds: int, steps: int, every: int) -> dict[str, Any]:
             "workload": "3 x Linear(1024,1024), MSE, SGD, batch 64/rank, 2 gloo ranks, 1 thread each"}
 
 
+def _either(row: dict[str, Any], key: str) -> Any:
+    """A B9 row's every_node figure, or every_rank's in a row measured before issue 45."""
+    return row.get(f"every_node_{key}", row.get(f"every_rank_{key}", "-"))
+
+
 def b2_mirror(rounds: int, steps: int) -> dict[str, Any]:
     """B2-MIRROR: the per-rank mirror's cost alone, with more rounds than B2 can afford for it (a 1% effect
     on a machine whose raw loop varies by 3-5% between runs): raw, the raw loop again (the noise floor), the
@@ -398,11 +403,11 @@ def table(results: dict[str, Any]) -> str:
         for shape, row in s.get("rows", {}).items():
             rows.append(
                 f"| B9 resume reads, {where}, {shape}, {s['state_mb']:.0f} MB state | disk read / state (kernel): "
-                f"spread {row.get('spread_disk_per_state', '-')}, every rank {row.get('every_rank_disk_per_state', '-')}; "
+                f"spread {row.get('spread_disk_per_state', '-')}, every node {_either(row, 'disk_per_state')}; "
                 f"copied out of files / state (loader): spread {row['spread_read_per_state']} (busiest node "
-                f"{row['spread_busiest_per_state']}), every rank {row['every_rank_read_per_state']}; resume: spread "
-                f"{row['spread_s']} s, as before (one level) {row.get('flat_spread_s', '-')} s, every rank "
-                f"{row['every_rank_s']} s; a save's object bytes per non-zero rank "
+                f"{row['spread_busiest_per_state']}), every node {_either(row, 'read_per_state')}; resume: spread "
+                f"{row['spread_s']} s, as before (one level) {row.get('flat_spread_s', '-')} s, every node "
+                f"{_either(row, 's')} s; a save's object bytes per non-zero rank "
                 f"{row['save_object_bytes_per_nonzero_rank']} | {s['target']} | {mark(s)} |")
     for key, what in (("B11", ""), ("B11-PER-RANK", ", per_rank objects mirrored to a buddy, 0.1 s of compute a step"),
                       ("B11-BN", ", DDP with BatchNorm (buffers in params_sha256), node 0 or node 1 lost in turn")):

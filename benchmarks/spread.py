@@ -3,14 +3,14 @@
 Every rank is a real gloo process with the same replicated state (model + Adam) and a real
 :class:`~hpc_ddp.rank.checkpointer.Checkpointer`; node n is ranks ``n*T .. n*T+T-1``. One
 snapshot is written (replicas 2), then restored twice, interleaved: ``snapshot.load=spread``
-and ``every_rank``. Before each restore rank 0 drops the snapshot files' pages from the page
+and ``every_node`` (``every_rank`` before issue 45). Before each restore rank 0 drops the snapshot files' pages from the page
 cache (``posix_fadvise(DONTNEED)``), and every rank reads the bytes it made the disk serve from
 the kernel's own counter (``read_bytes`` in ``/proc/self/io``, which counts memory-mapped reads
 too). Figures: those bytes over the state's size, summed over the ranks; the loader's own count
 of tensor bytes copied out of files beside it; each restore's wall time; and the pickled bytes a
 non-zero rank sends and receives in one save (the RNG gather within its node and the commit).
 One disk and 2 cores stand in for the nodes, and the "nodes" share one page cache: a page one
-rank faulted in is free for the next, so ``every_rank``'s kernel count is about one state here,
+rank faulted in is free for the next, so ``every_node``'s kernel count is about one state here,
 where on a cluster each node's cache would read it again (the loader's count says how often).
 The same worker also runs as a task of a job on the local Slurm cluster (:func:`b9_slurm`).
 
@@ -110,7 +110,7 @@ def worker(rank: int, world: int, tasks: int, port: int, run_dir: Path, megabyte
     counter = {"sent": 0, "received": 0}
     _count_object_traffic(counter)
     cfg = {load: SnapshotConfig(every_steps=None, every_minutes=None, keep_last=1, replicas=REPLICAS, load=load)
-           for load in ("spread", "every_rank")}
+           for load in ("spread", "every_node")}
     Checkpointer(run_dir, cfg["spread"], env, "bench").save(1, state, capture_rng())  # the node groups, warm
     counter.update(sent=0, received=0)
     Checkpointer(run_dir, cfg["spread"], env, "bench").save(2, state, capture_rng())
@@ -120,10 +120,10 @@ def worker(rank: int, world: int, tasks: int, port: int, run_dir: Path, megabyte
 
     two_levels = spread.share
     for round_ in range(2):
-        for load in (("spread", "every_rank", "flat") if round_ % 2 == 0 else ("flat", "every_rank", "spread")):
+        for load in (("spread", "every_node", "flat") if round_ % 2 == 0 else ("flat", "every_node", "spread")):
             # flat: spread as before issue 36, every slice broadcast to every rank over one group
             spread.share = two_levels if load != "flat" else (  # type: ignore[assignment]
-                lambda buffer, reader, groups: control.broadcast(buffer, reader))
+                lambda buffer, reader, groups, *_: control.broadcast(buffer, reader))
             if env.rank == 0:
                 drop_pages(run_dir)
             dist.barrier()
@@ -164,12 +164,12 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     state = main["spread_read"]["state"]
     return {"spread_read_per_state": round(main["spread_read"]["bytes"] / state, 3),
             "spread_busiest_per_state": round(main["spread_read"]["busiest_node"] / state, 3),
-            "every_rank_read_per_state": round(main["every_rank_read"]["bytes"] / state, 3),
+            "every_node_read_per_state": round(main["every_node_read"]["bytes"] / state, 3),
             # the kernel's count, summed over ranks, each restore after the files' pages were dropped (the worse)
             "spread_disk_per_state": round(max(map(sum, zip(*(r["spread_disk"] for r in results)))) / state, 3),
-            "every_rank_disk_per_state": round(max(map(sum, zip(*(r["every_rank_disk"] for r in results)))) / state,
+            "every_node_disk_per_state": round(max(map(sum, zip(*(r["every_node_disk"] for r in results)))) / state,
                                                3),
-            "spread_s": round(min(main["spread_s"]), 3), "every_rank_s": round(min(main["every_rank_s"]), 3),
+            "spread_s": round(min(main["spread_s"]), 3), "every_node_s": round(min(main["every_node_s"]), 3),
             "flat_spread_s": round(min(main["flat_s"]), 3),
             "save_object_bytes_per_nonzero_rank": max((o["commit_sent"] + o["commit_received"] for o in others),
                                                       default=0)}
@@ -192,14 +192,13 @@ def b9_spread(scratch: Path, megabytes: float = 200, counts: tuple[int, ...] = (
 
 
 REPLICAS = 2  # the snapshot's copies of each slice (snapshot.replicas)
-TARGET = (f"spread: the loader copies <= 1.05 states out of files, and the disk serves <= {REPLICAS}.05 (the kernel's "
-          f"count: resume hashes every file, so each of the {REPLICAS} copies is read once), at every N; a save's "
-          "object bytes per non-zero rank flat in N")
+TARGET = ("spread: the loader copies <= 1.05 states out of files, and the disk serves <= 1.05 (the kernel's count: "
+          f"each reader hashes the slice it reads; the file's other copy of {REPLICAS} is not read), at every N; a "
+          "save's object bytes per non-zero rank flat in N")
 
 
 def met(rows: Any) -> bool:
-    return all(row["spread_read_per_state"] <= 1.05 and row["spread_disk_per_state"] <= REPLICAS + 0.05
-               for row in rows)
+    return all(row["spread_read_per_state"] <= 1.05 and row["spread_disk_per_state"] <= 1.05 for row in rows)
 
 
 SLURM_MARK = "B9-RESULT "

@@ -25,6 +25,7 @@ or ``GLOO_SOCKET_IFNAME``), which on most clusters is the same fabric NCCL uses,
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 from collections.abc import Mapping
@@ -90,20 +91,43 @@ class Loaded:
 
 
 class _Files:
-    """The step's files this rank opened: each opened once, and loaded (memory-mapped) only after the bytes
-    outside its pieces verified (the pickle is never unpickled unverified)."""
+    """The step's files this rank opened: each opened once, and loaded only after the bytes outside its pieces
+    verified (the pickle is never unpickled unverified). What is kept of a file is small and detached from it
+    (its pieces' dtypes and sizes, the skeleton, the RNG entries): torch.load maps the file, and while a map of
+    it exists the kernel reads ahead of every read of the file, read-ahead off or not (a slice of 13 MB cost
+    25 MB of disk reads here); so the map is let go before a slice's bytes are read."""
 
     def __init__(self, choice: snapshot.Choice) -> None:
         self.choice, self.loaded, self.bad = choice, {}, {}  # type: dict[str, dict[str, Any]], dict[str, str]
+        self.checked: set[str] = set()
 
-    def get(self, name: str) -> dict[str, Any] | None:
-        if name not in self.loaded and name not in self.bad:
-            path, entry = self.choice.directory / name, self.choice.manifest["files"].get(name) or {}
-            why = snapshot.rest_problem(path, entry)
-            if why is None:  # a verified file that needs arbitrary unpickling was planted: stop, never fall back
-                self.loaded[name] = snapshot.load_file(path)
+    def verified(self, name: str) -> bool:
+        """Whether the file's bytes outside its pieces verify (read once, without read-ahead; the reason in ``bad``)."""
+        if name not in self.checked and name not in self.bad:
+            why = snapshot.rest_problem(self.choice.directory / name, self.choice.manifest["files"].get(name) or {})
+            if why is None:
+                self.checked.add(name)
             else:
                 self.bad[name] = why
+        return name in self.checked
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        """{"pieces": {index: tensor}, "skeleton", "rng"} of a verified file, or None (its reason in ``bad``).
+        Pieces are empty tensors of their dtype and size, except those the file has no span for (written before
+        issue 45, or copied by torch first): those are copied out whole. Load a file after its slices are read:
+        torch's reads leave the kernel's marks for read-ahead on the file's pages, which a later read of the
+        file follows whatever its advice (a 13 MB slice cost 25 MB after a load, 13 MB before)."""
+        if name not in self.loaded and self.verified(name):
+            # a verified file that needs arbitrary unpickling was planted: stop, never fall back (SnapshotError)
+            snapshot.warm_heads(self.choice.directory / name, self.choice.manifest["files"].get(name) or {})
+            mapped = snapshot.load_file(self.choice.directory / name)
+            spans = snapshot.spans_of(self.choice.manifest["files"].get(name) or {})
+            self.loaded[name] = {
+                "pieces": {i: (t.clone() if i not in spans else torch.empty(t.shape, dtype=t.dtype))
+                           for i, t in (mapped.get("pieces") or {}).items()},
+                "skeleton": _detached(mapped.get("skeleton")), "rng": _detached(mapped.get("rng") or {})}
+            del mapped  # the map goes with its last tensor: torch.load's unpickler holds some in a cycle
+            gc.collect()
         return self.loaded.get(name)
 
     def copies_of(self, slice_: int) -> list[str]:
@@ -113,23 +137,55 @@ class _Files:
                           if slice_ in held and name != first and name in self.choice.good_files]
 
 
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in it copied out of the file's map (small: a skeleton, RNG states)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
 def _read_slice(files: _Files, slice_: int, indices: list[int]) -> tuple[torch.Tensor, dict[int, tuple[str, int]]]:
     """One slice's pieces end to end in one byte buffer, from the first copy whose bytes give the slice's
-    digest (hashed here, as they are read: nothing else hashes them): (the buffer, {piece: (dtype, numel)})."""
+    digest (hashed here, as they are read: nothing else hashes them): (the buffer, {piece: (dtype, numel)}).
+
+    The pieces' bytes are read straight from their spans in the file (their places, in the manifest) into the
+    buffer, with no read-ahead: exactly the slice's bytes, not the other slice's beside them, and no copy out of
+    a memory map. A piece with no span (a file written before issue 45, or a piece torch copied first) comes
+    from the memory-mapped file, whose rest was verified."""
     tried = []
     for name in files.copies_of(slice_):
-        loaded = files.get(name)
-        if loaded is None:
+        if not files.verified(name):
             tried.append(f"{name} ({files.bad[name]})")
             continue
-        held = [loaded["pieces"][i] for i in indices]
-        buffer = torch.cat([t.reshape(-1).view(torch.uint8) for t in held]) if held else \
-            torch.empty(0, dtype=torch.uint8)
-        digests, offset = [], 0
-        for t in held:
-            digests.append(hashlib.sha256(buffer[offset:offset + t.nbytes].numpy()).hexdigest())
-            offset += t.nbytes
-        why = snapshot.slice_problem(files.choice.manifest["files"][name], slice_, digests)
+        entry = files.choice.manifest["files"][name]
+        spans = snapshot.spans_of(entry)
+        early = all(i in spans for i in indices)  # every piece has its place: read them before any load of the file
+        loaded = None if early else files.get(name)
+        sizes = [spans[i][1] for i in indices] if early else [loaded["pieces"][i].nbytes for i in indices]  # type: ignore[index]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        view, digests, offset, why = memoryview(buffer.numpy()), [], 0, None
+        try:
+            with snapshot.open_exact(files.choice.directory / name) as source:
+                for i, size in zip(indices, sizes):
+                    part = view[offset:offset + size]
+                    if i in spans and spans[i][1] == size:
+                        snapshot.read_span(source, spans[i][0], part)
+                    else:  # no span: copied out of the file's load, whose rest verified
+                        part[:] = memoryview(loaded["pieces"][i].reshape(-1).view(torch.uint8).numpy())  # type: ignore[index]
+                    digests.append(hashlib.sha256(part).hexdigest())
+                    offset += size
+            why = snapshot.slice_problem(entry, slice_, digests)
+        except (OSError, EOFError) as err:
+            why = f"cannot be read ({err})"
+        if why is None:
+            loaded = loaded or files.get(name)
+            held = [loaded["pieces"][i] for i in indices] if loaded is not None else []
+            if loaded is None or [t.nbytes for t in held] != sizes:
+                why = "its pieces' sizes differ from their places in the manifest"
         if why is None:
             if tried:
                 log.warning("slice %d of step %d read from %s instead: %s", slice_, files.choice.step, name,
