@@ -59,6 +59,7 @@ class Plan:
         the GPU here. Into pageable memory the copy waits for the GPU, as a plain ``.cpu()`` would."""
         body[:META] = torch.tensor([len(self.meta)], dtype=torch.int64).view(torch.uint8)
         body[META:META + len(self.meta)] = torch.frombuffer(bytearray(self.meta), dtype=torch.uint8)
+        body[META + len(self.meta):_up(META + len(self.meta))] = 0  # the skeleton's leaf ends aligned: same bytes
         for tensor, at in zip(self.tensors, self.offsets):
             size = tensor.numel() * tensor.element_size()
             if size:
@@ -67,9 +68,10 @@ class Plan:
 
 
     def segments(self) -> list[Segment]:
-        """The body's leaves: the skeleton (with its length), then each tensor's bytes (empty ones included)."""
+        """The body's leaves: the skeleton (its length, and zeros up to the first tensor's offset, so a counter in it
+        that gains a digit leaves the layout as it was), then each tensor's bytes (empty ones included)."""
         sizes = (t.numel() * t.element_size() for t in self.tensors)
-        return [(0, META + len(self.meta)), *((at, at + n) for at, n in zip(self.offsets, sizes))]
+        return [(0, _up(META + len(self.meta))), *((at, at + n) for at, n in zip(self.offsets, sizes))]
 
 
 def plan(state: Any) -> Plan | None:
