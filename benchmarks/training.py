@@ -21,8 +21,10 @@ trainer variants use the same model, data, per-rank batch and optimizer:
 - ``own_fill<size>`` / ``own_mirror_fill<size>`` (size ``8m``, ``64m``...): the own loop writing a per-rank
   buffer of that size at every step (a prefetched batch: every byte new), untracked, and tracked with
   ``per_rank`` so the mirror sends it whole at each boundary: the mirror's cost for a state that changes;
-- ``own_mirror_same<size>`` (``256k``, ``8m``, ``64m``): a per-rank buffer of that size that never changes,
-  tracked: the mirror compares it and sends "unchanged" (a header); read against ``own``.
+- ``own_mirror_same<size>``: a per-rank buffer of that size that never changes, tracked: the mirror compares
+  it and sends "unchanged" (a header). At ``256k`` it is read against ``own``; at larger sizes the loop also
+  rewrites an untracked buffer of the size, as ``own_fill<size>`` does, and is read against that (the same
+  work but for the mirror, one variant fewer a size).
 
 Steps/s is measured over the steady state only: from step ``warmup`` to the
 last step, taken from the per-step callback. Rank 0 writes a JSON file.
@@ -59,31 +61,35 @@ def size_of(name: str) -> int:
 def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> float:
     """Steps/s of the tutorial's loop; with ``run``, the same loop with the public API's two calls added (and
     per-rank state tracked, with ``per_rank``: "batch" for a counter and the step's batch, "counter" for the
-    counter alone, which leaves the mirror's cost per message without its cost per byte; "fill<size>" for a
-    buffer of that size rewritten at every step, tracked, "fill<size>-untracked" the same untracked, and
-    "same<size>" for one that never changes)."""
+    counter alone, which leaves the mirror's cost per message without its cost per byte; "fill:<size>" for a
+    buffer of that size rewritten at every step, tracked, "fill:<size>:untracked" the same untracked, and
+    "same:<size>" for one that never changes, "same:<size>:fill" beside an untracked one rewritten)."""
     model = DistributedDataParallel(tasks.model())
     sampler = DistributedSampler(tasks.dataset(), seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     start, done = 0.0, 0
     seen: dict[str, Any] = {"steps": 0, "x": torch.zeros(BATCH, 1)}
-    if per_rank.startswith(("fill", "same")):  # one buffer of the size: rewritten at every step, or never
-        seen = {"big": torch.ones(size_of(per_rank[4:].split("-")[0]), dtype=torch.uint8)}
-    tracked = per_rank and not per_rank.endswith("-untracked")
+    what, _, rest = per_rank.partition(":")
+    size, _, extra = rest.partition(":")
+    filled = None  # rewritten at every step, as a prefetched batch: every byte new (a memset)
+    if what in ("fill", "same"):
+        seen = {"big": torch.ones(size_of(size), dtype=torch.uint8)}
+        filled = seen["big"] if what == "fill" else torch.ones_like(seen["big"]) if extra == "fill" else None
     if run is not None:
         from hpc_ddp import per_rank as mine
 
         if per_rank == "counter":
             del seen["x"]
+        tracked = bool(what) and extra != "untracked"
         done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen)} if tracked else {}))
     for x, y in loader:
         if "steps" in seen:
             seen["steps"] += 1
         if "x" in seen:
             seen["x"] = x
-        if per_rank.startswith("fill"):
-            seen["big"].fill_(done % 251)  # as a prefetched batch: every byte new (a memset, in both loops)
+        if filled is not None:
+            filled.fill_(done % 251)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -141,10 +147,11 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
 
 def own_state(variant: str) -> str:
     """``raw_loop``'s ``per_rank`` for an ``own...`` variant."""
-    rest = variant.removeprefix("own").removeprefix("_mirror").removeprefix("_")
-    if variant.startswith("own_fill"):
-        return rest + "-untracked"
-    return {"own": "", "own_mirror": "batch", "own_mirror_counter": "counter"}.get(variant, rest)
+    if variant.startswith(("own_fill", "own_mirror_fill", "own_mirror_same")):
+        what, size = ("same", variant[15:]) if "same" in variant else ("fill", variant.rpartition("fill")[2])
+        extra = ":untracked" if variant.startswith("own_fill") else ":fill" if what == "same" and size != "256k" else ""
+        return f"{what}:{size}{extra}"
+    return {"own": "", "own_mirror": "batch", "own_mirror_counter": "counter"}[variant]
 
 
 MIRRORED: dict[str, dict[str, int]] = {}  # per variant, over its rounds: what the mirror sent (rank 0's)
