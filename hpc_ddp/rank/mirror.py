@@ -138,8 +138,8 @@ class Mirror:
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
         self.own: Packed | None = None  # this rank's last boundary
-        self.kept: tuple[int, torch.Tensor, int, int] | None = None  # the ward's newest whole state: step, buffer,
-        # kind, size
+        # the ward's newest whole state: (step, its buffer, kind, size); only the receiver thread replaces it
+        self.kept: tuple[int, torch.Tensor, int, int] | None = None
         self.skipped = 0  # states never sent: a newer one replaced them while a send was on its way
         self.refused = 0  # deltas and unchanged messages this receiver did not apply (not on the step it holds)
         self._stale = False  # refusing since the last whole state
