@@ -83,31 +83,57 @@ def _either(row: dict[str, Any], key: str) -> Any:
     return row.get(f"every_node_{key}", row.get(f"every_rank_{key}", "-"))
 
 
-def b2_mirror(rounds: int, steps: int) -> dict[str, Any]:
-    """B2-MIRROR: the per-rank mirror's cost alone, with more rounds than B2 can afford for it (a 1% effect
-    on a machine whose raw loop varies by 3-5% between runs): raw, the raw loop again (the noise floor), the
-    own loop with the run API, the same with per-rank state mirrored, and with only a counter mirrored (the
-    mirror's cost per message, without its cost per byte), interleaved in each round."""
+MIRROR_SIZES = ("256k", "8m", "64m")  # per-rank state per rank, in B2-MIRROR
+SAME_TARGET = 0.98  # an unchanged state mirrored, against the same loop without it (issue 45: a header a step)
+
+
+def b2_mirror(rounds: tuple[int, int, int], steps: int) -> dict[str, Any]:
+    """B2-MIRROR: the per-rank mirror's cost alone, at 256 KB, 8 MB and 64 MB of per-rank state a rank, for a
+    state that changes at every step (a prefetched batch: sent whole) and one that never does (sent as a header).
+    One run of ``benchmarks.training`` a size, its variants interleaved in each round (``rounds``: a size's, fewer
+    at the larger sizes). At 256 KB: raw, the raw loop again (the noise floor), the own loop with the run API, the
+    same with a counter and the step's 256 KB batch mirrored (B2's ``own_mirror``), and with 256 KB that never
+    changes. At 8 and 64 MB: the own loop rewriting a buffer of the size at every step (untracked), the same
+    tracked, and the first with another buffer of the size that never changes, tracked. Each ratio is against
+    the same loop without the mirror (the own loop; at 8 and 64 MB the one rewriting its buffer), measured in the
+    same round."""
     from hpc_ddp.rehearsal.local import free_port
 
-    variants = ("raw", "raw2", "own", "own_mirror", "own_mirror_counter")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "b2m.json"
-        subprocess.run([sys.executable, "-m", "benchmarks.training", str(out), str(rounds), str(steps), "40",
-                        str(free_port()), ",".join(variants)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        samples = json.loads(out.read_text())["samples"]
-    mirror, own = per_round(samples, "own_mirror", "raw"), per_round(samples, "own_mirror", "own")
-    floor, plain = per_round(samples, "raw2", "raw"), per_round(samples, "own", "raw")
-    counter = per_round(samples, "own_mirror_counter", "own")
-    return {"steps_per_s": _round({k: median(v) for k, v in samples.items()}),
+    runs = {"256k": ("raw", "raw2", "own", "own_mirror", "own_mirror_same256k"),
+            **{size: (f"own_fill{size}", f"own_mirror_fill{size}", f"own_mirror_same{size}")
+               for size in MIRROR_SIZES[1:]}}
+    sizes: dict[str, Any] = {}
+    for (size, variants), count in zip(runs.items(), rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "b2m.json"
+            subprocess.run([sys.executable, "-m", "benchmarks.training", str(out), str(count), str(steps), "40",
+                            str(free_port()), ",".join(variants)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+            data = json.loads(out.read_text())
+        samples = data["samples"]
+        changing = ("own_mirror", "own") if size == "256k" else (f"own_mirror_fill{size}", f"own_fill{size}")
+        moving, same = per_round(samples, *changing), per_round(samples, f"own_mirror_same{size}", changing[1])
+        sizes[size] = {"changing_vs_own": round(moving[0], 3), "changing_iqr": moving[1],
+                       "same_vs_own": round(same[0], 3), "same_iqr": same[1], "rounds": count,
+                       "sent": {"changing": data["mirrored"].get(changing[0]),
+                                "same": data["mirrored"].get(f"own_mirror_same{size}")},
+                       "steps_per_s": _round({k: median(v) for k, v in samples.items()})}
+        if size == "256k":
+            first = samples
+    mirror, own = per_round(first, "own_mirror", "raw"), per_round(first, "own_mirror", "own")
+    floor, plain = per_round(first, "raw2", "raw"), per_round(first, "own", "raw")
+    met_same = all(sizes[s]["same_vs_own"] >= SAME_TARGET for s in MIRROR_SIZES)
+    return {"steps_per_s": sizes["256k"]["steps_per_s"],
             "own_mirror_vs_raw": round(mirror[0], 3), "own_mirror_iqr": mirror[1],
             "own_mirror_vs_own": round(own[0], 3), "own_mirror_vs_own_iqr": own[1],
             "own_vs_raw": round(plain[0], 3), "own_iqr": plain[1], "raw_vs_raw": round(floor[0], 3),
-            "raw_vs_raw_iqr": floor[1], "counter_mirror_vs_own": round(counter[0], 3), "counter_mirror_iqr": counter[1],
-            "target": "own loop with per-rank state mirrored >= 0.99 x raw (issue 35)",
-            "met": mirror[0] >= 0.99, "rounds": rounds, "steps": steps,
+            "raw_vs_raw_iqr": floor[1], "sizes": sizes,
+            "target": f"own loop with per-rank state mirrored >= 0.99 x raw (issue 35); an unchanged state mirrored "
+                      f">= {SAME_TARGET} x the loop without it at 256 KB, 8 MB and 64 MB (issue 45)",
+            "met": mirror[0] >= 0.99 and met_same, "mirror_met": mirror[0] >= 0.99, "same_met": met_same,
+            "rounds": rounds[0], "steps": steps,
             "workload": "B2's: 3 x Linear(1024,1024), batch 64/rank, 2 gloo ranks; per_rank: a counter and the "
-                        "step's 256 KB batch"}
+                        "step's 256 KB batch; or a buffer of 8 or 64 MB rewritten at every step (fill_), or one never "
+                        "rewritten"}
 
 
 def b2_gpu(quick: bool) -> dict[str, Any]:
@@ -280,6 +306,21 @@ def _span(pair: list[float] | None) -> str:
     return "-" if not pair else f"{pair[0]}-{pair[1]}"
 
 
+def _mirror_sizes(sizes: dict[str, Any] | None) -> str:
+    """B2-MIRROR's figures per size of per-rank state, for its row (runs before issue 45 have none)."""
+    if not sizes:
+        return ""
+    parts = []
+    for size, f in sizes.items():
+        sent = (f.get("sent") or {}).get("changing") or {}
+        skipped = (f"; {sent['skipped']} of {sent['skipped'] + sent['whole'] + sent['delta'] + sent['unchanged']} "
+                   "states skipped" if sent.get("skipped") else "")
+        parts.append(f"{size.upper()}B ({f['rounds']} rounds): a state that changes {f['changing_vs_own']} x (IQR "
+                     f"{_span(f['changing_iqr'])}{skipped}), one that does not {f['same_vs_own']} x (IQR "
+                     f"{_span(f['same_iqr'])})")
+    return ". Per rank, against the same loop without the mirror: " + "; ".join(parts)
+
+
 def _round(values: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in values.items()}
 
@@ -317,11 +358,12 @@ def table(results: dict[str, Any]) -> str:
         where = f", {s['machine']}" if s.get("machine") else ""
         counter = (f"; only a counter mirrored {s['counter_mirror_vs_own']} x the loop without it (IQR "
                    f"{_span(s['counter_mirror_iqr'])})" if "counter_mirror_vs_own" in s else "")
-        rows.append(f"| {name} ({s['rounds']} rounds of {s['steps']} steps{where}) | own loop with per-rank state "
+        rounds = "/".join(str(f["rounds"]) for f in s["sizes"].values()) if "sizes" in s else s["rounds"]
+        rows.append(f"| {name} ({rounds} rounds of {s['steps']} steps{where}) | own loop with per-rank state "
                     f"mirrored {s['own_mirror_vs_raw']} x raw (IQR {_span(s['own_mirror_iqr'])}), "
                     f"{s['own_mirror_vs_own']} x the same loop without it (IQR {_span(s['own_mirror_vs_own_iqr'])})"
                     f"{counter}; own loop {s['own_vs_raw']} x raw; noise floor raw vs raw {s['raw_vs_raw']} x (IQR "
-                    f"{_span(s['raw_vs_raw_iqr'])}) | {s['target']} | {mark(s)} |")
+                    f"{_span(s['raw_vs_raw_iqr'])}){_mirror_sizes(s.get('sizes'))} | {s['target']} | {mark(s)} |")
     if "B2-GPU" in b:
         s = b["B2-GPU"]
         if s.get("skipped"):
@@ -516,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         steps = [("B1", lambda: b1_cli(4 if quick else 10)),
                  ("B2", lambda: b2_training(1 if quick else 9, 60 if quick else 160, 40)),
-                 ("B2-MIRROR", lambda: b2_mirror(2 if quick else 20, 60 if quick else 160)),
+                 ("B2-MIRROR", lambda: b2_mirror((1, 1, 1) if quick else (6, 4, 3), 30 if quick else 80)),
                  ("B2-GPU", lambda: b2_gpu(quick)),
                  ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),
                  ("B4", lambda: b4_stop(scratch, 1 if quick else 3)),

@@ -17,7 +17,14 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   step's 256 KB batch, as nanoGPT prefetches one), so every boundary copies it into a message and
   the mirror's thread sends it to the buddy rank (rank/mirror.py): what the per-rank mirror costs;
 - ``own_mirror_counter``: ``own_mirror`` with the counter alone tracked (a message of a few hundred
-  bytes): the mirror's cost per message (threads, send, receive) without its cost per byte.
+  bytes): the mirror's cost per message (threads, send, receive) without its cost per byte;
+- ``own_fill<size>`` / ``own_mirror_fill<size>`` (size ``8m``, ``64m``...): the own loop writing a per-rank
+  buffer of that size at every step (a prefetched batch: every byte new), untracked, and tracked with
+  ``per_rank`` so the mirror sends it whole at each boundary: the mirror's cost for a state that changes;
+- ``own_mirror_same<size>``: a per-rank buffer of that size that never changes, tracked: the mirror compares
+  it and sends "unchanged" (a header). At ``256k`` it is read against ``own``; at larger sizes the loop also
+  rewrites an untracked buffer of the size, as ``own_fill<size>`` does, and is read against that (the same
+  work but for the mirror, one variant fewer a size).
 
 Steps/s is measured over the steady state only: from step ``warmup`` to the
 last step, taken from the per-step callback. Rank 0 writes a JSON file.
@@ -46,26 +53,43 @@ from hpc_ddp.rank import control
 BATCH, LR = 64, 0.01
 
 
+def size_of(name: str) -> int:
+    """Bytes of a size suffix: ``256k``, ``8m``, ``64m``."""
+    return int(name[:-1]) << (10 if name[-1] == "k" else 20)
+
+
 def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> float:
     """Steps/s of the tutorial's loop; with ``run``, the same loop with the public API's two calls added (and
     per-rank state tracked, with ``per_rank``: "batch" for a counter and the step's batch, "counter" for the
-    counter alone, which leaves the mirror's cost per message without its cost per byte)."""
+    counter alone, which leaves the mirror's cost per message without its cost per byte; "fill:<size>" for a
+    buffer of that size rewritten at every step, tracked, "fill:<size>:untracked" the same untracked, and
+    "same:<size>" for one that never changes, "same:<size>:fill" beside an untracked one rewritten)."""
     model = DistributedDataParallel(tasks.model())
     sampler = DistributedSampler(tasks.dataset(), seed=0)
     loader = DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     start, done = 0.0, 0
     seen: dict[str, Any] = {"steps": 0, "x": torch.zeros(BATCH, 1)}
+    what, _, rest = per_rank.partition(":")
+    size, _, extra = rest.partition(":")
+    filled = None  # rewritten at every step, as a prefetched batch: every byte new (a memset)
+    if what in ("fill", "same"):
+        seen = {"big": torch.ones(size_of(size), dtype=torch.uint8)}
+        filled = seen["big"] if what == "fill" else torch.ones_like(seen["big"]) if extra == "fill" else None
     if run is not None:
         from hpc_ddp import per_rank as mine
 
         if per_rank == "counter":
             del seen["x"]
-        done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen)} if per_rank else {}))
+        tracked = bool(what) and extra != "untracked"
+        done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen)} if tracked else {}))
     for x, y in loader:
-        seen["steps"] += 1
+        if "steps" in seen:
+            seen["steps"] += 1
         if "x" in seen:
             seen["x"] = x
+        if filled is not None:
+            filled.fill_(done % 251)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -108,16 +132,44 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
         cfg = load_config([], ["name=b2", f"run_dir={run_dirs[0]}", "train.task=benchmarks.tasks:BenchTask",
                                f"train.max_steps={steps}", f"train.batch_size={BATCH}", f"train.lr={LR}",
                                f"train.log_every={steps}", "snapshot.every_minutes=null", *snapshots])
-        if variant in ("own", "own_mirror", "own_mirror_counter"):
+        if variant.startswith("own"):
             run = _run_for("stop", cfg)
-            rate = raw_loop(steps, warmup, run, per_rank={"own": "", "own_mirror": "batch"}.get(variant, "counter"))
+            rate = raw_loop(steps, warmup, run, per_rank=own_state(variant))
             run.finish()  # drains the last agreement in flight
+            _count(variant, run.mirror)
             return rate
         times: dict[int, float] = {}
         run = _run_for(variant, cfg, on_step=lambda step: times.__setitem__(step, time.perf_counter()))
         Trainer(tasks.BenchTask(), cfg, run).train()
         dist.barrier()
     return (steps - warmup) / (times[steps] - times[warmup])
+
+
+def own_state(variant: str) -> str:
+    """``raw_loop``'s ``per_rank`` for an ``own...`` variant."""
+    if variant.startswith(("own_fill", "own_mirror_fill", "own_mirror_same")):
+        what, size = ("same", variant[15:]) if "same" in variant else ("fill", variant.rpartition("fill")[2])
+        extra = ":untracked" if variant.startswith("own_fill") else ":fill" if what == "same" and size != "256k" else ""
+        return f"{what}:{size}{extra}"
+    return {"own": "", "own_mirror": "batch", "own_mirror_counter": "counter"}[variant]
+
+
+MIRRORED: dict[str, dict[str, int]] = {}  # per variant, over its rounds: what the mirror sent (rank 0's)
+
+
+def _count(variant: str, mirror: Any) -> None:
+    """Add what this rank's mirror sent to ``MIRRORED``: whole, delta and "unchanged" messages, states skipped
+    (a newer one replaced them while a send was on its way), and bytes on the wire."""
+    if mirror is None:
+        return
+    from hpc_ddp.rank.mirror import BYTES, DELTA, FLAT, UNCHANGED
+
+    kinds = mirror.sent_kinds
+    got = {"whole": kinds[BYTES] + kinds[FLAT], "delta": kinds[DELTA], "unchanged": kinds[UNCHANGED],
+           "skipped": mirror.skipped, "wire_bytes": mirror.wire_bytes}
+    total = MIRRORED.setdefault(variant, dict.fromkeys(got, 0))
+    for key, value in got.items():
+        total[key] += value
 
 
 ALL = ("raw", "raw2", "own", "own_mirror", "bare", "stop", "shared", "sync", "async")
@@ -142,7 +194,7 @@ def worker(rank: int, out: str, rounds: int, steps: int, every: int, variants: t
                 rate = trainer_loop(steps, warmup, variant, every)
             samples[variant].append(rate)
     if rank == 0:
-        Path(out).write_text(json.dumps({"samples": samples, "steps": steps, "every": every}))
+        Path(out).write_text(json.dumps({"samples": samples, "steps": steps, "every": every, "mirrored": MIRRORED}))
     dist.barrier()
     dist.destroy_process_group()
 

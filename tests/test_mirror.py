@@ -1,6 +1,9 @@
 """Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.mirror`): who is whose buddy,
 and over real gloo processes that a rank killed as soon as its sender thread posted a step's state leaves that
-state with its buddy (the case a split header and payload lost), and that a clean end leaves nothing in flight."""
+state with its buddy (the case a split header and payload lost), and that a clean end leaves nothing in flight.
+Issue 45: a state that did not change goes as a header alone, one whose leaves changed in part as those leaves
+(the buddy then holds the same bytes a whole send gives), a dropped message never leaves a wrong state, and the
+sender's buffers are reused. Messages are counted through the sender's seam (``Mirror._send``), never timed."""
 
 from __future__ import annotations
 
@@ -30,7 +33,24 @@ def blob(rank: int, step: int) -> bytes:
     return f"rank {rank} step {step};".encode() * (10 if step < 10 else FIRST_SIZE // 10)
 
 
-def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
+def leaves(rank: int, step: int) -> dict[str, Any]:
+    """A state of leaves: a large one that never changes, and a batch and a counter that change at every step."""
+    import torch
+
+    return {"frozen": torch.arange(64 * 1024, dtype=torch.float32) + rank, "n": step,
+            "batch": torch.full((64,), float(step * 10 + rank))}
+
+
+def same_state(blob: bytes, rank: int, step: int) -> bool:
+    import torch
+
+    from hpc_ddp.rank.tracked import unpack
+
+    got, want = unpack(blob), leaves(rank, step)
+    return got["n"] == want["n"] and all(torch.equal(got[k], want[k]) for k in ("frozen", "batch"))
+
+
+def _ranks(environ: dict[str, str], victim: int, out: Any, state: str = "bytes") -> None:
     os.environ.update(environ)
     import torch
     import torch.distributed as dist
@@ -49,7 +69,7 @@ def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
     try:
         for step in range(1, 31):
             dist.all_reduce(torch.ones(4))
-            mirror.mark(step, blob(rank, step))
+            mirror.mark(step, blob(rank, step) if state == "bytes" else leaves(rank, step))
             if rank == victim and step == 20:
                 assert mirror.wait_sent(20, 5.0)
                 os.kill(os.getpid(), signal.SIGKILL)  # at once: its isend was only posted
@@ -57,7 +77,8 @@ def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
         dist.destroy_process_group()
     except RuntimeError:  # a peer was lost: what this survivor holds
         pass
-    out.put((rank, {r: (s, b == blob(r, s)) for r, (s, b) in mirror.held().items()}))
+    check = (lambda r, s, b: b == blob(r, s)) if state == "bytes" else (lambda r, s, b: same_state(b, r, s))
+    out.put((rank, {r: (s, check(r, s, b)) for r, (s, b) in mirror.held().items()}))
     out.close()
     out.join_thread()  # the queue's feeder thread has sent it: os._exit would drop it
     os._exit(0)  # a survivor's process group is broken: no destroy
@@ -69,7 +90,10 @@ def test_a_clean_end_leaves_every_rank_with_its_wards_last_state() -> None:
                    (2, {2: (30, True), 0: (30, True)}), (3, {3: (30, True), 1: (30, True)})]
 
 
-def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_buddy() -> None:
+@pytest.mark.parametrize("state", ["bytes", "leaves"])
+def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_buddy(state: str) -> None:
+    """Whole states (torch.save bytes that change at every step), and states of leaves that go as deltas: the
+    node lost at step 20 leaves rank 1's state of step 20, exactly, with its buddy."""
     import multiprocessing
 
     from hpc_ddp.core.slurm_env import simulated_environ
@@ -77,7 +101,8 @@ def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_
 
     port, ctx = free_port(), multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_ranks, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, 1, out))
+    procs = [ctx.Process(target=_ranks, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, 1, out,
+                                              state))
              for e in simulated_environ(2, 2, job_id=1)]
     for proc in procs:
         proc.start()
@@ -166,3 +191,122 @@ def test_a_gap_between_boundaries_longer_than_the_timeout_does_not_break_the_mir
     now waits a day; the state of the step after the gap still reaches the buddy."""
     got = spawn_ranks(_long_gap, 1, 2, timeout=60)
     assert got == [(0, None, {0: (2, True), 1: (2, True)}), (1, None, {1: (2, True), 0: (2, True)})]
+
+
+def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
+    """Two ranks, each the other's buddy, mark 12 steps of a scenario's state, each sent before the next. Each
+    reports what its sender put on the wire (counted at ``_send``) and whether every state its receiver ever
+    kept was the ward's exact state of that step, compared leaf by leaf with a body packed whole."""
+    os.environ.update(environ)
+    import torch
+    import torch.distributed as dist
+
+    from hpc_ddp.rank import control, flat, mirror as mirror_module
+    from hpc_ddp.rank.mirror import HEADER, Mirror
+
+    rank = int(environ["SLURM_PROCID"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    with control.lazily():
+        group = mirror_module.new_group()
+    if scenario == "drop":
+        mirror_module.FULL_EVERY = 8  # messages 1 and 9 go whole: the one dropped at step 5 is mended at step 9
+    wire: list[tuple[int, int]] = []  # (step, bytes) of each message posted
+    kept_right: list[tuple[int, bool]] = []
+
+    class Counted(Mirror):
+        def _send(self, messages: list[torch.Tensor]) -> list[Any]:
+            step = int(messages[-1][:8].view(torch.int64)[0])
+            wire.extend((int(m[:8].view(torch.int64)[0]), m.numel()) for m in messages)
+            if scenario == "drop" and step == 5:
+                return []  # lost on the way: the sender believes its buddy holds step 5
+            return super()._send(messages)
+
+        def _keep(self, *args: Any) -> torch.Tensor:
+            into = super()._keep(*args)
+            step, buf, _, size = self.kept  # type: ignore[misc]
+            want = flat.plan(state(1 - rank, step))
+            body = torch.zeros(want.nbytes, dtype=torch.uint8)  # what a whole send of that step carries
+            want.write(body)
+            got = buf[HEADER:HEADER + size]
+            kept_right.append((step, size == want.nbytes and all(torch.equal(got[s:e], body[s:e])
+                                                                 for s, e in want.segments())))
+            return into
+
+    def state(r: int, step: int) -> Any:
+        if scenario == "unchanged":
+            return {"batch": torch.arange(256 * 1024, dtype=torch.uint8) + r}  # 256 KB, the same at every step
+        return leaves(r, step)
+
+    mirror = Counted(rank, 1, 2, group).start()
+    for step in range(1, 13):
+        mirror.mark(step, state(rank, step))
+        assert mirror.wait_sent(step, 10)
+        dist.barrier()
+    mirror.close()
+    held = {r: (s, s == 12 and (same_state(b, r, s) if scenario != "unchanged" else True))
+            for r, (s, b) in mirror.held().items()}
+    out.put((rank, wire, dict(mirror.sent_kinds), mirror.refused, mirror.allocated, kept_right, held))
+    dist.destroy_process_group()
+
+
+def test_an_unchanged_state_goes_as_a_header_alone() -> None:
+    from hpc_ddp.rank.mirror import DELTA, FLAT, HEADER, UNCHANGED
+
+    for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "unchanged", timeout=60):
+        assert kinds[FLAT] == 1 and kinds[UNCHANGED] == 11 and kinds[DELTA] == 0
+        state_bytes = [n for step, n in wire if step == 1]
+        assert len(state_bytes) == 1 and state_bytes[0] > 256 * 1024  # the first state whole (after its GROW)
+        assert [n for step, n in wire if step > 1] == [HEADER] * 11  # then 48 bytes a step
+        assert refused == 0 and allocated <= 2  # two buffers in turn: the one the buddy holds and the new one
+        assert [s for s, _ in kept] == list(range(1, 13)) and all(ok for _, ok in kept)
+        assert held == {rank: (12, True), 1 - rank: (12, True)}
+
+
+def test_a_delta_of_the_changed_leaves_leaves_the_bytes_a_whole_send_gives() -> None:
+    from hpc_ddp.rank.mirror import DELTA, FLAT, UNCHANGED
+
+    for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "delta", timeout=60):
+        assert kinds[FLAT] == 1 and kinds[DELTA] == 11 and kinds[UNCHANGED] == 0
+        assert max(n for step, n in wire if step > 1) < 1024  # the batch and the skeleton, not the 256 KB leaf
+        assert refused == 0 and allocated <= 2
+        assert [s for s, _ in kept] == list(range(1, 13)) and all(ok for _, ok in kept)
+        assert held == {rank: (12, True), 1 - rank: (12, True)}
+
+
+def test_a_dropped_message_never_leaves_a_wrong_state_and_a_whole_one_mends_it() -> None:
+    """Step 5's delta is lost on the way (the seam drops it): the deltas of steps 6 to 8 name step 5 or later as their base,
+    the receiver holds step 4 and refuses them and step 8's (it keeps step 4, exact), and the whole state that goes
+    every FULL_EVERY (8 here) messages, step 9's, mends it."""
+    for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "drop", timeout=60):
+        assert refused == 3
+        assert [s for s, _ in kept] == [1, 2, 3, 4, 4, 4, 4, 9, 10, 11, 12]  # after each message it received and all(ok for _, ok in kept)
+        assert held == {rank: (12, True), 1 - rank: (12, True)}
+
+
+def test_a_delta_rebuilds_a_body_byte_for_byte() -> None:
+    """rank/flat.py alone: the changed leaves of a body, written onto the other body, give the first's bytes where
+    they are read; leaves whose first bytes agree but whose rest differs are found too."""
+    import torch
+
+    from hpc_ddp.rank import flat
+
+    def body(state: Any) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        layout = flat.plan(state)
+        assert layout is not None
+        out = torch.zeros(48 + layout.nbytes, dtype=torch.uint8)  # a body starts after the mirror's header
+        layout.write(out[48:])
+        return out[48:], layout.segments()
+
+    big = torch.randn(100_000)
+    old, leaves_old = body({"a": big, "b": torch.zeros(3), "n": 1})
+    changed_tail = big.clone()
+    changed_tail[-1] += 1  # beyond the first bytes compared
+    new, leaves_new = body({"a": changed_tail, "b": torch.zeros(3), "n": 2})
+    assert leaves_old == leaves_new
+    diff = flat.changed(new, old, leaves_new)
+    assert diff == [leaves_new[0], leaves_new[1]]  # the skeleton (n) and a; not b
+    delta = torch.zeros(48 + flat.delta_size(diff), dtype=torch.uint8)
+    assert flat.write_delta(delta[48:], new, diff) == flat.delta_size(diff)
+    flat.apply_delta(old, delta[48:])
+    assert all(torch.equal(old[s:e], new[s:e]) for s, e in leaves_new)
+    assert flat.changed(new, old, leaves_new) == []
