@@ -15,7 +15,7 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   user's own loop pays for hpc_ddp;
 - ``own_mirror``: ``own`` with per-rank state tracked (``hpc_ddp.per_rank``: a counter and the
   step's 256 KB batch, as nanoGPT prefetches one), so every boundary copies it into a message and
-  the mirror's thread sends it to the buddy rank (rank/mirror.py): what the per-rank mirror costs;
+  the mirror's thread sends it to the buddy rank (rank/salvage/mirror.py): what the per-rank mirror costs;
 - ``own_mirror_counter``: ``own_mirror`` with the counter alone tracked (a message of a few hundred
   bytes): the mirror's cost per message (threads, send, receive) without its cost per byte.
 
@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks import tasks
-from hpc_ddp.rank import control
+from hpc_ddp.rank.group import control
 
 BATCH, LR = 64, 0.01
 
@@ -82,9 +82,9 @@ def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> fl
 
 def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
     """A Run as the session builds one, with the pieces the variant has."""
-    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.run import Run
+    from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     rank = dist.get_rank()
@@ -98,7 +98,7 @@ def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
 def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
     """Steps/s of hpc_ddp's Trainer in one of the variants, or of the raw loop with the API (``own``)."""
     from hpc_ddp.core.config import load_config
-    from hpc_ddp.rank.trainer import Trainer
+    from hpc_ddp.rank.loop.trainer import Trainer
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
         run_dirs: list[Any] = [tmp]

@@ -12,25 +12,25 @@ import re
 
 # The library use of hpc_ddp: what own_loop.py-style code imports. Order is the page's order.
 PUBLIC = {
-    "hpc_ddp.rank.run": ["Run", "params_sha256"],
-    "hpc_ddp.rank.tracked": ["per_rank"],
-    "hpc_ddp.rank.loader_shield": ["worker_init"],
+    "hpc_ddp.rank.loop.run": ["Run", "params_sha256"],
+    "hpc_ddp.rank.state.tracked": ["per_rank"],
+    "hpc_ddp.rank.shield.loader": ["worker_init"],
     "hpc_ddp.rank.worker": ["session"],
     "hpc_ddp.core.slurm_env": ["DistEnv", "from_environ", "torch_env", "master_port", "rendezvous_endpoint",
                           "simulated_environ", "parse_tasks_per_node"],
     "hpc_ddp.core.hostlist": ["expand_hostlist", "compress_hostlist"],
-    "hpc_ddp.rank.distributed": ["process_group", "init_process_group", "choose_backend", "device_index", "all_mean",
+    "hpc_ddp.rank.group.distributed": ["process_group", "init_process_group", "choose_backend", "device_index", "all_mean",
                             "any_rank", "exit_fast"],
-    "hpc_ddp.rank.sampler": ["ShardSampler"],
+    "hpc_ddp.rank.loop.sampler": ["ShardSampler"],
     "hpc_ddp.core.stopping": ["StopFlag", "stop_reason", "term_reason"],
     "hpc_ddp.core.slurm_jobs": ["requeue", "job_fields"],
     "hpc_ddp.rundir.ledger": ["read_attempts", "cap_reached"],
     "hpc_ddp.rundir.metrics_file": ["read", "history", "line"],
     "hpc_ddp.rundir.snapshot": ["committed_steps", "choose", "read_state", "file_problem", "load_file", "commit", "prune"],
-    "hpc_ddp.rank.checkpointer": ["Checkpointer"],
-    "hpc_ddp.rank.watchdog": ["Watchdog", "laggards"],
+    "hpc_ddp.rank.state.checkpointer": ["Checkpointer"],
+    "hpc_ddp.rank.watch.watchdog": ["Watchdog", "laggards"],
     "hpc_ddp.rundir.runlock": ["acquire", "release"],
-    "hpc_ddp.rank.task": ["Task", "load_task", "load_loop"],
+    "hpc_ddp.rank.loop.task": ["Task", "load_task", "load_loop"],
     "hpc_ddp.core.config": ["load_config", "save_config", "to_yaml"],
 }
 HEADER = """\

@@ -41,16 +41,16 @@ def test_the_login_node_importing_rank_code_breaks_them(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / ".importlinter", tmp_path)
     status = tmp_path / "hpc_ddp" / "login" / "status.py"
-    status.write_text(status.read_text() + "\n\ndef _wrong() -> None:\n    from hpc_ddp.rank import run  # noqa\n")
+    status.write_text(status.read_text() + "\n\ndef _wrong() -> None:\n    from hpc_ddp.rank.loop import run  # noqa\n")
     proc = lint(tmp_path)
     assert proc.returncode != 0
     assert "hpc_ddp.login is not allowed to import hpc_ddp.rank" in proc.stdout
-    assert "hpc_ddp.login.status -> hpc_ddp.rank.run" in proc.stdout
+    assert "hpc_ddp.login.status -> hpc_ddp.rank.loop.run" in proc.stdout
 
 
 @pytest.mark.parametrize("old, new, name", [
     ("config", "hpc_ddp.core.config", "RunConfig"), ("slurm_env", "hpc_ddp.core.slurm_env", "from_environ"),
-    ("sampler", "hpc_ddp.rank.sampler", "ShardSampler"), ("distributed", "hpc_ddp.rank.distributed", "all_mean"),
+    ("sampler", "hpc_ddp.rank.loop.sampler", "ShardSampler"), ("distributed", "hpc_ddp.rank.group.distributed", "all_mean"),
     ("snapshot", "hpc_ddp.rundir.snapshot", "committed_steps"), ("metrics_file", "hpc_ddp.rundir.metrics_file", "read"),
     ("local", "hpc_ddp.rehearsal.local", "rehearse"), ("heal", "hpc_ddp.shell.heal", "plan")])
 def test_an_old_path_imports_the_module_at_its_new_path_and_says_so(old: str, new: str, name: str) -> None:
@@ -90,7 +90,7 @@ def test_the_one_old_path_not_kept_says_why() -> None:
 
 
 def test_hpc_ddp_session_is_the_context_manager_even_after_its_module_is_imported() -> None:
-    code = ("import hpc_ddp, inspect\nfirst = hpc_ddp.session\nimport hpc_ddp.rank.session\n"
+    code = ("import hpc_ddp, inspect\nfirst = hpc_ddp.session\nimport hpc_ddp.rank.attempt.session\n"
             "print(inspect.isfunction(first), inspect.isfunction(hpc_ddp.session), first is hpc_ddp.session)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["True", "True", "True"], proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.mirror`): who is whose buddy,
+"""Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.salvage.mirror`): who is whose buddy,
 and over real gloo processes that a rank killed as soon as its sender thread posted a step's state leaves that
 state with its buddy (the case a split header and payload lost), and that a clean end leaves nothing in flight."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.rank.mirror import FIRST_SIZE, buddy_of, ward_of
+from hpc_ddp.rank.salvage.mirror import FIRST_SIZE, buddy_of, ward_of
 from tests.helpers import spawn_ranks
 
 
@@ -35,8 +35,8 @@ def _ranks(environ: dict[str, str], victim: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpc_ddp.rank.mirror import Mirror
-    from hpc_ddp.rank import control
+    from hpc_ddp.rank.salvage.mirror import Mirror
+    from hpc_ddp.rank.group import control
 
     from hpc_ddp.core.slurm_env import from_environ
 
@@ -89,7 +89,7 @@ def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_
 
 
 def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes() -> None:
-    """rank/flat.py: the usual per-rank state (containers, scalars, tensors of any dtype, views, int and tuple
+    """rank/salvage/flat.py: the usual per-rank state (containers, scalars, tensors of any dtype, views, int and tuple
     keys) is copied into the message once and read back with the same types and bits; what it cannot give
     back exactly (a NumPy array, a dict subclass) returns None, and the mirror sends torch.save bytes."""
     from collections import OrderedDict, defaultdict
@@ -97,7 +97,7 @@ def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes
     import numpy as np
     import torch
 
-    from hpc_ddp.rank import flat
+    from hpc_ddp.rank.salvage import flat
 
     state = {"batch": {"x": torch.randn(4, 3), "y": torch.arange(5), "n": 3, "f": 0.1, "big": 2**70, "s": "a",
                        "none": None, "b": True, "nan": float("nan"), "neg0": -0.0},
@@ -140,8 +140,8 @@ def _long_gap(environ: dict[str, str], out: Any) -> None:
 
     import torch.distributed as dist
 
-    from hpc_ddp.rank import control
-    from hpc_ddp.rank.mirror import Mirror, new_group
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.salvage.mirror import Mirror, new_group
 
     rank = int(environ["SLURM_PROCID"])
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
