@@ -58,7 +58,7 @@ def script_attempt(run_dir: Path, rank: int, world: int = 2) -> Any:
     """A train.script attempt's view on one rank of a 2-node job (no process group: the worker has none)."""
     from hpc_ddp.core.config import load_config
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.attempt.session import Attempt
+    from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     environ = {**simulated_environ(world, 1, job_id=7)[rank], "HPC_DDP_LOCAL": "1"}

@@ -147,7 +147,8 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
              attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
     """Open the run, hand it to the program (a Task's Trainer or a ``train.loop`` function), close it;
     or, for ``train.script``, run the script as this task's program (:mod:`hpc_ddp.rank.script.wrapper`)."""
-    from hpc_ddp.rank.attempt.session import Attempt, beating, open_run
+    from hpc_ddp.rank.attempt.context import Attempt
+    from hpc_ddp.rank.attempt.session import beating, open_run
 
     attempt = Attempt(cfg, env, environ, flag, attempts, limits)
     if cfg.train.script:
@@ -211,7 +212,8 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     script keeps the lock, the ledger and the requeue; standalone (``srun python train.py``)
     the session does them itself.
     """
-    from hpc_ddp.rank.attempt.session import CONFIG_VAR, WRAPPED, Attempt, open_run
+    from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
+    from hpc_ddp.rank.attempt.session import open_run
 
     environ: Mapping[str, str] = os.environ
     wrapped = environ.get(WRAPPED) == "1"

@@ -15,17 +15,17 @@ import logging
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.codes import EXIT_REQUEUE
 from hpc_ddp.core.slurm_jobs import PreemptionError, job_fields, job_spec, requeue, requeue_available
 from hpc_ddp.core.stopping import signal_number, stop_reason, term_reason
+from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.shield.loader import stop_signals_blocked
 from hpc_ddp.rundir.ledger import append_attempt, cap_reached
 
 if TYPE_CHECKING:
-    from hpc_ddp.rank.attempt.session import Attempt
+    from hpc_ddp.rank.attempt.context import Attempt
 
 log = logging.getLogger("hpc_ddp.session")
 
@@ -60,14 +60,6 @@ def _shielded_run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[str]
     on the test cluster, the line then lost what Slurm said of the job."""
     with stop_signals_blocked():
         return subprocess.run(*args, **kwargs)
-
-
-@dataclass
-class Ending:
-    """How the ledger line ended the attempt: this rank's exit code, and whether rank 0 still requeues."""
-
-    code: int
-    requeue: bool = False
 
 
 def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:

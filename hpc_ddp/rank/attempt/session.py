@@ -22,24 +22,20 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, end_as_stop, marker, stop_came_first
-from hpc_ddp.rank.attempt.conclude import Ending, conclude, write_line
+from hpc_ddp.rank.attempt.conclude import conclude, write_line
+from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.core.batching import plan
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.core.errors import HpcDdpError
-from hpc_ddp.core.slurm_jobs import job_end_time, job_spec
-from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, recorded_error
-from hpc_ddp.rundir.runlock import RunLockedError, acquire, holder_record, release
-from hpc_ddp.core.slurm_env import HEALED_VAR, DistEnv
-from hpc_ddp.core.hostlist import compress_hostlist
+from hpc_ddp.rundir.runlock import RunLockedError, acquire, release
+from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_HUNG
 from hpc_ddp.rank.watch.watchdog import poll_interval
 
@@ -47,8 +43,6 @@ if TYPE_CHECKING:
     from hpc_ddp.rank.loop.run import Run
 
 log = logging.getLogger("hpc_ddp.session")
-WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.rank.script.wrapper) in its child's environment
-CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
 CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
 DIE_WAIT_S = 5.0  # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
 
@@ -69,67 +63,6 @@ def threads(environ: Mapping[str, str], env: DistEnv) -> None:
     cpus = environ.get("SLURM_CPUS_PER_TASK", "")
     count = int(cpus) if cpus.isdigit() and int(cpus) > 0 else len(os.sched_getaffinity(0)) // env.local_world_size
     torch.set_num_threads(max(1, count))
-
-
-@dataclass
-class Attempt:
-    """What the close of an attempt needs to know about it."""
-
-    cfg: RunConfig
-    env: DistEnv
-    environ: Mapping[str, str]
-    flag: StopFlag
-    attempts: list[dict[str, Any]]
-    limits: dict[str, int]
-    wrapped: bool = False  # a script started by our worker: the worker keeps the lock, ledger and requeue
-    record: dict[str, Any] = field(default_factory=dict)  # the ledger line's common fields
-    holder: dict[str, Any] = field(default_factory=dict)  # who this job is, for the run dir's lock
-    code: int | None = None  # this rank's exit code, once the attempt is closed
-    end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
-    liveness: Any = None  # this rank's hpc_ddp.rank.watch.liveness.Liveness while it beats
-    after_failure: Any = None  # the just-in-time snapshot's part of this rank (rank/salvage/jit.py), once the run exists
-    ending: Ending | None = None  # once the ledger line is written (at the agreed stop)
-
-    def __post_init__(self) -> None:
-        self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
-                       "start": round(time.time(), 3), **geometry(self.cfg, self.env), **healed(self.environ)}
-        self.holder = holder_record(job_spec(self.environ) or str(self.env.job_id), local=self.local)
-        # Asked first, before the program is loaded: a task may change PATH (a container without the
-        # Slurm client), and a preemption later moves the end time forward.
-        if not self.local and self.env.is_main:
-            self.end_time = job_end_time(job_spec(self.environ))
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run_dir)
-
-    @property
-    def local(self) -> bool:
-        return self.environ.get("HPC_DDP_LOCAL") == "1"
-
-
-def geometry(cfg: RunConfig, env: DistEnv) -> dict[str, Any]:
-    """The attempt's shape for the ledger: nodes, world size and (when the config splits its batch) accumulation."""
-    shape: dict[str, Any] = {"nodes": env.num_nodes, "world_size": env.world_size}
-    if env.nodelist:
-        shape["hosts"] = compress_hostlist(env.nodelist)
-    if not cfg.train.script:
-        try:
-            shape["grad_accum"] = plan(cfg.train, env.world_size).grad_accum
-        except HpcDdpError:
-            pass  # the program raises it with the fix, and the ledger records that error
-    return shape
-
-
-def healed(environ: Mapping[str, str]) -> dict[str, Any]:
-    """For a step the batch shell started after a failed one: what failed and what it left out, and why."""
-    text = environ.get(HEALED_VAR)
-    if not text:
-        return {}
-    try:
-        return {"healed": json.loads(text)}
-    except ValueError:
-        return {}
 
 
 @contextlib.contextmanager

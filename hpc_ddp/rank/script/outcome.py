@@ -32,7 +32,7 @@ from hpc_ddp.core.stopping import term_reason
 from hpc_ddp.rundir.ledger import append_attempt, attempt_key, crash_marker, read_attempts
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec
 from hpc_ddp.rank.script.output import Progress
-from hpc_ddp.rank.attempt.session import Attempt
+from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.core.codes import EXIT_HUNG
 

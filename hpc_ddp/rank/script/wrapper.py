@@ -53,7 +53,7 @@ from hpc_ddp.rundir.runlock import acquire, release
 from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
 from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
-from hpc_ddp.rank.attempt.session import CONFIG_VAR, WRAPPED, Attempt
+from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env

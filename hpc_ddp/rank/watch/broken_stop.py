@@ -26,7 +26,7 @@ from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.rundir import jit_files, snapshot
 
 if TYPE_CHECKING:
-    from hpc_ddp.rank.attempt.session import Attempt
+    from hpc_ddp.rank.attempt.context import Attempt
 
 log = logging.getLogger("hpc_ddp.session")
 SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
