@@ -18,10 +18,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.codes import EXIT_REQUEUE
+from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.slurm_jobs import PreemptionError, job_fields, job_spec, requeue, requeue_available
 from hpc_ddp.core.stopping import signal_number, stop_reason, term_reason
 from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.shield.loader import stop_signals_blocked
+from hpc_ddp.rank.watch.broken_stop import HINT, child_killed, pipe_broke
+from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import append_attempt, cap_reached
 
 if TYPE_CHECKING:
@@ -111,3 +114,22 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm (measured on
     # 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
     return Ending(EXIT_REQUEUE, requeue=by == "workers")
+
+
+def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
+    """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
+    every rank gets the stop's exit code (:func:`conclude`)."""
+    steps = snapshot.committed_steps(attempt.run_dir)
+    saved = steps[0] if steps else None
+    held = run.held.step if run is not None and run.held is not None else None
+    killed = child_killed(error) or pipe_broke(error)  # either way a child died: the HINT names the shield
+    attempt.record.update(end=round(time.time(), 3), first_step=(run.resumed_from or 0) if run is not None else 0,
+                          last_step=saved, resumed_from=run.resumed_from if run is not None else None,
+                          stopped_mid_step={"error": first_line(error), "held": held, "snapshot": saved,
+                                            "child_killed": killed})
+    lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
+    log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends as the stop "
+              "it was (not a failure); its newest snapshot is %s%s.%s", first_line(error),
+              f"step {saved}" if saved is not None else "none: it would start over", lost,
+              f"\n{HINT}" if killed else "")
+    return conclude(attempt, stopped=True, step=saved)

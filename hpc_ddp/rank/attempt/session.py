@@ -25,8 +25,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, end_as_stop, marker, stop_came_first
-from hpc_ddp.rank.attempt.conclude import conclude, write_line
+from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, marker, stop_came_first
+from hpc_ddp.rank.attempt.conclude import conclude, end_as_stop, write_line
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, layout

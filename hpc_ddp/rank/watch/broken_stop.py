@@ -9,6 +9,9 @@ survivors' snapshot of the step every rank held at its last boundary (:mod:`hpc_
 from the run dir without the training group), and no in-job restart used up. What it cost (the step
 in flight, or back to the last periodic snapshot when no whole step could be written) and the error
 are in the ledger line.
+
+This module tells the stop from a failure (:func:`stop_came_first`: noticing); the attempt's end as that
+stop is :func:`hpc_ddp.rank.attempt.conclude.end_as_stop`.
 """
 
 from __future__ import annotations
@@ -17,16 +20,11 @@ import logging
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpc_ddp.core.codes import PEER_SYMPTOMS
-from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rank.attempt.conclude import conclude
-from hpc_ddp.rundir import jit_files, snapshot
-
-if TYPE_CHECKING:
-    from hpc_ddp.rank.attempt.context import Attempt
+from hpc_ddp.rundir import jit_files
 
 log = logging.getLogger("hpc_ddp.session")
 SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
@@ -102,22 +100,3 @@ def peer_lost(error: BaseException) -> bool:
 def marker(run_dir: Path, env: Any) -> Path:
     """The attempt's mark that a stop signal broke a step (in its survivors' snapshot folder)."""
     return jit_files.folder(run_dir, env.job_id, env.restart_count, env.in_job) / jit_files.BROKEN_STOP_MARK
-
-
-def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
-    """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
-    every rank gets the stop's exit code (:func:`hpc_ddp.rank.attempt.conclude.conclude`)."""
-    steps = snapshot.committed_steps(attempt.run_dir)
-    saved = steps[0] if steps else None
-    held = run.held.step if run is not None and run.held is not None else None
-    killed = child_killed(error) or pipe_broke(error)  # either way a child died: the HINT names the shield
-    attempt.record.update(end=round(time.time(), 3), first_step=(run.resumed_from or 0) if run is not None else 0,
-                          last_step=saved, resumed_from=run.resumed_from if run is not None else None,
-                          stopped_mid_step={"error": first_line(error), "held": held, "snapshot": saved,
-                                            "child_killed": killed})
-    lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
-    log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends as the stop "
-              "it was (not a failure); its newest snapshot is %s%s.%s", first_line(error),
-              f"step {saved}" if saved is not None else "none: it would start over", lost,
-              f"\n{HINT}" if killed else "")
-    return conclude(attempt, stopped=True, step=saved)
