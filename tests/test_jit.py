@@ -282,7 +282,7 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
     from types import SimpleNamespace
 
     from hpc_ddp.rank.salvage.jit_commit import complete
-    from hpc_ddp.rank.state.restore import PER_RANK
+    from hpc_ddp.rank.state.checkpointer import PER_RANK
     from hpc_ddp.rundir import snapshot
 
     where = jit_files.folder(tmp_path, 5, 0)

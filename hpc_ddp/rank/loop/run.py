@@ -34,12 +34,11 @@ from hpc_ddp.rank.group import control, tiers
 from hpc_ddp.rank.salvage import jit, mirror
 from hpc_ddp.rank.state import replication, restore
 from hpc_ddp.rank.state.replication import params_sha256
-from hpc_ddp.rank.state.restore import PER_RANK, STEP
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import BatchPlan, plan
 from hpc_ddp.rank.watch.broken_stop import stop_came_first
-from hpc_ddp.rank.state.checkpointer import Checkpointer
+from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Checkpointer
 from hpc_ddp.rank.watch.child_deaths import ChildDeaths
 from hpc_ddp.rank.state.rng import capture_rng, reseed
 from hpc_ddp.core.config import RunConfig
@@ -49,7 +48,7 @@ from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
-                                   unloadable, unwrap)
+                                         unloadable, unwrap)
 from hpc_ddp.rank.metrics.run_metrics import MetricsLog
 
 log = logging.getLogger("hpc_ddp.run")

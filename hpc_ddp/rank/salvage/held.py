@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hpc_ddp.rank.state.restore import STEP
+from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rank.state.tracked import state_of, unwrap
 
 SCALERS = tuple(c for c in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None)) if c)

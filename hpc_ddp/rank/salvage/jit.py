@@ -60,7 +60,7 @@ from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.salvage import jit_commit
 from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.salvage.held import Held, buffers  # noqa: F401  (Held and buffers were defined here first)
-from hpc_ddp.rank.state.restore import STEP
+from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rundir import jit_files, newest, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rank.state.restore import PER_RANK
+from hpc_ddp.rank.state.checkpointer import PER_RANK
 from hpc_ddp.rundir import jit_files, newest, slicing, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")

@@ -36,6 +36,8 @@ from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
+STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
+PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
 
 
 def stage(value: Any, old: Any = None) -> Any:

@@ -7,24 +7,46 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from hpc_ddp.rank.group import control
 from hpc_ddp.core.batching import geometry_change, snapshot_batch_problem
 from hpc_ddp.rank.state.rng import reseed, restore_rng
-from hpc_ddp.core.config import config_diff, describe_diff, flat_values
+from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import explain
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP
 from hpc_ddp.rank.state.tracked import RunUsageError, load_into, resize_refused, restore_per_rank, unpack
 
-
-if TYPE_CHECKING:
-    from hpc_ddp.rank.loop.run import Run
-
 log = logging.getLogger("hpc_ddp.run")
-STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
-PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
+
+
+class Resuming(Protocol):
+    """What a resume reads of the run it loads into (a :class:`hpc_ddp.rank.loop.run.Run`), and the four fields
+    it sets (``step``, ``resumed_from``, ``resumed_world_size``, ``resume_read``); no import of the run API."""
+
+    config: RunConfig
+    env: DistEnv
+    device: Any
+    run_dir: Path
+    tracked: dict[str, Any]
+    per_rank: dict[str, Any]
+    step: int
+    resumed_from: int | None
+    resumed_world_size: int | None
+    resume_read: dict[str, Any] | None
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
 
 
 def base_lr(group: Mapping[str, Any]) -> float:
@@ -32,7 +54,7 @@ def base_lr(group: Mapping[str, Any]) -> float:
     return float(group.get("initial_lr", group["lr"]))
 
 
-def load(run: Run, restored: Any) -> None:
+def load(run: Resuming, restored: Any) -> None:
     """The snapshot's state into the tracked objects, the step and the RNG; the checks that refuse a resume."""
     state = restored.state
     missing = sorted(set(run.tracked) - set(state))
@@ -56,7 +78,7 @@ def load(run: Run, restored: Any) -> None:
     else:
         reseed(run.config.train.seed, run.step, run.rank)
 
-def refuse_batch_change(run: Run, restored: Any) -> None:
+def refuse_batch_change(run: Resuming, restored: Any) -> None:
     """A loop resumed at another world size with ``train.global_batch_size`` unset would change its global
     batch: refused, as on the login node (a job from an sbatch template never passed there)."""
     if not run.config.train.script:
@@ -64,7 +86,7 @@ def refuse_batch_change(run: Run, restored: Any) -> None:
         if problem:  # a configuration error on a person's --resume; a failure on a requeue or in-job restart
             raise resize_refused(problem, run.env, run.run_dir, restored.step, key="train.global_batch_size")
 
-def load_per_rank(run: Run, blob: bytes | None, restored: Any) -> None:
+def load_per_rank(run: Resuming, blob: bytes | None, restored: Any) -> None:
     """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
     raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
     if not run.per_rank:
@@ -77,7 +99,7 @@ def load_per_rank(run: Run, blob: bytes | None, restored: Any) -> None:
     if first:
         raise RunUsageError(first)
 
-def report_changes(run: Run, restored: Any, built: dict[str, list[float]]) -> None:
+def report_changes(run: Resuming, restored: Any, built: dict[str, list[float]]) -> None:
     """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
 
     An optimizer's state dict carries the learning rate it was built with, so loading it
