@@ -391,12 +391,3 @@ def read_state(choice: Choice, also: str | None = None) -> tuple[dict[str, Any],
         raise SnapshotError(explain(f"the files of step {choice.step} in {choice.directory} do not hold what its "
                                     f"manifest says ({err!r})", hint="move this step directory away to resume "
                                     "from the one before")) from None
-
-
-
-def prune(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted leftovers
-    (:func:`hpc_ddp.rundir.retention.prune`, kept here where the library reference has always listed it)."""
-    from hpc_ddp.rundir import retention
-
-    retention.prune(run_dir, keep_last)
