@@ -237,7 +237,7 @@ def test_the_spread_read_groups_every_rank_makes_two_in_the_same_order() -> None
     their own. Every rank makes exactly two groups (itself alone where it is no member): torch names a group
     made by its members alone by the count of groups the process holds, so uneven counts would hang."""
     from hpc_ddp.core.slurm_env import DistEnv
-    from hpc_ddp.rank.state.spread import Groups
+    from hpc_ddp.rank.group.tiers import Groups
 
     members = [(node, local) for node in range(3) for local in range(2)]  # 3 nodes x 2 ranks
     made: dict[int, list[list[int]]] = {}

@@ -7,7 +7,7 @@ first (on their node: loopback, microseconds a message), their leaders (each nod
 recursive doubling, log2(nodes) rounds of one exchange each, and each leader hands the result back on its node.
 The model of what that costs at 4,096 and 32,768 ranks is in docs/performance.md (B12).
 
-The groups are two gloo groups (:class:`hpc_ddp.rank.state.spread.Groups`: this node's ranks, and the leaders),
+The groups are two gloo groups (:class:`Groups`: this node's ranks, and the leaders),
 made on every rank in the same order, connected lazily. The stop agreement has a pair of its own
 (:func:`open_tiers`, once per process group) and runs on a thread of its own, so that it still overlaps the
 next step as the one all_reduce it replaces did (:meth:`Tiers.start_max`): only one runs at a time, and
@@ -25,9 +25,36 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank.state import spread
+from hpc_ddp.rank.group import control
 
 _TIERS: Tiers | None = None
+
+
+class Groups:
+    """Who reads and who shares: the nodes' leaders (local rank 0, by node) and this rank's node, with a gloo
+    group among the leaders and one among the node's ranks (None where it would have one member).
+
+    Every rank makes exactly two groups, in the same order, a group of itself alone where it is no member:
+    torch names a group made by its members alone (``use_local_synchronization``) by its ranks and the count
+    of groups the process already holds, so members whose counts differ would wait for each other forever.
+    Make them once per process group (the checkpointer holds them) and make other such groups after."""
+
+    def __init__(self, members: list[tuple[int, int]], env: DistEnv, make: Any = None) -> None:
+        make = make if make is not None else control.subgroup
+        first = {node: rank for rank, (node, local) in enumerate(members) if local == 0}
+        self.leaders = [first[node] for node in sorted(first)]
+        self.node = [rank for _, rank in sorted((local, rank) for rank, (node, local) in enumerate(members)
+                                                 if node == env.node_rank)]
+        self.leader = self.node[0]
+        within = make(self.node if len(self.node) > 1 else [env.rank])
+        between = make(self.leaders if env.rank == self.leader and len(self.leaders) > 1 else [env.rank])
+        self.within = within if len(self.node) > 1 else None
+        self.between = between if env.rank == self.leader and len(self.leaders) > 1 else None
+
+    @classmethod
+    def of(cls, env: DistEnv) -> Groups:
+        """Collective: every rank's (node, local rank), then the groups."""
+        return cls(control.to_main_and_back((env.node_rank, env.local_rank)), env)
 
 
 class Pending:
@@ -52,7 +79,7 @@ class Pending:
 class Tiers:
     """This rank's place in the two levels, and the collectives over them."""
 
-    def __init__(self, groups: spread.Groups, env: DistEnv) -> None:
+    def __init__(self, groups: Groups, env: DistEnv) -> None:
         self.groups, self.env = groups, env
         self.leader = env.rank == groups.leader
         self._jobs: queue.SimpleQueue[tuple[torch.Tensor, Pending] | None] = queue.SimpleQueue()
@@ -61,7 +88,7 @@ class Tiers:
     @classmethod
     def of(cls, env: DistEnv) -> Tiers:
         """Collective on every rank: the groups, then the tiers."""
-        return cls(spread.Groups.of(env), env)
+        return cls(Groups.of(env), env)
 
     # -- max of a few small integers: the stop agreement -----------------------------------------------------
     def max_of(self, tensor: torch.Tensor) -> torch.Tensor:

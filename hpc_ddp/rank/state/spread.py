@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hpc_ddp.rank.group import control
+from hpc_ddp.rank.group.tiers import Groups
 from hpc_ddp.rundir import slicing, snapshot
 from hpc_ddp.core.slurm_env import DistEnv
 
@@ -44,33 +45,6 @@ def file_number(name: str) -> int:
 def readers(sources: Mapping[int, str], node_readers: list[int]) -> dict[int, int]:
     """slice -> the global rank that reads it: the node of its source file (mod the nodes there are now)."""
     return {s: node_readers[file_number(name) % len(node_readers)] for s, name in sources.items()}
-
-
-class Groups:
-    """Who reads and who shares: the nodes' leaders (local rank 0, by node) and this rank's node, with a gloo
-    group among the leaders and one among the node's ranks (None where it would have one member).
-
-    Every rank makes exactly two groups, in the same order, a group of itself alone where it is no member:
-    torch names a group made by its members alone (``use_local_synchronization``) by its ranks and the count
-    of groups the process already holds, so members whose counts differ would wait for each other forever.
-    Make them once per process group (the checkpointer holds them) and make other such groups after."""
-
-    def __init__(self, members: list[tuple[int, int]], env: DistEnv, make: Any = None) -> None:
-        make = make if make is not None else control.subgroup
-        first = {node: rank for rank, (node, local) in enumerate(members) if local == 0}
-        self.leaders = [first[node] for node in sorted(first)]
-        self.node = [rank for _, rank in sorted((local, rank) for rank, (node, local) in enumerate(members)
-                                                 if node == env.node_rank)]
-        self.leader = self.node[0]
-        within = make(self.node if len(self.node) > 1 else [env.rank])
-        between = make(self.leaders if env.rank == self.leader and len(self.leaders) > 1 else [env.rank])
-        self.within = within if len(self.node) > 1 else None
-        self.between = between if env.rank == self.leader and len(self.leaders) > 1 else None
-
-    @classmethod
-    def of(cls, env: DistEnv) -> Groups:
-        """Collective: every rank's (node, local rank), then the groups."""
-        return cls(control.to_main_and_back((env.node_rank, env.local_rank)), env)
 
 
 def load(choice: snapshot.Choice, env: DistEnv, groups: Groups) -> tuple[dict[str, Any], int]:
