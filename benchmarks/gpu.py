@@ -69,7 +69,7 @@ def loop(device: torch.device, steps: int, warmup: int, run: Any = None) -> floa
     """Steps/s of the plain DDP loop; with ``run``, the same loop with the run API's two calls."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hpc_ddp.rank.sampler import ShardSampler
+    from hpc_ddp.rank.loop.sampler import ShardSampler
 
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(VOCAB).to(device), device_ids=[device] if device.type == "cuda" else None)
@@ -117,11 +117,11 @@ def _config(run_dir: str, steps: int, variant: str, every: int) -> Any:
 
 
 def variant_rate(variant: str, env: Any, device: torch.device, steps: int, warmup: int, every: int) -> float:
-    from hpc_ddp.rank import control
-    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.run import Run
-    from hpc_ddp.rank.trainer import Trainer
+    from hpc_ddp.rank.loop.run import Run
+    from hpc_ddp.rank.loop.trainer import Trainer
 
     if variant in ("raw", "raw2"):
         return loop(device, steps, warmup)
@@ -148,7 +148,7 @@ def variant_rate(variant: str, env: Any, device: torch.device, steps: int, warmu
 
 def worker(rank: int, world: int, port: int, out: str, rounds: int, steps: int, every: int, smoke: bool) -> None:
     from hpc_ddp.core.config import DistConfig
-    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.rank.group.distributed import init_process_group, teardown
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     env = from_environ({**simulated_environ(1, world, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",

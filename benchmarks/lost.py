@@ -13,7 +13,7 @@ and with the default 30 minutes, 15 minutes of steps on average (computed from t
 measured step rate: the periodic path itself is measured by B10 and the healing tests).
 
 ``--per-rank`` runs ``tests.tasks.loops:nanogpt_shaped`` instead: per_rank objects (a prefetched batch, counters,
-a module of each rank's own) mirrored to a buddy on the other node (rank/mirror.py); a trial is exact when the
+a module of each rank's own) mirrored to a buddy on the other node (rank/salvage/mirror.py); a trial is exact when the
 whole DONE record (params_sha256 and every rank's own state) equals the reference's. ``--batchnorm`` runs
 ``tests.tasks.loops:batchnorm`` (DDP with BatchNorm and broadcast_buffers: params_sha256 covers the buffers),
 losing node 0, rank 0 with it, in every other trial.

@@ -9,7 +9,7 @@ simulated as W / tasks_per_node nodes, and measure on every rank (rank 0's figur
   are most of them: gloo connects every pair of a group unless it connects lazily);
 - ``agreement_ring_ms``: the stop agreement as one gloo all_reduce on the control group (a ring over
   every rank: hpc_ddp before issue 45), and ``agreement_two_level_ms``: as hpc_ddp makes it now
-  (:mod:`hpc_ddp.rank.tiers`: within each node, then recursive doubling among the leaders, on the
+  (:mod:`hpc_ddp.rank.group.tiers`: within each node, then recursive doubling among the leaders, on the
   agreement's thread); ``start_max`` + wait, median of 50;
 - ``commit_ms``: a snapshot of a tiny state (64 KiB, so the disk is not what is timed): the RNG
   gather within each node, one file per node, the writers' entries to rank 0 and its verdict back,
@@ -64,9 +64,10 @@ def worker(rank: int, world: int, tasks_per_node: int, port: int, out: str, scra
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
     from hpc_ddp.core import limits
-    from hpc_ddp.rank import control, replication, tiers
-    from hpc_ddp.rank.checkpointer import Checkpointer
-    from hpc_ddp.rank.rng import capture_rng
+    from hpc_ddp.rank.group import control, tiers
+    from hpc_ddp.rank.state import replication
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.rng import capture_rng
 
     torch.set_num_threads(1)
     nodes = max(1, world // tasks_per_node)
@@ -92,7 +93,7 @@ def worker(rank: int, world: int, tasks_per_node: int, port: int, out: str, scra
     replication_ms = _timed(lambda: replication.check({"model": state["model"]}, 10), 10)
     ckpt = Checkpointer(Path(scratch), SnapshotConfig(every_steps=None, every_minutes=None, keep_last=1), env, "b12")
     steps = iter(range(1, 1000))
-    commit_ms = _timed(lambda: ckpt.save(next(steps), state, capture_rng()), 3)  # two levels (rank/tiers.py)
+    commit_ms = _timed(lambda: ckpt.save(next(steps), state, capture_rng()), 3)  # two levels (rank/group/tiers.py)
     ckpt._tiers = False  # the same commit in one level: every rank's entry to rank 0, the verdict back
     commit_one_level_ms = _timed(lambda: ckpt.save(next(steps), state, capture_rng()), 3)
     control.barrier()

@@ -35,7 +35,7 @@ def state_of(megabytes: float, device: str = "cpu") -> tuple[torch.nn.Module, di
 def _checkpointer(run_dir: Path) -> Any:
     import torch.distributed as dist
 
-    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import DistEnv
 
@@ -48,7 +48,7 @@ def _checkpointer(run_dir: Path) -> Any:
 
 def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(a checkpointer in a fresh ``run_dir``, its step counter, a timed sync save of ``state`` at the next step)."""
-    from hpc_ddp.rank.rng import capture_rng
+    from hpc_ddp.rank.state.rng import capture_rng
 
     shutil.rmtree(run_dir, ignore_errors=True)
     ckpt = _checkpointer(run_dir)
@@ -64,7 +64,7 @@ def _sync_saver(run_dir: Path, state: dict[str, Any]) -> tuple[Any, Any, Any]:
 def snapshot_figures(megabytes: float, directory: Path, repeats: int, device: str = "cpu") -> dict[str, Any]:
     """Sync snapshot vs plain torch.save vs dd conv=fsync (MB/s); async blocked time; fresh-process load.
     ``device="cuda"``: the state lives on the GPU (B2-GPU), so each snapshot copies it to the host first."""
-    from hpc_ddp.rank.rng import capture_rng
+    from hpc_ddp.rank.state.rng import capture_rng
 
     model, state = state_of(megabytes, device)
     buffer = io.BytesIO()
@@ -191,8 +191,8 @@ def gpt_state(device: str = "cpu") -> dict[str, Any]:
     (run.state() of its tracked objects, the step left out as replication.check leaves it out), on ``device``."""
     from examples.char_gpt import BLOCK, TEXT, CharWindows
     from examples.own_loop_gpt import GPT
-    from hpc_ddp.rank.sampler import ShardSampler
-    from hpc_ddp.rank.tracked import state_of
+    from hpc_ddp.rank.loop.sampler import ShardSampler
+    from hpc_ddp.rank.state.tracked import state_of
 
     torch.manual_seed(0)
     data = CharWindows(TEXT.read_text())
@@ -208,7 +208,7 @@ def gpt_state(device: str = "cpu") -> dict[str, Any]:
 def _check_vs_sync(name: str, state: dict[str, Any], directory: Path, rounds: int) -> dict[str, Any]:
     """The check's local work on ``state`` (its fingerprints, as replication.check makes them) against a sync
     snapshot of the same state, interleaved ``rounds`` times; the ratio's median and its quartiles over rounds."""
-    from hpc_ddp.rank.replication import combined, fingerprints, leaves
+    from hpc_ddp.rank.state.replication import combined, fingerprints, leaves
 
     run_dir = directory / f"b8-{name}"
     _, _, sync = _sync_saver(run_dir, {**state, "step": 1})

@@ -1,7 +1,7 @@
 """B7: what a snapshot costs the cluster at 1, 2, 4 and 8 nodes (x 1 task), split vs a whole copy per node.
 
 Each node is a real gloo process with the same ~200 MB replicated state (model + Adam) and
-a real :class:`~hpc_ddp.rank.checkpointer.Checkpointer`. For each node count it measures, with
+a real :class:`~hpc_ddp.rank.state.checkpointer.Checkpointer`. For each node count it measures, with
 ``snapshot.replicas`` 1, 2 and "every node" (the layout before splitting, the reference):
 the bytes one snapshot writes over the state's size, the busiest node's bytes, the save's
 wall time and the restore's (verify + load + put together, page cache warm). One disk and
@@ -38,8 +38,8 @@ def worker(rank: int, world: int, port: int, run_dir: Path, replicas: int, megab
     import torch.distributed as dist
 
     from benchmarks.snapshots import state_of
-    from hpc_ddp.rank.checkpointer import Checkpointer
-    from hpc_ddp.rank.rng import capture_rng
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.rng import capture_rng
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import DistEnv
 

@@ -1,7 +1,7 @@
 """B9: what a resume reads from the filesystem, and what a commit sends to each rank, at 1-8 nodes x 1 and 2 tasks.
 
 Every rank is a real gloo process with the same replicated state (model + Adam) and a real
-:class:`~hpc_ddp.rank.checkpointer.Checkpointer`; node n is ranks ``n*T .. n*T+T-1``. One
+:class:`~hpc_ddp.rank.state.checkpointer.Checkpointer`; node n is ranks ``n*T .. n*T+T-1``. One
 snapshot is written (replicas 2), then restored twice, interleaved: ``snapshot.load=spread``
 and ``every_node`` (``every_rank`` before issue 45). Before each restore rank 0 drops the snapshot files' pages from the page
 cache (``posix_fadvise(DONTNEED)``), and every rank reads the bytes it made the disk serve from
@@ -95,8 +95,8 @@ def worker(rank: int, world: int, tasks: int, port: int, run_dir: Path, megabyte
     import torch.distributed as dist
 
     from benchmarks.snapshots import state_of
-    from hpc_ddp.rank.checkpointer import Checkpointer
-    from hpc_ddp.rank.rng import capture_rng
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.rng import capture_rng
     from hpc_ddp.core.config import SnapshotConfig
     from hpc_ddp.core.slurm_env import DistEnv
 
@@ -116,7 +116,8 @@ def worker(rank: int, world: int, tasks: int, port: int, run_dir: Path, megabyte
     Checkpointer(run_dir, cfg["spread"], env, "bench").save(2, state, capture_rng())
     commit = dict(counter)
     out: dict[str, Any] = {"commit_sent": commit["sent"], "commit_received": commit["received"]}
-    from hpc_ddp.rank import control, spread
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.state import spread
 
     two_levels = spread.share
     for round_ in range(2):
@@ -178,7 +179,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
 def b9_spread(scratch: Path, megabytes: float = 200, counts: tuple[int, ...] = (1, 2, 4, 8),
               tasks: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     from benchmarks.snapshots import state_of
-    from hpc_ddp.rank.spread import state_bytes
+    from hpc_ddp.rank.state.spread import state_bytes
 
     size = state_bytes(state_of(megabytes)[1])
     rows = {f"{n}x{t}": one(n, t, megabytes, scratch) for t in tasks for n in counts}

@@ -15,7 +15,7 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   user's own loop pays for hpc_ddp;
 - ``own_mirror``: ``own`` with per-rank state tracked (``hpc_ddp.per_rank``: a counter and the
   step's 256 KB batch, as nanoGPT prefetches one), so every boundary copies it into a message and
-  the mirror's thread sends it to the buddy rank (rank/mirror.py): what the per-rank mirror costs;
+  the mirror's thread sends it to the buddy rank (rank/salvage/mirror.py): what the per-rank mirror costs;
 - ``own_mirror_counter``: ``own_mirror`` with the counter alone tracked (a message of a few hundred
   bytes): the mirror's cost per message (threads, send, receive) without its cost per byte;
 - ``own_fill<size>`` / ``own_mirror_fill<size>`` (size ``8m``, ``64m``...): the own loop writing a per-rank
@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from benchmarks import tasks
-from hpc_ddp.rank import control
+from hpc_ddp.rank.group import control
 
 BATCH, LR = 64, 0.01
 
@@ -106,9 +106,9 @@ def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> fl
 
 def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
     """A Run as the session builds one, with the pieces the variant has."""
-    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.run import Run
+    from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     rank = dist.get_rank()
@@ -122,7 +122,7 @@ def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
 def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
     """Steps/s of hpc_ddp's Trainer in one of the variants, or of the raw loop with the API (``own``)."""
     from hpc_ddp.core.config import load_config
-    from hpc_ddp.rank.trainer import Trainer
+    from hpc_ddp.rank.loop.trainer import Trainer
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
         run_dirs: list[Any] = [tmp]
@@ -162,7 +162,7 @@ def _count(variant: str, mirror: Any) -> None:
     (a newer one replaced them while a send was on its way), and bytes on the wire."""
     if mirror is None:
         return
-    from hpc_ddp.rank.mirror import BYTES, DELTA, FLAT, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror import BYTES, DELTA, FLAT, UNCHANGED
 
     kinds = mirror.sent_kinds
     got = {"whole": kinds[BYTES] + kinds[FLAT], "delta": kinds[DELTA], "unchanged": kinds[UNCHANGED],

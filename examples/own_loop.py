@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from hpc_ddp.core.config import DistConfig
-from hpc_ddp.rank.distributed import all_mean, any_rank, exit_fast, process_group
-from hpc_ddp.rank.sampler import ShardSampler
+from hpc_ddp.rank.group.distributed import all_mean, any_rank, exit_fast, process_group
+from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import from_environ
 
 

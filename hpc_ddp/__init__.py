@@ -17,8 +17,8 @@ from hpc_ddp.core.errors import ClusterError, ConfigError, HpcDdpError, SlurmEnv
 __all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError", "UsageError",
            "__version__", "per_rank", "session", "worker_init"]
 __version__ = "0.2.0"
-_LAZY = {"Run": "hpc_ddp.rank.run", "ShardSampler": "hpc_ddp.rank.sampler", "session": "hpc_ddp.rank.worker",
-         "per_rank": "hpc_ddp.rank.tracked", "worker_init": "hpc_ddp.rank.loader_shield"}
+_LAZY = {"Run": "hpc_ddp.rank.loop.run", "ShardSampler": "hpc_ddp.rank.loop.sampler", "session": "hpc_ddp.rank.worker",
+         "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.shield.loader"}
 
 
 compat.install()  # hpc_ddp.config, hpc_ddp.sampler, ... (0.1's paths) keep working, with a warning

@@ -29,13 +29,16 @@ MOVED: dict[str, tuple[str, ...]] = {
     **{m: (f"hpc_ddp.rundir.{m}",) for m in ("layout", "runlock", "snapshot", "slicing", "flight", "metrics_file")},
     **{m: (f"hpc_ddp.login.{m}",) for m in ("preflight", "sbatch", "sweep", "finished", "failure_logs")},
     **{m: (f"hpc_ddp.shell.{m}",) for m in ("settle", "heal", "shell_rules", "steps")},
-    **{m: (f"hpc_ddp.rank.{m}",) for m in ("run", "trainer", "task", "sampler", "distributed", "control", "watchdog",
-                                           "hang", "checkpointer", "tracked", "spread", "replication", "ddp_settle",
-                                           "script", "script_outcome", "script_output")},
+    **{m: (f"hpc_ddp.rank.loop.{m}",) for m in ("run", "trainer", "task", "sampler")},
+    **{m: (f"hpc_ddp.rank.group.{m}",) for m in ("distributed", "control")},
+    **{m: (f"hpc_ddp.rank.watch.{m}",) for m in ("watchdog", "hang")},
+    **{m: (f"hpc_ddp.rank.state.{m}",) for m in ("checkpointer", "tracked", "spread", "replication", "ddp_settle")},
+    "script": ("hpc_ddp.rank.script.wrapper",), "script_outcome": ("hpc_ddp.rank.script.outcome",),
+    "script_output": ("hpc_ddp.rank.script.output",),
     **{m: (f"hpc_ddp.rehearsal.{m}",) for m in ("local", "local_heal", "local_inject")},
     "preemption": ("hpc_ddp.core.codes", "hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs", "hpc_ddp.rundir.ledger"),
-    "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.liveness"),
-    "tracking": ("hpc_ddp.rank.tracking", "hpc_ddp.core.extras"),
+    "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.watch.liveness"),
+    "tracking": ("hpc_ddp.rank.metrics.sinks", "hpc_ddp.core.extras"),
 }
 
 
@@ -95,8 +98,8 @@ class Finder(importlib.abc.MetaPathFinder):
         if fullname == "hpc_ddp.session":
             raise ModuleNotFoundError(
                 "hpc_ddp.session is the context manager (`with hpc_ddp.session() as run:`), not a module: in hpc_ddp "
-                "0.1 importing the module replaced the function. The module is hpc_ddp.rank.session; the function "
-                "is defined in hpc_ddp.rank.worker", name=fullname)
+                "0.1 importing the module replaced the function. The module is hpc_ddp.rank.attempt.session; the "
+                "function is defined in hpc_ddp.rank.worker", name=fullname)
         if head != "hpc_ddp" or old not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(old))

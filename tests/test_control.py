@@ -1,4 +1,4 @@
-"""Control traffic takes the CPU control group, never the training group (hpc_ddp.rank.control).
+"""Control traffic takes the CPU control group, never the training group (hpc_ddp.rank.group.control).
 
 On GPUs the training group is NCCL: a control message left on it would read a CUDA tensor back
 (the host waits for the GPU to drain the step) or pickle bytes through GPU memory. Here two real
@@ -32,12 +32,12 @@ def _record(calls: list[tuple[str, str, str]]) -> None:
     """Wrap torch.distributed's collectives (the names our modules call) to note the group each call takes."""
     import torch.distributed as dist
 
-    from hpc_ddp.rank import control
+    from hpc_ddp.rank.group import control
 
     subgroups: list[Any] = []
 
     def which(group: Any) -> str:
-        from hpc_ddp.rank import tiers
+        from hpc_ddp.rank.group import tiers
 
         two = tiers.current()  # the stop agreement's two levels, made with the process group (before this wrap)
         made_before = [two.groups.within, two.groups.between] if two is not None else []
@@ -69,12 +69,12 @@ def _rank_main(environ: dict[str, str], run_dir: str, out: "multiprocessing.Queu
     from torch.nn.parallel import DistributedDataParallel
 
     from hpc_ddp import per_rank
-    from hpc_ddp.rank.checkpointer import Checkpointer
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
     from hpc_ddp.core.config import flat_values, load_config
-    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.rank.group.distributed import init_process_group, teardown
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.run import Run
-    from hpc_ddp.rank.session import config_hash
+    from hpc_ddp.rank.loop.run import Run
+    from hpc_ddp.rank.attempt.session import config_hash
 
     env = from_environ(environ)
     cfg = load_config([], ["name=c", f"run_dir={run_dir}", "train.loop=a.b:c", "snapshot.every_steps=3",
@@ -118,7 +118,7 @@ def test_every_control_collective_takes_the_cpu_control_group_and_data_stays_on_
         names = {name for name, _, _ in calls}
         # the attempt did take every path: agreement, commit, restore's manifests and verdicts, spread, RNG gather
         # (the stop agreement and the commit's barrier: a reduce to the node's first rank and a broadcast back,
-        # rank/tiers.py)
+        # rank/group/tiers.py)
         assert {"all_reduce", "gather_object", "broadcast_object_list", "reduce", "broadcast"} <= names
         training = [(name, dev) for name, group, dev in calls if group == "training" and name != "new_group"]
         # the only collectives on the training group: DDP's own coalesced broadcast of the buffers (at its

@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 
 from hpc_ddp.core.config import DistConfig
-from hpc_ddp.rank.distributed import DistributedError, choose_backend, device_index
+from hpc_ddp.rank.group.distributed import DistributedError, choose_backend, device_index
 from hpc_ddp.core.slurm_env import DistEnv, from_environ
 from tests.helpers import spawn_ranks
 
@@ -53,8 +53,8 @@ def _rank_main(environ: dict[str, str], results: "multiprocessing.Queue[tuple[in
     import os
 
     os.environ.update(environ)
-    from hpc_ddp.rank import control
-    from hpc_ddp.rank.distributed import all_mean, any_rank, init_process_group, teardown
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.group.distributed import all_mean, any_rank, init_process_group, teardown
 
     dist_env = from_environ(environ)
     device = init_process_group(dist_env, DistConfig(backend="gloo", timeout_s=30))
@@ -77,7 +77,7 @@ def test_failure_envs_reason_for_mode_1_is_what_torch_says_mode_1_does() -> None
     """torch's docs: 0 no handling, 1 abort the communicator and tear the process down, 2 abort only, 3 (the
     default since 2.2) tear down without the abort. The docstring said 3 let a wedged communicator hold the
     process until the walltime: 3 ends the process too; what 1 buys over 0 is that a hung collective ends."""
-    from hpc_ddp.rank.distributed import failure_env
+    from hpc_ddp.rank.group.distributed import failure_env
 
     doc = " ".join((failure_env.__doc__ or "").split())
     assert "aborts the communicator and ends the process, so a hung NCCL collective ends its rank" in doc
@@ -87,7 +87,7 @@ def test_failure_envs_reason_for_mode_1_is_what_torch_says_mode_1_does() -> None
 
 
 def test_failure_env_ends_nccl_failures_fast_and_keeps_the_users_choices() -> None:
-    from hpc_ddp.rank.distributed import failure_env
+    from hpc_ddp.rank.group.distributed import failure_env
 
     prefix = "/runs/x/errors/job-1-restart-0-collectives-rank-"
     ours = failure_env({}, prefix)

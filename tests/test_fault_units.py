@@ -18,7 +18,7 @@ from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
 from hpc_ddp.shell.settle import pick_config, settle
-from hpc_ddp.rank.watchdog import UNREADABLE, Position, Watchdog, describe_hang, laggards, never_entered, verdict
+from hpc_ddp.rank.watch.watchdog import UNREADABLE, Position, Watchdog, describe_hang, laggards, never_entered, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = {"max_timeouts": 5, "max_preemptions": 5, "max_failures": 1}

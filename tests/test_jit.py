@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_ddp.rank.rng import reseed
-from hpc_ddp.rank.jit import Held, buffers, fingerprint
+from hpc_ddp.rank.state.rng import reseed
+from hpc_ddp.rank.salvage.jit import Held, buffers, fingerprint
 from hpc_ddp.rundir import jit_files, retention, slicing, snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
@@ -137,7 +137,7 @@ PER_RANK_LOOP = [*LOOP, "train.loop=tests.tasks.loops:nanogpt_shaped", *NO_SNAPS
 def test_a_lost_nodes_per_rank_state_comes_from_its_buddies_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
     """The issue's case at 4 x 2 (issue 45's): dropout and per_rank objects (a prefetched batch drawn from each
     rank's own RNG, counters, a module of its own), no periodic snapshot, node 1 (ranks 2, 3) SIGKILLed after step
-    20: their per-rank state of that step comes from their buddies on node 2 (rank/mirror.py), and every rank's
+    20: their per-rank state of that step comes from their buddies on node 2 (rank/salvage/mirror.py), and every rank's
     counters, probe and loss equal those of a run that never failed. Per node, not per rank: the survivors' offers
     and per-rank states are one file per node, the state is split over the surviving nodes (a file per writing
     node), and liveness beat one file per node."""
@@ -241,7 +241,7 @@ def test_the_manifest_of_a_jit_snapshot_says_who_wrote_it(tmp_path: Path) -> Non
 def test_a_survivor_that_comes_late_and_holds_another_state_withdraws_the_commit(tmp_path: Path) -> None:
     """The writer waited for the offers it could get; one that came after its commit and differs (a replicated
     dict that differed by rank, seen by a newcomer) takes the snapshot back: never resume from a mixture."""
-    from hpc_ddp.rank.jit_commit import check_commit
+    from hpc_ddp.rank.salvage.jit_commit import check_commit
     from hpc_ddp.rundir import snapshot
 
     where = jit_files.folder(tmp_path, 5, 0)
@@ -262,7 +262,7 @@ def test_rank_0_warns_at_resume_when_a_failure_would_lose_everything(caplog: pyt
     from types import SimpleNamespace
 
     from hpc_ddp.core.config import RunConfig
-    from hpc_ddp.rank.jit import warn_unprotected
+    from hpc_ddp.rank.salvage.jit import warn_unprotected
 
     cfg = RunConfig()
     cfg.snapshot.every_steps, cfg.snapshot.every_minutes = None, None
@@ -281,8 +281,8 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
     rank missing or a step behind, and its per-rank file is what a resumed rank reads back."""
     from types import SimpleNamespace
 
-    from hpc_ddp.rank.jit_commit import complete
-    from hpc_ddp.rank.restore import PER_RANK
+    from hpc_ddp.rank.salvage.jit_commit import complete
+    from hpc_ddp.rank.state.checkpointer import PER_RANK
     from hpc_ddp.rundir import snapshot
 
     where = jit_files.folder(tmp_path, 5, 0)
@@ -401,7 +401,7 @@ def test_a_survivors_snapshot_written_while_the_training_thread_goes_on_is_never
     the training went on is not committed, and one during which it did not is committed and equals step 7."""
     import threading
 
-    from hpc_ddp.rank import jit
+    from hpc_ddp.rank.salvage import jit
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -452,7 +452,7 @@ def test_rank_0_lost_before_the_boundarys_buffer_broadcast_leaves_no_step_to_wri
     survivors marked step 25 and before DDP's broadcast made rank 0's BatchNorm statistics theirs. A survivor
     then wrote step 25 with its own statistics, a mixture. Now no survivor writes that step (the run falls back
     and says why); once the broadcast finished, the step is whole on every rank and is written."""
-    from hpc_ddp.rank import jit
+    from hpc_ddp.rank.salvage import jit
 
     monkeypatch.setattr(jit, "DistributedDataParallel", _BroadcastsBuffers)
     torch.manual_seed(0)
@@ -476,7 +476,7 @@ def test_one_failure_handler_per_process_whichever_thread_comes_first() -> None:
     later one waits for it and returns what it did, and never writes the same files over it."""
     import threading
 
-    from hpc_ddp.rank.jit import OneHandler
+    from hpc_ddp.rank.salvage.jit import OneHandler
 
     calls: list[str] = []
     release = threading.Event()
@@ -581,7 +581,7 @@ def test_every_source_compares_and_a_withdrawn_step_is_marked_in_the_file_a_cach
     (it used to say "committed by another survivor" unseen); a withdraw marks the manifest's own file before it
     renames it, so a node whose cache still maps the name to that file (played by a hard link) reads no
     manifest; and an offer that disagrees with a commit nobody withdrew keeps rank 0 from resuming from it."""
-    from hpc_ddp.rank.jit_commit import claimed_by_another
+    from hpc_ddp.rank.salvage.jit_commit import claimed_by_another
 
     where = jit_files.folder(tmp_path, 5, 0)
     directory = snapshot.step_dir(tmp_path, 50)
@@ -616,7 +616,7 @@ def test_a_side_threads_failure_action_is_bounded_whatever_the_write_waits_for()
     when its bound passes; a later caller waits no longer than its own bound either."""
     import threading
 
-    from hpc_ddp.rank.jit import OneHandler
+    from hpc_ddp.rank.salvage.jit import OneHandler
 
     wedged = threading.Event()
     once = OneHandler(lambda error: wedged.wait(30) and {"outcome": "late"}, wait_s=0.3)
@@ -633,8 +633,8 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     or writers that cut the state differently, is not committed."""
     from types import SimpleNamespace
 
-    from hpc_ddp.rank.jit import replicas_of, split_over
-    from hpc_ddp.rank.jit_commit import complete
+    from hpc_ddp.rank.salvage.jit import replicas_of, split_over
+    from hpc_ddp.rank.salvage.jit_commit import complete
 
     assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {}) == (2, 4)
     assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {"model": {"bn.running_mean"}}) == (0, 1)

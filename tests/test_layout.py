@@ -1,6 +1,7 @@
 """The package shows where code runs (docs/layout.md), and the move kept every path users and jobs depend on.
 
-- The import contracts (.importlinter) hold, and a wrong import (the login node importing rank code) breaks them.
+- The import contracts (.importlinter) hold, and a wrong import (the login node importing rank code; inside a
+  rank, an import up its layers, or between watch and salvage) breaks them.
 - 0.1's module paths still import, as the same module objects, with a DeprecationWarning naming the new path.
 - ``hpc_ddp.session`` stays the context manager after its module is imported (it became the module before).
 - A job submitted before the move still runs after it: submitit's pickled callable (kept in
@@ -34,23 +35,44 @@ def lint(cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_import_contracts_hold() -> None:
     proc = lint(ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "BROKEN" not in proc.stdout and proc.stdout.count("KEPT") >= 7
+    assert "BROKEN" not in proc.stdout and proc.stdout.count("KEPT") >= 9
 
 
 def test_the_login_node_importing_rank_code_breaks_them(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / ".importlinter", tmp_path)
     status = tmp_path / "hpc_ddp" / "login" / "status.py"
-    status.write_text(status.read_text() + "\n\ndef _wrong() -> None:\n    from hpc_ddp.rank import run  # noqa\n")
+    status.write_text(status.read_text() + "\n\ndef _wrong() -> None:\n    from hpc_ddp.rank.loop import run  # noqa\n")
     proc = lint(tmp_path)
     assert proc.returncode != 0
     assert "hpc_ddp.login is not allowed to import hpc_ddp.rank" in proc.stdout
-    assert "hpc_ddp.login.status -> hpc_ddp.rank.run" in proc.stdout
+    assert "hpc_ddp.login.status -> hpc_ddp.rank.loop.run" in proc.stdout
+
+
+@pytest.mark.parametrize("module, wrong, said, arrow", [
+    # a resume importing the run API: the jit -> restore -> run -> jit circle the layout opened
+    ("rank/state/restore.py", "from hpc_ddp.rank.loop import run", "hpc_ddp.rank.state is not allowed to import "
+     "hpc_ddp.rank.loop", "hpc_ddp.rank.state.restore -> hpc_ddp.rank.loop.run"),
+    # a sink importing the process groups: siblings on one layer are independent
+    ("rank/metrics/sinks.py", "from hpc_ddp.rank.group import control", "hpc_ddp.rank.metrics is not allowed to "
+     "import hpc_ddp.rank.group", "hpc_ddp.rank.metrics.sinks -> hpc_ddp.rank.group.control"),
+    # saving after a failure importing what notices one: down the layers, but they stay apart
+    ("rank/salvage/jit.py", "from hpc_ddp.rank.watch import liveness", "hpc_ddp.rank.salvage is not allowed to "
+     "import hpc_ddp.rank.watch", "hpc_ddp.rank.salvage.jit -> hpc_ddp.rank.watch.liveness")])
+def test_an_import_up_the_ranks_layers_breaks_them(tmp_path: Path, module: str, wrong: str, said: str,
+                                                   arrow: str) -> None:
+    shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path)
+    source = tmp_path / "hpc_ddp" / module
+    source.write_text(source.read_text() + f"\n\ndef _wrong() -> None:\n    {wrong}  # noqa\n")
+    proc = lint(tmp_path)
+    assert proc.returncode != 0
+    assert said in proc.stdout and arrow in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("old, new, name", [
     ("config", "hpc_ddp.core.config", "RunConfig"), ("slurm_env", "hpc_ddp.core.slurm_env", "from_environ"),
-    ("sampler", "hpc_ddp.rank.sampler", "ShardSampler"), ("distributed", "hpc_ddp.rank.distributed", "all_mean"),
+    ("sampler", "hpc_ddp.rank.loop.sampler", "ShardSampler"), ("distributed", "hpc_ddp.rank.group.distributed", "all_mean"),
     ("snapshot", "hpc_ddp.rundir.snapshot", "committed_steps"), ("metrics_file", "hpc_ddp.rundir.metrics_file", "read"),
     ("local", "hpc_ddp.rehearsal.local", "rehearse"), ("heal", "hpc_ddp.shell.heal", "plan")])
 def test_an_old_path_imports_the_module_at_its_new_path_and_says_so(old: str, new: str, name: str) -> None:
@@ -90,7 +112,7 @@ def test_the_one_old_path_not_kept_says_why() -> None:
 
 
 def test_hpc_ddp_session_is_the_context_manager_even_after_its_module_is_imported() -> None:
-    code = ("import hpc_ddp, inspect\nfirst = hpc_ddp.session\nimport hpc_ddp.rank.session\n"
+    code = ("import hpc_ddp, inspect\nfirst = hpc_ddp.session\nimport hpc_ddp.rank.attempt.session\n"
             "print(inspect.isfunction(first), inspect.isfunction(hpc_ddp.session), first is hpc_ddp.session)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["True", "True", "True"], proc.stderr[-3000:]

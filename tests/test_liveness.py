@@ -19,11 +19,11 @@ import pytest
 
 from hpc_ddp.rundir import beats, layout
 from hpc_ddp.core import codes
-from hpc_ddp.rank import liveness
+from hpc_ddp.rank.watch import liveness
 from hpc_ddp.rundir import losses
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import ConfigError
-from hpc_ddp.rank.liveness import Beat, Judge, Liveness, decode, effective, encode
+from hpc_ddp.rank.watch.liveness import Beat, Judge, Liveness, decode, effective, encode
 from hpc_ddp.rundir.losses import lost_ranks
 from hpc_ddp.rehearsal.local_inject import freeze_problem, unfired
 from hpc_ddp.rundir.ledger import read_attempts

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rank import loader_shield
-from hpc_ddp.rank.broken_stop import child_killed, pipe_broke, stop_came_first
-from hpc_ddp.rank.child_deaths import ChildDeaths
+from hpc_ddp.rank.shield import loader as loader_shield
+from hpc_ddp.rank.watch.broken_stop import child_killed, pipe_broke, stop_came_first
+from hpc_ddp.rank.watch.child_deaths import ChildDeaths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_sigign_is_read_from_proc_status(tmp_path: Path) -> None:
 def test_the_scontrol_a_stop_asks_outlives_the_steps_sigterm() -> None:
     """Rank 0 asks Slurm why a SIGTERM came (scontrol show job) while srun may be ending the step with a SIGTERM
     to every process in it: the child starts with the stop signals blocked, and this process's mask is restored."""
-    from hpc_ddp.rank.conclude import _shielded_run
+    from hpc_ddp.rank.attempt.conclude import _shielded_run
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     asks = ("import os, signal; os.kill(os.getpid(), signal.SIGTERM); "
@@ -132,7 +132,7 @@ LOADER = textwrap.dedent("""
 
     if __name__ == "__main__":
         import multiprocessing.forkserver
-        from hpc_ddp.rank.loader_shield import FORKSERVER_PRELOAD, at_exit_kill_workers
+        from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, at_exit_kill_workers
         multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])  # as the session does
         context, shield, uncalled, folder = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4]
         got = []
@@ -145,7 +145,7 @@ LOADER = textwrap.dedent("""
                                              multiprocessing_context=None if context == "fork" else context)
         batches = iter(loader)
         next(batches)
-        from hpc_ddp.rank.loader_shield import unshielded_workers
+        from hpc_ddp.rank.shield.loader import unshielded_workers
         while shield and (unshielded_workers() if uncalled else len(os.listdir(folder)) < 2):
             time.sleep(0.05)  # every worker ran its init (a spawn worker imports torch for seconds first)
         print("ready", flush=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.rank.restore import load_per_rank
+from hpc_ddp.rank.state.restore import load_per_rank
 from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.shell.settle import settle
@@ -58,7 +58,7 @@ def script_attempt(run_dir: Path, rank: int, world: int = 2) -> Any:
     """A train.script attempt's view on one rank of a 2-node job (no process group: the worker has none)."""
     from hpc_ddp.core.config import load_config
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.session import Attempt
+    from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     environ = {**simulated_environ(world, 1, job_id=7)[rank], "HPC_DDP_LOCAL": "1"}
@@ -72,7 +72,7 @@ def test_script_marks_are_found_by_name_when_the_directory_listing_is_stale(tmp_
     whose script died of the stop first, recorded a crash (and the reverse). Marks are read by name now."""
     import signal
 
-    from hpc_ddp.rank import script_outcome as outcome
+    from hpc_ddp.rank.script import outcome
     from hpc_ddp.rundir.ledger import crash_marker
 
     (tmp_path / "errors").mkdir()
@@ -99,7 +99,7 @@ def test_script_marks_are_found_by_name_when_the_directory_listing_is_stale(tmp_
 def test_the_manifest_says_whether_the_run_may_resume_at_another_world_size(tmp_path: Path) -> None:
     """What the batch shell asks before it heals a failure with fewer nodes (no torch)."""
     import hpc_ddp
-    from hpc_ddp.rank.tracked import resize_refusal
+    from hpc_ddp.rank.state.tracked import resize_refusal
 
     assert snapshot.refuses_resize(tmp_path) is None  # no snapshot: a fresh start runs at any size
     fixed = load_config([], ["name=x", "train.loop=a.b:c", "train.global_batch_size=32"]).train
@@ -136,8 +136,8 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
     import torch
     import torch.distributed as dist
 
-    from hpc_ddp.rank.checkpointer import Restored
-    from hpc_ddp.rank.run import Run
+    from hpc_ddp.rank.state.checkpointer import Restored
+    from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.core.slurm_env import from_environ
     from hpc_ddp.rank.worker import _record
 
@@ -175,7 +175,7 @@ def test_a_stop_that_comes_as_the_script_exits_is_said(tmp_path: Path, caplog: p
     import sys
 
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.script import supervise
+    from hpc_ddp.rank.script.wrapper import supervise
 
     flag = StopFlag()
     cmd = [sys.executable, "-c", f"import os, signal; os.kill(os.getppid(), {int(signal.SIGUSR2)}); os._exit(3)"]

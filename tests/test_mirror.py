@@ -1,4 +1,4 @@
-"""Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.mirror`): who is whose buddy,
+"""Per-rank state mirrored to a buddy on another node (issue 35, :mod:`hpc_ddp.rank.salvage.mirror`): who is whose buddy,
 and over real gloo processes that a rank killed as soon as its sender thread posted a step's state leaves that
 state with its buddy (the case a split header and payload lost), and that a clean end leaves nothing in flight.
 Issue 45: a state that did not change goes as a header alone, one whose leaves changed in part as those leaves
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.rank.mirror import FIRST_SIZE, buddy_of, ward_of
+from hpc_ddp.rank.salvage.mirror import FIRST_SIZE, buddy_of, ward_of
 from tests.helpers import spawn_ranks
 
 
@@ -55,8 +55,8 @@ def _ranks(environ: dict[str, str], victim: int, out: Any, state: str = "bytes")
     import torch
     import torch.distributed as dist
 
-    from hpc_ddp.rank.mirror import Mirror
-    from hpc_ddp.rank import control
+    from hpc_ddp.rank.salvage.mirror import Mirror
+    from hpc_ddp.rank.group import control
 
     from hpc_ddp.core.slurm_env import from_environ
 
@@ -114,7 +114,7 @@ def test_a_rank_killed_as_soon_as_its_state_is_posted_leaves_that_step_with_its_
 
 
 def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes() -> None:
-    """rank/flat.py: the usual per-rank state (containers, scalars, tensors of any dtype, views, int and tuple
+    """rank/salvage/flat.py: the usual per-rank state (containers, scalars, tensors of any dtype, views, int and tuple
     keys) is copied into the message once and read back with the same types and bits; what it cannot give
     back exactly (a NumPy array, a dict subclass) returns None, and the mirror sends torch.save bytes."""
     from collections import OrderedDict, defaultdict
@@ -122,7 +122,7 @@ def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes
     import numpy as np
     import torch
 
-    from hpc_ddp.rank import flat
+    from hpc_ddp.rank.salvage import flat
 
     state = {"batch": {"x": torch.randn(4, 3), "y": torch.arange(5), "n": 3, "f": 0.1, "big": 2**70, "s": "a",
                        "none": None, "b": True, "nan": float("nan"), "neg0": -0.0},
@@ -165,8 +165,8 @@ def _long_gap(environ: dict[str, str], out: Any) -> None:
 
     import torch.distributed as dist
 
-    from hpc_ddp.rank import control
-    from hpc_ddp.rank.mirror import Mirror, new_group
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.salvage.mirror import Mirror, new_group
 
     rank = int(environ["SLURM_PROCID"])
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
@@ -201,8 +201,9 @@ def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpc_ddp.rank import control, flat, mirror as mirror_module
-    from hpc_ddp.rank.mirror import HEADER, Mirror
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.salvage import flat, mirror as mirror_module
+    from hpc_ddp.rank.salvage.mirror import HEADER, Mirror
 
     rank = int(environ["SLURM_PROCID"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -250,7 +251,7 @@ def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
 
 
 def test_an_unchanged_state_goes_as_a_header_alone() -> None:
-    from hpc_ddp.rank.mirror import DELTA, FLAT, HEADER, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror import DELTA, FLAT, HEADER, UNCHANGED
 
     for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "unchanged", timeout=60):
         assert kinds[FLAT] == 1 and kinds[UNCHANGED] == 11 and kinds[DELTA] == 0
@@ -263,7 +264,7 @@ def test_an_unchanged_state_goes_as_a_header_alone() -> None:
 
 
 def test_a_delta_of_the_changed_leaves_leaves_the_bytes_a_whole_send_gives() -> None:
-    from hpc_ddp.rank.mirror import DELTA, FLAT, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror import DELTA, FLAT, UNCHANGED
 
     for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "delta", timeout=60):
         assert kinds[FLAT] == 1 and kinds[DELTA] == 11 and kinds[UNCHANGED] == 0
@@ -284,7 +285,7 @@ def test_a_dropped_message_never_leaves_a_wrong_state_and_a_whole_one_mends_it()
 
 
 def test_a_delta_rebuilds_a_body_byte_for_byte() -> None:
-    """rank/flat.py alone: the changed leaves of a body, written onto the other body, give the first's bytes where
+    """rank/salvage/flat.py alone: the changed leaves of a body, written onto the other body, give the first's bytes where
     they are read; leaves whose first bytes agree but whose rest differs are found too."""
     import torch
 

@@ -17,7 +17,7 @@ def torch_free_modules() -> list[str]:
     import pkgutil
 
     found = ["hpc_ddp", "hpc_ddp.compat", "hpc_ddp.submit", "hpc_ddp.status", "hpc_ddp.supervise", "hpc_ddp.worker",
-             "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__", "hpc_ddp.rank.task",
+             "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__", "hpc_ddp.rank.loop.task",
              "hpc_ddp.preemption", "hpc_ddp.config"]
     for place in TORCH_FREE_PLACES:
         package = importlib.import_module(f"hpc_ddp.{place}")

@@ -1,4 +1,4 @@
-"""The replication check sees every element of every tensor (hpc_ddp.rank.replication, issue 36).
+"""The replication check sees every element of every tensor (hpc_ddp.rank.state.replication, issue 36).
 
 It used to sample 4096 elements at a fixed stride from offset 0: a float32 tensor of 20,479 elements
 was read only up to element 16,380, so a divergence confined to its last rows was never caught.
@@ -22,8 +22,8 @@ SNAPSHOTS = (100, 200, 300, 400)  # snapshot steps; caught within these or not a
 
 def _rank_main(environ: dict[str, str], out: "multiprocessing.Queue[Any]") -> None:
     os.environ.update(environ)
-    from hpc_ddp.rank import replication
-    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.rank.state import replication
+    from hpc_ddp.rank.group.distributed import init_process_group, teardown
     from hpc_ddp.core.errors import UsageError
 
     env = from_environ(environ)
@@ -56,7 +56,7 @@ def test_a_divergence_confined_to_an_unsampled_tail_is_caught_at_the_first_snaps
 
 
 def test_every_element_counts_at_every_snapshot_and_a_reordering_only_within_a_row_waits() -> None:
-    from hpc_ddp.rank.replication import digests
+    from hpc_ddp.rank.state.replication import digests
 
     base = torch.randn(NUMEL)
     for index in (0, 16_381, 16_383, NUMEL - 1):  # one element anywhere, changed in its last bit: seen at once
@@ -76,7 +76,7 @@ def test_every_element_counts_at_every_snapshot_and_a_reordering_only_within_a_r
 def test_the_fused_reduction_of_a_gpu_gives_each_leaf_the_bytes_of_its_own_summary() -> None:
     """The GPU path (one index_add over every tensor of a device, one copy) and the per-leaf path agree byte for
     byte, so a digest does not depend on which ran; checked here on CPU tensors, the arithmetic is the same."""
-    from hpc_ddp.rank.replication import fused, summary
+    from hpc_ddp.rank.state.replication import fused, summary
 
     generator = torch.Generator().manual_seed(5)
     tensors = [torch.randn(20_479, generator=generator), torch.randn(7, generator=generator),

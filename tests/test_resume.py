@@ -26,7 +26,7 @@ MLP = ["examples/mlp.yaml", "--local", "train.task=tests.tasks:WideMLP", "train.
 # DataLoader workers in the three-stop run only (they cost a forkserver and a worker per rank per epoch): it must
 # equal the uninterrupted run without them bit for bit, so the workers change nothing and resume exactly.
 WORKERS = "train.num_workers=1"
-# The stopped runs send their control traffic over a gloo group of its own, as on GPUs (hpc_ddp.rank.control): the
+# The stopped runs send their control traffic over a gloo group of its own, as on GPUs (hpc_ddp.rank.group.control): the
 # training group is the default gloo one, so any control message left on it would be a second group's collective
 # issued in another order on some rank, and a hang or a mismatch here; the uninterrupted runs share one group.
 OWN_CONTROL = {"HPC_DDP_CONTROL_GROUP": "own"}

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from hpc_ddp.rank.restore import load_per_rank
+from hpc_ddp.rank.state.restore import load_per_rank
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import ConfigError, UsageError
-from hpc_ddp.rank.run import Run, RunUsageError
-from hpc_ddp.rank.sampler import ShardSampler
+from hpc_ddp.rank.loop.run import Run, RunUsageError
+from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import from_environ
-from hpc_ddp.rank.task import TaskError, load_loop
+from hpc_ddp.rank.loop.task import TaskError, load_loop
 
 
 def taken(sampler: ShardSampler, loader: DataLoader, count: int) -> list[list[int]]:
@@ -143,7 +143,7 @@ def test_per_rank_refuses_what_it_cannot_keep_per_rank() -> None:
 
 def test_per_rank_state_round_trips_through_its_bytes(tmp_path) -> None:
     import hpc_ddp
-    from hpc_ddp.rank.tracked import load_into, pack, staged, unloadable, unpack
+    from hpc_ddp.rank.state.tracked import load_into, pack, staged, unloadable, unpack
 
     generator, batch = torch.Generator().manual_seed(3), {"x": torch.arange(4.0)[1:], "n": 2}
     objects = {"g": hpc_ddp.per_rank(generator), "batch": hpc_ddp.per_rank(batch)}
@@ -159,7 +159,7 @@ def test_per_rank_state_round_trips_through_its_bytes(tmp_path) -> None:
 
 
 def test_the_first_difference_names_the_key_and_the_ranks() -> None:
-    from hpc_ddp.rank.replication import digests, first_difference
+    from hpc_ddp.rank.state.replication import digests, first_difference
 
     same = {"w": torch.ones(100_000), "n": 3}
     other = {"w": torch.ones(100_000), "n": 4}
@@ -175,7 +175,7 @@ def test_per_rank_state_at_another_world_size_keeps_the_fresh_value_only_when_as
     import torch.distributed as dist
 
     import hpc_ddp
-    from hpc_ddp.rank.checkpointer import Restored
+    from hpc_ddp.rank.state.checkpointer import Restored
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc_ddp.core.errors import HpcDdpError
-from hpc_ddp.rank.sampler import ShardSampler
+from hpc_ddp.rank.loop.sampler import ShardSampler
 
 
 @settings(max_examples=100, deadline=None)

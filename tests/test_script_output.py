@@ -6,7 +6,7 @@ import io
 import re
 
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.rank.script_output import IGNORED_AFTER, Progress, relay
+from hpc_ddp.rank.script.output import IGNORED_AFTER, Progress, relay
 
 DEFAULT = re.compile(RunConfig().train.script_progress)
 

@@ -190,7 +190,7 @@ def test_in_job_restarts_take_ports_no_first_step_derives(tmp_path: Path) -> Non
 
 
 def test_a_taken_rendezvous_port_is_a_failure_to_heal_not_a_configuration_error() -> None:
-    from hpc_ddp.rank.distributed import RendezvousError
+    from hpc_ddp.rank.group.distributed import RendezvousError
     assert RendezvousError("taken").retry_may_help
 
 

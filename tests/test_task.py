@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hpc_ddp.rank.task import TaskError, load_task
+from hpc_ddp.rank.loop.task import TaskError, load_task
 
 
 def test_loads_and_instantiates_a_class() -> None:

@@ -17,8 +17,8 @@ def _rank_main(environ: dict[str, str], out: Any) -> None:
 
     from hpc_ddp.core.config import load_config
     from hpc_ddp.core.slurm_env import from_environ
-    from hpc_ddp.rank import tiers
-    from hpc_ddp.rank.distributed import init_process_group, teardown
+    from hpc_ddp.rank.group import tiers
+    from hpc_ddp.rank.group.distributed import init_process_group, teardown
 
     env = from_environ(environ)
     cfg = load_config([], ["name=t", "run_dir=/tmp/unused", "train.loop=a.b:c"])

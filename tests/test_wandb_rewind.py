@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.rank.tracking import WandbSink
+from hpc_ddp.rank.metrics.sinks import WandbSink
 
 
 class FakeRun:

@@ -3,7 +3,7 @@
 One optimizer step consumes ``global_batch = batch_size x grad_accum x world_size``
 samples. With ``train.global_batch_size`` set, the global batch is fixed and the
 accumulation follows the world size, so a run can continue on another number of
-nodes with the same batch (and, with :class:`~hpc_ddp.rank.sampler.ShardSampler`'s global
+nodes with the same batch (and, with :class:`~hpc_ddp.rank.loop.sampler.ShardSampler`'s global
 position, the same data order). ``slurm.nodes`` may be a range (``2-4``): Slurm starts
 the job on any count in it, so every count must split the batch. Pure: no torch.
 """

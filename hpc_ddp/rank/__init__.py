@@ -1,8 +1,9 @@
 """rank: what runs in every task (``python -m hpc_ddp.worker``): one process per GPU, owning the process group.
 
-The worker and session (an attempt: lock, process group, stop flag, watchdog, ledger line),
-the run API and Trainer, sampler, distributed and control groups, snapshots of state
-(checkpointer, tracked, spread, replication, ddp_settle), liveness and the hang watchdog,
-metric sinks, and wrapped scripts. Imports core, rundir and torch; never the login node's code,
-the batch shell's or the rehearsal's.
+One folder per job, each importing only the folders below it (docs/layout.md; checked by .importlinter):
+``worker.py`` (the front door), ``script/`` (wrapped scripts), ``attempt/`` (the session: opens and closes an
+attempt), ``loop/`` (the run API, Trainer, Task, sampler), ``salvage/`` (what the survivors save after a
+failure), ``state/`` (snapshots of state), ``watch/`` | ``group/`` | ``metrics/`` (noticing a failure, process
+groups, metrics), ``shield/`` (child processes that outlive a stop signal). Imports core, rundir and torch;
+never the login node's code, the batch shell's or the rehearsal's.
 """

@@ -3,8 +3,8 @@
 Started by srun (the sbatch templates), by the submitit callable, or by the
 local simulation. The one place that reads ``os.environ``: it derives this
 process's rank, node and rendezvous, and runs one attempt of the run's program: a Task (our
-Trainer), a ``train.loop`` function, or a ``train.script`` (see :mod:`hpc_ddp.rank.session`
-for opening and closing the run, :mod:`hpc_ddp.rank.script` for scripts).
+Trainer), a ``train.loop`` function, or a ``train.script`` (see :mod:`hpc_ddp.rank.attempt.session`
+for opening and closing the run, :mod:`hpc_ddp.rank.script.wrapper` for scripts).
 :func:`session` is the same for a script of your own: ``with hpc_ddp.session() as run:``.
 Exit codes: 0 finished (or cancelled, or interrupted with Ctrl-C: snapshot
 committed, not requeued), 3 stopped for a requeue, 4 hung (the watchdog ended
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
-from hpc_ddp.rank.broken_stop import StoppedMidStep, peer_lost
+from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, peer_lost
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
@@ -46,7 +46,7 @@ from hpc_ddp.core.slurm_env import DistEnv, from_environ
 from hpc_ddp.core.whoami import describe
 
 if TYPE_CHECKING:
-    from hpc_ddp.rank.run import Run
+    from hpc_ddp.rank.loop.run import Run
 
 log = logging.getLogger("hpc_ddp.worker")
 # torch warns on import when numpy is absent (a bare torch install); keep every rank's log free of it
@@ -146,12 +146,13 @@ def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
 def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: StopFlag,
              attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
     """Open the run, hand it to the program (a Task's Trainer or a ``train.loop`` function), close it;
-    or, for ``train.script``, run the script as this task's program (:mod:`hpc_ddp.rank.script`)."""
-    from hpc_ddp.rank.session import Attempt, beating, open_run
+    or, for ``train.script``, run the script as this task's program (:mod:`hpc_ddp.rank.script.wrapper`)."""
+    from hpc_ddp.rank.attempt.context import Attempt
+    from hpc_ddp.rank.attempt.session import beating, open_run
 
     attempt = Attempt(cfg, env, environ, flag, attempts, limits)
     if cfg.train.script:
-        from hpc_ddp.rank.script import run_script
+        from hpc_ddp.rank.script.wrapper import run_script
 
         with beating(attempt):  # the script's process group is its own: this worker beats for its rank
             return run_script(attempt)
@@ -162,7 +163,7 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
                 program(run)
             except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
                 raise _explained(err) or err
-    except StoppedMidStep as stop:  # a stop signal broke the step: recorded as that stop (rank/broken_stop.py)
+    except StoppedMidStep as stop:  # a stop signal broke the step: recorded as that stop (rank/watch/broken_stop.py)
         return stop.code
     assert attempt.code is not None
     return attempt.code
@@ -184,14 +185,14 @@ def _explained(err: Exception) -> HpcDdpError | None:
 def _program(cfg: RunConfig) -> Callable[[Any], Any]:
     """What trains: ``train.loop``'s function, or our Trainer for ``train.task``. Loaded before the
     process group starts: an import error is reported at once, on every rank, without a rendezvous."""
-    from hpc_ddp.rank.task import load_loop, load_task
+    from hpc_ddp.rank.loop.task import load_loop, load_task
 
     if cfg.train.loop:
         return load_loop(cfg.train.loop)
     task = load_task(cfg.train.task)
 
     def train_task(run: Any) -> None:
-        from hpc_ddp.rank.trainer import Trainer
+        from hpc_ddp.rank.loop.trainer import Trainer
 
         Trainer(task, cfg, run).train()
     return train_task
@@ -211,7 +212,8 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     script keeps the lock, the ledger and the requeue; standalone (``srun python train.py``)
     the session does them itself.
     """
-    from hpc_ddp.rank.session import CONFIG_VAR, WRAPPED, Attempt, open_run
+    from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
+    from hpc_ddp.rank.attempt.session import open_run
 
     environ: Mapping[str, str] = os.environ
     wrapped = environ.get(WRAPPED) == "1"

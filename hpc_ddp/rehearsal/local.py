@@ -6,7 +6,7 @@ rendezvous pointed at loopback, and runs the same ``python -m hpc_ddp.worker``
 as on the cluster. Every rank's output goes to ``RUN_DIR/logs/``; rank 0's is
 also streamed here. When a rank fails, the others are ended (their whole
 process groups, DataLoader workers included) and its error is shown once, with
-the ranks that failed the same way (a rank declared lost, :mod:`hpc_ddp.rank.liveness`,
+the ranks that failed the same way (a rank declared lost, :mod:`hpc_ddp.rank.watch.liveness`,
 in one line instead). Ctrl-C is passed on to every rank as SIGINT:
 they stop at the next boundary with a committed snapshot (a second Ctrl-C ends
 them at once). No torch in this process.
@@ -55,7 +55,7 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
                   base: Mapping[str, str], hosts: Sequence[str] | None = None,
                   cpus_per_task: int = 1) -> list[dict[str, str]]:
     """The full environment of every simulated task. Each task gets ``slurm.cpus_per_task`` as srun gives it
-    (SLURM_CPUS_PER_TASK), so it runs as many intra-op threads as on the cluster (rank/session.py's threads):
+    (SLURM_CPUS_PER_TASK), so it runs as many intra-op threads as on the cluster (rank/attempt/session.py's threads):
     another thread count sums in another order, and the rehearsal would not give the cluster's bits."""
     return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
              "SLURM_CPUS_PER_TASK": str(cpus_per_task), "HPC_DDP_LOCAL": "1"}

@@ -1,4 +1,4 @@
-"""Liveness beats: their format and where they lie (:mod:`hpc_ddp.rank.liveness` writes and watches them).
+"""Liveness beats: their format and where they lie (:mod:`hpc_ddp.rank.watch.liveness` writes and watches them).
 
 Two places, one format (one JSON object padded to a multiple of :data:`WIDTH` bytes and rewritten in place):
 

@@ -3,7 +3,7 @@
 torch keeps the last collectives of every process group in a ring buffer (the flight
 recorder; NCCL's groups, and gloo's since torch 2.10, in two recorders: one for CUDA events,
 one for the rest), switched on by the variables of
-:func:`hpc_ddp.rank.distributed.failure_env`. When the hang watchdog fires it dumps that record
+:func:`hpc_ddp.rank.group.distributed.failure_env`. When the hang watchdog fires it dumps that record
 as JSON into the run dir's errors/, next to the Python stacks in the rank's log, and
 ``hpc_ddp.status`` reads the dumps back and says which collective the ranks wait in and
 which ranks never reached it. NCCL's own watchdog, on a collective timeout, writes its

@@ -1,9 +1,9 @@
-"""The run dir's part of a just-in-time snapshot (:mod:`hpc_ddp.rank.jit`): where the survivors of an attempt
+"""The run dir's part of a just-in-time snapshot (:mod:`hpc_ddp.rank.salvage.jit`): where the survivors of an attempt
 meet, without a process group or a store. No torch: the batch shell reads what they said.
 
 Per node, not per rank (issue 45). Each survivor leaves its offer (the step it holds whole and its
 fingerprint, or why it holds none, and what came of it) and, with ``per_rank`` objects, the per-rank
-states it holds (its own and its ward's, from :mod:`hpc_ddp.rank.mirror`) on its node, in the node's
+states it holds (its own and its ward's, from :mod:`hpc_ddp.rank.salvage.mirror`) on its node, in the node's
 folder on node-local storage. Under a lock on the node, whoever offers last publishes what the node's
 ranks said as one file per node in ``RUN_DIR/jit/job-J-restart-R[-step-K]/``: ``node-N.json`` (the
 offers) and ``blobs-node-N.pt`` (the per-rank states, by holder), rewritten only when it changed. At
@@ -57,7 +57,7 @@ def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
                   and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
 
 
-BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/broken_stop.py) creates it
+BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/watch/broken_stop.py) creates it
 
 
 def broken_stop_marked(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
@@ -186,7 +186,7 @@ def publish(post: Post) -> bool:
 
     True when the node's file now says something that may complete the set (a step held, a state file
     written, per-rank states) that it did not say before: whoever publishes that checks the set
-    (:func:`hpc_ddp.rank.jit_commit.complete`), so one rank per change of the node checks it, not every rank."""
+    (:func:`hpc_ddp.rank.salvage.jit_commit.complete`), so one rank per change of the node checks it, not every rank."""
     lock = post.local / "publish.lock"
     with open(lock, "a+b") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)

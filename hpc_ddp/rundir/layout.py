@@ -118,7 +118,7 @@ def slurm_logs(run_dir: Path | str) -> Path:
 
 
 def declared(run_dir: Path | str) -> Path:
-    """The last declaration of a lost rank (:mod:`hpc_ddp.rank.liveness`): one file per run, rewritten in place, the
+    """The last declaration of a lost rank (:mod:`hpc_ddp.rank.watch.liveness`): one file per run, rewritten in place, the
     attempt inside. Each node's first rank reads it by name each period; rank 0 creates it before the rendezvous, so no node
     ever looked the name up before it existed (an NFS client would keep that answer for up to 30 s)."""
     return Path(run_dir) / LIVENESS / "declared.json"

@@ -110,7 +110,7 @@ def crash_marker(run_dir: Path, job_id: int | str | None, restart_count: int, in
                  kind: str = "crash") -> Path:
     """Where a rank's crash (a wrapped script's, or a lost node's), or the stop it forwarded (``kind="stop"``),
     is noted for the other ranks' workers. Peers read it by this name, rank by rank, never by listing the
-    directory (NFS caches listings): see :mod:`hpc_ddp.rank.script_outcome`."""
+    directory (NFS caches listings): see :mod:`hpc_ddp.rank.script.outcome`."""
     return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-{kind}-rank-{rank}.txt"
 
 

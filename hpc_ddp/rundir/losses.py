@@ -1,4 +1,4 @@
-"""The lost-rank markers a rank's liveness watcher leaves in ``RUN_DIR/errors/`` (:mod:`hpc_ddp.rank.liveness`),
+"""The lost-rank markers a rank's liveness watcher leaves in ``RUN_DIR/errors/`` (:mod:`hpc_ddp.rank.watch.liveness`),
 read by the batch shell and the rehearsal: which ranks and hosts an attempt lost, and the ledger's line
 for it. No torch.
 """
@@ -51,7 +51,7 @@ def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: i
 
 
 def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
-    """The last declaration of a lost rank or node, if it is of the attempt ``tag`` (:mod:`hpc_ddp.rank.liveness`
+    """The last declaration of a lost rank or node, if it is of the attempt ``tag`` (:mod:`hpc_ddp.rank.watch.liveness`
     writes it in place, padded: read up to the first whole JSON value)."""
     return declaration_in(layout.declared(run_dir), tag)
 

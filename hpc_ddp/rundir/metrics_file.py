@@ -4,7 +4,7 @@ Rank 0 appends one JSON line per ``run.log_metrics`` call (``{"step": 7, "loss":
 and never rewrites one, so a crash can cut at most the last line short (a reader skips it). An attempt
 that resumes from an older snapshot logs the steps after it again, so the raw file can hold a step
 twice. The rule, the same in every sink (TensorBoard's ``purge_step``, W&B's rewind, see
-:mod:`hpc_ddp.rank.tracking`): **a resumed attempt's values replace the steps it replays**, and what an
+:mod:`hpc_ddp.rank.metrics.sinks`): **a resumed attempt's values replace the steps it replays**, and what an
 earlier attempt logged after the step the new one resumed from is no longer the run's history.
 
 Where an attempt begins, in the file alone (this module reads no other file, so it stays pure):

@@ -8,7 +8,7 @@ step without a valid manifest does not exist. Every file is written to a tempora
 name, fsynced, renamed, and the directory fsynced, so a crash at any point leaves the
 last committed step intact. Loads use ``torch.load(weights_only=True)``: a file that
 needs arbitrary unpickling is refused, nothing in it runs. The collective part (who
-writes what, who verifies what) is in :mod:`hpc_ddp.rank.checkpointer`; this module is
+writes what, who verifies what) is in :mod:`hpc_ddp.rank.state.checkpointer`; this module is
 plain file handling, and imports torch only to serialise (``status`` reads manifests
 without it).
 """
@@ -37,7 +37,7 @@ log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
 WITHDRAWN = "withdrawn"  # a manifest key: the step was taken back (why), whatever name a cache still shows
 REFUSES_RESIZE = "refuses_resize"  # the manifest's key: why the run cannot resume at another world size
-# its reasons are joined by REASONS_JOIN; the per-rank state's starts with PER_RANK_REASON (rank/tracked.py)
+# its reasons are joined by REASONS_JOIN; the per-rank state's starts with PER_RANK_REASON (rank/state/tracked.py)
 REASONS_JOIN, PER_RANK_REASON = "; ", "the per-rank state "
 # Tests only: "POINT:STEP[:SIGNAL]" with POINT one of tmp, before_rename, before_manifest: at that point of the
 # write of that step this process gets SIGNAL (default KILL, as if killed there; TERM or USR2: a stop mid-write).
@@ -566,12 +566,3 @@ def read_state(choice: Choice, also: str | None = None) -> tuple[dict[str, Any],
         raise SnapshotError(explain(f"the files of step {choice.step} in {choice.directory} do not hold what its "
                                     f"manifest says ({err!r})", hint="move this step directory away to resume "
                                     "from the one before")) from None
-
-
-
-def prune(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` committed steps; drop older ones and stale uncommitted leftovers
-    (:func:`hpc_ddp.rundir.retention.prune`, kept here where the library reference has always listed it)."""
-    from hpc_ddp.rundir import retention
-
-    retention.prune(run_dir, keep_last)

@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hpc_ddp.rank.checkpointer import Checkpointer  # noqa: E402
+from hpc_ddp.rank.state.checkpointer import Checkpointer  # noqa: E402
 from hpc_ddp.core.config import load_config  # noqa: E402
-from hpc_ddp.rank.distributed import init_process_group, teardown  # noqa: E402
+from hpc_ddp.rank.group.distributed import init_process_group, teardown  # noqa: E402
 from hpc_ddp.core.stopping import StopFlag  # noqa: E402
-from hpc_ddp.rank.run import Run  # noqa: E402
+from hpc_ddp.rank.loop.run import Run  # noqa: E402
 from hpc_ddp.core.slurm_env import from_environ, simulated_environ  # noqa: E402
 
 WARMUP, CHECKED = 5, 50  # warm-up: DDP builds its buckets, AdamW its state
@@ -59,7 +59,7 @@ def checked(step: int) -> None:
 
 def own_loop(run: Run, device: torch.device, fp16: bool = False) -> None:
     """bf16 autocast; or (``fp16``) fp16 with a tracked GradScaler, whose state_dict() would call .item() twice
-    at every boundary (rank/held.py clones its tensors instead), and a fused AdamW, whose step takes the scaler's
+    at every boundary (rank/salvage/held.py clones its tensors instead), and a fused AdamW, whose step takes the scaler's
     inf check on the GPU (another optimizer's GradScaler.step reads it back: a sync of torch's, not ours)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -81,7 +81,7 @@ def own_loop(run: Run, device: torch.device, fp16: bool = False) -> None:
 
 
 def main(variant: str) -> None:
-    from hpc_ddp.rank.trainer import Trainer
+    from hpc_ddp.rank.loop.trainer import Trainer
 
     env = from_environ({**simulated_environ(1, 1, job_id=1)[0], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     with tempfile.TemporaryDirectory() as tmp:

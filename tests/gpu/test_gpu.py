@@ -61,7 +61,7 @@ def test_own_loop_resumes_bit_exactly_on_nccl_with_cuda_rng_and_pinned_staging(t
 
 
 def test_cuda_rng_state_is_captured_and_restored() -> None:
-    from hpc_ddp.rank.rng import capture_rng, restore_rng
+    from hpc_ddp.rank.state.rng import capture_rng, restore_rng
 
     torch.cuda.manual_seed(3)
     state = capture_rng()
@@ -72,7 +72,7 @@ def test_cuda_rng_state_is_captured_and_restored() -> None:
 
 
 def test_async_staging_of_cuda_tensors_is_pinned() -> None:
-    from hpc_ddp.rank.checkpointer import stage
+    from hpc_ddp.rank.state.checkpointer import stage
 
     staged = stage({"w": torch.ones(8, device="cuda")})
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["w"].sum().item() == 8
@@ -81,7 +81,7 @@ def test_async_staging_of_cuda_tensors_is_pinned() -> None:
 def test_a_cuda_state_split_over_nodes_is_staged_pinned_and_comes_back_whole() -> None:
     """Split snapshots on CUDA: the parts of a cut tensor are views until staged, then pinned CPU copies."""
     from hpc_ddp.rundir import slicing
-    from hpc_ddp.rank.checkpointer import stage
+    from hpc_ddp.rank.state.checkpointer import stage
 
     state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda"), "step": 3}
     skeleton, tensors = slicing.split(state)
@@ -169,7 +169,7 @@ def test_a_crash_on_nccl_at_world_size_one_is_recorded_failed_and_ends_at_once(t
 def test_the_replication_fingerprint_of_a_cuda_state_is_its_cpu_copys() -> None:
     """On a GPU every tensor of the device is summed by one fused reduction and read back in one copy: each leaf's
     digest is the one the per-leaf CPU path gives for the same bytes, and a change in a tensor's tail shows."""
-    from hpc_ddp.rank.replication import fingerprints
+    from hpc_ddp.rank.state.replication import fingerprints
 
     state = {"w": torch.randn(20_479, device="cuda"), "b": torch.randn(7, device="cuda"),
              "e": torch.randn(300, 70, device="cuda").to(torch.bfloat16), "step": 3}
@@ -190,9 +190,9 @@ def _mirror_rank(environ: dict[str, str], out: object) -> None:
     import torch.distributed as dist
 
     from hpc_ddp.core.slurm_env import from_environ
-    from hpc_ddp.rank import control
-    from hpc_ddp.rank.mirror import Mirror
-    from hpc_ddp.rank.tracked import PerRank, staged, unpack
+    from hpc_ddp.rank.group import control
+    from hpc_ddp.rank.salvage.mirror import Mirror
+    from hpc_ddp.rank.state.tracked import PerRank, staged, unpack
 
     env = from_environ(environ)
     dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
@@ -250,7 +250,7 @@ def test_a_step_whose_work_the_gpu_has_not_finished_is_not_held_and_saying_so_do
     finished step k's all-reduce, and every read of the state would queue behind it. A stream held busy by a long
     kernel stands in for the wedged all-reduce: the rank says it holds no step at once, without waiting (a wait
     would sit the whole kernel out), and holds the step once the device has finished it."""
-    from hpc_ddp.rank.held import Held
+    from hpc_ddp.rank.salvage.held import Held
 
     model = torch.nn.Linear(64, 64).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -161,7 +161,7 @@ def _fault(rank: int, step: int, run: Any = None) -> None:
     if kind == "stopnode" and run is not None:  # "stopnode:NODE:STEP": every rank of that node freezes
         kind, at_rank = "stop", (rank if run.env.node_rank == int(at_rank) else -1)
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind == "mute":
-        from hpc_ddp.rank import liveness  # this rank's beats stop (its thread starved), its training goes on
+        from hpc_ddp.rank.watch import liveness  # this rank's beats stop (its thread starved), its training goes on
 
         liveness.Liveness.beat = lambda self: None  # type: ignore[method-assign]
     if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):

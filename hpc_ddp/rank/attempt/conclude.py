@@ -1,0 +1,135 @@
+"""The end of an attempt on a rank: rank 0 writes its ledger line (finished, interrupted, cancelled,
+stopped for a time-out or a preemption, capped), requeues a stopped job (or leaves that to the batch
+shell where the tasks have no ``scontrol``), and every rank gets its exit code.
+
+A stop's line is written at the agreed stop, as soon as its snapshot is committed (:func:`write_line`
+from ``run.boundary``), not when the program lets go: what the program does after ``run.boundary``
+returned True (a DataLoader's spawn workers finalising torch took 2-4 s on a loaded node) would otherwise
+race Slurm's KillWait after a ``scancel``, and a rank killed then leaves no line. The requeue waits for
+:func:`conclude`, after the program's own teardown: ``scontrol requeue`` ends the job's processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
+
+from hpc_ddp.core.codes import EXIT_REQUEUE
+from hpc_ddp.core.errors import first_line
+from hpc_ddp.core.slurm_jobs import PreemptionError, job_fields, job_spec, requeue, requeue_available
+from hpc_ddp.core.stopping import signal_number, stop_reason, term_reason
+from hpc_ddp.rank.attempt.context import Ending
+from hpc_ddp.rank.shield.loader import stop_signals_blocked
+from hpc_ddp.rank.watch.broken_stop import HINT, child_killed, pipe_broke
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.ledger import append_attempt, cap_reached
+
+if TYPE_CHECKING:
+    from hpc_ddp.rank.attempt.context import Attempt
+
+log = logging.getLogger("hpc_ddp.session")
+
+
+def why_stopped(attempt: Attempt) -> str:
+    """Rank 0: the stop's reason. A SIGTERM's from what Slurm says of the job now (:func:`term_reason`: a
+    preemption, the time limit or a cancel, whatever signal Slurm chose for it), recorded beside it in the
+    ledger line; the warning signal's from when it came (:func:`stop_reason`)."""
+    flag, cfg = attempt.flag, attempt.cfg
+    if flag.signum is not None:
+        attempt.record["signal"] = signal.Signals(flag.signum).name.removeprefix("SIG")
+    if flag.signum == signal.SIGTERM and not attempt.local:
+        fields = job_fields(job_spec(attempt.environ), runner=_shielded_run)
+        if fields:
+            attempt.record["slurm"] = {key: fields[key] for key in ("JobState", "Reason", "PreemptTime", "Restarts")
+                                       if key in fields}
+        why = term_reason(fields, attempt.env.restart_count)
+        if why is not None:
+            return why
+        if fields:  # RUNNING and not preempted: someone's `scancel --signal=TERM`, taken for a preemption
+            attempt.record["note"] = ("a SIGTERM while the job ran and was not being preempted (scancel "
+                                      "--signal=TERM?): taken for a preemption; a plain scancel cancels")
+        return "preemption"
+    return "preemption" if flag.signum is None else stop_reason(
+        flag.signum, signal_number(cfg.slurm.signal), flag.received_at or time.time(), attempt.end_time,
+        cfg.slurm.signal_delay_s)
+
+
+def _shielded_run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` with the stop signals blocked in the child: when a peer leaves first, srun ends the
+    step with a SIGTERM to every process in it, scontrol included (rank 0 itself only sets its flag); measured
+    on the test cluster, the line then lost what Slurm said of the job."""
+    with stop_signals_blocked():
+        return subprocess.run(*args, **kwargs)
+
+
+def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
+    """Rank 0 writes the ledger line (unless :func:`write_line` did at the stop) and requeues a stopped job;
+    returns this rank's exit code."""
+    ending = attempt.ending = attempt.ending or write_line(attempt, stopped=stopped, step=step)
+    if ending.requeue:
+        ending.requeue = False
+        try:
+            requeue(job_spec(attempt.environ), runner=_shielded_run)  # srun's SIGTERM to the step spares it
+        except PreemptionError as err:
+            log.error("%s", err)
+    return ending.code
+
+
+def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
+    """Rank 0 writes the attempt's ledger line; every rank learns its exit code and whether to requeue."""
+    env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
+    at = "" if step is None else f" of step {step}"
+    if not stopped:
+        if env.is_main and not attempt.wrapped:
+            append_attempt(run_dir, {**record, "reason": "finished"})
+        return Ending(0)
+    if not env.is_main or attempt.wrapped:
+        return Ending(EXIT_REQUEUE)
+    if flag.signum == signal.SIGINT:
+        append_attempt(run_dir, {**record, "reason": "interrupted"})
+        log.info("interrupted (Ctrl-C): snapshot%s committed, not requeued", at)
+        return Ending(0)
+    reason = why_stopped(attempt)
+    if reason == "cancelled":
+        append_attempt(run_dir, {**record, "reason": "cancelled"})
+        log.info("the job was cancelled (scancel): snapshot%s committed, not requeued; continue it "
+                 "with `python -m hpc_ddp.submit ... --resume`", at)
+        return Ending(0)
+    capped = cap_reached(reason, attempt.attempts + [{"reason": reason}], attempt.limits)
+    # Who requeues: rank 0, or (where the tasks have no scontrol, e.g. a container started by srun)
+    # the batch shell's settle step, which runs on the host. The ledger says which, so exactly one does.
+    by = "local" if attempt.local else "workers" if requeue_available() else "batch shell"
+    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
+                             **({} if capped else {"requeue_by": by})})
+    if capped:
+        log.error("%s", capped)
+        return Ending(1)
+    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", reason,
+             "the script was ended: the next attempt runs it again" if step is None else "snapshot committed")
+    if by == "batch shell":
+        log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
+    # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm (measured on
+    # 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
+    return Ending(EXIT_REQUEUE, requeue=by == "workers")
+
+
+def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
+    """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
+    every rank gets the stop's exit code (:func:`conclude`)."""
+    steps = snapshot.committed_steps(attempt.run_dir)
+    saved = steps[0] if steps else None
+    held = run.held.step if run is not None and run.held is not None else None
+    killed = child_killed(error) or pipe_broke(error)  # either way a child died: the HINT names the shield
+    attempt.record.update(end=round(time.time(), 3), first_step=(run.resumed_from or 0) if run is not None else 0,
+                          last_step=saved, resumed_from=run.resumed_from if run is not None else None,
+                          stopped_mid_step={"error": first_line(error), "held": held, "snapshot": saved,
+                                            "child_killed": killed})
+    lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
+    log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends as the stop "
+              "it was (not a failure); its newest snapshot is %s%s.%s", first_line(error),
+              f"step {saved}" if saved is not None else "none: it would start over", lost,
+              f"\n{HINT}" if killed else "")
+    return conclude(attempt, stopped=True, step=saved)

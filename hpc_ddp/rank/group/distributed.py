@@ -1,0 +1,290 @@
+"""The process group: backend choice, device binding, init and teardown, tiny collectives.
+
+The decisions (``choose_backend``, ``device_index``) are pure functions so that
+the NCCL path is unit-tested on machines without a GPU; ``init_process_group``
+applies them. A world of one uses an in-memory store: no port, no network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_ddp.core import limits
+from hpc_ddp.rank.group import control, tiers
+from hpc_ddp.core.config import DistConfig
+from hpc_ddp.core.errors import HpcDdpError, explain
+from hpc_ddp.core.shutdown import exit_fast  # noqa: F401  (part of the library API)
+from hpc_ddp.core.slurm_env import DistEnv, torch_env
+
+
+log = logging.getLogger("hpc_ddp.distributed")
+
+
+class DistributedError(HpcDdpError):
+    """The process group cannot be set up as configured on this node."""
+
+
+class RendezvousError(DistributedError):
+    """Rank 0's rendezvous port is taken, or rank 0 cannot be reached: another program or job may hold the
+    port now and not later, so this is a failure a new step (on a fresh port) or a requeue may fix, not a
+    configuration error (exit 1, healed or requeued, never exit 2)."""
+
+    retry_may_help = True
+
+
+PEER_POLL_S = 0.5  # how often a node's ranks waiting for rank 0's store look for an error rank 0 recorded
+
+
+def _port_taken(err: BaseException) -> bool:
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def rendezvous_store(env: DistEnv, timeout: timedelta,
+                     peer_error: Callable[[], str | None] = lambda: None) -> dist.Store:
+    """The job's key-value store on MASTER_ADDR:MASTER_PORT, served by rank 0 (what ``env://`` does).
+
+    Done here for two answers ``env://`` cannot give: a port already taken on the first node
+    is an error that names the port, the node and the fix (``env://`` raises a bare
+    DistNetworkError on rank 0, and the other ranks wait out the whole timeout, or talk to
+    whatever holds the port); and while the other ranks wait to connect, ``peer_error()`` tells
+    them whether rank 0 failed (it records its error in the run dir), so every rank stops
+    within seconds with rank 0's message.
+    """
+    host, port = env.master_addr, env.master_port
+    if env.rank == 0:
+        try:
+            return dist.TCPStore(host, port, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        except (RuntimeError, OSError) as err:
+            if not _port_taken(err):
+                raise
+            raise RendezvousError(explain(
+                f"the rendezvous port {port} on {host} (node 0, rank 0's host) is already in use by another "
+                "program", expected="a free TCP port for rank 0 to serve the job's rendezvous on",
+                hint="set dist.master_port=PORT to a port that is free on the job's first node (or unset "
+                "MASTER_PORT if you exported it); by default the port is derived from the job id "
+                "(docs/derivation.md)"), key="dist.master_port") from None
+    box: dict[str, Any] = {}
+
+    def connect() -> None:  # blocks in recv while a foreign program holds the port: hence a thread
+        try:
+            box["store"] = dist.TCPStore(host, port, env.world_size, is_master=False, timeout=timeout)
+        except BaseException as err:  # handed to the caller below
+            box["error"] = err
+
+    thread = threading.Thread(target=connect, name="rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive() or "error" in box:
+        thread.join(PEER_POLL_S * max(1, env.local_world_size))  # a node's ranks together look as often as one
+        if "store" in box:
+            break  # connected: no file to look at (at 4,096 ranks that would be 4,096 opens of the run dir)
+        message = peer_error()
+        if message:
+            kind = RendezvousError if "rendezvous port" in message else DistributedError  # as retryable as rank 0's
+            raise kind(f"the job cannot start, so rank {env.rank} stops too: {message}",
+                       key="dist.master_port" if "rendezvous port" in message else None)
+        if "error" in box:
+            raise RendezvousError(explain(
+                f"rank {env.rank} could not reach rank 0's rendezvous at {host}:{port} within "
+                f"{timeout.total_seconds():g}s: {str(box['error']).splitlines()[0]}",
+                hint="look at rank 0's log: it failed or never started; if another program holds the port "
+                f"on {host}, set dist.master_port=PORT to a free one"), key="dist.master_port") from None
+    return box["store"]
+
+
+def choose_backend(requested: str, cuda_available: bool) -> str:
+    """``auto`` -> NCCL on GPU nodes, gloo elsewhere; NCCL without CUDA is an error."""
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise DistributedError(explain("dist.backend=nccl but CUDA is not available on this node",
+                                       expected="a GPU node with a CUDA build of torch",
+                                       hint="use dist.backend=auto (gloo on CPU) or run on a GPU partition "
+                                       "with slurm.gpus_per_node set"), key="dist.backend")
+    return requested
+
+
+def device_index(env: DistEnv, visible_gpus: int) -> int:
+    """The GPU of this task: its local rank, or 0 when Slurm binds one GPU per task."""
+    if visible_gpus == 1:
+        return 0
+    if visible_gpus >= env.local_world_size:
+        return env.local_rank
+    raise DistributedError(explain(
+        f"{env.local_world_size} tasks on node {env.node_rank} but {visible_gpus} GPUs visible to each",
+        expected="one GPU per task (tasks_per_node == gpus_per_node)",
+        hint="set slurm.tasks_per_node equal to slurm.gpus_per_node, or check CUDA_VISIBLE_DEVICES"),
+        key="slurm.tasks_per_node")
+
+
+def device_for(backend: str, env: DistEnv) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", device_index(env, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def failure_env(environ: Mapping[str, str], dumps: str | None, new_names: bool = True) -> dict[str, str]:
+    """The NCCL variables that make a failure end fast and leave a record, where the user set none.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear down): when a collective fails or outlives the
+    process group's timeout, NCCL's watchdog thread aborts the communicator and ends the process,
+    so a hung NCCL collective ends its rank (and ``srun --kill-on-bad-exit`` the step) instead of
+    blocking it forever, as with 0 (no handling). Set here, it holds whatever the torch version or
+    the site defaults to. torch's default since 2.2 is 3, which ends the process too but skips the
+    abort (``ncclCommAbort`` can itself hang with some NCCL versions); 1 aborts first, as torch's
+    default did before. The flight recorder keeps the last collectives of every group (NCCL's and,
+    since torch 2.10, gloo's) and NCCL's own watchdog dumps it on a timeout into ``dumps`` + rank:
+    the run dir's errors/. Our hang watchdog dumps the same record when it fires first
+    (:mod:`hpc_ddp.rundir.flight`).
+    ``new_names``: torch names the recorder's variables ``TORCH_FR_*`` (and warns about the old
+    ``TORCH_NCCL_*`` ones); a variable the user set under either name is left alone.
+    """
+    names = {"buffer": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+             "file": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+    wanted = {("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "1", ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+              names["buffer"]: str(TRACE_ENTRIES), **({names["file"]: dumps} if dumps else {})}
+    return {(both[0] if new_names else both[-1]): value for both, value in wanted.items()
+            if not any(name in environ for name in both)}
+
+
+TRACE_ENTRIES = 2000  # collectives the flight recorder keeps per process (a few hundred bytes each)
+
+
+def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[str, str] | None = None,
+                       peer_error: Callable[[], str | None] = lambda: None, dumps: str | None = None,
+                       own_control_group: bool | None = None) -> torch.device:
+    """Join the job's process group (once) and open its CPU control group; return this rank's device.
+
+    Exports the rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` first: NCCL reads
+    its variables when it initialises, so they must be in the environment before.
+    ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`);
+    ``own_control_group=False`` leaves the control traffic on a gloo default group (measurements only; the
+    default gives it a gloo group of its own on every backend: :mod:`hpc_ddp.rank.group.control`).
+    """
+    backend = choose_backend(cfg.backend, torch.cuda.is_available())
+    device = device_for(backend, env)
+    enough_open_files(env)
+    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck ranks
+    # and dumps the flight recorder; the collectives' own timeout only says "timed out", so it comes later.
+    timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
+    if dist.is_available() and dist.is_initialized():  # the program made it (e.g. before hpc_ddp.session())
+        control.open_group(dist.get_backend(), own_control_group, timeout)
+        _open_tiers(env)
+        return device
+    target = os.environ if environ is None else environ
+    target.update({**torch_env(env), **cfg.nccl_env})
+    target.update(failure_env(target, dumps, new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    device_id = device if device.type == "cuda" else None
+    if env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif env.source == "torchrun":  # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE)
+        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout, device_id=device_id)
+    control.open_group(backend, own_control_group, timeout)
+    _open_tiers(env)
+    return device
+
+
+def _open_tiers(env: DistEnv) -> None:
+    """The stop agreement's two levels (:mod:`hpc_ddp.rank.group.tiers`), beside the control group; none where the
+    control traffic shares a gloo training group (B2's and a test's measurement of that, as before)."""
+    if control.group() is not None:
+        tiers.open_tiers(env)
+    else:
+        tiers.close_tiers()
+
+
+def enough_open_files(env: DistEnv) -> None:
+    """Raise this rank's soft limit on open files to what the world size needs (a cluster's default soft
+    limit is often 1,024, its hard one far higher); rank 0 warns when even the hard limit is short."""
+    want = limits.needed(env.world_size)
+    soft, hard = limits.raise_soft_limit(want)
+    problem = limits.problem(env.world_size, soft, hard)
+    if problem and env.is_main:
+        log.warning("%s", problem)
+
+
+def default_store() -> Any:
+    """The process group's key-value store (the watchdog's heartbeats go there); None if unavailable."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # no public accessor in torch 2.x
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def teardown() -> None:
+    """Leave the process group after a clean end (every rank met at a barrier); safe when none exists."""
+    tiers.close_tiers()
+    control.close_group()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort() -> None:
+    """After an error: drop every communicator at once, waiting for no peer.
+
+    Never ``destroy_process_group()`` here: it waits for a wedged NCCL communicator (an OOM, a
+    dead peer) and deadlocks, holding the job's GPUs until the walltime while ``srun
+    --kill-on-bad-exit`` waits for a task to exit. The process then leaves with ``os._exit``
+    (:func:`hpc_ddp.core.shutdown.exit_fast`).
+    """
+    tiers.close_tiers()
+    control.close_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()  # no public name in torch 2.x; every group, NCCL's at once
+    except Exception as err:  # an older torch without it, or a backend that cannot abort: os._exit follows
+        log.debug("aborting the process groups: %s", err)
+
+
+@contextmanager
+def process_group(env: DistEnv, cfg: DistConfig, peer_error: Callable[[], str | None] = lambda: None,
+                  dumps: str | None = None, own_control_group: bool | None = None) -> Iterator[torch.device]:
+    """``with process_group(env, cfg) as device:`` -- left by a clean teardown or, after an error, an abort.
+
+    On a normal exit all ranks meet at a barrier first (on the control group), so that no rank tears
+    its connections down while a peer still uses them (gloo then aborts the peer with "terminate
+    called without an active exception"). After an error there is no barrier, since the other ranks
+    may never arrive, and no destroy (see :func:`abort`).
+    """
+    device = init_process_group(env, cfg, peer_error=peer_error, dumps=dumps, own_control_group=own_control_group)
+    try:
+        yield device
+        if env.world_size > 1:
+            control.barrier()
+    except BaseException:
+        abort()
+        raise
+    teardown()
+
+
+def all_mean(value: float, device: torch.device | None = None) -> float:
+    """The mean of one float over all ranks (one small all_reduce on the CPU control group: reading a
+    CUDA tensor back would wait for the GPU). ``device`` is accepted for older callers and unused."""
+    return control.sum_of(value) / dist.get_world_size()
+
+
+def from_main(text: str | None) -> str | None:
+    """Rank 0's ``text`` on every rank (one broadcast): a refusal every rank repeats word for word."""
+    return control.from_main(text)
+
+
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank when it is True on any rank (the stop-flag agreement), on the CPU control group.
+    ``device`` is accepted for older callers and unused."""
+    return bool(control.max_of(torch.tensor([int(flag)], dtype=torch.int32)).item())

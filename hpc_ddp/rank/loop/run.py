@@ -1,0 +1,365 @@
+"""The public run object: what any training loop calls to survive preemption and time limits.
+
+A loop gets a :class:`Run` (from ``train.loop``, ``hpc_ddp.session()`` or our Trainer) and
+adds two calls::
+
+    step = run.resume(model=model, optimizer=optimizer, sampler=sampler)   # 0 on a fresh start
+    while step < max_steps:
+        ...one optimizer step...
+        step += 1
+        if run.boundary(step):     # True once every rank agreed to stop; the snapshot is committed
+            return
+
+Everything else is the stop protocol, in this one place: the stop flag agreed by all ranks
+one boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by
+step count or by rank 0's clock (sync, or async with the copy in the step), the stop
+snapshot, every rank's RNG captured and restored, the hang watchdog's heartbeat, the final
+model and DONE marker. Who writes which file is the checkpointer's business; what happens
+after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.rank.attempt.session`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hpc_ddp.rank.group import control, tiers
+from hpc_ddp.rank.salvage import jit, mirror
+from hpc_ddp.rank.state import replication, restore
+from hpc_ddp.rank.state.replication import params_sha256
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.core.batching import BatchPlan, plan
+from hpc_ddp.rank.watch.broken_stop import stop_came_first
+from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Checkpointer
+from hpc_ddp.rank.watch.child_deaths import ChildDeaths
+from hpc_ddp.rank.state.rng import capture_rng, reseed
+from hpc_ddp.core.config import RunConfig
+from hpc_ddp.rank.state.ddp_settle import settle_buckets_on_first_forward, sync_buffers
+from hpc_ddp.core.errors import explain
+from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rank.loop.sampler import ShardSampler
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.rank.state.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
+                                         unloadable, unwrap)
+from hpc_ddp.rank.metrics.run_metrics import MetricsLog
+
+log = logging.getLogger("hpc_ddp.run")
+
+
+class LoopIgnoredStop(RunUsageError):
+    """The loop called run.boundary again after it returned True. The session ends the attempt as the stop
+    it was (the stop snapshot is committed; the steps after it are dropped) and the ledger says so."""
+
+
+class Run:
+    """One rank's view of one attempt of a run; the session builds it inside the process group.
+
+    Attributes a loop uses: ``rank``, ``local_rank``, ``world_size``, ``local_world_size``,
+    ``node_rank``, ``is_main``, ``device``, ``device_ids`` (for DDP), ``run_dir``,
+    ``restart_count``, ``config`` (the run's :class:`RunConfig`), ``step`` (the last
+    boundary's), ``resumed_from`` (the snapshot's step, or None), ``stopped``.
+    """
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, device: torch.device, *, checkpointer: Checkpointer | None,
+                 stop: StopFlag | None, beat: Callable[[int, str], None] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.config, self.env, self.device = cfg, env, device
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
+        self._beat = beat or (lambda step, phase: None)
+        self.tracked: dict[str, Any] = {}  # replicated: one copy in the snapshot, checked alike on every rank
+        self.per_rank: dict[str, PerRank] = {}  # saved and restored per rank, like the RNG
+        self.boundaries = 0  # run.boundary calls in this attempt: a loop that makes none cannot honour a stop
+        self._per_rank_checked = False
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.resume_read: dict[str, Any] | None = None  # rank 0: bytes the resume read from snapshot files
+        self.resumed_world_size: int | None = None  # the world size that wrote the snapshot resumed from
+        self.stopped = False
+        self.finished: dict[str, Any] | None = None
+        self._resumed = False
+        self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
+        self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
+        self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
+        self._broadcasts_buffers: list[DistributedDataParallel] = []  # DDP modules whose buffers rank 0 sends
+        self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/salvage/mirror.py)
+        self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary, not mid-update
+        self.on_stop: Callable[[int], None] | None = None  # the session's ledger line at the agreed stop
+
+    rank = property(lambda self: self.env.rank)
+    local_rank = property(lambda self: self.env.local_rank)
+    world_size = property(lambda self: self.env.world_size)
+    local_world_size = property(lambda self: self.env.local_world_size)
+    node_rank = property(lambda self: self.env.node_rank)
+    is_main = property(lambda self: self.env.is_main)
+    restart_count = property(lambda self: self.env.restart_count)
+
+    @property
+    def batch(self) -> BatchPlan:
+        """This world size's share of the global batch: ``batch_size`` per micro-step, ``grad_accum`` micro-steps.
+
+        With ``train.global_batch_size`` set, ``grad_accum`` follows the world size, so a loop that
+        accumulates ``run.batch.grad_accum`` micro-steps keeps the same global batch on any node count.
+        """
+        return plan(self.config.train, self.world_size)
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What DDP's ``device_ids`` wants: this rank's GPU, or None on CPU."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    def beat(self, step: int, phase: str) -> None:
+        """Tell the hang watchdog where this rank is (optional: every boundary is a beat)."""
+        self._beat(step, phase)
+
+    # -- resume --------------------------------------------------------------------------------------
+    def resume(self, *positional: Any, **objects: Any) -> int:
+        """Track these objects and load them from the newest committed snapshot; return its step (0: fresh).
+
+        Collective: call it on every rank, once, before the first step. Anything with
+        ``state_dict()``/``load_state_dict()`` can be tracked, and a dict (restored in
+        place). State that differs by rank goes in as ``name=hpc_ddp.per_rank(obj)``: it is
+        saved and restored per rank. This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
+        A DDP model's gradient buckets are settled before its first step (see
+        :mod:`hpc_ddp.rank.state.ddp_settle`), so a resumed run sums gradients in
+        the same order as one that never stopped.
+        """
+        if positional:
+            raise RunUsageError(explain(
+                f"run.resume() takes its objects by name; found {len(positional)} positional argument(s) "
+                f"({', '.join(type(p).__name__ for p in positional)})",
+                hint="run.resume(model=model, optimizer=optimizer, sampler=sampler): the names key the snapshot"))
+        if self._resumed:
+            raise RunUsageError(explain("run.resume() was called twice", hint="call it once, before the loop"))
+        for name, obj in objects.items():
+            if obj is not None:
+                check_trackable(name, obj)
+                if isinstance(obj, PerRank):
+                    self.per_rank[name] = obj
+                else:
+                    self.tracked[name] = obj
+                    if isinstance(obj, ShardSampler):
+                        obj.tracked = True  # its iteration outside iterate() now warns: the position would be lost
+        self._resumed = True
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.checkpointer is not None:  # every manifest says whether this run may resume at another size
+            self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
+            self.checkpointer.ranks_needed = bool(self.per_rank)  # a step without every rank's is skipped
+        restored = self.checkpointer.restore() if self.checkpointer is not None else None
+        if restored is not None:
+            restore.load(self, restored)
+        if self.config.train.rng == "derived":
+            reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
+        self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
+        self._broadcasts_buffers = [obj for obj in self.tracked.values() if isinstance(obj, DistributedDataParallel)
+                                    and obj.broadcast_buffers and self.world_size > 1
+                                    and next(obj.module.buffers(), None) is not None]
+        self.mirror = mirror.open_for(self)
+        if self.held is not None:
+            self._mark(self.step)
+            jit.warn_unprotected(self)
+        for obj in self.tracked.values():
+            if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
+                settle_buckets_on_first_forward(obj)
+        if self.on_step is not None:
+            self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
+        return self.step
+
+    # -- boundary ------------------------------------------------------------------------------------
+    def boundary(self, step: int) -> bool:
+        """Call after every optimizer step with the step count; True once every rank agreed to stop.
+
+        Collective and cheap: it acts on the agreement started at the previous boundary
+        (stop? a snapshot due by rank 0's clock? a writer busy?) and starts the next one,
+        which runs while the next step computes. So a stop takes effect one step after its
+        signal, at the same step on every rank. A due snapshot is written here (copied in
+        the step and written in the background with ``snapshot.async_write``); the stop
+        snapshot is always synchronous and committed when this returns True.
+        """
+        self._check_step(step)
+        ckpt = self.checkpointer
+        self.step = step
+        self.boundaries += 1
+        if self.held is not None:
+            self._mark(step)
+        self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/watch/child_deaths.py)
+        if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
+            # what snapshots will hold is checked now, not at the first one (none may come before a failure,
+            # and a survivors' snapshot would then be refused for it)
+            self._checked_state(step, f"stopped at the first run.boundary of this attempt (step {step})")
+        if self.on_step is not None:
+            self.on_step(step)
+        self.beat(step, "boundary")
+        if ckpt is None and self.stop is None:
+            return False
+        stop, due_time, busy = self._agreed()
+        if not stop:
+            # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
+            self._agreeing = (tiers.current() or control).start_max([int(self.stop is not None and self.stop.is_set),
+                                                int(self.is_main and ckpt is not None and ckpt.due_by_time()),
+                                                int(ckpt is not None and ckpt.busy)])
+        if ckpt is not None:
+            self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
+        if self.config.train.rng == "derived":
+            reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
+        self.stopped = stop
+        if stop and self.mirror is not None:
+            self.mirror.close()  # every rank stops here: nothing in flight when the process group goes
+        if stop and self.on_stop is not None:
+            self.on_stop(step)  # before the program lets go: its teardown may outlast Slurm's KillWait
+        return stop
+
+    def _mark(self, step: int) -> None:
+        """What a just-in-time snapshot of this step takes (rank/salvage/jit.py), and the per-rank state to the buddy;
+        then rank 0's buffers to every rank (rank/salvage/held.py: a survivors' snapshot holds them, rank 0 lost or not)."""
+        self.held.mark(step)
+        if self.mirror is not None:
+            self.mirror.mark(step, self._per_rank_state(cuda=True))
+        if self._broadcasts_buffers and all([sync_buffers(obj) for obj in self._broadcasts_buffers]):
+            self.held.synced()
+
+    def _check_step(self, step: int) -> None:
+        if not self._resumed:
+            raise RunUsageError(explain("run.boundary() before run.resume()",
+                                        hint="call step = run.resume(model=..., optimizer=...) before the loop"))
+        if self.stopped:
+            raise LoopIgnoredStop(explain(f"run.boundary({step}) after it returned True at step {self.step}",
+                                        hint="leave the loop (return) when run.boundary(step) is True: the "
+                                        "snapshot is committed and the job is being requeued"))
+        if not isinstance(step, int) or step <= self.step:
+            kind = "" if isinstance(step, int) else f" (a {type(step).__name__}, not an int)"
+            raise RunUsageError(explain(f"run.boundary() got step {step!r}{kind} after step {self.step}",
+                                        expected="the optimizer step count, an int rising by one per call",
+                                        hint="start from step = run.resume(...) and add 1 after each step"))
+
+    def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
+        if ckpt.pending is not None and (stop or not busy):
+            ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
+        self.beat(step, "snapshot")
+        if stop or (due and (not self.config.snapshot.async_write or ckpt.pending is None)):
+            state, rng = self._checked_state(step)
+            if stop or not self.config.snapshot.async_write:
+                ckpt.save(step, state, rng)  # the stop snapshot is always synchronous
+            else:
+                ckpt.save_async(step, state, rng)
+
+    def _checked_state(self, step: int, doing: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
+        state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
+        if self.world_size > 1 and not (self.held is not None and self.held.buffers_synced):  # else done at _mark
+            for obj in self.tracked.values():
+                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and not sync_buffers(obj):
+                    for buffer in obj.module.buffers():  # a buffer hook of the user's: one broadcast each
+                        dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
+        state = self.state()
+        modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
+        replication.check({n: v for n, v in state.items() if n != STEP}, step, modules, doing)
+        rng = capture_rng()
+        if self.per_rank:  # packed once per step: the mirror's copy of this boundary where there is one
+            own = self.mirror.own_bytes(step) if self.mirror is not None else None
+            rng[PER_RANK] = own if own is not None else pack(self._per_rank_state())
+        return state, rng
+
+    def _per_rank_state(self, cuda: bool = False) -> dict[str, Any]:
+        """This rank's per-rank states, ready to serialize (``cuda``: CUDA tensors left on the GPU, for the
+        mirror); the first time, what a resume could not load back is refused (every rank alike: a usage error,
+        never retried)."""
+        if not self._per_rank_checked:
+            problem = unloadable(self.per_rank)
+            if problem:
+                raise RunUsageError(problem)
+            self._per_rank_checked = True
+        return staged(self.per_rank, cuda)
+
+    def _agreed(self) -> tuple[bool, bool, bool]:
+        """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
+        if self._agreeing is None:
+            return False, False, False
+        flags, work = self._agreeing
+        work.wait()
+        self._agreeing = None
+        stop, due, busy = (bool(v) for v in flags.tolist())
+        return stop, due, busy
+
+    def state(self) -> dict[str, Any]:
+        """What a snapshot holds besides the RNG: every tracked object's state_dict, and the step."""
+        state: dict[str, Any] = {name: state_of(obj) for name, obj in self.tracked.items()}
+        state[STEP] = self.step
+        return state
+
+    # -- metrics and the end ---------------------------------------------------------------------------
+    def log_metrics(self, step: int, **values: Any) -> None:
+        """Log numbers for a step: call it on every rank or on rank 0 alone; only rank 0 writes anything.
+
+        Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
+        sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value may be
+        a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
+
+        The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
+        logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
+        """
+        if self.is_main:
+            self.metrics.log(step, values, self.resumed_from)
+
+    def close_metrics(self) -> None:
+        """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
+        self.metrics.close(self.stopped)
+
+    def _final_snapshot(self, ckpt: Checkpointer) -> None:
+        """Collective: the finished step committed, unless it already is. A finished run trained longer
+        (``--resume train.max_steps=...``) goes on from where it finished, not from an older snapshot, or from
+        step 0 when no periodic one came (a run shorter than snapshot.every_minutes). Not when the loop made no
+        boundary in this attempt, or updated past its last one (a snapshot labelled with that step would hold
+        a later state): every rank decides alike."""
+        if ckpt.last_step == self.step or not self.boundaries:
+            return
+        if control.to_main_and_back(bool(self.held is not None and self.held.updates), merge=any):
+            log.warning("no final snapshot: the optimizer stepped after the last run.boundary(%d), so a snapshot "
+                        "of that step would hold a later state; training this run longer goes on from its "
+                        "newest snapshot", self.step)
+            return
+        state, rng = self._checked_state(self.step)
+        ckpt.save(self.step, state, rng)
+
+    def model(self) -> torch.nn.Module | None:
+        """The tracked model (named ``model``, else the first module tracked)."""
+        modules = {n: o for n, o in self.tracked.items() if isinstance(o, torch.nn.Module)}
+        return modules.get("model", next(iter(modules.values()), None))
+
+    def finish(self, **result: Any) -> dict[str, Any]:
+        """Collective: the run is complete (the session calls it when the loop returns without a stop).
+
+        Drains the agreement and any async write; rank 0 writes model.pt. The DONE record (step,
+        world size, params_sha256, and ``result``) is kept in ``finished``: the session writes
+        DONE.json after the ledger's finished line."""
+        if self.finished is not None:
+            return self.finished
+        self.beat(self.step, "finish")
+        self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
+        if self.checkpointer is not None:
+            self.checkpointer.finish_async()  # never leave a background write behind
+            self._final_snapshot(self.checkpointer)
+        if self.mirror is not None:
+            self.mirror.close()  # nothing in flight when the process group goes
+        model = self.model()
+        done = {"step": self.step, **result, "world_size": self.world_size}
+        if model is not None:
+            done["params_sha256"] = params_sha256(model)
+        if self.is_main:
+            if model is not None:
+                buffer = io.BytesIO()
+                torch.save(unwrap(model).state_dict(), buffer)
+                write_atomic(layout.model(self.run_dir), buffer.getbuffer())
+            log.info("done: step %d%s", self.step,
+                     f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
+        self.finished = done
+        return done

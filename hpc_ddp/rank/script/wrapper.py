@@ -1,0 +1,226 @@
+"""``train.script``: an unmodified torchrun-style script as the program of every task.
+
+The worker runs ``python SCRIPT ARGS...`` as a child with the variables a torchrun
+script reads (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), derived from
+Slurm as everywhere else, plus HPC_DDP_RUN_DIR, HPC_DDP_RESTART_COUNT and
+HPC_DDP_CONFIG so the script can find its own checkpoint (or open
+``hpc_ddp.session()`` for an exact resume). No torchrun process is needed.
+
+The child runs in its own session, and the worker forwards the first stop signal (the
+warning signal, SIGTERM, Ctrl-C) to it; on a cluster Slurm signals every process of the
+step as well, so it may get the signal twice. When the script exits after one, the
+attempt is a time-out or preemption (or an interruption) and rank 0's worker records it
+and requeues within the caps, as for any program (:func:`hpc_ddp.rank.attempt.conclude.conclude`).
+Exit 0 without a signal is a finished run; any other exit without a signal is a failure
+(settled and capped as usual).
+
+Rank 0's worker reads its script's output (:mod:`hpc_ddp.rank.script.output`). A script that
+goes on printing progress after the signal did not act on it: exit 0 then means it ran to
+its end (``finished``, with ``stop_ignored`` and a note in the ledger), and a later stop
+signal on a cluster (the time limit's SIGTERM, KillWait before the SIGKILL) makes rank 0
+record and requeue the attempt at once, since nothing will run after the kill. A script
+that, after its second progress line, prints none for ``dist.timeout_s`` (or 3 x its longest
+gap so far, if longer) is hung: rank 0 records ``hung`` and ends it.
+
+A crash on one rank reaches the others as a stop signal: srun's ``--kill-on-bad-exit``
+(and the local launcher) ends them with SIGTERM, which looks like a preemption. So a
+worker whose script crashed leaves a crash marker in the run dir before it exits, and a
+stopped worker that finds one records the attempt as ``failed`` (capped by
+``slurm.max_failures``), never as a preemption to requeue. No torch in this process:
+the script imports what it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from hpc_ddp.rundir import layout
+from hpc_ddp.core.errors import HpcDdpError, explain
+from hpc_ddp.core.codes import EXIT_ERROR
+from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rundir.ledger import recorded_error
+from hpc_ddp.rundir.runlock import acquire, release
+from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
+from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
+from hpc_ddp.rank.script.output import Progress, start_relays
+from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
+from hpc_ddp.rank.attempt.conclude import conclude
+from hpc_ddp.core.shutdown import die_with_parent
+from hpc_ddp.core.slurm_env import DistEnv, torch_env
+
+log = logging.getLogger("hpc_ddp.script")
+POLL_S = 0.05
+
+
+class ScriptError(HpcDdpError):
+    """train.script cannot be run (missing file)."""
+
+
+def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path) -> dict[str, str]:
+    """The child's environment: this task's, plus what torchrun would set and where the run lives."""
+    return {**environ, **torch_env(env), "GROUP_RANK": str(env.node_rank), "GROUP_WORLD_SIZE": str(env.num_nodes),
+            "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
+            "TORCHELASTIC_RESTART_COUNT": str(env.restart_count + env.in_job), "HPC_DDP_RUN_DIR": str(run_dir),
+            "HPC_DDP_RESTART_COUNT": str(env.restart_count), CONFIG_VAR: str(layout.config(run_dir)),
+            WRAPPED: "1"}
+
+
+def script_path(script: str) -> Path:
+    path = Path(script)
+    if not path.is_file():
+        raise ScriptError(explain(f"train.script={script} does not exist (looked in {Path.cwd()})",
+                                  hint="give a path relative to the directory you submit from (jobs start "
+                                  "there), or an absolute one"), key="train.script")
+    return path
+
+
+def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progress: Progress | None = None,
+              on_later_stop: Callable[[], None] | None = None, hang_after_s: float | None = None,
+              on_hang: Callable[[float], None] | None = None,
+              before_forward: Callable[[], None] | None = None) -> int:
+    """Run the child to its end, forwarding the first stop signal this process receives; its exit code.
+
+    With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
+    ``on_later_stop`` is called once if another stop signal arrives while the child still runs after
+    the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by more than KillWait.
+    ``before_forward`` is called just before the first stop is forwarded (the peers' scripts may die of
+    it before the signal reaches their workers). ``on_hang`` is called when the child, after its second
+    progress line and before any stop, prints none for ``hang_after_s`` seconds (or 3 x its longest gap
+    so far, if longer); the child's process group is then ended.
+    """
+    pipe = subprocess.PIPE if progress is not None else None
+    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
+                             stdout=pipe, stderr=pipe)
+    relays = [] if progress is None else start_relays(
+        [(child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)], progress)  # type: ignore[list-item]
+    seen, warned = 0, False
+    while child.poll() is None:
+        if flag.count > seen and flag.signum is not None:
+            if not seen:
+                log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
+                if before_forward is not None:
+                    before_forward()
+                child.send_signal(flag.signum)
+                if progress is not None:
+                    progress.stop_forwarded()
+            elif on_later_stop is not None:
+                on_later_stop()
+                on_later_stop = None
+            seen = flag.count
+        quiet = progress.quiet_for() if progress is not None and not seen else None
+        if on_hang is not None and hang_after_s is not None and quiet is not None and \
+                quiet > progress.hang_limit(hang_after_s):  # type: ignore[union-attr]
+            on_hang(quiet)
+            end_group(child)
+            break
+        if progress is not None and progress.ignored and not warned:
+            warned = True
+            log.warning("%s, so it took no snapshot of its own at the signal; on a cluster it is killed at the "
+                        "time limit or the end of the grace period. %s", progress.went_on(
+                            signal.Signals(flag.signum or signal.SIGTERM).name), IGNORED_HINT)
+        time.sleep(POLL_S)
+    for relay in relays:
+        relay.join(timeout=5)
+    code = int(child.wait())
+    if flag.is_set and not seen:  # the stop came in the same poll as the script's exit: nothing to forward
+        log.info("the script exited with code %s just before %s reached this rank (not forwarded: it had ended)",
+                 code, signal.Signals(flag.signum or signal.SIGTERM).name)
+    return code
+
+
+def end_group(child: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM the child's process group (the script and what it started), SIGKILL what is left."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def script_args(attempt: Attempt) -> list[str]:
+    """train.args, and train.resume_args when this attempt continues the run (the ledger has an earlier one)."""
+    train = attempt.cfg.train
+    if attempt.attempts and train.resume_args:
+        if attempt.env.is_main:
+            log.info("this attempt continues the run: appending train.resume_args %s", train.resume_args)
+        return [*train.args, *train.resume_args]
+    return list(train.args)
+
+
+def _watch(attempt: Attempt) -> Progress | None:
+    """Rank 0 reads its script's output for progress lines (train.script_progress); the others do not."""
+    pattern = attempt.cfg.train.script_progress
+    return Progress(re.compile(pattern)) if attempt.env.is_main and pattern else None
+
+
+def run_script(attempt: Attempt) -> int:
+    """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
+    cfg, env = attempt.cfg, attempt.env
+    path = script_path(cfg.train.script)
+    if env.is_main:
+        acquire(attempt.run_dir, attempt.holder)
+    try:
+        prepare_marks(attempt)  # before the script can crash or be stopped: peers read the marks by name
+        if attempt.local and env.is_main:
+            from hpc_ddp.core.codes import PROGRESS_MARK
+
+            print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
+        progress, decided = _watch(attempt), {}
+        environ = script_environ(attempt.environ, env, attempt.run_dir)
+        if progress is not None:
+            environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
+        code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
+                         None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
+                         cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
+                         before_forward=lambda: mark_stop(attempt))
+        attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
+        if progress is not None and progress.step is not None:
+            attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
+        if "code" in decided:
+            return decided["code"]  # recorded when Slurm's later signal came (and requeued), or hung
+        if -code in stop_signals({STOP_SIGNALS_VAR: cfg.slurm.signal}):
+            mark_stop(attempt, -code)  # Slurm signals the script too: it may die of the stop before this worker
+            # forwards it, and the peers' scripts die of the broken collective before their own signal comes
+        if code != 0 and not attempt.flag.is_set:
+            stopped_late(attempt, code)  # a peer's script may have died of the stop before it reached this rank
+        if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
+            crashed = crashes(attempt) if code != 0 else []
+            if crashed:
+                return record_crash(attempt, crashed)
+            if not env.is_main:
+                line = wait_for_ledger(attempt)
+                if line is not None and line.get("reason") == "finished":
+                    return 0  # rank 0's script went on after the signal and ran to its end
+                if line is not None and line.get("reason") in ("hung", "failed"):
+                    return 1  # ended because rank 0's script hung or failed: rank 0's line says so
+            return conclude(attempt, stopped=True, step=None)
+        if code == 0:
+            result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
+            if env.is_main:
+                layout.publish_done(attempt.run_dir, json.dumps(
+                    {"script": str(path), "world_size": env.world_size, "exit_code": 0}))
+            return result
+        if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
+            return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
+        mark_crash(attempt, path, code)
+        print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop signal: "
+              "a failure (requeued only within slurm.max_failures); its output is above", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if env.is_main:
+            release(attempt.run_dir, attempt.holder)

@@ -1,0 +1,345 @@
+"""Who writes which slice of a snapshot, when a snapshot is due, and restoring every rank.
+
+Saving is collective. Each node's ranks hand their RNG states to the node's writer (its
+local rank 0) in a gather within the node: no RNG state crosses the job. The writer
+writes the node's file: its slices of the replicated state (:mod:`hpc_ddp.rundir.slicing`: about
+``replicas / nodes`` of the bytes) and its ranks' RNG states. Global rank 0 writes the
+manifest once every node's file is durable, then prunes; a barrier ends the save. In
+async mode the step only copies the node's slices to CPU; a background thread writes,
+and the commit happens at a later step boundary, once no node's writer is busy (at most
+one in flight).
+
+Restoring: rank 0 reads the manifests (small) and tells everyone; the ranks verify the
+step's files between them (each file hashed by one rank, the verdicts gathered), so no
+rank reads every file; each rank then loads (mmap) one good file per slice and puts the
+state together. At the same world size a rank's RNG comes from the file of the node that
+held it; when that file is bad, or the world size changed, the Run reseeds it and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.rank.group import control
+from hpc_ddp.rank.state import spread
+from hpc_ddp.rank.group import tiers as tiers_
+from hpc_ddp.rundir import retention, slicing, snapshot
+from hpc_ddp.core.config import SnapshotConfig
+from hpc_ddp.core.errors import explain
+from hpc_ddp.core.slurm_env import DistEnv
+
+log = logging.getLogger("hpc_ddp.checkpointer")
+STEP = "step"  # the key of the step count in a snapshot's state, beside the tracked objects' names
+PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
+
+
+def stage(value: Any, old: Any = None) -> Any:
+    """A CPU copy of every tensor in a (nested) state, so training may go on changing the originals.
+
+    Copies into ``old``'s tensors where shapes and dtypes match: the staging memory of the
+    previous async snapshot is reused, which spares the page faults of a fresh allocation
+    (most of the copy's time on CPU, B3). Fresh buffers for CUDA tensors are pinned.
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+            return old.copy_(value)
+        buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda)
+        return buffer.copy_(value)
+    if isinstance(value, dict):
+        return {k: stage(v, old.get(k) if isinstance(old, dict) else None) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        olds = old if isinstance(old, (list, tuple)) and len(old) == len(value) else [None] * len(value)
+        return type(value)(stage(v, o) for v, o in zip(value, olds))
+    return value
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    state: dict[str, Any]  # the replicated training state
+    rng: dict[str, Any] | None  # this rank's RNG state; None when it had to come from another node
+    config: dict[str, Any] | None = None  # the config that wrote it (flat_values), when the manifest has it
+    world_size: int | None = None  # the world size that wrote it
+    read: dict[str, Any] | None = None  # on rank 0: bytes read from snapshot files (total, busiest node, state)
+
+
+def _commit_problem(entries: list[Any]) -> str | None:
+    """Rank 0's verdict on the writers' entries: why the step must not be committed, or None."""
+    written = [e for e in entries if e]
+    failures = [e["error"] for e in written if "error" in e]
+    if not failures and len({e["digest"] for e in written}) > 1:  # a bug, not a disk: never commit it
+        failures = [f"the nodes split the state differently ({sorted({e['digest'] for e in written})})"]
+    if not failures and entries[0] is None:  # Slurm and torchrun both make rank 0 local rank 0 of node 0
+        failures = ["rank 0 is not its node's writer (local rank 0), so it has no layout to commit"]
+    return failures[0] if failures else None
+
+
+def _read_summary(read_by: list[Any], state: int) -> dict[str, Any]:
+    """For the ledger: the bytes all ranks read from snapshot files, the busiest node's, and the state's."""
+    nodes: dict[int, int] = {}
+    for node, read in read_by:
+        nodes[node] = nodes.get(node, 0) + int(read)
+    return {"bytes": sum(nodes.values()), "busiest_node": max(nodes.values()), "state": state, "nodes": len(nodes)}
+
+
+def auto_load(local: bool, nodes: int, replicas: int) -> str:
+    """``snapshot.load=auto``, by B9: ``spread`` on a cluster of more than one node, ``every_node`` elsewhere.
+
+    Each reader hashes only the bytes it reads (a digest per slice, issue 45), so ``spread`` makes the
+    filesystem serve the state once in all, and ``every_node`` once per node. In the local rehearsal every
+    "node" shares one page cache, so the disk serves it once either way and spread's broadcasts only add
+    time. ``replicas`` no longer matters (before, resume hashed every file, replicas included, and with
+    ``nodes <= replicas`` every_rank read nothing more); kept for callers."""
+    del replicas
+    return "every_node" if local or nodes == 1 else "spread"
+
+
+class Checkpointer:
+    """Snapshots of one run; build it inside the process group, on every rank."""
+
+    def __init__(self, run_dir: Path, cfg: SnapshotConfig, env: DistEnv, config_hash: str,
+                 clock: Callable[[], float] = time.monotonic, config: dict[str, Any] | None = None,
+                 local: bool = False) -> None:
+        self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
+        load = "every_node" if cfg.load == "every_rank" else cfg.load  # every_rank: its name before issue 45
+        self.load = load if load != "auto" else auto_load(local, env.num_nodes, cfg.replicas)
+        self.config = config  # recorded in every manifest
+        self.refuses_resize: str | None = None  # why the run cannot resume at another world size (the Run says)
+        self.ranks_needed = False  # per_rank objects are tracked: a step whose file of a rank's state is bad is skipped
+        self.last_time = clock()
+        self.last_step: int | None = None
+        self.pending: int | None = None  # an async snapshot written but not yet committed
+        self._writer: threading.Thread | None = None
+        self._written: dict[str, Any] | None = None
+        self._failed: BaseException | None = None
+        self._staging: Any = None  # CPU copy of the node's slices for async writes, reused across snapshots
+        self._layouts: dict[int, dict[str, Any]] = {}  # step -> its layout, until committed (rank 0's goes in)
+        self._groups: spread.Groups | None = None  # this node's ranks and the nodes' leaders (made once)
+        self._tiers: tiers_.Tiers | bool | None = None  # the commit's two levels over them (False: one level)
+
+    def due_by_steps(self, step: int) -> bool:
+        """every_steps: the same answer on every rank, so it needs no agreement."""
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
+
+    def due_by_time(self) -> bool:
+        """every_minutes, by this rank's clock; the trainer asks rank 0 and agrees on its answer."""
+        return bool(self.cfg.every_minutes) and self.clock() - self.last_time >= self.cfg.every_minutes * 60
+
+    def _gather_rng(self, rng: dict[str, Any]) -> dict[int, Any] | None:
+        """Collective within each node: the node's writer gets {rank: RNG state} of its ranks; others None."""
+        env = self.env
+        if env.world_size == env.num_nodes:  # one rank per node: it is its own writer
+            return {env.rank: rng}
+        groups = self.groups()
+        gathered = control.gather_within((env.rank, rng), groups.leader, len(groups.node), groups.within)
+        return dict(gathered) if gathered is not None else None
+
+    def tiers(self) -> tiers_.Tiers | None:
+        """Collective, once: the commit's two levels (the nodes' writers to rank 0, the verdict back through them,
+        :mod:`hpc_ddp.rank.group.tiers`); None for one rank, or where rank 0 is not node 0's writer (then one level)."""
+        if self._tiers is None and self.env.world_size > 1:
+            groups = self.groups()
+            self._tiers = tiers_.Tiers(groups, self.env) if groups.leaders[0] == 0 else False
+        return self._tiers or None
+
+    def groups(self) -> spread.Groups:
+        """Collective, once: this node's ranks and the nodes' leaders, with their gloo groups (the RNG gather
+        within a node, the spread read's two levels)."""
+        if self._groups is None:
+            self._groups = spread.Groups.of(self.env)
+        return self._groups
+
+    def _payload(self, state: dict[str, Any], rng: dict[str, Any], staged: bool = False) -> dict[str, Any] | None:
+        """Collective: the node's writer gets its file's content (its slices, its ranks' RNG); others None.
+
+        ``staged``: the slices are copied into CPU staging memory kept from the previous async
+        snapshot (it is free again: async saves run only when nothing is pending).
+        """
+        rngs = self._gather_rng(rng)
+        if rngs is None:
+            return None
+        content, split, held = slicing.node_content(state, self.env.node_rank, self.env.num_nodes, self.cfg.replicas,
+                                                    rngs, copy=not staged)
+        if staged:
+            content["pieces"] = self._staging = stage(content["pieces"], self._staging)
+        return {"content": content, "layout": split, "slices": held, "ranks": sorted(rngs)}
+
+    def _write(self, step: int, payload: dict[str, Any]) -> dict[str, Any]:
+        """This node's file; its manifest entry (the layout's digest: the commit checks all writers agree)."""
+        entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
+                                         payload["content"], split=payload["layout"])
+        return {**entry, "slices": payload["slices"], "ranks": payload["ranks"],
+                "digest": slicing.layout_digest(payload["layout"])}
+
+    def _commit(self, step: int, entry: dict[str, Any] | None) -> None:
+        """Collective: once every node's file is durable, rank 0 writes the manifest; then a barrier.
+
+        The entries go to rank 0 alone, and rank 0 sends back one verdict: a non-zero rank sends
+        and receives one small object, however many ranks there are."""
+        tiers = self.tiers()
+        entries = control.to_main(entry) if tiers is None else tiers.leaders_to_main(entry)  # the writers' entries
+        problem = _commit_problem(entries) if entries is not None else None
+        verdict = control.from_main(problem) if tiers is None else tiers.from_main(problem)
+        if verdict:  # every rank raises the same error: none is left waiting in a collective
+            raise snapshot.SnapshotError(f"snapshot of step {step} not committed: {verdict}")
+        directory, split = snapshot.step_dir(self.run_dir, step), self._layouts.pop(step, None)
+        if entries is not None:
+            written = [e for e in entries if e]
+            snapshot.commit(directory, step, written, self.env.world_size, self.config_hash, self.config, split=split,
+                            refuses_resize=self.refuses_resize)
+            # Deleting an old step (~20 ms per 100 MB) need not hold the step up; prune uncommits first,
+            # so a process that exits in the middle leaves an ignored leftover, never a broken commit.
+            threading.Thread(target=retention.prune, args=(self.run_dir, self.cfg.keep_last), daemon=True,
+                             name="snapshot-prune").start()
+            log.info("snapshot of step %d committed in %s", step, directory)
+        control.barrier() if tiers is None else tiers.barrier()
+        self.last_step = step
+
+    def save(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
+        """Collective and synchronous: returns once the step is committed."""
+        if self.last_step == step:
+            return  # already saved at this boundary (periodic and stop at once)
+        payload = self._payload(state, rng)
+        entry = None
+        if payload is not None:
+            self._layouts[step] = payload["layout"]
+            try:
+                entry = self._write(step, payload)
+            except snapshot.SnapshotError as err:
+                entry = {"error": str(err)}
+        self._commit(step, entry)
+        self.last_time = self.clock()
+
+    def save_async(self, step: int, state: dict[str, Any], rng: dict[str, Any]) -> None:
+        """Collective: copy this node's slices to CPU now; its writer writes them in a background thread.
+
+        The step is blocked only for the copy, made by the node's writer alone.
+        :meth:`finish_async` commits it later, at a boundary where no writer is busy any more.
+        """
+        payload = self._payload(state, rng, staged=True)
+        self.pending = step
+        self.last_time = self.clock()
+        if payload is None:
+            return
+        self._layouts[step] = payload["layout"]
+
+        def write() -> None:
+            try:
+                self._written = self._write(step, payload)
+            except BaseException as err:  # re-raised on the training thread by finish_async
+                self._failed = err
+
+        self._written, self._failed = None, None
+        self._writer = threading.Thread(target=write, name=f"snapshot-{step}", daemon=True)
+        self._writer.start()
+
+    @property
+    def busy(self) -> bool:
+        """This rank's background write is still running."""
+        return self._writer is not None and self._writer.is_alive()
+
+    def finish_async(self) -> None:
+        """Collective: wait for this node's write, then commit the pending step."""
+        if self.pending is None:
+            return
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        step, self.pending = self.pending, None
+        self._commit(step, {"error": str(self._failed)} if self._failed is not None else self._written)
+
+    def restore(self) -> Restored | None:
+        """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
+        if self.env.is_main:  # before the first collective: no rank of this attempt has written anything yet
+            retention.drop_uncommitted(self.run_dir)
+        found = control.from_main(snapshot.agreed(self.run_dir, snapshot.committed(
+            self.run_dir, wait_s=snapshot.NAME_CACHE_S))
+                                  if self.env.is_main else None)  # manifests, decided on rank 0
+        quiet: Callable[..., None] = lambda *args: None  # noqa: E731
+        warn = log.warning if self.env.is_main else quiet
+        unverified: list[str] = []
+        while True:
+            # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
+            choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found, warn=warn,
+                                     ranks_needed=self.ranks_needed and self.env.world_size)
+            if choice is None and unverified:
+                raise snapshot.SnapshotError(explain(
+                    f"no committed snapshot of {self.run_dir} verifies: {'; '.join(unverified)}",
+                    hint=f"restore the files from a backup, or move {self.run_dir / 'snapshots'} away to start "
+                    "the run over"))
+            if choice is None:
+                return None
+            problem, loaded = None, None
+            try:
+                loaded = self._load(choice)
+            except snapshot.Unverified as err:
+                problem = (str(err), True)
+            except snapshot.SnapshotError as err:
+                problem = (str(err), False)
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
+                problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
+                           f"says ({err!r})", False)
+            # every rank stops alike, none waits in a collective
+            first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
+            if first and first[1]:  # read, it did not verify: the step before (each byte was hashed as it was read)
+                warn("committed snapshot step %d does not verify as it is read (%s); trying the one before",
+                     choice.step, first[0])
+                unverified.append(first[0])
+                found = [(step, manifest) for step, manifest in (found or []) if step < choice.step]
+                continue
+            if first or loaded is None:
+                raise snapshot.SnapshotError(first[0] if first else "a snapshot could not be loaded")
+            break
+        state, rng, read = loaded
+        read_by = control.to_main((self.env.node_rank, read))
+        summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
+        written_by = choice.manifest.get("world_size")
+        self.last_step, self.last_time = choice.step, self.clock()
+        log.info("resuming from the snapshot of step %d (%s)", choice.step, ", ".join(sorted(set(
+            choice.sources.values()))))
+        return Restored(choice.step, state, rng, choice.manifest.get("config"),
+                        written_by if isinstance(written_by, int) else None, summary)
+
+    def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
+        """Collective: each file checked by one rank (file k by rank k*W/F: with one rank per file, the
+        writer's node), the verdicts gathered. Its size only, where the manifest has digests per slice: the
+        readers hash what they read (:func:`hpc_ddp.rank.state.spread.load`); a file without them is hashed whole."""
+        names, world = sorted(manifest.get("files", {})), self.env.world_size
+        deep = manifest.get("layout") is None  # format 1: read_state reads whole copies, verified before
+        mine = {name: snapshot.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
+                                            else {}, deep=deep)
+                for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
+        return control.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})
+
+    def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        """(the replicated state, this rank's RNG state or None, the tensor bytes this rank read from files)
+        from the chosen step's good files: read by the nodes' first ranks, spread over the nodes
+        (``snapshot.load=spread``) or every slice by every node (``every_node``), collective; a format-1
+        snapshot (whole copies) on every rank."""
+        manifest, env = choice.manifest, self.env
+        if manifest.get("layout") is not None:
+            same = manifest.get("world_size") == env.world_size
+            loaded = spread.load(choice, env, self.groups(), across=self.load == "spread",
+                                 rng_needed=bool(self.ranks_needed and same))
+            if loaded.rng_unusable:
+                log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
+                            "reseeding this rank's RNG deterministically", loaded.rng_unusable,
+                            ", ".join(sorted(set(choice.sources.values()))))
+            return loaded.state, loaded.rng, loaded.read
+        holder = slicing.rank_file(manifest, env.rank) if manifest.get("world_size") == env.world_size else None
+        if holder is not None and holder not in choice.good_files:
+            log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
+                        "reseeding this rank's RNG deterministically", holder,
+                        ", ".join(sorted(set(choice.sources.values()))))
+            holder = None
+        state, files = snapshot.read_state(choice, also=holder)
+        return state, files[holder]["rng"].get(env.rank) if holder else None, spread.state_bytes(state)
