@@ -44,7 +44,7 @@ def leaves(rank: int, step: int) -> dict[str, Any]:
 def same_state(blob: bytes, rank: int, step: int) -> bool:
     import torch
 
-    from hpc_ddp.rank.tracked import unpack
+    from hpc_ddp.rank.state.tracked import unpack
 
     got, want = unpack(blob), leaves(rank, step)
     return got["n"] == want["n"] and all(torch.equal(got[k], want[k]) for k in ("frozen", "batch"))
@@ -289,7 +289,7 @@ def test_a_delta_rebuilds_a_body_byte_for_byte() -> None:
     they are read; leaves whose first bytes agree but whose rest differs are found too."""
     import torch
 
-    from hpc_ddp.rank import flat
+    from hpc_ddp.rank.salvage import flat
 
     def body(state: Any) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         layout = flat.plan(state)
