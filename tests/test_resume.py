@@ -115,7 +115,8 @@ def test_a_truncated_node_file_falls_back_to_the_other_nodes_copy(stopped: Path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     assert f"{node1} is not usable (size 1000 bytes" in logs
-    assert "snapshot file node-00001.pt (this rank's RNG state) is not usable; taking the state from node-00000.pt" \
+    assert "snapshot file node-00001.pt (this rank's RNG state) is not usable; taking the replicated state from the " \
+        "copies that verify" \
         in logs  # node 0's file holds node 1's slice too (snapshot.replicas=2)
     assert "reseeding this rank's RNG" in logs
     assert done(run_dir)["step"] == 80

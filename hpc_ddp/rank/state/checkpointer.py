@@ -304,8 +304,7 @@ class Checkpointer:
         summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
         written_by = choice.manifest.get("world_size")
         self.last_step, self.last_time = choice.step, self.clock()
-        log.info("resuming from the snapshot of step %d (%s)", choice.step, ", ".join(sorted(set(
-            choice.sources.values()))))
+        log.info("resuming from the snapshot of step %d in %s", choice.step, choice.directory)
         return Restored(choice.step, state, rng, choice.manifest.get("config"),
                         written_by if isinstance(written_by, int) else None, summary)
 
@@ -331,9 +330,8 @@ class Checkpointer:
             loaded = spread.load(choice, env, self.groups(), across=self.load == "spread",
                                  rng_needed=bool(self.ranks_needed and same))
             if loaded.rng_unusable:
-                log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
-                            "reseeding this rank's RNG deterministically", loaded.rng_unusable,
-                            ", ".join(sorted(set(choice.sources.values()))))
+                log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the replicated state from "
+                            "the copies that verify and reseeding this rank's RNG deterministically", loaded.rng_unusable)
             return loaded.state, loaded.rng, loaded.read
         holder = slicing.rank_file(manifest, env.rank) if manifest.get("world_size") == env.world_size else None
         if holder is not None and holder not in choice.good_files:
