@@ -114,7 +114,8 @@ def test_a_resume_that_would_change_the_global_batch_is_refused_before_anything_
 
 
 def test_a_snapshot_with_a_per_rank_position_is_refused_with_the_fix(runs: dict[str, Path], tmp_path: Path) -> None:
-    """As written before positions were global: progress {epoch, consumed}. Re-hashed, so only the layout is old."""
+    """As written before positions were global: progress {epoch, consumed}. Re-hashed whole (an entry without
+    digests per slice, as those were written), so only the layout is old."""
     from hpc_ddp.rundir import snapshot
 
     run_dir = tmp_path / "old"
@@ -125,6 +126,7 @@ def test_a_snapshot_with_a_per_rank_position_is_refused_with_the_fix(runs: dict[
         data = torch.load(directory / name, weights_only=True)
         data["skeleton"]["progress"] = {"epoch": 0, "consumed": 40}  # plain values: in every file's skeleton
         torch.save(data, directory / name)
+        manifest["files"][name].pop("digests")  # an entry as written before digests per slice: hashed whole
         manifest["files"][name].update(size=(directory / name).stat().st_size, sha256=hashlib.sha256(
             (directory / name).read_bytes()).hexdigest())
     (directory / "manifest.json").write_text(json.dumps(manifest))
