@@ -87,7 +87,7 @@ class _Files:
 
     def get(self, name: str) -> dict[str, Any] | None:
         """{"pieces": {index: tensor}, "skeleton", "rng"} of a verified file, or None (its reason in ``bad``).
-        Pieces are empty tensors of their dtype and size, except those the file has no span for (written before
+        Pieces are meta tensors (a dtype and a size, no memory), except those the file has no span for (written before
         issue 45, or copied by torch first): those are copied out whole. Load a file after its slices are read:
         torch's reads leave the kernel's marks for read-ahead on the file's pages, which a later read of the
         file follows whatever its advice (a 13 MB slice cost 25 MB after a load, 13 MB before)."""
@@ -97,7 +97,7 @@ class _Files:
             mapped = snapshot.load_file(self.choice.directory / name)
             spans = snapshot.spans_of(self.choice.manifest["files"].get(name) or {})
             self.loaded[name] = {
-                "pieces": {i: (t.clone() if i not in spans else torch.empty(t.shape, dtype=t.dtype))
+                "pieces": {i: (t.clone() if i not in spans else torch.empty(t.shape, dtype=t.dtype, device="meta"))
                            for i, t in (mapped.get("pieces") or {}).items()},
                 "skeleton": _detached(mapped.get("skeleton")), "rng": _detached(mapped.get("rng") or {})}
             del mapped  # the map goes with its last tensor: torch.load's unpickler holds some in a cycle
