@@ -16,6 +16,7 @@ EXIT_LOST = 6  # this rank declared the peer it watches lost (frozen rank or nod
 EXIT_USAGE = 2  # the rehearsal: a flag that cannot be rehearsed (--fail-at naming a node it does not have)
 EXIT_INTERRUPTED = 130  # the rehearsal was interrupted with Ctrl-C (128 + SIGINT, as a shell reports it)
 PROGRESS_MARK = "@@hpc_ddp step "  # printed by rank 0's worker after every step; the rehearsal reads it
+HOLD_AT_VAR = "HPC_DDP_LOCAL_HOLD_AT"  # the rehearsal's injected stops: rank 0 waits for the signal at these steps
 DIE_AT_VAR = "HPC_DDP_LOCAL_DIE_AT"  # the rehearsal's --fail-at: a rank of the lost node dies after this step
 
 # What a rank's error says when its collective failed because a peer died (gloo: the peer's sockets closed;

@@ -33,7 +33,7 @@ from hpc_ddp.rundir import beats, jit_files, losses
 from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
                                             node_ranks, ranks_text, signal_family, unfired)
-from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
+from hpc_ddp.core.codes import DIE_AT_VAR, HOLD_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
@@ -174,6 +174,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                              cpus_per_task=cpus_per_task(config_path))
     for rank, step in (die_at or {}).items():  # --fail-at: these ranks die after their own boundary of that step
         environs[rank][DIE_AT_VAR] = str(step)
+    if events:  # rank 0 waits at each injected stop's step for the signal sent on reading its report
+        environs[0][HOLD_AT_VAR] = ",".join(str(step) for step, _signum in events)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
     index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
