@@ -38,6 +38,7 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
+  python -m hpc_ddp.submit --profile mycluster examples/mlp.yaml user.eval_every=100   # cluster keys, own keys
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30     # a node lost, healed
   python -m hpc_ddp.submit examples/mlp.yaml --local --freeze-at 30:0 dist.liveness_s=5  # a node frozen, found
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue the run in RUN_DIR from its newest snapshot (a new job; with --local, a "
                         "new rehearsal), with the run's own config.yaml and only the KEY=VALUE given now on top; "
                         "CONFIG may be the run dir")
+    parser.add_argument("--profile", metavar="NAME",
+                        help="merge the cluster profile NAME (~/.config/hpc_ddp/profiles/NAME.yaml, under "
+                        "$XDG_CONFIG_HOME if set) under the config files and overrides; default: $HPC_DDP_PROFILE; "
+                        "'none': no profile (python -m hpc_ddp.profiles list shows them)")
     parser.add_argument("--no-preflight", action="store_true",
                         help="submit without the login-node checks (Slurm commands, partition, run dir, "
                         "geometry, task module)")
@@ -192,6 +197,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
+    if args.profile is not None:
+        args.items.append(f"profile={args.profile}")  # the key the run records; --resume's command keeps it
     problem = _usage_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
