@@ -45,9 +45,11 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
-Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
-(see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
---multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
+Arguments ending in .yaml/.yml are config files (merged in order, over the cluster profile that
+--profile or HPC_DDP_PROFILE names); KEY=VALUE arguments override them (see docs/config.md for every
+key; your own settings go under user.*, e.g. user.eval_every=100). The resolved config is written
+to RUN_DIR/config.yaml; with --multirun each combination gets RUN_DIR/<label>, e.g.
+runs/mlp/lr=0.1,seed=1. With --resume the run's
 own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
 Also installed as the console script `hpc-ddp-submit`.
 """
