@@ -282,6 +282,8 @@ def flat_values(cfg: RunConfig) -> dict[str, Any]:
                 yield from walk(getattr(value, item.name), f"{prefix}{item.name}.")
         elif prefix == "user.":
             yield from user_leaves(value)
+        elif prefix == "profile." and not value:
+            return  # none: as a config from before profiles, so an older snapshot's config shows no change
         else:
             yield prefix[:-1], value
     return json.loads(json.dumps(dict(walk(cfg, ""))))
