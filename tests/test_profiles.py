@@ -184,3 +184,18 @@ def test_status_names_the_profile(xdg: Path, config: Path) -> None:
     write_config(cfg, resume=False)
     info = collect(Path(cfg.run_dir))
     assert info["profile"] == "big" and "profile big" in render(info)
+
+
+def test_submit_dry_run_with_the_flag_or_the_variable(xdg: Path, config: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc_ddp.login.submit import main
+
+    assert main(["--profile", "big", str(config), "--dry-run", "--no-preflight"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --partition=gpu" in out and "export PROFILE_SET=1" in out and "srun" in out and "--label" in out
+    assert "profile: big (merged under the config files" in out
+    monkeypatch.setenv("HPC_DDP_PROFILE", "nope")
+    assert main([str(config), "--dry-run", "--no-preflight"]) == 2
+    assert "no profile named 'nope' (HPC_DDP_PROFILE)" in capsys.readouterr().err
+    assert main(["--profile", "none", str(config), "--dry-run", "--no-preflight"]) == 0
+    assert "--partition" not in capsys.readouterr().out

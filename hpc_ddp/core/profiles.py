@@ -100,9 +100,10 @@ def find_profile(name: str, directory: Path, key: str = "profile") -> Profile:
         if profile.name == name:
             return profile
     there = available(directory)
-    listed = ", ".join(p.name for p in there) if there else "none (the directory is empty or absent)"
+    expected = (f"one of the profiles in {directory}: {', '.join(p.name for p in there)}" if there else
+                f"a profile file in {directory}, which holds none (it is empty or absent)")
     raise ProfileError(explain(f"no profile named {name!r} ({key}): looked for {directory / (name + '.yaml')}",
-                               found=name, expected=f"one of the profiles in {directory}: {listed}",
+                               found=name, expected=expected,
                                hint=f"create {directory / (name + '.yaml')} with the cluster's keys (see "
                                "python -m hpc_ddp.profiles --help), pick another, or run without one "
                                f"(--profile {NO_PROFILE})"), key=key)
