@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from hpc_ddp.core.config_checks import LIVENESS_S
+from hpc_ddp.core.user_settings import UserSettings
 
 
 def _doc(default: Any, doc: str) -> Any:
@@ -173,11 +174,25 @@ class RunConfig:
 
     name: str = _doc("", "Run name; keys the run directory. Defaults to the first config file's name.")
     run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs.")
+    profile: str = _doc("", "The cluster profile merged under the config files: "
+                        "$XDG_CONFIG_HOME/hpc_ddp/profiles/NAME.yaml (default ~/.config/hpc_ddp/profiles/). Chosen "
+                        "by --profile NAME (the override profile=NAME), this key in a config file, else "
+                        "HPC_DDP_PROFILE; 'none': no profile. The run's config.yaml records the name beside the "
+                        "merged values (see python -m hpc_ddp.profiles --help).")
     slurm: SlurmConfig = _doc_factory(SlurmConfig, "Slurm resources and requeue caps.")
     dist: DistConfig = _doc_factory(DistConfig, "Process group settings.")
     train: TrainConfig = _doc_factory(TrainConfig, "Training loop settings.")
     snapshot: SnapshotConfig = _doc_factory(SnapshotConfig, "Snapshot policy.")
     metrics: MetricsConfig = _doc_factory(MetricsConfig, "TensorBoard and W&B (metrics.jsonl is always written).")
+    user: Dict[str, Any] = _doc_factory(dict, "Your own settings, any keys, nested (user.eval_every=100 adds or "
+                                        "overrides one): recorded with the run and compared by --resume; an own "
+                                        "loop reads run.config.user (a mapping, also by attribute), a "
+                                        "train.script the variables HPC_DDP_USER_<KEY> (nested keys joined by _, "
+                                        "upper-cased; text as is, other values as JSON) and HPC_DDP_USER (all "
+                                        "of it as JSON). hpc_ddp reads none of it.")
+
+    def __post_init__(self) -> None:
+        self.user = UserSettings(self.user)  # run.config.user.eval_every as well as ["eval_every"]
 
 
 def schema_rows(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:

@@ -59,6 +59,8 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
           f"run dir {cfg.run_dir}")
     print(f"program: {program_line(cfg)}")
+    if cfg.profile:
+        print(f"profile: {cfg.profile} (merged under the config files; python -m hpc_ddp.profiles show {cfg.profile})")
     print(healing_line(cfg.slurm))
     if not cfg.train.script:
         print(batch_plans(cfg))

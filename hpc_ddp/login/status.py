@@ -52,6 +52,8 @@ def done_line(done: dict[str, Any]) -> str:
 
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    if info.get("profile"):
+        out.append(f"profile {info['profile']} (cluster profile merged under the run's config)")
     progress = info["progress"]
     if progress.get("step") is not None:
         line = f"step    {progress['step']}"

@@ -107,6 +107,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
               "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()}}  # by attempt (JSON keys)
+    result["profile"] = profile_of(run_dir)
     if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
                                                            "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
@@ -157,3 +158,9 @@ def _max_steps(run_dir: Path) -> int | None:
     """train.max_steps of the run's resolved config (None when unset or unreadable)."""
     cfg = read_config(run_dir)
     return None if cfg is None else cfg.train.max_steps
+
+
+def profile_of(run_dir: Path) -> str | None:
+    """The cluster profile the run's config was merged over (its config.yaml's ``profile``), or None."""
+    cfg = read_config(run_dir)
+    return (cfg.profile or None) if cfg is not None else None

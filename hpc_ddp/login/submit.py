@@ -38,15 +38,18 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
+  python -m hpc_ddp.submit --profile mycluster examples/mlp.yaml user.eval_every=100   # cluster keys, own keys
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30     # a node lost, healed
   python -m hpc_ddp.submit examples/mlp.yaml --local --freeze-at 30:0 dist.liveness_s=5  # a node frozen, found
   python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
-Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
-(see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
---multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
+Arguments ending in .yaml/.yml are config files (merged in order, over the cluster profile that
+--profile or HPC_DDP_PROFILE names); KEY=VALUE arguments override them (see docs/config.md for every
+key; your own settings go under user.*, e.g. user.eval_every=100). The resolved config is written
+to RUN_DIR/config.yaml; with --multirun each combination gets RUN_DIR/<label>, e.g.
+runs/mlp/lr=0.1,seed=1. With --resume the run's
 own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
 Also installed as the console script `hpc-ddp-submit`.
 """
@@ -72,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue the run in RUN_DIR from its newest snapshot (a new job; with --local, a "
                         "new rehearsal), with the run's own config.yaml and only the KEY=VALUE given now on top; "
                         "CONFIG may be the run dir")
+    parser.add_argument("--profile", metavar="NAME",
+                        help="merge the cluster profile NAME (~/.config/hpc_ddp/profiles/NAME.yaml, under "
+                        "$XDG_CONFIG_HOME if set) under the config files and overrides; default: $HPC_DDP_PROFILE; "
+                        "'none': no profile (python -m hpc_ddp.profiles list shows them)")
     parser.add_argument("--no-preflight", action="store_true",
                         help="submit without the login-node checks (Slurm commands, partition, run dir, "
                         "geometry, task module)")
@@ -192,6 +199,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
+    if args.profile is not None:
+        args.items.append(f"profile={args.profile}")  # the key the run records; --resume's command keeps it
     problem = _usage_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

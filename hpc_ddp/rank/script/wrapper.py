@@ -5,7 +5,8 @@ script reads (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), derived from
 Slurm as everywhere else, plus HPC_DDP_RUN_DIR, HPC_DDP_RESTART_COUNT and
 HPC_DDP_CONFIG so the script can find its own checkpoint (or open
-``hpc_ddp.session()`` for an exact resume). No torchrun process is needed.
+``hpc_ddp.session()`` for an exact resume), and the config's ``user:`` section as
+``HPC_DDP_USER_<KEY>`` variables (:mod:`hpc_ddp.core.user_settings`). No torchrun process is needed.
 
 The child runs in its own session, and the worker forwards the first stop signal (the
 warning signal, SIGTERM, Ctrl-C) to it; on a cluster Slurm signals every process of the
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 from pathlib import Path
 
 from hpc_ddp.rundir import layout
@@ -57,6 +59,7 @@ from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
+from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
@@ -66,9 +69,13 @@ class ScriptError(HpcDdpError):
     """train.script cannot be run (missing file)."""
 
 
-def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path) -> dict[str, str]:
-    """The child's environment: this task's, plus what torchrun would set and where the run lives."""
-    return {**environ, **torch_env(env), "GROUP_RANK": str(env.node_rank), "GROUP_WORLD_SIZE": str(env.num_nodes),
+def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path,
+                   user: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The child's environment: this task's, plus what torchrun would set, where the run lives, and the config's
+    user section as HPC_DDP_USER_* (:mod:`hpc_ddp.core.user_settings`; none left from the submitting shell)."""
+    kept = {k: v for k, v in environ.items() if not k.startswith(USER_PREFIX)}
+    return {**kept, **user_environ(user or {}), **torch_env(env), "GROUP_RANK": str(env.node_rank),
+            "GROUP_WORLD_SIZE": str(env.num_nodes),
             "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
             "TORCHELASTIC_RESTART_COUNT": str(env.restart_count + env.in_job), "HPC_DDP_RUN_DIR": str(run_dir),
             "HPC_DDP_RESTART_COUNT": str(env.restart_count), CONFIG_VAR: str(layout.config(run_dir)),
@@ -181,7 +188,7 @@ def run_script(attempt: Attempt) -> int:
 
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
         progress, decided = _watch(attempt), {}
-        environ = script_environ(attempt.environ, env, attempt.run_dir)
+        environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
