@@ -32,6 +32,9 @@ log = logging.getLogger("hpc_ddp.placement")
 SUMMARY_WAIT_S = 10.0  # how long a node's first rank waits for its peers' views before it logs what it has
 POLL_S = 0.05
 SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
+# Fault injection (tests): "0" narrows this task to CPU 0 before the check, as a binding srun would; the test
+# cluster's slurmd (TaskPlugin=task/none) binds no task, so a real job shows the refusal only this way.
+FAULT_CPUS_VAR = "HPC_DDP_FAULT_CPUS"
 
 
 def resolve(host: str) -> tuple[str, ...]:
@@ -98,6 +101,8 @@ def check(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], seams: Seams
     """Refuse a rank bound below the run's ask (BindingError) or one whose collectives would bind loopback across
     nodes with no way out (NetworkError); return the network variables to export (empty: none)."""
     local = environ.get("HPC_DDP_LOCAL") == "1"
+    if environ.get(FAULT_CPUS_VAR):
+        os.sched_setaffinity(0, {int(cpu) for cpu in environ[FAULT_CPUS_VAR].split(",")})
     view = read_view(cfg, env, environ, seams)
     # The rehearsal plays every node on this one machine: its simulated nodes share the machine's cores and
     # GPUs, so a view below the ask says nothing about the cluster. It is logged, never refused.
