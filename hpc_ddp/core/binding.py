@@ -88,9 +88,9 @@ def check_cpus(view: View, asked: int, environ: Mapping[str, str]) -> str | None
         return (f"{view.host} has {have} CPU(s) in all and slurm.cpus_per_task={asked}: every task of this node "
                 f"shares those {have} ({gave}); the node declares more CPUs than the machine has")
     raise BindingError(explain(
-        f"rank {view.rank} (local rank {view.local_rank}) on {view.host} may run on {have} CPU(s) "
-        f"({cpu_list(view.cpus)}, of the machine's {view.machine_cpus}) but the run asked for "
-        f"slurm.cpus_per_task={asked}: its threads and data-loader workers would share {have} core(s)",
+        f"rank {view.rank} (local rank {view.local_rank}) on {view.host} may run on {have} CPU(s) (CPU"
+        f"{'s' if have > 1 else ''} {cpu_list(view.cpus)} of the machine's {view.machine_cpus}) but the run asked "
+        f"for slurm.cpus_per_task={asked}: its threads and data-loader workers would share {have} core(s)",
         found=f"{gave}, an affinity of {have}", expected=f"at least {asked} CPUs in the task's affinity",
         hint=FIX_CPUS.format(asked=asked)), key="slurm.cpus_per_task")
 
