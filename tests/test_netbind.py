@@ -87,6 +87,26 @@ def test_rank_0_reads_its_own_nccl_file_and_the_warning_goes_into_the_finding(tm
     assert "TCP sockets" in found["warning"] and not written.exists()  # read once, then removed
 
 
+def test_a_gpu_scripts_child_writes_the_lines_its_worker_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.script: the script's own NCCL (hpc_ddp.session() or not) writes the file; rank 0's worker reads it."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.rank.script.wrapper import _nccl_capture
+
+    monkeypatch.setattr(nccl_report.tempfile, "gettempdir", lambda: str(tmp_path))
+    gpus = _cfg(tmp_path, "slurm.gpus_per_node=4", "slurm.tasks_per_node=4")
+    child: dict[str, str] = {}
+    prefix = _nccl_capture(SimpleNamespace(cfg=gpus, env=_env()), child)
+    assert prefix is not None and child["NCCL_DEBUG_FILE"] == f"{prefix}.%h.%p"
+    assert _nccl_capture(SimpleNamespace(cfg=_cfg(tmp_path), env=_env()), {}) is None  # a CPU script
+    assert _nccl_capture(SimpleNamespace(cfg=gpus, env=_env(num_nodes=1)), {}) is None  # no network between nodes
+    told = _cfg(tmp_path, "slurm.gpus_per_node=4", "dist.nccl_env={NCCL_DEBUG: WARN}")
+    assert _nccl_capture(SimpleNamespace(cfg=told, env=_env()), {}) is None  # the user's own NCCL_DEBUG stands
+    Path(f"{prefix}.gpu7.4242").write_text("h:4242:1 [0] NCCL INFO Using network IB")  # the child's pid
+    found = nccl_report.collect(prefix, ib_class=tmp_path / "none", pid=None)
+    assert found is not None and found["network"] == "IB" and "warning" not in found
+
+
 def test_status_shows_the_network_of_the_newest_nccl_attempt() -> None:
     net = {"network": "Socket", "kind": "socket", "devices": "[0]eth0:10.0.0.1<0>", "warning": "NCCL uses TCP ..."}
     info = {"run_dir": "r", "job_id": 1, "state": "RUNNING", "progress": {}, "done": None, "newest_snapshot": None,
@@ -213,6 +233,8 @@ def test_a_loopback_hostname_gets_the_interface_that_routes_to_master_addr(tmp_p
     kept = placement.check(_cfg(tmp_path), _env(), {"NCCL_SOCKET_IFNAME": "ib1"}, _looped_seams(addr, **fake))
     assert kept == {"GLOO_SOCKET_IFNAME": name}  # the user's NCCL_SOCKET_IFNAME stands
     assert placement.check(_cfg(tmp_path), _env(), {"GLOO_SOCKET_IFNAME": "eth9"}, _looped_seams(addr, **fake)) == {}
+    named = _cfg(tmp_path, "dist.nccl_env={GLOO_SOCKET_IFNAME: eth9}")  # exported before init: the user's too
+    assert placement.check(named, _env(), {}, _looped_seams(addr, **fake)) == {}
 
 
 def test_nothing_changes_where_master_addr_is_loopback_or_the_job_has_one_node(tmp_path: Path) -> None:

@@ -114,7 +114,8 @@ def check(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], seams: Seams
     post_view(cfg, env, view, " (rehearsal: not checked, the simulated nodes share this machine)" if local else "")
     if env.num_nodes <= 1:
         return {}
-    plan = netplan.plan(environ, env.num_nodes, facts(env, seams))
+    # dist.nccl_env is exported before the process group starts and wins: a variable named there is the user's
+    plan = netplan.plan({**environ, **cfg.dist.nccl_env}, env.num_nodes, facts(env, seams))
     if plan.note and env.is_node_main:
         log.warning("%s", plan.note)  # once per node: the choice changes where this node's collectives go
     return plan.exports

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +30,30 @@ def wanted(backend: str, env: DistEnv) -> bool:
     return backend == "nccl" and env.num_nodes > 1
 
 
-def prepare(target: MutableMapping[str, str], env: DistEnv, folder: str | None = None) -> str | None:
-    """Rank 0: export the variables that send NCCL's INIT/NET lines to a file; its name's prefix (None: none)."""
+def prepare(target: MutableMapping[str, str], env: DistEnv, folder: str | None = None,
+            user: Mapping[str, str] | None = None) -> str | None:
+    """Rank 0: export the variables that send NCCL's INIT/NET lines to a file; its name's prefix (None: none).
+    ``user``: variables the user set that are not in ``target`` yet (``dist.nccl_env``, for a script's child)."""
     global FOUND
     FOUND = None
     if not env.is_main:
         return None
     prefix = str(Path(folder or tempfile.gettempdir()) / f"hpc_ddp-nccl-{os.getuid()}-{env.job_id}-{env.restart_count}")
-    exports = nccl_net.capture_env(target, f"{prefix}.%h.%p")
+    exports = nccl_net.capture_env({**target, **(user or {})}, f"{prefix}.%h.%p")
     target.update(exports)
     return prefix if exports else None
 
 
-def collect(prefix: str | None, ib_class: Path = IB_CLASS) -> dict[str, Any] | None:
-    """Read and remove this process's file (NCCL names it PREFIX.HOST.PID), log what NCCL chose and warn about
-    sockets beside InfiniBand; the finding, also kept in :data:`FOUND`."""
+def collect(prefix: str | None, ib_class: Path = IB_CLASS, pid: int | None = -1) -> dict[str, Any] | None:
+    """Read and remove this process's file (NCCL names it PREFIX.HOST.PID; ``pid=None``: any process's, a
+    ``train.script``'s child), log what NCCL chose and warn about sockets beside InfiniBand; the finding, also
+    kept in :data:`FOUND`."""
     global FOUND
     if prefix is None:
         return None
     text = ""
-    for path in Path(prefix).parent.glob(f"{Path(prefix).name}.*.{os.getpid()}"):
+    pid = os.getpid() if pid == -1 else pid
+    for path in sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.*.{'*' if pid is None else pid}")):
         try:
             text += path.read_text(errors="replace")
             path.unlink()  # NCCL keeps it open and may add lines for later communicators: they go nowhere seen
