@@ -312,3 +312,16 @@ def test_the_version_is_asked_of_srun_through_the_runner_seam() -> None:
         asked.append(cmd)
         return subprocess.CompletedProcess(cmd, 0, stdout="slurm 22.05.8\n", stderr="")
     assert planned_for(2, runner).startswith("Slurm 22.05: srun does not inherit") and asked == [["srun", "--version"]]
+
+
+def test_the_worker_exports_the_plan_for_gloo_nccl_and_a_scripts_child(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc_ddp.rank.worker import placed
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(placement, "check", lambda cfg, env, environ: {"GLOO_SOCKET_IFNAME": "ib0"})
+    environ = {"SLURM_JOB_ID": "7"}
+    assert placed(_cfg(tmp_path), _env(), environ) == {"SLURM_JOB_ID": "7", "GLOO_SOCKET_IFNAME": "ib0"}
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"  # gloo and NCCL read this process's environment
+    monkeypatch.setattr(placement, "check", lambda cfg, env, environ: {})
+    assert placed(_cfg(tmp_path), _env(), environ) is environ

@@ -67,10 +67,10 @@ def plan(environ: Mapping[str, str], num_nodes: int, facts: Facts) -> Plan:
     """The interface for gloo and NCCL on this node (see the module's docstring); raises :class:`NetworkError`."""
     if num_nodes <= 1 or GLOO_VAR in environ:
         return Plan()  # one node talks over loopback anyway; a named interface is the user's choice
-    if not facts.master_addrs or any(is_loopback(a) for a in facts.master_addrs):
-        return Plan()  # unresolvable: the rendezvous says so; loopback: every node is this machine
     if facts.host_addrs and not is_loopback(facts.host_addrs[0]):
         return Plan()  # gloo's address is one the other nodes can reach
+    if not facts.master_addrs or any(is_loopback(a) for a in facts.master_addrs):
+        return Plan()  # unresolvable: the rendezvous says so; loopback: every node is this machine
     gloo_sees = facts.host_addrs[0] if facts.host_addrs else "nothing (gloo falls back to loopback)"
     source = facts.route_source
     name = interface_of(source, facts.interfaces) if source and not is_loopback(source) else None

@@ -130,14 +130,17 @@ def read_view(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], seams: S
 
 
 def facts(env: DistEnv, seams: Seams) -> netplan.Facts:
-    """What gloo will resolve, and where MASTER_ADDR is, seen from this node."""
+    """What gloo will resolve, and (only where that is loopback) where MASTER_ADDR is, seen from this node: the
+    usual case costs the one lookup of the hostname that gloo makes anyway."""
     host = seams.hostname()
+    host_addrs = seams.resolve(host)
+    if host_addrs and not netplan.is_loopback(host_addrs[0]):
+        return netplan.Facts(hostname=host, host_addrs=host_addrs, master_addr=env.master_addr, master_addrs=(),
+                             route_source=None)
     masters = seams.resolve(env.master_addr)
     source = seams.route_source(masters[0]) if masters else None
-    host_addrs = seams.resolve(host)
-    looped = not host_addrs or netplan.is_loopback(host_addrs[0])
     return netplan.Facts(hostname=host, host_addrs=host_addrs, master_addr=env.master_addr, master_addrs=masters,
-                         route_source=source, interfaces=seams.interfaces() if looped else {})
+                         route_source=source, interfaces=seams.interfaces())
 
 
 def node_folder(cfg: RunConfig, env: DistEnv) -> Path:
