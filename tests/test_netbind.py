@@ -318,7 +318,8 @@ def test_the_worker_exports_the_plan_for_gloo_nccl_and_a_scripts_child(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from hpc_ddp.rank.worker import placed
 
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "x")  # recorded as it was, so the export is undone after the test
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setattr(placement, "check", lambda cfg, env, environ: {"GLOO_SOCKET_IFNAME": "ib0"})
     environ = {"SLURM_JOB_ID": "7"}
     assert placed(_cfg(tmp_path), _env(), environ) == {"SLURM_JOB_ID": "7", "GLOO_SOCKET_IFNAME": "ib0"}
