@@ -71,12 +71,15 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         return 0
     from hpc_ddp.login.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
 
-    findings = preflight(cfg)
+    everything = preflight(cfg)
+    findings = [f for f in everything if f.level != "note"]
     if findings:
         print(f"preflight: {len(findings)} finding(s)")
         print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))
     else:
         print("preflight: all checks pass")
+    for note in (f for f in everything if f.level == "note"):  # what the job is planned for
+        print(f"  {note}")
     errors = sum(f.level == "error" for f in findings)
     if errors:  # a "dry-run first" gate must stop here, as the submit would
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)

@@ -21,6 +21,7 @@ from pathlib import Path
 from hpc_ddp.core import limits
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.login.slurm_version import planned_for
 
 # submitit needs sbatch and squeue (and looks for srun); the partition check needs sinfo.
 SLURM_COMMANDS = ("sbatch", "squeue", "srun", "sinfo")
@@ -31,7 +32,7 @@ Runner = Callable[..., subprocess.CompletedProcess]
 
 @dataclass(frozen=True)
 class Finding:
-    """One preflight result; ``level`` is "error" (stops the submit) or "warning"."""
+    """One preflight result; ``level`` is "error" (stops the submit), "warning", or "note" (what was planned for)."""
 
     level: str
     key: str
@@ -39,7 +40,7 @@ class Finding:
     hint: str
 
     def __str__(self) -> str:
-        return f"{self.level} [{self.key}]: {self.message}\nHINT: {self.hint}"
+        return f"{self.level} [{self.key}]: {self.message}" + (f"\nHINT: {self.hint}" if self.hint else "")
 
 
 def check_commands(which: Callable[[str], str | None] = shutil.which) -> list[Finding]:
@@ -69,6 +70,11 @@ def check_partition(partition: str | None, runner: Runner = subprocess.run) -> l
     return [Finding("error", "slurm.partition", f"partition {partition!r} does not exist; sinfo lists "
                     f"{', '.join(names) or 'none'}", f"set slurm.partition to one of {', '.join(names) or '(none)'}"
                     ", or slurm.partition=null for the cluster's default")]
+
+
+def check_slurm_version(cfg: RunConfig, runner: Runner = subprocess.run) -> list[Finding]:
+    """A note of the Slurm behaviour the job is planned for (:mod:`hpc_ddp.login.slurm_version`)."""
+    return [Finding("note", "slurm.cpus_per_task", planned_for(cfg.slurm.cpus_per_task, runner), "")]
 
 
 def _mount_of(path: Path, mounts: str) -> tuple[str, str]:
@@ -299,5 +305,6 @@ def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str 
                 *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg)]
     if slurm:
         commands = check_commands(which)
-        findings = commands + findings + ([] if commands else check_partition(cfg.slurm.partition, runner))
+        findings = commands + findings + ([] if commands else check_partition(cfg.slurm.partition, runner)
+                                          + check_slurm_version(cfg, runner))
     return findings

@@ -21,6 +21,7 @@ from hpc_ddp.login.status_read import duration, collect
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.nccl_net import summary
 
 EPILOG = """\
 examples:
@@ -73,6 +74,7 @@ def render(info: dict[str, Any]) -> str:
     if info["done"]:
         out.append(f"done    {done_line(info['done'])}")
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
+    out.extend(network_line(info["attempts"]))
     if info["attempts"]:
         out.append("attempts:")
         out.append("  #  job      restart  ended for        steps          geometry     resumed from")
@@ -100,6 +102,17 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def network_line(attempts: list[dict[str, Any]]) -> list[str]:
+    """'network NCCL IB (...) between nodes, attempt #3': what the newest NCCL attempt across nodes used."""
+    found = next(((i, a["nccl_net"]) for i, a in reversed(list(enumerate(attempts)))
+                  if isinstance(a.get("nccl_net"), dict) and a["nccl_net"].get("network")), None)
+    if found is None:
+        return []
+    i, net = found
+    return [f"network NCCL {summary(net)} between nodes (attempt #{i})"
+            + (f"\n        WARNING: {net['warning']}" if net.get("warning") else "")]
 
 
 def lost_note(entry: dict[str, Any]) -> str:

@@ -124,7 +124,7 @@ def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
 
     findings = preflight(cfg, slurm=slurm)
     for finding in findings:
-        if finding.level == "warning":
+        if finding.level in ("warning", "note"):
             print(finding, file=sys.stderr)
     errors = [f for f in findings if f.level == "error"]
     if errors:

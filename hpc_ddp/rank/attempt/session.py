@@ -104,12 +104,14 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                                          own_control_group=False if shared else None) as device:
         import torch.distributed as dist
 
-        from hpc_ddp.rank.group import control
+        from hpc_ddp.rank.group import control, nccl_report
 
         if attempt.liveness is not None:
             attempt.liveness.listen()  # every rank is past the rendezvous: rank 0 created the declaration's file
         log.info("process group: backend %s, world size %d, device %s, control traffic on %s", dist.get_backend(),
                  env.world_size, device, "its own gloo group" if control.group() is not None else "the same group")
+        if env.is_main and nccl_report.FOUND is not None:  # which network NCCL chose between nodes, for the ledger
+            attempt.record["nccl_net"] = dict(nccl_report.FOUND)
         if not attempt.wrapped:
             lock(attempt.run_dir, attempt.holder, env, from_main)
         try:

@@ -57,6 +57,7 @@ from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
+from hpc_ddp.rank.group import nccl_report
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
 from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
@@ -175,6 +176,15 @@ def _watch(attempt: Attempt) -> Progress | None:
     return Progress(re.compile(pattern)) if attempt.env.is_main and pattern else None
 
 
+def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
+    """Rank 0 of a GPU script across nodes: its child's NCCL writes its INIT/NET lines where the worker reads
+    them when the script ends (rank/group/nccl_report.py), whether the script uses hpc_ddp.session() or not."""
+    cfg, env = attempt.cfg, attempt.env
+    if cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo" or not nccl_report.wanted("nccl", env):
+        return None
+    return nccl_report.prepare(environ, env, user=cfg.dist.nccl_env)
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -191,11 +201,14 @@ def run_script(attempt: Attempt) -> int:
         environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
+        nccl = _nccl_capture(attempt, environ)
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
                          None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
                          cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
                          before_forward=lambda: mark_stop(attempt))
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
+        if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:  # what the script's NCCL chose
+            attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
         if progress is not None and progress.step is not None:
             attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
         if "code" in decided:
