@@ -22,3 +22,10 @@ DIE_AT_VAR = "HPC_DDP_LOCAL_DIE_AT"  # the rehearsal's --fail-at: a rank of the 
 # NCCL: a remote process exited, the communicator aborted): the failure is the peer's.
 PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                  "caused by a remote worker crashing", "remote process exited", "NCCL communicator was aborted")
+
+# `python -m hpc_ddp.status`'s exit code: what a script that waits on a run needs to know (docs/troubleshooting.md)
+STATUS_OK = 0  # pending, running, or finished (DONE.json)
+STATUS_FAILED = 1  # the run failed: its job ended on an error, a crash or a cap of failures (status says why)
+STATUS_USAGE = 2  # not a run directory, or a bad flag
+STATUS_STOPPED = 3  # stopped short of its end (a cap of time-outs or preemptions, a scancel): --resume continues it
+STATUS_UNKNOWN = 4  # nothing to tell from: no job Slurm knows of and no attempt in the ledger

@@ -71,6 +71,23 @@ def check_partition(partition: str | None, runner: Runner = subprocess.run) -> l
                     ", or slurm.partition=null for the cluster's default")]
 
 
+def check_partition_limits(cfg: RunConfig, runner: Runner = subprocess.run) -> list[Finding]:
+    """The request against the partition's nodes, MaxNodes, MinNodes and MaxTime (:mod:`hpc_ddp.login.partition`):
+    what can never start is an error. With several partitions (``a,b``) only what none of them can run."""
+    from hpc_ddp.login.partition import limit_problems, show_partitions
+
+    slurm = cfg.slurm
+    partitions = show_partitions(slurm.partition, runner)
+    if isinstance(partitions, str):
+        return [Finding("warning", "slurm.partition", f"could not read the partition's limits: {partitions}",
+                        "check that Slurm answers (scontrol show partition) before trusting the submit")]
+    each = [[Finding(*p) for p in limit_problems(part, slurm.nodes, slurm.spare_nodes, slurm.timeout_min)]
+            for part in partitions]
+    if len(each) > 1 and any(not any(f.level == "error" for f in found) for found in each):
+        return [f for found in each for f in found if f.level == "warning"]  # one partition can run it
+    return [f for found in each for f in found]
+
+
 def _mount_of(path: Path, mounts: str) -> tuple[str, str]:
     """(mount point, fstype) of the longest mount point containing ``path``, from /proc/mounts text."""
     best = ("/", "")
@@ -299,5 +316,7 @@ def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str 
                 *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg)]
     if slurm:
         commands = check_commands(which)
-        findings = commands + findings + ([] if commands else check_partition(cfg.slurm.partition, runner))
+        asked = [] if commands else check_partition(cfg.slurm.partition, runner)
+        limits_of = [] if commands or asked else check_partition_limits(cfg, runner)  # of a partition that exists
+        findings = commands + findings + asked + limits_of
     return findings
