@@ -13,7 +13,6 @@ The schema itself (one dataclass per section, every field documented) is in
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -26,6 +25,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 from hpc_ddp.core.config_schema import (DistConfig, MetricsConfig, RunConfig, SlurmConfig, SnapshotConfig, TrainConfig,
                                         schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
+from hpc_ddp.core.config_hints import suggest
 from hpc_ddp.core.errors import ConfigError, explain
 
 __all__ = ["DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig", "TrainConfig", "config_diff",
@@ -159,9 +159,8 @@ def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErr
         section, _ = schema_node(key_path)
         parent, _, leaf = key_path.rpartition(".")
         valid = [f.name for f in dataclasses.fields(section)] if section else []
-        near = difflib.get_close_matches(leaf, valid, n=1)
-        hint = f"did you mean {'.'.join(filter(None, [parent, near[0]]))}?" if near else \
-            "see the config reference (docs/config.md) for every key"
+        near = suggest(key_path)
+        hint = f"did you mean {near}?" if near else "see the config reference (docs/config.md) for every key"
         return ConfigError(explain(f"unknown config key {key!r} in {source}",
                                    expected=f"one of the keys of {parent or 'the top level'}: {', '.join(valid)}",
                                    hint=hint), key=key)

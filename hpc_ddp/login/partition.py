@@ -16,9 +16,9 @@ import subprocess
 from collections.abc import Callable, Mapping
 
 from hpc_ddp.core.batching import node_counts
+from hpc_ddp.core.config_hints import minutes
 
 Runner = Callable[..., subprocess.CompletedProcess]
-UNLIMITED = ("UNLIMITED", "INFINITE", "NONE", "N/A")
 
 # Slurm's most common pending reasons (squeue %r), in a line each: what it means and what to do.
 REASONS = {
@@ -49,30 +49,6 @@ REASONS = {
 def fields(text: str) -> dict[str, str]:
     """``KEY=VALUE`` pairs of one ``scontrol show ... -o`` line."""
     return dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", text))
-
-
-def minutes(text: str) -> float | None:
-    """A Slurm time (``MaxTime``: ``30``, ``1:00:00``, ``2-00:00:00``, ``7-12``) in minutes; None for unlimited
-    or unreadable."""
-    text = text.strip()
-    if not text or text.upper() in UNLIMITED:
-        return None
-    days, _, rest = text.rpartition("-")
-    try:
-        day_count = int(days) if days else 0
-        parts = [int(p) for p in rest.split(":")]
-    except ValueError:
-        return None
-    if days:  # days-hours[:minutes[:seconds]]
-        parts += [0] * (3 - len(parts))
-        hours, mins, secs = parts[:3]
-    elif len(parts) == 3:
-        hours, mins, secs = parts
-    elif len(parts) == 2:  # minutes:seconds
-        hours, (mins, secs) = 0, parts
-    else:
-        hours, mins, secs = 0, parts[0], 0
-    return day_count * 1440 + hours * 60 + mins + secs / 60
 
 
 def show_partitions(name: str | None, runner: Runner = subprocess.run) -> list[dict[str, str]] | str:

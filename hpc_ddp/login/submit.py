@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, shape
 from hpc_ddp.login.guards import check_free, write_config, write_job
@@ -52,8 +53,27 @@ Also installed as the console script `hpc-ddp-submit`.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the override to type for an sbatch or torchrun flag given as ours (``--nodes=2``)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        from hpc_ddp.core.config_hints import flag_hint
+
+        if message.startswith("unrecognized arguments:"):
+            args, hints = message.split(":", 1)[1].split(), []
+            for arg, after in zip(args, args[1:] + [""]):
+                spaced = "=" not in arg and after and not after.startswith("-") and "=" not in after
+                hint = flag_hint(f"{arg}={after}" if spaced else arg)  # -t 2:00:00 as -t=2:00:00
+                hints += [hint.replace(f"{arg}={after} ->", f"{arg} {after} ->")] if hint else []
+            if hints:
+                message += ("\nHINT: hpc_ddp takes Slurm's settings as config keys, not sbatch flags: "
+                            + "; ".join(hints) + " (docs/config.md; any other sbatch option: "
+                            "slurm.sbatch_extra.OPTION=VALUE)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
+    parser = _Parser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
