@@ -35,7 +35,8 @@ __all__ = ["DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotC
 def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = ()) -> RunConfig:
     """Merge YAML files in order, then ``key=value`` overrides; validate; return the dataclass.
 
-    ``name`` defaults to the first file's stem (``examples/mlp.yaml`` -> ``mlp``).
+    ``name`` defaults to the last file's stem (``cluster.yaml examples/mlp.yaml`` -> ``mlp``): shared
+    defaults are stacked first, the run's own file last; a file or override that sets ``name`` wins.
     Raises :class:`ConfigError` naming the key, value, expectation and fix.
     """
     merged = OmegaConf.structured(RunConfig)
@@ -51,7 +52,7 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
         if not paths:
             raise ConfigError(explain("the run has no name", expected="a name for the run directory",
                                       hint="pass a config file or add name=my_run"), key="name")
-        merged.name = Path(paths[0]).stem
+        merged.name = Path(paths[-1]).stem  # the run's own file comes last, after shared defaults (cluster.yaml)
     try:
         cfg = OmegaConf.to_object(merged)
     except Exception as err:  # interpolations resolve here: ${oc.env:SCRATCH}, ${name}

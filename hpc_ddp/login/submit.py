@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, shape
+from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, run_dir_words, shape
 from hpc_ddp.login.guards import check_free, write_config, write_job
 from hpc_ddp.login.rehearse import run_local
 from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
@@ -177,10 +177,11 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
     print(f"submitted {what}: {cfg.name}, {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
     for job, one in zip(jobs, cfgs):
-        log_path = folder / f"{job.job_id}_0_log.out"
-        print(f"{'  [' + job.job_id + ']' if array else ''}\n  run dir  {one.run_dir}\n  logs     {folder} "
-              f"(rank 0: {log_path})\n  watch    python -m hpc_ddp.status {one.run_dir}\n"
-              f"  tail     tail -f {log_path}")
+        err, out = (folder / f"{job.job_id}_0_log.{kind}" for kind in ("err", "out"))
+        print(f"{'  [' + job.job_id + ']' if array else ''}\n  {run_dir_words(one).replace('run dir', 'run dir ', 1)}\n  logs     {folder}: "
+              f"two per rank R, {job.job_id}_R_log.err (hpc_ddp's lines, your logging, tracebacks) and "
+              f"{job.job_id}_R_log.out (what the program prints)\n  watch    python -m hpc_ddp.status {one.run_dir}"
+              f"\n  tail     tail -f {err} {out}")
     print(f"  cancel   scancel {first}")
     return 0
 
