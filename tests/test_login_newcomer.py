@@ -67,3 +67,31 @@ def test_dry_run_says_where_the_run_dir_is_and_what_it_is_relative_to(tmp_path: 
     assert proc.returncode == 0, proc.stderr
     assert f"run dir {tmp_path.resolve() / 'runs' / 'mlp'} (under the directory you submit from: a relative " \
            "run_dir is resolved against it, not against the config file's directory)" in proc.stdout
+
+
+def test_a_rehearsed_loss_without_a_spare_numbers_attempts_as_status_does_and_says_how_to_hold_one(
+        tmp_path: Path) -> None:
+    """Left from earlier passes: the launcher's "attempt N" was the requeue count, not status's row; one death
+    read "exit code -9" and then "137"; the no-spare hint did not name slurm.spare_nodes; a failed attempt's
+    geometry was "-"."""
+    run = tmp_path / "r"
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", str(MLP), "--local", "slurm.nodes=2",
+                           "slurm.tasks_per_node=1", "train.max_steps=8", "slurm.max_failures=1", "--fail-at", "4",
+                           f"run_dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[local] attempt 0 (requeue 0, job step 0) ended, killed by SIGKILL (137)" in proc.stderr
+    assert "exit code -9" not in proc.stderr
+    assert "no spare node was held: slurm.spare_nodes=1 holds one that takes a lost node's place" in proc.stderr
+    assert "its first step is attempt 1, as status numbers them" in proc.stderr
+    shown = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run)], capture_output=True, text=True,
+                           timeout=120).stdout
+    rows = [line.split() for line in shown.splitlines() if line.startswith("  0 ") or line.startswith("  1 ")]
+    assert rows[0][3] == "failed" and rows[0][5] == "2x1", shown  # the failed attempt's geometry, not "-"
+    assert rows[1][3] == "finished", shown
+
+
+def test_exit_codes_read_one_way() -> None:
+    from hpc_ddp.core.codes import exit_words
+
+    assert exit_words(-9) == exit_words(137) == "killed by SIGKILL (137)"
+    assert exit_words(-15) == "killed by SIGTERM (143)" and exit_words(1) == "exit code 1"

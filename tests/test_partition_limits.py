@@ -75,7 +75,8 @@ def test_a_partition_that_is_down_is_a_warning() -> None:
 def test_a_job_too_large_for_the_cluster_is_refused_and_one_that_waits_says_why(slurm_cluster: ClusterSpec,
                                                                                 tmp_path: Path) -> None:
     """On the real 3-node cluster: --dry-run refuses slurm.nodes=4 (it passed and pended forever); submitted
-    anyway (--no-preflight), status shows PENDING with Slurm's reason in words, and exits 0 (it is queued)."""
+    anyway (--no-preflight), submit names the logs that hold hpc_ddp's lines, and status shows PENDING with
+    Slurm's reason in words, and exits 0 (it is queued)."""
     run = tmp_path / "too_big"
     base = [sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "slurm.nodes=4", f"run_dir={run}",
             "name=nlogin_too_big", "slurm.timeout_min=5"]
@@ -85,6 +86,9 @@ def test_a_job_too_large_for_the_cluster_is_refused_and_one_that_waits_says_why(
     sub = subprocess.run(base + ["--no-preflight"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert sub.returncode == 0, sub.stderr
     job = str(json.loads((run / "job.json").read_text())["job_id"])
+    # the tail line points where hpc_ddp's lines, the user's logging and tracebacks go (it named the .out)
+    assert f"tail     tail -f {run}/slurm/{job}_0_log.err {run}/slurm/{job}_0_log.out" in sub.stdout, sub.stdout
+    assert f"run dir  {run}\n" in sub.stdout
     try:
         for _ in range(30):  # the controller sets the reason at its first scheduling pass
             out = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run)], cwd=tmp_path,

@@ -40,11 +40,20 @@ time-outs or preemptions, a scancel: submit --resume continues it); 4 unknown (n
 """
 
 
-def _shape(attempt: dict[str, Any]) -> str:
-    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation; '-' for older ledgers."""
+def _shape(attempt: dict[str, Any], tasks_per_node: int | None = None) -> str:
+    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation. A failed attempt's line has no
+    world size (its ranks never reported): its hosts times the config's tasks per node; '-' when neither is known."""
     world, nodes = attempt.get("world_size"), attempt.get("nodes")
     if not world:
-        return "-"
+        hosts = attempt.get("hosts")
+        if not hosts or not tasks_per_node:
+            return "-"
+        from hpc_ddp.core.hostlist import expand_hostlist
+
+        try:
+            return f"{len(expand_hostlist(str(hosts)))}x{tasks_per_node}"
+        except HpcDdpError:
+            return "-"
     shape = f"{nodes}x{world // nodes}" if nodes and world % nodes == 0 else f"{world} ranks"
     return shape + (f" accum {attempt['grad_accum']}" if attempt.get("grad_accum") else "")
 
@@ -100,7 +109,7 @@ def render(info: dict[str, Any]) -> str:
                 steps = "before step 1"
             restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job") else "")
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {restart:<8} {reason:<16} "
-                       f"{steps:<14} {_shape(a):<12} "
+                       f"{steps:<14} {_shape(a, info.get('tasks_per_node')):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]

@@ -119,7 +119,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
         state = local_state(attempts, bool(done), holder_alive({**job, "local": True}))
     progress: dict[str, Any] = {}
-    max_steps = total_steps(read_config(run_dir), metrics)
+    cfg = read_config(run_dir)
+    max_steps = total_steps(cfg, metrics)
     if metrics:
         last = metrics[-1]
         progress = {"step": last["step"], "loss": newest(metrics).get("loss", (None,))[0],
@@ -131,6 +132,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
               "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()}}  # by attempt (JSON keys)
+    result["tasks_per_node"] = None if cfg is None else cfg.slurm.tasks_per_node  # a failed attempt's geometry
     result["logged"] = {key: value for key, value in newest(metrics).items() if key not in SHOWN}
     result["verdict"] = verdict(state, bool(done), attempts)
     if state and state.startswith("PENDING") and not job.get("local"):
