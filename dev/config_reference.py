@@ -22,7 +22,9 @@ read on the login node. A shell variable in a setup line is written `$VAR`, or e
 `key=null` unsets a key: an optional one becomes null, and a text key whose default is empty (such as
 `train.task`, to run a `train.loop` from a Task's YAML) becomes empty.
 An unknown key, a wrong type or a value out of range stops with a `ConfigError`. The error names the
-key, what was found and what is expected, and suggests the nearest valid key.
+key, what was found and what is expected, and suggests the key you meant: a synonym from other tools (`lr`,
+`learning_rate`, `slurm.time`, `slurm.gpus`), the same name in another section (`max_steps`), or the nearest
+spelling. An sbatch flag given to submit (`--nodes=2`, `-t 2:00:00`) is answered with the override to type.
 
 | key | type | default | meaning |
 |---|---|---|---|

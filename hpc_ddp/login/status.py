@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that submit "
               "printed, e.g. runs/NAME, or the directory that holds your runs, e.g. runs/", file=sys.stderr)
         return STATUS_USAGE
+    if args.plot and runs != [args.run_dir]:
+        print(f"error: --plot draws one run; {args.run_dir} holds {len(runs)}.\nHINT: pass one of them, e.g. "
+              f"python -m hpc_ddp.status {runs[0]} --plot {args.plot}", file=sys.stderr)
+        return STATUS_USAGE
     if args.plot:
         try:
             print(plot(runs[0], args.plot), file=sys.stderr if args.json else sys.stdout)

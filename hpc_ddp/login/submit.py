@@ -45,7 +45,8 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
-Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
+Arguments ending in .yaml/.yml are config files (merged in order; the run is named by the last one unless
+one sets name); KEY=VALUE arguments override them
 (see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
 --multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
 own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
