@@ -34,7 +34,8 @@ REASONS = {
     "JobHeldAdmin": "an administrator held it; ask them, or scancel it",
     "Dependency": "it waits for the job it depends on (--dependency) to end",
     "DependencyNeverSatisfied": "the job it depends on ended so that it can never start; scancel it",
-    "BeginTime": "it was given a later start time (--begin)",
+    "BeginTime": "it waits for its start time: a requeued job waits a little before it may start again "
+                 "(or it was submitted with --begin)",
     "ReqNodeNotAvail": "a node it needs is down, drained or reserved; it starts when the node returns",
     "QOSMaxNodePerJobLimit": "it asks for more nodes than the QOS allows per job: it will never start with this QOS",
     "QOSMaxWallDurationPerJobLimit": "its time limit is above the QOS's: it will never start with this QOS",

@@ -72,7 +72,8 @@ def verdict(state: str | None, done: bool, attempts: list[dict[str, Any]]) -> st
         return "stopped"
     last = attempts[-1].get("reason") if attempts else None
     if last is None:
-        return "failed" if word in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL") else "unknown"
+        return "failed" if word in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "TIMEOUT", "PREEMPTED",
+                                    "DEADLINE") else "unknown"  # ended without an attempt line
     return "stopped" if last in STOPS else "failed"
 
 
