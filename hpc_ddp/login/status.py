@@ -159,7 +159,7 @@ def healed_note(attempt: dict[str, Any]) -> str:
             + (f" (left out {left_out})" if left_out else ""))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
@@ -170,18 +170,31 @@ def main(argv: list[str] | None = None) -> int:
                         help="refresh every --every seconds until the run, or every run, has ended")
     parser.add_argument("--every", type=float, default=30.0, metavar="SECONDS",
                         help="with --follow: seconds between two views (default 30)")
+    return parser
+
+
+def _refusal(args: argparse.Namespace, runs: list[Path]) -> str | None:
+    """Why these arguments show nothing: not a run dir (nor a directory of them), or --plot of several runs."""
+    if not runs:
+        found = "does not exist)" if not args.run_dir.exists() else f"has no {layout.CONFIG}), nor holds one"
+        return (f"{args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that submit printed, "
+                "e.g. runs/NAME, or the directory that holds your runs, e.g. runs/")
+    if args.plot and runs != [args.run_dir]:
+        return (f"--plot draws one run; {args.run_dir} holds {len(runs)}.\nHINT: pass one of them, e.g. "
+                f"python -m hpc_ddp.status {runs[0]} --plot {args.plot}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.every <= 0:
         parser.error(f"--every must be a number of seconds > 0; found {args.every:g}")
-    runs = [args.run_dir] if layout.config(args.run_dir).is_file() else find_runs(args.run_dir)
-    if not runs:
-        found = "does not exist)" if not args.run_dir.exists() else f"has no {layout.CONFIG}), nor holds one"
-        print(f"error: {args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that submit "
-              "printed, e.g. runs/NAME, or the directory that holds your runs, e.g. runs/", file=sys.stderr)
-        return STATUS_USAGE
-    if args.plot and runs != [args.run_dir]:
-        print(f"error: --plot draws one run; {args.run_dir} holds {len(runs)}.\nHINT: pass one of them, e.g. "
-              f"python -m hpc_ddp.status {runs[0]} --plot {args.plot}", file=sys.stderr)
+    one = layout.config(args.run_dir).is_file()
+    runs = [args.run_dir] if one else find_runs(args.run_dir)
+    problem = _refusal(args, runs)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return STATUS_USAGE
     if args.plot:
         try:
@@ -193,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     def show() -> tuple[str, list[str]]:
         infos = [collect(run) for run in runs]
         if args.json:
-            text = json.dumps(infos[0] if runs == [args.run_dir] else infos, default=str)
+            text = json.dumps(infos[0] if one else infos, default=str)
         else:
-            text = render(infos[0]) if runs == [args.run_dir] else table(infos, args.run_dir)
+            text = render(infos[0]) if one else table(infos, args.run_dir)
         return text, [info["verdict"] for info in infos]
 
     if args.follow:
