@@ -69,12 +69,9 @@ def done_line(done: dict[str, Any]) -> str:
     return "  ".join(parts) or "(DONE.json holds no step)"
 
 
-def render(info: dict[str, Any]) -> str:
-    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
-    if info.get("pending_reason"):
-        from hpc_ddp.login.partition import explain_reason
-
-        out.append(f"waiting {explain_reason(info['pending_reason'])}")
+def _progress(info: dict[str, Any]) -> list[str]:
+    """The step, time and logged-metrics lines."""
+    out: list[str] = []
     progress = info["progress"]
     if progress.get("step") is not None:
         line = f"step    {progress['step']}"
@@ -95,6 +92,16 @@ def render(info: dict[str, Any]) -> str:
         out.append("metrics " + "  ".join(f"{key} {_number(value)}" + ("" if step == progress.get("step") else
                                                                       f" (step {step})")
                                           for key, (value, step) in info["logged"].items()))
+    return out
+
+
+def render(info: dict[str, Any]) -> str:
+    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    if info.get("pending_reason"):
+        from hpc_ddp.login.partition import explain_reason
+
+        out.append(f"waiting {explain_reason(info['pending_reason'])}")
+    out += _progress(info)
     if info["done"]:
         out.append(f"done    {done_line(info['done'])}")
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")

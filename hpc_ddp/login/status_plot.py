@@ -60,16 +60,21 @@ def plot(run_dir: Path, out: Path) -> str:
     losses = [m["loss"] for m in metrics]
     if min(losses) > 0:
         _log_scale(ax, max(losses) / min(losses))
-    for row, key in zip(axes[1:], others):  # an eval metric is logged at fewer steps: markers show each one
-        points = [(m["step"], m[key]) for m in every if _is_number(m.get(key))]
-        row[0].plot(*zip(*points), lw=1.2, marker="." if len(points) < 50 else None)
-        row[0].set(ylabel=key)
+    _panels([row[0] for row in axes[1:]], every, others)
     axes[-1][0].set(xlabel="step")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
     also = f"; also {', '.join(others)}" if others else ""
     return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}{also}"
+
+
+def _panels(axes: list[Any], metrics: list[dict[str, Any]], keys: list[str]) -> None:
+    """One panel per logged key; an eval metric is logged at fewer steps, so markers show each one."""
+    for ax, key in zip(axes, keys):
+        points = [(m["step"], m[key]) for m in metrics if _is_number(m.get(key))]
+        ax.plot(*zip(*points), lw=1.2, marker="." if len(points) < 50 else None)
+        ax.set(ylabel=key)
 
 
 NOT_PLOTTED = ("step", "time", "loss", "epoch", "max_steps")
