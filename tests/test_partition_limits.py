@@ -5,6 +5,7 @@ the real local cluster (3 nodes): `slurm.nodes=4` passed preflight and pended fo
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,11 @@ SCONTROL = (
     "State=UP TotalNodes=3\n")
 
 
-def scontrol(cmd, **_kwargs):  # noqa: ANN001
+def scontrol(cmd, sinfo: str = "3 idle\n", **_kwargs):  # noqa: ANN001
+    """The Slurm commands preflight asks: the partitions, and how many of a partition's nodes are up."""
+    if cmd[0] == "sinfo":
+        assert cmd[:3] == ["sinfo", "-h", "-p"] and cmd[4:] == ["-o", "%D %t"]
+        return subprocess.CompletedProcess(cmd, 0, sinfo, "")
     assert cmd == ["scontrol", "show", "partition", "-o"]
     return subprocess.CompletedProcess(cmd, 0, SCONTROL, "")
 
@@ -67,9 +72,15 @@ def test_max_nodes_max_time_and_a_range_beyond_the_partition() -> None:
     assert check_partition_limits(config("slurm.partition=short,debug", "slurm.nodes=3"), scontrol) == []
 
 
-def test_a_partition_that_is_down_is_a_warning() -> None:
+def test_a_partition_that_is_down_or_short_of_nodes_that_are_up_is_a_warning() -> None:
     [down] = limit_problems({"PartitionName": "p", "TotalNodes": "3", "State": "DOWN"}, 1, 0, 60)
     assert down[0] == "warning" and "is DOWN" in down[2]
+    drained = lambda cmd, **kw: scontrol(cmd, sinfo="1 idle\n1 drain*\n1 down*\n", **kw)  # noqa: E731
+    [few] = check_partition_limits(config("slurm.nodes=2"), drained)
+    assert few.level == "warning" and "only 1 of partition 'debug''s nodes can take a job now" in few.message
+    assert check_partition_limits(config("slurm.nodes=1"), drained) == []
+    mixed = lambda cmd, **kw: scontrol(cmd, sinfo="1 mix\n1 alloc\n1 idle~\n", **kw)  # noqa: E731
+    assert check_partition_limits(config("slurm.nodes=3"), mixed) == []  # busy or powered down: it will start
 
 
 def test_a_job_too_large_for_the_cluster_is_refused_and_one_that_waits_says_why(slurm_cluster: ClusterSpec,
@@ -97,7 +108,8 @@ def test_a_job_too_large_for_the_cluster_is_refused_and_one_that_waits_says_why(
                 break
             time.sleep(1)
         assert "state PENDING" in out.stdout, out.stdout
-        assert "waiting PartitionNodeLimit: it asks for more nodes than the partition allows" in out.stdout, out.stdout
+        # Slurm 22.05 says PartitionNodeLimit or, at some scheduling passes, PartitionConfig: both in words
+        assert re.search(r"waiting Partition(NodeLimit|Config): .*it will never start", out.stdout), out.stdout
         assert out.returncode == 0
     finally:
         subprocess.run(["scancel", job], timeout=30)

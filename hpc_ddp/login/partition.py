@@ -26,6 +26,9 @@ REASONS = {
     "Resources": "it is next, waiting for enough nodes (or CPUs, GPUs, memory) to free up",
     "PartitionNodeLimit": "it asks for more nodes than the partition allows (MaxNodes) or has: it will never "
                           "start; scancel it and resubmit with fewer slurm.nodes (+ slurm.spare_nodes)",
+    "PartitionConfig": "the partition cannot run what it asks as configured (more nodes, CPUs or memory than its "
+                       "nodes have): it will never start; scancel it and fit the request to the partition "
+                       "(submit's preflight compares them)",
     "PartitionTimeLimit": "its time limit is above the partition's MaxTime: it will never start; scancel it "
                           "and resubmit with a lower slurm.timeout_min",
     "PartitionDown": "the partition is down; it starts when an administrator brings it up",
@@ -108,6 +111,28 @@ def limit_problems(partition: Mapping[str, str], nodes: str | int, spares: int, 
         found.append(("warning", "slurm.partition", f"partition {name!r} is {state}: the job waits until it is UP",
                       "choose another partition (sinfo), or ask your administrators"))
     return found
+
+
+# sinfo %t states (their suffix marks stripped) of a node a new job cannot start on until someone acts: busy,
+# powered down (idle~) or booting nodes are usable, they free up or come up on their own
+UNUSABLE = ("down", "drain", "drng", "fail", "maint", "inval", "resv", "futr", "future", "unk")
+
+
+def usable_nodes(name: str, runner: Runner = subprocess.run) -> int | None:
+    """How many of the partition's nodes a job could start on now (not down, drained, failing or reserved),
+    from ``sinfo -h -p NAME -o '%D %t'``; None when sinfo cannot tell."""
+    try:
+        proc = runner(["sinfo", "-h", "-p", name, "-o", "%D %t"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    total = 0
+    for line in proc.stdout.splitlines():
+        count, _, state = line.strip().partition(" ")
+        if count.isdigit() and not state.strip("*~#!%$@^-+").lower().startswith(UNUSABLE):
+            total += int(count)
+    return total
 
 
 def _count(text: str | None) -> int | None:

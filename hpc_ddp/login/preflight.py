@@ -69,9 +69,26 @@ def check_partition_limits(cfg: RunConfig, runner: Runner = subprocess.run) -> l
                         "check that Slurm answers (scontrol show partition) before trusting the submit")]
     each = [[Finding(*p) for p in limit_problems(part, slurm.nodes, slurm.spare_nodes, slurm.timeout_min)]
             for part in partitions]
+    for part, found in zip(partitions, each):  # a request that fits: are enough of the nodes up now?
+        if not any(f.level == "error" for f in found):
+            found += _down_nodes(part.get("PartitionName", ""), node_counts(slurm.nodes)[0] + slurm.spare_nodes,
+                                 runner)
     if len(each) > 1 and any(not any(f.level == "error" for f in found) for found in each):
         return [f for found in each for f in found if f.level == "warning"]  # one partition can run it
     return [f for found in each for f in found]
+
+
+def _down_nodes(name: str, needed: int, runner: Runner) -> list[Finding]:
+    """A warning when fewer of the partition's nodes are up than the job needs: it waits until they return."""
+    from hpc_ddp.login.partition import usable_nodes
+
+    usable = usable_nodes(name, runner) if name else None
+    if usable is None or usable >= needed:
+        return []
+    return [Finding("warning", "slurm.nodes", f"only {usable} of partition {name!r}'s nodes can take a job now (the "
+                    f"others are down, drained or reserved: sinfo -p {name}) and the job needs {needed}",
+                    "it waits until enough return (squeue shows ReqNodeNotAvail or Resources); fewer slurm.nodes "
+                    "start sooner")]
 
 
 def _mount_of(path: Path, mounts: str) -> tuple[str, str]:
