@@ -38,8 +38,10 @@ def find_runs(root: Path, depth: int = 2) -> list[Path]:
 def run_line(info: dict[str, Any], root: Path) -> list[str]:
     """One run's columns: name, state, step/max, its last attempt, job."""
     progress, attempts = info["progress"], info["attempts"]
-    step = "-" if progress.get("step") is None else str(progress["step"])
-    if progress.get("max_steps") and progress.get("step") is not None:
+    reached = [a["last_step"] for a in attempts if isinstance(a.get("last_step"), int)]
+    current = progress.get("step") if progress.get("step") is not None else (reached[-1] if reached else None)
+    step = "-" if current is None else str(current)  # no metrics logged yet: how far the ledger says it got
+    if progress.get("max_steps") and current is not None:
         step += f"/{progress['max_steps']}"
     if attempts:
         last = attempts[-1]
