@@ -13,7 +13,6 @@ The schema itself (one dataclass per section, every field documented) is in
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ from hpc_ddp.core.config_schema import (DistConfig, MetricsConfig, RunConfig, Sl
 from hpc_ddp.core.config_checks import check_config
 from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
 from hpc_ddp.core.user_settings import user_leaves
+from hpc_ddp.core.config_hints import suggest
 from hpc_ddp.core.errors import ConfigError, explain
 
 __all__ = ["DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig", "TrainConfig", "config_diff",
@@ -38,8 +38,9 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
                 profiles: Profiles | None = None) -> RunConfig:
     """Merge YAML files in order, then ``key=value`` overrides; validate; return the dataclass.
 
-    ``name`` defaults to the first file's stem (``examples/mlp.yaml`` -> ``mlp``). With ``profiles`` (a
-    submit: :mod:`hpc_ddp.core.profiles`), the profile that the merged ``profile`` key (or
+    ``name`` defaults to the last file's stem (``cluster.yaml examples/mlp.yaml`` -> ``mlp``): shared
+    defaults are stacked first, the run's own file last; a file or override that sets ``name`` wins. With
+    ``profiles`` (a submit: :mod:`hpc_ddp.core.profiles`), the profile that the merged ``profile`` key (or
     ``HPC_DDP_PROFILE``) names is merged first, under the files; without, ``profile`` is only a record
     (a run's own config.yaml already holds its profile's values).
     Raises :class:`ConfigError` naming the key, value, expectation and fix.
@@ -56,7 +57,7 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
         if not paths:
             raise ConfigError(explain("the run has no name", expected="a name for the run directory",
                                       hint="pass a config file or add name=my_run"), key="name")
-        merged.name = Path(paths[0]).stem
+        merged.name = Path(paths[-1]).stem  # the run's own file comes last, after shared defaults (cluster.yaml)
     try:
         cfg = OmegaConf.to_object(merged)
     except Exception as err:  # interpolations resolve here: ${oc.env:SCRATCH}, ${name}
@@ -206,9 +207,8 @@ def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErr
         section, _ = schema_node(key_path)
         parent, _, leaf = key_path.rpartition(".")
         valid = [f.name for f in dataclasses.fields(section)] if section else []
-        near = difflib.get_close_matches(leaf, valid, n=1)
-        hint = f"did you mean {'.'.join(filter(None, [parent, near[0]]))}?" if near else \
-            "see the config reference (docs/config.md) for every key"
+        near = suggest(key_path)
+        hint = f"did you mean {near}?" if near else "see the config reference (docs/config.md) for every key"
         if parent in ("", "train"):  # train.eval_every, model.hidden: the user's own settings
             own = fallback_key if fallback_key.startswith(key_path + ".") else key_path
             hint += (" Y" if near else "; y") + f"our own settings go under user: (user.{own.removeprefix('train.')}=...)"

@@ -172,8 +172,11 @@ class MetricsConfig:
 class RunConfig:
     """One run: where it lives, what it asks of Slurm, and how it trains."""
 
-    name: str = _doc("", "Run name; keys the run directory. Defaults to the first config file's name.")
-    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs.")
+    name: str = _doc("", "Run name; keys the run directory. Defaults to the last config file's name (shared "
+                     "defaults such as cluster.yaml come first, the run's own file last).")
+    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs. A relative path is "
+                        "resolved against the directory you submit from (where the job starts), not the config "
+                        "file's; submit and --dry-run print it absolute.")
     profile: str = _doc("", "The cluster profile merged under the config files: "
                         "$XDG_CONFIG_HOME/hpc_ddp/profiles/NAME.yaml (default ~/.config/hpc_ddp/profiles/). Chosen "
                         "by --profile NAME (the override profile=NAME), this key in a config file, else "

@@ -57,7 +57,7 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     nodes = node_counts(cfg.slurm.nodes)
     environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
-          f"run dir {cfg.run_dir}")
+          f"{run_dir_words(cfg)}")
     print(f"program: {program_line(cfg)}")
     if cfg.profile:
         print(f"profile: {cfg.profile} (merged under the config files; python -m hpc_ddp.profiles show {cfg.profile})")
@@ -85,6 +85,14 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
         return 2
     return 0
+
+
+def run_dir_words(cfg: RunConfig) -> str:
+    """'run dir /abs/path', and where it lies under the submit directory, why (docs/submit.md#where-the-run-dir-is)."""
+    cwd = Path.cwd().resolve()
+    under = Path(cfg.run_dir).is_relative_to(cwd)
+    return f"run dir {cfg.run_dir}" + (" (under the directory you submit from: a relative run_dir is resolved "
+                                       "against it, not against the config file's directory)" if under else "")
 
 
 def program_line(cfg: RunConfig) -> str:

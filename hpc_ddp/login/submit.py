@@ -14,8 +14,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, shape
+from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, run_dir_words, shape
 from hpc_ddp.login.guards import check_free, write_config, write_job
 from hpc_ddp.login.rehearse import run_local
 from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
@@ -46,17 +47,36 @@ examples:
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
 Arguments ending in .yaml/.yml are config files (merged in order, over the cluster profile that
---profile or HPC_DDP_PROFILE names); KEY=VALUE arguments override them (see docs/config.md for every
-key; your own settings go under user.*, e.g. user.eval_every=100). The resolved config is written
-to RUN_DIR/config.yaml; with --multirun each combination gets RUN_DIR/<label>, e.g.
-runs/mlp/lr=0.1,seed=1. With --resume the run's
+--profile or HPC_DDP_PROFILE names; the run is named by the last file unless one sets name); KEY=VALUE
+arguments override them (see docs/config.md for every key; your own settings go under user.*, e.g.
+user.eval_every=100). The resolved config is written to RUN_DIR/config.yaml; with --multirun each
+combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
 own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
 Also installed as the console script `hpc-ddp-submit`.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the override to type for an sbatch or torchrun flag given as ours (``--nodes=2``)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        from hpc_ddp.core.config_hints import flag_hint
+
+        if message.startswith("unrecognized arguments:"):
+            args, hints = message.split(":", 1)[1].split(), []
+            for arg, after in zip(args, args[1:] + [""]):
+                spaced = "=" not in arg and after and not after.startswith("-") and "=" not in after
+                hint = flag_hint(f"{arg}={after}" if spaced else arg)  # -t 2:00:00 as -t=2:00:00
+                hints += [hint.replace(f"{arg}={after} ->", f"{arg} {after} ->")] if hint else []
+            if hints:
+                message += ("\nHINT: hpc_ddp takes Slurm's settings as config keys, not sbatch flags: "
+                            + "; ".join(hints) + " (docs/config.md; any other sbatch option: "
+                            "slurm.sbatch_extra.OPTION=VALUE)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
+    parser = _Parser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
@@ -164,10 +184,11 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
     print(f"submitted {what}: {cfg.name}, {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
     for job, one in zip(jobs, cfgs):
-        log_path = folder / f"{job.job_id}_0_log.out"
-        print(f"{'  [' + job.job_id + ']' if array else ''}\n  run dir  {one.run_dir}\n  logs     {folder} "
-              f"(rank 0: {log_path})\n  watch    python -m hpc_ddp.status {one.run_dir}\n"
-              f"  tail     tail -f {log_path}")
+        err, out = (folder / f"{job.job_id}_0_log.{kind}" for kind in ("err", "out"))
+        print(f"{'  [' + job.job_id + ']' if array else ''}\n  {run_dir_words(one).replace('run dir', 'run dir ', 1)}\n  logs     {folder}: "
+              f"two per rank R, {job.job_id}_R_log.err (hpc_ddp's lines, your logging, tracebacks) and "
+              f"{job.job_id}_R_log.out (what the program prints)\n  watch    python -m hpc_ddp.status {one.run_dir}"
+              f"\n  tail     tail -f {err} {out}")
     print(f"  cancel   scancel {first}")
     return 0
 
