@@ -13,6 +13,7 @@ from typing import Any
 
 from hpc_ddp.core.batching import node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.core.requeue_policy import asks_no_requeue
 
 
 def supervise_line(configs: list[str], python: str = "python", srun_args: list[str] | None = None) -> str:
@@ -30,7 +31,9 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     """Keyword arguments for ``submitit.SlurmExecutor.update_parameters``.
 
     Our warning signal replaces submitit's fixed ``USR2@delay`` (``additional_parameters``
-    are applied last), ``--requeue`` lets the worker's ``scontrol requeue`` work, and
+    are applied last), ``--requeue`` lets the worker's ``scontrol requeue`` work (left out where
+    ``slurm.sbatch_extra`` asks for ``no-requeue``: the job then chains its successor, and an empty
+    value is a flag without one), and
     ``--kill-on-bad-exit=1`` makes one crashing task end the whole step at once instead
     of leaving the other ranks waiting in a collective. With ``configs`` (one per array
     element), the teardown settles the attempt (:mod:`hpc_ddp.shell.settle`).
@@ -47,10 +50,11 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "setup": list(slurm.setup),
         "teardown": [supervise_line(configs, python, list(slurm.srun_args))] if configs else [],
         "srun_args": ["--kill-on-bad-exit=1", *spare_shape(cfg), *slurm.srun_args],
-        "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
+        "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}",
+                                  **({} if asks_no_requeue(slurm.sbatch_extra) else {"requeue": True}),
                                   "no_kill": True,
                                   **({"nodes": slurm_nodes(slurm.nodes)} if len(node_counts(slurm.nodes)) > 1 else {}),
-                                  **slurm.sbatch_extra},
+                                  **{key: value if value != "" else True for key, value in slurm.sbatch_extra.items()}},
     }
     optional = {"gpus_per_node": slurm.gpus_per_node or None, "partition": slurm.partition,
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint,
@@ -101,9 +105,10 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
             options.append(f"--{flag}={value}")
     if slurm.exclusive:
         options.append("--exclusive")
-    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}", "--requeue", "--no-kill", "--open-mode=append",
+    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}",
+                *([] if asks_no_requeue(slurm.sbatch_extra) else ["--requeue"]), "--no-kill", "--open-mode=append",
                 f"--output={cfg.run_dir}/slurm/%j.out"]
-    options += [f"--{key}={value}" for key, value in slurm.sbatch_extra.items()]
+    options += [f"--{key}={value}" if value != "" else f"--{key}" for key, value in slurm.sbatch_extra.items()]
     return [f"#SBATCH {option}" for option in options]
 
 
