@@ -52,6 +52,8 @@ def done_line(done: dict[str, Any]) -> str:
 
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    if len(info.get("jobs") or []) > 1:
+        out.append(chain_line(info["jobs"], info["state"]))
     progress = info["progress"]
     if progress.get("step") is not None:
         line = f"step    {progress['step']}"
@@ -98,6 +100,15 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def chain_line(jobs: list[str], state: str | None) -> str:
+    """The jobs of a run that chained its own successors (Slurm refused requeue): one run, several job ids."""
+    last = jobs[-1]
+    end = "" if state in ("FINISHED", None) or str(state).split()[0] in ("COMPLETED", "FAILED", "CANCELLED") else (
+        f"; scancel {last} ends the chain")
+    return (f"jobs    {' -> '.join(jobs)}  (a chain: each job submitted the next with --dependency=afterany, "
+            f"as Slurm refuses requeue here{end})")
 
 
 def lost_note(entry: dict[str, Any]) -> str:

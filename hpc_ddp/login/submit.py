@@ -120,6 +120,10 @@ def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
         if finding.level == "warning":
             print(finding, file=sys.stderr)
     errors = [f for f in findings if f.level == "error"]
+    if slurm and not errors:
+        from hpc_ddp.login.preflight import requeue_path
+
+        print(f"preflight: {requeue_path(cfg)}", file=sys.stderr)
     if errors:
         raise HpcDdpError("preflight found problems; nothing was submitted (--no-preflight skips the checks)\n"
                           + "\n".join(map(str, errors)), key=errors[0].key)

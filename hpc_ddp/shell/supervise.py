@@ -69,7 +69,7 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
             + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else "")
             + ("" if can_heal else f" (not healed in the job: {sup.command_problem()})"))
         if not sup.healer.next_nodes:
-            return step.code
+            return 0 if chained(sup, step) else step.code
         nodes, healed, sup.healer.next_nodes = sup.healer.next_nodes, sup.healer.healed, []
         if sup.stopping:  # a SIGTERM after the decision: start nothing; Slurm requeues a preempted job itself
             say("a stop signal reached the batch shell: the planned step is not started")
@@ -92,6 +92,13 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
                   extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
                          **({"healed": step.healed} if step.healed else {}),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
+
+
+def chained(sup: Supervisor, step: Step) -> bool:
+    """Whether this step's stop submitted the run's next job (Slurm refuses requeue): the job then ended as
+    planned, and says so with exit 0 (sacct shows COMPLETED, not FAILED, for a link of the chain)."""
+    key = (sup.job_id, sup.restart, step.index)
+    return any(a.get("next_job") for a in read_attempts(sup.run_dir) if attempt_key(a) == key)
 
 
 def ran_on(sup: Supervisor) -> list[str]:
