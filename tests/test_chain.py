@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hpc_ddp.core.config import load_config
-from hpc_ddp.core.requeue_policy import requeue_plan
+from hpc_ddp.core.requeue_policy import requeue_path, requeue_plan
 from hpc_ddp.core.slurm_env import CHAINED_VAR, from_environ, simulated_environ
 from hpc_ddp.core.slurm_jobs import PreemptionError, RequeueRefused, refused, requeue
 from hpc_ddp.login.sbatch import sbatch_options, submitit_parameters
@@ -72,6 +72,22 @@ def test_the_plan_is_a_chain_where_the_job_asks_for_no_requeue_and_a_requeue_els
     assert requeue_plan({}, "")[1].endswith("(Slurm's settings could not be read)")
 
 
+def test_preflight_reads_the_clusters_settings_through_the_runner_and_names_the_path(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+    answers = {"config": "JobRequeue              = 1\n",
+               "partition": "PartitionName=debug Default=YES PreemptMode=CANCEL\nPartitionName=high PreemptMode=OFF\n"}
+
+    def runner(argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, 0, answers[argv[2]], "")
+    cfg = load_config([Path("examples/mlp.yaml")], [f"run_dir={tmp_path}"])
+    line = requeue_path(cfg.slurm, runner)
+    assert line.startswith("after a stop: requeue") and "partition debug cancels" in line, line
+    assert calls == [["scontrol", "show", "partition", "-o"], ["scontrol", "show", "config"]]
+    chained = load_config([Path("examples/mlp.yaml")], [f"run_dir={tmp_path}", "slurm.sbatch_extra.no-requeue=''"])
+    assert requeue_path(chained.slurm, runner).startswith("after a stop: chain (slurm.sbatch_extra turns requeue off")
+
+
 def test_no_requeue_in_sbatch_extra_replaces_requeue_in_both_submissions(tmp_path: Path) -> None:
     cfg = load_config([Path("examples/mlp.yaml")], [f"run_dir={tmp_path}", "slurm.sbatch_extra.no-requeue=''"])
     extra = submitit_parameters(cfg)["additional_parameters"]
@@ -92,9 +108,11 @@ def test_the_next_sbatch_gets_the_users_environment_without_this_jobs_slurm_vari
     assert sbatch_argv(Path("/r/chain/job-5.sbatch"), "5", "/home/u/proj") == [
         "sbatch", "--parsable", "--dependency=afterany:5", "--chdir=/home/u/proj", "/r/chain/job-5.sbatch"]
     assert parsable_id("12\n") == "12" and parsable_id("12;cluster\n") == "12" and parsable_id("") is None
-    assert submitit_folder("srun ... /v/bin/python -u -m submitit.core._submit /runs/x/slurm\n") == Path("/runs/x/slurm")
+    submitit_line = "srun ... /v/bin/python -u -m submitit.core._submit /runs/x/slurm\n"
+    assert submitit_folder(submitit_line) == Path("/runs/x/slurm")
     assert submitit_folder("srun python -m hpc_ddp.worker --config c.yaml") is None
     assert workdir_of("JobId=5 Requeue=0 WorkDir=/home/u/proj StdErr=x") == "/home/u/proj"
+    assert workdir_of("JobId=5 WorkDir=/tmp/a b StdOut=/tmp/o\n") == "/tmp/a b" and workdir_of("JobId=5") is None
     chained = from_environ({**simulated_environ(1, 1, job_id=7)[0], CHAINED_VAR: "5"})
     assert chained.chained_from == 5 and chained.restart_count == 0
 
@@ -108,7 +126,7 @@ def test_a_refused_requeue_chains_the_next_job_and_the_ledger_and_job_json_name_
     layout.job(tmp_path).write_text(json.dumps({"job_id": "5", "logs": str(folder)}))
     environ = {"SLURM_JOB_ID": "5", "PATH": "/usr/bin:/bin", "SLURM_CONF": "c"}
     said = requeue_or_chain(tmp_path, {"job_id": 5, "restart_count": 0}, "5", environ, slurm)
-    assert "next job 7 is queued" in said
+    assert "next job 7 after this one (--dependency=afterany:5)" in said
     assert slurm.commands() == ["scontrol requeue 5", "scontrol write batch_script", "scontrol show job", "sbatch "
                                 "--parsable --dependency=afterany:5"]
     sbatch, kwargs = slurm.calls[-1]
@@ -128,7 +146,7 @@ def test_the_batch_shell_chains_at_once_after_rank_0_was_refused_and_says_what_i
     environ = {"SLURM_JOB_ID": "5", "PATH": "/usr/bin:/bin"}
     out = settle(tmp_path, job_id=5, restart_count=0, exit_code=3, limits=LIMITS,
                  requeue_job=batch_shell_requeue(tmp_path, (5, 0, 0), "5", environ, slurm))
-    assert "next job 9 is queued" in out and "Slurm refused the workers' requeue" in out
+    assert out.startswith("timeout; Slurm refuses requeue, so the batch shell queued the run's next job 9"), out
     assert "scontrol requeue 5" not in slurm.commands()  # refused once is enough
     again = settle(tmp_path, job_id=5, restart_count=0, exit_code=3, limits=LIMITS, requeue_job=None)
     assert again == "recorded by the workers: timeout" and len(slurm.calls) == 3  # idempotent: no second chain
@@ -143,7 +161,7 @@ def test_a_failure_chains_within_max_failures_and_the_caps_count_every_job_of_th
     append_attempt(tmp_path, {"job_id": 5, "restart_count": 0, "reason": "preemption", "next_job": "7"})
     out = settle(tmp_path, job_id=7, restart_count=0, exit_code=137, limits=LIMITS,
                  requeue_job=batch_shell_requeue(tmp_path, (7, 0, 0), "7", environ, slurm))
-    assert "next job 8 is queued" in out and "max_failures allows" in out
+    assert "next job 8 after" in out and "max_failures allows" in out
     attempts = read_attempts(tmp_path)
     assert chain_jobs(attempts) == ["5", "7", "8"]
     more = attempts + [{"job_id": 8, "restart_count": 0, "reason": "failed"}]

@@ -6,13 +6,16 @@ plugin or QOS that turns requeue off, a partition that cancels the jobs it preem
 ``scontrol requeue`` says "Requested operation is presently disabled" (measured on 22.05) and the
 batch shell chains the next job (:mod:`hpc_ddp.shell.chain`). ``JobRequeue=0`` in slurm.conf is only
 a default: an explicit ``--requeue`` overrides it (Slurm's slurm.conf manual), so it alone does not
-force the chain. Pure functions over what ``scontrol show config`` / ``show partition`` print. No torch.
+force the chain. Pure functions over what ``scontrol show config`` / ``show partition`` print, and
+:func:`requeue_path`, which asks them through a command runner (a seam for tests). No torch.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import subprocess
+from collections.abc import Callable, Mapping
+from typing import Any
 
 NO_REQUEUE = "no-requeue"
 CHAIN, REQUEUE = "chain", "requeue"
@@ -53,3 +56,22 @@ def requeue_plan(sbatch_extra: Mapping[str, str], config_text: str = "", partiti
     tail = f" ({'; '.join(notes)})" if notes else ""
     return REQUEUE, ("the job asks for --requeue and rank 0 requeues it at each stop (scontrol requeue); "
                      f"should Slurm refuse, {chain_how}{tail}")
+
+
+def _scontrol(runner: Callable[..., Any], *args: str) -> str:
+    try:
+        proc = runner(["scontrol", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def requeue_path(slurm: Any, runner: Callable[..., Any] = subprocess.run) -> str:
+    """Which way a run with the config's ``slurm`` section goes on after a stop on this cluster, in a line (the
+    preflight's): from ``scontrol show config`` and the partition's settings (the default one's when unset)."""
+    partitions = _scontrol(runner, "show", "partition", "-o", *([slurm.partition.split(",")[0]]
+                                                                 if slurm.partition else []))
+    line = next((row for row in partitions.splitlines() if slurm.partition or "Default=YES" in row), "")
+    name = slurm.partition or next(iter(re.findall(r"PartitionName=(\S+)", line)), None)
+    path, why = requeue_plan(slurm.sbatch_extra, _scontrol(runner, "show", "config"), line, name)
+    return f"after a stop: {path} ({why})"

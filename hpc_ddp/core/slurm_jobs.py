@@ -61,7 +61,7 @@ def job_state(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]]
     return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
-JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime", "Requeue")  # what a stop's reason is read from
+JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime")  # what a stop's reason is read from
 
 
 def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> dict[str, str]:

@@ -68,11 +68,12 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
     if not checks:
         return 0
-    from hpc_ddp.login.preflight import preflight, requeue_path  # here: --no-preflight need not import it (benchmark B1)
+    from hpc_ddp.core.requeue_policy import requeue_path
+    from hpc_ddp.login.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
 
     findings = preflight(cfg)
     if shutil.which("scontrol"):
-        print(f"requeue: {requeue_path(cfg)}")
+        print(f"requeue: {requeue_path(cfg.slurm)}")
     if findings:
         print(f"preflight: {len(findings)} finding(s)")
         print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))

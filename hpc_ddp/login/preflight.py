@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -291,28 +290,6 @@ def check_metrics(cfg: RunConfig) -> list[Finding]:
     return [Finding("error", f"metrics.{key}", f"metrics.{key}=true needs the {EXTRAS[key][0]} package, which is "
                     "not installed", f"pip install 'hpc_ddp[{EXTRAS[key][1]}]' (here and in the job's environment), "
                     f"or set metrics.{key}=false") for key in missing_extras(cfg.metrics)]
-
-
-def _scontrol(runner: Runner, *args: str) -> str:
-    try:
-        proc = runner(["scontrol", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
-
-
-def requeue_path(cfg: RunConfig, runner: Runner = subprocess.run) -> str:
-    """Which way this run goes on after a stop on this cluster, in a line: Slurm requeues the job, or the job
-    submits its successor (:mod:`hpc_ddp.core.requeue_policy`); from ``scontrol show config`` and the
-    partition's settings."""
-    from hpc_ddp.core.requeue_policy import requeue_plan
-
-    partitions = _scontrol(runner, "show", "partition", "-o", *([cfg.slurm.partition.split(",")[0]]
-                                                                 if cfg.slurm.partition else []))
-    line = next((row for row in partitions.splitlines() if cfg.slurm.partition or "Default=YES" in row), "")
-    name = cfg.slurm.partition or next(iter(re.findall(r"PartitionName=(\S+)", line)), None)
-    path, why = requeue_plan(cfg.slurm.sbatch_extra, _scontrol(runner, "show", "config"), line, name)
-    return f"after a stop: {path} ({why})"
 
 
 def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str | None] = shutil.which,

@@ -71,9 +71,10 @@ def submitit_folder(script_text: str) -> Path | None:
 
 
 def workdir_of(show_job: str) -> str | None:
-    """``WorkDir=`` of ``scontrol show job``: where the job was submitted from (and runs)."""
-    found = re.search(r"(?:^|\s)WorkDir=(\S+)", show_job)
-    return found.group(1) if found else None
+    """``WorkDir=`` of ``scontrol show job -o``: where the job runs (a path may hold spaces: it ends where the
+    next ``Key=`` begins)."""
+    found = re.search(r"(?:^|\s)WorkDir=(.*?)(?=\s+[A-Z][A-Za-z]*=|\s*$)", show_job, flags=re.M)
+    return found.group(1) if found and found.group(1) else None
 
 
 def chain_problem(environ: Mapping[str, str]) -> str:
@@ -105,7 +106,7 @@ def submit_next(run_dir: Path, environ: Mapping[str, str], runner: Runner = subp
     script.parent.mkdir(parents=True, exist_ok=True)
     _run(runner, ["scontrol", "write", "batch_script", job, str(script)])
     shown = runner(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60)
-    workdir = workdir_of(shown.stdout) if shown.returncode == 0 else None
+    workdir = (workdir_of(shown.stdout) if shown.returncode == 0 else None) or environ.get("SLURM_SUBMIT_DIR")
     proc = _run(runner, sbatch_argv(script, job, workdir), env=chain_environ(environ, job), cwd=workdir)
     new = parsable_id(proc.stdout)
     if new is None:
@@ -146,7 +147,8 @@ def requeue_or_chain(run_dir: Path, attempt: Mapping[str, Any], spec: str, envir
     new, script = submit_next(run_dir, environ, runner)
     record_next_job(run_dir, attempt, new, str(script))
     note_job(run_dir, new, environ["SLURM_JOB_ID"])
-    return f"Slurm refuses requeue: the run's next job {new} is queued after this one (--dependency=afterany)"
+    return (f"Slurm refuses requeue, so the batch shell queued the run's next job {new} after this one "
+            f"(--dependency=afterany:{environ['SLURM_JOB_ID']}); it resumes from the snapshot")
 
 
 def batch_shell_requeue(run_dir: Path, key: tuple[Any, int, int], spec: str, environ: Mapping[str, str],

@@ -100,8 +100,9 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         if requeue_job is None:
             return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
         done = requeue_job()  # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
-        why = "Slurm refused the workers' requeue" if mine[-1].get("requeue_refused") else "the job's tasks have no scontrol"
-        return f"{reason}; {done or 'requeued'} by the batch shell ({why})"
+        if done and done != "requeued":
+            return f"{reason}; {done}"
+        return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
     if mine and reason not in FAILURE_REASONS:
         return f"recorded by the workers: {reason}"
     if not mine and stop_reason is not None and jit_files.broken_stop_marked(run_dir, job_id, restart_count, in_job):

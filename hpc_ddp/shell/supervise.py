@@ -85,8 +85,9 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
 def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
     spec = job_spec(sup.environ)
     return settle(sup.run_dir, job_id=sup.job_id, restart_count=sup.restart, exit_code=step.code,
-                  limits=caps(sup.cfg.slurm), requeue_job=batch_shell_requeue(
-                      sup.run_dir, (sup.job_id, sup.restart, step.index), spec, sup.environ, sup.runner) if spec else None,
+                  limits=caps(sup.cfg.slurm),
+                  requeue_job=batch_shell_requeue(sup.run_dir, (sup.job_id, sup.restart, step.index), spec,
+                                                  sup.environ, sup.runner) if spec else None,
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),

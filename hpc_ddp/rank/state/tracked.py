@@ -243,7 +243,8 @@ def unattended(env: DistEnv) -> str | None:
     if env.restart_count:
         return f"requeue {env.restart_count}, which Slurm started on {env.num_nodes} node(s)"
     if env.chained_from:
-        return f"the job that job {env.chained_from} chained (Slurm refuses requeue), started on {env.num_nodes} node(s)"
+        return (f"the job that job {env.chained_from} chained (Slurm refuses requeue), started on "
+                f"{env.num_nodes} node(s)")
     return None
 
 
