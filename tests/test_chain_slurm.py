@@ -3,7 +3,9 @@
 Submitted with ``--no-requeue`` (``slurm.sbatch_extra: {no-requeue: ""}``), the job's ``scontrol requeue``
 is refused ("Requested operation is presently disabled") and Slurm cancels it when it is preempted
 (PreemptMode=REQUEUE cancels a job that may not be requeued). So at each stop the batch shell submits the
-run's next job with ``--dependency=afterany``; the ledger names it, and status lists the jobs as one run."""
+run's next job with ``--dependency=afterany``; the ledger names it, and status lists the jobs as one run. At the
+second preemption the batch shell gets a SIGTERM too, as on a cluster that preempts with SIGTERM: it must
+still outlive the step and chain (submitit's bash would end before its teardown line without a trap)."""
 
 from __future__ import annotations
 
@@ -54,13 +56,15 @@ def test_a_job_slurm_may_not_requeue_is_preempted_twice_and_finishes_bit_exact_t
                               f"run_dir={tmp_path / 'local'}"], cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, env=ENV)  # the uninterrupted run beside it
     try:
-        for _ in range(2):
+        for stop in range(2):
             job, since = jobs[-1], last_step(run_dir)
             assert wait_until(lambda: squeue(job, "%T") == "RUNNING" and last_step(run_dir) >= since + 25, 600), (
                 jobs, read_attempts(run_dir), logs(run_dir))
             node = squeue(job, "%N")
             subprocess.run(["sbatch", "--parsable", "-p", "high", "-w", node, "-N1", "--exclusive",
                             "--output=/dev/null", "--wrap", "sleep 1"], check=True, capture_output=True)
+            if stop:  # as a cluster that preempts with SIGTERM does, the batch shell gets one too: it still chains
+                subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, capture_output=True)
             line = lambda: next((a for a in read_attempts(run_dir) if str(a.get("job_id")) == job), {})  # noqa: E731
             assert wait_until(lambda: line().get("next_job"), 300), (read_attempts(run_dir), logs(run_dir))
             jobs.append(str(line()["next_job"]))
@@ -76,6 +80,7 @@ def test_a_job_slurm_may_not_requeue_is_preempted_twice_and_finishes_bit_exact_t
         assert after["chained_from"] == int(before["job_id"]) and after["resumed_from"] == before["last_step"], after
     assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
         (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+    assert "hpc_ddp: the batch shell got SIGTERM" in (run_dir / "slurm" / f"{jobs[1]}_0_log.err").read_text()
     status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run_dir)], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert f"jobs    {' -> '.join(jobs)}  (a chain" in status.stdout, status.stdout

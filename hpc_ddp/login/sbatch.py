@@ -27,6 +27,14 @@ def supervise_line(configs: list[str], python: str = "python", srun_args: list[s
                      *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
 
 
+# The first line of a submitit job's setup. A SIGTERM to the batch shell (a cancel, the end of a preemption's grace
+# time, a cluster that preempts with SIGTERM) would end bash at once, before the teardown line after srun: no
+# settle step, no line for a killed step, no chained next job where Slurm refuses requeue. With a trap, bash
+# waits for srun and goes on to the teardown (measured on 22.05: without it nothing after srun ran).
+TERM_TRAP = ("trap 'echo \"hpc_ddp: the batch shell got SIGTERM: the step ends, then the settle step runs\" >&2' "
+             "TERM")
+
+
 def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python") -> dict[str, Any]:
     """Keyword arguments for ``submitit.SlurmExecutor.update_parameters``.
 
@@ -47,7 +55,7 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
         "signal_delay_s": slurm.signal_delay_s,
-        "setup": list(slurm.setup),
+        "setup": [TERM_TRAP, *slurm.setup],
         "teardown": [supervise_line(configs, python, list(slurm.srun_args))] if configs else [],
         "srun_args": ["--kill-on-bad-exit=1", *spare_shape(cfg), *slurm.srun_args],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}",
