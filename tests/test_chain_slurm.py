@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ARGS = ["examples/mlp.yaml", "train.task=tests.tasks:Faulty", "slurm.nodes=1", "slurm.tasks_per_node=2",
         "slurm.exclusive=true", "train.max_steps=240", "train.log_every=1", "slurm.timeout_min=30",
         "slurm.sbatch_extra.no-requeue=''"]
-ENV = {**os.environ, "HPC_DDP_TEST_FAULT": "slow:-1:0.05"}
+FAULT = {"HPC_DDP_TEST_FAULT": "slow:-1:0.05"}  # the fixture sets SLURM_CONF: the environment is read in the test
 
 
 def last_step(run_dir: Path) -> int:
@@ -46,15 +46,15 @@ def logs(run_dir: Path) -> str:
 
 def test_a_job_slurm_may_not_requeue_is_preempted_twice_and_finishes_bit_exact_through_a_chain_of_three_jobs(
         slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    run_dir = tmp_path / "chain"
+    run_dir, env = tmp_path / "chain", {**os.environ, **FAULT}
     proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *ARGS, f"run_dir={run_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=ENV)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after a stop: chain" in proc.stderr, proc.stderr  # preflight says which path this cluster takes
     jobs = [proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]]
     local = subprocess.Popen([sys.executable, "-m", "hpc_ddp.submit", *ARGS, "--local",
                               f"run_dir={tmp_path / 'local'}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env=ENV)  # the uninterrupted run beside it
+                             stderr=subprocess.PIPE, text=True, env=env)  # the uninterrupted run beside it
     try:
         for stop in range(2):
             job, since = jobs[-1], last_step(run_dir)
