@@ -48,6 +48,8 @@ class FakeSlurm:
             return subprocess.CompletedProcess(argv, 0, f"JobId={argv[-1]} Requeue=0 WorkDir=/home/u/proj\n", "")
         if argv[0] == "sbatch":
             return subprocess.CompletedProcess(argv, 0, f"{self.new_job}\n", "")
+        if argv[0] == "scancel":
+            return subprocess.CompletedProcess(argv, 0, "", "")
         raise AssertionError(f"unexpected command {argv}")
 
     def commands(self) -> list[str]:
@@ -136,6 +138,13 @@ def test_a_refused_requeue_chains_the_next_job_and_the_ledger_and_job_json_name_
     line = read_attempts(tmp_path)[0]
     assert line["next_job"] == "7" and line["requeue_by"] == "chain"
     assert json.loads(layout.job(tmp_path).read_text())["job_id"] == "7"
+
+
+def test_a_next_job_without_submitits_call_is_taken_back_and_the_shell_says_so(tmp_path: Path) -> None:
+    slurm = FakeSlurm(f"srun python -u -m submitit.core._submit {tmp_path / 'nowhere'}\n", new_job="8")
+    said = batch_shell_requeue(tmp_path, (5, 0, 0), "5", {"SLURM_JOB_ID": "5", "PATH": "/usr/bin:/bin"}, slurm)()
+    assert said.startswith("not requeued: job 8 was submitted but submitit's call could not be copied"), said
+    assert slurm.calls[-1][0] == ["scancel", "8"] and "next_job" not in str(read_attempts(tmp_path))
 
 
 def test_the_batch_shell_chains_at_once_after_rank_0_was_refused_and_says_what_it_could_not_do(tmp_path: Path) -> None:

@@ -113,7 +113,12 @@ def submit_next(run_dir: Path, environ: Mapping[str, str], runner: Runner = subp
         raise ChainError(f"sbatch printed no job id: {proc.stdout.strip()!r}")
     folder = submitit_folder(script.read_text(errors="replace"))
     if folder is not None:  # submitit's worker loads FOLDER/<its job id>_submitted.pkl: the same call, new id
-        shutil.copyfile(folder / f"{job}_submitted.pkl", folder / f"{new}_submitted.pkl")
+        try:
+            shutil.copyfile(folder / f"{job}_submitted.pkl", folder / f"{new}_submitted.pkl")
+        except OSError as err:  # the next job would wait for its pickle and fail: take it back
+            runner(["scancel", new], capture_output=True, text=True, timeout=60)
+            raise ChainError(f"job {new} was submitted but submitit's call could not be copied for it ({err}); "
+                             "it was cancelled") from None
     return new, script
 
 
