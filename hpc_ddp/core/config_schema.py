@@ -53,7 +53,9 @@ class SlurmConfig:
                                     "crash, a hang, a lost node), on healthy nodes from the last snapshot, before "
                                     "the failure takes the requeue path (slurm.max_failures); 0: never.")
     setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
-    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
+    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}; an "
+                                                "empty value is a flag: {no-requeue: ''} turns requeue off, and "
+                                                "each stop then chains the run's next job (docs/faults.md).")
     srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")
 
 

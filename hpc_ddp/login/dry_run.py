@@ -5,6 +5,7 @@ that say how a failure is healed and how the batch is split (shared with the rea
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,13 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
     if not checks:
         return 0
+    from hpc_ddp.core.requeue_policy import requeue_path
     from hpc_ddp.login.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
 
     everything = preflight(cfg)
     findings = [f for f in everything if f.level != "note"]
+    if shutil.which("scontrol"):
+        print(f"requeue: {requeue_path(cfg.slurm)}")
     if findings:
         print(f"preflight: {len(findings)} finding(s)")
         print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))

@@ -98,6 +98,8 @@ def _progress(info: dict[str, Any]) -> list[str]:
 
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    if len(info.get("jobs") or []) > 1:
+        out.append(chain_line(info["jobs"], info["state"]))
     if info.get("profile"):
         out.append(f"profile {info['profile']} (cluster profile merged under the run's config)")
     if info.get("pending_reason"):
@@ -147,8 +149,19 @@ def network_line(attempts: list[dict[str, Any]]) -> list[str]:
     i, net = found
     return [f"network NCCL {summary(net)} between nodes (attempt #{i})"
             + (f"\n        WARNING: {net['warning']}" if net.get("warning") else "")]
+
+
 def _number(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def chain_line(jobs: list[str], state: str | None) -> str:
+    """The jobs of a run that chained its own successors (Slurm refused requeue): one run, several job ids."""
+    last = jobs[-1]
+    end = "" if state in ("FINISHED", None) or str(state).split()[0] in ("COMPLETED", "FAILED", "CANCELLED") else (
+        f"; scancel {last} ends the chain")
+    return (f"jobs    {' -> '.join(jobs)}  (a chain: each job submitted the next with --dependency=afterany, "
+            f"as Slurm refuses requeue here{end})")
 
 
 def lost_note(entry: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from hpc_ddp.rundir import layout, metrics_file
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
-from hpc_ddp.rundir.ledger import read_attempts, steps_lost
+from hpc_ddp.rundir.ledger import chain_jobs, read_attempts, steps_lost
 
 
 def _slurm_state(job_id: str) -> str | None:
@@ -132,7 +132,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
-              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()}}  # by attempt (JSON keys)
+              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()},  # by attempt (JSON keys)
+              "jobs": chain_jobs(attempts, job_id or None) if any(a.get("next_job") for a in attempts) else []}
     result["profile"] = (cfg.profile or None) if cfg is not None else None
     result["tasks_per_node"] = None if cfg is None else cfg.slurm.tasks_per_node  # a failed attempt's geometry
     result["logged"] = {key: value for key, value in newest(metrics).items() if key not in SHOWN}

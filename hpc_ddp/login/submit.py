@@ -147,6 +147,10 @@ def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
         if finding.level in ("warning", "note"):
             print(finding, file=sys.stderr)
     errors = [f for f in findings if f.level == "error"]
+    if slurm and not errors:
+        from hpc_ddp.core.requeue_policy import requeue_path
+
+        print(f"preflight: {requeue_path(cfg.slurm)}", file=sys.stderr)
     if errors:
         raise HpcDdpError("preflight found problems; nothing was submitted (--no-preflight skips the checks)\n"
                           + "\n".join(map(str, errors)), key=errors[0].key)
