@@ -147,5 +147,7 @@ def b14(scratch: Path, grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # a flag is no scratch folder (it wrote ./--help/)
+        sys.exit("usage: python -m benchmarks.run_dir_ops SCRATCH_DIR [NODESxRANKS ...]  (B14's counts, as JSON)")
     grid = [tuple(map(int, g.split("x"))) for g in sys.argv[2:]] or GRID
     print(json.dumps(b14(Path(sys.argv[1]), grid), indent=1))  # type: ignore[arg-type]
