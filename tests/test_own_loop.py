@@ -201,3 +201,20 @@ def test_a_newcomers_mistakes_in_a_loop_are_named_not_retried(tmp_path: Path, lo
     assert attempt["reason"] == ("finished" if code == 0 else "error"), attempt
     assert code or "never called run.boundary" in attempt["note"]
     assert "max_failures" not in proc.stderr
+
+
+def test_a_collective_mismatch_is_an_error_that_points_at_its_fix_not_a_failure_retried(tmp_path: Path) -> None:
+    """A newcomer's rank-0-only evaluation with a collective in it, beside DDP (tests.tasks.loops:
+    rank0_only_eval_with_ddp): gloo aborts rank 0 (SIGABRT, no traceback) and rank 1 fails with "Connection reset by
+    peer". It was retried in the job, ended suggesting slurm.max_failures=10, and status showed no error lines."""
+    from hpc_ddp.core.mismatch import SECTION
+    from hpc_ddp.login.failure_logs import last_errors
+
+    run_dir = tmp_path / "mismatch"
+    proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=2",
+                  "train.loop=tests.tasks.loops:rank0_only_eval_with_ddp", "dist.timeout_s=30", f"run_dir={run_dir}")
+    assert proc.returncode != 0
+    [attempt] = read_attempts(run_dir)  # one attempt: not healed in the job, not requeued
+    assert attempt["reason"] == "error" and SECTION in attempt["message"], attempt
+    assert "max_failures" not in proc.stderr and "collective mismatch" in proc.stderr, proc.stderr[-2000:]
+    assert "collective mismatch" in "\n".join(last_errors(run_dir, run_dir / "slurm"))

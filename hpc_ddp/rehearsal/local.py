@@ -317,6 +317,7 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                              limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
                              in_job=healer.index,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
+                             logs=lambda: sorted(layout.logs(run_dir).glob(f"attempt-{earlier + steps - 1}-rank-*.log")),
                              extra={"hosts": compress_hostlist(healer.training), "start": started,
                                     **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
             why_not, healer.memory.why_not = healer.memory.why_not, ""

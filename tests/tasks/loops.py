@@ -311,3 +311,26 @@ def loader_workers(run: Any) -> None:
         time.sleep(0.05)
         if run.boundary(step):
             return
+
+
+
+def rank0_only_eval_with_ddp(run: Any) -> None:
+    """A newcomer's evaluation on rank 0 alone at step 3 that all-reduces its counts, beside a DDP model: rank 0's
+    all_reduce of 3 numbers meets the other rank's gradient all_reduce of 5. gloo aborts rank 0 on the size
+    mismatch (``gloo::EnforceNotMet``, SIGABRT, no Python traceback); rank 1 fails with "Connection reset by
+    peer". (A rank-0-only forward of a DDP model with buffers broadcasts them instead: with gloo that may
+    hang rather than abort, which the watchdog names.)"""
+    import torch.distributed as dist
+
+    model, optimizer = _tiny(run)
+    step = run.resume(model=model, optimizer=optimizer)
+    while step < 10:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step == 3 and run.is_main:
+            dist.all_reduce(torch.tensor([7, 9, 1], dtype=torch.float32))  # the mistake: only rank 0 takes it
+        if run.boundary(step):
+            return
+        time.sleep(0.05)
