@@ -215,6 +215,41 @@ def never_calls_boundary(run: Any) -> None:
         time.sleep(0.05)
 
 
+def distributed_sampler(run: Any) -> None:
+    """The DDP tutorial's DistributedSampler and DataLoader, kept (run.resume refuses the sampler): a few steps."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    model, optimizer = _tiny(run)
+    sampler = DistributedSampler(list(range(64)), num_replicas=run.world_size, rank=run.rank)
+    loader = DataLoader(torch.ones(64, 4), batch_size=2, sampler=sampler)
+    step = run.resume(model=model, optimizer=optimizer)
+    for batch in loader:
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step) or step == 4:
+            return
+
+
+def sampler_outside_iterate(run: Any) -> None:
+    """A tracked ShardSampler whose loader is iterated directly (`for batch in loader`), not through iterate()."""
+    import hpc_ddp
+    from torch.utils.data import DataLoader
+
+    model, optimizer = _tiny(run)
+    sampler = hpc_ddp.ShardSampler(64, run.rank, run.world_size)
+    loader = DataLoader(torch.ones(64, 4), batch_size=2, sampler=sampler)
+    step = run.resume(model=model, optimizer=optimizer, sampler=sampler)
+    for batch in loader:
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step) or step == 4:
+            return
+
+
 def inits_twice(run: Any) -> None:
     """Starts the process group itself, as the tutorial it came from did."""
     import torch.distributed as dist
