@@ -38,15 +38,27 @@ def test_own_loop_stopped_three_times_ends_bit_identical_to_an_uninterrupted_run
 
 
 def test_an_unmodified_torchrun_script_is_requeued_once_and_resumes_from_its_own_snapshot(tmp_path: Path) -> None:
+    """Also what a newcomer missed: the attempt's ledger line says where the script resumed (by its first progress
+    line; it read `0->300` and "resumed from -"), status shows its step from rank 0's worker (it showed none), the
+    start says the resume is only as exact as the script's own checkpoint, and DONE.json has the last step."""
+    from hpc_ddp.login.status_read import collect
+
     run_dir = tmp_path / "script"
     proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", f"run_dir={run_dir}",
-                  "--preempt-at", "40")
+                  "--preempt-at", "40", "train.max_steps=128")
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)]
     assert attempts[0]["script_exit_code"] == -15  # SIGTERM ended it: it has no handler of its own
     assert "resuming training from snapshot at epoch 1" in proc.stdout
     assert "sending SIGTERM" in proc.stderr and done(run_dir)["exit_code"] == 0
+    # epoch 1 of 32 steps each: its first line says step 33, so it resumed from step 32
+    assert attempts[0]["resumed_from"] is None and (attempts[1]["first_step"], attempts[1]["resumed_from"]) == (32, 32)
+    assert "step 33" in attempts[1]["resumed_from_by"], attempts[1]
+    assert (proc.stdout + proc.stderr).count("only as exact as that checkpoint") == 2  # rank 0, once an attempt
+    progress = collect(run_dir)["progress"]
+    assert progress["step"] == attempts[1]["last_step"] == done(run_dir)["step"] == 128, progress
+    assert progress["max_steps"] == 128 and isinstance(progress["loss"], float)
 
 
 def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_not_crashed(
