@@ -309,6 +309,10 @@ class Run:
         sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value may be
         a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
 
+        Every call is written: ``train.log_every`` is the Trainer's interval, which a loop reads from
+        ``run.config.train.log_every`` itself (an evaluation logged at another step is kept). The values
+        are rank 0's: a loss is not averaged over ranks unless the loop all-reduces it first.
+
         The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
         logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
         """
