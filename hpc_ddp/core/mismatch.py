@@ -45,6 +45,5 @@ def mismatch_line(lines: Iterable[str]) -> str | None:
 
 def mismatch_message(line: str, where: str = "") -> str:
     """The error recorded for an attempt that ended in a collective mismatch: what was said, where, the fix."""
-    said = line.strip()
-    return explain(f"the ranks disagreed on a collective, a bug of the program ({SECTION}){f' in {where}' if where else ''}: "
-                   f"{said[:400]}", hint=HINT)
+    return explain(f"the ranks disagreed on a collective, a bug of the program ({SECTION}); "
+                   f"{f'{where} says' if where else 'torch says'}: \"{line.strip()[:400]}\"", hint=HINT)

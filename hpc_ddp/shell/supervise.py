@@ -97,7 +97,8 @@ def job_logs(run_dir: Path, job_id: int | None) -> list[Path]:
     """The job's output files in the run dir's Slurm log folder (submitit's ``JOB_0_log.err``, a template's
     ``JOB.out``): written through this node's srun, so this node's listing of them is current."""
     folder = layout.slurm_logs(run_dir)
-    return sorted({*folder.glob(f"{job_id}_*"), *folder.glob(f"{job_id}.*")}) if job_id is not None else []
+    found = {*folder.glob(f"{job_id}_*"), *folder.glob(f"{job_id}.*")} if job_id is not None else set()
+    return sorted(path for path in found if path.suffix in (".err", ".out"))
 
 
 def ran_on(sup: Supervisor) -> list[str]:
