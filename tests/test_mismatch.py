@@ -67,3 +67,15 @@ def test_the_message_says_what_was_said_where_and_the_fix() -> None:
     first, hint = message.split("\nHINT: ")
     assert SECTION in first and "8 vs 4" in first and "attempt-0-rank-0.log" in first
     assert "model.module" in hint and "max_failures" not in message
+
+
+def test_a_rank_that_raises_a_mismatch_records_a_usage_error_not_a_failure() -> None:
+    """torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL) raises in Python on every rank: the worker turns it into
+    a usage error (exit 2, an `error` line, never retried), as for its other program mistakes. (Not run for real:
+    DETAIL crashes at start with gloo in this torch build, 2.13.0+cpu.)"""
+    from hpc_ddp.core.errors import UsageError
+    from hpc_ddp.rank.worker import _explained
+
+    explained = _explained(RuntimeError(DETAIL[0].removeprefix("RuntimeError: ")))
+    assert isinstance(explained, UsageError) and SECTION in str(explained) and not explained.retry_may_help
+    assert _explained(RuntimeError(PEER[0])) is None  # a peer's death stays a failure
