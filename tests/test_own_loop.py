@@ -38,15 +38,27 @@ def test_own_loop_stopped_three_times_ends_bit_identical_to_an_uninterrupted_run
 
 
 def test_an_unmodified_torchrun_script_is_requeued_once_and_resumes_from_its_own_snapshot(tmp_path: Path) -> None:
+    """Also what a newcomer missed: the attempt's ledger line says where the script resumed (by its first progress
+    line; it read `0->300` and "resumed from -"), status shows its step from rank 0's worker (it showed none), the
+    start says the resume is only as exact as the script's own checkpoint, and DONE.json has the last step."""
+    from hpc_ddp.login.status_read import collect
+
     run_dir = tmp_path / "script"
     proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", f"run_dir={run_dir}",
-                  "--preempt-at", "40")
+                  "--preempt-at", "40", "train.max_steps=128")
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)]
     assert attempts[0]["script_exit_code"] == -15  # SIGTERM ended it: it has no handler of its own
     assert "resuming training from snapshot at epoch 1" in proc.stdout
     assert "sending SIGTERM" in proc.stderr and done(run_dir)["exit_code"] == 0
+    # epoch 1 of 32 steps each: its first line says step 33, so it resumed from step 32
+    assert attempts[0]["resumed_from"] is None and (attempts[1]["first_step"], attempts[1]["resumed_from"]) == (32, 32)
+    assert "step 33" in attempts[1]["resumed_from_by"], attempts[1]
+    assert (proc.stdout + proc.stderr).count("only as exact as that checkpoint") == 2  # rank 0, once an attempt
+    progress = collect(run_dir)["progress"]
+    assert progress["step"] == attempts[1]["last_step"] == done(run_dir)["step"] == 128, progress
+    assert progress["max_steps"] == 128 and isinstance(progress["loss"], float)
 
 
 def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_not_crashed(
@@ -184,14 +196,18 @@ def test_a_script_with_its_own_session_leaves_its_done_record_for_the_worker_to_
 
 
 @pytest.mark.parametrize("loop, code, said", [
-    ("never_calls_boundary", 0, "without ever calling run.boundary(step)"),
+    ("never_calls_boundary", 0, "the loop never called run.boundary(step)"),
+    ("distributed_sampler", 0, "torch's DistributedSampler is in use (`sampler` in distributed_sampler(), `loader` in"),
+    ("sampler_outside_iterate", 0, "the tracked ShardSampler 'sampler' was iterated outside sampler.iterate(loader)"),
     ("inits_twice", 2, "hpc_ddp has already started the process group"),
     ("positional_resume", 2, "run.resume() takes its objects by name"),
 ])
 def test_a_newcomers_mistakes_in_a_loop_are_named_not_retried(tmp_path: Path, loop: str, code: int, said: str) -> None:
     """Seen by a newcomer converting the DDP tutorial: a loop without run.boundary ended `finished` at step 0 with
     no word; calling init_process_group again and a positional run.resume were retried as failures, with advice
-    to raise slurm.max_failures."""
+    to raise slurm.max_failures. A loop that keeps the tutorial's DistributedSampler, or iterates a tracked
+    ShardSampler's loader directly, resumes inexactly: that was said in a rank's log at most, never in the
+    ledger (status's notes) or DONE.json. Rank 0 says each once."""
     run_dir = tmp_path / loop
     proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
                   f"train.loop=tests.tasks.loops:{loop}", f"run_dir={run_dir}")
@@ -199,7 +215,9 @@ def test_a_newcomers_mistakes_in_a_loop_are_named_not_retried(tmp_path: Path, lo
     assert proc.returncode == code and said in proc.stdout + proc.stderr + logs, proc.stderr[-2000:]
     [attempt] = read_attempts(run_dir)
     assert attempt["reason"] == ("finished" if code == 0 else "error"), attempt
-    assert code or "never called run.boundary" in attempt["note"]
+    if code == 0:
+        assert said in attempt["note"] and [w for w in done(run_dir)["warnings"] if said in w], attempt
+        assert logs.count(said) == 1, logs
     assert "max_failures" not in proc.stderr
 
 
@@ -221,3 +239,18 @@ def test_the_user_section_reaches_an_own_loop_as_run_config_user_and_a_script_as
     seen = json.loads((script_dir / "env-0.json").read_text())
     assert seen["HPC_DDP_USER_EVAL_EVERY"] == "7" and seen["HPC_DDP_USER_DATA_SHARDS"] == "[1, 2]"
     assert json.loads(seen["HPC_DDP_USER"]) == {"eval_every": 7, "data": {"shards": [1, 2]}}
+def test_a_collective_mismatch_is_an_error_that_points_at_its_fix_not_a_failure_retried(tmp_path: Path) -> None:
+    """A newcomer's rank-0-only evaluation with a collective in it, beside DDP (tests.tasks.loops:
+    rank0_only_eval_with_ddp): gloo aborts rank 0 (SIGABRT, no traceback) and rank 1 fails with "Connection reset by
+    peer". It was retried in the job, ended suggesting slurm.max_failures=10, and status showed no error lines."""
+    from hpc_ddp.core.mismatch import SECTION
+    from hpc_ddp.login.failure_logs import last_errors
+
+    run_dir = tmp_path / "mismatch"
+    proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=2",
+                  "train.loop=tests.tasks.loops:rank0_only_eval_with_ddp", "dist.timeout_s=30", f"run_dir={run_dir}")
+    assert proc.returncode != 0
+    [attempt] = read_attempts(run_dir)  # one attempt: not healed in the job, not requeued
+    assert attempt["reason"] == "error" and SECTION in attempt["message"], attempt
+    assert "max_failures" not in proc.stderr and "collective mismatch" in proc.stderr, proc.stderr[-2000:]
+    assert "collective mismatch" in "\n".join(last_errors(run_dir, run_dir / "slurm"))

@@ -281,3 +281,16 @@ def test_a_stop_that_broke_a_step_is_a_note_that_says_what_it_cost_and_the_fix()
     assert "kept the step every rank held" in kept and "worker_init_fn=hpc_ddp.worker_init()" in kept
     lost = broken_stop_note({"error": "EOFError", "held": 15, "snapshot": 10, "child_killed": False})
     assert "resumes from step 10 (5 step(s) lost)" in lost and "worker_init" not in lost
+
+
+def test_a_scripts_progress_file_gives_status_its_step_and_eta(tmp_path: Path) -> None:
+    """A train.script writes no metrics.jsonl: status read no step and no ETA while it ran. Rank 0's worker keeps
+    the script's recent steps in script_progress.json (rundir/script_progress.py); status reads them."""
+    from hpc_ddp.rundir import script_progress
+
+    line = "[rank 0] epoch 1 step 40 loss 0.25"
+    points = [script_progress.point(30, "step 30", 1000.0), script_progress.point(40, line, 1010.0)]
+    script_progress.write(tmp_path, {"attempt": "job-1-restart-0", "points": points})
+    assert script_progress.points(tmp_path) == [{"step": 30, "time": 1000.0}, {"step": 40, "time": 1010.0, "loss": 0.25}]
+    shown = timing(script_progress.points(tmp_path), [], 100, True, now=1011.0)
+    assert shown["steps_per_s"] == 1.0 and shown["eta_s"] == 60

@@ -124,7 +124,9 @@ class TrainConfig:
                     "at every run.boundary(step) and resume from (seed, step, rank), so a lost rank's are known "
                     "without saving them (snapshot.jit needs it); saved: one stream per rank carried from step to "
                     "step and saved in every snapshot.")
-    log_every: int = _doc(10, "Write a metrics line every this many steps.")
+    log_every: int = _doc(10, "The Trainer writes a metrics line (its loss averaged over ranks) every this many "
+                          "steps. A train.loop reads it as run.config.train.log_every: run.log_metrics writes "
+                          "every call it gets, rank 0's values.")
     num_workers: int = _doc(0, "DataLoader worker processes per rank.")
 
 

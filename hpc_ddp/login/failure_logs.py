@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from hpc_ddp.core.codes import PEER_SYMPTOMS
+from hpc_ddp.core.mismatch import mismatch_line
 
 # What a rank says when a peer died under it: never the cause. Matched in the log's last lines.
 
@@ -23,7 +24,8 @@ _RANK_PART = re.compile(r"rank-\d+|_\d+_log")  # attempt-0-rank-3.log, 1234_3_lo
 
 
 def has_error(lines: list[str]) -> bool:
-    return any("Traceback" in line or "error:" in line.lower() for line in lines)
+    """A traceback, an ``error:`` line, or gloo's abort for a collective mismatch (no traceback: SIGABRT)."""
+    return any("Traceback" in line or "error:" in line.lower() for line in lines) or mismatch_line(lines) is not None
 
 
 def blames_a_peer(lines: list[str]) -> bool:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import layout, metrics_file
+from hpc_ddp.rundir import layout, metrics_file, script_progress
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
@@ -110,6 +110,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
     job = _read_json(layout.job(run_dir)) or {}
     metrics = metrics_file.read(run_dir)  # one record per step: a resumed attempt's values replace replays
+    metrics = metrics or script_progress.points(run_dir)  # a train.script's steps, as rank 0's worker read them
     done = _read_json(layout.done(run_dir))
     attempts = read_attempts(run_dir)
     job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)

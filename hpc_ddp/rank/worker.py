@@ -173,7 +173,11 @@ def _explained(err: Exception) -> HpcDdpError | None:
     """A usage error for an error torch raises that only a program's own code causes (it fails the same way on every
     retry, so it must not be retried under slurm.max_failures), or None."""
     from hpc_ddp.core.errors import UsageError, explain
+    from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
 
+    mismatch = mismatch_line(str(err).splitlines())
+    if mismatch is not None:  # torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL): the ranks called other collectives
+        return UsageError(mismatch_message(mismatch))
     if "initialize the default process group twice" in str(err):
         return UsageError(explain(
             "the loop called torch.distributed.init_process_group, but hpc_ddp has already started the process "

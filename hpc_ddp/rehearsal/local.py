@@ -65,13 +65,18 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
 
 
 def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None],
-         progress: re.Pattern[str] | None = None, watch: dict[str, object] | None = None) -> None:
+         progress: re.Pattern[str] | None = None, watch: dict[str, object] | None = None,
+         quiet: threading.Event | None = None) -> None:
     """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
 
     ``progress`` (``train.script_progress``) finds the step in an unmodified script's own lines.
 
     From rank 0's first error line on (``error: ...``, a traceback, an ERROR log record) its lines
     go to ``err``: errors reach stderr, and the launcher's summary need not print them again.
+
+    Once ``quiet`` is set (the launch returned while a process that outlived rank 0 still held its pipe),
+    lines go to the log only: ``stream`` and ``err`` may be closed by then (a test's captured output),
+    and a write to them would raise in this thread.
     """
     erring = False
     with open(log_path, "ab") as log:
@@ -88,9 +93,14 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             log.write(line)
             log.flush()
             erring = erring or bool(ERROR_LINE.match(text))
+            if quiet is not None and quiet.is_set():
+                continue
             out = err if erring else stream
-            out.write(text)
-            out.flush()
+            try:
+                out.write(text)
+                out.flush()
+            except (ValueError, OSError):  # closed under us: the log keeps every line
+                pass
 
 
 def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = (),
@@ -182,7 +192,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
     procs: list[subprocess.Popen[bytes]] = []
     frozen: list[int] = []
-    tee = None
+    tee, quiet = None, threading.Event()
     try:
         for rank, env in enumerate(environs):
             out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
@@ -195,7 +205,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                            skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen,
                            kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0), self_kill=bool(die_at))
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
-                                                  script_progress(config_path), watch), daemon=True)
+                                                  script_progress(config_path), watch, quiet), daemon=True)
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
@@ -203,6 +213,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                                       int((extra_env or {}).get(IN_JOB_VAR) or 0)))
         if tee is not None:
             tee.join(timeout=5)
+            quiet.set()  # a pipe still held (a child that outlived rank 0): from here the tee writes its log only
         if procs and procs[0].stdout is not None and (tee is None or not tee.is_alive()):
             procs[0].stdout.close()  # rank 0's pipe, read by the tee until it ended
     if interrupted:
@@ -320,6 +331,7 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                              limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
                              in_job=healer.index,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
+                             logs=lambda: sorted(layout.logs(run_dir).glob(f"attempt-{earlier + steps - 1}-rank-*.log")),
                              extra={"hosts": compress_hostlist(healer.training), "start": started,
                                     **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
             why_not, healer.memory.why_not = healer.memory.why_not, ""

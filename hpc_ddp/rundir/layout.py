@@ -6,6 +6,7 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     config.yaml        the resolved config every attempt reads
     attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
     metrics.jsonl      step, loss, lr, samples/s (rank 0)
+    script_progress.json  a train.script's recent steps as rank 0's worker read them from its output
     tensorboard/       TensorBoard event files (metrics.tensorboard=true)
     wandb_id.txt       the W&B run every attempt resumes; wandb/ its local files (metrics.wandb=true)
     snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business); newest.json
@@ -13,8 +14,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     lock.json          which job holds the run now
     job.json           the job id (or the local launcher's pid) of the last submission
     DONE.json          written last when training finished (after the ledger's finished line): step,
-                       world size, params_sha256
-    model.pt           the final model's state_dict
+                       world size, params_sha256 (a train.script: its exit code and last step)
+    model.pt           the final model's state_dict (not for a train.script: the script keeps its own)
     errors/            job-J-restart-N.txt: the full message of a deterministic error;
                        job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
     liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
@@ -37,6 +38,7 @@ from pathlib import Path
 CONFIG = "config.yaml"
 LEDGER = "attempts.jsonl"
 METRICS = "metrics.jsonl"
+SCRIPT_PROGRESS = "script_progress.json"  # a train.script's step as rank 0's worker read it (rundir/script_progress.py)
 SNAPSHOTS = "snapshots"
 LOCK = "lock.json"
 JOB = "job.json"
@@ -61,6 +63,10 @@ def ledger(run_dir: Path | str) -> Path:
 
 def metrics(run_dir: Path | str) -> Path:
     return Path(run_dir) / METRICS
+
+
+def script_progress(run_dir: Path | str) -> Path:
+    return Path(run_dir) / SCRIPT_PROGRESS
 
 
 def snapshots(run_dir: Path | str) -> Path:

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,12 @@ from hpc_ddp.rundir import jit_files, layout
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
-from hpc_ddp.rundir.ledger import STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps, read_attempts
+from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps,
+                                   note_error, read_attempts)
 from hpc_ddp.core.slurm_jobs import job_spec
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.codes import EXIT_LOCKED
+from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
 
 FAILURE_REASONS = ("failed", "hung")
 
@@ -83,10 +85,13 @@ def last_known(run_dir: Path) -> dict[str, Any]:
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
            requeue_job: Callable[[], str | None] | None, now: float | None = None, in_job: int = 0,
            heal: Callable[[Mapping[str, Any]], str | None] | None = None,
-           extra: Mapping[str, Any] | None = None, stop_reason: Callable[[], str] | None = None) -> str:
+           extra: Mapping[str, Any] | None = None, stop_reason: Callable[[], str] | None = None,
+           logs: Callable[[], Sequence[Path]] | None = None) -> str:
     """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can (it
     starts no step itself: it says what the next one will be, or None), else requeue it under its cap.
-    Returns what happened."""
+    ``logs``: the step's output files, read (their tails) only when the workers wrote no line: a rank that
+    gloo aborted for a collective mismatch (:mod:`hpc_ddp.core.mismatch`) left no line, and the attempt is
+    then an ``error``, never healed nor requeued. Returns what happened."""
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
     if layout.done(run_dir).exists():
@@ -110,14 +115,19 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
                             {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
                              "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
                              **(extra or {})})
+    mismatch = None if mine or exit_code in (0, EXIT_ERROR) or logs is None else _mismatch_in(logs())
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
         record = {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
-                  "reason": "error" if exit_code == EXIT_ERROR else "failed",
+                  "reason": "error" if exit_code == EXIT_ERROR or mismatch else "failed",
+                  **({"message": mismatch.splitlines()[0]} if mismatch else {}),
                   "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
                   **jit_files.summary(run_dir, job_id, restart_count, in_job), **(extra or {})}
         append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
+        if mismatch:
+            note_error(run_dir, record, mismatch)  # the whole message, HINT too, where a rank's error is kept
+            return f"error: a collective mismatch, a bug of the program; {not_requeued(run_dir)}"
         if record["reason"] == "error":
             return f"error; {not_requeued(run_dir)}"
         attempts = attempts + [record]
@@ -132,6 +142,26 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
     done = requeue_job()
     return f"{record['reason']}; {done or 'requeued'} (slurm.max_failures allows it)"
+
+
+TAIL_BYTES = 65536  # of each log: the abort is among the last lines a rank wrote, the survivors' after it
+
+
+def _mismatch_in(paths: Sequence[Path]) -> str | None:
+    """The error for a collective mismatch that one of the step's logs shows in its tail (its first such line,
+    naming the file), or None."""
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - TAIL_BYTES))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        line = mismatch_line(lines)
+        if line is not None:
+            return mismatch_message(line, str(path))
+    return None
 
 
 def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], limits: Mapping[str, int],

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpc_ddp.shell.supervisor import Supervisor
-from hpc_ddp.rundir import beats, losses
+from hpc_ddp.rundir import beats, layout, losses
 from hpc_ddp.shell import shell_rules as rules
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
@@ -90,6 +90,7 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
                                                   sup.environ, sup.runner) if spec else None,
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
+                  logs=lambda: job_logs(sup.run_dir, sup.job_id),
                   extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
                          **({"healed": step.healed} if step.healed else {}),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
@@ -100,6 +101,14 @@ def chained(sup: Supervisor, step: Step) -> bool:
     planned, and says so with exit 0 (sacct shows COMPLETED, not FAILED, for a link of the chain)."""
     key = (sup.job_id, sup.restart, step.index)
     return any(a.get("next_job") for a in read_attempts(sup.run_dir) if attempt_key(a) == key)
+
+
+def job_logs(run_dir: Path, job_id: int | None) -> list[Path]:
+    """The job's output files in the run dir's Slurm log folder (submitit's ``JOB_0_log.err``, a template's
+    ``JOB.out``): written through this node's srun, so this node's listing of them is current."""
+    folder = layout.slurm_logs(run_dir)
+    found = {*folder.glob(f"{job_id}_*"), *folder.glob(f"{job_id}.*")} if job_id is not None else set()
+    return sorted(path for path in found if path.suffix in (".err", ".out"))
 
 
 def ran_on(sup: Supervisor) -> list[str]:

@@ -215,6 +215,41 @@ def never_calls_boundary(run: Any) -> None:
         time.sleep(0.05)
 
 
+def distributed_sampler(run: Any) -> None:
+    """The DDP tutorial's DistributedSampler and DataLoader, kept (run.resume refuses the sampler): a few steps."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    model, optimizer = _tiny(run)
+    sampler = DistributedSampler(list(range(64)), num_replicas=run.world_size, rank=run.rank)
+    loader = DataLoader(torch.ones(64, 4), batch_size=2, sampler=sampler)
+    step = run.resume(model=model, optimizer=optimizer)
+    for batch in loader:
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step) or step == 4:
+            return
+
+
+def sampler_outside_iterate(run: Any) -> None:
+    """A tracked ShardSampler whose loader is iterated directly (`for batch in loader`), not through iterate()."""
+    import hpc_ddp
+    from torch.utils.data import DataLoader
+
+    model, optimizer = _tiny(run)
+    sampler = hpc_ddp.ShardSampler(64, run.rank, run.world_size)
+    loader = DataLoader(torch.ones(64, 4), batch_size=2, sampler=sampler)
+    step = run.resume(model=model, optimizer=optimizer, sampler=sampler)
+    for batch in loader:
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step) or step == 4:
+            return
+
+
 def inits_twice(run: Any) -> None:
     """Starts the process group itself, as the tutorial it came from did."""
     import torch.distributed as dist
@@ -331,3 +366,25 @@ def reads_user_section(run: Any) -> None:
         step += 1
         if run.boundary(step):
             return
+
+
+def rank0_only_eval_with_ddp(run: Any) -> None:
+    """A newcomer's evaluation on rank 0 alone at step 3 that all-reduces its counts, beside a DDP model: rank 0's
+    all_reduce of 3 numbers meets the other rank's gradient all_reduce of 5. gloo aborts rank 0 on the size
+    mismatch (``gloo::EnforceNotMet``, SIGABRT, no Python traceback); rank 1 fails with "Connection reset by
+    peer". (A rank-0-only forward of a DDP model with buffers broadcasts them instead: with gloo that may
+    hang rather than abort, which the watchdog names.)"""
+    import torch.distributed as dist
+
+    model, optimizer = _tiny(run)
+    step = run.resume(model=model, optimizer=optimizer)
+    while step < 10:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step == 3 and run.is_main:
+            dist.all_reduce(torch.tensor([7, 9, 1], dtype=torch.float32))  # the mistake: only rank 0 takes it
+        if run.boundary(step):
+            return
+        time.sleep(0.05)

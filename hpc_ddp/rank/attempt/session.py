@@ -189,8 +189,16 @@ def beating(attempt: Attempt) -> Iterator[None]:
 
 
 def _close_record(attempt: Attempt, run: Run) -> None:
+    """The attempt's fields for its ledger line; what the loop did that makes a stop impossible or a resume
+    inexact (rank/loop/advice.py) goes into its note, and into DONE.json's ``warnings``."""
+    from hpc_ddp.rank.loop.advice import outside_iterate
+
     attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0, last_step=run.step,
                           resumed_from=run.resumed_from, **({"resume_read": run.resume_read} if run.resume_read else {}))
+    run.advice.add(outside_iterate(run.tracked))
+    run.advice.note(attempt.record)
+    if run.finished is not None and run.advice.found:
+        run.finished["warnings"] = list(run.advice.found)
 
 
 def _line_at_stop(attempt: Attempt, run: Run, step: int) -> None:
@@ -208,15 +216,17 @@ def _note(attempt: Attempt, note: str) -> None:
 
 
 def _note_ignored_stop(attempt: Attempt, run: Run) -> None:
-    """A stop signal arrived and the loop, which never called run.boundary, could not act on it: on a cluster
-    the job is killed at the grace period's end with nothing saved. The ledger line and the log say so."""
-    if not attempt.flag.is_set and not run.boundaries and not attempt.wrapped and not run.resumed_from:
-        attempt.record["note"] = "the loop never called run.boundary(step): no snapshot, and no stop could be acted on"
-        log.warning("the loop returned without ever calling run.boundary(step): the run counts as finished at step "
-                    "0, no snapshot was taken, and a preemption or time-out would have lost everything.\nHINT: "
-                    "call `if run.boundary(step): return` after every optimizer step (docs/own-loop.md)")
-    if not attempt.flag.is_set or run.boundaries or attempt.wrapped:
-        return  # no signal, or one that came after the last boundary (the run was ending anyway)
+    """The loop returned without ever calling run.boundary: rank 0 warns once (the ledger's note and DONE.json keep
+    it, :func:`_close_record`). Had a stop signal come, it could not be acted on: on a cluster the job is killed at
+    the grace period's end with nothing saved, and the ledger line and the log say so."""
+    if run.boundaries or attempt.wrapped:
+        return
+    if not attempt.flag.is_set:
+        if not run.resumed_from:  # a resumed loop that has nothing left to do makes no boundary, rightly
+            from hpc_ddp.rank.loop.advice import NEVER_BOUNDARY
+
+            run.advice.add([NEVER_BOUNDARY])
+        return
     name = signal.Signals(attempt.flag.signum).name if attempt.flag.signum else "a stop signal"
     attempt.record["stop_ignored"] = name
     attempt.record["note"] = f"{name} arrived and was never acted on: the loop never called run.boundary(step)"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.state.ddp_settle import settle_buckets_on_first_forward, sync_buffers
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
 from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
@@ -94,6 +96,7 @@ class Run:
         self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/salvage/mirror.py)
         self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary, not mid-update
         self.on_stop: Callable[[int], None] | None = None  # the session's ledger line at the agreed stop
+        self.advice = Advice(env.is_main)  # what makes a stop impossible or a resume inexact (rank/loop/advice.py)
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -193,6 +196,8 @@ class Run:
         if self.held is not None:
             self._mark(step)
         self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/watch/child_deaths.py)
+        if self.boundaries == 1:  # a DistributedSampler among the loop's variables: its position will not resume
+            self.advice.add(distributed_samplers(sys._getframe(1)))
         if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
             # what snapshots will hold is checked now, not at the first one (none may come before a failure,
             # and a survivors' snapshot would then be refused for it)
@@ -304,6 +309,10 @@ class Run:
         Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
         sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value may be
         a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
+
+        Every call is written: ``train.log_every`` is the Trainer's interval, which a loop reads from
+        ``run.config.train.log_every`` itself (an evaluation logged at another step is kept). The values
+        are rank 0's: a loss is not averaged over ranks unless the loop all-reduces it first.
 
         The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
         logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.

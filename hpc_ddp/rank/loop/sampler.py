@@ -62,7 +62,7 @@ class ShardSampler(Sampler[int]):
         self.sample_in_epoch = 0  # global position: samples of this epoch taken by all ranks (via iterate)
         self.tracked = False  # run.resume(sampler=...) sets it: its position must then come from iterate()
         self._iterating = False  # inside iterate(): the loader's own pass over the indices counts
-        self._warned = False
+        self.iterated_outside = False  # a tracked sampler iterated outside iterate(): the run notes it (loop/advice.py)
         self._restored: tuple[int, int] | None = None  # the position a resume set, until the loop moves on
 
     def set_epoch(self, epoch: int) -> None:
@@ -101,8 +101,8 @@ class ShardSampler(Sampler[int]):
         return self.usable // self.world_size
 
     def __iter__(self) -> Iterator[int]:
-        if self.tracked and not self._iterating and not self._warned:
-            self._warned = True  # once: a loop that does this, does it every epoch
+        if self.tracked and not self._iterating and not self.iterated_outside:
+            self.iterated_outside = True  # once: a loop that does this, does it every epoch
             log.warning("a tracked ShardSampler is being iterated outside sampler.iterate(loader): its position "
                         "stays at the start of the epoch, so a resume replays the epoch from its start. "
                         "HINT: take the batches with `for batch in sampler.iterate(loader):`")

@@ -37,6 +37,8 @@ class Progress:
     longest_gap: float = 0.0  # the longest time between two progress lines so far
     at_stop: int | None = None  # progress lines seen when the stop was forwarded
     step_at_stop: int | None = None
+    first_step: int | None = None  # the attempt's first progress line's step, and that line
+    first_line: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def feed(self, text: str) -> None:
@@ -52,6 +54,8 @@ class Progress:
             if self.seen_at is not None:
                 self.longest_gap = max(self.longest_gap, now - self.seen_at)
             self.step, self.line, self.lines, self.seen_at = step, text.strip(), self.lines + 1, now
+            if self.first_step is None:
+                self.first_step, self.first_line = step, self.line
 
     def stop_forwarded(self) -> None:
         with self._lock:

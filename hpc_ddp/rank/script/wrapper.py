@@ -55,6 +55,7 @@ from hpc_ddp.rundir.runlock import acquire, release
 from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
 from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
+from hpc_ddp.rank.script.publish import Publisher
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.rank.group import nccl_report
@@ -64,6 +65,10 @@ from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
+RESUME_NOTE = ("train.script: the script resumes from its own checkpoint, so a stop and a requeue are only as exact "
+               "as that checkpoint (what it saves and how often); hpc_ddp forwards the signal, records and requeues "
+               "the attempt, and writes no model.pt or params_sha256 for it. A script that opens hpc_ddp.session() "
+               "gets both, and a resume exact to the step (docs/own-loop.md)")
 
 
 class ScriptError(HpcDdpError):
@@ -95,7 +100,7 @@ def script_path(script: str) -> Path:
 def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progress: Progress | None = None,
               on_later_stop: Callable[[], None] | None = None, hang_after_s: float | None = None,
               on_hang: Callable[[float], None] | None = None,
-              before_forward: Callable[[], None] | None = None) -> int:
+              before_forward: Callable[[], None] | None = None, on_poll: Callable[[], None] | None = None) -> int:
     """Run the child to its end, forwarding the first stop signal this process receives; its exit code.
 
     With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
@@ -104,7 +109,8 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
     ``before_forward`` is called just before the first stop is forwarded (the peers' scripts may die of
     it before the signal reaches their workers). ``on_hang`` is called when the child, after its second
     progress line and before any stop, prints none for ``hang_after_s`` seconds (or 3 x its longest gap
-    so far, if longer); the child's process group is then ended.
+    so far, if longer); the child's process group is then ended. ``on_poll`` is called at every poll (rank 0's
+    :class:`~hpc_ddp.rank.script.publish.Publisher`).
     """
     pipe = subprocess.PIPE if progress is not None else None
     child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
@@ -113,6 +119,8 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
         [(child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)], progress)  # type: ignore[list-item]
     seen, warned = 0, False
     while child.poll() is None:
+        if on_poll is not None:
+            on_poll()
         if flag.count > seen and flag.signum is not None:
             if not seen:
                 log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
@@ -198,17 +206,22 @@ def run_script(attempt: Attempt) -> int:
 
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
         progress, decided = _watch(attempt), {}
+        publisher = Publisher(attempt, progress) if progress is not None else None
         environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
+        if env.is_main:
+            log.info("%s", RESUME_NOTE)
         nccl = _nccl_capture(attempt, environ)
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
                          None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
                          cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
-                         before_forward=lambda: mark_stop(attempt))
+                         before_forward=lambda: mark_stop(attempt), on_poll=None if publisher is None else publisher.poll)
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
         if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:  # what the script's NCCL chose
             attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
+        if publisher is not None:
+            publisher.poll(final=True)
         if progress is not None and progress.step is not None:
             attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
         if "code" in decided:
@@ -233,7 +246,8 @@ def run_script(attempt: Attempt) -> int:
             result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
             if env.is_main:
                 layout.publish_done(attempt.run_dir, json.dumps(
-                    {"script": str(path), "world_size": env.world_size, "exit_code": 0}))
+                    {"script": str(path), "world_size": env.world_size, "exit_code": 0,
+                     **({"step": progress.step} if progress is not None and progress.step is not None else {})}))
             return result
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error

@@ -1,0 +1,37 @@
+"""The rehearsal's tee of rank 0's output outlives the launch when a child still holds rank 0's pipe: it must
+not write to the launcher's streams once they may be closed (a test's captured output is closed when the test
+ends: pytest reported PytestUnhandledThreadExceptionWarning, "I/O operation on closed file")."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from pathlib import Path
+
+from hpc_ddp.rehearsal.local import _tee
+
+
+def test_the_tee_writes_its_log_only_once_the_launch_is_over_and_never_raises(tmp_path: Path) -> None:
+    raised: list[BaseException] = []
+    hook, threading.excepthook = threading.excepthook, lambda args: raised.append(args.exc_value)
+    read_fd, write_fd = os.pipe()
+    stream, err, quiet = io.StringIO(), io.StringIO(), threading.Event()
+    tee = threading.Thread(target=_tee, args=(os.fdopen(read_fd, "rb"), tmp_path / "rank-0.log", stream, err,
+                                              lambda step: None, None, None, quiet))
+    try:
+        tee.start()
+        os.write(write_fd, b"before the end\n")
+        while "before the end" not in stream.getvalue():
+            tee.join(timeout=0.01)
+        quiet.set()  # the launch returned; the caller closes its streams
+        stream.close()
+        err.close()
+        os.write(write_fd, b"after the end\n")
+        os.write(write_fd, b"Traceback (most recent call last):\n")  # would go to err
+    finally:
+        os.close(write_fd)
+        tee.join(timeout=10)
+        threading.excepthook = hook
+    assert not tee.is_alive() and not raised, raised
+    assert (tmp_path / "rank-0.log").read_text() == "before the end\nafter the end\nTraceback (most recent call last):\n"
