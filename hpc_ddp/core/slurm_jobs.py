@@ -22,6 +22,15 @@ class RequeueRefused(PreemptionError):
     the batch shell chains the run's next job instead (:mod:`hpc_ddp.shell.chain`)."""
 
 
+class AlreadyRequeued(PreemptionError):
+    """Slurm has requeued the job already (an admin's ``scontrol requeue``, a preemption past its grace time):
+    ``scontrol requeue`` answers "Job is pending execution"; nothing is left to do, and nothing went wrong."""
+
+
+# What ``scontrol requeue`` prints for a job Slurm has requeued already (measured on 22.05 after an admin's
+# ``scontrol requeue``: "Job is pending execution for job 58").
+PENDING = ("pending execution", "already pending")
+
 # What ``scontrol requeue`` prints when the job may not be requeued (measured on 22.05 for a --no-requeue job:
 # "Requested operation is presently disabled for job 5"); later releases word some cases differently.
 REFUSALS = ("presently disabled", "not requeueable", "requeue is disabled", "job requeue not allowed",
@@ -100,6 +109,8 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
     proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         said = (proc.stderr or proc.stdout).strip()
+        if any(words in said.lower() for words in PENDING):
+            raise AlreadyRequeued(f"Slurm has requeued job {spec} already ({said})")
         error = RequeueRefused if refused(said) else PreemptionError
         raise error(explain(f"`scontrol requeue {spec}` failed: {said}",
                                       hint="requeueing needs JobRequeue=1 (or sbatch --requeue); where Slurm refuses "

@@ -37,6 +37,9 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+STOPS = ("timeout", "preemption", "requeued", "interrupted", "cancelled")  # a ledger's reasons that --resume continues
+
+
 def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
     """A local rehearsal's state from its launcher and its ledger (no Slurm to ask)."""
     if alive:
@@ -46,7 +49,7 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
     if not attempts:
         return "NOT STARTED (local)"
     last = attempts[-1]
-    if last.get("reason") in ("timeout", "preemption", "interrupted", "cancelled"):
+    if last.get("reason") in STOPS:
         why = "cap reached" if last.get("capped") else "--resume continues it"
         return f"STOPPED (local, {why})"
     return "FAILED (local)"
@@ -54,7 +57,6 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
 
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
           "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED")  # Slurm's STOPPED: SIGSTOPped, still holds its nodes
-STOPS = ("timeout", "preemption", "interrupted", "cancelled")  # a ledger's reasons that --resume continues
 
 
 def verdict(state: str | None, done: bool, attempts: list[dict[str, Any]]) -> str:

@@ -142,6 +142,8 @@ def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], lim
     append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
                              "note": "a stop signal broke the step and the ranks wrote no line: recorded by the batch "
                              "shell"})
+    if reason == "requeued":
+        return "requeued by Slurm (an admin's scontrol requeue, or a preemption past its grace time)"
     if reason not in STOP_REASONS or capped or requeue_job is None:
         return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped else "")
     done = requeue_job()

@@ -1,0 +1,73 @@
+"""Findings from a newcomer's trial of pytorch/examples' minGPT-ddp as ``train.script``: an admin's requeue,
+status's time, ``${run_dir}`` at resume, ``--local`` program checks, a script that exits 0 at once, script-run
+hints and messages. Pure functions and fault injection (fakes of Slurm's answers); no job is submitted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.core.slurm_jobs import AlreadyRequeued, PreemptionError, RequeueRefused, requeue
+from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rundir.ledger import read_attempts
+
+PENDING = "Job is pending execution for job 58"  # what 22.05's `scontrol requeue 58` said after an admin's requeue
+
+
+def test_scontrol_requeue_of_a_job_slurm_requeued_already_is_no_failure() -> None:
+    answer = lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", PENDING)  # noqa: E731
+    with pytest.raises(AlreadyRequeued) as err:
+        requeue("58", answer)
+    assert isinstance(err.value, PreemptionError) and not isinstance(err.value, RequeueRefused)
+    assert "HINT" not in str(err.value) and "JobRequeue" not in str(err.value)
+
+
+def _attempt(tmp_path: Path, restart_count: int = 0) -> Any:
+    env = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=2, node_rank=0, num_nodes=2,
+                  master_addr="n2", master_port=1, job_id=58, restart_count=restart_count, source="slurm")
+    flag = StopFlag()
+    flag.signum, flag.received_at = signal.SIGTERM, 0.0
+    cfg = SimpleNamespace(run_dir=str(tmp_path), slurm=SimpleNamespace(signal="USR2", signal_delay_s=120))
+    return SimpleNamespace(cfg=cfg, env=env, environ={"SLURM_JOB_ID": "58"}, flag=flag, attempts=[],
+                           limits={"max_timeouts": 3, "max_preemptions": 3, "max_failures": 3}, wrapped=False,
+                           record={"job_id": 58, "restart_count": restart_count, "in_job": 0, "start": 1.0},
+                           ending=None, local=False, run_dir=tmp_path, end_time=None)
+
+
+@pytest.mark.parametrize("fields", [
+    {"JobState": "COMPLETING", "Reason": "None", "Restarts": "1"},  # the trial's job 58 at rank 0's SIGTERM
+    {"JobState": "RUNNING", "Reason": "None", "PreemptTime": "None", "Restarts": "0"},  # asked before Slurm moved
+])
+def test_an_admins_requeue_is_recorded_as_slurms_and_no_false_error_is_logged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        fields: dict[str, str]) -> None:
+    from hpc_ddp.rank.attempt import conclude
+
+    requeued_fields = {"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1"}
+    asked = iter([fields, requeued_fields, requeued_fields])
+    monkeypatch.setattr(conclude, "job_fields", lambda spec, runner=None: next(asked))
+    monkeypatch.setattr(conclude, "requeue_available", lambda: True)
+    tried: list[str] = []
+
+    def refuse(spec: str, runner: Any = None) -> None:
+        tried.append(spec)
+        raise PreemptionError(f"`scontrol requeue {spec}` failed: {PENDING}\nHINT: requeueing needs JobRequeue=1")
+
+    monkeypatch.setattr(conclude, "requeue", refuse)
+    with caplog.at_level(logging.INFO, logger="hpc_ddp.session"):
+        conclude.conclude(_attempt(tmp_path), stopped=True, step=None)
+    line = read_attempts(tmp_path)[-1]
+    assert line["requeue_by"] == "slurm", line
+    assert line["reason"] == ("requeued" if fields["JobState"] == "COMPLETING" else "preemption")
+    assert tried == ([] if line["reason"] == "requeued" else ["58"])  # nobody requeues what Slurm requeued
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "JobRequeue" not in caplog.text and "resubmitting" not in caplog.text
+    assert json.loads((tmp_path / "attempts.jsonl").read_text().splitlines()[0])["job_id"] == 58
