@@ -71,3 +71,25 @@ def test_an_admins_requeue_is_recorded_as_slurms_and_no_false_error_is_logged(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert "JobRequeue" not in caplog.text and "resubmitting" not in caplog.text
     assert json.loads((tmp_path / "attempts.jsonl").read_text().splitlines()[0])["job_id"] == 58
+
+
+def test_run_dir_in_train_args_is_the_same_absolute_dir_at_submit_and_at_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc_ddp.core.config import save_config
+    from hpc_ddp.login.resolve import resolve
+    from hpc_ddp.rundir import layout
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "main.py").write_text("print('hi')\n")
+    (tmp_path / "gpt.yaml").write_text("name: gpt\ntrain:\n  script: main.py\n  args:\n"
+                                       "    - trainer_config.max_epochs=3\n"
+                                       "    - trainer_config.snapshot_path=${run_dir}/snapshot.pt\n")
+    cfg = resolve(["gpt.yaml"], ["run_dir=runs/m4"])
+    absolute = str(tmp_path.resolve() / "runs" / "m4")
+    assert cfg.run_dir == absolute
+    assert cfg.train.args[-1] == f"trainer_config.snapshot_path={absolute}/snapshot.pt"  # was runs/m4/snapshot.pt
+    save_config(cfg, layout.config(cfg.run_dir))
+    capsys.readouterr()
+    again = resolve(["gpt.yaml"], ["run_dir=runs/m4"], resume=True)
+    assert "differs" not in capsys.readouterr().out
+    assert again.train.args == cfg.train.args
