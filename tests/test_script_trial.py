@@ -93,3 +93,17 @@ def test_run_dir_in_train_args_is_the_same_absolute_dir_at_submit_and_at_resume(
     again = resolve(["gpt.yaml"], ["run_dir=runs/m4"], resume=True)
     assert "differs" not in capsys.readouterr().out
     assert again.train.args == cfg.train.args
+
+
+def test_local_refuses_a_train_script_that_is_not_there_before_it_creates_the_run_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc_ddp.login.submit import main
+
+    (tmp_path / "gpt.yaml").write_text("name: gpt\ntrain:\n  script: mingpt/main.py\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(tmp_path / "gpt.yaml"), "--local", "run_dir=runs/x"]) == 2
+    err = capsys.readouterr().err
+    assert "train.script=mingpt/main.py does not exist" in err and "nothing was rehearsed" in err, err
+    assert not (elsewhere / "runs").exists()

@@ -17,16 +17,38 @@ from hpc_ddp.core.batching import node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
 
 
+def check_program(cfg: RunConfig) -> None:
+    """The checks of the program that ``--dry-run`` and a submit make (train.script's file, train.task's or
+    train.loop's module), before a rehearsal creates the run dir and starts ranks that would each fail at once.
+    Prints the warnings; raises with the errors."""
+    import sys
+
+    from hpc_ddp.core.errors import HpcDdpError
+    from hpc_ddp.login.preflight_program import check_task
+
+    findings = check_task(cfg)
+    for finding in findings:
+        if finding.level != "error":
+            print(finding, file=sys.stderr)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise HpcDdpError("preflight found problems; nothing was rehearsed (--no-preflight skips the checks)\n"
+                          + "\n".join(map(str, errors)), key=errors[0].key)
+
+
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
               again: str = "", fail_at: list[tuple[int, int | None]] | None = None,
-              freeze_at: list[tuple[int, int | None]] | None = None) -> int:
-    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C)."""
+              freeze_at: list[tuple[int, int | None]] | None = None, checks: bool = True) -> int:
+    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C); ``checks``:
+    :func:`check_program` first (``--no-preflight`` skips it)."""
     from hpc_ddp.core.codes import EXIT_INTERRUPTED
     from hpc_ddp.rehearsal.local import rehearse
     from hpc_ddp.core.stopping import signal_number
     from hpc_ddp.rundir.snapshot import committed_steps
 
     run_dir = Path(cfg.run_dir)
+    if checks:
+        check_program(cfg)
     check_free(cfg, resume)
     config_path = write_config(cfg, resume)
     job_id = int(time.time()) % 10**6
