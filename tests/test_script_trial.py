@@ -107,3 +107,53 @@ def test_local_refuses_a_train_script_that_is_not_there_before_it_creates_the_ru
     err = capsys.readouterr().err
     assert "train.script=mingpt/main.py does not exist" in err and "nothing was rehearsed" in err, err
     assert not (elsewhere / "runs").exists()
+
+
+MINGPT_NO_GPU = "Unable to locate sufficient 2 gpus to run this example. Exiting."  # unmodified minGPT, exit 0
+
+
+@pytest.mark.parametrize(("pattern", "lines", "ran_s", "warned"), [
+    ("Epoch (\\d+)", ["Data has 2230 characters", MINGPT_NO_GPU], 30.0, True),  # no progress line, however long
+    ("Epoch (\\d+)", ["[RANK0] Epoch 1 | Iter 0", "done"], 0.5, False),  # it trained
+    (None, [MINGPT_NO_GPU], 0.4, True),  # no pattern: exit 0 within seconds
+    (None, ["trained"], 60.0, False),
+])
+def test_a_script_that_exits_0_early_is_finished_with_a_warning_quoting_its_last_line(
+        caplog: pytest.LogCaptureFixture, pattern: str | None, lines: list[str], ran_s: float, warned: bool) -> None:
+    import re
+
+    from hpc_ddp.rank.script.outcome import exited_early
+    from hpc_ddp.rank.script.output import Progress
+
+    progress = Progress(re.compile(pattern) if pattern else None)
+    for line in lines:
+        progress.feed(line + "\n")
+    attempt = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(script_progress=pattern)), record={})
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp.script"):
+        note = exited_early(attempt, progress, ran_s)
+    assert bool(note) == warned
+    if warned:
+        assert attempt.record["note"] == note and lines[-1] in note and "may have exited early" in note
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    else:
+        assert "note" not in attempt.record and not caplog.records
+
+
+def test_a_rehearsed_script_that_exits_0_at_once_is_finished_with_the_warning_in_its_log_and_status(
+        tmp_path: Path) -> None:
+    from tests.helpers import submit
+
+    script = tmp_path / "main.py"
+    script.write_text(f"print('Data has 2230 characters')\nprint({MINGPT_NO_GPU!r})\n")
+    run_dir = tmp_path / "early"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                  f"train.script={script}", "train.args=[]", "train.script_progress=Epoch (\\d+)", f"run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "may have exited early" in out and MINGPT_NO_GPU in out, out[-2000:]
+    [line] = read_attempts(run_dir)
+    assert line["reason"] == "finished" and MINGPT_NO_GPU in line["note"]
+    from hpc_ddp.login.status import render
+    from hpc_ddp.login.status_read import collect
+
+    assert "may have exited early" in render(collect(run_dir))

@@ -37,9 +37,12 @@ class Progress:
     longest_gap: float = 0.0  # the longest time between two progress lines so far
     at_stop: int | None = None  # progress lines seen when the stop was forwarded
     step_at_stop: int | None = None
+    last_output: str = ""  # the last non-blank line the script printed, progress or not
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def feed(self, text: str) -> None:
+        if text.strip():
+            self.last_output = text.strip()[:300]
         found = self.pattern.search(text) if self.pattern is not None else None
         if found is None or not found.groups():
             return
