@@ -157,3 +157,27 @@ def test_a_rehearsed_script_that_exits_0_at_once_is_finished_with_the_warning_in
     from hpc_ddp.login.status_read import collect
 
     assert "may have exited early" in render(collect(run_dir))
+
+
+def test_the_batch_shells_line_for_a_failed_step_has_its_start_and_status_counts_its_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import datetime
+
+    from hpc_ddp.core.config import load_config, save_config
+    from hpc_ddp.core.slurm_jobs import start_time
+    from hpc_ddp.login.status_read import timing
+    from hpc_ddp.rundir import layout
+    from hpc_ddp.shell import settle
+
+    assert start_time({"StartTime": "2026-11-27T09:04:36"}) == datetime(2026, 11, 27, 9, 4, 36).timestamp()
+    assert start_time({"StartTime": "Unknown"}) is None and start_time({}) is None
+    run_dir = tmp_path / "s1"
+    cfg = load_config([], ["name=s1", "train.script=main.py", f"run_dir={run_dir}", "slurm.max_failures=0"])  # capped: nothing is requeued
+    config = save_config(cfg, layout.config(run_dir))
+    asked: list[str] = []
+    monkeypatch.setattr(settle, "job_fields", lambda spec: asked.append(spec) or {"StartTime": "2026-11-27T09:04:36"})
+    assert settle.main(["--exit-code", "137", str(config)], {"SLURM_JOB_ID": "44", "SLURM_RESTART_COUNT": "1"}) == 137
+    [line] = read_attempts(run_dir)
+    assert asked == ["44"] and line["reason"] == "failed"
+    assert line["start"] == datetime(2026, 11, 27, 9, 4, 36).timestamp()
+    assert timing([], [line], None, False, now=line["end"] + 99)["time_used_s"] == round(line["end"] - line["start"])

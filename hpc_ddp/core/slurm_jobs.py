@@ -70,7 +70,7 @@ def job_state(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]]
     return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
-JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime")  # what a stop's reason is read from
+JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime", "StartTime")  # a stop's reason, a start
 
 
 def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> dict[str, str]:
@@ -86,6 +86,16 @@ def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]
         return {}
     found = re.findall(r"(?:^|\s)(" + "|".join(JOB_FIELDS) + r")=(\S*)", proc.stdout)
     return {key: value for key, value in found}
+
+
+def start_time(fields: Mapping[str, str]) -> float | None:
+    """This attempt's start (``scontrol show job``'s StartTime: a requeued job's is its latest start), as epoch
+    seconds; None when unknown. The batch shell's line for a step it did not start (submitit's) needs it:
+    status sums the time of attempts that have a start."""
+    try:
+        return datetime.fromisoformat(fields.get("StartTime", "")).timestamp()
+    except ValueError:
+        return None
 
 
 def job_spec(environ: Mapping[str, str]) -> str:
