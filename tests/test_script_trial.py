@@ -181,3 +181,29 @@ def test_the_batch_shells_line_for_a_failed_step_has_its_start_and_status_counts
     assert asked == ["44"] and line["reason"] == "failed"
     assert line["start"] == datetime(2026, 11, 27, 9, 4, 36).timestamp()
     assert timing([], [line], None, False, now=line["end"] + 99)["time_used_s"] == round(line["end"] - line["start"])
+
+
+def test_a_script_runs_config_errors_say_its_arguments_go_in_train_args_and_list_items_can_be_named(
+        tmp_path: Path) -> None:
+    from hpc_ddp.core.config import load_config
+    from hpc_ddp.core.errors import ConfigError
+
+    config = tmp_path / "gpt.yaml"
+    config.write_text("name: gpt\ntrain:\n  script: main.py\n  args:\n    - data_config.block_size=32\n"
+                      "    - trainer_config.max_epochs=3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([config], ["trainer_config.max_epochs=5"])
+    text = str(err.value)
+    assert "its own arguments go in train.args" in text and "'train.args.1=trainer_config.max_epochs=5'" in text
+    assert '\'train.args=["data_config.block_size=32", "trainer_config.max_epochs=5"]\'' in text
+    assert "user.trainer_config" not in text  # the own-loop hint does not fit a script
+    assert load_config([config], ["train.args.1=trainer_config.max_epochs=5"]).train.args[1].endswith("=5")
+    assert load_config([config], ["train.args.2=--compile"]).train.args == [
+        "data_config.block_size=32", "trainer_config.max_epochs=3", "--compile"]
+    with pytest.raises(ConfigError) as past:
+        load_config([config], ["train.args.8=x"])
+    assert "train.args has 2 item(s)" in str(past.value).replace("train.args, which has", "train.args has")
+    assert "cannot be unset" not in str(past.value) and "train.args.2=VALUE adds one at the end" in str(past.value)
+    with pytest.raises(ConfigError) as own_loop:  # no train.script: the hint is as it was
+        load_config([], ["name=x", "train.loop=m:f", "trainer_config.max_epochs=5"])
+    assert "train.args" not in str(own_loop.value) and "user.trainer_config" in str(own_loop.value)
