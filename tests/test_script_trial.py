@@ -207,3 +207,23 @@ def test_a_script_runs_config_errors_say_its_arguments_go_in_train_args_and_list
     with pytest.raises(ConfigError) as own_loop:  # no train.script: the hint is as it was
         load_config([], ["name=x", "train.loop=m:f", "trainer_config.max_epochs=5"])
     assert "train.args" not in str(own_loop.value) and "user.trainer_config" in str(own_loop.value)
+
+
+def test_a_script_runs_resume_says_what_is_true_for_a_script(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc_ddp.core.config import load_config
+    from hpc_ddp.login.guards import write_config
+    from hpc_ddp.rundir import layout
+
+    run_dir = tmp_path / "m6"
+    args = ["name=m6", "train.script=main.py", f"run_dir={run_dir}"]
+    write_config(load_config([], [*args, "train.args=[trainer_config.max_epochs=3]"]), resume=False)
+    for n in (1, 2):  # finished, trained longer, finished again: both DONE.json are kept
+        layout.done(run_dir).write_text(json.dumps({"script": "main.py", "world_size": 4, "exit_code": 0}))
+        write_config(load_config([], [*args, f"train.args=[trainer_config.max_epochs={3 + n}]"]), resume=True)
+        out = capsys.readouterr().out
+        assert f"DONE.json is kept as {run_dir / f'DONE-finished-{n}.json'}" in out
+        assert "goes on from its own checkpoint" in out and "train.args" in out
+        for wrong in ("optimizer state", "learning rate", "None", "step 0", "metrics.jsonl are replaced"):
+            assert wrong not in out, out
+    assert sorted(p.name for p in run_dir.glob("DONE*")) == ["DONE-finished-1.json", "DONE-finished-2.json"]
