@@ -35,7 +35,8 @@ def _attempt(tmp_path: Path, restart_count: int = 0) -> Any:
                   master_addr="n2", master_port=1, job_id=58, restart_count=restart_count, source="slurm")
     flag = StopFlag()
     flag.signum, flag.received_at = signal.SIGTERM, 0.0
-    cfg = SimpleNamespace(run_dir=str(tmp_path), slurm=SimpleNamespace(signal="USR2", signal_delay_s=120))
+    cfg = SimpleNamespace(run_dir=str(tmp_path), slurm=SimpleNamespace(signal="USR2", signal_delay_s=120),
+                          train=SimpleNamespace(script="main.py"))
     return SimpleNamespace(cfg=cfg, env=env, environ={"SLURM_JOB_ID": "58"}, flag=flag, attempts=[],
                            limits={"max_timeouts": 3, "max_preemptions": 3, "max_failures": 3}, wrapped=False,
                            record={"job_id": 58, "restart_count": restart_count, "in_job": 0, "start": 1.0},
@@ -227,3 +228,28 @@ def test_a_script_runs_resume_says_what_is_true_for_a_script(tmp_path: Path,
         for wrong in ("optimizer state", "learning rate", "None", "step 0", "metrics.jsonl are replaced"):
             assert wrong not in out, out
     assert sorted(p.name for p in run_dir.glob("DONE*")) == ["DONE-finished-1.json", "DONE-finished-2.json"]
+
+
+def test_ctrl_c_of_a_script_rehearsal_says_no_snapshot_is_committed_by_hpc_ddp_on_rank_0_and_the_launcher(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc_ddp.core.codes import EXIT_INTERRUPTED
+    from hpc_ddp.core.config import load_config
+    from hpc_ddp.login import rehearse
+    from hpc_ddp.rank.attempt import conclude
+    from hpc_ddp.rehearsal import local
+
+    attempt = _attempt(tmp_path)
+    attempt.flag.signum = signal.SIGINT
+    with caplog.at_level(logging.INFO, logger="hpc_ddp.session"):
+        assert conclude.conclude(attempt, stopped=True, step=None) == 0
+    assert "interrupted (Ctrl-C): the script was ended (hpc_ddp commits no snapshot" in caplog.text
+    assert "snapshot committed" not in caplog.text
+    (tmp_path / "main.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(local, "rehearse", lambda *a, **k: EXIT_INTERRUPTED)  # the ranks took Ctrl-C
+    cfg = load_config([], ["name=g", "train.script=main.py", f"run_dir={tmp_path / 'g'}", "slurm.nodes=1"])
+    assert rehearse.run_local(cfg, [], []) == EXIT_INTERRUPTED
+    out = capsys.readouterr().out
+    assert "interrupted: the script was ended (hpc_ddp commits no snapshot" in out and "no snapshot committed yet" \
+        not in out

@@ -66,8 +66,10 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
     if code == EXIT_INTERRUPTED:
-        steps = committed_steps(run_dir)
-        kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
+        steps = [] if cfg.train.script else committed_steps(run_dir)
+        kept = ("the script was ended (hpc_ddp commits no snapshot of a train.script: it goes on from its own "
+                "checkpoint, if it saves one)" if cfg.train.script else
+                f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet")
         print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
     ignored = _ignored_stop(run_dir, job_id)

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_ddp.session")
 
 
+SCRIPT_KEPT = ("the script was ended (hpc_ddp commits no snapshot of a train.script: --resume starts it again, "
+               "and it goes on from its own checkpoint, if it saves one)")
+
+
 def why_stopped(attempt: Attempt) -> str:
     """Rank 0: the stop's reason. A SIGTERM's from what Slurm says of the job now (:func:`term_reason`: a
     preemption, the time limit or a cancel, whatever signal Slurm chose for it), recorded beside it in the
@@ -93,7 +97,7 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
 def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     """Rank 0 writes the attempt's ledger line; every rank learns its exit code and whether to requeue."""
     env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
-    at = "" if step is None else f" of step {step}"
+    kept = SCRIPT_KEPT if attempt.cfg.train.script else f"snapshot{'' if step is None else f' of step {step}'} committed"
     if not stopped:
         if env.is_main and not attempt.wrapped:
             append_attempt(run_dir, {**record, "reason": "finished"})
@@ -102,13 +106,13 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
         return Ending(EXIT_REQUEUE)
     if flag.signum == signal.SIGINT:
         append_attempt(run_dir, {**record, "reason": "interrupted"})
-        log.info("interrupted (Ctrl-C): snapshot%s committed, not requeued", at)
+        log.info("interrupted (Ctrl-C): %s, not requeued", kept)
         return Ending(0)
     reason = why_stopped(attempt)
     if reason == "cancelled":
         append_attempt(run_dir, {**record, "reason": "cancelled"})
-        log.info("the job was cancelled (scancel): snapshot%s committed, not requeued; continue it "
-                 "with `python -m hpc_ddp.submit ... --resume`", at)
+        log.info("the job was cancelled (scancel): %s, not requeued; continue it "
+                 "with `python -m hpc_ddp.submit ... --resume`", kept)
         return Ending(0)
     capped = cap_reached(reason, attempt.attempts + [{"reason": reason}], attempt.limits)
     by = requeuer(attempt, reason)
