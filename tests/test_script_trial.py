@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -253,3 +254,17 @@ def test_ctrl_c_of_a_script_rehearsal_says_no_snapshot_is_committed_by_hpc_ddp_o
     out = capsys.readouterr().out
     assert "interrupted: the script was ended (hpc_ddp commits no snapshot" in out and "no snapshot committed yet" \
         not in out
+
+
+def test_status_says_how_many_attempts_it_could_not_time(tmp_path: Path) -> None:
+    from hpc_ddp.login.status import render
+    from hpc_ddp.login.status_read import collect, timing
+    from hpc_ddp.rundir.ledger import append_attempt
+
+    lines = [{"job_id": 44, "restart_count": 0, "reason": "preemption", "start": 100.0, "end": 160.0},
+             {"job_id": 44, "restart_count": 1, "reason": "failed", "end": 300.0, "exit_code": 137}]  # an old shell's
+    assert timing([], lines, None, False, now=400.0) == {"time_used_s": 60, "attempts": 2, "untimed": 1}
+    for line in lines:
+        append_attempt(tmp_path, line)
+    (tmp_path / "job.json").write_text(json.dumps({"job_id": 44, "local": True, "host": socket.gethostname(), "pid": 4194000}))
+    assert "1m00s used over 2 attempt(s) (1 of them with no recorded start: not counted)" in render(collect(tmp_path))

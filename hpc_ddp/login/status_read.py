@@ -91,6 +91,9 @@ def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_st
         current[0]["time"] if current else None)
     out: dict[str, Any] = {"time_used_s": round(ended + (now - begun if running and begun else 0)),
                            "attempts": len(attempts) + int(running)}
+    untimed = sum(1 for a in attempts if not isinstance(a.get("start"), (int, float)))  # an older batch shell's
+    if untimed:  # lines had none: said, so that the sum is not taken for the whole
+        out["untimed"] = untimed
     recent = current[-20:] if running else []
     if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
         rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
