@@ -76,17 +76,14 @@ def _merge_all(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str]
     for path in paths:
         merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
     for item in overrides:
-        key, where = item.partition("=")[0] if isinstance(item, str) else "", f"override {item!r}"
-        listed = list_item(merged, item) if isinstance(item, str) and "=" in item else None
-        if listed is not None:  # train.args.3=VALUE: one item of a list, replaced or appended
-            merged = _merge(merged, OmegaConf.create(nest(*listed)), where, key=listed[0])
-            continue
+        key, where = str(item).partition("=")[0], f"override {item!r}"
+        listed = list_item(merged, item) if isinstance(item, str) else None  # train.args.3=VALUE: one item
         try:
-            merged = _merge(merged, _parse_override(item), where, key=key)
+            merged = _merge(merged, OmegaConf.create(nest(*listed)) if listed else _parse_override(item), where,
+                            key=listed[0] if listed else key)
         except ConfigError as err:
             raise for_script(err, merged, key, item) from None
     return merged
-
 
 
 def _resolved(merged: Any, key: str) -> Any:

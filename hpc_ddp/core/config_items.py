@@ -23,9 +23,9 @@ _ITEM = re.compile(r"(?P<list>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*)\.(?P<index>
 def list_item(merged: Any, item: str) -> tuple[str, list[Any]] | None:
     """For ``KEY.N=VALUE`` where KEY is a list in ``merged``: (KEY, the list with item N replaced, or
     appended when N is its length). None when the override names no list item. Raises past the end."""
-    key, _, value = item.partition("=")
+    key, sep, value = item.partition("=")
     found = _ITEM.fullmatch(key)
-    if found is None:
+    if found is None or not sep:
         return None
     listed = OmegaConf.select(merged, found["list"], default=None)
     if not OmegaConf.is_list(listed):

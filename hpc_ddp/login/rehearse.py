@@ -38,17 +38,15 @@ def check_program(cfg: RunConfig) -> None:
 
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
               again: str = "", fail_at: list[tuple[int, int | None]] | None = None,
-              freeze_at: list[tuple[int, int | None]] | None = None, checks: bool = True) -> int:
-    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C); ``checks``:
-    :func:`check_program` first (``--no-preflight`` skips it)."""
+              freeze_at: list[tuple[int, int | None]] | None = None) -> int:
+    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C). The submit
+    command runs :func:`check_program` on every config before the first rehearsal starts."""
     from hpc_ddp.core.codes import EXIT_INTERRUPTED
     from hpc_ddp.rehearsal.local import rehearse
     from hpc_ddp.core.stopping import signal_number
     from hpc_ddp.rundir.snapshot import committed_steps
 
     run_dir = Path(cfg.run_dir)
-    if checks:
-        check_program(cfg)
     check_free(cfg, resume)
     config_path = write_config(cfg, resume)
     job_id = int(time.time()) % 10**6

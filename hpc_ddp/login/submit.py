@@ -237,14 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             from hpc_ddp.core.extras import require_extras
 
-            for cfg in cfgs:  # the Slurm path checks this in preflight
+            for cfg in cfgs:  # the Slurm path checks these in preflight; every point before any rehearsal starts
                 require_extras(cfg.metrics)
-            again = resume_command(args.items, args.multirun)
-            for cfg in cfgs:  # every point's program before any rehearsal starts
                 if not args.no_preflight:
-                    check_program(cfg)
-            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at, args.freeze_at,
-                               checks=False) for cfg in cfgs]
+                    check_program(cfg)  # train.script's file: a missing one failed every rank with exit 2
+            again = resume_command(args.items, args.multirun)
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at, args.freeze_at)
+                     for cfg in cfgs]
             return next((code for code in codes if code), 0)
         if not args.no_preflight:
             check_preflight(cfgs[0], slurm=not args.emit_sbatch)
