@@ -323,7 +323,8 @@ def test_after_a_hang_srun_s_first_exit_is_the_watchdog_s_recorder_not_the_culpr
     assert list(sup.healer.healed["excluded"]) == ["n3"]
 
 
-@pytest.mark.parametrize(("reason", "requeued"), [("preemption", True), ("cancelled", False), ("timeout", True)])
+@pytest.mark.parametrize(("reason", "requeued"), [("preemption", True), ("cancelled", False), ("timeout", True),
+                                                 ("requeued", False)])  # Slurm requeued it already: nobody again
 def test_a_step_a_stop_broke_without_a_ledger_line_is_that_stop_never_a_failure(tmp_path: Path, reason: str,
                                                                                requeued: bool) -> None:
     """A rank marked its step broken by a stop signal and rank 0 wrote no line (killed at the grace time's end):
