@@ -174,7 +174,8 @@ def test_the_batch_shells_line_for_a_failed_step_has_its_start_and_status_counts
     assert start_time({"StartTime": "2026-11-27T09:04:36"}) == datetime(2026, 11, 27, 9, 4, 36).timestamp()
     assert start_time({"StartTime": "Unknown"}) is None and start_time({}) is None
     run_dir = tmp_path / "s1"
-    cfg = load_config([], ["name=s1", "train.script=main.py", f"run_dir={run_dir}", "slurm.max_failures=0"])  # capped: nothing is requeued
+    cfg = load_config([], ["name=s1", "train.script=main.py", f"run_dir={run_dir}",
+                           "slurm.max_failures=0"])  # capped: nothing is requeued
     config = save_config(cfg, layout.config(run_dir))
     asked: list[str] = []
     monkeypatch.setattr(settle, "job_fields", lambda spec: asked.append(spec) or {"StartTime": "2026-11-27T09:04:36"})
@@ -266,5 +267,6 @@ def test_status_says_how_many_attempts_it_could_not_time(tmp_path: Path) -> None
     assert timing([], lines, None, False, now=400.0) == {"time_used_s": 60, "attempts": 2, "untimed": 1}
     for line in lines:
         append_attempt(tmp_path, line)
-    (tmp_path / "job.json").write_text(json.dumps({"job_id": 44, "local": True, "host": socket.gethostname(), "pid": 4194000}))
+    (tmp_path / "job.json").write_text(json.dumps({"job_id": 44, "local": True, "host": socket.gethostname(),
+                                                   "pid": 4194000}))  # a rehearsal whose launcher is gone
     assert "1m00s used over 2 attempt(s) (1 of them with no recorded start: not counted)" in render(collect(tmp_path))

@@ -36,7 +36,8 @@ def write_config(cfg: RunConfig, resume: bool) -> Path:
 
         kept = set_aside(Path(cfg.run_dir))
         if kept:
-            print(f"the run had finished: its DONE.json is kept as {kept}; {goes_on_from(Path(cfg.run_dir), kept, cfg.train.script)}",
+            print(f"the run had finished: its DONE.json is kept as {kept}; "
+                  f"{goes_on_from(Path(cfg.run_dir), kept, cfg.train.script)}",
                   flush=True)
     saved = save_config(cfg, path)  # first: a run dir it cannot write is refused here, with the fix
     if resume:

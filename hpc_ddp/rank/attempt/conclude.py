@@ -97,7 +97,8 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
 def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     """Rank 0 writes the attempt's ledger line; every rank learns its exit code and whether to requeue."""
     env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
-    kept = SCRIPT_KEPT if attempt.cfg.train.script else f"snapshot{'' if step is None else f' of step {step}'} committed"
+    at = "" if step is None else f" of step {step}"
+    kept = SCRIPT_KEPT if attempt.cfg.train.script else f"snapshot{at} committed"
     if not stopped:
         if env.is_main and not attempt.wrapped:
             append_attempt(run_dir, {**record, "reason": "finished"})
@@ -124,9 +125,10 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     if capped:
         log.error("%s", capped)
         return Ending(1)
-    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}",
-             "a requeue by Slurm (an admin's `scontrol requeue`, or a preemption past its grace time)"
-             if reason == "requeued" else reason, "the script was ended: the next attempt runs it again" if step is None else "snapshot committed")
+    why = "a requeue by Slurm (an admin's `scontrol requeue`, or a preemption past its grace time)" \
+        if reason == "requeued" else reason
+    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", why,
+             "the script was ended: the next attempt runs it again" if step is None else "snapshot committed")
     if by == "batch shell":
         log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
     # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm (measured on
