@@ -63,7 +63,8 @@ def test_a_failing_rank_fails_the_job_fast_and_leaves_nothing_behind(tmp_path: P
 def test_bad_task_path_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proc = run_local(tmp_path, "bad", "train.task=examples.simple:SimpleTsk")
     assert proc.returncode != 0
-    assert "train.task" in proc.stderr and "did you mean examples.simple:SimpleTask?" in proc.stderr
+    assert "train.task" in proc.stderr and "e.g. examples.simple:SimpleTask" in proc.stderr
+    assert "nothing was rehearsed" in proc.stderr and not (tmp_path / "bad").exists()  # refused before the ranks
 
 
 def test_bad_config_values_stop_before_any_process_starts(tmp_path: Path,

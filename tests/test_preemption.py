@@ -103,7 +103,9 @@ TERM_CASES = [
     ({"JobState": "COMPLETING", "Reason": "None", "PreemptTime": "None", "Restarts": "0"}, 0, "cancelled"),  # scancel
     ({"JobState": "RUNNING", "Reason": "None", "PreemptTime": "2026-11-26T12:35:13", "Restarts": "0"}, 0,
      "preemption"),  # preempted, Slurm's default SIGTERM, within the grace time
-    ({"JobState": "COMPLETING", "Reason": "None", "Restarts": "1"}, 0, "preemption"),  # the grace time's end: requeued
+    ({"JobState": "COMPLETING", "Reason": "None", "Restarts": "1"}, 0, "requeued"),  # the grace time's end: requeued
+    ({"JobState": "COMPLETING", "Reason": "None", "PreemptTime": "None", "Restarts": "1"}, 0, "requeued"),  # admin's
+    ({"JobState": "REQUEUED", "Reason": "None", "PreemptTime": "None", "Restarts": "0"}, 0, "requeued"),  # requeue
     ({"JobState": "COMPLETING", "Reason": "TimeLimit", "PreemptTime": "None", "Restarts": "0"}, 0, "timeout"),
     ({"JobState": "COMPLETING", "Reason": "None", "PreemptTime": "None", "Restarts": "2"}, 2, "cancelled"),
     ({"JobState": "RUNNING", "Reason": "None", "PreemptTime": "None", "Restarts": "0"}, 0, None),  # --signal=TERM

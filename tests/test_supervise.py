@@ -27,8 +27,9 @@ class FakeSlurm:
     """scontrol, squeue, sacct and probe steps, answered from a few facts that a test changes as it goes."""
 
     def __init__(self, held: list[str], *, batch_host: str = "n1", down: Sequence[str] = (),
-                 silent: Sequence[str] = (), end: str | None = None) -> None:
+                 silent: Sequence[str] = (), end: str | None = None, state: str = "RUNNING") -> None:
         self.held, self.batch_host, self.down, self.silent, self.end = held, batch_host, set(down), set(silent), end
+        self.state = state  # squeue's %T
         self.probes: list[list[str]] = []
         self.requeued = 0
 
@@ -40,6 +41,8 @@ class FakeSlurm:
             out = "".join(f"NodeName={n} State={'DOWN' if n in self.down else 'ALLOCATED'}\n" for n in self.held)
         elif argv[:2] == ["scontrol", "requeue"]:
             self.requeued += 1
+        elif argv[0] == "squeue" and "%T" in argv:
+            out = self.state
         elif argv[0] == "squeue":
             out, code = (self.end or ""), 0 if self.end else 1
         elif argv[0] == "srun":  # a probe step
@@ -154,6 +157,14 @@ def test_no_step_starts_after_a_stop_or_without_the_walltime_to_reach_a_boundary
     assert run(sup, Step(["n2"], 0, 137, ["srun: error: n2: task 0: Killed"])) == 137
     assert "100 s of walltime left, less than the stop warning's 120 s" in sup.say[-1]  # type: ignore[attr-defined]
     assert slurm.requeued == 1
+    # a node taken down: Slurm is ending the job, and squeue's end is its actual end (now), not the time limit's:
+    # the trial's hint said "0 s of walltime left" with 58 minutes to go
+    slurm = FakeSlurm(["n1", "n2", "n3"], end="1970-01-12T13:48:20", state="NODE_FAIL")
+    sup = make(tmp_path / "c", "slurm.spare_nodes=1", "slurm.max_failures=0", slurm=slurm, srun=FakeSrun(),
+               clock=shell_rules_epoch("1970-01-12T13:48:20"))
+    assert run(sup, Step(["n2"], 0, 137, ["srun: error: Node failure on n2"])) == 137
+    said = sup.say[-1]  # type: ignore[attr-defined]
+    assert "walltime left" not in said and "Slurm is ending the job (its state is NODE_FAIL" in said, said
 
 
 def shell_rules_epoch(text: str) -> float:
@@ -312,7 +323,8 @@ def test_after_a_hang_srun_s_first_exit_is_the_watchdog_s_recorder_not_the_culpr
     assert list(sup.healer.healed["excluded"]) == ["n3"]
 
 
-@pytest.mark.parametrize(("reason", "requeued"), [("preemption", True), ("cancelled", False), ("timeout", True)])
+@pytest.mark.parametrize(("reason", "requeued"), [("preemption", True), ("cancelled", False), ("timeout", True),
+                                                 ("requeued", False)])  # Slurm requeued it already: nobody again
 def test_a_step_a_stop_broke_without_a_ledger_line_is_that_stop_never_a_failure(tmp_path: Path, reason: str,
                                                                                requeued: bool) -> None:
     """A rank marked its step broken by a stop signal and rank 0 wrote no line (killed at the grace time's end):

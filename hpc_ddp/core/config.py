@@ -27,6 +27,7 @@ from hpc_ddp.core.config_schema import (DistConfig, MetricsConfig, RunConfig, Sl
 from hpc_ddp.core.config_checks import check_config
 from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
 from hpc_ddp.core.user_settings import user_leaves
+from hpc_ddp.core.config_items import for_script, list_item, nest
 from hpc_ddp.core.config_hints import suggest
 from hpc_ddp.core.errors import ConfigError, explain
 
@@ -75,7 +76,13 @@ def _merge_all(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str]
     for path in paths:
         merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
     for item in overrides:
-        merged = _merge(merged, _parse_override(item), f"override {item!r}", key=item.partition("=")[0])
+        key, where = str(item).partition("=")[0], f"override {item!r}"
+        listed = list_item(merged, item) if isinstance(item, str) else None  # train.args.3=VALUE: one item
+        try:
+            merged = _merge(merged, OmegaConf.create(nest(*listed)) if listed else _parse_override(item), where,
+                            key=listed[0] if listed else key)
+        except ConfigError as err:
+            raise for_script(err, merged, key, item) from None
     return merged
 
 

@@ -22,6 +22,15 @@ class RequeueRefused(PreemptionError):
     the batch shell chains the run's next job instead (:mod:`hpc_ddp.shell.chain`)."""
 
 
+class AlreadyRequeued(PreemptionError):
+    """Slurm has requeued the job already (an admin's ``scontrol requeue``, a preemption past its grace time):
+    ``scontrol requeue`` answers "Job is pending execution"; nothing is left to do, and nothing went wrong."""
+
+
+# What ``scontrol requeue`` prints for a job Slurm has requeued already (measured on 22.05 after an admin's
+# ``scontrol requeue``: "Job is pending execution for job 58").
+PENDING = ("pending execution", "already pending")
+
 # What ``scontrol requeue`` prints when the job may not be requeued (measured on 22.05 for a --no-requeue job:
 # "Requested operation is presently disabled for job 5"); later releases word some cases differently.
 REFUSALS = ("presently disabled", "not requeueable", "requeue is disabled", "job requeue not allowed",
@@ -61,7 +70,7 @@ def job_state(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]]
     return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
-JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime")  # what a stop's reason is read from
+JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime", "StartTime")  # a stop's reason, a start
 
 
 def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> dict[str, str]:
@@ -77,6 +86,16 @@ def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]
         return {}
     found = re.findall(r"(?:^|\s)(" + "|".join(JOB_FIELDS) + r")=(\S*)", proc.stdout)
     return {key: value for key, value in found}
+
+
+def start_time(fields: Mapping[str, str]) -> float | None:
+    """This attempt's start (``scontrol show job``'s StartTime: a requeued job's is its latest start), as epoch
+    seconds; None when unknown. The batch shell's line for a step it did not start (submitit's) needs it:
+    status sums the time of attempts that have a start."""
+    try:
+        return datetime.fromisoformat(fields.get("StartTime", "")).timestamp()
+    except ValueError:
+        return None
 
 
 def job_spec(environ: Mapping[str, str]) -> str:
@@ -100,6 +119,8 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
     proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         said = (proc.stderr or proc.stdout).strip()
+        if any(words in said.lower() for words in PENDING):
+            raise AlreadyRequeued(f"Slurm has requeued job {spec} already ({said})")
         error = RequeueRefused if refused(said) else PreemptionError
         raise error(explain(f"`scontrol requeue {spec}` failed: {said}",
                                       hint="requeueing needs JobRequeue=1 (or sbatch --requeue); where Slurm refuses "

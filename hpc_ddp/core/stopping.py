@@ -70,15 +70,26 @@ def term_reason(fields: Mapping[str, str], restart_count: int) -> str | None:
     """What a SIGTERM means, from what Slurm says of the job (``scontrol show job``'s fields), not from the
     signal's name. Measured on 22.05 (docs/slurm-local.md): at a preemption the job is RUNNING with a
     PreemptTime until the grace time ends; after it Slurm has requeued the job (Restarts > this attempt's
-    restart count) and it looks COMPLETING like a cancel; at the time limit it is COMPLETING with
+    restart count) and it looks COMPLETING like a cancel, exactly as after an admin's ``scontrol requeue``:
+    both are ``requeued`` (Slurm has requeued the job; nobody else may); at the time limit it is COMPLETING with
     Reason=TimeLimit; on ``scancel`` COMPLETING (or CANCELLED) without either. None: RUNNING and not being
     preempted (a SIGTERM someone sent, ``scancel --signal=TERM``), or Slurm could not be asked."""
     state, preempted = fields.get("JobState", ""), fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
-    restarts = fields.get("Restarts", "")
-    if preempted or (restarts.isdigit() and int(restarts) > restart_count):
+    if preempted:
         return "preemption"
+    if slurm_requeued(fields, restart_count):
+        return "requeued"
     if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
         return "timeout"
     if state in ("COMPLETING", "CANCELLED"):
         return "cancelled"
     return None
+
+
+def slurm_requeued(fields: Mapping[str, str], restart_count: int) -> bool:
+    """Whether Slurm has already requeued the job: its ``Restarts`` above this attempt's
+    ``SLURM_RESTART_COUNT``, or the job REQUEUED or PENDING again (an admin's ``scontrol requeue``, a
+    preemption past its grace time). A second ``scontrol requeue`` then fails ("Job is pending execution")."""
+    restarts = fields.get("Restarts", "")
+    return (restarts.isdigit() and int(restarts) > restart_count) or \
+        fields.get("JobState", "") in ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING")

@@ -3,7 +3,8 @@
 A run that wrote ``DONE.json`` is over; a requeued job that finds it exits at once. A user who
 wants more steps resumes it with a larger ``train.max_steps`` (or ``train.epochs``; for a
 ``train.script``, other ``train.args``): the final ``DONE.json`` and ``model.pt`` are set
-aside as ``DONE-step-N.json`` and ``model-step-N.pt`` (nothing is lost), and the job continues
+aside as ``DONE-step-N.json`` and ``model-step-N.pt`` (a script's, which has no step: ``DONE-finished-N.json``,
+N = 1, 2, ...; nothing is lost), and the job continues
 from the newest snapshot (the finish commits one of its step) with the ledger, metrics and TensorBoard going
 on. A run stops at
 whichever of ``train.max_steps`` and ``train.epochs`` comes first, so a ``--resume`` after which
@@ -107,7 +108,10 @@ def done_step(run_dir: Path) -> Path | None:
     if not done.exists():
         return None
     step = _read(done).get("step")
-    return done.with_name(f"DONE-{f'step-{step}' if isinstance(step, int) else 'finished'}.json")
+    if isinstance(step, int):
+        return done.with_name(f"DONE-step-{step}.json")
+    # no step (a train.script run's DONE.json): numbered, so that a second finish does not replace the first
+    return next(kept for n in range(1, 10_000) if not (kept := done.with_name(f"DONE-finished-{n}.json")).exists())
 
 
 def put_back(run_dir: Path, kept: Path) -> None:
@@ -122,11 +126,16 @@ def put_back(run_dir: Path, kept: Path) -> None:
     kept.replace(done)
 
 
-def goes_on_from(run_dir: Path, kept: Path) -> str:
+def goes_on_from(run_dir: Path, kept: Path, script: str = "") -> str:
     """Where a finished run resumed longer goes on from, said before the job is queued. A run finished before
     the finish committed a snapshot of its step may have only an older one, or none: then steps are trained
-    again and their metrics replaced, and the user should know before an allocation is spent on it."""
+    again and their metrics replaced, and the user should know before an allocation is spent on it. A
+    ``script`` keeps its own checkpoint, which hpc_ddp neither writes nor reads."""
     from hpc_ddp.rundir.snapshot import committed_steps  # manifests only: no torch
+
+    if script:
+        return (f"train.script {script} is started again with the new train.args and goes on from its own "
+                "checkpoint, if it saves one (hpc_ddp keeps no snapshot, metrics or model of a script)")
 
     finished, steps = _read(kept).get("step"), committed_steps(run_dir)
     newest = steps[0] if steps else None
@@ -141,5 +150,5 @@ def goes_on_from(run_dir: Path, kept: Path) -> str:
 
 
 def _kept_model(run_dir: Path, kept: Path) -> Path:
-    """model.pt's name beside a kept DONE-step-N.json: model-step-N.pt."""
+    """model.pt's name beside a kept DONE-step-N.json (DONE-finished-N.json): model-step-N.pt (model-finished-N.pt)."""
     return layout.model(run_dir).with_name(f"model-{kept.name.removeprefix('DONE-').removesuffix('.json')}.pt")

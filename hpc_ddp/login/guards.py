@@ -26,15 +26,18 @@ def write_config(cfg: RunConfig, resume: bool) -> Path:
         except HpcDdpError:
             diff = []  # an unreadable old config: it is replaced, as before
         if diff:
-            print(f"resuming with a changed config: {describe_diff(diff)}\n"
-                  "  (the snapshot's optimizer state is kept; a changed learning rate takes effect, with the "
-                  "schedule continuing from the snapshot's step: docs/resume.md)", flush=True)
+            print(f"resuming with a changed config: {describe_diff(diff)}\n" + (
+                "  (train.script is started again with these values; it goes on from its own checkpoint, if it "
+                "saves one: hpc_ddp keeps no snapshot of a script's state)" if cfg.train.script else
+                "  (the snapshot's optimizer state is kept; a changed learning rate takes effect, with the "
+                "schedule continuing from the snapshot's step: docs/resume.md)"), flush=True)
     if resume:
         from hpc_ddp.login.finished import goes_on_from, set_aside
 
         kept = set_aside(Path(cfg.run_dir))
         if kept:
-            print(f"the run had finished: its DONE.json is kept as {kept}; {goes_on_from(Path(cfg.run_dir), kept)}",
+            print(f"the run had finished: its DONE.json is kept as {kept}; "
+                  f"{goes_on_from(Path(cfg.run_dir), kept, cfg.train.script)}",
                   flush=True)
     saved = save_config(cfg, path)  # first: a run dir it cannot write is refused here, with the fix
     if resume:

@@ -17,10 +17,30 @@ from hpc_ddp.core.batching import node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
 
 
+def check_program(cfg: RunConfig) -> None:
+    """The checks of the program that ``--dry-run`` and a submit make (train.script's file, train.task's or
+    train.loop's module), before a rehearsal creates the run dir and starts ranks that would each fail at once.
+    Prints the warnings; raises with the errors."""
+    import sys
+
+    from hpc_ddp.core.errors import HpcDdpError
+    from hpc_ddp.login.preflight_program import check_task
+
+    findings = check_task(cfg)
+    for finding in findings:
+        if finding.level != "error":
+            print(finding, file=sys.stderr)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise HpcDdpError("preflight found problems; nothing was rehearsed (--no-preflight skips the checks)\n"
+                          + "\n".join(map(str, errors)), key=errors[0].key)
+
+
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
               again: str = "", fail_at: list[tuple[int, int | None]] | None = None,
               freeze_at: list[tuple[int, int | None]] | None = None) -> int:
-    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C)."""
+    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C). The submit
+    command runs :func:`check_program` on every config before the first rehearsal starts."""
     from hpc_ddp.core.codes import EXIT_INTERRUPTED
     from hpc_ddp.rehearsal.local import rehearse
     from hpc_ddp.core.stopping import signal_number
@@ -44,8 +64,10 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
     if code == EXIT_INTERRUPTED:
-        steps = committed_steps(run_dir)
-        kept = f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet"
+        steps = [] if cfg.train.script else committed_steps(run_dir)
+        kept = ("the script was ended (hpc_ddp commits no snapshot of a train.script: it goes on from its own "
+                "checkpoint, if it saves one)" if cfg.train.script else
+                f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet")
         print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
         return code
     ignored = _ignored_stop(run_dir, job_id)

@@ -37,7 +37,11 @@ def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str
     profiles = Profiles.from_environ(os.environ)
     cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
     run_dir = Path(cfg.run_dir).expanduser().resolve()  # workers may start elsewhere
-    cfg.run_dir = str(run_dir / label if label else run_dir)
+    absolute = str(run_dir / label if label else run_dir)
+    if absolute != cfg.run_dir:  # a ${run_dir} in another key (train.args) means this absolute dir too, at submit
+        overrides = [*overrides, f"run_dir={absolute}"]  # as at --resume (the run's config.yaml holds it)
+        cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
+    cfg.run_dir = absolute
     saved = layout.config(cfg.run_dir)
     if resume and saved.is_file():
         named = {item.split("=", 1)[0].lstrip("+~") for item in overrides} - {"profile"}

@@ -86,6 +86,8 @@ def _progress(info: dict[str, Any]) -> list[str]:
     if progress.get("time_used_s") or progress.get("eta_s") is not None:
         count = progress.get("attempts") or len(info["attempts"]) or 1
         line = f"time    {duration(progress.get('time_used_s', 0))} used over {count} attempt(s)"
+        if progress.get("untimed"):
+            line += f" ({progress['untimed']} of them with no recorded start: not counted)"
         if progress.get("eta_s") is not None:
             line += f"; about {duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
         out.append(line)

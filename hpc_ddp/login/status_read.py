@@ -37,6 +37,9 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+STOPS = ("timeout", "preemption", "requeued", "interrupted", "cancelled")  # a ledger's reasons that --resume continues
+
+
 def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
     """A local rehearsal's state from its launcher and its ledger (no Slurm to ask)."""
     if alive:
@@ -46,7 +49,7 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
     if not attempts:
         return "NOT STARTED (local)"
     last = attempts[-1]
-    if last.get("reason") in ("timeout", "preemption", "interrupted", "cancelled"):
+    if last.get("reason") in STOPS:
         why = "cap reached" if last.get("capped") else "--resume continues it"
         return f"STOPPED (local, {why})"
     return "FAILED (local)"
@@ -54,7 +57,6 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
 
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
           "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED")  # Slurm's STOPPED: SIGSTOPped, still holds its nodes
-STOPS = ("timeout", "preemption", "interrupted", "cancelled")  # a ledger's reasons that --resume continues
 
 
 def verdict(state: str | None, done: bool, attempts: list[dict[str, Any]]) -> str:
@@ -89,6 +91,9 @@ def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_st
         current[0]["time"] if current else None)
     out: dict[str, Any] = {"time_used_s": round(ended + (now - begun if running and begun else 0)),
                            "attempts": len(attempts) + int(running)}
+    untimed = sum(1 for a in attempts if not isinstance(a.get("start"), (int, float)))  # an older batch shell's
+    if untimed:  # lines had none: said, so that the sum is not taken for the whole
+        out["untimed"] = untimed
     recent = current[-20:] if running else []
     if len(recent) >= 2 and recent[-1]["time"] > recent[0]["time"]:
         rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])

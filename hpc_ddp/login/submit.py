@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, run_dir_words, shape
 from hpc_ddp.login.guards import check_free, write_config, write_job
-from hpc_ddp.login.rehearse import run_local
+from hpc_ddp.login.rehearse import check_program, run_local
 from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
@@ -237,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             from hpc_ddp.core.extras import require_extras
 
-            for cfg in cfgs:  # the Slurm path checks this in preflight
+            for cfg in cfgs:  # the Slurm path checks these in preflight; every point before any rehearsal starts
                 require_extras(cfg.metrics)
+                if not args.no_preflight:
+                    check_program(cfg)  # train.script's file: a missing one failed every rank with exit 2
             again = resume_command(args.items, args.multirun)
             codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at, args.freeze_at)
                      for cfg in cfgs]

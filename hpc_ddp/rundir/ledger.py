@@ -20,7 +20,8 @@ from hpc_ddp.core.errors import explain
 
 LEDGER = layout.LEDGER
 ERRORS = layout.ERRORS  # RUN_DIR/errors/job-J-restart-N.txt: the full message of an attempt's deterministic error
-STOP_REASONS = ("timeout", "preemption")  # the attempts that end in a requeue
+STOP_REASONS = ("timeout", "preemption", "requeued")  # the attempts that end in a requeue ("requeued": Slurm's
+# own, an admin's `scontrol requeue` or a preemption past its grace time; no cap counts it, none could stop it)
 # A ledger line {"caps_from": "resume", "time": T}, no attempt: a person's --resume, from which the caps count
 # afresh. read_attempts leaves it out and marks every attempt before it BEFORE_RESUME, which the caps skip.
 CAPS_FROM, BEFORE_RESUME = "caps_from", "before_resume"

@@ -28,7 +28,7 @@ from typing import Any
 
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import CHAINED_VAR, HEALED_VAR, IN_JOB_VAR
-from hpc_ddp.core.slurm_jobs import PreemptionError, RequeueRefused, requeue
+from hpc_ddp.core.slurm_jobs import AlreadyRequeued, PreemptionError, RequeueRefused, requeue
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir.ledger import attempt_fields, attempt_key, read_attempts, record_next_job
 
@@ -142,6 +142,8 @@ def requeue_or_chain(run_dir: Path, attempt: Mapping[str, Any], spec: str, envir
         try:
             requeue(spec, runner)
             return "requeued"
+        except AlreadyRequeued:  # an admin's `scontrol requeue` came first
+            return "requeued by Slurm already"
         except RequeueRefused:
             pass
     problem = chain_problem(environ)

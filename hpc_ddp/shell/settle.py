@@ -33,7 +33,7 @@ from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps,
                                    note_error, read_attempts)
-from hpc_ddp.core.slurm_jobs import job_spec
+from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.codes import EXIT_LOCKED
 from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
@@ -172,6 +172,8 @@ def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], lim
     append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
                              "note": "a stop signal broke the step and the ranks wrote no line: recorded by the batch "
                              "shell"})
+    if reason == "requeued":
+        return "requeued by Slurm (an admin's scontrol requeue, or a preemption past its grace time)"
     if reason not in STOP_REASONS or capped or requeue_job is None:
         return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped else "")
     done = requeue_job()
@@ -205,6 +207,12 @@ def pick_config(configs: list[str], environ: Mapping[str, str]) -> str:
     return configs[index]
 
 
+def _start(spec: str) -> dict[str, float]:
+    """The attempt's start as Slurm says (the step ran before this line): status sums attempts that have one."""
+    start = start_time(job_fields(spec)) if spec else None
+    return {"start": round(start, 3)} if start else {}
+
+
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.settle", description=for_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                          limits=limits, requeue_job=batch_shell_requeue(
                              run_dir, (int(job) if job.isdigit() else None,
                                        int(environ.get("SLURM_RESTART_COUNT", "0") or 0), 0), spec, environ)
-                         if spec else None)
+                         if spec else None, extra=_start(spec))
     except HpcDdpError as err:
         print(f"hpc_ddp.shell.settle: error: {err}", file=sys.stderr)
         return args.exit_code or 1

@@ -19,7 +19,7 @@ left, and a step started inside the warning window gets the warning from the bat
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +67,23 @@ def settle_lost_step(run_dir: Path, job_id: int | None, restart_count: int, now:
     return line
 
 
-def walltime_problem(end: float | None, now: float, signal_delay_s: float, margin_s: float = RESUME_MARGIN_S) -> str:
-    """Why no new step may start with the job ending at ``end`` (epoch s; None: unknown); empty when it may."""
+def walltime_problem(end: float | None, now: float, signal_delay_s: float, margin_s: float = RESUME_MARGIN_S,
+                     state: Callable[[], str | None] | None = None) -> str:
+    """Why no new step may start with the job ending at ``end`` (epoch s; None: unknown); empty when it may.
+
+    squeue's end is start + time limit only while the job runs: a job Slurm is ending (a node taken down:
+    NODE_FAIL, COMPLETING) shows its actual end, now, which read as "0 s of walltime left" with most of the
+    hour to go. So a near end is checked against the job's ``state`` (asked only then), and such a job is
+    said to be ending, with no number."""
     if end is None:
         return ""
     left = end - now
     if left >= signal_delay_s + margin_s:
         return ""
+    now_state = state() if state is not None else None
+    if now_state and now_state not in ("RUNNING", "CONFIGURING"):
+        return (f"Slurm is ending the job (its state is {now_state}, not RUNNING): no new step can start in it; "
+                "its time limit is not what ends it")
     return (f"{max(0.0, left):.0f} s of walltime left, less than the stop warning's {signal_delay_s:g} s plus "
             f"{margin_s:g} s to resume: a step started now would be killed at the limit without a snapshot")
 

@@ -39,7 +39,7 @@ from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.rundir.ledger import attempt_key, attempt_tag, caps, read_attempts
-from hpc_ddp.core.slurm_jobs import job_fields, job_spec
+from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.stopping import term_reason
 from hpc_ddp.shell.settle import pick_config, settle
@@ -91,9 +91,16 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   logs=lambda: job_logs(sup.run_dir, sup.job_id),
-                  extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
+                  extra={"hosts": compress_hostlist(step.nodes), **_started(step, spec),
                          **({"healed": step.healed} if step.healed else {}),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
+
+
+def _started(step: Step, spec: str) -> dict[str, float]:
+    """The step's start for its line: the batch shell's own step's, or (submitit's step, which started before
+    this shell) the attempt's start as Slurm says; without one, status would leave its time out."""
+    start = step.start if step.start else start_time(job_fields(spec)) if spec else None
+    return {"start": round(start, 3)} if start else {}
 
 
 def chained(sup: Supervisor, step: Step) -> bool:

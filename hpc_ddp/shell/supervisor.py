@@ -21,7 +21,7 @@ from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
-from hpc_ddp.core.slurm_jobs import job_end_time, job_spec
+from hpc_ddp.core.slurm_jobs import job_end_time, job_spec, job_state
 from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.shell.settle import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR, in_job_port
@@ -180,7 +180,8 @@ class Supervisor:
 
     def _walltime(self) -> str:
         self.end = job_end_time(job_spec(self.environ), self.runner) if self.job else None
-        return rules.walltime_problem(self.end, self.clock(), self.cfg.slurm.signal_delay_s)
+        return rules.walltime_problem(self.end, self.clock(), self.cfg.slurm.signal_delay_s,
+                                      state=lambda: job_state(job_spec(self.environ), self.runner))
 
     def step_argv(self, nodes: Sequence[str]) -> list[str]:
         """The supervised command with the step's shape put right after ``srun``."""

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.codes import EXIT_REQUEUE
 from hpc_ddp.core.errors import first_line
-from hpc_ddp.core.slurm_jobs import PreemptionError, RequeueRefused, job_fields, job_spec, requeue, requeue_available
-from hpc_ddp.core.stopping import signal_number, stop_reason, term_reason
+from hpc_ddp.core.slurm_jobs import (AlreadyRequeued, PreemptionError, RequeueRefused, job_fields, job_spec, requeue,
+                                     requeue_available)
+from hpc_ddp.core.stopping import signal_number, slurm_requeued, stop_reason, term_reason
 from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.shield.loader import stop_signals_blocked
 from hpc_ddp.rank.watch.broken_stop import HINT, child_killed, pipe_broke
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
 
 log = logging.getLogger("hpc_ddp.session")
+
+
+SCRIPT_KEPT = ("the script was ended (hpc_ddp commits no snapshot of a train.script: --resume starts it again, "
+               "and it goes on from its own checkpoint, if it saves one)")
 
 
 def why_stopped(attempt: Attempt) -> str:
@@ -79,7 +84,13 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
             log.warning("Slurm refuses to requeue this job (%s): the batch shell submits the run's next job, "
                         "which resumes from this snapshot", first_line(err))
         except PreemptionError as err:
-            log.error("%s", err)
+            if not isinstance(err, AlreadyRequeued) and not slurm_requeued(
+                    job_fields(job_spec(attempt.environ), runner=_shielded_run), attempt.env.restart_count):
+                log.error("%s", err)
+            else:  # an admin's `scontrol requeue` (or a preemption's) came first: the job is requeued
+                append_attempt(attempt.run_dir, {**attempt_fields(*attempt_key(attempt.record)), "amends": True,
+                                                 "requeue_by": "slurm"})
+                log.info("Slurm has requeued the job already (%s): the next attempt resumes", first_line(err))
     return ending.code
 
 
@@ -87,6 +98,7 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     """Rank 0 writes the attempt's ledger line; every rank learns its exit code and whether to requeue."""
     env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
     at = "" if step is None else f" of step {step}"
+    kept = SCRIPT_KEPT if attempt.cfg.train.script else f"snapshot{at} committed"
     if not stopped:
         if env.is_main and not attempt.wrapped:
             append_attempt(run_dir, {**record, "reason": "finished"})
@@ -95,30 +107,45 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
         return Ending(EXIT_REQUEUE)
     if flag.signum == signal.SIGINT:
         append_attempt(run_dir, {**record, "reason": "interrupted"})
-        log.info("interrupted (Ctrl-C): snapshot%s committed, not requeued", at)
+        log.info("interrupted (Ctrl-C): %s, not requeued", kept)
         return Ending(0)
     reason = why_stopped(attempt)
     if reason == "cancelled":
         append_attempt(run_dir, {**record, "reason": "cancelled"})
-        log.info("the job was cancelled (scancel): snapshot%s committed, not requeued; continue it "
-                 "with `python -m hpc_ddp.submit ... --resume`", at)
+        log.info("the job was cancelled (scancel): %s, not requeued; continue it "
+                 "with `python -m hpc_ddp.submit ... --resume`", kept)
         return Ending(0)
     capped = cap_reached(reason, attempt.attempts + [{"reason": reason}], attempt.limits)
-    # Who requeues: rank 0, or (where the tasks have no scontrol, e.g. a container started by srun)
-    # the batch shell's settle step, which runs on the host. The ledger says which, so exactly one does.
-    by = "local" if attempt.local else "workers" if requeue_available() else "batch shell"
+    by = requeuer(attempt, reason)
+    if by == "slurm":
+        record.setdefault("note", "Slurm had requeued the job already when the stop came (an admin's `scontrol "
+                          "requeue`, or a preemption past its grace time)")
     append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
                              **({} if capped else {"requeue_by": by})})
     if capped:
         log.error("%s", capped)
         return Ending(1)
-    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", reason,
+    why = "a requeue by Slurm (an admin's `scontrol requeue`, or a preemption past its grace time)" \
+        if reason == "requeued" else reason
+    log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", why,
              "the script was ended: the next attempt runs it again" if step is None else "snapshot committed")
     if by == "batch shell":
         log.warning("scontrol is not on PATH in the job's tasks: the batch shell's settle step requeues the job")
     # On preemption too: a job whose tasks exit within the grace time is not requeued by Slurm (measured on
     # 22.05 with PreemptMode=REQUEUE), so rank 0 requeues it like a time-out.
     return Ending(EXIT_REQUEUE, requeue=by == "workers")
+
+
+def requeuer(attempt: Attempt, reason: str) -> str:
+    """Who requeues a stopped job: nobody when Slurm has done it already (``slurm``: an admin's ``scontrol
+    requeue``, a preemption past its grace time), else rank 0 (``workers``), or, where the tasks have no
+    scontrol (a container started by srun), the batch shell's settle step, which runs on the host. The ledger
+    says which, so exactly one does."""
+    if attempt.local:
+        return "local"
+    if reason == "requeued" or slurm_requeued(attempt.record.get("slurm") or {}, attempt.env.restart_count):
+        return "slurm"
+    return "workers" if requeue_available() else "batch shell"
 
 
 def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:

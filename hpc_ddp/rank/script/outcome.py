@@ -245,3 +245,24 @@ def ran_to_its_end(attempt: Attempt, progress: Progress | None, code: int) -> bo
     attempt.record.update(stop_ignored=first, note=note)
     log.warning("%s. %s", note, IGNORED_HINT)
     return True
+
+
+EARLY_S = 5.0  # a script that exits 0 this soon, with no progress line, most likely did not train
+
+
+def exited_early(attempt: Attempt, progress: Progress | None, ran_s: float) -> str | None:
+    """Rank 0, after the script exited 0: a warning when it may have exited early rather than trained (an
+    unmodified minGPT prints "Unable to locate sufficient 2 gpus ... Exiting." and exits 0): no progress line
+    matching ``train.script_progress`` when that is set, else none at all within :data:`EARLY_S`. Still a
+    finished run (the script said it was done); the note goes into the ledger line, which status shows."""
+    pattern = attempt.cfg.train.script_progress
+    if progress is None or progress.lines or (not pattern and ran_s >= EARLY_S):
+        return None
+    said = f"its last output line: {progress.last_output!r}" if progress.last_output else "it printed nothing"
+    why = (f"printed no line matching train.script_progress={pattern!r}" if pattern
+           else f"ended after {ran_s:.1f} s")
+    note = f"train.script exited 0 but {why}: it may have exited early, without training ({said})"
+    attempt.record["note"] = "; ".join(filter(None, [attempt.record.get("note"), note]))
+    log.warning("%s. HINT: check its output above; hpc_ddp records the run as finished because the script "
+                "exited 0", note)
+    return note

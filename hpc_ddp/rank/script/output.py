@@ -39,9 +39,12 @@ class Progress:
     step_at_stop: int | None = None
     first_step: int | None = None  # the attempt's first progress line's step, and that line
     first_line: str = ""
+    last_output: str = ""  # the last non-blank line the script printed, progress or not
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def feed(self, text: str) -> None:
+        if text.strip():
+            self.last_output = text.strip()[:300]
         found = self.pattern.search(text) if self.pattern is not None else None
         if found is None or not found.groups():
             return

@@ -52,7 +52,7 @@ from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import recorded_error
 from hpc_ddp.rundir.runlock import acquire, release
-from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
+from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, exited_early, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
 from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
 from hpc_ddp.rank.script.publish import Publisher
@@ -179,9 +179,10 @@ def script_args(attempt: Attempt) -> list[str]:
 
 
 def _watch(attempt: Attempt) -> Progress | None:
-    """Rank 0 reads its script's output for progress lines (train.script_progress); the others do not."""
+    """Rank 0 reads its script's output for progress lines (train.script_progress) and its last line (a script
+    that exits 0 at once: :func:`exited_early`); the others do not."""
     pattern = attempt.cfg.train.script_progress
-    return Progress(re.compile(pattern)) if attempt.env.is_main and pattern else None
+    return Progress(re.compile(pattern) if pattern else None) if attempt.env.is_main else None
 
 
 def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
@@ -212,7 +213,7 @@ def run_script(attempt: Attempt) -> int:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
         if env.is_main:
             log.info("%s", RESUME_NOTE)
-        nccl = _nccl_capture(attempt, environ)
+        nccl, started = _nccl_capture(attempt, environ), time.monotonic()
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
                          None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
                          cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
@@ -243,6 +244,7 @@ def run_script(attempt: Attempt) -> int:
                     return 1  # ended because rank 0's script hung or failed: rank 0's line says so
             return conclude(attempt, stopped=True, step=None)
         if code == 0:
+            exited_early(attempt, progress, time.monotonic() - started)
             result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
             if env.is_main:
                 layout.publish_done(attempt.run_dir, json.dumps(
