@@ -75,8 +75,6 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
 
     everything = preflight(cfg)
     findings = [f for f in everything if f.level != "note"]
-    if shutil.which("scontrol"):
-        print(f"requeue: {requeue_path(cfg.slurm)}")
     if findings:
         print(f"preflight: {len(findings)} finding(s)")
         print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))
@@ -84,6 +82,8 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print("preflight: all checks pass")
     for note in (f for f in everything if f.level == "note"):  # what the job is planned for
         print(f"  {note}")
+    if shutil.which("scontrol"):
+        print(f"requeue: {requeue_path(cfg.slurm)}")
     errors = sum(f.level == "error" for f in findings)
     if errors:  # a "dry-run first" gate must stop here, as the submit would
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
