@@ -23,13 +23,13 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from hpc_ddp.core.config_schema import (DistConfig, MetricsConfig, RunConfig, SlurmConfig, SnapshotConfig, TrainConfig,
-                                        schema_node, schema_rows, type_hints, type_name)
+from hpc_ddp.core.config_schema import (ContainerConfig, DistConfig, MetricsConfig, RunConfig, SlurmConfig,
+                                        SnapshotConfig, TrainConfig, schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
 from hpc_ddp.core.errors import ConfigError, explain
 
-__all__ = ["DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig", "TrainConfig", "config_diff",
-           "describe_diff", "flat_values", "load_config", "save_config", "schema_node", "schema_rows", "to_yaml"]
+__all__ = ["ContainerConfig", "DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig",
+           "TrainConfig", "config_diff", "describe_diff", "flat_values", "load_config", "save_config", "schema_node", "schema_rows", "to_yaml"]
 
 
 def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = ()) -> RunConfig:
@@ -120,6 +120,8 @@ def _unset_nulls(raw: dict[str, Any], section: type | None = None) -> None:
             continue
         if isinstance(value, dict) and dataclasses.is_dataclass(hints[name]):
             _unset_nulls(value, hints[name])
+        elif value is None and dataclasses.is_dataclass(hints[name]) and section is not RunConfig:
+            raw[name] = dataclasses.asdict(hints[name]())  # slurm.container: null -> its defaults (none)
         elif value is None and hints[name] is str and field.default == "":
             raw[name] = ""
 
