@@ -38,16 +38,16 @@ def apptainer(*more: str, runtime: str = "apptainer"):
 def test_apptainer_and_singularity_wrap_the_rank_command(runtime: str) -> None:
     cpu = apptainer("slurm.cpus_per_task=4", runtime=runtime)
     assert step_argv(cpu.slurm, WORKER, ["/runs/a", "/home/me/code"], "/home/me/code") == [
-        "srun", "--kill-on-bad-exit=1", "--cpus-per-task=4",
+        "srun", "--kill-on-bad-exit=1", "--cpus-per-task=4", "--overlap",
         runtime, "exec", "--bind", "/runs/a,/home/me/code", "/img/pt.sif", *WORKER]
     gpu = apptainer("slurm.gpus_per_node=4", "slurm.tasks_per_node=4", "slurm.srun_args=[--cpu-bind=cores]",
                     "slurm.container.mounts=[/scratch/data:/data:ro, /opt/x]", "slurm.container.args=[--cleanenv]",
                     runtime=runtime)
     assert step_argv(gpu.slurm, WORKER, ["/runs/a"]) == [
-        "srun", "--kill-on-bad-exit=1", "--cpus-per-task=1", "--cpu-bind=cores",
+        "srun", "--kill-on-bad-exit=1", "--cpus-per-task=1", "--overlap", "--cpu-bind=cores",
         runtime, "exec", "--nv", "--bind", "/runs/a,/scratch/data:/data:ro,/opt/x", "--cleanenv", "/img/pt.sif",
         *WORKER]  # --nv on a GPU partition; the user's srun_args after ours; args before the image
-    assert probe_tail(gpu.slurm, ["/runs/a"]) == ["--cpus-per-task=1", runtime, "exec", "--nv", "--bind",
+    assert probe_tail(gpu.slurm, ["/runs/a"]) == ["--cpus-per-task=1", "--overlap", runtime, "exec", "--nv", "--bind",
                                                   "/runs/a,/scratch/data:/data:ro,/opt/x", "--cleanenv",
                                                   "/img/pt.sif", "true"]
     assert rank_python(gpu.slurm, "/venv/bin/python") == "python3"
@@ -62,17 +62,17 @@ def test_pyxis_gives_srun_the_container_and_leaves_the_command_alone() -> None:
                "--container-mounts=/runs/a:/runs/a,/home/me:/home/me,/scratch:/scratch",
                "--container-workdir=/home/me", "--container-env=HOME"]
     assert step_argv(cfg.slurm, WORKER, ["/runs/a", "/home/me"], "/home/me") == [
-        "srun", "--kill-on-bad-exit=1", "--cpus-per-task=8", *options, "--cpu-bind=cores", *WORKER]
-    assert probe_tail(cfg.slurm, ["/runs/a", "/home/me"], "/home/me") == ["--cpus-per-task=1", *options, "true"]
+        "srun", "--kill-on-bad-exit=1", "--cpus-per-task=8", "--overlap", *options, "--cpu-bind=cores", *WORKER]
+    assert probe_tail(cfg.slurm, ["/runs/a", "/home/me"], "/home/me") == ["--cpus-per-task=1", "--overlap", *options, "true"]
     bare = config("slurm.container.runtime=pyxis", "slurm.container.image=img.sqsh")
-    assert step_argv(bare.slurm, ["true"]) == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=1",
+    assert step_argv(bare.slurm, ["true"]) == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=1", "--overlap",
                                                "--container-image=img.sqsh", "true"]
 
 
 def test_without_a_container_only_the_cpus_are_added() -> None:
     cfg = config("slurm.cpus_per_task=6")
     assert step_argv(cfg.slurm, WORKER, ["/runs/a"], "/w") == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=6",
-                                                               *WORKER]
+                                                               "--overlap", *WORKER]
     assert step_argv(cfg.slurm, WORKER, cpus=24)[2] == "--cpus-per-task=24"  # torchrun: the node's task
     assert wrap(cfg.slurm, WORKER, ["/runs/a"]) == WORKER and runtime_check(cfg.slurm) == []
     assert rank_python(cfg.slurm, "/venv/bin/python") == "/venv/bin/python"
@@ -90,10 +90,10 @@ def test_submits_first_step_and_the_supervised_one_agree() -> None:
     first = next(line for line in script.splitlines() if line.startswith("srun "))
     teardown = script.splitlines()[-1]
     wrapper = "apptainer exec --bind /runs/a,/home/me /img/pt.sif python3"
-    assert first.endswith(f"--kill-on-bad-exit=1 --cpus-per-task=3 --cpu-bind=cores {wrapper} -u -m "
+    assert first.endswith(f"--kill-on-bad-exit=1 --cpus-per-task=3 --overlap --cpu-bind=cores {wrapper} -u -m "
                           "submitit.core._submit /runs/a/slurm")
     assert teardown.startswith("/venv/bin/python -m hpc_ddp.supervise --exit-code $? /runs/a/config.yaml -- ")
-    assert teardown.endswith(f"srun --kill-on-bad-exit=1 --cpus-per-task=3 --cpu-bind=cores {wrapper} -m "
+    assert teardown.endswith(f"srun --kill-on-bad-exit=1 --cpus-per-task=3 --overlap --cpu-bind=cores {wrapper} -m "
                              "hpc_ddp.worker --config /runs/a/config.yaml")
     setup = script.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert setup[0] == "export SRUN_CPUS_PER_TASK=3" and setup[-1].startswith("command -v apptainer")
@@ -118,7 +118,7 @@ def test_both_templates_wrap_their_step_and_export_the_cpus(launcher: str) -> No
     text = render(cfg, "/runs/a/config.yaml", python="/venv/bin/python", launcher=launcher, workdir="/home/me")
     cpus = 6 if launcher == "torchrun" else 3  # torchrun: one task per node, with the node's CPUs
     program = 'bash -c "$NODE_SCRIPT"' if launcher == "torchrun" else '"$RANK_PYTHON" -m hpc_ddp.worker'
-    assert (f"  srun --kill-on-bad-exit=1 --cpus-per-task={cpus} apptainer exec --nv --bind /runs/a,/home/me "
+    assert (f"  srun --kill-on-bad-exit=1 --cpus-per-task={cpus} --overlap apptainer exec --nv --bind /runs/a,/home/me "
             f"/img/pt.sif {program}") in text
     assert f"\nexport SRUN_CPUS_PER_TASK={cpus}\n" in text and f"#SBATCH --cpus-per-task={cpus}" in text
     assert "\nRANK_PYTHON=python3\n" in text and "\nPYTHON=/venv/bin/python\n" in text
@@ -142,7 +142,7 @@ def test_heal_steps_keep_the_container_and_probes_run_in_it(tmp_path: Path) -> N
     calls: list[list[str]] = []
     sup.runner = lambda argv, **kw: (calls.append(list(argv)), slurm(argv, **kw))[1]
     assert sup.probe(["n2", "n3"]) and slurm.probes == [["n2", "n3"]]
-    assert calls[0][-7:] == ["--cpus-per-task=1", "apptainer", "exec", "--bind", f"{tmp_path / 'run'},/home/me",
+    assert calls[0][-8:] == ["--cpus-per-task=1", "--overlap", "apptainer", "exec", "--bind", f"{tmp_path / 'run'},/home/me",
                              "/img/pt.sif", "true"]  # a probe needs one CPU, in the container
 
 
@@ -220,7 +220,7 @@ def test_dry_run_shows_the_wrapped_steps_and_the_probe(tmp_path: Path) -> None:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     wrapper = f"singularity exec --bind {shlex.quote(str(tmp_path / 'run'))},{ROOT} /img/pt.sif python3"
-    assert f"--cpus-per-task=2 {wrapper} -u -m submitit.core._submit" in proc.stdout
-    assert f"--cpus-per-task=2 {wrapper} -m hpc_ddp.worker --config" in proc.stdout
+    assert f"--cpus-per-task=2 --overlap {wrapper} -u -m submitit.core._submit" in proc.stdout
+    assert f"--cpus-per-task=2 --overlap {wrapper} -m hpc_ddp.worker --config" in proc.stdout
     assert "container: singularity, image /img/pt.sif: every step of the job runs in it" in proc.stdout
-    assert f"--cpus-per-task=1 {wrapper.removesuffix(' python3')} true" in proc.stdout
+    assert f"--cpus-per-task=1 --overlap {wrapper.removesuffix(' python3')} true" in proc.stdout

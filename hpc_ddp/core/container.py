@@ -59,9 +59,17 @@ def wrap(slurm: Any, command: Sequence[str], paths: Sequence[str] = ()) -> list[
 def step_srun_args(slurm: Any, cpus: int | None = None, paths: Sequence[str] = (),
                    workdir: str | None = None) -> list[str]:
     """The options of a training step's srun (after ``srun``): one crashing task ends the step, the CPUs of
-    a task (``cpus``: the torchrun template's one task per node gets the node's), the container's, then the
-    user's ``slurm.srun_args`` (last: srun takes the last of a repeated option, so the user's win)."""
-    return ["--kill-on-bad-exit=1", f"--cpus-per-task={cpus or slurm.cpus_per_task}",
+    a task (``cpus``: the torchrun template's one task per node gets the node's), ``--overlap``, the
+    container's, then the user's ``slurm.srun_args`` (last: srun takes the last of a repeated option, so the
+    user's win).
+
+    ``--overlap``: an explicit ``--cpus-per-task`` (or ``SRUN_CPUS_PER_TASK``) implies ``--exact`` since
+    Slurm 21.08, and after Slurm removes a failed node from a job it no longer frees the cores of the step
+    that ran there (``_step_dealloc_lps``: "unable to update job's core use information due to job
+    resizing"), so an exact step on the surviving nodes waits for them forever: the healing step and its
+    probe never start (seen on the local cluster, Slurm 22.05.8). Only one training step runs at a time,
+    so letting it overlap costs nothing."""
+    return ["--kill-on-bad-exit=1", f"--cpus-per-task={cpus or slurm.cpus_per_task}", "--overlap",
             *srun_options(slurm, paths, workdir), *slurm.srun_args]
 
 
@@ -73,8 +81,9 @@ def step_argv(slurm: Any, program: Sequence[str], paths: Sequence[str] = (), wor
 
 def probe_tail(slurm: Any, paths: Sequence[str] = (), workdir: str | None = None) -> list[str]:
     """What a probe step runs after its shape: ``true`` in the job's container, on one CPU (a probe asks
-    whether a node starts a task in that container at all; it needs no more)."""
-    return ["--cpus-per-task=1", *srun_options(slurm, paths, workdir), *wrap(slurm, ["true"], paths)]
+    whether a node starts a task in that container at all; it needs no more), overlapping like every step
+    (:func:`step_srun_args` says why)."""
+    return ["--cpus-per-task=1", "--overlap", *srun_options(slurm, paths, workdir), *wrap(slurm, ["true"], paths)]
 
 
 def rank_python(slurm: Any, python: str) -> str:

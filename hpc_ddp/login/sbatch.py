@@ -142,7 +142,8 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     container runtime's check), the ``CONFIG=``, ``PYTHON=``, ``RANK_PYTHON=`` (the container's Python),
     ``WORKDIR=`` (when ``workdir`` is given: the script then works wherever ``sbatch`` is called, as the task
     module is found there), ``NPROC_PER_NODE=`` and ``SIGNAL=`` lines, and the srun options (the line that
-    starts with ``srun --kill-on-bad-exit=1``: :func:`hpc_ddp.core.container.step_argv`'s, the container's
+    starts with ``srun --kill-on-bad-exit=1``, with the template's ``--cpus-per-task`` and ``--overlap``:
+    :func:`hpc_ddp.core.container.step_argv`'s, the container's
     wrapper last, before the rank's command); the rest is the template's text, so a hand edit of a
     template shows up in every rendered script.
     """
@@ -165,7 +166,8 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     for name, value in values.items():
         rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
     srun = shlex.join(step_argv(cfg.slurm, [], mount_paths(cfg, workdir), workdir, cpus))
-    rest = re.sub(r"^(\s*)srun --kill-on-bad-exit=1", lambda m: m.group(1) + srun, rest, flags=re.M)
+    rest = re.sub(r'^(\s*)srun --kill-on-bad-exit=1(?: --cpus-per-task="\$SRUN_CPUS_PER_TASK")?(?: --overlap)?',
+                  lambda m: m.group(1) + srun, rest, flags=re.M)
     return head + "\n".join(lines) + "\n" + rest
 
 
