@@ -224,3 +224,14 @@ def test_dry_run_shows_the_wrapped_steps_and_the_probe(tmp_path: Path) -> None:
     assert f"--cpus-per-task=2 --overlap {wrapper} -m hpc_ddp.worker --config" in proc.stdout
     assert "container: singularity, image /img/pt.sif: every step of the job runs in it" in proc.stdout
     assert f"--cpus-per-task=1 --overlap {wrapper.removesuffix(' python3')} true" in proc.stdout
+
+
+def test_the_rehearsal_says_it_runs_outside_the_container(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", "slurm.nodes=1",
+                           "slurm.tasks_per_node=1", "train.max_steps=2", f"run_dir={tmp_path / 'run'}",
+                           "slurm.container.runtime=apptainer", "slurm.container.image=/img/pt.sif"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "on this machine; run dir" in proc.stdout and "outside slurm.container (apptainer: on the cluster only)" \
+        in proc.stdout
