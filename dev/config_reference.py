@@ -21,8 +21,15 @@ Values are YAML. `${name}` refers to another key, and `${oc.env:SCRATCH}` to an 
 read on the login node. A shell variable in a setup line is written `$VAR`, or escaped as `\\${VAR}`.
 `key=null` unsets a key: an optional one becomes null, and a text key whose default is empty (such as
 `train.task`, to run a `train.loop` from a Task's YAML) becomes empty.
+A cluster profile (`--profile NAME`, `HPC_DDP_PROFILE`; see the `profile` key) goes under all of them:
+schema defaults < profile < config files < overrides. Lists and values are replaced by a later layer,
+mappings (`slurm.sbatch_extra`, `dist.nccl_env`, `user`) are merged key by key.
+Your own settings go under `user:` (any keys, nested: `user.eval_every=100`); hpc_ddp reads none of them
+and hands them to your program (`run.config.user`, or `HPC_DDP_USER_*` variables for a `train.script`).
 An unknown key, a wrong type or a value out of range stops with a `ConfigError`. The error names the
-key, what was found and what is expected, and suggests the nearest valid key.
+key, what was found and what is expected, and suggests the key you meant: a synonym from other tools (`lr`,
+`learning_rate`, `slurm.time`, `slurm.gpus`), the same name in another section (`max_steps`), or the nearest
+spelling. An sbatch flag given to submit (`--nodes=2`, `-t 2:00:00`) is answered with the override to type.
 
 | key | type | default | meaning |
 |---|---|---|---|

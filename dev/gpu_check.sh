@@ -9,13 +9,15 @@
 #           as B2-MIRROR-DEVICE with a "machine" line (the table in docs/performance.md shows it).
 #   gpu     B2-GPU (benchmarks/gpu.py): over 170 s at 5 rounds there (with its 2048 MB snapshot figures); give it a
 #           call of its own. Limit: 540 s.
+#   nccl    dev/nccl_net_check.py: NCCL at world size 1, one all_reduce, and which network the parser read from
+#           NCCL's own INIT/NET lines (hpc_ddp.rank.group.nccl_report). Limit: 120 s.
 # A session has 15 minutes of device time in all and a machine starts in about 30 s: run `tests,mirror` in one
 # call and `gpu` in another, or fewer rounds.
 # Usage, from the repository root on the device (carry .whl, which holds the omegaconf and submitit wheels):
-#   bash dev/gpu_check.sh "$OUT" [PARTS, default tests,mirror] [mirror rounds, default 8] [gpu rounds, default 3]
+#   bash dev/gpu_check.sh "$OUT" [PARTS, default tests,mirror,nccl] [mirror rounds, default 8] [gpu rounds, default 3]
 set -u
 out=${1:?usage: dev/gpu_check.sh OUTDIR [tests,mirror,gpu] [mirror_rounds] [gpu_rounds]}
-parts=,${2:-tests,mirror},
+parts=,${2:-tests,mirror,nccl},
 mrounds=${3:-8}
 grounds=${4:-3}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -40,4 +42,9 @@ if [[ $parts == *,gpu,* ]]; then
     timeout 540 python3 -c "import json, sys; from benchmarks.gpu import figures
 json.dump(figures($grounds, 400, 50, 2048, smoke=False), sys.stdout, indent=1)" >"$out/b2-gpu.json" 2>"$out/b2-gpu.err"
     echo "B2-GPU ($grounds rounds): rc $?, $((SECONDS - start)) s"; cat "$out/b2-gpu.json"
+fi
+if [[ $parts == *,nccl,* ]]; then
+    start=$SECONDS
+    timeout 120 python3 dev/nccl_net_check.py 2>&1 | tee "$out/nccl-net.log" | tail -30
+    echo "nccl_net_check: $((SECONDS - start)) s"
 fi

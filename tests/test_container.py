@@ -96,7 +96,7 @@ def test_submits_first_step_and_the_supervised_one_agree() -> None:
     assert teardown.endswith(f"srun --kill-on-bad-exit=1 --cpus-per-task=3 --overlap --cpu-bind=cores {wrapper} -m "
                              "hpc_ddp.worker --config /runs/a/config.yaml")
     setup = script.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert setup[0] == "export SRUN_CPUS_PER_TASK=3" and setup[-1].startswith("command -v apptainer")
+    assert setup[1] == "export SRUN_CPUS_PER_TASK=3" and setup[-1].startswith("command -v apptainer")  # [0]: the trap
     assert submitit_python(cfg, "/venv/bin/python", "/home/me") == wrapper
     spare = submitit_parameters(apptainer("slurm.spare_nodes=1", "slurm.nodes=2"), ["/runs/a/config.yaml"])
     assert spare["srun_args"][:5] == ["--kill-on-bad-exit=1", "--cpus-per-task=1", "--nodes=2", "--ntasks=4",
@@ -235,3 +235,12 @@ def test_the_rehearsal_says_it_runs_outside_the_container(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "on this machine; run dir" in proc.stdout and "outside slurm.container (apptainer: on the cluster only)" \
         in proc.stdout
+
+
+def test_no_container_adds_no_key_to_what_a_snapshot_records() -> None:
+    """A snapshot's config from before containers shows no change against a run without one; with one, its
+    keys are recorded, so a --resume in another image says so."""
+    from hpc_ddp.core.config import flat_values
+
+    assert not any(key.startswith("slurm.container") for key in flat_values(config()))
+    assert flat_values(apptainer())["slurm.container.image"] == "/img/pt.sif"

@@ -18,7 +18,7 @@ def torch_free_modules() -> list[str]:
 
     found = ["hpc_ddp", "hpc_ddp.compat", "hpc_ddp.submit", "hpc_ddp.status", "hpc_ddp.supervise", "hpc_ddp.worker",
              "hpc_ddp.whoami", "hpc_ddp.slurm_local", "hpc_ddp.slurm_local.__main__", "hpc_ddp.rank.loop.task",
-             "hpc_ddp.preemption", "hpc_ddp.config"]
+             "hpc_ddp.preemption", "hpc_ddp.config", "hpc_ddp.profiles"]
     for place in TORCH_FREE_PLACES:
         package = importlib.import_module(f"hpc_ddp.{place}")
         found += [f"hpc_ddp.{place}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]

@@ -201,3 +201,23 @@ def test_a_newcomers_mistakes_in_a_loop_are_named_not_retried(tmp_path: Path, lo
     assert attempt["reason"] == ("finished" if code == 0 else "error"), attempt
     assert code or "never called run.boundary" in attempt["note"]
     assert "max_failures" not in proc.stderr
+
+
+def test_the_user_section_reaches_an_own_loop_as_run_config_user_and_a_script_as_variables(tmp_path: Path) -> None:
+    """user: keys set on the command line (new ones too, nested) reach the program: an own loop reads them from
+    run.config.user, by attribute and as a mapping; a train.script from HPC_DDP_USER_* variables."""
+    loop_dir, script_dir = tmp_path / "loop", tmp_path / "script"
+    proc = submit("examples/own_loop_gpt.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                  "train.loop=tests.tasks.loops:reads_user_section", "user.eval_every=100", "user.data.name=tiny",
+                  f"run_dir={loop_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((loop_dir / "user-0.json").read_text()) == {
+        "attr": 100, "item": 100, "nested": "tiny", "mapping": {"eval_every": 100, "data": {"name": "tiny"}},
+        "get": "default"}
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                  "train.script=tests/tasks/env_script.py", "train.args=[]", "user.eval_every=7",
+                  "user.data.shards=[1,2]", f"run_dir={script_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads((script_dir / "env-0.json").read_text())
+    assert seen["HPC_DDP_USER_EVAL_EVERY"] == "7" and seen["HPC_DDP_USER_DATA_SHARDS"] == "[1, 2]"
+    assert json.loads(seen["HPC_DDP_USER"]) == {"eval_every": 7, "data": {"shards": [1, 2]}}

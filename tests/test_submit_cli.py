@@ -69,7 +69,7 @@ def test_status_plot_draws_the_loss_curve(tmp_path: Path, capsys: pytest.Capture
     save_config(load_config([MLP], [f"run_dir={tmp_path}"]), tmp_path / "config.yaml")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1 / s}) + "\n"
                                                     for s in range(1, 30)))
-    assert status([str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 0
+    assert status([str(tmp_path), "--plot", str(tmp_path / "loss.png")]) == 4  # drawn; no job, no ledger: state unknown
     assert "wrote" in capsys.readouterr().out
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -29,11 +29,22 @@ def job_id(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
 
 
-def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    run_dir = tmp_path / "mlp"
+def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: ClusterSpec, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside it, on the third node, a script submitted with a cluster profile (in a temporary XDG_CONFIG_HOME)
+    that sets the partition, a setup line and an srun argument: its rank sees all three, and status names it."""
+    run_dir, profiled = tmp_path / "mlp", tmp_path / "profiled"
     proc = cli("hpc_ddp.submit", "examples/mlp.yaml", "slurm.nodes=2", "slurm.tasks_per_node=2",
                "train.max_steps=100", f"run_dir={run_dir}")
     job = job_id(proc)
+    profiles = tmp_path / "xdg" / "hpc_ddp" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "local.yaml").write_text("slurm:\n  partition: debug\n  setup: ['export PROFILE_SET=from-setup']\n"
+                                         "  srun_args: ['--export=ALL,PROFILE_SRUN=from-srun']\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    profile_job = job_id(cli("hpc_ddp.submit", "--profile", "local", "examples/torchrun_script.yaml",
+                             "train.script=tests/tasks/env_script.py", "train.args=[]", "slurm.nodes=1",
+                             "user.eval_every=7", f"run_dir={profiled}"))
     assert f"scancel {job}" in proc.stdout and f"python -m hpc_ddp.status {run_dir}" in proc.stdout
     assert wait_until(lambda: finished(run_dir), 180), proc.stdout
     script = (run_dir / "slurm" / f"{job}_submission.sh").read_text()
@@ -43,6 +54,14 @@ def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: Cluster
     assert status.returncode == 0 and "state FINISHED" in status.stdout and re.search(r"finished +0->100", status.stdout)
     info = json.loads(cli("hpc_ddp.status", str(run_dir), "--json").stdout)
     assert info["done"]["world_size"] == 4 and info["attempts"][0]["job_id"] == int(job)
+    assert wait_until(lambda: finished(profiled), 120), cli("hpc_ddp.status", str(profiled)).stdout
+    assert "#SBATCH --partition=debug" in (profiled / "slurm" / f"{profile_job}_submission.sh").read_text()
+    assert json.loads((profiled / "env-0.json").read_text()) == {
+        "PROFILE_SET": "from-setup", "PROFILE_SRUN": "from-srun", "SLURM_JOB_PARTITION": "debug",
+        "HPC_DDP_USER_EVAL_EVERY": "7", "HPC_DDP_USER": '{"eval_every": 7}'}
+    status = cli("hpc_ddp.status", str(profiled))
+    assert "profile local" in status.stdout and "state FINISHED" in status.stdout, status.stdout
+    assert load_config([profiled / "config.yaml"]).profile == "local"
 
 
 def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_cluster: ClusterSpec,

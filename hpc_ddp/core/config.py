@@ -13,7 +13,6 @@ The schema itself (one dataclass per section, every field documented) is in
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -26,32 +25,40 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 from hpc_ddp.core.config_schema import (ContainerConfig, DistConfig, MetricsConfig, RunConfig, SlurmConfig,
                                         SnapshotConfig, TrainConfig, schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
+from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
+from hpc_ddp.core.user_settings import user_leaves
+from hpc_ddp.core.config_hints import suggest
 from hpc_ddp.core.errors import ConfigError, explain
 
 __all__ = ["ContainerConfig", "DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig",
-           "TrainConfig", "config_diff", "describe_diff", "flat_values", "load_config", "save_config", "schema_node", "schema_rows", "to_yaml"]
+           "TrainConfig", "config_diff", "describe_diff", "flat_values", "load_config", "profile_yaml", "save_config",
+           "schema_node", "schema_rows", "to_yaml"]
 
 
-def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = ()) -> RunConfig:
+def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = (),
+                profiles: Profiles | None = None) -> RunConfig:
     """Merge YAML files in order, then ``key=value`` overrides; validate; return the dataclass.
 
-    ``name`` defaults to the first file's stem (``examples/mlp.yaml`` -> ``mlp``).
+    ``name`` defaults to the last file's stem (``cluster.yaml examples/mlp.yaml`` -> ``mlp``): shared
+    defaults are stacked first, the run's own file last; a file or override that sets ``name`` wins. With
+    ``profiles`` (a submit: :mod:`hpc_ddp.core.profiles`), the profile that the merged ``profile`` key (or
+    ``HPC_DDP_PROFILE``) names is merged first, under the files; without, ``profile`` is only a record
+    (a run's own config.yaml already holds its profile's values).
     Raises :class:`ConfigError` naming the key, value, expectation and fix.
     """
-    merged = OmegaConf.structured(RunConfig)
-    for path in paths:
-        merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
-    for item in overrides:
-        merged = _merge(merged, _parse_override(item), f"override {item!r}", key=item.partition("=")[0])
-    try:
-        name = merged.name  # resolves an interpolation such as name=${x}: a missing key fails here
-    except Exception as err:
-        raise _translate(err, "the merged config") from err
+    merged = _merge_all(paths, overrides)
+    chosen = profiles.choose(_resolved(merged, "profile")) if profiles is not None else None
+    if chosen is not None:
+        merged = _merge_all(paths, overrides, (_read_profile(chosen), chosen.source))
+        merged.profile = chosen.name
+    elif profiles is not None:
+        merged.profile = ""  # 'none', or nothing chosen: the record says no profile
+    name = _resolved(merged, "name")
     if not name:
         if not paths:
             raise ConfigError(explain("the run has no name", expected="a name for the run directory",
                                       hint="pass a config file or add name=my_run"), key="name")
-        merged.name = Path(paths[0]).stem
+        merged.name = Path(paths[-1]).stem  # the run's own file comes last, after shared defaults (cluster.yaml)
     try:
         cfg = OmegaConf.to_object(merged)
     except Exception as err:  # interpolations resolve here: ${oc.env:SCRATCH}, ${name}
@@ -60,21 +67,62 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
     return cfg  # type: ignore[return-value]
 
 
-def _read_yaml(path: Path) -> Any:
+def _merge_all(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str],
+               base: tuple[Any, str] | None = None) -> Any:
+    """The schema, then ``base`` (a profile's keys and how errors name it), the files, the overrides."""
+    merged = OmegaConf.structured(RunConfig)
+    if base is not None:
+        merged = _merge(merged, *base)
+    for path in paths:
+        merged = _merge(merged, _read_yaml(Path(path)), f"config file {os.fspath(path)}")
+    for item in overrides:
+        merged = _merge(merged, _parse_override(item), f"override {item!r}", key=item.partition("=")[0])
+    return merged
+
+
+def _resolved(merged: Any, key: str) -> Any:
+    try:
+        return getattr(merged, key)  # resolves an interpolation such as name=${x}: a missing key fails here
+    except Exception as err:
+        raise _translate(err, "the merged config") from err
+
+
+def _read_profile(profile: Profile) -> Any:
+    """The profile's keys (the schema checks them as they are merged: an unknown key is refused naming the
+    profile's file)."""
+    data = _read_yaml(profile.path, what=profile.source)
+    for key in NOT_IN_PROFILE:
+        if key in data:
+            raise ConfigError(explain(f"{profile.source} sets {key}, which a profile may not",
+                                      found=f"{key}: {data[key]}", expected="the cluster's keys (slurm.*, dist.*, "
+                                      "run_dir, ...)", hint=f"remove {key} from {profile.path}; the run's "
+                                      f"{key} comes from its config or the command line"), key=key)
+    return data
+
+
+def profile_yaml(profile: Profile) -> str:
+    """A profile's keys as the merge reads them (checked: an unknown key is refused), for ``profiles show``."""
+    data = _read_profile(profile)
+    _merge(OmegaConf.structured(RunConfig), data, profile.source)
+    return OmegaConf.to_yaml(data)
+
+
+def _read_yaml(path: Path, what: str = "") -> Any:
+    what = what or f"config file {os.fspath(path)}"
     try:
         text = path.read_text()
     except OSError as err:
-        raise ConfigError(explain(f"cannot read config file {os.fspath(path)}: {err.strerror}",
+        raise ConfigError(explain(f"cannot read {what}: {err.strerror}",
                                   hint="check the path (relative paths start at the current directory)")) from None
     try:
         data = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
     except Exception as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(explain(f"config file {os.fspath(path)} is not valid YAML{where}: "
+        raise ConfigError(explain(f"{what} is not valid YAML{where}: "
                                   f"{str(err).splitlines()[0]}", hint="fix the YAML syntax there")) from None
     if not OmegaConf.is_dict(data):
-        raise ConfigError(explain(f"config file {os.fspath(path)} must hold a mapping of keys",
+        raise ConfigError(explain(f"{what} must hold a mapping of keys",
                                   found=type(data._content).__name__, expected="'key: value' lines"))
     return data
 
@@ -143,7 +191,8 @@ def _merge(base: Any, data: Any, source: str, key: str = "") -> Any:
 
 
 def _first_key(section: str) -> str:
-    return dataclasses.fields(type_hints(RunConfig)[section])[0].name
+    hint = type_hints(RunConfig)[section]
+    return dataclasses.fields(hint)[0].name if dataclasses.is_dataclass(hint) else "eval_every"
 
 
 def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigError:
@@ -161,9 +210,11 @@ def _translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErr
         section, _ = schema_node(key_path)
         parent, _, leaf = key_path.rpartition(".")
         valid = [f.name for f in dataclasses.fields(section)] if section else []
-        near = difflib.get_close_matches(leaf, valid, n=1)
-        hint = f"did you mean {'.'.join(filter(None, [parent, near[0]]))}?" if near else \
-            "see the config reference (docs/config.md) for every key"
+        near = suggest(key_path)
+        hint = f"did you mean {near}?" if near else "see the config reference (docs/config.md) for every key"
+        if parent in ("", "train"):  # train.eval_every, model.hidden: the user's own settings
+            own = fallback_key if fallback_key.startswith(key_path + ".") else key_path
+            hint += (" Y" if near else "; y") + f"our own settings go under user: (user.{own.removeprefix('train.')}=...)"
         return ConfigError(explain(f"unknown config key {key!r} in {source}",
                                    expected=f"one of the keys of {parent or 'the top level'}: {', '.join(valid)}",
                                    hint=hint), key=key)
@@ -223,14 +274,21 @@ def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
 
 
 def flat_values(cfg: RunConfig) -> dict[str, Any]:
-    """Every leaf as ``{"train.lr": 0.1, ...}`` in JSON terms (lists and dicts are leaves): what a
-    snapshot manifest records of the config that wrote it."""
+    """Every leaf as ``{"train.lr": 0.1, ...}`` in JSON terms (lists and dicts are leaves, but the user
+    section's keys each are one, ``user.eval_every``, so a diff names them): what a snapshot manifest
+    records of the config that wrote it."""
     import json
 
     def walk(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+        if prefix == "slurm.container." and not value.runtime:
+            return  # none: as a config from before containers, so an older snapshot's config shows no change
         if dataclasses.is_dataclass(value):
             for item in dataclasses.fields(value):
                 yield from walk(getattr(value, item.name), f"{prefix}{item.name}.")
+        elif prefix == "user.":
+            yield from user_leaves(value)
+        elif prefix == "profile." and not value:
+            return  # none: as a config from before profiles, so an older snapshot's config shows no change
         else:
             yield prefix[:-1], value
     return json.loads(json.dumps(dict(walk(cfg, ""))))

@@ -58,10 +58,20 @@ def _regex_with_group(v: Any) -> bool:
         return False
 
 
+def _user_keys(v: Any) -> bool:
+    """The user section: a mapping whose keys, at every depth, are names (they become dotted keys and
+    HPC_DDP_USER_* variables); values are anything YAML holds."""
+    return isinstance(v, dict) and all(isinstance(k, str) and _USER_KEY.fullmatch(k)
+                                       and (not isinstance(x, dict) or _user_keys(x)) for k, x in v.items())
+
+
+_USER_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
 # key -> (check, expected); None passes for keys whose schema type is Optional.
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
     "run_dir": (lambda v: bool(v.strip()), "a directory path"),
+    "profile": (lambda v: v == "" or bool(_NAME.fullmatch(v)), "a profile's name (its file's stem), or empty"),
     "slurm.nodes": (valid_nodes, "an integer >= 1, or a range MIN-MAX such as 2-4"),
     "slurm.tasks_per_node": (_at_least(1), "an integer >= 1"),
     "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
@@ -121,6 +131,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's file)"),
     "snapshot.load": (lambda v: v in ("auto", "spread", "every_node", "every_rank"),
                       "one of auto, spread, every_node (every_rank: its old name)"),
+    "user": (_user_keys, "a mapping whose keys (at every depth) are names: a letter or _, then letters, digits, "
+             "_ or -"),
     "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"), "one of online, offline, disabled"),
     "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
                               "a W&B project name without / \\ # ? % : (empty: the run's name)"),

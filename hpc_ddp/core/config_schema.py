@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from hpc_ddp.core.config_checks import LIVENESS_S
+from hpc_ddp.core.user_settings import UserSettings
 
 
 def _doc(default: Any, doc: str) -> Any:
@@ -72,7 +73,9 @@ class SlurmConfig:
                                     "crash, a hang, a lost node), on healthy nodes from the last snapshot, before "
                                     "the failure takes the requeue path (slurm.max_failures); 0: never.")
     setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
-    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}.")
+    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}; an "
+                                                "empty value is a flag: {no-requeue: ''} turns requeue off, and "
+                                                "each stop then chains the run's next job (docs/faults.md).")
     srun_args: List[str] = _doc_factory(list, "Extra arguments for every training step's srun, e.g. "
                                         "['--cpu-bind=cores'] (after hpc_ddp's own, so they win).")
     container: ContainerConfig = _doc_factory(ContainerConfig, "The container every rank runs in.")
@@ -193,13 +196,30 @@ class MetricsConfig:
 class RunConfig:
     """One run: where it lives, what it asks of Slurm, and how it trains."""
 
-    name: str = _doc("", "Run name; keys the run directory. Defaults to the first config file's name.")
-    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs.")
+    name: str = _doc("", "Run name; keys the run directory. Defaults to the last config file's name (shared "
+                     "defaults such as cluster.yaml come first, the run's own file last).")
+    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs. A relative path is "
+                        "resolved against the directory you submit from (where the job starts), not the config "
+                        "file's; submit and --dry-run print it absolute.")
+    profile: str = _doc("", "The cluster profile merged under the config files: "
+                        "$XDG_CONFIG_HOME/hpc_ddp/profiles/NAME.yaml (default ~/.config/hpc_ddp/profiles/). Chosen "
+                        "by --profile NAME (the override profile=NAME), this key in a config file, else "
+                        "HPC_DDP_PROFILE; 'none': no profile. The run's config.yaml records the name beside the "
+                        "merged values (see python -m hpc_ddp.profiles --help).")
     slurm: SlurmConfig = _doc_factory(SlurmConfig, "Slurm resources and requeue caps.")
     dist: DistConfig = _doc_factory(DistConfig, "Process group settings.")
     train: TrainConfig = _doc_factory(TrainConfig, "Training loop settings.")
     snapshot: SnapshotConfig = _doc_factory(SnapshotConfig, "Snapshot policy.")
     metrics: MetricsConfig = _doc_factory(MetricsConfig, "TensorBoard and W&B (metrics.jsonl is always written).")
+    user: Dict[str, Any] = _doc_factory(dict, "Your own settings, any keys, nested (user.eval_every=100 adds or "
+                                        "overrides one): recorded with the run and compared by --resume; an own "
+                                        "loop reads run.config.user (a mapping, also by attribute), a "
+                                        "train.script the variables HPC_DDP_USER_<KEY> (nested keys joined by _, "
+                                        "upper-cased; text as is, other values as JSON) and HPC_DDP_USER (all "
+                                        "of it as JSON). hpc_ddp reads none of it.")
+
+    def __post_init__(self) -> None:
+        self.user = UserSettings(self.user)  # run.config.user.eval_every as well as ["eval_every"]
 
 
 def schema_rows(schema: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:

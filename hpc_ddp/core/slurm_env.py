@@ -38,6 +38,7 @@ NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
 IN_JOB_VAR = "HPC_DDP_IN_JOB_RESTART"  # set by the batch shell's supervisor on each step it restarts in the job
+CHAINED_VAR = "HPC_DDP_CHAINED_FROM"  # set by the batch shell that submitted this job (requeue refused: a chain)
 HEALED_VAR = "HPC_DDP_HEALED"  # and JSON for that step's ledger line: what failed, what was left out and why
 STEP_ID_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -62,6 +63,7 @@ class DistEnv:
     array_task_id: int | None = None
     restart_count: int = 0
     in_job: int = 0  # the in-job restart (a step the batch shell started after a failed one), 0 for the first
+    chained_from: int | None = None  # the job that submitted this one where Slurm refuses requeue (a chain)
     nodelist: tuple[str, ...] = ()
     source: str = "single"  # "slurm" | "torchrun" | "single"
 
@@ -210,7 +212,7 @@ def _explicit_port(env: Mapping[str, str]) -> int | None:
 def _job_fields(env: Mapping[str, str]) -> dict[str, Any]:
     return {"job_id": _int(env, JOB_ID_VARS), "array_task_id": _int(env, ("SLURM_ARRAY_TASK_ID",)),
             "restart_count": _int(env, ("SLURM_RESTART_COUNT",)) or 0,
-            "in_job": _int(env, (IN_JOB_VAR,)) or 0}
+            "in_job": _int(env, (IN_JOB_VAR,)) or 0, "chained_from": _int(env, (CHAINED_VAR,))}
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:

@@ -17,6 +17,24 @@ class PreemptionError(HpcDdpError):
     """A requeue could not be done, or a requeue cap was reached."""
 
 
+class RequeueRefused(PreemptionError):
+    """Slurm refuses to requeue this job (``JobRequeue=0``, ``--no-requeue``, a partition or QOS that forbids it):
+    the batch shell chains the run's next job instead (:mod:`hpc_ddp.shell.chain`)."""
+
+
+# What ``scontrol requeue`` prints when the job may not be requeued (measured on 22.05 for a --no-requeue job:
+# "Requested operation is presently disabled for job 5"); later releases word some cases differently.
+REFUSALS = ("presently disabled", "not requeueable", "requeue is disabled", "job requeue not allowed",
+            "batch job requeue not enabled")
+
+
+def refused(message: str) -> bool:
+    """Whether ``scontrol requeue``'s error says the job may not be requeued at all (as opposed to a job that
+    is gone, a permission, or Slurm unreachable)."""
+    text = message.lower()
+    return any(words in text for words in REFUSALS)
+
+
 def job_end_time(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> float | None:
     """The job's end time (start + time limit) from squeue, as epoch seconds; None when unknown.
 
@@ -81,6 +99,9 @@ def requeue(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] =
                                       "(containers often lack it)"))
     proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        raise PreemptionError(explain(f"`scontrol requeue {spec}` failed: {(proc.stderr or proc.stdout).strip()}",
-                                      hint="requeueing needs JobRequeue=1 (or sbatch --requeue); the snapshot "
-                                      "is committed, so resubmitting resumes from it"))
+        said = (proc.stderr or proc.stdout).strip()
+        error = RequeueRefused if refused(said) else PreemptionError
+        raise error(explain(f"`scontrol requeue {spec}` failed: {said}",
+                                      hint="requeueing needs JobRequeue=1 (or sbatch --requeue); where Slurm refuses "
+                                      "it, the batch shell submits the run's next job itself (docs/resume.md, a "
+                                      "chain); the snapshot is committed, so that job resumes from it"))

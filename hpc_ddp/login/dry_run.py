@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,10 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     nodes = node_counts(cfg.slurm.nodes)
     environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
-          f"run dir {cfg.run_dir}")
+          f"{run_dir_words(cfg)}")
     print(f"program: {program_line(cfg)}")
+    if cfg.profile:
+        print(f"profile: {cfg.profile} (merged under the config files; python -m hpc_ddp.profiles show {cfg.profile})")
     print(container_line(cfg, workdir, bool(array)))
     print(healing_line(cfg.slurm))
     if not cfg.train.script:
@@ -72,14 +75,20 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
     if not checks:
         return 0
+    from hpc_ddp.core.requeue_policy import requeue_path
     from hpc_ddp.login.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
 
-    findings = preflight(cfg)
+    everything = preflight(cfg)
+    findings = [f for f in everything if f.level != "note"]
+    if shutil.which("scontrol"):
+        print(f"requeue: {requeue_path(cfg.slurm)}")
     if findings:
         print(f"preflight: {len(findings)} finding(s)")
         print("\n".join(f"  {line}" for f in findings for line in str(f).splitlines()))
     else:
         print("preflight: all checks pass")
+    for note in (f for f in everything if f.level == "note"):  # what the job is planned for
+        print(f"  {note}")
     errors = sum(f.level == "error" for f in findings)
     if errors:  # a "dry-run first" gate must stop here, as the submit would
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
@@ -96,6 +105,14 @@ def container_line(cfg: RunConfig, workdir: str, array: bool = False) -> str:
     probe = ["srun", "--nodes=N", "...", *probe_tail(cfg.slurm, mount_paths(cfg, workdir, array), workdir)]
     return (f"container: {box.runtime}, image {box.image}: every step of the job runs in it (the first and each "
             f"healing step: the srun lines above; a probe of the nodes: {shlex.join(probe)})")
+
+
+def run_dir_words(cfg: RunConfig) -> str:
+    """'run dir /abs/path', and where it lies under the submit directory, why (docs/submit.md#where-the-run-dir-is)."""
+    cwd = Path.cwd().resolve()
+    under = Path(cfg.run_dir).is_relative_to(cwd)
+    return f"run dir {cfg.run_dir}" + (" (under the directory you submit from: a relative run_dir is resolved "
+                                       "against it, not against the config file's directory)" if under else "")
 
 
 def program_line(cfg: RunConfig) -> str:

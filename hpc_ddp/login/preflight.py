@@ -8,39 +8,26 @@ torch, and no user code runs: the task module is located, never imported.
 
 from __future__ import annotations
 
-import ast
 import os
 import shutil
 import subprocess
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from importlib.machinery import PathFinder
+from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.core import limits
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.container import EXEC_RUNTIMES
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.login.slurm_version import planned_for
+from hpc_ddp.login.preflight_finding import Finding
+from hpc_ddp.login.preflight_program import check_script, check_task, defines, find_module, module_origin
 
+__all__ = ["Finding", "check_script", "check_task", "defines", "find_module", "module_origin", "preflight"]
 # submitit needs sbatch and squeue (and looks for srun); the partition check needs sinfo.
 SLURM_COMMANDS = ("sbatch", "squeue", "srun", "sinfo")
 NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")
 NODE_LOCAL_FSTYPES = ("tmpfs", "ramfs")
 Runner = Callable[..., subprocess.CompletedProcess]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One preflight result; ``level`` is "error" (stops the submit) or "warning"."""
-
-    level: str
-    key: str
-    message: str
-    hint: str
-
-    def __str__(self) -> str:
-        return f"{self.level} [{self.key}]: {self.message}\nHINT: {self.hint}"
 
 
 def check_commands(which: Callable[[str], str | None] = shutil.which) -> list[Finding]:
@@ -70,6 +57,43 @@ def check_partition(partition: str | None, runner: Runner = subprocess.run) -> l
     return [Finding("error", "slurm.partition", f"partition {partition!r} does not exist; sinfo lists "
                     f"{', '.join(names) or 'none'}", f"set slurm.partition to one of {', '.join(names) or '(none)'}"
                     ", or slurm.partition=null for the cluster's default")]
+
+
+def check_slurm_version(cfg: RunConfig, runner: Runner = subprocess.run) -> list[Finding]:
+    """A note of the Slurm behaviour the job is planned for (:mod:`hpc_ddp.login.slurm_version`)."""
+    return [Finding("note", "slurm.cpus_per_task", planned_for(cfg.slurm.cpus_per_task, runner), "")]
+def check_partition_limits(cfg: RunConfig, runner: Runner = subprocess.run) -> list[Finding]:
+    """The request against the partition's nodes, MaxNodes, MinNodes and MaxTime (:mod:`hpc_ddp.login.partition`):
+    what can never start is an error. With several partitions (``a,b``) only what none of them can run."""
+    from hpc_ddp.login.partition import limit_problems, show_partitions
+
+    slurm = cfg.slurm
+    partitions = show_partitions(slurm.partition, runner)
+    if isinstance(partitions, str):
+        return [Finding("warning", "slurm.partition", f"could not read the partition's limits: {partitions}",
+                        "check that Slurm answers (scontrol show partition) before trusting the submit")]
+    each = [[Finding(*p) for p in limit_problems(part, slurm.nodes, slurm.spare_nodes, slurm.timeout_min)]
+            for part in partitions]
+    for part, found in zip(partitions, each):  # a request that fits: are enough of the nodes up now?
+        if not any(f.level == "error" for f in found):
+            found += _down_nodes(part.get("PartitionName", ""), node_counts(slurm.nodes)[0] + slurm.spare_nodes,
+                                 runner)
+    if len(each) > 1 and any(not any(f.level == "error" for f in found) for found in each):
+        return [f for found in each for f in found if f.level == "warning"]  # one partition can run it
+    return [f for found in each for f in found]
+
+
+def _down_nodes(name: str, needed: int, runner: Runner) -> list[Finding]:
+    """A warning when fewer of the partition's nodes are up than the job needs: it waits until they return."""
+    from hpc_ddp.login.partition import usable_nodes
+
+    usable = usable_nodes(name, runner) if name else None
+    if usable is None or usable >= needed:
+        return []
+    return [Finding("warning", "slurm.nodes", f"only {usable} of partition {name!r}'s nodes can take a job now (the "
+                    f"others are down, drained or reserved: sinfo -p {name}) and the job needs {needed}",
+                    "it waits until enough return (squeue shows ReqNodeNotAvail or Resources); fewer slurm.nodes "
+                    "start sooner")]
 
 
 def _mount_of(path: Path, mounts: str) -> tuple[str, str]:
@@ -140,56 +164,6 @@ def check_geometry(cfg: RunConfig) -> list[Finding]:
     return []
 
 
-def module_origin(dotted: str, search: Sequence[str]) -> str | None:
-    """The file ``dotted`` would be imported from, found in ``search`` without importing anything;
-    None when it is not found ("namespace" for a package without ``__init__.py``)."""
-    path: Sequence[str] | None = [entry or os.getcwd() for entry in search]
-    parts = dotted.split(".")
-    origin: str | None = None
-    for i in range(len(parts)):
-        spec = PathFinder.find_spec(".".join(parts[:i + 1]), path)
-        if spec is None:
-            return None
-        path, origin = spec.submodule_search_locations, spec.origin or "namespace"
-        if path is None and i < len(parts) - 1:
-            return None  # a module, not a package, has no submodules
-    return origin
-
-
-def find_module(dotted: str, search: Sequence[str]) -> bool:
-    """Whether ``dotted`` can be imported from ``search``, found without importing anything."""
-    return module_origin(dotted, search) is not None
-
-
-def defines(source: str, name: str) -> bool | None:
-    """Whether module ``source`` binds ``name`` at top level (class, def, assignment, import): read, never
-    run. None when that cannot be told without running it (``import *``, a module ``__getattr__``)."""
-    def bound(body: list[ast.stmt]) -> Iterator[str]:
-        for node in body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                yield node.name
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                for alias in node.names:
-                    yield alias.asname or alias.name.split(".")[0]
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    yield from (n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-            for block in ("body", "orelse", "finalbody", "handlers"):  # if/try/with at module level
-                if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    inner = getattr(node, block, None)
-                    if isinstance(inner, list):
-                        yield from bound([n for n in inner if isinstance(n, ast.stmt)] +
-                                         [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body])
-    try:
-        names = set(bound(ast.parse(source).body))
-    except (SyntaxError, ValueError):
-        return None  # the import in the job reports it, with the line
-    if name in names:
-        return True
-    return None if "*" in names or "__getattr__" in names else False
-
-
 def check_open_files(cfg: RunConfig, rlimit: tuple[int, int] | None = None) -> list[Finding]:
     """The planned world size against this shell's limit on open files: Slurm hands the job the limits of
     the shell that submits it (unless the site's PropagateResourceLimits says otherwise), and each rank
@@ -204,84 +178,6 @@ def check_open_files(cfg: RunConfig, rlimit: tuple[int, int] | None = None) -> l
         return []
     message, hint = problem.split(" HINT: ")
     return [Finding("warning", "slurm.nodes", message, hint)]
-
-
-def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Finding]:
-    """The program the job runs can be found from here: train.task's or train.loop's module and name
-    (read with ``ast``, never imported), or train.script's file."""
-    level = "warning" if cfg.slurm.setup else "error"  # setup lines may activate the env that has it
-    if cfg.train.script:
-        return check_script(cfg.train.script, level)
-    key = "train.loop" if cfg.train.loop else "train.task"
-    target = cfg.train.loop or cfg.train.task
-    module, _, attr = target.partition(":")
-    origin = module_origin(module, sys.path if search is None else search) if module else "namespace"
-    if origin is None:
-        return [Finding(level, key, f"module {module!r} of {key}={target} is not importable "
-                        f"from here (cwd {os.getcwd()})", "submit from the directory that holds it, pip install "
-                        "your project, or add it to PYTHONPATH; the job starts in this directory with this "
-                        "environment")]
-    if not attr or not origin.endswith(".py"):
-        return []  # a compiled or namespace module: only importing it could tell
-    try:
-        source = Path(origin).read_text(errors="replace")
-    except OSError:
-        return []
-    name = attr.split(".")[0]
-    if defines(source, name) is False:
-        example = f"{module}:{_first_class(origin) or 'MyTask'}" if key == "train.task" else f"{module}:train"
-        kind = "CLASS" if key == "train.task" else "FUNCTION"
-        return [Finding(level, key, f"module {module!r} ({origin}) defines no {name!r}, named by {key}={target}",
-                        f"check the spelling after the colon; {key} is MODULE:{kind}, e.g. {example}")]
-    problem = loop_signature_problem(source, name) if key == "train.loop" else None
-    return [Finding("error", key, problem, f"define it as `def {name}(run): ...`: hpc_ddp calls it with "
-                    "the run object")] if problem else []
-
-
-def loop_signature_problem(source: str, name: str) -> str | None:
-    """Why ``name(run)`` cannot be called, for a top-level ``def name`` in ``source``; None when it can
-    (or when only running the module could tell)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name),
-                None)
-    if node is None:
-        return None
-    args = node.args
-    positional = [*args.posonlyargs, *args.args]
-    required = len(positional) - len(args.defaults)
-    required_kw = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
-    if isinstance(node, ast.AsyncFunctionDef):
-        return f"train.loop's {name} is `async def`; it must be a plain function"
-    if (not positional and args.vararg is None) or required > 1 or required_kw:
-        shown = ", ".join(a.arg for a in positional) + (", *" + args.vararg.arg if args.vararg else "")
-        return (f"train.loop's {name}({shown}) cannot be called with the run as its one argument"
-                + (f" (it needs keyword arguments {', '.join(required_kw)})" if required_kw else ""))
-    return None
-
-
-def check_script(script: str, level: str) -> list[Finding]:
-    path = Path(script)
-    if not path.is_file():
-        return [Finding(level, "train.script", f"train.script={script} does not exist (cwd {os.getcwd()})",
-                        "give a path relative to the directory you submit from (the job starts there), or an "
-                        "absolute path")]
-    if path.suffix != ".py":
-        return [Finding("warning", "train.script", f"train.script={script} is not a .py file",
-                        "hpc_ddp runs it as `python SCRIPT ARGS...` in every task")]
-    return []
-
-
-def _first_class(origin: str) -> str | None:
-    """A task class the module does define (one with ``build_model``), for the hint."""
-    try:
-        tree = ast.parse(Path(origin).read_text(errors="replace"))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    return next((node.name for node in tree.body if isinstance(node, ast.ClassDef) and any(
-        isinstance(item, ast.FunctionDef) and item.name == "build_model" for item in node.body)), None)
 
 
 def check_metrics(cfg: RunConfig) -> list[Finding]:
@@ -315,5 +211,7 @@ def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str 
                 *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg), *check_container(cfg, which)]
     if slurm:
         commands = check_commands(which)
-        findings = commands + findings + ([] if commands else check_partition(cfg.slurm.partition, runner))
+        asked = [] if commands else check_partition(cfg.slurm.partition, runner)
+        limits_of = [] if commands or asked else check_partition_limits(cfg, runner)  # of a partition that exists
+        findings = commands + findings + asked + limits_of + ([] if commands else check_slurm_version(cfg, runner))
     return findings

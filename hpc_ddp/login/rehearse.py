@@ -76,7 +76,9 @@ def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) ->
     if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
         return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
                "--resume continues it)"
-    return f"FAILED (exit code {code})"
+    from hpc_ddp.core.codes import exit_words
+
+    return f"FAILED, {exit_words(code)}"
 
 
 def _ignored_stop(run_dir: Path, job_id: int | None) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ sweep point, with what differs from an earlier run's config said; and the comman
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values, load_config
 from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.profiles import Profiles
+from hpc_ddp.login.profiles import load_with_profile, recorded_profile
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
@@ -31,18 +34,21 @@ def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str
             resume: bool = False) -> RunConfig:
     """The run's config. With ``resume``, the run's own config.yaml (its earlier overrides included) with
     only this command line's ``overrides`` on top: the CONFIG file serves to find the run dir."""
-    cfg = load_config(paths, list(overrides))
+    profiles = Profiles.from_environ(os.environ)
+    cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
     run_dir = Path(cfg.run_dir).expanduser().resolve()  # workers may start elsewhere
     cfg.run_dir = str(run_dir / label if label else run_dir)
     saved = layout.config(cfg.run_dir)
     if resume and saved.is_file():
-        named = {item.split("=", 1)[0].lstrip("+~") for item in overrides}
-        try:
-            own = load_config([saved], [o for o in overrides if not o.startswith("run_dir=")])
+        named = {item.split("=", 1)[0].lstrip("+~") for item in overrides} - {"profile"}
+        try:  # the run's config holds its profile's values: a profile named now is compared, not merged
+            own = load_config([saved], [o for o in overrides if not o.startswith(("run_dir=", "profile="))])
         except HpcDdpError as err:
             raise HpcDdpError(f"--resume reads the run's own config, {saved}, and it cannot be used: {err}",
                               key="run_dir") from None
-        _note_file_differences(paths, flat_values(cfg), flat_values(own), named)
+        cfg = recorded_profile(cfg, own, paths, overrides, profiles)
+        _note_file_differences(paths + ([f"profile {cfg.profile}"] if cfg.profile else []), flat_values(cfg),
+                               flat_values(own), named)
         own.run_dir = cfg.run_dir
         return own
     return cfg
@@ -53,7 +59,7 @@ def _note_file_differences(paths: list[str], from_file: dict[str, Any], own: dic
     """Say which keys the CONFIG file now sets otherwise than the run: --resume keeps the run's values."""
     ignored = [d for d in config_diff(own, from_file) if d[0] not in named and d[0] != "run_dir"]
     if ignored and paths:
-        print(f"--resume continues the run with its own config; {', '.join(paths)} differs in "
+        print(f"--resume continues the run with its own config; {', '.join(map(str, paths))} differs in "
               f"{describe_diff(ignored)}, which is not applied (name a key on the command line to change it)",
               flush=True)
 

@@ -15,6 +15,7 @@ from typing import Any
 from hpc_ddp.core.batching import node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.container import rank_python, runtime_check, step_argv, step_srun_args, wrap
+from hpc_ddp.core.requeue_policy import asks_no_requeue
 
 
 def supervise_line(cfg: RunConfig, configs: list[str], python: str = "python", workdir: str | None = None) -> str:
@@ -29,6 +30,14 @@ def supervise_line(cfg: RunConfig, configs: list[str], python: str = "python", w
     step = step_argv(cfg.slurm, program, paths, workdir)
     return " ".join([shlex.quote(python), "-m", "hpc_ddp.supervise", "--exit-code", "$?",
                      *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
+
+
+# The first line of a submitit job's setup. A SIGTERM to the batch shell (a cancel, the end of a preemption's grace
+# time, a cluster that preempts with SIGTERM) would end bash at once, before the teardown line after srun: no
+# settle step, no line for a killed step, no chained next job where Slurm refuses requeue. With a trap, bash
+# waits for srun and goes on to the teardown (measured on 22.05: without it nothing after srun ran).
+TERM_TRAP = ("trap 'echo \"hpc_ddp: the batch shell got SIGTERM: the step ends, then the settle step runs\" >&2' "
+             "TERM")
 
 
 def mount_paths(cfg: RunConfig, workdir: str | None, array: bool = False) -> list[str]:
@@ -55,7 +64,9 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     """Keyword arguments for ``submitit.SlurmExecutor.update_parameters``.
 
     Our warning signal replaces submitit's fixed ``USR2@delay`` (``additional_parameters``
-    are applied last), ``--requeue`` lets the worker's ``scontrol requeue`` work, and
+    are applied last), ``--requeue`` lets the worker's ``scontrol requeue`` work (left out where
+    ``slurm.sbatch_extra`` asks for ``no-requeue``: the job then chains its successor, and an empty
+    value is a flag without one), and
     ``--kill-on-bad-exit=1`` makes one crashing task end the whole step at once instead
     of leaving the other ranks waiting in a collective. With ``configs`` (one per array
     element), the teardown settles the attempt (:mod:`hpc_ddp.shell.settle`). submitit's
@@ -73,13 +84,14 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
         "signal_delay_s": slurm.signal_delay_s,
-        "setup": batch_setup(cfg),
+        "setup": [TERM_TRAP, *batch_setup(cfg)],
         "teardown": [supervise_line(cfg, configs, python, workdir)] if configs else [],
         "srun_args": [*srun[:2], *spare_shape(cfg), *srun[2:]],
-        "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}", "requeue": True,
+        "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}",
+                                  **({} if asks_no_requeue(slurm.sbatch_extra) else {"requeue": True}),
                                   "no_kill": True,
                                   **({"nodes": slurm_nodes(slurm.nodes)} if len(node_counts(slurm.nodes)) > 1 else {}),
-                                  **slurm.sbatch_extra},
+                                  **{key: value if value != "" else True for key, value in slurm.sbatch_extra.items()}},
     }
     optional = {"gpus_per_node": slurm.gpus_per_node or None, "partition": slurm.partition,
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint,
@@ -128,9 +140,10 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
             options.append(f"--{flag}={value}")
     if slurm.exclusive:
         options.append("--exclusive")
-    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}", "--requeue", "--no-kill", "--open-mode=append",
+    options += [f"--signal={slurm.signal}@{slurm.signal_delay_s}",
+                *([] if asks_no_requeue(slurm.sbatch_extra) else ["--requeue"]), "--no-kill", "--open-mode=append",
                 f"--output={cfg.run_dir}/slurm/%j.out"]
-    options += [f"--{key}={value}" for key, value in slurm.sbatch_extra.items()]
+    options += [f"--{key}={value}" if value != "" else f"--{key}" for key, value in slurm.sbatch_extra.items()]
     return [f"#SBATCH {option}" for option in options]
 
 

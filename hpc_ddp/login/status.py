@@ -4,7 +4,10 @@ Job state (squeue, else sacct), the attempts ledger as a table, progress with an
 ETA, the newest committed snapshot, and the last error lines of the log that says why
 when the run is not going well (the first rank's own exception, not a survivor's view of
 it: :mod:`hpc_ddp.login.failure_logs`). ``--json`` prints the same as one object; ``--plot
-loss.png`` draws the loss curve (matplotlib, the ``plot`` extra). No torch.
+loss.png`` draws the loss curve and every other logged metric (matplotlib, the ``plot`` extra). A directory of
+run dirs (``runs/``) is shown as one line per run; ``--follow`` refreshes until the runs end. The exit code says
+how the run stands (:data:`hpc_ddp.core.codes.STATUS_OK` and after: 0 pending, running or finished; 1 failed;
+3 stopped, --resume continues it; 4 unknown; 2 not a run dir). No torch.
 Also installed as the console script ``hpc-ddp-status``.
 """
 
@@ -18,23 +21,40 @@ from typing import Any
 
 from hpc_ddp.login.status_plot import plot
 from hpc_ddp.login.status_read import duration, collect
+from hpc_ddp.login.status_runs import exit_code, find_runs, follow, table
+from hpc_ddp.core.codes import STATUS_USAGE
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.nccl_net import summary
 
 EPILOG = """\
 examples:
   python -m hpc_ddp.status runs/mlp
   python -m hpc_ddp.status runs/mlp --json | jq .progress
   python -m hpc_ddp.status runs/mlp --plot loss.png          # needs: pip install 'hpc_ddp[plot]'
+  python -m hpc_ddp.status runs/                             # every run under runs/, one line each
+  python -m hpc_ddp.status runs/mlp --follow --every 10 && echo ok  # refresh every 10 s until the run ends
+
+exit codes: 0 pending, running or finished; 1 failed; 2 not a run dir; 3 stopped short of its end (a cap of
+time-outs or preemptions, a scancel: submit --resume continues it); 4 unknown (no job, no attempt yet).
 """
 
 
-def _shape(attempt: dict[str, Any]) -> str:
-    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation; '-' for older ledgers."""
+def _shape(attempt: dict[str, Any], tasks_per_node: int | None = None) -> str:
+    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation. A failed attempt's line has no
+    world size (its ranks never reported): its hosts times the config's tasks per node; '-' when neither is known."""
     world, nodes = attempt.get("world_size"), attempt.get("nodes")
     if not world:
-        return "-"
+        hosts = attempt.get("hosts")
+        if not hosts or not tasks_per_node:
+            return "-"
+        from hpc_ddp.core.hostlist import expand_hostlist
+
+        try:
+            return f"{len(expand_hostlist(str(hosts)))}x{tasks_per_node}"
+        except HpcDdpError:
+            return "-"
     shape = f"{nodes}x{world // nodes}" if nodes and world % nodes == 0 else f"{world} ranks"
     return shape + (f" accum {attempt['grad_accum']}" if attempt.get("grad_accum") else "")
 
@@ -50,8 +70,9 @@ def done_line(done: dict[str, Any]) -> str:
     return "  ".join(parts) or "(DONE.json holds no step)"
 
 
-def render(info: dict[str, Any]) -> str:
-    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+def _progress(info: dict[str, Any]) -> list[str]:
+    """The step, time and logged-metrics lines."""
+    out: list[str] = []
     progress = info["progress"]
     if progress.get("step") is not None:
         line = f"step    {progress['step']}"
@@ -68,9 +89,28 @@ def render(info: dict[str, Any]) -> str:
         if progress.get("eta_s") is not None:
             line += f"; about {duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
         out.append(line)
+    if info.get("logged"):
+        out.append("metrics " + "  ".join(f"{key} {_number(value)}" + ("" if step == progress.get("step") else
+                                                                      f" (step {step})")
+                                          for key, (value, step) in info["logged"].items()))
+    return out
+
+
+def render(info: dict[str, Any]) -> str:
+    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    if len(info.get("jobs") or []) > 1:
+        out.append(chain_line(info["jobs"], info["state"]))
+    if info.get("profile"):
+        out.append(f"profile {info['profile']} (cluster profile merged under the run's config)")
+    if info.get("pending_reason"):
+        from hpc_ddp.login.partition import explain_reason
+
+        out.append(f"waiting {explain_reason(info['pending_reason'])}")
+    out += _progress(info)
     if info["done"]:
         out.append(f"done    {done_line(info['done'])}")
     out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
+    out.extend(network_line(info["attempts"]))
     if info["attempts"]:
         out.append("attempts:")
         out.append("  #  job      restart  ended for        steps          geometry     resumed from")
@@ -82,7 +122,7 @@ def render(info: dict[str, Any]) -> str:
                 steps = "before step 1"
             restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job") else "")
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {restart:<8} {reason:<16} "
-                       f"{steps:<14} {_shape(a):<12} "
+                       f"{steps:<14} {_shape(a, info.get('tasks_per_node')):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
@@ -98,6 +138,30 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def network_line(attempts: list[dict[str, Any]]) -> list[str]:
+    """'network NCCL IB (...) between nodes, attempt #3': what the newest NCCL attempt across nodes used."""
+    found = next(((i, a["nccl_net"]) for i, a in reversed(list(enumerate(attempts)))
+                  if isinstance(a.get("nccl_net"), dict) and a["nccl_net"].get("network")), None)
+    if found is None:
+        return []
+    i, net = found
+    return [f"network NCCL {summary(net)} between nodes (attempt #{i})"
+            + (f"\n        WARNING: {net['warning']}" if net.get("warning") else "")]
+
+
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def chain_line(jobs: list[str], state: str | None) -> str:
+    """The jobs of a run that chained its own successors (Slurm refused requeue): one run, several job ids."""
+    last = jobs[-1]
+    end = "" if state in ("FINISHED", None) or str(state).split()[0] in ("COMPLETED", "FAILED", "CANCELLED") else (
+        f"; scancel {last} ends the chain")
+    return (f"jobs    {' -> '.join(jobs)}  (a chain: each job submitted the next with --dependency=afterany, "
+            f"as Slurm refuses requeue here{end})")
 
 
 def lost_note(entry: dict[str, Any]) -> str:
@@ -128,28 +192,63 @@ def healed_note(attempt: dict[str, Any]) -> str:
             + (f" (left out {left_out})" if left_out else ""))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
-    parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit), or a directory of them")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (a list for a directory of runs)")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the loss curve to this image")
+    parser.add_argument("--follow", action="store_true",
+                        help="refresh every --every seconds until the run, or every run, has ended")
+    parser.add_argument("--every", type=float, default=30.0, metavar="SECONDS",
+                        help="with --follow: seconds between two views (default 30)")
+    return parser
+
+
+def _refusal(args: argparse.Namespace, runs: list[Path]) -> str | None:
+    """Why these arguments show nothing: not a run dir (nor a directory of them), or --plot of several runs."""
+    if not runs:
+        found = "does not exist)" if not args.run_dir.exists() else f"has no {layout.CONFIG}), nor holds one"
+        return (f"{args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that submit printed, "
+                "e.g. runs/NAME, or the directory that holds your runs, e.g. runs/")
+    if args.plot and runs != [args.run_dir]:
+        return (f"--plot draws one run; {args.run_dir} holds {len(runs)}.\nHINT: pass one of them, e.g. "
+                f"python -m hpc_ddp.status {runs[0]} --plot {args.plot}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if not layout.config(args.run_dir).is_file():
-        found = "does not exist" if not args.run_dir.exists() else f"has no {layout.CONFIG}"
-        print(f"error: {args.run_dir} is not a run directory (it {found}).\nHINT: pass the run dir that submit "
-              "printed, e.g. runs/NAME", file=sys.stderr)
-        return 2
+    if args.every <= 0:
+        parser.error(f"--every must be a number of seconds > 0; found {args.every:g}")
+    one = layout.config(args.run_dir).is_file()
+    runs = [args.run_dir] if one else find_runs(args.run_dir)
+    problem = _refusal(args, runs)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return STATUS_USAGE
     if args.plot:
         try:
-            print(plot(args.run_dir, args.plot), file=sys.stderr if args.json else sys.stdout)
+            print(plot(runs[0], args.plot), file=sys.stderr if args.json else sys.stdout)
         except HpcDdpError as err:
             print(f"error: {err}", file=sys.stderr)
-            return 2
-    info = collect(args.run_dir)
-    print(json.dumps(info, default=str) if args.json else render(info))
-    return 0
+            return STATUS_USAGE
+
+    def show() -> tuple[str, list[str]]:
+        infos = [collect(run) for run in runs]
+        if args.json:
+            text = json.dumps(infos[0] if one else infos, default=str)
+        else:
+            text = render(infos[0]) if one else table(infos, args.run_dir)
+        return text, [info["verdict"] for info in infos]
+
+    if args.follow:
+        return follow(show, args.every)
+    text, verdicts = show()
+    print(text)
+    return exit_code(verdicts)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""``status --plot``: a run's loss and throughput curve, one line per attempt, with matplotlib (the
-``plot`` extra), imported only when asked for.
+"""``status --plot``: a run's loss curve, and below it one panel per other number the run logged (an eval
+metric, the learning rate, samples/s), with where each attempt resumed; matplotlib (the ``plot`` extra),
+imported only when asked for.
 """
 
 from __future__ import annotations
@@ -36,29 +37,60 @@ def plot(run_dir: Path, out: Path) -> str:
                                   hint="pip install 'hpc_ddp[plot]' (or pip install matplotlib)"),
                           key="--plot") from None
     cfg = read_config(run_dir)
-    metrics = [m for m in metrics_file.read(run_dir) if isinstance(m.get("loss"), (int, float))]
+    every = metrics_file.read(run_dir)
+    metrics = [m for m in every if isinstance(m.get("loss"), (int, float))]
     if not metrics:
         raise HpcDdpError(explain(f"nothing to plot: {run_dir / 'metrics.jsonl'} has no loss yet", hint=_no_loss_hint(
             cfg)), key="--plot")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    others = other_keys(every)
+    fig, axes = plt.subplots(1 + len(others), 1, figsize=(8, 4.5 + 2.2 * len(others)), sharex=True, squeeze=False)
+    ax = axes[0][0]
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="loss")
     attempts = read_attempts(run_dir)
     for number, attempt in enumerate(attempts[1:], start=1):
         if attempt.get("first_step"):  # where a requeued attempt resumed, and why the one before ended
-            ax.axvline(attempt["first_step"], color="grey", ls=":", lw=1)
+            for row in axes:
+                row[0].axvline(attempt["first_step"], color="grey", ls=":", lw=1)
             ax.annotate(f"#{number} after {attempts[number - 1].get('reason', '?')}", (attempt["first_step"], 1),
                         xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8,
                         color="dimgrey")
     trainer = cfg is None or not (cfg.train.loop or cfg.train.script)  # only the Trainer averages over ranks
-    ax.set(xlabel="step", ylabel="loss (mean over ranks)" if trainer else "loss (as rank 0 logged it)",
-           title=f"{run_dir.name if cfg is None else cfg.name}: loss")
+    ax.set(xlabel="" if others else "step", ylabel="loss (mean over ranks)" if trainer else "loss (as rank 0 logged it)",
+           title=f"{run_dir.name if cfg is None else cfg.name}: loss" + (" and logged metrics" if others else ""))
     losses = [m["loss"] for m in metrics]
     if min(losses) > 0:
         _log_scale(ax, max(losses) / min(losses))
+    _panels([row[0] for row in axes[1:]], every, others)
+    axes[-1][0].set(xlabel="step")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
-    return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}"
+    also = f"; also {', '.join(others)}" if others else ""
+    return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}{also}"
+
+
+def _panels(axes: list[Any], metrics: list[dict[str, Any]], keys: list[str]) -> None:
+    """One panel per logged key; an eval metric is logged at fewer steps, so markers show each one."""
+    for ax, key in zip(axes, keys):
+        points = [(m["step"], m[key]) for m in metrics if _is_number(m.get(key))]
+        ax.plot(*zip(*points), lw=1.2, marker="." if len(points) < 50 else None)
+        ax.set(ylabel=key)
+
+
+NOT_PLOTTED = ("step", "time", "loss", "epoch", "max_steps")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def other_keys(metrics: list[dict[str, Any]], limit: int = 8) -> list[str]:
+    """The numeric keys logged besides the loss (an eval metric, lr, samples/s), in first-logged order, at most
+    ``limit`` (each is a panel)."""
+    keys: list[str] = []
+    for record in metrics:
+        keys += [k for k, v in record.items() if k not in NOT_PLOTTED and k not in keys and _is_number(v)]
+    return keys[:limit]
 
 
 def _no_loss_hint(cfg: Any) -> str:

@@ -16,7 +16,7 @@ from hpc_ddp.rundir import layout, metrics_file
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
-from hpc_ddp.rundir.ledger import read_attempts, steps_lost
+from hpc_ddp.rundir.ledger import chain_jobs, read_attempts, steps_lost
 
 
 def _slurm_state(job_id: str) -> str | None:
@@ -50,6 +50,31 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
         why = "cap reached" if last.get("capped") else "--resume continues it"
         return f"STOPPED (local, {why})"
     return "FAILED (local)"
+
+
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+          "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED")  # Slurm's STOPPED: SIGSTOPped, still holds its nodes
+STOPS = ("timeout", "preemption", "interrupted", "cancelled")  # a ledger's reasons that --resume continues
+
+
+def verdict(state: str | None, done: bool, attempts: list[dict[str, Any]]) -> str:
+    """"active", "finished", "failed", "stopped" (short of its end; --resume continues it) or "unknown": what
+    status's exit code says (:data:`hpc_ddp.core.codes.STATUS_OK` and after). Slurm's state first; where the job
+    is gone, the ledger's last attempt (a job that COMPLETED without DONE.json ended as its last attempt did)."""
+    if done:
+        return "finished"
+    word = state.split()[0].rstrip("+") if state and state.split() else ""
+    if state and "(local" in state:  # local_state's words
+        return {"RUNNING": "active", "STOPPED": "stopped", "FAILED": "failed"}.get(word, "unknown")
+    if word in ACTIVE:
+        return "active"
+    if word == "CANCELLED":
+        return "stopped"
+    last = attempts[-1].get("reason") if attempts else None
+    if last is None:
+        return "failed" if word in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "TIMEOUT", "PREEMPTED",
+                                    "DEADLINE") else "unknown"  # ended without an attempt line
+    return "stopped" if last in STOPS else "failed"
 
 
 def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_steps: int | None, running: bool,
@@ -95,18 +120,28 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
         state = local_state(attempts, bool(done), holder_alive({**job, "local": True}))
     progress: dict[str, Any] = {}
-    max_steps = _max_steps(run_dir)
+    cfg = read_config(run_dir)
+    max_steps = total_steps(cfg, metrics)
     if metrics:
         last = metrics[-1]
-        progress = {"step": last["step"], "loss": last.get("loss"), "samples_per_s": last.get("samples_per_s"),
-                    **({"max_steps": max_steps} if max_steps else {})}
+        progress = {"step": last["step"], "loss": newest(metrics).get("loss", (None,))[0],
+                    "samples_per_s": last.get("samples_per_s"), **({"max_steps": max_steps} if max_steps else {})}
     running = bool(state) and str(state).startswith("RUNNING") and not done
     lock = _read_json(layout.lock(run_dir)) or {}
     progress.update(timing(metrics, attempts, max_steps, running, time.time(), lock.get("since")))
     steps = snapshot.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
-              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()}}  # by attempt (JSON keys)
+              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()},  # by attempt (JSON keys)
+              "jobs": chain_jobs(attempts, job_id or None) if any(a.get("next_job") for a in attempts) else []}
+    result["profile"] = (cfg.profile or None) if cfg is not None else None
+    result["tasks_per_node"] = None if cfg is None else cfg.slurm.tasks_per_node  # a failed attempt's geometry
+    result["logged"] = {key: value for key, value in newest(metrics).items() if key not in SHOWN}
+    result["verdict"] = verdict(state, bool(done), attempts)
+    if state and state.startswith("PENDING") and not job.get("local"):
+        from hpc_ddp.login.partition import pending_reason
+
+        result["pending_reason"] = pending_reason(job_id)
     if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
                                                            "NODE_FAIL")):
         # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
@@ -153,7 +188,27 @@ def read_config(run_dir: Path) -> Any:
         return None
 
 
-def _max_steps(run_dir: Path) -> int | None:
-    """train.max_steps of the run's resolved config (None when unset or unreadable)."""
-    cfg = read_config(run_dir)
-    return None if cfg is None else cfg.train.max_steps
+SHOWN = ("step", "time", "loss", "samples_per_s", "max_steps")  # on status's step line, or not a metric
+
+
+def newest(metrics: list[dict[str, Any]]) -> dict[str, tuple[Any, int]]:
+    """Every key the run logged (``run.log_metrics(step, val_loss=...)``), with its newest value and that step."""
+    latest: dict[str, tuple[Any, int]] = {}
+    for record in metrics:
+        latest.update((key, (value, record["step"])) for key, value in record.items()
+                      if key not in ("step", "time") and value is not None)
+    return latest
+
+
+def total_steps(cfg: Any, metrics: list[dict[str, Any]]) -> int | None:
+    """The run's last step, where it is known: what the loop logged as ``max_steps``
+    (``run.log_metrics(step, loss=..., max_steps=N)``); else the config's train.max_steps, which the Trainer
+    obeys. An own loop or script decides its own end: its train.max_steps is shown only while the run has not
+    passed it (a loop with its own count would read ``step 1500/100``)."""
+    logged = newest(metrics).get("max_steps", (None,))[0]
+    if isinstance(logged, int) and not isinstance(logged, bool) and logged > 0:
+        return logged
+    configured = None if cfg is None else cfg.train.max_steps
+    if configured is None or cfg.train.task:
+        return configured
+    return configured if not metrics or metrics[-1]["step"] <= configured else None

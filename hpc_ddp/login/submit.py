@@ -14,8 +14,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, shape
+from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, run_dir_words, shape
 from hpc_ddp.login.guards import check_free, write_config, write_job
 from hpc_ddp.login.rehearse import run_local
 from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
@@ -38,22 +39,44 @@ examples:
   python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
+  python -m hpc_ddp.submit --profile mycluster examples/mlp.yaml user.eval_every=100   # cluster keys, own keys
   python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30     # a node lost, healed
   python -m hpc_ddp.submit examples/mlp.yaml --local --freeze-at 30:0 dist.liveness_s=5  # a node frozen, found
   python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
                                             # continue a 2 x 2 rehearsal on 1 node, same global batch
 
-Arguments ending in .yaml/.yml are config files (merged in order); KEY=VALUE arguments override them
-(see docs/config.md for every key). The resolved config is written to RUN_DIR/config.yaml; with
---multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
+Arguments ending in .yaml/.yml are config files (merged in order, over the cluster profile that
+--profile or HPC_DDP_PROFILE names; the run is named by the last file unless one sets name); KEY=VALUE
+arguments override them (see docs/config.md for every key; your own settings go under user.*, e.g.
+user.eval_every=100). The resolved config is written to RUN_DIR/config.yaml; with --multirun each
+combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
 own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
 Also installed as the console script `hpc-ddp-submit`.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the override to type for an sbatch or torchrun flag given as ours (``--nodes=2``)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        from hpc_ddp.core.config_hints import flag_hint
+
+        if message.startswith("unrecognized arguments:"):
+            args, hints = message.split(":", 1)[1].split(), []
+            for arg, after in zip(args, args[1:] + [""]):
+                spaced = "=" not in arg and after and not after.startswith("-") and "=" not in after
+                hint = flag_hint(f"{arg}={after}" if spaced else arg)  # -t 2:00:00 as -t=2:00:00
+                hints += [hint.replace(f"{arg}={after} ->", f"{arg} {after} ->")] if hint else []
+            if hints:
+                message += ("\nHINT: hpc_ddp takes Slurm's settings as config keys, not sbatch flags: "
+                            + "; ".join(hints) + " (docs/config.md; any other sbatch option: "
+                            "slurm.sbatch_extra.OPTION=VALUE)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
+    parser = _Parser(prog="python -m hpc_ddp.submit", description=for_help(__doc__), epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
@@ -72,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue the run in RUN_DIR from its newest snapshot (a new job; with --local, a "
                         "new rehearsal), with the run's own config.yaml and only the KEY=VALUE given now on top; "
                         "CONFIG may be the run dir")
+    parser.add_argument("--profile", metavar="NAME",
+                        help="merge the cluster profile NAME (~/.config/hpc_ddp/profiles/NAME.yaml, under "
+                        "$XDG_CONFIG_HOME if set) under the config files and overrides; default: $HPC_DDP_PROFILE; "
+                        "'none': no profile (python -m hpc_ddp.profiles list shows them)")
     parser.add_argument("--no-preflight", action="store_true",
                         help="submit without the login-node checks (Slurm commands, partition, run dir, "
                         "geometry, task module)")
@@ -117,9 +144,13 @@ def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
 
     findings = preflight(cfg, slurm=slurm)
     for finding in findings:
-        if finding.level == "warning":
+        if finding.level in ("warning", "note"):
             print(finding, file=sys.stderr)
     errors = [f for f in findings if f.level == "error"]
+    if slurm and not errors:
+        from hpc_ddp.core.requeue_policy import requeue_path
+
+        print(f"preflight: {requeue_path(cfg.slurm)}", file=sys.stderr)
     if errors:
         raise HpcDdpError("preflight found problems; nothing was submitted (--no-preflight skips the checks)\n"
                           + "\n".join(map(str, errors)), key=errors[0].key)
@@ -158,10 +189,11 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
     print(f"submitted {what}: {cfg.name}, {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
     for job, one in zip(jobs, cfgs):
-        log_path = folder / f"{job.job_id}_0_log.out"
-        print(f"{'  [' + job.job_id + ']' if array else ''}\n  run dir  {one.run_dir}\n  logs     {folder} "
-              f"(rank 0: {log_path})\n  watch    python -m hpc_ddp.status {one.run_dir}\n"
-              f"  tail     tail -f {log_path}")
+        err, out = (folder / f"{job.job_id}_0_log.{kind}" for kind in ("err", "out"))
+        print(f"{'  [' + job.job_id + ']' if array else ''}\n  {run_dir_words(one).replace('run dir', 'run dir ', 1)}\n  logs     {folder}: "
+              f"two per rank R, {job.job_id}_R_log.err (hpc_ddp's lines, your logging, tracebacks) and "
+              f"{job.job_id}_R_log.out (what the program prints)\n  watch    python -m hpc_ddp.status {one.run_dir}"
+              f"\n  tail     tail -f {err} {out}")
     print(f"  cancel   scancel {first}")
     return 0
 
@@ -193,6 +225,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
+    if args.profile is not None:
+        args.items.append(f"profile={args.profile}")  # the key the run records; --resume's command keeps it
     problem = _usage_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -150,7 +150,7 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
     from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.rank.attempt.session import beating, open_run
 
-    attempt = Attempt(cfg, env, environ, flag, attempts, limits)
+    attempt = Attempt(cfg, env, placed(cfg, env, environ), flag, attempts, limits)
     if cfg.train.script:
         from hpc_ddp.rank.script.wrapper import run_script
 
@@ -225,17 +225,30 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     if isinstance(prepared, int):
         raise SystemExit(prepared)
 
-    attempt = Attempt(*prepared, wrapped=wrapped)
     try:
+        cfg, env, environ = prepared[:3]
+        attempt = Attempt(cfg, env, environ if wrapped else placed(cfg, env, environ), *prepared[3:], wrapped=wrapped)
         with open_run(attempt) as run:
             yield run
     except StoppedMidStep as stop:
         raise SystemExit(stop.code) from None
     except HpcDdpError as err:
-        _record(attempt.env, Path(cfg.run_dir), err)
+        _record(prepared[1], Path(cfg.run_dir), err)
         raise
     if attempt.code:
         raise SystemExit(attempt.code)
+
+
+def placed(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> Mapping[str, str]:
+    """This rank's CPUs, GPUs and network checked before its first collective (rank/attempt/placement.py); the
+    environment with the interface gloo and NCCL must use where the hostname is loopback in a multi-node job."""
+    from hpc_ddp.rank.attempt.placement import check
+
+    exports = check(cfg, env, environ)
+    if not exports:
+        return environ
+    os.environ.update(exports)  # gloo and NCCL read them from this process's environment; a script's child too
+    return {**environ, **exports}
 
 
 def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:

@@ -33,7 +33,8 @@ from hpc_ddp.rundir import beats, jit_files, losses
 from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
                                             node_ranks, ranks_text, signal_family, unfired)
-from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, PROGRESS_MARK
+from hpc_ddp.core.codes import (DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR,
+                                 PROGRESS_MARK, exit_words)
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
@@ -139,9 +140,9 @@ def report_failures(failed: list[int], codes: list[int | None], paths: list[Path
     for (code, text), ranks in groups.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         if 0 in ranks:
-            err.write(f"\n{who} failed with exit code {code} (the error above)\n")
+            err.write(f"\n{who} failed: {exit_words(code)} (the error above)\n")
         else:
-            err.write(f"\n{who} failed with exit code {code}; from {paths[ranks[0]]}:\n{text}\n")
+            err.write(f"\n{who} failed: {exit_words(code)}; from {paths[ranks[0]]}:\n{text}\n")
 
 
 def script_progress(config_path: Path) -> re.Pattern[str] | None:
@@ -174,6 +175,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                              cpus_per_task=cpus_per_task(config_path))
     for rank, step in (die_at or {}).items():  # --fail-at: these ranks die after their own boundary of that step
         environs[rank][DIE_AT_VAR] = str(step)
+    if events:  # rank 0 waits at each injected stop's step for the signal sent on reading its report
+        environs[0][HOLD_AT_VAR] = ",".join(str(step) for step, _signum in events)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
     index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
@@ -320,7 +323,8 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                              extra={"hosts": compress_hostlist(healer.training), "start": started,
                                     **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
             why_not, healer.memory.why_not = healer.memory.why_not, ""
-            err.write(f"[local] attempt {restart}, job step {healer.index} ended with exit code {code}: {outcome}"
+            err.write(f"[local] attempt {earlier + steps - 1} (requeue {restart}, job step {healer.index}) ended, "
+                      f"{exit_words(code)}: {outcome}"
                       + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
             if healer.advance():
                 continue
@@ -328,4 +332,5 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                 return code
         restart += 1
         healer.requeued()
-        err.write(f"[local] attempt {restart - 1} ended; requeued as attempt {restart}\n")
+        err.write(f"[local] attempt {earlier + steps - 1} ended; the job is requeued (requeue {restart}), its first "
+                  f"step is attempt {earlier + steps}, as status numbers them\n")

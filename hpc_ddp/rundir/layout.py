@@ -23,6 +23,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
                        blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files)
     logs/              the local rehearsal's per-rank logs
     slurm/             submitit's and the sbatch templates' job logs
+    chain/             job-J.sbatch: the batch script job J submitted its successor with, where Slurm
+                       refuses requeue (hpc_ddp.shell.chain)
 
 No torch, no I/O: plain names and paths.
 """
@@ -45,6 +47,7 @@ WANDB_ID = "wandb_id.txt"
 ERRORS = "errors"
 LOGS = "logs"
 SLURM_LOGS = "slurm"
+CHAIN = "chain"
 LIVENESS = "liveness"
 
 
@@ -115,6 +118,11 @@ def logs(run_dir: Path | str) -> Path:
 
 def slurm_logs(run_dir: Path | str) -> Path:
     return Path(run_dir) / SLURM_LOGS
+
+
+def chain_script(run_dir: Path | str, job: str) -> Path:
+    """The batch script job ``job`` submitted the run's next job with (a cluster that refuses requeue)."""
+    return Path(run_dir) / CHAIN / f"job-{job}.sbatch"
 
 
 def declared(run_dir: Path | str) -> Path:

@@ -211,3 +211,24 @@ def steps_lost(attempts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             entry["why"] = attempt["jit_fallback"]
         found[i] = entry
     return found
+
+
+def record_next_job(run_dir: Path, attempt: Mapping[str, Any], next_job: str, script: str) -> None:
+    """Where Slurm refuses requeue, the batch shell submitted the run's next job itself (a chain): the stopped
+    attempt's line says which job comes next (``next_job``) and from which batch script. The next attempt is
+    that job's first line; the caps count every line of the chain, as they count requeues."""
+    append_attempt(run_dir, {**attempt_fields(*attempt_key(attempt)), "amends": True, "next_job": next_job,
+                             "chained_with": script, "requeue_by": "chain"})
+
+
+def chain_jobs(attempts: Sequence[Mapping[str, Any]], current: str | None = None) -> list[str]:
+    """The jobs of a run in order (each once), with the last chained ``next_job`` and ``current`` (job.json's)
+    after them: ``["5", "7", "9"]`` for a run that went on through two chained jobs."""
+    jobs: list[str] = []
+    for attempt in attempts:
+        for job in (attempt.get("job_id"), attempt.get("next_job")):
+            if job is not None and str(job) not in jobs:
+                jobs.append(str(job))
+    if current and current not in jobs:
+        jobs.append(current)
+    return jobs

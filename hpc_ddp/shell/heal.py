@@ -159,7 +159,10 @@ def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str
         nodes = prefer(clean, training, len(clean), avoid)
         return Plan(nodes, excluded, "shrunk", f"{len(nodes)} healthy nodes of {want}: slurm.nodes allows "
                     f"{counts[0]}-{counts[-1]}, same global batch")
-    return Plan([], excluded, "requeue", f"{len(clean)} healthy node(s) left, {counts[0]} needed")
+    spare = "" if len(held) > len(training) else (  # the job held no spare: say how to hold one
+        "; no spare node was held: slurm.spare_nodes=1 holds one that takes a lost node's place in the job"
+        + (f" (or slurm.nodes={max(1, want - 1)}-{want} goes on with fewer)" if len(counts) == 1 and want > 1 else ""))
+    return Plan([], excluded, "requeue", f"{len(clean)} healthy node(s) left, {counts[0]} needed{spare}")
 
 
 def prefer(candidates: Sequence[str], training: Sequence[str], want: int, avoid: Collection[str] = ()) -> list[str]:

@@ -11,7 +11,8 @@ committed snapshot, and which). A failure or a hang is requeued while
 ``slurm.max_failures`` allows it; an ``error`` (bad config, task or environment,
 exit 2) never is: it would fail the same way after another wait in the queue. A
 stop that the workers could not requeue (no ``scontrol`` in the job's tasks,
-``requeue_by: batch shell`` in the ledger) is requeued here, once. No torch.
+``requeue_by: batch shell`` in the ledger) is requeued here, once; where Slurm refuses requeue, the
+run's next job is submitted here instead (:mod:`hpc_ddp.shell.chain`). No torch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir.ledger import STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps, read_attempts
-from hpc_ddp.core.slurm_jobs import job_spec, requeue
+from hpc_ddp.core.slurm_jobs import job_spec
+from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.codes import EXIT_LOCKED
 
 FAILURE_REASONS = ("failed", "hung")
@@ -79,7 +81,7 @@ def last_known(run_dir: Path) -> dict[str, Any]:
 
 
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
-           requeue_job: Callable[[], None] | None, now: float | None = None, in_job: int = 0,
+           requeue_job: Callable[[], str | None] | None, now: float | None = None, in_job: int = 0,
            heal: Callable[[Mapping[str, Any]], str | None] | None = None,
            extra: Mapping[str, Any] | None = None, stop_reason: Callable[[], str] | None = None) -> str:
     """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can (it
@@ -97,7 +99,9 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if reason in STOP_REASONS and mine[-1].get("requeue_by") == "batch shell":
         if requeue_job is None:
             return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
-        requeue_job()  # the workers left it to us (no scontrol in their container): exactly one requeue
+        done = requeue_job()  # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
+        if done and done != "requeued":
+            return f"{reason}; {done}"
         return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
     if mine and reason not in FAILURE_REASONS:
         return f"recorded by the workers: {reason}"
@@ -126,12 +130,12 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         append_attempt(run_dir, {**attempt_fields(job_id, restart_count, in_job), "amends": True, **decided})
     if capped or requeue_job is None:
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
-    requeue_job()
-    return f"{record['reason']}; requeued (slurm.max_failures allows it)"
+    done = requeue_job()
+    return f"{record['reason']}; {done or 'requeued'} (slurm.max_failures allows it)"
 
 
 def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], limits: Mapping[str, int],
-                 requeue_job: Callable[[], None] | None, record: dict[str, Any]) -> str:
+                 requeue_job: Callable[[], str | None] | None, record: dict[str, Any]) -> str:
     """A stop signal broke the step (a rank marked it) and rank 0 wrote no line (killed at the end of the grace
     time, say): the attempt is that stop, never a failure to heal; requeued unless it was a cancel."""
     capped = reason in STOP_REASONS and cap_reached(reason, attempts + [{"reason": reason}], limits)
@@ -140,8 +144,8 @@ def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], lim
                              "shell"})
     if reason not in STOP_REASONS or capped or requeue_job is None:
         return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped else "")
-    requeue_job()
-    return f"{reason} (a stop signal broke the step); requeued by the batch shell"
+    done = requeue_job()
+    return f"{reason} (a stop signal broke the step); {done or 'requeued'} by the batch shell"
 
 
 def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None, record: Mapping[str, Any]) -> tuple[str | None, str]:
@@ -187,7 +191,10 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         spec = job_spec(environ)
         outcome = settle(run_dir, job_id=int(job) if job.isdigit() else None,
                          restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0), exit_code=args.exit_code,
-                         limits=limits, requeue_job=(lambda: requeue(spec)) if spec else None)
+                         limits=limits, requeue_job=batch_shell_requeue(
+                             run_dir, (int(job) if job.isdigit() else None,
+                                       int(environ.get("SLURM_RESTART_COUNT", "0") or 0), 0), spec, environ)
+                         if spec else None)
     except HpcDdpError as err:
         print(f"hpc_ddp.shell.settle: error: {err}", file=sys.stderr)
         return args.exit_code or 1

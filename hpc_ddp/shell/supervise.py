@@ -39,7 +39,8 @@ from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.rundir.ledger import attempt_key, attempt_tag, caps, read_attempts
-from hpc_ddp.core.slurm_jobs import job_fields, job_spec, requeue
+from hpc_ddp.core.slurm_jobs import job_fields, job_spec
+from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.stopping import term_reason
 from hpc_ddp.shell.settle import pick_config, settle
 from hpc_ddp.shell.steps import Step, srun_lines_before
@@ -68,7 +69,7 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
             + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else "")
             + ("" if can_heal else f" (not healed in the job: {sup.command_problem()})"))
         if not sup.healer.next_nodes:
-            return step.code
+            return 0 if chained(sup, step) else step.code
         nodes, healed, sup.healer.next_nodes = sup.healer.next_nodes, sup.healer.healed, []
         if sup.stopping:  # a SIGTERM after the decision: start nothing; Slurm requeues a preempted job itself
             say("a stop signal reached the batch shell: the planned step is not started")
@@ -84,12 +85,21 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
 def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
     spec = job_spec(sup.environ)
     return settle(sup.run_dir, job_id=sup.job_id, restart_count=sup.restart, exit_code=step.code,
-                  limits=caps(sup.cfg.slurm), requeue_job=(lambda: requeue(spec, sup.runner)) if spec else None,
+                  limits=caps(sup.cfg.slurm),
+                  requeue_job=batch_shell_requeue(sup.run_dir, (sup.job_id, sup.restart, step.index), spec,
+                                                  sup.environ, sup.runner) if spec else None,
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   extra={"hosts": compress_hostlist(step.nodes), **({"start": step.start} if step.start else {}),
                          **({"healed": step.healed} if step.healed else {}),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
+
+
+def chained(sup: Supervisor, step: Step) -> bool:
+    """Whether this step's stop submitted the run's next job (Slurm refuses requeue): the job then ended as
+    planned, and says so with exit 0 (sacct shows COMPLETED, not FAILED, for a link of the chain)."""
+    key = (sup.job_id, sup.restart, step.index)
+    return any(a.get("next_job") for a in read_attempts(sup.run_dir) if attempt_key(a) == key)
 
 
 def ran_on(sup: Supervisor) -> list[str]:

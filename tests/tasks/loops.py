@@ -311,3 +311,23 @@ def loader_workers(run: Any) -> None:
         time.sleep(0.05)
         if run.boundary(step):
             return
+
+
+def reads_user_section(run: Any) -> None:
+    """Records what run.config.user holds, read by attribute and as a mapping, nested too, to
+    RUN_DIR/user-RANK.json; trains two steps so the run finishes as any loop does."""
+    import json
+
+    user = run.config.user
+    seen = {"attr": user.eval_every, "item": user["eval_every"], "nested": user.data.name,
+            "mapping": dict(user), "get": user.get("absent", "default")}
+    (run.run_dir / f"user-{run.rank}.json").write_text(json.dumps(seen))
+    model, optimizer = _tiny(run)
+    step = run.resume(model=model, optimizer=optimizer)
+    while step < 2:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step):
+            return

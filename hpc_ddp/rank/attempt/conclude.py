@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.codes import EXIT_REQUEUE
 from hpc_ddp.core.errors import first_line
-from hpc_ddp.core.slurm_jobs import PreemptionError, job_fields, job_spec, requeue, requeue_available
+from hpc_ddp.core.slurm_jobs import PreemptionError, RequeueRefused, job_fields, job_spec, requeue, requeue_available
 from hpc_ddp.core.stopping import signal_number, stop_reason, term_reason
 from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.shield.loader import stop_signals_blocked
 from hpc_ddp.rank.watch.broken_stop import HINT, child_killed, pipe_broke
 from hpc_ddp.rundir import snapshot
-from hpc_ddp.rundir.ledger import append_attempt, cap_reached
+from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, cap_reached
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
@@ -73,6 +73,11 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
         ending.requeue = False
         try:
             requeue(job_spec(attempt.environ), runner=_shielded_run)  # srun's SIGTERM to the step spares it
+        except RequeueRefused as err:  # the batch shell chains the run's next job (hpc_ddp.shell.chain)
+            append_attempt(attempt.run_dir, {**attempt_fields(*attempt_key(attempt.record)), "amends": True,
+                                             "requeue_by": "batch shell", "requeue_refused": first_line(err)})
+            log.warning("Slurm refuses to requeue this job (%s): the batch shell submits the run's next job, "
+                        "which resumes from this snapshot", first_line(err))
         except PreemptionError as err:
             log.error("%s", err)
     return ending.code

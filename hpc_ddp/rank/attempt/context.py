@@ -58,7 +58,8 @@ class Attempt:
 
     def __post_init__(self) -> None:
         self.record = {**attempt_fields(self.env.job_id, self.env.restart_count, self.env.in_job),
-                       "start": round(time.time(), 3), **geometry(self.cfg, self.env), **healed(self.environ)}
+                       "start": round(time.time(), 3), **geometry(self.cfg, self.env), **healed(self.environ),
+                       **({"chained_from": self.env.chained_from} if self.env.chained_from else {})}
         self.holder = holder_record(job_spec(self.environ) or str(self.env.job_id), local=self.local)
         # Asked first, before the program is loaded: a task may change PATH (a container without the
         # Slurm client), and a preemption later moves the end time forward.

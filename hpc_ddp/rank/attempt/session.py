@@ -36,7 +36,7 @@ from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, recorded_error
 from hpc_ddp.rundir.runlock import RunLockedError, acquire, release
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_HUNG
+from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_HUNG, HOLD_AT_VAR
 from hpc_ddp.rank.watch.watchdog import poll_interval
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpc_ddp.session")
 CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
+HOLD_S = 10.0  # the longest rank 0 waits at a step for the rehearsal's injected signal
 DIE_WAIT_S = 5.0  # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
 
 
@@ -103,12 +104,14 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                                          own_control_group=False if shared else None) as device:
         import torch.distributed as dist
 
-        from hpc_ddp.rank.group import control
+        from hpc_ddp.rank.group import control, nccl_report
 
         if attempt.liveness is not None:
             attempt.liveness.listen()  # every rank is past the rendezvous: rank 0 created the declaration's file
         log.info("process group: backend %s, world size %d, device %s, control traffic on %s", dist.get_backend(),
                  env.world_size, device, "its own gloo group" if control.group() is not None else "the same group")
+        if env.is_main and nccl_report.FOUND is not None:  # which network NCCL chose between nodes, for the ledger
+            attempt.record["nccl_net"] = dict(nccl_report.FOUND)
         if not attempt.wrapped:
             lock(attempt.run_dir, attempt.holder, env, from_main)
         try:
@@ -119,6 +122,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
                                             config=flat_values(cfg), local=attempt.local)
                 on_step = _print_progress if attempt.local and env.is_main else None
+                if on_step is not None and environ.get(HOLD_AT_VAR):  # the rehearsal's --preempt-at/--timeout-at
+                    on_step = functools.partial(_hold_for_stop, _steps(environ[HOLD_AT_VAR]), attempt.flag)
                 run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, on_step=on_step,
                           beat=watchdog.beat)
                 if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
@@ -288,6 +293,20 @@ def _die_after(last: int, then: Any, run: Run, step: int) -> None:
         if run.mirror is not None:
             run.mirror.wait_sent(step, DIE_WAIT_S)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _steps(text: str) -> frozenset[int]:
+    return frozenset(int(part) for part in text.split(",") if part.strip())
+
+
+def _hold_for_stop(steps: frozenset[int], flag: Any, step: int) -> None:
+    """The rehearsal's injected stop (``--preempt-at``/``--timeout-at``): rank 0 reports the step and waits, at
+    most ``HOLD_S``, for the signal the launcher sends on reading that report. Without the wait a short run on
+    a loaded machine could finish before the signal lands, and the stop under test would never happen."""
+    _print_progress(step)
+    deadline = time.monotonic() + HOLD_S
+    while step in steps and not flag.is_set and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _print_progress(step: int) -> None:

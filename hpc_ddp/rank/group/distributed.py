@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.core import limits
-from hpc_ddp.rank.group import control, tiers
+from hpc_ddp.rank.group import control, nccl_report, tiers
 from hpc_ddp.core.config import DistConfig
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.core.shutdown import exit_fast  # noqa: F401  (part of the library API)
@@ -165,7 +165,9 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     """Join the job's process group (once) and open its CPU control group; return this rank's device.
 
     Exports the rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` first: NCCL reads
-    its variables when it initialises, so they must be in the environment before.
+    its variables when it initialises, so they must be in the environment before. On NCCL across nodes
+    rank 0 also learns which network NCCL chose (:mod:`hpc_ddp.rank.group.nccl_report`), after one
+    all_reduce that every rank makes (the communicator may be made lazily, at the first collective).
     ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`);
     ``own_control_group=False`` leaves the control traffic on a gloo default group (measurements only; the
     default gives it a gloo group of its own on every backend: :mod:`hpc_ddp.rank.group.control`).
@@ -183,6 +185,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
     target.update(failure_env(target, dumps, new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
+    report = nccl_report.prepare(target, env) if nccl_report.wanted(backend, env) else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     device_id = device if device.type == "cuda" else None
@@ -194,6 +197,9 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
     else:
         dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error), rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
+    if nccl_report.wanted(backend, env):  # every rank: the first communicator exists after one collective
+        dist.all_reduce(torch.zeros(1, device=device))
+        nccl_report.collect(report)
     control.open_group(backend, own_control_group, timeout)
     _open_tiers(env)
     return device

@@ -64,7 +64,8 @@ class Run:
 
     Attributes a loop uses: ``rank``, ``local_rank``, ``world_size``, ``local_world_size``,
     ``node_rank``, ``is_main``, ``device``, ``device_ids`` (for DDP), ``run_dir``,
-    ``restart_count``, ``config`` (the run's :class:`RunConfig`), ``step`` (the last
+    ``restart_count``, ``config`` (the run's :class:`RunConfig`; your own settings are
+    ``config.user``, a mapping that also reads by attribute), ``step`` (the last
     boundary's), ``resumed_from`` (the snapshot's step, or None), ``stopped``.
     """
 

@@ -5,7 +5,8 @@ script reads (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), derived from
 Slurm as everywhere else, plus HPC_DDP_RUN_DIR, HPC_DDP_RESTART_COUNT and
 HPC_DDP_CONFIG so the script can find its own checkpoint (or open
-``hpc_ddp.session()`` for an exact resume). No torchrun process is needed.
+``hpc_ddp.session()`` for an exact resume), and the config's ``user:`` section as
+``HPC_DDP_USER_<KEY>`` variables (:mod:`hpc_ddp.core.user_settings`). No torchrun process is needed.
 
 The child runs in its own session, and the worker forwards the first stop signal (the
 warning signal, SIGTERM, Ctrl-C) to it; on a cluster Slurm signals every process of the
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 from pathlib import Path
 
 from hpc_ddp.rundir import layout
@@ -55,8 +57,10 @@ from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
+from hpc_ddp.rank.group import nccl_report
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
+from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
@@ -66,9 +70,13 @@ class ScriptError(HpcDdpError):
     """train.script cannot be run (missing file)."""
 
 
-def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path) -> dict[str, str]:
-    """The child's environment: this task's, plus what torchrun would set and where the run lives."""
-    return {**environ, **torch_env(env), "GROUP_RANK": str(env.node_rank), "GROUP_WORLD_SIZE": str(env.num_nodes),
+def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path,
+                   user: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The child's environment: this task's, plus what torchrun would set, where the run lives, and the config's
+    user section as HPC_DDP_USER_* (:mod:`hpc_ddp.core.user_settings`; none left from the submitting shell)."""
+    kept = {k: v for k, v in environ.items() if not k.startswith(USER_PREFIX)}
+    return {**kept, **user_environ(user or {}), **torch_env(env), "GROUP_RANK": str(env.node_rank),
+            "GROUP_WORLD_SIZE": str(env.num_nodes),
             "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
             "TORCHELASTIC_RESTART_COUNT": str(env.restart_count + env.in_job), "HPC_DDP_RUN_DIR": str(run_dir),
             "HPC_DDP_RESTART_COUNT": str(env.restart_count), CONFIG_VAR: str(layout.config(run_dir)),
@@ -168,6 +176,15 @@ def _watch(attempt: Attempt) -> Progress | None:
     return Progress(re.compile(pattern)) if attempt.env.is_main and pattern else None
 
 
+def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
+    """Rank 0 of a GPU script across nodes: its child's NCCL writes its INIT/NET lines where the worker reads
+    them when the script ends (rank/group/nccl_report.py), whether the script uses hpc_ddp.session() or not."""
+    cfg, env = attempt.cfg, attempt.env
+    if cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo" or not nccl_report.wanted("nccl", env):
+        return None
+    return nccl_report.prepare(environ, env, user=cfg.dist.nccl_env)
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -181,14 +198,17 @@ def run_script(attempt: Attempt) -> int:
 
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
         progress, decided = _watch(attempt), {}
-        environ = script_environ(attempt.environ, env, attempt.run_dir)
+        environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
+        nccl = _nccl_capture(attempt, environ)
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
                          None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
                          cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
                          before_forward=lambda: mark_stop(attempt))
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
+        if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:  # what the script's NCCL chose
+            attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
         if progress is not None and progress.step is not None:
             attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
         if "code" in decided:

@@ -242,6 +242,9 @@ def unattended(env: DistEnv) -> str | None:
         return f"in-job restart {env.in_job}, which the batch shell started on {env.num_nodes} node(s)"
     if env.restart_count:
         return f"requeue {env.restart_count}, which Slurm started on {env.num_nodes} node(s)"
+    if env.chained_from:
+        return (f"the job that job {env.chained_from} chained (Slurm refuses requeue), started on "
+                f"{env.num_nodes} node(s)")
     return None
 
 
