@@ -90,3 +90,41 @@ def spawn_ranks(target: Callable[..., None], nodes: int, tasks: int, *args: obje
         proc.join(timeout=30)
     assert [p.exitcode for p in procs] == [0] * len(procs)
     return results
+
+
+FAKE_IMAGE = "/hpc_ddp-test/fake.sif"
+FAKE_APPTAINER = """#!/bin/bash
+# Stands in for apptainer: one line with where it ran and its arguments, then the command after the image,
+# on the host (the real one would start it inside the image).
+args="$*"
+printf '%s\\n' "node=${SLURMD_NODENAME:-?} step=${SLURM_STEP_ID:-?} task=${SLURM_PROCID:-?} args=${args//$'\\n'/ }" >> RECORD
+[ "$1" = exec ] || { echo "fake apptainer: only exec is known, got: $*" >&2; exit 90; }
+shift
+while [ $# -gt 0 ] && [ "$1" != IMAGE ]; do shift; done
+[ $# -gt 1 ] || { echo "fake apptainer: no image or no command" >&2; exit 91; }
+shift
+exec "$@"
+"""
+
+
+def fake_apptainer(folder: Path) -> tuple[list[str], Path]:
+    """The config overrides that run every rank through a stand-in ``apptainer`` found on the job's PATH only
+    (a ``slurm.setup`` line puts it there, as ``module load apptainer`` would), and the file it records to."""
+    tools, record = folder / "container-bin", folder / "container-calls.txt"
+    tools.mkdir(parents=True, exist_ok=True)
+    (tools / "apptainer").write_text(FAKE_APPTAINER.replace("RECORD", str(record)).replace("IMAGE", FAKE_IMAGE))
+    (tools / "apptainer").chmod(0o755)
+    return ["slurm.container.runtime=apptainer", f"slurm.container.image={FAKE_IMAGE}",
+            f"slurm.container.python={sys.executable}", 'slurm.container.mounts=["/tmp:/scratch"]',
+            "slurm.container.args=[--writable-tmpfs]", f'slurm.setup=["export PATH={tools}:$PATH"]'], record
+
+
+def container_calls(record: Path) -> dict[str, list[tuple[str, str, str]]]:
+    """The stand-in's lines by job step: ``{step: [(node, task, args), ...]}``."""
+    steps: dict[str, list[tuple[str, str, str]]] = {}
+    for line in record.read_text().splitlines() if record.exists() else []:
+        node, step, task, args = line.split(" ", 3)
+        steps.setdefault(step.removeprefix("step="), []).append((node.removeprefix("node="),
+                                                                 task.removeprefix("task="),
+                                                                 args.removeprefix("args=")))
+    return steps

@@ -14,7 +14,7 @@ import pytest
 from hpc_ddp.core.hostlist import expand_hostlist
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import finished, losses, wait_until
+from tests.helpers import FAKE_IMAGE, container_calls, fake_apptainer, finished, losses, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slurm
@@ -57,6 +57,23 @@ def lose_a_node(run_dir: Path, *options: str) -> tuple[list[dict], str]:
     return read_attempts(run_dir), node
 
 
+def wrapped_steps(record: Path, run_dir: Path, ranks: int, hosts: list[str]) -> list[list[tuple[str, str, str]]]:
+    """The stand-in apptainer's calls (:func:`tests.helpers.fake_apptainer`): every one with the run dir and the
+    submit directory mounted, the config's mounts and args, the image; one per rank of the first step and of
+    the heal step, on their ``hosts``; and at least one probe, one task per probed node, also in the container.
+    Returns the two steps' calls."""
+    prefix = f"exec --bind {run_dir},{ROOT},/tmp:/scratch --writable-tmpfs {FAKE_IMAGE} "
+    calls = container_calls(record)
+    assert calls and all(args.startswith(prefix) for lines in calls.values() for *_, args in lines), calls
+    probes = {step: lines for step, lines in calls.items() if all(args == prefix + "true" for *_, args in lines)}
+    steps = [lines for step, lines in sorted(calls.items(), key=lambda item: int(item[0])) if step not in probes]
+    assert [sorted(int(task) for _, task, _ in lines) for lines in steps] == [list(range(ranks))] * 2, calls
+    assert [{node for node, *_ in lines} for lines in steps] == [set(expand_hostlist(h)) for h in hosts], calls
+    assert probes and all(sorted(n for n, *_ in lines) == sorted(set(n for n, *_ in lines)) and
+                          set(n for n, *_ in lines) <= set(expand_hostlist(hosts[1])) for lines in probes.values())
+    return steps
+
+
 def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
     reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *OPTIONS, "--local",
                                 f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
@@ -65,9 +82,11 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
     expected_losses = losses(tmp_path / "reference")
 
-    # (a) rank 1 is SIGKILLed at step 23; a spare takes its node's place: same job, no requeue, bit-exact
+    # (a) rank 1 is SIGKILLed at step 23; a spare takes its node's place: same job, no requeue, bit-exact. Every
+    # rank runs in a container (a stand-in apptainer on the job's PATH only): submitit's step, the heal step, probes
     killed = tmp_path / "killed"
-    job = submit(killed, "kill:1:23", "slurm.spare_nodes=1")
+    container, record = fake_apptainer(tmp_path)
+    job = submit(killed, "kill:1:23", "slurm.spare_nodes=1", *container)
     wait_done(killed)
     attempts = read_attempts(killed)
     assert [(a["reason"], a["job_id"], a.get("in_job", 0)) for a in attempts] == [
@@ -81,6 +100,9 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert "Restarts=0" in scontrol("show", "job", job)
     assert losses(killed) == expected_losses  # every step once, and the same numbers
     assert json.loads((killed / "DONE.json").read_text())["params_sha256"] == expected
+    first, healed = wrapped_steps(record, killed, ranks=4, hosts=["n[2-3]", attempts[1]["hosts"]])
+    assert all(" -u -m submitit.core._submit " in args for *_, args in first)  # submitit's python, wrapped
+    assert all(f"{sys.executable} -m hpc_ddp.worker --config {killed}/config.yaml" in args for *_, args in healed)
 
     # (b) Slurm marks a training node down mid-run: the job keeps its other nodes (--no-kill), the spare joins
     lost = tmp_path / "lost"
@@ -225,15 +247,17 @@ def _per_rank_run(run_dir: Path, fault: str, *options: str) -> Path:
 def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cluster: ClusterSpec,
                                                                         tmp_path: Path) -> None:
     """The emitted scripts (srun per task, torchrun per node), `sbatch`ed as a user would: rank 1 SIGKILLed at
-    step 23, a spare node takes its node's place inside the job, and both end as the uninterrupted run."""
+    step 23, a spare node takes its node's place inside the job, and both end as the uninterrupted run. Both run
+    every rank in a container (a stand-in apptainer): the first step, the heal step and the probes."""
     import os
 
     options = [*OPTIONS[1:], "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.spare_nodes=1"]
     runs = {}
     for launcher in ("srun", "torchrun"):
         run_dir, script = tmp_path / launcher, tmp_path / f"{launcher}.sbatch"
+        container, _ = fake_apptainer(tmp_path / f"{launcher}-container")
         emitted = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", OPTIONS[0], "--emit-sbatch", str(script),
-                                  "--launcher", launcher, *options, f"run_dir={run_dir}"], cwd=ROOT,
+                                  "--launcher", launcher, *options, *container, f"run_dir={run_dir}"], cwd=ROOT,
                                  capture_output=True, text=True, timeout=120)
         assert emitted.returncode == 0, emitted.stderr
         text = script.read_text()
@@ -258,6 +282,10 @@ def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cl
             launcher, attempts)
         assert "Restarts=0" in scontrol("show", "job", job)
         assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected, launcher
+        record = tmp_path / f"{launcher}-container" / "container-calls.txt"
+        program = "bash -c" if launcher == "torchrun" else f"{sys.executable} -m hpc_ddp.worker --config"
+        steps = wrapped_steps(record, run_dir, ranks=2, hosts=[attempts[0]["hosts"], attempts[1]["hosts"]])
+        assert all(f"{FAKE_IMAGE} {program}" in args for lines in steps for *_, args in lines), (launcher, steps)
 
 
 def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm_cluster: ClusterSpec,

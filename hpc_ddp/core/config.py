@@ -22,8 +22,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from hpc_ddp.core.config_schema import (DistConfig, MetricsConfig, RunConfig, SlurmConfig, SnapshotConfig, TrainConfig,
-                                        schema_node, schema_rows, type_hints, type_name)
+from hpc_ddp.core.config_schema import (ContainerConfig, DistConfig, MetricsConfig, RunConfig, SlurmConfig,
+                                        SnapshotConfig, TrainConfig, schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
 from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
 from hpc_ddp.core.user_settings import user_leaves
@@ -31,8 +31,9 @@ from hpc_ddp.core.config_items import for_script, list_item, nest
 from hpc_ddp.core.config_hints import suggest
 from hpc_ddp.core.errors import ConfigError, explain
 
-__all__ = ["DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig", "TrainConfig", "config_diff",
-           "describe_diff", "flat_values", "load_config", "profile_yaml", "save_config", "schema_node", "schema_rows", "to_yaml"]
+__all__ = ["ContainerConfig", "DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig",
+           "TrainConfig", "config_diff", "describe_diff", "flat_values", "load_config", "profile_yaml", "save_config",
+           "schema_node", "schema_rows", "to_yaml"]
 
 
 def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequence[str] = (),
@@ -174,6 +175,8 @@ def _unset_nulls(raw: dict[str, Any], section: type | None = None) -> None:
             continue
         if isinstance(value, dict) and dataclasses.is_dataclass(hints[name]):
             _unset_nulls(value, hints[name])
+        elif value is None and dataclasses.is_dataclass(hints[name]) and section is not RunConfig:
+            raw[name] = dataclasses.asdict(hints[name]())  # slurm.container: null -> its defaults (none)
         elif value is None and hints[name] is str and field.default == "":
             raw[name] = ""
 
@@ -284,6 +287,8 @@ def flat_values(cfg: RunConfig) -> dict[str, Any]:
     import json
 
     def walk(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+        if prefix == "slurm.container." and not value.runtime:
+            return  # none: as a config from before containers, so an older snapshot's config shows no change
         if dataclasses.is_dataclass(value):
             for item in dataclasses.fields(value):
                 yield from walk(getattr(value, item.name), f"{prefix}{item.name}.")

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
+from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
 
 _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MOUNT = re.compile(r"/[^,:\n]*(:/[^,:\n]*(:[^,:\n]+)?)?")
 LIVENESS_S = 30.0  # dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
 SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
                  and s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR1"))
@@ -91,6 +93,14 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
                            "(e.g. mail-type) to one-line text values"),
     "slurm.srun_args": (_texts, "a list of text arguments"),
+    "slurm.container.runtime": (lambda v: v in RUNTIMES, f"one of {', '.join(RUNTIMES)}, or null (no container)"),
+    "slurm.container.image": (lambda v: isinstance(v, str) and v.strip() == v and "\n" not in v,
+                              "an image without surrounding spaces (empty without a container)"),
+    "slurm.container.mounts": (lambda v: _texts(v) and all(_MOUNT.fullmatch(m) for m in v),
+                               "a list of SRC[:DST[:OPTS]] with absolute paths and no commas, e.g. "
+                               "[/scratch/data:/data:ro] (for an environment variable: ${oc.env:SCRATCH})"),
+    "slurm.container.args": (_texts, "a list of text arguments"),
+    "slurm.container.python": (_word, "a command without spaces, e.g. python3 or /opt/conda/bin/python"),
     "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),
     "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
     "dist.liveness_s": (lambda v: v == 0 or (_positive(v) and v >= 1),
@@ -127,7 +137,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
                               "a W&B project name without / \\ # ? % : (empty: the run's name)"),
 }
-OPTIONAL = {"slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port",
+OPTIONAL = {"slurm.container.runtime", "slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port",
             "dist.liveness_s", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
 
@@ -180,6 +190,20 @@ def _check_liveness(dist: Any) -> None:
                 "off with dist.liveness_s=0")
 
 
+def _check_container(box: Any) -> None:
+    """An image without a runtime, or a runtime without an image: either way the job would run somewhere else
+    than the user meant (on the host, or nowhere), so neither is guessed."""
+    if box.runtime and not box.image:
+        raise _fail("slurm.container.image", f"slurm.container.runtime={box.runtime} needs an image", box.image,
+                    "the image every rank runs in", "set slurm.container.image=" + (
+                        "nvcr.io#nvidia/pytorch:24.05-py3 (or a .sqsh file)" if box.runtime == "pyxis" else
+                        "/path/to/image.sif") + ", or slurm.container=null for no container")
+    if box.image and not box.runtime:
+        raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no runtime runs it",
+                    None, f"one of {', '.join(RUNTIMES)}", "set slurm.container.runtime=apptainer (or pyxis, "
+                    "singularity: what your site offers), or drop slurm.container.image")
+
+
 def check_config(cfg: Any) -> None:
     """Raise :class:`ConfigError` for the first value out of its range or format."""
     sig = cfg.slurm.signal
@@ -202,6 +226,7 @@ def check_config(cfg: Any) -> None:
                     f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,
                     "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise slurm.timeout_min")
     _check_liveness(cfg.dist)
+    _check_container(cfg.slurm.container)
     if cfg.train.global_batch_size is not None and cfg.train.grad_accum != 1:
         raise _fail("train.grad_accum", "train.grad_accum and train.global_batch_size are both set",
                     f"train.grad_accum={cfg.train.grad_accum}, train.global_batch_size={cfg.train.global_batch_size}",

@@ -24,6 +24,26 @@ def _doc_factory(factory: Any, doc: str) -> Any:
 
 
 @dataclass
+class ContainerConfig:
+    """The container every rank runs in; runtime null: none (docs: Your cluster, containers)."""
+
+    runtime: Optional[str] = _doc(None, "pyxis (srun --container-image, enroot), apptainer or singularity "
+                                  "(every rank runs as RUNTIME exec [--nv] --bind ... IMAGE COMMAND); it wraps "
+                                  "every step of the job: the first, the healing ones, the probes. null: no "
+                                  "container; slurm.container=null drops one an earlier file set.")
+    image: str = _doc("", "The image: for pyxis what --container-image takes (nvcr.io#nvidia/pytorch:24.05-py3, a "
+                      ".sqsh file); for apptainer and singularity a .sif file (or docker://...).")
+    mounts: List[str] = _doc_factory(list, "Host paths to mount besides the run dir and the submit directory "
+                                     "(always mounted at their own paths), each SRC[:DST[:OPTS]], e.g. "
+                                     "/scratch/data:/data:ro.")
+    args: List[str] = _doc_factory(list, "More arguments for the runtime: pyxis: srun options "
+                                   "(['--container-env=HOME']); apptainer: exec options before the image "
+                                   "(['--cleanenv']).")
+    python: str = _doc("python3", "The Python inside the image that runs every rank (torch, hpc_ddp and, for "
+                       "submit's own jobs, submitit must import there).")
+
+
+@dataclass
 class SlurmConfig:
     """What to ask Slurm for, and how often a run may be requeued."""
 
@@ -56,7 +76,9 @@ class SlurmConfig:
     sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}; an "
                                                 "empty value is a flag: {no-requeue: ''} turns requeue off, and "
                                                 "each stop then chains the run's next job (docs/faults.md).")
-    srun_args: List[str] = _doc_factory(list, "Extra arguments for srun, e.g. ['--cpu-bind=cores'].")
+    srun_args: List[str] = _doc_factory(list, "Extra arguments for every training step's srun, e.g. "
+                                        "['--cpu-bind=cores'] (after hpc_ddp's own, so they win).")
+    container: ContainerConfig = _doc_factory(ContainerConfig, "The container every rank runs in.")
 
 
 @dataclass

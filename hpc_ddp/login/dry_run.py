@@ -4,6 +4,7 @@ that say how a failure is healed and how the batch is split (shared with the rea
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
@@ -13,7 +14,8 @@ from typing import Any
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.batching import node_counts, plan, slurm_nodes
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.login.sbatch import held_nodes, submitit_parameters
+from hpc_ddp.core.container import probe_tail
+from hpc_ddp.login.sbatch import held_nodes, mount_paths, submitit_parameters, submitit_python
 from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
 
@@ -27,14 +29,15 @@ def healing_line(slurm: Any) -> str:
 
 
 def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable,
-                    cfgs: list[RunConfig] | None = None) -> str:
+                    cfgs: list[RunConfig] | None = None, workdir: str | None = None) -> str:
     """The sbatch script submitit writes for this config (the same call it makes when submitting)."""
     from submitit.slurm.slurm import _make_sbatch_string  # no public renderer; pinned by a golden file
 
     folder = log_folder(cfg, array)
-    command = f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    wrapped = submitit_python(cfg, python, workdir, bool(array))
+    command = f"{wrapped} -u -m submitit.core._submit {shlex.quote(str(folder))}"
     return _make_sbatch_string(command=command, folder=folder, map_count=array,
-                               **submitit_parameters(cfg, _config_paths(cfgs or [cfg]), python))
+                               **submitit_parameters(cfg, _config_paths(cfgs or [cfg]), python, workdir))
 
 
 def _config_paths(cfgs: list[RunConfig]) -> list[str]:
@@ -50,8 +53,9 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     from hpc_ddp.core.whoami import table
 
     cfg, array = cfgs[0], (len(cfgs) if len(cfgs) > 1 else None)
+    workdir = os.getcwd()  # where the job runs: sbatch's default, as submit leaves it
     print("# the sbatch script submit would hand to Slurm (through submitit):\n"
-          + submitit_script(cfg, array, cfgs=cfgs))
+          + submitit_script(cfg, array, cfgs=cfgs, workdir=workdir))
     if array:
         print(f"job array of {array} runs ({{config}} in the teardown line: each element's RUN_DIR/config.yaml):")
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
@@ -62,6 +66,7 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print(f"program: {program_line(cfg)}")
     if cfg.profile:
         print(f"profile: {cfg.profile} (merged under the config files; python -m hpc_ddp.profiles show {cfg.profile})")
+    print(container_line(cfg, workdir, bool(array)))
     print(healing_line(cfg.slurm))
     if not cfg.train.script:
         print(batch_plans(cfg))
@@ -89,6 +94,17 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print(f"preflight found {errors} error(s): submitting would be refused", file=sys.stderr)
         return 2
     return 0
+
+
+def container_line(cfg: RunConfig, workdir: str, array: bool = False) -> str:
+    """Where every rank runs: the srun lines above carry the container (the first step, and the one the batch
+    shell starts on each heal); a probe of the nodes runs ``true`` in it."""
+    box = cfg.slurm.container
+    if not box.runtime:
+        return "container: none (slurm.container); every rank runs on the host"
+    probe = ["srun", "--nodes=N", "...", *probe_tail(cfg.slurm, mount_paths(cfg, workdir, array), workdir)]
+    return (f"container: {box.runtime}, image {box.image}: every step of the job runs in it (the first and each "
+            f"healing step: the srun lines above; a probe of the nodes: {shlex.join(probe)})")
 
 
 def run_dir_words(cfg: RunConfig) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hpc_ddp.core import limits
 from hpc_ddp.core.batching import node_counts
+from hpc_ddp.core.container import EXEC_RUNTIMES
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.login.slurm_version import planned_for
 from hpc_ddp.login.preflight_finding import Finding
@@ -188,11 +189,26 @@ def check_metrics(cfg: RunConfig) -> list[Finding]:
                     f"or set metrics.{key}=false") for key in missing_extras(cfg.metrics)]
 
 
+def check_container(cfg: RunConfig, which: Callable[[str], str | None] = shutil.which) -> list[Finding]:
+    """The container runtime and image, as far as the login node can tell (compute nodes may differ: the job
+    checks again, after slurm.setup, and stops with an error naming the key)."""
+    box = cfg.slurm.container
+    found: list[Finding] = []
+    if box.runtime in EXEC_RUNTIMES and which(box.runtime) is None:
+        found.append(Finding("warning", "slurm.container.runtime", f"{box.runtime} is not on this node's PATH; "
+                             "the job stops at its start if its nodes lack it too", f"load it in slurm.setup (e.g. "
+                             f"module load {box.runtime}), or check the runtime your site offers"))
+    if box.runtime and box.image.startswith("/") and not Path(box.image).exists():
+        found.append(Finding("warning", "slurm.container.image", f"image {box.image} does not exist on this node",
+                             "give a path the compute nodes can read (a shared filesystem)"))
+    return found
+
+
 def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str | None] = shutil.which,
               runner: Runner = subprocess.run) -> list[Finding]:
     """All checks for ``cfg``; ``slurm=False`` leaves out those that ask Slurm (for --emit-sbatch)."""
     findings = [*check_run_dir(Path(cfg.run_dir)), *check_signal_delay(cfg), *check_geometry(cfg),
-                *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg)]
+                *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg), *check_container(cfg, which)]
     if slurm:
         commands = check_commands(which)
         asked = [] if commands else check_partition(cfg.slurm.partition, runner)

@@ -55,7 +55,9 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     nodes = counts[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
     print(f"rehearsing {cfg.name} as {shape(nodes, cfg.slurm.tasks_per_node)} on this machine"
           + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N continues at "
-             "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}", flush=True)
+             "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}"
+          + (f"; outside slurm.container ({cfg.slurm.container.runtime}: on the cluster only)"
+             if cfg.slurm.container.runtime else ""), flush=True)
     try:
         code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
                         preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal),

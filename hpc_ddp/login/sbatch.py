@@ -9,20 +9,25 @@ from __future__ import annotations
 import re
 import shlex
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.batching import node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.core.container import rank_python, runtime_check, step_argv, step_srun_args, wrap
 from hpc_ddp.core.requeue_policy import asks_no_requeue
 
 
-def supervise_line(configs: list[str], python: str = "python", srun_args: list[str] | None = None) -> str:
+def supervise_line(cfg: RunConfig, configs: list[str], python: str = "python", workdir: str | None = None) -> str:
     """The batch-shell line after submitit's srun: settle the step it ran, heal a failure inside the job
     with steps of the worker, else requeue under max_failures. The worker's config is the run's own path;
     a job array's elements each have theirs, so there the line says ``{config}`` and supervise puts in
-    the element's (a person reading the script of one run sees the real path)."""
-    step = ["srun", "--kill-on-bad-exit=1", *(srun_args or []), python, "-m", "hpc_ddp.worker", "--config",
-            configs[0] if len(configs) == 1 else "{config}"]
+    the element's (a person reading the script of one run sees the real path). The step is the one
+    :func:`hpc_ddp.core.container.step_argv` builds, as for the first step and the probes."""
+    paths = mount_paths(cfg, workdir, array=len(configs) > 1)
+    program = [rank_python(cfg.slurm, python), "-m", "hpc_ddp.worker", "--config",
+               configs[0] if len(configs) == 1 else "{config}"]
+    step = step_argv(cfg.slurm, program, paths, workdir)
     return " ".join([shlex.quote(python), "-m", "hpc_ddp.supervise", "--exit-code", "$?",
                      *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
 
@@ -35,7 +40,27 @@ TERM_TRAP = ("trap 'echo \"hpc_ddp: the batch shell got SIGTERM: the step ends, 
              "TERM")
 
 
-def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python") -> dict[str, Any]:
+def mount_paths(cfg: RunConfig, workdir: str | None, array: bool = False) -> list[str]:
+    """What a container mounts of the host: the run dir (a job array's: the sweep's folder that holds every
+    element's run dir and the shared logs) and the submit directory, where the task's module is found."""
+    return [str(Path(cfg.run_dir).parent) if array else cfg.run_dir, *([workdir] if workdir else [])]
+
+
+def submitit_python(cfg: RunConfig, python: str, workdir: str | None = None, array: bool = False) -> str:
+    """submitit's ``python`` (``SlurmExecutor(python=...)``): the command its srun starts on every task, so
+    in an apptainer or singularity container it is ``RUNTIME exec ... IMAGE python3``."""
+    return shlex.join(wrap(cfg.slurm, [rank_python(cfg.slurm, python)], mount_paths(cfg, workdir, array)))
+
+
+def batch_setup(cfg: RunConfig, cpus: int | None = None) -> list[str]:
+    """The batch script's setup lines: ``SRUN_CPUS_PER_TASK`` for every srun in it (the user's setup too), the
+    user's ``slurm.setup``, then the check that the container runtime is there."""
+    return [f"export SRUN_CPUS_PER_TASK={cpus or cfg.slurm.cpus_per_task}", *cfg.slurm.setup,
+            *runtime_check(cfg.slurm)]
+
+
+def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python",
+                        workdir: str | None = None) -> dict[str, Any]:
     """Keyword arguments for ``submitit.SlurmExecutor.update_parameters``.
 
     Our warning signal replaces submitit's fixed ``USR2@delay`` (``additional_parameters``
@@ -44,9 +69,13 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     value is a flag without one), and
     ``--kill-on-bad-exit=1`` makes one crashing task end the whole step at once instead
     of leaving the other ranks waiting in a collective. With ``configs`` (one per array
-    element), the teardown settles the attempt (:mod:`hpc_ddp.shell.settle`).
+    element), the teardown settles the attempt (:mod:`hpc_ddp.shell.settle`). submitit's
+    srun gets the same options as every later step (:func:`hpc_ddp.core.container.step_srun_args`);
+    the command it starts is :func:`submitit_python`'s.
     """
     slurm = cfg.slurm
+    array = bool(configs) and len(configs or []) > 1
+    srun = step_srun_args(slurm, paths=mount_paths(cfg, workdir, array), workdir=workdir)
     params: dict[str, Any] = {
         "job_name": cfg.name,
         # submitit multiplies it by the tasks per node: an int (a range goes below); spares are held beside it
@@ -55,9 +84,9 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
         "signal_delay_s": slurm.signal_delay_s,
-        "setup": [TERM_TRAP, *slurm.setup],
-        "teardown": [supervise_line(configs, python, list(slurm.srun_args))] if configs else [],
-        "srun_args": ["--kill-on-bad-exit=1", *spare_shape(cfg), *slurm.srun_args],
+        "setup": [TERM_TRAP, *batch_setup(cfg)],
+        "teardown": [supervise_line(cfg, configs, python, workdir)] if configs else [],
+        "srun_args": [*srun[:2], *spare_shape(cfg), *srun[2:]],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}",
                                   **({} if asks_no_requeue(slurm.sbatch_extra) else {"requeue": True}),
                                   "no_kill": True,
@@ -97,9 +126,7 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
     workers), so that task gets the CPUs of all the node's workers.
     """
     slurm = cfg.slurm
-    per_node = launcher == "torchrun"
-    tasks, cpus = (1, slurm.cpus_per_task * slurm.tasks_per_node) if per_node else (slurm.tasks_per_node,
-                                                                                      slurm.cpus_per_task)
+    tasks, cpus = (1 if launcher == "torchrun" else slurm.tasks_per_node), task_cpus(cfg, launcher)
     nodes = str(held_nodes(slurm)) if slurm.spare_nodes else slurm_nodes(slurm.nodes)
     options = [f"--job-name={cfg.name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
     if slurm.gpus_per_node:
@@ -124,12 +151,14 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
            workdir: str | None = None) -> str:
     """The ``launcher``'s template (hpc_ddp/templates, linked from slurm/) rendered from ``cfg``.
 
-    Replaced: the ``#SBATCH`` block, the setup block, the ``CONFIG=``, ``PYTHON=``,
-    ``WORKDIR=`` (when ``workdir`` is given: the script then works wherever ``sbatch`` is
-    called, as the task module is found there), ``NPROC_PER_NODE=`` and ``SIGNAL=``
-    lines, and the srun arguments (the line that starts
-    with ``srun --kill-on-bad-exit=1``); the rest is the
-    template's text, so a hand edit of a template shows up in every rendered script.
+    Replaced: the ``#SBATCH`` block, ``SRUN_CPUS_PER_TASK``, the setup block (the user's lines, then the
+    container runtime's check), the ``CONFIG=``, ``PYTHON=``, ``RANK_PYTHON=`` (the container's Python),
+    ``WORKDIR=`` (when ``workdir`` is given: the script then works wherever ``sbatch`` is called, as the task
+    module is found there), ``NPROC_PER_NODE=`` and ``SIGNAL=`` lines, and the srun options (the line that
+    starts with ``srun --kill-on-bad-exit=1``, with the template's ``--cpus-per-task`` and ``--overlap``:
+    :func:`hpc_ddp.core.container.step_argv`'s, the container's
+    wrapper last, before the rank's command); the rest is the template's text, so a hand edit of a
+    template shows up in every rendered script.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {sorted(LAUNCHERS)}; found {launcher!r}")
@@ -139,12 +168,23 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
         raise ValueError(f"template {LAUNCHERS[launcher]} has no '#SBATCH ... # --- end of options ---' block")
     head, rest = text[:block.start()], text[block.end():]
     lines = [*sbatch_options(cfg, launcher), "# --- end of options ---"]
+    setup = [*cfg.slurm.setup, *runtime_check(cfg.slurm)]
     rest = re.sub(r"(# --- setup[^\n]*\n)(?:.*\n)*?(# --- end of setup ---)",
-                  lambda m: m.group(1) + "".join(f"{line}\n" for line in cfg.slurm.setup) + m.group(2), rest)
-    values = {"CONFIG": config_path, "PYTHON": python, "NPROC_PER_NODE": str(cfg.slurm.tasks_per_node),
-              "SIGNAL": cfg.slurm.signal, **({"WORKDIR": workdir} if workdir else {})}
+                  lambda m: m.group(1) + "".join(f"{line}\n" for line in setup) + m.group(2), rest)
+    cpus = task_cpus(cfg, launcher)
+    rest = re.sub(r"^export SRUN_CPUS_PER_TASK=.*$", f"export SRUN_CPUS_PER_TASK={cpus}", rest, flags=re.M)
+    values = {"CONFIG": config_path, "PYTHON": python, "RANK_PYTHON": rank_python(cfg.slurm, python),
+              "NPROC_PER_NODE": str(cfg.slurm.tasks_per_node), "SIGNAL": cfg.slurm.signal,
+              **({"WORKDIR": workdir} if workdir else {})}
     for name, value in values.items():
         rest = re.sub(rf"^{name}=.*$", lambda _m, n=name, v=value: f"{n}={shlex.quote(v)}", rest, flags=re.M)
-    srun = " ".join(["srun", "--kill-on-bad-exit=1", *map(shlex.quote, cfg.slurm.srun_args)])
-    rest = re.sub(r"^(\s*)srun --kill-on-bad-exit=1", lambda m: m.group(1) + srun, rest, flags=re.M)
+    srun = shlex.join(step_argv(cfg.slurm, [], mount_paths(cfg, workdir), workdir, cpus))
+    rest = re.sub(r'^(\s*)srun --kill-on-bad-exit=1(?: --cpus-per-task="\$SRUN_CPUS_PER_TASK")?(?: --overlap)?',
+                  lambda m: m.group(1) + srun, rest, flags=re.M)
     return head + "\n".join(lines) + "\n" + rest
+
+
+def task_cpus(cfg: RunConfig, launcher: str = "srun") -> int:
+    """The CPUs of one srun task: a rank's, or under torchrun (one task per node) all the node's ranks'."""
+    per_node = cfg.slurm.tasks_per_node if launcher == "torchrun" else 1
+    return cfg.slurm.cpus_per_task * per_node

@@ -25,7 +25,7 @@ from hpc_ddp.rundir import layout
 from hpc_ddp.core.batching import slurm_nodes
 from hpc_ddp.core.config import RunConfig, save_config
 from hpc_ddp.core.errors import HpcDdpError, explain
-from hpc_ddp.login.sbatch import LAUNCHERS, render, submitit_parameters
+from hpc_ddp.login.sbatch import LAUNCHERS, render, submitit_parameters, submitit_python
 
 EPILOG = """\
 examples:
@@ -169,8 +169,9 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
     paths = [str(write_config(cfg, resume)) for cfg in cfgs]
     cfg, array = cfgs[0], len(cfgs) > 1
     folder = log_folder(cfg, len(cfgs) if array else None)
-    executor = submitit.SlurmExecutor(folder=folder)
-    executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable))
+    workdir = os.getcwd()  # the job runs here (sbatch's default); a container mounts it
+    executor = submitit.SlurmExecutor(folder=folder, python=submitit_python(cfg, sys.executable, workdir, array))
+    executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable, workdir))
     try:
         jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
     except submitit.core.utils.FailedJobError as err:  # sbatch said no: nothing is queued

@@ -7,6 +7,7 @@ and the plan for the next step from :mod:`hpc_ddp.shell.heal`'s rules. The loop 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import uuid
@@ -19,6 +20,7 @@ from hpc_ddp.shell import heal
 from hpc_ddp.shell import shell_rules as rules
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.core.container import probe_tail
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.core.slurm_jobs import job_end_time, job_spec, job_state
@@ -37,8 +39,9 @@ class Supervisor:
 
     def __init__(self, cfg: RunConfig, environ: Mapping[str, str], command: Sequence[str], *,
                  runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                 srun: Srun | None = None, clock: Callable[[], float] = time.time) -> None:
+                 srun: Srun | None = None, clock: Callable[[], float] = time.time, workdir: str | None = None) -> None:
         self.cfg, self.environ, self.command = cfg, environ, list(command)
+        self.workdir = workdir or os.getcwd()  # the job's directory: a container mounts it (probes too)
         self.runner, self.clock = runner, clock
         self.srun: Srun = srun or (lambda argv, env, warn_in: run_srun(
             argv, env, warn_in, signal_number(cfg.slurm.signal)))
@@ -101,11 +104,13 @@ class Supervisor:
         return proc.stdout if proc.returncode == 0 else ""
 
     def probe(self, nodes: Sequence[str]) -> bool:
-        """One short step on these nodes: do their slurmds start a task at all, within the timeout? A probe that
-        times out is cancelled (killing srun does not end its step at slurmctld, which would hold the nodes)."""
+        """One short step on these nodes: do their slurmds start a task at all, in the job's container, within the
+        timeout? A probe that times out is cancelled (killing srun does not end its step at slurmctld, which
+        would hold the nodes)."""
         name = f"hpc_ddp-probe-{uuid.uuid4().hex[:8]}"
         argv = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1", f"--job-name={name}", "true"]
+                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1", f"--job-name={name}",
+                *probe_tail(self.cfg.slurm, [self.cfg.run_dir, self.workdir], self.workdir)]
         try:
             return self.runner(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
                                env=self._env_without_step_shape()).returncode == 0
