@@ -6,9 +6,8 @@ account, QOS, setup lines, srun arguments, NCCL variables, ...): a YAML file in
 ``python -m hpc_ddp.submit --profile NAME CONFIG.yaml`` (or ``HPC_DDP_PROFILE=NAME``) merges it
 UNDER the config files and the overrides; the run's config.yaml records the merged values and
 the key ``profile: NAME``, and ``python -m hpc_ddp.status RUN`` names it. No torch.
-
-Also here: how a submit loads a config with its profile, and what ``--resume`` compares with.
 """
+# Also here: how a submit loads a config with its profile, and what --resume compares with.
 
 from __future__ import annotations
 
