@@ -37,6 +37,7 @@ from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.codes import EXIT_LOCKED
 from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
+from hpc_ddp.shell.steps import tail_of
 
 FAILURE_REASONS = ("failed", "hung")
 
@@ -55,14 +56,8 @@ def _newest_snapshot(run_dir: Path) -> int | None:
 
 def _last_metrics_step(run_dir: Path) -> int | None:
     """The step of metrics.jsonl's last whole line (its tail only: the file grows with the run)."""
-    try:
-        with open(layout.metrics(run_dir), "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
+    tail = tail_of(layout.metrics(run_dir), 4096)
+    for line in reversed(tail.splitlines() if tail is not None else []):
         try:
             step = json.loads(line).get("step")
         except (ValueError, AttributeError):
@@ -151,14 +146,10 @@ def _mismatch_in(paths: Sequence[Path]) -> str | None:
     """The error for a collective mismatch that one of the step's logs shows in its tail (its first such line,
     naming the file), or None."""
     for path in paths:
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - TAIL_BYTES))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
+        tail = tail_of(path, TAIL_BYTES)
+        if tail is None:
             continue
-        line = mismatch_line(lines)
+        line = mismatch_line(tail.decode(errors="replace").splitlines())
         if line is not None:
             return mismatch_message(line, str(path))
     return None

@@ -57,15 +57,24 @@ def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | N
     return code, lines
 
 
+def tail_of(path: Path, nbytes: int) -> bytes | None:
+    """The last ``nbytes`` of a file that grows with the job (a log, metrics.jsonl), or None when it cannot be
+    read; its first line may be cut."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read()
+    except OSError:
+        return None
+
+
 def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:", tail_bytes: int = 1 << 16) -> list[str]:
     """srun's own lines in this shell's stderr file since the last supervise line: what srun said of the step
     submitit ran before handing over (its srun writes there; a requeued job appends to the same file)."""
-    try:
-        with open(stderr, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - tail_bytes))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
+    tail = tail_of(stderr, tail_bytes)
+    if tail is None:
         return []
+    lines = tail.decode(errors="replace").splitlines()
     last = max((i for i, line in enumerate(lines) if line.startswith(marker)), default=-1)
     return [line for line in lines[last + 1:] if line.startswith("srun:")]
