@@ -159,8 +159,8 @@ def lines(timeline: Mapping[str, Any], index: int) -> list[str]:
     out, before = [head], 0.0
     for phase, seconds in marked:
         start, end = (min(before, seconds), max(before, seconds))
-        lead = int(round(BAR_WIDTH * max(0.0, start) / total))
-        bar = " " * lead + "#" * max(1, int(round(BAR_WIDTH * (end - max(0.0, start)) / total)))
+        lead = min(BAR_WIDTH - 1, int(round(BAR_WIDTH * max(0.0, start) / total)))
+        bar = " " * lead + "#" * max(1, min(BAR_WIDTH - lead, int(round(BAR_WIDTH * (end - max(0.0, start)) / total))))
         note = f"  (cache {timeline['compile_cache']})" if phase == "compiled" and "compile_cache" in timeline else ""
         out.append(f"  {phase:<12} {seconds:>8.1f} s  +{seconds - before:>6.1f}  |{bar:<{BAR_WIDTH}}|{note}")
         before = max(before, seconds)
