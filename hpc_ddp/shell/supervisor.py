@@ -234,11 +234,11 @@ class Supervisor:
         for the heal's timeline, :mod:`hpc_ddp.core.timeline`)."""
         start = round(self.clock(), 3)
         argv, env = self.step_argv(nodes), self.step_environ(index, healed)
-        env[TIMELINE_VAR] = self.timeline(after, start)
+        env[TIMELINE_VAR] = times = self.timeline(after, start)
         rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes), start)
         warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
         code, lines = self.srun(argv, env, warn_in)
-        return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3))
+        return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3), times=times)
 
     def timeline(self, after: Step | None, start: float) -> str:
         """The batch shell's times for the step's timeline: after a failed step, the failure's instant, when this

@@ -280,6 +280,7 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
             time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
         if attempt.env.is_main and not attempt.wrapped:
             append_attempt(attempt.run_dir, {**attempt.record, "end": round(time.time(), 3), "reason": "hung",
+                                             **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job),
                                              "stuck_ranks": stuck, "message": message.splitlines()[0],
                                              **jit_files.summary(attempt.run_dir, env.job_id, env.restart_count,
                                                                  env.in_job),

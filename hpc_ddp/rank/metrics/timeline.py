@@ -39,6 +39,11 @@ def marks() -> dict[str, float]:
     return dict(_MARKS)
 
 
+def facts() -> dict[str, Any]:
+    """The facts marked so far (``compile_cache``), a copy."""
+    return dict(_EXTRAS)
+
+
 def reset() -> None:
     """Forget every mark (a process that runs a second attempt: tests, a wrapped script's session)."""
     _MARKS.clear()
