@@ -165,10 +165,9 @@ def test_a_rehearsed_heal_and_requeue_time_every_phase_and_status_shows_the_last
 def test_a_healed_step_that_wrote_no_line_keeps_the_shells_part() -> None:
     """Its rank 0's marks died with it: the line settle writes has the batch shell's times; a job's first step
     (no heal) adds nothing, whatever the shell passed."""
-    from hpc_ddp.shell.steps import Step
-    from hpc_ddp.shell.supervise import _timeline
+    from hpc_ddp.shell.shell_rules import shell_timeline
 
     times = tl.encode_shell((T, "step end"), detected=T + 0.5, launched=T + 6)
-    assert _timeline(Step(["n1"], 1, 1, times=times)) == {"timeline": {
+    assert shell_timeline(times, 1) == {"timeline": {
         "kind": "heal", "failure": T, "failure_from": "step end", "detected": 0.5, "launched": 6.0}}
-    assert _timeline(Step(["n1"], 0, 1, times=tl.encode_shell(detected=T, launched=T))) == {}
+    assert shell_timeline(tl.encode_shell(detected=T, launched=T), 0) == {}

@@ -291,7 +291,9 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     """
     from hpc_ddp.rehearsal.local_heal import LocalHealer, timeline_environ
     from hpc_ddp.rundir.ledger import read_attempts
+    from hpc_ddp.core.timeline import TIMELINE_VAR
     from hpc_ddp.shell.settle import last_known, limits_of, settle
+    from hpc_ddp.shell.shell_rules import shell_timeline
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
     healer = LocalHealer.for_config(config_path, nodes)
@@ -335,6 +337,7 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
                              logs=lambda: sorted(layout.logs(run_dir).glob(f"attempt-{earlier + steps - 1}-rank-*.log")),
                              extra={"hosts": compress_hostlist(healer.training), "start": started,
+                                    **shell_timeline(times[TIMELINE_VAR], healer.index),
                                     **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
             why_not, healer.memory.why_not = healer.memory.why_not, ""
             err.write(f"[local] attempt {earlier + steps - 1} (requeue {restart}, job step {healer.index}) ended, "

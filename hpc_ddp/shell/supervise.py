@@ -30,9 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from hpc_ddp.core import timeline
 from hpc_ddp.shell.supervisor import Supervisor
 from hpc_ddp.rundir import beats, layout, losses
 from hpc_ddp.shell import shell_rules as rules
@@ -94,15 +92,8 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   logs=lambda: job_logs(sup.run_dir, sup.job_id),
                   extra={"hosts": compress_hostlist(step.nodes), **_started(step, spec),
-                         **({"healed": step.healed} if step.healed else {}), **_timeline(step),
+                         **({"healed": step.healed} if step.healed else {}), **rules.shell_timeline(step.times, step.index),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
-
-
-def _timeline(step: Step) -> dict[str, Any]:
-    """A healed step that wrote no line (its rank 0's marks died with it): the batch shell's part of its
-    timeline, so the line still says how long the shell took to start it (:mod:`hpc_ddp.core.timeline`)."""
-    part = timeline.for_attempt(timeline.shell_marks({timeline.TIMELINE_VAR: step.times}), {}, None, step.index)
-    return {"timeline": part} if part is not None and step.index else {}
 
 
 def _started(step: Step, spec: str) -> dict[str, float]:
