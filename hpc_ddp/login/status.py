@@ -1,8 +1,8 @@
 """``python -m hpc_ddp.status RUN_DIR``: where a run stands, from its files and Slurm.
 
 Job state (squeue, else sacct), the attempts ledger as a table, progress with an
-ETA, the newest committed snapshot, and the last error lines of the log that says why
-when the run is not going well (the first rank's own exception, not a survivor's view of
+ETA, the newest committed snapshot, the timeline of the last heal or requeue (:mod:`hpc_ddp.core.timeline`),
+and the last error lines of the log that says why when the run is not going well (the first rank's own exception, not a survivor's view of
 it: :mod:`hpc_ddp.login.failure_logs`). ``--json`` prints the same as one object; ``--plot
 loss.png`` draws the loss curve and every other logged metric (matplotlib, the ``plot`` extra). A directory of
 run dirs (``runs/``) is shown as one line per run; ``--follow`` refreshes until the runs end. The exit code says
@@ -27,6 +27,7 @@ from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.nccl_net import summary
+from hpc_ddp.core.timeline import last_timeline, lines as timeline_lines
 
 EPILOG = """\
 examples:
@@ -136,6 +137,9 @@ def render(info: dict[str, Any]) -> str:
     if notes:
         out.append("notes:")
         out.extend(f"  #{i}: {note}" for i, note in notes)
+    last = last_timeline(info["attempts"])  # the newest heal's or requeue's, phase by phase (core/timeline.py)
+    if last is not None:
+        out.extend(timeline_lines(last[1], last[0]))
     if info.get("last_errors"):
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])

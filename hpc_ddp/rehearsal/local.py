@@ -289,9 +289,11 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     (step, node) the ranks of that simulated node are killed, at each ``freeze_at`` they are
     stopped (SIGSTOP: found by liveness, then SIGKILLed when the step ends).
     """
-    from hpc_ddp.rehearsal.local_heal import LocalHealer
+    from hpc_ddp.rehearsal.local_heal import LocalHealer, timeline_environ
     from hpc_ddp.rundir.ledger import read_attempts
+    from hpc_ddp.core.timeline import TIMELINE_VAR
     from hpc_ddp.shell.settle import last_known, limits_of, settle
+    from hpc_ddp.shell.shell_rules import shell_timeline
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
     healer = LocalHealer.for_config(config_path, nodes)
@@ -308,16 +310,18 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     watch: dict[str, object] = {"step": None, "line": ""}
     earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
     done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
-    steps = 0
+    steps, ended, healing = 0, None, None  # when the last step ended, and which failed step the next heals
     while True:
         started = round(time.time(), 3)
+        times = timeline_environ(run_dir, healing, ended, started)  # the batch shell's part of the timeline
         code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
                       restart_count=restart, events=events, stream=stream, err=err, watch=watch,
-                      log_index=earlier + steps, hosts=healer.training, extra_env=healer.environ(), kills=kills,
+                      log_index=earlier + steps, hosts=healer.training, extra_env={**healer.environ(), **times},
+                      kills=kills,
                       freezes=freezes, die_at={rank: step for step, node in fail_at
                                                if at_boundary and step in {k[0] for k in kills}
                                                for rank in healer.victims(node)[1]})
-        steps += 1
+        steps, ended, healing = steps + 1, round(time.time(), 3), None
         if code == 0 and (events or kills or freezes) and not done_before:  # ended before what it was to rehearse
             err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills],
                               freezes=[s for s, _ in freezes]) + "\n")
@@ -333,12 +337,14 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                              heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
                              logs=lambda: sorted(layout.logs(run_dir).glob(f"attempt-{earlier + steps - 1}-rank-*.log")),
                              extra={"hosts": compress_hostlist(healer.training), "start": started,
+                                    **shell_timeline(times[TIMELINE_VAR], healer.index),
                                     **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
             why_not, healer.memory.why_not = healer.memory.why_not, ""
             err.write(f"[local] attempt {earlier + steps - 1} (requeue {restart}, job step {healer.index}) ended, "
                       f"{exit_words(code)}: {outcome}"
                       + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
             if healer.advance():
+                healing = (job_id, restart, healer.index - 1)
                 continue
             if not requeued:
                 return code

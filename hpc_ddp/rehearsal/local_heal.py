@@ -19,7 +19,8 @@ from typing import Any
 from hpc_ddp.shell import heal
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.rundir.ledger import attempt_key, crash_marker
-from hpc_ddp.shell.shell_rules import lost_nodes
+from hpc_ddp.shell.shell_rules import heal_failure_of, lost_nodes
+from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.rundir.snapshot import refuses_resize
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
 
@@ -131,3 +132,12 @@ class LocalHealer:
         self.memory = heal.Healer(self.memory.cap, self.memory.counts)
         self.held = list(self.allocation)
         self.training = self.held[:self.width]
+
+
+def timeline_environ(run_dir: Path, healing: tuple[int | None, int, int] | None, ended: float | None,
+                     started: float) -> dict[str, str]:
+    """The batch shell's part of the next step's timeline (:mod:`hpc_ddp.core.timeline`), as the supervisor
+    gives it: after a failed step (``healing``: its key), the failure's instant, when the launcher saw the step
+    end (``ended``) and when it starts the next (``started``); after a requeue, the last two only."""
+    failure = heal_failure_of(run_dir, healing, ended) if healing is not None else None
+    return {TIMELINE_VAR: encode_shell(failure, detected=ended, launched=started)}

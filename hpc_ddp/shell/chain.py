@@ -28,13 +28,14 @@ from typing import Any
 
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import CHAINED_VAR, HEALED_VAR, IN_JOB_VAR
+from hpc_ddp.core.timeline import TIMELINE_VAR
 from hpc_ddp.core.slurm_jobs import AlreadyRequeued, PreemptionError, RequeueRefused, requeue
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir.ledger import attempt_fields, attempt_key, read_attempts, record_next_job
 
 Runner = Callable[..., subprocess.CompletedProcess[str]]
 KEEP = ("SLURM_CONF",)  # the one Slurm variable of the batch shell's environment the next sbatch needs
-JOB_ONLY = (IN_JOB_VAR, HEALED_VAR, CHAINED_VAR)  # set per step or per job by hpc_ddp
+JOB_ONLY = (IN_JOB_VAR, HEALED_VAR, CHAINED_VAR, TIMELINE_VAR)  # set per step or per job by hpc_ddp
 SUBMITIT = re.compile(r"-m submitit\.core\._submit\s+('[^']+'|\"[^\"]+\"|\S+)")
 
 

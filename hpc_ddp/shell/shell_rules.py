@@ -26,6 +26,7 @@ from typing import Any
 from hpc_ddp.rundir import losses
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.stopping import TICK_S
+from hpc_ddp.core.timeline import TIMELINE_VAR, for_attempt, heal_failure, shell_marks
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, read_attempts
 
 STEP_FILE = "step.json"
@@ -119,3 +120,21 @@ def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nod
         if node is not None:
             ranks.setdefault(node, []).append(rank)
     return {node: f"{losses.who(lost)} stopped beating (liveness): frozen or lost" for node, lost in ranks.items()}
+
+
+def heal_failure_of(run_dir: Path, key: tuple[int | None, int, int], seen_end: float | None) -> tuple[float, str] | None:
+    """The instant a failed step failed, for the heal's timeline (:func:`hpc_ddp.core.timeline.heal_failure`): from
+    its ledger line (the batch shell wrote it before it decided anything), the last beats of the ranks declared
+    lost (their markers, read by name after a listing of ``errors/``), and when this shell saw it end."""
+    lines = [a for a in read_attempts(run_dir) if attempt_key(a) == key]
+    markers = losses.lost_markers(run_dir, *key)
+    beats = [m["last_beat_time"] for m in markers.values() if isinstance(m.get("last_beat_time"), (int, float))]
+    return heal_failure(lines[-1] if lines else {}, beats, seen_end)
+
+
+def shell_timeline(times: str, in_job: int) -> dict[str, Any]:
+    """For the line of a healed step that wrote none (its rank 0's marks died with it): the batch shell's part
+    of its timeline (``times``: what :data:`TIMELINE_VAR` gave its ranks), so the line still says how long the
+    shell took to start it; {} for a job's first step."""
+    part = for_attempt(shell_marks({TIMELINE_VAR: times}), {}, None, in_job) if in_job else None
+    return {"timeline": part} if part is not None else {}

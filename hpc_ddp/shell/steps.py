@@ -29,6 +29,8 @@ class Step:
     srun_lines: list[str] = field(default_factory=list)
     start: float | None = None  # when the batch shell started it (None: submitit's own step)
     healed: dict[str, Any] | None = None  # how it came to be (an in-job restart), for its ledger line
+    ended: float | None = None  # when the batch shell saw it end (srun returned): "detected" in a heal's timeline
+    times: str = ""  # the batch shell's part of its timeline (hpc_ddp.core.timeline.encode_shell), as its ranks got it
 
 
 Srun = Callable[[Sequence[str], Mapping[str, str], "float | None"], tuple[int, list[str]]]

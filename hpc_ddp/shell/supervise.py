@@ -75,7 +75,7 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
             say("a stop signal reached the batch shell: the planned step is not started")
             return step.code
         try:
-            step = sup.run_step(nodes, step.index + 1, healed)
+            step = sup.run_step(nodes, step.index + 1, healed, after=step)
         except Exception as err:  # noqa: BLE001 - the step could not start: take the requeue path for the last one
             say(f"error: the next job step could not start ({type(err).__name__}: {err}); taking the requeue path")
             say(f"attempt {sup.restart}, job step {step.index}: {_settle(sup, step, heal=False)}")
@@ -92,7 +92,7 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   logs=lambda: job_logs(sup.run_dir, sup.job_id),
                   extra={"hosts": compress_hostlist(step.nodes), **_started(step, spec),
-                         **({"healed": step.healed} if step.healed else {}),
+                         **({"healed": step.healed} if step.healed else {}), **rules.shell_timeline(step.times, step.index),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
 
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         first = None
         if args.exit_code is not None:
             first = Step(ran_on(sup) or sup.first_step_nodes(), 0, args.exit_code,
-                         srun_lines_before(Path("/proc/self/fd/2")))
+                         srun_lines_before(Path("/proc/self/fd/2")), ended=sup.began)
         return supervise(sup, first, say)
     except Exception as err:  # noqa: BLE001 - the last resort: the step's line and the requeue path, whatever broke
         say(f"error: {type(err).__name__}: {err}")

@@ -25,6 +25,7 @@ from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.core.slurm_jobs import job_end_time, job_spec, job_state
 from hpc_ddp.core.stopping import signal_number
+from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.shell.settle import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR, in_job_port
 from hpc_ddp.rundir.snapshot import refuses_resize
@@ -55,6 +56,7 @@ class Supervisor:
         self.stopping = False
         self.batch_host = ""
         self.end: float | None = None  # the job's end (squeue), asked once per decision
+        self.began = round(clock(), 3)  # this batch shell's start: when Slurm started (or restarted) the job
 
     def command_problem(self) -> str:
         """Why the supervised command cannot be run as a step (checked before the first decision, so an
@@ -223,16 +225,29 @@ class Supervisor:
     def _env_without_step_shape(self) -> dict[str, str]:
         """The batch shell's environment without the job-wide counts srun would read as this step's shape."""
         drop = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_TASKS_PER_NODE",
-                "SLURM_NTASKS_PER_NODE", HEALED_VAR, IN_JOB_VAR)
+                "SLURM_NTASKS_PER_NODE", HEALED_VAR, IN_JOB_VAR, TIMELINE_VAR)
         return {k: v for k, v in self.environ.items() if k not in drop}
 
-    def run_step(self, nodes: list[str], index: int, healed: dict[str, Any] | None = None) -> Step:
+    def run_step(self, nodes: list[str], index: int, healed: dict[str, Any] | None = None,
+                 after: Step | None = None) -> Step:
+        """Run a step on ``nodes``; ``after``: the failed step it heals (its times go to the new step's ranks
+        for the heal's timeline, :mod:`hpc_ddp.core.timeline`)."""
         start = round(self.clock(), 3)
         argv, env = self.step_argv(nodes), self.step_environ(index, healed)
+        env[TIMELINE_VAR] = times = self.timeline(after, start)
         rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes), start)
         warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
         code, lines = self.srun(argv, env, warn_in)
-        return Step(nodes, index, code, lines, start, healed)
+        return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3), times=times)
+
+    def timeline(self, after: Step | None, start: float) -> str:
+        """The batch shell's times for the step's timeline: after a failed step, the failure's instant, when this
+        shell saw it end and this start; a job's first step, when this shell began (a requeue's ranks find the
+        failure, the stopped attempt's end, in the ledger)."""
+        if after is None:
+            return encode_shell(detected=self.began, launched=start)
+        failure = rules.heal_failure_of(self.run_dir, (self.job_id, self.restart, after.index), after.ended)
+        return encode_shell(failure, detected=after.ended, launched=start)
 
 
 def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool], workers: int = 16) -> list[str]:

@@ -23,6 +23,7 @@ from hpc_ddp.core.slurm_jobs import (AlreadyRequeued, PreemptionError, RequeueRe
                                      requeue_available)
 from hpc_ddp.core.stopping import signal_number, slurm_requeued, stop_reason, term_reason
 from hpc_ddp.rank.attempt.context import Ending
+from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.shield.loader import stop_signals_blocked
 from hpc_ddp.rank.watch.broken_stop import HINT, child_killed, pipe_broke
 from hpc_ddp.rundir import snapshot
@@ -158,7 +159,8 @@ def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
     attempt.record.update(end=round(time.time(), 3), first_step=(run.resumed_from or 0) if run is not None else 0,
                           last_step=saved, resumed_from=run.resumed_from if run is not None else None,
                           stopped_mid_step={"error": first_line(error), "held": held, "snapshot": saved,
-                                            "child_killed": killed})
+                                            "child_killed": killed},
+                          **timeline.ledger_field(attempt.environ, attempt.attempts, attempt.env.in_job))
     lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
     log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends as the stop "
               "it was (not a failure); its newest snapshot is %s%s.%s", first_line(error),

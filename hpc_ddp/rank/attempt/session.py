@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, marker, stop_came_first
 from hpc_ddp.rank.attempt.conclude import conclude, end_as_stop, write_line
 from hpc_ddp.rank.attempt.context import Attempt
+from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
@@ -80,6 +81,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     from hpc_ddp.rank.loop.run import LoopIgnoredStop, Run
     from hpc_ddp.rank.watch.watchdog import Watchdog
 
+    timeline.reset()
+    timeline.mark("imported")  # torch and hpc_ddp's rank code are loaded (the heal timeline, core/timeline.py)
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
     threads(environ, env)
     # DataLoader workers from a forkserver (our Trainer's, and a loop's that asks for one) are forked from a
@@ -106,6 +109,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
 
         from hpc_ddp.rank.group import control, nccl_report
 
+        timeline.mark("group_ready")
         if attempt.liveness is not None:
             attempt.liveness.listen()  # every rank is past the rendezvous: rank 0 created the declaration's file
         log.info("process group: backend %s, world size %d, device %s, control traffic on %s", dist.get_backend(),
@@ -194,7 +198,8 @@ def _close_record(attempt: Attempt, run: Run) -> None:
     from hpc_ddp.rank.loop.advice import outside_iterate
 
     attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0, last_step=run.step,
-                          resumed_from=run.resumed_from, **({"resume_read": run.resume_read} if run.resume_read else {}))
+                          resumed_from=run.resumed_from, **({"resume_read": run.resume_read} if run.resume_read else {}),
+                          **timeline.ledger_field(attempt.environ, attempt.attempts, attempt.env.in_job))
     run.advice.add(outside_iterate(run.tracked))
     run.advice.note(attempt.record)
     if run.finished is not None and run.advice.found:
@@ -275,6 +280,7 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
             time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
         if attempt.env.is_main and not attempt.wrapped:
             append_attempt(attempt.run_dir, {**attempt.record, "end": round(time.time(), 3), "reason": "hung",
+                                             **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job),
                                              "stuck_ranks": stuck, "message": message.splitlines()[0],
                                              **jit_files.summary(attempt.run_dir, env.job_id, env.restart_count,
                                                                  env.in_job),

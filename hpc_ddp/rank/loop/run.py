@@ -51,6 +51,7 @@ from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
                                          unloadable, unwrap)
+from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.metrics.run_metrics import MetricsLog
 
 log = logging.getLogger("hpc_ddp.run")
@@ -161,6 +162,7 @@ class Run:
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
             restore.load(self, restored)
+        timeline.mark("restored")  # the heal timeline (rank/metrics/timeline.py): in memory, once
         if self.config.train.rng == "derived":
             reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
@@ -198,6 +200,7 @@ class Run:
         self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/watch/child_deaths.py)
         if self.boundaries == 1:  # a DistributedSampler among the loop's variables: its position will not resume
             self.advice.add(distributed_samplers(sys._getframe(1)))
+            timeline.mark("first_step")
         if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
             # what snapshots will hold is checked now, not at the first one (none may come before a failure,
             # and a survivors' snapshot would then be refused for it)
