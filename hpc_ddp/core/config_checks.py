@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import re
 import signal as _signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
-from hpc_ddp.core.compile_settings import CACHE_EXPECTED, cache_ok, compile_problem
+from hpc_ddp.core.compile_settings import CACHE_EXPECTED, COMPILE_EXPECTED, cache_ok, compile_problem
 from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
 
@@ -126,6 +126,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.rng": (lambda v: v in ("derived", "saved"), "one of derived, saved"),
     "train.log_every": (_at_least(1), "an integer >= 1"),
     "train.num_workers": (_at_least(0), "an integer >= 0"),
+    "train.compile": (lambda v: isinstance(v, (bool, Mapping)), COMPILE_EXPECTED),  # its options: _check_compile
     "train.compile_cache": (cache_ok, CACHE_EXPECTED),
     "snapshot.every_steps": (_at_least(1), "an integer >= 1, or null"),
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
