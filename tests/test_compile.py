@@ -130,6 +130,7 @@ def test_a_node_local_cache_is_seeded_from_the_runs_copy_and_publishes_only_fini
     assert not [p for p in shared.rglob(".*") if p.name != ".123.456.tmp"]  # no temporary file of ours is left
 
 
+@pytest.mark.compile  # dynamo traces (and gives up on) DDP's forward: seconds, no inductor compile
 def test_compiling_ddp_instead_of_the_model_is_named_at_the_first_boundary() -> None:
     """torch.compile(DDP(model)) compiles nothing (dynamo does not trace DDP's forward): the advice names the
     order to write. DDP(torch.compile(model)), or a model never compiled, gets no advice."""
@@ -137,7 +138,7 @@ def test_compiling_ddp_instead_of_the_model_is_named_at_the_first_boundary() -> 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpc_ddp.rank.loop.compiling import _counts, compile_report, order_problem
+    from hpc_ddp.rank.loop.compiling import _counts, compile_report, loop_modules, order_problem
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -152,6 +153,15 @@ def test_compiling_ddp_instead_of_the_model_is_named_at_the_first_boundary() -> 
         assert len(advice) == 1 and "run.resume(model=...) is torch.compile(DistributedDataParallel(model))" \
             in advice[0] and "DistributedDataParallel(torch.compile(model)" in advice[0]
         assert order_problem({"model": DDP(model)}, graphs) == []
+
+        def loop(ddp: DDP) -> dict:  # tracks the DDP model, calls a compiled wrapper of it that it never tracked
+            fast = torch.compile(ddp)
+            fast(torch.ones(2, 4)).sum().backward()
+            return loop_modules(sys._getframe(0))
+
+        held = loop(DDP(model))
+        advice = order_problem({"model": DDP(model)}, _counts()[0], held)
+        assert len(advice) == 1 and "`fast` in loop()" in advice[0]  # and the test's own `wrong`, a frame up
         assert order_problem({"model": DDP(torch.compile(model))}, 1) == []  # it compiled: nothing to say
         assert "the loop may call the module inside it" in order_problem({"model": DDP(torch.compile(model))}, 0)[0]
     finally:

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.compile_settings import compile_options
@@ -44,6 +45,7 @@ WRONG_ORDER = ("{name} is torch.compile(DistributedDataParallel(model)), and dyn
 NOTHING_COMPILED = ("{name} holds a torch.compile'd module, but dynamo compiled nothing by the first boundary: "
                     "the loop may call the module inside it (model.module or model._orig_mod) rather than the "
                     "compiled one (docs/compile.md)")
+FRAMES = 3  # the loop, and a helper or two it calls run.boundary from (as advice.py looks)
 TIMED = ("_compile.compile_inner", "backward._backward_impl")  # dynamo's forward compile; AOT's lazy backward one
 _state: dict[str, Any] = {"ended": None, "cache": None}
 
@@ -65,7 +67,7 @@ def apply_cache_env(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) ->
     node-local cache from the run's copy (before the rendezvous: no rank of its node compiles before that)."""
     found = compile_cache.cache_env(cfg.train.compile_cache, cfg.run_dir, environ)
     os.environ.update(found.exported)
-    _state["cache"] = found
+    _state.update(cache=found, ended=None)
     if found.kept and env.is_main:
         log.info("compile cache: keeping your %s (train.compile_cache=%s would set %s)",
                  ", ".join(f"{k}={v}" for k, v in found.kept.items()), found.place,
@@ -120,28 +122,51 @@ def _compiled_modules(obj: Any) -> list[Any]:
     return [m for m in modules() if "_orig_mod" in getattr(m, "_modules", {})]
 
 
-def order_problem(tracked: Mapping[str, Any], graphs: int) -> list[str]:
-    """A finding per tracked model that was wrapped for compiling while dynamo compiled nothing."""
+def loop_modules(frame: FrameType | None) -> dict[str, Any]:
+    """The modules the loop holds (``model``, ``self.model``) in the frames that called run.boundary, outside
+    hpc_ddp: a loop may track its DDP model and call a compiled wrapper of it that it never tracked."""
+    import torch
+
+    found: dict[str, Any] = {}
+    for _ in range(FRAMES):
+        if frame is None:
+            break
+        if not str(frame.f_globals.get("__name__", "")).startswith("hpc_ddp."):
+            where = frame.f_code.co_name
+            for name, value in frame.f_locals.items():
+                found.update({f"`{name}` in {where}()": value} if isinstance(value, torch.nn.Module) else {})
+                if name == "self" and hasattr(value, "__dict__"):
+                    found.update({f"`self.{attr}` in {where}()": inner for attr, inner in vars(value).items()
+                                  if isinstance(inner, torch.nn.Module)})
+        frame = frame.f_back
+    return found
+
+
+def order_problem(tracked: Mapping[str, Any], graphs: int, held: Mapping[str, Any] | None = None) -> list[str]:
+    """A finding per tracked model (or module the loop holds) wrapped for compiling while dynamo compiled
+    nothing; the wrong order first."""
     if graphs:
         return []
     from torch.nn.parallel import DistributedDataParallel
 
-    found = []
-    for name, obj in tracked.items():
+    named = {**{f"run.resume({name}=...)": obj for name, obj in tracked.items()}, **(held or {})}
+    wrong, nothing = [], []
+    for name, obj in named.items():
         wrapped = _compiled_modules(obj)
         if any(isinstance(m._orig_mod, DistributedDataParallel) for m in wrapped):
-            found.append(WRONG_ORDER.format(name=f"run.resume({name}=...)"))
+            wrong.append(name)
         elif wrapped:
-            found.append(NOTHING_COMPILED.format(name=f"run.resume({name}=...)"))
-    return found
+            nothing.append(name)
+    return ([WRONG_ORDER.format(name=" and ".join(wrong))] if wrong else []) + \
+        ([NOTHING_COMPILED.format(name=" and ".join(nothing))] if nothing and not wrong else [])
 
 
-def at_first_boundary(run: Run) -> list[str]:
+def at_first_boundary(run: Run, frame: FrameType | None = None) -> list[str]:
     """At an attempt's first boundary: note when the first compiled step ended, log the cache's hit or miss
     (rank 0), publish a node-local cache's new entries (node 0's first rank), and the wrong-order findings."""
     report = compile_report()
     if report is None:
-        return order_problem(run.tracked, 0)
+        return order_problem(run.tracked, 0, loop_modules(frame))
     _state["ended"] = report["ended"]
     cache: CacheEnv | None = _state["cache"]
     where = cache.folder if cache is not None and cache.folder is not None else "torch's default place"
@@ -153,4 +178,4 @@ def at_first_boundary(run: Run) -> list[str]:
             and run.node_rank == 0 and run.local_rank == 0 and report["misses"]:
         copied = compile_cache.publish(cache.folder, run.run_dir)
         log.info("compile cache: %d new entries published to the run's copy for the other nodes", copied)
-    return order_problem(run.tracked, report["graphs"])
+    return order_problem(run.tracked, report["graphs"], loop_modules(frame) if not report["graphs"] else None)

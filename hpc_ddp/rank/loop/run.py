@@ -199,7 +199,7 @@ class Run:
         self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/watch/child_deaths.py)
         if self.boundaries == 1:  # a DistributedSampler among the loop's variables: its position will not resume
             self.advice.add(distributed_samplers(sys._getframe(1)))
-            self.advice.add(at_first_boundary(self))  # compiled: cache hit or miss; the wrong order (compiling.py)
+            self.advice.add(at_first_boundary(self, sys._getframe(1)))  # compile: hit or miss, the order (compiling.py)
         if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
             # what snapshots will hold is checked now, not at the first one (none may come before a failure,
             # and a survivors' snapshot would then be refused for it)
