@@ -27,6 +27,9 @@ elif ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
 elif ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     packages+=(python3-venv)  # Debian splits ensurepip out of python3
 fi
+if ! command -v g++ >/dev/null; then
+    packages+=(g++)  # torch.compile's CPU backend (inductor) builds C++ kernels: tests/test_compile.py
+fi
 if [ "$want_slurm" = 1 ]; then
     for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd; do
         if ! command -v "$tool" >/dev/null && [ ! -x "/usr/sbin/$tool" ]; then

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import re
 import signal as _signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
+from hpc_ddp.core.compile_settings import CACHE_EXPECTED, COMPILE_EXPECTED, cache_ok, compile_problem
 from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
 
@@ -125,6 +126,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.rng": (lambda v: v in ("derived", "saved"), "one of derived, saved"),
     "train.log_every": (_at_least(1), "an integer >= 1"),
     "train.num_workers": (_at_least(0), "an integer >= 0"),
+    "train.compile": (lambda v: isinstance(v, (bool, Mapping)), COMPILE_EXPECTED),  # its options: _check_compile
+    "train.compile_cache": (cache_ok, CACHE_EXPECTED),
     "snapshot.every_steps": (_at_least(1), "an integer >= 1, or null"),
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
@@ -204,6 +207,21 @@ def _check_container(box: Any) -> None:
                     "singularity: what your site offers), or drop slurm.container.image")
 
 
+def _check_compile(train: Any) -> None:
+    """train.compile: its shape, and only for our Trainer (a loop or a script calls torch.compile itself)."""
+    problem = compile_problem(train.compile)
+    if problem is not None:
+        what, found, expected = problem
+        raise _fail("train.compile", what, found, expected, "train.compile=true, or in a file: compile: {mode: "
+                    "max-autotune} (docs/compile.md)")
+    if train.compile not in (None, False) and not train.task:
+        program = "train.loop" if train.loop else "train.script"
+        raise _fail("train.compile", f"train.compile is set but {program} runs, not our Trainer (train.task)",
+                    train.compile, "train.compile with train.task only", f"drop train.compile; {program} compiles "
+                    "its model itself: torch.compile(model) first, then DistributedDataParallel(compiled) "
+                    "(docs/compile.md)")
+
+
 def check_config(cfg: Any) -> None:
     """Raise :class:`ConfigError` for the first value out of its range or format."""
     sig = cfg.slurm.signal
@@ -218,6 +236,7 @@ def check_config(cfg: Any) -> None:
         if not ok(value):
             raise _fail(key, f"bad value for config key {key}", value, expected)
     _check_program(cfg.train)
+    _check_compile(cfg.train)
     if cfg.train.task and cfg.train.max_steps is None and cfg.train.epochs is None:
         raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
                     None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")

@@ -149,7 +149,17 @@ class TrainConfig:
     log_every: int = _doc(10, "The Trainer writes a metrics line (its loss averaged over ranks) every this many "
                           "steps. A train.loop reads it as run.config.train.log_every: run.log_metrics writes "
                           "every call it gets, rank 0's values.")
-    num_workers: int = _doc(0, "DataLoader worker processes per rank.")
+    num_workers: int = _doc(0, "DataLoader worker processes per rank (kept for the whole attempt: "
+                            "persistent_workers).")
+    compile: Any = _doc(False, "Compile the Trainer's model with torch.compile before wrapping it in DDP: false, "
+                        "true, or a mapping of torch.compile options (mode, dynamic, fullgraph, backend, options), "
+                        "e.g. {mode: max-autotune}. Own loops and scripts call torch.compile themselves "
+                        "(docs/compile.md).")
+    compile_cache: str = _doc("run", "Where torch.compile's caches live (for every program, compiled by us or "
+                              "not): run (RUN_DIR/compile_cache, shared by every node and requeue), node "
+                              "(node-local, seeded from the run's copy at each attempt's start), off (no FX "
+                              "graph or AOTAutograd cache), or an absolute path. An explicit "
+                              "TORCHINDUCTOR_CACHE_DIR in the environment wins.")
 
 
 @dataclass

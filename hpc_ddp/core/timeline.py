@@ -32,7 +32,7 @@ TIMELINE_VAR = "HPC_DDP_TIMELINE"  # JSON from the batch shell: failure, failure
 PHASES = ("detected", "launched", "imported", "group_ready", "restored", "compiled", "first_step")
 SHELL_PHASES = ("detected", "launched")  # the batch shell's (or the rehearsal's launcher's)
 RANK_PHASES = PHASES[2:]  # rank 0's, in memory (hpc_ddp.rank.metrics.timeline.mark)
-EXTRAS = ("compile_cache",)  # optional facts shown beside a phase: "hit", "miss"
+EXTRAS = ("compile_cache", "compile_s")  # optional facts beside "compiled": "hit"|"miss"|"partial", dynamo's seconds
 MEANING = {
     "detected": "the batch shell knew (srun returned; for a requeue: Slurm started the job again)",
     "launched": "the batch shell started the new step (srun)",
@@ -161,7 +161,7 @@ def lines(timeline: Mapping[str, Any], index: int) -> list[str]:
         start, end = (min(before, seconds), max(before, seconds))
         lead = min(BAR_WIDTH - 1, int(round(BAR_WIDTH * max(0.0, start) / total)))
         bar = " " * lead + "#" * max(1, min(BAR_WIDTH - lead, int(round(BAR_WIDTH * (end - max(0.0, start)) / total))))
-        note = f"  (cache {timeline['compile_cache']})" if phase == "compiled" and "compile_cache" in timeline else ""
+        note = _compile_note(timeline) if phase == "compiled" else ""
         out.append(f"  {phase:<12} {seconds:>8.1f} s  +{seconds - before:>6.1f}  |{bar:<{BAR_WIDTH}}|{note}")
         before = max(before, seconds)
     missing = [p for p in PHASES if p not in timeline and p != "compiled"]
@@ -171,3 +171,11 @@ def lines(timeline: Mapping[str, Any], index: int) -> list[str]:
     if skewed:
         out.append(f"  WARNING: {', '.join(skewed)} end(s) before the phase before: the hosts' clocks disagree")
     return out
+
+
+def _compile_note(timeline: Mapping[str, Any]) -> str:
+    """Beside the compiled phase: the cache's verdict and dynamo's own count of seconds spent compiling."""
+    facts = [f"cache {timeline['compile_cache']}"] if "compile_cache" in timeline else []
+    if "compile_s" in timeline:
+        facts.append(f"{timeline['compile_s']} s compiling")
+    return f"  ({', '.join(facts)})" if facts else ""

@@ -24,6 +24,9 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
                        blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files)
     logs/              the local rehearsal's per-rank logs
     slurm/             submitit's and the sbatch templates' job logs
+    compile_cache/     torch.compile's caches (TORCHINDUCTOR_CACHE_DIR; train.compile_cache=run, the default):
+                       every step, node and requeue of the run finds its compiled graphs warm
+                       (hpc_ddp.rundir.compile_cache)
     chain/             job-J.sbatch: the batch script job J submitted its successor with, where Slurm
                        refuses requeue (hpc_ddp.shell.chain)
 
@@ -51,6 +54,7 @@ LOGS = "logs"
 SLURM_LOGS = "slurm"
 CHAIN = "chain"
 LIVENESS = "liveness"
+COMPILE_CACHE = "compile_cache"
 
 
 def config(run_dir: Path | str) -> Path:
@@ -124,6 +128,11 @@ def logs(run_dir: Path | str) -> Path:
 
 def slurm_logs(run_dir: Path | str) -> Path:
     return Path(run_dir) / SLURM_LOGS
+
+
+def compile_cache(run_dir: Path | str) -> Path:
+    """torch.compile's caches for the whole run (:mod:`hpc_ddp.rundir.compile_cache`)."""
+    return Path(run_dir) / COMPILE_CACHE
 
 
 def chain_script(run_dir: Path | str, job: str) -> Path:

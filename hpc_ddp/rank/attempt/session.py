@@ -78,6 +78,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     from hpc_ddp.rank.salvage import jit
     from hpc_ddp.rank.state.checkpointer import Checkpointer
     from hpc_ddp.rank.group.distributed import default_store, from_main, process_group
+    from hpc_ddp.rank.loop.compiling import apply_cache_env
     from hpc_ddp.rank.loop.run import LoopIgnoredStop, Run
     from hpc_ddp.rank.watch.watchdog import Watchdog
 
@@ -85,6 +86,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     timeline.mark("imported")  # torch and hpc_ddp's rank code are loaded (the heal timeline, core/timeline.py)
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
     threads(environ, env)
+    apply_cache_env(cfg, env, environ)  # before torch._inductor reads them (the first optimizer or DDP imports it)
     # DataLoader workers from a forkserver (our Trainer's, and a loop's that asks for one) are forked from a
     # server that has imported torch once: each epoch's new workers then start in ms, not an import each.
     # The server ignores the stop signals (its workers exit when it dies); the workers' worker_init learns the

@@ -12,6 +12,8 @@ So each finding is logged once by rank 0 when it is found, and kept for the atte
   ``run.resume`` refuses it, so its position cannot resume. Found at the first boundary by looking
   at the loop's own variables (the frames that called ``run.boundary``, outside hpc_ddp): nothing
   of torch's is patched, and it costs one look per attempt.
+- a model compiled around DDP (``torch.compile(DDP(model))``) while dynamo compiled nothing: found by
+  :func:`hpc_ddp.rank.loop.compiling.at_first_boundary`, which says the order that compiles.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from hpc_ddp.rank.state.ddp_settle import settle_buckets_on_first_forward, sync_
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
+from hpc_ddp.rank.loop.compiling import at_first_boundary
 from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
@@ -200,7 +201,8 @@ class Run:
         self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/watch/child_deaths.py)
         if self.boundaries == 1:  # a DistributedSampler among the loop's variables: its position will not resume
             self.advice.add(distributed_samplers(sys._getframe(1)))
-            timeline.mark("first_step")
+            self.advice.add(at_first_boundary(self, sys._getframe(1)))  # compile: hit or miss, the order (compiling.py)
+            timeline.mark("first_step")  # after "compiled", which at_first_boundary marks where the loop compiled
         if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
             # what snapshots will hold is checked now, not at the first one (none may come before a failure,
             # and a survivors' snapshot would then be refused for it)

@@ -26,6 +26,7 @@ from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.group.distributed import all_mean
 from hpc_ddp.core.errors import ConfigError, explain
 from hpc_ddp.rank.shield.loader import worker_init
+from hpc_ddp.rank.loop.compiling import compiled
 from hpc_ddp.rank.loop.run import Run
 from hpc_ddp.rank.loop.sampler import ShardSampler, old_position
 from hpc_ddp.rank.loop.task import Task
@@ -58,7 +59,9 @@ class Trainer:
         if train.sync_batchnorm:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model = model.to(device)
-        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+        # compile the module, then wrap it: DDP(torch.compile(model)) compiles; the other order does not (compiling.py)
+        self.ddp = DistributedDataParallel(compiled(self.model, train.compile),
+                                           device_ids=[device.index] if device.type == "cuda" else None,
                                            find_unused_parameters=train.find_unused_parameters)
         self.optimizer = task.build_optimizer(self.model, cfg)
         build_scheduler = getattr(task, "build_scheduler", None)
@@ -79,6 +82,7 @@ class Trainer:
         # (open_run has the server import torch once, so each epoch's new workers start without importing it.)
         self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
                                  num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
+                                 persistent_workers=train.num_workers > 0,  # one start per attempt, not per epoch
                                  multiprocessing_context="forkserver" if train.num_workers else None,
                                  worker_init_fn=worker_init() if train.num_workers else None,  # a stop spares them
                                  generator=torch.Generator().manual_seed(train.seed * 100003 + env.rank))

@@ -61,6 +61,7 @@ from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.rank.group import nccl_report
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
+from hpc_ddp.rank.loop.compiling import apply_cache_env
 from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
@@ -209,6 +210,7 @@ def run_script(attempt: Attempt) -> int:
         progress, decided = _watch(attempt), {}
         publisher = Publisher(attempt, progress) if progress is not None else None
         environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
+        environ.update(apply_cache_env(cfg, env, attempt.environ).exported)  # the script's torch.compile caches
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
         if env.is_main:

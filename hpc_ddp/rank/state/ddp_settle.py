@@ -27,7 +27,10 @@ def settle_buckets_on_first_forward(ddp: DistributedDataParallel) -> None:
         if not torch.is_grad_enabled() or not module.training:
             return  # an eval forward (maybe on rank 0 only, as nanoGPT's first eval): wait for the training one
         handle.remove()
-        rng, sync = capture_rng(), module.require_backward_grad_sync
+        rng, sync, inner = capture_rng(), module.require_backward_grad_sync, module.module
+        # a compiled module (DDP(torch.compile(model))) settles through its eager one: the same parameters
+        # and buckets, and no eval-mode graph to compile (a second compile, for this one forward)
+        module.module = getattr(inner, "_orig_mod", inner)
         module.eval()
         module.require_backward_grad_sync = True
         try:
@@ -35,6 +38,7 @@ def settle_buckets_on_first_forward(ddp: DistributedDataParallel) -> None:
             if tensors:
                 (sum(t.float().sum() for t in tensors) * 0).backward()
         finally:
+            module.module = inner
             module.train()
             module.require_backward_grad_sync = sync
             for p in module.parameters():

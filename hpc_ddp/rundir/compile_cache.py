@@ -1,0 +1,126 @@
+"""Where torch.compile's caches live for a run (``train.compile_cache``), and how a node-local copy stays warm.
+
+A compile costs seconds to minutes per attempt; with its caches warm (inductor's FX graph cache, the
+AOTAutograd cache, Triton's kernels) the same graphs load in a fraction of that. So the caches must be
+where every step, node and requeue of the run finds them:
+
+- ``run`` (the default): ``RUN_DIR/compile_cache`` (:func:`hpc_ddp.rundir.layout.compile_cache`), on the
+  run dir's shared storage. Inductor writes every cache entry to a temporary name in the entry's own folder
+  and renames it (``torch._inductor.codecache.write_atomic``), so concurrent ranks of one node never see a half
+  file. Across nodes, that temporary name is ``.{pid}.{thread}.tmp``: unique on a host, not across hosts (two
+  nodes whose writers have the same pid, common in containers, could interleave one temporary file), and
+  its C++ builds take file locks that NFS may not honour. Both are rare and cost a recompile at worst where
+  the file system renames atomically; where it does not (some parallel or object-backed file systems), use:
+- ``node``: a node-local folder (``$TMPDIR`` or ``/tmp``, one per user and run). At each attempt's start a
+  node's first rank copies the run's shared copy into it (:func:`seed`: only names it lacks), so a spare node
+  that joins in a heal starts warm; after the first compiled step, the first rank of node 0 copies new
+  entries back (:func:`publish`, each to a name unique to its host, then renamed). Only the first rank of a
+  node writes the shared folder, once per attempt.
+- ``off``: no FX graph or AOTAutograd cache (every attempt compiles cold; for telling a cache problem apart).
+- an absolute path: that folder, shared or not, as you say.
+
+An explicit ``TORCHINDUCTOR_CACHE_DIR`` (or one of the other variables) in the environment wins: it is
+kept, and the worker's log says so. No torch here: the variables must be set before torch._inductor reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc_ddp.rundir import layout
+
+CACHE_DIR_VAR = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_VAR = "TRITON_CACHE_DIR"
+FX_GRAPH_VAR = "TORCHINDUCTOR_FX_GRAPH_CACHE"  # read when torch._inductor.config is imported
+AUTOGRAD_VAR = "TORCHINDUCTOR_AUTOGRAD_CACHE"  # read when torch._functorch.config is imported
+
+
+@dataclass
+class CacheEnv:
+    """What to export for ``train.compile_cache``: ``wanted`` (set where unset), ``kept`` (the user's own)."""
+
+    folder: Path | None
+    place: str
+    wanted: dict[str, str] = field(default_factory=dict)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exported(self) -> dict[str, str]:
+        return {k: v for k, v in self.wanted.items() if k not in self.kept}
+
+
+def node_folder(run_dir: Path | str, environ: Mapping[str, str], uid: int | None = None) -> Path:
+    """The node-local cache of this run: ``$TMPDIR/hpc_ddp-compile-UID/NAME-HASH`` (the hash of the run dir's
+    path keeps two runs of one name apart)."""
+    run_dir = Path(run_dir).absolute()
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:10]
+    base = Path(environ.get("TMPDIR") or "/tmp")
+    return base / f"hpc_ddp-compile-{os.getuid() if uid is None else uid}" / f"{run_dir.name}-{digest}"
+
+
+def cache_env(place: str, run_dir: Path | str, environ: Mapping[str, str]) -> CacheEnv:
+    """The variables that put torch.compile's caches where ``train.compile_cache`` says."""
+    if place == "off":
+        wanted = {FX_GRAPH_VAR: "0", AUTOGRAD_VAR: "0"}
+        folder = None
+    else:
+        folder = (layout.compile_cache(run_dir) if place == "run" else
+                  node_folder(run_dir, environ) if place == "node" else Path(place))
+        wanted = {CACHE_DIR_VAR: str(folder), TRITON_VAR: str(folder / "triton"), FX_GRAPH_VAR: "1",
+                  AUTOGRAD_VAR: "1"}
+    kept = {k: environ[k] for k in wanted if k in environ and environ[k] != wanted[k]}
+    if CACHE_DIR_VAR in kept:
+        folder = Path(kept[CACHE_DIR_VAR])
+    return CacheEnv(folder, place, wanted, kept)
+
+
+def _entries(folder: Path) -> dict[Path, Path]:
+    """The cache's finished files by relative path: no temporary files (``.*``, ``tmp*``), no lock files."""
+    found: dict[Path, Path] = {}
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "tmp")) and d != "locks"]
+        for name in files:
+            if not name.startswith((".", "tmp")) and not name.endswith((".lock", ".tmp")):
+                path = Path(root) / name
+                found[path.relative_to(folder)] = path
+    return found
+
+
+def copy_new(source: Path, target: Path) -> int:
+    """Copy the cache entries of ``source`` that ``target`` lacks, each to a temporary name unique to this host
+    and process, then renamed (a reader never sees half a file); the number copied. An entry another node
+    may have written meanwhile is only written twice (same key, same content)."""
+    if not source.is_dir():
+        return 0
+    have = set(_entries(target)) if target.is_dir() else set()
+    copied = 0
+    tag = f"{socket.gethostname()}.{os.getpid()}"
+    for rel, path in _entries(source).items():
+        if rel in have:
+            continue
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{tag}.tmp")
+        try:
+            shutil.copy2(path, tmp)
+            os.replace(tmp, dest)
+            copied += 1
+        except OSError:
+            tmp.unlink(missing_ok=True)  # an entry gone meanwhile, a full disk: that graph compiles cold
+    return copied
+
+
+def seed(run_dir: Path | str, local: Path) -> int:
+    """Warm a node-local cache from the run's shared copy (a node's first rank, at the attempt's start)."""
+    return copy_new(layout.compile_cache(run_dir), local)
+
+
+def publish(local: Path, run_dir: Path | str) -> int:
+    """The node-local cache's new entries into the run's shared copy (node 0's first rank, after compiling)."""
+    return copy_new(local, layout.compile_cache(run_dir))
