@@ -89,7 +89,8 @@ class Run:
         self.stopped = False
         self.finished: dict[str, Any] | None = None
         self._resumed = False
-        self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
+        self._agreeing: tuple[Any, Any] | None = None  # the stop-flag all_reduce in flight (one rank: its flags)
+        self._derived = cfg.train.rng == "derived"  # every boundary reseeds (rank/state/rng.py)
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
         self._broadcasts_buffers: list[DistributedDataParallel] = []  # DDP modules whose buffers rank 0 sends
@@ -161,7 +162,7 @@ class Run:
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
             restore.load(self, restored)
-        if self.config.train.rng == "derived":
+        if self._derived:
             reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
         self._broadcasts_buffers = [obj for obj in self.tracked.values() if isinstance(obj, DistributedDataParallel)
@@ -209,13 +210,10 @@ class Run:
             return False
         stop, due_time, busy = self._agreed()
         if not stop:
-            # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
-            self._agreeing = (tiers.current() or control).start_max([int(self.stop is not None and self.stop.is_set),
-                                                int(self.is_main and ckpt is not None and ckpt.due_by_time()),
-                                                int(ckpt is not None and ckpt.busy)])
+            self._start_agreement(ckpt)
         if ckpt is not None:
             self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
-        if self.config.train.rng == "derived":
+        if self._derived:
             reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
         self.stopped = stop
         if stop and self.mirror is not None:
@@ -286,14 +284,28 @@ class Run:
             self._per_rank_checked = True
         return staged(self.per_rank, cuda)
 
+    def _start_agreement(self, ckpt: Checkpointer | None) -> None:
+        """Start agreeing on (stop? a snapshot due by rank 0's clock? a writer busy?); read at the next boundary.
+        One rank agrees with itself: its flags are kept as they are, with no collective (a gloo all_reduce of one
+        rank still costs tens of µs, and milliseconds when its thread waits for a core), and the same one-boundary
+        lag, so a stop lands on the same step as before."""
+        flags = [int(self.stop is not None and self.stop.is_set),
+                 int(self.is_main and ckpt is not None and ckpt.due_by_time()), int(ckpt is not None and ckpt.busy)]
+        if self.world_size == 1:
+            self._agreeing = (flags, None)
+        else:  # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
+            self._agreeing = (tiers.current() or control).start_max(flags)
+
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
         if self._agreeing is None:
             return False, False, False
         flags, work = self._agreeing
-        work.wait()
+        if work is not None:
+            work.wait()
+            flags = flags.tolist()
         self._agreeing = None
-        stop, due, busy = (bool(v) for v in flags.tolist())
+        stop, due, busy = (bool(v) for v in flags)
         return stop, due, busy
 
     def state(self) -> dict[str, Any]:
