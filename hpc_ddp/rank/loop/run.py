@@ -206,14 +206,14 @@ class Run:
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
-        if ckpt is None and self.stop is None:
-            return False
-        stop, due_time, busy = self._agreed()
-        if not stop:
-            self._start_agreement(ckpt)
-        if ckpt is not None:
-            self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
-        if self._derived:
+        stop = False
+        if ckpt is not None or self.stop is not None:  # else nothing to agree on or save (a bare run object)
+            stop, due_time, busy = self._agreed()
+            if not stop:
+                self._start_agreement(ckpt)
+            if ckpt is not None:
+                self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
+        if self._derived:  # also without a checkpointer: every boundary, as the resume derives it
             reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
         self.stopped = stop
         if stop and self.mirror is not None:
