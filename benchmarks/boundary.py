@@ -118,6 +118,8 @@ def top_entries(profile: cProfile.Profile | None, calls: int) -> list[dict[str, 
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     rows = []
     for (path, line, name), (_, count, own, cumulative, _) in stats.items():
+        if "/benchmarks/" in path:
+            continue  # the Timer's own wrappers
         where = path.split("/hpc_ddp/", 1)[1] if "/hpc_ddp/" in path else Path(path).name if path != "~" else ""
         rows.append({"function": f"{where}:{line}({name})" if where else name, "calls": round(count / calls, 2),
                      "own_us": round(own / calls * 1e6, 2), "cumulative_us": round(cumulative / calls * 1e6, 2)})
