@@ -18,8 +18,9 @@ No snapshot is due in the timed calls (``snapshot.every_steps`` null; ``every_mi
 boundary and never due): a snapshot's write is B3's figure. At world size 2 every call also waits for the stop
 agreement started at the previous boundary (a one-element gloo all_reduce with nothing to overlap here) and
 starts the next: the time in ``_agreed`` and ``start_max`` is reported apart, so what our own Python costs
-per call is visible beside it. Then ``PROFILED`` more boundaries run under cProfile on rank 0, and their
-top entries (our functions, by own time per boundary) are kept.
+per call is visible beside it. Then ``PROFILED`` more boundaries run under cProfile on rank 0, in runs of
+``CHUNK``; the run whose boundaries took least is kept (a stall of the shared machine inflates every average of
+its run), and its top entries (by own time per boundary, the Timer's wrappers left out) are reported.
 
 ``python -m benchmarks.boundary OUT.json [--calls N] [--cases gpt:1,gpt:2,trainer:1,trainer:2]`` writes
 every case's figures; ``benchmarks.run --only B15`` (or ``--only boundary``) calls :func:`b15`. On a machine
@@ -45,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT_VAR = "HPC_DDP_B15_OUT"  # where rank 0 writes its figures (the worker passes the environment on)
 SPEC_VAR = "HPC_DDP_B15_SPEC"  # "calls,warmup,profiled"
 WARMUP, PROFILED = 50, 500
+CHUNK = 100  # profiled calls per cProfile run; the calmest run is kept (one stall inflates its run's averages)
 TOP = 12  # profile entries kept per case
 
 
@@ -60,7 +62,7 @@ class Timer:
         self.total: list[int] = []
         self.agree: list[int] = []
         self._agree_ns = 0
-        self.profile = cProfile.Profile() if run.is_main else None
+        self.profiles: list[tuple[int, cProfile.Profile]] = []  # (ns the chunk's boundaries took, its profile)
         self._real = run.boundary
         run.boundary = self.boundary
         agreed = run._agreed
@@ -86,15 +88,18 @@ class Timer:
 
     def boundary(self, step: int) -> bool:
         index, self.count = self.count, self.count + 1
-        profiling = index >= self.warmup + self.calls and self.profile is not None
+        profiling = index >= self.warmup + self.calls and self.run.is_main
         self._agree_ns = 0
+        if profiling and (index - self.warmup - self.calls) % CHUNK == 0:
+            self.profiles.append((0, cProfile.Profile()))
         if profiling:
-            self.profile.enable()
+            self.profiles[-1][1].enable()
         begin = time.perf_counter_ns()
         stop = self._real(step)
         took = time.perf_counter_ns() - begin
         if profiling:
-            self.profile.disable()
+            self.profiles[-1][1].disable()
+            self.profiles[-1] = (self.profiles[-1][0] + took, self.profiles[-1][1])
         elif index >= self.warmup:
             self.total.append(took)
             self.agree.append(self._agree_ns)
@@ -105,8 +110,9 @@ class Timer:
             return
         import torch
 
+        calmest = min(self.profiles, key=lambda pair: pair[0])[1] if self.profiles else None
         figures = {"total_ns": self.total, "agree_ns": self.agree, "world_size": self.run.world_size,
-                   "device": str(self.run.device), "profile": top_entries(self.profile, self.profiled),
+                   "device": str(self.run.device), "profile": top_entries(calmest, CHUNK),
                    "gpu": torch.cuda.get_device_name() if self.run.device.type == "cuda" else None}
         Path(os.environ[OUT_VAR]).write_text(json.dumps(figures))
 
