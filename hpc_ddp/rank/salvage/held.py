@@ -141,7 +141,8 @@ class Held:
         now: list[GroupCopy] = []
         for index, (group, params) in enumerate(zip(obj.param_groups, self._params[name])):
             last = before[index] if index < len(before) else None
-            if last is None or last.live is None or last.copy["params"] is not params or len(group) != len(last.live) + 1:
+            if (last is None or last.live is None or last.copy["params"] is not params
+                    or len(group) != len(last.live) + 1):
                 last = group_copy(group, params)
                 self.settings_copied += len(last.copy) - 1
             else:
