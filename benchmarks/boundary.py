@@ -62,7 +62,7 @@ class Timer:
         self.total: list[int] = []
         self.agree: list[int] = []
         self._agree_ns = 0
-        self.profiles: list[tuple[int, cProfile.Profile]] = []  # (ns the chunk's boundaries took, its profile)
+        self.profiles: list[tuple[int, int, cProfile.Profile]] = []  # (ns its boundaries took, calls, profile)
         self._real = run.boundary
         run.boundary = self.boundary
         agreed = run._agreed
@@ -88,19 +88,20 @@ class Timer:
 
     def boundary(self, step: int) -> bool:
         index, self.count = self.count, self.count + 1
-        profiling = index >= self.warmup + self.calls and self.run.is_main
+        profiling = self.warmup + self.calls <= index < self.needed and self.run.is_main
         self._agree_ns = 0
         if profiling and (index - self.warmup - self.calls) % CHUNK == 0:
-            self.profiles.append((0, cProfile.Profile()))
+            self.profiles.append((0, 0, cProfile.Profile()))
         if profiling:
-            self.profiles[-1][1].enable()
+            self.profiles[-1][2].enable()
         begin = time.perf_counter_ns()
         stop = self._real(step)
         took = time.perf_counter_ns() - begin
         if profiling:
-            self.profiles[-1][1].disable()
-            self.profiles[-1] = (self.profiles[-1][0] + took, self.profiles[-1][1])
-        elif index >= self.warmup:
+            spent, count, profile = self.profiles[-1]
+            profile.disable()
+            self.profiles[-1] = (spent + took, count + 1, profile)
+        elif self.warmup <= index < self.warmup + self.calls:
             self.total.append(took)
             self.agree.append(self._agree_ns)
         return stop
@@ -110,9 +111,9 @@ class Timer:
             return
         import torch
 
-        calmest = min(self.profiles, key=lambda pair: pair[0])[1] if self.profiles else None
+        calmest = min(self.profiles, key=lambda run: run[0] / run[1], default=(0, 0, None))
         figures = {"total_ns": self.total, "agree_ns": self.agree, "world_size": self.run.world_size,
-                   "device": str(self.run.device), "profile": top_entries(calmest, CHUNK),
+                   "device": str(self.run.device), "profile": top_entries(calmest[2], calmest[1]),
                    "gpu": torch.cuda.get_device_name() if self.run.device.type == "cuda" else None}
         Path(os.environ[OUT_VAR]).write_text(json.dumps(figures))
 
