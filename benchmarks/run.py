@@ -28,6 +28,7 @@ RESULTS = ROOT / "benchmarks" / "results.json"
 SCRATCH = ROOT / "runs"  # the repo's filesystem, and ignored by git (a late job write can outlive the cleanup)
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- results: begin -->", "<!-- results: end -->"
+ALIASES = {"BOUNDARY": "B15"}  # --only takes a figure's name too
 
 
 def b1_cli(repeats: int) -> dict[str, Any]:
@@ -289,6 +290,37 @@ def b12_control_plane(quick: bool) -> dict[str, Any]:
                       "core.limits at every measured size", "met": measured["model"]["met"] and not over}
 
 
+def b15_boundary(quick: bool) -> dict[str, Any]:
+    """B15 (benchmarks/boundary.py): one run.boundary alone, median and p99 over thousands of calls, the GPT own
+    loop and the Trainer at world sizes 1 and 2 (and on CUDA where it is)."""
+    from benchmarks.boundary import b15
+
+    return b15(300 if quick else 3000)
+
+
+B15_CASES = {"gpt": "GPT own loop (examples/own_loop_gpt.py: DDP model, AdamW, sampler tracked; snapshot.jit on, "
+                    "train.rng derived)", "trainer": "Trainer (examples/mlp.py: model, AdamW, LambdaLR, GradScaler, "
+                    "data position tracked)"}
+
+
+def _b15_rows(s: dict[str, Any], mark: Callable[[dict[str, Any]], str]) -> list[str]:
+    rows = []
+    for spec, row in s["rows"].items():
+        case, world, *where = spec.split(":")
+        what = f"| B15 run.boundary alone, {B15_CASES[case]}, {'CUDA' if where else 'CPU'}, world size {world}"
+        if row.get("skipped"):
+            rows.append(f"{what} | **not yet measured**: {row['skipped']} | (reported) | - |")
+            continue
+        top = ", ".join(f"{e['function']} {e['own_us']:g}" for e in row["profile"][:4])
+        target, met = (s["target"], mark(s)) if spec == "gpt:1" else ("(reported)", "-")
+        rows.append(f"{what} ({row['calls']} calls{', ' + row['gpu'] if row.get('gpu') else ''}) | median "
+                    f"{row['total_median_us']} µs, p99 {row['total_p99_us']} µs; the stop agreement in it: median "
+                    f"{row['agreement_median_us']}, p99 {row['agreement_p99_us']} µs; the rest (our Python): median "
+                    f"{row['own_median_us']}, p99 {row['own_p99_us']} µs; cProfile's top own times per call (µs): "
+                    f"{top} | {target} | {met} |")
+    return rows
+
+
 def b6_scale(ranks: int = 4096) -> dict[str, Any]:
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
@@ -496,6 +528,8 @@ def table(results: dict[str, Any]) -> str:
                         f"{fit.get('per_node', '-')} x nodes + {fit.get('per_rank', '-')} x ranks"
                         + (f"; grows with ranks a node: {'; '.join(g.split(': ', 1)[1] for g in grows)}" if grows else "")
                         + f" | {s['target']} | {mark(s)} |")
+    if "B15" in b:
+        rows.extend(_b15_rows(b["B15"], mark))
     if "B10" in b and "skipped" not in b["B10"]:
         s = b["B10"]
         names = {"killed": "a killed rank", "node_down": "a node marked down", "frozen": "a frozen rank (SIGSTOP)",
@@ -538,12 +572,13 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14",
-                        help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is)")
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B15",
+                        help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
+                        "'boundary' is B15)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args(argv)
-    only = {x.strip().upper() for x in args.only.split(",")}
+    only = {ALIASES.get(x.strip().upper(), x.strip().upper()) for x in args.only.split(",")}
     quick = args.quick
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results["machine"] = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
@@ -573,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B12", lambda: b12_control_plane(quick)),
                  ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000))),
                  ("B13-SPLIT", lambda: b13_split(scratch, quick)),
-                 ("B14", lambda: b14_ops(scratch, quick))]
+                 ("B14", lambda: b14_ops(scratch, quick)), ("B15", lambda: b15_boundary(quick))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -91,7 +91,8 @@ class Run:
         self.stopped = False
         self.finished: dict[str, Any] | None = None
         self._resumed = False
-        self._agreeing: tuple[torch.Tensor, Any] | None = None  # the stop-flag all_reduce in flight
+        self._agreeing: tuple[Any, Any] | None = None  # the stop-flag all_reduce in flight (one rank: its flags)
+        self._derived = cfg.train.rng == "derived"  # every boundary reseeds (rank/state/rng.py)
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
         self._broadcasts_buffers: list[DistributedDataParallel] = []  # DDP modules whose buffers rank 0 sends
@@ -164,7 +165,7 @@ class Run:
         if restored is not None:
             restore.load(self, restored)
         timeline.mark("restored")  # the heal timeline (rank/metrics/timeline.py): in memory, once
-        if self.config.train.rng == "derived":
+        if self._derived:
             reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
         self._broadcasts_buffers = [obj for obj in self.tracked.values() if isinstance(obj, DistributedDataParallel)
@@ -210,17 +211,14 @@ class Run:
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
-        if ckpt is None and self.stop is None:
-            return False
-        stop, due_time, busy = self._agreed()
-        if not stop:
-            # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
-            self._agreeing = (tiers.current() or control).start_max([int(self.stop is not None and self.stop.is_set),
-                                                int(self.is_main and ckpt is not None and ckpt.due_by_time()),
-                                                int(ckpt is not None and ckpt.busy)])
-        if ckpt is not None:
-            self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
-        if self.config.train.rng == "derived":
+        stop = False
+        if ckpt is not None or self.stop is not None:  # else nothing to agree on or save (a bare run object)
+            stop, due_time, busy = self._agreed()
+            if not stop:
+                self._start_agreement(ckpt)
+            if ckpt is not None:
+                self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
+        if self._derived:  # also without a checkpointer: every boundary, as the resume derives it
             reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
         self.stopped = stop
         if stop and self.mirror is not None:
@@ -291,14 +289,28 @@ class Run:
             self._per_rank_checked = True
         return staged(self.per_rank, cuda)
 
+    def _start_agreement(self, ckpt: Checkpointer | None) -> None:
+        """Start agreeing on (stop? a snapshot due by rank 0's clock? a writer busy?); read at the next boundary.
+        One rank agrees with itself: its flags are kept as they are, with no collective (a gloo all_reduce of one
+        rank still costs tens of µs, and milliseconds when its thread waits for a core), and the same one-boundary
+        lag, so a stop lands on the same step as before."""
+        flags = [int(self.stop is not None and self.stop.is_set),
+                 int(self.is_main and ckpt is not None and ckpt.due_by_time()), int(ckpt is not None and ckpt.busy)]
+        if self.world_size == 1:
+            self._agreeing = (flags, None)
+        else:  # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
+            self._agreeing = (tiers.current() or control).start_max(flags)
+
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
         if self._agreeing is None:
             return False, False, False
         flags, work = self._agreeing
-        work.wait()
+        if work is not None:
+            work.wait()
+            flags = flags.tolist()
         self._agreeing = None
-        stop, due, busy = (bool(v) for v in flags.tolist())
+        stop, due, busy = (bool(v) for v in flags)
         return stop, due, busy
 
     def state(self) -> dict[str, Any]:
