@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +17,9 @@ from hpc_ddp.core.hostlist import expand_hostlist
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import FAKE_IMAGE, container_calls, fake_apptainer, finished, losses, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import Rehearsal
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slurm
@@ -74,34 +79,14 @@ def wrapped_steps(record: Path, run_dir: Path, ranks: int, hosts: list[str]) -> 
     return steps
 
 
-def rehearse(run_dir: Path, *options: str) -> subprocess.Popen[bytes]:
-    """The uninterrupted local rehearsal of ``options``, started in the background: it runs on this machine's
-    CPUs while the cluster's jobs idle (a liveness or watchdog wait, Slurm's requeue); :func:`rehearsed` ends it.
-    Its output goes to a file beside the run dir (a pipe nobody reads while it runs could fill and stall it)."""
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(run_dir.parent / f"{run_dir.name}.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "hpc_ddp.submit", *options, "--local", f"run_dir={run_dir}"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
-def rehearsed(proc: subprocess.Popen[bytes], run_dir: Path) -> Path:
-    """Wait for :func:`rehearse`'s run: it finished (exit 0); its run dir."""
-    try:
-        proc.wait(timeout=300)
-    finally:
-        proc.kill()
-    output = (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
-    assert proc.returncode == 0, output[-3000:]
-    return run_dir
-
-
-def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path,
+                                                                 rehearsal: Callable[..., Rehearsal]) -> None:
     """Cases (f), (a), (d), (g) and (e) are submitted side by side (two 2-tasks-a-node jobs fill the 4-CPU nodes;
     Slurm starts the others as CPUs free up), and the reference rehearsal runs on this machine while they idle
     (the frozen node's liveness wait); (b) and (c) mark a node down, so they run last, each alone."""
     import socket
 
-    reference = rehearse(tmp_path / "reference", *OPTIONS)
+    reference = rehearsal(tmp_path / "reference", *OPTIONS)
     killed, hung, frozen, clash, requeued = (tmp_path / name for name in ("killed", "hung", "frozen", "clash",
                                                                            "requeued"))
     jobs = {frozen: submit(frozen, "stop:1:23", "slurm.spare_nodes=1")}  # the longest: it waits dist.liveness_s
@@ -114,7 +99,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
         port = squatter.getsockname()[1]
         jobs[clash] = submit(clash, "none:-1:-1", "slurm.spare_nodes=1", f"dist.master_port={port}")
         jobs[requeued] = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
-        rehearsed(reference, tmp_path / "reference")
+        reference.done()
         for run_dir in jobs:
             wait_done(run_dir)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
@@ -198,8 +183,8 @@ PER_RANK = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_
             "train.log_every=1", "snapshot.every_steps=null", "snapshot.every_minutes=null"]
 
 
-def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm_cluster: ClusterSpec,
-                                                                             tmp_path: Path) -> None:
+def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 35 on the real cluster: an own loop with dropout and per_rank objects, no periodic snapshot. Rank 1
     (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed in step 23: the survivors' snapshot holds
     step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the local rehearsal, every
@@ -209,7 +194,7 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm
     killed, frozen = tmp_path / "kill", tmp_path / "frozen"
     _per_rank_submit(killed, "kill:1:23", "slurm.spare_nodes=1")
     _per_rank_submit(frozen, "stopnode:1:23", "slurm.spare_nodes=1")
-    reference = rehearsed(rehearse(tmp_path / "reference", *PER_RANK), tmp_path / "reference")
+    reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(killed)
     attempts = read_attempts(killed)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
@@ -223,13 +208,13 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm
 
 
 def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_per_node(
-        slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 44 at 2 x 3: node 0 frozen, rank 0 with it. Node 1's first rank (rank 3) declares it; ranks 4 and 5,
     the buddies of ranks 1 and 2, hear it through their node's relay, not the run dir (issue 45)
     (:func:`_frozen_node_healed`)."""
     geometry = "slurm.tasks_per_node=3"
     _per_rank_submit(tmp_path / "frozen", "stopnode:0:23", geometry, "slurm.spare_nodes=1")
-    reference = rehearsed(rehearse(tmp_path / "reference", *PER_RANK, geometry), tmp_path / "reference")
+    reference = rehearsal(tmp_path / "reference", *PER_RANK, geometry).done()
     wait_done(tmp_path / "frozen")
     _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0)
 
@@ -258,15 +243,15 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
 
 
 def _per_rank_submit(run_dir: Path, fault: str, *options: str) -> None:
-    """The PER_RANK own loop submitted to the cluster with ``fault`` (:func:`rehearse` runs it locally)."""
+    """The PER_RANK own loop submitted to the cluster with ``fault`` (the ``rehearsal`` fixture runs it locally)."""
     proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *PER_RANK, *options, f"run_dir={run_dir}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "HPC_DDP_TEST_FAULT": fault})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cluster: ClusterSpec,
-                                                                        tmp_path: Path) -> None:
+def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """The emitted scripts (srun per task, torchrun per node), `sbatch`ed as a user would: rank 1 SIGKILLed at
     step 23, a spare node takes its node's place inside the job, and both end as the uninterrupted run. Both run
     every rank in a container (a stand-in apptainer): the first step, the heal step and the probes."""
@@ -286,7 +271,7 @@ def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cl
         job = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, check=True, capture_output=True,
                              text=True, env={**os.environ, "HPC_DDP_TEST_FAULT": "kill:1:23"}).stdout.strip()
         runs[launcher] = (run_dir, job)  # both side by side (a CPU a node each)
-    rehearsed(rehearse(tmp_path / "reference", OPTIONS[0], *options), tmp_path / "reference")
+    rehearsal(tmp_path / "reference", OPTIONS[0], *options).done()
     for run_dir, _ in runs.values():
         wait_done(run_dir)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
@@ -307,14 +292,14 @@ def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cl
         assert all(f"{FAKE_IMAGE} {program}" in args for lines in steps for *_, args in lines), (launcher, steps)
 
 
-def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm_cluster: ClusterSpec,
-                                                                          tmp_path: Path) -> None:
+def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """A 1-node job with two spares (the whole cluster): n1 runs the batch shell, so n2 trains; n2 is marked
     down, n3 takes over; n3 is marked down before the run logs another step (the same point: before, the
     second loss was "failed twice in a row" and, with max_failures=0, the end of the run). It heals twice in
     the same job, the batch host trains last, and the run ends bit-identical to an uninterrupted one."""
     options = ["slurm.nodes=1", "slurm.spare_nodes=2", "slurm.max_failures=0"]
-    reference = rehearse(tmp_path / "reference", *OPTIONS, "slurm.nodes=1")  # while the job runs
+    reference = rehearsal(tmp_path / "reference", *OPTIONS, "slurm.nodes=1")  # while the job runs
     run_dir = tmp_path / "twice"
     job = submit(run_dir, "slow:-1:0.15", *options)
     metrics = run_dir / "metrics.jsonl"
@@ -337,7 +322,7 @@ def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm
         ("failed", 0, "n2"), ("failed", 1, "n3"), ("finished", 2, "n1")], attempts
     assert [a["healed"]["how"] for a in attempts[1:]] == ["replaced", "replaced"]
     assert "Restarts=0" in scontrol("show", "job", job)
-    expected = json.loads((rehearsed(reference, tmp_path / "reference") / "DONE.json").read_text())
+    expected = json.loads((reference.done() / "DONE.json").read_text())
     assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected["params_sha256"]
 
 

@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +18,9 @@ from hpc_ddp.login.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.login.dry_run import submitit_script
 from tests.helpers import finished, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import Rehearsal
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -109,7 +114,7 @@ def script_from_before_the_move(run_dir: Path) -> Path:
 
 @pytest.mark.slurm
 def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehearsal(
-        slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death.
     Beside it, an unmodified torchrun-style script (train.script) under the same template, 2 nodes x 1: the
     worker under torchrun forwards the signal to its script, which resumes from its own snapshot (issue 27)."""
@@ -121,6 +126,7 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
          "train.args=[--epochs,60,--save-every,1,--snapshot,'${run_dir}/snapshot.pt']", f"run_dir={script_dir}",
          config="examples/torchrun_script.yaml")
     job, script_job = sbatch(script), sbatch(script_job_file)
+    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # on this machine while the jobs run
     metrics = run_dir / "metrics.jsonl"
     assert wait_until((script_dir / "snapshot.pt").exists, 120), job_log(script_dir)
     subprocess.run(["scancel", "--signal=USR2", script_job], check=True)
@@ -139,7 +145,4 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
     log = job_log(run_dir, tail=10**7)
     assert done["world_size"] == 4 and "rank 0/4 local 0/2 node 0/2" in log
     assert "source=torchrun" in log  # the workers took their ranks from torchrun
-    local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *options,
-                            f"run_dir={tmp_path / 'local'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr[-2000:]
-    assert done["params_sha256"] == json.loads((tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+    assert done["params_sha256"] == json.loads((local.done() / "DONE.json").read_text())["params_sha256"]
