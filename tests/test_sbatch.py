@@ -126,12 +126,21 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
          "train.args=[--epochs,60,--save-every,1,--snapshot,'${run_dir}/snapshot.pt']", f"run_dir={script_dir}",
          config="examples/torchrun_script.yaml")
     job, script_job = sbatch(script), sbatch(script_job_file)
-    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # on this machine while the jobs run
     metrics = run_dir / "metrics.jsonl"
-    assert wait_until((script_dir / "snapshot.pt").exists, 120), job_log(script_dir)
-    subprocess.run(["scancel", "--signal=USR2", script_job], check=True)
-    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120), job_log(run_dir)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    # each job is signalled once it is ready, whichever comes first (waiting for the script's snapshot first let
+    # a loaded machine's torchrun job train to its end unsignalled)
+    ready = {job: lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5,
+             script_job: (script_dir / "snapshot.pt").exists}
+    signalled: set[str] = set()
+
+    def signal_when_ready() -> bool:
+        for number, is_ready in ready.items():
+            if number not in signalled and is_ready():
+                subprocess.run(["scancel", "--signal=USR2", number], check=True)
+                signalled.add(number)
+        return len(signalled) == 2
+    assert wait_until(signal_when_ready, 120), job_log(run_dir) + job_log(script_dir)
+    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # on this machine while Slurm requeues
     assert wait_until(lambda: finished(run_dir) and finished(script_dir), 180), job_log(run_dir) + job_log(script_dir)
     for ran, number in ((run_dir, job), (script_dir, script_job)):
         attempts = read_attempts(ran)
