@@ -179,6 +179,10 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert "not healed in the job: slurm.max_restarts_in_job=0 in-job restarts used" in log
 
 
+# the frozen-node cases of the per-rank tests find the silence in 10 s, not the default 30 s (case (f) above
+# keeps the default on the cluster; tests/test_liveness.py rehearses with 3 s): the same beats, relay and
+# declaration, a third of the idle wait
+FAST_LIVENESS = "dist.liveness_s=10"
 PER_RANK = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=30",
             "train.log_every=1", "snapshot.every_steps=null", "snapshot.every_minutes=null"]
 
@@ -188,12 +192,12 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(
     """Issue 35 on the real cluster: an own loop with dropout and per_rank objects, no periodic snapshot. Rank 1
     (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed in step 23: the survivors' snapshot holds
     step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the local rehearsal, every
-    rank's own state included. Then issue 44's frozen node at 2 x 2: every rank of node 1 SIGSTOPped at the
-    default dist.liveness_s (:func:`_frozen_node_healed`)."""
+    rank's own state included. Then issue 44's frozen node at 2 x 2: every rank of node 1 SIGSTOPped
+    (:func:`_frozen_node_healed`)."""
     # both jobs side by side (2 CPUs a node each), the rehearsal on this machine while they run
     killed, frozen = tmp_path / "kill", tmp_path / "frozen"
     _per_rank_submit(killed, "kill:1:23", "slurm.spare_nodes=1")
-    _per_rank_submit(frozen, "stopnode:1:23", "slurm.spare_nodes=1")
+    _per_rank_submit(frozen, "stopnode:1:23", "slurm.spare_nodes=1", FAST_LIVENESS)
     reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(killed)
     attempts = read_attempts(killed)
@@ -213,7 +217,7 @@ def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_
     the buddies of ranks 1 and 2, hear it through their node's relay, not the run dir (issue 45)
     (:func:`_frozen_node_healed`)."""
     geometry = "slurm.tasks_per_node=3"
-    _per_rank_submit(tmp_path / "frozen", "stopnode:0:23", geometry, "slurm.spare_nodes=1")
+    _per_rank_submit(tmp_path / "frozen", "stopnode:0:23", geometry, "slurm.spare_nodes=1", FAST_LIVENESS)
     reference = rehearsal(tmp_path / "reference", *PER_RANK, geometry).done()
     wait_done(tmp_path / "frozen")
     _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0)
@@ -221,7 +225,7 @@ def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_
 
 def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int) -> None:
     """Issue 44: every rank of one node SIGSTOPped at the start of step 23 (a frozen node: no socket closes, srun
-    sees nothing), default dist.liveness_s, per_rank state, no periodic snapshot, a spare. One rank of another
+    sees nothing), dist.liveness_s=10, per_rank state, no periodic snapshot, a spare. One rank of another
     node finds the node's beat silent and declares every rank on it; every survivor hears the declaration, writes what
     it holds and exits, so the frozen ranks' buddies give their per-rank state although no peer of theirs
     exited. The run resumes from step 22 (the last logged step) and ends bit-identical to the rehearsal, every
