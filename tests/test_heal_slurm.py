@@ -81,9 +81,10 @@ def wrapped_steps(record: Path, run_dir: Path, ranks: int, hosts: list[str]) -> 
 
 def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path,
                                                                  rehearsal: Callable[..., Rehearsal]) -> None:
-    """Cases (f), (a), (d), (g) and (e) are submitted side by side (two 2-tasks-a-node jobs fill the 4-CPU nodes;
+    """Cases (f), (a), (g) and (e) are submitted side by side (two 2-tasks-a-node jobs fill the 4-CPU nodes;
     Slurm starts the others as CPUs free up), and the reference rehearsal runs on this machine while they idle
-    (the frozen node's liveness wait); (b) and (c) mark a node down, so they run last, each alone."""
+    (the frozen node's liveness wait); then (d) (a 5 s watchdog) alone; (b) and (c) mark a node down, so they
+    run last, each alone."""
     import socket
 
     reference = rehearsal(tmp_path / "reference", *OPTIONS)
@@ -92,7 +93,6 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     jobs = {frozen: submit(frozen, "stop:1:23", "slurm.spare_nodes=1")}  # the longest: it waits dist.liveness_s
     container, record = fake_apptainer(tmp_path)
     jobs[killed] = submit(killed, "kill:1:23", "slurm.spare_nodes=1", *container)
-    jobs[hung] = submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=5")
     with socket.socket() as squatter:  # (g)'s port is held by another program until its job is done
         squatter.bind(("", 0))
         squatter.listen(8)
@@ -102,6 +102,10 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
         reference.done()
         for run_dir in jobs:
             wait_done(run_dir)
+    # (d) alone: its watchdog's 5 s (10 s where every rank waits) would count the start-up of ranks slowed by
+    # other jobs' start-ups as a hang
+    submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=5")
+    wait_done(hung)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
     expected_losses = losses(tmp_path / "reference")
 
