@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,46 @@ def scontrol_hostnames(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
         return proc.stdout.split()
 
     return hostnames
+
+
+class Rehearsal:
+    """An uninterrupted local rehearsal (``python -m hpc_ddp.submit OPTIONS --local``) started in the background,
+    so that it uses this machine's CPUs while a test's cluster jobs idle (a liveness or watchdog wait, a requeue,
+    a slowed step). Its output goes to a file beside the run dir: a pipe nobody reads could fill and stall it."""
+
+    def __init__(self, run_dir: Path, options: tuple[str, ...], env: Mapping[str, str] | None) -> None:
+        self.run_dir, self.log = run_dir, run_dir.parent / f"{run_dir.name}.rehearsal.log"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp.submit", *options, "--local",
+                                          f"run_dir={run_dir}"], cwd=Path(__file__).resolve().parent.parent,
+                                         stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def done(self, timeout: float = 300) -> Path:
+        """Wait for the run (at most ``timeout`` s): it exited 0; its run dir."""
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.end()
+        assert self.proc.returncode == 0, self.log.read_text(errors="replace")[-3000:]
+        return self.run_dir
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # the launcher; its ranks die with it (die_with_parent)
+            self.proc.wait()
+
+
+@pytest.fixture()
+def rehearsal() -> Iterator[Callable[..., Rehearsal]]:
+    """``rehearsal(run_dir, *options, env=None)`` starts :class:`Rehearsal`; one still running when the test ends
+    (it failed first) is ended."""
+    started: list[Rehearsal] = []
+
+    def start(run_dir: Path, *options: str, env: Mapping[str, str] | None = None) -> Rehearsal:
+        started.append(Rehearsal(run_dir, options, env))
+        return started[-1]
+
+    yield start
+    for each in started:
+        each.end()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,6 +17,9 @@ from hpc_ddp.core.hostlist import expand_hostlist
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import FAKE_IMAGE, container_calls, fake_apptainer, finished, losses, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import Rehearsal
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slurm
@@ -74,20 +79,39 @@ def wrapped_steps(record: Path, run_dir: Path, ranks: int, hosts: list[str]) -> 
     return steps
 
 
-def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *OPTIONS, "--local",
-                                f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-    assert reference.returncode == 0, reference.stderr[-2000:]
+def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path,
+                                                                 rehearsal: Callable[..., Rehearsal]) -> None:
+    """Cases (f), (a), (g) and (e) are submitted side by side (two 2-tasks-a-node jobs fill the 4-CPU nodes;
+    Slurm starts the others as CPUs free up), and the reference rehearsal runs on this machine while they idle
+    (the frozen node's liveness wait); then (d) (a 5 s watchdog) alone; (b) and (c) mark a node down, so they
+    run last, each alone."""
+    import socket
+
+    reference = rehearsal(tmp_path / "reference", *OPTIONS)
+    killed, hung, frozen, clash, requeued = (tmp_path / name for name in ("killed", "hung", "frozen", "clash",
+                                                                           "requeued"))
+    jobs = {frozen: submit(frozen, "stop:1:23", "slurm.spare_nodes=1")}  # the longest: it waits dist.liveness_s
+    container, record = fake_apptainer(tmp_path)
+    jobs[killed] = submit(killed, "kill:1:23", "slurm.spare_nodes=1", *container)
+    with socket.socket() as squatter:  # (g)'s port is held by another program until its job is done
+        squatter.bind(("", 0))
+        squatter.listen(8)
+        port = squatter.getsockname()[1]
+        jobs[clash] = submit(clash, "none:-1:-1", "slurm.spare_nodes=1", f"dist.master_port={port}")
+        jobs[requeued] = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
+        reference.done()
+        for run_dir in jobs:
+            wait_done(run_dir)
+    # (d) alone: its watchdog's 5 s (10 s where every rank waits) would count the start-up of ranks slowed by
+    # other jobs' start-ups as a hang
+    submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=5")
+    wait_done(hung)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
     expected_losses = losses(tmp_path / "reference")
 
     # (a) rank 1 is SIGKILLed at step 23; a spare takes its node's place: same job, no requeue, bit-exact. Every
     # rank runs in a container (a stand-in apptainer on the job's PATH only): submitit's step, the heal step, probes
-    killed = tmp_path / "killed"
-    container, record = fake_apptainer(tmp_path)
-    job = submit(killed, "kill:1:23", "slurm.spare_nodes=1", *container)
-    wait_done(killed)
+    job = jobs[killed]
     attempts = read_attempts(killed)
     assert [(a["reason"], a["job_id"], a.get("in_job", 0)) for a in attempts] == [
         ("failed", int(job), 0), ("finished", int(job), 1)]
@@ -122,9 +146,6 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert all(abs(got[s] - v) <= 1e-5 * abs(v) for s, v in expected_losses.items()), (got, expected_losses)
 
     # (d) rank 1 stops making progress at step 23: the watchdog names it, and its node is replaced by the spare
-    hung = tmp_path / "hung"
-    job = submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=5")
-    wait_done(hung)
     attempts = read_attempts(hung)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("hung", 0), ("finished", 1)]
     assert attempts[0]["stuck_ranks"] == [1] and attempts[1]["healed"]["how"] == "replaced"
@@ -135,9 +156,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     # (f) rank 1 freezes at step 23 (SIGSTOP: no socket closes, srun sees nothing): its peer misses its beats for
     # dist.liveness_s (30 s by default) and ends the step; the frozen node is excluded, the spare joins. Without
     # liveness the step would wait out dist.timeout_s (600 s), past wait_done's limit.
-    frozen = tmp_path / "frozen"
-    job = submit(frozen, "stop:1:23", "slurm.spare_nodes=1")
-    wait_done(frozen)
+    job = jobs[frozen]
     attempts = read_attempts(frozen)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     assert attempts[0]["lost_ranks"] == [1] and attempts[0]["lost_hosts"] == ["n2"]  # ranks 0-1 are on n2
@@ -149,22 +168,12 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
 
     # (g) another program holds the rendezvous port: a failure the next step retries on a port of its own (before:
     # exit 2, a configuration error, never healed or requeued)
-    import socket
-    clash = tmp_path / "clash"
-    with socket.socket() as squatter:
-        squatter.bind(("", 0))
-        squatter.listen(8)
-        port = squatter.getsockname()[1]
-        submit(clash, "none:-1:-1", "slurm.spare_nodes=1", f"dist.master_port={port}")
-        wait_done(clash)
     attempts = read_attempts(clash)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     assert f"rendezvous port {port}" in (clash / "errors" / f"job-{attempts[0]['job_id']}-restart-0.txt").read_text()
 
     # (e) in-job restarts used up (0 allowed): the requeue path under slurm.max_failures, as before healing
-    requeued = tmp_path / "requeued"
-    job = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
-    wait_done(requeued)
+    job = jobs[requeued]
     attempts = read_attempts(requeued)
     assert [(a["reason"], a["restart_count"], a["job_id"]) for a in attempts] == [
         ("failed", 0, int(job)), ("finished", 1, int(job))]
@@ -174,19 +183,27 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert "not healed in the job: slurm.max_restarts_in_job=0 in-job restarts used" in log
 
 
+# the frozen-node cases of the per-rank tests find the silence in 10 s, not the default 30 s (case (f) above
+# keeps the default on the cluster; tests/test_liveness.py rehearses with 3 s): the same beats, relay and
+# declaration, a third of the idle wait
+FAST_LIVENESS = "dist.liveness_s=10"
 PER_RANK = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=30",
             "train.log_every=1", "snapshot.every_steps=null", "snapshot.every_minutes=null"]
 
 
-def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm_cluster: ClusterSpec,
-                                                                             tmp_path: Path) -> None:
+def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 35 on the real cluster: an own loop with dropout and per_rank objects, no periodic snapshot. Rank 1
     (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed in step 23: the survivors' snapshot holds
     step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the local rehearsal, every
-    rank's own state included. Then issue 44's frozen node at 2 x 2: every rank of node 1 SIGSTOPped at the
-    default dist.liveness_s (:func:`_frozen_node_healed`)."""
-    reference = _per_rank_run(tmp_path / "reference", "")
-    killed = _per_rank_run(tmp_path / "kill", "kill:1:23", "slurm.spare_nodes=1")
+    rank's own state included. Then issue 44's frozen node at 2 x 2: every rank of node 1 SIGSTOPped
+    (:func:`_frozen_node_healed`)."""
+    # both jobs side by side (2 CPUs a node each), the rehearsal on this machine while they run
+    killed, frozen = tmp_path / "kill", tmp_path / "frozen"
+    _per_rank_submit(killed, "kill:1:23", "slurm.spare_nodes=1")
+    _per_rank_submit(frozen, "stopnode:1:23", "slurm.spare_nodes=1", FAST_LIVENESS)
+    reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
+    wait_done(killed)
     attempts = read_attempts(killed)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, attempts
@@ -194,28 +211,29 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(slurm
     assert manifest["jit"]["per_rank_from"]["1"] == 3, manifest["jit"]  # rank 1's buddy
     assert losses(killed) == losses(reference)
     assert json.loads((killed / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
-    _frozen_node_healed(tmp_path / "frozen", reference, per_node=2, node=1)
+    wait_done(frozen)
+    _frozen_node_healed(frozen, reference, per_node=2, node=1)
 
 
 def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_per_node(
-        slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 44 at 2 x 3: node 0 frozen, rank 0 with it. Node 1's first rank (rank 3) declares it; ranks 4 and 5,
     the buddies of ranks 1 and 2, hear it through their node's relay, not the run dir (issue 45)
     (:func:`_frozen_node_healed`)."""
     geometry = "slurm.tasks_per_node=3"
-    reference = _per_rank_run(tmp_path / "reference", "", geometry)
-    _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0, options=(geometry,))
+    _per_rank_submit(tmp_path / "frozen", "stopnode:0:23", geometry, "slurm.spare_nodes=1", FAST_LIVENESS)
+    reference = rehearsal(tmp_path / "reference", *PER_RANK, geometry).done()
+    wait_done(tmp_path / "frozen")
+    _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0)
 
 
-def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int, options: tuple[str, ...] = ()
-                        ) -> None:
+def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int) -> None:
     """Issue 44: every rank of one node SIGSTOPped at the start of step 23 (a frozen node: no socket closes, srun
-    sees nothing), default dist.liveness_s, per_rank state, no periodic snapshot, a spare. One rank of another
+    sees nothing), dist.liveness_s=10, per_rank state, no periodic snapshot, a spare. One rank of another
     node finds the node's beat silent and declares every rank on it; every survivor hears the declaration, writes what
     it holds and exits, so the frozen ranks' buddies give their per-rank state although no peer of theirs
     exited. The run resumes from step 22 (the last logged step) and ends bit-identical to the rehearsal, every
-    rank's own state included."""
-    _per_rank_run(run_dir, f"stopnode:{node}:23", *options, "slurm.spare_nodes=1")
+    rank's own state included. Checks the finished run of :func:`_per_rank_submit`'s ``stopnode:NODE:23``."""
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     frozen = list(range(node * per_node, (node + 1) * per_node))
@@ -232,20 +250,16 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 
 
-def _per_rank_run(run_dir: Path, fault: str, *options: str) -> Path:
-    """The PER_RANK own loop: rehearsed locally without a fault, submitted to the cluster with one."""
-    local = ["--local"] if not fault else []
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *PER_RANK, *options, *local,
-                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+def _per_rank_submit(run_dir: Path, fault: str, *options: str) -> None:
+    """The PER_RANK own loop submitted to the cluster with ``fault`` (the ``rehearsal`` fixture runs it locally)."""
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *PER_RANK, *options, f"run_dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "HPC_DDP_TEST_FAULT": fault})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if fault:
-        wait_done(run_dir)
-    return run_dir
 
 
-def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cluster: ClusterSpec,
-                                                                        tmp_path: Path) -> None:
+def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """The emitted scripts (srun per task, torchrun per node), `sbatch`ed as a user would: rank 1 SIGKILLed at
     step 23, a spare node takes its node's place inside the job, and both end as the uninterrupted run. Both run
     every rank in a container (a stand-in apptainer): the first step, the heal step and the probes."""
@@ -264,12 +278,10 @@ def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cl
         assert "#SBATCH --nodes=3" in text and "#SBATCH --no-kill" in text and "hpc_ddp.supervise" in text
         job = subprocess.run(["sbatch", "--parsable", str(script)], cwd=ROOT, check=True, capture_output=True,
                              text=True, env={**os.environ, "HPC_DDP_TEST_FAULT": "kill:1:23"}).stdout.strip()
+        runs[launcher] = (run_dir, job)  # both side by side (a CPU a node each)
+    rehearsal(tmp_path / "reference", OPTIONS[0], *options).done()
+    for run_dir, _ in runs.values():
         wait_done(run_dir)
-        runs[launcher] = (run_dir, job)
-    reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", OPTIONS[0], "--local", *options,
-                                f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-    assert reference.returncode == 0, reference.stderr[-2000:]
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
     for launcher, (run_dir, job) in runs.items():
         attempts = read_attempts(run_dir)
@@ -288,17 +300,14 @@ def test_both_templates_heal_a_killed_rank_on_a_spare_with_plain_sbatch(slurm_cl
         assert all(f"{FAKE_IMAGE} {program}" in args for lines in steps for *_, args in lines), (launcher, steps)
 
 
-def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm_cluster: ClusterSpec,
-                                                                          tmp_path: Path) -> None:
+def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """A 1-node job with two spares (the whole cluster): n1 runs the batch shell, so n2 trains; n2 is marked
     down, n3 takes over; n3 is marked down before the run logs another step (the same point: before, the
     second loss was "failed twice in a row" and, with max_failures=0, the end of the run). It heals twice in
     the same job, the batch host trains last, and the run ends bit-identical to an uninterrupted one."""
     options = ["slurm.nodes=1", "slurm.spare_nodes=2", "slurm.max_failures=0"]
-    reference = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *OPTIONS, "slurm.nodes=1", "--local",
-                                f"run_dir={tmp_path / 'reference'}"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-    assert reference.returncode == 0, reference.stderr[-2000:]
+    reference = rehearsal(tmp_path / "reference", *OPTIONS, "slurm.nodes=1")  # while the job runs
     run_dir = tmp_path / "twice"
     job = submit(run_dir, "slow:-1:0.15", *options)
     metrics = run_dir / "metrics.jsonl"
@@ -321,8 +330,8 @@ def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(slurm
         ("failed", 0, "n2"), ("failed", 1, "n3"), ("finished", 2, "n1")], attempts
     assert [a["healed"]["how"] for a in attempts[1:]] == ["replaced", "replaced"]
     assert "Restarts=0" in scontrol("show", "job", job)
-    expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
-    assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected
+    expected = json.loads((reference.done() / "DONE.json").read_text())
+    assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == expected["params_sha256"]
 
 
 def test_the_torchrun_template_excludes_the_node_of_the_stuck_rank(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:

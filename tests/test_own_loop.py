@@ -65,8 +65,9 @@ def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_no
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cluster's signal reaches the nodes apart: rank 1's script dies of it, and rank 0's dies of the broken
     collective before the signal reaches rank 0. Judged at once, rank 0 recorded a crash and the stop became a
-    failure (CI, the torchrun template). Injected: rank 0 gets the stop 3 s after rank 1."""
-    monkeypatch.setenv(SIGNAL_SKEW_VAR, "3")
+    failure (CI, the torchrun template). Injected: rank 0 gets the stop once its script has died (of its peer),
+    at most 30 s after rank 1. (A fixed 3 s let a loaded machine's script get the stop before it died: -15.)"""
+    monkeypatch.setenv(SIGNAL_SKEW_VAR, "30")
     run_dir = tmp_path / "skew"
     proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", f"run_dir={run_dir}",
                   "--preempt-at", "40")
@@ -81,6 +82,53 @@ def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_no
     # which epoch snapshot it resumes from depends on how far the script got before the launcher saw step 40
     # (a loaded CI machine saw a later one): the resume itself is what matters here
     assert re.search(r"resuming training from snapshot at epoch [1-9]", proc.stdout), proc.stdout[-2000:]
+
+
+# a stand-in rank: its "script" (a child) dies once the peer rank is gone or a zombie (as of a broken
+# collective), polled every 0.2 s; on SIGTERM the rank exits 0 if it had reaped its script, 1 if it still ran
+SKEW_SCRIPT = """
+import sys, time
+from pathlib import Path
+while True:
+    try:
+        if Path(f"/proc/{sys.argv[1]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+    except OSError:
+        break
+    time.sleep(0.2)
+"""
+SKEW_RANK = """
+import os, signal, subprocess, sys, time
+script = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]])
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0 if script.poll() is not None else 1))
+print("ready", flush=True)
+script.wait()
+time.sleep(60)
+"""
+
+
+def test_the_skewed_stop_reaches_rank_0_after_its_script_died_of_its_peer_and_was_reaped() -> None:
+    """HPC_DDP_LOCAL_SIGNAL_SKEW_S's injection (the test above): the other ranks get the stop first, rank 0 once
+    the script it started has ended and been reaped (bounded by the skew), not after a fixed delay that a loaded
+    machine's script could outlast."""
+    import io
+    import subprocess
+    import sys
+
+    from hpc_ddp.rehearsal.local_inject import injector
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank0 = subprocess.Popen([sys.executable, "-c", SKEW_RANK, str(peer.pid), SKEW_SCRIPT], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert rank0.stdout is not None and rank0.stdout.readline() == "ready\n"
+        injector([rank0, peer], [(3, signal.SIGTERM)], io.StringIO(), skew_s=60)(3)
+        assert peer.wait(timeout=60) == -signal.SIGTERM
+        assert rank0.wait(timeout=60) == 0  # its script had ended and been reaped when the stop came
+    finally:
+        for proc in (peer, rank0):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_loop_that_goes_on_after_the_stop_is_ended_as_that_stop_and_the_ledger_says_so(tmp_path: Path) -> None:

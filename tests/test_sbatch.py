@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +18,9 @@ from hpc_ddp.login.sbatch import render, sbatch_options, submitit_parameters
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.login.dry_run import submitit_script
 from tests.helpers import finished, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import Rehearsal
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -109,7 +114,7 @@ def script_from_before_the_move(run_dir: Path) -> Path:
 
 @pytest.mark.slurm
 def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehearsal(
-        slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death.
     Beside it, an unmodified torchrun-style script (train.script) under the same template, 2 nodes x 1: the
     worker under torchrun forwards the signal to its script, which resumes from its own snapshot (issue 27)."""
@@ -122,10 +127,20 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
          config="examples/torchrun_script.yaml")
     job, script_job = sbatch(script), sbatch(script_job_file)
     metrics = run_dir / "metrics.jsonl"
-    assert wait_until((script_dir / "snapshot.pt").exists, 120), job_log(script_dir)
-    subprocess.run(["scancel", "--signal=USR2", script_job], check=True)
-    assert wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120), job_log(run_dir)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    # each job is signalled once it is ready, whichever comes first (waiting for the script's snapshot first let
+    # a loaded machine's torchrun job train to its end unsignalled)
+    ready = {job: lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5,
+             script_job: (script_dir / "snapshot.pt").exists}
+    signalled: set[str] = set()
+
+    def signal_when_ready() -> bool:
+        for number, is_ready in ready.items():
+            if number not in signalled and is_ready():
+                subprocess.run(["scancel", "--signal=USR2", number], check=True)
+                signalled.add(number)
+        return len(signalled) == 2
+    assert wait_until(signal_when_ready, 120), job_log(run_dir) + job_log(script_dir)
+    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # on this machine while Slurm requeues
     assert wait_until(lambda: finished(run_dir) and finished(script_dir), 180), job_log(run_dir) + job_log(script_dir)
     for ran, number in ((run_dir, job), (script_dir, script_job)):
         attempts = read_attempts(ran)
@@ -139,7 +154,4 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
     log = job_log(run_dir, tail=10**7)
     assert done["world_size"] == 4 and "rank 0/4 local 0/2 node 0/2" in log
     assert "source=torchrun" in log  # the workers took their ranks from torchrun
-    local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *options,
-                            f"run_dir={tmp_path / 'local'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr[-2000:]
-    assert done["params_sha256"] == json.loads((tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+    assert done["params_sha256"] == json.loads((local.done() / "DONE.json").read_text())["params_sha256"]

@@ -6,13 +6,18 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.core.slurm_env import master_port
 from tests.helpers import finished, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import Rehearsal
 
 pytestmark = pytest.mark.slurm
 
@@ -111,10 +116,23 @@ def wait_finished(run_dir: Path, out: Path, timeout: float) -> None:
     assert wait_until(lambda: finished(run_dir), timeout), out.read_text()[-3000:]
 
 
-def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster: ClusterSpec,
-                                                                     tmp_path: Path) -> None:
-    """scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume."""
+@pytest.mark.slow
+def test_warning_signals_by_scancel_and_by_the_time_limit_snapshot_requeue_and_resume(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
+    """Two jobs side by side (2 nodes x 2 tasks each), and the rehearsal on this machine while they run:
+    (1) scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume,
+    bit-exact to the rehearsal; (2) --time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot
+    -> requeue, until finished."""
     from hpc_ddp.rundir.ledger import read_attempts
+
+    # (2) each step sleeps 100 ms (the Faulty task's slow fault): 300 steps take 30 s or more on any machine,
+    # longer than the first warning tick (10-26 s after the start), so at least one time-out comes, with little
+    # compute
+    limited, limited_dir = worker_job(tmp_path, "t", ["train.task=tests.tasks:Faulty", "train.max_steps=300",
+                                                      "train.log_every=30", "slurm.timeout_min=1",
+                                                      "slurm.signal_delay_s=50"])
+    sbatch("-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue", "--open-mode=append",
+           f"--output={tmp_path / 't.out'}", str(limited), env={"HPC_DDP_TEST_FAULT": "slow:-1:0.1"})
 
     overrides = ["train.max_steps=300", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
     script, run_dir = worker_job(tmp_path, "slurm", overrides)
@@ -122,17 +140,19 @@ def test_warning_signal_snapshots_requeues_and_resumes_bit_exactly(slurm_cluster
                  f"--output={tmp_path / 'job.out'}", str(script))
     assert wait_until(lambda: len(logged_steps(run_dir)) >= 5, 120)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *overrides)
     wait_finished(run_dir, tmp_path / "job.out", 180)
     attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["timeout", "finished"]
     assert [a["restart_count"] for a in attempts] == [0, 1] and attempts[1]["resumed_from"] == attempts[0]["last_step"]
     assert logged_steps(run_dir) == list(range(10, 301, 10))  # continuous: nothing twice, nothing skipped
-
-    local = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "--local", *overrides,
-                            f"run_dir={tmp_path / 'local'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
-        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]  # the rehearsal predicts the cluster
+        (local.done() / "DONE.json").read_text())["params_sha256"]  # the rehearsal predicts the cluster
+
+    wait_finished(limited_dir, tmp_path / "t.out", 300)
+    reasons = [a["reason"] for a in read_attempts(limited_dir)]
+    assert reasons[-1] == "finished" and set(reasons[:-1]) == {"timeout"} and len(reasons) >= 2
+    assert logged_steps(limited_dir) == list(range(30, 301, 30))
 
 
 def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster: ClusterSpec,
@@ -151,21 +171,3 @@ def test_preemption_by_a_higher_priority_job_snapshots_and_resumes(slurm_cluster
     assert [a["reason"] for a in attempts] == ["preemption", "finished"]
     assert attempts[1]["resumed_from"] == attempts[0]["last_step"]
     assert logged_steps(run_dir) == list(range(10, 301, 10))
-
-
-@pytest.mark.slow
-def test_real_time_limit_warning_requeues_until_done(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    """--time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot -> requeue, until finished."""
-    from hpc_ddp.rundir.ledger import read_attempts
-
-    # Each step sleeps 100 ms (the Faulty task's slow fault): 300 steps take 30 s or more on any machine, longer
-    # than the first warning tick (10-26 s after the start), so at least one time-out comes, with little compute
-    script, run_dir = worker_job(tmp_path, "t", ["train.task=tests.tasks:Faulty", "train.max_steps=300",
-                                                 "train.log_every=30", "slurm.timeout_min=1",
-                                                 "slurm.signal_delay_s=50"])
-    sbatch("-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue", "--open-mode=append",
-           f"--output={tmp_path / 'job.out'}", str(script), env={"HPC_DDP_TEST_FAULT": "slow:-1:0.1"})
-    wait_finished(run_dir, tmp_path / "job.out", 300)
-    reasons = [a["reason"] for a in read_attempts(run_dir)]
-    assert reasons[-1] == "finished" and set(reasons[:-1]) == {"timeout"} and len(reasons) >= 2
-    assert logged_steps(run_dir) == list(range(30, 301, 30))

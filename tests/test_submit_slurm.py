@@ -6,7 +6,9 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -14,6 +16,9 @@ from hpc_ddp.core.config import load_config
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import finished, wait_until
+
+if TYPE_CHECKING:
+    from tests.conftest import Rehearsal
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slurm
@@ -64,8 +69,8 @@ def test_submit_runs_across_two_nodes_and_status_shows_it(slurm_cluster: Cluster
     assert load_config([profiled / "config.yaml"]).profile == "local"
 
 
-def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_cluster: ClusterSpec,
-                                                                          tmp_path: Path) -> None:
+def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     options = ["train.max_steps=600", "train.log_every=10", "slurm.timeout_min=30"]  # far from the limit
     run_dir = tmp_path / "stopped"
     job = job_id(cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}"))
@@ -77,13 +82,12 @@ def test_a_stop_signal_gives_exactly_one_requeue_and_the_rehearsed_result(slurm_
         assert refused.returncode == 5 and f"is in use by job {job} (RUNNING)" in refused.stderr, refused.stderr
         assert (run_dir / "config.yaml").read_bytes() == config
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # while Slurm requeues the job
     assert wait_until(lambda: finished(run_dir), 180)
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)]
-    local = cli("hpc_ddp.submit", "examples/mlp.yaml", "--local", *options, f"run_dir={tmp_path / 'local'}")
-    assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads((run_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
-        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+        (local.done() / "DONE.json").read_text())["params_sha256"]
     again = cli("hpc_ddp.submit", "examples/mlp.yaml", *options, f"run_dir={run_dir}")
     assert again.returncode == 2 and "--resume" in again.stderr and "earlier run" in again.stderr
 
@@ -206,8 +210,8 @@ def test_tasks_without_scontrol_are_requeued_once_by_the_batch_shell(slurm_clust
     assert "requeued by the batch shell" in log and "scontrol is not on PATH in the job's tasks" in log
 
 
-def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_cluster(slurm_cluster: ClusterSpec,
-                                                                                   tmp_path: Path) -> None:
+def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_cluster(
+        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
     """Tier 1 (train.loop, 2 nodes x 1 task) and tier 2 (train.script, 1 node x 2 tasks), submitted side by
     side and each sent USR2: requeued once by rank 0, resumed, finished; the own loop bit-exactly."""
     own = ["slurm.nodes=2", "slurm.tasks_per_node=1", "train.max_steps=40", "train.log_every=1",
@@ -228,6 +232,7 @@ def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_clust
                 signalled.add(job)
         return len(signalled) == 2
     assert wait_until(signal_when_ready, 240), cli("hpc_ddp.status", str(script_dir)).stdout
+    local = rehearsal(tmp_path / "local", "examples/own_loop_gpt.yaml", *own)  # while Slurm requeues the jobs
     assert wait_until(lambda: finished(loop_dir) and finished(script_dir), 300)
     for run_dir, job in ((loop_dir, loop_job), (script_dir, script_job)):
         attempts = read_attempts(run_dir)
@@ -236,10 +241,8 @@ def test_own_loop_and_an_unmodified_script_survive_a_warning_signal_on_the_clust
                 p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "slurm").glob("*_log.*"))))
     logs = "".join(p.read_text(errors="replace") for p in (script_dir / "slurm").glob("*_log.out"))
     assert "resuming training from snapshot at epoch" in logs
-    local = cli("hpc_ddp.submit", "examples/own_loop_gpt.yaml", "--local", *own, f"run_dir={tmp_path / 'local'}")
-    assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads((loop_dir / "DONE.json").read_text())["params_sha256"] == json.loads(
-        (tmp_path / "local" / "DONE.json").read_text())["params_sha256"]
+        (local.done() / "DONE.json").read_text())["params_sha256"]
 
 
 def test_a_node_range_starts_on_the_free_node_and_resumes_on_two(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:

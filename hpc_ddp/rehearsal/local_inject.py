@@ -17,7 +17,7 @@ from typing import IO
 
 Injection = tuple[int, Callable[[], tuple[str, list[int]]]]  # (step, which node's ranks) of --fail-at, --freeze-at
 
-SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop this late
+SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop at most this late
 KILL_DELAY_VAR = "HPC_DDP_LOCAL_KILL_DELAY_S"  # fault injection: --fail-at's SIGKILL lands this long after the step
 BACKSTOP_S = 5.0  # --fail-at's ranks kill themselves after their step; the launcher's SIGKILL follows this late
 
@@ -31,8 +31,11 @@ def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]]
     (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``); each of
     ``freezes`` SIGSTOPs them and what they started (``--freeze-at``), noting their ranks in ``frozen``.
 
-    ``skew_s`` > 0 signals the other ranks first and rank 0 that much later, as a cluster's signal
-    reaches its nodes apart (a test of the race it opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``).
+    ``skew_s`` > 0 signals the other ranks first and rank 0 once the processes rank 0 started (its wrapped
+    script) have ended and it has reaped them, at most ``skew_s`` later, as a cluster's signal reaches its
+    nodes apart and a script dies of its peer's first (a test of the race it opens;
+    ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``). A fixed delay lost that race on a loaded machine, where the script
+    could take longer than the delay to die.
 
     ``self_kill``: the lost node's ranks kill themselves right after their own boundary of the step
     (``HPC_DDP_LOCAL_DIE_AT``), so what they send there has left, and rank 0 may be a few milliseconds ahead
@@ -69,12 +72,35 @@ def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]]
             at, signum = events.pop(0)
             err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
                       f"(injected at {at})\n")
+            started = _children(procs[0].pid) if skew_s > 0 else []
             for proc in procs[1:] if skew_s > 0 else procs:
                 _signal(proc, signum)
             if skew_s > 0:
-                time.sleep(skew_s)
+                _until_they_end(procs[0], started, skew_s)
                 _signal(procs[0], signum)
     return on_step
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started itself (a wrapped script, a forkserver)."""
+    return [member for member in family(pid) if member != pid and _parent(member) == pid]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _until_they_end(proc: subprocess.Popen[bytes], children: list[int], limit_s: float) -> None:
+    """Wait, at most ``limit_s``, until ``proc`` has ended or ``children`` are gone: reaped, so ``proc`` has
+    seen its script end (a zombie's parent has not yet)."""
+    deadline = time.monotonic() + limit_s
+    while children and proc.poll() is None and time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in children):
+            return
+        time.sleep(0.02)
 
 
 def _kill(procs: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
