@@ -7,6 +7,9 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
+# B2-GPU-PIPELINE's targets (benchmarks/gpu.py measures it, benchmarks/run.py shows it)
+PIPELINE_TARGET = "sync >= 0.8 x dd (2 GB CUDA state); async snapshots every 50 steps >= 0.97 x raw"
+
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))

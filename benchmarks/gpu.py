@@ -12,9 +12,12 @@ Variants, interleaved round by round:
 - ``sync`` / ``async``: ``own`` with a snapshot every ``every`` steps.
 
 Each ratio is the median of the per-round ratios (each round runs every variant once, in turn),
-with their quartiles beside it. Then a state of ``--state-mb`` on the GPU: a sync snapshot against
+with their quartiles beside it. Then a state of 2048 MB on the GPU: a sync snapshot against
 dd (GB/s) and the time an async snapshot blocks the loop (benchmarks/snapshots.py's B3 figures with
-the state on CUDA), and B8's replication check with both of its states on the GPU.
+the state on CUDA, written through the device-to-host pipeline, hpc_ddp/rank/state/pipeline.py), and
+B8's replication check with both of its states on the GPU. ``--pipeline`` measures the snapshot of the
+CUDA state alone (B2-GPU-PIPELINE: a few tens of seconds, no training loops), with one writer thread
+against two on the machine's disk.
 
 ``--smoke`` runs the same code on the CPU with gloo and tiny sizes: it checks the benchmark
 itself on a machine without a GPU, and its figures mean nothing.
@@ -37,7 +40,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import median, per_round  # noqa: E402
+from benchmarks.common import PIPELINE_TARGET, median, per_round  # noqa: E402
 from examples.own_loop_gpt import GPT  # noqa: E402
 
 VOCAB, LENGTH, BATCH, LR = 65, 64, 64, 3e-4
@@ -191,10 +194,39 @@ def figures(rounds: int, steps: int, every: int, state_mb: float, smoke: bool) -
             "state_mb": state["size_mb"], "sync_gb_s": round(state["sync_mb_s"] / 1024, 2),
             "dd_gb_s": round(state["dd_mb_s"] / 1024, 2), "async_blocked_s": state["async_blocked_s"],
             "sync_s": state["sync_s"], "async_blocked_vs_sync": state["async_blocked_vs_sync"],
+            "sync_vs_dd": state["sync_vs_dd"], "first_sync_s": state["first_sync_s"],
+            "pipeline": True,  # measured with the device-to-host pipeline (the figures before it have no such key)
             "target": "own loop + run API >= 0.99 x raw (no snapshot); async blocked <= 0.1 x sync",
             "met": None if smoke else own >= 0.99 and state["async_blocked_vs_sync"] <= 0.1,
             "rounds": rounds, "steps": steps, "snapshot_every": every,
             "workload": f"GPT {VOCAB}-token vocab, {LENGTH} tokens, batch {BATCH}/rank, bf16 autocast, AdamW"}
+
+
+def pipeline_figures(state_mb: float, repeats: int, device: str = "cuda") -> dict[str, Any]:
+    """The snapshot of a CUDA state alone, without the training loops (B2-GPU-PIPELINE, a few tens of seconds
+    where B2-GPU takes minutes): a sync snapshot through the device-to-host pipeline against dd, the time an
+    async one blocks the step, the first snapshot of the process (it allocates the pinned memory), and one
+    writer thread against two on that machine's disk (benchmarks/writers.py)."""
+    from benchmarks.snapshots import snapshot_figures
+    from benchmarks.writers import writer_threads
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("HPC_DDP_BENCH_DIR")) as tmp:
+        state = snapshot_figures(state_mb, Path(tmp), repeats, device=device)
+        writers = writer_threads(Path(tmp), 512 if device == "cuda" else 64, max(3, repeats))
+    gb_s = round(state["sync_mb_s"] / 1024, 2)
+    return {"device": torch.cuda.get_device_name(0) if device == "cuda" else "CPU (smoke run)",
+            "state_mb": state["size_mb"], "sync_gb_s": gb_s, "dd_gb_s": round(state["dd_mb_s"] / 1024, 2),
+            "sync_vs_dd": state["sync_vs_dd"], "sync_s": state["sync_s"], "async_blocked_s": state["async_blocked_s"],
+            "async_blocked_vs_sync": state["async_blocked_vs_sync"], "first_sync_s": state["first_sync_s"],
+            "writers": writers, "repeats": repeats, "target": PIPELINE_TARGET.split(";")[0],
+            "met": None if device != "cuda" else state["sync_vs_dd"] >= 0.8}
+
+
+def b2_gpu_pipeline(quick: bool) -> dict[str, Any]:
+    """The B2-GPU-PIPELINE section of benchmarks/run.py: measured where CUDA is, else says so."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA GPU on the machine that ran it", "met": None}
+    return pipeline_figures(500 if quick else 2048, 2 if quick else 3)
 
 
 def b2_gpu(quick: bool) -> dict[str, Any]:
@@ -208,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="run the benchmark's code on the CPU (gloo), tiny sizes")
+    parser.add_argument("--pipeline", action="store_true", help="only the CUDA state's snapshot figures "
+                        "(B2-GPU-PIPELINE); with --smoke, on the CPU")
     args = parser.parse_args(argv)
-    result = figures(1, 20, 5, 20, smoke=True) if args.smoke else b2_gpu(quick=False)
+    if args.pipeline:
+        result = pipeline_figures(20, 2, device="cpu") if args.smoke else b2_gpu_pipeline(quick=False)
+    else:
+        result = figures(1, 20, 5, 20, smoke=True) if args.smoke else b2_gpu(quick=False)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -144,6 +144,13 @@ def b2_gpu(quick: bool) -> dict[str, Any]:
     return measure(quick)
 
 
+def b2_gpu_pipeline(quick: bool) -> dict[str, Any]:
+    """B2-GPU-PIPELINE (benchmarks/gpu.py): a CUDA state's snapshot alone; measured only where CUDA is."""
+    from benchmarks.gpu import b2_gpu_pipeline as measure
+
+    return measure(quick)
+
+
 def b3_snapshots(directory: Path, repeats: int, sizes: list[float]) -> dict[str, Any]:
     from benchmarks.snapshots import snapshot_figures
 
@@ -417,6 +424,7 @@ def table(results: dict[str, Any]) -> str:
                                 f"tensors, {row['state_mb']} MB) | {row['fingerprint_s'] * 1e3:.2f} ms = "
                                 f"{row['fingerprint_vs_sync']} x a sync snapshot (IQR {_span(row['ratio_iqr'])}) | "
                                 f"<= 0.02 x | {'yes' if row['fingerprint_vs_sync'] <= 0.02 else '**no**'} |")
+    rows.extend(_pipeline_rows(b))
     if "B12" in b and "model" in b["B12"]:
         s = b["B12"]
         for r in s["rows"]:
@@ -558,6 +566,26 @@ def _stop_cost(cost: float) -> str:
     return f"stop agreement: no measurable cost (the run with it was {-cost:.1%} faster: noise)"
 
 
+def _pipeline_rows(b: dict[str, Any]) -> list[str]:
+    """B2-GPU-PIPELINE: a CUDA state's snapshot through the device-to-host pipeline, with B2-GPU's async loop
+    where B2-GPU was measured with the pipeline; 'not yet measured' where no GPU measured it."""
+    from benchmarks.common import PIPELINE_TARGET
+
+    s, loop = b.get("B2-GPU-PIPELINE") or {}, b.get("B2-GPU") or {}
+    every = (f"async snapshots every {loop['snapshot_every']} steps {loop['async_snapshots_vs_raw']} x raw"
+             if loop.get("pipeline") else "async snapshots every 50 steps vs raw: not yet measured with the pipeline")
+    if not s or s.get("skipped"):
+        why = s.get("skipped") or "not run yet (python -m benchmarks.gpu --pipeline, or dev/gpu_check.sh pipeline)"
+        return [f"| B2-GPU-PIPELINE CUDA state snapshot | **not yet measured**: {why}; {every} | {PIPELINE_TARGET} "
+                "| - |"]
+    writers = s.get("writers") or {}
+    return [f"| B2-GPU-PIPELINE {s['state_mb']:.0f} MB CUDA state snapshot ({s['device']}, {s['repeats']} rounds) | "
+            f"sync {s['sync_gb_s']} GB/s = {s['sync_vs_dd']} x dd ({s['dd_gb_s']} GB/s); async blocks "
+            f"{s['async_blocked_s']} s = {s['async_blocked_vs_sync']} x sync; first snapshot {s['first_sync_s']} s; "
+            f"two writer threads {writers.get('two_vs_one')} x one's time; {every} | {PIPELINE_TARGET} | "
+            f"{'-' if s.get('met') is None else ('yes' if s['met'] else '**no**')} |"]
+
+
 def write_docs(results: dict[str, Any]) -> None:
     text = DOC.read_text()
     head, _, rest = text.partition(BEGIN)
@@ -572,7 +600,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B15",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B15",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
                         "'boundary' is B15)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
@@ -595,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B2", lambda: b2_training(1 if quick else 9, 60 if quick else 160, 40)),
                  ("B2-MIRROR", lambda: b2_mirror((1, 1, 1) if quick else (6, 4, 3), 30 if quick else 80)),
                  ("B2-GPU", lambda: b2_gpu(quick)),
+                 ("B2-GPU-PIPELINE", lambda: b2_gpu_pipeline(quick)),
                  ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),
                  ("B4", lambda: b4_stop(scratch, 1 if quick else 3)),
                  ("B5", b5_slurm), ("B6", b6_scale),

@@ -9,14 +9,19 @@
 #           as B2-MIRROR-DEVICE with a "machine" line (the table in docs/performance.md shows it).
 #   gpu     B2-GPU (benchmarks/gpu.py): over 170 s at 5 rounds there (with its 2048 MB snapshot figures); give it a
 #           call of its own. Limit: 540 s.
+#   pipeline  the snapshot's device-to-host pipeline (hpc_ddp/rank/state/pipeline.py): its two tests in tests/gpu
+#           (a CUDA state through reused pinned memory resumes bit-identically; an async snapshot does not wait for
+#           the GPU and holds its boundary's state), then B2-GPU-PIPELINE (`python -m benchmarks.gpu --pipeline`:
+#           a 2048 MB CUDA state, sync GB/s against dd, async blocking, the first snapshot, one writer thread
+#           against two on that disk). Not run on a GPU yet: about 2 minutes expected. Limits: 150 s + 300 s.
 #   nccl    dev/nccl_net_check.py: NCCL at world size 1, one all_reduce, and which network the parser read from
 #           NCCL's own INIT/NET lines (hpc_ddp.rank.group.nccl_report). Limit: 120 s.
 # A session has 15 minutes of device time in all and a machine starts in about 30 s: run `tests,mirror` in one
-# call and `gpu` in another, or fewer rounds.
+# call and `gpu` in another, or fewer rounds; `pipeline` alone fits one short call.
 # Usage, from the repository root on the device (carry .whl, which holds the omegaconf and submitit wheels):
 #   bash dev/gpu_check.sh "$OUT" [PARTS, default tests,mirror,nccl] [mirror rounds, default 8] [gpu rounds, default 3]
 set -u
-out=${1:?usage: dev/gpu_check.sh OUTDIR [tests,mirror,gpu] [mirror_rounds] [gpu_rounds]}
+out=${1:?usage: dev/gpu_check.sh OUTDIR [tests,mirror,gpu,pipeline,nccl] [mirror_rounds] [gpu_rounds]}
 parts=,${2:-tests,mirror,nccl},
 mrounds=${3:-8}
 grounds=${4:-3}
@@ -42,6 +47,13 @@ if [[ $parts == *,gpu,* ]]; then
     timeout 540 python3 -c "import json, sys; from benchmarks.gpu import figures
 json.dump(figures($grounds, 400, 50, 2048, smoke=False), sys.stdout, indent=1)" >"$out/b2-gpu.json" 2>"$out/b2-gpu.err"
     echo "B2-GPU ($grounds rounds): rc $?, $((SECONDS - start)) s"; cat "$out/b2-gpu.json"
+fi
+if [[ $parts == *,pipeline,* ]]; then
+    start=$SECONDS
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "through_the_pipeline or boundary_s_state" 2>&1 \
+        | tee "$out/pipeline-tests.log" | tail -30
+    timeout 300 python3 -m benchmarks.gpu --pipeline >"$out/b2-gpu-pipeline.json" 2>"$out/b2-gpu-pipeline.err"
+    echo "B2-GPU-PIPELINE: rc $?, $((SECONDS - start)) s"; cat "$out/b2-gpu-pipeline.json"
 fi
 if [[ $parts == *,nccl,* ]]; then
     start=$SECONDS

@@ -187,8 +187,9 @@ class SnapshotConfig:
                      "snapshot (needs train.rng=derived; per_rank objects are mirrored to a buddy rank on the next node "
                      "for it; where no whole copy of a step is left, the run resumes from the last periodic "
                      "snapshot and the ledger says why).")
-    async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only copies "
-                             "to CPU); the stop snapshot is always synchronous.")
+    async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only starts "
+                             "the copy to host memory; a GPU's runs on a side stream, the host does not wait "
+                             "for it); the stop snapshot is always synchronous.")
 
 
 @dataclass

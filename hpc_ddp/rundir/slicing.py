@@ -218,8 +218,12 @@ def layout_for(tensors: Sequence[tuple[Path_, torch.Tensor]], slices: int, repli
 def pieces_for(layout: Mapping[str, Any], tensors: Sequence[tuple[Path_, torch.Tensor]],
                held: Iterable[int], copy: bool = True) -> dict[int, torch.Tensor]:
     """{piece index: tensor} for the slices ``held``: a whole tensor as it is, a part as a flat copy
-    (torch.save of a view writes the whole tensor's storage). ``copy=False``: parts as views, for a
-    caller that copies them anyway (the async staging)."""
+    (torch.save of a view writes the whole tensor's storage), a tensor whose storage is not in row-major order
+    (transposed, channels_last) as a row-major copy: a resume reads a piece's bytes as they lie in the file and
+    puts them in the manifest's shape. ``copy=False``: parts and such tensors as they are, for a caller that
+    copies them anyway (:mod:`hpc_ddp.rank.state.pipeline`)."""
+    import torch
+
     held = set(held)
     out: dict[int, torch.Tensor] = {}
     for index, (tensor, start, stop, owner) in enumerate(layout["pieces"]):
@@ -228,7 +232,7 @@ def pieces_for(layout: Mapping[str, Any], tensors: Sequence[tuple[Path_, torch.T
         value = tensors[tensor][1].detach()
         if start == 0 and stop == value.numel():
             whole = value.is_contiguous() and value.untyped_storage().nbytes() == value.nbytes
-            out[index] = value if whole or not copy else value.clone()
+            out[index] = value if whole or not copy else value.clone(memory_format=torch.contiguous_format)
         else:
             part = value.reshape(-1)[start:stop]
             out[index] = part.clone() if copy else part

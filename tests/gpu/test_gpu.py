@@ -265,3 +265,104 @@ def test_a_step_whose_work_the_gpu_has_not_finished_is_not_held_and_saying_so_do
     assert not held.event.query()  # said while the kernel still ran: nothing waited for it
     torch.cuda.synchronize()
     assert held.whole()[0] == 2  # type: ignore[index]
+
+
+@pytest.fixture
+def checkpointer(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real checkpointer of a world of one (gloo for the control messages), writing in ``tmp_path/run``."""
+    import torch.distributed as dist
+
+    from hpc_ddp.core.config import SnapshotConfig
+    from hpc_ddp.core.slurm_env import DistEnv
+    from hpc_ddp.rank.state.checkpointer import Checkpointer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                  master_addr="127.0.0.1", master_port=1)
+    try:
+        yield Checkpointer(tmp_path / "run", SnapshotConfig(every_steps=None, every_minutes=None, keep_last=3), env,
+                           "gpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _cuda_state() -> dict[str, object]:
+    """Model + Adam on the GPU, with a bf16 tensor, a channels_last one and a tensor cut in pieces."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    optimizer.step()
+    extra = {"half": torch.randn(4096, device="cuda").to(torch.bfloat16),
+             "conv": torch.randn(64, 32, 3, 3, device="cuda").to(memory_format=torch.channels_last),
+             "big": torch.randn(3 << 20, device="cuda")}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "extra": extra, "step": 1}
+
+
+def _on_cpu(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_a_cuda_state_goes_through_the_pipeline_into_reused_pinned_memory_and_resumes_bit_identically(
+        checkpointer) -> None:  # type: ignore[no-untyped-def]
+    """Synchronous snapshots of a CUDA state: copied on a side stream into pinned memory allocated once (the
+    second snapshot reuses it), every piece written from there (each slice gets its digest), and the resume
+    gives the very bytes back."""
+    from hpc_ddp.rank.state.copier import CudaCopier
+    from hpc_ddp.rank.state.rng import capture_rng
+    from hpc_ddp.rundir import snapshot
+
+    state = _cuda_state()
+    expected = _on_cpu(state)
+    checkpointer.save(1, state, capture_rng())
+    arena = checkpointer.pipeline.arena
+    buffer = arena.buffer
+    checkpointer.save(2, {**state, "step": 2}, capture_rng())
+    assert arena.allocations == 1 and arena.buffer is buffer and arena.pinned and buffer.is_pinned()
+    staged = checkpointer.pipeline._last
+    assert staged.copying and all(p.is_pinned() for p in staged.pieces.values() if p.nbytes)
+    [copier] = checkpointer.pipeline._copiers.values()
+    assert isinstance(copier, CudaCopier) and copier.stream != torch.cuda.current_stream()
+    manifest = snapshot.read_manifest(snapshot.step_dir(checkpointer.run_dir, 2))
+    assert manifest is not None and manifest["files"]["node-00000.pt"]["digests"]["slices"]
+    restored = checkpointer.restore()
+    assert restored is not None and restored.step == 2
+    assert _same({**expected, "step": 2}, restored.state)  # type: ignore[dict-item]
+
+
+def test_an_async_snapshot_of_a_cuda_state_does_not_wait_for_the_gpu_and_holds_its_boundary_s_state(
+        checkpointer) -> None:  # type: ignore[no-untyped-def]
+    """The training stream is still busy with the step (a long kernel) when save_async returns: the host did
+    not wait for the GPU. The next step changes every tensor at once, on the training stream; the copies read
+    the state of the boundary all the same (the side stream waits for the boundary's event, the training
+    stream for the copies' event)."""
+    from hpc_ddp.rank.state.rng import capture_rng
+
+    state = {"model": {f"w{i}": torch.randn(16 << 20, device="cuda") for i in range(4)}, "step": 1}
+    checkpointer.save_async(1, state, capture_rng())  # the first one allocates the pinned memory
+    checkpointer.finish_async()
+    expected = _on_cpu(state["model"])
+    rng = capture_rng()
+    torch.cuda._sleep(2_000_000_000)  # the step's last kernels, still running on the training stream
+    checkpointer.save_async(2, {**state, "step": 2}, rng)
+    returned_while_busy = not torch.cuda.current_stream().query()
+    for tensor in state["model"].values():  # type: ignore[union-attr]
+        tensor.add_(1)  # the next step, enqueued right after the boundary
+    checkpointer.finish_async()
+    assert returned_while_busy, "save_async waited for the GPU"
+    assert checkpointer.pipeline.arena.allocations == 1
+    restored = checkpointer.restore()
+    assert restored is not None and restored.step == 2 and _same(expected, restored.state["model"])
+    assert not any(torch.equal(expected[k], v.cpu()) for k, v in state["model"].items())  # type: ignore[index,union-attr]

@@ -4,8 +4,10 @@ Saving is collective. Each node's ranks hand their RNG states to the node's writ
 local rank 0) in a gather within the node: no RNG state crosses the job. The writer
 writes the node's file: its slices of the replicated state (:mod:`hpc_ddp.rundir.slicing`: about
 ``replicas / nodes`` of the bytes) and its ranks' RNG states. Global rank 0 writes the
-manifest once every node's file is durable, then prunes; a barrier ends the save. In
-async mode the step only copies the node's slices to CPU; a background thread writes,
+manifest once every node's file is durable, then prunes; a barrier ends the save. The
+writer's pieces reach host memory through :mod:`hpc_ddp.rank.state.pipeline` (a GPU's in
+chunks, copied while the earlier chunks are written). In async mode the step only starts
+those copies (and copies a CPU state's pieces); a background thread writes,
 and the commit happens at a later step boundary, once no node's writer is busy (at most
 one in flight).
 
@@ -18,6 +20,7 @@ held it; when that file is bad, or the world size changed, the Run reseeds it an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from hpc_ddp.rank.group import control
+from hpc_ddp.rank.state import pipeline as pipeline_
 from hpc_ddp.rank.state import spread
 from hpc_ddp.rank.group import tiers as tiers_
 from hpc_ddp.rundir import retention, slicing, snapshot
@@ -121,7 +125,8 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._written: dict[str, Any] | None = None
         self._failed: BaseException | None = None
-        self._staging: Any = None  # CPU copy of the node's slices for async writes, reused across snapshots
+        # the node's pieces to host memory, in chunks overlapped with the write; its arena is reused by every snapshot
+        self.pipeline = pipeline_.Pipeline()
         self._layouts: dict[int, dict[str, Any]] = {}  # step -> its layout, until committed (rank 0's goes in)
         self._groups: spread.Groups | None = None  # this node's ranks and the nodes' leaders (made once)
         self._tiers: tiers_.Tiers | bool | None = None  # the commit's two levels over them (False: one level)
@@ -161,22 +166,33 @@ class Checkpointer:
     def _payload(self, state: dict[str, Any], rng: dict[str, Any], staged: bool = False) -> dict[str, Any] | None:
         """Collective: the node's writer gets its file's content (its slices, its ranks' RNG); others None.
 
-        ``staged``: the slices are copied into CPU staging memory kept from the previous async
-        snapshot (it is free again: async saves run only when nothing is pending).
+        The slices' pieces go through the pipeline (:mod:`hpc_ddp.rank.state.pipeline`): a device's are copied
+        to the host in chunks, started here and waited for by the write. ``staged`` (async): the CPU pieces are
+        copied too, here, into the arena the previous snapshot used (it is free again: async saves run only
+        when nothing is pending).
         """
         rngs = self._gather_rng(rng)
         if rngs is None:
             return None
         content, split, held = slicing.node_content(state, self.env.node_rank, self.env.num_nodes, self.cfg.replicas,
-                                                    rngs, copy=not staged)
-        if staged:
-            content["pieces"] = self._staging = stage(content["pieces"], self._staging)
-        return {"content": content, "layout": split, "slices": held, "ranks": sorted(rngs)}
+                                                    rngs, copy=False)
+        pieces = self.pipeline.stage(content["pieces"], copy_host=staged)
+        content["pieces"] = pieces.pieces
+        return {"content": content, "layout": split, "slices": held, "ranks": sorted(rngs), "staged": pieces}
 
     def _write(self, step: int, payload: dict[str, Any]) -> dict[str, Any]:
-        """This node's file; its manifest entry (the layout's digest: the commit checks all writers agree)."""
-        entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
-                                         payload["content"], split=payload["layout"])
+        """This node's file; its manifest entry (the layout's digest: the commit checks all writers agree).
+        The staged pieces' memory is released whatever happens (every copy waited for first)."""
+        staged: pipeline_.Staged = payload["staged"]
+        try:
+            entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
+                                             payload["content"], split=payload["layout"],
+                                             ready=staged.ready if staged.copying else None)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                staged.release()
+            raise
+        staged.release()
         return {**entry, "slices": payload["slices"], "ranks": payload["ranks"],
                 "digest": slicing.layout_digest(payload["layout"])}
 
