@@ -59,6 +59,8 @@ def nanogpt_shaped(run: Any) -> None:
     cfg = run.config.train
     torch.manual_seed(cfg.seed)  # the same initial parameters on every rank
     model = torch.nn.parallel.DistributedDataParallel(_Net())
+    if run.config.user.get("compile_ddp"):  # the wrong order, torch.compile(DDP(model)) (the eager backend: cheap)
+        model = torch.compile(model, backend="eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     torch.manual_seed(cfg.seed + 1 + run.rank)  # nanoGPT's seed_offset: each rank draws its own batches
     fixed = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))

@@ -43,6 +43,12 @@ WRONG_ORDER = ("{name} is torch.compile(DistributedDataParallel(model)), and dyn
                "trace DDP's own forward, so every step ran eager; compile the module first and wrap the compiled "
                "one: `model = DistributedDataParallel(torch.compile(model), device_ids=run.device_ids)` "
                "(docs/compile.md)")
+WRONG_ORDER_COMPILED = ("{name} is torch.compile(DistributedDataParallel(model)): dynamo skips DDP's forward and "
+                        "compiled only the module's forward under it, so every gradient leaves the one compiled "
+                        "backward at its end and the gradient all-reduce cannot overlap the backward (DDP's "
+                        "bucketed graphs need the other order); compile the module first and wrap the compiled "
+                        "one: `model = DistributedDataParallel(torch.compile(model), device_ids=run.device_ids)` "
+                        "(docs/compile.md)")
 NOTHING_COMPILED = ("{name} holds a torch.compile'd module, but dynamo compiled nothing by the first boundary: "
                     "the loop may call the module inside it (model.module or model._orig_mod) rather than the "
                     "compiled one (docs/compile.md)")
@@ -144,22 +150,23 @@ def loop_modules(frame: FrameType | None) -> dict[str, Any]:
 
 
 def order_problem(tracked: Mapping[str, Any], graphs: int, held: Mapping[str, Any] | None = None) -> list[str]:
-    """A finding per tracked model (or module the loop holds) wrapped for compiling while dynamo compiled
-    nothing; the wrong order first."""
-    if graphs:
-        return []
+    """A finding per tracked model (or module the loop holds) compiled in the wrong order, whatever dynamo
+    made of it, or wrapped for compiling while dynamo compiled nothing; the wrong order first."""
     from torch.nn.parallel import DistributedDataParallel
 
-    named = {**{f"run.resume({name}=...)": obj for name, obj in tracked.items()}, **(held or {})}
+    named = {f"run.resume({name}=...)": obj for name, obj in tracked.items()}
+    seen = {id(obj) for obj in named.values()}
+    named.update({name: obj for name, obj in (held or {}).items() if id(obj) not in seen})  # each object once
     wrong, nothing = [], []
     for name, obj in named.items():
         wrapped = _compiled_modules(obj)
         if any(isinstance(m._orig_mod, DistributedDataParallel) for m in wrapped):
             wrong.append(name)
-        elif wrapped:
+        elif wrapped and not graphs:
             nothing.append(name)
-    return ([WRONG_ORDER.format(name=" and ".join(wrong))] if wrong else []) + \
-        ([NOTHING_COMPILED.format(name=" and ".join(nothing))] if nothing and not wrong else [])
+    if wrong:  # nothing compiled (a plain module under DDP), or the module's own forward alone (nanoGPT's GPT)
+        return [(WRONG_ORDER if not graphs else WRONG_ORDER_COMPILED).format(name=" and ".join(wrong))]
+    return [NOTHING_COMPILED.format(name=" and ".join(nothing))] if nothing else []
 
 
 def at_first_boundary(run: Run, frame: FrameType | None = None) -> list[str]:
@@ -180,4 +187,4 @@ def at_first_boundary(run: Run, frame: FrameType | None = None) -> list[str]:
             and run.node_rank == 0 and run.local_rank == 0 and report["misses"]:
         copied = compile_cache.publish(cache.folder, run.run_dir)
         log.info("compile cache: %d new entries published to the run's copy for the other nodes", copied)
-    return order_problem(run.tracked, report["graphs"], loop_modules(frame) if not report["graphs"] else None)
+    return order_problem(run.tracked, report["graphs"], loop_modules(frame))

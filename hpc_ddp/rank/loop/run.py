@@ -43,7 +43,7 @@ from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Checkpointer
 from hpc_ddp.rank.watch.child_deaths import ChildDeaths
 from hpc_ddp.rank.state.rng import capture_rng, reseed
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.rank.state.ddp_settle import settle_buckets_on_first_forward, sync_buffers
+from hpc_ddp.rank.state.ddp_settle import ddp_in, settle_buckets_on_first_forward, sync_buffers
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
@@ -168,16 +168,15 @@ class Run:
         if self._derived:
             reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
-        self._broadcasts_buffers = [obj for obj in self.tracked.values() if isinstance(obj, DistributedDataParallel)
-                                    and obj.broadcast_buffers and self.world_size > 1
-                                    and next(obj.module.buffers(), None) is not None]
+        ddps = [ddp for ddp in map(ddp_in, self.tracked.values()) if ddp is not None]  # compiled ones too
+        self._broadcasts_buffers = [ddp for ddp in ddps if ddp.broadcast_buffers and self.world_size > 1
+                                    and next(ddp.module.buffers(), None) is not None]
         self.mirror = mirror.open_for(self)
         if self.held is not None:
             self._mark(self.step)
             jit.warn_unprotected(self)
-        for obj in self.tracked.values():
-            if isinstance(obj, DistributedDataParallel) and self.world_size > 1:
-                settle_buckets_on_first_forward(obj)
+        for ddp in ddps if self.world_size > 1 else []:
+            settle_buckets_on_first_forward(ddp)
         if self.on_step is not None:
             self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
         return self.step
@@ -265,8 +264,8 @@ class Run:
         """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
         state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
         if self.world_size > 1 and not (self.held is not None and self.held.buffers_synced):  # else done at _mark
-            for obj in self.tracked.values():
-                if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and not sync_buffers(obj):
+            for obj in map(ddp_in, self.tracked.values()):
+                if obj is not None and obj.broadcast_buffers and not sync_buffers(obj):
                     for buffer in obj.module.buffers():  # a buffer hook of the user's: one broadcast each
                         dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
         state = self.state()

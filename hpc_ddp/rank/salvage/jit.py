@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from hpc_ddp.rank.state.ddp_settle import ddp_in
 
 from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.slurm_env import DistEnv
@@ -129,7 +129,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
             return _no_source(run, post, offer, held)
         step, state = held
         broadcast = {name: run.held.buffer_keys(name) for name, obj in run.tracked.items()
-                     if isinstance(obj, DistributedDataParallel) and obj.broadcast_buffers and env.world_size > 1}
+                     if (ddp := ddp_in(obj)) is not None and ddp.broadcast_buffers and env.world_size > 1}
         skip = {} if synced else broadcast  # this rank's buffers are its own, not rank 0's
         share = split_over(env, broadcast)
         if any(skip.values()) and env.rank != 0 and not _buffers_source_holds(folder, step):

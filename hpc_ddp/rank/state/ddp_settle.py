@@ -18,6 +18,16 @@ from torch.nn.parallel import DistributedDataParallel
 from hpc_ddp.rank.state.rng import capture_rng, restore_rng
 
 
+def ddp_in(obj: Any) -> DistributedDataParallel | None:
+    """The DDP module of a tracked object: the object itself, or the one under ``torch.compile(DDP(model))``'s
+    wrapper. Its buckets and buffers need settling all the same: a 2 x 2 nanoGPT run in that order, stopped
+    and resumed, ended apart from an uninterrupted one while the wrapper hid its DDP from these checks."""
+    if isinstance(obj, DistributedDataParallel):
+        return obj
+    inner = getattr(obj, "_orig_mod", None)
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
 def settle_buckets_on_first_forward(ddp: DistributedDataParallel) -> None:
     """Arm a hook that runs, before the first training forward of this attempt, one forward/backward that
     trains nothing: eval mode (no dropout, no BatchNorm statistics), every gradient synchronised, the RNG
