@@ -85,6 +85,9 @@ def test_a_compiled_run_stopped_once_resumes_warm_bit_identical_and_loads_uncomp
     ("train.compile={mode: fast}", "train.compile", "one of default, reduce-overhead, max-autotune"),
     ("train.compile={mode: max-autotune, options: {max_autotune: true}}", "train.compile",
      "sets both mode and options"),
+    ("train.compile={mode: max-autotune, options: {}}", "train.compile", "sets both mode and options"),
+    ("train.compile={mode:max-autotune}", "train.compile",
+     r"(?s)'mode:max-autotune'.*\{mode: max-autotune\}: write it with a space after the colon"),
     ("train.compile_cache=here", "train.compile_cache", "an absolute path"),
 ])
 def test_bad_compile_settings_name_the_key_and_what_fits(override: str, key: str, said: str) -> None:
