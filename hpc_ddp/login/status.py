@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.nccl_net import summary
 from hpc_ddp.core.timeline import last_timeline, lines as timeline_lines
+
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell tool that died of it returns (git, cat)
 
 EPILOG = """\
 examples:
@@ -225,6 +228,18 @@ def _refusal(args: argparse.Namespace, runs: list[Path]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``status``'s entry point. Its output piped into a reader that closes early (``status RUN | head``) ends
+    it quietly, as the shell tools do: Python ignores SIGPIPE, so the write raises BrokenPipeError instead."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit, where the error would print unhandled
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the idiom of Python's signal docs
+        return BROKEN_PIPE
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.every <= 0:
