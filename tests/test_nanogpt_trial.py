@@ -1,0 +1,76 @@
+"""Findings from a newcomer's trial of nanoGPT's train.py (compiled, 2x2 rehearsal with stops): a script that
+restarts from scratch on a requeue, its timeline, status in a pipe, compile settings typed on a command line,
+``max_steps`` in TensorBoard and the compile record of every attempt. Pure functions first; one cheap rehearsal
+(a script without torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.rank.script.publish import started_over
+from hpc_ddp.rundir.ledger import read_attempts
+from tests.helpers import submit
+
+REACHED_25 = [{"reason": "preemption", "first_step": 0, "last_step": 25}]
+
+
+@pytest.mark.parametrize(("first", "attempts", "warned"), [
+    (0, REACHED_25, True),  # nanoGPT without --init_from=resume: "iter 0" again
+    (1, REACHED_25, True),
+    (2, REACHED_25, True),  # within a tenth of step 25
+    (21, REACHED_25, False),  # resumed from its checkpoint of step 20
+    (10, [{"reason": "timeout", "last_step": 1000}], True),  # prints every 10 steps, started over
+    (600, [{"reason": "timeout", "last_step": 1000}], False),
+    (0, [], False),  # the run's first attempt
+    (0, [{"reason": "failed", "last_step": None}], False),  # nothing reached before
+    (None, REACHED_25, False),  # no progress line yet
+])
+def test_a_continued_script_that_starts_again_near_0_is_warned_about(first: int | None, attempts: list[dict],
+                                                                       warned: bool) -> None:
+    warning = started_over(first, "iter 0: loss 4.5", attempts, [])
+    assert bool(warning) == warned
+    if warned:
+        assert "train.resume_args is not set" in warning and "--init_from=resume" in warning
+        assert f"started again at step {first}" in warning
+
+
+def test_with_resume_args_the_warning_asks_whether_the_script_saved_a_checkpoint() -> None:
+    warning = started_over(0, "iter 0: loss 4.5", REACHED_25, ["--init_from=resume"])
+    assert "['--init_from=resume'] were appended" in warning and "eval_interval" in warning
+
+
+def test_the_start_line_does_not_claim_the_script_resumes() -> None:
+    from hpc_ddp.rank.script.wrapper import resume_note
+
+    assert "resumes from its own checkpoint if it finds one" in resume_note([])
+    assert "train.resume_args is not set" in resume_note([])
+    assert "appends train.resume_args ['--resume']" in resume_note(["--resume"])
+
+
+@pytest.mark.slow
+def test_a_requeued_script_that_restarts_from_scratch_warns_and_has_a_timeline(tmp_path: Path) -> None:
+    """nanoGPT's train.py without train.resume_args trained 0->40 again after the requeue, silently; its attempt
+    had no timeline either (the script's worker never marked one)."""
+    script = tmp_path / "fresh.py"  # nanoGPT's shape: 'iter N: loss', and never resumes unless told
+    script.write_text("import time\nfor it in range(0, 12):\n    print(f'iter {it}: loss 4.0', flush=True)\n"
+                      "    time.sleep(0.1)\n")
+    run_dir = tmp_path / "fresh"
+    proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", "slurm.tasks_per_node=1",
+                  f"train.script={script}", "train.args=[]", f"run_dir={run_dir}", "--preempt-at", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = read_attempts(run_dir)
+    assert first["reason"] == "preemption" and first["last_step"] >= 4
+    assert second["reason"] == "finished" and second["first_step"] == 0
+    assert "started again at step 0" in second["note"] and "train.resume_args is not set" in second["note"]
+    assert {"imported", "first_step"} <= set(second["timeline"]) and second["timeline"]["kind"] == "requeue"
+    assert "started again at step 0" in json.loads((run_dir / "DONE.json").read_text())["warnings"][0]
+    log = (run_dir / "logs" / "attempt-1-rank-0.log").read_text()
+    assert "resumes from its own checkpoint if it finds one" in log and "started again at step 0" in log
+    from hpc_ddp.login.status import render
+    from hpc_ddp.login.status_read import collect
+
+    shown = render(collect(run_dir))
+    assert "#1: train.script started again at step 0" in shown and "first_step" in shown, shown
