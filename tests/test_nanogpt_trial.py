@@ -74,3 +74,19 @@ def test_a_requeued_script_that_restarts_from_scratch_warns_and_has_a_timeline(t
 
     shown = render(collect(run_dir))
     assert "#1: train.script started again at step 0" in shown and "first_step" in shown, shown
+
+
+def test_max_steps_stays_in_metrics_jsonl_and_is_no_tensorboard_scalar(tmp_path: Path) -> None:
+    """own-loop.md has loops log ``max_steps=`` for status's step N/MAX: it became a flat ``train/max_steps``
+    curve in TensorBoard (and W&B). The sinks get the metrics only; status still reads max_steps."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpc_ddp.rank.metrics.sinks import TensorBoardSink, log_to
+
+    sink = TensorBoardSink(tmp_path, first_step=1)
+    for step in (1, 2):
+        assert log_to([sink], step, {"loss": 3.5 - step, "max_steps": 40}) == [sink]
+    sink.close(stopped=False)
+    tags = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Tags()["scalars"]
+    assert tags == ["train/loss"]
