@@ -90,3 +90,22 @@ def test_max_steps_stays_in_metrics_jsonl_and_is_no_tensorboard_scalar(tmp_path:
     sink.close(stopped=False)
     tags = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Tags()["scalars"]
     assert tags == ["train/loss"]
+
+
+def test_every_attempt_that_compiled_has_a_compile_field_and_status_shows_it(tmp_path: Path) -> None:
+    """The cold first attempt (79 s compiling) left no compile record: only a requeued attempt's timeline had one."""
+    from hpc_ddp.login.status import compile_note, render
+    from hpc_ddp.login.status_read import collect
+    from hpc_ddp.rank.metrics.timeline import compile_field
+    from tests.test_status import run_dir
+
+    report = {"ended": 1.0, "seconds": 59.123, "cache": "miss", "graphs": 2, "hits": 0, "misses": 2}
+    assert compile_field(report) == {"compile": {"cache": "miss", "s": 59.123, "graphs": 2}}
+    assert compile_field(None) == {}
+    assert compile_note({"cache": "hit", "s": 4.0, "graphs": 2}) == "compile hit 4.0 s, 2 graph(s)"
+    assert compile_note(None) == compile_note({"cache": None}) == ""
+    path = run_dir(tmp_path, attempts=[
+        {"reason": "preemption", "restart_count": 0, "first_step": 0, "last_step": 21, **compile_field(report)},
+        {"reason": "finished", "restart_count": 1, "first_step": 21, "last_step": 40, "resumed_from": 21}], done=True)
+    rows = [line for line in render(collect(path)).splitlines() if line.startswith("  0 ") or line.startswith("  1 ")]
+    assert rows[0].endswith("compile miss 59.1 s, 2 graph(s)") and rows[1].endswith(" 21"), rows

@@ -129,7 +129,8 @@ def render(info: dict[str, Any]) -> str:
             restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job") else "")
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {restart:<8} {reason:<16} "
                        f"{steps:<14} {_shape(a, info.get('tasks_per_node')):<12} "
-                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
+                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-':<12} "
+                       f"{compile_note(a.get('compile'))}".rstrip())
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
     notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
@@ -147,6 +148,15 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def compile_note(record: Any) -> str:
+    """An attempt's ledger ``compile`` field, short: 'compile miss 59.1 s, 2 graph(s)'; '' for none."""
+    if not isinstance(record, dict) or not record.get("cache"):
+        return ""
+    seconds = f" {float(record['s']):.1f} s" if isinstance(record.get("s"), (int, float)) else ""
+    graphs = f", {record['graphs']} graph(s)" if isinstance(record.get("graphs"), int) else ""
+    return f"compile {record['cache']}{seconds}{graphs}"
 
 
 def network_line(attempts: list[dict[str, Any]]) -> list[str]:
