@@ -52,7 +52,11 @@ def test_a_compiled_run_stopped_once_resumes_warm_bit_identical_and_loads_uncomp
     The snapshots hold plain names, so the compiled run then goes on uncompiled."""
     stopped, plain = tmp_path / "stopped", tmp_path / "plain"
     rehearse(*TINY, f"run_dir={stopped}", "--preempt-at", "3")
-    assert [a["reason"] for a in read_attempts(stopped)] == ["preemption", "finished"]
+    attempts = read_attempts(stopped)
+    assert [a["reason"] for a in attempts] == ["preemption", "finished"]
+    # every attempt that compiled says so in its ledger line, the cold first one too (it has no timeline)
+    assert attempts[0]["compile"]["cache"] in ("miss", "partial") and attempts[0]["compile"]["graphs"] >= 1
+    assert attempts[1]["compile"]["cache"] == "hit" and "timeline" not in attempts[0]
     # cold: rank 0 compiled at least one graph itself (partial: rank 1, compiling the same graphs into the
     # same cache at the same time, may have saved one first)
     assert re.search(r"compile: cache (miss|partial) \(\d of 2 FX graphs", rank0_log(stopped, 0))
@@ -85,6 +89,9 @@ def test_a_compiled_run_stopped_once_resumes_warm_bit_identical_and_loads_uncomp
     ("train.compile={mode: fast}", "train.compile", "one of default, reduce-overhead, max-autotune"),
     ("train.compile={mode: max-autotune, options: {max_autotune: true}}", "train.compile",
      "sets both mode and options"),
+    ("train.compile={mode: max-autotune, options: {}}", "train.compile", "sets both mode and options"),
+    ("train.compile={mode:max-autotune}", "train.compile",
+     r"(?s)'mode:max-autotune'.*\{mode: max-autotune\}: write it with a space after the colon"),
     ("train.compile_cache=here", "train.compile_cache", "an absolute path"),
 ])
 def test_bad_compile_settings_name_the_key_and_what_fits(override: str, key: str, said: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import re
 
+import pytest
+
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.script.output import IGNORED_AFTER, Progress, relay
 
@@ -59,3 +61,26 @@ def test_the_quiet_time_is_watched_from_the_second_line_and_a_slow_printer_gets_
     progress.feed("step 2\n")
     assert progress.longest_gap >= 1200 and progress.quiet_for(now=progress.seen_at + 7.5) == 7.5
     assert progress.hang_limit(600) >= 3600 and Progress(DEFAULT).hang_limit(600) == 600
+
+
+@pytest.mark.parametrize(("line", "step"), [
+    ("iter 12: loss 3.1234, time 12.30ms, mfu -100.00%", 12),  # nanoGPT, every log_interval
+    ("step 20: train loss 3.3125, val loss 3.2661", 20),  # nanoGPT's evaluation
+    ("iteration 5: loss 2.0", 5),
+    ("Step 7/100 loss 1.0", 7),
+    ("step: 5", 5),
+    ("{'loss': 1.9, 'step': 10}", 10),
+    ("[GPU0] Epoch 3 | Batchsize: 32 | Steps: 64", None),  # the torchrun tutorial: a count of batches
+    ("[RANK0] Epoch 1 | Iter 0 | Train Loss 2.10", None),  # minGPT: Iter starts again every epoch
+    ("Overriding: max_iters = 40", None),  # nanoGPT's configurator
+    ("tokens per iteration will be: 8,192", None),
+    ("eval_iters = 200", None),
+    ("  Total optimization steps = 100", None),  # HF Trainer's banner
+    ("{'loss': 1.9, 'learning_rate': 5e-05, 'epoch': 0.5}", None),  # HF Trainer's log line
+    ("TrainOutput(global_step=100, training_loss=2.0)", None),
+    (" 12%|#2 | 12/100 [00:01<00:10, 8.0it/s]", None),  # tqdm
+])
+def test_the_default_progress_regex_reads_step_and_nanogpts_iter_and_no_count(line: str, step: int | None) -> None:
+    progress = Progress(re.compile(RunConfig().train.script_progress))
+    progress.feed(line + "\n")
+    assert progress.step == step

@@ -294,3 +294,19 @@ def test_a_scripts_progress_file_gives_status_its_step_and_eta(tmp_path: Path) -
     assert script_progress.points(tmp_path) == [{"step": 30, "time": 1000.0}, {"step": 40, "time": 1010.0, "loss": 0.25}]
     shown = timing(script_progress.points(tmp_path), [], 100, True, now=1011.0)
     assert shown["steps_per_s"] == 1.0 and shown["eta_s"] == 60
+
+
+def test_status_piped_into_a_reader_that_closed_exits_quietly(tmp_path: Path) -> None:
+    """``status RUN | head`` once ended in a BrokenPipeError traceback: a real pipe whose read end is closed."""
+    import subprocess
+    import sys
+
+    path = run_dir(tmp_path, attempts=[{"reason": "finished", "restart_count": 0, "start": 1.0, "end": 9.0}], done=True)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before status writes a byte: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(path)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141, proc.stderr

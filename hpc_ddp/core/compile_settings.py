@@ -37,6 +37,13 @@ def compile_problem(value: Any) -> tuple[str, Any, str] | None:
     if not isinstance(value, Mapping):
         return f"train.compile is {type(value).__name__}", value, COMPILE_EXPECTED
     unknown = [k for k in value if k not in OPTIONS]
+    glued = [k for k in unknown if isinstance(k, str) and k.partition(":")[0].strip() in OPTIONS and value[k] is None]
+    if glued:  # {mode:max-autotune}: YAML reads one string (a key with no value) without the space after ':'
+        name, _, rest = glued[0].partition(":")
+        return (f"train.compile has an unknown option {glued[0]!r}: YAML reads '{name}:{rest}' as one word "
+                "without a space after the colon", dict(value),
+                f"{{{name.strip()}: {rest.strip()}}}: write it with a space after the colon (on a command line quote "
+                f"the override: \"train.compile={{{name.strip()}: {rest.strip()}}}\")")
     if unknown:
         return (f"train.compile has an unknown option {unknown[0]!r}", dict(value),
                 f"torch.compile options: {', '.join(OPTIONS)}")
@@ -52,7 +59,7 @@ def compile_problem(value: Any) -> tuple[str, Any, str] | None:
     for key, (ok, expected) in checks.items():
         if key in value and not ok(value[key]):
             return f"bad value for train.compile.{key}", value[key], expected
-    if value.get("mode") not in (None, "default") and value.get("options"):
+    if value.get("mode") is not None and "options" in value:  # torch refuses both, even options: {} or mode: default
         return ("train.compile sets both mode and options, which torch.compile refuses",
                 dict(value), "one of them (options: {max_autotune: true, triton.cudagraphs: true} for a mode's parts)")
     return None

@@ -122,9 +122,13 @@ class TrainConfig:
                                           "(a requeue or --resume: the ledger has an earlier attempt), for "
                                           "scripts that must be told to resume: ['--init_from=resume'] for "
                                           "nanoGPT's train.py, ['--resume', '${run_dir}/ckpt.pt'].")
-    script_progress: str = _doc(r"(?i)\bstep\b\D{0,3}(\d+)", "A regex that finds train.script's step in rank 0's "
-                                "output (group 1: the step): the local rehearsal's --preempt-at/--timeout-at fire "
-                                "by it, and the worker judges by it whether the script went on after a stop signal.")
+    script_progress: str = _doc(r"(?:(?i:\bstep)|\biter(?:ation)?)\b\D{0,3}(\d+)", "A regex that finds "
+                                "train.script's step in rank 0's output (group 1: the step): the local rehearsal's "
+                                "--preempt-at/--timeout-at fire by it, the worker judges by it whether the script "
+                                "went on after a stop signal, and whether a continued attempt started again at 0. "
+                                "The default reads 'step 12', 'Step: 12', 'step=12' and nanoGPT's lowercase "
+                                "'iter 12:' / 'iteration 12'; not 'Steps: 64' (a count) nor minGPT's 'Iter 0' (a "
+                                "counter that restarts every epoch).")
     max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs this or epochs; "
                                     "a train.loop may read it from run.config).")
     epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")

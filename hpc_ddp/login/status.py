@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.nccl_net import summary
 from hpc_ddp.core.timeline import last_timeline, lines as timeline_lines
+
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell tool that died of it returns (git, cat)
 
 EPILOG = """\
 examples:
@@ -126,7 +129,8 @@ def render(info: dict[str, Any]) -> str:
             restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job") else "")
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {restart:<8} {reason:<16} "
                        f"{steps:<14} {_shape(a, info.get('tasks_per_node')):<12} "
-                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-'}")
+                       f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-':<12} "
+                       f"{compile_note(a.get('compile'))}".rstrip())
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
     notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
@@ -144,6 +148,15 @@ def render(info: dict[str, Any]) -> str:
         out.append("last errors:")
         out.extend(f"  {line}" for line in info["last_errors"])
     return "\n".join(out)
+
+
+def compile_note(record: Any) -> str:
+    """An attempt's ledger ``compile`` field, short: 'compile miss 59.1 s, 2 graph(s)'; '' for none."""
+    if not isinstance(record, dict) or not record.get("cache"):
+        return ""
+    seconds = f" {float(record['s']):.1f} s" if isinstance(record.get("s"), (int, float)) else ""
+    graphs = f", {record['graphs']} graph(s)" if isinstance(record.get("graphs"), int) else ""
+    return f"compile {record['cache']}{seconds}{graphs}"
 
 
 def network_line(attempts: list[dict[str, Any]]) -> list[str]:
@@ -225,6 +238,18 @@ def _refusal(args: argparse.Namespace, runs: list[Path]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``status``'s entry point. Its output piped into a reader that closes early (``status RUN | head``) ends
+    it quietly, as the shell tools do: Python ignores SIGPIPE, so the write raises BrokenPipeError instead."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit, where the error would print unhandled
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the idiom of Python's signal docs
+        return BROKEN_PIPE
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.every <= 0:

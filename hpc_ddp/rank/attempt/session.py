@@ -198,10 +198,12 @@ def _close_record(attempt: Attempt, run: Run) -> None:
     """The attempt's fields for its ledger line; what the loop did that makes a stop impossible or a resume
     inexact (rank/loop/advice.py) goes into its note, and into DONE.json's ``warnings``."""
     from hpc_ddp.rank.loop.advice import outside_iterate
+    from hpc_ddp.rank.loop.compiling import compile_report
 
     attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0, last_step=run.step,
                           resumed_from=run.resumed_from, **({"resume_read": run.resume_read} if run.resume_read else {}),
-                          **timeline.ledger_field(attempt.environ, attempt.attempts, attempt.env.in_job))
+                          **timeline.ledger_field(attempt.environ, attempt.attempts, attempt.env.in_job),
+                          **timeline.compile_field(compile_report()))
     run.advice.add(outside_iterate(run.tracked))
     run.advice.note(attempt.record)
     if run.finished is not None and run.advice.found:

@@ -173,8 +173,13 @@ def open_sinks(cfg: Any, run_dir: Path, first_step: int, config: Mapping[str, An
     return sinks
 
 
+NOT_SENT = ("max_steps",)  # the run's plan, logged for status's step N/MAX: no curve in TensorBoard or W&B
+
+
 def log_to(sinks: list[Sink], step: int, values: Mapping[str, Any]) -> list[Sink]:
-    """Send ``values`` to every sink; one that fails is dropped with a warning (the others go on)."""
+    """Send ``values`` (less :data:`NOT_SENT`; metrics.jsonl keeps them) to every sink; one that fails is dropped
+    with a warning (the others go on)."""
+    values = {key: value for key, value in values.items() if key not in NOT_SENT}
     kept = []
     for sink in sinks:
         try:

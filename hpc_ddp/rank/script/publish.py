@@ -16,12 +16,32 @@ import time
 from typing import Any
 
 from hpc_ddp.rank.attempt.context import Attempt
+from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.script.output import Progress
 from hpc_ddp.rundir import script_progress
 from hpc_ddp.rundir.ledger import attempt_tag
 
 log = logging.getLogger("hpc_ddp.script")
 RESUMING = re.compile(r"(?i)\bresum")
+NEAR_ZERO = 10  # a continued attempt whose first step is within a tenth of the run's furthest step started over
+
+
+def started_over(first_step: int | None, first_line: str, attempts: list[dict[str, Any]],
+                 resume_args: list[str]) -> str | None:
+    """A warning when a continued attempt's script started again at (or near) step 0 although an earlier
+    attempt had reached step N > 0: the script did not resume (no ``train.resume_args``, or no checkpoint of
+    its own to resume from) and redoes the run's work, on every requeue. None otherwise."""
+    reached = max((a["last_step"] for a in attempts if isinstance(a.get("last_step"), int)
+                   and not isinstance(a.get("last_step"), bool)), default=0)
+    if first_step is None or reached <= 0 or first_step > max(1, reached // NEAR_ZERO):
+        return None
+    said = f"train.script started again at step {first_step} ({first_line!r}) although the run had reached step " \
+        f"{reached}: it did not resume, and redoes that work on every requeue"
+    if not resume_args:
+        return (f"{said}. train.resume_args is not set, so hpc_ddp told it nothing: set train.resume_args to what "
+                "makes it load its own checkpoint (nanoGPT: ['--init_from=resume'])")
+    return (f"{said}. train.resume_args {resume_args} were appended: did it find no checkpoint of its own? It must "
+            "save one often enough to have one at a stop (nanoGPT: eval_interval, always_save_checkpoint=True)")
 
 
 def resumed_from(progress: Progress, continues: bool) -> int | None:
@@ -40,6 +60,7 @@ class Publisher:
         self.points: list[dict[str, Any]] = []
         self.written_at = 0.0
         self.started = False
+        self.warnings: list[str] = []  # for the ledger's note (already there) and DONE.json's warnings
 
     def poll(self, final: bool = False) -> None:
         progress, now = self.progress, time.time()
@@ -58,8 +79,17 @@ class Publisher:
             "resumed_from": self.attempt.record.get("resumed_from"), "points": self.points})
 
     def _first(self, resumed: int | None) -> None:
-        """The ledger line's first step and the step resumed from (every line rank 0 writes takes the record)."""
+        """The ledger line's first step and the step resumed from (every line rank 0 writes takes the record),
+        and a warning when a continued attempt started over (:func:`started_over`)."""
         self.attempt.record.update(first_step=resumed or 0, resumed_from=resumed)
+        timeline.mark("first_step")  # the script's first progress line: its first step of this attempt
+        warning = started_over(self.progress.first_step, self.progress.first_line, self.attempt.attempts,
+                               list(self.attempt.cfg.train.resume_args or []))
+        if warning is not None:
+            self.warnings.append(warning)
+            record = self.attempt.record
+            record["note"] = "; ".join(filter(None, [record.get("note"), warning]))
+            log.warning("%s", warning)
         if resumed is not None:
             self.attempt.record["resumed_from_by"] = f"the script's first progress line: {self.progress.first_line!r}"
             log.info("the script resumed from step %d, by its first progress line (%r)", resumed,

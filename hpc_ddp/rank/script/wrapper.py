@@ -59,6 +59,7 @@ from hpc_ddp.rank.script.publish import Publisher
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.rank.group import nccl_report
+from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
 from hpc_ddp.rank.loop.compiling import apply_cache_env
@@ -66,10 +67,19 @@ from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
-RESUME_NOTE = ("train.script: the script resumes from its own checkpoint, so a stop and a requeue are only as exact "
-               "as that checkpoint (what it saves and how often); hpc_ddp forwards the signal, records and requeues "
-               "the attempt, and writes no model.pt or params_sha256 for it. A script that opens hpc_ddp.session() "
-               "gets both, and a resume exact to the step (docs/own-loop.md)")
+RESUME_NOTE = ("A stop and a requeue are only as exact as that checkpoint (what it saves and how often); hpc_ddp "
+               "forwards the signal, records and requeues the attempt, and writes no model.pt or params_sha256 for "
+               "it. A script that opens hpc_ddp.session() gets both, and a resume exact to the step "
+               "(docs/own-loop.md)")
+
+
+def resume_note(resume_args: list[str]) -> str:
+    """What rank 0 says at the start of every attempt: how the script resumes, truthfully (hpc_ddp does not
+    know whether it will; the first progress line tells, :func:`hpc_ddp.rank.script.publish.started_over`)."""
+    how = (f"on a continued attempt hpc_ddp appends train.resume_args {resume_args}" if resume_args else
+           "train.resume_args is not set, so hpc_ddp tells it nothing and it resumes only if it looks for its "
+           "checkpoint by itself (nanoGPT needs train.resume_args: ['--init_from=resume'])")
+    return f"train.script: the script resumes from its own checkpoint if it finds one; {how}. {RESUME_NOTE}"
 
 
 class ScriptError(HpcDdpError):
@@ -214,13 +224,15 @@ def run_script(attempt: Attempt) -> int:
         if progress is not None:
             environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
         if env.is_main:
-            log.info("%s", RESUME_NOTE)
+            log.info("%s", resume_note(list(cfg.train.resume_args or [])))
         nccl, started = _nccl_capture(attempt, environ), time.monotonic()
+        timeline.mark("imported")  # a script's timeline: the worker starts it now (publish.py marks first_step)
         code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
                          None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
                          cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
                          before_forward=lambda: mark_stop(attempt), on_poll=None if publisher is None else publisher.poll)
-        attempt.record.update(end=round(time.time(), 3), script_exit_code=code)
+        attempt.record.update(end=round(time.time(), 3), script_exit_code=code,
+                              **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job))
         if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:  # what the script's NCCL chose
             attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
         if publisher is not None:
@@ -246,12 +258,14 @@ def run_script(attempt: Attempt) -> int:
                     return 1  # ended because rank 0's script hung or failed: rank 0's line says so
             return conclude(attempt, stopped=True, step=None)
         if code == 0:
-            exited_early(attempt, progress, time.monotonic() - started)
+            early = exited_early(attempt, progress, time.monotonic() - started)
             result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
+            warnings = [*(publisher.warnings if publisher is not None else []), *([early] if early else [])]
             if env.is_main:
                 layout.publish_done(attempt.run_dir, json.dumps(
                     {"script": str(path), "world_size": env.world_size, "exit_code": 0,
-                     **({"step": progress.step} if progress is not None and progress.step is not None else {})}))
+                     **({"step": progress.step} if progress is not None and progress.step is not None else {}),
+                     **({"warnings": warnings} if warnings else {})}))
             return result
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
