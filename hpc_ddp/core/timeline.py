@@ -36,11 +36,11 @@ EXTRAS = ("compile_cache", "compile_s")  # optional facts beside "compiled": "hi
 MEANING = {
     "detected": "the batch shell knew (srun returned; for a requeue: Slurm started the job again)",
     "launched": "the batch shell started the new step (srun)",
-    "imported": "rank 0 had imported torch and hpc_ddp",
+    "imported": "rank 0 had imported torch and hpc_ddp (train.script: the wrapper started the script)",
     "group_ready": "the process group was formed (every rank had joined)",
     "restored": "the state was restored (snapshot or survivors')",
-    "compiled": "the compiled model was ready",
-    "first_step": "the first run.boundary of the new attempt was reached",
+    "compiled": "the first compiled step was done (its compile included; the cache's verdict beside it)",
+    "first_step": "the first run.boundary of the new attempt was reached (train.script: its first progress line)",
 }
 # the previous attempt's reasons after which the next attempt is a requeue (or a chain's next job)
 REQUEUED_AFTER = ("timeout", "preemption", "requeued", "failed", "hung", "lost")
