@@ -110,7 +110,10 @@ def one(failure: str, cache: str, run_dir: Path, env: dict[str, str], seed: Path
         raise Spoiled(f"not one failure healed once: {[a['reason'] for a in attempts]}")
     healed = attempts[-1]
     timeline = healed.get("timeline") or {}
-    return {"total_s": round(first["time"] - float(stamp.read_text()), 2), "how": (healed.get("healed") or {}).get("how"),
+    died = float(stamp.read_text())
+    lag = round(timeline["failure"] - died, 2) if "failure" in timeline else None
+    return {"total_s": round(first["time"] - died, 2), "timeline_from": timeline.get("failure_from"), "lag_s": lag,
+            "how": (healed.get("healed") or {}).get("how"),
             "phases": {p: timeline[p] for p in PHASES if p in timeline},
             "cache": timeline.get("compile_cache"), "compile_s": timeline.get("compile_s")}
 
@@ -133,7 +136,8 @@ def _row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     phases = {p: round(median([r["phases"][p] for r in runs if p in r["phases"]]), 2)
               for p in PHASES if any(p in r["phases"] for r in runs)}
     return {"median_s": round(median(totals), 2), "min_s": min(totals), "max_s": max(totals), "runs": totals,
-            "phases": phases, "caches": [r["cache"] for r in runs], "hows": [r["how"] for r in runs]}
+            "phases": phases, "lag_s": median([r["lag_s"] for r in runs if r["lag_s"] is not None] or [0.0]),
+            "timeline_from": sorted({str(r["timeline_from"]) for r in runs}), "caches": [r["cache"] for r in runs], "hows": [r["how"] for r in runs]}
 
 
 def b10_real(rounds: int = 2) -> dict[str, Any]:
@@ -186,6 +190,7 @@ def doc_rows(s: dict[str, Any]) -> list[str]:
             met = ("yes" if s["warm_vs_uncompiled"][failure] <= TARGET else "**no**") if cache == "warm" else "-"
             rows.append(f"| B10-REAL {names[failure]}, {caches[cache]}, 151 MB state, 2 loader workers, 2 x 1 + "
                         f"spare | failure to the first resumed step: median {row['median_s']} s (min {row['min_s']}, "
-                        f"max {row['max_s']}, {len(row['runs'])} runs){ratio}; phases (s after the failure, "
-                        f"medians): {phases}{verdict} | {s['target']} | {met} |")
+                        f"max {row['max_s']}, {len(row['runs'])} runs){ratio}; phases (medians, s after "
+                        f"the failure as the timeline has it: {'/'.join(row.get('timeline_from', []))}, "
+                        f"{row.get('lag_s', 0.0):+.2f} s from the stamp): {phases}{verdict} | {s['target']} | {met} |")
     return rows
