@@ -12,8 +12,9 @@ Three caches for each failure:
   healed attempt compiles every graph and builds every kernel again (``off`` alone leaves inductor's
   default folder in /tmp, whose built kernels a later attempt on the same machine would reuse);
 - ``warm``: the default, ``train.compile_cache=run``: the healed attempt finds what the first one
-  compiled in RUN_DIR/compile_cache. After a round's first warm run, a warm run's run dir starts with
-  that run's cache copied in (its first attempt loads instead of compiling: the heal is what is timed);
+  compiled in RUN_DIR/compile_cache. After the benchmark's first warm run, a warm run's run dir starts
+  with that run's cache copied in (its first attempt loads instead of compiling, which saves a minute of
+  the benchmark; the heal, which is what is timed, finds the same cache either way);
 - ``uncompiled``: the same workload with ``train.compile=false``: the reference.
 
 The total is B10's: from the failure (the rank stamps it just before it dies; the benchmark when it marks
