@@ -138,7 +138,8 @@ def _row(runs: list[dict[str, Any]]) -> dict[str, Any]:
               for p in PHASES if any(p in r["phases"] for r in runs)}
     return {"median_s": round(median(totals), 2), "min_s": min(totals), "max_s": max(totals), "runs": totals,
             "phases": phases, "lag_s": median([r["lag_s"] for r in runs if r["lag_s"] is not None] or [0.0]),
-            "timeline_from": sorted({str(r["timeline_from"]) for r in runs}), "caches": [r["cache"] for r in runs], "hows": [r["how"] for r in runs]}
+            "timeline_from": sorted({str(r["timeline_from"]) for r in runs}),
+            "compile_s": median([r["compile_s"] for r in runs if r["compile_s"] is not None] or [0.0]), "caches": [r["cache"] for r in runs], "hows": [r["how"] for r in runs]}
 
 
 def b10_real(rounds: int = 2) -> dict[str, Any]:
@@ -186,7 +187,8 @@ def doc_rows(s: dict[str, Any]) -> list[str]:
             if not row:
                 continue
             phases = ", ".join(f"{p} {v}" for p, v in row["phases"].items())
-            verdict = f"; compile cache {'/'.join(str(c) for c in row['caches'])}" if cache != "uncompiled" else ""
+            verdict = (f"; compile cache {'/'.join(str(c) for c in row['caches'])}, dynamo's count "
+                       f"{row.get('compile_s', '-')} s compiling" if cache != "uncompiled" else "")
             ratio = f"; {s['warm_vs_uncompiled'][failure]} x uncompiled" if cache == "warm" else ""
             met = ("yes" if s["warm_vs_uncompiled"][failure] <= TARGET else "**no**") if cache == "warm" else "-"
             rows.append(f"| B10-REAL {names[failure]}, {caches[cache]}, 151 MB state, 2 loader workers, 2 x 1 + "

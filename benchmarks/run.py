@@ -258,10 +258,10 @@ def b10_healing() -> dict[str, Any]:
     return figure()
 
 
-def b10_real() -> dict[str, Any]:
+def b10_real(quick: bool) -> dict[str, Any]:
     from benchmarks.healing_real import b10_real as figure
 
-    return figure()
+    return figure(1 if quick else 4)
 
 
 def b7_split(scratch: Path, megabytes: float, counts: tuple[int, ...]) -> dict[str, Any]:
@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5)),
                  ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B9-SLURM", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
-                 ("B10", b10_healing), ("B10-REAL", b10_real), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
+                 ("B10", b10_healing), ("B10-REAL", lambda: b10_real(quick)), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
                  ("B11-PER-RANK", lambda: b11_lost(scratch, 4 if quick else 30, per_rank=True)),
                  ("B11-BN", lambda: b11_lost(scratch, 4 if quick else 20, batchnorm=True)),
                  ("B12", lambda: b12_control_plane(quick)),
