@@ -139,10 +139,11 @@ def _row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median_s": round(median(totals), 2), "min_s": min(totals), "max_s": max(totals), "runs": totals,
             "phases": phases, "lag_s": median([r["lag_s"] for r in runs if r["lag_s"] is not None] or [0.0]),
             "timeline_from": sorted({str(r["timeline_from"]) for r in runs}),
-            "compile_s": median([r["compile_s"] for r in runs if r["compile_s"] is not None] or [0.0]), "caches": [r["cache"] for r in runs], "hows": [r["how"] for r in runs]}
+            "compile_s": median([r["compile_s"] for r in runs if r["compile_s"] is not None] or [0.0]),
+            "caches": [r["cache"] for r in runs], "hows": [r["how"] for r in runs]}
 
 
-def b10_real(rounds: int = 2) -> dict[str, Any]:
+def b10_real(rounds: int = 4) -> dict[str, Any]:
     from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
 
     spec = ClusterSpec()
