@@ -1,6 +1,6 @@
 """``python -m benchmarks.run``: every figure of docs/performance.md, as ratios measured side by side.
 
-Writes ``benchmarks/results.json`` (sections B1..B10 and B2-GPU: raw medians, the ratio, the
+Writes ``benchmarks/results.json`` (sections B1..B10, B10-REAL and B2-GPU: raw medians, the ratio, the
 target, met or not) and prints the markdown table; ``--write-docs`` puts the
 table into docs/performance.md. Medians over interleaved repeats: this machine
 is noisy (2 cores, hypervisor steal), so only ratios from one run mean much.
@@ -264,6 +264,12 @@ def b10_healing() -> dict[str, Any]:
     from benchmarks.healing import b10_healing as figure
 
     return figure()
+
+
+def b10_real(quick: bool) -> dict[str, Any]:
+    from benchmarks.healing_real import b10_real as figure
+
+    return figure(1 if quick else 4)
 
 
 def b7_split(scratch: Path, megabytes: float, counts: tuple[int, ...]) -> dict[str, Any]:
@@ -548,6 +554,10 @@ def table(results: dict[str, Any]) -> str:
             rows.append(f"| B10 {names.get(path, path)}, 2 x 1 on the local cluster | failure to the first resumed "
                         f"step: median {row['median_s']} s (min {row['min_s']}, max {row['max_s']}, "
                         f"{len(row['runs'])} runs){extra} | {s['target']} | {mark(s)} |")
+    if "B10-REAL" in b and "skipped" not in b["B10-REAL"]:
+        from benchmarks.healing_real import doc_rows
+
+        rows.extend(doc_rows(b["B10-REAL"]))
     if "B8" in b:
         s = b["B8"]
         for label, row in (("GPT example", s.get("gpt")), (f"{s['state_mb']:.0f} MB state", s.get("large"))):
@@ -600,7 +610,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B15",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B15",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
                         "'boundary' is B15)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
@@ -631,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("B8", lambda: b8_replication(scratch, 100 if quick else 1000, 2 if quick else 5)),
                  ("B9", lambda: b9_spread(scratch, 50 if quick else 200, (1, 2) if quick else (1, 2, 4, 8))),
                  ("B9-SLURM", lambda: b9_on_slurm(scratch, 50 if quick else 200)),
-                 ("B10", b10_healing), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
+                 ("B10", b10_healing), ("B10-REAL", lambda: b10_real(quick)), ("B11", lambda: b11_lost(scratch, 4 if quick else 30)),
                  ("B11-PER-RANK", lambda: b11_lost(scratch, 4 if quick else 30, per_rank=True)),
                  ("B11-BN", lambda: b11_lost(scratch, 4 if quick else 20, batchnorm=True)),
                  ("B12", lambda: b12_control_plane(quick)),

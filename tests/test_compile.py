@@ -100,6 +100,13 @@ def test_bad_compile_settings_name_the_key_and_what_fits(override: str, key: str
     assert err.value.key == key
 
 
+def test_compile_cache_off_is_off_although_yaml_reads_off_as_false(tmp_path: Path) -> None:
+    """YAML 1.1 reads ``off`` as False: ``train.compile_cache=off`` (command line or file) still means off."""
+    assert load_config([ROOT / "examples" / "simple.yaml"], ["train.compile_cache=off"]).train.compile_cache == "off"
+    (tmp_path / "run.yaml").write_text("train:\n  task: examples.simple:SimpleTask\n  max_steps: 4\n  compile_cache: off\n")
+    assert load_config([tmp_path / "run.yaml"]).train.compile_cache == "off"
+
+
 def test_train_compile_is_for_the_trainer_a_loop_compiles_itself() -> None:
     with pytest.raises(ConfigError, match=r"(?s)train.loop runs, not our Trainer.*torch.compile\(model\) first, then "
                        r"DistributedDataParallel\(compiled\)"):

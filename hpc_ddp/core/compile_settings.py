@@ -65,6 +65,12 @@ def compile_problem(value: Any) -> tuple[str, Any, str] | None:
     return None
 
 
+def cache_place(value: Any) -> Any:
+    """``off`` as YAML 1.1 reads it: ``compile_cache: off`` (and ``=off`` on the command line) is the
+    boolean False, which the string field holds as ``"False"``: it means off."""
+    return "off" if value in ("False", False) else value
+
+
 def cache_ok(value: Any) -> bool:
     """``train.compile_cache`` is a place or an absolute path."""
     return isinstance(value, str) and (value in CACHE_PLACES or (value.startswith("/") and "\n" not in value))

@@ -25,6 +25,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 from hpc_ddp.core.config_schema import (ContainerConfig, DistConfig, MetricsConfig, RunConfig, SlurmConfig,
                                         SnapshotConfig, TrainConfig, schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
+from hpc_ddp.core.compile_settings import cache_place
 from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
 from hpc_ddp.core.user_settings import user_leaves
 from hpc_ddp.core.config_items import for_script, list_item, nest
@@ -64,6 +65,7 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
         cfg = OmegaConf.to_object(merged)
     except Exception as err:  # interpolations resolve here: ${oc.env:SCRATCH}, ${name}
         raise _translate(err, "the merged config") from err
+    cfg.train.compile_cache = cache_place(cfg.train.compile_cache)  # YAML's off is False
     check_config(cfg)
     return cfg  # type: ignore[return-value]
 

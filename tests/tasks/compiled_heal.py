@@ -9,11 +9,16 @@ in ``__getitem__`` from the index alone, so workers need no RNG and any attempt 
     python -m hpc_ddp.submit examples/mlp.yaml --local train.task=tests.tasks.compiled_heal:CompiledHeal \
         train.compile=true train.num_workers=2 train.max_steps=40 train.batch_size=8 --fail-at 20
 
-Not run by the test suite (a cold compile of it takes about a minute on 2 cores).
+Not run by the test suite (a cold compile of it takes about a minute on 2 cores): benchmark B10-REAL
+(benchmarks/healing_real.py) runs :class:`FaultyCompiledHeal` on the local cluster.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,3 +60,28 @@ class CompiledHeal:
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch
         return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+class FaultyCompiledHeal(CompiledHeal):
+    """CompiledHeal with tests.tasks.Faulty's faults from HPC_DDP_TEST_FAULT: "kill:RANK:STEP" SIGKILLs that
+    rank in its STEP-th training step of the job's first attempt (stamping the time in
+    HPC_DDP_TEST_FAULT_STAMP first, for the benchmark), "slow:-1:S" makes every step S seconds longer."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        kind, rank, step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
+        self.kind, self.rank, self.step = kind, int(rank), float(step)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.kind == "slow":
+            time.sleep(self.step)
+        if model.training:  # not the trainer's eval-mode warm-up pass
+            self.steps += 1
+            first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
+            if self.kind == "kill" and first and (dist.get_rank(), self.steps) == (self.rank, self.step):
+                if os.environ.get("HPC_DDP_TEST_FAULT_STAMP"):
+                    Path(os.environ["HPC_DDP_TEST_FAULT_STAMP"]).write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch)
