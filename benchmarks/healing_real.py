@@ -189,7 +189,7 @@ def doc_rows(s: dict[str, Any]) -> list[str]:
                 continue
             phases = ", ".join(f"{p} {v}" for p, v in row["phases"].items())
             verdict = (f"; compile cache {'/'.join(str(c) for c in row['caches'])}, dynamo's count "
-                       f"{row.get('compile_s', '-')} s compiling" if cache != "uncompiled" else "")
+                       f"{_seconds(row.get('compile_s'))} s compiling" if cache != "uncompiled" else "")
             ratio = f"; {s['warm_vs_uncompiled'][failure]} x uncompiled" if cache == "warm" else ""
             met = ("yes" if s["warm_vs_uncompiled"][failure] <= TARGET else "**no**") if cache == "warm" else "-"
             rows.append(f"| B10-REAL {names[failure]}, {caches[cache]}, 151 MB state, 2 loader workers, 2 x 1 + "
@@ -198,3 +198,8 @@ def doc_rows(s: dict[str, Any]) -> list[str]:
                         f"the failure as the timeline has it: {'/'.join(row.get('timeline_from', []))}, "
                         f"{row.get('lag_s', 0.0):+.2f} s from the stamp): {phases}{verdict} | {s['target']} | {met} |")
     return rows
+
+
+def _seconds(value: float | None) -> str:
+    """A median of seconds as the rows write them (two decimals), or '-' where none was counted."""
+    return "-" if value is None else f"{float(value):.2f}"
