@@ -43,6 +43,23 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+INDUCTOR_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _no_compiler_cache_variable_leaks_into_later_jobs() -> Iterator[None]:
+    """Inductor writes its default TORCHINDUCTOR_CACHE_DIR into os.environ the first time it compiles in a
+    process. A test that compiles in the pytest process would hand it to every later test's rehearsal and
+    Slurm job, which then keep it as the user's own (train.compile_cache's rule) and share /tmp's cache."""
+    before = {name: os.environ.get(name) for name in INDUCTOR_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[ClusterSpec]:
     """A running local cluster (reused if one is up at the same root), SLURM_CONF pointing at it."""

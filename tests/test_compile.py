@@ -134,6 +134,14 @@ def test_the_cache_goes_where_train_compile_cache_says_and_a_users_own_variable_
     mine = compile_cache.cache_env("run", run_dir, {"TORCHINDUCTOR_CACHE_DIR": "/mine"})
     assert mine.kept == {"TORCHINDUCTOR_CACHE_DIR": "/mine"} and mine.folder == Path("/mine")
     assert "TORCHINDUCTOR_CACHE_DIR" not in mine.exported
+    # torch's own default, which inductor writes into os.environ once a process builds an optimizer (a job
+    # submitted from such a process inherits it; CI's later tests did): not the user's, so the run's cache wins
+    inherited = {"TORCHINDUCTOR_CACHE_DIR": compile_cache.torchs_default({}), "TMPDIR": "/tmp"}
+    assert compile_cache.cache_env("run", run_dir, inherited).kept == {}
+    assert compile_cache.torchs_default({"TMPDIR": "/scratch"}, "a/b") == "/scratch/torchinductor_a_b"
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # the value inductor writes
+
+    assert default_cache_dir() == compile_cache.torchs_default(os.environ)
 
 
 def test_a_node_local_cache_is_seeded_from_the_runs_copy_and_publishes_only_finished_entries(tmp_path: Path) -> None:

@@ -453,8 +453,9 @@ def test_rank_0_lost_before_the_boundarys_buffer_broadcast_leaves_no_step_to_wri
     then wrote step 25 with its own statistics, a mixture. Now no survivor writes that step (the run falls back
     and says why); once the broadcast finished, the step is whole on every rank and is written."""
     from hpc_ddp.rank.salvage import jit
+    from hpc_ddp.rank.state import ddp_settle
 
-    monkeypatch.setattr(jit, "DistributedDataParallel", _BroadcastsBuffers)
+    monkeypatch.setattr(ddp_settle, "DistributedDataParallel", _BroadcastsBuffers)  # what ddp_in takes for DDP
     torch.manual_seed(0)
     model = _BroadcastsBuffers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

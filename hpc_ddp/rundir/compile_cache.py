@@ -25,8 +25,10 @@ kept, and the worker's log says so. No torch here: the variables must be set bef
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import os
+import re
 import shutil
 import socket
 from collections.abc import Mapping
@@ -74,7 +76,8 @@ def cache_env(place: str, run_dir: Path | str, environ: Mapping[str, str]) -> Ca
                   node_folder(run_dir, environ) if place == "node" else Path(place))
         wanted = {CACHE_DIR_VAR: str(folder), TRITON_VAR: str(folder / "triton"), FX_GRAPH_VAR: "1",
                   AUTOGRAD_VAR: "1"}
-    kept = {k: environ[k] for k in wanted if k in environ and environ[k] != wanted[k]}
+    kept = {k: environ[k] for k in wanted if k in environ and environ[k] != wanted[k]
+            and not (k == CACHE_DIR_VAR and environ[k] == torchs_default(environ))}
     if CACHE_DIR_VAR in kept:
         folder = Path(kept[CACHE_DIR_VAR])
     return CacheEnv(folder, place, wanted, kept)
@@ -124,3 +127,11 @@ def seed(run_dir: Path | str, local: Path) -> int:
 def publish(local: Path, run_dir: Path | str) -> int:
     """The node-local cache's new entries into the run's shared copy (node 0's first rank, after compiling)."""
     return copy_new(local, layout.compile_cache(run_dir))
+
+
+def torchs_default(environ: Mapping[str, str], user: str | None = None) -> str:
+    """Inductor's own default cache folder, which it writes into ``os.environ`` the first time anything in a
+    process imports its config (building an optimizer does): a job submitted from such a process inherits
+    it, so that value is torch's, never the user's choice (torch's rule: TMPDIR, "torchinductor_" + user)."""
+    name = re.sub(r'[\\/:*?"<>|]', "_", user if user is not None else getpass.getuser())
+    return os.path.join(environ.get("TMPDIR") or "/tmp", f"torchinductor_{name}")
