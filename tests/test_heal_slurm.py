@@ -245,7 +245,10 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
     # a frozen rank's own state comes from its buddy, or from itself: Slurm sends SIGCONT with the SIGTERM that
     # ends the step, and a thawed rank may still offer what it held at step 22 (a hung kernel would not)
     assert all(manifest["jit"]["per_rank_from"][str(r)] in (r, (r + per_node) % world) for r in frozen), manifest
-    assert manifest["jit"]["writer"] not in frozen, manifest["jit"]
+    # the writer is a survivor, or a thawed frozen rank that held the same step 22 (a source like any other:
+    # the fingerprint checked it; seen once in CI with dist.liveness_s=10, rank 0 thawed and wrote first)
+    assert manifest["jit"]["writer"] in manifest["jit"]["sources"], manifest["jit"]
+    assert [r for r in range(world) if r not in frozen] == [r for r in manifest["jit"]["sources"] if r not in frozen]
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 
