@@ -139,7 +139,9 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
                 subprocess.run(["scancel", "--signal=USR2", number], check=True)
                 signalled.add(number)
         return len(signalled) == 2
-    assert wait_until(signal_when_ready, 120), job_log(run_dir) + job_log(script_dir)
+    queue = lambda: subprocess.run(["squeue", "-o", "%i %T %R"], capture_output=True, text=True).stdout + \
+        subprocess.run(["sinfo", "-R"], capture_output=True, text=True).stdout  # why a job pends, if it does
+    assert wait_until(signal_when_ready, 300), job_log(run_dir) + job_log(script_dir) + queue()
     local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # on this machine while Slurm requeues
     assert wait_until(lambda: finished(run_dir) and finished(script_dir), 180), job_log(run_dir) + job_log(script_dir)
     for ran, number in ((run_dir, job), (script_dir, script_job)):
