@@ -23,6 +23,11 @@ def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.
     return bool(predicate())
 
 
+def job_gone(job: str) -> bool:
+    """Slurm no longer lists the job: its batch script has ended, not only its run (DONE.json comes first)."""
+    return not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
+
+
 def finished(run_dir: Path) -> bool:
     """The run is over and recorded: DONE.json exists and the ledger's last line says "finished".
 

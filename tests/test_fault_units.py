@@ -264,3 +264,18 @@ def test_each_slice_has_a_digest_of_its_own_and_a_changed_byte_is_named_where_it
     assert entry["digests"]["spans"] == [] and entry["digests"]["slices"] == {}
     assert snapshot.file_problem(tmp_path, entry["name"], entry) is None
     assert snapshot.slice_problem(entry, 0, ["00" * 32]) is None  # in the rest: verified with it
+
+
+def test_a_finished_runs_job_still_listed_is_said_to_be_ending(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm lists the job for a moment after DONE.json: submit refuses (the batch script still runs) and says
+    why, not "wait for it, or cancel it" as for a run still training."""
+    from hpc_ddp.core import slurm_jobs
+    from hpc_ddp.login.guards import live_holder
+
+    (tmp_path / "job.json").write_text(json.dumps({"job_id": 49}))
+    monkeypatch.setattr(slurm_jobs, "job_state", lambda spec: "RUNNING" if spec == "49" else None)
+    assert live_holder(tmp_path) == ("job 49 (RUNNING)", "wait for it, or cancel it: scancel 49")
+    (tmp_path / "DONE.json").write_text("{}")
+    who, hint = live_holder(tmp_path)
+    assert who.startswith("job 49 (RUNNING: its run has finished") and "try again in a few seconds" in hint

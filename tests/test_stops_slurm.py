@@ -17,7 +17,7 @@ import pytest
 from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import finished, wait_until
+from tests.helpers import finished, job_gone, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -40,10 +40,6 @@ def submit(args: list[str], run_dir: Path, loader: str = "fork") -> str:
 def logged(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def gone(job: str) -> bool:
-    return not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip()
 
 
 def logs(run_dir: Path) -> str:
@@ -72,7 +68,7 @@ def test_scancel_and_a_bare_sigterm_with_loader_workers_are_stops_that_keep_the_
                 subprocess.run(["scancel", *how, job], check=True)
         return len(sent) == len(jobs)
     assert wait_until(stop_each_once_it_trains, 300), {n: logged(tmp_path / n) for n in jobs}
-    assert wait_until(lambda: all(gone(jobs[n]) for n in ("fork", "shielded", "task")) and finished(
+    assert wait_until(lambda: all(job_gone(jobs[n]) for n in ("fork", "shielded", "task")) and finished(
         tmp_path / "term") and finished(tmp_path / "usr2"), 300), {n: read_attempts(tmp_path / n) for n in jobs}
     for name in ("fork", "shielded", "task"):
         attempts = read_attempts(tmp_path / name)

@@ -68,6 +68,9 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
                 "wait for it, or press Ctrl-C in its terminal")
     if "job_id" in job and not job.get("local"):
         state = job_state(str(job["job_id"]))
+        if state and layout.done(run_dir).exists():  # finished; Slurm still lists the job while it ends
+            return (f"job {job['job_id']} ({state}: its run has finished, DONE.json is written, and the job "
+                    "is ending)", "try again in a few seconds, once `squeue` no longer lists it")
         if state:
             return f"job {job['job_id']} ({state})", f"wait for it, or cancel it: scancel {job['job_id']}"
     lock = read_record(layout.lock(run_dir))

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +10,7 @@ import torch.distributed as dist
 
 from examples.mlp import MLPTask
 from examples.simple import SimpleTask
+from tests.tasks.faults import FaultyLoss
 
 
 class FailOnRank2AtStep5(SimpleTask):
@@ -35,37 +33,9 @@ class NoLoss:
         return torch.nn.Linear(1, 1)
 
 
-class Faulty(MLPTask):
-    """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (KIND raise, kill, sleep or stop).
-
-    The fault hits the given rank in the loss of its STEP-th training step of the first
-    attempt (SLURM_RESTART_COUNT=0, the job's first step) only, so a requeued or healed attempt runs clean. "slow:-1:S"
-    makes every step of every rank take S seconds longer (the numbers do not change).
-    """
-
-    def __init__(self) -> None:
-        self.steps = 0
-        kind, rank, step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
-        self.kind, self.rank, self.step = kind, int(rank), float(step)
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        if self.kind == "slow":
-            time.sleep(float(self.step))
-        if model.training:  # not the trainer's eval-mode warm-up pass
-            self.steps += 1
-            first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
-            if (dist.get_rank(), self.steps) == (self.rank, self.step) and first:
-                if self.kind == "raise":
-                    raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
-                if self.kind in ("kill", "stop") and os.environ.get("HPC_DDP_TEST_FAULT_STAMP"):
-                    Path(os.environ["HPC_DDP_TEST_FAULT_STAMP"]).write_text(repr(time.time()))  # for B10
-                if self.kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if self.kind == "sleep":
-                    time.sleep(3600)  # a rank that stops making progress outside any collective
-                if self.kind == "stop":  # a frozen node as seen from outside: every thread stops, no socket closes
-                    os.kill(os.getpid(), signal.SIGSTOP)
-        return super().loss(model, batch)
+class Faulty(FaultyLoss, MLPTask):
+    """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (:mod:`tests.tasks.faults`: kill, stop,
+    raise, sleep or slow) in the loss of that rank's STEP-th training step of the job's first attempt."""
 
 
 class NoSlurmClient(MLPTask):

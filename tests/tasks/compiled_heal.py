@@ -15,14 +15,12 @@ Not run by the test suite (a cold compile of it takes about a minute on 2 cores)
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+
+from tests.tasks.faults import FaultyLoss
 
 WIDTH = 2048
 LAYERS = 3
@@ -62,26 +60,7 @@ class CompiledHeal:
         return torch.nn.functional.mse_loss(model(inputs), targets)
 
 
-class FaultyCompiledHeal(CompiledHeal):
-    """CompiledHeal with tests.tasks.Faulty's faults from HPC_DDP_TEST_FAULT: "kill:RANK:STEP" SIGKILLs that
-    rank in its STEP-th training step of the job's first attempt (stamping the time in
+class FaultyCompiledHeal(FaultyLoss, CompiledHeal):
+    """CompiledHeal with the faults of :mod:`tests.tasks.faults` (HPC_DDP_TEST_FAULT): "kill:RANK:STEP" SIGKILLs
+    that rank in its STEP-th training step of the job's first attempt (stamping the time in
     HPC_DDP_TEST_FAULT_STAMP first, for the benchmark), "slow:-1:S" makes every step S seconds longer."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        kind, rank, step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
-        self.kind, self.rank, self.step = kind, int(rank), float(step)
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if self.kind == "slow":
-            time.sleep(self.step)
-        if model.training:  # not the trainer's eval-mode warm-up pass
-            self.steps += 1
-            first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
-            if self.kind == "kill" and first and (dist.get_rank(), self.steps) == (self.rank, self.step):
-                if os.environ.get("HPC_DDP_TEST_FAULT_STAMP"):
-                    Path(os.environ["HPC_DDP_TEST_FAULT_STAMP"]).write_text(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
-        return super().loss(model, batch)

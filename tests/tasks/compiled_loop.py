@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.tasks.loops import _fault
+from tests.tasks.faults import inject
 
 
 def _batch(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ def train(run: Any) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     step = run.resume(model=model, optimizer=optimizer)
     while step < cfg.max_steps:
-        _fault(run.rank, step + 1, run)
+        inject(run.rank, step + 1, run)
         inputs, targets = _batch(cfg.seed, step, run.rank, cfg.batch_size)
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         loss.backward()

@@ -9,10 +9,7 @@ from typing import Any
 import torch
 
 from tests.tasks import Faulty
-
-
-def _first_attempt() -> bool:
-    return os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
+from tests.tasks.faults import first_attempt
 
 
 class SlowStart(Faulty):
@@ -21,7 +18,7 @@ class SlowStart(Faulty):
     a busy machine), not a hang. Every rank waits there at (step 0, start)."""
 
     def build_model(self, cfg: Any) -> torch.nn.Module:
-        if _first_attempt():
+        if first_attempt():
             time.sleep(float(os.environ.get("HPC_DDP_TEST_SLOW_START_S") or 0))
         return super().build_model(cfg)
 
@@ -34,7 +31,7 @@ def stuck_in_step(run: Any) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = run.resume(model=model, optimizer=optimizer)
     while step < 30:
-        if step == 12 and run.rank == 1 and _first_attempt():
+        if step == 12 and run.rank == 1 and first_attempt():
             time.sleep(3600)
         model(torch.randn(8, 4)).pow(2).mean().backward()
         optimizer.step()

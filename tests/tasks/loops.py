@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tests.tasks.faults import inject
+
 
 def _tiny(run: Any) -> tuple[Any, Any]:
     torch.manual_seed(0)
@@ -74,7 +76,7 @@ def nanogpt_shaped(run: Any) -> None:
     step = run.resume(model=model, optimizer=optimizer, batch=hpc_ddp.per_rank(batch),
                       counters=hpc_ddp.per_rank(counters), probe=hpc_ddp.per_rank(probe))
     while step < cfg.max_steps:
-        _fault(run.rank, step + 1, run)
+        inject(run.rank, step + 1, run)
         if step % 5 == 0 and run.is_main:  # nanoGPT: estimate_loss() on the master process only
             model.eval()
             with torch.no_grad():
@@ -141,35 +143,6 @@ def batchnorm(run: Any) -> None:
         if run.boundary(step):
             return
     run.finish(running_mean=float(model.module.body[1].running_mean.sum()))
-
-
-def _fault(rank: int, step: int, run: Any = None) -> None:
-    """HPC_DDP_TEST_FAULT="kill:RANK:STEP" or "stop:RANK:STEP": that rank, in that step of the job's first attempt,
-    ("stopnode:NODE:STEP": every rank of that node, a frozen node; "mute:RANK:STEP": that rank's liveness beats
-    stop from that step on while it trains, a false alarm)
-    once the state of the step before has left for its buddy (the mirror's sender thread posts it about a
-    millisecond after the boundary: a rank lost inside that window takes that step's state with it, by design,
-    and a CI run caught rank 3 holding rank 1's step 21, not 22); "slow:-1:S": every step of every rank computes
-    S seconds longer before its forward (a GPU's compute, for B11)."""
-    import os
-    import signal
-
-    kind, at_rank, at_step = (os.environ.get("HPC_DDP_TEST_FAULT") or "none:-1:-1").split(":")
-    if kind == "slow":
-        time.sleep(float(at_step))
-    if kind == "mute":  # "mute:RANK:STEP": a false alarm, steps long enough that it comes while the run goes on
-        time.sleep(0.02)
-    first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and not os.environ.get("HPC_DDP_IN_JOB_RESTART")
-    if kind == "stopnode" and run is not None:  # "stopnode:NODE:STEP": every rank of that node freezes
-        kind, at_rank = "stop", (rank if run.env.node_rank == int(at_rank) else -1)
-    if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind == "mute":
-        from hpc_ddp.rank.watch import liveness  # this rank's beats stop (its thread starved), its training goes on
-
-        liveness.Liveness.beat = lambda self: None  # type: ignore[method-assign]
-    if first and (rank, step) == (int(at_rank), int(float(at_step))) and kind in ("kill", "stop"):
-        if run is not None and run.mirror is not None:
-            run.mirror.wait_sent(step - 1, 5.0)
-        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
 def replicated_differs(run: Any) -> None:

@@ -1,0 +1,82 @@
+"""One fault injector for every test task and benchmark workload: ``HPC_DDP_TEST_FAULT="KIND:RANK:STEP"``.
+
+The fault hits RANK in its STEP-th training step of the job's first attempt only (SLURM_RESTART_COUNT=0 and
+not an in-job restart), so a requeued or healed attempt runs clean. Kinds:
+
+- ``kill``: SIGKILL (a lost rank); ``stop``: SIGSTOP (a frozen node as seen from outside: every thread stops,
+  no socket closes); ``stopnode:NODE:STEP``: every rank of that node stops (needs the run object);
+- ``raise``: a RuntimeError in the loss; ``sleep``: an hour's sleep outside any collective (a hang);
+- ``mute``: that rank's liveness beats stop from that step on while it trains (a false alarm; every step
+  takes 20 ms so that the alarm comes while the run goes on);
+- ``slow:-1:S``: every step of every rank takes S seconds longer (a GPU's compute, for B11; numbers unchanged).
+
+``kill`` and ``stop`` first write the time to ``HPC_DDP_TEST_FAULT_STAMP`` when it is set (for B10). An own
+loop passes its run object: a rank then waits until the state of the step before has left for its buddy
+(the mirror's sender posts it about a millisecond after the boundary; a rank lost inside that window takes
+that step's state with it, by design, and a CI run caught rank 3 holding rank 1's step 21, not 22).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+FAULT = "HPC_DDP_TEST_FAULT"
+STAMP = "HPC_DDP_TEST_FAULT_STAMP"
+
+
+def first_attempt(environ: Mapping[str, str] = os.environ) -> bool:
+    """The job's first attempt: not requeued (SLURM_RESTART_COUNT 0) and not restarted inside the job."""
+    return environ.get("SLURM_RESTART_COUNT", "0") == "0" and not environ.get("HPC_DDP_IN_JOB_RESTART")
+
+
+def planned(environ: Mapping[str, str] = os.environ) -> tuple[str, int, float]:
+    """(kind, rank, step) from HPC_DDP_TEST_FAULT, ("none", -1, -1.0) when unset."""
+    kind, rank, step = (environ.get(FAULT) or "none:-1:-1").split(":")
+    return kind, int(rank), float(step)
+
+
+def inject(rank: int, step: int, run: Any = None) -> None:
+    """Called by a task or loop at the start of its ``step``-th training step (counted from 1) on ``rank``."""
+    kind, at_rank, at_step = planned()
+    if kind == "slow":
+        time.sleep(at_step)
+    if kind == "mute":
+        time.sleep(0.02)
+    if kind == "stopnode" and run is not None:
+        kind, at_rank = "stop", (rank if run.env.node_rank == at_rank else -1)
+    if (rank, step) != (at_rank, int(at_step)) or not first_attempt():
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected failure on rank {at_rank} at step {int(at_step)}")
+    if kind == "sleep":
+        time.sleep(3600)
+    if kind == "mute":
+        from hpc_ddp.rank.watch import liveness  # this rank's beats stop (its thread starved), its training goes on
+
+        liveness.Liveness.beat = lambda self: None  # type: ignore[method-assign]
+    if kind in ("kill", "stop"):
+        if run is not None and run.mirror is not None:
+            run.mirror.wait_sent(step - 1, 5.0)
+        if os.environ.get(STAMP):
+            Path(os.environ[STAMP]).write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+
+class FaultyLoss:
+    """A Task mixin: the fault is injected in ``loss`` of the training steps (not the Trainer's eval-mode
+    warm-up pass), counted from 1 on each rank."""
+
+    steps = 0
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        if model.training:
+            import torch.distributed as dist
+
+            self.steps += 1
+            inject(dist.get_rank(), self.steps)
+        return super().loss(model, batch)  # type: ignore[misc]
