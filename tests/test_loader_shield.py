@@ -269,3 +269,58 @@ def test_the_rehearsals_stops_reach_the_loader_workers_and_cost_at_most_the_step
     for name in ("fork", "spawn"):
         assert losses(tmp_path / name) == losses(tmp_path / "straight")
         assert done(tmp_path / name)["params_sha256"] == done(tmp_path / "straight")["params_sha256"]
+
+
+KILLED_RANK = textwrap.dedent("""
+    import multiprocessing.forkserver, os, signal, sys
+    import torch
+    import hpc_ddp
+    from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD
+    from tests.test_loader_shield import Slow
+
+    if __name__ == "__main__":
+        multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])  # as the session does
+        init = hpc_ddp.worker_init() if sys.argv[1] == "1" else None  # a user's own loader may have none
+        loader = torch.utils.data.DataLoader(Slow(), batch_size=2, num_workers=2, worker_init_fn=init,
+                                             multiprocessing_context="forkserver", persistent_workers=True)
+        batches = iter(loader)
+        next(batches)
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        print(server, *(w.pid for w in batches._workers), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the rank alone, as a fault or the OOM killer does
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+    except (OSError, IndexError):
+        return True
+
+
+def test_a_killed_ranks_forkserver_and_loader_workers_end_with_it() -> None:
+    """A rank killed with SIGKILL leaves its forkserver and loader workers behind, ignoring SIGTERM, unless they
+    end by themselves: where Slurm tracks a step's processes by parent (proctrack/linuxproc, the local cluster)
+    nothing else will. Each held the other alive before (the workers kept the server's alive pipe open). Two
+    ranks side by side: one with hpc_ddp.worker_init(), one a user's own loader without it."""
+    import time
+
+    ranks = [subprocess.Popen([sys.executable, "-c", KILLED_RANK, shielded], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}) for shielded in ("1", "0")]
+    pids: list[int] = []
+    try:
+        for rank in ranks:
+            out, err = rank.communicate(timeout=120)
+            assert rank.returncode == -signal.SIGKILL and len(out.split()) == 3, (out, err[-2000:])
+            pids += [int(p) for p in out.split()]
+        deadline = time.monotonic() + 60  # the server at once; a worker at its watchdog's next poll (5 s)
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in pids if not _gone(pid)] == [], f"left behind (server, worker, worker) x 2: {pids}"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -129,6 +129,49 @@ def _start_resource_tracker() -> None:
         resource_tracker.ensure_running()
 
 
+class _Hook:
+    """What :func:`multiprocessing.util.register_after_fork` keys its hook on (a weak reference: kept here)."""
+
+
+_AFTER_FORK = _Hook()
+
+
+def release_alive_pipe(_hook: object = None) -> bool:
+    """In a child of a forkserver: close its copy of the server's "alive" pipe; True when one was closed.
+
+    A forkserver exits when every write end of that pipe is closed, which is meant to be when its rank (its
+    client) has died. But multiprocessing hands each child of the server a write end too (``_serve_one``), so
+    that a child could ask the same server for processes; it never does (a forkserver's child that starts
+    processes of its own starts a server of its own, as ``_forkserver_pid`` is unset there). So after a rank
+    killed with SIGKILL, its loader workers keep the server alive and the server keeps them alive (PyTorch's
+    worker ends when its parent changes): a pair of orphans that ignore SIGTERM, ~100 MB each, for ever, on a
+    cluster that tracks a step's processes by parent (``proctrack/linuxproc``, ``pgid``) and in the local
+    cluster. With the pipe released, the server exits with its rank, and the workers a moment later (PyTorch's
+    watchdog polls every 5 s). Reads CPython's private forkserver state, guarded: if a future Python moves it,
+    nothing is closed (a test pins the behaviour)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if server is None or fd is None or getattr(server, "_forkserver_pid", 0) is not None:
+        return False  # not a forkserver's child (a process that started a server holds its own end on purpose)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
+    return True
+
+
+def release_alive_pipe_in_children() -> None:
+    """In a forkserver (its preload): every child it forks runs :func:`release_alive_pipe` before its target,
+    a DataLoader worker with or without :func:`worker_init` alike (multiprocessing runs its after-fork hooks
+    in each new process once the server has handed it its pipes)."""
+    from multiprocessing import util
+
+    util.register_after_fork(_AFTER_FORK, release_alive_pipe)
+
+
 def ignores(pid: int, signum: int, proc: Path = Path("/proc")) -> bool | None:
     """Whether process ``pid`` ignores ``signum`` (its ``SigIgn`` mask in /proc), or None when unknown."""
     try:
