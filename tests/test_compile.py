@@ -161,6 +161,17 @@ def test_a_node_local_cache_is_seeded_from_the_runs_copy_and_publishes_only_fini
     assert not [p for p in shared.rglob(".*") if p.name != ".123.456.tmp"]  # no temporary file of ours is left
 
 
+def test_a_finished_runs_cache_folder_goes_only_when_nothing_is_in_it(tmp_path: Path) -> None:
+    assert not compile_cache.drop_if_empty(tmp_path)  # none
+    (tmp_path / "compile_cache" / "fxgraph" / "ab").mkdir(parents=True)
+    (tmp_path / "compile_cache" / "triton").mkdir()
+    assert compile_cache.drop_if_empty(tmp_path) and not (tmp_path / "compile_cache").exists()
+    (tmp_path / "compile_cache" / "fxgraph" / "ab").mkdir(parents=True)
+    (tmp_path / "compile_cache" / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
+    assert not compile_cache.drop_if_empty(tmp_path)
+    assert (tmp_path / "compile_cache" / "fxgraph" / "ab" / "entry").read_bytes() == b"graph"
+
+
 @pytest.mark.compile  # dynamo traces (and gives up on) DDP's forward: seconds, no inductor compile
 def test_compiling_ddp_instead_of_the_model_is_named_at_the_first_boundary() -> None:
     """torch.compile(DDP(model)) compiles nothing (dynamo does not trace DDP's forward): the advice names the

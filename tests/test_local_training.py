@@ -48,6 +48,7 @@ def test_ddp_over_four_ranks_equals_one_process_on_the_full_batch(tmp_path: Path
     assert len(losses[0]) == 20 and losses[0] == pytest.approx(losses[1], rel=1e-5)
     done = json.loads((tmp_path / "ddp" / "DONE.json").read_text())
     assert (done["step"], done["world_size"]) == (20, 4) and len(done["params_sha256"]) == 64
+    assert not (tmp_path / "ddp" / "compile_cache").exists()  # nothing compiled: no empty folder is left
 
 
 def test_a_failing_rank_fails_the_job_fast_and_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -129,6 +129,27 @@ def publish(local: Path, run_dir: Path | str) -> int:
     return copy_new(local, layout.compile_cache(run_dir))
 
 
+def drop_if_empty(run_dir: Path | str) -> bool:
+    """Remove the run's cache folder when nothing was cached in it (True when removed): inductor creates the
+    folder its variable names as soon as it is imported, which building an optimizer does, so a run that
+    never compiled would keep an empty ``compile_cache/``. Called when the run has finished; only empty
+    folders go (``rmdir`` refuses any other, atomically, whoever else writes there)."""
+    top = layout.compile_cache(run_dir)
+    if not top.is_dir():
+        return False
+    for root, dirs, _files in os.walk(top, topdown=False):
+        for name in dirs:
+            try:
+                os.rmdir(Path(root, name))
+            except OSError:
+                return False
+    try:
+        top.rmdir()
+    except OSError:
+        return False
+    return True
+
+
 def torchs_default(environ: Mapping[str, str], user: str | None = None) -> str:
     """Inductor's own default cache folder, which it writes into ``os.environ`` the first time anything in a
     process imports its config (building an optimizer does): a job submitted from such a process inherits

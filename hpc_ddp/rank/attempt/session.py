@@ -30,7 +30,7 @@ from hpc_ddp.rank.attempt.conclude import conclude, end_as_stop, write_line
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
-from hpc_ddp.rundir import flight, jit_files, layout
+from hpc_ddp.rundir import compile_cache, flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.core.errors import HpcDdpError
@@ -173,6 +173,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 # last, after the ledger line; under train.script the worker publishes it after its own
                 target = layout.done_pending if attempt.wrapped else layout.done
                 write_atomic(target(attempt.run_dir), json.dumps(run.finished))
+                compile_cache.drop_if_empty(attempt.run_dir)  # the empty folder of a run that never compiled
         finally:
             if env.is_main and not attempt.wrapped:
                 release(attempt.run_dir, attempt.holder)
