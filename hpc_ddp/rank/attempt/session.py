@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpc_ddp.session")
 CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
-HOLD_S = 10.0  # the longest rank 0 waits at a step for the rehearsal's injected signal
+HOLD_S = 60.0  # the longest rank 0 waits at a step for the rehearsal's injected signal (ms when all is well;
+# 10 s ran out once in CI, a launcher starved by a loaded machine, and the stop under test never happened)
 DIE_WAIT_S = 5.0  # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
 
 
