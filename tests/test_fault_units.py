@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import snapshot, snapshot_verify, snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
 from hpc_ddp.shell.settle import pick_config, settle
@@ -240,30 +240,30 @@ def test_each_slice_has_a_digest_of_its_own_and_a_changed_byte_is_named_where_it
     state = {"model": {"w": torch.randn(600_000), "b": torch.randn(10), "empty": torch.empty(0)},
              "optimizer": {"step": 3, "m": torch.randn(300_000)}}
     content, layout, held = slicing.node_content(state, 0, 2, 2, {0: {"seed": torch.arange(5)}})
-    entry = snapshot.write_node_file(tmp_path, 0, content, split=layout)
+    entry = snapshot_write.write_node_file(tmp_path, 0, content, split=layout)
     path, digests = tmp_path / entry["name"], entry["digests"]
     assert set(digests["slices"]) == {"0", "1"} and "sha256" not in entry
-    assert snapshot.file_problem(tmp_path, path.name, entry) is None
+    assert snapshot_verify.file_problem(tmp_path, path.name, entry) is None
     assert sorted(i for i, *_ in digests["spans"]) == sorted(content["pieces"])  # every piece found in the stream
     for slice_, bit in ((0, 5), (1, 7)):
         offset = next(o + n // 2 for _, o, n, s in digests["spans"] if s == slice_ and n)
         data = bytearray(path.read_bytes())
         data[offset] ^= 1 << bit
         path.write_bytes(bytes(data))
-        assert snapshot.file_problem(tmp_path, path.name, entry) == f"sha256 of slice {slice_} differs from the manifest"
-        assert snapshot.file_problem(tmp_path, path.name, entry, deep=False) is None  # same size: the reader's job
-        assert snapshot.rest_problem(path, entry) is None
+        assert snapshot_verify.file_problem(tmp_path, path.name, entry) == f"sha256 of slice {slice_} differs from the manifest"
+        assert snapshot_verify.file_problem(tmp_path, path.name, entry, deep=False) is None  # same size: the reader's job
+        assert snapshot_verify.rest_problem(path, entry) is None
         data[offset] ^= 1 << bit
         path.write_bytes(bytes(data))
     data = bytearray(path.read_bytes())
     data[40] ^= 1  # inside the zip's first record, outside every piece
     path.write_bytes(bytes(data))
-    assert "outside the state's pieces" in (snapshot.rest_problem(path, entry) or "")
+    assert "outside the state's pieces" in (snapshot_verify.rest_problem(path, entry) or "")
     pieces = {0: torch.arange(10.0)[2:8]}  # a view: torch.save writes its whole storage, from a copy
-    entry = snapshot.write_node_file(tmp_path, 1, {"pieces": pieces}, split={"pieces": [[0, 0, 6, 0]]})
+    entry = snapshot_write.write_node_file(tmp_path, 1, {"pieces": pieces}, split={"pieces": [[0, 0, 6, 0]]})
     assert entry["digests"]["spans"] == [] and entry["digests"]["slices"] == {}
-    assert snapshot.file_problem(tmp_path, entry["name"], entry) is None
-    assert snapshot.slice_problem(entry, 0, ["00" * 32]) is None  # in the rest: verified with it
+    assert snapshot_verify.file_problem(tmp_path, entry["name"], entry) is None
+    assert snapshot_verify.slice_problem(entry, 0, ["00" * 32]) is None  # in the rest: verified with it
 
 
 def test_a_finished_runs_job_still_listed_is_said_to_be_ending(tmp_path: Path,

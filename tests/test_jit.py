@@ -18,7 +18,7 @@ import torch
 
 from hpc_ddp.rank.state.rng import reseed
 from hpc_ddp.rank.salvage.jit import Held, buffers, fingerprint
-from hpc_ddp.rundir import jit_files, retention, slicing, snapshot
+from hpc_ddp.rundir import jit_files, retention, slicing, snapshot, snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
 from tests.helpers import done, losses, submit
 
@@ -409,20 +409,20 @@ def test_a_survivors_snapshot_written_while_the_training_thread_goes_on_is_never
     run = _one_rank_run(tmp_path / "torn", model, optimizer)
     run.held.mark(7)
     at_7 = {k: v.clone() for k, v in model.state_dict().items()}
-    real_write = snapshot.write_node_file
+    real_write = snapshot_write.write_node_file
 
     def training_goes_on(*args: Any, **kwargs: Any) -> Any:  # the training thread runs while the bytes are written
         _train_step(model, optimizer)
         run.held.mark(8)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(snapshot, "write_node_file", training_goes_on)
+    monkeypatch.setattr(snapshot_write, "write_node_file", training_goes_on)
     side = threading.Thread(target=lambda: setattr(run, "offer", jit.after_failure(run, RuntimeError("peer lost"))))
     side.start()
     side.join()
     assert "training went on" in run.offer["outcome"] and snapshot.committed_steps(run.run_dir) == []
 
-    monkeypatch.setattr(snapshot, "write_node_file", real_write)
+    monkeypatch.setattr(snapshot_write, "write_node_file", real_write)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

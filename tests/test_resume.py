@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import snapshot, snapshot_verify
 from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def test_three_stops_mid_epoch_give_bit_identical_results(uninterrupted: Path, s
     for step in snapshot.committed_steps(run_dir):  # resuming (mmap) never wrote into a committed file
         directory = snapshot.step_dir(run_dir, step)
         manifest = snapshot.read_manifest(directory)
-        assert all(snapshot.file_problem(directory, n, e) is None for n, e in manifest["files"].items())
+        assert all(snapshot_verify.file_problem(directory, n, e) is None for n, e in manifest["files"].items())
     assert len(snapshot.committed_steps(run_dir)) == 2  # keep_last
     files = manifest["files"].values()  # split over the 2 nodes, each slice in both files (replicas 2)
     assert manifest["layout"]["slices"] == 2 and sorted(sorted(f["slices"]) for f in files) == [[0, 1], [0, 1]]

@@ -19,7 +19,7 @@ import torch
 
 from hpc_ddp.rank.state.copier import Chunk
 from hpc_ddp.rank.state.pipeline import Pipeline
-from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir import slicing, snapshot, snapshot_write
 
 CHUNK = 4096  # small chunks: every piece of a few KB is several
 
@@ -98,7 +98,7 @@ def node_file(directory: Path, state: dict[str, Any], node: int, stage: Callable
     if staged is not None:
         content["pieces"] = staged.pieces
     try:
-        entry = snapshot.write_node_file(directory, node, content, split=split,
+        entry = snapshot_write.write_node_file(directory, node, content, split=split,
                                          ready=staged.ready if staged is not None else None)
     finally:
         if staged is not None:
@@ -285,7 +285,7 @@ def test_a_staged_piece_the_stream_did_not_write_from_its_memory_is_an_error_not
     """Were a piece written from elsewhere than its staged memory, its bytes would have gone out without
     waiting for their copy: refused (it cannot happen with torch.save of CPU tensors; the check stays)."""
     pipeline = Pipeline(copier_of=lambda tensor: FakeDevice(), chunk=CHUNK)
-    monkeypatch.setattr(snapshot, "_address", lambda view: -1)
+    monkeypatch.setattr(snapshot_write, "_address", lambda view: -1)
     with pytest.raises(snapshot.SnapshotError, match=r"pieces \[0\] .* were not written from their staged memory"):
         node_file(tmp_path, {"w": torch.randn(100), "step": 1}, 0, lambda p: pipeline.stage(p, copy_host=False),
                   nodes=1)

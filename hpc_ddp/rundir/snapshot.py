@@ -9,23 +9,20 @@ name, fsynced, renamed, and the directory fsynced, so a crash at any point leave
 last committed step intact. Loads use ``torch.load(weights_only=True)``: a file that
 needs arbitrary unpickling is refused, nothing in it runs. The collective part (who
 writes what, who verifies what) is in :mod:`hpc_ddp.rank.state.checkpointer`; this module is
-plain file handling, and imports torch only to serialise (``status`` reads manifests
-without it).
+plain file handling, and imports torch only to load (``status`` reads manifests without it). A node
+file is written by :mod:`hpc_ddp.rundir.snapshot_write` and its bytes checked by
+:mod:`hpc_ddp.rundir.snapshot_verify`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
 import pickle
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,6 +30,7 @@ from typing import Any, BinaryIO
 from hpc_ddp.core import atomic
 from hpc_ddp.rundir import jit_files, layout, newest, slicing, view
 from hpc_ddp.core.errors import HpcDdpError, explain
+from hpc_ddp.rundir.snapshot_verify import file_problem
 
 log = logging.getLogger("hpc_ddp.snapshot")
 MANIFEST = "manifest.json"
@@ -82,186 +80,6 @@ def write_atomic(path: Path, data: bytes | memoryview | Callable[[BinaryIO], Non
         raise SnapshotError(explain(f"cannot write {path}: {err.strerror}",
                                     hint="check free space and permissions of the run directory; "
                                     "the previous committed snapshot is untouched")) from None
-
-
-Ready = Callable[[int, int, int], None]  # (piece, start, stop): returns once those bytes of the piece are in memory
-
-
-class _Hashing:
-    """A write-only file that hashes and counts what passes through (torch.save writes sequentially).
-
-    The hash of a chunk runs in a helper thread while the chunk is written: both release the
-    GIL, so hashing hides behind the write (sha256 alone was ~35% of a 100 MB snapshot).
-
-    Each byte is hashed once, into one of two kinds of digest, so that a resume can verify exactly what it
-    reads (issue 45: before, every file was hashed whole, replicas included, and the disk served the state
-    twice). torch.save writes a tensor's storage in one call straight from the tensor's memory, so a write
-    whose address and size are a piece's (``pieces``: {index: CPU tensor}) is that piece: it gets a digest of
-    its own and its place in the file (a *span*). Everything else (the zip's records, the pickle, the RNG
-    states, a piece torch had to copy first, e.g. from a GPU) goes into one digest of the *rest*, the file
-    outside the spans, in file order.
-    """
-
-    def __init__(self, out: BinaryIO, pool: ThreadPoolExecutor, pieces: Mapping[tuple[int, int], int] | None = None,
-                 ready: Ready | None = None) -> None:
-        self.out, self.pool, self.rest, self.size = out, pool, hashlib.sha256(), 0
-        self.pieces = dict(pieces or {})  # (address, bytes) -> piece index
-        self.spans: dict[int, tuple[int, int, Any]] = {}  # piece index -> (offset, bytes, its sha256)
-        # torch re-raises a failed write as a RuntimeError; keep the cause (a full disk, a failed copy)
-        self.error: BaseException | None = None
-        self.ready = ready
-        self.first_write: Callable[[], None] | None = None  # called once, at torch.save's first write
-
-    def write(self, data: Any) -> int:
-        if self.first_write is not None:
-            self.first_write, first = None, self.first_write
-            first()
-        view = memoryview(data).cast("B")
-        index = self.pieces.pop((_address(view), view.nbytes), None) if self.pieces and view.nbytes else None
-        if index is None:
-            self._write(view, self.rest)
-        else:
-            digest = hashlib.sha256()
-            self.spans[index] = (self.size, view.nbytes, digest)
-            step = WRITE_CHUNK if self.ready is not None else view.nbytes
-            for start in range(0, view.nbytes, step):  # chunk k is written while chunk k+1 is still copying
-                if self.ready is not None:
-                    try:
-                        self.ready(index, start, min(start + step, view.nbytes))
-                    except BaseException as err:
-                        self.error = err
-                        raise
-                self._write(view[start:start + step], digest)
-        return view.nbytes
-
-    def _write(self, view: memoryview, digest: Any) -> None:
-        """Hash ``view`` in the helper thread while this thread writes it."""
-        hashed = self.pool.submit(digest.update, view)
-        try:
-            self.out.write(view)
-        except OSError as err:
-            self.error = err
-            raise
-        finally:
-            hashed.result()  # in order: the next chunk is hashed only after this one
-        self.size += view.nbytes
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def digests(self, slices: Mapping[int, int], sizes: Mapping[int, int]) -> dict[str, Any]:
-        """The manifest's ``digests`` of the file: the rest's; each piece's span ``[index, offset, bytes,
-        slice]`` (an empty piece: 0 bytes at 0); each slice's digest (:func:`slice_digest`) where every piece of
-        it has a span. A piece without one (torch copied it first) is in the rest, and so is its slice."""
-        found = {i: (offset, size, d.hexdigest()) for i, (offset, size, d) in self.spans.items()}
-        found.update({i: (0, 0, EMPTY) for i, size in sizes.items() if size == 0})
-        by_slice: dict[int, list[int]] = {}
-        for index, owner in slices.items():
-            by_slice.setdefault(owner, []).append(index)
-        return {"rest": self.rest.hexdigest(),
-                "spans": [[i, offset, size, slices.get(i, -1)] for i, (offset, size, _) in sorted(found.items())],
-                "slices": {str(s): slice_digest([found[i][2] for i in sorted(indices)])
-                           for s, indices in sorted(by_slice.items()) if all(i in found for i in indices)}}
-
-
-EMPTY = hashlib.sha256(b"").hexdigest()
-WRITE_CHUNK = 32 << 20  # a staged piece is hashed and written in chunks of this, each once its copy is done
-
-
-def _address(view: memoryview) -> int:
-    """Where a buffer's bytes are in memory (numpy reads it from any buffer, read-only ones too)."""
-    import numpy
-
-    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
-
-
-def slice_digest(piece_digests: Sequence[str]) -> str:
-    """A slice's digest: sha256 over its pieces' sha256 digests, in piece order (so the writer may hash the
-    pieces in the order torch writes them, and the reader in the order it copies them)."""
-    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in piece_digests)).hexdigest()
-
-
-_CRC_SWITCH = threading.Lock()  # torch.save's CRC option is process-wide: one writer switches it at a time
-
-
-@contextlib.contextmanager
-def _without_crc32(hashing: _Hashing) -> Iterator[bool]:
-    """torch.save of a node file without the zip's CRC-32 of each record: whether it could be switched off.
-
-    The CRC was a second pass over the state, serial, single-threaded, before each record is written
-    (0.5 s for 512 MB here, as slow as the disk), and it read a piece before torch.save wrote it, so a
-    piece still being copied from a GPU would have to be whole before its write began. The sha256 digests
-    of the manifest verify every byte; torch.load reads files without CRCs (``set_crc32_options``, torch
-    2.6+). The option is process-wide and read when torch.save opens its writer: it is switched back at
-    the first write, so another thread's torch.save runs without CRCs for at most the pickling of this
-    file's structure."""
-    import torch.serialization as serialization
-
-    get, put = (getattr(serialization, name, None) for name in ("get_crc32_options", "set_crc32_options"))
-    if get is None or put is None:
-        yield False
-        return
-    _CRC_SWITCH.acquire()
-    before, restored = get(), []
-
-    def restore() -> None:
-        if not restored:
-            restored.append(True)
-            put(before)
-            _CRC_SWITCH.release()
-
-    put(False)
-    hashing.first_write = restore
-    try:
-        yield True
-    finally:
-        restore()
-
-
-def write_node_file(directory: Path, node_rank: int, payload: dict[str, Any], name: str | None = None,
-                    split: Mapping[str, Any] | None = None, ready: Ready | None = None) -> dict[str, Any]:
-    """Serialise one node's file straight into its temporary file, hashing on the way; return its
-    manifest entry (name, size, digests). No in-memory copy of the state and no second pass to
-    hash it: B3 measured the two at 60% of a 100 MB snapshot's time. ``name``: another file name than
-    the node's (a just-in-time snapshot's); ``split``: the layout the payload's pieces follow (each
-    slice then gets a digest a resume checks as it reads the slice, :func:`slice_problem`).
-
-    ``ready``: the pieces are still being copied into their memory (:mod:`hpc_ddp.rank.state.pipeline`):
-    each is written in chunks, each chunk once ``ready`` says its bytes are there. A piece the stream
-    did not write from its own memory would have been written without that wait: an error, never a commit."""
-    import torch
-
-    directory.mkdir(parents=True, exist_ok=True)
-    name = name or node_file_name(node_rank)
-    hashing: list[_Hashing] = []
-    pieces: Mapping[int, Any] = payload.get("pieces") or {}
-    known = {(t.untyped_storage().data_ptr(), t.nbytes): i for i, t in pieces.items()
-             if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.nbytes
-             and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes}
-    slices = {i: split["pieces"][i][3] for i in pieces} if split is not None else {}
-
-    def serialise(out: BinaryIO) -> None:
-        with ThreadPoolExecutor(1, thread_name_prefix="snapshot-sha256") as pool:
-            hashing.append(_Hashing(out, pool, known, ready))
-            try:
-                with _without_crc32(hashing[0]) as crc_off:
-                    if ready is not None and not crc_off:  # the CRC reads each piece before its write
-                        for index, tensor in pieces.items():
-                            ready(index, 0, tensor.nbytes)
-                    torch.save(payload, hashing[0])
-            except Exception:
-                if hashing[0].error is not None:  # e.g. ENOSPC: say that, not torch's "file write failed"
-                    raise hashing[0].error from None
-                raise
-        if ready is not None and hashing[0].pieces:
-            raise SnapshotError(explain(
-                f"snapshot pieces {sorted(hashing[0].pieces.values())} of {directory / name} were not written from "
-                "their staged memory, so possibly before their copy from the device ended", hint="a bug in "
-                "hpc_ddp: report it; the previous committed snapshot is untouched"))
-
-    write_atomic(directory / name, serialise)
-    sizes = {i: t.nbytes for i, t in pieces.items() if isinstance(t, torch.Tensor)}
-    return {"name": name, "size": hashing[0].size, "digests": hashing[0].digests(slices, sizes)}
 
 
 FILE_KEYS = ("size", "sha256", "digests", "slices", "ranks")  # what the manifest keeps of a writer's entry
@@ -411,138 +229,6 @@ def refuses_resize(run_dir: Path, per_rank_only: bool = False) -> str | None:
     if per_rank_only:
         reason = REASONS_JOIN.join(r for r in reason.split(REASONS_JOIN) if r.startswith(PER_RANK_REASON))
     return reason or None
-
-
-def file_problem(directory: Path, name: str, expected: dict[str, Any], deep: bool = True) -> str | None:
-    """Why this file cannot be trusted (missing, truncated, altered), or None when it verifies.
-
-    ``deep=False``: its size alone (what a resume checks before it reads: each slice is verified as it is
-    read, :func:`rest_problem` and :func:`slice_problem`), except for a file written before digests per
-    slice (issue 45), which is hashed whole as it always was."""
-    if not name or "/" in name or name.startswith("."):
-        return "not a file name of this snapshot"
-    path = directory / name
-    try:
-        with open(path, "rb") as source:  # an open by name: on NFS, fresh attributes (close-to-open)
-            size = os.fstat(source.fileno()).st_size
-            if size != expected.get("size"):
-                return f"size {size} bytes, manifest says {expected.get('size')}"
-            digests = expected.get("digests")
-            if not isinstance(digests, dict):
-                return None if _sha256(source, [(0, size)]) == expected.get("sha256") else \
-                    "sha256 differs from the manifest"
-            if not deep:
-                return None
-            problem = _rest_problem(source, size, digests)
-            pieces = {i: _sha256(source, [(offset, length)]) for i, offset, length, _ in _spans(digests)}
-    except OSError:
-        return "missing"
-    except (TypeError, ValueError):
-        return "its manifest entry is not readable"
-    return problem or next((f"sha256 of slice {s} differs from the manifest" for s, want in
-                            sorted(digests.get("slices", {}).items())
-                            if not _composed(pieces, want, s, digests)), None)
-
-
-def rest_problem(path: Path, expected: Mapping[str, Any]) -> str | None:
-    """Why the file's bytes outside its pieces (the zip's records, the pickle, the RNG states) cannot be
-    trusted, or None. Small: a resume reads them anyway (torch.load reads the pickle, and then finds them in
-    the page cache: read here without the kernel's read-ahead, which would pull in megabytes of the pieces
-    beside them); None for a file with no digests (hashed whole before)."""
-    digests = expected.get("digests")
-    if not isinstance(digests, dict):
-        return None
-    try:
-        with open_exact(path) as source:
-            return _rest_problem(source, int(expected["size"]), digests)
-    except OSError as err:
-        return f"cannot be read ({err.strerror})"
-    except (KeyError, TypeError, ValueError):
-        return "its manifest entry is not readable"
-
-
-def open_exact(path: Path) -> BinaryIO:
-    """``path`` opened for reads of exactly the bytes asked for: no read-ahead (``POSIX_FADV_RANDOM``). A
-    reader of one slice of a file that holds two would otherwise make the disk serve up to ``read_ahead_kb``
-    (8 MB on this machine's disk) of the other slice after it: 1.7 states for 1 in B9 at 50 MB."""
-    source = open(path, "rb", buffering=0)
-    with contextlib.suppress(OSError, AttributeError):
-        os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-    return source  # type: ignore[return-value]
-
-
-def read_span(source: BinaryIO, offset: int, into: memoryview) -> None:
-    """Fill ``into`` with the file's bytes from ``offset`` (in reads of at most 16 MiB); EOFError if it ends."""
-    done = 0
-    while done < into.nbytes:
-        got = os.preadv(source.fileno(), [into[done:done + (1 << 24)]], offset + done)
-        if got <= 0:
-            raise EOFError(f"{getattr(source, 'name', 'a snapshot file')} ends at byte {offset + done}")
-        done += got
-
-
-def warm_heads(path: Path, expected: Mapping[str, Any]) -> None:
-    """Read, without read-ahead, the first 8 KiB of each piece: torch.load reads 4 KiB from each record's
-    header, into the piece's bytes, and where those pages are not in the page cache the kernel reads ahead of
-    torch's read by up to twice ``read_ahead_kb`` (torch advises sequential access), through the piece (16 MB
-    of a slice that is not this reader's, measured in B9) and leaves marks that make later reads read ahead."""
-    with contextlib.suppress(OSError), open_exact(path) as source:
-        for offset, length in spans_of(expected).values():
-            if length:
-                os.pread(source.fileno(), min(length, 8192), offset)
-
-
-def spans_of(expected: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
-    """piece -> (offset, bytes) in the file, for the pieces its digests found in the stream."""
-    digests = expected.get("digests")
-    return {i: (offset, length) for i, offset, length, _ in _spans(digests)} if isinstance(digests, dict) else {}
-
-
-def slice_problem(expected: Mapping[str, Any], slice_: int, piece_digests: Sequence[str]) -> str | None:
-    """Why slice ``slice_`` as read from this file (``piece_digests``: sha256 of each of its pieces' bytes,
-    in piece order) cannot be trusted, or None; None too when the file has no digest for it (its bytes were
-    in the rest, verified with it)."""
-    digests = expected.get("digests")
-    want = digests.get("slices", {}).get(str(slice_)) if isinstance(digests, dict) else None
-    if want is None or slice_digest(piece_digests) == want:
-        return None
-    return f"sha256 of slice {slice_} differs from the manifest"
-
-
-def _composed(pieces: Mapping[int, str], want: str, slice_: str, digests: Mapping[str, Any]) -> bool:
-    """Whether the slice's pieces, as hashed in the file, give its digest."""
-    indices = sorted(i for i, _, _, owner in _spans(digests) if str(owner) == slice_)
-    return bool(indices) and slice_digest([pieces[i] for i in indices]) == want
-
-
-def _spans(digests: Mapping[str, Any]) -> list[tuple[int, int, int, int]]:
-    return [(int(i), int(offset), int(length), int(owner)) for i, offset, length, owner in digests.get("spans", [])]
-
-
-def _rest_problem(source: BinaryIO, size: int, digests: Mapping[str, Any]) -> str | None:
-    """The rest's digest against the manifest: the file outside its spans, read in file order."""
-    outside, at = [], 0
-    for _, offset, length, _ in sorted(_spans(digests), key=lambda span: span[1]):
-        outside.append((at, offset - at))
-        at = offset + length
-    outside.append((at, size - at))
-    if _sha256(source, outside) != digests.get("rest"):
-        return "sha256 of its records outside the state's pieces differs from the manifest"
-    return None
-
-
-def _sha256(source: BinaryIO, ranges: Sequence[tuple[int, int]]) -> str:
-    """sha256 of these byte ranges of an open file, in order, read in blocks of 4 MiB."""
-    digest = hashlib.sha256()
-    for offset, length in ranges:
-        source.seek(offset)
-        while length > 0:
-            block = source.read(min(length, 1 << 22))
-            if not block:
-                break
-            digest.update(block)
-            length -= len(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

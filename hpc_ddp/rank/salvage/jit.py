@@ -61,7 +61,7 @@ from hpc_ddp.rank.salvage import jit_commit
 from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.salvage.held import Held, buffers  # noqa: F401  (Held and buffers were defined here first)
 from hpc_ddp.rank.state.checkpointer import STEP
-from hpc_ddp.rundir import jit_files, newest, slicing, snapshot
+from hpc_ddp.rundir import jit_files, newest, slicing, snapshot, snapshot_write
 
 log = logging.getLogger("hpc_ddp.jit")
 OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other survivors' offers before comparing
@@ -297,7 +297,7 @@ def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], off
     directory = snapshot.step_dir(run.run_dir, step)
     name = jit_files.file_name(run.env.rank) if nodes == 1 else jit_files.node_file_name(index)
     writing = time.monotonic()
-    entry = snapshot.write_node_file(directory, 0, content, name=name, split=split)
+    entry = snapshot_write.write_node_file(directory, 0, content, name=name, split=split)
     wrote_s = time.monotonic() - writing
     if run.held.generation != generation:  # written from a side thread while the training thread went on
         return ("not committed: this rank's training went on (an optimizer update or a boundary) while the "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rank.state.checkpointer import PER_RANK
-from hpc_ddp.rundir import jit_files, newest, slicing, snapshot
+from hpc_ddp.rundir import jit_files, newest, slicing, snapshot, snapshot_write
 
 log = logging.getLogger("hpc_ddp.jit")
 
@@ -128,7 +128,7 @@ def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list
             return f"not committed: the files holding the per_rank state of rank(s) {lost} could not be read"
         content = {"format": slicing.FORMAT, "skeleton": None, "pieces": {},
                    "rng": {rank: {PER_RANK: blob} for rank, blob in states.items()}}
-        entry = snapshot.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
+        entry = snapshot_write.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
         entries.append({**entry, "slices": [], "ranks": sorted(states)})
     took = round(time.time() - min(o["time"] for o in [*writers, *sources]), 3)
     shares = {str(w["rank"]): {"write_s": w["written"].get("write_s"), "bytes": w["written"]["entry"].get("size"),

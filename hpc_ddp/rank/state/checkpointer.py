@@ -35,7 +35,7 @@ from hpc_ddp.rank.group import control
 from hpc_ddp.rank.state import pipeline as pipeline_
 from hpc_ddp.rank.state import spread
 from hpc_ddp.rank.group import tiers as tiers_
-from hpc_ddp.rundir import retention, slicing, snapshot
+from hpc_ddp.rundir import retention, slicing, snapshot, snapshot_verify, snapshot_write
 from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import DistEnv
@@ -185,7 +185,7 @@ class Checkpointer:
         The staged pieces' memory is released whatever happens (every copy waited for first)."""
         staged: pipeline_.Staged = payload["staged"]
         try:
-            entry = snapshot.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
+            entry = snapshot_write.write_node_file(snapshot.step_dir(self.run_dir, step), self.env.node_rank,
                                              payload["content"], split=payload["layout"],
                                              ready=staged.ready if staged.copying else None)
         except BaseException:
@@ -330,7 +330,7 @@ class Checkpointer:
         readers hash what they read (:func:`hpc_ddp.rank.state.spread.load`); a file without them is hashed whole."""
         names, world = sorted(manifest.get("files", {})), self.env.world_size
         deep = manifest.get("layout") is None  # format 1: read_state reads whole copies, verified before
-        mine = {name: snapshot.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
+        mine = {name: snapshot_verify.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
                                             else {}, deep=deep)
                 for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
         return control.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})

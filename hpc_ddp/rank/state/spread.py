@@ -37,7 +37,7 @@ import torch
 
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.group.tiers import Groups
-from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir import slicing, snapshot, snapshot_verify
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
@@ -78,7 +78,7 @@ class _Files:
     def verified(self, name: str) -> bool:
         """Whether the file's bytes outside its pieces verify (read once, without read-ahead; the reason in ``bad``)."""
         if name not in self.checked and name not in self.bad:
-            why = snapshot.rest_problem(self.choice.directory / name, self.choice.manifest["files"].get(name) or {})
+            why = snapshot_verify.rest_problem(self.choice.directory / name, self.choice.manifest["files"].get(name) or {})
             if why is None:
                 self.checked.add(name)
             else:
@@ -93,9 +93,9 @@ class _Files:
         file follows whatever its advice (a 13 MB slice cost 25 MB after a load, 13 MB before)."""
         if name not in self.loaded and self.verified(name):
             # a verified file that needs arbitrary unpickling was planted: stop, never fall back (SnapshotError)
-            snapshot.warm_heads(self.choice.directory / name, self.choice.manifest["files"].get(name) or {})
+            snapshot_verify.warm_heads(self.choice.directory / name, self.choice.manifest["files"].get(name) or {})
             mapped = snapshot.load_file(self.choice.directory / name)
-            spans = snapshot.spans_of(self.choice.manifest["files"].get(name) or {})
+            spans = snapshot_verify.spans_of(self.choice.manifest["files"].get(name) or {})
             self.loaded[name] = {
                 "pieces": {i: (t.clone() if i not in spans else torch.empty(t.shape, dtype=t.dtype, device="meta"))
                            for i, t in (mapped.get("pieces") or {}).items()},
@@ -136,23 +136,23 @@ def _read_slice(files: _Files, slice_: int, indices: list[int]) -> tuple[torch.T
             tried.append(f"{name} ({files.bad[name]})")
             continue
         entry = files.choice.manifest["files"][name]
-        spans = snapshot.spans_of(entry)
+        spans = snapshot_verify.spans_of(entry)
         early = all(i in spans for i in indices)  # every piece has its place: read them before any load of the file
         loaded = None if early else files.get(name)
         sizes = [spans[i][1] for i in indices] if early else [loaded["pieces"][i].nbytes for i in indices]  # type: ignore[index]
         buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         view, digests, offset, why = memoryview(buffer.numpy()), [], 0, None
         try:
-            with snapshot.open_exact(files.choice.directory / name) as source:
+            with snapshot_verify.open_exact(files.choice.directory / name) as source:
                 for i, size in zip(indices, sizes):
                     part = view[offset:offset + size]
                     if i in spans and spans[i][1] == size:
-                        snapshot.read_span(source, spans[i][0], part)
+                        snapshot_verify.read_span(source, spans[i][0], part)
                     else:  # no span: copied out of the file's load, whose rest verified
                         part[:] = memoryview(loaded["pieces"][i].reshape(-1).view(torch.uint8).numpy())  # type: ignore[index]
                     digests.append(hashlib.sha256(part).hexdigest())
                     offset += size
-            why = snapshot.slice_problem(entry, slice_, digests)
+            why = snapshot_verify.slice_problem(entry, slice_, digests)
         except (OSError, EOFError) as err:
             why = f"cannot be read ({err})"
         if why is None:
