@@ -83,7 +83,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
                                                                  rehearsal: Callable[..., Rehearsal]) -> None:
     """Cases (f), (a), (g) and (e) are submitted side by side (two 2-tasks-a-node jobs fill the 4-CPU nodes;
     Slurm starts the others as CPUs free up), and the reference rehearsal runs on this machine while they idle
-    (the frozen node's liveness wait); then (d) (a 5 s watchdog) alone; (b) and (c) mark a node down, so they
+    (the frozen node's liveness wait); then (d) (an 8 s watchdog) alone; (b) and (c) mark a node down, so they
     run last, each alone."""
     import socket
 
@@ -102,9 +102,9 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
         reference.done()
         for run_dir in jobs:
             wait_done(run_dir)
-    # (d) alone: its watchdog's 5 s (10 s where every rank waits) would count the start-up of ranks slowed by
-    # other jobs' start-ups as a hang
-    submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=5")
+    # (d) alone: its watchdog's 8 s (16 s where every rank waits) would count the start-up of ranks slowed by
+    # other jobs' start-ups as a hang; a heal's start-up took 5.5 s on a slow machine (stop 54's CI)
+    submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=8")
     wait_done(hung)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]
     expected_losses = losses(tmp_path / "reference")

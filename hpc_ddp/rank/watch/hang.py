@@ -5,8 +5,9 @@ in the process group's store and asks :func:`verdict` on rank 0. A rank's positi
 last beat (step, phase) and, once it has made no progress for ``dist.timeout_s``, where it
 stays (``final``) with the last collective it entered on each process group (torch's flight
 recorder). The verdict must not depend on timing: a rank that looks behind is named only once
-its position is final (a stale one would name a rank that has moved on), and when every rank
-is at the same place it waits twice the timeout (a start-up or snapshot write that every rank
+its position is final (a stale one would name a rank that has moved on) and the ranks ahead
+of it are final too (they wait for it; one that got ahead a moment ago does not, yet), and when
+every rank is at the same place it waits twice the timeout (a start-up or snapshot write that every rank
 is slow in is not a hang). No torch, no I/O.
 """
 
@@ -82,7 +83,10 @@ def verdict(positions: Sequence[Position | str | None], quiet_s: float, timeout_
             return stuck
     ranks = sorted(known)
     behind = [ranks[i] for i in laggards(places(list(known.values())))]
-    if behind and all(r in final for r in behind):
+    # named once the others wait for them too: a rank ahead that is not quiet got there a moment ago (the end of
+    # a slow start-up, which the rank behind is about to finish as well) and waits for nobody yet
+    waited_for = all(r in final for r in known if r not in behind)
+    if behind and waited_for and all(r in final for r in behind):
         return behind
     return (behind if behind else []) if quiet_s >= 2 * timeout_s else None
 

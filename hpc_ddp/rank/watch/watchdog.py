@@ -17,7 +17,9 @@ from every rank's *final* position:
 2. Rank 0, once quiet, reads the positions. The ranks that never entered a
    collective the others wait in are stuck; without a flight recorder, the ranks
    behind in (step, phase) (:func:`laggards`). A rank that looks behind is named only
-   once its position is final: a stale one would name a rank that has moved on.
+   once its position is final (a stale one would name a rank that has moved on) and the
+   ranks ahead are final too: one that got ahead a moment ago (past the end of a start-up
+   the rank behind is slower in) waits for nobody yet.
 3. When every rank is at the same place, the evidence is weak (a start-up or a
    snapshot write that every rank is slow in looks the same), so rank 0 gives the job
    twice the timeout before it says so; the collectives' own timeout (2 x this + 30 s)
