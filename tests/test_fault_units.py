@@ -81,7 +81,7 @@ def test_rank_0_names_the_stuck_rank_from_final_positions_whatever_the_timing() 
     assert verdict([final(23, "backward"), final(23, "forward"), Position(23, "data")], 5.5, 5) is None
     assert verdict([final(23, "backward"), final(23, "forward"), final(23, "backward")], 6, 5) == [1]
     assert verdict([final(9, "forward"), final(9, "backward")], 5.5, 5) == [0]  # rank 0 is the one stuck
-    # stop 54's CI: a heal's rank 0 spent 5.5 s (> dist.timeout_s=5) in its start-up, the others passed the last
+    # a CI run of 2026-11-27: a heal's rank 0 spent 5.5 s (> dist.timeout_s=5) in its start-up, the others passed the last
     # collective of the restore and beat the step after it a moment before rank 0 would; rank 0 named itself stuck
     # (twice, and the run failed). A rank ahead that is not quiet waits for nobody yet: no verdict
     assert verdict([final(0, "start"), Position(40, "finish"), Position(23, "data")], 5.5, 5) is None

@@ -103,7 +103,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
         for run_dir in jobs:
             wait_done(run_dir)
     # (d) alone: its watchdog's 8 s (16 s where every rank waits) would count the start-up of ranks slowed by
-    # other jobs' start-ups as a hang; a heal's start-up took 5.5 s on a slow machine (stop 54's CI)
+    # other jobs' start-ups as a hang; a heal's start-up took 5.5 s on a slow machine (a CI run, 2026-11-27)
     submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=8")
     wait_done(hung)
     expected = json.loads((tmp_path / "reference" / "DONE.json").read_text())["params_sha256"]

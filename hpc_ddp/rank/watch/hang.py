@@ -83,10 +83,9 @@ def verdict(positions: Sequence[Position | str | None], quiet_s: float, timeout_
             return stuck
     ranks = sorted(known)
     behind = [ranks[i] for i in laggards(places(list(known.values())))]
-    # named once the others wait for them too: a rank ahead that is not quiet got there a moment ago (the end of
-    # a slow start-up, which the rank behind is about to finish as well) and waits for nobody yet
-    waited_for = all(r in final for r in known if r not in behind)
-    if behind and waited_for and all(r in final for r in behind):
+    # named once every rank is final, those ahead too: a rank ahead that is not quiet got there a moment ago (the
+    # end of a slow start-up, which the rank behind is about to finish as well) and waits for nobody yet
+    if behind and len(final) == len(known):
         return behind
     return (behind if behind else []) if quiet_s >= 2 * timeout_s else None
 
