@@ -69,7 +69,7 @@ def test_a_compiled_run_stopped_once_resumes_warm_bit_identical_and_loads_uncomp
     rehearse(*TINY, f"run_dir={plain}", "train.compile_cache=node", env={"TMPDIR": str(tmp_path / "node")})
     first = rank0_log(plain, 0)
     # (both simulated nodes seed the one node folder of this machine: either may copy the entries first)
-    assert f"entries copied from the run's copy into {tmp_path / 'node' / 'hpc_ddp-compile-'}" in first
+    assert f"entries copied from the run's copy into {tmp_path / 'node' / f'hpc_ddp-{os.getuid()}-'}" in first
     assert "compile: cache hit" in first  # its node-local folder was empty: the entries came from the run's copy
     done = [json.loads((d / "DONE.json").read_text()) for d in (stopped, plain)]
     assert done[0]["params_sha256"] == done[1]["params_sha256"]
@@ -126,7 +126,8 @@ def test_the_cache_goes_where_train_compile_cache_says_and_a_users_own_variable_
                               "TRITON_CACHE_DIR": str(run_dir / "compile_cache" / "triton"),
                               "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     node = compile_cache.cache_env("node", run_dir, {"TMPDIR": "/scratch/local"})
-    assert str(node.folder).startswith("/scratch/local/hpc_ddp-compile-") and node.folder.name.startswith("run-")
+    assert str(node.folder).startswith(f"/scratch/local/hpc_ddp-{os.getuid()}-") and node.folder.name.endswith(
+        "-compile")  # named by the run's secret: nobody else can guess it (tests/test_node_local.py)
     assert compile_cache.cache_env("/fast/cache", run_dir, {}).folder == Path("/fast/cache")
     off = compile_cache.cache_env("off", run_dir, {})
     assert off.folder is None and off.exported == {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0",

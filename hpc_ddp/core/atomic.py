@@ -1,7 +1,8 @@
 """Durable file replacement: the one way hpc_ddp writes a file that must never be half there.
 
 Write to a temporary name beside the target, fsync it, rename it over the target,
-fsync the directory. A crash at any point leaves either the old file or the new one.
+fsync the directory. Neither way writes through a link someone planted at the name (``O_NOFOLLOW``,
+``O_EXCL``). A crash at any point leaves either the old file or the new one.
 And the other way, for a small record other nodes read by name again and again (a liveness beat, the
 declaration of a lost rank, the newest commit): rewritten in place, one fixed width, so the name never
 points at another file. No torch.
@@ -36,7 +37,7 @@ def write_atomic(path: Path, data: bytes | memoryview | str | Callable[[BinaryIO
     # unique per thread: two threads of one process (a failure handler and the training thread) never share one
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
     try:
-        with open(tmp, "wb") as out:
+        with os.fdopen(_create_new(tmp), "wb") as out:
             if callable(data):
                 data(out)
             else:
@@ -54,11 +55,25 @@ def write_atomic(path: Path, data: bytes | memoryview | str | Callable[[BinaryIO
     fsync_dir(path.parent)
 
 
+NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _create_new(tmp: Path) -> int:
+    """A new file at ``tmp`` (mode 0666 less the umask), never a link's target: one a crashed process of the
+    same pid and thread left is removed first (the link itself, if someone planted one, not what it names)."""
+    try:
+        return os.open(tmp, NEW, 0o666)
+    except FileExistsError:
+        os.unlink(tmp)
+        return os.open(tmp, NEW, 0o666)
+
+
 def rewrite_in_place(path: Path, data: bytes, sync: bool = False) -> None:
     """Overwrite the start of ``path`` (created if missing) with ``data``, which has the record's fixed width. A
     rename would give the name a new file, which a node that cached the old one may not see (NFS); the same
-    file rewritten is read anew at every open (close-to-open). ``sync``: fsync before returning."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    file rewritten is read anew at every open (close-to-open). ``sync``: fsync before returning. A link at
+    ``path`` is refused (``O_NOFOLLOW``: an OSError), never written through."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         os.pwrite(fd, data, 0)
         if sync:

@@ -37,6 +37,7 @@ from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError, first_line
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir import beats, node_share
+from hpc_ddp.rundir.node_local import NodeLocalError
 from hpc_ddp.rundir.ledger import (attempt_fields, attempt_tag, cap_reached, caps, note_error, parse_attempts,
                                    read_attempts, record_error)
 from hpc_ddp.core.stopping import signal_number
@@ -67,8 +68,8 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
     Returns 0 when training finished (or had finished before), EXIT_REQUEUE when it
     stopped at a committed snapshot for a requeue, 1 when a requeue cap is reached.
     """
-    folder = _node_folder(Path(config_path).parent, environ)
-    prepared = _prepare(_config(Path(config_path), folder), environ, flag or StopFlag(), folder)
+    folder, tag = _node_folder(Path(config_path).parent, environ)
+    prepared = _prepare(_config(Path(config_path), folder, tag), environ, flag or StopFlag(), folder, tag)
     if isinstance(prepared, int):
         return prepared
     cfg, env = prepared[0], prepared[1]
@@ -82,30 +83,38 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
 Prepared = tuple[RunConfig, DistEnv, Mapping[str, str], StopFlag, list[dict[str, Any]], dict[str, int]]
 
 
-def _node_folder(run_dir: Path, environ: Mapping[str, str]) -> Path | None:
-    """Where this node's ranks share what they read from the run dir at the start (rundir/node_share.py); None
-    for a rank alone on its node, or a place the environment does not give yet (the error comes later)."""
+def _node_folder(run_dir: Path, environ: Mapping[str, str]) -> tuple[Path | None, str]:
+    """Where this node's ranks share what they read from the run dir at the start (rundir/node_share.py), and the
+    tag with the attempt's token that every copy there carries; no folder for a rank alone on its node, or a
+    place the environment does not give yet (the error comes later)."""
     try:
         env = from_environ(environ)
-    except Exception:  # noqa: BLE001 - _prepare derives it again and raises what is wrong, with the config's port
-        return None
-    if env.local_world_size < 2:
-        return None
-    return beats.node_dir(run_dir, attempt_tag(env.job_id, env.restart_count, env.in_job), env.node_rank)
+        if env.local_world_size < 2:
+            return None, ""
+        tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
+        return beats.node_dir(run_dir, tag, env.node_rank), beats.local_tag(run_dir, tag)
+    except HpcDdpError as err:
+        if isinstance(err, NodeLocalError):
+            raise
+        return None, ""  # _prepare derives it again and raises what is wrong, with the config's port
+    except Exception:  # noqa: BLE001 - the same
+        return None, ""
 
 
-def _config(path: Path, folder: Path | None) -> RunConfig:
+def _config(path: Path, folder: Path | None, tag: str) -> RunConfig:
     """The run's config, read from the run dir once per node; an error names the run dir's file."""
-    if folder is not None and node_share.read_once(path, folder) is not None:
+    if folder is not None and node_share.read_once(path, folder, tag) is not None:
+        copy = node_share.copy_of(path, folder, tag)
         try:
-            return load_config([folder / path.name])
+            if copy is not None:
+                return load_config([copy])
         except HpcDdpError:
             pass  # said again below, naming the file the user knows
     return load_config([path])
 
 
 def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
-             folder: Path | None = None) -> Prepared | int:
+             folder: Path | None = None, tag: str = "") -> Prepared | int:
     """This rank's place, signal handlers and logging; an exit code instead when there is nothing to do
     (the run finished before) or a preempted job came back once more than slurm.max_preemptions allows."""
     environ = with_config_port(environ, cfg)
@@ -119,7 +128,7 @@ def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
         return 0
     limits = caps(cfg.slurm)
     if folder is not None:  # the ledger as this node's first rank read it
-        attempts = parse_attempts((node_share.read_once(layout.ledger(run_dir), folder) or b"").decode(
+        attempts = parse_attempts((node_share.read_once(layout.ledger(run_dir), folder, tag) or b"").decode(
             errors="replace"))
     else:
         attempts = read_attempts(run_dir)

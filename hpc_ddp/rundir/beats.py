@@ -2,9 +2,10 @@
 
 Two places, one format (one JSON object padded to a multiple of :data:`WIDTH` bytes and rewritten in place):
 
-- **On the node** (:func:`node_dir`: ``/dev/shm`` or the temporary directory, one folder per run, attempt
-  and node): every rank's own beat, ``rank-L.beat`` by local rank, and ``declared.json``, the relay of a
-  declaration to the node's other ranks. Nothing here touches the shared filesystem.
+- **On the node** (:func:`node_dir`: ``/dev/shm`` or the temporary directory, one private folder per run,
+  attempt and node, :mod:`hpc_ddp.rundir.node_local`): every rank's own beat, ``rank-L.beat`` by local rank,
+  and ``declared.json``, the relay of a declaration to the node's other ranks. Nothing here touches the
+  shared filesystem, and a record here counts only with the attempt's token in its tag (:func:`local_tag`).
 - **In the run dir**: ``liveness/node-N.json``, the node's beat, written by the node's first local rank for
   the whole node (it names the node's ranks and host), and ``liveness/declared.json``. One file per node,
   whatever the ranks per node: at 512 nodes x 8 GPUs the file server sees 512 beats a period, not 4,096.
@@ -14,19 +15,15 @@ The batch shell reads the node beats for the hosts of a step that wrote no ledge
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, node_local
 
 WIDTH = 256  # every beat is padded to a multiple of this, so each write replaces the last one in place
 READ_LIMIT = 64 * WIDTH  # a node beat names its ranks: 4,096 bytes hold about 600 of them
-SHM = Path("/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -65,13 +62,17 @@ def decode(raw: bytes, tag: str) -> Beat | None:
         return None
 
 
-def read(path: Path, tag: str) -> Beat | None:
-    """The beat in ``path`` (opened by name), if it is of attempt ``tag``."""
-    try:
-        with open(path, "rb") as beat_file:
-            return decode(beat_file.read(READ_LIMIT), tag)
-    except OSError:
-        return None
+def read(path: Path, tag: str, own: bool = False) -> Beat | None:
+    """The beat in ``path`` (opened by name, never through a link), if it is of attempt ``tag``. ``own``: a beat
+    on node-local storage, believed only from a file of this user's."""
+    raw = node_local.read(path, READ_LIMIT, owner=-1 if own else None)
+    return None if raw is None else decode(raw, tag)
+
+
+def local_tag(run_dir: Path | str, tag: str) -> str:
+    """The tag a record on node-local storage carries: the attempt's, with its token (another user's planted
+    beat or declaration, which cannot know it, is no beat of this attempt)."""
+    return f"{tag}+{node_local.token(run_dir, tag)}"
 
 
 def node_beat(run_dir: Path | str, node: int) -> Path:
@@ -81,17 +82,15 @@ def node_beat(run_dir: Path | str, node: int) -> Path:
 
 def node_dir(run_dir: Path | str, tag: str, node: int, base: Path | None = None) -> Path:
     """This node's folder for the beats of its ranks, on node-local storage (:func:`run_folder`), by attempt and
-    node index, so the rehearsal's simulated nodes (one machine) keep apart and so do two runs on one node."""
+    node index, so the rehearsal's simulated nodes (one machine) keep apart and so do two runs on one node.
+    A path only: whoever writes there first makes it private (:func:`hpc_ddp.rundir.node_local.ensure`)."""
     return run_folder(run_dir, base) / f"{tag}-node-{node}"
 
 
 def run_folder(run_dir: Path | str, base: Path | None = None) -> Path:
     """The run's folder on this node: under ``/dev/shm`` where it is writable, else the temporary directory;
-    named by the user and the run dir."""
-    run = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    if base is None:
-        base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"hpc_ddp-{os.getuid()}-{run}"
+    named by the user and a key only the run's secret gives (:func:`hpc_ddp.rundir.node_local.run_folder`)."""
+    return node_local.run_folder(run_dir, base)
 
 
 def local_beat(folder: Path, local_rank: int) -> Path:
@@ -108,7 +107,8 @@ def clear_when_all_left(folder: Path, tag: str, local_size: int) -> None:
     keeps its own subfolder (``jit/``, :func:`hpc_ddp.rundir.jit_files.post_for`), and with it the folder, until
     the next attempt's first rank on the node clears it. A lost rank never leaves; the next attempt clears that
     too."""
-    if not all((beat := read(local_beat(folder, local), tag)) is not None and beat.left for local in range(local_size)):
+    if not all((beat := read(local_beat(folder, local), tag, own=True)) is not None and beat.left
+               for local in range(local_size)):
         return
     try:
         for entry in folder.iterdir():

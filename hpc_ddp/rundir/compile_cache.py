@@ -11,11 +11,13 @@ where every step, node and requeue of the run finds them:
   nodes whose writers have the same pid, common in containers, could interleave one temporary file), and
   its C++ builds take file locks that NFS may not honour. Both are rare and cost a recompile at worst where
   the file system renames atomically; where it does not (some parallel or object-backed file systems), use:
-- ``node``: a node-local folder (``$TMPDIR`` or ``/tmp``, one per user and run). At each attempt's start a
+- ``node``: a node-local folder (``$TMPDIR`` or ``/tmp``, one per user and run, private: its name comes from
+  the run's secret and it is made 0700 and checked, :mod:`hpc_ddp.rundir.node_local`, since inductor loads the
+  Python, shared objects and pickles it finds there). At each attempt's start a
   node's first rank copies the run's shared copy into it (:func:`seed`: only names it lacks), so a spare node
   that joins in a heal starts warm; after the first compiled step, the first rank of node 0 copies new
-  entries back (:func:`publish`, each to a name unique to its host, then renamed). Only the first rank of a
-  node writes the shared folder, once per attempt.
+  entries back (:func:`publish`, each to a name unique to its host, then renamed; regular files only, never
+  through a link). Only the first rank of a node writes the shared folder, once per attempt.
 - ``off``: no FX graph or AOTAutograd cache (every attempt compiles cold; for telling a cache problem apart).
 - an absolute path: that folder, shared or not, as you say.
 
@@ -26,16 +28,17 @@ kept, and the worker's log says so. No torch here: the variables must be set bef
 from __future__ import annotations
 
 import getpass
-import hashlib
 import os
 import re
 import shutil
 import socket
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.core.atomic import NEW
+from hpc_ddp.rundir import layout, node_local
 
 CACHE_DIR_VAR = "TORCHINDUCTOR_CACHE_DIR"
 TRITON_VAR = "TRITON_CACHE_DIR"
@@ -57,13 +60,11 @@ class CacheEnv:
         return {k: v for k, v in self.wanted.items() if k not in self.kept}
 
 
-def node_folder(run_dir: Path | str, environ: Mapping[str, str], uid: int | None = None) -> Path:
-    """The node-local cache of this run: ``$TMPDIR/hpc_ddp-compile-UID/NAME-HASH`` (the hash of the run dir's
-    path keeps two runs of one name apart)."""
-    run_dir = Path(run_dir).absolute()
-    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:10]
-    base = Path(environ.get("TMPDIR") or "/tmp")
-    return base / f"hpc_ddp-compile-{os.getuid() if uid is None else uid}" / f"{run_dir.name}-{digest}"
+def node_folder(run_dir: Path | str, environ: Mapping[str, str]) -> Path:
+    """The node-local cache of this run: ``$TMPDIR/hpc_ddp-UID-KEY-compile``, KEY from the run's secret (another
+    user can neither guess nor plant it); made private by the first rank that uses it
+    (:func:`hpc_ddp.rundir.node_local.ensure`)."""
+    return node_local.run_folder(run_dir, Path(environ.get("TMPDIR") or "/tmp"), suffix="-compile")
 
 
 def cache_env(place: str, run_dir: Path | str, environ: Mapping[str, str]) -> CacheEnv:
@@ -84,15 +85,31 @@ def cache_env(place: str, run_dir: Path | str, environ: Mapping[str, str]) -> Ca
 
 
 def _entries(folder: Path) -> dict[Path, Path]:
-    """The cache's finished files by relative path: no temporary files (``.*``, ``tmp*``), no lock files."""
+    """The cache's finished files by relative path: no temporary files (``.*``, ``tmp*``), no lock files, and
+    regular files only (a link someone left would copy whatever it names)."""
     found: dict[Path, Path] = {}
-    for root, dirs, files in os.walk(folder):
+    for root, dirs, files in os.walk(folder):  # never into a linked folder
         dirs[:] = [d for d in dirs if not d.startswith((".", "tmp")) and d != "locks"]
         for name in files:
             if not name.startswith((".", "tmp")) and not name.endswith((".lock", ".tmp")):
                 path = Path(root) / name
-                found[path.relative_to(folder)] = path
+                if stat.S_ISREG(path.lstat().st_mode):
+                    found[path.relative_to(folder)] = path
     return found
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    """``source``'s bytes and times into the new file ``target``: neither opened through a link."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(src)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{source} is not a regular file")
+        with os.fdopen(os.dup(src), "rb") as reading, os.fdopen(os.open(target, NEW, 0o644), "wb") as out:
+            shutil.copyfileobj(reading, out)
+        os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
+    finally:
+        os.close(src)
 
 
 def copy_new(source: Path, target: Path) -> int:
@@ -108,10 +125,10 @@ def copy_new(source: Path, target: Path) -> int:
         if rel in have:
             continue
         dest = target / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{tag}.tmp")
         try:
-            shutil.copy2(path, tmp)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _copy_file(path, tmp)
             os.replace(tmp, dest)
             copied += 1
         except OSError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import logging
 import os
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.core.atomic import NEW, write_atomic
+from hpc_ddp.rundir import node_local
 from hpc_ddp.rundir.ledger import attempt_tag
 
 JIT = "jit"
@@ -88,6 +90,7 @@ class Post:
     node: int
     local_rank: int
     local_size: int
+    tag: str = ""  # the attempt's tag with its token: every record in ``local`` carries it (rundir/node_local.py)
 
 
 def post_for(run_dir: Path | str, env: Any) -> Post:
@@ -96,7 +99,7 @@ def post_for(run_dir: Path | str, env: Any) -> Post:
 
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
     return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank) / JIT, env.rank,
-                env.node_rank, env.local_rank, max(1, env.local_world_size))
+                env.node_rank, env.local_rank, max(1, env.local_world_size), beats.local_tag(run_dir, tag))
 
 
 def prepare(post: Post) -> None:
@@ -124,8 +127,9 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> bo
     waits up to ``gather_s`` until every rank of the node has offered (and, for an offer that says what came of
     it, said what came of theirs): the last to arrive publishes for all, the others find nothing new. A rank
     that never offers (it died with the node's others alive) costs its peers ``gather_s`` once."""
-    post.local.mkdir(parents=True, exist_ok=True)
-    write_atomic(post.local / f"offer-{post.local_rank}.json", json.dumps({**content, "node": post.node}).encode())
+    node_local.ensure(post.local)
+    write_atomic(post.local / f"offer-{post.local_rank}.json",
+                 json.dumps({"tag": post.tag, "offer": {**content, "node": post.node}}).encode())
     _await_peers(post, any(key in content for key in OUTCOME_KEYS), gather_s)
     return publish(post)
 
@@ -136,10 +140,10 @@ def _await_peers(post: Post, outcome: bool, gather_s: float) -> None:
     while time.monotonic() < deadline:
         said = []
         for local in range(post.local_size):
-            try:
-                said.append(json.loads((post.local / f"offer-{local}.json").read_bytes()))
-            except (OSError, ValueError):
+            found = _local_offer(post, local)
+            if found is None:
                 break
+            said.append(found)
         if len(said) == post.local_size and (not outcome or all(any(k in o for k in OUTCOME_KEYS) for o in said)):
             return
         time.sleep(GATHER_POLL_S)
@@ -149,20 +153,16 @@ def once_per_node(post: Post, key: str, compute: Callable[[], Any], fresh_s: flo
     """``compute()`` once for the node's ranks (under the node's lock, kept in its folder): a value every survivor
     of the node needs from the run dir (the newest commit, a commit's record) is read there once per node, not
     once per rank. ``fresh_s``: how old a kept value may be (None: any age). JSON values only."""
-    post.local.mkdir(parents=True, exist_ok=True)
-    with open(post.local / "memo.lock", "a+b") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+    node_local.ensure(post.local)
+    with _lock(post.local / "memo.lock"):
         memo_path = post.local / "memo.json"
-        try:
-            memo = json.loads(memo_path.read_bytes())
-        except (OSError, ValueError):
-            memo = {}
+        memo = _local_json(post, memo_path)
         kept = memo.get(key)
         if isinstance(kept, dict) and (fresh_s is None or time.time() - float(kept.get("at", 0)) < fresh_s):
             return kept.get("value")
         value = compute()
         memo[key] = {"value": value, "at": time.time()}
-        memo_path.write_text(json.dumps(memo))
+        write_atomic(memo_path, json.dumps({**memo, "tag": post.tag}))
         return value
 
 
@@ -170,9 +170,40 @@ def write_blobs(post: Post, blobs: dict[int, tuple[int, bytes]]) -> None:
     """A survivor's per-rank states ({rank: (step, packed bytes)}), on its node, before its offer names them."""
     import torch
 
-    post.local.mkdir(parents=True, exist_ok=True)
-    held = {"holder": post.rank, "blobs": {r: [s, b] for r, (s, b) in blobs.items()}}
+    node_local.ensure(post.local)
+    held = {"holder": post.rank, "tag": post.tag, "blobs": {r: [s, b] for r, (s, b) in blobs.items()}}
     write_atomic(post.local / f"blobs-{post.local_rank}.pt", lambda out: torch.save(held, out))
+
+
+def _local_offer(post: Post, local: int) -> dict[str, Any] | None:
+    """Local rank ``local``'s offer on this node: from a file of this user's that carries the attempt's token."""
+    found = _local_json(post, post.local / f"offer-{local}.json")
+    offer = found.get("offer")
+    return offer if isinstance(offer, dict) else None
+
+
+def _local_json(post: Post, path: Path) -> dict[str, Any]:
+    """A JSON record of the node's folder ({} when absent, unreadable, not this user's or without the token)."""
+    raw = node_local.read(path, 1 << 24)
+    try:
+        record = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        return {}
+    if not isinstance(record, dict) or record.get("tag") != post.tag:
+        return {}
+    record.pop("tag")
+    return record
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Any:
+    """The node's lock file, held exclusively (opened without following a link)."""
+    fd = os.open(path, NEW & ~os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 OUTCOME_KEYS = ("outcome", "why")  # what an offer says came of it: news for the ledger, never for the set
@@ -187,34 +218,29 @@ def publish(post: Post) -> bool:
     True when the node's file now says something that may complete the set (a step held, a state file
     written, per-rank states) that it did not say before: whoever publishes that checks the set
     (:func:`hpc_ddp.rank.salvage.jit_commit.complete`), so one rank per change of the node checks it, not every rank."""
-    lock = post.local / "publish.lock"
-    with open(lock, "a+b") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+    with _lock(post.local / "publish.lock"):
         offers, blob_files = [], []
         for local in range(post.local_size):
-            try:
-                offers.append(json.loads((post.local / f"offer-{local}.json").read_bytes()))
-            except (OSError, ValueError):
-                pass
+            found = _local_offer(post, local)
+            if found is not None:
+                offers.append(found)
             blob = post.local / f"blobs-{local}.pt"
             with contextlib.suppress(OSError):
-                stat = blob.stat()
-                blob_files.append([local, stat.st_mtime_ns, stat.st_size])  # a list: as published.json reads back
+                stat = blob.lstat()
+                if stat.st_uid == os.getuid() and not blob.is_symlink():
+                    blob_files.append([local, stat.st_mtime_ns, stat.st_size])  # a list: as published.json reads
         said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
         news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS} for o in offers],
                            "blobs": blob_files}, sort_keys=True)
         published = post.local / "published.json"
-        try:
-            before = json.loads(published.read_text())
-        except (OSError, ValueError):
-            before = {}
+        before = _local_json(post, published)
         if before.get("said") == said:
             return False
         if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])
         record = json.dumps({"node": post.node, "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
         _shared(post, f"node-{post.node}.json", record)
-        published.write_text(json.dumps({"said": said, "news": news, "blobs": blob_files}))
+        write_atomic(published, json.dumps({"said": said, "news": news, "blobs": blob_files, "tag": post.tag}))
         return before.get("news") != news
 
 
@@ -224,7 +250,12 @@ def _publish_blobs(post: Post, locals_: list[int]) -> None:
     by_holder: dict[int, Any] = {}
     for local in locals_:
         try:
-            held = torch.load(post.local / f"blobs-{local}.pt", weights_only=True)
+            raw = node_local.read(post.local / f"blobs-{local}.pt", 1 << 40)  # this user's, never through a link
+            if raw is None:
+                raise OSError("not a file of this user's")
+            held = torch.load(io.BytesIO(raw), weights_only=True)
+            if held.get("tag") != post.tag:
+                raise ValueError("it lacks this attempt's token")
             by_holder[int(held["holder"])] = held["blobs"]
         except (OSError, RuntimeError, ValueError, EOFError, KeyError, TypeError) as err:
             logging.getLogger("hpc_ddp.jit").warning("the per-rank states of this node's local rank %d could not be "
@@ -277,6 +308,7 @@ def claim_on_node(post: Post, step: int) -> bool:
     """True for the one rank of this node that claims ``step`` first, decided on the node (an exclusive create in
     its folder): only that rank then goes to the run dir (:func:`claim`), so a node's sources cost the file
     server one claim, not one each."""
+    node_local.ensure(post.local)
     return claim(post.local, step, "node-claim")
 
 

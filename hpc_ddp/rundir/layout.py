@@ -4,6 +4,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
 (or a resubmitted one) finds its own state. What it holds::
 
     config.yaml        the resolved config every attempt reads
+    .hpc_ddp-secret    the run's secret (mode 0600): names its node-local folders, signs their records
+                       (hpc_ddp.rundir.node_local)
     attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
     metrics.jsonl      step, loss, lr, samples/s (rank 0)
     script_progress.json  a train.script's recent steps as rank 0's worker read them from its output
@@ -55,6 +57,11 @@ SLURM_LOGS = "slurm"
 CHAIN = "chain"
 LIVENESS = "liveness"
 COMPILE_CACHE = "compile_cache"
+SECRET = ".hpc_ddp-secret"
+
+
+def secret(run_dir: Path | str) -> Path:
+    return Path(run_dir) / SECRET
 
 
 def config(run_dir: Path | str) -> Path:

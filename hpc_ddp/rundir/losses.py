@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import layout, view
+from hpc_ddp.rundir import layout, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
 
 
@@ -56,11 +56,17 @@ def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
     return declaration_in(layout.declared(run_dir), tag)
 
 
-def declaration_in(path: Path, tag: str) -> dict[str, Any] | None:
-    """A declaration in ``path``: the run dir's, or its relay on a node (:mod:`hpc_ddp.rundir.beats`)."""
+def declaration_in(path: Path, tag: str, own: bool = False) -> dict[str, Any] | None:
+    """A declaration in ``path``: the run dir's, or (``own``) its relay on a node (:mod:`hpc_ddp.rundir.beats`),
+    believed only from a file of this user's, never through a link, and with the token in its ``tag``."""
     try:
-        text = view.current().read_bytes(path).decode().lstrip()
-        record, _ = json.JSONDecoder().raw_decode(text)
+        if own:
+            raw = node_local.read(path, 1 << 16)
+            if raw is None:
+                return None
+        else:
+            raw = view.current().read_bytes(path)
+        record, _ = json.JSONDecoder().raw_decode(raw.decode().lstrip())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return record if isinstance(record, dict) and record.get("attempt") == tag else None

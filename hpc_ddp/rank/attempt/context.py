@@ -22,7 +22,8 @@ from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.core.slurm_env import HEALED_VAR, DistEnv
 from hpc_ddp.core.slurm_jobs import job_end_time, job_spec
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rundir.ledger import attempt_fields
+from hpc_ddp.rundir import node_local
+from hpc_ddp.rundir.ledger import attempt_fields, attempt_tag
 from hpc_ddp.rundir.runlock import holder_record
 
 WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.rank.script.wrapper) in its child's environment
@@ -69,6 +70,11 @@ class Attempt:
     @property
     def run_dir(self) -> Path:
         return Path(self.cfg.run_dir)
+
+    @property
+    def token(self) -> str:
+        """The attempt's token (:func:`hpc_ddp.rundir.node_local.token`): hpc_ddp's keys in the store carry it."""
+        return node_local.token(self.run_dir, attempt_tag(self.env.job_id, self.env.restart_count, self.env.in_job))
 
     @property
     def local(self) -> bool:

@@ -25,7 +25,8 @@ from pathlib import Path
 from hpc_ddp.core import binding, netplan
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rundir import beats
+from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.rundir import beats, node_local
 from hpc_ddp.rundir.ledger import attempt_tag
 
 log = logging.getLogger("hpc_ddp.placement")
@@ -155,10 +156,8 @@ def post_view(cfg: RunConfig, env: DistEnv, view: binding.View, suffix: str = ""
         return
     folder = node_folder(cfg, env)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".binding-{env.local_rank}.tmp"
-        tmp.write_text(line)
-        os.replace(tmp, folder / f"binding-{env.local_rank}.txt")
+        node_local.ensure(folder)  # private and this user's, or refused
+        write_atomic(folder / f"binding-{env.local_rank}.txt", line)
     except OSError as err:  # no node-local storage: this rank's line alone, where it can still be seen
         log.warning("%s (could not post it for the node's line: %s)", line, err)
     if env.is_node_main:
@@ -174,10 +173,9 @@ def _gather(folder: Path, env: DistEnv, host: str, suffix: str) -> None:
         time.sleep(POLL_S)
     lines = []
     for name in names:
-        try:
-            lines.append(name.read_text())
-        except OSError:
-            continue
+        raw = node_local.read(name, 1 << 16)  # this user's file, never through a link
+        if raw is not None:
+            lines.append(raw.decode(errors="replace"))
     _log_node(env, host, lines, suffix)
 
 

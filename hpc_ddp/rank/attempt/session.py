@@ -122,7 +122,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
         if not attempt.wrapped:
             lock(attempt.run_dir, attempt.holder, env, from_main)
         try:
-            watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(),
+            watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(attempt.token),
                                 on_hang=_on_hang(attempt, cfg.dist.timeout_s)).start()
             run: Run | None = None
             try:

@@ -224,12 +224,15 @@ def enough_open_files(env: DistEnv) -> None:
         log.warning("%s", problem)
 
 
-def default_store() -> Any:
-    """The process group's key-value store (the watchdog's heartbeats go there); None if unavailable."""
+def default_store(token: str | None = None) -> Any:
+    """The process group's key-value store (the watchdog's heartbeats go there); None if unavailable. ``token``:
+    hpc_ddp's keys go under ``hpc_ddp/TOKEN/`` (the attempt's token, :func:`hpc_ddp.rundir.node_local.token`),
+    so a client of the store that does not know it (anyone on the network can connect) cannot set one."""
     try:
-        return dist.distributed_c10d._get_default_store()  # no public accessor in torch 2.x
+        store = dist.distributed_c10d._get_default_store()  # no public accessor in torch 2.x
     except (AttributeError, RuntimeError, ValueError):
         return None
+    return dist.PrefixStore(f"hpc_ddp/{token}", store) if token else store
 
 
 def teardown() -> None:

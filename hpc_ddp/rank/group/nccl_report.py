@@ -10,6 +10,7 @@ on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -38,9 +39,13 @@ def prepare(target: MutableMapping[str, str], env: DistEnv, folder: str | None =
     FOUND = None
     if not env.is_main:
         return None
-    prefix = str(Path(folder or tempfile.gettempdir()) / f"hpc_ddp-nccl-{os.getuid()}-{env.job_id}-{env.restart_count}")
+    # a private folder of a name nobody can guess (mkdtemp: 0700): NCCL opens the file by name, following links
+    where = folder or tempfile.mkdtemp(prefix=f"hpc_ddp-{os.getuid()}-nccl-")
+    prefix = str(Path(where) / f"nccl-{env.job_id}-{env.restart_count}")
     exports = nccl_net.capture_env({**target, **(user or {})}, f"{prefix}.%h.%p")
     target.update(exports)
+    if not exports and folder is None:
+        os.rmdir(where)  # the user's own NCCL_DEBUG: nothing of ours goes there
     return prefix if exports else None
 
 
@@ -59,6 +64,9 @@ def collect(prefix: str | None, ib_class: Path = IB_CLASS, pid: int | None = -1)
             path.unlink()  # NCCL keeps it open and may add lines for later communicators: they go nowhere seen
         except OSError:
             continue
+    if Path(prefix).parent.name.startswith(f"hpc_ddp-{os.getuid()}-nccl-"):
+        with contextlib.suppress(OSError):
+            Path(prefix).parent.rmdir()  # our own folder, once NCCL's files are read (not while a child writes)
     FOUND = nccl_net.parse(text)
     if FOUND is None:
         log.info("NCCL did not say which network it uses between nodes (no INIT/NET lines in %s.*)", prefix)

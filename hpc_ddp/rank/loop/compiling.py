@@ -27,8 +27,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.compile_settings import compile_options
-from hpc_ddp.rundir import compile_cache
-from hpc_ddp.rundir.compile_cache import CacheEnv
+from hpc_ddp.rundir import compile_cache, node_local
+from hpc_ddp.rundir.compile_cache import CACHE_DIR_VAR, CacheEnv
 from hpc_ddp.rank.metrics import timeline
 
 if TYPE_CHECKING:
@@ -79,6 +79,8 @@ def apply_cache_env(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) ->
         log.info("compile cache: keeping your %s (train.compile_cache=%s would set %s)",
                  ", ".join(f"{k}={v}" for k, v in found.kept.items()), found.place,
                  ", ".join(f"{k}={found.wanted[k]}" for k in found.kept))
+    if found.place == "node" and found.folder is not None and CACHE_DIR_VAR not in found.kept:
+        node_local.ensure(found.folder)  # before inductor makes it (0755): private and this user's, or refused
     if found.place == "node" and env.local_rank == 0 and found.folder is not None and not found.kept:
         copied = compile_cache.seed(cfg.run_dir, found.folder)
         log.info("compile cache: %d entries copied from the run's copy into %s", copied, found.folder)

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rundir import beats, layout, losses
+from hpc_ddp.rundir import beats, layout, losses, node_local
 from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401  (Judge, decode and encode were here first)
 from hpc_ddp.core.atomic import rewrite_in_place, write_atomic
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
@@ -129,6 +129,7 @@ class Liveness:
         self.place = place or Place(0, 1, rank, world_size)
         self.leader = self.place.local_rank == 0  # beats for the node to the run dir and watches the next node
         self.folder = beats.node_dir(self.run_dir, self.tag, self.place.node, node_base)
+        self.local_tag = beats.local_tag(self.run_dir, self.tag)  # what a record in self.folder must carry
         self.period_s = period(liveness_s)
         self.on_lost = on_lost or _exit_lost
         self.on_heard = on_heard or _exit_heard
@@ -152,6 +153,7 @@ class Liveness:
             path = layout.declared(self.run_dir)
             path.parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        node_local.ensure(self.folder)  # private, checked: a planted folder is refused here, before any beat
         if self.leader:
             beats.clear_other_attempts(self.folder, self.tag)
         self.beat()
@@ -179,7 +181,7 @@ class Liveness:
             self._left = True
             self.count += 1
             self._write(left=True)
-        beats.clear_when_all_left(self.folder, self.tag, self.place.local_size)
+        beats.clear_when_all_left(self.folder, self.local_tag, self.place.local_size)
 
     def check(self) -> float | None:
         """One period: beat, hear a declaration, look at the next rank on this node and (the node's leader) at
@@ -209,7 +211,8 @@ class Liveness:
     def _watch_local(self) -> float | None:
         """The next rank on this node, through the node's own storage: a frozen rank is named by rank."""
         judge = self.local_judge
-        silent = judge.observe(beats.read(beats.local_beat(self.folder, self.local_peer), self.tag), self.clock())
+        beat = beats.read(beats.local_beat(self.folder, self.local_peer), self.local_tag, own=True)
+        silent = judge.observe(beat, self.clock())
         if judge.left:  # watch the next one instead, one per period
             self.local_peer, self.local_judge = (self.local_peer + 1) % self.place.local_size, Judge(self.liveness_s)
             return None
@@ -231,7 +234,7 @@ class Liveness:
     def _gather_ranks(self) -> None:
         """The leader learns its node's ranks from their local beats (no assumption on Slurm's distribution)."""
         for local in range(1, self.place.local_size):
-            found = beats.read(beats.local_beat(self.folder, local), self.tag)
+            found = beats.read(beats.local_beat(self.folder, local), self.local_tag, own=True)
             if found is not None:
                 self.seen.add(found.rank)
         if len(self.seen) == self.place.local_size:
@@ -239,7 +242,7 @@ class Liveness:
 
     def _write(self, left: bool) -> None:
         wall = self.wall()
-        mine = Beat(self.tag, self.rank, self.host, self.count, left, wall)
+        mine = Beat(self.local_tag, self.rank, self.host, self.count, left, wall)
         writes = [(beats.local_beat(self.folder, self.place.local_rank), encode(mine))]
         if self.leader:
             node = Beat(self.tag, min(self.on_node), self.host, self.count, left, wall, self.place.node,
@@ -261,9 +264,9 @@ class Liveness:
         if self.leader:
             record = losses.declaration(self.run_dir, self.tag)
             if record is not None and record.get("by_rank") != self.rank:
-                _rewrite(beats.local_declared(self.folder), losses.padded(record))
+                _rewrite(beats.local_declared(self.folder), losses.padded({**record, "attempt": self.local_tag}))
         else:
-            record = losses.declaration_in(beats.local_declared(self.folder), self.tag)
+            record = losses.declaration_in(beats.local_declared(self.folder), self.local_tag, own=True)
         return None if record is None or record.get("by_rank") == self.rank else record
 
     def _act_on(self, record: dict[str, Any]) -> None:
@@ -292,9 +295,9 @@ class Liveness:
             write_atomic(marker, json.dumps(record, sort_keys=True) + "\n")
             write_atomic(crash_marker(self.run_dir, *self.ids, ranks[0]),
                          f"{losses.who(ranks)} on {host} lost: no liveness beat for {silent:.0f}s\n")
-            declared = losses.padded({**record, "attempt": self.tag})
-            rewrite_in_place(layout.declared(self.run_dir), declared)  # other nodes' leaders read it
-            _rewrite(beats.local_declared(self.folder), declared)  # and this node's ranks, here
+            rewrite_in_place(layout.declared(self.run_dir), losses.padded({**record, "attempt": self.tag}))  # other
+            # nodes' leaders read it, and this node's ranks the copy here, with the token
+            _rewrite(beats.local_declared(self.folder), losses.padded({**record, "attempt": self.local_tag}))
         except OSError as err:
             log.error("the lost-rank marker could not be written: %s", err)
         log.error("%s", message)
@@ -307,8 +310,11 @@ class Liveness:
 def _rewrite(path: Path, data: bytes) -> None:
     try:
         rewrite_in_place(path, data)
-    except FileNotFoundError:  # the first beat of the run dir, or the node's folder
-        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileNotFoundError:  # the first beat of the run dir, or the node's folder (made private)
+        if path.parent.name == layout.LIVENESS:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            node_local.ensure(path.parent)
         rewrite_in_place(path, data)
 
 
