@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rundir import layout
+from hpc_ddp.core.atomic import append_line
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.core.errors import explain
 
@@ -79,12 +80,10 @@ def _amend(attempts: list[dict[str, Any]], amendment: Mapping[str, Any]) -> None
 
 
 def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
-    """One line per attempt, appended and fsynced (rank 0 only)."""
+    """One line per attempt, appended and fsynced (rank 0 only). A write that fails (a full disk) leaves the
+    ledger as it was and raises the OSError (:func:`hpc_ddp.core.atomic.append_line`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(layout.ledger(run_dir), "a") as out:
-        out.write(json.dumps(dict(record), sort_keys=True) + "\n")
-        out.flush()
-        os.fsync(out.fileno())
+    append_line(layout.ledger(run_dir), json.dumps(dict(record), sort_keys=True) + "\n")  # whole, or not at all
 
 
 def attempt_tag(job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:
