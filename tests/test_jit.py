@@ -6,6 +6,7 @@ claims and offers, derived RNGs), then the real local rehearsal (gloo processes,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import time
@@ -545,6 +546,65 @@ def test_a_gradscalers_state_is_held_without_a_device_sync(monkeypatch: pytest.M
     held.mark(1)
     scaler._scale.mul_(2)  # what the next step's update may do in place
     assert held.whole()[1]["scaler"] == expected  # type: ignore[index]
+
+
+def _garbage(good: bytes, kind: str) -> bytes:
+    return {"pickle": b"\x80\x02garbage", "text": b"hello world", "empty": b"", "truncated": good[:len(good) // 2],
+            "wrong shape": _saved({1: "not a holder's states", "x": {}})}[kind]
+
+
+def _saved(value: object) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["pickle", "text", "empty", "truncated", "wrong shape"])
+def test_a_garbage_per_rank_state_file_is_a_missing_source_named_in_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    """Issue 61: the survivors read per-rank state files other ranks wrote; one that is garbage raised
+    UnpicklingError (or KeyError, EOFError) out of the commit. Now a warning names the file, its states count as
+    missing, and the commit falls back as for a lost source; the other files are read as before."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.rank.salvage.jit_commit import complete
+    from hpc_ddp.rundir import jit_blobs
+
+    where = jit_files.folder(tmp_path, 5, 0)
+    written = {"step": 40, "entry": {"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []},
+               "layout": slicing.layout_for([], 1, 1)}
+
+    def survivor(rank: int, blobs: dict[int, tuple[int, bytes]], **more: object) -> str:
+        jit_files.offer(post(where, rank), {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0,
+                                            "source": True, "step": 40, "fingerprint": 7,
+                                            "blobs": {str(r): s for r, (s, _) in blobs.items()}, **more})
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": None},
+                              checkpointer=None, run_dir=tmp_path)
+        return complete(run, where)
+
+    # a survivor's file on its node: rank 0's is garbage, rank 1's (the same node) is read
+    jit_files.write_blobs(post(where, 1), {1: (40, b"one"), 3: (40, b"three")})
+    assert "per_rank state of rank(s) [0, 2] at step 40" in survivor(1, {1: (40, b"one"), 3: (40, b"three")},
+                                                                     written=written)
+    jit_files.write_blobs(post(where, 0), {0: (40, b"zero")})
+    local = post(where, 0).local / "blobs-0.pt"
+    local.write_bytes(_garbage(local.read_bytes(), kind))
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
+        said = survivor(0, {0: (40, b"zero")})
+    assert "per_rank state of rank(s) [2] at step 40" in said, said
+    assert str(local) in caplog.text and "treated as missing" in caplog.text
+    assert jit_blobs.read_blobs(where, 0) == {1: {1: [40, b"one"], 3: [40, b"three"]}}
+    # the node's file in the run dir, which another node's survivor reads to commit
+    node_file = where / "blobs-node-0.pt"
+    node_file.write_bytes(_garbage(node_file.read_bytes(), kind))
+    caplog.clear()
+    jit_files.write_blobs(post(where, 2), {2: (40, b"two"), 0: (40, b"zero")})
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
+        said = survivor(2, {2: (40, b"two"), 0: (40, b"zero")})
+    assert said == "not committed: the files holding the per_rank state of rank(s) [0, 1, 3] could not be read", said
+    assert str(node_file) in caplog.text and snapshot.committed_steps(tmp_path) == []
 
 
 def test_a_damaged_file_of_the_per_rank_state_skips_its_step_for_the_one_before(tmp_path: Path) -> None:

@@ -193,6 +193,29 @@ def test_per_rank_state_at_another_world_size_keeps_the_fresh_value_only_when_as
         dist.destroy_process_group()
 
 
+def test_a_garbage_per_rank_blob_at_resume_is_a_damaged_file_not_an_unpickling_error(tmp_path, caplog) -> None:
+    """Issue 61: a per-rank blob that does not unpickle raised UnpicklingError on its rank alone, out of the
+    collective the other ranks then wait in; it is now read as a damaged file (the same answer on every rank)."""
+    import torch.distributed as dist
+
+    import hpc_ddp
+    from hpc_ddp.rank.state.checkpointer import Restored
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        restored = Restored(step=4, state={"step": 4}, rng=None, config=None, world_size=1)
+        fresh = {"x": torch.ones(2)}
+        run = make_run(tmp_path)
+        run.per_rank = {"batch": hpc_ddp.per_rank(fresh, elastic="fresh")}
+        load_per_rank(run, b"\x80\x02garbage", restored)
+        assert "per-rank state in the snapshot of step 4 cannot be read (UnpicklingError" in caplog.text
+        run.per_rank = {"batch": hpc_ddp.per_rank(fresh)}
+        with pytest.raises(RunUsageError, match="its node's file is damaged"):
+            load_per_rank(run, b"not a pickle", restored)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_two_program_keys_get_a_hint_that_names_both() -> None:
     with pytest.raises(ConfigError, match=r"unset the other with train.loop=null or train.script=null"):
         load_config([], ["name=x", "train.loop=a.b:c", "train.script=t.py"])

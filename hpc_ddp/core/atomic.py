@@ -5,7 +5,8 @@ fsync the directory. Neither way writes through a link someone planted at the na
 ``O_EXCL``). A crash at any point leaves either the old file or the new one.
 And the other way, for a small record other nodes read by name again and again (a liveness beat, the
 declaration of a lost rank, the newest commit): rewritten in place, one fixed width, so the name never
-points at another file. No torch.
+points at another file. And a line appended to a JSON-lines file (the ledger, metrics.jsonl) whole or not at
+all. No torch.
 """
 
 from __future__ import annotations
@@ -80,3 +81,47 @@ def rewrite_in_place(path: Path, data: bytes, sync: bool = False) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def append_line(path: Path, line: str | bytes, sync: bool = True) -> None:
+    """Append one whole line (``line`` ends with its newline) to a JSON-lines file; all or nothing. ``sync``:
+    fsync it (the ledger; metrics.jsonl, a line per step, is not synced).
+
+    A write that fails (a full disk: ENOSPC, or a quota) is undone: the file is cut back to the size it had, so
+    no line is left without its newline for the next append to be glued to (a reader would drop both), and the
+    error is raised. A line the file already ends in without its newline (torn by a crash, or by a writer that
+    could not cut it back) is closed first, so a reader drops the torn line alone and reads the new one. The
+    files appended to have one writer at a time (rank 0, or the batch shell once the step has ended), so the
+    size before the write is where this line begins."""
+    data = line.encode() if isinstance(line, str) else bytes(line)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)  # read too: the last byte, by the same open
+    start = -1
+    try:
+        start = os.fstat(fd).st_size
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data  # the torn line stays alone on its line
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
+    except OSError:
+        _cut_back(fd, start)
+        os.close(fd)
+        raise
+    try:
+        os.close(fd)  # NFS reports a write-back's failure here at the latest
+    except OSError:
+        _cut_back(str(path), start)
+        raise
+
+
+def _cut_back(file: int | str, size: int) -> None:
+    """Cut a failed append's part off (best effort: a file that cannot be cut keeps a torn line, which the next
+    append closes)."""
+    if size < 0:
+        return
+    try:
+        os.truncate(file, size)
+    except OSError:
+        pass

@@ -129,7 +129,7 @@ def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     limits = caps(cfg.slurm)
     if folder is not None:  # the ledger as this node's first rank read it
         attempts = parse_attempts((node_share.read_once(layout.ledger(run_dir), folder, tag) or b"").decode(
-            errors="replace"))
+            errors="replace"), str(layout.ledger(run_dir)))
     else:
         attempts = read_attempts(run_dir)
     capped = cap_reached("preemption", attempts, limits)

@@ -6,7 +6,8 @@ fingerprint, or why it holds none, and what came of it) and, with ``per_rank`` o
 states it holds (its own and its ward's, from :mod:`hpc_ddp.rank.salvage.mirror`) on its node, in the node's
 folder on node-local storage. Under a lock on the node, whoever offers last publishes what the node's
 ranks said as one file per node in ``RUN_DIR/jit/job-J-restart-R[-step-K]/``: ``node-N.json`` (the
-offers) and ``blobs-node-N.pt`` (the per-rank states, by holder), rewritten only when it changed. At
+offers) and ``blobs-node-N.pt`` (the per-rank states, by holder: :mod:`hpc_ddp.rundir.jit_blobs` reads them),
+rewritten only when it changed. At
 4,096 ranks on 512 nodes that is about 512 files a failure, not 8,192, and a survivor that completes the
 set reads 512 offers, not 4,096.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import json
 import logging
 import os
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import NEW, write_atomic
-from hpc_ddp.rundir import node_local
+from hpc_ddp.rundir import jit_blobs, node_local
 from hpc_ddp.rundir.ledger import attempt_tag
 
 JIT = "jit"
@@ -249,17 +249,9 @@ def _publish_blobs(post: Post, locals_: list[int]) -> None:
 
     by_holder: dict[int, Any] = {}
     for local in locals_:
-        try:
-            raw = node_local.read(post.local / f"blobs-{local}.pt", 1 << 40)  # this user's, never through a link
-            if raw is None:
-                raise OSError("not a file of this user's")
-            held = torch.load(io.BytesIO(raw), weights_only=True)
-            if held.get("tag") != post.tag:
-                raise ValueError("it lacks this attempt's token")
-            by_holder[int(held["holder"])] = held["blobs"]
-        except (OSError, RuntimeError, ValueError, EOFError, KeyError, TypeError) as err:
-            logging.getLogger("hpc_ddp.jit").warning("the per-rank states of this node's local rank %d could not be "
-                                                     "read from %s: %r", local, post.local, err)
+        found = jit_blobs.survivor_file(post.local / f"blobs-{local}.pt", post.tag)  # None: missing, garbage,
+        if found is not None:  # not this user's or without the attempt's token (named)
+            by_holder[found[0]] = found[1]
     _shared(post, f"blobs-node-{post.node}.pt", lambda out: torch.save(by_holder, out))
 
 
@@ -317,23 +309,6 @@ def ranks_file_name(step: int, committer: int) -> str:
     after the survivor that committed it: on a filesystem without O_EXCL across nodes two may both believe they
     hold the commit claim, and the same name would have one's bytes under the other's manifest."""
     return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
-
-
-def read_blobs(where: Path, node: int) -> dict[int, dict[int, list[Any]]]:
-    """Node ``node``'s per-rank states: {holder rank: {rank: [step, packed bytes]}} ({} if unreadable)."""
-    import torch
-
-    try:
-        held = torch.load(where / f"blobs-node-{node}.pt", weights_only=True)
-    except (OSError, RuntimeError, ValueError, EOFError):
-        return {}
-    return held if isinstance(held, dict) else {}
-
-
-def blob_of(held: dict[int, dict[int, list[Any]]], holder: int, rank: int, step: int) -> bytes | None:
-    """``rank``'s packed per-rank state at ``step`` as survivor ``holder`` left it (None: it holds another)."""
-    found = (held.get(holder) or {}).get(rank)
-    return found[1] if isinstance(found, list) and len(found) == 2 and found[0] == step else None
 
 
 def writing(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:

@@ -7,16 +7,20 @@ by all of them and by ``status``. No torch.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, ledger_schema
+from hpc_ddp.core.atomic import append_line
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.core.errors import explain
 
+
+log = logging.getLogger("hpc_ddp.ledger")
 
 LEDGER = layout.LEDGER
 ERRORS = layout.ERRORS  # RUN_DIR/errors/job-J-restart-N.txt: the full message of an attempt's deterministic error
@@ -33,30 +37,52 @@ REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "f
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     """The ledger, one dict per ended attempt (unreadable lines are skipped; ``amends`` lines are merged
     into their attempt's line; a ``caps_from`` line, a person's ``--resume``, is no attempt: the attempts
-    before it get ``"before_resume": true``, which the caps skip)."""
+    before it get ``"before_resume": true``, which the caps skip). Only well-typed lines are read
+    (:mod:`hpc_ddp.rundir.ledger_schema`); each other one is a warning that names it."""
+    path = layout.ledger(run_dir)
     try:
-        return parse_attempts(layout.ledger(run_dir).read_text())
+        return parse_attempts(path.read_text(errors="replace"), str(path))
     except OSError:
         return []
 
 
-def parse_attempts(text: str) -> list[dict[str, Any]]:
-    """:func:`read_attempts` of the ledger's text (a node's copy of it: :mod:`hpc_ddp.rundir.node_share`)."""
-    lines = text.splitlines()
-    attempts = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("amends"):
+def parse_attempts(text: str, where: str = LEDGER) -> list[dict[str, Any]]:
+    """:func:`read_attempts` of the ledger's text (a node's copy of it: :mod:`hpc_ddp.rundir.node_share`);
+    ``where``: the file, for the warnings."""
+    attempts: list[dict[str, Any]] = []
+    for record in _records(text, where):
+        if record.get("amends"):
             _amend(attempts, record)
-        elif isinstance(record, dict) and CAPS_FROM in record:
+        elif CAPS_FROM in record:
             for earlier in attempts:
                 earlier[BEFORE_RESUME] = True
-        elif isinstance(record, dict):
+        else:
             attempts.append(record)
     return attempts
+
+
+def _records(text: str, where: str) -> list[dict[str, Any]]:
+    """The ledger's well-typed lines. A line that is not one is named in a warning and skipped; the last line,
+    without its newline, may be in the writing (or torn by a crash): skipped without a word."""
+    lines = text.split("\n")  # the numbers a person's editor shows; the last piece has no newline (yet)
+    found = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            if number < len(lines):
+                log.warning("%s line %d skipped: it is not JSON (a line cut short by a crash or a full disk?): "
+                            "%.80s", where, number, line)
+            continue
+        wrong = ledger_schema.problems(record)
+        if wrong:
+            log.warning("%s line %d skipped: %s (every reader skips it: fix the line or delete it)",
+                        where, number, "; ".join(wrong))
+            continue
+        found.append(record)
+    return found
 
 
 def start_caps_afresh(run_dir: Path, why: str = "resume") -> None:
@@ -79,12 +105,10 @@ def _amend(attempts: list[dict[str, Any]], amendment: Mapping[str, Any]) -> None
 
 
 def append_attempt(run_dir: Path, record: Mapping[str, Any]) -> None:
-    """One line per attempt, appended and fsynced (rank 0 only)."""
+    """One line per attempt, appended and fsynced (rank 0 only). A write that fails (a full disk) leaves the
+    ledger as it was and raises the OSError (:func:`hpc_ddp.core.atomic.append_line`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(layout.ledger(run_dir), "a") as out:
-        out.write(json.dumps(dict(record), sort_keys=True) + "\n")
-        out.flush()
-        os.fsync(out.fileno())
+    append_line(layout.ledger(run_dir), json.dumps(dict(record), sort_keys=True) + "\n")  # whole, or not at all
 
 
 def attempt_tag(job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:

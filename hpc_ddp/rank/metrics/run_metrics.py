@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.core.atomic import append_line
 from hpc_ddp.core.config import RunConfig, flat_values
 from hpc_ddp.rank.metrics.sinks import Sink, log_to, metric_value, open_sinks
 from hpc_ddp.rundir import layout, metrics_file
@@ -31,8 +32,9 @@ class MetricsLog:
         """Append one line for ``step`` and send it to the sinks (rank 0 only: the caller checks)."""
         values = {key: metric_value(key, value) for key, value in values.items()}
         attempt = len(read_attempts(self.run_dir)) if self._sinks is None else None  # the attempt's first line
-        with open(layout.metrics(self.run_dir), "a") as out:  # its first line says where it resumed (readers)
-            out.write(metrics_file.line(step, values, resumed_from=resumed_from, attempt=attempt))
+        # its first line says where it resumed (readers); a full disk leaves no half line to glue the next to
+        append_line(layout.metrics(self.run_dir), metrics_file.line(step, values, resumed_from=resumed_from,
+                                                                    attempt=attempt), sync=False)
         if self._sinks is None:
             first = resumed_from or 0
             sinks = open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rank.state.checkpointer import PER_RANK
-from hpc_ddp.rundir import jit_files, newest, slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import jit_blobs, jit_files, newest, slicing, snapshot, snapshot_write
 
 log = logging.getLogger("hpc_ddp.jit")
 
@@ -120,8 +120,8 @@ def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list
     directory = snapshot.step_dir(run.run_dir, step)
     entries = [w["written"]["entry"] for w in writers]
     if holders:
-        loaded = {node: jit_files.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
-        states = {rank: jit_files.blob_of(loaded[node_of[holder]], holder, rank, step)
+        loaded = {node: jit_blobs.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
+        states = {rank: jit_blobs.blob_of(loaded[node_of[holder]], holder, rank, step)
                   for rank, holder in holders.items()}
         lost = sorted(rank for rank, blob in states.items() if blob is None)
         if lost:

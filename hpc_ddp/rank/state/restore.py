@@ -16,7 +16,7 @@ from hpc_ddp.rank.group import control
 from hpc_ddp.core.batching import geometry_change, snapshot_batch_problem
 from hpc_ddp.rank.state.rng import reseed, restore_rng
 from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values
-from hpc_ddp.core.errors import explain
+from hpc_ddp.core.errors import explain, first_line
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP
 from hpc_ddp.rank.state.tracked import RunUsageError, load_into, resize_refused, restore_per_rank, unpack
@@ -91,13 +91,27 @@ def load_per_rank(run: Resuming, blob: bytes | None, restored: Any) -> None:
     raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
     if not run.per_rank:
         return
-    problem = restore_per_rank(run.per_rank, unpack(blob) if blob is not None else None, restored,
+    problem = restore_per_rank(run.per_rank, _unpacked(blob, run.rank, restored.step), restored,
                                run.rank, run.world_size, run.device)
     first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
     if first and restored.world_size not in (None, run.world_size):  # refused at another world size
         raise resize_refused(first, run.env, run.run_dir, restored.step)
     if first:
         raise RunUsageError(first)
+
+def _unpacked(blob: bytes | None, rank: int, step: int) -> dict[str, Any] | None:
+    """This rank's per-rank state from its blob; None (as for a damaged file) where the blob is garbage: a rank that
+    raised here would leave its peers in the collective that follows (the issue 61 of a garbage blob)."""
+    if blob is None:
+        return None
+    try:
+        saved = unpack(blob)
+    except Exception as err:  # noqa: BLE001 - garbage raises what the unpickler meets first
+        log.warning("rank %d's per-rank state in the snapshot of step %d cannot be read (%s: %s): treated as "
+                    "missing", rank, step, type(err).__name__, first_line(err, 160))
+        return None
+    return saved if isinstance(saved, dict) else None
+
 
 def report_changes(run: Resuming, restored: Any, built: dict[str, list[float]]) -> None:
     """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
