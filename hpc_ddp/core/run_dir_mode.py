@@ -58,9 +58,9 @@ def make_run_dir(path: Path, setting: str = DEFAULT) -> None:
     os.chmod(path, mode | inherited)
 
 
-def loose_folders(folders: Iterable[Path], setting: str = DEFAULT) -> list[str]:
-    """A warning for each existing folder of ``folders`` (the run dir, its slurm/ and compile_cache/) that its
-    group or everyone may write beyond what ``setting`` (run_dir_mode) allows: the folder, its mode, the fix."""
+def loose_folders(folders: Iterable[Path], setting: str = DEFAULT) -> list[tuple[str, str]]:
+    """``(what, fix)`` for each existing folder of ``folders`` (:func:`run_dir_folders`) that its group or
+    everyone may write beyond what ``setting`` (run_dir_mode) allows: the folder, its mode, the fix."""
     try:
         allowed = check_run_dir_mode(setting)
     except ConfigError:
@@ -77,7 +77,13 @@ def loose_folders(folders: Iterable[Path], setting: str = DEFAULT) -> list[str]:
         who = "everyone" if loose & 0o002 else "its group"
         share = ("" if loose & 0o002 else ", or, to share the run with your group on purpose, set "
                  f"run_dir_mode: '0{(allowed | 0o070) & 0o777:o}'")
-        found.append(f"{folder} can be written by {who} (mode {mode:04o}), and whoever can write it can run code "
-                     f"as you (config.yaml names the program, submitit's pickles and torch.compile's cache are "
-                     f"loaded from the run dir: docs/security.md). HINT: chmod go-w {folder}{share}")
+        found.append((f"{folder} can be written by {who} (mode {mode:04o}), and whoever can write it can run code "
+                      f"as you (config.yaml names the program, submitit's pickles and torch.compile's cache are "
+                      f"loaded from the run dir: docs/security.md)", f"chmod go-w {folder}{share}"))
     return found
+
+
+def run_dir_folders(run_dir: Path | str) -> list[Path]:
+    """The folders whose writers run code as the run's owner: the run dir, its slurm/ and compile_cache/
+    (the names are :mod:`hpc_ddp.rundir.layout`'s)."""
+    return [Path(run_dir), Path(run_dir) / "slurm", Path(run_dir) / "compile_cache"]
