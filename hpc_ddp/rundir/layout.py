@@ -3,7 +3,7 @@
 A run directory is keyed by the run's name, never by a job id, so a requeued job
 (or a resubmitted one) finds its own state. What it holds::
 
-    config.yaml        the resolved config every attempt reads
+    config.yaml        the resolved config every attempt reads (${oc.env:VAR} kept as written: core/config_env.py)
     attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
     metrics.jsonl      step, loss, lr, samples/s (rank 0)
     script_progress.json  a train.script's recent steps as rank 0's worker read them from its output
