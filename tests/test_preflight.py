@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.config import load_config
-from hpc_ddp.login.preflight import (check_commands, check_geometry, check_partition, check_run_dir, check_run_dir_writers,
-                                     check_signal_delay, check_task, find_module)
+from hpc_ddp.login.preflight import (check_commands, check_geometry, check_partition, check_run_dir,
+                                     check_run_dir_writers, check_signal_delay, check_task, find_module)
 from hpc_ddp.slurm_local import ClusterSpec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """The one config schema of a run, and loading it from YAML files and ``key=value`` overrides.
 
-``omegaconf`` lives only in this module: it merges the YAML files in order, then
-the dotlist overrides, against the dataclass schema; every omegaconf or YAML
+``omegaconf`` lives only here (and in its helpers config_items and config_env): it merges
+the YAML files in order, then the dotlist overrides, against the dataclass schema; every omegaconf or YAML
 failure is turned into a :class:`ConfigError` that names the key, the value, what
 was expected and the fix. Checks omegaconf does not do (ranges, choices, the
 element types of lists and dicts) are in :mod:`hpc_ddp.core.config_checks`.
