@@ -18,7 +18,8 @@ Do not edit by hand: a test fails when this page and the schema differ.
 A run's config is one or more YAML files merged in order, then `key=value` overrides from the command
 line (`train.lr=0.01`, `slurm.setup=[module load cuda]`, `slurm.sbatch_extra.mail-type=END`).
 Values are YAML. `${name}` refers to another key, and `${oc.env:SCRATCH}` to an environment variable
-read on the login node. A shell variable in a setup line is written `$VAR`, or escaped as `\\${VAR}`.
+read at submit and again wherever the config is read: `config.yaml` keeps `${oc.env:...}` as written, never
+its value ([security](security.md)). A shell variable in a setup line is written `$VAR`, or escaped as `\\${VAR}`.
 `key=null` unsets a key: an optional one becomes null, and a text key whose default is empty (such as
 `train.task`, to run a `train.loop` from a Task's YAML) becomes empty.
 A cluster profile (`--profile NAME`, `HPC_DDP_PROFILE`; see the `profile` key) goes under all of them:

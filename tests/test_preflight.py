@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.config import load_config
-from hpc_ddp.login.preflight import check_commands, check_geometry, check_partition, check_run_dir, check_signal_delay, check_task, find_module
+from hpc_ddp.login.preflight import (check_commands, check_geometry, check_partition, check_run_dir,
+                                     check_run_dir_writers, check_signal_delay, check_task, find_module)
 from hpc_ddp.slurm_local import ClusterSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,23 @@ def test_node_local_run_dirs_are_warned_about() -> None:
     [ram] = [f for f in check_run_dir(Path("/scratch/u/run"), mounts=mounts) if f.level == "warning"]
     assert "(/scratch is tmpfs)" in ram.message and "shared filesystem" in ram.hint
     assert [f for f in check_run_dir(Path("/home/u/run"), mounts=mounts) if f.level == "warning"] == []
+
+
+def test_a_run_dir_others_may_write_is_warned_about_unless_run_dir_mode_says_so(tmp_path: Path) -> None:
+    """Whoever can write the run dir, its slurm/ (submitit's pickles) or compile_cache/ runs code as you."""
+    run_dir = tmp_path / "run"
+    assert check_run_dir_writers(config(f"run_dir={run_dir}")) == []  # not made yet: submit makes it 0700
+    (run_dir / "slurm").mkdir(parents=True)
+    run_dir.chmod(0o775)
+    [group] = check_run_dir_writers(config(f"run_dir={run_dir}"))
+    assert (group.level, group.key) == ("warning", "run_dir_mode")
+    assert f"{run_dir} can be written by its group (mode 0775)" in group.message and "run code as you" in group.message
+    assert group.hint.startswith(f"chmod go-w {run_dir}") and "run_dir_mode: '0770'" in group.hint
+    assert check_run_dir_writers(config(f"run_dir={run_dir}", "run_dir_mode='0770'")) == []  # shared on purpose
+    (run_dir / "slurm").chmod(0o777)
+    [everyone] = check_run_dir_writers(config(f"run_dir={run_dir}", "run_dir_mode='0770'"))
+    assert f"{run_dir / 'slurm'} can be written by everyone (mode 0777)" in everyone.message
+    assert everyone.hint == f"chmod go-w {run_dir / 'slurm'}"
 
 
 def test_signal_delay_that_wastes_the_attempt_or_leaves_no_time() -> None:

@@ -1,7 +1,7 @@
 """The one config schema of a run, and loading it from YAML files and ``key=value`` overrides.
 
-``omegaconf`` lives only in this module: it merges the YAML files in order, then
-the dotlist overrides, against the dataclass schema; every omegaconf or YAML
+``omegaconf`` lives only here (and in its helpers config_items and config_env): it merges
+the YAML files in order, then the dotlist overrides, against the dataclass schema; every omegaconf or YAML
 failure is turned into a :class:`ConfigError` that names the key, the value, what
 was expected and the fix. Checks omegaconf does not do (ranges, choices, the
 element types of lists and dicts) are in :mod:`hpc_ddp.core.config_checks`.
@@ -25,11 +25,13 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 from hpc_ddp.core.config_schema import (ContainerConfig, DistConfig, MetricsConfig, RunConfig, SlurmConfig,
                                         SnapshotConfig, TrainConfig, schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
+from hpc_ddp.core.config_env import env_leaves, masked, remember, unresolve
 from hpc_ddp.core.compile_settings import cache_place
 from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
 from hpc_ddp.core.user_settings import user_leaves
 from hpc_ddp.core.config_items import for_script, list_item, nest
 from hpc_ddp.core.config_hints import suggest
+from hpc_ddp.core.run_dir_mode import make_run_dir
 from hpc_ddp.core.errors import ConfigError, explain
 
 __all__ = ["ContainerConfig", "DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig",
@@ -67,6 +69,7 @@ def load_config(paths: Sequence[str | os.PathLike[str]] = (), overrides: Sequenc
         raise _translate(err, "the merged config") from err
     cfg.train.compile_cache = cache_place(cfg.train.compile_cache)  # YAML's off is False
     check_config(cfg)
+    remember(cfg, env_leaves(merged))  # ${oc.env:...} values are written as such, never as their value
     return cfg  # type: ignore[return-value]
 
 
@@ -251,8 +254,9 @@ def _expected(tp: Any) -> str:
 
 
 def to_yaml(cfg: RunConfig) -> str:
-    """The config as YAML that :func:`load_config` reads back to an equal config."""
-    return OmegaConf.to_yaml(OmegaConf.create(_escape(dataclasses.asdict(cfg))))
+    """The config as YAML that :func:`load_config` reads back to an equal config; a value from
+    ``${oc.env:VAR}`` is written as that text (:mod:`hpc_ddp.core.config_env`), resolved again by each reader."""
+    return OmegaConf.to_yaml(OmegaConf.create(unresolve(cfg, _escape(dataclasses.asdict(cfg)))))
 
 
 def _escape(value: Any) -> Any:
@@ -267,12 +271,13 @@ def _escape(value: Any) -> Any:
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
-    """Write the resolved config durably (temp file, fsync, rename): never half a file."""
+    """Write the config durably (temp file, fsync, rename): never half a file. A run dir it creates is
+    made with ``run_dir_mode`` (0700 by default), whatever the umask."""
     from hpc_ddp.core.atomic import write_atomic
 
     target = Path(path)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_run_dir(target.parent, cfg.run_dir_mode)
         write_atomic(target, to_yaml(cfg))
     except OSError as err:
         raise ConfigError(explain(f"cannot write {target}: {err.strerror}", found=str(target.parent),
@@ -285,8 +290,10 @@ def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
 def flat_values(cfg: RunConfig) -> dict[str, Any]:
     """Every leaf as ``{"train.lr": 0.1, ...}`` in JSON terms (lists and dicts are leaves, but the user
     section's keys each are one, ``user.eval_every``, so a diff names them): what a snapshot manifest
-    records of the config that wrote it."""
+    records of the config that wrote it. A text value from ``${oc.env:VAR}`` reads as that text."""
     import json
+
+    cfg = masked(cfg)
 
     def walk(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
         if prefix == "slurm.container." and not value.runtime:
@@ -296,6 +303,8 @@ def flat_values(cfg: RunConfig) -> dict[str, Any]:
                 yield from walk(getattr(value, item.name), f"{prefix}{item.name}.")
         elif prefix == "user.":
             yield from user_leaves(value)
+        elif prefix == "run_dir_mode." and value == "0700":
+            return  # the default: as a config from before the key, so an older snapshot's config shows no change
         elif prefix == "profile." and not value:
             return  # none: as a config from before profiles, so an older snapshot's config shows no change
         else:

@@ -258,3 +258,14 @@ def check_config(cfg: Any) -> None:
                     "with a range the run goes on with fewer nodes when one fails; spares keep the world size "
                     "(bit-exact): choose one, e.g. slurm.nodes=2 slurm.spare_nodes=1")
     check_geometry(cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node)
+
+
+def _run_dir_mode(value: Any) -> bool:
+    """run_dir_mode's own check raises the error that says what to write (:mod:`hpc_ddp.core.run_dir_mode`)."""
+    from hpc_ddp.core.run_dir_mode import check_run_dir_mode
+
+    check_run_dir_mode(value)
+    return True
+
+
+RULES["run_dir_mode"] = (_run_dir_mode, "a folder mode of four octal digits in quotes, e.g. '0750'")

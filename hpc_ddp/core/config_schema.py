@@ -218,6 +218,12 @@ class RunConfig:
     run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs. A relative path is "
                         "resolved against the directory you submit from (where the job starts), not the config "
                         "file's; submit and --dry-run print it absolute.")
+    run_dir_mode: str = _doc("0700", "The mode a new run dir is created with, four octal digits in quotes, "
+                             "whatever the umask: '0700' (only you), '0750' (your group reads), '0770' (your "
+                             "group writes too; '2770' keeps new files in the folder's group). Whoever can write "
+                             "the run dir runs code as you, so a run dir, slurm/ or compile_cache/ that others "
+                             "can write beyond this mode is warned about at submit and at each attempt's start "
+                             "(docs/security.md). An existing run dir keeps its mode.")
     profile: str = _doc("", "The cluster profile merged under the config files: "
                         "$XDG_CONFIG_HOME/hpc_ddp/profiles/NAME.yaml (default ~/.config/hpc_ddp/profiles/). Chosen "
                         "by --profile NAME (the override profile=NAME), this key in a config file, else "

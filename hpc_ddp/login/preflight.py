@@ -18,6 +18,7 @@ from hpc_ddp.core import limits
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.container import EXEC_RUNTIMES
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.core.run_dir_mode import loose_folders, run_dir_folders
 from hpc_ddp.login.slurm_version import planned_for
 from hpc_ddp.login.preflight_finding import Finding
 from hpc_ddp.login.preflight_program import check_script, check_task, defines, find_module, module_origin
@@ -134,6 +135,13 @@ def check_run_dir(run_dir: Path, mounts: str | None = None) -> list[Finding]:
     return findings
 
 
+def check_run_dir_writers(cfg: RunConfig) -> list[Finding]:
+    """A run dir, slurm/ or compile_cache/ that others may write beyond run_dir_mode: they could run code as
+    you (docs/security.md). A run dir not made yet is made with run_dir_mode."""
+    return [Finding("warning", "run_dir_mode", what, fix)
+            for what, fix in loose_folders(run_dir_folders(cfg.run_dir), cfg.run_dir_mode)]
+
+
 def check_signal_delay(cfg: RunConfig) -> list[Finding]:
     """After the warning the job snapshots and leaves: the delay is walltime given up per attempt."""
     delay, limit = cfg.slurm.signal_delay_s, cfg.slurm.timeout_min * 60
@@ -207,8 +215,9 @@ def check_container(cfg: RunConfig, which: Callable[[str], str | None] = shutil.
 def preflight(cfg: RunConfig, *, slurm: bool = True, which: Callable[[str], str | None] = shutil.which,
               runner: Runner = subprocess.run) -> list[Finding]:
     """All checks for ``cfg``; ``slurm=False`` leaves out those that ask Slurm (for --emit-sbatch)."""
-    findings = [*check_run_dir(Path(cfg.run_dir)), *check_signal_delay(cfg), *check_geometry(cfg),
-                *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg), *check_container(cfg, which)]
+    findings = [*check_run_dir(Path(cfg.run_dir)), *check_run_dir_writers(cfg), *check_signal_delay(cfg),
+                *check_geometry(cfg), *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg),
+                *check_container(cfg, which)]
     if slurm:
         commands = check_commands(which)
         asked = [] if commands else check_partition(cfg.slurm.partition, runner)

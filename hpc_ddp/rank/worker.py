@@ -35,6 +35,7 @@ from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError, first_line
+from hpc_ddp.core.run_dir_mode import loose_folders, run_dir_folders
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir import beats, node_share
 from hpc_ddp.rundir.node_local import NodeLocalError
@@ -160,6 +161,8 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
     from hpc_ddp.rank.attempt.session import beating, open_run
 
     attempt = Attempt(cfg, env, placed(cfg, env, environ), flag, attempts, limits)
+    if env.is_main:
+        warn_writers(cfg)
     if cfg.train.script:
         from hpc_ddp.rank.script.wrapper import run_script
 
@@ -176,6 +179,13 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
         return stop.code
     assert attempt.code is not None
     return attempt.code
+
+
+def warn_writers(cfg: RunConfig) -> None:
+    """Rank 0, once per attempt: a run dir, slurm/ or compile_cache/ that others may write beyond run_dir_mode
+    (whoever can write it runs code as the run's owner: docs/security.md)."""
+    for what, fix in loose_folders(run_dir_folders(cfg.run_dir), cfg.run_dir_mode):
+        log.warning("%s\nHINT: %s", what, fix)
 
 
 def _explained(err: Exception) -> HpcDdpError | None:

@@ -3,7 +3,7 @@
 A run directory is keyed by the run's name, never by a job id, so a requeued job
 (or a resubmitted one) finds its own state. What it holds::
 
-    config.yaml        the resolved config every attempt reads
+    config.yaml        the resolved config every attempt reads (${oc.env:VAR} kept as written: core/config_env.py)
     .hpc_ddp-secret    the run's secret (mode 0600): names its node-local folders, signs their records
                        (hpc_ddp.rundir.node_local)
     attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)

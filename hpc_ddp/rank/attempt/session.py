@@ -34,6 +34,7 @@ from hpc_ddp.rundir import compile_cache, flight, jit_files, layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.run_dir_mode import make_run_dir
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, recorded_error
 from hpc_ddp.rundir.runlock import RunLockedError, acquire, release
 from hpc_ddp.core.slurm_env import DistEnv
@@ -101,6 +102,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     shared = environ.get(CONTROL_GROUP_VAR) == "shared"  # tests: the control traffic on a gloo training group
     if env.is_main and not attempt.wrapped:  # before the rendezvous: no node looks for it before it exists
         try:
+            make_run_dir(attempt.run_dir, cfg.run_dir_mode)  # made here when no submit made it: closed to others
             newest.create(attempt.run_dir)
         except OSError as err:  # a full or read-only run dir fails where it matters, with its own message
             log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
