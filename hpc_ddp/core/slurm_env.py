@@ -14,7 +14,8 @@ dicts. Three sources, tried in this order:
 MASTER_ADDR is the first host of the node list; MASTER_PORT is
 :func:`master_port` of the job id, in [20000, 31999], below Linux's ephemeral
 range (32768-60999) so that no outgoing connection holds it. An explicit
-MASTER_ADDR / MASTER_PORT in the environment wins.
+MASTER_ADDR / MASTER_PORT in the environment wins. Inside a run, the worker sets MASTER_PORT first: one of
+the attempt's unguessable ports (:mod:`hpc_ddp.core.store_ports`), unless you chose one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpc_ddp.core import store_ports
 from hpc_ddp.core.errors import SlurmEnvError, explain
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 
@@ -66,6 +68,8 @@ class DistEnv:
     chained_from: int | None = None  # the job that submitted this one where Slurm refuses requeue (a chain)
     nodelist: tuple[str, ...] = ()
     source: str = "single"  # "slurm" | "torchrun" | "single"
+    store_ports: tuple[int, ...] = ()  # the attempt's rendezvous ports, first = master_port (core/store_ports.py)
+    store_key: str | None = None  # the key that proves a store is the attempt's own; None: believe it as it is
 
     @property
     def is_main(self) -> bool:
@@ -86,22 +90,6 @@ def master_port(job_id: int, array_task_id: int | None = None) -> int:
     (job id + array task id) differs by less than 12000 never share a port.
     """
     return MASTER_PORT_BASE + (job_id + (array_task_id or 0)) % MASTER_PORT_SPAN
-
-
-IN_JOB_PORT_BASE = 10000  # below the first steps' range (20000-31999) and the kernel's ephemeral ports (32768-)
-IN_JOB_PORT_SPAN = 10000
-IN_JOB_PORTS_PER_JOB = 16
-
-
-def in_job_port(job_id: int, array_task_id: int | None, restart: int) -> int:
-    """The rendezvous port of the ``restart``-th step restarted inside a job (1, 2, ...).
-
-    A range of its own: no job's first step derives a port in it (moving the first step's port on by the
-    restart's number gave another job's port), and the failed step's store may still hold the old one.
-    Each job has 16 consecutive ports there; jobs whose key differs by less than 625 never share one.
-    """
-    key = job_id + (array_task_id or 0)
-    return IN_JOB_PORT_BASE + (key * IN_JOB_PORTS_PER_JOB + restart % IN_JOB_PORTS_PER_JOB) % IN_JOB_PORT_SPAN
 
 
 _TASKS_ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?")
@@ -209,6 +197,11 @@ def _explicit_port(env: Mapping[str, str]) -> int | None:
     return port
 
 
+def _store(env: Mapping[str, str], port: int) -> dict[str, Any]:
+    ports, key = store_ports.from_environ(env, port)
+    return {"store_ports": ports, "store_key": key} if key else {}
+
+
 def _job_fields(env: Mapping[str, str]) -> dict[str, Any]:
     return {"job_id": _int(env, JOB_ID_VARS), "array_task_id": _int(env, ("SLURM_ARRAY_TASK_ID",)),
             "restart_count": _int(env, ("SLURM_RESTART_COUNT",)) or 0,
@@ -246,7 +239,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size,
                    local_world_size=tasks[node_rank], node_rank=node_rank, num_nodes=num_nodes,
                    master_addr=addr, master_port=port, nodelist=nodelist, source="slurm",
-                   **_job_fields(env))
+                   **_job_fields(env), **_store(env, port))
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:

@@ -38,6 +38,8 @@ from hpc_ddp.core.errors import HpcDdpError, first_line
 from hpc_ddp.core.run_dir_mode import loose_folders, run_dir_folders
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir import beats, node_share
+from hpc_ddp.core import store_ports
+from hpc_ddp.rundir import node_local
 from hpc_ddp.rundir.node_local import NodeLocalError
 from hpc_ddp.rundir.ledger import (attempt_fields, attempt_tag, cap_reached, caps, note_error, parse_attempts,
                                    read_attempts, record_error)
@@ -118,7 +120,7 @@ def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
              folder: Path | None = None, tag: str = "") -> Prepared | int:
     """This rank's place, signal handlers and logging; an exit code instead when there is nothing to do
     (the run finished before) or a preempted job came back once more than slurm.max_preemptions allows."""
-    environ = with_config_port(environ, cfg)
+    environ = with_store_ports(with_config_port(environ, cfg), cfg)
     env = from_environ(environ)
     flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
     setup_logging(env)
@@ -279,6 +281,20 @@ def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str,
     if cfg.dist.master_port is None or "MASTER_PORT" in environ:
         return environ
     return {**environ, "MASTER_PORT": str(cfg.dist.master_port)}
+
+
+def with_store_ports(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:
+    """A Slurm task whose port nobody chose: the attempt's unguessable ports and the key that proves its store
+    (:mod:`hpc_ddp.core.store_ports`), instead of a port derived from the public job id."""
+    if "MASTER_PORT" in environ or "SLURM_STEP_ID" not in environ or "RANK" in environ:
+        return environ  # chosen by you (or dist.master_port), torchrun's, or no srun step: left as it is
+    try:
+        env = from_environ(environ)
+    except HpcDdpError:
+        return environ  # said where the caller derives it again
+    tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
+    secret = node_local.run_secret(cfg.run_dir)
+    return {**environ, **store_ports.exported(secret, tag, node_local.token(cfg.run_dir, tag))}
 
 
 def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:

@@ -27,7 +27,7 @@ from hpc_ddp.core.slurm_jobs import job_end_time, job_spec, job_state
 from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.shell.settle import last_known
-from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR, in_job_port
+from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
 from hpc_ddp.rundir.snapshot import refuses_resize
 from hpc_ddp.shell.steps import Srun, Step, run_srun
 
@@ -204,23 +204,22 @@ class Supervisor:
         env = self._env_without_step_shape()
         if index:
             env[IN_JOB_VAR] = str(index)
-            env["MASTER_PORT"] = str(self._port(index))  # the failed step's store may still hold its port
+            port = self._port(index)
+            if port is not None:  # the failed step's store may still hold the port you chose: the next one
+                env["MASTER_PORT"] = str(port)
             env[HEALED_VAR] = json.dumps(healed or {}, sort_keys=True)
         return env
 
-    def _port(self, index: int) -> int:
-        """A restarted step's rendezvous port: a port the user chose (MASTER_PORT, dist.master_port) moved on
-        by the restart's number; else one of the job's own in-job ports, which no other job's first step
-        derives (:func:`hpc_ddp.core.slurm_env.in_job_port`)."""
+    def _port(self, index: int) -> int | None:
+        """A restarted step's rendezvous port where the user chose one (MASTER_PORT, dist.master_port): moved on
+        by the restart's number. None otherwise: each attempt's ranks draw their own unguessable ports from the
+        run's secret and the attempt (:mod:`hpc_ddp.core.store_ports`), which differ from the failed step's."""
         given = self.environ.get("MASTER_PORT") or (None if self.cfg.dist.master_port is None
                                                      else str(self.cfg.dist.master_port))
-        if given is not None:
-            base = int(given)
-            return base + index if base + index <= 65535 else base - index
-        job = self.environ.get("SLURM_ARRAY_JOB_ID") or self.job
-        array = self.environ.get("SLURM_ARRAY_TASK_ID")
-        return in_job_port(int(job) if job.isdigit() else 0, int(array) if array and array.isdigit() else None,
-                           index)
+        if given is None:
+            return None
+        base = int(given)
+        return base + index if base + index <= 65535 else base - index
 
     def _env_without_step_shape(self) -> dict[str, str]:
         """The batch shell's environment without the job-wide counts srun would read as this step's shape."""

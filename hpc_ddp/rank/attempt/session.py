@@ -30,12 +30,12 @@ from hpc_ddp.rank.attempt.conclude import conclude, end_as_stop, write_line
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
-from hpc_ddp.rundir import compile_cache, flight, jit_files, layout
+from hpc_ddp.rundir import compile_cache, flight, jit_files, layout, store_moved
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.run_dir_mode import make_run_dir
-from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, recorded_error
+from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_tag, recorded_error
 from hpc_ddp.rundir.runlock import RunLockedError, acquire, release
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_HUNG, HOLD_AT_VAR
@@ -108,8 +108,11 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
     if env.is_node_main and not attempt.wrapped and cfg.snapshot.jit and env.world_size > 1:
         jit_files.prepare(jit_files.post_for(attempt.run_dir, env))  # the node's file, before anyone reads it
+    tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
+    moves = (functools.partial(store_moved.announced, attempt.run_dir, tag),
+             functools.partial(store_moved.announce, attempt.run_dir, tag))  # rank 0 left a taken port
     with beating(attempt), process_group(env, cfg.dist, peer_error, dumps=dumps,
-                                         own_control_group=False if shared else None) as device:
+                                         own_control_group=False if shared else None, store_moves=moves) as device:
         import torch.distributed as dist
 
         from hpc_ddp.rank.group import control, nccl_report

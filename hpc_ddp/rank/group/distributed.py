@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.core import limits
-from hpc_ddp.rank.group import control, nccl_report, tiers
+from hpc_ddp.rank.group import control, nccl_report, rendezvous, tiers
 from hpc_ddp.core.config import DistConfig
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.core.shutdown import exit_fast  # noqa: F401  (part of the library API)
@@ -44,13 +44,12 @@ class RendezvousError(DistributedError):
 PEER_POLL_S = 0.5  # how often a node's ranks waiting for rank 0's store look for an error rank 0 recorded
 
 
-def _port_taken(err: BaseException) -> bool:
-    text = str(err)
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
+_port_taken = rendezvous.port_taken
 
 
-def rendezvous_store(env: DistEnv, timeout: timedelta,
-                     peer_error: Callable[[], str | None] = lambda: None) -> dist.Store:
+def rendezvous_store(env: DistEnv, timeout: timedelta, peer_error: Callable[[], str | None] = lambda: None,
+                     moved: Callable[[], int | None] = lambda: None,
+                     announce: Callable[[int], Any] = lambda port: None) -> dist.Store:
     """The job's key-value store on MASTER_ADDR:MASTER_PORT, served by rank 0 (what ``env://`` does).
 
     Done here for two answers ``env://`` cannot give: a port already taken on the first node
@@ -60,6 +59,10 @@ def rendezvous_store(env: DistEnv, timeout: timedelta,
     them whether rank 0 failed (it records its error in the run dir), so every rank stops
     within seconds with rank 0's message.
     """
+    if env.store_key and len(env.store_ports) > 1:  # the attempt's own unguessable ports (core/store_ports.py)
+        if env.rank == 0:
+            return rendezvous.serve(env, timeout, announce, RendezvousError)
+        return rendezvous.join(env, timeout, peer_error, moved, RendezvousError)
     host, port = env.master_addr, env.master_port
     if env.rank == 0:
         try:
@@ -161,7 +164,9 @@ TRACE_ENTRIES = 2000  # collectives the flight recorder keeps per process (a few
 
 def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[str, str] | None = None,
                        peer_error: Callable[[], str | None] = lambda: None, dumps: str | None = None,
-                       own_control_group: bool | None = None) -> torch.device:
+                       own_control_group: bool | None = None,
+                       store_moves: tuple[Callable[[], int | None], Callable[[int], Any]] | None = None,
+                       ) -> torch.device:
     """Join the job's process group (once) and open its CPU control group; return this rank's device.
 
     Exports the rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` first: NCCL reads
@@ -195,7 +200,8 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, device_id=device_id)
     else:
-        dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error), rank=env.rank,
+        dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error, *(store_moves or ())),
+                                rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
     if nccl_report.wanted(backend, env):  # every rank: the first communicator exists after one collective
         dist.all_reduce(torch.zeros(1, device=device))
@@ -263,7 +269,9 @@ def abort() -> None:
 
 @contextmanager
 def process_group(env: DistEnv, cfg: DistConfig, peer_error: Callable[[], str | None] = lambda: None,
-                  dumps: str | None = None, own_control_group: bool | None = None) -> Iterator[torch.device]:
+                  dumps: str | None = None, own_control_group: bool | None = None,
+                  store_moves: tuple[Callable[[], int | None], Callable[[int], Any]] | None = None,
+                  ) -> Iterator[torch.device]:
     """``with process_group(env, cfg) as device:`` -- left by a clean teardown or, after an error, an abort.
 
     On a normal exit all ranks meet at a barrier first (on the control group), so that no rank tears
@@ -271,7 +279,8 @@ def process_group(env: DistEnv, cfg: DistConfig, peer_error: Callable[[], str | 
     called without an active exception"). After an error there is no barrier, since the other ranks
     may never arrive, and no destroy (see :func:`abort`).
     """
-    device = init_process_group(env, cfg, peer_error=peer_error, dumps=dumps, own_control_group=own_control_group)
+    device = init_process_group(env, cfg, peer_error=peer_error, dumps=dumps, own_control_group=own_control_group,
+                                store_moves=store_moves)
     try:
         yield device
         if env.world_size > 1:
