@@ -18,6 +18,7 @@ from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
 from hpc_ddp.core.compile_settings import CACHE_EXPECTED, COMPILE_EXPECTED, cache_ok, compile_problem
 from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
+from hpc_ddp.core.hostlist import MAX_RANGE
 from hpc_ddp.core.shell_safe import check_one_line
 
 _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -25,10 +26,11 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MOUNT = re.compile(r"/[^,:\n]*(:/[^,:\n]*(:[^,:\n]+)?)?")
-# The largest node count and tasks per node a config may ask for: the largest Slurm clusters have tens of
-# thousands of nodes, and Slurm's own MaxTasksPerNode may not exceed 65533. Beyond them a value is a typo
-# (1e23), and the login node's tools (--dry-run's tables, the batch plans) would work through it for ever.
-MAX_NODES = 100_000
+# The largest node count and tasks per node a config may ask for: Slurm's node lists hold at most MAX_RANGE
+# (65536) hosts in one range (so does our hostlist), the largest Slurm clusters have tens of thousands of
+# nodes, and Slurm's own MaxTasksPerNode may not exceed 65533. Beyond them a value is a typo (1e23), and the
+# login node's tools (--dry-run's tables, the batch plans) would work through it for ever.
+MAX_NODES = MAX_RANGE
 MAX_TASKS_PER_NODE = 65_533
 LIVENESS_S = 30.0  # dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
 SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
@@ -84,8 +86,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "run_dir": (lambda v: bool(v.strip()), "a directory path"),
     "profile": (lambda v: v == "" or bool(_NAME.fullmatch(v)), "a profile's name (its file's stem), or empty"),
     "slurm.nodes": (lambda v: valid_nodes(v) and node_counts(v)[-1] <= MAX_NODES,
-                    f"an integer 1..{MAX_NODES}, or a range MIN-MAX within it such as 2-4 (no Slurm cluster has "
-                    "more nodes)"),
+                    f"an integer 1..{MAX_NODES}, or a range MIN-MAX within it such as 2-4 (the most hosts one "
+                    "Slurm node list range holds; no Slurm cluster has more nodes)"),
     "slurm.tasks_per_node": (_at_most(MAX_TASKS_PER_NODE), f"an integer 1..{MAX_TASKS_PER_NODE} (Slurm's own "
                              "ceiling on tasks per node, MaxTasksPerNode)"),
     "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
