@@ -86,10 +86,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "run_dir": (lambda v: bool(v.strip()), "a directory path"),
     "profile": (lambda v: v == "" or bool(_NAME.fullmatch(v)), "a profile's name (its file's stem), or empty"),
     "slurm.nodes": (lambda v: valid_nodes(v) and node_counts(v)[-1] <= MAX_NODES,
-                    f"an integer 1..{MAX_NODES}, or a range MIN-MAX within it such as 2-4 (the most hosts one "
-                    "Slurm node list range holds; no Slurm cluster has more nodes)"),
-    "slurm.tasks_per_node": (_at_most(MAX_TASKS_PER_NODE), f"an integer 1..{MAX_TASKS_PER_NODE} (Slurm's own "
-                             "ceiling on tasks per node, MaxTasksPerNode)"),
+                    f"an integer >= 1 and at most {MAX_NODES} (the most hosts one Slurm node list range holds; no "
+                    "Slurm cluster has more nodes), or a range MIN-MAX within them such as 2-4"),
+    "slurm.tasks_per_node": (_at_most(MAX_TASKS_PER_NODE), f"an integer >= 1 and at most {MAX_TASKS_PER_NODE} "
+                             "(Slurm's own ceiling on MaxTasksPerNode)"),
     "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
     "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
     "slurm.mem_gb": (_positive, "a number of GB > 0, or null"),
@@ -103,7 +103,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
     "slurm.max_preemptions": (_at_least(0), "an integer >= 0"),
     "slurm.max_failures": (_at_least(0), "an integer >= 0"),
-    "slurm.spare_nodes": (lambda v: _at_least(0)(v) and v <= MAX_NODES, f"an integer 0..{MAX_NODES}"),
+    "slurm.spare_nodes": (lambda v: _at_least(0)(v) and v <= MAX_NODES, f"an integer >= 0 and at most {MAX_NODES}"),
     "slurm.max_restarts_in_job": (_at_least(0), "an integer >= 0"),
     "slurm.setup": (_texts, "a list of shell lines"),
     "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "

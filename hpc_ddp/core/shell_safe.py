@@ -25,8 +25,9 @@ from typing import Any
 
 from hpc_ddp.core.errors import ConfigError, explain
 
-# C0 controls and DEL, plus what Python's str.splitlines takes for a line break (NEL, LS, PS)
-_CONTROL = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+# C0 controls (newline, CR, tab, ...), DEL, and the C1 controls (a terminal that shows the script reads 0x9b as
+# the start of an escape sequence)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _NAMES = {"\n": "a newline (\\n)", "\r": "a carriage return (\\r)", "\t": "a tab (\\t)", "\x00": "a NUL byte"}
 # Keys whose strings never reach a script: argv items handed to train.script by exec (a multi-line
 # argument is legitimate there), the progress regex, and the user's own settings (environment variables).
@@ -57,7 +58,7 @@ def one_line(where: str, value: str, allow: str = "", key: str | None = None) ->
     raise ConfigError(explain(
         f"{where} holds {char_name(char)} at character {index}: it would end its line of the job's batch script, "
         "and bash would run what follows as a command", found=value,
-        expected="one line of text without control characters" + (" (a tab is fine)" if "\t" in allow else ""),
+        expected="one-line text without control characters" + (" (a tab is fine)" if "\t" in allow else ""),
         hint=f"remove it from {where}" + (" (one shell line per list item)" if where.startswith(SHELL_LINES) else "")
         + ("; in YAML, a double-quoted \\n or \\t is a control character, a single-quoted one is text"
            if char in "\n\t\r" else "")), key=key or where.split("[")[0])
@@ -76,37 +77,35 @@ def setup_line(where: str, line: str) -> str:
     return line
 
 
-def strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
-    """(key path, text) for every string in ``value``: a dataclass's fields, mapping keys and values, list items."""
+def strings(value: Any, path: str, key: str = "") -> Iterator[tuple[str, str, str]]:
+    """(where, config key, text) for every string in ``value``: a dataclass's fields (each its own key),
+    mapping keys and values and list items (``slurm.setup[2]``, ``slurm.sbatch_extra.mail-user``: the key
+    is still ``slurm.setup``, ``slurm.sbatch_extra``)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            yield from strings(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
+            name = f"{path}.{f.name}" if path else f.name
+            yield from strings(getattr(value, f.name), name, name)
     elif isinstance(value, str):
-        yield path, value
+        yield path, key or path, value
     elif isinstance(value, dict):
         for k, v in value.items():
-            yield from strings(k, f"{path} key")
-            yield from strings(v, f"{path}.{k}")
+            yield from strings(k, f"a key of {path}", key or path)
+            yield from strings(v, f"{path}.{k}", key or path)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            yield from strings(item, f"{path}[{i}]")
+            yield from strings(item, f"{path}[{i}]", key or path)
 
 
 def check_one_line(cfg: Any) -> None:
     """Every string of the config that can reach a batch script is one line; ``slurm.setup``'s lines are
     the user's own commands, kept as they are, one line each (see :func:`setup_line`)."""
-    for path, text in strings(cfg, ""):
-        if any(path == k or path.startswith((f"{k}.", f"{k}[", f"{k} ")) for k in NOT_IN_SCRIPTS):
+    for where, key, text in strings(cfg, ""):
+        if key in NOT_IN_SCRIPTS or key.startswith(tuple(f"{k}." for k in NOT_IN_SCRIPTS)):
             continue
-        if path.startswith(f"{SHELL_LINES}["):
-            setup_line(path, text)
+        if key == SHELL_LINES:
+            setup_line(where, text)
         else:
-            one_line(path, text, key=_key(path))
-
-
-def _key(path: str) -> str:
-    """The config key a path is under: ``slurm.setup[2]`` -> ``slurm.setup``; a mapping's entry keeps its name."""
-    return path.split("[")[0].removesuffix(" key")
+            one_line(where, text, key=key)
 
 
 def sbatch_value(value: str, where: str = "an #SBATCH value") -> str:

@@ -115,8 +115,8 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint,
                 "mem": f"{slurm.mem_gb:g}GB" if slurm.mem_gb else None, "exclusive": slurm.exclusive or None}
     params.update({key: value for key, value in optional.items() if value is not None})
-    for where, text in strings(params, "submitit's"):  # submitit quotes its #SBATCH values; a line break it cannot
-        one_line(where.replace("'s.", "'s "), text, allow="\t")
+    for where, _, text in strings(params, "submitit's"):  # submitit quotes its #SBATCH values, a line break it cannot
+        one_line(where.replace("'s.", "'s "), text, allow="\t", key=where)
     return params
 
 
