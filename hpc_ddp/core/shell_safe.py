@@ -33,6 +33,10 @@ _NAMES = {"\n": "a newline (\\n)", "\r": "a carriage return (\\r)", "\t": "a tab
 # argument is legitimate there), the progress regex, and the user's own settings (environment variables).
 NOT_IN_SCRIPTS = ("train.args", "train.resume_args", "train.script_progress", "user")
 SHELL_LINES = "slurm.setup"  # the user's own commands: a tab is harmless in them
+# Keys that land on #SBATCH lines. submitit quotes its values with '...', inside which sbatch reads a backslash
+# as an escape (so 'a\' is an unmatched quote): no quoting of ours gets one through, so it is refused there.
+SBATCH_KEYS = ("name", "run_dir", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint",
+               "slurm.sbatch_extra")
 _SAFE = re.compile(r"[\w@%+=:,./-]*", re.ASCII)  # what needs no quoting, in bash or in sbatch (shlex's set)
 
 
@@ -106,6 +110,12 @@ def check_one_line(cfg: Any) -> None:
             setup_line(where, text)
         else:
             one_line(where, text, key=key)
+        if key in SBATCH_KEYS and "\\" in text:
+            raise ConfigError(explain(
+                f"{where} holds a backslash, which sbatch cannot read back from the job's #SBATCH line: submitit "
+                "quotes the value with '...', and inside quotes sbatch takes a backslash as an escape", found=text,
+                expected="text without a backslash", hint=f"remove the backslash from {where} (a path: use /)"),
+                key=key)
 
 
 def sbatch_value(value: str, where: str = "an #SBATCH value") -> str:
