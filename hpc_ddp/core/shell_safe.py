@@ -60,8 +60,10 @@ def one_line(where: str, value: str, allow: str = "", key: str | None = None) ->
         return value
     index, char = found
     raise ConfigError(explain(
-        f"{where} holds {char_name(char)} at character {index}: it would end its line of the job's batch script, "
-        "and bash would run what follows as a command", found=value,
+        f"{where} holds {char_name(char)} at character {index}: " + (
+            "it would end its line of the job's batch script, and bash would run what follows as a command"
+            if char in "\n\r\x0b\x0c" else "a value with it has no safe place on a line of the job's batch script"),
+        found=value,
         expected="one-line text without control characters" + (" (a tab is fine)" if "\t" in allow else ""),
         hint=f"remove it from {where}" + (" (one shell line per list item)" if where.startswith(SHELL_LINES) else "")
         + ("; in YAML, a double-quoted \\n or \\t is a control character, a single-quoted one is text"
