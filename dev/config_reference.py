@@ -31,6 +31,15 @@ An unknown key, a wrong type or a value out of range stops with a `ConfigError`.
 key, what was found and what is expected, and suggests the key you meant: a synonym from other tools (`lr`,
 `learning_rate`, `slurm.time`, `slurm.gpus`), the same name in another section (`max_steps`), or the nearest
 spelling. An sbatch flag given to submit (`--nodes=2`, `-t 2:00:00`) is answered with the override to type.
+Text that can reach the job's batch script (every key but `user`, `train.args`, `train.resume_args` and
+`train.script_progress`) must be one line: a control character (a newline, a carriage return, a tab; in YAML
+a double-quoted `\\n` or `\\t`) is refused with the key named, as is a backslash in the keys that land on
+`#SBATCH` lines (`name`, `run_dir`, `slurm.partition`, `.account`, `.qos`, `.constraint`, `.sbatch_extra`).
+Spaces, quotes, `$(...)` and backticks are fine: the scripts quote them (docs/submit.md, what reaches the
+batch script). A `slurm.setup` line is your own shell command, kept as it is, one line each (a tab is fine;
+a trailing backslash, which would join the next line, is not).
+`slurm.nodes` is at most 65536 (one Slurm node list range) and `slurm.tasks_per_node` at most 65533 (Slurm's
+MaxTasksPerNode ceiling): a larger value is a typo.
 
 | key | type | default | meaning |
 |---|---|---|---|

@@ -136,10 +136,16 @@ def test_every_key_is_documented_and_checked() -> None:
 texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=10)
 
 
+# a setup line ending in one backslash would join the script's next line to it, and an sbatch_extra value cannot
+# carry one through submitit's quoting: both refused (tests/test_script_safety.py)
+shell_lines = texts.filter(lambda t: (len(t) - len(t.rstrip("\\"))) % 2 == 0)
+
+
 @settings(max_examples=200, deadline=None)
-@given(partition=st.none() | st.from_regex(r"[A-Za-z0-9_,|-]{1,10}", fullmatch=True), setup=st.lists(texts, max_size=3), lr=st.floats(1e-8, 10),
+@given(partition=st.none() | st.from_regex(r"[A-Za-z0-9_,|-]{1,10}", fullmatch=True),
+       setup=st.lists(shell_lines, max_size=3), lr=st.floats(1e-8, 10),
        steps=st.integers(1, 10**9), extra=st.dictionaries(st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True),
-                                                         texts.filter(lambda t: "\n" not in t), max_size=3))
+                                                         texts.filter(lambda t: "\\" not in t), max_size=3))
 def test_valid_configs_round_trip_through_yaml(tmp_path_factory: pytest.TempPathFactory, partition: str | None,
                                                setup: list[str], lr: float, steps: int,
                                                extra: dict[str, str]) -> None:

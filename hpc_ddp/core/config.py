@@ -122,10 +122,17 @@ def profile_yaml(profile: Profile) -> str:
 def _read_yaml(path: Path, what: str = "") -> Any:
     what = what or f"config file {os.fspath(path)}"
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(explain(f"cannot read {what}: {err.strerror}",
                                   hint="check the path (relative paths start at the current directory)")) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(explain(
+            f"{what} is not UTF-8 text: the byte at offset {err.start} (line {err.object[:err.start].count(10) + 1})"
+            f" cannot be decoded ({err.reason})",
+            found=err.object[max(0, err.start - 20):err.end + 20], expected="a YAML file in UTF-8",
+            hint=f"re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 {os.fspath(path)} > fixed.yaml), or check "
+            "that the path names the config and not a binary file")) from None
     try:
         data = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
     except Exception as err:

@@ -18,12 +18,20 @@ from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
 from hpc_ddp.core.compile_settings import CACHE_EXPECTED, COMPILE_EXPECTED, cache_ok, compile_problem
 from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
+from hpc_ddp.core.hostlist import MAX_RANGE
+from hpc_ddp.core.shell_safe import check_one_line
 
 _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MOUNT = re.compile(r"/[^,:\n]*(:/[^,:\n]*(:[^,:\n]+)?)?")
+# The largest node count and tasks per node a config may ask for: Slurm's node lists hold at most MAX_RANGE
+# (65536) hosts in one range (so does our hostlist), the largest Slurm clusters have tens of thousands of
+# nodes, and Slurm's own MaxTasksPerNode may not exceed 65533. Beyond them a value is a typo (1e23), and the
+# login node's tools (--dry-run's tables, the batch plans) would work through it for ever.
+MAX_NODES = MAX_RANGE
+MAX_TASKS_PER_NODE = 65_533
 LIVENESS_S = 30.0  # dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
 SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
                  and s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR1"))
@@ -35,6 +43,10 @@ def _positive(v: Any) -> bool:
 
 def _at_least(low: int) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _at_most(high: int, low: int = 1) -> Callable[[Any], bool]:
+    return lambda v: _at_least(low)(v) and v <= high
 
 
 def _texts(v: Any) -> bool:
@@ -73,8 +85,11 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
     "run_dir": (lambda v: bool(v.strip()), "a directory path"),
     "profile": (lambda v: v == "" or bool(_NAME.fullmatch(v)), "a profile's name (its file's stem), or empty"),
-    "slurm.nodes": (valid_nodes, "an integer >= 1, or a range MIN-MAX such as 2-4"),
-    "slurm.tasks_per_node": (_at_least(1), "an integer >= 1"),
+    "slurm.nodes": (lambda v: valid_nodes(v) and node_counts(v)[-1] <= MAX_NODES,
+                    f"an integer >= 1 and at most {MAX_NODES} (the most hosts one Slurm node list range holds; no "
+                    "Slurm cluster has more nodes), or a range MIN-MAX within them such as 2-4"),
+    "slurm.tasks_per_node": (_at_most(MAX_TASKS_PER_NODE), f"an integer >= 1 and at most {MAX_TASKS_PER_NODE} "
+                             "(Slurm's own ceiling on MaxTasksPerNode)"),
     "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
     "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
     "slurm.mem_gb": (_positive, "a number of GB > 0, or null"),
@@ -88,7 +103,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
     "slurm.max_preemptions": (_at_least(0), "an integer >= 0"),
     "slurm.max_failures": (_at_least(0), "an integer >= 0"),
-    "slurm.spare_nodes": (_at_least(0), "an integer >= 0"),
+    "slurm.spare_nodes": (lambda v: _at_least(0)(v) and v <= MAX_NODES, f"an integer >= 0 and at most {MAX_NODES}"),
     "slurm.max_restarts_in_job": (_at_least(0), "an integer >= 0"),
     "slurm.setup": (_texts, "a list of shell lines"),
     "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
@@ -224,6 +239,7 @@ def _check_compile(train: Any) -> None:
 
 def check_config(cfg: Any) -> None:
     """Raise :class:`ConfigError` for the first value out of its range or format."""
+    check_one_line(cfg)  # first: a line break anywhere is named as what it is, whatever the key's own format
     sig = cfg.slurm.signal
     if isinstance(sig, str) and sig.upper().removeprefix("SIG") == "USR1":
         raise _fail("slurm.signal", "slurm.signal must not be USR1", sig, "USR2 (the default) or another signal",

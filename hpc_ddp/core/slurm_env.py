@@ -288,8 +288,10 @@ def torch_env(dist_env: DistEnv) -> dict[str, str]:
 
 
 def simulated_environ(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int = 0,
-                      node_prefix: str = "node", hosts: Sequence[str] | None = None) -> list[dict[str, str]]:
-    """The Slurm variables srun would give each task of a nodes x tasks_per_node step.
+                      node_prefix: str = "node", hosts: Sequence[str] | None = None,
+                      ranks: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """The Slurm variables srun would give each task of a nodes x tasks_per_node step (``ranks``: only those
+    global ranks', for a view of a big job that shows a few).
 
     Used by the local simulation and ``hpc_ddp.whoami --simulate``; names are
     compressed as Slurm does (``node[0-1]``, ``2(x2)``).
@@ -299,6 +301,6 @@ def simulated_environ(nodes: int, tasks_per_node: int, *, job_id: int, restart_c
               "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": compress_hostlist(hosts),
               "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),
               "SLURM_RESTART_COUNT": str(restart_count)}
-    return [{**common, "SLURM_PROCID": str(n * tasks_per_node + t), "SLURM_LOCALID": str(t),
-             "SLURM_NODEID": str(n), "SLURMD_NODENAME": hosts[n]}
-            for n in range(nodes) for t in range(tasks_per_node)]
+    chosen = range(nodes * tasks_per_node) if ranks is None else ranks
+    return [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % tasks_per_node),
+             "SLURM_NODEID": str(r // tasks_per_node), "SLURMD_NODENAME": hosts[r // tasks_per_node]} for r in chosen]

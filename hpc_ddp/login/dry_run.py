@@ -60,7 +60,8 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print(f"job array of {array} runs ({{config}} in the teardown line: each element's RUN_DIR/config.yaml):")
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
     nodes = node_counts(cfg.slurm.nodes)
-    environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242)
+    world = nodes[-1] * cfg.slurm.tasks_per_node
+    environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242, ranks=shown(world))
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
           f"{run_dir_words(cfg)}")
     print(f"program: {program_line(cfg)}")
@@ -72,7 +73,8 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
         print(batch_plans(cfg))
     print(f"every rank as Slurm job 4242 would derive it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
           "(nodes named node0..; the port follows the job id):")
-    print(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]))
+    print(elided(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]), world,
+                 "rank", head=1))
     if not checks:
         return 0
     from hpc_ddp.core.requeue_policy import requeue_path
@@ -129,13 +131,35 @@ def program_line(cfg: RunConfig) -> str:
 
 def batch_plans(cfg: RunConfig) -> str:
     """How each node count Slurm may grant splits the global batch (one line per count)."""
+    counts = node_counts(cfg.slurm.nodes)
     rows = [f"{n} node{'s' if n > 1 else ' '} -> {plan(cfg.train, n * cfg.slurm.tasks_per_node)}"
-            for n in node_counts(cfg.slurm.nodes)]
+            for n in (counts[i] for i in shown(len(counts)))]
     fixed = (f"train.global_batch_size={cfg.train.global_batch_size}: the accumulation follows the node count"
              if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows the world size")
     whose = "; run.batch gives a train.loop this plan, a loop that sizes its own batches ignores it" \
         if cfg.train.loop else ""
-    return f"batch ({fixed}{whose}):\n" + "\n".join(f"  {row}" for row in rows)
+    return f"batch ({fixed}{whose}):\n" + elided("\n".join(f"  {row}" for row in rows), len(counts), "node count")
+
+
+SHOW_FIRST, SHOW_LAST = 8, 2  # a big job's per-rank table: these first and last rows, "... N more" between
+
+
+def shown(total: int) -> list[int]:
+    """The rows of ``total`` that a table shows: all of a small one, else the first and last few."""
+    if total <= SHOW_FIRST + SHOW_LAST + 1:
+        return list(range(total))
+    return [*range(SHOW_FIRST), *range(total - SHOW_LAST, total)]
+
+
+def elided(text: str, total: int, what: str, head: int = 0) -> str:
+    """``text`` (``head`` header lines, then the :func:`shown` rows of ``total``) with a "... N more" line
+    where rows were left out."""
+    lines = text.split("\n")
+    if total == len(lines) - head:
+        return text
+    cut = head + SHOW_FIRST
+    more = f"  ... {total - SHOW_FIRST - SHOW_LAST} more {what}s ..."
+    return "\n".join([*lines[:cut], more, *lines[cut:]])
 
 
 def shape(nodes: int | str, tasks: int) -> str:

@@ -16,6 +16,7 @@ from hpc_ddp.core.batching import node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.container import rank_python, runtime_check, step_argv, step_srun_args, wrap
 from hpc_ddp.core.requeue_policy import asks_no_requeue
+from hpc_ddp.core.shell_safe import one_line, sbatch_value, setup_line, strings
 
 
 def supervise_line(cfg: RunConfig, configs: list[str], python: str = "python", workdir: str | None = None) -> str:
@@ -55,8 +56,24 @@ def submitit_python(cfg: RunConfig, python: str, workdir: str | None = None, arr
 def batch_setup(cfg: RunConfig, cpus: int | None = None) -> list[str]:
     """The batch script's setup lines: ``SRUN_CPUS_PER_TASK`` for every srun in it (the user's setup too), the
     user's ``slurm.setup``, then the check that the container runtime is there."""
-    return [f"export SRUN_CPUS_PER_TASK={cpus or cfg.slurm.cpus_per_task}", *cfg.slurm.setup,
+    return [f"export SRUN_CPUS_PER_TASK={cpus or cfg.slurm.cpus_per_task}", *user_setup(cfg),
             *runtime_check(cfg.slurm)]
+
+
+def user_setup(cfg: RunConfig) -> list[str]:
+    """``slurm.setup``: the user's own shell lines, as they are, each one line of the script (checked again
+    here: a config built in code skips the config checks)."""
+    return [setup_line(f"slurm.setup[{i}]", line) for i, line in enumerate(cfg.slurm.setup)]
+
+
+def script_inputs(python: str, workdir: str | None, configs: list[str] | tuple[str, ...] = ()) -> None:
+    """What a script gets besides the config: the submitting Python, the submit directory and the config
+    paths are quoted where they land, but a line break in one cannot be carried: refused."""
+    one_line("the Python that submits (sys.executable)", python, key="python")
+    if workdir:
+        one_line("the directory you submit from (the job's working directory)", workdir, key="workdir")
+    for path in configs:
+        one_line("the run's config path (RUN_DIR/config.yaml)", path, key="run_dir")
 
 
 def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python: str = "python",
@@ -74,6 +91,7 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
     the command it starts is :func:`submitit_python`'s.
     """
     slurm = cfg.slurm
+    script_inputs(python, workdir, configs or [])
     array = bool(configs) and len(configs or []) > 1
     srun = step_srun_args(slurm, paths=mount_paths(cfg, workdir, array), workdir=workdir)
     params: dict[str, Any] = {
@@ -97,6 +115,8 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
                 "account": slurm.account, "qos": slurm.qos, "constraint": slurm.constraint,
                 "mem": f"{slurm.mem_gb:g}GB" if slurm.mem_gb else None, "exclusive": slurm.exclusive or None}
     params.update({key: value for key, value in optional.items() if value is not None})
+    for where, _, text in strings(params, "submitit's"):  # submitit quotes its #SBATCH values, a line break it cannot
+        one_line(where.replace("'s.", "'s "), text, allow="\t", key=where)
     return params
 
 
@@ -144,7 +164,14 @@ def sbatch_options(cfg: RunConfig, launcher: str = "srun") -> list[str]:
                 *([] if asks_no_requeue(slurm.sbatch_extra) else ["--requeue"]), "--no-kill", "--open-mode=append",
                 f"--output={cfg.run_dir}/slurm/%j.out"]
     options += [f"--{key}={value}" if value != "" else f"--{key}" for key, value in slurm.sbatch_extra.items()]
-    return [f"#SBATCH {option}" for option in options]
+    return [f"#SBATCH {_quoted(option)}" for option in options]
+
+
+def _quoted(option: str) -> str:
+    """``--opt=VALUE`` with VALUE as sbatch reads it back (:func:`hpc_ddp.core.shell_safe.sbatch_value`): a
+    run_dir with a space or a ``#`` stays one value, and a line break is refused."""
+    flag, eq, value = option.partition("=")
+    return f"{flag}={sbatch_value(value, f'the #SBATCH {flag} value')}" if eq else one_line("an #SBATCH option", flag)
 
 
 def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: str = "srun",
@@ -167,8 +194,9 @@ def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: s
     if block is None:
         raise ValueError(f"template {LAUNCHERS[launcher]} has no '#SBATCH ... # --- end of options ---' block")
     head, rest = text[:block.start()], text[block.end():]
+    script_inputs(python, workdir, [config_path])
     lines = [*sbatch_options(cfg, launcher), "# --- end of options ---"]
-    setup = [*cfg.slurm.setup, *runtime_check(cfg.slurm)]
+    setup = [*user_setup(cfg), *runtime_check(cfg.slurm)]
     rest = re.sub(r"(# --- setup[^\n]*\n)(?:.*\n)*?(# --- end of setup ---)",
                   lambda m: m.group(1) + "".join(f"{line}\n" for line in setup) + m.group(2), rest)
     cpus = task_cpus(cfg, launcher)

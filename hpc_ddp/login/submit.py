@@ -204,12 +204,19 @@ def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     layout.slurm_logs(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
     workdir = os.getcwd()  # where train.task's module was found: the job runs there, wherever sbatch is called
     path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher, workdir=workdir))
-    path.chmod(0o755)
+    path.chmod(0o777 & ~current_umask())  # executable, but never more open than the umask lets a new file be
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
           f"submit it from any directory with: sbatch {path}\n"
           f"  the job runs in {workdir} (its WORKDIR line), {found_from(cfg)}\n"
           f"  {healing_line(cfg.slurm)}")
     return 0
+
+
+def current_umask() -> int:
+    """This process's umask (set back at once: the CLI is one thread)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
