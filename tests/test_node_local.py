@@ -51,6 +51,20 @@ def test_a_secret_others_may_read_is_refused_with_the_fix(tmp_path: Path) -> Non
         node_local.run_secret(tmp_path)
 
 
+def test_a_run_dir_the_group_writes_shares_its_secret_with_the_group_and_no_one_else(tmp_path: Path) -> None:
+    run_dir = tmp_path / "shared"
+    run_dir.mkdir()
+    os.chmod(run_dir, 0o770)  # run_dir_mode: '0770': a teammate may resume it, so reads the secret too
+    secret = node_local.run_secret(run_dir)
+    assert stat.S_IMODE((run_dir / ".hpc_ddp-secret").stat().st_mode) == 0o640
+    node_local._secret.cache_clear()
+    assert node_local.run_secret(run_dir) == secret
+    os.chmod(run_dir / ".hpc_ddp-secret", 0o644)  # everyone may read it: refused
+    node_local._secret.cache_clear()
+    with pytest.raises(node_local.NodeLocalError):
+        node_local.run_secret(run_dir)
+
+
 def test_folders_are_made_0700_under_umask_022_and_ours(tmp_path: Path) -> None:
     folder = beats.node_dir(tmp_path / "run", "job-1-restart-0", 0, tmp_path / "shm") / "jit"
     node_local.ensure(folder)

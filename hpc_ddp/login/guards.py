@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from hpc_ddp.rundir.runlock import read_record
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, node_local
 from hpc_ddp.core.batching import resume_batch_problem
 from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values, load_config, save_config
 from hpc_ddp.core.errors import HpcDdpError, explain
@@ -40,6 +40,7 @@ def write_config(cfg: RunConfig, resume: bool) -> Path:
                   f"{goes_on_from(Path(cfg.run_dir), kept, cfg.train.script)}",
                   flush=True)
     saved = save_config(cfg, path)  # first: a run dir it cannot write is refused here, with the fix
+    node_local.run_secret(Path(cfg.run_dir))  # made here, before any rank: names its node-local folders
     if resume:
         from hpc_ddp.rundir.ledger import start_caps_afresh
 

@@ -21,7 +21,7 @@ from hpc_ddp.login.guards import check_free, write_config, write_job
 from hpc_ddp.login.rehearse import check_program, run_local
 from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
 from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, node_local
 from hpc_ddp.core.batching import slurm_nodes
 from hpc_ddp.core.config import RunConfig, save_config
 from hpc_ddp.core.errors import HpcDdpError, explain
@@ -201,6 +201,7 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
 def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     check_free(cfg, resume=True, earlier=False)  # a live run's config is never rewritten
     config_path = save_config(cfg, layout.config(cfg.run_dir))
+    node_local.run_secret(cfg.run_dir)  # before any rank: it names the run's node-local folders
     layout.slurm_logs(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
     workdir = os.getcwd()  # where train.task's module was found: the job runs there, wherever sbatch is called
     path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher, workdir=workdir))

@@ -74,6 +74,8 @@ def _secret(run_dir: str) -> bytes:
             fd = os.open(path, flags, 0o600)
     except FileExistsError:
         return _read_secret(path)
+    if _group_writes(path.parent):
+        os.fchmod(fd, 0o640)  # run_dir_mode '0770': the group may resume the run, so it reads the secret too
     try:
         os.write(fd, (secrets.token_hex(SECRET_BYTES) + "\n").encode())
         os.fsync(fd)
@@ -82,10 +84,19 @@ def _secret(run_dir: str) -> bytes:
     return _read_secret(path)
 
 
+def _group_writes(run_dir: Path) -> bool:
+    """The run dir's group may write it (``run_dir_mode: '0770'``): the group is trusted with the run."""
+    try:
+        return bool(os.stat(run_dir).st_mode & 0o020)
+    except OSError:
+        return False
+
+
 def _read_secret(path: Path) -> bytes:
     deadline = time.monotonic() + READ_WAIT_S
+    closed = 0o007 if _group_writes(path.parent) else 0o077  # who else may read it: the group, where it writes
     while True:
-        data = read(path, 4 * SECRET_BYTES, private=True, owner=None)
+        data = read(path, 4 * SECRET_BYTES, private=closed, owner=None)
         if data is not None and len(data.strip()) == 2 * SECRET_BYTES:
             return bytes.fromhex(data.strip().decode("ascii", "replace"))
         if time.monotonic() > deadline:
@@ -93,7 +104,7 @@ def _read_secret(path: Path) -> bytes:
         time.sleep(0.05)  # its writer created it a moment ago and writes its 65 bytes now
     raise NodeLocalError(explain(
         f"the run's secret {path} is missing, unreadable, not a private file or not {2 * SECRET_BYTES} hex digits",
-        expected="a regular file of mode 0600 that hpc_ddp wrote",
+        expected="a regular file of mode 0600 that hpc_ddp wrote (0640 where the run dir's group may write it)",
         hint=f"if nobody else can write the run dir, remove {path} (a new one is made at the next start); if "
         "someone else made it, the run dir is not yours alone: see docs/security.md"), key="run_dir")
 
@@ -160,10 +171,10 @@ def _name(uid: int) -> str:
         return ""
 
 
-def read(path: Path | str, limit: int = 1 << 20, *, private: bool = False, owner: int | None = -1) -> bytes | None:
+def read(path: Path | str, limit: int = 1 << 20, *, private: int = 0, owner: int | None = -1) -> bytes | None:
     """The first ``limit`` bytes of the regular file ``path``, opened without following a link and without
-    blocking on a planted FIFO; None when it is absent, not a regular file, or not ``owner``'s (default: this
-    user's; None: anyone's). ``private``: refuse one that group or others may write (or, for a secret, read)."""
+    blocking on a planted FIFO; None when it is absent, not a regular file, not ``owner``'s (default: this
+    user's; None: anyone's), or with any of the mode bits ``private`` (0o077: a secret only its owner reads)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:  # absent, or a link where a file of ours should be (ELOOP)
@@ -173,7 +184,7 @@ def read(path: Path | str, limit: int = 1 << 20, *, private: bool = False, owner
         wanted = os.getuid() if owner == -1 else owner
         if not stat.S_ISREG(info.st_mode) or (wanted is not None and info.st_uid != wanted):
             return None
-        if private and info.st_mode & (0o077 if owner is None else 0o022):
+        if info.st_mode & private:
             return None
         chunks, left = [], limit
         while left > 0:
