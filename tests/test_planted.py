@@ -77,7 +77,7 @@ def _victim_run(home: Path, name: str, watch: list[tuple[str, int, int]] | None 
     if watcher:
         watcher.start()
     try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, umask=0o022)
     finally:
         stop.set()
         if watcher:
