@@ -62,7 +62,8 @@ def test_run_dir_mode_opens_it_to_a_group_and_keeps_a_setgid_parents_bit(tmp_pat
 
 @pytest.mark.parametrize("value, words", [
     ("0777", "others could write it"), ("0570", "you could not use it yourself"), ("rwx", "four octal digits"),
-    ("750", "quote it"), ("488", "YAML reads an unquoted 0750 as the number 488")])
+    ("750", "with its leading 0, quoted: run_dir_mode: '0750'"), ("488", "YAML reads an unquoted 0750 as the number 488"),
+    ("0000", "your own digit must be 7")])
 def test_run_dir_mode_is_checked_with_a_fix(value: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config([], ["name=x", "train.task=m:T", "train.max_steps=1", f"run_dir_mode='{value}'"])
@@ -143,3 +144,18 @@ def test_a_rehearsal_gets_the_secret_and_leaves_no_copy_in_the_run_dir(tmp_path:
     assert layout.config(run_dir) in files and any(path.name == "manifest.json" for path in files)
     assert [path for path in files if SECRET.encode() in path.read_bytes()] == []
     assert mode(run_dir) == 0o700
+
+
+def test_dry_run_shows_a_secret_from_the_environment_as_its_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--dry-run output gets pasted into tickets: a script argument from ${oc.env:...} shows as that text."""
+    from hpc_ddp.login.submit import main
+
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "s.yaml").write_text('name: dr\ntrain:\n  script: train.py\n  args: ["--token", '
+                                     '"${oc.env:HPC_DDP_TEST_SECRET}"]\n  max_steps: 5\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HPC_DDP_TEST_SECRET", "s3cr3t-8675309")
+    assert main([str(tmp_path / "s.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "program: python train.py --token '${oc.env:HPC_DDP_TEST_SECRET}'" in out and "8675309" not in out

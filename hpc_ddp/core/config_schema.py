@@ -214,7 +214,8 @@ class RunConfig:
     """One run: where it lives, what it asks of Slurm, and how it trains."""
 
     name: str = _doc("", "Run name; keys the run directory. Defaults to the last config file's name (shared "
-                     "defaults such as cluster.yaml come first, the run's own file last).")
+                     "defaults such as cluster.yaml come first, the run's own file last). Letters, digits, "
+                     "'.', '_', '+' and '-' only (it names a folder and a Slurm job).")
     run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs. A relative path is "
                         "resolved against the directory you submit from (where the job starts), not the config "
                         "file's; submit and --dry-run print it absolute.")

@@ -26,7 +26,10 @@ def check_run_dir_mode(text: object) -> int:
     value = str(text)
     if not _MODE.fullmatch(value):
         hint = "quote it, e.g. run_dir_mode: '0750' (on the command line: run_dir_mode=\"'0750'\")"
-        if value.isdigit() and not value.startswith("0") and re.fullmatch(r"0o[0-7]{3,4}", oct(int(value))):
+        if re.fullmatch(r"[0-7]{3}", value):  # 750 written without its leading 0
+            hint = f"write the mode with its leading 0, quoted: run_dir_mode: '0{value}' (on the command " \
+                   f"line: run_dir_mode=\"'0{value}'\")"
+        elif value.isdigit() and not value.startswith("0") and re.fullmatch(r"0o[0-7]{3,4}", oct(int(value))):
             hint = (f"YAML reads an unquoted 0{oct(int(value))[2:]} as the number {value}: {hint}")
         raise ConfigError(explain("run_dir_mode is not a folder mode of four octal digits", found=value,
                                   expected="'0700' (the default: only you), '0750' (your group reads), '0770' "
@@ -38,7 +41,8 @@ def check_run_dir_mode(text: object) -> int:
         raise ConfigError(explain(f"run_dir_mode {value} is refused: {why}", found=value,
                                   expected="a mode with rwx for you (7 first) and no write for others "
                                   "(the last digit 0, 1, 4 or 5)",
-                                  hint="share with a group instead: run_dir_mode: '0770' (docs/security.md)"),
+                                  hint="share with a group instead: run_dir_mode: '0770' (docs/security.md)"
+                                  if mode & 0o002 else "your own digit must be 7: e.g. run_dir_mode: '0700'"),
                           key="run_dir_mode")
     return mode
 

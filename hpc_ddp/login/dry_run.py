@@ -14,6 +14,7 @@ from typing import Any
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.batching import node_counts, plan, slurm_nodes
 from hpc_ddp.core.config import RunConfig
+from hpc_ddp.core.config_env import masked
 from hpc_ddp.core.container import probe_tail
 from hpc_ddp.login.sbatch import held_nodes, mount_paths, submitit_parameters, submitit_python
 from hpc_ddp.core.slurm_env import from_environ, simulated_environ
@@ -118,8 +119,9 @@ def run_dir_words(cfg: RunConfig) -> str:
 
 
 def program_line(cfg: RunConfig) -> str:
-    """What every task runs, as --dry-run shows it: the script's command line resolved, or the loop or task."""
-    train = cfg.train
+    """What every task runs, as --dry-run shows it: the script's command line resolved, or the loop or task;
+    a value from the environment as its ``${oc.env:...}`` text (dry-run output gets pasted into tickets)."""
+    train = masked(cfg).train
     if train.script:
         resume = f" (then on every attempt that continues the run: + {shlex.join(train.resume_args)})" \
             if train.resume_args else ""

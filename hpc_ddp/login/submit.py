@@ -11,6 +11,7 @@ nothing here imports torch or runs the task's code.
 from __future__ import annotations
 
 import argparse
+import shlex
 import os
 import sys
 from pathlib import Path
@@ -207,7 +208,7 @@ def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher, workdir=workdir))
     path.chmod(0o777 & ~current_umask())  # executable, but never more open than the umask lets a new file be
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
-          f"submit it from any directory with: sbatch {path}\n"
+          f"submit it from any directory with: sbatch {shlex.quote(str(path))}\n"
           f"  the job runs in {workdir} (its WORKDIR line), {found_from(cfg)}\n"
           f"  {healing_line(cfg.slurm)}")
     return 0
