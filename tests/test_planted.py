@@ -61,8 +61,12 @@ def home() -> Iterator[Path]:
     os.chown(victim, VICTIM, VICTIM)
     yield top
     shutil.rmtree(top, ignore_errors=True)
-    for entry in list(SHM.glob(f"hpc_ddp-{VICTIM}-*")) + list(Path("/tmp").glob(f"hpc_ddp-*{VICTIM}*")):
-        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    planted = [SHM / f"hpc_ddp-{VICTIM}", Path(f"/tmp/hpc_ddp-compile-{VICTIM}")]  # the attacker's, and the victim's:
+    for entry in [*planted, *SHM.glob(f"hpc_ddp-{VICTIM}-*"), *Path("/tmp").glob(f"hpc_ddp-{VICTIM}-*")]:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.is_symlink() or entry.exists():
+            entry.unlink()
 
 
 def _victim_run(home: Path, name: str, watch: list[tuple[str, int, int]] | None = None) -> dict[str, object]:
