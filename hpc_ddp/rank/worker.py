@@ -96,11 +96,9 @@ def _node_folder(run_dir: Path, environ: Mapping[str, str]) -> tuple[Path | None
             return None, ""
         tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
         return beats.node_dir(run_dir, tag, env.node_rank), beats.local_tag(run_dir, tag)
-    except HpcDdpError as err:
-        if isinstance(err, NodeLocalError):
-            raise
-        return None, ""  # _prepare derives it again and raises what is wrong, with the config's port
-    except Exception:  # noqa: BLE001 - the same
+    except NodeLocalError:
+        raise  # a folder or a secret that is not this user's own: said now
+    except Exception:  # noqa: BLE001 - _prepare derives it again and raises what is wrong, with the config's port
         return None, ""
 
 
@@ -286,12 +284,14 @@ def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str,
 def with_store_ports(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:
     """A Slurm task whose port nobody chose: the attempt's unguessable ports and the key that proves its store
     (:mod:`hpc_ddp.core.store_ports`), instead of a port derived from the public job id."""
-    if "MASTER_PORT" in environ or "SLURM_STEP_ID" not in environ or "RANK" in environ:
-        return environ  # chosen by you (or dist.master_port), torchrun's, or no srun step: left as it is
+    if "MASTER_PORT" in environ:
+        return environ  # chosen by you (or dist.master_port)
     try:
         env = from_environ(environ)
     except HpcDdpError:
         return environ  # said where the caller derives it again
+    if env.source != "slurm":
+        return environ  # torchrun's store, or one process outside any srun step
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
     secret = node_local.run_secret(cfg.run_dir)
     return {**environ, **store_ports.exported(secret, tag, node_local.token(cfg.run_dir, tag))}

@@ -28,8 +28,9 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,7 @@ def _local_json(post: Post, path: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _lock(path: Path) -> Any:
+def _lock(path: Path) -> Iterator[int]:
     """The node's lock file, held exclusively (opened without following a link)."""
     fd = os.open(path, NEW & ~os.O_EXCL, 0o600)
     try:
@@ -226,9 +227,9 @@ def publish(post: Post) -> bool:
                 offers.append(found)
             blob = post.local / f"blobs-{local}.pt"
             with contextlib.suppress(OSError):
-                stat = blob.lstat()
-                if stat.st_uid == os.getuid() and not blob.is_symlink():
-                    blob_files.append([local, stat.st_mtime_ns, stat.st_size])  # a list: as published.json reads
+                info = blob.lstat()  # a regular file of this user's (never a link's target)
+                if info.st_uid == os.getuid() and stat.S_ISREG(info.st_mode):
+                    blob_files.append([local, info.st_mtime_ns, info.st_size])  # a list: as published.json reads
         said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
         news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS} for o in offers],
                            "blobs": blob_files}, sort_keys=True)

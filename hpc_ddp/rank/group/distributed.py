@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,8 +19,9 @@ import torch.distributed as dist
 
 from hpc_ddp.core import limits
 from hpc_ddp.rank.group import control, nccl_report, rendezvous, tiers
+from hpc_ddp.rank.group.rendezvous import DistributedError, RendezvousError  # noqa: F401  (raised from here)
 from hpc_ddp.core.config import DistConfig
-from hpc_ddp.core.errors import HpcDdpError, explain
+from hpc_ddp.core.errors import explain
 from hpc_ddp.core.shutdown import exit_fast  # noqa: F401  (part of the library API)
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
 
@@ -29,79 +29,14 @@ from hpc_ddp.core.slurm_env import DistEnv, torch_env
 log = logging.getLogger("hpc_ddp.distributed")
 
 
-class DistributedError(HpcDdpError):
-    """The process group cannot be set up as configured on this node."""
-
-
-class RendezvousError(DistributedError):
-    """Rank 0's rendezvous port is taken, or rank 0 cannot be reached: another program or job may hold the
-    port now and not later, so this is a failure a new step (on a fresh port) or a requeue may fix, not a
-    configuration error (exit 1, healed or requeued, never exit 2)."""
-
-    retry_may_help = True
-
-
-PEER_POLL_S = 0.5  # how often a node's ranks waiting for rank 0's store look for an error rank 0 recorded
-
-
-_port_taken = rendezvous.port_taken
-
-
 def rendezvous_store(env: DistEnv, timeout: timedelta, peer_error: Callable[[], str | None] = lambda: None,
                      moved: Callable[[], int | None] = lambda: None,
                      announce: Callable[[int], Any] = lambda port: None) -> dist.Store:
-    """The job's key-value store on MASTER_ADDR:MASTER_PORT, served by rank 0 (what ``env://`` does).
-
-    Done here for two answers ``env://`` cannot give: a port already taken on the first node
-    is an error that names the port, the node and the fix (``env://`` raises a bare
-    DistNetworkError on rank 0, and the other ranks wait out the whole timeout, or talk to
-    whatever holds the port); and while the other ranks wait to connect, ``peer_error()`` tells
-    them whether rank 0 failed (it records its error in the run dir), so every rank stops
-    within seconds with rank 0's message.
-    """
-    if env.store_key and len(env.store_ports) > 1:  # the attempt's own unguessable ports (core/store_ports.py)
-        if env.rank == 0:
-            return rendezvous.serve(env, timeout, announce, RendezvousError)
-        return rendezvous.join(env, timeout, peer_error, moved, RendezvousError)
-    host, port = env.master_addr, env.master_port
+    """The job's key-value store on MASTER_ADDR and its port (or the attempt's ports), served by rank 0:
+    :mod:`hpc_ddp.rank.group.rendezvous`."""
     if env.rank == 0:
-        try:
-            return dist.TCPStore(host, port, env.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        except (RuntimeError, OSError) as err:
-            if not _port_taken(err):
-                raise
-            raise RendezvousError(explain(
-                f"the rendezvous port {port} on {host} (node 0, rank 0's host) is already in use by another "
-                "program", expected="a free TCP port for rank 0 to serve the job's rendezvous on",
-                hint="set dist.master_port=PORT to a port that is free on the job's first node (or unset "
-                "MASTER_PORT if you exported it); by default the port is derived from the job id "
-                "(docs/derivation.md)"), key="dist.master_port") from None
-    box: dict[str, Any] = {}
-
-    def connect() -> None:  # blocks in recv while a foreign program holds the port: hence a thread
-        try:
-            box["store"] = dist.TCPStore(host, port, env.world_size, is_master=False, timeout=timeout)
-        except BaseException as err:  # handed to the caller below
-            box["error"] = err
-
-    thread = threading.Thread(target=connect, name="rendezvous", daemon=True)
-    thread.start()
-    while thread.is_alive() or "error" in box:
-        thread.join(PEER_POLL_S * max(1, env.local_world_size))  # a node's ranks together look as often as one
-        if "store" in box:
-            break  # connected: no file to look at (at 4,096 ranks that would be 4,096 opens of the run dir)
-        message = peer_error()
-        if message:
-            kind = RendezvousError if "rendezvous port" in message else DistributedError  # as retryable as rank 0's
-            raise kind(f"the job cannot start, so rank {env.rank} stops too: {message}",
-                       key="dist.master_port" if "rendezvous port" in message else None)
-        if "error" in box:
-            raise RendezvousError(explain(
-                f"rank {env.rank} could not reach rank 0's rendezvous at {host}:{port} within "
-                f"{timeout.total_seconds():g}s: {str(box['error']).splitlines()[0]}",
-                hint="look at rank 0's log: it failed or never started; if another program holds the port "
-                f"on {host}, set dist.master_port=PORT to a free one"), key="dist.master_port") from None
-    return box["store"]
+        return rendezvous.serve(env, timeout, announce)
+    return rendezvous.join(env, timeout, peer_error, moved)
 
 
 def choose_backend(requested: str, cuda_available: bool) -> str:
