@@ -17,9 +17,17 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from hpc_ddp.slurm_local import APT_PACKAGES, ClusterSpec, missing_pieces, set_preempt_signal, start, stop
+from hpc_ddp.slurm_local import APT_PACKAGES, ClusterSpec, missing_pieces, running_spec, set_preempt_signal, start, stop
 
 REQUIRE_SLURM = os.environ.get("HPC_DDP_REQUIRE_SLURM") == "1"
+# The tests' run dirs live where the local cluster's nodes see them: the shared root, which each node sees
+# through its own cached view (/tmp is each node's own). pytest reads this when it first makes a tmp_path.
+if not os.environ.get("PYTEST_DEBUG_TEMPROOT"):
+    try:
+        ClusterSpec.shared.mkdir(mode=0o1777, parents=True, exist_ok=True)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = str(ClusterSpec.shared)
+    except OSError:
+        pass  # not root and no shared root yet: the cluster tests cannot run here anyway
 # CI draws the same examples every run (a rare input found once must not make one CI run red and the next
 # green); a developer's runs keep exploring new ones, and a failure prints the input to add as a case.
 settings.register_profile("ci", derandomize=True)
@@ -71,7 +79,7 @@ def slurm_cluster() -> Iterator[ClusterSpec]:
     started = start(spec)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SLURM_CONF", str(spec.conf_path))
-        yield spec
+        yield running_spec(spec)
     if started:
         stop(spec)
 

@@ -37,8 +37,10 @@ def test_every_task_of_srun_2x2_derives_its_place(slurm_cluster: ClusterSpec) ->
     job_id = tasks[0]["job_id"]
     assert {(t["master_addr"], t["master_port"], t["job_id"]) for t in tasks} == {(first, master_port(job_id),
                                                                                   job_id)}
-    # the first node's address, everywhere (the local cluster's node nK is 127.0.2.K)
-    assert {t["master_addr_resolved"] for t in tasks} == {f"127.0.2.{first[1:]}"}
+    # the first node's own address, everywhere: on the local cluster of machines nK is 10.77.0.K, never loopback
+    addrs = dict(zip(slurm_cluster.node_names, slurm_cluster.node_addrs))
+    assert {t["master_addr_resolved"] for t in tasks} == {addrs[first]}
+    assert "network" not in slurm_cluster.isolated or not addrs[first].startswith("127.")
 
 
 def test_uneven_layout(slurm_cluster: ClusterSpec) -> None:

@@ -36,6 +36,12 @@ class ClusterSpec:
     grace_time_s: int = 10
     kill_wait_s: int = 5
     preempt_signal: str = "user"  # "user": a preempted job gets its --signal; "term": SIGTERM (Slurm's default)
+    # Each node a machine of its own (slurm_local.machines): the pieces asked for, and the ones start could have
+    machines: bool = True
+    isolated: tuple[str, ...] = ()
+    net_prefix: str = "10.77.0."  # the nodes' private range; the login side (slurmctld, srun) is .254
+    shared: Path = Path("/var/tmp/hpc_ddp-shared")  # where runs live: each node sees it through its own cache
+    cache_s: int = 30  # the nodes' cache of the shared root (entries, negative entries, attributes); 0: coherent
 
     @property
     def node_names(self) -> list[str]:
@@ -43,7 +49,14 @@ class ClusterSpec:
 
     @property
     def node_addrs(self) -> list[str]:
-        return [f"{self.addr_prefix}{i}" for i in range(1, self.nodes + 1)]
+        """Each node's own address where it has a network of its own, else a loopback address."""
+        prefix = self.net_prefix if "network" in self.isolated else self.addr_prefix
+        return [f"{prefix}{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def gateway(self) -> str:
+        """The login side's address on the nodes' bridge: slurmctld and srun as the nodes reach them."""
+        return f"{self.net_prefix}254"
 
     @property
     def conf_path(self) -> Path:
@@ -72,7 +85,9 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
     ] if spec.accounting else ["JobAcctGatherType=jobacct_gather/none"]
     lines = [
         f"ClusterName={spec.cluster_name}",
-        "SlurmctldHost=localhost",
+        *(["# nodes in their own network namespaces reach slurmctld at the bridge's address",
+            f"SlurmctldHost=localhost({spec.gateway})"] if "network" in spec.isolated else
+          ["SlurmctldHost=localhost"]),
         f"SlurmctldPort={spec.slurmctld_port}",
         "SlurmUser=root",
         "SlurmdUser=root",

@@ -13,14 +13,17 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpc_ddp.core.errors import ClusterError, explain
+from hpc_ddp.slurm_local import isolation
 from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf, with_preempt_signal,
                                       render_slurmdbd_conf)
+from hpc_ddp.slurm_local.machines import PIECES, RESOLV_CONF, node_script
 
-APT_PACKAGES = "slurmctld slurmd slurm-client munge slurmdbd mariadb-server"
+APT_PACKAGES = "slurmctld slurmd slurm-client munge slurmdbd mariadb-server bindfs iproute2"
 _BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "munge",
              "unmunge", "munged"]
 _ACCOUNTING_BINARIES = ["slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db"]
@@ -123,9 +126,12 @@ def _prepare(spec: ClusterSpec) -> None:
         shutil.rmtree(spec.root)
     for kind in ("etc", "run", "log", "spool/ctld", *(f"spool/slurmd-{n}" for n in spec.node_names)):
         spec.path(kind).mkdir(parents=True, exist_ok=True)
+    spec.shared.mkdir(mode=0o1777, parents=True, exist_ok=True)
+    spec.shared.chmod(0o1777)  # every user's runs, as /tmp: each owns its own
     spec.conf_path.write_text(render_slurm_conf(spec))
     spec.dbd_conf_path.write_text(render_slurmdbd_conf(spec))
     spec.dbd_conf_path.chmod(0o600)  # slurmdbd refuses a readable one
+    spec.path("etc", "resolv.conf").write_text(RESOLV_CONF)
 
 
 def _start_munge(spec: ClusterSpec) -> None:
@@ -166,20 +172,12 @@ def _start_accounting(spec: ClusterSpec) -> None:
     _run(spec, ["sacctmgr", "-i", "add", "cluster", spec.cluster_name])
 
 
-def _can_unshare_uts() -> bool:
-    """Own hostname per slurmd (tasks then see n1, n2) where the kernel lets us."""
-    return bool(_which("unshare")) and subprocess.run(["unshare", "--uts", "true"],
-                                                      capture_output=True).returncode == 0
-
-
 def _start_slurm(spec: ClusterSpec) -> None:
     _run(spec, [_which("slurmctld") or "slurmctld", "-f", str(spec.conf_path)])
     _wait("slurmctld", lambda: "UP" in _run(spec, ["scontrol", "ping"], check=False).stdout, spec,
           log="slurmctld.log")
-    slurmd, uts = _which("slurmd") or "slurmd", _can_unshare_uts()
     for name in spec.node_names:
-        cmd = f"exec {slurmd} -f {spec.conf_path} -N {name}"
-        _run(spec, ["unshare", "--uts", "sh", "-c", f"hostname {name} && {cmd}"] if uts else ["sh", "-c", cmd])
+        start_node(spec, name)
 
     def all_idle() -> bool:
         lines = _run(spec, ["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.splitlines()
@@ -187,6 +185,30 @@ def _start_slurm(spec: ClusterSpec) -> None:
         return len(states) == spec.nodes and all(s == "idle" for s in states.values())
 
     _wait("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
+
+
+def node_script_path(spec: ClusterSpec, name: str) -> Path:
+    return spec.path("etc", f"node-{name}.sh")
+
+
+def start_node(spec: ClusterSpec, name: str) -> None:
+    """One slurmd as a machine of its own (the pieces ``spec.isolated`` names; its script lies in ROOT/etc)."""
+    m = isolation.machine(name, spec.node_addrs[spec.node_names.index(name)])
+    script = node_script(name=name, isolated=spec.isolated, netns=m.netns, cgroup_dirs=isolation.cgroup_dirs(m),
+                         state_root=spec.root, shared=spec.shared, cache_s=spec.cache_s,
+                         slurmd=[_which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N", name],
+                         bindfs_pid=isolation.bindfs_pid_file(spec, name), resolv_conf=spec.path("etc", "resolv.conf"))
+    path = node_script_path(spec, name)
+    path.write_text(script)
+    _run(spec, ["bash", str(path)])
+
+
+def isolation_pieces(spec: ClusterSpec) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The pieces of a machine each node gets here, and why each other one cannot be had."""
+    if not spec.machines:
+        return (), {piece: "not asked for (--one-machine)" for piece in PIECES}
+    missing = isolation.probe()
+    return tuple(p for p in PIECES if p not in missing), missing
 
 
 def set_preempt_signal(spec: ClusterSpec, mode: str) -> None:
@@ -205,7 +227,8 @@ def set_preempt_signal(spec: ClusterSpec, mode: str) -> None:
 
 
 def start(spec: ClusterSpec) -> bool:
-    """Start the cluster unless ours is already up; True when this call started it."""
+    """Start the cluster unless ours is already up; True when this call started it. Each node is a machine of
+    its own as far as this machine allows (:func:`running_spec` says how far)."""
     if is_up(spec):
         return False
     missing = missing_pieces(spec)
@@ -214,8 +237,12 @@ def start(spec: ClusterSpec) -> bool:
                                    expected="Slurm, munge and MariaDB installed, running as root",
                                    hint=f"apt-get install -y --no-install-recommends {APT_PACKAGES}"))
     stop(spec)  # leftovers of a crashed earlier start, by their pid files
+    isolated, missing_isolation = isolation_pieces(spec)
+    spec = replace(spec, isolated=isolated)
     _prepare(spec)
+    isolation.write_record(spec, missing_isolation)
     try:
+        isolation.set_up(spec)
         _start_munge(spec)
         _write_hosts(spec)
         if spec.accounting:
@@ -259,5 +286,15 @@ def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
                 os.kill(pid, signal.SIGKILL)
             stopped.append(pid)
         pid_file.unlink(missing_ok=True)
+    isolation.tear_down(running_spec(spec))
     _remove_hosts(spec)
     return stopped
+
+
+def running_spec(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` as the running (or last) cluster at its root was started: what it isolated, its nodes."""
+    record = isolation.read_record(spec)
+    if not record:
+        return spec
+    return replace(spec, isolated=tuple(record.get("isolated", ())), nodes=len(record.get("nodes", {})) or spec.nodes,
+                   shared=Path(record.get("shared", spec.shared)), cache_s=int(record.get("cache_s", spec.cache_s)))

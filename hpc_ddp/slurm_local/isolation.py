@@ -1,0 +1,228 @@
+"""Make, undo and ask about the local nodes' machines: the bridge and namespaces, the cgroups, the
+record of what ``start`` could isolate (root only; names from :mod:`hpc_ddp.slurm_local.machines`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from hpc_ddp.core.errors import ClusterError, explain
+from hpc_ddp.slurm_local.conf import ClusterSpec
+from hpc_ddp.slurm_local.machines import BRIDGE, PIECES, Machine, machine
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("freezer", "cpu")
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+
+
+def _ok(cmd: list[str]) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return False, str(err)
+    return proc.returncode == 0, (proc.stderr or proc.stdout).strip()[-200:]
+
+
+def probe() -> dict[str, str]:
+    """Why each piece of a node's isolation cannot be had here (an empty dict: all can)."""
+    missing: dict[str, str] = {}
+    if os.geteuid() != 0:
+        return {piece: "needs root" for piece in PIECES}
+    if not (_which("ip") and _which("nsenter")):
+        missing["network"] = "ip (iproute2) or nsenter (util-linux) not installed"
+    else:
+        ok, why = _ok(["ip", "netns", "add", "hpcddp-probe"])
+        _ok(["ip", "netns", "del", "hpcddp-probe"])
+        if not ok:
+            missing["network"] = f"`ip netns add` failed: {why}"
+    ok, why = _ok(["unshare", "--uts", "true"])
+    if not ok:
+        missing["hostname"] = f"`unshare --uts` failed: {why}"
+    if not _which("bindfs"):
+        missing["filesystem"] = "bindfs not installed (apt-get install bindfs)"
+    elif not Path("/dev/fuse").exists():
+        missing["filesystem"] = "/dev/fuse is missing (FUSE not available)"
+    else:
+        ok, why = _ok(["unshare", "--mount", "true"])
+        if not ok:
+            missing["filesystem"] = f"`unshare --mount` failed: {why}"
+    absent = [c for c in CONTROLLERS if not (CGROUP_ROOT / c / "cgroup.procs").exists()]
+    if absent:
+        missing["cgroups"] = f"cgroup v1 controller(s) {', '.join(absent)} not mounted under {CGROUP_ROOT}"
+    return missing
+
+
+def machines(spec: ClusterSpec) -> list[Machine]:
+    return [machine(name, addr) for name, addr in zip(spec.node_names, spec.node_addrs)]
+
+
+def cgroup_dirs(m: Machine) -> dict[str, Path]:
+    return {c: CGROUP_ROOT / c / m.cgroup for c in CONTROLLERS}
+
+
+def record_path(spec: ClusterSpec) -> Path:
+    return spec.root / "etc" / "machines.json"
+
+
+def write_record(spec: ClusterSpec, missing: dict[str, str]) -> None:
+    record = {"isolated": list(spec.isolated), "missing": missing, "shared": str(spec.shared),
+              "cache_s": spec.cache_s, "nodes": dict(zip(spec.node_names, spec.node_addrs))}
+    record_path(spec).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def read_record(spec: ClusterSpec) -> dict:
+    """What ``start`` isolated on this cluster (empty when it is not running or isolated nothing)."""
+    try:
+        return json.loads(record_path(spec).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if check and proc.returncode != 0:
+        raise ClusterError(explain(f"`ip {' '.join(args)}` failed", found=proc.stderr.strip()[-300:],
+                                   hint="run as root; `python -m hpc_ddp.slurm_local start --one-machine` "
+                                        "starts the cluster without network namespaces"))
+
+
+def set_up(spec: ClusterSpec) -> None:
+    """The bridge, a namespace and veth per node, and the nodes' cgroups, for the pieces ``spec.isolated``
+    names. Leftovers of an earlier cluster with the same names are removed first."""
+    tear_down(spec)
+    if "network" in spec.isolated:
+        _ip("link", "add", BRIDGE, "type", "bridge")
+        _ip("addr", "add", f"{spec.gateway}/24", "dev", BRIDGE)
+        _ip("link", "set", BRIDGE, "up")
+        for m in machines(spec):
+            _ip("netns", "add", m.netns)
+            _ip("link", "add", m.veth, "type", "veth", "peer", "name", "eth0", "netns", m.netns)
+            _ip("link", "set", m.veth, "master", BRIDGE, "up")
+            _ip("-n", m.netns, "addr", "add", f"{m.addr}/24", "dev", "eth0")
+            _ip("-n", m.netns, "link", "set", "eth0", "up")
+            _ip("-n", m.netns, "link", "set", "lo", "up")
+            _ip("-n", m.netns, "route", "add", "default", "via", spec.gateway)
+    if "cgroups" in spec.isolated:
+        for m in machines(spec):
+            for path in cgroup_dirs(m).values():
+                path.mkdir(parents=True, exist_ok=True)
+
+
+def bindfs_pid_file(spec: ClusterSpec, name: str) -> Path:
+    return spec.path("run", f"bindfs-{name}.pid")
+
+
+def kill_node(spec: ClusterSpec, m: Machine) -> list[int]:
+    """SIGKILL every process of the node (its cgroup's, and its filesystem view): power off."""
+    pids = set(cgroup_pids(m))
+    try:
+        pids.add(int(bindfs_pid_file(spec, m.name).read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    thaw(m)  # a frozen process dies only once thawed
+    return sorted(pids)
+
+
+def cgroup_pids(m: Machine) -> list[int]:
+    pids: set[int] = set()
+    for path in cgroup_dirs(m).values():
+        try:
+            pids.update(int(p) for p in (path / "cgroup.procs").read_text().split())
+        except OSError:
+            pass
+    return sorted(pids)
+
+
+def freezer_state(m: Machine) -> str:
+    try:
+        return (cgroup_dirs(m)["freezer"] / "freezer.state").read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+def freeze(m: Machine, timeout: float = 10) -> str:
+    state = cgroup_dirs(m)["freezer"] / "freezer.state"
+    state.write_text("FROZEN\n")
+    deadline = time.monotonic() + timeout
+    while freezer_state(m) != "FROZEN" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return freezer_state(m)
+
+
+def thaw(m: Machine) -> None:
+    state = cgroup_dirs(m)["freezer"] / "freezer.state"
+    if state.exists():
+        state.write_text("THAWED\n")
+
+
+def cpu_quota(m: Machine, fraction: float | None) -> None:
+    """Cap the node at ``fraction`` of this machine's CPUs (None: no cap)."""
+    cpu = cgroup_dirs(m)["cpu"]
+    period = int((cpu / "cpu.cfs_period_us").read_text())
+    quota = -1 if fraction is None else max(1000, int(fraction * period * (os.cpu_count() or 1)))
+    (cpu / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+
+
+def cpu_fraction(m: Machine) -> float | None:
+    cpu = cgroup_dirs(m)["cpu"]
+    try:
+        quota = int((cpu / "cpu.cfs_quota_us").read_text())
+        period = int((cpu / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota < 0 else quota / period / (os.cpu_count() or 1)
+
+
+def link(m: Machine, up: bool) -> None:
+    _ip("link", "set", m.veth, "up" if up else "down")
+
+
+def link_up(m: Machine) -> bool | None:
+    proc = subprocess.run(["ip", "-br", "link", "show", m.veth], capture_output=True, text=True, timeout=20)
+    if proc.returncode != 0:
+        return None
+    return "UP" in proc.stdout.split()[1:2] or ",UP" in proc.stdout or "<UP" in proc.stdout
+
+
+def tear_down(spec: ClusterSpec) -> None:
+    """Undo :func:`set_up` (whatever of it exists): every node's processes killed, cgroups removed, the
+    namespaces and the bridge deleted."""
+    for m in machines(spec):
+        if any(p.exists() for p in cgroup_dirs(m).values()):
+            kill_node(spec, m)
+            deadline = time.monotonic() + 10
+            while cgroup_pids(m) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for path in cgroup_dirs(m).values():
+                try:
+                    path.rmdir()
+                except OSError:
+                    pass
+        else:
+            try:
+                os.kill(int(bindfs_pid_file(spec, m.name).read_text().split()[0]), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
+        bindfs_pid_file(spec, m.name).unlink(missing_ok=True)
+        if Path(f"/run/netns/{m.netns}").exists():
+            _ip("netns", "del", m.netns, check=False)
+        _ip("link", "del", m.veth, check=False)
+    _ip("link", "del", BRIDGE, check=False)
+    for controller in CONTROLLERS:
+        try:
+            (CGROUP_ROOT / controller / "hpc_ddp-slurm").rmdir()
+        except OSError:
+            pass
