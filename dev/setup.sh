@@ -11,7 +11,8 @@ want_slurm=0
 [ "${1:-}" = "--slurm" ] && want_slurm=1
 venv="${HPC_DDP_VENV:-.venv}"
 torch_spec="${TORCH_SPEC:-torch==2.13.0}"
-slurm_packages="slurmctld slurmd slurm-client munge slurmdbd mariadb-server"
+# bindfs and iproute2: each local node a machine of its own (its cached view of the shared root, its network)
+slurm_packages="slurmctld slurmd slurm-client munge slurmdbd mariadb-server bindfs iproute2"
 
 sudo=""
 if [ "$(id -u)" != 0 ]; then
@@ -31,7 +32,7 @@ if ! command -v g++ >/dev/null; then
     packages+=(g++)  # torch.compile's CPU backend (inductor) builds C++ kernels: tests/test_compile.py
 fi
 if [ "$want_slurm" = 1 ]; then
-    for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd; do
+    for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd bindfs ip; do
         if ! command -v "$tool" >/dev/null && [ ! -x "/usr/sbin/$tool" ]; then
             read -r -a slurm_list <<< "$slurm_packages"
             packages+=("${slurm_list[@]}")

@@ -85,6 +85,21 @@ def slurm_cluster() -> Iterator[ClusterSpec]:
 
 
 @pytest.fixture()
+def node_faults(slurm_cluster: ClusterSpec) -> Iterator[ClusterSpec]:
+    """A test that plays node faults (freeze, partition, slow, kill) leaves every node as it found it: a frozen
+    node is killed first (its processes die without running again: they froze after the survivors declared
+    them lost), then each is put back to normal (a killed one boots again)."""
+    yield slurm_cluster
+    from hpc_ddp.slurm_local import faults, isolation
+
+    for state in faults.states(slurm_cluster):
+        m = isolation.machine(state.name, state.addr)
+        if state.freezer not in ("THAWED", "n/a"):
+            faults.fault(slurm_cluster, state.name, "kill")
+        faults.normal(slurm_cluster, m)
+
+
+@pytest.fixture()
 def sigterm_preemption(slurm_cluster: ClusterSpec) -> Iterator[ClusterSpec]:
     """The cluster preempts as most clusters do, with SIGTERM and a grace time (not the job's --signal), for one
     test; then back to the warning signal."""

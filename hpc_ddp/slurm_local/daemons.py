@@ -187,6 +187,12 @@ def _start_slurm(spec: ClusterSpec) -> None:
     _wait("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
 
 
+def node_alive(spec: ClusterSpec, name: str) -> bool:
+    """The node's slurmd runs (a killed node's does not)."""
+    pid = _read_pid(spec.path("run", f"slurmd-{name}.pid"))
+    return pid is not None and alive(pid)
+
+
 def node_script_path(spec: ClusterSpec, name: str) -> Path:
     return spec.path("etc", f"node-{name}.sh")
 

@@ -192,14 +192,16 @@ def link(m: Machine, up: bool) -> None:
 
 def link_up(m: Machine) -> bool | None:
     proc = subprocess.run(["ip", "-br", "link", "show", m.veth], capture_output=True, text=True, timeout=20)
-    if proc.returncode != 0:
+    if proc.returncode != 0 or "<" not in proc.stdout:
         return None
-    return "UP" in proc.stdout.split()[1:2] or ",UP" in proc.stdout or "<UP" in proc.stdout
+    flags = proc.stdout.split("<", 1)[1].split(">", 1)[0].split(",")
+    return "UP" in flags
 
 
 def tear_down(spec: ClusterSpec) -> None:
     """Undo :func:`set_up` (whatever of it exists): every node's processes killed, cgroups removed, the
     namespaces and the bridge deleted."""
+    has_ip = bool(_which("ip"))
     for m in machines(spec):
         if any(p.exists() for p in cgroup_dirs(m).values()):
             kill_node(spec, m)
@@ -217,10 +219,14 @@ def tear_down(spec: ClusterSpec) -> None:
             except (OSError, ValueError, IndexError):
                 pass
         bindfs_pid_file(spec, m.name).unlink(missing_ok=True)
+        if not has_ip:
+            continue
         if Path(f"/run/netns/{m.netns}").exists():
             _ip("netns", "del", m.netns, check=False)
-        _ip("link", "del", m.veth, check=False)
-    _ip("link", "del", BRIDGE, check=False)
+        if Path(f"/sys/class/net/{m.veth}").exists():
+            _ip("link", "del", m.veth, check=False)
+    if has_ip and Path(f"/sys/class/net/{BRIDGE}").exists():
+        _ip("link", "del", BRIDGE, check=False)
     for controller in CONTROLLERS:
         try:
             (CGROUP_ROOT / controller / "hpc_ddp-slurm").rmdir()

@@ -5,6 +5,9 @@ not an in-job restart), so a requeued or healed attempt runs clean. Kinds:
 
 - ``kill``: SIGKILL (a lost rank); ``stop``: SIGSTOP (a frozen node as seen from outside: every thread stops,
   no socket closes); ``stopnode:NODE:STEP``: every rank of that node stops (needs the run object);
+- ``freezenode:NODE:STEP``: the node's freezer cgroup freezes once every rank of it reached STEP (the local
+  cluster's nodes: a hung kernel, which no SIGCONT thaws and which stops slurmd and the node's Slurm signals too;
+  needs the run object);
 - ``raise``: a RuntimeError in the loss; ``sleep``: an hour's sleep outside any collective (a hang);
 - ``mute``: that rank's liveness beats stop from that step on while it trains (a false alarm; every step
   takes 20 ms so that the alarm comes while the run goes on);
@@ -49,6 +52,8 @@ def inject(rank: int, step: int, run: Any = None) -> None:
         time.sleep(0.02)
     if kind == "stopnode" and run is not None:
         kind, at_rank = "stop", (rank if run.env.node_rank == at_rank else -1)
+    if kind == "freezenode" and run is not None:
+        kind, at_rank = "freeze", (rank if run.env.node_rank == at_rank else -1)
     if (rank, step) != (at_rank, int(at_step)) or not first_attempt():
         return
     if kind == "raise":
@@ -59,12 +64,32 @@ def inject(rank: int, step: int, run: Any = None) -> None:
         from hpc_ddp.rank.watch import liveness  # this rank's beats stop (its thread starved), its training goes on
 
         liveness.Liveness.beat = lambda self: None  # type: ignore[method-assign]
-    if kind in ("kill", "stop"):
+    if kind in ("kill", "stop", "freeze"):
         if run is not None and run.mirror is not None:
             run.mirror.wait_sent(step - 1, 5.0)
         if os.environ.get(STAMP):
             Path(os.environ[STAMP]).write_text(repr(time.time()))
+        if kind == "freeze":
+            freeze_node(run.env.local_rank, run.env.local_world_size)
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+
+def freeze_node(local_rank: int, local_world_size: int) -> None:
+    """Every rank of the node arrives (a file in the node's own /dev/shm); the last one freezes the node's
+    freezer cgroup (its own, from /proc/self/cgroup), itself with it. The others wait to be frozen."""
+    job = os.environ.get("SLURM_JOB_ID", "local")
+    arrived = Path(f"/dev/shm/hpc_ddp-test-freeze-{job}")
+    arrived.mkdir(exist_ok=True)
+    (arrived / str(local_rank)).touch()
+    if len(list(arrived.iterdir())) < local_world_size:
+        time.sleep(3600)  # frozen before this ends
+    line = next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if ":freezer:" in line)
+    state = Path("/sys/fs/cgroup/freezer") / line.split(":", 2)[2].lstrip("/") / "freezer.state"
+    if state.parent == Path("/sys/fs/cgroup/freezer"):
+        raise RuntimeError("freezenode: this process is in no node's freezer cgroup (not on the local cluster "
+                           "of machines)")
+    state.write_text("FROZEN\n")
+    time.sleep(3600)
 
 
 class FaultyLoss:
