@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from hpc_ddp.core.hostlist import expand_hostlist
-from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.ledger import attempt_key, attempt_tag, read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import FAKE_IMAGE, container_calls, fake_apptainer, finished, losses, wait_until
 
@@ -183,25 +183,22 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert "not healed in the job: slurm.max_restarts_in_job=0 in-job restarts used" in log
 
 
-# the frozen-node cases of the per-rank tests find the silence in 10 s, not the default 30 s (case (f) above
-# keeps the default on the cluster; tests/test_liveness.py rehearses with 3 s): the same beats, relay and
-# declaration, a third of the idle wait
-FAST_LIVENESS = "dist.liveness_s=10"
 PER_RANK = ["examples/own_loop_gpt.yaml", "train.loop=tests.tasks.loops:nanogpt_shaped", "train.max_steps=30",
             "train.log_every=1", "snapshot.every_steps=null", "snapshot.every_minutes=null"]
 
 
 def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(
-        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
+        slurm_cluster: ClusterSpec, node_faults: ClusterSpec, tmp_path: Path,
+        rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 35 on the real cluster: an own loop with dropout and per_rank objects, no periodic snapshot. Rank 1
     (node 1 of 2, whose buddy is rank 3 on the other node) is SIGKILLed in step 23: the survivors' snapshot holds
     step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the local rehearsal, every
-    rank's own state included. Then issue 44's frozen node at 2 x 2: every rank of node 1 SIGSTOPped
+    rank's own state included. Then a frozen node at 2 x 2: node 1's freezer cgroup frozen, slurmd with it
     (:func:`_frozen_node_healed`)."""
     # both jobs side by side (2 CPUs a node each), the rehearsal on this machine while they run
     killed, frozen = tmp_path / "kill", tmp_path / "frozen"
     _per_rank_submit(killed, "kill:1:23", "slurm.spare_nodes=1")
-    _per_rank_submit(frozen, "stopnode:1:23", "slurm.spare_nodes=1", FAST_LIVENESS)
+    _per_rank_submit(frozen, "freezenode:1:23", "slurm.spare_nodes=1")
     reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(killed)
     attempts = read_attempts(killed)
@@ -215,25 +212,32 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(
     _frozen_node_healed(frozen, reference, per_node=2, node=1)
 
 
-def test_a_frozen_node_with_rank_0_heals_from_the_survivors_snapshot_at_3_tasks_per_node(
-        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
-    """Issue 44 at 2 x 3: node 0 frozen, rank 0 with it. Node 1's first rank (rank 3) declares it; ranks 4 and 5,
-    the buddies of ranks 1 and 2, hear it through their node's relay, not the run dir (issue 45)
-    (:func:`_frozen_node_healed`)."""
+def test_a_frozen_node_heals_from_its_buddies_at_3_tasks_per_node(
+        slurm_cluster: ClusterSpec, node_faults: ClusterSpec, tmp_path: Path,
+        rehearsal: Callable[..., Rehearsal]) -> None:
+    """Issue 55 at 2 x 3: node 1's freezer cgroup frozen (ranks 3-5 and that node's slurmd) at the default
+    dist.liveness_s. Node 0's ranks declare it, hold step 22 and their wards' states, and the spare takes its
+    place (:func:`_frozen_node_healed`)."""
     geometry = "slurm.tasks_per_node=3"
-    _per_rank_submit(tmp_path / "frozen", "stopnode:0:23", geometry, "slurm.spare_nodes=1", FAST_LIVENESS)
+    _per_rank_submit(tmp_path / "frozen", "freezenode:1:23", geometry, "slurm.spare_nodes=1")
     reference = rehearsal(tmp_path / "reference", *PER_RANK, geometry).done()
     wait_done(tmp_path / "frozen")
-    _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=0)
+    _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=1)
+
+
+def _offers(run_dir: Path, tag: str) -> list[dict]:
+    """Every offer of the attempt's survivors' snapshot, from its nodes' files."""
+    return [o for path in sorted((run_dir / "jit" / tag).glob("node-*.json"))
+            for o in json.loads(path.read_text()).get("offers", [])]
 
 
 def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int) -> None:
-    """Issue 44: every rank of one node SIGSTOPped at the start of step 23 (a frozen node: no socket closes, srun
-    sees nothing), dist.liveness_s=10, per_rank state, no periodic snapshot, a spare. One rank of another
-    node finds the node's beat silent and declares every rank on it; every survivor hears the declaration, writes what
-    it holds and exits, so the frozen ranks' buddies give their per-rank state although no peer of theirs
-    exited. The run resumes from step 22 (the last logged step) and ends bit-identical to the rehearsal, every
-    rank's own state included. Checks the finished run of :func:`_per_rank_submit`'s ``stopnode:NODE:23``."""
+    """Every rank of one node frozen by its freezer cgroup at the start of step 23, once each had sent its
+    state of step 22 to its buddy (a node hung in its kernel: no socket closes, srun and Slurm see nothing, and
+    no SIGCONT wakes it), the default dist.liveness_s, per_rank state, no periodic snapshot, a spare. A rank of
+    the other node finds the node's beat silent and declares every rank on it; every survivor writes what it
+    holds and exits. The run resumes from step 22 (the last logged step), every frozen rank's own state from its
+    buddy, and ends bit-identical to the rehearsal; no frozen rank wrote anything (it never ran again)."""
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     frozen = list(range(node * per_node, (node + 1) * per_node))
@@ -242,20 +246,47 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
     manifest = json.loads((run_dir / "snapshots" / "step-00000022" / "manifest.json").read_text())
     world = 2 * per_node
     assert sorted(int(r) for r in manifest["jit"]["per_rank_from"]) == list(range(world)), manifest["jit"]
-    # a frozen rank's own state comes from its buddy, or from itself: Slurm sends SIGCONT with the SIGTERM that
-    # ends the step, and a thawed rank may still offer what it held at step 22 (a hung kernel would not)
-    assert all(manifest["jit"]["per_rank_from"][str(r)] in (r, (r + per_node) % world) for r in frozen), manifest
-    # the writer is a survivor, or a thawed frozen rank that held the same step 22 (a source like any other:
-    # the fingerprint checked it; seen once in CI with dist.liveness_s=10, rank 0 thawed and wrote first)
-    assert manifest["jit"]["writer"] in manifest["jit"]["sources"], manifest["jit"]
-    # every rank's own state from itself or its buddy on the other node
-    assert all(manifest["jit"]["per_rank_from"][str(r)] in (r, (r + per_node) % world) for r in range(world))
-    survivors, sources = [r for r in range(world) if r not in frozen], manifest["jit"]["sources"]
-    if not any(r in frozen for r in sources):  # every survivor heard the declaration and offered what it held
-        assert survivors == sorted(sources), manifest["jit"]
-    else:  # a thawed frozen rank offered step 22 too, and the set may have been whole before a survivor's offer
-        # came (seen once in CI: sources 0-4, rank 5's state from its thawed buddy 2); the declaring rank offered
-        assert set(sources) - set(frozen) <= set(survivors) and survivors[0] in sources, manifest["jit"]
+    # a frozen rank's own state from its buddy on the other node, a survivor's from itself
+    buddy = {r: (r + per_node) % world for r in range(world)}
+    assert {int(r): h for r, h in manifest["jit"]["per_rank_from"].items()} == {
+        r: buddy[r] if r in frozen else r for r in range(world)}, manifest["jit"]
+    survivors = [r for r in range(world) if r not in frozen]
+    assert manifest["jit"]["sources"] == survivors and manifest["jit"]["writer"] in survivors, manifest["jit"]
+    offers = _offers(run_dir, _tag(attempts[0]))
+    assert sorted(o["rank"] for o in offers) == survivors, offers  # no frozen rank offered or wrote anything
+    assert losses(run_dir) == losses(reference)
+    assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
+
+
+def _tag(attempt: dict) -> str:
+    """The attempt's folder name under jit/."""
+    return attempt_tag(*attempt_key(attempt))
+
+
+def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
+        slurm_cluster: ClusterSpec, node_faults: ClusterSpec, tmp_path: Path,
+        rehearsal: Callable[..., Rehearsal]) -> None:
+    """Issue 55: 2 x 2 with a spare, per_rank state, no periodic snapshot; node 1 cuts its own link once its ranks
+    reached step 23 (no FIN, no RST; it still sees its view of the run dir, and beats into it). Both sides wait
+    in step 23's all-reduce until the hang watchdog (dist.timeout_s=30) ends them; both hold step 22, each
+    survivor its own and its ward's state, so either side may write the survivors' snapshot. One commit per
+    attempt fences: the attempt's commit claim is taken once, by whichever side completed its set first, and
+    the batch shell seals it when the step ends; nobody commits after. The spare replaces the cut-off node
+    (its probe finds no answer) and the run ends bit-identical to the rehearsal."""
+    run_dir = tmp_path / "cut"
+    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=30")
+    reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
+    wait_done(run_dir)
+    attempts = read_attempts(run_dir)
+    assert [a.get("in_job", 0) for a in attempts] == [0, 1] and attempts[1]["reason"] == "finished", attempts
+    assert attempts[0]["reason"] in ("hung", "failed"), attempts
+    assert attempts[1]["resumed_from"] == 22, attempts
+    cut = expand_hostlist(attempts[0]["hosts"])[1]
+    assert cut not in expand_hostlist(attempts[1]["hosts"]), attempts  # the cut-off node left out
+    tag = _tag(attempts[0])
+    commits = [o for o in _offers(run_dir, tag) if str(o.get("outcome", "")).startswith("committed")]
+    assert len(commits) == 1, _offers(run_dir, tag)  # one commit in the attempt, from one side of the cut
+    assert (run_dir / "jit" / tag / "commit").read_text().strip() == "step 22"
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 

@@ -284,17 +284,50 @@ def node_offers(where: Path, node: int) -> list[dict[str, Any]]:
 
 
 def claim(where: Path, step: int, what: str = "claim") -> bool:
-    """True for the one survivor that creates ``claim-step-S`` (or ``commit-step-S``: ``what="commit"``) first."""
-    path = where / f"{what}-step-{step}"
+    """True for the one survivor that creates ``claim-step-S`` first."""
+    return _exclusive(where / f"{what}-step-{step}")
+
+
+def _exclusive(path: Path, content: bytes = b"") -> bool:
+    """Create ``path`` (and its folder) exclusively, holding ``content``: True for the one process that made it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            fd = os.open(path, flags, 0o644)
         except FileNotFoundError:  # the folder's first file
-            where.mkdir(parents=True, exist_ok=True)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
     except FileExistsError:
         return False
+    try:
+        os.write(fd, content)
+    except OSError:
+        pass  # the claim is the name; its content only says why
+    finally:
+        os.close(fd)
     return True
+
+
+COMMIT_CLAIM = "commit"  # one per attempt: the survivor that commits its snapshot, or the seal that forbids it
+
+
+def claim_commit(where: Path, step: int) -> bool:
+    """True for the one survivor that creates the attempt's ``commit`` file first (it then commits ``step``,
+    which the file names). One per attempt, not per step: once a survivors' snapshot is committed, or the batch
+    shell sealed the attempt (:func:`seal`), no process of it commits anything, however late it wakes (a
+    partitioned node that still sees the run dir, a frozen one thawed). An exclusive create, which NFS and a
+    cached view decide at the server: never a lookup that a stale cache could answer."""
+    return _exclusive(where / COMMIT_CLAIM, f"step {step}\n".encode())
+
+
+def seal(where: Path) -> str:
+    """The batch shell (or the rehearsal's launcher), once the attempt's step ended: take the attempt's commit
+    claim so that no process of it commits later (fencing; :func:`claim_commit`). Returns "sealed", or what holds
+    the claim ("step S" of a survivors' commit)."""
+    if _exclusive(where / COMMIT_CLAIM, b"sealed\n"):
+        return "sealed"
+    held = node_local.read(where / COMMIT_CLAIM, 64, owner=None)
+    return (held or b"").decode(errors="replace").strip() or "claimed"
 
 
 def claim_on_node(post: Post, step: int) -> bool:

@@ -89,6 +89,8 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     then an ``error``, never healed nor requeued. Returns what happened."""
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
+    if exit_code != 0:  # fencing: no process of this attempt commits a survivors' snapshot from now on
+        jit_files.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
     if layout.done(run_dir).exists():
         return "finished"
     attempts = read_attempts(run_dir)

@@ -187,15 +187,22 @@ def cpu_fraction(m: Machine) -> float | None:
 
 
 def link(m: Machine, up: bool) -> None:
+    """The node's link down (the host's end of its veth) or up (both ends: a node may have cut itself off)."""
     _ip("link", "set", m.veth, "up" if up else "down")
+    if up:
+        _ip("-n", m.netns, "link", "set", "eth0", "up")
 
 
 def link_up(m: Machine) -> bool | None:
-    proc = subprocess.run(["ip", "-br", "link", "show", m.veth], capture_output=True, text=True, timeout=20)
-    if proc.returncode != 0 or "<" not in proc.stdout:
-        return None
-    flags = proc.stdout.split("<", 1)[1].split(">", 1)[0].split(",")
-    return "UP" in flags
+    """Both ends of the node's link are up (None: the node has no link of its own)."""
+    ends = [["ip", "-br", "link", "show", m.veth], ["ip", "-n", m.netns, "-br", "link", "show", "eth0"]]
+    states = []
+    for cmd in ends:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        if proc.returncode != 0 or "<" not in proc.stdout:
+            return None
+        states.append("UP" in proc.stdout.split("<", 1)[1].split(">", 1)[0].split(","))
+    return all(states)
 
 
 def tear_down(spec: ClusterSpec) -> None:

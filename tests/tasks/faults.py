@@ -8,6 +8,9 @@ not an in-job restart), so a requeued or healed attempt runs clean. Kinds:
 - ``freezenode:NODE:STEP``: the node's freezer cgroup freezes once every rank of it reached STEP (the local
   cluster's nodes: a hung kernel, which no SIGCONT thaws and which stops slurmd and the node's Slurm signals too;
   needs the run object);
+- ``partitionnode:NODE:STEP``: once every rank of the node reached STEP, the node's link goes down from inside
+  (``ip link set eth0 down`` in its network namespace: no FIN, no RST; it still sees its view of the run dir,
+  so both sides of the cut hold the step and may write a survivors' snapshot: one commit per attempt fences);
 - ``raise``: a RuntimeError in the loss; ``sleep``: an hour's sleep outside any collective (a hang);
 - ``mute``: that rank's liveness beats stop from that step on while it trains (a false alarm; every step
   takes 20 ms so that the alarm comes while the run goes on);
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,6 +58,8 @@ def inject(rank: int, step: int, run: Any = None) -> None:
         kind, at_rank = "stop", (rank if run.env.node_rank == at_rank else -1)
     if kind == "freezenode" and run is not None:
         kind, at_rank = "freeze", (rank if run.env.node_rank == at_rank else -1)
+    if kind == "partitionnode" and run is not None:
+        kind, at_rank = "partition", (rank if run.env.node_rank == at_rank else -1)
     if (rank, step) != (at_rank, int(at_step)) or not first_attempt():
         return
     if kind == "raise":
@@ -64,6 +70,10 @@ def inject(rank: int, step: int, run: Any = None) -> None:
         from hpc_ddp.rank.watch import liveness  # this rank's beats stop (its thread starved), its training goes on
 
         liveness.Liveness.beat = lambda self: None  # type: ignore[method-assign]
+    if kind == "partition":
+        if run.mirror is not None:
+            run.mirror.wait_sent(step - 1, 5.0)
+        partition_node(run, step)
     if kind in ("kill", "stop", "freeze"):
         if run is not None and run.mirror is not None:
             run.mirror.wait_sent(step - 1, 5.0)
@@ -74,14 +84,26 @@ def inject(rank: int, step: int, run: Any = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
+def _arrive(name: str, local_rank: int, local_world_size: int) -> bool:
+    """Every rank of the node says it is here (a file in the node's own /dev/shm): True for the last."""
+    arrived = Path(f"/dev/shm/hpc_ddp-test-{name}-{os.environ.get('SLURM_JOB_ID', 'local')}")
+    arrived.mkdir(exist_ok=True)
+    (arrived / str(local_rank)).touch()
+    return len(list(arrived.iterdir())) >= local_world_size
+
+
+def partition_node(run: Any, step: int) -> None:
+    """``partitionnode``: the last rank of the node to arrive takes the node's link down; every rank of it goes
+    on into the step's collectives, which wait on both sides of the cut until the hang watchdog ends them."""
+    env = run.env
+    if _arrive("partition", env.local_rank, env.local_world_size):
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+
+
 def freeze_node(local_rank: int, local_world_size: int) -> None:
     """Every rank of the node arrives (a file in the node's own /dev/shm); the last one freezes the node's
     freezer cgroup (its own, from /proc/self/cgroup), itself with it. The others wait to be frozen."""
-    job = os.environ.get("SLURM_JOB_ID", "local")
-    arrived = Path(f"/dev/shm/hpc_ddp-test-freeze-{job}")
-    arrived.mkdir(exist_ok=True)
-    (arrived / str(local_rank)).touch()
-    if len(list(arrived.iterdir())) < local_world_size:
+    if not _arrive("freeze", local_rank, local_world_size):
         time.sleep(3600)  # frozen before this ends
     line = next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if ":freezer:" in line)
     state = Path("/sys/fs/cgroup/freezer") / line.split(":", 2)[2].lstrip("/") / "freezer.state"

@@ -3,7 +3,9 @@
 A survivor that finds the step committed already checks it against what it holds (:func:`check_commit`: a
 snapshot that another survivor disagrees with is withdrawn). Otherwise any survivor may complete the set
 (:func:`complete`): the newest written step whose sources agree, with every rank's per-rank state of that
-step in some survivor's file, is committed by the one survivor that creates ``commit-step-S``; the per-rank
+step in some survivor's file, is committed by the one survivor that creates the attempt's commit claim
+(:func:`hpc_ddp.rundir.jit_files.claim_commit`: one per attempt; the batch shell seals it once the step ended,
+so a late process of the attempt, a partitioned node's, never commits into a run gone on); the per-rank
 states go into one more file of the step, listed with the ranks it holds, so a resumed rank finds its own
 as it finds its RNG state in a periodic snapshot.
 """
@@ -59,7 +61,7 @@ def complete(run: Any, folder: Path) -> str:
     """Commit the newest written step whose set is complete: every slice of the state written by a survivor
     (the whole state by one, or each node's share by that node, :func:`hpc_ddp.rank.salvage.jit.split_over`), no source
     of it holds another state, and (with per_rank objects) every rank's per-rank state of that step is in some
-    survivor's file. Any survivor may complete it; ``commit-step-S`` makes one the committer. Otherwise say
+    survivor's file. Any survivor may complete it; the attempt's commit claim makes one the committer. Otherwise say
     what is missing."""
     env = run.env
     offers = jit_files.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
@@ -89,8 +91,12 @@ def complete(run: Any, folder: Path) -> str:
             reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step {step} (their "
                            "buddies were lost too, or their mirror was a step behind)")
             continue
-        if not jit_files.claim(folder, step, "commit"):
-            return f"step {step} committed by another survivor"
+        if not jit_files.claim_commit(folder, step):
+            held = jit_files.seal(folder)  # taken: it tells by whom (a seal here takes nothing more)
+            if held == "sealed":
+                return (f"not committed: the attempt was sealed (its step had ended and the batch shell went on) "
+                        f"before step {step}'s set was complete")
+            return f"step {step} not committed here: this attempt's commit went to another survivor ({held})"
         return _commit(run, folder, writers, sources, holders, {o["rank"]: o.get("node", 0) for o in offers})
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
