@@ -93,7 +93,7 @@ def node_faults(slurm_cluster: ClusterSpec) -> Iterator[ClusterSpec]:
     from hpc_ddp.slurm_local import faults, isolation
 
     for state in faults.states(slurm_cluster):
-        m = isolation.machine(state.name, state.addr)
+        m = isolation.machine_of(slurm_cluster, state.name)
         if state.freezer not in ("THAWED", "n/a"):
             faults.fault(slurm_cluster, state.name, "kill")
         faults.normal(slurm_cluster, m)

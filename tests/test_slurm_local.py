@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from hpc_ddp.slurm_local import ClusterSpec, is_up, render_slurm_conf, render_slurmdbd_conf, start, stop
+from hpc_ddp.core.errors import ClusterError
+from hpc_ddp.slurm_local import ClusterSpec, is_up, render_slurm_conf, render_slurmdbd_conf, running_spec, start, stop
+from hpc_ddp.slurm_local.faults import parse_action
+from hpc_ddp.slurm_local.machines import PIECES, machine, node_script
 from hpc_ddp.slurm_local.conf import hosts_lines
 from hpc_ddp.slurm_local.daemons import HOSTS_FILE, alive
 
@@ -29,24 +33,65 @@ def test_without_accounting_there_is_no_slurmdbd() -> None:
     assert "StoragePort=3307" in render_slurmdbd_conf(ClusterSpec())
 
 
+def test_a_cluster_of_machines_gives_each_node_its_own_address_and_the_nodes_reach_slurmctld_on_the_bridge(
+        ) -> None:
+    spec = ClusterSpec(root=Path("/x"), nodes=2, isolated=PIECES)
+    text = render_slurm_conf(spec)
+    assert "SlurmctldHost=localhost(10.77.0.254)" in text.splitlines()
+    assert "NodeAddr=10.77.0.1,10.77.0.2" in text
+    assert ClusterSpec(root=Path("/x")).key != ClusterSpec(root=Path("/y")).key  # two clusters, two sets of names
+    m = machine("n2", "10.77.0.2", spec.key)
+    assert len(m.veth) <= 15 and m.netns == f"hpcddp-{spec.key}-n2"
+
+
+def test_a_nodes_start_script_isolates_what_it_was_asked_to() -> None:
+    def script(isolated: tuple[str, ...]) -> str:
+        return node_script(name="n1", isolated=isolated, netns="ns1", cgroup_dirs={
+            "cpu": Path("/cg/cpu/n1"), "freezer": Path("/cg/freezer/n1")}, state_root=Path("/tmp/st"),
+            shared=Path("/var/tmp/sh"), cache_s=30, slurmd=["slurmd", "-N", "n1"], bindfs_pid=Path("/tmp/st/b.pid"),
+            resolv_conf=Path("/tmp/st/resolv.conf"))
+
+    full = script(PIECES)
+    for part in ["nsenter --net=/run/netns/ns1 unshare --mount --uts", "hostname n1", "mount -t tmpfs -o mode=1777 "
+                 "tmpfs /tmp", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm", "entry_timeout=30,attr_timeout=30,"
+                 "negative_timeout=30 /var/tmp/sh /var/tmp/sh", "echo $$ > /cg/freezer/n1/cgroup.procs",
+                 "mount --no-canonicalize --bind /proc/self/fd/3 /tmp/st", "exec slurmd -N n1"]:
+        assert part in full, part
+    # bindfs starts before the node joins its freezer cgroup: a frozen node's file server is not frozen with it
+    assert full.index("bindfs -f") < full.index("/cg/freezer/n1")
+    bare = script(())
+    assert "unshare" not in bare and "bindfs" not in bare and "exec slurmd -N n1" in bare
+
+
+def test_fault_actions_are_checked_before_anything_is_done() -> None:
+    assert parse_action("slow=0.25") == ("slow", 0.25) and parse_action("freeze") == ("freeze", None)
+    for bad in ("slow=0", "slow=2", "slow", "melt", "kill=1"):
+        with pytest.raises(ClusterError):
+            parse_action(bad)
+
+
 def test_hosts_lines_are_tagged_per_cluster() -> None:
     assert hosts_lines(ClusterSpec(root=Path("/a"), nodes=1)) == ["127.0.2.1 n1 # hpc_ddp slurm-local /a"]
 
 
 @pytest.mark.slurm
 def test_second_cluster_starts_and_stops_only_its_own_daemons(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    spec = ClusterSpec(root=tmp_path / "c2", nodes=1, node_prefix="m", addr_prefix="127.0.3.",
+    spec = ClusterSpec(root=tmp_path / "c2", nodes=1, node_prefix="m", addr_prefix="127.0.3.", net_prefix="10.77.3.",
                        slurmd_base_port=17101, slurmctld_port=16917, accounting=False, cluster_name="second")
     assert start(spec) is True
     try:
         assert is_up(spec) and start(spec) is False  # a second start reuses it
-        pids = [int(p.read_text()) for p in (spec.root / "run").glob("*.pid")]
+        pids = [int(p.read_text()) for p in (spec.root / "run").glob("*.pid") if not p.name.startswith("bindfs")]
         assert len(pids) == 2 and all(alive(pid) for pid in pids)  # slurmctld + one slurmd; munged is shared
-        assert "127.0.3.1 m1" in HOSTS_FILE.read_text()
+        line = f"{running_spec(spec).node_addrs[0]} m1"
+        assert line in HOSTS_FILE.read_text()
+        assert subprocess.run(["srun", "-N1", "true"], env={**os.environ, "SLURM_CONF": str(spec.conf_path)},
+                              capture_output=True, timeout=60).returncode == 0
     finally:
         stopped = stop(spec)
-    assert sorted(stopped) == sorted(pids) and not any(alive(pid) for pid in pids)
-    assert "127.0.3.1 m1" not in HOSTS_FILE.read_text()
-    assert is_up(slurm_cluster)  # the session's cluster was not touched
-    assert "127.0.2.1 n1" in HOSTS_FILE.read_text()
+    assert set(pids) <= set(stopped) and not any(alive(pid) for pid in pids)
+    assert line not in HOSTS_FILE.read_text()
+    assert is_up(slurm_cluster)  # the session's cluster was not touched: its nodes still run jobs
+    assert f"{slurm_cluster.node_addrs[0]} n1" in HOSTS_FILE.read_text()
+    assert subprocess.run(["srun", "-N3", "true"], capture_output=True, timeout=60).returncode == 0
     assert subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0

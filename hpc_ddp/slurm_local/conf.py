@@ -9,6 +9,7 @@ requeue's waits from minutes to about a second; see docs/slurm-local.md.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,11 @@ class ClusterSpec:
         """Each node's own address where it has a network of its own, else a loopback address."""
         prefix = self.net_prefix if "network" in self.isolated else self.addr_prefix
         return [f"{prefix}{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def key(self) -> str:
+        """Six hex digits of the state directory: the cluster's namespaces, links and cgroups carry them."""
+        return hashlib.sha1(str(self.root).encode()).hexdigest()[:6]
 
     @property
     def gateway(self) -> str:

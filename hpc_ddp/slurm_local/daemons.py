@@ -199,7 +199,7 @@ def node_script_path(spec: ClusterSpec, name: str) -> Path:
 
 def start_node(spec: ClusterSpec, name: str) -> None:
     """One slurmd as a machine of its own (the pieces ``spec.isolated`` names; its script lies in ROOT/etc)."""
-    m = isolation.machine(name, spec.node_addrs[spec.node_names.index(name)])
+    m = isolation.machine_of(spec, name)
     script = node_script(name=name, isolated=spec.isolated, netns=m.netns, cgroup_dirs=isolation.cgroup_dirs(m),
                          state_root=spec.root, shared=spec.shared, cache_s=spec.cache_s,
                          slurmd=[_which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N", name],

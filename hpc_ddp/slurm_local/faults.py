@@ -67,7 +67,7 @@ def _machine(spec: ClusterSpec, node: str) -> Machine:
     if node not in spec.node_names:
         raise ClusterError(explain(f"no node {node!r} in the local cluster", expected=", ".join(spec.node_names),
                                    hint="python -m hpc_ddp.slurm_local status lists them"))
-    return isolation.machine(node, spec.node_addrs[spec.node_names.index(node)])
+    return isolation.machine_of(spec, node)
 
 
 def _scontrol(spec: ClusterSpec, *args: str) -> str:

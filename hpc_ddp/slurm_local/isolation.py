@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hpc_ddp.core.errors import ClusterError, explain
 from hpc_ddp.slurm_local.conf import ClusterSpec
-from hpc_ddp.slurm_local.machines import BRIDGE, PIECES, Machine, machine
+from hpc_ddp.slurm_local.machines import PIECES, Machine, bridge, machine
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("freezer", "cpu")
@@ -61,7 +61,12 @@ def probe() -> dict[str, str]:
 
 
 def machines(spec: ClusterSpec) -> list[Machine]:
-    return [machine(name, addr) for name, addr in zip(spec.node_names, spec.node_addrs)]
+    return [machine(name, addr, spec.key) for name, addr in zip(spec.node_names, spec.node_addrs)]
+
+
+def machine_of(spec: ClusterSpec, name: str) -> Machine:
+    """Node ``name`` of the cluster ``spec``."""
+    return machine(name, spec.node_addrs[spec.node_names.index(name)], spec.key)
 
 
 def cgroup_dirs(m: Machine) -> dict[str, Path]:
@@ -99,13 +104,13 @@ def set_up(spec: ClusterSpec) -> None:
     names. Leftovers of an earlier cluster with the same names are removed first."""
     tear_down(spec)
     if "network" in spec.isolated:
-        _ip("link", "add", BRIDGE, "type", "bridge")
-        _ip("addr", "add", f"{spec.gateway}/24", "dev", BRIDGE)
-        _ip("link", "set", BRIDGE, "up")
+        _ip("link", "add", bridge(spec.key), "type", "bridge")
+        _ip("addr", "add", f"{spec.gateway}/24", "dev", bridge(spec.key))
+        _ip("link", "set", bridge(spec.key), "up")
         for m in machines(spec):
             _ip("netns", "add", m.netns)
             _ip("link", "add", m.veth, "type", "veth", "peer", "name", "eth0", "netns", m.netns)
-            _ip("link", "set", m.veth, "master", BRIDGE, "up")
+            _ip("link", "set", m.veth, "master", bridge(spec.key), "up")
             _ip("-n", m.netns, "addr", "add", f"{m.addr}/24", "dev", "eth0")
             _ip("-n", m.netns, "link", "set", "eth0", "up")
             _ip("-n", m.netns, "link", "set", "lo", "up")
@@ -232,10 +237,10 @@ def tear_down(spec: ClusterSpec) -> None:
             _ip("netns", "del", m.netns, check=False)
         if Path(f"/sys/class/net/{m.veth}").exists():
             _ip("link", "del", m.veth, check=False)
-    if has_ip and Path(f"/sys/class/net/{BRIDGE}").exists():
-        _ip("link", "del", BRIDGE, check=False)
+    if has_ip and Path(f"/sys/class/net/{bridge(spec.key)}").exists():
+        _ip("link", "del", bridge(spec.key), check=False)
     for controller in CONTROLLERS:
         try:
-            (CGROUP_ROOT / controller / "hpc_ddp-slurm").rmdir()
+            (CGROUP_ROOT / controller / f"hpc_ddp-slurm-{spec.key}").rmdir()
         except OSError:
             pass

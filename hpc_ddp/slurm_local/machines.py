@@ -3,7 +3,7 @@
 A real node differs from its neighbours in five ways the failure path cares about, and
 each is played here by one kernel feature:
 
-* **network**: a network namespace joined to a bridge by a veth pair, its own address in
+* **network**: a network namespace joined to the cluster's bridge by a veth pair, its own address in
   a private range (``10.77.0.i``; the login side is ``10.77.0.254``). A peer that loses
   it sees silence, not a reset; ``partition`` takes its link down.
 * **hostname**: a UTS namespace named after the node (``hostname`` = ``SLURMD_NODENAME``).
@@ -27,7 +27,10 @@ RESOLV_CONF = ("# hpc_ddp slurm-local: the nodes' names are in /etc/hosts, and n
                "# the private network: a lookup that misses fails at once instead of waiting for a timeout\n"
                "nameserver 127.0.0.1\n")
 PIECES = ("network", "hostname", "filesystem", "cgroups")
-BRIDGE = "hpcddp-br"
+
+def bridge(key: str) -> str:
+    """The bridge of the cluster whose names carry ``key`` (at most 15 characters, as Linux allows)."""
+    return f"hd{key}br"
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,13 @@ class Machine:
     addr: str
     netns: str
     veth: str
-    cgroup: str  # relative to each controller's root: hpc_ddp-slurm/<name>
+    cgroup: str  # relative to each controller's root: hpc_ddp-slurm-KEY/<name>
 
 
-def machine(name: str, addr: str) -> Machine:
-    return Machine(name=name, addr=addr, netns=f"hpcddp-{name}", veth=f"hpcddp-{name}"[:15],
-                   cgroup=f"hpc_ddp-slurm/{name}")
+def machine(name: str, addr: str, key: str) -> Machine:
+    """Node ``name``'s names in the cluster whose names carry ``key`` (two local clusters never share one)."""
+    return Machine(name=name, addr=addr, netns=f"hpcddp-{key}-{name}", veth=f"hd{key}{name}"[:15],
+                   cgroup=f"hpc_ddp-slurm-{key}/{name}")
 
 
 def bindfs_options(cache_s: int) -> str:
