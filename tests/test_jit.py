@@ -291,27 +291,124 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
     written = {"step": 40, "entry": {"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []},
                "layout": layout}
 
-    def survivor(rank: int, blobs: dict[int, tuple[int, bytes]], **more: object) -> str:
+    def survivor(rank: int, blobs: dict[int, dict[int, bytes]], **more: object) -> str:
         jit_files.write_blobs(post(where, rank), blobs)
         jit_files.offer(post(where, rank), {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0, "source": True,
                                       "step": 40, "fingerprint": 7,
-                                      "blobs": {str(r): s for r, (s, _) in blobs.items()}, **more})
+                                      "blobs": {str(r): list(states) for r, states in blobs.items()}, **more})
         run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": None},
                               checkpointer=None, run_dir=tmp_path)
         return complete(run, where)
 
-    said = survivor(1, {1: (40, b"one"), 3: (40, b"three")}, written=written)
+    said = survivor(1, {1: {40: b"one"}, 3: {40: b"three"}}, written=written)
     assert "per_rank state of rank(s) [0, 2] at step 40" in said and snapshot.committed_steps(tmp_path) == []
-    said = survivor(2, {2: (40, b"two"), 0: (39, b"zero, a step behind")})
+    said = survivor(2, {2: {40: b"two"}, 0: {39: b"zero, a step behind"}})
     assert "per_rank state of rank(s) [0] at step 40" in said and snapshot.committed_steps(tmp_path) == []
-    assert survivor(0, {0: (40, b"zero"), 2: (40, b"two")}) == "committed step 40"
-    assert survivor(3, {3: (40, b"three")}) == "step 40 committed by another survivor"
+    assert survivor(0, {0: {40: b"zero"}, 2: {40: b"two"}}) == "committed step 40"
+    assert survivor(3, {3: {40: b"three"}}) == "step 40 committed by another survivor"
     manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 40))
     ranks_file = jit_files.ranks_file_name(40, 0)  # rank 0 committed
     assert manifest is not None and manifest["jit"]["per_rank_from"] == {"0": 0, "1": 1, "2": 2, "3": 1}
     assert [slicing.rank_file(manifest, r) for r in range(4)] == [ranks_file] * 4
     held = snapshot.load_file(snapshot.step_dir(tmp_path, 40) / ranks_file)["rng"]
     assert {r: entry[PER_RANK] for r, entry in held.items()} == {0: b"zero", 1: b"one", 2: b"two", 3: b"three"}
+
+
+def per_rank_state(rank: int, step: int) -> bytes:
+    return f"rank {rank}'s per_rank state of step {step}".encode()
+
+
+def states_of(rank: int, *steps: int) -> dict[int, bytes]:
+    """What a survivor holds of ``rank``: its states of ``steps``, newest first (rank/salvage/mirror.py's held)."""
+    return {step: per_rank_state(rank, step) for step in steps}
+
+
+def two_step_survivors(tmp_path: Path) -> Any:
+    """Survivors of a 2 x 3 job whose node 1 (ranks 3, 4, 5) was lost, each offering the step it holds whole and
+    its per-rank states (its own and its ward's, rank r + 3: :func:`hpc_ddp.rank.salvage.mirror.ward_of`);
+    ``writes``: it writes the replicated state of its step (the first source of that step). Returns what its
+    check of the set said (:func:`hpc_ddp.rank.salvage.jit_commit.complete`)."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.rank.salvage.jit_commit import complete
+
+    where = jit_files.folder(tmp_path, 5, 0)
+
+    def survivor(rank: int, step: int, blobs: dict[int, dict[int, bytes]], writes: bool) -> str:
+        jit_files.write_blobs(post(where, rank, 3), blobs)
+        offer: dict[str, Any] = {"rank": rank, "host": "n0", "error": "peer lost", "time": 1.0, "source": True,
+                                 "step": step, "fingerprint": step * 7,
+                                 "blobs": {str(r): list(states) for r, states in blobs.items()}}
+        if writes:
+            offer["written"] = {"step": step, "layout": slicing.layout_for([], 1, 1), "entry": {
+                "name": f"jit-{step}.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}}
+        jit_files.offer(post(where, rank, 3), offer)
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=6, num_nodes=2), per_rank={"batch": None},
+                              checkpointer=None, run_dir=tmp_path)
+        return complete(run, where)
+
+    return survivor
+
+
+def test_survivors_at_two_steps_complete_the_older_one_from_the_states_of_the_boundary_before(tmp_path: Path) -> None:
+    """Issue 55 ("Why 5"): node 1 froze inside a ring all-reduce that had completed for some survivors: ranks 0 and
+    2 passed boundary 339, rank 1 is still at 338 (it writes 338, rank 0 writes 339), and rank 5's last message
+    was of 338. With one boundary held each, no step was whole and the run fell back to step 0. Every survivor
+    now holds its own state and its ward's of their last two boundaries: step 339 lacks ranks 1, 4 and 5, and
+    step 338 is committed with every rank's state of 338, each from its own copy or, for a lost rank, its
+    buddy's; the survivors' files hold both steps."""
+    from hpc_ddp.rank.state.checkpointer import PER_RANK
+    from hpc_ddp.rundir import jit_blobs
+
+    survivor = two_step_survivors(tmp_path)
+    said = survivor(1, 338, {1: states_of(1, 338, 337), 4: states_of(4, 338, 337)}, writes=True)
+    assert "per_rank state of rank(s) [0, 2, 3, 5] at step 338" in said, said
+    said = survivor(0, 339, {0: states_of(0, 339, 338), 3: states_of(3, 339, 338)}, writes=True)
+    assert ("per_rank state of rank(s) [1, 2, 4, 5] at step 339" in said
+            and "per_rank state of rank(s) [2, 5] at step 338" in said), said
+    assert survivor(2, 339, {2: states_of(2, 339, 338), 5: states_of(5, 338, 337)}, writes=False) == \
+        "committed step 338"
+    assert snapshot.committed_steps(tmp_path) == [338]
+    where = jit_files.folder(tmp_path, 5, 0)
+    assert jit_blobs.read_blobs(where, 0)[0] == {0: states_of(0, 339, 338), 3: states_of(3, 339, 338)}
+    manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 338))
+    assert manifest is not None and manifest["jit"]["sources"] == [1]
+    assert manifest["jit"]["per_rank_from"] == {"0": 0, "1": 1, "2": 2, "3": 0, "4": 1, "5": 2}
+    ranks_file = snapshot.step_dir(tmp_path, 338) / jit_files.ranks_file_name(338, 2)  # rank 2 committed
+    held = snapshot.load_file(ranks_file)["rng"]
+    assert {r: entry[PER_RANK] for r, entry in held.items()} == {r: per_rank_state(r, 338) for r in range(6)}
+
+
+def test_survivors_at_two_steps_commit_neither_when_a_rank_of_the_older_is_held_by_nobody(tmp_path: Path) -> None:
+    """As above, but rank 5's state of 338 never left it (replaced by 339's while 337's was on its way): its buddy
+    holds 339 and 337. Neither step is whole, nothing is committed, and the reason names the ranks and step
+    of each."""
+    survivor = two_step_survivors(tmp_path)
+    survivor(1, 338, {1: states_of(1, 338, 337), 4: states_of(4, 338, 337)}, writes=True)
+    survivor(0, 339, {0: states_of(0, 339, 338), 3: states_of(3, 339, 338)}, writes=True)
+    said = survivor(2, 339, {2: states_of(2, 339, 338), 5: states_of(5, 339, 337)}, writes=False)
+    assert said.startswith("not committed: ") and snapshot.committed_steps(tmp_path) == []
+    assert "no survivor holds the per_rank state of rank(s) [1, 4] at step 339" in said, said
+    assert "no survivor holds the per_rank state of rank(s) [5] at step 338" in said, said
+
+
+def test_per_rank_state_files_and_offers_of_the_version_before_read_as_one_step(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run dir written before issue 55 holds one state per rank (``{rank: [step, bytes]}``, an offer's
+    ``{rank: step}``): it reads as that one step. A step whose bytes are not bytes is missing, with a warning."""
+    from hpc_ddp.rank.salvage.jit_commit import _holders
+    from hpc_ddp.rundir import jit_blobs
+
+    (tmp_path / "blobs-node-0.pt").write_bytes(_saved({1: {1: [40, b"one"], 3: [40, b"three"]}}))
+    held = jit_blobs.read_blobs(tmp_path, 0)
+    assert held == {1: {1: {40: b"one"}, 3: {40: b"three"}}}
+    assert jit_blobs.blob_of(held, 1, 3, 40) == b"three" and jit_blobs.blob_of(held, 1, 3, 39) is None
+    (tmp_path / "blobs-1.pt").write_bytes(_saved({"holder": 1, "blobs": {1: [40, b"one"], 3: {40: "not bytes"}}}))
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
+        assert jit_blobs.survivor_file(tmp_path / "blobs-1.pt") == (1, {1: {40: b"one"}})
+    assert "not {step: bytes}" in caplog.text
+    offers = [{"rank": 1, "blobs": {"1": 40, "3": 40}}, {"rank": 0, "blobs": {"0": [41, 40], "2": [41, 40]}}]
+    assert _holders(offers, 40) == {0: 0, 1: 1, 2: 0, 3: 1} and _holders(offers, 41) == {0: 0, 2: 0}
 
 
 @pytest.mark.slow
@@ -576,33 +673,33 @@ def test_a_garbage_per_rank_state_file_is_a_missing_source_named_in_a_warning(
     written = {"step": 40, "entry": {"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []},
                "layout": slicing.layout_for([], 1, 1)}
 
-    def survivor(rank: int, blobs: dict[int, tuple[int, bytes]], **more: object) -> str:
+    def survivor(rank: int, blobs: dict[int, dict[int, bytes]], **more: object) -> str:
         jit_files.offer(post(where, rank), {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0,
                                             "source": True, "step": 40, "fingerprint": 7,
-                                            "blobs": {str(r): s for r, (s, _) in blobs.items()}, **more})
+                                            "blobs": {str(r): list(states) for r, states in blobs.items()}, **more})
         run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": None},
                               checkpointer=None, run_dir=tmp_path)
         return complete(run, where)
 
     # a survivor's file on its node: rank 0's is garbage, rank 1's (the same node) is read
-    jit_files.write_blobs(post(where, 1), {1: (40, b"one"), 3: (40, b"three")})
-    assert "per_rank state of rank(s) [0, 2] at step 40" in survivor(1, {1: (40, b"one"), 3: (40, b"three")},
+    jit_files.write_blobs(post(where, 1), {1: {40: b"one"}, 3: {40: b"three"}})
+    assert "per_rank state of rank(s) [0, 2] at step 40" in survivor(1, {1: {40: b"one"}, 3: {40: b"three"}},
                                                                      written=written)
-    jit_files.write_blobs(post(where, 0), {0: (40, b"zero")})
+    jit_files.write_blobs(post(where, 0), {0: {40: b"zero"}})
     local = post(where, 0).local / "blobs-0.pt"
     local.write_bytes(_garbage(local.read_bytes(), kind))
     with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
-        said = survivor(0, {0: (40, b"zero")})
+        said = survivor(0, {0: {40: b"zero"}})
     assert "per_rank state of rank(s) [2] at step 40" in said, said
     assert str(local) in caplog.text and "treated as missing" in caplog.text
-    assert jit_blobs.read_blobs(where, 0) == {1: {1: [40, b"one"], 3: [40, b"three"]}}
+    assert jit_blobs.read_blobs(where, 0) == {1: {1: {40: b"one"}, 3: {40: b"three"}}}
     # the node's file in the run dir, which another node's survivor reads to commit
     node_file = where / "blobs-node-0.pt"
     node_file.write_bytes(_garbage(node_file.read_bytes(), kind))
     caplog.clear()
-    jit_files.write_blobs(post(where, 2), {2: (40, b"two"), 0: (40, b"zero")})
+    jit_files.write_blobs(post(where, 2), {2: {40: b"two"}, 0: {40: b"zero"}})
     with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
-        said = survivor(2, {2: (40, b"two"), 0: (40, b"zero")})
+        said = survivor(2, {2: {40: b"two"}, 0: {40: b"zero"}})
     assert said == "not committed: the files holding the per_rank state of rank(s) [0, 1, 3] could not be read", said
     assert str(node_file) in caplog.text and snapshot.committed_steps(tmp_path) == []
 

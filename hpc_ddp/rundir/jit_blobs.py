@@ -1,6 +1,8 @@
 """The survivors' per-rank state files of a just-in-time snapshot (:mod:`hpc_ddp.rundir.jit_files` says where they
-meet): each survivor's ``blobs-L.pt`` on its node, and the node's ``blobs-node-N.pt`` in the run dir, both
-``{holder, {rank: [step, packed bytes]}}`` and read by ranks that did not write them.
+meet): each survivor's ``blobs-L.pt`` on its node (``{holder, tag, blobs: {rank: {step: packed bytes}}}``), and the
+node's ``blobs-node-N.pt`` in the run dir (``{holder: {rank: {step: packed bytes}}}``), read by ranks that did not
+write them. A survivor holds each rank's state of its last two boundaries (issue 55: the survivors may stand at
+two steps); a file of the version before holds one, ``[step, packed bytes]``, and reads as that one step.
 
 Such a file may be garbage: cut short by a writer killed on a filesystem where a rename is not atomic, damaged
 on disk, or a stranger's bytes in a shared folder. Loading it (``torch.load``, ``weights_only``) then raises
@@ -22,7 +24,7 @@ from hpc_ddp.rundir import node_local
 
 log = logging.getLogger("hpc_ddp.jit")
 
-Held = dict[int, list[Any]]  # rank -> [step, packed bytes]
+Held = dict[int, dict[int, bytes]]  # rank -> {step: packed bytes}
 
 
 def load(path: Path, own: bool = False) -> Any | None:
@@ -47,11 +49,21 @@ def load(path: Path, own: bool = False) -> Any | None:
 
 
 def _held(value: Any) -> Held | None:
-    """``{rank: [step, bytes]}`` of a loaded file, the entries of the wrong shape left out; None if not a dict."""
+    """``{rank: {step: bytes}}`` of a loaded file, the entries of the wrong shape left out; None if not a dict."""
     if not isinstance(value, dict):
         return None
-    return {rank: entry for rank, entry in value.items() if isinstance(rank, int) and isinstance(entry, list)
-            and len(entry) == 2 and isinstance(entry[0], int) and isinstance(entry[1], bytes)}
+    found = {rank: _states(entry) for rank, entry in value.items() if isinstance(rank, int)}
+    return {rank: states for rank, states in found.items() if states is not None}
+
+
+def _states(entry: Any) -> dict[int, bytes] | None:
+    """One rank's states: ``{step: bytes}``, or the version before's one ``[step, bytes]``; None if neither (a
+    dict with any entry of another shape is none: a step's bytes are whole or not there)."""
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and isinstance(entry[1], bytes):
+        return {entry[0]: entry[1]}
+    if isinstance(entry, dict) and entry and all(isinstance(s, int) and isinstance(b, bytes) for s, b in entry.items()):
+        return dict(entry)
+    return None
 
 
 def survivor_file(path: Path, tag: str | None = None) -> tuple[int, Held] | None:
@@ -69,12 +81,12 @@ def survivor_file(path: Path, tag: str | None = None) -> tuple[int, Held] | None
             log.warning("the per-rank states in %s are not {holder, blobs}: treated as missing", path)
         return None
     if len(held) != len(loaded["blobs"]):
-        log.warning("some per-rank states in %s are not [step, bytes]: those are treated as missing", path)
+        log.warning("some per-rank states in %s are not {step: bytes}: those are treated as missing", path)
     return holder, held
 
 
 def read_blobs(where: Path, node: int) -> dict[int, Held]:
-    """Node ``node``'s per-rank states: {holder rank: {rank: [step, packed bytes]}} ({} if missing or unreadable;
+    """Node ``node``'s per-rank states: {holder rank: {rank: {step: packed bytes}}} ({} if missing or unreadable;
     a file that is not that shape is named in a warning)."""
     path = where / f"blobs-node-{node}.pt"
     loaded = load(path)
@@ -83,12 +95,11 @@ def read_blobs(where: Path, node: int) -> dict[int, Held]:
     found = {holder: held for holder, held in ((h, _held(v)) for h, v in (loaded.items() if isinstance(
         loaded, dict) else ())) if isinstance(holder, int) and held is not None}
     if not isinstance(loaded, dict) or len(found) != len(loaded):
-        log.warning("the per-rank states in %s are not {holder: {rank: [step, bytes]}}: what is not is "
+        log.warning("the per-rank states in %s are not {holder: {rank: {step: bytes}}}: what is not is "
                     "treated as missing", path)
     return found
 
 
 def blob_of(held: dict[int, Held], holder: int, rank: int, step: int) -> bytes | None:
-    """``rank``'s packed per-rank state at ``step`` as survivor ``holder`` left it (None: it holds another)."""
-    found = (held.get(holder) or {}).get(rank)
-    return found[1] if found is not None and found[0] == step else None
+    """``rank``'s packed per-rank state at ``step`` as survivor ``holder`` left it (None: it holds others)."""
+    return ((held.get(holder) or {}).get(rank) or {}).get(step)

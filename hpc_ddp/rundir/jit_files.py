@@ -167,12 +167,13 @@ def once_per_node(post: Post, key: str, compute: Callable[[], Any], fresh_s: flo
         return value
 
 
-def write_blobs(post: Post, blobs: dict[int, tuple[int, bytes]]) -> None:
-    """A survivor's per-rank states ({rank: (step, packed bytes)}), on its node, before its offer names them."""
+def write_blobs(post: Post, blobs: dict[int, dict[int, bytes]]) -> None:
+    """A survivor's per-rank states ({rank: {step: packed bytes}}: its own and its ward's of their last two
+    boundaries), on its node, before its offer names them."""
     import torch
 
     node_local.ensure(post.local)
-    held = {"holder": post.rank, "tag": post.tag, "blobs": {r: [s, b] for r, (s, b) in blobs.items()}}
+    held = {"holder": post.rank, "tag": post.tag, "blobs": {r: dict(states) for r, states in blobs.items()}}
     write_atomic(post.local / f"blobs-{post.local_rank}.pt", lambda out: torch.save(held, out))
 
 

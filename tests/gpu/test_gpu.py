@@ -217,9 +217,11 @@ def _mirror_rank(environ: dict[str, str], out: object) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     except RuntimeError:
         pass
-    step, blob = mirror.held()[1 - env.rank]
-    value = unpack(blob)["batch"]["batch"]
-    out.put((env.rank, step, value.device.type, float(value[0, 0]), synced))  # type: ignore[attr-defined]
+    held = mirror.held()  # {rank: {step: bytes}}, newest first: the last two boundaries (issue 55)
+    values = {r: [(s, unpack(b)["batch"]["batch"]) for s, b in states.items()] for r, states in held.items()}
+    (step, value), *before = values[1 - env.rank]
+    out.put((env.rank, step, value.device.type, float(value[0, 0]),  # type: ignore[attr-defined]
+             [(s, float(v[0, 0])) for s, v in before], [(s, float(v[0, 0])) for s, v in values[env.rank]], synced))
     out.close()  # type: ignore[attr-defined]
     out.join_thread()  # type: ignore[attr-defined]
     os._exit(0)
@@ -237,11 +239,14 @@ def test_a_per_rank_cuda_tensor_reaches_the_buddy_whole_when_its_rank_dies() -> 
              for e in simulated_environ(2, 1, job_id=1)]
     for proc in procs:
         proc.start()
-    rank, step, device, value, synced = out.get(timeout=120)
+    rank, step, device, value, before, own, synced = out.get(timeout=120)
     for proc in procs:
         proc.join(timeout=30)
     assert (rank, step, device) == (0, 5, "cpu")  # rank 1's state of step 5, a CPU copy
     assert value == 2 * sum(range(1, 6))  # every asynchronous add of rank 1 up to step 5 is in it
+    # the message before (step 4 unless a state was replaced on its way) and rank 0's own last two, exactly
+    assert len(before) == 1 and before[0][0] < 5 and before[0][1] == 2 * sum(range(1, before[0][0] + 1)), before
+    assert own == [(5, sum(range(1, 6))), (4, sum(range(1, 5)))], own
     assert synced is None, f"mark waited for the GPU: {synced}"
 
 

@@ -136,12 +136,25 @@ def write_delta(out: torch.Tensor, body: torch.Tensor, leaves: list[Segment]) ->
     return at
 
 
+def delta_leaves(delta: torch.Tensor, size: int) -> list[Segment]:
+    """The leaves a delta carries, checked first: each inside a body of ``size`` bytes, their bytes inside the
+    delta. A receiver reads them before it changes anything (it writes the old bytes of those leaves aside
+    to keep the state before the delta), so a delta that does not fit raises before any byte is written."""
+    count = int(delta[:8].view(torch.int64)[0]) if delta.numel() >= 8 else -1
+    if count < 0 or delta.numel() < 8 + 16 * count:
+        raise ValueError(f"a mirror delta of {delta.numel()} bytes has no table of leaves (count {count})")
+    table = delta[8:8 + 16 * count].view(torch.int64).tolist()
+    leaves = list(zip(table[::2], table[1::2]))
+    if any(not 0 <= s <= e <= size for s, e in leaves) or delta.numel() < delta_size(leaves):
+        raise ValueError(f"a mirror delta's leaves do not fit a body of {size} bytes or the delta itself")
+    return leaves
+
+
 def apply_delta(body: torch.Tensor, delta: torch.Tensor) -> None:
     """Write the leaves a delta carries onto ``body`` (in place): it then holds the state the delta was made from."""
-    count = int(delta[:8].view(torch.int64)[0])
-    table = delta[8:8 + 16 * count].view(torch.int64).tolist()
-    at = 8 + 16 * count
-    for s, e in zip(table[::2], table[1::2]):
+    leaves = delta_leaves(delta, body.numel())
+    at = 8 + 16 * len(leaves)
+    for s, e in leaves:
         body[s:e].copy_(delta[at:at + e - s])
         at += e - s
 

@@ -15,9 +15,10 @@ committed only when the held generation did not move while it was written: nothi
 **Per-rank state.** Under ``train.rng=derived`` every rank's RNGs are reseeded from (seed, step,
 rank) at every boundary and resume, so the lost ranks' randomness is known without a copy.
 ``per_rank(...)`` objects are mirrored at every boundary to a buddy on another node
-(:mod:`hpc_ddp.rank.salvage.mirror`); each survivor leaves what it holds (its own state and its ward's) beside
-its offer, and the snapshot is committed only when every rank's state of the same step is there. When
-one is missing (a rank and its buddy both lost, a mirror a step behind), or with ``train.rng=saved``,
+(:mod:`hpc_ddp.rank.salvage.mirror`); each survivor leaves what it holds (its own state and its ward's, each
+of their last two boundaries: survivors that stopped at two steps complete the older one) beside its offer,
+and the snapshot is committed only when every rank's state of the same step is there. When one is
+missing (a rank and its buddy both lost, a mirror more than a step behind), or with ``train.rng=saved``,
 nothing is committed and the run resumes from the last periodic snapshot; the offers say why, and the
 batch shell's ledger line repeats it.
 
@@ -115,10 +116,10 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
                              "time": round(time.time(), 3)}
     try:
         mirror = getattr(run, "mirror", None)
-        if mirror is not None:  # this rank's per-rank state and its ward's, whatever this rank holds besides
+        if mirror is not None:  # this rank's per-rank states and its ward's, whatever this rank holds besides
             blobs = mirror.held()
             jit_files.write_blobs(post, blobs)
-            offer["blobs"] = {str(r): step for r, (step, _) in blobs.items()}
+            offer["blobs"] = {str(r): list(states) for r, states in blobs.items()}  # {rank: [steps], newest first}
             if mirror.broken is not None:
                 offer["mirror_broken"] = mirror.broken
         reason = why_not(run)

@@ -81,15 +81,11 @@ def complete(run: Any, folder: Path) -> str:
                       step, writer["rank"])
             reasons.append(f"ranks {differing} hold another state of step {step} than rank {writer['rank']}")
             continue
-        holders: dict[int, int] = {}  # rank -> the survivor whose file holds its per-rank state of this step
-        for o in offers if run.per_rank else []:
-            for rank, held_step in (o.get("blobs") or {}).items():
-                if held_step == step and (int(rank) not in holders or int(rank) == o["rank"]):
-                    holders[int(rank)] = o["rank"]  # the rank's own copy where it survived, else its buddy's
+        holders = _holders(offers, step) if run.per_rank else {}
         missing = [r for r in range(env.world_size) if r not in holders] if run.per_rank else []
         if missing:
             reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step {step} (their "
-                           "buddies were lost too, or their mirror was a step behind)")
+                           "buddies were lost too, or their mirror was more than a step behind)")
             continue
         if not jit_files.claim_commit(folder, step):
             held = jit_files.seal(folder)  # taken: it tells by whom (a seal here takes nothing more)
@@ -101,6 +97,19 @@ def complete(run: Any, folder: Path) -> str:
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
     return "not committed: " + "; ".join(reasons)
+
+
+def _holders(offers: list[dict[str, Any]], step: int) -> dict[int, int]:
+    """rank -> the survivor whose file holds its per-rank state of ``step``: the rank's own copy where it survived,
+    else its buddy's. An offer names the steps it holds of each rank (``{rank: [steps]}``: the last two
+    boundaries); an offer of the version before names one step, a number."""
+    holders: dict[int, int] = {}
+    for o in offers:
+        for rank, held in (o.get("blobs") or {}).items():
+            steps = held if isinstance(held, list) else [held]
+            if step in steps and (int(rank) not in holders or int(rank) == o["rank"]):
+                holders[int(rank)] = o["rank"]
+    return holders
 
 
 def _unwritten(writers: list[dict[str, Any]], step: int) -> str | None:

@@ -32,15 +32,27 @@ size change, or a new attempt (both sides start empty) never leave it wrong; and
 messages one goes whole anyway, so a receiver that refused (a message lost some way this design does not
 foresee) is whole again within that many steps.
 
+**Two boundaries held** (issue 55). A failure can leave the survivors at two steps: part of a ring all-reduce
+completed before a node froze, so some passed boundary k+1 and the others are still at k. The replicated state
+of k is on the survivors at k; the set of k is whole only if every rank's per-rank state of k is somewhere
+too. So each rank holds its own state and its ward's (the rank whose buddy this rank is) of its last two
+boundaries (of its last two messages, for the ward's: a skipped state is not held), and :meth:`Mirror.held`
+gives them all: ``{rank: {step: packed state}}``, newest first.
+
 **Memory, reused.** The sender holds at most :data:`IN_FLIGHT` buffers (the state its buddy holds, the one on
-its way, the newest waiting, and the one the boundary writes), reused from step to step (a fresh buffer costs
-page faults: 28 ms to fill 64 MB against 3 ms for a warm one here), and one for deltas (at most half a state).
-A buddy that is slow or frozen gets the newest state once it can take it: a newer state replaces the one
-waiting (``skipped``) and the step never waits; the mirror of that rank is then older than the state. The
-receiver keeps its ward's (the rank whose buddy this rank is) newest whole state in one of two buffers and
-receives into the other: a whole message swaps them (no copy), a delta is written onto the kept one. Both use
-a gloo group of their own, so no collective of the training waits behind them, and a buddy that dies or
-freezes stalls only these threads (gloo cannot abort a transfer: pytorch#130345).
+its way, the newest waiting, the one the boundary writes, and the boundary before the last one, which is
+never reused while it is that), reused from step to step (a fresh buffer costs page faults: 28 ms to fill
+64 MB against 3 ms for a warm one here), and one for deltas (at most half a state). A buddy that is slow or
+frozen gets the newest state once it can take it: a newer state replaces the one waiting (``skipped``) and the
+step never waits; the mirror of that rank is then older than the state. The receiver keeps its ward's newest
+whole state and the one before it in two of three buffers and receives into the third: a whole message is kept
+where it arrived and the kept one becomes the one before (the three turn, no copy). A delta is written onto
+the kept one, after the old bytes of the leaves it changes were copied into the third buffer (an undo: the
+state before is the kept one with them written back, put together only when ``held`` asks; a copy of the
+leaves that change, not of the whole state, each step); an "unchanged" message makes the kept bytes the state
+of both steps. A refused change alters neither. Both sides use a gloo group of their own, so no collective of
+the training waits behind them, and a buddy that dies or freezes stalls only these threads (gloo cannot abort
+a transfer: pytorch#130345).
 
 Each message is one buffer: a header (step, byte count, next size, kind, base, the state's size) and the
 bytes. One message, not a header and then the bytes, because the receiver must have its buffer posted when
@@ -74,9 +86,10 @@ log = logging.getLogger("hpc_ddp.mirror")
 END = -1  # the header step that ends the exchange
 GROW = -2  # the header step that says the next message is larger
 HEADER = 48  # bytes: int64 step, byte count, next size, kind, base step, the state's size (16 | 48: any dtype views)
-BYTES, FLAT, UNCHANGED, DELTA = 0, 1, 2, 3  # a body of bytes (torch.save's), rank/salvage/flat.py's layout, none, leaves
+BYTES, FLAT, UNCHANGED, DELTA = 0, 1, 2, 3  # a body of bytes (torch.save's), salvage/flat.py's layout, none, leaves
+WHOLE = -1  # the ward's state before the kept one is a whole body of its own (not the kept one with an undo)
 FIRST_SIZE = 4096  # bytes the receiver posts at first (both sides start with it; grown as the state needs)
-IN_FLIGHT = 4  # a rank's buffers for its own states at most: a frozen buddy makes it hold this many, never more
+IN_FLIGHT = 5  # a rank's buffers for its own states at most: a frozen buddy makes it hold this many, never more
 FULL_EVERY = 100  # messages: one goes whole at least this often (a refused delta is mended within as many steps)
 RECEIVE_TIMEOUT = timedelta(hours=24)  # the mirror group's: no gap between two boundaries is that long
 JOIN_S = 10.0  # how long the end of an attempt waits for the threads (a peer that never sends its end)
@@ -140,8 +153,14 @@ class Mirror:
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
         self.own: Packed | None = None  # this rank's last boundary
+        self.before: Packed | None = None  # the one before it (never reused while it is: a failure may need it)
         # the ward's newest whole state: (step, its buffer, kind, size); only the receiver thread replaces it
         self.kept: tuple[int, torch.Tensor, int, int] | None = None
+        # the ward's state before that: (step, kind, size, undo); undo WHOLE: its body is in ``_spare``; else it is
+        # the kept body with the first ``undo`` bytes of ``_spare`` (a delta: the old bytes of the leaves the last
+        # delta changed) written onto a copy of it (0: the kept bytes as they are, "unchanged")
+        self.kept_before: tuple[int, int, int, int] | None = None
+        self._spare = torch.empty(0, dtype=torch.uint8)  # the receiver's third buffer: that state, or its undo
         self.skipped = 0  # states never sent: a newer one replaced them while a send was on its way
         self.refused = 0  # deltas and unchanged messages this receiver did not apply (not on the step it holds)
         self._stale = False  # refusing since the last whole state
@@ -172,13 +191,16 @@ class Mirror:
     def mark(self, step: int, state: Any) -> None:
         """At a boundary (training thread): this step's per-rank state (bytes, or a state as
         :func:`tracked.staged` gives it) is written into a reused buffer (:mod:`hpc_ddp.rank.salvage.flat`: one copy of
-        each tensor), which is this rank's own, and the sender thread sends it to the buddy (whole, as a delta,
-        or as "unchanged"); it replaces a state still waiting for the sender thread. Never waits."""
+        each tensor), which is this rank's own (the one of the boundary before is kept too), and the sender thread
+        sends it to the buddy (whole, as a delta, or as "unchanged"); it replaces a state still waiting for the
+        sender thread. Never waits."""
         packed = self._pack(step, state)
         with self._lock:
             if self._next is not None:
                 self.skipped += 1
-                self._free.append(self._next)
+                self._free.append(self._next)  # never reused while it is ``before`` (``_take`` skips it)
+            if self.own is not None and self.own.step < step:
+                self.before = self.own
             self._next = self.own = packed
             self._wake.notify()
 
@@ -190,13 +212,16 @@ class Mirror:
             return self._posted_changed.wait_for(lambda: self.sent >= step or self.broken is not None, timeout)
 
     def own_bytes(self, step: int) -> bytes | None:
-        """This rank's packed state of ``step`` when its last boundary was that step (a snapshot reuses it)."""
-        own = self.own
-        return _snapshot_bytes(own) if own is not None and own.step == step else None
+        """This rank's packed state of ``step`` when its last boundary or the one before was that step (a snapshot
+        reuses it). The training thread's: only its own ``mark`` reuses these buffers."""
+        for packed in (self.own, self.before):
+            if packed is not None and packed.step == step:
+                return _snapshot_bytes(packed)
+        return None
 
     def _pack(self, step: int, state: Any) -> Packed:
-        """The state written into a buffer from :meth:`_take`. A state :mod:`~hpc_ddp.rank.salvage.flat` cannot give back
-        exactly goes as ``torch.save`` bytes. With CUDA tensors in it, the buffer is pinned and its copies from
+        """The state written into a buffer from :meth:`_take`. A state :mod:`~hpc_ddp.rank.salvage.flat` cannot give
+        back exactly goes as ``torch.save`` bytes. With CUDA tensors in it, the buffer is pinned and its copies from
         the GPU only enqueued: the events beside it (one per device; else None) complete with them, and whoever
         reads it waits for them first, never the training thread."""
         layout = None if isinstance(state, bytes) else flat.plan(state)
@@ -217,13 +242,17 @@ class Mirror:
 
     def _take(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """A free buffer of at least ``nbytes`` (whose copies from a GPU, if any, are done), or a new one a
-        sixteenth larger (room for a state that grows a little) in place of a free one that does not fit."""
+        sixteenth larger (room for a state that grows a little) in place of a free one that does not fit. Never
+        this rank's last state nor the one before: ``held`` may read them (under the lock) while this buffer is
+        written (outside it), and after this boundary the last one is the one before."""
         with self._lock:
-            for i, old in enumerate(self._free):
+            usable = [i for i, old in enumerate(self._free) if old is not self.own and old is not self.before]
+            for i in usable:
+                old = self._free[i]
                 if old.buf.numel() >= nbytes and old.pinned == pinned and all(e.query() for e in old.ready or ()):
                     return self._free.pop(i).buf
-            if self._free:
-                self._free.pop(0)  # never more than IN_FLIGHT: a new one replaces one that does not fit
+            if usable:
+                self._free.pop(usable[0])  # never more than IN_FLIGHT: a new one replaces one that does not fit
             self.allocated += 1
         return torch.empty(_grown(nbytes), dtype=torch.uint8, pin_memory=pinned)
 
@@ -295,24 +324,56 @@ class Mirror:
                     self._free.append(self._base)
                 self._base = packed
 
-    def held(self) -> dict[int, tuple[int, bytes]]:
-        """What a survivor can give a just-in-time snapshot: {rank: (step, packed state)} for itself and its ward.
-        Each is read under the lock (its buffer is neither reused nor written meanwhile), packed outside it."""
-        held: dict[int, tuple[int, bytes]] = {}
-        own = self.own
-        for event in (own.ready or ()) if own is not None else ():
-            event.synchronize()  # before the lock: the boundary never waits for it behind the GPU
+    def held(self) -> dict[int, dict[int, bytes]]:
+        """What a survivor can give a just-in-time snapshot: {rank: {step: packed state}}, newest first, for itself
+        and its ward, each at its last two boundaries (the survivors may stand at two steps: issue 55). Each is
+        read under the lock (its buffer is neither reused nor written meanwhile), packed outside it."""
+        for packed in (self.own, self.before):
+            for event in (packed.ready or ()) if packed is not None else ():
+                event.synchronize()  # before the lock: the boundary never waits for it behind the GPU
         with self._lock:
-            own = self.own
-            for event in (own.ready or ()) if own is not None else ():
-                event.synchronize()  # done already unless a boundary came between (not while the training waits)
-            mine = (own.step, _read(own.body(), own.kind)) if own is not None else None
-            kept = self.kept if self.ward != self.rank else None
-            theirs = (kept[0], _read(kept[1][HEADER:HEADER + kept[3]], kept[2])) if kept is not None else None
-        for rank, got in ((self.rank, mine), (self.ward, theirs)):
-            if got is not None:
-                held[rank] = (got[0], got[1] if isinstance(got[1], bytes) else tracked.pack(got[1]))
+            mine = _copies(self._own_bodies())
+            theirs = _copies(self._ward_bodies()) if self.ward != self.rank else []
+        held: dict[int, dict[int, bytes]] = {}
+        for rank, states in ((self.rank, mine), (self.ward, theirs)):
+            packed: list[tuple[Any, bytes]] = []  # an "unchanged" state is one copy at two steps: packed once
+            for step, got in states:
+                if not packed or packed[-1][0] is not got:
+                    packed.append((got, got if isinstance(got, bytes) else tracked.pack(got)))
+                held.setdefault(rank, {})[step] = packed[-1][1]
         return held
+
+    def _own_bodies(self) -> list[tuple[int, int, torch.Tensor]]:
+        """This rank's last state and the one before: (step, kind, body), newest first (under the lock). The last
+        one's copies from a GPU are done already unless a boundary came since ``held`` waited for them; the one
+        before is left out rather than waited for if its copies are not (enqueued before the last one's, they
+        are done in practice)."""
+        out = []
+        own, before = self.own, self.before
+        if own is not None:
+            for event in own.ready or ():
+                event.synchronize()
+            out.append((own.step, own.kind, own.body()))
+        if before is not None and all(event.query() for event in before.ready or ()):
+            out.append((before.step, before.kind, before.body()))
+        return out
+
+    def _ward_bodies(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The ward's kept state and the one before it (:attr:`kept_before`): (step, kind, body), newest first
+        (under the lock). The one before is put together in a copy where it is the kept one with an undo, and is
+        the kept body itself where an "unchanged" message made it the same bytes."""
+        kept, before = self.kept, self.kept_before
+        if kept is None:
+            return []
+        newest = kept[1][HEADER:HEADER + kept[3]]
+        out = [(kept[0], kept[2], newest)]
+        if before is not None:
+            step, kind, size, undo = before
+            body = self._spare[HEADER:HEADER + size] if undo == WHOLE else newest if undo == 0 else newest.clone()
+            if undo > 0:
+                flat.apply_delta(body, self._spare[:undo])
+            out.append((step, kind, body))
+        return out
 
     def close(self) -> None:
         """End of a clean attempt (every rank; once, later calls do nothing): send the end once the last state was
@@ -338,9 +399,10 @@ class Mirror:
                         "leaving it", JOIN_S, self.ward)
 
     def _receive(self) -> None:
-        """Receives into one buffer while the ward's newest whole state is kept in the other: a whole message is
-        kept where it arrived (the two swap, no copy); a delta or "unchanged" applies to the kept one when it is
-        of the step they name, and is refused otherwise (``held`` reads the kept one under the same lock)."""
+        """Receives into one buffer while the ward's newest whole state is kept in another and the one before it
+        in a third (:meth:`_keep`): a whole message is kept where it arrived (the three turn, no copy); a delta
+        or "unchanged" applies to the kept one when it is of the step they name, and is refused otherwise
+        (``held`` reads both under the same lock)."""
         size, into = FIRST_SIZE, torch.empty(FIRST_SIZE, dtype=torch.uint8)
         try:
             while True:
@@ -356,37 +418,69 @@ class Mirror:
                 into = self._keep(step, kind, base, full, into, length)
         except Exception as err:  # noqa: BLE001 - its ward was lost, or the pair broke: a failure can lack its state
             self.broken = first_line(err)
-            kept = self.kept[0] if self.kept is not None else None
-            log.warning("the per-rank mirror of rank %d stopped (%s); it holds rank %d's state of step %s. A "
+            kept = [held[0] for held in (self.kept, self.kept_before) if held is not None] or None
+            log.warning("the per-rank mirror of rank %d stopped (%s); it holds rank %d's state of steps %s. A "
                         "survivors' snapshot needs that rank's state of the step it commits: if rank %d is alive, "
                         "a later failure falls back to the periodic snapshot", self.ward, self.broken, self.ward,
                         kept, self.ward)
 
     def _keep(self, step: int, kind: int, base: int, full: int, got: torch.Tensor, length: int) -> torch.Tensor:
-        """Keep what ``got`` brings (under the lock); returns the buffer to receive the next message into."""
+        """Keep what ``got`` brings (under the lock), and the state it replaces as the one before (what that was is
+        dropped); returns the buffer to receive the next message into. A refused change changes neither."""
         with self._lock:
             kept = self.kept
             if kind in (BYTES, FLAT):
                 self._stale = False
+                free = torch.empty(0, dtype=torch.uint8)
+                if kept is not None:  # three buffers in turn, no copy: the state before the kept one is dropped
+                    free, self._spare = self._spare, kept[1]
+                self.kept_before = (kept[0], kept[2], kept[3], WHOLE) if kept is not None else None
                 self.kept = (step, got, kind, full)
-                return kept[1] if kept is not None else torch.empty(0, dtype=torch.uint8)
+                return free
             if kept is None or kept[0] != base or kept[3] != full:
-                if not self._stale:  # one warning per stretch of refusals
-                    log.warning("the per-rank mirror of rank %d refused its state of step %d (a change to step %d; "
-                                "it holds step %s): it keeps that until a whole state comes", self.ward, step,
-                                base, kept[0] if kept is not None else None)
-                self.refused += 1
-                self._stale = True
+                self._refuse(step, base, kept)
                 return got
+            undo = 0
             if kind == DELTA:
-                flat.apply_delta(kept[1][HEADER:HEADER + full], got[HEADER:HEADER + length])
+                undo = self._apply(kept[1][HEADER:HEADER + full], got[HEADER:HEADER + length], got.numel())
+            self.kept_before = (kept[0], kept[2], kept[3], undo)
             self.kept = (step, *kept[1:])
             return got
+
+    def _apply(self, body: torch.Tensor, delta: torch.Tensor, room: int) -> int:
+        """Write ``delta`` onto the kept ``body``, the old bytes of its leaves first kept aside in ``_spare`` (the
+        state before it, for ``held``: a copy of the leaves that change, not of the whole state); returns their
+        size. A delta whose leaves do not fit raises before anything changed."""
+        leaves = flat.delta_leaves(delta, body.numel())
+        need = flat.delta_size(leaves)
+        self.kept_before = None  # its bytes in ``_spare`` are about to go
+        if self._spare.numel() < need:  # as large as a receive buffer: it takes a turn as one after a whole state
+            self._spare = torch.empty(max(need, room), dtype=torch.uint8)
+        flat.write_delta(self._spare, body, leaves)
+        flat.apply_delta(body, delta)
+        return need
+
+    def _refuse(self, step: int, base: int, kept: tuple[int, torch.Tensor, int, int] | None) -> None:
+        """A change not to the step kept: nothing is written, and one warning per stretch of refusals."""
+        if not self._stale:
+            log.warning("the per-rank mirror of rank %d refused its state of step %d (a change to step %d; it holds "
+                        "step %s): it keeps that until a whole state comes", self.ward, step, base,
+                        kept[0] if kept is not None else None)
+        self.refused += 1
+        self._stale = True
 
 
 def _grown(nbytes: int) -> int:
     """A buffer size for ``nbytes``: a sixteenth more, in whole 4 KiB pages (a state that grows a little fits)."""
     return -(-nbytes * 17 // 16 // 4096) * 4096
+
+
+def _copies(bodies: list[tuple[int, int, torch.Tensor]]) -> list[tuple[int, Any]]:
+    """(step, a copy of what its body holds) for each, one copy for a body that is the one before it."""
+    out: list[tuple[int, Any]] = []
+    for i, (step, kind, body) in enumerate(bodies):
+        out.append((step, out[-1][1] if i and body is bodies[i - 1][2] else _read(body, kind)))
+    return out
 
 
 def _read(body: torch.Tensor, kind: int) -> Any:
