@@ -10,8 +10,8 @@ where there is no InfiniBand) follow ``NCCL_SOCKET_IFNAME``.
 to loopback while ``MASTER_ADDR`` does not, the interface whose address routes to ``MASTER_ADDR`` is named
 in ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (each only where the user set none); where none
 routes there, :class:`NetworkError` says how to name one. ``MASTER_ADDR`` on loopback means every rank runs
-on this one machine (the local test cluster's nodes are 127.0.2.x): then loopback is right and nothing
-changes. Pure: the facts (:class:`Facts`) come from the seams of :mod:`hpc_ddp.rank.attempt.placement`.
+on this one machine (the local test cluster started ``--one-machine``: its nodes are 127.0.2.x): then
+loopback is right and nothing changes. Pure: the facts (:class:`Facts`) come from the seams of :mod:`hpc_ddp.rank.attempt.placement`.
 """
 
 from __future__ import annotations

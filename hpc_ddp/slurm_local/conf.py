@@ -36,6 +36,7 @@ class ClusterSpec:
     cluster_name: str = "hpcddp"
     grace_time_s: int = 10
     kill_wait_s: int = 5
+    slurmd_timeout_s: int = 30
     preempt_signal: str = "user"  # "user": a preempted job gets its --signal; "term": SIGTERM (Slurm's default)
     # Each node a machine of its own (slurm_local.machines): the pieces asked for, and the ones start could have
     machines: bool = True
@@ -120,6 +121,9 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# fast: start batch jobs within ~1 s, and rescan the queue every second (requeue)",
         "SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1",
         f"KillWait={spec.kill_wait_s}",
+        "# fast: a node that stops answering (frozen, cut off, powered off) is marked down after 30 s (default 300):",
+        "# until then srun waits for its part of a step, and so does the heal of a job that ran on it",
+        f"SlurmdTimeout={spec.slurmd_timeout_s}",
         "MinJobAge=300",
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
