@@ -79,6 +79,24 @@ def wrapped_steps(record: Path, run_dir: Path, ranks: int, hosts: list[str]) -> 
     return steps
 
 
+def _squat_on_every_node(cluster: ClusterSpec, port: int) -> list[subprocess.Popen[bytes]]:
+    """Another program holds ``port`` on every node of the cluster of machines (in each node's network
+    namespace), until killed; none where the nodes share this machine's network (the caller holds it here)."""
+    if "network" not in cluster.isolated:
+        return []
+    from hpc_ddp.slurm_local.isolation import machine_of
+
+    hold = ("import socket, sys, time\ns = socket.socket()\ns.bind(('', int(sys.argv[1])))\ns.listen(8)\n"
+            "print('held', flush=True)\ntime.sleep(3600)")
+    held = []
+    for name in cluster.node_names:
+        proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{machine_of(cluster, name).netns}", sys.executable,
+                                 "-c", hold, str(port)], stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline() == b"held\n"
+        held.append(proc)
+    return held
+
+
 def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: ClusterSpec, tmp_path: Path,
                                                                  rehearsal: Callable[..., Rehearsal]) -> None:
     """Cases (f), (a), (g) and (e) are submitted side by side (two 2-tasks-a-node jobs fill the 4-CPU nodes;
@@ -97,11 +115,16 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
         squatter.bind(("", 0))
         squatter.listen(8)
         port = squatter.getsockname()[1]
+        squatters = _squat_on_every_node(slurm_cluster, port)  # each node is a machine with its own ports
         jobs[clash] = submit(clash, "none:-1:-1", "slurm.spare_nodes=1", f"dist.master_port={port}")
         jobs[requeued] = submit(requeued, "kill:1:23", "slurm.max_restarts_in_job=0", "slurm.max_failures=1")
-        reference.done()
-        for run_dir in jobs:
-            wait_done(run_dir)
+        try:
+            reference.done()
+            for run_dir in jobs:
+                wait_done(run_dir)
+        finally:
+            for held in squatters:
+                held.kill()
     # (d) alone: its watchdog's 8 s (16 s where every rank waits) would count the start-up of ranks slowed by
     # other jobs' start-ups as a hang; a heal's start-up took 5.5 s on a slow machine (a CI run, 2026-11-27)
     submit(hung, "sleep:1:23", "slurm.spare_nodes=1", "dist.timeout_s=8")
@@ -195,12 +218,13 @@ def test_a_lost_ranks_per_rank_state_comes_from_its_buddy_killed_or_frozen(
     step 22 with rank 1's own state from rank 3, and the run ends bit-identical to the local rehearsal, every
     rank's own state included. Then a frozen node at 2 x 2: node 1's freezer cgroup frozen, slurmd with it
     (:func:`_frozen_node_healed`)."""
-    # both jobs side by side (2 CPUs a node each), the rehearsal on this machine while they run
+    # one after the other (a frozen node freezes every job on it), the rehearsal on this machine meanwhile
     killed, frozen = tmp_path / "kill", tmp_path / "frozen"
     _per_rank_submit(killed, "kill:1:23", "slurm.spare_nodes=1")
-    _per_rank_submit(frozen, "freezenode:1:23", "slurm.spare_nodes=1")
-    reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
+    reference = rehearsal(tmp_path / "reference", *PER_RANK)
     wait_done(killed)
+    _per_rank_submit(frozen, "freezenode:1:23", "slurm.spare_nodes=1")
+    reference = reference.done()
     attempts = read_attempts(killed)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("failed", 0), ("finished", 1)], attempts
     assert attempts[1]["resumed_from"] == attempts[0]["jit_snapshot"]["step"] == 22, attempts

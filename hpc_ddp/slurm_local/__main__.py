@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the shared root every node sees through its own cached view; put run dirs here "
                         "(default %(default)s)")
     parser.add_argument("--cache-s", type=int, default=ClusterSpec.cache_s,
-                        help="how long a node caches entries, missing entries and attributes of the shared root, "
+                        help="how long a node caches names of the shared root, present and missing (attributes: fetched at "
+                        "every open, as NFS does), "
                         "as an NFS client's acdirmax (default %(default)s; 0: a coherent view)")
     return parser
 

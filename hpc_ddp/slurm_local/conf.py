@@ -43,7 +43,7 @@ class ClusterSpec:
     isolated: tuple[str, ...] = ()
     net_prefix: str = "10.77.0."  # the nodes' private range; the login side (slurmctld, srun) is .254
     shared: Path = Path("/var/tmp/hpc_ddp-shared")  # where runs live: each node sees it through its own cache
-    cache_s: int = 30  # the nodes' cache of the shared root (entries, negative entries, attributes); 0: coherent
+    cache_s: int = 30  # how long a node caches names of the shared root, present or absent; 0: coherent
 
     @property
     def node_names(self) -> list[str]:

@@ -10,7 +10,8 @@ each is played here by one kernel feature:
 * **filesystem**: a mount namespace where ``/tmp`` and ``/dev/shm`` are the node's own
   tmpfs and the shared root (``ClusterSpec.shared``, where runs live) is the node's own
   FUSE view (bindfs) of one backing directory, with NFS-like cache times: a file another
-  node made stays absent for ``cache_s`` after this node looked it up.
+  node made stays absent for ``cache_s`` after this node looked it up; a name keeps the file it
+  named for as long.
 * **cgroups**: a freezer cgroup (``freeze`` stops slurmd and every task; SIGCONT does not
   thaw them) and a cpu cgroup (``slow`` caps the node's share).
 
@@ -51,9 +52,13 @@ def machine(name: str, addr: str, key: str) -> Machine:
 
 
 def bindfs_options(cache_s: int) -> str:
-    """FUSE cache times as an NFS client's: entries, negative entries and attributes for ``cache_s`` seconds
-    (0: every lookup goes to the backing directory, a coherent view)."""
-    return f"entry_timeout={cache_s},attr_timeout={cache_s},negative_timeout={cache_s}"
+    """FUSE cache times as an NFS client's (``lookupcache=all``): names, present and absent, for ``cache_s``
+    seconds (0: every lookup goes to the backing directory, a coherent view). Attributes are fetched again at
+    every open, as NFS's close-to-open does: with FUSE's attribute cache a reader's cached size would cut short
+    a file another node appended to and closed, which NFS never does (measured: the batch shell missed a
+    ledger line appended 4 s before). A bare ``stat`` is therefore fresher here than on NFS, where it may be
+    ``acregmax`` old: tests/nfs_client.py plays that."""
+    return f"entry_timeout={cache_s},negative_timeout={cache_s},attr_timeout=0"
 
 
 def kept_paths(state_root: Path, shared: Path) -> list[Path]:
