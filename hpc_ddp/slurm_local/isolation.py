@@ -138,7 +138,19 @@ def kill_node(spec: ClusterSpec, m: Machine) -> list[int]:
         except ProcessLookupError:
             pass
     thaw(m)  # a frozen process dies only once thawed
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # gone before anyone asks whether the node's slurmd still runs
     return sorted(pids)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def cgroup_pids(m: Machine) -> list[int]:
