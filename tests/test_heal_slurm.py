@@ -249,10 +249,12 @@ def test_a_frozen_node_heals_from_its_buddies_at_3_tasks_per_node(
     _frozen_node_healed(tmp_path / "frozen", reference, per_node=3, node=1)
 
 
-def _offers(run_dir: Path, tag: str) -> list[dict]:
-    """Every offer of the attempt's survivors' snapshot, from its nodes' files."""
-    return [o for path in sorted((run_dir / "jit" / tag).glob("node-*.json"))
-            for o in json.loads(path.read_text()).get("offers", [])]
+def _offers(run_dir: Path, tag: str, nodes: int = 2) -> list[dict]:
+    """Every offer of the attempt's survivors' snapshot, from its nodes' files (as the survivors read them: a
+    node file a frozen node's rank had only begun is empty)."""
+    from hpc_ddp.rundir import jit_files
+
+    return jit_files.offers(run_dir / "jit" / tag, nodes)
 
 
 def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int) -> None:
