@@ -34,6 +34,22 @@ REASONS_CAPPED = {"timeout": "max_timeouts", "preemption": "max_preemptions", "f
                   "hung": "max_failures", "lost": "max_failures"}
 
 
+def name_the_ledger(run_dir: Path) -> None:
+    """Make this node's view of the ledger's name current before reading it: an open with O_CREAT (an empty
+    ledger where none is yet). A node whose NFS client (or the local cluster's cached view) looked the ledger up
+    while it was absent keeps that absence for up to ``acdirmax``: the batch shell did, at the job's start,
+    and then missed the ranks' first line, written seconds before the step ended on another node, and added a
+    ``failed`` line of its own (seen on the local cluster of machines). A create is decided by the server,
+    whatever the cache says, and leaves the name known here. Nothing when the run dir is missing."""
+    path = layout.ledger(run_dir)
+    if not Path(run_dir).is_dir():
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+    except OSError:
+        pass  # read as it can be: read_attempts says nothing new then
+
+
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     """The ledger, one dict per ended attempt (unreadable lines are skipped; ``amends`` lines are merged
     into their attempt's line; a ``caps_from`` line, a person's ``--resume``, is no attempt: the attempts

@@ -32,7 +32,7 @@ from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps,
-                                   note_error, read_attempts)
+                                   name_the_ledger, note_error, read_attempts)
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.codes import EXIT_LOCKED
@@ -90,9 +90,13 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
     if exit_code != 0:  # fencing: no process of this attempt commits a survivors' snapshot from now on
-        jit_files.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
+        try:
+            jit_files.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
+        except OSError as err:  # the ledger line matters more: recorded below whatever the seal met
+            print(f"hpc_ddp.settle: could not seal the attempt's survivors' snapshot: {err}", file=sys.stderr)
     if layout.done(run_dir).exists():
         return "finished"
+    name_the_ledger(run_dir)  # the ranks' line of this step may be seconds old, written on another node
     attempts = read_attempts(run_dir)
     mine = [a for a in attempts if attempt_key(a) == (job_id, restart_count, in_job)]
     reason = mine[-1].get("reason") if mine else None
