@@ -294,13 +294,17 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
         rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 55: 2 x 2 with a spare, per_rank state, no periodic snapshot; node 1 cuts its own link once its ranks
     reached step 23 (no FIN, no RST; it still sees its view of the run dir, and beats into it). Both sides wait
-    in step 23's all-reduce until the hang watchdog (dist.timeout_s=30) ends them; both hold step 22, each
+    in step 23's all-reduce until the hang watchdog (dist.timeout_s=10) ends them; both hold step 22, each
     survivor its own and its ward's state, so either side may write the survivors' snapshot. One commit per
     attempt fences: the attempt's commit claim is taken once, by whichever side completed its set first, and
     the batch shell seals it when the step ends; nobody commits after. The spare replaces the cut-off node
     (its probe finds no answer) and the run ends bit-identical to the rehearsal."""
     run_dir = tmp_path / "cut"
-    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=30")
+    # the watchdog (2 x dist.timeout_s where every survivor waits) must fire before slurmctld finds the cut-off
+    # node not responding (SlurmdTimeout, 30 s here, 300 s by default): srun then SIGKILLs the step's tasks, the
+    # survivors included, and nobody writes the survivors' snapshot. Liveness cannot see a partition: the node
+    # still beats into the run dir (issue 60: a beat over the training network)
+    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=10")
     reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(run_dir)
     attempts = read_attempts(run_dir)
