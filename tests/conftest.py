@@ -24,8 +24,11 @@ REQUIRE_SLURM = os.environ.get("HPC_DDP_REQUIRE_SLURM") == "1"
 # through its own cached view (/tmp is each node's own). pytest reads this when it first makes a tmp_path.
 if not os.environ.get("PYTEST_DEBUG_TEMPROOT"):
     try:
-        ClusterSpec.shared.mkdir(mode=0o1777, parents=True, exist_ok=True)
-        os.environ["PYTEST_DEBUG_TEMPROOT"] = str(ClusterSpec.shared)
+        if not ClusterSpec.shared.exists():
+            ClusterSpec.shared.mkdir(parents=True)
+            ClusterSpec.shared.chmod(0o1777)  # as slurm_local makes it: every user's runs, as /tmp
+        if os.access(ClusterSpec.shared, os.W_OK | os.X_OK):
+            os.environ["PYTEST_DEBUG_TEMPROOT"] = str(ClusterSpec.shared)
     except OSError:
         pass  # not root and no shared root yet: the cluster tests cannot run here anyway
 # CI draws the same examples every run (a rare input found once must not make one CI run red and the next

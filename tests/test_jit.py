@@ -700,8 +700,10 @@ def test_a_garbage_per_rank_state_file_is_a_missing_source_named_in_a_warning(
     jit_files.write_blobs(post(where, 2), {2: {40: b"two"}, 0: {40: b"zero"}})
     with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
         said = survivor(2, {2: {40: b"two"}, 0: {40: b"zero"}})
-    assert said == "not committed: the files holding the per_rank state of rank(s) [0, 1, 3] could not be read", said
+    assert said == ("not committed: the files holding the per_rank state of rank(s) [0, 1, 3] at step 40 could "
+                    "not be read"), said
     assert str(node_file) in caplog.text and snapshot.committed_steps(tmp_path) == []
+    assert not (where / jit_files.COMMIT_CLAIM).exists()  # read before the claim: a later survivor may still commit
 
 
 def test_a_damaged_file_of_the_per_rank_state_skips_its_step_for_the_one_before(tmp_path: Path) -> None:

@@ -327,8 +327,28 @@ def seal(where: Path) -> str:
     the claim ("step S" of a survivors' commit)."""
     if _exclusive(where / COMMIT_CLAIM, b"sealed\n"):
         return "sealed"
-    held = node_local.read(where / COMMIT_CLAIM, 64, owner=None)
+    return commit_holder(where)
+
+
+def commit_holder(where: Path) -> str:
+    """What the attempt's commit claim says: "sealed", "step S" (a survivor commits or committed S), "failed: ..."
+    (its commit raised), or "claimed" (created a moment ago, not yet written)."""
+    held = node_local.read(where / COMMIT_CLAIM, 256, owner=None)
     return (held or b"").decode(errors="replace").strip() or "claimed"
+
+
+def commit_failed(where: Path, why: str) -> None:
+    """The committer's commit raised after it took the claim: the claim says so (never a step that is not there)."""
+    try:
+        fd = os.open(where / COMMIT_CLAIM, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(fd, why.encode()[:255] + b"\n")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def claim_on_node(post: Post, step: int) -> bool:

@@ -16,7 +16,7 @@ from hpc_ddp.slurm_local.machines import PIECES
 EPILOG = f"""\
 examples:
   apt-get install -y --no-install-recommends {APT_PACKAGES}
-  python -m hpc_ddp.slurm_local start --nodes 2
+  python -m hpc_ddp.slurm_local start              # 3 nodes; --nodes N for more or fewer
   eval "$(python -m hpc_ddp.slurm_local env)"     # point sbatch/srun/squeue at it
   srun -N3 hostname                                # n1 n2 n3: each node is a machine of its own
   python -m hpc_ddp.slurm_local fault n2 freeze    # kill|freeze|thaw|partition|reconnect|slow=0.25|normal

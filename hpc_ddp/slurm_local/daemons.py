@@ -126,8 +126,9 @@ def _prepare(spec: ClusterSpec) -> None:
         shutil.rmtree(spec.root)
     for kind in ("etc", "run", "log", "spool/ctld", *(f"spool/slurmd-{n}" for n in spec.node_names)):
         spec.path(kind).mkdir(parents=True, exist_ok=True)
-    spec.shared.mkdir(mode=0o1777, parents=True, exist_ok=True)
-    spec.shared.chmod(0o1777)  # every user's runs, as /tmp: each owns its own
+    if not spec.shared.exists():  # every user's runs, as /tmp: each owns its own (a folder of yours is left as is)
+        spec.shared.mkdir(parents=True)
+        spec.shared.chmod(0o1777)
     spec.conf_path.write_text(render_slurm_conf(spec))
     spec.dbd_conf_path.write_text(render_slurmdbd_conf(spec))
     spec.dbd_conf_path.chmod(0o600)  # slurmdbd refuses a readable one
@@ -203,7 +204,8 @@ def start_node(spec: ClusterSpec, name: str) -> None:
     script = node_script(name=name, isolated=spec.isolated, netns=m.netns, cgroup_dirs=isolation.cgroup_dirs(m),
                          state_root=spec.root, shared=spec.shared, cache_s=spec.cache_s,
                          slurmd=[_which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N", name],
-                         bindfs_pid=isolation.bindfs_pid_file(spec, name), resolv_conf=spec.path("etc", "resolv.conf"))
+                         bindfs_pid=isolation.bindfs_pid_file(spec, name), resolv_conf=spec.path("etc", "resolv.conf"),
+                         bindfs_log=spec.path("log", f"bindfs-{name}.log"))
     path = node_script_path(spec, name)
     path.write_text(script)
     _run(spec, ["bash", str(path)])
@@ -279,6 +281,11 @@ def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
     """Stop every daemon whose pid file we wrote; return the PIDs signalled."""
     if not spec.path("run").exists():
         return []
+    running = running_spec(spec)
+    if "cgroups" in running.isolated:  # a frozen node's slurmd and tasks would wait out every timeout below
+        for m in isolation.machines(running):
+            if isolation.freezer_state(m) not in ("THAWED", "n/a"):
+                isolation.kill_node(running, m)
     _cancel_jobs(spec)
     stopped = []
     for pid_file in _pid_files(spec):

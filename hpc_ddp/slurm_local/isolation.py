@@ -39,8 +39,8 @@ def probe() -> dict[str, str]:
     if not (_which("ip") and _which("nsenter")):
         missing["network"] = "ip (iproute2) or nsenter (util-linux) not installed"
     else:
-        ok, why = _ok(["ip", "netns", "add", "hpcddp-probe"])
-        _ok(["ip", "netns", "del", "hpcddp-probe"])
+        ok, why = _ok(["ip", "netns", "add", f"hpcddp-probe-{os.getpid()}"])
+        _ok(["ip", "netns", "del", f"hpcddp-probe-{os.getpid()}"])
         if not ok:
             missing["network"] = f"`ip netns add` failed: {why}"
     ok, why = _ok(["unshare", "--uts", "true"])
@@ -56,7 +56,18 @@ def probe() -> dict[str, str]:
             missing["filesystem"] = f"`unshare --mount` failed: {why}"
     absent = [c for c in CONTROLLERS if not (CGROUP_ROOT / c / "cgroup.procs").exists()]
     if absent:
-        missing["cgroups"] = f"cgroup v1 controller(s) {', '.join(absent)} not mounted under {CGROUP_ROOT}"
+        missing["cgroups"] = (f"cgroup v1 controller(s) {', '.join(absent)} not mounted under {CGROUP_ROOT} (a "
+                              "cgroup v2 machine: boot with systemd.unified_cgroup_hierarchy=0): fault kill, freeze "
+                              "and slow are not available")
+    else:
+        for controller in CONTROLLERS:
+            trial = CGROUP_ROOT / controller / f"hpc_ddp-probe-{os.getpid()}"
+            try:
+                trial.mkdir()
+                trial.rmdir()
+            except OSError as err:
+                missing["cgroups"] = f"cannot make a cgroup under {CGROUP_ROOT / controller}: {err.strerror}"
+                break
     return missing
 
 
@@ -128,10 +139,10 @@ def bindfs_pid_file(spec: ClusterSpec, name: str) -> Path:
 def kill_node(spec: ClusterSpec, m: Machine) -> list[int]:
     """SIGKILL every process of the node (its cgroup's, and its filesystem view): power off."""
     pids = set(cgroup_pids(m))
-    try:
-        pids.add(int(bindfs_pid_file(spec, m.name).read_text().split()[0]))
-    except (OSError, ValueError, IndexError):
-        pass
+    bindfs = _bindfs_pid(spec, m.name)
+    if bindfs is not None:
+        pids.add(bindfs)
+    bindfs_pid_file(spec, m.name).unlink(missing_ok=True)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -151,6 +162,15 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _bindfs_pid(spec: ClusterSpec, name: str) -> int | None:
+    """The node's bindfs, from its pid file, if that PID still is a bindfs (never another process that got it)."""
+    try:
+        pid = int(bindfs_pid_file(spec, name).read_text().split()[0])
+        return pid if Path(f"/proc/{pid}/comm").read_text().strip() == "bindfs" else None
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def cgroup_pids(m: Machine) -> list[int]:
@@ -237,10 +257,10 @@ def tear_down(spec: ClusterSpec) -> None:
                     path.rmdir()
                 except OSError:
                     pass
-        else:
+        elif (bindfs := _bindfs_pid(spec, m.name)) is not None:
             try:
-                os.kill(int(bindfs_pid_file(spec, m.name).read_text().split()[0]), signal.SIGKILL)
-            except (OSError, ValueError, IndexError):
+                os.kill(bindfs, signal.SIGKILL)
+            except OSError:
                 pass
         bindfs_pid_file(spec, m.name).unlink(missing_ok=True)
         if not has_ip:

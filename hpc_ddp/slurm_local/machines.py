@@ -69,7 +69,7 @@ def kept_paths(state_root: Path, shared: Path) -> list[Path]:
 
 def node_script(*, name: str, isolated: tuple[str, ...], netns: str, cgroup_dirs: dict[str, Path],
                 state_root: Path, shared: Path, cache_s: int, slurmd: list[str], bindfs_pid: Path,
-                resolv_conf: Path) -> str:
+                resolv_conf: Path, bindfs_log: Path = Path("/dev/null")) -> str:
     """The bash script that starts one slurmd as a machine: outside, it joins the node's cpu cgroup and
     network namespace; inside its own mount and UTS namespaces, it names the node, makes /tmp and /dev/shm
     its own, gives it a resolver that answers at once (``RESOLV_CONF``: the nodes' names come from /etc/hosts;
@@ -102,11 +102,12 @@ def node_script(*, name: str, isolated: tuple[str, ...], netns: str, cgroup_dirs
                    *([f"mount --bind {q(str(resolv_conf))} /etc/resolv.conf"] if "network" in isolated else []),
                    f"mkdir -p {q(str(shared))}",
                    f"bindfs -f -o {bindfs_options(cache_s)} {q(str(shared))} {q(str(shared))} "
-                   f"</dev/null >/dev/null 2>&1 &",
+                   f"</dev/null >>{q(str(bindfs_log))} 2>&1 &",
                    f"echo $! > {q(str(bindfs_pid))}",
-                   f"for _ in $(seq 100); do grep -q ' {shared} fuse' /proc/self/mounts && break; sleep 0.05; done",
-                   f"grep -q ' {shared} fuse' /proc/self/mounts || {{ echo 'bindfs did not mount {shared}' >&2; "
-                   "exit 1; }"]
+                   f"for _ in $(seq 100); do findmnt -rn -t fuse -M {q(str(shared))} >/dev/null && break; "
+                   "sleep 0.05; done",
+                   f"findmnt -rn -t fuse -M {q(str(shared))} >/dev/null || {{ echo "
+                   f"{q(f'bindfs did not mount {shared} (see {bindfs_log})')} >&2; exit 1; }}"]
     if "cgroups" in isolated and "freezer" in cgroup_dirs:
         inside.append(f"echo $$ > {q(str(cgroup_dirs['freezer'] / 'cgroup.procs'))}")
     inside.append(f"exec {' '.join(q(p) for p in slurmd)}")

@@ -87,13 +87,23 @@ def complete(run: Any, folder: Path) -> str:
             reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step {step} (their "
                            "buddies were lost too, or their mirror was more than a step behind)")
             continue
+        states = _per_rank_states(folder, holders, {o["rank"]: o.get("node", 0) for o in offers}, step)
+        if isinstance(states, str):  # read before the claim: a commit that cannot be made never takes it
+            reasons.append(states)
+            continue
         if not jit_files.claim_commit(folder, step):
-            held = jit_files.seal(folder)  # taken: it tells by whom (a seal here takes nothing more)
+            held = jit_files.commit_holder(folder)
             if held == "sealed":
                 return (f"not committed: the attempt was sealed (its step had ended and the batch shell went on) "
                         f"before step {step}'s set was complete")
+            if held == f"step {step}":
+                return f"step {step} committed by another survivor"
             return f"step {step} not committed here: this attempt's commit went to another survivor ({held})"
-        return _commit(run, folder, writers, sources, holders, {o["rank"]: o.get("node", 0) for o in offers})
+        try:
+            return _commit(run, folder, writers, sources, holders, states)
+        except BaseException as err:
+            jit_files.commit_failed(folder, f"failed: {err!r}")  # the claim says so: nobody reads "step S" wrongly
+            raise
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
     return "not committed: " + "; ".join(reasons)
@@ -126,8 +136,22 @@ def _unwritten(writers: list[dict[str, Any]], step: int) -> str | None:
     return None
 
 
+def _per_rank_states(folder: Path, holders: dict[int, int], node_of: dict[int, int],
+                     step: int) -> dict[int, bytes] | str:
+    """Every rank's packed per-rank state of ``step`` from the file of the survivor that holds it ({} without
+    per_rank objects), or why some cannot be read."""
+    if not holders:
+        return {}
+    loaded = {node: jit_blobs.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
+    states = {rank: jit_blobs.blob_of(loaded[node_of[holder]], holder, rank, step) for rank, holder in holders.items()}
+    lost = sorted(rank for rank, blob in states.items() if blob is None)
+    if lost:
+        return f"the files holding the per_rank state of rank(s) {lost} at step {step} could not be read"
+    return {rank: blob for rank, blob in states.items() if blob is not None}
+
+
 def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list[dict[str, Any]],
-            holders: dict[int, int], node_of: dict[int, int]) -> str:
+            holders: dict[int, int], states: dict[int, bytes]) -> str:
     """The manifest of the writers' state files (and of every rank's per-rank state, put together in one more
     file): the snapshot is committed."""
     env, ckpt, writer = run.env, run.checkpointer, writers[0]
@@ -135,12 +159,6 @@ def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list
     directory = snapshot.step_dir(run.run_dir, step)
     entries = [w["written"]["entry"] for w in writers]
     if holders:
-        loaded = {node: jit_blobs.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
-        states = {rank: jit_blobs.blob_of(loaded[node_of[holder]], holder, rank, step)
-                  for rank, holder in holders.items()}
-        lost = sorted(rank for rank, blob in states.items() if blob is None)
-        if lost:
-            return f"not committed: the files holding the per_rank state of rank(s) {lost} could not be read"
         content = {"format": slicing.FORMAT, "skeleton": None, "pieces": {},
                    "rng": {rank: {PER_RANK: blob} for rank, blob in states.items()}}
         entry = snapshot_write.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
