@@ -124,3 +124,12 @@ def test_submit_with_an_unknown_partition_submits_nothing(slurm_cluster: Cluster
     assert "nothing was submitted" in proc.stderr and "partition 'gpu' does not exist; sinfo lists debug, high" \
         in proc.stderr
     assert not (tmp_path / "run" / "job.json").exists()
+
+
+def test_the_local_clusters_shared_root_is_not_node_local() -> None:
+    """/var/tmp/hpc_ddp-shared is where docs/slurm-local.md puts run dirs: each node sees it (its own cached
+    view); the warning for /var/tmp is for a real cluster's node-local disk (a newcomer's trial met both)."""
+    from hpc_ddp.slurm_local.conf import ClusterSpec
+
+    assert check_run_dir(ClusterSpec.shared / "runs" / "x", mounts="") == []
+    assert [f.level for f in check_run_dir(Path("/var/tmp/runs/x"), mounts="")] == ["warning"]

@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc_ddp.slurm_local.conf import ClusterSpec
 from hpc_ddp.core import limits
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.core.container import EXEC_RUNTIMES
@@ -126,6 +127,8 @@ def check_run_dir(run_dir: Path, mounts: str | None = None) -> list[Finding]:
     point, fstype = _mount_of(run_dir, mounts)
     under = next((prefix for prefix in NODE_LOCAL_PREFIXES if str(run_dir).startswith(prefix + "/")
                   or str(run_dir) == prefix), None)
+    if ClusterSpec.shared in (run_dir, *run_dir.parents):  # the local cluster's shared root: every node sees it
+        under = None
     if under or fstype in NODE_LOCAL_FSTYPES:
         where = f"it is under {under}" if under else f"{point} is {fstype}"
         findings.append(Finding("warning", "run_dir", f"run dir {run_dir} looks node-local ({where}): other "
