@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpc_ddp.core.errors import ClusterError, explain
 from hpc_ddp.slurm_local import isolation
+from hpc_ddp.slurm_local.isolation import alive
 from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf, with_preempt_signal,
                                       render_slurmdbd_conf)
 from hpc_ddp.slurm_local.machines import PIECES, RESOLV_CONF, node_script
@@ -54,15 +55,6 @@ def _run(spec: ClusterSpec, cmd: Sequence[str], check: bool = True, timeout: flo
                                    found=(proc.stderr or proc.stdout).strip()[-600:],
                                    hint=f"see the logs under {spec.path('log')}"))
     return proc
-
-
-def alive(pid: int) -> bool:
-    """True for a running process; a zombie or a missing PID is dead."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def _read_pid(path: Path) -> int | None:

@@ -150,13 +150,13 @@ def kill_node(spec: ClusterSpec, m: Machine) -> list[int]:
             pass
     thaw(m)  # a frozen process dies only once thawed
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)  # gone before anyone asks whether the node's slurmd still runs
     return sorted(pids)
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
+def alive(pid: int) -> bool:
+    """True for a running process; a zombie or a missing PID is dead (PID 1 in containers reaps slowly)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
