@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.atomic import NEW, write_atomic
+from hpc_ddp.core.atomic import NEW, rewrite_in_place, write_atomic
 from hpc_ddp.rundir import jit_blobs, node_local
 from hpc_ddp.rundir.ledger import attempt_tag
 
@@ -291,13 +291,12 @@ def claim(where: Path, step: int, what: str = "claim") -> bool:
 
 def _exclusive(path: Path, content: bytes = b"") -> bool:
     """Create ``path`` (and its folder) exclusively, holding ``content``: True for the one process that made it."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(path, NEW, 0o644)
         except FileNotFoundError:  # the folder's first file
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(path, NEW, 0o644)
     except FileExistsError:
         return False
     try:
@@ -338,17 +337,10 @@ def commit_holder(where: Path) -> str:
 
 
 def commit_failed(where: Path, why: str) -> None:
-    """The committer's commit raised after it took the claim: the claim says so (never a step that is not there)."""
-    try:
-        fd = os.open(where / COMMIT_CLAIM, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.write(fd, why.encode()[:255] + b"\n")
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """The committer's commit raised after it took the claim: the claim says so (never a step that is not there);
+    padded to the width :func:`commit_holder` reads, so nothing of "step S" is left after it."""
+    with contextlib.suppress(OSError):
+        rewrite_in_place(where / COMMIT_CLAIM, (why[:254] + "\n").encode()[:255].ljust(256))
 
 
 def claim_on_node(post: Post, step: int) -> bool:
