@@ -84,13 +84,26 @@ def test_a_file_made_on_one_node_stays_absent_on_another_that_looked_it_up(machi
                                                                            tmp_path: Path) -> None:
     """The shared root is each node's own cached view of one directory: n2 looked the name up while it was
     absent, n1 then made it, and n2 still finds nothing for at least 20 s (its negative entry, as an NFS
-    client's); the login side and n1 see it at once, and n2 sees it once its cache expired."""
+    client's); the login side and n1 see it at once, and n2 sees it once its cache expired. A lock n1 holds
+    on a file of the shared root keeps n2 out until n1 lets it go."""
     assert machines.shared in tmp_path.parents, "the tests' run dirs live under the shared root"
     name = tmp_path / "made-on-n1"
     assert srun("n2", "sh", "-c", f"ls {name} 2>/dev/null; true") == ""
     looked = time.monotonic()
     srun("n1", "sh", "-c", f"echo from-n1 > {name}")
     assert name.read_text() == "from-n1\n" and srun("n1", "cat", str(name)) == "from-n1\n"
+    # locks are the backing directory's, as NFSv4's: what n1 holds, n2 cannot take (inductor's builds rely on it)
+    lock = tmp_path / "lock"
+    lock.touch()
+    holder = subprocess.Popen(["srun", "-N1", "-w", "n1", "flock", str(lock), "sh", "-c", "echo held; sleep 60"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert srun("n2", "sh", "-c", f"flock -n {lock} true; echo $?").strip() == "1", "n2 took n1's lock"
+    finally:
+        holder.terminate()
+        holder.wait(30)
+    assert srun("n2", "sh", "-c", f"flock -w 20 {lock} true; echo $?").strip() == "0"
     while time.monotonic() - looked < 20:
         assert srun("n2", "sh", "-c", f"cat {name} 2>/dev/null; true") == "", "n2 saw it before 20 s"
         time.sleep(2)

@@ -54,7 +54,7 @@ def test_a_nodes_start_script_isolates_what_it_was_asked_to() -> None:
     full = script(PIECES)
     for part in ["nsenter --net=/run/netns/ns1 unshare --mount --uts", "hostname n1", "mount -t tmpfs -o mode=1777 "
                  "tmpfs /tmp", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm", "entry_timeout=30,negative_timeout=30,"
-                 "attr_timeout=0 /var/tmp/sh /var/tmp/sh", "echo $$ > /cg/freezer/n1/cgroup.procs",
+                 "attr_timeout=0,multithreaded,enable-lock-forwarding /var/tmp/sh /var/tmp/sh", "echo $$ > /cg/freezer/n1/cgroup.procs",
                  "mount --no-canonicalize --bind /proc/self/fd/3 /tmp/st", "exec slurmd -N n1"]:
         assert part in full, part
     # bindfs starts before the node joins its freezer cgroup: a frozen node's file server is not frozen with it

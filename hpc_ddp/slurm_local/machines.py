@@ -11,7 +11,7 @@ each is played here by one kernel feature:
   tmpfs and the shared root (``ClusterSpec.shared``, where runs live) is the node's own
   FUSE view (bindfs) of one backing directory, with NFS-like cache times: a file another
   node made stays absent for ``cache_s`` after this node looked it up; a name keeps the file it
-  named for as long.
+  named for as long; ``flock`` locks hold between nodes.
 * **cgroups**: a freezer cgroup (``freeze`` stops slurmd and every task; SIGCONT does not
   thaw them) and a cpu cgroup (``slow`` caps the node's share).
 
@@ -57,8 +57,16 @@ def bindfs_options(cache_s: int) -> str:
     every open, as NFS's close-to-open does: with FUSE's attribute cache a reader's cached size would cut short
     a file another node appended to and closed, which NFS never does (measured: the batch shell missed a
     ledger line appended 4 s before). A bare ``stat`` is therefore fresher here than on NFS, where it may be
-    ``acregmax`` old: tests/nfs_client.py plays that."""
-    return f"entry_timeout={cache_s},negative_timeout={cache_s},attr_timeout=0"
+    ``acregmax`` old: tests/nfs_client.py plays that.
+
+    ``flock`` locks reach the backing directory, so they hold between nodes as on NFSv4, Lustre and GPFS
+    mounted with locking: inductor's C++ builds lock their output in a shared compile cache (measured: without
+    it a rank of another node loaded a ``.so`` still being linked, "file too short"). Lock forwarding needs
+    bindfs's multithreaded mode (its caveat is about permissions bindfs rewrites; these views rewrite none).
+    POSIX (``fcntl``) locks forwarded are all owned by the one bindfs process, so they do not exclude each other
+    through one view: nothing of hpc_ddp or inductor takes them."""
+    return (f"entry_timeout={cache_s},negative_timeout={cache_s},attr_timeout=0,"
+            "multithreaded,enable-lock-forwarding")
 
 
 def kept_paths(state_root: Path, shared: Path) -> list[Path]:
