@@ -21,6 +21,7 @@ from hpc_ddp.rank.state.rng import reseed
 from hpc_ddp.rank.salvage.jit import Held, buffers, fingerprint
 from hpc_ddp.rundir import jit_files, retention, slicing, snapshot, snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.losses import jit_fields
 from tests.helpers import done, losses, submit
 
 
@@ -67,21 +68,21 @@ def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_p
     where = jit_files.folder(tmp_path, 5, 0, 1)
     assert where.name == "job-5-restart-0-step-1"
     assert jit_files.claim(where, 40) and not jit_files.claim(where, 40) and jit_files.claim(where, 41)
-    assert jit_files.summary(tmp_path, 5, 0, 1) == {}  # no survivor said anything
+    assert jit_fields(tmp_path, 5, 0, 1) == {}  # no survivor said anything
     jit_files.offer(post(where, 2), {"rank": 2, "source": False, "why": "train.rng=saved: ..."})
-    assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_fallback": "train.rng=saved: ..."}
+    assert jit_fields(tmp_path, 5, 0, 1) == {"jit_fallback": "train.rng=saved: ..."}
     from hpc_ddp.rundir import snapshot
 
     jit_files.offer(post(where, 0), {"rank": 0, "source": True, "step": 40, "host": "n1",
                                      "outcome": "committed step 40"})
-    assert "jit_snapshot" not in jit_files.summary(tmp_path, 5, 0, 1)  # an offer is no commit: the manifest is
+    assert "jit_snapshot" not in jit_fields(tmp_path, 5, 0, 1)  # an offer is no commit: the manifest is
     directory = snapshot.step_dir(tmp_path, 40)
     directory.mkdir(parents=True)
     snapshot.commit(directory, 40, [{"name": "jit-00000.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
                     4, "h", extra={"jit": {"attempt": where.name, "writer": 0, "host": "n1", "took_s": 0.1}})
-    assert jit_files.summary(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1",
-                                                                     "took_s": 0.1}}
-    assert jit_files.summary(tmp_path, 5, 1) == {}  # another attempt's snapshot is not this one's
+    assert jit_fields(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1",
+                                                              "took_s": 0.1}}
+    assert jit_fields(tmp_path, 5, 1) == {}  # another attempt's snapshot is not this one's
     assert [o["rank"] for o in jit_files.offers(where, 2)] == [0, 2]  # read by name, node by node
     assert sorted(p.name for p in where.iterdir() if p.name.startswith("node-")) == ["node-0.json", "node-1.json"]
 

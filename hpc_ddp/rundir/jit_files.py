@@ -18,7 +18,7 @@ later). One ``commit-step-S`` (O_EXCL again) names the one survivor that puts th
 and commits.
 Node files are read by name (the node count is known), never found by listing the directory, as the
 crash marks are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the
-step ended, lists the folder for the ledger's summary.
+step ended, lists the folder for the ledger's line (:func:`hpc_ddp.rundir.losses.jit_fields`).
 """
 
 from __future__ import annotations
@@ -361,10 +361,10 @@ def ranks_file_name(step: int, committer: int) -> str:
 def writing(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
     """A survivor of this attempt is still at its just-in-time snapshot: a source whose offer has no outcome yet
     (the rehearsal then waits as srun waits KillWait, not its short grace)."""
-    return any(o.get("source") and "outcome" not in o for o in _listed(folder(run_dir, job_id, restart_count, in_job)))
+    return any(o.get("source") and "outcome" not in o for o in listed(folder(run_dir, job_id, restart_count, in_job)))
 
 
-def _listed(where: Path) -> list[dict[str, Any]]:
+def listed(where: Path) -> list[dict[str, Any]]:
     """Every node's offers, the node files found by listing: only for the batch shell and the rehearsal, after
     (or beside) the step, on the node that lists (never to decide what a survivor commits)."""
     found = []
@@ -373,29 +373,3 @@ def _listed(where: Path) -> list[dict[str, Any]]:
         if number.isdigit():
             found.extend(node_offers(where, int(number)))
     return found
-
-
-def summary(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
-    """For the failed attempt's ledger line: the just-in-time snapshot committed (``jit_snapshot``: its step,
-    writer, seconds) or why there is none (``jit_fallback``); empty when no survivor said anything (snapshot.jit
-    off, a script, or every rank died)."""
-    where = folder(run_dir, job_id, restart_count, in_job)
-    from hpc_ddp.rundir.snapshot import committed  # manifests only: no torch
-
-    for step, manifest in committed(Path(run_dir)):  # the manifest is the commit: it, not an offer, decides
-        record = manifest.get("jit")
-        if isinstance(record, dict) and record.get("attempt") == where.name:
-            committer = record.get("committer")  # with per_rank state, whoever completed the set (may differ)
-            return {"jit_snapshot": {"step": step, "writer": record.get("writer"), "host": record.get("host"),
-                                     "took_s": record.get("took_s"),
-                                     **({"committer": committer} if committer not in (None, record.get("writer"))
-                                        else {})}}
-    try:
-        said = _listed(where)
-    except OSError:
-        return {}
-    if not said:
-        return {}
-    reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
-    broken = {str(o.get("rank")): o["mirror_broken"] for o in said if o.get("mirror_broken")}
-    return {"jit_fallback": "; ".join(reasons)[:500], **({"mirror_broken": broken} if broken else {})}

@@ -1,6 +1,11 @@
 """The lost-rank markers a rank's liveness watcher leaves in ``RUN_DIR/errors/`` (:mod:`hpc_ddp.rank.watch.liveness`),
 read by the batch shell and the rehearsal: which ranks and hosts an attempt lost, and the ledger's line
 for it. No torch.
+
+A failed attempt's ledger line says what it lost (:func:`ledger_fields`) and what its survivors saved
+(:func:`jit_fields`: their offers in :mod:`hpc_ddp.rundir.jit_files`, the commit in the snapshots'
+manifests). Both are read here, by whoever writes that line (the batch shell, the rehearsal, or a rank
+recording its own failure), so the survivors' files need not import the snapshots that import them.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import layout, node_local, view
+from hpc_ddp.rundir import jit_files, layout, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
+from hpc_ddp.rundir.snapshot import committed
 
 
 
@@ -124,3 +130,27 @@ def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int, i
     return {"lost_ranks": sorted(markers), "lost_hosts": sorted({str(m.get("host")) for m in markers.values()
                                                                  if m.get("host")}),
             "message": _describe(markers)}
+
+
+def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
+    """What a failed attempt's ledger line adds about its survivors: the just-in-time snapshot committed
+    (``jit_snapshot``: its step, writer, seconds) or why there is none (``jit_fallback``); empty when no
+    survivor said anything (snapshot.jit off, a script, or every rank died)."""
+    where = jit_files.folder(run_dir, job_id, restart_count, in_job)
+    for step, manifest in committed(Path(run_dir)):  # the manifest is the commit: it, not an offer, decides
+        record = manifest.get("jit")
+        if isinstance(record, dict) and record.get("attempt") == where.name:
+            committer = record.get("committer")  # with per_rank state, whoever completed the set (may differ)
+            return {"jit_snapshot": {"step": step, "writer": record.get("writer"), "host": record.get("host"),
+                                     "took_s": record.get("took_s"),
+                                     **({"committer": committer} if committer not in (None, record.get("writer"))
+                                        else {})}}
+    try:
+        said = jit_files.listed(where)
+    except OSError:
+        return {}
+    if not said:
+        return {}
+    reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
+    broken = {str(o.get("rank")): o["mirror_broken"] for o in said if o.get("mirror_broken")}
+    return {"jit_fallback": "; ".join(reasons)[:500], **({"mirror_broken": broken} if broken else {})}

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import jit_files, layout
+from hpc_ddp.rundir import jit_files, layout, losses
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
@@ -124,7 +124,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
                   "reason": "error" if exit_code == EXIT_ERROR or mismatch else "failed",
                   **({"message": mismatch.splitlines()[0]} if mismatch else {}),
                   "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
-                  **jit_files.summary(run_dir, job_id, restart_count, in_job), **(extra or {})}
+                  **losses.jit_fields(run_dir, job_id, restart_count, in_job), **(extra or {})}
         append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
         if mismatch:
             note_error(run_dir, record, mismatch)  # the whole message, HINT too, where a rank's error is kept

@@ -30,7 +30,7 @@ from hpc_ddp.rank.attempt.conclude import conclude, end_as_stop, write_line
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
-from hpc_ddp.rundir import compile_cache, flight, jit_files, layout, store_moved
+from hpc_ddp.rundir import compile_cache, flight, layout, losses, store_moved
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml
 from hpc_ddp.core.errors import HpcDdpError
@@ -293,7 +293,7 @@ def _on_hang(attempt: Attempt, timeout_s: float) -> Any:
             append_attempt(attempt.run_dir, {**attempt.record, "end": round(time.time(), 3), "reason": "hung",
                                              **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job),
                                              "stuck_ranks": stuck, "message": message.splitlines()[0],
-                                             **jit_files.summary(attempt.run_dir, env.job_id, env.restart_count,
+                                             **losses.jit_fields(attempt.run_dir, env.job_id, env.restart_count,
                                                                  env.in_job),
                                              **({"collectives": str(Path(dumps).relative_to(attempt.run_dir))}
                                                 if dumped is not None else {})})
