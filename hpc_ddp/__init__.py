@@ -13,10 +13,10 @@ from typing import Any
 
 from hpc_ddp import compat
 from hpc_ddp.core.errors import ClusterError, ConfigError, HpcDdpError, SlurmEnvError, UsageError
+from hpc_ddp.core.version import VERSION as __version__
 
 __all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError", "UsageError",
            "__version__", "per_rank", "session", "worker_init"]
-__version__ = "0.2.0"
 _LAZY = {"Run": "hpc_ddp.rank.loop.run", "ShardSampler": "hpc_ddp.rank.loop.sampler", "session": "hpc_ddp.rank.worker",
          "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.shield.loader"}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hpc_ddp.core.version import VERSION
+
 _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc):`~?([^`]+)`")
 
 
@@ -21,7 +23,5 @@ def add_version(parser: Any) -> None:
     """``--version`` on every command: which hpc_ddp answered (and which Python), for a bug report."""
     import platform
 
-    from hpc_ddp import __version__
-
     parser.add_argument("--version", action="version",
-                        version=f"hpc_ddp {__version__} (Python {platform.python_version()})")
+                        version=f"hpc_ddp {VERSION} (Python {platform.python_version()})")
