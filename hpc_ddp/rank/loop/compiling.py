@@ -23,8 +23,9 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_ddp.core.compile_settings import compile_options
 from hpc_ddp.rundir import compile_cache, node_local
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
     from hpc_ddp.core.config import RunConfig
     from hpc_ddp.core.slurm_env import DistEnv
-    from hpc_ddp.rank.loop.run import Run
 
 log = logging.getLogger("hpc_ddp.compile")
 WRONG_ORDER = ("{name} is torch.compile(DistributedDataParallel(model)), and dynamo compiled nothing: it does not "
@@ -55,6 +55,26 @@ NOTHING_COMPILED = ("{name} holds a torch.compile'd module, but dynamo compiled 
 FRAMES = 3  # the loop, and a helper or two it calls run.boundary from (as advice.py looks)
 TIMED = ("_compile.compile_inner", "backward._backward_impl")  # dynamo's forward compile; AOT's lazy backward one
 _state: dict[str, Any] = {"ended": None, "cache": None}
+
+
+class FirstBoundary(Protocol):
+    """What :func:`at_first_boundary` reads of the run (a :class:`hpc_ddp.rank.loop.run.Run`, which calls it):
+    named here, so that compiling need not import the run API that imports it."""
+
+    @property
+    def tracked(self) -> Mapping[str, Any]: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def run_dir(self) -> Path: ...
 
 
 def compiled(model: torch.nn.Module, setting: Any) -> torch.nn.Module:
@@ -171,7 +191,7 @@ def order_problem(tracked: Mapping[str, Any], graphs: int, held: Mapping[str, An
     return [NOTHING_COMPILED.format(name=" and ".join(nothing))] if nothing else []
 
 
-def at_first_boundary(run: Run, frame: FrameType | None = None) -> list[str]:
+def at_first_boundary(run: FirstBoundary, frame: FrameType | None = None) -> list[str]:
     """At an attempt's first boundary: note when the first compiled step ended, log the cache's hit or miss
     (rank 0), publish a node-local cache's new entries (node 0's first rank), and the wrong-order findings."""
     report = compile_report()
