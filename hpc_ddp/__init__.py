@@ -18,7 +18,7 @@ __all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", 
            "__version__", "per_rank", "session", "worker_init"]
 __version__ = "0.2.0"
 _LAZY = {"Run": "hpc_ddp.rank.loop.run", "ShardSampler": "hpc_ddp.rank.loop.sampler", "session": "hpc_ddp.rank.worker",
-         "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.shield.loader"}
+         "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.stop.shield"}
 
 
 compat.install()  # hpc_ddp.config, hpc_ddp.sampler, ... (0.1's paths) keep working, with a warning
