@@ -14,7 +14,7 @@ import re
 PUBLIC = {
     "hpc_ddp.rank.loop.run": ["Run", "params_sha256"],
     "hpc_ddp.rank.state.tracked": ["per_rank"],
-    "hpc_ddp.rank.shield.loader": ["worker_init"],
+    "hpc_ddp.rank.stop.shield": ["worker_init"],
     "hpc_ddp.rank.worker": ["session"],
     "hpc_ddp.core.slurm_env": ["DistEnv", "from_environ", "torch_env", "master_port", "rendezvous_endpoint",
                           "simulated_environ", "parse_tasks_per_node"],

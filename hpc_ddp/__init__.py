@@ -18,7 +18,7 @@ from hpc_ddp.core.version import VERSION as __version__
 __all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError", "UsageError",
            "__version__", "per_rank", "session", "worker_init"]
 _LAZY = {"Run": "hpc_ddp.rank.loop.run", "ShardSampler": "hpc_ddp.rank.loop.sampler", "session": "hpc_ddp.rank.worker",
-         "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.shield.loader"}
+         "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.stop.shield"}
 
 
 compat.install()  # hpc_ddp.config, hpc_ddp.sampler, ... (0.1's paths) keep working, with a warning

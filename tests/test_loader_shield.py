@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rank.shield import loader as loader_shield
-from hpc_ddp.rank.watch.broken_stop import child_killed, pipe_broke, stop_came_first
-from hpc_ddp.rank.watch.child_deaths import ChildDeaths
+from hpc_ddp.rank.stop import shield as loader_shield
+from hpc_ddp.rank.stop.broken_step import child_killed, pipe_broke, stop_came_first
+from hpc_ddp.rank.stop.child_deaths import ChildDeaths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,7 +132,7 @@ LOADER = textwrap.dedent("""
 
     if __name__ == "__main__":
         import multiprocessing.forkserver
-        from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, at_exit_kill_workers
+        from hpc_ddp.rank.stop.shield import FORKSERVER_PRELOAD, at_exit_kill_workers
         multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])  # as the session does
         context, shield, uncalled, folder = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4]
         got = []
@@ -145,7 +145,7 @@ LOADER = textwrap.dedent("""
                                              multiprocessing_context=None if context == "fork" else context)
         batches = iter(loader)
         next(batches)
-        from hpc_ddp.rank.shield.loader import unshielded_workers
+        from hpc_ddp.rank.stop.shield import unshielded_workers
         while shield and (unshielded_workers() if uncalled else len(os.listdir(folder)) < 2):
             time.sleep(0.05)  # every worker ran its init (a spawn worker imports torch for seconds first)
         print("ready", flush=True)
@@ -275,7 +275,7 @@ KILLED_RANK = textwrap.dedent("""
     import multiprocessing.forkserver, os, signal, sys
     import torch
     import hpc_ddp
-    from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD
+    from hpc_ddp.rank.stop.shield import FORKSERVER_PRELOAD
     from tests.test_loader_shield import Slow
 
     if __name__ == "__main__":

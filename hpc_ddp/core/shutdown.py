@@ -34,7 +34,7 @@ def die_with_parent() -> None:
 
 def kill_daemonic_children() -> None:
     """SIGKILL this process's daemonic multiprocessing children (DataLoader workers). A worker shielded from the
-    stop signals (:mod:`hpc_ddp.rank.shield.loader`) ignores the SIGTERM multiprocessing sends it at a normal
+    stop signals (:mod:`hpc_ddp.rank.stop.shield`) ignores the SIGTERM multiprocessing sends it at a normal
     exit, and the join that follows would never return; after ``os._exit`` it would linger until its own
     watchdog noticed, up to 5 s, holding the rank's output pipe open."""
     children = [child for child in multiprocessing.active_children() if child.daemon]

@@ -193,7 +193,7 @@ def lost_note(entry: dict[str, Any]) -> str:
 
 
 def broken_stop_note(entry: dict[str, Any]) -> str:
-    """One line on a stop whose last step broke (rank/watch/broken_stop.py): what broke it and what it cost."""
+    """One line on a stop whose last step broke (rank/stop/broken_step.py): what broke it and what it cost."""
     held, saved = entry.get("held"), entry.get("snapshot")
     cost = ("kept the step every rank held" if held is not None and saved == held else
             f"resumes from {'step ' + str(saved) if saved is not None else 'the start'}"

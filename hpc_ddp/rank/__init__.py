@@ -4,6 +4,6 @@ One folder per job, each importing only the folders below it (docs/layout.md; ch
 ``worker.py`` (the front door), ``script/`` (wrapped scripts), ``attempt/`` (the session: opens and closes an
 attempt), ``loop/`` (the run API, Trainer, Task, sampler), ``salvage/`` (what the survivors save after a
 failure), ``state/`` (snapshots of state), ``watch/`` | ``group/`` | ``metrics/`` (noticing a failure, process
-groups, metrics), ``shield/`` (child processes that outlive a stop signal). Imports core, rundir and torch;
+groups, metrics), ``stop/`` (a stop signal's rank side). Imports core, rundir and torch;
 never the login node's code, the batch shell's or the rehearsal's.
 """

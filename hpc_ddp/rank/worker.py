@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
-from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, peer_lost
+from hpc_ddp.rank.stop.broken_step import StoppedMidStep, peer_lost
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
@@ -175,7 +175,7 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
                 program(run)
             except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
                 raise _explained(err) or err
-    except StoppedMidStep as stop:  # a stop signal broke the step: recorded as that stop (rank/watch/broken_stop.py)
+    except StoppedMidStep as stop:  # a stop signal broke the step: recorded as that stop (rank/stop/broken_step.py)
         return stop.code
     assert attempt.code is not None
     return attempt.code

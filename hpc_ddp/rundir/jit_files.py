@@ -60,7 +60,7 @@ def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
                   and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
 
 
-BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/watch/broken_stop.py) creates it
+BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/stop/broken_step.py) creates it
 
 
 def broken_stop_marked(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:

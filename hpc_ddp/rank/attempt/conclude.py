@@ -24,8 +24,8 @@ from hpc_ddp.core.slurm_jobs import (AlreadyRequeued, PreemptionError, RequeueRe
 from hpc_ddp.core.stopping import signal_number, slurm_requeued, stop_reason, term_reason
 from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.metrics import timeline
-from hpc_ddp.rank.shield.loader import stop_signals_blocked
-from hpc_ddp.rank.watch.broken_stop import HINT, child_killed, pipe_broke
+from hpc_ddp.rank.stop.shield import stop_signals_blocked
+from hpc_ddp.rank.stop.broken_step import HINT, child_killed, pipe_broke
 from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, cap_reached
 

@@ -25,11 +25,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rank.watch.broken_stop import StoppedMidStep, marker, stop_came_first
+from hpc_ddp.rank.stop.broken_step import StoppedMidStep, marker, stop_came_first
 from hpc_ddp.rank.attempt.conclude import conclude, end_as_stop, write_line
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.metrics import timeline
-from hpc_ddp.rank.shield.loader import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
+from hpc_ddp.rank.stop.shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import compile_cache, flight, layout, losses, store_moved
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.config import RunConfig, flat_values, to_yaml

@@ -38,9 +38,9 @@ from hpc_ddp.rank.state.replication import params_sha256
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import BatchPlan, plan
-from hpc_ddp.rank.watch.broken_stop import stop_came_first
+from hpc_ddp.rank.stop.broken_step import stop_came_first
 from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Checkpointer
-from hpc_ddp.rank.watch.child_deaths import ChildDeaths
+from hpc_ddp.rank.stop.child_deaths import ChildDeaths
 from hpc_ddp.rank.state.rng import capture_rng, reseed
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.state.ddp_settle import ddp_in, settle_buckets_on_first_forward, sync_buffers
@@ -198,7 +198,7 @@ class Run:
         self.boundaries += 1
         if self.held is not None:
             self._mark(step)
-        self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/watch/child_deaths.py)
+        self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/stop/child_deaths.py)
         if self.boundaries == 1:  # a DistributedSampler among the loop's variables: its position will not resume
             self.advice.add(distributed_samplers(sys._getframe(1)))
             self.advice.add(at_first_boundary(self, sys._getframe(1)))  # compile: hit or miss, the order (compiling.py)

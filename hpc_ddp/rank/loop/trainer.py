@@ -25,7 +25,7 @@ from hpc_ddp.core.batching import batch_change_problem
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.rank.group.distributed import all_mean
 from hpc_ddp.core.errors import ConfigError, explain
-from hpc_ddp.rank.shield.loader import worker_init
+from hpc_ddp.rank.stop.shield import worker_init
 from hpc_ddp.rank.loop.compiling import compiled
 from hpc_ddp.rank.loop.run import Run
 from hpc_ddp.rank.loop.sampler import ShardSampler, old_position

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpc_ddp.rank.shield.loader import stop_signals_blocked
+from hpc_ddp.rank.stop.shield import stop_signals_blocked
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.extras import require_extras

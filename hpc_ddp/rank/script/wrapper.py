@@ -53,7 +53,7 @@ from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import recorded_error
 from hpc_ddp.rundir.runlock import acquire, release
 from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, exited_early, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
-from hpc_ddp.rank.shield.loader import STOP_SIGNALS_VAR, stop_signals
+from hpc_ddp.rank.stop.shield import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
 from hpc_ddp.rank.script.publish import Publisher
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt

@@ -3,7 +3,7 @@
 PyTorch's DataLoader installs a SIGCHLD handler that raises ``DataLoader worker (pid ...) is killed by
 signal`` in the rank's main thread as soon as a worker dies: in the middle of ``optimizer.step()`` as
 readily as between steps. Slurm signals every process of a step, so a stop signal that kills an unshielded
-worker (:mod:`hpc_ddp.rank.shield.loader`) used to raise mid-update, where the rank holds no whole step and
+worker (:mod:`hpc_ddp.rank.stop.shield`) used to raise mid-update, where the rank holds no whole step and
 the survivors' snapshot falls back to the last periodic one.
 
 From the first boundary on, the rank's SIGCHLD handler only notes the death (handlers only set a flag);
@@ -15,7 +15,7 @@ finished whole:
 - a stop signal arrived (or arrives within a moment: the child is often signalled first): the death is the
   stop's doing and is passed over; the batches already prefetched carry the loop to the boundary where every
   rank agrees to stop, and a fetch that finds the workers gone raises at the top of a step, which
-  :mod:`hpc_ddp.rank.watch.broken_stop` ends as the stop it was.
+  :mod:`hpc_ddp.rank.stop.broken_step` ends as the stop it was.
 
 The loader itself still notices a dead worker when it has no batch left for 5 s (PyTorch's own check).
 """

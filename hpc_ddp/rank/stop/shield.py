@@ -39,7 +39,7 @@ from hpc_ddp.core.errors import UsageError, explain
 from hpc_ddp.core.shutdown import kill_daemonic_children
 
 STOP_SIGNALS_VAR = "HPC_DDP_STOP_SIGNALS"  # set by the session: the run's warning signal, for the children
-FORKSERVER_PRELOAD = "hpc_ddp.rank.shield.forkserver"  # imported by the forkserver alone: it shields itself
+FORKSERVER_PRELOAD = "hpc_ddp.rank.stop.forkserver"  # imported by the forkserver alone: it shields itself
 BASE_SIGNALS = ("TERM", "INT", "USR2")
 _registered = False
 
