@@ -1,6 +1,9 @@
 """The end of an attempt on a rank: rank 0 writes its ledger line (finished, interrupted, cancelled,
 stopped for a time-out or a preemption, capped), requeues a stopped job (or leaves that to the batch
-shell where the tasks have no ``scontrol``), and every rank gets its exit code.
+shell where the tasks have no ``scontrol``), and every rank gets its exit code (:func:`close`, once the
+program let go of the run). The writer of the attempt's ledger lines (:func:`ledger_line`, :func:`amend_line`)
+for the session, a failure (:mod:`hpc_ddp.rank.attempt.failure`) and a wrapped script's outcome; only a
+resume refused at another world size, found below in rank/state/tracked.py, writes its own.
 
 A stop's line is written at the agreed stop, as soon as its snapshot is committed (:func:`write_line`
 from ``run.boundary``), not when the program lets go: what the program does after ``run.boundary``
@@ -11,12 +14,14 @@ race Slurm's KillWait after a ``scancel``, and a rank killed then leaves no line
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.codes import EXIT_REQUEUE
 from hpc_ddp.core.errors import first_line
 from hpc_ddp.core.slurm_jobs import (AlreadyRequeued, PreemptionError, RequeueRefused, job_fields, job_spec, requeue,
@@ -28,9 +33,11 @@ from hpc_ddp.rank.stop.shield import stop_signals_blocked
 from hpc_ddp.rank.stop.broken_step import HINT, child_killed, pipe_broke
 from hpc_ddp.rundir import snapshot
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, cap_reached
+from hpc_ddp.rundir import compile_cache, layout
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
+    from hpc_ddp.rank.loop.run import Run
 
 log = logging.getLogger("hpc_ddp.session")
 
@@ -80,8 +87,7 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
         try:
             requeue(job_spec(attempt.environ), runner=_shielded_run)  # srun's SIGTERM to the step spares it
         except RequeueRefused as err:  # the batch shell chains the run's next job (hpc_ddp.shell.chain)
-            append_attempt(attempt.run_dir, {**attempt_fields(*attempt_key(attempt.record)), "amends": True,
-                                             "requeue_by": "batch shell", "requeue_refused": first_line(err)})
+            amend_line(attempt, requeue_by="batch shell", requeue_refused=first_line(err))
             log.warning("Slurm refuses to requeue this job (%s): the batch shell submits the run's next job, "
                         "which resumes from this snapshot", first_line(err))
         except PreemptionError as err:
@@ -89,30 +95,29 @@ def conclude(attempt: Attempt, *, stopped: bool, step: int | None) -> int:
                     job_fields(job_spec(attempt.environ), runner=_shielded_run), attempt.env.restart_count):
                 log.error("%s", err)
             else:  # an admin's `scontrol requeue` (or a preemption's) came first: the job is requeued
-                append_attempt(attempt.run_dir, {**attempt_fields(*attempt_key(attempt.record)), "amends": True,
-                                                 "requeue_by": "slurm"})
+                amend_line(attempt, requeue_by="slurm")
                 log.info("Slurm has requeued the job already (%s): the next attempt resumes", first_line(err))
     return ending.code
 
 
 def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     """Rank 0 writes the attempt's ledger line; every rank learns its exit code and whether to requeue."""
-    env, flag, record, run_dir = attempt.env, attempt.flag, attempt.record, attempt.run_dir
+    env, flag, record = attempt.env, attempt.flag, attempt.record
     at = "" if step is None else f" of step {step}"
     kept = SCRIPT_KEPT if attempt.cfg.train.script else f"snapshot{at} committed"
     if not stopped:
         if env.is_main and not attempt.wrapped:
-            append_attempt(run_dir, {**record, "reason": "finished"})
+            ledger_line(attempt, "finished")
         return Ending(0)
     if not env.is_main or attempt.wrapped:
         return Ending(EXIT_REQUEUE)
     if flag.signum == signal.SIGINT:
-        append_attempt(run_dir, {**record, "reason": "interrupted"})
+        ledger_line(attempt, "interrupted")
         log.info("interrupted (Ctrl-C): %s, not requeued", kept)
         return Ending(0)
     reason = why_stopped(attempt)
     if reason == "cancelled":
-        append_attempt(run_dir, {**record, "reason": "cancelled"})
+        ledger_line(attempt, "cancelled")
         log.info("the job was cancelled (scancel): %s, not requeued; continue it "
                  "with `python -m hpc_ddp.submit ... --resume`", kept)
         return Ending(0)
@@ -121,8 +126,7 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     if by == "slurm":
         record.setdefault("note", "Slurm had requeued the job already when the stop came (an admin's `scontrol "
                           "requeue`, or a preemption past its grace time)")
-    append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
-                             **({} if capped else {"requeue_by": by})})
+    ledger_line(attempt, reason, capped=bool(capped), **({} if capped else {"requeue_by": by}))
     if capped:
         log.error("%s", capped)
         return Ending(1)
@@ -149,6 +153,17 @@ def requeuer(attempt: Attempt, reason: str) -> str:
     return "workers" if requeue_available() else "batch shell"
 
 
+def ledger_line(attempt: Attempt, reason: str, **fields: Any) -> None:
+    """The attempt's ledger line: its common fields (``attempt.record``), how it ended, and ``fields``. The one
+    writer of a rank's line; rank 0's alone (its callers check)."""
+    append_attempt(attempt.run_dir, {**attempt.record, "reason": reason, **fields})
+
+
+def amend_line(attempt: Attempt, **fields: Any) -> None:
+    """An ``amends`` line: ``fields`` added to the attempt's line that rank 0 wrote already."""
+    append_attempt(attempt.run_dir, {**attempt_fields(*attempt_key(attempt.record)), "amends": True, **fields})
+
+
 def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
     """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
     every rank gets the stop's exit code (:func:`conclude`)."""
@@ -167,3 +182,75 @@ def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
               f"step {saved}" if saved is not None else "none: it would start over", lost,
               f"\n{HINT}" if killed else "")
     return conclude(attempt, stopped=True, step=saved)
+
+
+def close(attempt: Attempt, run: Run) -> None:
+    """The program let go: the ledger line, the requeue and this rank's exit code, then DONE.json. Inside the
+    process group, before its closing barrier: the other ranks leave only after rank 0 has written the ledger
+    and requeued, so srun's --kill-on-bad-exit cannot cut that short."""
+    from hpc_ddp.rank.group import control
+
+    if attempt.ending is None:
+        _close_record(attempt, run)
+    attempt.code = conclude(attempt, stopped=run.stopped, step=run.step)
+    if run.stopped and not attempt.wrapped and attempt.env.world_size > 1:
+        # every rank stopped here: each leaves with rank 0's code (0 for a cancel or Ctrl-C, not 3, which
+        # srun and sacct would report as a failed step)
+        attempt.code = control.from_main(attempt.code)
+    if run.finished is not None and not run.stopped and attempt.env.is_main:
+        # last, after the ledger line; under train.script the worker publishes it after its own
+        target = layout.done_pending if attempt.wrapped else layout.done
+        write_atomic(target(attempt.run_dir), json.dumps(run.finished))
+        compile_cache.drop_if_empty(attempt.run_dir)  # the empty folder of a run that never compiled
+
+
+def _close_record(attempt: Attempt, run: Run) -> None:
+    """The attempt's fields for its ledger line; what the loop did that makes a stop impossible or a resume
+    inexact (rank/loop/advice.py) goes into its note, and into DONE.json's ``warnings``."""
+    from hpc_ddp.rank.loop.advice import outside_iterate
+    from hpc_ddp.rank.loop.compiling import compile_report
+
+    attempt.record.update(end=round(time.time(), 3), first_step=run.resumed_from or 0, last_step=run.step,
+                          resumed_from=run.resumed_from,
+                          **({"resume_read": run.resume_read} if run.resume_read else {}),
+                          **timeline.ledger_field(attempt.environ, attempt.attempts, attempt.env.in_job),
+                          **timeline.compile_field(compile_report()))
+    run.advice.add(outside_iterate(run.tracked))
+    run.advice.note(attempt.record)
+    if run.finished is not None and run.advice.found:
+        run.finished["warnings"] = list(run.advice.found)
+
+
+def line_at_stop(attempt: Attempt, run: Run, step: int) -> None:
+    """``run.boundary``'s agreed stop, its snapshot committed: the ledger line now (the module docstring says
+    why)."""
+    _close_record(attempt, run)
+    attempt.ending = write_line(attempt, stopped=True, step=step)
+
+
+def note(attempt: Attempt, text: str) -> None:
+    """A note for the ledger line; where rank 0 already wrote it, an ``amends`` line adds the note to it."""
+    attempt.record["note"] = text
+    if attempt.ending is not None and attempt.env.is_main and not attempt.wrapped:
+        amend_line(attempt, note=text)
+
+
+def note_ignored_stop(attempt: Attempt, run: Run) -> None:
+    """The loop returned without ever calling run.boundary: rank 0 warns once (the ledger's note and DONE.json keep
+    it, :func:`_close_record`). Had a stop signal come, it could not be acted on: on a cluster the job is killed at
+    the grace period's end with nothing saved, and the ledger line and the log say so."""
+    if run.boundaries or attempt.wrapped:
+        return
+    if not attempt.flag.is_set:
+        if not run.resumed_from:  # a resumed loop that has nothing left to do makes no boundary, rightly
+            from hpc_ddp.rank.loop.advice import NEVER_BOUNDARY
+
+            run.advice.add([NEVER_BOUNDARY])
+        return
+    name = signal.Signals(attempt.flag.signum).name if attempt.flag.signum else "a stop signal"
+    attempt.record["stop_ignored"] = name
+    attempt.record["note"] = f"{name} arrived and was never acted on: the loop never called run.boundary(step)"
+    log.error("%s arrived and was never acted on: the loop never called run.boundary(step), so it took no "
+              "snapshot and could not stop; on a cluster the job is killed at the end of the grace period and "
+              "everything since the start is lost.\nHINT: call `if run.boundary(step): return` after every "
+              "optimizer step", name)

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.stopping import term_reason
-from hpc_ddp.rundir.ledger import append_attempt, attempt_key, crash_marker, read_attempts
+from hpc_ddp.rundir.ledger import attempt_key, crash_marker, read_attempts
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec
 from hpc_ddp.rank.script.output import Progress
 from hpc_ddp.rank.attempt.context import Attempt
-from hpc_ddp.rank.attempt.conclude import conclude
+from hpc_ddp.rank.attempt.conclude import conclude, ledger_line
 from hpc_ddp.core.codes import EXIT_HUNG
 
 log = logging.getLogger("hpc_ddp.script")
@@ -181,8 +181,8 @@ def record_crash(attempt: Attempt, crashed: list[str]) -> int:
     """The attempt failed on another rank: rank 0 writes the one ``failed`` line (the settle step caps and
     requeues it by slurm.max_failures); nobody requeues it as a stop."""
     if attempt.env.is_main:
-        append_attempt(attempt.run_dir, {**attempt.record, "reason": "failed", "exit_code": 1,
-                                         "message": f"{crashed[0]}; the other ranks were ended by the job step"})
+        ledger_line(attempt, "failed", exit_code=1,
+                    message=f"{crashed[0]}; the other ranks were ended by the job step")
     log.error("%s: this rank's script was ended because of it; the attempt is a failure (slurm.max_failures), "
               "not a stop", crashed[0])
     return 1
@@ -205,7 +205,7 @@ def later_stop(attempt: Attempt, progress: Progress | None, outcome: dict[str, i
                               **({"last_step": progress.step} if progress is not None and progress.step else {}))
         log.error("%s. %s", note, IGNORED_HINT)
         if flag.last == signal.SIGTERM and _cancelled_now(attempt):
-            append_attempt(attempt.run_dir, {**attempt.record, "reason": "cancelled"})
+            ledger_line(attempt, "cancelled")
             outcome["code"] = 0
         else:
             outcome["code"] = conclude(attempt, stopped=True, step=None)
@@ -228,7 +228,7 @@ def hung(attempt: Attempt, progress: Progress, outcome: dict[str, int]) -> Calla
         message = (f"train.script printed no progress line (train.script_progress) for {quiet:.0f} s, more than "
                    f"{bound}; its last was {progress.line!r}")
         attempt.record.update(end=round(time.time(), 3), last_step=progress.step)
-        append_attempt(attempt.run_dir, {**attempt.record, "reason": "hung", "message": message})
+        ledger_line(attempt, "hung", message=message)
         log.error("%s: the script is taken to be hung (a deadlocked collective, a stuck data loader) and is "
                   "ended.\nHINT: if it goes quiet this long on purpose (an evaluation, a checkpoint), raise "
                   "dist.timeout_s", message)

@@ -318,9 +318,10 @@ def _rewrite(path: Path, data: bytes) -> None:
         rewrite_in_place(path, data)
 
 
-def start(run_dir: Path, dist: Any, env: DistEnv, environ: Mapping[str, str]) -> Liveness | None:
+def start(run_dir: Path, dist: Any, env: DistEnv, environ: Mapping[str, str], *, on_lost: Callable[[str], Any],
+          on_heard: Callable[[str], Any]) -> Liveness | None:
     """This rank's beats for the attempt, started; None when liveness is off (rank 0 says why when the
-    config asked for it) or the rank is alone."""
+    config asked for it) or the rank is alone. The session passes how it exits (rank/attempt/failure.py)."""
     window = effective(dist.liveness_s, dist.timeout_s)
     if window is None and dist.liveness_s and env.is_main:  # only the default can be off this way (config checks)
         log.info("dist.liveness_s=%g is more than half of dist.timeout_s=%s: liveness is off for this run, and a "
@@ -330,7 +331,8 @@ def start(run_dir: Path, dist: Any, env: DistEnv, environ: Mapping[str, str]) ->
         return None
     place = Place(env.local_rank, max(1, env.local_world_size), env.node_rank, max(1, env.num_nodes))
     return Liveness(run_dir, env.job_id, env.restart_count, env.in_job, env.rank, env.world_size,
-                    host_of(environ, env.nodelist, env.node_rank), window, place=place).start()
+                    host_of(environ, env.nodelist, env.node_rank), window, place=place, on_lost=on_lost,
+                    on_heard=on_heard).start()
 
 
 def _exit_heard(message: str) -> None:
