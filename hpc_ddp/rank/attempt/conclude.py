@@ -31,6 +31,7 @@ from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, c
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
+    from hpc_ddp.rank.loop.run import Run
 
 log = logging.getLogger("hpc_ddp.session")
 
@@ -149,7 +150,7 @@ def requeuer(attempt: Attempt, reason: str) -> str:
     return "workers" if requeue_available() else "batch shell"
 
 
-def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
+def end_as_stop(attempt: Attempt, run: Run | None, error: BaseException) -> int:
     """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
     every rank gets the stop's exit code (:func:`conclude`)."""
     steps = snapshot.committed_steps(attempt.run_dir)
