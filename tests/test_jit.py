@@ -268,7 +268,7 @@ def test_rank_0_warns_at_resume_when_a_failure_would_lose_everything(caplog: pyt
 
     cfg = RunConfig()
     cfg.snapshot.every_steps, cfg.snapshot.every_minutes = None, None
-    run = SimpleNamespace(config=cfg, per_rank={"batch": object()}, env=SimpleNamespace(is_main=True))
+    run = SimpleNamespace(config=cfg, per_rank={"batch": object()}, mirror=None, env=SimpleNamespace(is_main=True))
     with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
         warn_unprotected(run)
         cfg.snapshot.every_steps = 10

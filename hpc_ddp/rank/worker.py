@@ -214,7 +214,7 @@ def _program(cfg: RunConfig) -> Callable[[Any], Any]:
         return load_loop(cfg.train.loop)
     task = load_task(cfg.train.task)
 
-    def train_task(run: Any) -> None:
+    def train_task(run: Run) -> None:
         from hpc_ddp.rank.loop.trainer import Trainer
 
         Trainer(task, cfg, run).train()

@@ -164,7 +164,7 @@ def amend_line(attempt: Attempt, **fields: Any) -> None:
     append_attempt(attempt.run_dir, {**attempt_fields(*attempt_key(attempt.record)), "amends": True, **fields})
 
 
-def end_as_stop(attempt: Attempt, run: Any, error: BaseException) -> int:
+def end_as_stop(attempt: Attempt, run: Run | None, error: BaseException) -> int:
     """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger line, and
     every rank gets the stop's exit code (:func:`conclude`)."""
     steps = snapshot.committed_steps(attempt.run_dir)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.batching import plan
 from hpc_ddp.core.config import RunConfig
@@ -25,6 +25,9 @@ from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir import node_local
 from hpc_ddp.rundir.ledger import attempt_fields, attempt_tag
 from hpc_ddp.rundir.runlock import holder_record
+
+if TYPE_CHECKING:
+    from hpc_ddp.rank.watch.liveness import Liveness
 
 WRAPPED = "HPC_DDP_WRAPPED"  # set by the script wrapper (hpc_ddp.rank.script.wrapper) in its child's environment
 CONFIG_VAR = "HPC_DDP_CONFIG"  # the run's config.yaml, for hpc_ddp.session() inside a wrapped script
@@ -53,8 +56,9 @@ class Attempt:
     holder: dict[str, Any] = field(default_factory=dict)  # who this job is, for the run dir's lock
     code: int | None = None  # this rank's exit code, once the attempt is closed
     end_time: float | None = None  # the job's end (start + time limit), asked of squeue by rank 0
-    liveness: Any = None  # this rank's hpc_ddp.rank.watch.liveness.Liveness while it beats
-    after_failure: Any = None  # the just-in-time snapshot's part of this rank (rank/salvage/jit.py), once the run exists
+    liveness: Liveness | None = None  # this rank's beats (rank/watch/liveness.py), while it beats
+    # the just-in-time snapshot's part of this rank (rank/salvage/jit.py's OneHandler), once the run exists
+    after_failure: Callable[..., object] | None = None
     ending: Ending | None = None  # once the ledger line is written (at the agreed stop)
 
     def __post_init__(self) -> None:

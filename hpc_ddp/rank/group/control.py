@@ -29,14 +29,17 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_GROUP: Any = None  # the gloo group when the training backend is another; None: the default group is gloo
+# the gloo group when the training backend is another; None: the default group is gloo
+_GROUP: dist.ProcessGroup | None = None
 _OPEN = False  # open_group ran for the current process group
-_TIMEOUT: Any = None  # the training group's timeout; dist.new_group would default to 30 minutes whatever it was
+# the training group's timeout; dist.new_group would default to 30 minutes whatever it was
+_TIMEOUT: timedelta | None = None
 
 
 def needs_own_group(backend: str) -> bool:
@@ -44,7 +47,7 @@ def needs_own_group(backend: str) -> bool:
     return True
 
 
-def open_group(backend: str, own: bool | None = None, timeout: Any = None) -> None:
+def open_group(backend: str, own: bool | None = None, timeout: timedelta | None = None) -> None:
     """Collective: the control group for this process group. ``own=False`` puts the control traffic on the
     default group when it is gloo (only for measurements: B2's cost of the separate group); None decides by
     :func:`needs_own_group`. ``timeout`` (a timedelta) is the training group's: without it ``dist.new_group``
@@ -64,12 +67,12 @@ def close_group() -> None:
     _GROUP, _OPEN, _TIMEOUT = None, False, None
 
 
-def timeout() -> Any:
+def timeout() -> timedelta | None:
     """The training group's timeout (a timedelta; None before :func:`open_group`): every group made later takes it."""
     return _TIMEOUT
 
 
-def group() -> Any:
+def group() -> dist.ProcessGroup | None:
     """The group control collectives take (None: the default group, which is gloo)."""
     return _GROUP
 
@@ -99,33 +102,33 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
     dist.broadcast(tensor, src=src, group=_GROUP)
 
 
-def broadcast_in(tensor: torch.Tensor, src: int, group: Any) -> None:
+def broadcast_in(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
     """Collective within ``group`` (made by :func:`subgroup`): global rank ``src``'s CPU tensor, in place."""
     dist.broadcast(tensor, src=src, group=group)
 
 
-def from_main(value: Any) -> Any:
+def from_main(value: object) -> Any:
     """Collective: rank 0's ``value`` on every rank (one pickled object)."""
     box = [value]
     dist.broadcast_object_list(box, src=0, group=_GROUP)
     return box[0]
 
 
-def to_main(value: Any) -> list[Any] | None:
+def to_main(value: object) -> list[Any] | None:
     """Collective: rank 0 gets every rank's ``value`` (by rank); the others get None."""
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(value, gathered, dst=0, group=_GROUP)
     return gathered
 
 
-def to_main_and_back(value: Any, merge: Callable[[list[Any]], Any] | None = None) -> Any:
+def to_main_and_back(value: object, merge: Callable[[list[Any]], Any] | None = None) -> Any:
     """Collective: rank 0 gathers one object from every rank and sends back ``merge(list)`` (default: the
     list). A non-zero rank sends one object and receives one: O(1) entries, not W as an all_gather."""
     gathered = to_main(value)
     return from_main(None if gathered is None else merge(gathered) if merge is not None else gathered)
 
 
-def all_gather(value: Any) -> list[Any]:
+def all_gather(value: object) -> list[Any]:
     """Collective: every rank's ``value`` on every rank (only where each rank needs all of them)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value, group=_GROUP)
@@ -137,7 +140,7 @@ def barrier() -> None:
     dist.barrier(group=_GROUP)
 
 
-def subgroup(ranks: list[int]) -> Any:
+def subgroup(ranks: list[int]) -> dist.ProcessGroup:
     """A gloo group of some ranks (collective among them alone)."""
     with lazily():
         return dist.new_group(ranks, use_local_synchronization=True, backend="gloo", timeout=timeout())
@@ -160,14 +163,15 @@ def lazily() -> Iterator[None]:
         os.environ.pop(LAZY_VAR, None)
 
 
-def gather_within(value: Any, dst: int, members: int, group: Any) -> list[Any] | None:
+def gather_within(value: object, dst: int, members: int,
+                  group: dist.ProcessGroup | None) -> list[Any] | None:
     """Collective within ``group`` (made by :func:`subgroup`): ``dst`` gets every member's value."""
     gathered: list[Any] | None = [None] * members if dist.get_rank() == dst else None
     dist.gather_object(value, gathered, dst=dst, group=group)
     return gathered
 
 
-def scatter_within(values: list[Any] | None, src: int, group: Any) -> Any:
+def scatter_within(values: list[Any] | None, src: int, group: dist.ProcessGroup) -> Any:
     """Collective within ``group`` (made by :func:`subgroup`): member ``i`` gets ``src``'s ``values[i]`` (members
     in the order of their global ranks)."""
     out: list[Any] = [None]

@@ -39,7 +39,8 @@ class Groups:
     of groups the process already holds, so members whose counts differ would wait for each other forever.
     Make them once per process group (the checkpointer holds them) and make other such groups after."""
 
-    def __init__(self, members: list[tuple[int, int]], env: DistEnv, make: Any = None) -> None:
+    def __init__(self, members: list[tuple[int, int]], env: DistEnv,
+                 make: Callable[[list[int]], dist.ProcessGroup] | None = None) -> None:
         make = make if make is not None else control.subgroup
         first = {node: rank for rank, (node, local) in enumerate(members) if local == 0}
         self.leaders = [first[node] for node in sorted(first)]
@@ -127,7 +128,7 @@ class Tiers:
             self._jobs.put(None)
 
     # -- one object from each node's leader to rank 0, and one back: a commit ----------------------------------
-    def leaders_to_main(self, value: Any) -> list[Any] | None:
+    def leaders_to_main(self, value: object) -> list[Any] | None:
         """Collective on every rank: rank 0 gets each node leader's ``value`` (in node order); None elsewhere.
         The node's other ranks send nothing (a commit's entries come from the leaders, who write the files)."""
         between = self.groups.between
@@ -139,7 +140,7 @@ class Tiers:
         dist.gather_object(value, gathered, dst=0, group=between)
         return gathered
 
-    def from_main(self, value: Any) -> Any:
+    def from_main(self, value: object) -> Any:
         """Collective on every rank: rank 0's ``value`` on every rank, leaders first, then within each node."""
         box = [value]
         if self.leader and self.groups.between is not None:
@@ -154,7 +155,8 @@ class Tiers:
 
 
 def doubling(tensor: torch.Tensor, members: list[int], me: int,
-             combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: Any) -> torch.Tensor:
+             combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             group: dist.ProcessGroup) -> torch.Tensor:
     """Recursive doubling among ``members`` (global ranks, in order): each ends with ``combine`` of every
     member's tensor, in place, after log2(members) rounds of one exchange (plus one round each way for the
     members past the largest power of two, who hand their tensor to a partner and get the result back), over

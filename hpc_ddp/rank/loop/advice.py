@@ -47,7 +47,7 @@ def outside_iterate(tracked: dict[str, Any]) -> list[str]:
             if isinstance(obj, ShardSampler) and obj.iterated_outside]
 
 
-def _distributed_sampler(value: Any) -> bool:
+def _distributed_sampler(value: object) -> bool:
     if isinstance(value, DistributedSampler):
         return True
     if isinstance(value, DataLoader):

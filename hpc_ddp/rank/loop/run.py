@@ -128,7 +128,7 @@ class Run:
         self._beat(step, phase)
 
     # -- resume --------------------------------------------------------------------------------------
-    def resume(self, *positional: Any, **objects: Any) -> int:
+    def resume(self, *positional: object, **objects: object) -> int:
         """Track these objects and load them from the newest committed snapshot; return its step (0: fresh).
 
         Collective: call it on every rank, once, before the first step. Anything with
@@ -319,7 +319,7 @@ class Run:
         return state
 
     # -- metrics and the end ---------------------------------------------------------------------------
-    def log_metrics(self, step: int, **values: Any) -> None:
+    def log_metrics(self, step: int, **values: object) -> None:
         """Log numbers for a step: call it on every rank or on rank 0 alone; only rank 0 writes anything.
 
         Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
@@ -361,7 +361,7 @@ class Run:
         modules = {n: o for n, o in self.tracked.items() if isinstance(o, torch.nn.Module)}
         return modules.get("model", next(iter(modules.values()), None))
 
-    def finish(self, **result: Any) -> dict[str, Any]:
+    def finish(self, **result: object) -> dict[str, Any]:
         """Collective: the run is complete (the session calls it when the loop returns without a stop).
 
         Drains the agreement and any async write; rank 0 writes model.pt. The DONE record (step,
@@ -377,7 +377,7 @@ class Run:
         if self.mirror is not None:
             self.mirror.close()  # nothing in flight when the process group goes
         model = self.model()
-        done = {"step": self.step, **result, "world_size": self.world_size}
+        done: dict[str, Any] = {"step": self.step, **result, "world_size": self.world_size}
         if model is not None:
             done["params_sha256"] = params_sha256(model)
         if self.is_main:

@@ -17,13 +17,16 @@ and the global RNG stream are the same after a resume.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Sampler
 
 from hpc_ddp.core.errors import HpcDdpError, UsageError, explain
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
 log = logging.getLogger("hpc_ddp.sampler")
 
@@ -121,7 +124,7 @@ class ShardSampler(Sampler[int]):
             raise old_position(state)
         self.resume(int(state["epoch"]), int(state["sample_in_epoch"]))
 
-    def iterate(self, loader: Any) -> Iterator[Any]:
+    def iterate(self, loader: DataLoader[Any]) -> Iterator[Any]:
         """The rest of this epoch's batches from ``loader`` (built on this sampler), each counted as taken.
 
         When the epoch runs out, the sampler moves to the next one: call it again for
@@ -155,7 +158,7 @@ class ShardSampler(Sampler[int]):
         self.set_epoch(self.epoch + 1)
 
 
-def old_position(state: Any) -> HpcDdpError:
+def old_position(state: Mapping[str, object]) -> HpcDdpError:
     """A snapshot written before positions were global (a per-rank ``consumed``): refused, with what to do."""
     return HpcDdpError(explain(
         f"the snapshot holds a per-rank data position ({dict(state)}), written by an hpc_ddp from before elastic "

@@ -35,7 +35,7 @@ log = logging.getLogger("hpc_ddp.trainer")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: object, device: torch.device) -> Any:
     """Move every tensor of a (nested) batch to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=device.type == "cuda")
@@ -160,7 +160,7 @@ class Trainer:
         amp = self.cfg.train.amp
         return torch.autocast(self.device.type, dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off")
 
-    def _run_step(self, micro_batches: Any) -> torch.Tensor:
+    def _run_step(self, micro_batches: Iterator[Any]) -> torch.Tensor:
         train = self.cfg.train
         total = torch.zeros((), device=self.device)
         for i in range(self.grad_accum):

@@ -25,13 +25,17 @@ import logging
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_ddp.rank.stop.shield import stop_signals_blocked
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.extras import require_extras
 from hpc_ddp.core.errors import UsageError, a_type, explain
+
+if TYPE_CHECKING:
+    from hpc_ddp.core.config import RunConfig
 
 log = logging.getLogger("hpc_ddp.tracking")
 
@@ -107,7 +111,7 @@ class WandbSink:
         self.last = max(sent, self.floor)
         self.held: dict[str, float] = {}
 
-    def _rewind(self, wandb: Any, args: dict[str, Any], step: int, sent: int) -> bool:
+    def _rewind(self, wandb: ModuleType, args: dict[str, Any], step: int, sent: int) -> bool:
         """Open the W&B run rewound to ``step``; False (and a warning) when W&B refuses."""
         try:
             self.run = wandb.init(resume_from=f"{args['id']}?_step={step}", **args)
@@ -152,7 +156,7 @@ def _write_step(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def open_sinks(cfg: Any, run_dir: Path, first_step: int, config: Mapping[str, Any]) -> list[Sink]:
+def open_sinks(cfg: RunConfig, run_dir: Path, first_step: int, config: Mapping[str, Any]) -> list[Sink]:
     """The sinks ``cfg.metrics`` switches on (rank 0 only); a missing package is a ConfigError naming the extra.
 
     A sink that fails to open for another reason (no network for W&B online, a full disk) is

@@ -20,7 +20,7 @@ _MARKS: dict[str, float] = {}
 _EXTRAS: dict[str, Any] = {}
 
 
-def mark(phase: str, at: float | None = None, **extra: Any) -> None:
+def mark(phase: str, at: float | None = None, **extra: object) -> None:
     """This attempt's ``phase`` ended at ``at`` (epoch seconds; now when None). ``extra``: facts for the
     timeline, e.g. ``compile_cache="hit"``."""
     if phase not in RANK_PHASES:

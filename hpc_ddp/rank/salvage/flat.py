@@ -74,7 +74,7 @@ class Plan:
         return [(0, _up(META + len(self.meta))), *((at, at + n) for at, n in zip(self.offsets, sizes))]
 
 
-def plan(state: Any) -> Plan | None:
+def plan(state: object) -> Plan | None:
     """``state`` laid out for a message, or None when it holds something this format cannot give back exactly."""
     tensors: list[torch.Tensor] = []
     try:
@@ -175,7 +175,7 @@ def _walk(value: Any, tensors: list[torch.Tensor]) -> Any:
     raise _Unsupported
 
 
-def _build(node: Any, tensors: list[torch.Tensor]) -> Any:
+def _build(node: object, tensors: list[torch.Tensor]) -> Any:
     if not isinstance(node, dict):
         return node
     (tag, inner), = node.items()

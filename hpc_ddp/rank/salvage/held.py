@@ -77,7 +77,7 @@ class Held:
         self._buffers = {name: slots(obj) for name, obj in tracked.items() if isinstance(obj, torch.nn.Module)}
         self._cuda = any(p.is_cuda for obj in tracked.values() if isinstance(obj, torch.nn.Module)
                          for p in obj.parameters())
-        self.event: Any = None  # CUDA: recorded at the last mark, on the current stream
+        self.event: torch.cuda.Event | None = None  # CUDA: recorded at the last mark, on the current stream
         self._groups: dict[str, tuple[int, ...]] = {}  # each group's parameter count: what state_dict's numbers follow
         self._params: dict[str, list[list[int]]] = {}  # each group's parameter indices as state_dict numbers them
         self._group_copies: dict[str, list[GroupCopy]] = {}  # the last boundary's, reused where nothing changed
@@ -88,7 +88,7 @@ class Held:
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._began)
 
-    def _began(self, *args: Any) -> None:
+    def _began(self, *args: object) -> None:
         self.updates += 1
         self.generation += 1
 
@@ -198,7 +198,7 @@ class Held:
         return step, state
 
 
-def _recorded() -> Any:
+def _recorded() -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record()
     return event
@@ -211,7 +211,7 @@ def group_copy(group: dict[str, Any], params: list[int]) -> GroupCopy:
     return GroupCopy(live if frozen else None, {**{k: _value(v) for k, v in live.items()}, "params": params})
 
 
-def _kind(obj: Any) -> str:
+def _kind(obj: object) -> str:
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
     if isinstance(obj, torch.nn.Module):
@@ -240,7 +240,7 @@ def plain_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _value(value: Any) -> Any:
+def _value(value: object) -> Any:
     """A group setting as it is now: a tensor learning rate is updated in place by a scheduler, so it is cloned."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.copy(value)
 

@@ -50,6 +50,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.salvage import jit_commit
 from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.salvage.held import Held, buffers  # noqa: F401  (Held and buffers were defined here first)
+from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rundir import jit_files, newest, slicing, snapshot, snapshot_write
 
@@ -72,17 +74,17 @@ BUFFERS_SOURCE_WAIT_S = 1.0  # how long another survivor waits for rank 0's offe
 NEWEST_FRESH_S = 0.5  # how old a node's read of snapshots/newest.json may be for another survivor of the node
 
 
-def why_not(run: Any) -> str | None:
+def why_not(run: Survivor) -> str | None:
     """Why this run can write no just-in-time snapshot whatever rank is lost, or None."""
     if run.config.train.rng != "derived":
         return "train.rng=saved: a lost rank's RNG state died with it (train.rng=derived derives it)"
-    if run.per_rank and getattr(run, "mirror", None) is None:
+    if run.per_rank and run.mirror is None:
         return (f"per_rank objects ({', '.join(sorted(run.per_rank))}) are not mirrored (one rank): a lost "
                 "rank's died with it")
     return None
 
 
-def warn_unprotected(run: Any) -> None:
+def warn_unprotected(run: Survivor) -> None:
     """Rank 0, at resume: a run that can have no just-in-time snapshot and takes no periodic one would lose
     everything since its start to a failure; say so now, not after the failure."""
     reason, cfg = why_not(run), run.config.snapshot
@@ -102,7 +104,7 @@ def fingerprint(state: dict[str, Any], step: int, skip_buffers: dict[str, set[st
                                  for path, d in items])
 
 
-def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
+def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
     """This rank's part after its program raised (a collective that failed because a peer died): offer what it
     holds, and write and commit it if it is the first source of its step. Returns what it did (also in its
     offer), or None when snapshot.jit is off. Never raises: the failure it follows is what the worker reports."""
@@ -115,7 +117,7 @@ def after_failure(run: Any, error: BaseException) -> dict[str, Any] | None:
     offer: dict[str, Any] = {"rank": env.rank, "host": os.uname().nodename, "error": first_line(error),
                              "time": round(time.time(), 3)}
     try:
-        mirror = getattr(run, "mirror", None)
+        mirror = run.mirror
         if mirror is not None:  # this rank's per-rank states and its ward's, whatever this rank holds besides
             blobs = mirror.held()
             jit_files.write_blobs(post, blobs)
@@ -183,7 +185,8 @@ class OneHandler:
     read of the state queues behind a wedged collective's kernel). The training thread's own write runs
     inline, as long as it takes."""
 
-    def __init__(self, handler: Any, wait_s: float = HANDLER_WAIT_S) -> None:
+    def __init__(self, handler: Callable[[BaseException], dict[str, Any] | None],
+                 wait_s: float = HANDLER_WAIT_S) -> None:
         self.handler, self.wait_s = handler, wait_s
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -222,19 +225,19 @@ def _latest_commit(run_dir: Path) -> int | None:
     return steps[0] if steps else None
 
 
-def _no_source(run: Any, post: jit_files.Post, offer: dict[str, Any], why: str) -> dict[str, Any]:
+def _no_source(run: Survivor, post: jit_files.Post, offer: dict[str, Any], why: str) -> dict[str, Any]:
     """This rank holds no step it may write: say why; with a mirror, its per-rank states may still be what
     another survivor's snapshot lacks."""
     offer.update(source=False, why=why)
     news = jit_files.offer(post, offer)
     log.warning("no just-in-time snapshot from this rank: %s", why)
-    if getattr(run, "mirror", None) is not None:
+    if run.mirror is not None:
         offer.update(outcome=_check_set(run, post.shared, news))
         jit_files.offer(post, offer)
     return offer
 
 
-def _check_set(run: Any, folder: Path, news: bool) -> str:
+def _check_set(run: Survivor, folder: Path, news: bool) -> str:
     """Whether this rank's offer completed the set, checked by the one rank whose publish of its node's file
     brought news (:func:`hpc_ddp.rundir.jit_files.publish`): per node and change, not per rank."""
     if not news:
@@ -242,7 +245,8 @@ def _check_set(run: Any, folder: Path, news: bool) -> str:
     return jit_commit.complete(run, folder)
 
 
-def _lost_claim(run: Any, folder: Path, step: int, offer: dict[str, Any], share: tuple[int, int]) -> str:
+def _lost_claim(run: Survivor, folder: Path, step: int, offer: dict[str, Any],
+                share: tuple[int, int]) -> str:
     """Another source writes this step (the whole state), or this node's share of it (a split): with one writer
     for the step, wait for its commit and compare (:func:`jit_commit.claimed_by_another`); a node's other
     sources need not, and exit (rank 0 compares every source's offer before the next attempt resumes from it)."""
@@ -284,7 +288,7 @@ def replicas_of(nodes: int, configured: int) -> int:
     return 1 if nodes == 1 else min(nodes, max(2, int(configured)))
 
 
-def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], offer: dict[str, Any],
+def _write(run: Survivor, post: jit_files.Post, step: int, state: dict[str, Any], offer: dict[str, Any],
            started: float, generation: int, share: tuple[int, int] = (0, 1)) -> str:
     """The claimed step's file; then, once the other survivors' offers had a moment to come in, the commit if
     the set is complete (:func:`jit_commit.complete`). Not committed when the training thread began an update or
@@ -300,6 +304,7 @@ def _write(run: Any, post: jit_files.Post, step: int, state: dict[str, Any], off
     writing = time.monotonic()
     entry = snapshot_write.write_node_file(directory, 0, content, name=name, split=split)
     wrote_s = time.monotonic() - writing
+    assert run.held is not None  # for the type checker: after_failure writes only with a Held
     if run.held.generation != generation:  # written from a side thread while the training thread went on
         return ("not committed: this rank's training went on (an optimizer update or a boundary) while the "
                 "state was written")

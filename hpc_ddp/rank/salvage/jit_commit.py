@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.checkpointer import PER_RANK
 from hpc_ddp.rundir import jit_blobs, jit_files, newest, slicing, snapshot, snapshot_write
 
@@ -57,7 +58,7 @@ def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, 
     return f"another survivor claimed step {step}; not committed within {wait_s:g} s"
 
 
-def complete(run: Any, folder: Path) -> str:
+def complete(run: Survivor, folder: Path) -> str:
     """Commit the newest written step whose set is complete: every slice of the state written by a survivor
     (the whole state by one, or each node's share by that node, :func:`hpc_ddp.rank.salvage.jit.split_over`), no source
     of it holds another state, and (with per_rank objects) every rank's per-rank state of that step is in some
@@ -150,7 +151,7 @@ def _per_rank_states(folder: Path, holders: dict[int, int], node_of: dict[int, i
     return {rank: blob for rank, blob in states.items() if blob is not None}
 
 
-def _commit(run: Any, folder: Path, writers: list[dict[str, Any]], sources: list[dict[str, Any]],
+def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]], sources: list[dict[str, Any]],
             holders: dict[int, int], states: dict[int, bytes]) -> str:
     """The manifest of the writers' state files (and of every rank's per-rank state, put together in one more
     file): the snapshot is committed."""

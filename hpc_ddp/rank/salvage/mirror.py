@@ -80,6 +80,7 @@ import torch.distributed as dist
 from hpc_ddp.core.errors import first_line
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.salvage import flat
+from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state import tracked
 
 log = logging.getLogger("hpc_ddp.mirror")
@@ -95,7 +96,7 @@ RECEIVE_TIMEOUT = timedelta(hours=24)  # the mirror group's: no gap between two 
 JOIN_S = 10.0  # how long the end of an attempt waits for the threads (a peer that never sends its end)
 
 
-def new_group() -> Any:
+def new_group() -> dist.ProcessGroup:
     """Collective: the mirror's own gloo group, whose operations wait up to :data:`RECEIVE_TIMEOUT`. With the
     training group's timeout, a gap between two boundaries longer than ``dist.timeout_s`` (a long evaluation
     that beats but makes no boundary) timed the receive out, which closed the pair for good: every later
@@ -116,7 +117,7 @@ def ward_of(rank: int, local_world_size: int, world_size: int) -> int:
     return (rank - step) % world_size
 
 
-def open_for(run: Any) -> Mirror | None:
+def open_for(run: Survivor) -> Mirror | None:
     """Collective at resume: this rank's mirror when the run tracks ``per_rank`` objects and may write a
     just-in-time snapshot (``snapshot.jit``, more than one rank), else None. Every rank decides alike (the
     group is made by all or by none)."""
@@ -138,7 +139,7 @@ class Packed:
     size: int
     kind: int
     leaves: list[flat.Segment]
-    ready: list[Any] | None
+    ready: list[torch.cuda.Event] | None
     pinned: bool = False
 
     def body(self) -> torch.Tensor:
@@ -148,7 +149,7 @@ class Packed:
 class Mirror:
     """This rank's side of the exchange: ``mark`` at every boundary, ``held`` after a failure, ``close`` at the end."""
 
-    def __init__(self, rank: int, local_world_size: int, world_size: int, group: Any) -> None:
+    def __init__(self, rank: int, local_world_size: int, world_size: int, group: dist.ProcessGroup) -> None:
         self.rank, self.group = rank, group
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
@@ -188,7 +189,7 @@ class Mirror:
             thread.start()
         return self
 
-    def mark(self, step: int, state: Any) -> None:
+    def mark(self, step: int, state: bytes | dict[str, Any]) -> None:
         """At a boundary (training thread): this step's per-rank state (bytes, or a state as
         :func:`tracked.staged` gives it) is written into a reused buffer (:mod:`hpc_ddp.rank.salvage.flat`: one copy of
         each tensor), which is this rank's own (the one of the boundary before is kept too), and the sender thread
@@ -219,7 +220,7 @@ class Mirror:
                 return _snapshot_bytes(packed)
         return None
 
-    def _pack(self, step: int, state: Any) -> Packed:
+    def _pack(self, step: int, state: bytes | dict[str, Any]) -> Packed:
         """The state written into a buffer from :meth:`_take`. A state :mod:`~hpc_ddp.rank.salvage.flat` cannot give
         back exactly goes as ``torch.save`` bytes. With CUDA tensors in it, the buffer is pinned and its copies from
         the GPU only enqueued: the events beside it (one per device; else None) complete with them, and whoever

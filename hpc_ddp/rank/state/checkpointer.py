@@ -45,7 +45,7 @@ STEP = "step"  # the key of the step count in a snapshot's state, beside the tra
 PER_RANK = "per_rank"  # the key of a rank's per-rank states in its RNG entry of the snapshot
 
 
-def stage(value: Any, old: Any = None) -> Any:
+def stage(value: object, old: object = None) -> Any:
     """A CPU copy of every tensor in a (nested) state, so training may go on changing the originals.
 
     Copies into ``old``'s tensors where shapes and dtypes match: the staging memory of the

@@ -47,7 +47,7 @@ class Copier(Protocol):
 
     def release(self) -> None: ...
 
-    def wait(self, handle: Any) -> None: ...
+    def wait(self, handle: Any) -> None: ...  # the copier's own handle: a CUDA event, None on the host
 
 
 class HostCopier:

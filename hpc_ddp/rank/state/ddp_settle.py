@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hpc_ddp.rank.state.rng import capture_rng, restore_rng
 
 
-def ddp_in(obj: Any) -> DistributedDataParallel | None:
+def ddp_in(obj: object) -> DistributedDataParallel | None:
     """The DDP module of a tracked object: the object itself, or the one under ``torch.compile(DDP(model))``'s
     wrapper. Its buckets and buffers need settling all the same: a 2 x 2 nanoGPT run in that order, stopped
     and resumed, ended apart from an uninterrupted one while the wrapper hid its DDP from these checks."""
@@ -58,7 +58,7 @@ def settle_buckets_on_first_forward(ddp: DistributedDataParallel) -> None:
     handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _tensors(value: object) -> list[torch.Tensor]:
     """Every tensor in a (nested) model output."""
     if isinstance(value, torch.Tensor):
         return [value]

@@ -45,7 +45,7 @@ FUSED_BYTES = 1 << 20  # on a GPU, tensors up to this size share one reduction; 
 MASK = (1 << 62) - 1  # digests fit an int64 with room to negate
 
 
-def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+def leaves(value: object, path: str = "") -> Iterator[tuple[str, Any]]:
     """(key path, leaf) in a stable order: dicts by key (sorted as text), lists and tuples by index."""
     if isinstance(value, Mapping):
         for key in sorted(value, key=str):
@@ -169,7 +169,7 @@ def fingerprints(states: Mapping[str, Any], step: int = 0) -> dict[str, list[tup
             for name, items in found.items()}
 
 
-def digests(state: Any, step: int = 0) -> list[tuple[str, int]]:
+def digests(state: object, step: int = 0) -> list[tuple[str, int]]:
     """Every leaf's (path, digest) of one object's state."""
     return fingerprints({"": state}, step)[""]
 def combined(items: list[tuple[str, int]]) -> int:

@@ -18,7 +18,7 @@ from hpc_ddp.rank.state.rng import reseed, restore_rng
 from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import explain, first_line
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP
+from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Restored
 from hpc_ddp.rank.state.tracked import RunUsageError, load_into, resize_refused, restore_per_rank, unpack
 
 log = logging.getLogger("hpc_ddp.run")
@@ -30,7 +30,7 @@ class Resuming(Protocol):
 
     config: RunConfig
     env: DistEnv
-    device: Any
+    device: torch.device
     run_dir: Path
     tracked: dict[str, Any]
     per_rank: dict[str, Any]
@@ -54,7 +54,7 @@ def base_lr(group: Mapping[str, Any]) -> float:
     return float(group.get("initial_lr", group["lr"]))
 
 
-def load(run: Resuming, restored: Any) -> None:
+def load(run: Resuming, restored: Restored) -> None:
     """The snapshot's state into the tracked objects, the step and the RNG; the checks that refuse a resume."""
     state = restored.state
     missing = sorted(set(run.tracked) - set(state))
@@ -78,7 +78,7 @@ def load(run: Resuming, restored: Any) -> None:
     else:
         reseed(run.config.train.seed, run.step, run.rank)
 
-def refuse_batch_change(run: Resuming, restored: Any) -> None:
+def refuse_batch_change(run: Resuming, restored: Restored) -> None:
     """A loop resumed at another world size with ``train.global_batch_size`` unset would change its global
     batch: refused, as on the login node (a job from an sbatch template never passed there)."""
     if not run.config.train.script:
@@ -86,7 +86,7 @@ def refuse_batch_change(run: Resuming, restored: Any) -> None:
         if problem:  # a configuration error on a person's --resume; a failure on a requeue or in-job restart
             raise resize_refused(problem, run.env, run.run_dir, restored.step, key="train.global_batch_size")
 
-def load_per_rank(run: Resuming, blob: bytes | None, restored: Any) -> None:
+def load_per_rank(run: Resuming, blob: bytes | None, restored: Restored) -> None:
     """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
     raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
     if not run.per_rank:
@@ -113,7 +113,7 @@ def _unpacked(blob: bytes | None, rank: int, step: int) -> dict[str, Any] | None
     return saved if isinstance(saved, dict) else None
 
 
-def report_changes(run: Resuming, restored: Any, built: dict[str, list[float]]) -> None:
+def report_changes(run: Resuming, restored: Restored, built: dict[str, list[float]]) -> None:
     """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
 
     An optimizer's state dict carries the learning rate it was built with, so loading it

@@ -111,7 +111,7 @@ class _Files:
                           if slice_ in held and name != first and name in self.choice.good_files]
 
 
-def _detached(value: Any) -> Any:
+def _detached(value: object) -> Any:
     """``value`` with every tensor in it copied out of the file's map (small: a skeleton, RNG states)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
@@ -267,6 +267,6 @@ def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def state_bytes(state: Any) -> int:
+def state_bytes(state: dict[str, Any]) -> int:
     """The bytes of the tensors of a replicated state (what a rank reads when it reads every slice)."""
     return sum(t.numel() * t.element_size() for _, t in slicing.split(state)[1])

@@ -30,17 +30,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from hpc_ddp.rank.state.checkpointer import stage
+from hpc_ddp.rank.state.checkpointer import Restored, stage
 from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, a_type, explain
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields
 from hpc_ddp.rundir.snapshot import PER_RANK_REASON, REASONS_JOIN
 from hpc_ddp.core.slurm_env import DistEnv
+
+if TYPE_CHECKING:
+    from hpc_ddp.core.config import TrainConfig
 
 log = logging.getLogger("hpc_ddp.run")  # its warnings belong to the run API's resume
 ELASTIC = ("refuse", "fresh")
@@ -59,7 +62,7 @@ class ResizeRefused(HpcDdpError):
     retry_may_help = True
 
 
-def unwrap(model: Any) -> Any:
+def unwrap(model: object) -> Any:
     """The module under DDP (and torch.compile): snapshots and model.pt hold plain parameter names."""
     while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
         model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
@@ -70,11 +73,11 @@ def unwrap(model: Any) -> Any:
 class PerRank:
     """A tracked object whose value differs by rank (made by :func:`per_rank`)."""
 
-    obj: Any
+    obj: Any  # the user's object: a dict, a torch.Generator, or anything with state_dict()
     elastic: str = "refuse"
 
 
-def per_rank(obj: Any, elastic: str = "refuse") -> PerRank:
+def per_rank(obj: object, elastic: str = "refuse") -> PerRank:
     """Mark ``obj`` for ``run.resume`` as per-rank state: saved and restored per rank, like the RNG.
 
     ``obj``: a dict (of tensors, numbers, strings, lists; restored in place), a
@@ -98,11 +101,11 @@ def per_rank(obj: Any, elastic: str = "refuse") -> PerRank:
     return PerRank(obj, elastic)
 
 
-def _has_state_dict(obj: Any) -> bool:
+def _has_state_dict(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def check_trackable(name: str, obj: Any) -> None:
+def check_trackable(name: str, obj: object) -> None:
     """Refuse what run.resume cannot save and restore, with what to track instead."""
     if isinstance(obj, DistributedSampler):
         raise RunUsageError(explain(
@@ -117,7 +120,7 @@ def check_trackable(name: str, obj: Any) -> None:
                              "hpc_ddp.per_rank(obj)"), key=name)
 
 
-def state_of(obj: Any) -> Any:
+def state_of(obj: object) -> Any:
     """What a snapshot keeps of one tracked object."""
     if isinstance(obj, torch.Generator):
         return obj.get_state()
@@ -126,7 +129,7 @@ def state_of(obj: Any) -> Any:
     return unwrap(obj).state_dict()
 
 
-def load_into(obj: Any, state: Any, device: torch.device | None = None) -> None:
+def load_into(obj: object, state: Any, device: torch.device | None = None) -> None:
     """Put a saved state back into ``obj`` in place (a dict's tensors go where the built one's were)."""
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
@@ -155,14 +158,14 @@ def staged(objects: Mapping[str, PerRank], cuda: bool = False) -> dict[str, Any]
     return {name: _compact(state_of(p.obj), cuda) for name, p in objects.items()}
 
 
-def serialize(state: Any, out: BinaryIO) -> None:
+def serialize(state: object, out: BinaryIO) -> None:
     """The per-rank format: torch's pickle format, not its zip one (packed at every boundary for the mirror, it
     is 2.5 x faster, 50 us against 127 for a batch and a counter, and a third of the size); torch.load reads
     either, ``weights_only``."""
     torch.save(state, out, _use_new_zipfile_serialization=False)
 
 
-def _compact(value: Any, cuda: bool = False) -> Any:
+def _compact(value: object, cuda: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if cuda and value.is_cuda:
@@ -195,7 +198,7 @@ def unloadable(objects: Mapping[str, PerRank]) -> str | None:
     return None
 
 
-def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | None, restored: Any, rank: int,
+def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | None, restored: Restored, rank: int,
                      world_size: int, device: torch.device) -> str | None:
     """Put this rank's saved values back into ``objects``; the problem (refused per ``elastic``), or None.
 
@@ -222,7 +225,7 @@ def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | 
     return problem
 
 
-def resize_refusal(objects: Mapping[str, PerRank], train: Any) -> str | None:
+def resize_refusal(objects: Mapping[str, PerRank], train: TrainConfig) -> str | None:
     """Why a resume of this run at another world size would be refused, or None: the per-rank state tracked
     with ``elastic="refuse"`` (named), and a global batch that follows the world size. Recorded in every
     snapshot's manifest for the batch shell (:func:`hpc_ddp.rundir.snapshot.refuses_resize`)."""

@@ -20,11 +20,14 @@ import logging
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpc_ddp.core.codes import PEER_SYMPTOMS
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir import jit_files
+
+if TYPE_CHECKING:
+    from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.session")
 SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
@@ -97,6 +100,6 @@ def peer_lost(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_SYMPTOMS)
 
 
-def marker(run_dir: Path, env: Any) -> Path:
+def marker(run_dir: Path, env: DistEnv) -> Path:
     """The attempt's mark that a stop signal broke a step (in its survivors' snapshot folder)."""
     return jit_files.folder(run_dir, env.job_id, env.restart_count, env.in_job) / jit_files.BROKEN_STOP_MARK

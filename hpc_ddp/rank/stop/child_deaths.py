@@ -25,6 +25,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from hpc_ddp.core.stopping import StopFlag
@@ -40,7 +41,7 @@ class ChildDeaths:
         self.held: Handler | None = None  # the handler this one stands in for
         self.pending = False
 
-    def _noted(self, signum: int, frame: Any) -> None:
+    def _noted(self, signum: int, frame: FrameType | None) -> None:
         self.pending = True
 
     def at_boundary(self) -> None:

@@ -71,6 +71,7 @@ from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
 from hpc_ddp.rundir.ledger import attempt_tag, crash_marker
 
 if TYPE_CHECKING:
+    from hpc_ddp.core.config import DistConfig
     from hpc_ddp.core.slurm_env import DistEnv
 
 
@@ -318,8 +319,8 @@ def _rewrite(path: Path, data: bytes) -> None:
         rewrite_in_place(path, data)
 
 
-def start(run_dir: Path, dist: Any, env: DistEnv, environ: Mapping[str, str], *, on_lost: Callable[[str], Any],
-          on_heard: Callable[[str], Any]) -> Liveness | None:
+def start(run_dir: Path, dist: DistConfig, env: DistEnv, environ: Mapping[str, str], *,
+          on_lost: Callable[[str], Any], on_heard: Callable[[str], Any]) -> Liveness | None:
     """This rank's beats for the attempt, started; None when liveness is off (rank 0 says why when the
     config asked for it) or the rank is alone. The session passes how it exits (rank/attempt/failure.py)."""
     window = effective(dist.liveness_s, dist.timeout_s)
