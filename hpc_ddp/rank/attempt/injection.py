@@ -14,11 +14,12 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hpc_ddp.core.codes import DIE_AT_VAR, HOLD_AT_VAR
 
 if TYPE_CHECKING:
+    from hpc_ddp.core.stopping import StopFlag
     from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.rank.loop.run import Run
 
@@ -43,7 +44,7 @@ def on_step(attempt: Attempt, run: Run) -> Callable[[int], None] | None:
     return hook
 
 
-def _die_after(last: int, then: Any, run: Run, step: int) -> None:
+def _die_after(last: int, then: Callable[[int], None] | None, run: Run, step: int) -> None:
     """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run and its per-rank
     state of that step has left for its buddy (posted by the mirror's sender thread, within a millisecond or
     so), as in a node lost during the next step."""
@@ -59,7 +60,7 @@ def _steps(text: str) -> frozenset[int]:
     return frozenset(int(part) for part in text.split(",") if part.strip())
 
 
-def _hold_for_stop(steps: frozenset[int], flag: Any, step: int) -> None:
+def _hold_for_stop(steps: frozenset[int], flag: StopFlag, step: int) -> None:
     """The rehearsal's injected stop (``--preempt-at``/``--timeout-at``): rank 0 reports the step and waits, at
     most ``HOLD_S``, for the signal the launcher sends on reading that report. Without the wait a short run on
     a loaded machine could finish before the signal lands, and the stop under test would never happen."""

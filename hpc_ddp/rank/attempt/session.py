@@ -20,7 +20,7 @@ import hashlib
 import logging
 import multiprocessing.forkserver
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,10 @@ from hpc_ddp.rundir.runlock import RunLockedError, acquire, release
 from hpc_ddp.core.slurm_env import DistEnv
 
 if TYPE_CHECKING:
+    import torch
+
     from hpc_ddp.rank.loop.run import Run
+    from hpc_ddp.rank.watch.watchdog import Watchdog
 
 log = logging.getLogger("hpc_ddp.session")
 CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
@@ -150,7 +153,7 @@ def _group_options(attempt: Attempt) -> dict[str, Any]:
                             functools.partial(store_moved.announce, attempt.run_dir, tag))}
 
 
-def _group_ready(attempt: Attempt, device: Any) -> None:
+def _group_ready(attempt: Attempt, device: torch.device) -> None:
     """Every rank is past the rendezvous: liveness listens for declarations, and rank 0 logs the group and
     keeps, for the ledger, which network NCCL chose between nodes."""
     import torch.distributed as dist
@@ -167,7 +170,7 @@ def _group_ready(attempt: Attempt, device: Any) -> None:
         attempt.record["nccl_net"] = dict(nccl_report.FOUND)
 
 
-def _new_run(attempt: Attempt, device: Any, watchdog: Any) -> Run:
+def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     """The run handed to the program, with what it calls back: the rehearsal's hooks after each step
     (rank/attempt/injection.py), the ledger line at the agreed stop, and what a failure sets off
     (rank/attempt/failure.py)."""
@@ -202,7 +205,8 @@ def beating(attempt: Attempt) -> Iterator[None]:
             attempt.liveness.leave()
 
 
-def lock(run_dir: Path, me: dict[str, Any], env: DistEnv, from_main: Any) -> None:
+def lock(run_dir: Path, me: dict[str, Any], env: DistEnv,
+         from_main: Callable[[str | None], str | None]) -> None:
     """Rank 0 takes the run dir's lock; every rank learns whether it could, and raises rank 0's error
     word for word: whichever rank's message reaches the user first names the job that holds the run dir."""
     problem: HpcDdpError | None = None
