@@ -29,7 +29,7 @@ elif ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     packages+=(python3-venv)  # Debian splits ensurepip out of python3
 fi
 if ! command -v g++ >/dev/null; then
-    packages+=(g++)  # torch.compile's CPU backend (inductor) builds C++ kernels: tests/test_compile.py
+    packages+=(g++)  # torch.compile's CPU backend (inductor) builds C++ kernels: tests/rank/test_compile.py
 fi
 if [ "$want_slurm" = 1 ]; then
     for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd bindfs ip; do

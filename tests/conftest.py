@@ -40,11 +40,14 @@ if os.environ.get("CI"):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that uses the real cluster is marked ``slurm`` (no test can forget it), so ``-m slurm`` and
-    ``-m "not slurm"`` select the cluster tests and the rest."""
+    """Every test that uses the real cluster is marked ``slurm`` and ``cluster`` (no test can forget it), so
+    ``-m "not cluster"`` is a developer's loop without the cluster (``-m "not slurm"`` also leaves out the few
+    that only ask ``scontrol``). The cluster's tests run last, after every test that need not wait for them."""
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) or "/tests/cluster/" in str(item.path):
             item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.cluster)
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
 
 
 def unavailable(reason: str) -> None:

@@ -31,7 +31,7 @@ def job_gone(job: str) -> bool:
 def finished(run_dir: Path) -> bool:
     """The run is over and recorded: DONE.json exists and the ledger's last line says "finished".
 
-    DONE.json is written after the ledger's finished line (tests/test_local_training.py checks the order);
+    DONE.json is written after the ledger's finished line (tests/rehearsal/test_local_training.py checks the order);
     both are checked all the same, as a user's poller might.
     """
     if not (run_dir / "DONE.json").exists():  # the cheap check first: this is polled

@@ -8,7 +8,7 @@
 - ``hpc_ddp.session`` stays the context manager after its module is imported (it became the module before).
 - A job submitted before the move still runs after it: submitit's pickled callable (kept in
   tests/golden/before_layout_move) resolves, and the sbatch scripts emitted then run on the real cluster
-  (tests/test_submit_slurm.py submits them; here, the entry points they name).
+  (tests/cluster/test_submit_slurm.py submits them; here, the entry points they name).
 """
 
 from __future__ import annotations

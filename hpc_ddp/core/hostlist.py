@@ -3,7 +3,7 @@
 Why not call ``scontrol show hostnames``: it needs a Slurm config on the node,
 costs a process per call, and is absent in the local simulation. The rules
 below are Slurm 22.05's (checked against ``scontrol show hostnames``, see
-``tests/test_hostlist.py``):
+``tests/core/test_hostlist.py``):
 
 * items are separated by commas or whitespace; empty items are skipped;
 * a bracket group holds comma-separated numbers or ``lo-hi`` ranges; the width

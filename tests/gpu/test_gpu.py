@@ -11,7 +11,7 @@ What one GPU cannot show: NCCL refuses two ranks on one device, so every NCCL te
 world size 1, where no peer can wedge a communicator. A hang here is one rank stalled outside any
 collective (the watchdog's path), and a crash ends the attempt whether the code aborts the
 communicator or destroys it. Multi-rank failures (a peer dead inside a collective) are tested on
-gloo (tests/test_faults.py: a crashing rank ends the job fast); a wedged NCCL communicator, and
+gloo (tests/rehearsal/test_faults.py: a crashing rank ends the job fast); a wedged NCCL communicator, and
 abort instead of destroy, wait for a machine with two GPUs.
 """
 

@@ -1,4 +1,4 @@
-"""An own loop that compiles itself, for the compiled-heal cluster test (tests/test_compile_slurm.py).
+"""An own loop that compiles itself, for the compiled-heal cluster test (tests/cluster/test_compile_slurm.py).
 
 The order that compiles: ``DistributedDataParallel(torch.compile(model))``. A tiny MLP, Adam, and each
 step's batch made from (seed, step, rank) alone, so an attempt that resumes at any step draws what an

@@ -1,4 +1,4 @@
-"""tests/test_nfs_view.py's scenario through the local cluster's real cached views (issue 55): run with srun on
+"""tests/rundir/test_nfs_view.py's scenario through the local cluster's real cached views (issue 55): run with srun on
 one node per phase, ``python -m tests.tasks.nfs_scenario PHASE RUN_DIR``, each printing one JSON line.
 
 - ``look`` (node B): the attempt's first looks, before anything is committed or declared: step 22's directory

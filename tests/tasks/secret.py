@@ -1,4 +1,4 @@
-"""An own loop that shows what the ranks got from ``${oc.env:...}`` without writing it (tests/test_security_boundary.py)."""
+"""An own loop that shows what the ranks got from ``${oc.env:...}`` without writing it (tests/core/test_security_boundary.py)."""
 
 from __future__ import annotations
 

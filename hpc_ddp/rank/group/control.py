@@ -13,7 +13,7 @@ On gloo too the control traffic has a group of its own: a collective in the user
 some ranks issue (an evaluation's all_reduce on rank 0 alone) would otherwise be matched with our
 stop agreement on the others: a silent wrong value, or a mismatch error that names our collective.
 On its own group the user's collective waits for partners that never come, and the hang watchdog
-names it (tests/test_control.py). The cost, one more gloo group, is in docs/performance.md (B2).
+names it (tests/rank/test_control.py). The cost, one more gloo group, is in docs/performance.md (B2).
 The control groups connect lazily (``TORCH_GLOO_LAZY_INIT=1`` while they are made, unless the
 user set it): gloo would otherwise connect every pair of ranks before the group returns, a cost
 that grows with the world size (B12 in docs/performance.md: 85 ms at 32 ranks here, about 12 s at

@@ -5,7 +5,7 @@ fresh pageable memory, synchronously, before writing it (0.38 x ``dd`` for 2 GB 
 pipeline (:mod:`hpc_ddp.rank.state.pipeline`) instead cuts the state into chunks and asks a copier to move
 each into pinned host memory, so the writer can hash and write chunk k while chunk k+1 is still crossing
 the bus. The copier is the only part that talks to the device, so the pipeline's chunking, ordering and
-error handling are tested on the CPU with a fake copier (tests/test_snapshot_pipeline.py) and the real one
+error handling are tested on the CPU with a fake copier (tests/rank/test_snapshot_pipeline.py) and the real one
 is only a few lines of CUDA streams and events.
 
 The protocol, in the order the pipeline calls it:

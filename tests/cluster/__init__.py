@@ -1,0 +1,1 @@
+"""Tests on the real local Slurm cluster (nodes as machines): marked slurm and cluster."""

@@ -1,0 +1,1 @@
+"""Tests of hpc_ddp.core: pure code that runs anywhere."""

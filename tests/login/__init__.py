@@ -1,0 +1,1 @@
+"""Tests of the login node: submit, status, preflight, sbatch (never torch)."""

@@ -1,0 +1,1 @@
+"""Tests through the local rehearsal: whole runs on one machine, faults included."""

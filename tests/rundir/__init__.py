@@ -1,0 +1,1 @@
+"""Tests of hpc_ddp.rundir: the files of the run directory."""
