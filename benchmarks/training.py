@@ -162,7 +162,7 @@ def _count(variant: str, mirror: Any) -> None:
     (a newer one replaced them while a send was on its way), and bytes on the wire."""
     if mirror is None:
         return
-    from hpc_ddp.rank.salvage.mirror import BYTES, DELTA, FLAT, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror_wire import BYTES, DELTA, FLAT, UNCHANGED
 
     kinds = mirror.sent_kinds
     got = {"whole": kinds[BYTES] + kinds[FLAT], "delta": kinds[DELTA], "unchanged": kinds[UNCHANGED],

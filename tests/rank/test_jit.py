@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from hpc_ddp.rank.state.rng import reseed
-from hpc_ddp.rank.salvage.jit import Held, buffers, fingerprint
+from hpc_ddp.rank.salvage.jit import Held, buffers
+from hpc_ddp.rank.salvage.jit_checks import fingerprint
 from hpc_ddp.rundir import jit_files, retention, slicing, snapshot, snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.losses import jit_fields
@@ -264,7 +265,7 @@ def test_rank_0_warns_at_resume_when_a_failure_would_lose_everything(caplog: pyt
     from types import SimpleNamespace
 
     from hpc_ddp.core.config import RunConfig
-    from hpc_ddp.rank.salvage.jit import warn_unprotected
+    from hpc_ddp.rank.salvage.jit_checks import warn_unprotected
 
     cfg = RunConfig()
     cfg.snapshot.every_steps, cfg.snapshot.every_minutes = None, None
@@ -794,7 +795,7 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     or writers that cut the state differently, is not committed."""
     from types import SimpleNamespace
 
-    from hpc_ddp.rank.salvage.jit import replicas_of, split_over
+    from hpc_ddp.rank.salvage.jit_write import replicas_of, split_over
     from hpc_ddp.rank.salvage.jit_commit import complete
 
     assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {}) == (2, 4)

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.rank.salvage.mirror import FIRST_SIZE, buddy_of, ward_of
+from hpc_ddp.rank.salvage.mirror import buddy_of, ward_of
+from hpc_ddp.rank.salvage.mirror_wire import FIRST_SIZE
 from tests.helpers import spawn_ranks
 
 
@@ -246,7 +247,7 @@ def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
     import torch.distributed as dist
 
     from hpc_ddp.rank.group import control
-    from hpc_ddp.rank.salvage import flat, mirror as mirror_module
+    from hpc_ddp.rank.salvage import flat, mirror as mirror_module, mirror_send
     from hpc_ddp.rank.salvage.mirror import Mirror
     from hpc_ddp.rank.state.tracked import unpack
 
@@ -255,7 +256,7 @@ def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
     with control.lazily():
         group = mirror_module.new_group()
     if scenario == "drop":
-        mirror_module.FULL_EVERY = 8  # messages 1 and 9 go whole: the one dropped at step 5 is mended at step 9
+        mirror_send.FULL_EVERY = 8  # messages 1 and 9 go whole: the one dropped at step 5 is mended at step 9
     wire: list[tuple[int, int]] = []  # (step, bytes) of each message posted
     kept_right: list[list[tuple[int, bool]]] = []  # after each message received: (step, exact) newest first
 
@@ -299,7 +300,7 @@ def newest_two(kept: list[list[tuple[int, bool]]]) -> list[list[int]]:
 
 
 def test_an_unchanged_state_goes_as_a_header_alone() -> None:
-    from hpc_ddp.rank.salvage.mirror import DELTA, FLAT, HEADER, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror_wire import DELTA, FLAT, HEADER, UNCHANGED
 
     for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "unchanged", timeout=60):
         assert kinds[FLAT] == 1 and kinds[UNCHANGED] == 11 and kinds[DELTA] == 0
@@ -312,7 +313,7 @@ def test_an_unchanged_state_goes_as_a_header_alone() -> None:
 
 
 def test_a_delta_of_the_changed_leaves_leaves_the_bytes_a_whole_send_gives() -> None:
-    from hpc_ddp.rank.salvage.mirror import DELTA, FLAT, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror_wire import DELTA, FLAT, UNCHANGED
 
     for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "delta", timeout=60):
         assert kinds[FLAT] == 1 and kinds[DELTA] == 11 and kinds[UNCHANGED] == 0
@@ -328,7 +329,7 @@ def test_the_last_two_states_are_held_exactly_whatever_messages_brought_them(sce
     one whose messages are whole, deltas and "unchanged" in every order. After every message the receiver holds
     the ward's state of that step and of the message before, byte for byte what a whole send of each gives,
     and ``held`` gives both ranks' states of the last two boundaries exactly."""
-    from hpc_ddp.rank.salvage.mirror import BYTES, DELTA, FLAT, UNCHANGED
+    from hpc_ddp.rank.salvage.mirror_wire import BYTES, DELTA, FLAT, UNCHANGED
 
     for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, scenario, timeout=60):
         if scenario == "whole":
@@ -361,7 +362,8 @@ def test_the_boundary_never_writes_into_the_last_state_or_the_one_before() -> No
     of the step before reuses its bytes."""
     import torch
 
-    from hpc_ddp.rank.salvage.mirror import IN_FLIGHT, Mirror
+    from hpc_ddp.rank.salvage.mirror import Mirror
+    from hpc_ddp.rank.salvage.mirror_send import IN_FLIGHT
 
     mirror = Mirror(0, 1, 2, group=None)  # never started: no message goes anywhere
     taken: list[torch.Tensor] = []

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.rank.group import control, tiers
-from hpc_ddp.rank.salvage import jit, mirror
+from hpc_ddp.rank.salvage import jit, jit_checks, mirror
 from hpc_ddp.rank.state import replication, restore
 from hpc_ddp.rank.state.replication import params_sha256
 from hpc_ddp.rundir import layout
@@ -174,7 +174,7 @@ class Run:
         self.mirror = mirror.open_for(self)
         if self.held is not None:
             self._mark(self.step)
-            jit.warn_unprotected(self)
+            jit_checks.warn_unprotected(self)
         for ddp in ddps if self.world_size > 1 else []:
             settle_buckets_on_first_forward(ddp)
         if self.on_step is not None:

@@ -60,10 +60,10 @@ def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, 
 
 def complete(run: Survivor, folder: Path) -> str:
     """Commit the newest written step whose set is complete: every slice of the state written by a survivor
-    (the whole state by one, or each node's share by that node, :func:`hpc_ddp.rank.salvage.jit.split_over`), no source
-    of it holds another state, and (with per_rank objects) every rank's per-rank state of that step is in some
-    survivor's file. Any survivor may complete it; the attempt's commit claim makes one the committer. Otherwise say
-    what is missing."""
+    (the whole state by one, or each node's share by that node,
+    :func:`hpc_ddp.rank.salvage.jit_write.split_over`), no source of it holds another state, and (with
+    per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any survivor may
+    complete it; the attempt's commit claim makes one the committer. Otherwise say what is missing."""
     env = run.env
     offers = jit_files.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
     steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)}, reverse=True)
