@@ -20,8 +20,6 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
-import socket
 import sys
 import time
 import warnings
@@ -29,25 +27,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
-from hpc_ddp.rank.stop.broken_step import StoppedMidStep, peer_lost
-from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import layout
+from hpc_ddp.core.codes import EXIT_ERROR, EXIT_LOCKED
 from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError, first_line
+from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.core.run_dir_mode import loose_folders, run_dir_folders
-from hpc_ddp.core.codes import EXIT_ERROR
-from hpc_ddp.rundir import beats, node_share
-from hpc_ddp.core import store_ports
-from hpc_ddp.rundir import node_local
-from hpc_ddp.rundir.node_local import NodeLocalError
-from hpc_ddp.rundir.ledger import (attempt_fields, attempt_tag, cap_reached, caps, note_error, parse_attempts,
-                                   read_attempts, record_error)
-from hpc_ddp.core.stopping import signal_number
-from hpc_ddp.core.codes import EXIT_LOCKED
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
+from hpc_ddp.rank.attempt.start import node_folder, prepare, read_config
+from hpc_ddp.rank.stop.broken_step import StoppedMidStep, peer_lost
+from hpc_ddp.rundir.ledger import attempt_fields, note_error, record_error
 from hpc_ddp.rundir.runlock import RunLockedError
-from hpc_ddp.core.slurm_env import DistEnv, from_environ
-from hpc_ddp.core.whoami import describe
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.loop.run import Run
@@ -57,22 +47,15 @@ log = logging.getLogger("hpc_ddp.worker")
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
-def setup_logging(env: DistEnv) -> None:
-    """Rank-prefixed lines; every rank logs warnings, rank 0 also progress."""
-    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING, force=True, stream=sys.stderr,
-                        format=f"[rank {env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-
-
-
 def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = None) -> int:
     """One attempt of the run described by ``config_path``, as the rank ``environ`` says this is.
 
     Returns 0 when training finished (or had finished before), EXIT_REQUEUE when it
     stopped at a committed snapshot for a requeue, 1 when a requeue cap is reached.
     """
-    folder, tag = _node_folder(Path(config_path).parent, environ)
-    prepared = _prepare(_config(Path(config_path), folder, tag), environ, flag or StopFlag(), folder, tag)
+    folder, tag = node_folder(Path(config_path).parent, environ)
+    cfg = read_config(Path(config_path), folder, tag)
+    prepared = prepare(cfg, environ, flag or StopFlag(), folder, tag)
     if isinstance(prepared, int):
         return prepared
     cfg, env = prepared[0], prepared[1]
@@ -81,63 +64,6 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
     except HpcDdpError as err:
         _record(env, Path(cfg.run_dir), err)
         raise
-
-
-Prepared = tuple[RunConfig, DistEnv, Mapping[str, str], StopFlag, list[dict[str, Any]], dict[str, int]]
-
-
-def _node_folder(run_dir: Path, environ: Mapping[str, str]) -> tuple[Path | None, str]:
-    """Where this node's ranks share what they read from the run dir at the start (rundir/node_share.py), and the
-    tag with the attempt's token that every copy there carries; no folder for a rank alone on its node, or a
-    place the environment does not give yet (the error comes later)."""
-    try:
-        env = from_environ(environ)
-        if env.local_world_size < 2:
-            return None, ""
-        tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
-        return beats.node_dir(run_dir, tag, env.node_rank), beats.local_tag(run_dir, tag)
-    except NodeLocalError:
-        raise  # a folder or a secret that is not this user's own: said now
-    except Exception:  # noqa: BLE001 - _prepare derives it again and raises what is wrong, with the config's port
-        return None, ""
-
-
-def _config(path: Path, folder: Path | None, tag: str) -> RunConfig:
-    """The run's config, read from the run dir once per node; an error names the run dir's file."""
-    if folder is not None and node_share.read_once(path, folder, tag) is not None:
-        copy = node_share.copy_of(path, folder, tag)
-        try:
-            if copy is not None:
-                return load_config([copy])
-        except HpcDdpError:
-            pass  # said again below, naming the file the user knows
-    return load_config([path])
-
-
-def _prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
-             folder: Path | None = None, tag: str = "") -> Prepared | int:
-    """This rank's place, signal handlers and logging; an exit code instead when there is nothing to do
-    (the run finished before) or a preempted job came back once more than slurm.max_preemptions allows."""
-    environ = with_store_ports(with_config_port(environ, cfg), cfg)
-    env = from_environ(environ)
-    flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
-    setup_logging(env)
-    log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
-    run_dir = Path(cfg.run_dir)
-    if layout.done(run_dir).exists():
-        log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
-        return 0
-    limits = caps(cfg.slurm)
-    if folder is not None:  # the ledger as this node's first rank read it
-        attempts = parse_attempts((node_share.read_once(layout.ledger(run_dir), folder, tag) or b"").decode(
-            errors="replace"), str(layout.ledger(run_dir)))
-    else:
-        attempts = read_attempts(run_dir)
-    capped = cap_reached("preemption", attempts, limits)
-    if capped:  # Slurm requeued a preempted job once more than allowed
-        log.error("%s", capped)
-        return 1
-    return cfg, env, environ, flag, attempts, limits
 
 
 def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
@@ -244,7 +170,7 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
     script = Path(sys.argv[0] or "script.py")
     defaults = [] if path else [f"name={script.stem}", f"train.script={script}"]
     cfg = load_config([Path(path)] if path else [], [*defaults, *overrides])
-    prepared = _prepare(cfg, environ, StopFlag())
+    prepared = prepare(cfg, environ, StopFlag())
     if isinstance(prepared, int):
         raise SystemExit(prepared)
 
@@ -272,29 +198,6 @@ def placed(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> Mapping[
         return environ
     os.environ.update(exports)  # gloo and NCCL read them from this process's environment; a script's child too
     return {**environ, **exports}
-
-
-def with_config_port(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:
-    """``dist.master_port`` as MASTER_PORT unless the environment names one (it wins, as torchrun's does)."""
-    if cfg.dist.master_port is None or "MASTER_PORT" in environ:
-        return environ
-    return {**environ, "MASTER_PORT": str(cfg.dist.master_port)}
-
-
-def with_store_ports(environ: Mapping[str, str], cfg: RunConfig) -> Mapping[str, str]:
-    """A Slurm task whose port nobody chose: the attempt's unguessable ports and the key that proves its store
-    (:mod:`hpc_ddp.core.store_ports`), instead of a port derived from the public job id."""
-    if "MASTER_PORT" in environ:
-        return environ  # chosen by you (or dist.master_port)
-    try:
-        env = from_environ(environ)
-    except HpcDdpError:
-        return environ  # said where the caller derives it again
-    if env.source != "slurm":
-        return environ  # torchrun's store, or one process outside any srun step
-    tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
-    secret = node_local.run_secret(cfg.run_dir)
-    return {**environ, **store_ports.exported(secret, tag, node_local.token(cfg.run_dir, tag))}
 
 
 def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:

@@ -15,7 +15,7 @@ import pytest
 from hpc_ddp.core import store_ports
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.slurm_env import from_environ, simulated_environ
-from hpc_ddp.rank.worker import with_store_ports
+from hpc_ddp.rank.attempt.start import with_store_ports
 from hpc_ddp.rehearsal.local import free_port
 from tests.helpers import spawn_ranks
 

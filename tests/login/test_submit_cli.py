@@ -11,7 +11,7 @@ from hpc_ddp.core.config import load_config, save_config
 from hpc_ddp.login.status import main as status
 from hpc_ddp.login.submit import main as submit
 from hpc_ddp.core.whoami import main as whoami
-from hpc_ddp.rank.worker import with_config_port
+from hpc_ddp.rank.attempt.start import with_config_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = str(ROOT / "examples" / "mlp.yaml")

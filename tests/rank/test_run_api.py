@@ -11,7 +11,8 @@ from hpc_ddp.rank.state.restore import load_per_rank
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import ConfigError, UsageError
-from hpc_ddp.rank.loop.run import Run, RunUsageError
+from hpc_ddp.rank.loop.run import Run
+from hpc_ddp.rank.state.tracked import RunUsageError
 from hpc_ddp.rank.loop.sampler import ShardSampler
 from hpc_ddp.core.slurm_env import from_environ
 from hpc_ddp.rank.loop.task import TaskError, load_loop

@@ -131,15 +131,15 @@ def test_a_wrong_typed_line_is_named_and_skipped(tmp_path: Path, caplog: pytest.
 
 
 def _prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_preemptions: int) -> object:
-    """What a rank's start (worker._prepare: the preemption cap) makes of the run dir; signals and logging left
+    """What a rank's start (start.prepare: the preemption cap) makes of the run dir; signals and logging left
     alone."""
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank import worker
+    from hpc_ddp.rank.attempt import start
 
     monkeypatch.setattr(StopFlag, "install", lambda self, signums: None)
-    monkeypatch.setattr(worker, "setup_logging", lambda env: None)
+    monkeypatch.setattr(start, "setup_logging", lambda env: None)
     cfg = load_config([MLP], [f"run_dir={tmp_path / 'run'}", f"slurm.max_preemptions={max_preemptions}"])
-    return worker._prepare(cfg, {}, StopFlag())
+    return start.prepare(cfg, {}, StopFlag())
 
 
 def test_a_ranks_start_reads_past_a_wrong_typed_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -73,7 +73,7 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     process group is torn down on every exit path.
     """
     from hpc_ddp.rank.group.distributed import default_store, from_main, process_group
-    from hpc_ddp.rank.loop.run import LoopIgnoredStop
+    from hpc_ddp.rank.loop.misuse import LoopIgnoredStop
     from hpc_ddp.rank.watch.watchdog import Watchdog
 
     timeline.reset()

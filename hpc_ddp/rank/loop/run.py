@@ -14,53 +14,46 @@ Everything else is the stop protocol, in this one place: the stop flag agreed by
 one boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by
 step count or by rank 0's clock (sync, or async with the copy in the step), the stop
 snapshot, every rank's RNG captured and restored, the hang watchdog's heartbeat, the final
-model and DONE marker. Who writes which file is the checkpointer's business; what happens
+model and DONE marker. Its pieces with a job of their own sit beside it: how ranks agree
+(:mod:`~hpc_ddp.rank.loop.agreement`), what a snapshot holds
+(:mod:`~hpc_ddp.rank.loop.step_state`), the end of a finished run
+(:mod:`~hpc_ddp.rank.loop.finish`), a loop's wrong calls (:mod:`~hpc_ddp.rank.loop.misuse`).
+Who writes which file is the checkpointer's business; what happens
 after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.rank.attempt.session`).
 """
 
 from __future__ import annotations
 
-import io
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.rank.group import control, tiers
-from hpc_ddp.rank.salvage import jit, jit_checks, mirror
-from hpc_ddp.rank.state import replication, restore
-from hpc_ddp.rank.state.replication import params_sha256
-from hpc_ddp.rundir import layout
-from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.batching import BatchPlan, plan
-from hpc_ddp.rank.stop.broken_step import stop_came_first
-from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Checkpointer
-from hpc_ddp.rank.stop.child_deaths import ChildDeaths
-from hpc_ddp.rank.state.rng import capture_rng, reseed
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.rank.state.ddp_settle import ddp_in, settle_buckets_on_first_forward, sync_buffers
-from hpc_ddp.core.errors import explain
+from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.stopping import StopFlag
+from hpc_ddp.rank.loop import agreement
 from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
 from hpc_ddp.rank.loop.compiling import at_first_boundary
+from hpc_ddp.rank.loop.finish import finish_run
+from hpc_ddp.rank.loop.misuse import check_resume, check_step
 from hpc_ddp.rank.loop.sampler import ShardSampler
-from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank.state.tracked import (PerRank, RunUsageError, check_trackable, pack, resize_refusal, staged, state_of,
-                                         unloadable, unwrap)
+from hpc_ddp.rank.loop.step_state import checked_state, per_rank_state
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.metrics.run_metrics import MetricsLog
-
-log = logging.getLogger("hpc_ddp.run")
-
-
-class LoopIgnoredStop(RunUsageError):
-    """The loop called run.boundary again after it returned True. The session ends the attempt as the stop
-    it was (the stop snapshot is committed; the steps after it are dropped) and the ledger says so."""
+from hpc_ddp.rank.salvage import jit, jit_checks, mirror
+from hpc_ddp.rank.state import restore
+from hpc_ddp.rank.state.checkpointer import STEP, Checkpointer
+from hpc_ddp.rank.state.ddp_settle import ddp_in, settle_buckets_on_first_forward, sync_buffers
+from hpc_ddp.rank.state.replication import params_sha256  # noqa: F401  (public: docs/reference.md)
+from hpc_ddp.rank.state.rng import reseed
+from hpc_ddp.rank.state.tracked import PerRank, check_trackable, resize_refusal, state_of
+from hpc_ddp.rank.stop.broken_step import stop_came_first
+from hpc_ddp.rank.stop.child_deaths import ChildDeaths
 
 
 class Run:
@@ -83,7 +76,7 @@ class Run:
         self.tracked: dict[str, Any] = {}  # replicated: one copy in the snapshot, checked alike on every rank
         self.per_rank: dict[str, PerRank] = {}  # saved and restored per rank, like the RNG
         self.boundaries = 0  # run.boundary calls in this attempt: a loop that makes none cannot honour a stop
-        self._per_rank_checked = False
+        self.per_rank_checked = False  # per_rank's unloadable objects refused once (step_state.py)
         self.step = 0
         self.resumed_from: int | None = None
         self.resume_read: dict[str, Any] | None = None  # rank 0: bytes the resume read from snapshot files
@@ -139,13 +132,7 @@ class Run:
         :mod:`hpc_ddp.rank.state.ddp_settle`), so a resumed run sums gradients in
         the same order as one that never stopped.
         """
-        if positional:
-            raise RunUsageError(explain(
-                f"run.resume() takes its objects by name; found {len(positional)} positional argument(s) "
-                f"({', '.join(type(p).__name__ for p in positional)})",
-                hint="run.resume(model=model, optimizer=optimizer, sampler=sampler): the names key the snapshot"))
-        if self._resumed:
-            raise RunUsageError(explain("run.resume() was called twice", hint="call it once, before the loop"))
+        check_resume(positional, self._resumed)
         for name, obj in objects.items():
             if obj is not None:
                 check_trackable(name, obj)
@@ -192,7 +179,7 @@ class Run:
         the step and written in the background with ``snapshot.async_write``); the stop
         snapshot is always synchronous and committed when this returns True.
         """
-        self._check_step(step)
+        check_step(step, self.step, self._resumed, self.stopped)
         ckpt = self.checkpointer
         self.step = step
         self.boundaries += 1
@@ -206,7 +193,8 @@ class Run:
         if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
             # what snapshots will hold is checked now, not at the first one (none may come before a failure,
             # and a survivors' snapshot would then be refused for it)
-            self._checked_state(step, f"stopped at the first run.boundary of this attempt (step {step})")
+            doing = f"stopped at the first run.boundary of this attempt (step {step})"
+            checked_state(self, step, doing)
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
@@ -231,86 +219,32 @@ class Run:
         then rank 0's buffers to every rank (rank/salvage/held.py: a survivors' snapshot holds them, rank 0 lost or not)."""
         self.held.mark(step)
         if self.mirror is not None:
-            self.mirror.mark(step, self._per_rank_state(cuda=True))
+            self.mirror.mark(step, per_rank_state(self, cuda=True))
         if self._broadcasts_buffers and all([sync_buffers(obj) for obj in self._broadcasts_buffers]):
             self.held.synced()
-
-    def _check_step(self, step: int) -> None:
-        if not self._resumed:
-            raise RunUsageError(explain("run.boundary() before run.resume()",
-                                        hint="call step = run.resume(model=..., optimizer=...) before the loop"))
-        if self.stopped:
-            raise LoopIgnoredStop(explain(f"run.boundary({step}) after it returned True at step {self.step}",
-                                        hint="leave the loop (return) when run.boundary(step) is True: the "
-                                        "snapshot is committed and the job is being requeued"))
-        if not isinstance(step, int) or step <= self.step:
-            kind = "" if isinstance(step, int) else f" (a {type(step).__name__}, not an int)"
-            raise RunUsageError(explain(f"run.boundary() got step {step!r}{kind} after step {self.step}",
-                                        expected="the optimizer step count, an int rising by one per call",
-                                        hint="start from step = run.resume(...) and add 1 after each step"))
 
     def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
         if ckpt.pending is not None and (stop or not busy):
             ckpt.finish_async()  # every node's file is durable (or we wait for it on stop): commit
         self.beat(step, "snapshot")
         if stop or (due and (not self.config.snapshot.async_write or ckpt.pending is None)):
-            state, rng = self._checked_state(step)
+            state, rng = checked_state(self, step)
             if stop or not self.config.snapshot.async_write:
                 ckpt.save(step, state, rng)  # the stop snapshot is always synchronous
             else:
                 ckpt.save_async(step, state, rng)
 
-    def _checked_state(self, step: int, doing: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Collective: the replicated state (checked alike on every rank first) and this rank's RNG and per-rank
-        state. A DDP model's buffers are rank 0's everywhere first: DDP's next forward would broadcast them."""
-        if self.world_size > 1 and not (self.held is not None and self.held.buffers_synced):  # else done at _mark
-            for obj in map(ddp_in, self.tracked.values()):
-                if obj is not None and obj.broadcast_buffers and not sync_buffers(obj):
-                    for buffer in obj.module.buffers():  # a buffer hook of the user's: one broadcast each
-                        dist.broadcast(buffer, 0)  # training state on the training backend, as DDP's forward does
-        state = self.state()
-        modules = {name for name, obj in self.tracked.items() if isinstance(obj, torch.nn.Module)}
-        replication.check({n: v for n, v in state.items() if n != STEP}, step, modules, doing)
-        rng = capture_rng()
-        if self.per_rank:  # packed once per step: the mirror's copy of this boundary where there is one
-            own = self.mirror.own_bytes(step) if self.mirror is not None else None
-            rng[PER_RANK] = own if own is not None else pack(self._per_rank_state())
-        return state, rng
-
-    def _per_rank_state(self, cuda: bool = False) -> dict[str, Any]:
-        """This rank's per-rank states, ready to serialize (``cuda``: CUDA tensors left on the GPU, for the
-        mirror); the first time, what a resume could not load back is refused (every rank alike: a usage error,
-        never retried)."""
-        if not self._per_rank_checked:
-            problem = unloadable(self.per_rank)
-            if problem:
-                raise RunUsageError(problem)
-            self._per_rank_checked = True
-        return staged(self.per_rank, cuda)
-
     def _start_agreement(self, ckpt: Checkpointer | None) -> None:
-        """Start agreeing on (stop? a snapshot due by rank 0's clock? a writer busy?); read at the next boundary.
-        One rank agrees with itself: its flags are kept as they are, with no collective (a gloo all_reduce of one
-        rank still costs tens of µs, and milliseconds when its thread waits for a core), and the same one-boundary
-        lag, so a stop lands on the same step as before."""
+        """Start agreeing on (stop? a snapshot due by rank 0's clock? a writer busy?); read at the
+        next boundary (rank/loop/agreement.py)."""
         flags = [int(self.stop is not None and self.stop.is_set),
                  int(self.is_main and ckpt is not None and ckpt.due_by_time()), int(ckpt is not None and ckpt.busy)]
-        if self.world_size == 1:
-            self._agreeing = (flags, None)
-        else:  # on the CPU control group: reading a CUDA tensor back would wait for the GPU to drain the step
-            self._agreeing = (tiers.current() or control).start_max(flags)
+        self._agreeing = agreement.start(flags, self.world_size)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
-        if self._agreeing is None:
-            return False, False, False
-        flags, work = self._agreeing
-        if work is not None:
-            work.wait()
-            flags = flags.tolist()
-        self._agreeing = None
-        stop, due, busy = (bool(v) for v in flags)
-        return stop, due, busy
+        in_flight, self._agreeing = self._agreeing, None
+        return agreement.read(in_flight)
 
     def state(self) -> dict[str, Any]:
         """What a snapshot holds besides the RNG: every tracked object's state_dict, and the step."""
@@ -340,22 +274,6 @@ class Run:
         """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
         self.metrics.close(self.stopped)
 
-    def _final_snapshot(self, ckpt: Checkpointer) -> None:
-        """Collective: the finished step committed, unless it already is. A finished run trained longer
-        (``--resume train.max_steps=...``) goes on from where it finished, not from an older snapshot, or from
-        step 0 when no periodic one came (a run shorter than snapshot.every_minutes). Not when the loop made no
-        boundary in this attempt, or updated past its last one (a snapshot labelled with that step would hold
-        a later state): every rank decides alike."""
-        if ckpt.last_step == self.step or not self.boundaries:
-            return
-        if control.to_main_and_back(bool(self.held is not None and self.held.updates), merge=any):
-            log.warning("no final snapshot: the optimizer stepped after the last run.boundary(%d), so a snapshot "
-                        "of that step would hold a later state; training this run longer goes on from its "
-                        "newest snapshot", self.step)
-            return
-        state, rng = self._checked_state(self.step)
-        ckpt.save(self.step, state, rng)
-
     def model(self) -> torch.nn.Module | None:
         """The tracked model (named ``model``, else the first module tracked)."""
         modules = {n: o for n, o in self.tracked.items() if isinstance(o, torch.nn.Module)}
@@ -371,21 +289,5 @@ class Run:
             return self.finished
         self.beat(self.step, "finish")
         self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
-        if self.checkpointer is not None:
-            self.checkpointer.finish_async()  # never leave a background write behind
-            self._final_snapshot(self.checkpointer)
-        if self.mirror is not None:
-            self.mirror.close()  # nothing in flight when the process group goes
-        model = self.model()
-        done: dict[str, Any] = {"step": self.step, **result, "world_size": self.world_size}
-        if model is not None:
-            done["params_sha256"] = params_sha256(model)
-        if self.is_main:
-            if model is not None:
-                buffer = io.BytesIO()
-                torch.save(unwrap(model).state_dict(), buffer)
-                write_atomic(layout.model(self.run_dir), buffer.getbuffer())
-            log.info("done: step %d%s", self.step,
-                     f", params_sha256 {done['params_sha256'][:16]}" if "params_sha256" in done else "")
-        self.finished = done
-        return done
+        self.finished = finish_run(self, result)
+        return self.finished
