@@ -64,7 +64,8 @@ from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.salvage.held import Held, buffers  # noqa: F401  (Held and buffers were defined here first)
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.checkpointer import STEP
-from hpc_ddp.rundir import jit_files, newest, slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import (jit_claims, jit_files, jit_offers, newest, slicing, snapshot,
+                            snapshot_write)
 
 log = logging.getLogger("hpc_ddp.jit")
 OFFER_WAIT_S = 0.5  # how long after its failure the writer waits for the other survivors' offers before comparing
@@ -152,7 +153,7 @@ def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
         elif any(skip.values()) and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
             offer.update(outcome=_check_set(run, folder, news) if mirror is not None
                          else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
-        elif not jit_files.claim_on_node(post, step) or (share[1] == 1 and not jit_files.claim(folder, step)):
+        elif not jit_claims.claim_on_node(post, step) or (share[1] == 1 and not jit_claims.claim(folder, step)):
             offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
                 run, folder, step, offer, share))
         else:
@@ -264,7 +265,7 @@ def _buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURC
     was lost then, nobody writes that step, and the run falls back rather than resume from a mixture."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = next((o for o in jit_files.offers(folder, 1) if o.get("rank") == 0), None)
+        found = next((o for o in jit_offers.offers(folder, 1) if o.get("rank") == 0), None)
         if found is not None:
             return bool(found.get("source")) and found.get("step") == step
         if time.monotonic() >= deadline:
