@@ -19,8 +19,8 @@ import torch
 
 from hpc_ddp.rank.state.rng import reseed
 from hpc_ddp.rank.salvage.jit import Held, buffers, fingerprint
-from hpc_ddp.rundir import (jit_claims, jit_files, jit_offers, retention, slicing, snapshot, snapshot_steps,
-                            snapshot_write)
+from hpc_ddp.rundir import (jit_claims, jit_files, jit_offers, layout, retention, slicing, snapshot,
+                            snapshot_steps, snapshot_write)
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.losses import jit_fields
 from tests.helpers import done, losses, submit
@@ -459,7 +459,7 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
     snapshot.commit(committed, 40, [{"name": "jit-00001.pt", "size": 100, "sha256": "x", "slices": [0],
                                      "ranks": []}], world_size=2, config_hash="h")
     older, newer, damaged = step_with(30, None), step_with(41, None), step_with(50, "{not json")
-    (snapshot.layout.snapshots(tmp_path) / "step-notes").mkdir()
+    (layout.snapshots(tmp_path) / "step-notes").mkdir()
     # written seconds ago: another node's manifest may not be visible here yet (an NFS client's cached absence),
     # so it stays; once older than the bound, its own listing without a manifest is the truth
     fresh = step_with(60, None)
@@ -468,7 +468,7 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
             os.utime(path, (time.time() - 3600, time.time() - 3600))
     assert retention.drop_uncommitted(tmp_path) == {30: 100, 41: 100}
     assert committed.exists() and damaged.exists() and not older.exists() and not newer.exists() and fresh.exists()
-    assert (snapshot.layout.snapshots(tmp_path) / "step-notes").exists()
+    assert (layout.snapshots(tmp_path) / "step-notes").exists()
     assert retention.drop_uncommitted(tmp_path) == {}
     assert retention.drop_uncommitted(tmp_path, clock=lambda: time.time() + retention.UNCOMMITTED_AGE_S + 1) == {
         60: 100}
