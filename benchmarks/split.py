@@ -68,7 +68,7 @@ def worker(rank: int, world: int, port: int, run_dir: Path, replicas: int, megab
 
 def one(nodes: int, replicas: int, megabytes: float, scratch: Path) -> dict[str, Any]:
     """One snapshot and one restore at ``nodes`` x 1 task: bytes, busiest node, save and restore times."""
-    from hpc_ddp.rundir import snapshot
+    from hpc_ddp.rundir import snapshot, snapshot_steps
 
     run_dir = scratch / f"b7-{nodes}-{replicas}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -80,7 +80,7 @@ def one(nodes: int, replicas: int, megabytes: float, scratch: Path) -> dict[str,
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"B7 worker failed at {nodes} nodes, replicas {replicas}")
     times = json.loads(outputs[0].strip().splitlines()[-1])
-    manifest = snapshot.read_manifest(snapshot.step_dir(run_dir, 2)) or {}
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(run_dir, 2)) or {}
     sizes = [entry["size"] for entry in manifest["files"].values()]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"bytes": sum(sizes), "busiest": max(sizes), **times}

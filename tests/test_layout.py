@@ -110,9 +110,9 @@ def test_no_module_imports_itself_back_through_others() -> None:
     # the survivors' files reading the snapshots' manifests themselves: the circle losses.jit_fields opened
     ("rundir/jit_files.py", "from hpc_ddp.rundir.snapshot import committed", "hpc_ddp.rundir.jit_files is not "
      "allowed to import hpc_ddp.rundir.snapshot", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.snapshot", True),
-    # ... or through losses, which reads them
+    # ... or through losses, which reads them (the committed steps: rundir/snapshot_steps.py)
     ("rundir/jit_files.py", "from hpc_ddp.rundir import losses", "hpc_ddp.rundir.jit_files is not allowed to "
-     "import hpc_ddp.rundir.snapshot", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.losses", True),
+     "import hpc_ddp.rundir.snapshot_steps", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.losses", True),
     # the first-boundary hook naming the run API's class: the circle its FirstBoundary Protocol opened
     ("rank/loop/compiling.py", "from hpc_ddp.rank.loop.run import Run", "hpc_ddp.rank.loop.compiling is not "
      "allowed to import hpc_ddp.rank.loop.run", "hpc_ddp.rank.loop.compiling -> hpc_ddp.rank.loop.run", True)])

@@ -111,7 +111,7 @@ def duration(seconds: float) -> str:
 
 def collect(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data."""
-    from hpc_ddp.rundir import snapshot  # manifests only: no torch
+    from hpc_ddp.rundir import snapshot_steps  # manifests only: no torch
 
     job = _read_json(layout.job(run_dir)) or {}
     metrics = metrics_file.read(run_dir)  # one record per step: a resumed attempt's values replace replays
@@ -135,7 +135,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     running = bool(state) and str(state).startswith("RUNNING") and not done
     lock = _read_json(layout.lock(run_dir)) or {}
     progress.update(timing(metrics, attempts, max_steps, running, time.time(), lock.get("since")))
-    steps = snapshot.committed_steps(run_dir)
+    steps = snapshot_steps.committed_steps(run_dir)
     result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
               "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()},  # by attempt (JSON keys)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.rundir import beats, jit_files, losses
+from hpc_ddp.rundir import beats, jit_offers, losses
 from hpc_ddp.core.hostlist import compress_hostlist
 from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
                                             node_ranks, ranks_text, signal_family, unfired)
@@ -209,8 +209,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
-        _end(procs, frozen, lambda: jit_files.writing(run_dir, job_id, restart_count,
-                                                      int((extra_env or {}).get(IN_JOB_VAR) or 0)))
+        _end(procs, frozen, lambda: jit_offers.writing(run_dir, job_id, restart_count,
+                                                       int((extra_env or {}).get(IN_JOB_VAR) or 0)))
         if tee is not None:
             tee.join(timeout=5)
             quiet.set()  # a pipe still held (a child that outlived rank 0): from here the tee writes its log only

@@ -11,14 +11,9 @@ rewritten only when it changed. At
 4,096 ranks on 512 nodes that is about 512 files a failure, not 8,192, and a survivor that completes the
 set reads 512 offers, not 4,096.
 
-Who writes is decided on each node first (:func:`claim_on_node`: an exclusive create in the node's folder,
-one writer of the node's share per step); where one survivor writes the whole state, that node's winner
-also creates ``claim-step-S`` in the run dir with O_EXCL (atomic on local filesystems and on NFS v3 and
-later). One ``commit-step-S`` (O_EXCL again) names the one survivor that puts the per-rank states together
-and commits.
-Node files are read by name (the node count is known), never found by listing the directory, as the
-crash marks are (an NFS client may list a directory as it was 30 s ago); only the batch shell, after the
-step ended, lists the folder for the ledger's line (:func:`hpc_ddp.rundir.losses.jit_fields`).
+Who writes and who commits is claimed apart (:mod:`hpc_ddp.rundir.jit_claims`: exclusive
+creates), and what the nodes' files say is read apart (:mod:`hpc_ddp.rundir.jit_offers`: by name,
+never by listing, for whoever decides).
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.atomic import NEW, rewrite_in_place, write_atomic
+from hpc_ddp.core.atomic import NEW, write_atomic
 from hpc_ddp.rundir import jit_blobs, node_local
 from hpc_ddp.rundir.ledger import attempt_tag
 
@@ -44,20 +39,6 @@ JIT = "jit"
 
 def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> Path:
     return Path(run_dir) / JIT / attempt_tag(job_id, restart_count, in_job)
-
-
-def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
-    """The survivors whose offer of a just-in-time snapshot's step holds another state than its writer's (their
-    fingerprints differ): a source that offered after the writer's last look, or whose withdraw another node's
-    cache hid. Empty for a periodic snapshot. Rank 0 asks it before resuming from a step."""
-    record = manifest.get("jit")
-    world = manifest.get("world_size")
-    if not isinstance(record, dict) or not isinstance(record.get("attempt"), str) or not isinstance(world, int):
-        return []
-    where = Path(run_dir) / JIT / record["attempt"]
-    nodes = record.get("nodes") if isinstance(record.get("nodes"), int) else world  # older records: at most one a rank
-    return sorted(o["rank"] for o in offers(where, nodes) if o.get("source") and o.get("step") == manifest.get("step")
-                  and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
 
 
 BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/stop/broken_step.py) creates it
@@ -77,6 +58,13 @@ def file_name(rank: int) -> str:
 def node_file_name(node: int) -> str:
     """A split survivors' snapshot's file of node ``node``'s share (one writer per node and step)."""
     return f"jit-node-{node:05d}.pt"
+
+
+def ranks_file_name(step: int, committer: int) -> str:
+    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state file), named
+    after the survivor that committed it: on a filesystem without O_EXCL across nodes two may both believe they
+    hold the commit claim, and the same name would have one's bytes under the other's manifest."""
+    return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
 
 
 @dataclass(frozen=True)
@@ -265,111 +253,3 @@ def _shared(post: Post, name: str, data: Any) -> None:
     except FileNotFoundError:
         post.shared.mkdir(parents=True, exist_ok=True)
         write_atomic(post.shared / name, data)
-
-
-def offers(where: Path, nodes: int) -> list[dict[str, Any]]:
-    """Every offer of the attempt that can be read now: ``nodes`` files opened by name, one per node."""
-    found = []
-    for node in range(nodes):
-        found.extend(node_offers(where, node))
-    return sorted(found, key=lambda o: o.get("rank", -1))
-
-
-def node_offers(where: Path, node: int) -> list[dict[str, Any]]:
-    try:
-        record = json.loads((where / f"node-{node}.json").read_bytes())
-    except (OSError, ValueError):
-        return []
-    said = record.get("offers") if isinstance(record, dict) else None
-    return [o for o in said if isinstance(o, dict)] if isinstance(said, list) else []
-
-
-def claim(where: Path, step: int, what: str = "claim") -> bool:
-    """True for the one survivor that creates ``claim-step-S`` first."""
-    return _exclusive(where / f"{what}-step-{step}")
-
-
-def _exclusive(path: Path, content: bytes = b"") -> bool:
-    """Create ``path`` (and its folder) exclusively, holding ``content``: True for the one process that made it."""
-    try:
-        try:
-            fd = os.open(path, NEW, 0o644)
-        except FileNotFoundError:  # the folder's first file
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, NEW, 0o644)
-    except FileExistsError:
-        return False
-    try:
-        os.write(fd, content)
-    except OSError:
-        pass  # the claim is the name; its content only says why
-    finally:
-        os.close(fd)
-    return True
-
-
-COMMIT_CLAIM = "commit"  # one per attempt: the survivor that commits its snapshot, or the seal that forbids it
-
-
-def claim_commit(where: Path, step: int) -> bool:
-    """True for the one survivor that creates the attempt's ``commit`` file first (it then commits ``step``,
-    which the file names). One per attempt, not per step: once a survivors' snapshot is committed, or the batch
-    shell sealed the attempt (:func:`seal`), no process of it commits anything, however late it wakes (a
-    partitioned node that still sees the run dir, a frozen one thawed). An exclusive create, which NFS and a
-    cached view decide at the server: never a lookup that a stale cache could answer."""
-    return _exclusive(where / COMMIT_CLAIM, f"step {step}\n".encode())
-
-
-def seal(where: Path) -> str:
-    """The batch shell (or the rehearsal's launcher), once the attempt's step ended: take the attempt's commit
-    claim so that no process of it commits later (fencing; :func:`claim_commit`). Returns "sealed", or what holds
-    the claim ("step S" of a survivors' commit)."""
-    if _exclusive(where / COMMIT_CLAIM, b"sealed\n"):
-        return "sealed"
-    return commit_holder(where)
-
-
-def commit_holder(where: Path) -> str:
-    """What the attempt's commit claim says: "sealed", "step S" (a survivor commits or committed S), "failed: ..."
-    (its commit raised), or "claimed" (created a moment ago, not yet written)."""
-    held = node_local.read(where / COMMIT_CLAIM, 256, owner=None)
-    return (held or b"").decode(errors="replace").strip() or "claimed"
-
-
-def commit_failed(where: Path, why: str) -> None:
-    """The committer's commit raised after it took the claim: the claim says so (never a step that is not there);
-    padded to the width :func:`commit_holder` reads, so nothing of "step S" is left after it."""
-    with contextlib.suppress(OSError):
-        rewrite_in_place(where / COMMIT_CLAIM, (why[:254] + "\n").encode()[:255].ljust(256))
-
-
-def claim_on_node(post: Post, step: int) -> bool:
-    """True for the one rank of this node that claims ``step`` first, decided on the node (an exclusive create in
-    its folder): only that rank then goes to the run dir (:func:`claim`), so a node's sources cost the file
-    server one claim, not one each."""
-    node_local.ensure(post.local)
-    return claim(post.local, step, "node-claim")
-
-
-def ranks_file_name(step: int, committer: int) -> str:
-    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state file), named
-    after the survivor that committed it: on a filesystem without O_EXCL across nodes two may both believe they
-    hold the commit claim, and the same name would have one's bytes under the other's manifest."""
-    return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
-
-
-def writing(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
-    """A survivor of this attempt is still at its just-in-time snapshot: a source whose offer has no outcome yet
-    (the rehearsal then waits as srun waits KillWait, not its short grace)."""
-    return any(o.get("source") and "outcome" not in o for o in listed(folder(run_dir, job_id, restart_count, in_job)))
-
-
-def listed(where: Path) -> list[dict[str, Any]]:
-    """Every node's offers, the node files found by listing: only for the batch shell and the rehearsal, after
-    (or beside) the step, on the node that lists (never to decide what a survivor commits)."""
-    found = []
-    for path in sorted(where.glob("node-*.json")) if where.is_dir() else []:
-        number = path.stem.removeprefix("node-")
-        if number.isdigit():
-            found.extend(node_offers(where, int(number)))
-    return found

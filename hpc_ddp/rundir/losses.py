@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import jit_files, layout, node_local, view
+from hpc_ddp.rundir import jit_files, jit_offers, layout, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
-from hpc_ddp.rundir.snapshot import committed
+from hpc_ddp.rundir.snapshot_steps import committed
 
 
 
@@ -146,7 +146,7 @@ def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int, in_j
                                      **({"committer": committer} if committer not in (None, record.get("writer"))
                                         else {})}}
     try:
-        said = jit_files.listed(where)
+        said = jit_offers.listed(where)
     except OSError:
         return {}
     if not said:

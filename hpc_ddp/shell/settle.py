@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import jit_files, layout, losses
+from hpc_ddp.rundir import jit_claims, jit_files, layout, losses
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
@@ -91,7 +91,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return "refused to start: another job holds the run dir (its ledger is left alone)"
     if exit_code != 0:  # fencing: no process of this attempt commits a survivors' snapshot from now on
         try:
-            jit_files.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
+            jit_claims.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
         except OSError as err:  # the ledger line matters more: recorded below whatever the seal met
             print(f"hpc_ddp.settle: could not seal the attempt's survivors' snapshot: {err}", file=sys.stderr)
     if layout.done(run_dir).exists():

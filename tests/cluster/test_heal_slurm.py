@@ -252,9 +252,9 @@ def test_a_frozen_node_heals_from_its_buddies_at_3_tasks_per_node(
 def _offers(run_dir: Path, tag: str, nodes: int = 2) -> list[dict]:
     """Every offer of the attempt's survivors' snapshot, from its nodes' files (as the survivors read them: a
     node file a frozen node's rank had only begun is empty)."""
-    from hpc_ddp.rundir import jit_files
+    from hpc_ddp.rundir import jit_offers
 
-    return jit_files.offers(run_dir / "jit" / tag, nodes)
+    return jit_offers.offers(run_dir / "jit" / tag, nodes)
 
 
 def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int) -> None:

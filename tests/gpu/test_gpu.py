@@ -327,7 +327,7 @@ def test_a_cuda_state_goes_through_the_pipeline_into_reused_pinned_memory_and_re
     gives the very bytes back."""
     from hpc_ddp.rank.state.copier import CudaCopier
     from hpc_ddp.rank.state.rng import capture_rng
-    from hpc_ddp.rundir import snapshot
+    from hpc_ddp.rundir import snapshot, snapshot_steps
 
     state = _cuda_state()
     expected = _on_cpu(state)
@@ -340,7 +340,7 @@ def test_a_cuda_state_goes_through_the_pipeline_into_reused_pinned_memory_and_re
     assert staged.copying and all(p.is_pinned() for p in staged.pieces.values() if p.nbytes)
     [copier] = checkpointer.pipeline._copiers.values()
     assert isinstance(copier, CudaCopier) and copier.stream != torch.cuda.current_stream()
-    manifest = snapshot.read_manifest(snapshot.step_dir(checkpointer.run_dir, 2))
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(checkpointer.run_dir, 2))
     assert manifest is not None and manifest["files"]["node-00000.pt"]["digests"]["slices"]
     restored = checkpointer.restore()
     assert restored is not None and restored.step == 2

@@ -20,7 +20,8 @@ import torch
 from hpc_ddp.rank.state.rng import reseed
 from hpc_ddp.rank.salvage.jit import Held, buffers
 from hpc_ddp.rank.salvage.jit_checks import fingerprint
-from hpc_ddp.rundir import jit_files, retention, slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import (jit_claims, jit_files, jit_offers, layout, retention, slicing, snapshot,
+                            snapshot_steps, snapshot_write)
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.losses import jit_fields
 from tests.helpers import done, losses, submit
@@ -68,7 +69,7 @@ def test_a_rank_holds_its_last_step_whole_until_its_optimizer_begins_the_next_up
 def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_path: Path) -> None:
     where = jit_files.folder(tmp_path, 5, 0, 1)
     assert where.name == "job-5-restart-0-step-1"
-    assert jit_files.claim(where, 40) and not jit_files.claim(where, 40) and jit_files.claim(where, 41)
+    assert jit_claims.claim(where, 40) and not jit_claims.claim(where, 40) and jit_claims.claim(where, 41)
     assert jit_fields(tmp_path, 5, 0, 1) == {}  # no survivor said anything
     jit_files.offer(post(where, 2), {"rank": 2, "source": False, "why": "train.rng=saved: ..."})
     assert jit_fields(tmp_path, 5, 0, 1) == {"jit_fallback": "train.rng=saved: ..."}
@@ -84,7 +85,7 @@ def test_survivors_claim_a_step_once_and_the_ledger_learns_what_came_of_it(tmp_p
     assert jit_fields(tmp_path, 5, 0, 1) == {"jit_snapshot": {"step": 40, "writer": 0, "host": "n1",
                                                               "took_s": 0.1}}
     assert jit_fields(tmp_path, 5, 1) == {}  # another attempt's snapshot is not this one's
-    assert [o["rank"] for o in jit_files.offers(where, 2)] == [0, 2]  # read by name, node by node
+    assert [o["rank"] for o in jit_offers.offers(where, 2)] == [0, 2]  # read by name, node by node
     assert sorted(p.name for p in where.iterdir() if p.name.startswith("node-")) == ["node-0.json", "node-1.json"]
 
 
@@ -308,7 +309,7 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
     assert "per_rank state of rank(s) [0] at step 40" in said and snapshot.committed_steps(tmp_path) == []
     assert survivor(0, {0: {40: b"zero"}, 2: {40: b"two"}}) == "committed step 40"
     assert survivor(3, {3: {40: b"three"}}) == "step 40 committed by another survivor"
-    manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 40))
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(tmp_path, 40))
     ranks_file = jit_files.ranks_file_name(40, 0)  # rank 0 committed
     assert manifest is not None and manifest["jit"]["per_rank_from"] == {"0": 0, "1": 1, "2": 2, "3": 1}
     assert [slicing.rank_file(manifest, r) for r in range(4)] == [ranks_file] * 4
@@ -373,7 +374,7 @@ def test_survivors_at_two_steps_complete_the_older_one_from_the_states_of_the_bo
     assert snapshot.committed_steps(tmp_path) == [338]
     where = jit_files.folder(tmp_path, 5, 0)
     assert jit_blobs.read_blobs(where, 0)[0] == {0: states_of(0, 339, 338), 3: states_of(3, 339, 338)}
-    manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 338))
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(tmp_path, 338))
     assert manifest is not None and manifest["jit"]["sources"] == [1]
     assert manifest["jit"]["per_rank_from"] == {"0": 0, "1": 1, "2": 2, "3": 0, "4": 1, "5": 2}
     ranks_file = snapshot.step_dir(tmp_path, 338) / jit_files.ranks_file_name(338, 2)  # rank 2 committed
@@ -435,12 +436,12 @@ def test_the_rehearsal_waits_for_a_survivor_still_at_its_snapshot(tmp_path: Path
     leave, not for a survivor writing a GB (B13 saw one killed at 866 MB of 1 GB). While a source's offer has no
     outcome yet, the rehearsal waits as srun does."""
     where = jit_files.folder(tmp_path, 5, 0)
-    assert not jit_files.writing(tmp_path, 5, 0)
+    assert not jit_offers.writing(tmp_path, 5, 0)
     jit_files.offer(post(where, 0), {"rank": 0, "source": False, "why": "mid-update"})
     jit_files.offer(post(where, 1), {"rank": 1, "source": True, "step": 8})
-    assert jit_files.writing(tmp_path, 5, 0)
+    assert jit_offers.writing(tmp_path, 5, 0)
     jit_files.offer(post(where, 1), {"rank": 1, "source": True, "step": 8, "outcome": "committed step 8"})
-    assert not jit_files.writing(tmp_path, 5, 0)
+    assert not jit_offers.writing(tmp_path, 5, 0)
 
 
 def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committed(tmp_path: Path) -> None:
@@ -459,7 +460,7 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
     snapshot.commit(committed, 40, [{"name": "jit-00001.pt", "size": 100, "sha256": "x", "slices": [0],
                                      "ranks": []}], world_size=2, config_hash="h")
     older, newer, damaged = step_with(30, None), step_with(41, None), step_with(50, "{not json")
-    (snapshot.layout.snapshots(tmp_path) / "step-notes").mkdir()
+    (layout.snapshots(tmp_path) / "step-notes").mkdir()
     # written seconds ago: another node's manifest may not be visible here yet (an NFS client's cached absence),
     # so it stays; once older than the bound, its own listing without a manifest is the truth
     fresh = step_with(60, None)
@@ -468,7 +469,7 @@ def test_an_attempt_starts_by_dropping_step_directories_that_were_never_committe
             os.utime(path, (time.time() - 3600, time.time() - 3600))
     assert retention.drop_uncommitted(tmp_path) == {30: 100, 41: 100}
     assert committed.exists() and damaged.exists() and not older.exists() and not newer.exists() and fresh.exists()
-    assert (snapshot.layout.snapshots(tmp_path) / "step-notes").exists()
+    assert (layout.snapshots(tmp_path) / "step-notes").exists()
     assert retention.drop_uncommitted(tmp_path) == {}
     assert retention.drop_uncommitted(tmp_path, clock=lambda: time.time() + retention.UNCOMMITTED_AGE_S + 1) == {
         60: 100}
@@ -705,7 +706,7 @@ def test_a_garbage_per_rank_state_file_is_a_missing_source_named_in_a_warning(
     assert said == ("not committed: the files holding the per_rank state of rank(s) [0, 1, 3] at step 40 could "
                     "not be read"), said
     assert str(node_file) in caplog.text and snapshot.committed_steps(tmp_path) == []
-    assert not (where / jit_files.COMMIT_CLAIM).exists()  # read before the claim: a later survivor may still commit
+    assert not (where / jit_claims.COMMIT_CLAIM).exists()  # read before the claim: a later survivor may still commit
 
 
 def test_a_damaged_file_of_the_per_rank_state_skips_its_step_for_the_one_before(tmp_path: Path) -> None:
@@ -757,7 +758,7 @@ def test_every_source_compares_and_a_withdrawn_step_is_marked_in_the_file_a_cach
         "step 50 committed by another survivor (same fingerprint)"
     said = claimed_by_another(tmp_path, 50, where, {"rank": 0, "fingerprint": 8})
     assert said == "withdrew step 50: rank 1 wrote another state than rank 0 holds"
-    assert snapshot.committed_steps(tmp_path) == [] and snapshot.read_manifest(cached) is None
+    assert snapshot.committed_steps(tmp_path) == [] and snapshot_steps.read_manifest(cached) is None
     assert "rank 0 holds another state" in json.loads((cached / snapshot.MANIFEST).read_text())["withdrawn"]
 
     other = snapshot.step_dir(tmp_path, 60)  # committed, and a disagreeing offer came after every survivor's look
@@ -765,10 +766,10 @@ def test_every_source_compares_and_a_withdrawn_step_is_marked_in_the_file_a_cach
     snapshot.commit(other, 60, [{"name": "jit-00001.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}],
                     4, "h", extra={"jit": {"attempt": where.name, "writer": 1, "fingerprint": 7}})
     jit_files.offer(post(where, 1), {"rank": 1, "source": True, "step": 60, "fingerprint": 7})
-    assert [s for s, _ in snapshot.agreed(tmp_path, snapshot.committed(tmp_path))] == [60]
+    assert [s for s, _ in snapshot_steps.agreed(tmp_path, snapshot_steps.committed(tmp_path))] == [60]
     jit_files.offer(post(where, 3), {"rank": 3, "source": True, "step": 60, "fingerprint": 9})
     warned: list[str] = []
-    assert snapshot.agreed(tmp_path, snapshot.committed(tmp_path), lambda f, *a: warned.append(f % a)) == []
+    assert snapshot_steps.agreed(tmp_path, snapshot_steps.committed(tmp_path), lambda f, *a: warned.append(f % a)) == []
     assert "rank(s) [3] offered another state of it than its writer, rank 1" in warned[0]
 
 
@@ -822,7 +823,7 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     said = writer(0, 0)  # node 1 was lost: node 0 holds slices 0 and 2, nobody slice 1 yet
     assert "slice(s) [1] of step 40 not written (yet)" in said and snapshot.committed_steps(tmp_path) == []
     assert writer(2, 2) == "committed step 40"  # node 2 holds slices 2 and 1
-    manifest = snapshot.read_manifest(snapshot.step_dir(tmp_path, 40))
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(tmp_path, 40))
     assert manifest is not None and sorted(manifest["files"]) == ["jit-node-00000.pt", "jit-node-00002.pt"]
     assert slicing.sources(manifest, manifest["files"]) == {0: "jit-node-00000.pt", 1: "jit-node-00002.pt",
                                                            2: "jit-node-00002.pt"}

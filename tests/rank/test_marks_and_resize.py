@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hpc_ddp.rank.state.restore import load_per_rank
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import snapshot, snapshot_steps
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.shell.settle import settle
 
@@ -101,7 +101,7 @@ def test_the_manifest_says_whether_the_run_may_resume_at_another_world_size(tmp_
     import hpc_ddp
     from hpc_ddp.rank.state.tracked import resize_refusal
 
-    assert snapshot.refuses_resize(tmp_path) is None  # no snapshot: a fresh start runs at any size
+    assert snapshot_steps.refuses_resize(tmp_path) is None  # no snapshot: a fresh start runs at any size
     fixed = load_config([], ["name=x", "train.loop=a.b:c", "train.global_batch_size=32"]).train
     assert resize_refusal({}, fixed) is None
     assert resize_refusal({"rng": hpc_ddp.per_rank({}, elastic="fresh")}, fixed) is None
@@ -114,7 +114,7 @@ def test_the_manifest_says_whether_the_run_may_resume_at_another_world_size(tmp_
     for step, reason in [(4, refused), (8, None), (12, refused)]:
         snapshot.step_dir(tmp_path, step).mkdir(parents=True)
         snapshot.commit(snapshot.step_dir(tmp_path, step), step, [], 4, "hash", refuses_resize=reason)
-        assert snapshot.refuses_resize(tmp_path) == reason  # the newest committed manifest decides
+        assert snapshot_steps.refuses_resize(tmp_path) == reason  # the newest committed manifest decides
 
 
 def load_config(paths: list[Path], overrides: list[str]) -> Any:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import snapshot, snapshot_steps
 from hpc_ddp.rundir.ledger import read_attempts
-from hpc_ddp.rundir.snapshot import committed_steps
+from hpc_ddp.rundir.snapshot_steps import committed_steps
 from tests.helpers import ROOT, done, losses, submit
 
 pytestmark = pytest.mark.slow
@@ -69,11 +69,11 @@ def test_a_shrink_that_per_rank_state_refuses_is_a_failure_and_the_requeue_finis
     ranged = [*NANO, f"run_dir={run_dir}", "slurm.nodes=1-2", "train.global_batch_size=32", "train.grad_accum=1"]
     first = submit(*ranged, "--preempt-at", "3", "slurm.max_preemptions=0")
     assert read_attempts(run_dir)[0]["reason"] == "preemption", first.stderr[-3000:]
-    assert "'batch', 'counters', 'probe'" in str(snapshot.refuses_resize(run_dir))  # what the healer reads
+    assert "'batch', 'counters', 'probe'" in str(snapshot_steps.refuses_resize(run_dir))  # what the healer reads
     for step in committed_steps(run_dir):  # as an hpc_ddp from before wrote them
         manifest = snapshot.step_dir(run_dir, step) / snapshot.MANIFEST
         manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items()
-                                        if k != snapshot.REFUSES_RESIZE}))
+                                        if k != snapshot_steps.REFUSES_RESIZE}))
     # snapshot.jit=false: the survivors' snapshot of step 6 would be a manifest of today, which says it refuses
     proc = submit(*ranged, "--resume", "slurm.max_preemptions=1", "slurm.max_failures=1", "--fail-at", "6",
                   "snapshot.jit=false")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir import slicing, snapshot, snapshot_steps
 from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_stops_resume_bit_identically_from_split_snapshots(reference: Path, stop
     assert done(run_dir)["params_sha256"] == done(reference)["params_sha256"]
     assert losses(run_dir) == losses(reference)
     step = snapshot.committed_steps(run_dir)[0]
-    manifest = snapshot.read_manifest(snapshot.step_dir(run_dir, step))
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(run_dir, step))
     layout = manifest["layout"]
     assert (layout["slices"], layout["replicas"]) == (nodes, replicas)
     assert any(stop - start < math.prod(layout["tensors"][tensor][1])  # a tensor was cut between nodes

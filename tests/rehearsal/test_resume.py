@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot, snapshot_verify
+from hpc_ddp.rundir import snapshot, snapshot_steps, snapshot_verify
 from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_three_stops_mid_epoch_give_bit_identical_results(uninterrupted: Path, s
     assert all(a["first_step"] == (a["resumed_from"] or 0) for a in attempts)
     for step in snapshot.committed_steps(run_dir):  # resuming (mmap) never wrote into a committed file
         directory = snapshot.step_dir(run_dir, step)
-        manifest = snapshot.read_manifest(directory)
+        manifest = snapshot_steps.read_manifest(directory)
         assert all(snapshot_verify.file_problem(directory, n, e) is None for n, e in manifest["files"].items())
     assert len(snapshot.committed_steps(run_dir)) == 2  # keep_last
     files = manifest["files"].values()  # split over the 2 nodes, each slice in both files (replicas 2)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rank.watch.liveness import Beat, Liveness
-from hpc_ddp.rundir import layout, losses, newest, retention, snapshot, view
+from hpc_ddp.rundir import layout, losses, newest, retention, snapshot, snapshot_steps, view
 from hpc_ddp.shell import shell_rules
 from tests.nfs_client import CachingClient
 
@@ -77,7 +77,7 @@ def test_a_node_that_looked_before_the_commit_finds_it_keeps_it_and_blames_the_f
         # the seam plays the staleness: by its listings and lookup, step 22 is uncommitted and nobody is lost
         assert snapshot.MANIFEST not in node_b.listdir(step_22) and node_b.listdir(layout.errors(run_dir)) == []
         assert not view.exists(step_22 / snapshot.MANIFEST)
-        assert snapshot.read_manifest(step_22) is None
+        assert snapshot_steps.read_manifest(step_22) is None
 
         assert retention.drop_uncommitted(run_dir, clock=lambda: time.time() + 3600) == {}  # named: kept
         assert step_22.exists() and (step_22 / snapshot.MANIFEST).exists()
@@ -89,7 +89,7 @@ def test_a_node_that_looked_before_the_commit_finds_it_keeps_it_and_blames_the_f
         blamed = shell_rules.lost_nodes(run_dir, 7, 0, 0, ["n1", "n2", "n3", "n4"], per_node=2)
         assert list(blamed) == ["n3"], blamed  # not n2, the detector's node, whose rank exited first
         # then the next attempt's rank 0
-        found = snapshot.committed(run_dir, wait_s=snapshot.NAME_CACHE_S, sleep=clock.sleep)
+        found = snapshot_steps.committed(run_dir, wait_s=snapshot_steps.NAME_CACHE_S, sleep=clock.sleep)
         assert [step for step, _ in found] == [22, 10]
         assert 10.0 < clock.now <= 10.0 + 30  # read again until the cached absence expired: no longer
         choice = snapshot.choose(run_dir, verify=_everything_verifies, found=found)
@@ -105,7 +105,7 @@ def test_a_withdrawn_newest_step_is_not_waited_for(tmp_path: Path) -> None:
     step_22 = _commit(run_dir, 22, jit={"attempt": TAG, "writer": 2})
     assert json.loads(newest.path(run_dir).read_text())["step"] == 22
     snapshot.withdraw(step_22, "rank 3 holds another state")
-    found = snapshot.committed(run_dir, wait_s=snapshot.NAME_CACHE_S, sleep=clock.sleep)
+    found = snapshot_steps.committed(run_dir, wait_s=snapshot_steps.NAME_CACHE_S, sleep=clock.sleep)
     assert [step for step, _ in found] == [10] and clock.now == 0.0
 
 

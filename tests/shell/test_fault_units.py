@@ -295,14 +295,14 @@ def test_one_commit_per_attempt_and_the_batch_shell_seals_it_when_the_step_ended
     """Fencing (issue 55): the survivors' commit takes the attempt's one commit claim, exclusively; a second
     survivor (the other side of a partition) cannot commit in that attempt. Once the step ended the batch shell
     seals every failed attempt, so a process of it that wakes up later never commits into a run gone on."""
-    from hpc_ddp.rundir import jit_files
+    from hpc_ddp.rundir import jit_claims, jit_files
 
     committed = jit_files.folder(tmp_path, 7, 0)
-    assert jit_files.claim_commit(committed, 22) and not jit_files.claim_commit(committed, 22)
-    assert jit_files.seal(committed) == "step 22"  # the batch shell finds the survivors' commit
+    assert jit_claims.claim_commit(committed, 22) and not jit_claims.claim_commit(committed, 22)
+    assert jit_claims.seal(committed) == "step 22"  # the batch shell finds the survivors' commit
     settle(tmp_path, job_id=8, restart_count=0, exit_code=137, limits=LIMITS, requeue_job=None, now=5.0)
     late = jit_files.folder(tmp_path, 8, 0)
-    assert (late / jit_files.COMMIT_CLAIM).read_text() == "sealed\n"
-    assert not jit_files.claim_commit(late, 30)  # a late survivor of job 8's attempt commits nothing
+    assert (late / jit_claims.COMMIT_CLAIM).read_text() == "sealed\n"
+    assert not jit_claims.claim_commit(late, 30)  # a late survivor of job 8's attempt commits nothing
     settle(tmp_path, job_id=9, restart_count=0, exit_code=0, limits=LIMITS, requeue_job=None, now=5.0)
     assert not jit_files.folder(tmp_path, 9, 0).exists()  # a clean step leaves no folder behind

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from hpc_ddp.rank.watch.liveness import Beat, Liveness
-from hpc_ddp.rundir import layout, losses, newest, retention, snapshot
+from hpc_ddp.rundir import layout, losses, newest, retention, snapshot, snapshot_steps
 from hpc_ddp.shell import shell_rules
 
 TAG = "job-7-restart-0"
@@ -65,7 +65,7 @@ def decide(run_dir: Path) -> dict:
     lost = losses.lost_ranks(run_dir, 7, 0, 0)
     blamed = list(shell_rules.lost_nodes(run_dir, 7, 0, 0, ["n1", "n2", "n3", "n4"], per_node=2))
     started = time.monotonic()
-    found = snapshot.committed(run_dir, wait_s=snapshot.NAME_CACHE_S)
+    found = snapshot_steps.committed(run_dir, wait_s=snapshot_steps.NAME_CACHE_S)
     choice = snapshot.choose(run_dir, verify=lambda d, m: {name: None for name in m["files"]}, found=found)
     return {**seen, "dropped": {str(k): v for k, v in dropped.items()}, "kept": step_22.exists(),
             "lost": {str(k): v for k, v in lost.items()}, "blamed": blamed, "found": [s for s, _ in found],

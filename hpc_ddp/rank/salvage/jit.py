@@ -68,7 +68,7 @@ from hpc_ddp.rank.salvage.held import Held, buffers  # noqa: F401
 from hpc_ddp.rank.salvage.jit_checks import broadcast_buffers, fingerprint, why_not, why_not_buffers
 from hpc_ddp.rank.salvage.jit_write import split_over, write_claimed
 from hpc_ddp.rank.salvage.survivor import Survivor
-from hpc_ddp.rundir import jit_files, newest, snapshot
+from hpc_ddp.rundir import jit_claims, jit_files, newest, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
 # how long a second failure handler waits for the first one's write (under KillWait)
@@ -145,8 +145,8 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     elif skip and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
         offer.update(outcome=_check_set(run, folder, news) if mirror is not None
                      else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
-    elif (not jit_files.claim_on_node(post, step)
-          or (share[1] == 1 and not jit_files.claim(folder, step))):
+    elif (not jit_claims.claim_on_node(post, step)
+          or (share[1] == 1 and not jit_claims.claim(folder, step))):
         offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
             run, folder, step, offer, share))
     else:

@@ -20,7 +20,7 @@ from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rank.state.ddp_settle import ddp_in
-from hpc_ddp.rundir import jit_files
+from hpc_ddp.rundir import jit_offers
 
 log = logging.getLogger("hpc_ddp.jit")
 # how long another survivor waits for rank 0's offer when DDP broadcasts rank 0's buffers
@@ -90,7 +90,7 @@ def buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE
     that step, and the run falls back rather than resume from a mixture."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = next((o for o in jit_files.offers(folder, 1) if o.get("rank") == 0), None)
+        found = next((o for o in jit_offers.offers(folder, 1) if o.get("rank") == 0), None)
         if found is not None:
             return bool(found.get("source")) and found.get("step") == step
         if time.monotonic() >= deadline:

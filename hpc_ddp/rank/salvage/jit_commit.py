@@ -4,7 +4,7 @@ A survivor that finds the step committed already checks it against what it holds
 snapshot that another survivor disagrees with is withdrawn). Otherwise any survivor may complete the set
 (:func:`complete`): the newest written step whose sources agree, with every rank's per-rank state of that
 step in some survivor's file, is committed by the one survivor that creates the attempt's commit claim
-(:func:`hpc_ddp.rundir.jit_files.claim_commit`: one per attempt; the batch shell seals it once the step ended,
+(:func:`hpc_ddp.rundir.jit_claims.claim_commit`: one per attempt; the batch shell seals it once the step ended,
 so a late process of the attempt, a partitioned node's, never commits into a run gone on); the per-rank
 states go into one more file of the step, listed with the ranks it holds, so a resumed rank finds its own
 as it finds its RNG state in a periodic snapshot.
@@ -20,7 +20,8 @@ from typing import Any
 
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.checkpointer import PER_RANK
-from hpc_ddp.rundir import jit_blobs, jit_files, newest, slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, newest, slicing, snapshot,
+                            snapshot_steps, snapshot_write)
 
 log = logging.getLogger("hpc_ddp.jit")
 
@@ -32,7 +33,7 @@ def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dic
     if newest != step:
         return f"step {newest} is committed already"
     directory = snapshot.step_dir(run_dir, step)
-    manifest = snapshot.read_manifest(directory) or {}
+    manifest = snapshot_steps.read_manifest(directory) or {}
     record = manifest.get("jit")
     if not isinstance(record, dict) or record.get("attempt") != folder.name:
         return f"step {step} is committed already"
@@ -65,7 +66,7 @@ def complete(run: Survivor, folder: Path) -> str:
     per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any survivor may
     complete it; the attempt's commit claim makes one the committer. Otherwise say what is missing."""
     env = run.env
-    offers = jit_files.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
+    offers = jit_offers.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
     steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)}, reverse=True)
     reasons = []
     for step in steps:
@@ -92,8 +93,8 @@ def complete(run: Survivor, folder: Path) -> str:
         if isinstance(states, str):  # read before the claim: a commit that cannot be made never takes it
             reasons.append(states)
             continue
-        if not jit_files.claim_commit(folder, step):
-            held = jit_files.commit_holder(folder)
+        if not jit_claims.claim_commit(folder, step):
+            held = jit_claims.commit_holder(folder)
             if held == "sealed":
                 return (f"not committed: the attempt was sealed (its step had ended and the batch shell went on) "
                         f"before step {step}'s set was complete")
@@ -103,7 +104,7 @@ def complete(run: Survivor, folder: Path) -> str:
         try:
             return _commit(run, folder, writers, sources, holders, states)
         except BaseException as err:
-            jit_files.commit_failed(folder, f"failed: {err!r}")  # the claim says so: nobody reads "step S" wrongly
+            jit_claims.commit_failed(folder, f"failed: {err!r}")  # the claim says so: nobody reads "step S" wrongly
             raise
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"

@@ -35,7 +35,8 @@ from hpc_ddp.rank.group import control
 from hpc_ddp.rank.state import pipeline as pipeline_
 from hpc_ddp.rank.state import spread
 from hpc_ddp.rank.group import tiers as tiers_
-from hpc_ddp.rundir import retention, slicing, snapshot, snapshot_verify, snapshot_write
+from hpc_ddp.rundir import (retention, slicing, snapshot, snapshot_steps, snapshot_verify,
+                            snapshot_write)
 from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import DistEnv
@@ -277,8 +278,8 @@ class Checkpointer:
         """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
         if self.env.is_main:  # before the first collective: no rank of this attempt has written anything yet
             retention.drop_uncommitted(self.run_dir)
-        found = control.from_main(snapshot.agreed(self.run_dir, snapshot.committed(
-            self.run_dir, wait_s=snapshot.NAME_CACHE_S))
+        found = control.from_main(snapshot_steps.agreed(self.run_dir, snapshot_steps.committed(
+            self.run_dir, wait_s=snapshot_steps.NAME_CACHE_S))
                                   if self.env.is_main else None)  # manifests, decided on rank 0
         quiet: Callable[..., None] = lambda *args: None  # noqa: E731
         warn = log.warning if self.env.is_main else quiet

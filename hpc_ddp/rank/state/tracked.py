@@ -14,7 +14,7 @@ At another world size a rank's saved value has no owner. :func:`per_rank`'s
 reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warning.
 
 Such a run cannot resume on fewer nodes, so every snapshot's manifest says so
-(:func:`resize_refusal`, read without torch by :func:`hpc_ddp.rundir.snapshot.refuses_resize`):
+(:func:`resize_refusal`, read without torch by :func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`):
 the batch shell then never heals a failure by shrinking it. Where a resize is refused all
 the same on an attempt nobody asked for (a requeued job that Slurm gave fewer nodes, an
 in-job restart planned before the manifest said so), the refusal is a failure, not a
@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler
 from hpc_ddp.rank.state.checkpointer import Restored, stage
 from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, a_type, explain
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields
-from hpc_ddp.rundir.snapshot import PER_RANK_REASON, REASONS_JOIN
+from hpc_ddp.rundir.snapshot_steps import PER_RANK_REASON, REASONS_JOIN
 from hpc_ddp.core.slurm_env import DistEnv
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | 
 def resize_refusal(objects: Mapping[str, PerRank], train: TrainConfig) -> str | None:
     """Why a resume of this run at another world size would be refused, or None: the per-rank state tracked
     with ``elastic="refuse"`` (named), and a global batch that follows the world size. Recorded in every
-    snapshot's manifest for the batch shell (:func:`hpc_ddp.rundir.snapshot.refuses_resize`)."""
+    snapshot's manifest for the batch shell (:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`)."""
     reasons = []
     refusing = [name for name, p in objects.items() if p.elastic == "refuse"]
     if refusing:
