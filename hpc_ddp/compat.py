@@ -37,7 +37,8 @@ MOVED: dict[str, tuple[str, ...]] = {
     "script_output": ("hpc_ddp.rank.script.output",),
     **{m: (f"hpc_ddp.rehearsal.{m}",) for m in ("local", "local_heal", "local_inject")},
     "preemption": ("hpc_ddp.core.codes", "hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs", "hpc_ddp.rundir.ledger"),
-    "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.watch.liveness"),
+    "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.watch.liveness",
+                 "hpc_ddp.rank.watch.declaration"),
     "tracking": ("hpc_ddp.rank.metrics.sinks", "hpc_ddp.core.extras"),
 }
 

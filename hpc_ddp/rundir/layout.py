@@ -148,9 +148,10 @@ def chain_script(run_dir: Path | str, job: str) -> Path:
 
 
 def declared(run_dir: Path | str) -> Path:
-    """The last declaration of a lost rank (:mod:`hpc_ddp.rank.watch.liveness`): one file per run, rewritten in place, the
-    attempt inside. Each node's first rank reads it by name each period; rank 0 creates it before the rendezvous, so no node
-    ever looked the name up before it existed (an NFS client would keep that answer for up to 30 s)."""
+    """The last declaration of a lost rank (:mod:`hpc_ddp.rank.watch.declaration`): one file per run,
+    rewritten in place, the attempt inside. Each node's first rank reads it by name each period;
+    rank 0 creates it before the rendezvous, so no node ever looked the name up before it existed
+    (an NFS client would keep that answer for up to 30 s)."""
     return Path(run_dir) / LIVENESS / "declared.json"
 
 

@@ -57,8 +57,9 @@ def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: i
 
 
 def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
-    """The last declaration of a lost rank or node, if it is of the attempt ``tag`` (:mod:`hpc_ddp.rank.watch.liveness`
-    writes it in place, padded: read up to the first whole JSON value)."""
+    """The last declaration of a lost rank or node, if it is of the attempt ``tag``
+    (:mod:`hpc_ddp.rank.watch.declaration` writes it in place, padded: read up to the first whole
+    JSON value)."""
     return declaration_in(layout.declared(run_dir), tag)
 
 

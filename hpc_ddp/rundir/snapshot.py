@@ -8,7 +8,8 @@ step without a valid manifest does not exist. Every file is written to a tempora
 name, fsynced, renamed, and the directory fsynced, so a crash at any point leaves the
 last committed step intact. Loads use ``torch.load(weights_only=True)``: a file that
 needs arbitrary unpickling is refused, nothing in it runs. The collective part (who
-writes what, who verifies what) is in :mod:`hpc_ddp.rank.state.checkpointer`; this module is
+writes what: :mod:`hpc_ddp.rank.state.checkpointer`; who verifies and reads what:
+:mod:`hpc_ddp.rank.state.snapshot_load`) is the rank's; this module is
 plain file handling, and imports torch only to load. Which steps are committed is read by
 :mod:`hpc_ddp.rundir.snapshot_steps` (no torch: ``status`` and the batch shell read only that). A
 node file is written by :mod:`hpc_ddp.rundir.snapshot_write` and its bytes checked by

@@ -136,7 +136,7 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
     import torch
     import torch.distributed as dist
 
-    from hpc_ddp.rank.state.checkpointer import Restored
+    from hpc_ddp.rank.state.snapshot_load import Restored
     from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.core.slurm_env import from_environ
     from hpc_ddp.rank.worker import _record

@@ -176,7 +176,7 @@ def test_per_rank_state_at_another_world_size_keeps_the_fresh_value_only_when_as
     import torch.distributed as dist
 
     import hpc_ddp
-    from hpc_ddp.rank.state.checkpointer import Restored
+    from hpc_ddp.rank.state.snapshot_load import Restored
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -200,7 +200,7 @@ def test_a_garbage_per_rank_blob_at_resume_is_a_damaged_file_not_an_unpickling_e
     import torch.distributed as dist
 
     import hpc_ddp
-    from hpc_ddp.rank.state.checkpointer import Restored
+    from hpc_ddp.rank.state.snapshot_load import Restored
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

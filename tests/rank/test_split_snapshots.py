@@ -264,7 +264,7 @@ def test_the_spread_read_groups_every_rank_makes_two_in_the_same_order() -> None
 def test_auto_reads_spread_only_where_it_spares_the_filesystem() -> None:
     """B9: each reader hashes only what it reads, so on a cluster spread reads the state once in all and
     every_node once per node; the local rehearsal's nodes share one page cache."""
-    from hpc_ddp.rank.state.checkpointer import auto_load
+    from hpc_ddp.rank.state.snapshot_load import auto_load
 
     assert [auto_load(False, nodes, 2) for nodes in (1, 2, 3, 8)] == ["every_node", "spread", "spread", "spread"]
     assert auto_load(True, 8, 2) == "every_node" and auto_load(False, 2, 1) == "spread"

@@ -1,4 +1,4 @@
-"""Who writes which slice of a snapshot, when a snapshot is due, and restoring every rank.
+"""Who writes which slice of a snapshot, when a snapshot is due, and the way in to restoring one.
 
 Saving is collective. Each node's ranks hand their RNG states to the node's writer (its
 local rank 0) in a gather within the node: no RNG state crosses the job. The writer
@@ -11,11 +11,8 @@ those copies (and copies a CPU state's pieces); a background thread writes,
 and the commit happens at a later step boundary, once no node's writer is busy (at most
 one in flight).
 
-Restoring: rank 0 reads the manifests (small) and tells everyone; the ranks verify the
-step's files between them (each file hashed by one rank, the verdicts gathered), so no
-rank reads every file; each rank then loads (mmap) one good file per slice and puts the
-state together. At the same world size a rank's RNG comes from the file of the node that
-held it; when that file is bad, or the world size changed, the Run reseeds it and says so.
+:meth:`Checkpointer.restore` finds the newest committed step whose files verify and loads it
+on every rank through :mod:`hpc_ddp.rank.state.snapshot_load`, which only reads.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +29,11 @@ import torch
 
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.state import pipeline as pipeline_
-from hpc_ddp.rank.state import spread
+from hpc_ddp.rank.state import snapshot_load, spread
+from hpc_ddp.rank.state.snapshot_load import Restored, auto_load
 from hpc_ddp.rank.group import tiers as tiers_
-from hpc_ddp.rundir import (retention, slicing, snapshot, snapshot_steps, snapshot_verify,
-                            snapshot_write)
+from hpc_ddp.rundir import retention, slicing, snapshot, snapshot_write
 from hpc_ddp.core.config import SnapshotConfig
-from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
@@ -67,16 +62,6 @@ def stage(value: object, old: object = None) -> Any:
     return value
 
 
-@dataclass(frozen=True)
-class Restored:
-    step: int
-    state: dict[str, Any]  # the replicated training state
-    rng: dict[str, Any] | None  # this rank's RNG state; None when it had to come from another node
-    config: dict[str, Any] | None = None  # the config that wrote it (flat_values), when the manifest has it
-    world_size: int | None = None  # the world size that wrote it
-    read: dict[str, Any] | None = None  # on rank 0: bytes read from snapshot files (total, busiest node, state)
-
-
 def _commit_problem(entries: list[Any]) -> str | None:
     """Rank 0's verdict on the writers' entries: why the step must not be committed, or None."""
     written = [e for e in entries if e]
@@ -86,26 +71,6 @@ def _commit_problem(entries: list[Any]) -> str | None:
     if not failures and entries[0] is None:  # Slurm and torchrun both make rank 0 local rank 0 of node 0
         failures = ["rank 0 is not its node's writer (local rank 0), so it has no layout to commit"]
     return failures[0] if failures else None
-
-
-def _read_summary(read_by: list[Any], state: int) -> dict[str, Any]:
-    """For the ledger: the bytes all ranks read from snapshot files, the busiest node's, and the state's."""
-    nodes: dict[int, int] = {}
-    for node, read in read_by:
-        nodes[node] = nodes.get(node, 0) + int(read)
-    return {"bytes": sum(nodes.values()), "busiest_node": max(nodes.values()), "state": state, "nodes": len(nodes)}
-
-
-def auto_load(local: bool, nodes: int, replicas: int) -> str:
-    """``snapshot.load=auto``, by B9: ``spread`` on a cluster of more than one node, ``every_node`` elsewhere.
-
-    Each reader hashes only the bytes it reads (a digest per slice, issue 45), so ``spread`` makes the
-    filesystem serve the state once in all, and ``every_node`` once per node. In the local rehearsal every
-    "node" shares one page cache, so the disk serves it once either way and spread's broadcasts only add
-    time. ``replicas`` no longer matters (before, resume hashed every file, replicas included, and with
-    ``nodes <= replicas`` every_rank read nothing more); kept for callers."""
-    del replicas
-    return "every_node" if local or nodes == 1 else "spread"
 
 
 class Checkpointer:
@@ -275,86 +240,12 @@ class Checkpointer:
         self._commit(step, {"error": str(self._failed)} if self._failed is not None else self._written)
 
     def restore(self) -> Restored | None:
-        """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start."""
-        if self.env.is_main:  # before the first collective: no rank of this attempt has written anything yet
-            retention.drop_uncommitted(self.run_dir)
-        found = control.from_main(snapshot_steps.agreed(self.run_dir, snapshot_steps.committed(
-            self.run_dir, wait_s=snapshot_steps.NAME_CACHE_S))
-                                  if self.env.is_main else None)  # manifests, decided on rank 0
-        quiet: Callable[..., None] = lambda *args: None  # noqa: E731
-        warn = log.warning if self.env.is_main else quiet
-        unverified: list[str] = []
-        while True:
-            # every rank decides alike (and raises alike) from the same manifests and gathered verdicts
-            choice = snapshot.choose(self.run_dir, verify=self._verify_spread, found=found, warn=warn,
-                                     ranks_needed=self.ranks_needed and self.env.world_size)
-            if choice is None and unverified:
-                raise snapshot.SnapshotError(explain(
-                    f"no committed snapshot of {self.run_dir} verifies: {'; '.join(unverified)}",
-                    hint=f"restore the files from a backup, or move {self.run_dir / 'snapshots'} away to start "
-                    "the run over"))
-            if choice is None:
-                return None
-            problem, loaded = None, None
-            try:
-                loaded = self._load(choice)
-            except snapshot.Unverified as err:
-                problem = (str(err), True)
-            except snapshot.SnapshotError as err:
-                problem = (str(err), False)
-            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:  # an RNG entry of the wrong shape
-                problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its manifest "
-                           f"says ({err!r})", False)
-            # every rank stops alike, none waits in a collective
-            first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
-            if first and first[1]:  # read, it did not verify: the step before (each byte was hashed as it was read)
-                warn("committed snapshot step %d does not verify as it is read (%s); trying the one before",
-                     choice.step, first[0])
-                unverified.append(first[0])
-                found = [(step, manifest) for step, manifest in (found or []) if step < choice.step]
-                continue
-            if first or loaded is None:
-                raise snapshot.SnapshotError(first[0] if first else "a snapshot could not be loaded")
-            break
-        state, rng, read = loaded
-        read_by = control.to_main((self.env.node_rank, read))
-        summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
-        written_by = choice.manifest.get("world_size")
-        self.last_step, self.last_time = choice.step, self.clock()
-        log.info("resuming from the snapshot of step %d in %s", choice.step, choice.directory)
-        return Restored(choice.step, state, rng, choice.manifest.get("config"),
-                        written_by if isinstance(written_by, int) else None, summary)
+        """Collective: the newest committed snapshot whose every slice verifies, or None for a fresh start.
 
-    def _verify_spread(self, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:
-        """Collective: each file checked by one rank (file k by rank k*W/F: with one rank per file, the
-        writer's node), the verdicts gathered. Its size only, where the manifest has digests per slice: the
-        readers hash what they read (:func:`hpc_ddp.rank.state.spread.load`); a file without them is hashed whole."""
-        names, world = sorted(manifest.get("files", {})), self.env.world_size
-        deep = manifest.get("layout") is None  # format 1: read_state reads whole copies, verified before
-        mine = {name: snapshot_verify.file_problem(directory, name, e if isinstance(e := manifest["files"][name], dict)
-                                            else {}, deep=deep)
-                for k, name in enumerate(names) if k * world // len(names) == self.env.rank}
-        return control.to_main_and_back(mine, merge=lambda parts: {n: why for p in parts for n, why in p.items()})
-
-    def _load(self, choice: snapshot.Choice) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-        """(the replicated state, this rank's RNG state or None, the tensor bytes this rank read from files)
-        from the chosen step's good files: read by the nodes' first ranks, spread over the nodes
-        (``snapshot.load=spread``) or every slice by every node (``every_node``), collective; a format-1
-        snapshot (whole copies) on every rank."""
-        manifest, env = choice.manifest, self.env
-        if manifest.get("layout") is not None:
-            same = manifest.get("world_size") == env.world_size
-            loaded = spread.load(choice, env, self.groups(), across=self.load == "spread",
-                                 rng_needed=bool(self.ranks_needed and same))
-            if loaded.rng_unusable:
-                log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the replicated state from "
-                            "the copies that verify and reseeding this rank's RNG deterministically", loaded.rng_unusable)
-            return loaded.state, loaded.rng, loaded.read
-        holder = slicing.rank_file(manifest, env.rank) if manifest.get("world_size") == env.world_size else None
-        if holder is not None and holder not in choice.good_files:
-            log.warning("snapshot file %s (this rank's RNG state) is not usable; taking the state from %s and "
-                        "reseeding this rank's RNG deterministically", holder,
-                        ", ".join(sorted(set(choice.sources.values()))))
-            holder = None
-        state, files = snapshot.read_state(choice, also=holder)
-        return state, files[holder]["rng"].get(env.rank) if holder else None, spread.state_bytes(state)
+        Found and loaded by :func:`hpc_ddp.rank.state.snapshot_load.restore`."""
+        restored = snapshot_load.restore(self.run_dir, self.env, self.groups,
+                                         across=self.load == "spread",
+                                         ranks_needed=self.ranks_needed)
+        if restored is not None:
+            self.last_step, self.last_time = restored.step, self.clock()
+        return restored

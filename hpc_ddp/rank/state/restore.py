@@ -18,7 +18,8 @@ from hpc_ddp.rank.state.rng import reseed, restore_rng
 from hpc_ddp.core.config import RunConfig, config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import explain, first_line
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP, Restored
+from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP
+from hpc_ddp.rank.state.snapshot_load import Restored
 from hpc_ddp.rank.state.tracked import RunUsageError, load_into, resize_refused, restore_per_rank, unpack
 
 log = logging.getLogger("hpc_ddp.run")

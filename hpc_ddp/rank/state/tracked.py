@@ -36,7 +36,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from hpc_ddp.rank.state.checkpointer import Restored, stage
+from hpc_ddp.rank.state.checkpointer import stage
+from hpc_ddp.rank.state.snapshot_load import Restored
 from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, a_type, explain
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields
 from hpc_ddp.rundir.snapshot_steps import PER_RANK_REASON, REASONS_JOIN

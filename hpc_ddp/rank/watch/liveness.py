@@ -32,28 +32,14 @@ process: it beats while the main thread computes or waits in a collective (both 
 and dies with the process, as a frozen node's does; C code that holds the GIL for ``liveness_s``
 would starve it, hence a default (30 s) far above any such call we know.
 
-When the watched peer is silent for ``liveness_s``, this rank writes
-``RUN_DIR/errors/<attempt>-lost-rank-P.json`` (the rank, or a whole node's ranks, the host from the
-last beat, silence, who saw it) and a crash marker (a ``train.script`` worker then takes the SIGTERM that follows for a
-failure, not a stop), logs the error and exits at once with :data:`EXIT_LOST`, without touching
-the process group (a wedged communicator deadlocks a destroy). srun's ``--kill-on-bad-exit`` ends
-the step; the batch shell reads :func:`lost_ranks` and leaves the node out.
-
-**Every survivor hears the declaration.** Only the watcher sees the silence; the other survivors
-used to learn of the loss when a peer they waited on exited and gloo failed their pending work.
-NCCL does not fail it: a survivor blocked in an NCCL collective stays blocked, and the buddies that
-hold the lost ranks' per-rank state never wrote it. So the watcher also writes the declaration into
-``RUN_DIR/liveness/declared.json`` (one file per run, rewritten in place, the attempt inside; rank 0
-creates it before the rendezvous, and the others read it only after, so no node caches its absence);
-each node's first rank reads it each period once the rendezvous is done (:meth:`Liveness.listen`) and
-relays it to the node's other ranks through the node's folder.
-A rank that hears it writes what it holds (the survivors' snapshot, from this thread) and exits with
-:data:`EXIT_FAILED`, whatever its training thread is waiting for. No torch.
+When the watched peer is silent for ``liveness_s``, this rank declares it lost (the markers in
+``RUN_DIR/errors/``, the batch shell's :func:`lost_ranks`) and exits at once with :data:`EXIT_LOST`;
+every survivor hears the declaration (:meth:`Liveness.listen`), writes what it holds and exits with
+:data:`EXIT_FAILED`: :mod:`hpc_ddp.rank.watch.declaration` writes and reads it. No torch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -64,24 +50,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rundir import beats, layout, losses, node_local
+from hpc_ddp.rank.watch import declaration
+from hpc_ddp.rank.watch.declaration import rewrite
+from hpc_ddp.rundir import beats, layout, node_local
 from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401  (Judge, decode and encode were here first)
-from hpc_ddp.core.atomic import rewrite_in_place, write_atomic
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
-from hpc_ddp.rundir.ledger import attempt_tag, crash_marker
+from hpc_ddp.rundir.ledger import attempt_tag
 
 if TYPE_CHECKING:
     from hpc_ddp.core.config import DistConfig
     from hpc_ddp.core.slurm_env import DistEnv
 
-
-
 log = logging.getLogger("hpc_ddp.liveness")
 BEATS_PER_WINDOW = 6  # a live peer beats this often within liveness_s: five late beats are still not a loss
 MIN_PERIOD_S = 0.25
-HINT = ("HINT: the node may be frozen or gone (`scontrol show node HOST`, its kernel log); the batch shell leaves "
-        "it out of the next step (slurm.spare_nodes, a slurm.nodes range) or the job takes the requeue path "
-        "(slurm.max_failures). A rank that holds the GIL in C code this long looks the same: raise dist.liveness_s")
 
 
 def period(liveness_s: float) -> float:
@@ -131,6 +113,9 @@ class Liveness:
         self.leader = self.place.local_rank == 0  # beats for the node to the run dir and watches the next node
         self.folder = beats.node_dir(self.run_dir, self.tag, self.place.node, node_base)
         self.local_tag = beats.local_tag(self.run_dir, self.tag)  # what a record in self.folder must carry
+        # where this rank posts a declaration and hears one
+        self.board = declaration.Board(self.run_dir, self.ids, self.tag, self.folder,
+                                       self.local_tag)
         self.period_s = period(liveness_s)
         self.on_lost = on_lost or _exit_lost
         self.on_heard = on_heard or _exit_heard
@@ -251,7 +236,7 @@ class Liveness:
             writes.append((beats.node_beat(self.run_dir, self.place.node), encode(node)))
         for path, data in writes:
             try:
-                _rewrite(path, data)
+                rewrite(path, data)
             except OSError as err:
                 if not self._warned:
                     self._warned = True
@@ -260,20 +245,12 @@ class Liveness:
                                 "/dev/shm or TMPDIR on each node", self.rank, path, err, self.liveness_s)
 
     def _hear(self) -> dict[str, Any] | None:
-        """Another rank's declaration in this attempt, or None. Only the node's leader reads the run dir's
-        (one read per node a period) and relays it on the node; the node's other ranks read the relay."""
-        if self.leader:
-            record = losses.declaration(self.run_dir, self.tag)
-            if record is not None and record.get("by_rank") != self.rank:
-                _rewrite(beats.local_declared(self.folder), losses.padded({**record, "attempt": self.local_tag}))
-        else:
-            record = losses.declaration_in(beats.local_declared(self.folder), self.local_tag, own=True)
-        return None if record is None or record.get("by_rank") == self.rank else record
+        """Another rank's declaration in this attempt, or None
+        (:meth:`hpc_ddp.rank.watch.declaration.Board.hear`)."""
+        return self.board.hear(self.rank, self.leader)
 
     def _act_on(self, record: dict[str, Any]) -> None:
-        message = (f"rank {self.rank}: rank {record.get('by_rank')} declared {losses.who(losses.named_ranks(record))} on "
-                   f"{record.get('host') or '?'} lost; this rank ends the step now instead of waiting in a "
-                   "collective for the process group to fail")
+        message = declaration.heard(self.rank, record)
         log.error("%s", message)
         self.leave()
         if self.before_exit is not None:
@@ -281,42 +258,14 @@ class Liveness:
         self.on_heard(message)
 
     def _declare(self, silent: float, ranks: list[int], last: Beat) -> None:
-        host = last.host or "?"
-        whole = f" (node {last.node}, every rank on it)" if last.node is not None and len(ranks) > 1 else ""
-        message = (f"rank {self.rank}: {losses.who(ranks)} on {host}{whole} {'is' if len(ranks) == 1 else 'are'} lost: no "
-                   f"liveness beat for {silent:.0f}s (dist.liveness_s={self.liveness_s:g}); the last beat was "
-                   f"#{last.count}. Ending this step now instead of waiting in a collective for dist.timeout_s."
-                   f"\n{HINT}")
-        record = {"rank": ranks[0], "ranks": ranks, "host": host, "silent_s": round(silent, 1),
-                  "liveness_s": self.liveness_s, "by_rank": self.rank, "by_host": self.host,
-                  "last_beat": last.count, "last_beat_time": last.wall, "time": round(self.wall(), 3)}
-        try:
-            marker = layout.lost_marker(self.run_dir, self.tag, ranks[0])
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(marker, json.dumps(record, sort_keys=True) + "\n")
-            write_atomic(crash_marker(self.run_dir, *self.ids, ranks[0]),
-                         f"{losses.who(ranks)} on {host} lost: no liveness beat for {silent:.0f}s\n")
-            rewrite_in_place(layout.declared(self.run_dir), losses.padded({**record, "attempt": self.tag}))  # other
-            # nodes' leaders read it, and this node's ranks the copy here, with the token
-            _rewrite(beats.local_declared(self.folder), losses.padded({**record, "attempt": self.local_tag}))
-        except OSError as err:
-            log.error("the lost-rank marker could not be written: %s", err)
+        message, record = declaration.lost(self.rank, self.host, self.liveness_s, silent, ranks,
+                                           last, self.wall())
+        self.board.post(record, silent)
         log.error("%s", message)
         self.leave()
         if self.before_exit is not None:
             self.before_exit(message)  # the survivors' just-in-time snapshot (rank/salvage/jit.py), from this thread
         self.on_lost(message)
-
-
-def _rewrite(path: Path, data: bytes) -> None:
-    try:
-        rewrite_in_place(path, data)
-    except FileNotFoundError:  # the first beat of the run dir, or the node's folder (made private)
-        if path.parent.name == layout.LIVENESS:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            node_local.ensure(path.parent)
-        rewrite_in_place(path, data)
 
 
 def start(run_dir: Path, dist: DistConfig, env: DistEnv, environ: Mapping[str, str], *,
