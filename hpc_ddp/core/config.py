@@ -7,7 +7,9 @@ was expected and the fix. Checks omegaconf does not do (ranges, choices, the
 element types of lists and dicts) are in :mod:`hpc_ddp.core.config_checks`.
 
 The schema itself (one dataclass per section, every field documented) is in
-:mod:`hpc_ddp.core.config_schema`; its classes are importable from here too, where they always were.
+:mod:`hpc_ddp.core.config_schema`; its classes are importable from here too, where they always were,
+as are :func:`flat_values`, :func:`config_diff` and :func:`describe_diff` from
+:mod:`hpc_ddp.core.config_diff`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 from hpc_ddp.core.config_schema import (ContainerConfig, DistConfig, MetricsConfig, RunConfig, SlurmConfig,
                                         SnapshotConfig, TrainConfig, schema_node, schema_rows, type_hints, type_name)
 from hpc_ddp.core.config_checks import check_config
-from hpc_ddp.core.config_env import env_leaves, masked, remember, unresolve
+from hpc_ddp.core.config_env import env_leaves, remember, unresolve
 from hpc_ddp.core.compile_settings import cache_place
 from hpc_ddp.core.profiles import NOT_IN_PROFILE, Profile, Profiles
-from hpc_ddp.core.user_settings import user_leaves
 from hpc_ddp.core.config_items import for_script, list_item, nest
 from hpc_ddp.core.config_hints import suggest
 from hpc_ddp.core.run_dir_mode import make_run_dir
 from hpc_ddp.core.errors import ConfigError, explain
+from hpc_ddp.core.config_diff import config_diff, describe_diff, flat_values
 
 __all__ = ["ContainerConfig", "DistConfig", "MetricsConfig", "RunConfig", "SlurmConfig", "SnapshotConfig",
            "TrainConfig", "config_diff", "describe_diff", "flat_values", "load_config", "profile_yaml", "save_config",
@@ -292,38 +294,3 @@ def save_config(cfg: RunConfig, path: str | os.PathLike[str]) -> Path:
                                   hint="set run_dir=... to a writable directory with free space (a read-only or "
                                   "full filesystem cannot hold snapshots either)"), key="run_dir") from None
     return target
-
-
-def flat_values(cfg: RunConfig) -> dict[str, Any]:
-    """Every leaf as ``{"train.lr": 0.1, ...}`` in JSON terms (lists and dicts are leaves, but the user
-    section's keys each are one, ``user.eval_every``, so a diff names them): what a snapshot manifest
-    records of the config that wrote it. A text value from ``${oc.env:VAR}`` reads as that text."""
-    import json
-
-    cfg = masked(cfg)
-
-    def walk(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-        if prefix == "slurm.container." and not value.runtime:
-            return  # none: as a config from before containers, so an older snapshot's config shows no change
-        if dataclasses.is_dataclass(value):
-            for item in dataclasses.fields(value):
-                yield from walk(getattr(value, item.name), f"{prefix}{item.name}.")
-        elif prefix == "user.":
-            yield from user_leaves(value)
-        elif prefix == "run_dir_mode." and value == "0700":
-            return  # the default: as a config from before the key, so an older snapshot's config shows no change
-        elif prefix == "profile." and not value:
-            return  # none: as a config from before profiles, so an older snapshot's config shows no change
-        else:
-            yield prefix[:-1], value
-    return json.loads(json.dumps(dict(walk(cfg, ""))))
-
-
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(key, old value, new value)`` for every key of two :func:`flat_values` that differs."""
-    return [(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
-
-
-def describe_diff(diff: list[tuple[str, Any, Any]]) -> str:
-    """``train.lr: 0.1 -> 0.01, train.max_steps: 100 -> 200``."""
-    return ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diff)

@@ -28,6 +28,7 @@ from typing import Any
 from hpc_ddp.core import store_ports
 from hpc_ddp.core.errors import SlurmEnvError, explain
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
+from hpc_ddp.core.slurm_vars import SRUN_HINT, check_below, int_var, lookup, required_int, var_name
 
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 12000
@@ -44,10 +45,6 @@ CHAINED_VAR = "HPC_DDP_CHAINED_FROM"  # set by the batch shell that submitted th
 HEALED_VAR = "HPC_DDP_HEALED"  # and JSON for that step's ledger line: what failed, what was left out and why
 STEP_ID_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-
-_SRUN_HINT = ("run every task through srun, e.g. `srun python -m hpc_ddp.worker ...` "
-              "in the batch script (or use `python -m hpc_ddp.submit`, which does)")
-
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -109,51 +106,8 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def _lookup(env: Mapping[str, str], names: Sequence[str]) -> tuple[str, str] | None:
-    for name in names:
-        if name in env:
-            return name, env[name]
-    return None
-
-
-def _name(env: Mapping[str, str], names: Sequence[str]) -> str:
-    """The variable of ``names`` that is set (for messages), else the usual one."""
-    found = _lookup(env, names)
-    return found[0] if found else names[0]
-
-
-def _int(env: Mapping[str, str], names: Sequence[str], *, minimum: int = 0,
-         hint: str = _SRUN_HINT) -> int | None:
-    """The first of ``names`` present, as an int >= minimum; None when none is set."""
-    found = _lookup(env, names)
-    if found is None:
-        return None
-    name, value = found
-    if not value.strip().isdigit() or not value.strip().isascii() or int(value) < minimum:
-        raise SlurmEnvError(explain(f"environment variable {name} is not usable", found=value,
-                                    expected=f"an integer >= {minimum}", hint=hint), key=name)
-    return int(value)
-
-
-def _required(env: Mapping[str, str], names: Sequence[str], *, minimum: int = 0,
-              hint: str = _SRUN_HINT) -> int:
-    value = _int(env, names, minimum=minimum, hint=hint)
-    if value is None:
-        raise SlurmEnvError(explain(f"environment variable {names[0]} is missing",
-                                    expected=f"{' or '.join(names)} to be set", hint=hint), key=names[0])
-    return value
-
-
-def _check_below(name: str, value: int, limit_name: str, limit: int) -> None:
-    if value >= limit:
-        raise SlurmEnvError(explain(f"{name}={value} does not fit {limit_name}={limit}",
-                                    expected=f"0 <= {name} < {limit}",
-                                    hint="the job's variables disagree; was part of the environment "
-                                    "set by hand or copied from another job?"), key=name)
-
-
 def _nodelist(env: Mapping[str, str]) -> tuple[str, ...]:
-    found = _lookup(env, NODELIST_VARS)
+    found = lookup(env, NODELIST_VARS)
     if found is None:
         return ()
     try:
@@ -171,11 +125,11 @@ def _rendezvous(env: Mapping[str, str], nodelist: tuple[str, ...]) -> tuple[str,
                                     hint="export MASTER_ADDR=<host of rank 0>"), key="MASTER_ADDR")
     port = _explicit_port(env)
     if port is None:
-        job_id = _int(env, ("SLURM_ARRAY_JOB_ID",)) or _int(env, JOB_ID_VARS)
+        job_id = int_var(env, ("SLURM_ARRAY_JOB_ID",)) or int_var(env, JOB_ID_VARS)
         if job_id is None:
             raise SlurmEnvError(explain("cannot derive the rendezvous port", expected="SLURM_JOB_ID or MASTER_PORT",
                                         hint="export MASTER_PORT=<free port>"), key="MASTER_PORT")
-        port = master_port(job_id, _int(env, ("SLURM_ARRAY_TASK_ID",)))
+        port = master_port(job_id, int_var(env, ("SLURM_ARRAY_TASK_ID",)))
     return addr, port
 
 
@@ -190,7 +144,7 @@ def rendezvous_endpoint(env: Mapping[str, str]) -> tuple[str, int]:
 
 def _explicit_port(env: Mapping[str, str]) -> int | None:
     """MASTER_PORT from the environment, checked to be a port; None when unset."""
-    port = _int(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. 29500>")
+    port = int_var(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. 29500>")
     if port is not None and port > 65535:
         raise SlurmEnvError(explain("MASTER_PORT is not a port", found=env.get("MASTER_PORT"),
                                     expected="1..65535", hint="export MASTER_PORT=29500"), key="MASTER_PORT")
@@ -203,38 +157,38 @@ def _store(env: Mapping[str, str], port: int) -> dict[str, Any]:
 
 
 def _job_fields(env: Mapping[str, str]) -> dict[str, Any]:
-    return {"job_id": _int(env, JOB_ID_VARS), "array_task_id": _int(env, ("SLURM_ARRAY_TASK_ID",)),
-            "restart_count": _int(env, ("SLURM_RESTART_COUNT",)) or 0,
-            "in_job": _int(env, (IN_JOB_VAR,)) or 0, "chained_from": _int(env, (CHAINED_VAR,))}
+    return {"job_id": int_var(env, JOB_ID_VARS), "array_task_id": int_var(env, ("SLURM_ARRAY_TASK_ID",)),
+            "restart_count": int_var(env, ("SLURM_RESTART_COUNT",)) or 0,
+            "in_job": int_var(env, (IN_JOB_VAR,)) or 0, "chained_from": int_var(env, (CHAINED_VAR,))}
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:
-    world_size = _required(env, WORLD_SIZE_VARS, minimum=1)
-    rank = _required(env, ("SLURM_PROCID",))
-    _check_below("SLURM_PROCID", rank, _name(env, WORLD_SIZE_VARS), world_size)
+    world_size = required_int(env, WORLD_SIZE_VARS, minimum=1)
+    rank = required_int(env, ("SLURM_PROCID",))
+    check_below("SLURM_PROCID", rank, var_name(env, WORLD_SIZE_VARS), world_size)
     nodelist = _nodelist(env)
     if not nodelist:
         raise SlurmEnvError(explain("no node list in a Slurm task", expected=" or ".join(NODELIST_VARS),
-                                    hint=_SRUN_HINT), key=NODELIST_VARS[1])
-    num_nodes = _int(env, NUM_NODES_VARS, minimum=1) or len(nodelist)
+                                    hint=SRUN_HINT), key=NODELIST_VARS[1])
+    num_nodes = int_var(env, NUM_NODES_VARS, minimum=1) or len(nodelist)
     if num_nodes != len(nodelist):
-        raise SlurmEnvError(explain(f"{_name(env, NUM_NODES_VARS)}={num_nodes} but the node list "
+        raise SlurmEnvError(explain(f"{var_name(env, NUM_NODES_VARS)}={num_nodes} but the node list "
                                     f"names {len(nodelist)} nodes", found=",".join(nodelist[:8]),
-                                    expected="as many nodes as the count says", hint=_SRUN_HINT),
-                            key=_name(env, NUM_NODES_VARS))
-    tasks_var = _lookup(env, TASKS_PER_NODE_VARS)
+                                    expected="as many nodes as the count says", hint=SRUN_HINT),
+                            key=var_name(env, NUM_NODES_VARS))
+    tasks_var = lookup(env, TASKS_PER_NODE_VARS)
     if tasks_var is None:
         raise SlurmEnvError(explain("environment variable SLURM_TASKS_PER_NODE is missing",
-                                    expected="e.g. '2(x2)'", hint=_SRUN_HINT), key="SLURM_TASKS_PER_NODE")
+                                    expected="e.g. '2(x2)'", hint=SRUN_HINT), key="SLURM_TASKS_PER_NODE")
     tasks = parse_tasks_per_node(tasks_var[1])
     if len(tasks) != num_nodes or sum(tasks) != world_size:
         raise SlurmEnvError(explain(f"{tasks_var[0]} does not match {num_nodes} nodes and {world_size} tasks",
                                     found=tasks_var[1], expected=f"{num_nodes} counts adding up to {world_size}",
-                                    hint=_SRUN_HINT), key=tasks_var[0])
-    node_rank = _required(env, ("SLURM_NODEID",))
-    _check_below("SLURM_NODEID", node_rank, "number of nodes", num_nodes)
-    local_rank = _required(env, ("SLURM_LOCALID",))
-    _check_below("SLURM_LOCALID", local_rank, f"tasks on node {node_rank}", tasks[node_rank])
+                                    hint=SRUN_HINT), key=tasks_var[0])
+    node_rank = required_int(env, ("SLURM_NODEID",))
+    check_below("SLURM_NODEID", node_rank, "number of nodes", num_nodes)
+    local_rank = required_int(env, ("SLURM_LOCALID",))
+    check_below("SLURM_LOCALID", local_rank, f"tasks on node {node_rank}", tasks[node_rank])
     addr, port = _rendezvous(env, nodelist)
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size,
                    local_world_size=tasks[node_rank], node_rank=node_rank, num_nodes=num_nodes,
@@ -244,16 +198,16 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     hint = "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE together; unset stray ones"
-    rank, local_rank = (_required(env, (v,), hint=hint) for v in ("RANK", "LOCAL_RANK"))
-    world_size, local_world_size = (_required(env, (v,), minimum=1, hint=hint)
+    rank, local_rank = (required_int(env, (v,), hint=hint) for v in ("RANK", "LOCAL_RANK"))
+    world_size, local_world_size = (required_int(env, (v,), minimum=1, hint=hint)
                                     for v in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
-    _check_below("RANK", rank, "WORLD_SIZE", world_size)
-    _check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
-    _check_below("LOCAL_WORLD_SIZE", local_world_size - 1, "WORLD_SIZE", world_size)
-    num_nodes = _int(env, ("GROUP_WORLD_SIZE",), minimum=1, hint=hint) or -(-world_size // local_world_size)
-    node_rank = _int(env, ("GROUP_RANK",), hint=hint)
+    check_below("RANK", rank, "WORLD_SIZE", world_size)
+    check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
+    check_below("LOCAL_WORLD_SIZE", local_world_size - 1, "WORLD_SIZE", world_size)
+    num_nodes = int_var(env, ("GROUP_WORLD_SIZE",), minimum=1, hint=hint) or -(-world_size // local_world_size)
+    node_rank = int_var(env, ("GROUP_RANK",), hint=hint)
     node_rank = rank // local_world_size if node_rank is None else node_rank
-    _check_below("GROUP_RANK", node_rank, "number of nodes", num_nodes)
+    check_below("GROUP_RANK", node_rank, "number of nodes", num_nodes)
     nodelist = _nodelist(env)
     addr, port = _rendezvous(env, nodelist)
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size,
@@ -266,13 +220,13 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
     """Derive this process's :class:`DistEnv`; raise :class:`SlurmEnvError` with a HINT."""
     if any(name in env for name in TORCHRUN_VARS):
         return _from_torchrun(env)
-    if _lookup(env, STEP_ID_VARS):
+    if lookup(env, STEP_ID_VARS):
         return _from_slurm(env)
-    job = _lookup(env, JOB_ID_VARS)
+    job = lookup(env, JOB_ID_VARS)
     if job:
         raise SlurmEnvError(explain(f"inside Slurm job {job[1]} but not in a task launched by srun "
                                     "(SLURM_STEP_ID is not set: this is the batch script or salloc shell)",
-                                    expected="one process per task, started by srun", hint=_SRUN_HINT),
+                                    expected="one process per task, started by srun", hint=SRUN_HINT),
                             key="SLURM_STEP_ID")
     addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
     port = _explicit_port(env) or SINGLE_PROCESS_PORT

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.core.config import RunConfig, flat_values, load_config
+from hpc_ddp.core.config import RunConfig, load_config
+from hpc_ddp.core.config_diff import flat_values
 from hpc_ddp.core.errors import HpcDdpError, explain
 
 

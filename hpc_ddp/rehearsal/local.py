@@ -14,7 +14,6 @@ them at once). No torch in this process.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shutil
@@ -29,12 +28,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.rundir import beats, jit_offers, losses
-from hpc_ddp.core.hostlist import compress_hostlist
+from hpc_ddp.rundir import beats, jit_offers
+from hpc_ddp.rehearsal.local_report import attempt_code
 from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
-                                            node_ranks, ranks_text, signal_family, unfired)
-from hpc_ddp.core.codes import (DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR,
-                                 PROGRESS_MARK, exit_words)
+                                            node_ranks, signal_family, unfired)
+from hpc_ddp.core.codes import (DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR,
+                                 PROGRESS_MARK)
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
@@ -127,34 +126,6 @@ def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = (),
             time.sleep(POLL_S)
 
 
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return f"(no log at {path})"
-
-
-def error_text(path: Path) -> str:
-    """What a failed rank said: its ``error: ...`` message when it printed one, else its log's tail."""
-    text = tail(path)
-    lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
-    return "\n".join(lines[starts[-1]:]) if starts else text
-
-
-def report_failures(failed: list[int], codes: list[int | None], paths: list[Path], err: IO[str]) -> None:
-    """Each distinct error once, with the ranks that failed that way (rank 0's was streamed already)."""
-    groups: dict[tuple[int | None, str], list[int]] = {}
-    for rank in failed:
-        groups.setdefault((codes[rank], error_text(paths[rank])), []).append(rank)
-    for (code, text), ranks in groups.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        if 0 in ranks:
-            err.write(f"\n{who} failed: {exit_words(code)} (the error above)\n")
-        else:
-            err.write(f"\n{who} failed: {exit_words(code)}; from {paths[ranks[0]]}:\n{text}\n")
-
-
 def script_progress(config_path: Path) -> re.Pattern[str] | None:
     """For a ``train.script`` run: the regex that finds its step in rank 0's output."""
     from hpc_ddp.core.config import load_config
@@ -218,32 +189,8 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             procs[0].stdout.close()  # rank 0's pipe, read by the tee until it ended
     if interrupted:
         return EXIT_INTERRUPTED
-    if watch is not None:
-        watch["failed"] = list(failed)
-    if not failed:
-        return int(codes[0] or 0)
-    lost = watch.pop("lost", None) if watch is not None else None
-    if lost:  # an injected node loss, not an error of the program: one line, not the survivors' tracebacks
-        err.write(f"[local] {lost[0]} was lost ({ranks_text(lost[1])} killed); the other ranks "
-                  f"were ended as srun would end them; every rank's log is in {logs}\n")
-        watch["failed"] = list(lost[1])  # type: ignore[index]
-        return -int(signal.SIGKILL)
     attempt = (run_dir, job_id, restart_count, int((extra_env or {}).get(IN_JOB_VAR) or 0))
-    declared = losses.lost_ranks(*attempt)
-    if declared:  # a rank stopped beating (frozen, --freeze-at): one line, not the survivors' tracebacks
-        err.write(f"[local] {losses.describe(*attempt)}: the rank that saw it ended the step (exit "
-                  f"{EXIT_LOST}) and the others were ended as srun would end them; every rank's log is "
-                  f"in {logs}\n")
-        if watch is not None:
-            watch["failed"] = sorted(declared) + [rank for rank in failed if rank not in declared]
-        return EXIT_LOST
-    # ranks that fail the same way (a bad config fails everywhere) are shown together; the first one decides
-    final = [p.poll() for p in procs]
-    failed += [rank for rank, code in enumerate(final) if code == codes[failed[0]] and rank not in failed]
-    report_failures(sorted(failed), final, paths, err)
-    stopped = "the other ranks were stopped; " if len(failed) < len(procs) else ""
-    err.write(f"{stopped}every rank's log is in {logs}\n")
-    return int(codes[failed[0]] or 1)
+    return attempt_code(procs, codes, failed, paths, attempt, watch, err)
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int | None], list[int], bool]:
@@ -290,10 +237,8 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     stopped (SIGSTOP: found by liveness, then SIGKILLed when the step ends).
     """
     from hpc_ddp.rehearsal.local_heal import LocalHealer, timeline_environ
+    from hpc_ddp.rehearsal.local_settle import StepEnd, settle_step
     from hpc_ddp.rundir.ledger import read_attempts
-    from hpc_ddp.core.timeline import TIMELINE_VAR
-    from hpc_ddp.shell.settle import last_known, limits_of, settle
-    from hpc_ddp.shell.shell_rules import shell_timeline
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
     healer = LocalHealer.for_config(config_path, nodes)
@@ -317,10 +262,9 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
         code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
                       restart_count=restart, events=events, stream=stream, err=err, watch=watch,
                       log_index=earlier + steps, hosts=healer.training, extra_env={**healer.environ(), **times},
-                      kills=kills,
-                      freezes=freezes, die_at={rank: step for step, node in fail_at
-                                               if at_boundary and step in {k[0] for k in kills}
-                                               for rank in healer.victims(node)[1]})
+                      kills=kills, freezes=freezes,
+                      die_at={rank: step for step, node in fail_at if at_boundary and step in {k[0] for k in kills}
+                              for rank in healer.victims(node)[1]})
         steps, ended, healing = steps + 1, round(time.time(), 3), None
         if code == 0 and (events or kills or freezes) and not done_before:  # ended before what it was to rehearse
             err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills],
@@ -329,20 +273,8 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
         if code in (0, EXIT_INTERRUPTED):
             return code
         if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, heal or requeue it
-            requeued: list[bool] = []
-            failed = list(watch.get("failed") or [])  # type: ignore[call-overload]
-            outcome = settle(run_dir, job_id=job_id, restart_count=restart, exit_code=code,
-                             limits=limits_of(config_path)[1], requeue_job=functools.partial(requeued.append, True),
-                             in_job=healer.index,
-                             heal=lambda record: healer.heal(record, failed, last_known(run_dir)["last_step"]),
-                             logs=lambda: sorted(layout.logs(run_dir).glob(f"attempt-{earlier + steps - 1}-rank-*.log")),
-                             extra={"hosts": compress_hostlist(healer.training), "start": started,
-                                    **shell_timeline(times[TIMELINE_VAR], healer.index),
-                                    **losses.ledger_fields(run_dir, job_id, restart, healer.index)})
-            why_not, healer.memory.why_not = healer.memory.why_not, ""
-            err.write(f"[local] attempt {earlier + steps - 1} (requeue {restart}, job step {healer.index}) ended, "
-                      f"{exit_words(code)}: {outcome}"
-                      + (f" (not healed in the job: {why_not})" if why_not else "") + "\n")
+            step = StepEnd(config_path, run_dir, job_id, restart, code, earlier + steps - 1, started, times)
+            requeued = settle_step(step, healer, watch, err)
             if healer.advance():
                 healing = (job_id, restart, healer.index - 1)
                 continue

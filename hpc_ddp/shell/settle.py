@@ -103,12 +103,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if reason == "error":
         return f"error; {not_requeued(run_dir)}"
     if reason in STOP_REASONS and mine[-1].get("requeue_by") == "batch shell":
-        if requeue_job is None:
-            return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
-        done = requeue_job()  # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
-        if done and done != "requeued":
-            return f"{reason}; {done}"
-        return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
+        return _requeue_stop(reason, requeue_job)
     if mine and reason not in FAILURE_REASONS:
         return f"recorded by the workers: {reason}"
     if not mine and stop_reason is not None and jit_files.broken_stop_marked(run_dir, job_id, restart_count, in_job):
@@ -120,11 +115,7 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
-        record = {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
-                  "reason": "error" if exit_code == EXIT_ERROR or mismatch else "failed",
-                  **({"message": mismatch.splitlines()[0]} if mismatch else {}),
-                  "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
-                  **losses.jit_fields(run_dir, job_id, restart_count, in_job), **(extra or {})}
+        record = _failed_record(run_dir, (job_id, restart_count, in_job), exit_code, mismatch, now, extra)
         append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
         if mismatch:
             note_error(run_dir, record, mismatch)  # the whole message, HINT too, where a rank's error is kept
@@ -143,6 +134,27 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
     done = requeue_job()
     return f"{record['reason']}; {done or 'requeued'} (slurm.max_failures allows it)"
+
+
+def _requeue_stop(reason: str, requeue_job: Callable[[], str | None] | None) -> str:
+    """A stop the workers recorded but left to the batch shell to requeue: requeue it, once."""
+    if requeue_job is None:
+        return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
+    done = requeue_job()  # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
+    if done and done != "requeued":
+        return f"{reason}; {done}"
+    return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
+
+
+def _failed_record(run_dir: Path, key: tuple[int | None, int, int], exit_code: int, mismatch: str | None,
+                   now: float | None, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ledger line of a step whose workers wrote none (``key``: job id, requeue, job step)."""
+    job_id, restart_count, in_job = key
+    return {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
+            "reason": "error" if exit_code == EXIT_ERROR or mismatch else "failed",
+            **({"message": mismatch.splitlines()[0]} if mismatch else {}),
+            "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
+            **losses.jit_fields(run_dir, job_id, restart_count, in_job), **(extra or {})}
 
 
 TAIL_BYTES = 65536  # of each log: the abort is among the last lines a rank wrote, the survivors' after it

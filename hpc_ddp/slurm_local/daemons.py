@@ -20,15 +20,14 @@ from pathlib import Path
 from hpc_ddp.core.errors import ClusterError, explain
 from hpc_ddp.slurm_local import isolation
 from hpc_ddp.slurm_local.isolation import alive
-from hpc_ddp.slurm_local.conf import (ClusterSpec, hosts_lines, hosts_tag, render_slurm_conf, with_preempt_signal,
-                                      render_slurmdbd_conf)
+from hpc_ddp.slurm_local.conf import ClusterSpec, render_slurm_conf, render_slurmdbd_conf, with_preempt_signal
+from hpc_ddp.slurm_local.hosts import add_hosts, remove_hosts
 from hpc_ddp.slurm_local.machines import PIECES, RESOLV_CONF, node_script
 
 APT_PACKAGES = "slurmctld slurmd slurm-client munge slurmdbd mariadb-server bindfs iproute2"
 _BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "munge",
              "unmunge", "munged"]
 _ACCOUNTING_BINARIES = ["slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db"]
-HOSTS_FILE = Path("/etc/hosts")
 
 
 def _which(name: str) -> str | None:
@@ -91,25 +90,6 @@ def is_up(spec: ClusterSpec) -> bool:
     if pid is None or not alive(pid) or not spec.conf_path.exists():
         return False
     return "UP" in _run(spec, ["scontrol", "ping"], check=False, timeout=10).stdout
-
-
-def _write_hosts(spec: ClusterSpec) -> None:
-    """Add node names to /etc/hosts in place (it is often a bind mount: no rename)."""
-    try:
-        kept = [line for line in HOSTS_FILE.read_text().splitlines() if not line.endswith(hosts_tag(spec))]
-        HOSTS_FILE.write_text("\n".join(kept + hosts_lines(spec)) + "\n")
-    except OSError as err:
-        raise ClusterError(explain(f"cannot add the node names to {HOSTS_FILE}: {err.strerror}",
-                                   hint="run as root; node names must resolve for MASTER_ADDR")) from None
-
-
-def _remove_hosts(spec: ClusterSpec) -> None:
-    try:
-        lines = HOSTS_FILE.read_text().splitlines()
-        if any(line.endswith(hosts_tag(spec)) for line in lines):
-            HOSTS_FILE.write_text("\n".join(line for line in lines if not line.endswith(hosts_tag(spec))) + "\n")
-    except OSError:
-        pass
 
 
 def _prepare(spec: ClusterSpec) -> None:
@@ -244,7 +224,7 @@ def start(spec: ClusterSpec) -> bool:
     try:
         isolation.set_up(spec)
         _start_munge(spec)
-        _write_hosts(spec)
+        add_hosts(spec)
         if spec.accounting:
             _start_accounting(spec)
         _start_slurm(spec)
@@ -292,7 +272,7 @@ def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
             stopped.append(pid)
         pid_file.unlink(missing_ok=True)
     isolation.tear_down(running_spec(spec))
-    _remove_hosts(spec)
+    remove_hosts(spec)
     return stopped
 
 

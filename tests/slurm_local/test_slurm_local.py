@@ -13,7 +13,8 @@ from hpc_ddp.slurm_local import ClusterSpec, is_up, render_slurm_conf, render_sl
 from hpc_ddp.slurm_local.faults import parse_action
 from hpc_ddp.slurm_local.machines import PIECES, machine, node_script
 from hpc_ddp.slurm_local.conf import hosts_lines
-from hpc_ddp.slurm_local.daemons import HOSTS_FILE, alive
+from hpc_ddp.slurm_local.daemons import alive
+from hpc_ddp.slurm_local.hosts import HOSTS_FILE
 
 
 def test_slurm_conf_has_the_settings_that_make_tests_fast_and_preemption_work() -> None:

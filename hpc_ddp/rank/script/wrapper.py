@@ -205,6 +205,37 @@ def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
     return nccl_report.prepare(environ, env, user=cfg.dist.nccl_env)
 
 
+def _stopped(attempt: Attempt, code: int) -> int:
+    """This rank's code when the stop came before the script ran to its end: a crash of a peer's
+    script is recorded as such; a rank other than 0 follows rank 0's ledger line."""
+    crashed = crashes(attempt) if code != 0 else []
+    if crashed:
+        return record_crash(attempt, crashed)
+    if not attempt.env.is_main:
+        line = wait_for_ledger(attempt)
+        if line is not None and line.get("reason") == "finished":
+            return 0  # rank 0's script went on after the signal and ran to its end
+        if line is not None and line.get("reason") in ("hung", "failed"):
+            return 1  # ended because rank 0's script hung or failed: rank 0's line says so
+    return conclude(attempt, stopped=True, step=None)
+
+
+def _finished(attempt: Attempt, path: Path, progress: Progress | None, publisher: Publisher | None,
+              ran_s: float) -> int:
+    """The script ran to its end (exit 0): the ledger's finished line, then (rank 0) DONE.json with
+    its step and what it warned of."""
+    env = attempt.env
+    early = exited_early(attempt, progress, ran_s)
+    result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
+    warnings = [*(publisher.warnings if publisher is not None else []), *([early] if early else [])]
+    if env.is_main:
+        layout.publish_done(attempt.run_dir, json.dumps(
+            {"script": str(path), "world_size": env.world_size, "exit_code": 0,
+             **({"step": progress.step} if progress is not None and progress.step is not None else {}),
+             **({"warnings": warnings} if warnings else {})}))
+    return result
+
+
 def run_script(attempt: Attempt) -> int:
     """One attempt of a ``train.script`` run on this rank; returns this rank's exit code."""
     cfg, env = attempt.cfg, attempt.env
@@ -247,26 +278,9 @@ def run_script(attempt: Attempt) -> int:
         if code != 0 and not attempt.flag.is_set:
             stopped_late(attempt, code)  # a peer's script may have died of the stop before it reached this rank
         if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
-            crashed = crashes(attempt) if code != 0 else []
-            if crashed:
-                return record_crash(attempt, crashed)
-            if not env.is_main:
-                line = wait_for_ledger(attempt)
-                if line is not None and line.get("reason") == "finished":
-                    return 0  # rank 0's script went on after the signal and ran to its end
-                if line is not None and line.get("reason") in ("hung", "failed"):
-                    return 1  # ended because rank 0's script hung or failed: rank 0's line says so
-            return conclude(attempt, stopped=True, step=None)
+            return _stopped(attempt, code)
         if code == 0:
-            early = exited_early(attempt, progress, time.monotonic() - started)
-            result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
-            warnings = [*(publisher.warnings if publisher is not None else []), *([early] if early else [])]
-            if env.is_main:
-                layout.publish_done(attempt.run_dir, json.dumps(
-                    {"script": str(path), "world_size": env.world_size, "exit_code": 0,
-                     **({"step": progress.step} if progress is not None and progress.step is not None else {}),
-                     **({"warnings": warnings} if warnings else {})}))
-            return result
+            return _finished(attempt, path, progress, publisher, time.monotonic() - started)
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
         mark_crash(attempt, path, code)
