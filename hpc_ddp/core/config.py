@@ -269,9 +269,11 @@ def to_yaml(cfg: RunConfig) -> str:
 
 
 def _escape(value: Any) -> Any:
-    """Resolved text may hold a literal '${' (an escaped shell variable); keep it literal on reload."""
+    r"""Resolved text may hold a literal '${' (an escaped shell variable); keep it literal on reload. The
+    backslashes right before it are doubled first: omegaconf reads ``\\${`` as a backslash and then an
+    interpolation (a setup line ``echo \${X}`` failed to save)."""
     if isinstance(value, str):
-        return value.replace("${", "\\${")
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
     if isinstance(value, dict):
         return {k: _escape(v) for k, v in value.items()}
     if isinstance(value, list):
