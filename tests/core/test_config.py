@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpc_ddp.core.config import RunConfig, load_config, save_config, schema_rows, to_yaml
@@ -142,6 +142,7 @@ shell_lines = texts.filter(lambda t: (len(t) - len(t.rstrip("\\"))) % 2 == 0)
 
 
 @settings(max_examples=200, deadline=None)
+@example(partition=None, setup=["\\${", "echo \\\\${X}", "a\\b${Y}"], lr=0.1, steps=1, extra={})  # found once
 @given(partition=st.none() | st.from_regex(r"[A-Za-z0-9_,|-]{1,10}", fullmatch=True),
        setup=st.lists(shell_lines, max_size=3), lr=st.floats(1e-8, 10),
        steps=st.integers(1, 10**9), extra=st.dictionaries(st.from_regex(r"[a-z][a-z0-9-]{0,8}", fullmatch=True),
