@@ -1,8 +1,8 @@
 """The package shows where code runs (docs/layout.md), and the move kept every path users and jobs depend on.
 
 - The import contracts (.importlinter) hold, and a wrong import (the login node importing rank code; inside a
-  rank, an import up its layers, or between watch and salvage; an import of the package root; either of the
-  two circles the layout opened) breaks them.
+  rank, an import up its layers, or between watch and salvage; an import of the package root; either
+  of the two circles the layout opened) breaks them.
 - No module of the package imports itself back through others: the import graph has no cycle.
 - 0.1's module paths still import, as the same module objects, with a DeprecationWarning naming the new path.
 - ``hpc_ddp.session`` stays the context manager after its module is imported (it became the module before).
@@ -75,18 +75,19 @@ def test_an_import_up_the_ranks_layers_breaks_them(tmp_path: Path, module: str, 
 CYCLE = """
 import graphlib, grimp
 graph = grimp.build_graph("hpc_ddp", cache_dir=None)
+imports = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
 try:
-    graphlib.TopologicalSorter({m: graph.find_modules_directly_imported_by(m) for m in graph.modules}).prepare()
+    graphlib.TopologicalSorter(imports).prepare()
 except graphlib.CycleError as err:
     print(" -> ".join(reversed(err.args[1])))
 """
 
 
 def a_cycle(cwd: Path) -> str:
-    """One cycle of imports between the package's modules (``a -> b -> a``, TYPE_CHECKING and function-level
-    imports included, as import-linter counts them); "" when there is none."""
-    proc = subprocess.run([sys.executable, "-c", CYCLE], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(cwd)})
+    """One cycle of imports between the package's modules (``a -> b -> a``; TYPE_CHECKING and
+    function-level imports count, as import-linter counts them); "" when there is none."""
+    proc = subprocess.run([sys.executable, "-c", CYCLE], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(cwd)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
 
@@ -97,20 +98,25 @@ def test_no_module_imports_itself_back_through_others() -> None:
 
 @pytest.mark.parametrize("module, wrong, said, arrow, circle", [
     # core asking the package root for the version: the arrow up that core/version.py removed
-    ("core/helptext.py", "from hpc_ddp import __version__", "hpc_ddp.core.helptext is not allowed to import "
-     "hpc_ddp:", "hpc_ddp.core.helptext -> hpc_ddp (l.", False),
-    # the survivors' files reading the snapshots' manifests themselves: the circle losses.jit_fields opened
-    ("rundir/jit_files.py", "from hpc_ddp.rundir.snapshot import committed", "hpc_ddp.rundir.jit_files is not "
-     "allowed to import hpc_ddp.rundir.snapshot", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.snapshot", True),
+    ("core/helptext.py", "from hpc_ddp import __version__",
+     "hpc_ddp.core.helptext is not allowed to import hpc_ddp:",
+     "hpc_ddp.core.helptext -> hpc_ddp (l.", False),
+    # the survivors' files reading the snapshots' manifests: the circle losses.jit_fields opened
+    ("rundir/jit_files.py", "from hpc_ddp.rundir.snapshot import committed",
+     "hpc_ddp.rundir.jit_files is not allowed to import hpc_ddp.rundir.snapshot",
+     "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.snapshot", True),
     # ... or through losses, which reads them
-    ("rundir/jit_files.py", "from hpc_ddp.rundir import losses", "hpc_ddp.rundir.jit_files is not allowed to "
-     "import hpc_ddp.rundir.snapshot", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.losses", True),
-    # the first-boundary hook naming the run API's class: the circle its FirstBoundary Protocol opened
-    ("rank/loop/compiling.py", "from hpc_ddp.rank.loop.run import Run", "hpc_ddp.rank.loop.compiling is not "
-     "allowed to import hpc_ddp.rank.loop.run", "hpc_ddp.rank.loop.compiling -> hpc_ddp.rank.loop.run", True)])
-def test_an_import_of_the_root_or_back_round_a_circle_breaks_them(tmp_path: Path, module: str, wrong: str,
-                                                                 said: str, arrow: str, circle: bool) -> None:
-    shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
+    ("rundir/jit_files.py", "from hpc_ddp.rundir import losses",
+     "hpc_ddp.rundir.jit_files is not allowed to import hpc_ddp.rundir.snapshot",
+     "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.losses", True),
+    # the first-boundary hook naming the run API's class: the circle FirstBoundary opened
+    ("rank/loop/compiling.py", "from hpc_ddp.rank.loop.run import Run",
+     "hpc_ddp.rank.loop.compiling is not allowed to import hpc_ddp.rank.loop.run",
+     "hpc_ddp.rank.loop.compiling -> hpc_ddp.rank.loop.run", True)])
+def test_an_import_of_the_root_or_back_round_a_circle_breaks_them(
+        tmp_path: Path, module: str, wrong: str, said: str, arrow: str, circle: bool) -> None:
+    shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / ".importlinter", tmp_path)
     source = tmp_path / "hpc_ddp" / module
     source.write_text(source.read_text() + f"\n\ndef _wrong() -> None:\n    {wrong}  # noqa\n")
