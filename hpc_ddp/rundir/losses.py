@@ -2,10 +2,11 @@
 read by the batch shell and the rehearsal: which ranks and hosts an attempt lost, and the ledger's line
 for it. No torch.
 
-A failed attempt's ledger line says what it lost (:func:`ledger_fields`) and what its survivors saved
-(:func:`jit_fields`: their offers in :mod:`hpc_ddp.rundir.jit_files`, the commit in the snapshots'
-manifests). Both are read here, by whoever writes that line (the batch shell, the rehearsal, or a rank
-recording its own failure), so the survivors' files need not import the snapshots that import them.
+A failed attempt's ledger line says what it lost (:func:`ledger_fields`) and what its survivors
+saved (:func:`jit_fields`: their offers in :mod:`hpc_ddp.rundir.jit_files`, the commit in the
+snapshots' manifests). Both are read here, by whoever writes that line (the batch shell, the
+rehearsal, or a rank recording its own failure), so the survivors' files need not import the
+snapshots that import them.
 """
 
 from __future__ import annotations
@@ -133,19 +134,21 @@ def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int, i
             "message": _describe(markers)}
 
 
-def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
-    """What a failed attempt's ledger line adds about its survivors: the just-in-time snapshot committed
-    (``jit_snapshot``: its step, writer, seconds) or why there is none (``jit_fallback``); empty when no
-    survivor said anything (snapshot.jit off, a script, or every rank died)."""
+def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int,
+               in_job: int = 0) -> dict[str, Any]:
+    """What a failed attempt's ledger line adds about its survivors: the just-in-time snapshot
+    committed (``jit_snapshot``: its step, writer, seconds) or why there is none (``jit_fallback``);
+    empty when no survivor said anything (snapshot.jit off, a script, or every rank died)."""
     where = jit_files.folder(run_dir, job_id, restart_count, in_job)
-    for step, manifest in committed(Path(run_dir)):  # the manifest is the commit: it, not an offer, decides
+    for step, manifest in committed(Path(run_dir)):  # the manifest is the commit, not an offer
         record = manifest.get("jit")
         if isinstance(record, dict) and record.get("attempt") == where.name:
-            committer = record.get("committer")  # with per_rank state, whoever completed the set (may differ)
-            return {"jit_snapshot": {"step": step, "writer": record.get("writer"), "host": record.get("host"),
+            writer = record.get("writer")
+            committer = record.get("committer")  # with per_rank state: whoever completed the set
+            return {"jit_snapshot": {"step": step, "writer": writer, "host": record.get("host"),
                                      "took_s": record.get("took_s"),
-                                     **({"committer": committer} if committer not in (None, record.get("writer"))
-                                        else {})}}
+                                     **({"committer": committer}
+                                        if committer not in (None, writer) else {})}}
     try:
         said = jit_offers.listed(where)
     except OSError:
@@ -154,4 +157,5 @@ def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int, in_j
         return {}
     reasons = sorted({o.get("why") or o.get("outcome") or "no outcome" for o in said})
     broken = {str(o.get("rank")): o["mirror_broken"] for o in said if o.get("mirror_broken")}
-    return {"jit_fallback": "; ".join(reasons)[:500], **({"mirror_broken": broken} if broken else {})}
+    return {"jit_fallback": "; ".join(reasons)[:500],
+            **({"mirror_broken": broken} if broken else {})}

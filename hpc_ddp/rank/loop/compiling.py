@@ -58,8 +58,8 @@ _state: dict[str, Any] = {"ended": None, "cache": None}
 
 
 class FirstBoundary(Protocol):
-    """What :func:`at_first_boundary` reads of the run (a :class:`hpc_ddp.rank.loop.run.Run`, which calls it):
-    named here, so that compiling need not import the run API that imports it."""
+    """What :func:`at_first_boundary` reads of the run (a :class:`hpc_ddp.rank.loop.run.Run`, which
+    calls it): named here, so that compiling need not import the run API that imports it."""
 
     @property
     def tracked(self) -> Mapping[str, Any]: ...
