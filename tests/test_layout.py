@@ -34,6 +34,18 @@ def lint(cwd: Path) -> subprocess.CompletedProcess[str]:
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(cwd)})
 
 
+def broken_by(tmp_path: Path, module: str, wrong: str, said: str, arrow: str) -> None:
+    """A copy of the package where ``module`` makes the ``wrong`` import: lint-imports fails, saying ``said``
+    and showing the ``arrow``."""
+    shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path)
+    source = tmp_path / "hpc_ddp" / module
+    source.write_text(source.read_text() + f"\n\ndef _wrong() -> None:\n    {wrong}  # noqa\n")
+    proc = lint(tmp_path)
+    assert proc.returncode != 0
+    assert said in proc.stdout and arrow in proc.stdout, proc.stdout[-3000:]
+
+
 def test_the_import_contracts_hold() -> None:
     proc = lint(ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -71,13 +83,7 @@ def test_the_login_node_importing_rank_code_breaks_them(tmp_path: Path) -> None:
      "hpc_ddp.rank.worker -> hpc_ddp.rank.watch.watchdog")])
 def test_an_import_up_the_ranks_layers_breaks_them(tmp_path: Path, module: str, wrong: str, said: str,
                                                    arrow: str) -> None:
-    shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / ".importlinter", tmp_path)
-    source = tmp_path / "hpc_ddp" / module
-    source.write_text(source.read_text() + f"\n\ndef _wrong() -> None:\n    {wrong}  # noqa\n")
-    proc = lint(tmp_path)
-    assert proc.returncode != 0
-    assert said in proc.stdout and arrow in proc.stdout, proc.stdout[-3000:]
+    broken_by(tmp_path, module, wrong, said, arrow)
 
 
 CYCLE = """
@@ -118,13 +124,7 @@ def test_no_module_imports_itself_back_through_others() -> None:
      "allowed to import hpc_ddp.rank.loop.run", "hpc_ddp.rank.loop.compiling -> hpc_ddp.rank.loop.run", True)])
 def test_an_import_of_the_root_or_back_round_a_circle_breaks_them(tmp_path: Path, module: str, wrong: str,
                                                                  said: str, arrow: str, circle: bool) -> None:
-    shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / ".importlinter", tmp_path)
-    source = tmp_path / "hpc_ddp" / module
-    source.write_text(source.read_text() + f"\n\ndef _wrong() -> None:\n    {wrong}  # noqa\n")
-    proc = lint(tmp_path)
-    assert proc.returncode != 0
-    assert said in proc.stdout and arrow in proc.stdout, proc.stdout[-3000:]
+    broken_by(tmp_path, module, wrong, said, arrow)
     assert bool(a_cycle(tmp_path)) is circle
 
 
