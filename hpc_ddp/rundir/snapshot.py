@@ -32,9 +32,9 @@ from typing import Any, BinaryIO
 from hpc_ddp.core import atomic
 from hpc_ddp.rundir import newest, slicing
 from hpc_ddp.core.errors import HpcDdpError, explain
-from hpc_ddp.rundir.snapshot_steps import (MANIFEST, REFUSES_RESIZE, WITHDRAWN, agreed, committed,
-                                           step_dir)
-from hpc_ddp.rundir.snapshot_steps import committed_steps  # noqa: F401  (public: docs/reference.md)
+# committed_steps: also public here (docs/reference.md)
+from hpc_ddp.rundir.snapshot_steps import (MANIFEST, REFUSES_RESIZE, WITHDRAWN, agreed, committed,  # noqa: F401
+                                           committed_steps, step_dir)
 from hpc_ddp.rundir.snapshot_verify import file_problem
 
 log = logging.getLogger("hpc_ddp.snapshot")

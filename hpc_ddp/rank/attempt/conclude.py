@@ -31,9 +31,8 @@ from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.stop.shield import stop_signals_blocked
 from hpc_ddp.rank.stop.broken_step import HINT, child_killed, pipe_broke
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import compile_cache, layout, snapshot
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, cap_reached
-from hpc_ddp.rundir import compile_cache, layout
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
