@@ -15,9 +15,11 @@ from hpc_ddp import compat
 from hpc_ddp.core.errors import ClusterError, ConfigError, HpcDdpError, SlurmEnvError, UsageError
 from hpc_ddp.core.version import VERSION as __version__
 
-__all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError", "UsageError",
+__all__ = ["ClusterError", "ConfigError", "HpcDdpError", "Run", "ShardSampler", "SlurmEnvError",
+           "UsageError",
            "__version__", "per_rank", "session", "worker_init"]
-_LAZY = {"Run": "hpc_ddp.rank.loop.run", "ShardSampler": "hpc_ddp.rank.loop.sampler", "session": "hpc_ddp.rank.worker",
+_LAZY = {"Run": "hpc_ddp.rank.loop.run", "ShardSampler": "hpc_ddp.rank.loop.sampler",
+         "session": "hpc_ddp.rank.worker",
          "per_rank": "hpc_ddp.rank.state.tracked", "worker_init": "hpc_ddp.rank.stop.shield"}
 
 
@@ -25,8 +27,8 @@ compat.install()  # hpc_ddp.config, hpc_ddp.sampler, ... (0.1's paths) keep work
 
 
 def __getattr__(name: str) -> Any:
-    """``hpc_ddp.Run``, ``hpc_ddp.ShardSampler``, ``hpc_ddp.per_rank`` and ``hpc_ddp.session`` import torch
-    only when asked for."""
+    """``hpc_ddp.Run``, ``hpc_ddp.ShardSampler``, ``hpc_ddp.per_rank`` and ``hpc_ddp.session``
+    import torch only when asked for."""
     if name in _LAZY:
         import importlib
 

@@ -24,19 +24,24 @@ from typing import Any
 
 REMOVED_IN = "0.3"
 MOVED: dict[str, tuple[str, ...]] = {
-    **{m: (f"hpc_ddp.core.{m}",) for m in ("errors", "atomic", "hostlist", "slurm_env", "batching", "config",
+    **{m: (f"hpc_ddp.core.{m}",) for m in ("errors", "atomic", "hostlist", "slurm_env", "batching",
+                                           "config",
                                            "config_checks", "helptext", "shutdown")},
-    **{m: (f"hpc_ddp.rundir.{m}",) for m in ("layout", "runlock", "snapshot", "slicing", "flight", "metrics_file")},
-    **{m: (f"hpc_ddp.login.{m}",) for m in ("preflight", "sbatch", "sweep", "finished", "failure_logs")},
+    **{m: (f"hpc_ddp.rundir.{m}",) for m in ("layout", "runlock", "snapshot", "slicing", "flight",
+                                             "metrics_file")},
+    **{m: (f"hpc_ddp.login.{m}",) for m in ("preflight", "sbatch", "sweep", "finished",
+                                            "failure_logs")},
     **{m: (f"hpc_ddp.shell.{m}",) for m in ("settle", "heal", "shell_rules", "steps")},
     **{m: (f"hpc_ddp.rank.loop.{m}",) for m in ("run", "trainer", "task", "sampler")},
     **{m: (f"hpc_ddp.rank.group.{m}",) for m in ("distributed", "control")},
     **{m: (f"hpc_ddp.rank.watch.{m}",) for m in ("watchdog", "hang")},
-    **{m: (f"hpc_ddp.rank.state.{m}",) for m in ("checkpointer", "tracked", "spread", "replication", "ddp_settle")},
+    **{m: (f"hpc_ddp.rank.state.{m}",) for m in ("checkpointer", "tracked", "spread", "replication",
+                                                 "ddp_settle")},
     "script": ("hpc_ddp.rank.script.wrapper",), "script_outcome": ("hpc_ddp.rank.script.outcome",),
     "script_output": ("hpc_ddp.rank.script.output",),
     **{m: (f"hpc_ddp.rehearsal.{m}",) for m in ("local", "local_heal", "local_inject")},
-    "preemption": ("hpc_ddp.core.codes", "hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs", "hpc_ddp.rundir.ledger"),
+    "preemption": ("hpc_ddp.core.codes", "hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs",
+                   "hpc_ddp.rundir.ledger"),
     "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.watch.liveness",
                  "hpc_ddp.rank.watch.declaration"),
     "tracking": ("hpc_ddp.rank.metrics.sinks", "hpc_ddp.core.extras"),
@@ -45,13 +50,15 @@ MOVED: dict[str, tuple[str, ...]] = {
 
 def message(old: str, new: Sequence[str]) -> str:
     where = " and ".join(new)
-    return (f"hpc_ddp.{old} moved to {where} in hpc_ddp 0.2; import it from there (the old path goes in "
-            f"{REMOVED_IN}). The public API stays at the top: hpc_ddp.Run, session, ShardSampler, per_rank")
+    return (f"hpc_ddp.{old} moved to {where} in hpc_ddp 0.2; import it from there (the old path "
+            "goes in "
+            f"{REMOVED_IN}). The public API stays at the top: hpc_ddp.Run, session, ShardSampler, "
+            "per_rank")
 
 
 class _Successors(types.ModuleType):
-    """An old module that was split: each name is looked up in the modules that took its parts, and its
-    warning names the one module that has it now."""
+    """An old module that was split: each name is looked up in the modules that took its parts, and
+    its warning names the one module that has it now."""
 
     def __init__(self, name: str, parts: Sequence[types.ModuleType]) -> None:
         super().__init__(name, f"Moved: see {', '.join(p.__name__ for p in parts)}")
@@ -61,14 +68,20 @@ class _Successors(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         having = [part for part in self._parts if hasattr(part, name)]
-        home = [part for part in having if getattr(getattr(part, name), "__module__", None) == part.__name__]
+        home = [part for part in having
+                if getattr(getattr(part, name), "__module__", None) == part.__name__]
         if having:
-            part = (home or having)[0]  # where a function or class is defined, else the first that has it
-            warnings.warn(f"{self.__name__}.{name} moved to {part.__name__}.{name} in hpc_ddp 0.2; import it from "
-                          f"there (the old path goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+            # where a function or class is defined, else the first that has it
+            part = (home or having)[0]
+            warnings.warn(f"{self.__name__}.{name} moved to {part.__name__}.{name} in hpc_ddp 0.2; "
+                          "import it from "
+                          f"there (the old path goes in {REMOVED_IN})", DeprecationWarning,
+                          stacklevel=2)
             return getattr(part, name)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}: it was split in hpc_ddp 0.2 into "
-                             f"{', '.join(p.__name__ for p in self._parts)}, and none of them has it")
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}: it was split in "
+                             "hpc_ddp 0.2 into "
+                             f"{', '.join(p.__name__ for p in self._parts)}, and none of them has "
+                             "it")
 
     def __dir__(self) -> list[str]:
         return sorted({n for p in self._parts for n in dir(p)})
@@ -82,24 +95,29 @@ class _Loader(importlib.abc.Loader):
         new = MOVED[self.old]
         parts = [importlib.import_module(n) for n in new]
         if len(parts) == 1:  # a split module warns per name instead, naming where that name went
-            # stacklevel 2: the importer's line (the warnings module skips the import machinery's frames)
+            # stacklevel 2: the importer's line (the warnings module skips the import machinery's
+            # frames)
             warnings.warn(message(self.old, new), DeprecationWarning, stacklevel=2)
             return parts[0]
         return _Successors(spec.name, parts)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        sys.modules[f"hpc_ddp.{self.old}"] = module  # the module object at its new path, under the old name
+        # the module object at its new path, under the old name
+        sys.modules[f"hpc_ddp.{self.old}"] = module
 
 
 class Finder(importlib.abc.MetaPathFinder):
     """Answers ``hpc_ddp.<old name>`` with its new module (see the module docstring)."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Any = None,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
         head, _, old = fullname.partition(".")
         if fullname == "hpc_ddp.session":
             raise ModuleNotFoundError(
-                "hpc_ddp.session is the context manager (`with hpc_ddp.session() as run:`), not a module: in hpc_ddp "
-                "0.1 importing the module replaced the function. The module is hpc_ddp.rank.attempt.session; the "
+                "hpc_ddp.session is the context manager (`with hpc_ddp.session() as run:`), not a "
+                "module: in hpc_ddp "
+                "0.1 importing the module replaced the function. The module is "
+                "hpc_ddp.rank.attempt.session; the "
                 "function is defined in hpc_ddp.rank.worker", name=fullname)
         if head != "hpc_ddp" or old not in MOVED:
             return None

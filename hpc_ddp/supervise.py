@@ -1,4 +1,5 @@
-"""``python -m hpc_ddp.supervise CONFIG -- srun ...``: the batch shell's supervisor (sbatch scripts call it).
+"""``python -m hpc_ddp.supervise CONFIG -- srun ...``: the batch shell's supervisor (sbatch scripts
+call it).
 
 An entry point at a path that never moves: Slurm keeps batch scripts that name it, and users
 type it. The code is in :mod:`hpc_ddp.shell.supervise`.

@@ -1,4 +1,5 @@
-"""``python -m hpc_ddp.whoami`` (and ``hpc-ddp-whoami``): what this task would be (rank, world, address, port).
+"""``python -m hpc_ddp.whoami`` (and ``hpc-ddp-whoami``): what this task would be (rank, world,
+address, port).
 
 An entry point at a path that never moves: Slurm keeps batch scripts that name it, and users
 type it. The code is in :mod:`hpc_ddp.core.whoami`.

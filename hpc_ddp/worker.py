@@ -1,4 +1,5 @@
-"""``python -m hpc_ddp.worker`` (and ``hpc-ddp-worker``): one task of a run; and submitit's job callable.
+"""``python -m hpc_ddp.worker`` (and ``hpc-ddp-worker``): one task of a run; and submitit's job
+callable.
 
 An entry point at a path that never moves. submitit pickles :func:`job_main` by its module path
 (``hpc_ddp.worker.job_main``), and Slurm keeps batch scripts that run ``-m hpc_ddp.worker``:
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 EARLY_FLAG = None
-if __name__ == "__main__":  # first, before omegaconf or torch load: a stop signal at start-up is recorded
+# first, before omegaconf or torch load: a stop signal at start-up is recorded
+if __name__ == "__main__":
     from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag  # stdlib only
 
     EARLY_FLAG = StopFlag()
@@ -41,13 +43,15 @@ def job_main(config_path: str) -> None:
 
 def console_main() -> None:
     """The ``hpc-ddp-worker`` console script: like ``python -m hpc_ddp.worker``."""
-    from hpc_ddp.core.shutdown import exit_fast  # snapshots, ledger and DONE.json are fsynced by now
+    # snapshots, ledger and DONE.json are fsynced by now
+    from hpc_ddp.core.shutdown import exit_fast
 
     exit_fast(main())
 
 
 def __getattr__(name: str) -> Any:
-    """``hpc_ddp.worker.session`` and the rest of the task's code, from :mod:`hpc_ddp.rank.worker`."""
+    """``hpc_ddp.worker.session`` and the rest of the task's code, from
+    :mod:`hpc_ddp.rank.worker`."""
     import importlib
 
     return getattr(importlib.import_module("hpc_ddp.rank.worker"), name)

@@ -1,4 +1,5 @@
-"""core: pure pieces every place uses. Runs anywhere; imports only the standard library and omegaconf.
+"""core: pure pieces every place uses. Runs anywhere; imports only the standard library and
+omegaconf.
 
 The config and its checks, the errors, host lists, the Slurm variables (rank, world, address,
 port), batch sizes, stop signals, the Slurm commands a job asks about itself, the optional

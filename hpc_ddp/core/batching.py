@@ -30,7 +30,8 @@ class BatchPlan:
     global_batch: int  # samples per optimizer step, all ranks together
 
     def __str__(self) -> str:
-        return (f"{self.world_size} ranks x {self.batch_size} samples x {self.grad_accum} micro-step"
+        return (f"{self.world_size} ranks x {self.batch_size} samples x {self.grad_accum} "
+                "micro-step"
                 f"{'s' if self.grad_accum != 1 else ''} = global batch {self.global_batch}")
 
 
@@ -63,8 +64,9 @@ def valid_nodes(nodes: Any) -> bool:
 
 
 def plan(train: Any, world_size: int) -> BatchPlan:
-    """The plan for ``world_size`` ranks; a :class:`ConfigError` listing the world sizes that fit when it cannot
-    split ``train.global_batch_size``. Unset, the global batch follows the world size (``train.grad_accum`` kept)."""
+    """The plan for ``world_size`` ranks; a :class:`ConfigError` listing the world sizes that fit
+    when it cannot split ``train.global_batch_size``. Unset, the global batch follows the world size
+    (``train.grad_accum`` kept)."""
     batch = train.batch_size
     target = getattr(train, "global_batch_size", None)
     if target is None:
@@ -72,10 +74,12 @@ def plan(train: Any, world_size: int) -> BatchPlan:
     if target % (batch * world_size):
         fits = fitting_world_sizes(target, batch)
         raise ConfigError(explain(
-            f"train.global_batch_size={target} cannot be split over {world_size} ranks of train.batch_size={batch} "
+            f"train.global_batch_size={target} cannot be split over {world_size} ranks of "
+            f"train.batch_size={batch} "
             f"samples ({target} is not a multiple of {batch} x {world_size})",
             expected=f"a world size (nodes x tasks_per_node) among {', '.join(map(str, fits))}",
-            hint="run on one of those world sizes, or change train.global_batch_size or train.batch_size"),
+            hint="run on one of those world sizes, or change train.global_batch_size or "
+                 "train.batch_size"),
             key="train.global_batch_size")
     return BatchPlan(world_size, batch, target // (batch * world_size), target)
 
@@ -101,20 +105,24 @@ def fitting_node_counts(train: Any, nodes: Any, tasks_per_node: int) -> tuple[li
 
 
 def check_geometry(train: Any, nodes: Any, tasks_per_node: int) -> None:
-    """Every node count Slurm may grant must split the global batch, and a range needs a fixed global batch
-    for our Trainer (``train.task``; a loop or a script may size its batch its own way).
+    """Every node count Slurm may grant must split the global batch, and a range needs a fixed
+    global batch for our Trainer (``train.task``; a loop or a script may size its batch its own
+    way).
 
-    Slurm (22.05) takes only ``MIN-MAX``, not a list of counts, so a range with one count that
-    does not fit would fail the job after its wait in the queue: refused here, with the counts that fit.
+    Slurm (22.05) takes only ``MIN-MAX``, not a list of counts, so a range with one count that does
+    not fit would fail the job after its wait in the queue: refused here, with the counts that fit.
     """
     counts = node_counts(nodes)
-    if len(counts) > 1 and getattr(train, "global_batch_size", None) is None and getattr(train, "task", ""):
+    if len(counts) > 1 and getattr(train, "global_batch_size",
+                                   None) is None and getattr(train, "task", ""):
         raise ConfigError(explain(
-            f"slurm.nodes={nodes} lets Slurm choose the node count, but train.global_batch_size is unset, so "
+            f"slurm.nodes={nodes} lets Slurm choose the node count, but train.global_batch_size is "
+            "unset, so "
             "the batch per optimizer step would change with the count Slurm grants",
             expected="train.global_batch_size with a range of nodes",
             hint=f"set train.global_batch_size={train.batch_size * train.grad_accum * counts.start * tasks_per_node} "
-            f"(the batch at {counts.start} node{'s' if counts.start > 1 else ''}), or a single count slurm.nodes="
+            f"(the batch at {counts.start} node{'s' if counts.start > 1 else ''}), or a single "
+            "count slurm.nodes="
             f"{counts.stop - 1}"), key="train.global_batch_size")
     fit, unfit = fitting_node_counts(train, nodes, tasks_per_node)
     if not unfit:
@@ -125,7 +133,8 @@ def check_geometry(train: Any, nodes: Any, tasks_per_node: int) -> None:
         sizes = fitting_world_sizes(target, train.batch_size)
         counts_fit = [w // tasks_per_node for w in sizes if w % tasks_per_node == 0]
         hint = (f"use node counts among {', '.join(map(str, counts_fit))}" if counts_fit else
-                f"no node count works with slurm.tasks_per_node={tasks_per_node}; change train.batch_size or "
+                f"no node count works with slurm.tasks_per_node={tasks_per_node}; change "
+                "train.batch_size or "
                 "train.global_batch_size")
     else:
         hint = f"keep to the counts that fit: {', '.join(map(str, fit))} (e.g. slurm.nodes={_span(fit)})"
@@ -133,7 +142,8 @@ def check_geometry(train: Any, nodes: Any, tasks_per_node: int) -> None:
         f"train.global_batch_size={target} cannot be split at {where} x {tasks_per_node} task"
         f"{'s' if tasks_per_node > 1 else ''} with "
         f"train.batch_size={train.batch_size}", found=f"slurm.nodes={nodes}",
-        expected="node counts whose world size divides the global batch into micro-batches", hint=hint),
+        expected="node counts whose world size divides the global batch into micro-batches",
+        hint=hint),
         key="slurm.nodes")
 
 
@@ -149,9 +159,11 @@ def _span(counts: list[int]) -> str:
     return str(best[0]) if best[0] == best[1] else f"{best[0]}-{best[1]}"
 
 
-def geometry_change(before: int | None, before_config: Mapping[str, Any] | None, train: Any, world_size: int) -> str:
+def geometry_change(before: int | None, before_config: Mapping[str, Any] | None, train: Any,
+                    world_size: int) -> str:
     """For the resume warning: what a resume at another world size changes, and why it is no longer
-    bit-identical ('' at the same world size). ``before_config``: the snapshot's config (flat_values)."""
+    bit-identical ('' at the same world size). ``before_config``: the snapshot's config
+    (flat_values)."""
     if before is None or before == world_size:
         return ""
     was = now = ""
@@ -163,32 +175,41 @@ def geometry_change(before: int | None, before_config: Mapping[str, Any] | None,
             was = f" (accumulation {old.grad_accum}, global batch {old.global_batch})"
     except (ConfigError, KeyError, TypeError, ValueError):
         pass
-    return (f" at another world size: written by {_ranks(before)}{was}, now {_ranks(world_size)}{now}. Same "
-            "data order; every rank's RNG is reseeded from (seed, step, rank) and gradients are summed in another "
-            "order, so the run is no longer bit-identical to one that never stopped (without dropout or other "
-            "randomness, losses agree to float rounding; with it, they follow another random stream)")
+    return (f" at another world size: written by {_ranks(before)}{was}, now "
+            f"{_ranks(world_size)}{now}. Same "
+            "data order; every rank's RNG is reseeded from (seed, step, rank) and gradients are "
+            "summed in another "
+            "order, so the run is no longer bit-identical to one that never stopped (without "
+            "dropout or other "
+            "randomness, losses agree to float rounding; with it, they follow another random "
+            "stream)")
 
 
 def batch_change_problem(written: int, saved_batch: int, train: Any, world_size: int) -> str | None:
-    """Why resuming a snapshot written by ``written`` ranks at global batch ``saved_batch`` on ``world_size``
-    ranks would change the batch (``train.global_batch_size`` unset), or None. The one check behind the login
-    node's refusal of ``--resume`` and the Trainer's (a job from an sbatch template never passed the login node)."""
+    """Why resuming a snapshot written by ``written`` ranks at global batch ``saved_batch`` on
+    ``world_size`` ranks would change the batch (``train.global_batch_size`` unset), or None. The
+    one check behind the login node's refusal of ``--resume`` and the Trainer's (a job from an
+    sbatch template never passed the login node)."""
     if getattr(train, "global_batch_size", None) is not None or world_size == written:
         return None
     now = plan(train, world_size).global_batch
     if now == saved_batch:
         return None
     return explain(
-        f"the snapshot was written by {_ranks(written)} at global batch {saved_batch}; on {_ranks(world_size)} "
+        f"the snapshot was written by {_ranks(written)} at global batch {saved_batch}; on "
+        f"{_ranks(world_size)} "
         f"the batch would be {now}, because train.global_batch_size is unset",
         expected="the same global batch when the world size changes",
-        hint=f"add train.global_batch_size={saved_batch} train.grad_accum=1 (the accumulation then follows the "
+        hint=f"add train.global_batch_size={saved_batch} train.grad_accum=1 (the accumulation then "
+             "follows the "
         f"world size), or resume on {_ranks(written)}")
 
 
-def resume_batch_problem(manifest: Mapping[str, Any], train: Any, nodes: Any, tasks_per_node: int) -> str | None:
-    """:func:`batch_change_problem` for the newest snapshot's ``manifest`` at every count of ``slurm.nodes``.
-    Asked on the login node, so that ``--resume slurm.nodes=1`` is refused before anything is written or queued."""
+def resume_batch_problem(manifest: Mapping[str, Any], train: Any, nodes: Any,
+                         tasks_per_node: int) -> str | None:
+    """:func:`batch_change_problem` for the newest snapshot's ``manifest`` at every count of
+    ``slurm.nodes``. Asked on the login node, so that ``--resume slurm.nodes=1`` is refused before
+    anything is written or queued."""
     written, config = manifest.get("world_size"), manifest.get("config")
     try:
         counts = node_counts(nodes)
@@ -198,9 +219,11 @@ def resume_batch_problem(manifest: Mapping[str, Any], train: Any, nodes: Any, ta
     return next((problem for problem in problems if problem), None)
 
 
-def snapshot_batch_problem(written: Any, config: Mapping[str, Any] | None, train: Any, world_size: int) -> str | None:
-    """:func:`batch_change_problem` for a snapshot written by ``written`` ranks under ``config`` (its flat_values);
-    None when the snapshot does not record enough to tell. Asked on the login node and by the run on resume."""
+def snapshot_batch_problem(written: Any, config: Mapping[str, Any] | None, train: Any,
+                           world_size: int) -> str | None:
+    """:func:`batch_change_problem` for a snapshot written by ``written`` ranks under ``config``
+    (its flat_values); None when the snapshot does not record enough to tell. Asked on the login
+    node and by the run on resume."""
     if not isinstance(written, int) or not config or written == world_size:
         return None
     try:
@@ -215,7 +238,8 @@ def _ranks(count: int) -> str:
 
 
 class _TrainView:
-    """The ``train.*`` keys of a snapshot's recorded config (flat_values) as attributes, for :func:`plan`."""
+    """The ``train.*`` keys of a snapshot's recorded config (flat_values) as attributes, for
+    :func:`plan`."""
 
     def __init__(self, flat: Mapping[str, Any]) -> None:
         self.batch_size = int(flat["train.batch_size"])

@@ -26,14 +26,17 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MOUNT = re.compile(r"/[^,:\n]*(:/[^,:\n]*(:[^,:\n]+)?)?")
-# The largest node count and tasks per node a config may ask for: Slurm's node lists hold at most MAX_RANGE
-# (65536) hosts in one range (so does our hostlist), the largest Slurm clusters have tens of thousands of
-# nodes, and Slurm's own MaxTasksPerNode may not exceed 65533. Beyond them a value is a typo (1e23), and the
-# login node's tools (--dry-run's tables, the batch plans) would work through it for ever.
+# The largest node count and tasks per node a config may ask for: Slurm's node lists hold at most
+# MAX_RANGE (65536) hosts in one range (so does our hostlist), the largest Slurm clusters have tens
+# of thousands of nodes, and Slurm's own MaxTasksPerNode may not exceed 65533. Beyond them a value
+# is a typo (1e23), and the login node's tools (--dry-run's tables, the batch plans) would work
+# through it for ever.
 MAX_NODES = MAX_RANGE
 MAX_TASKS_PER_NODE = 65_533
-LIVENESS_S = 30.0  # dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
-SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG") and "_" not in s.name
+# dist.liveness_s's default: the one value that steps aside (off) for a small dist.timeout_s
+LIVENESS_S = 30.0
+SIGNALS = sorted(s.name[3:] for s in _signal.Signals if s.name.startswith("SIG")
+                 and "_" not in s.name
                  and s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR1"))
 
 
@@ -72,23 +75,28 @@ def _regex_with_group(v: Any) -> bool:
 
 
 def _user_keys(v: Any) -> bool:
-    """The user section: a mapping whose keys, at every depth, are names (they become dotted keys and
-    HPC_DDP_USER_* variables); values are anything YAML holds."""
+    """The user section: a mapping whose keys, at every depth, are names (they become dotted keys
+    and HPC_DDP_USER_* variables); values are anything YAML holds."""
     return isinstance(v, dict) and all(isinstance(k, str) and _USER_KEY.fullmatch(k)
-                                       and (not isinstance(x, dict) or _user_keys(x)) for k, x in v.items())
+                                       and (not isinstance(x, dict) or _user_keys(x))
+                                       for k, x in v.items())
 
 
 _USER_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 # key -> (check, expected); None passes for keys whose schema type is Optional.
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a directory)"),
+    "name": (lambda v: bool(_NAME.fullmatch(v)), "letters, digits, '.', '_', '+', '-' (it names a "
+                                                 "directory)"),
     "run_dir": (lambda v: bool(v.strip()), "a directory path"),
-    "profile": (lambda v: v == "" or bool(_NAME.fullmatch(v)), "a profile's name (its file's stem), or empty"),
+    "profile": (lambda v: v == "" or bool(_NAME.fullmatch(v)),
+                "a profile's name (its file's stem), or empty"),
     "slurm.nodes": (lambda v: valid_nodes(v) and node_counts(v)[-1] <= MAX_NODES,
-                    f"an integer >= 1 and at most {MAX_NODES} (the most hosts one Slurm node list range holds; no "
+                    f"an integer >= 1 and at most {MAX_NODES} (the most hosts one Slurm node list "
+                    "range holds; no "
                     "Slurm cluster has more nodes), or a range MIN-MAX within them such as 2-4"),
-    "slurm.tasks_per_node": (_at_most(MAX_TASKS_PER_NODE), f"an integer >= 1 and at most {MAX_TASKS_PER_NODE} "
+    "slurm.tasks_per_node": (_at_most(MAX_TASKS_PER_NODE), "an integer >= 1 and at most "
+                                                           f"{MAX_TASKS_PER_NODE} "
                              "(Slurm's own ceiling on MaxTasksPerNode)"),
     "slurm.gpus_per_node": (_at_least(0), "an integer >= 0"),
     "slurm.cpus_per_task": (_at_least(1), "an integer >= 1"),
@@ -103,32 +111,40 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.max_timeouts": (_at_least(0), "an integer >= 0"),
     "slurm.max_preemptions": (_at_least(0), "an integer >= 0"),
     "slurm.max_failures": (_at_least(0), "an integer >= 0"),
-    "slurm.spare_nodes": (lambda v: _at_least(0)(v) and v <= MAX_NODES, f"an integer >= 0 and at most {MAX_NODES}"),
+    "slurm.spare_nodes": (lambda v: _at_least(0)(v) and v <= MAX_NODES,
+                          f"an integer >= 0 and at most {MAX_NODES}"),
     "slurm.max_restarts_in_job": (_at_least(0), "an integer >= 0"),
     "slurm.setup": (_texts, "a list of shell lines"),
-    "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without '--' "
+    "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without "
+                                                     "'--' "
                            "(e.g. mail-type) to one-line text values"),
     "slurm.srun_args": (_texts, "a list of text arguments"),
-    "slurm.container.runtime": (lambda v: v in RUNTIMES, f"one of {', '.join(RUNTIMES)}, or null (no container)"),
+    "slurm.container.runtime": (lambda v: v in RUNTIMES, f"one of {', '.join(RUNTIMES)}, or null "
+                                                         "(no container)"),
     "slurm.container.image": (lambda v: isinstance(v, str) and v.strip() == v and "\n" not in v,
                               "an image without surrounding spaces (empty without a container)"),
     "slurm.container.mounts": (lambda v: _texts(v) and all(_MOUNT.fullmatch(m) for m in v),
                                "a list of SRC[:DST[:OPTS]] with absolute paths and no commas, e.g. "
-                               "[/scratch/data:/data:ro] (for an environment variable: ${oc.env:SCRATCH})"),
+                               "[/scratch/data:/data:ro] (for an environment variable: "
+                               "${oc.env:SCRATCH})"),
     "slurm.container.args": (_texts, "a list of text arguments"),
-    "slurm.container.python": (_word, "a command without spaces, e.g. python3 or /opt/conda/bin/python"),
+    "slurm.container.python": (_word, "a command without spaces, e.g. python3 or "
+                                      "/opt/conda/bin/python"),
     "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),
     "dist.timeout_s": (_at_least(1), "an integer number of seconds >= 1"),
     "dist.liveness_s": (lambda v: v == 0 or (_positive(v) and v >= 1),
                         "a number of seconds >= 1, or 0 or null to turn liveness off"),
     "dist.master_port": (lambda v: _at_least(1)(v) and v <= 65535, "a port 1..65535, or null"),
-    "dist.nccl_env": (_mapping(_ENV_NAME), "a mapping of environment variable names to text values"),
+    "dist.nccl_env": (_mapping(_ENV_NAME),
+                      "a mapping of environment variable names to text values"),
     "train.task": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:ClassName'"),
     "train.loop": (lambda v: v == "" or bool(_TASK.fullmatch(v)), "'package.module:function'"),
-    "train.script": (lambda v: v == "" or (v.strip() == v and "\n" not in v), "a path to a .py file"),
+    "train.script": (lambda v: v == "" or (v.strip() == v and "\n" not in v),
+                     "a path to a .py file"),
     "train.args": (_texts, "a list of text arguments"),
     "train.resume_args": (_texts, "a list of text arguments"),
-    "train.script_progress": (_regex_with_group, "a regular expression with one group that matches the step"),
+    "train.script_progress": (_regex_with_group, "a regular expression with one group that matches "
+                                                 "the step"),
     "train.max_steps": (_at_least(1), "an integer >= 1, or null"),
     "train.epochs": (_at_least(1), "an integer >= 1, or null"),
     "train.batch_size": (_at_least(1), "an integer >= 1"),
@@ -141,21 +157,26 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.rng": (lambda v: v in ("derived", "saved"), "one of derived, saved"),
     "train.log_every": (_at_least(1), "an integer >= 1"),
     "train.num_workers": (_at_least(0), "an integer >= 0"),
-    "train.compile": (lambda v: isinstance(v, (bool, Mapping)), COMPILE_EXPECTED),  # its options: _check_compile
+    # its options: _check_compile
+    "train.compile": (lambda v: isinstance(v, (bool, Mapping)), COMPILE_EXPECTED),
     "train.compile_cache": (cache_ok, CACHE_EXPECTED),
     "snapshot.every_steps": (_at_least(1), "an integer >= 1, or null"),
     "snapshot.every_minutes": (_positive, "a number of minutes > 0, or null"),
     "snapshot.keep_last": (_at_least(1), "an integer >= 1"),
-    "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's file)"),
+    "snapshot.replicas": (_at_least(1), "an integer >= 1 (2: survives the loss of any one node's "
+                                        "file)"),
     "snapshot.load": (lambda v: v in ("auto", "spread", "every_node", "every_rank"),
                       "one of auto, spread, every_node (every_rank: its old name)"),
-    "user": (_user_keys, "a mapping whose keys (at every depth) are names: a letter or _, then letters, digits, "
+    "user": (_user_keys, "a mapping whose keys (at every depth) are names: a letter or _, then "
+                         "letters, digits, "
              "_ or -"),
-    "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"), "one of online, offline, disabled"),
+    "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"),
+                           "one of online, offline, disabled"),
     "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
                               "a W&B project name without / \\ # ? % : (empty: the run's name)"),
 }
-OPTIONAL = {"slurm.container.runtime", "slurm.mem_gb", "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "dist.master_port",
+OPTIONAL = {"slurm.container.runtime", "slurm.mem_gb", "slurm.partition", "slurm.account",
+            "slurm.qos", "slurm.constraint", "dist.master_port",
             "dist.liveness_s", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
 
@@ -173,9 +194,11 @@ def _check_program(train: Any) -> None:
     """Exactly one of train.task, train.loop and train.script names what the job runs."""
     chosen = [key for key in PROGRAMS if getattr(train, key.split(".")[1])]
     if not chosen:
-        raise _fail("train.task", "nothing to train: train.task, train.loop and train.script are all unset", "",
+        raise _fail("train.task", "nothing to train: train.task, train.loop and train.script are "
+                                  "all unset", "",
                     "exactly one of them", "set one: train.task=mypkg.tasks:MyTask (our Trainer), "
-                    "train.loop=mypkg.train:main (your loop, called with the run), or train.script=train.py "
+                    "train.loop=mypkg.train:main (your loop, called with the run), or "
+                    "train.script=train.py "
                     "(an unmodified torchrun-style script)")
     if len(chosen) > 1:
         raise _fail(chosen[1], f"{' and '.join(chosen)} are both set", ", ".join(
@@ -184,66 +207,85 @@ def _check_program(train: Any) -> None:
             + " or ".join(f"{key}=null" for key in chosen))
     for key in ("args", "resume_args"):
         if getattr(train, key) and not train.script:
-            raise _fail(f"train.{key}", f"train.{key} is set but train.script is not", getattr(train, key),
-                        "arguments for train.script", f"set train.script=path/to/train.py, or drop train.{key}")
+            raise _fail(f"train.{key}", f"train.{key} is set but train.script is not",
+                        getattr(train, key),
+                        "arguments for train.script", "set train.script=path/to/train.py, or drop "
+                                                      f"train.{key}")
 
 
 def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = None) -> ConfigError:
     return ConfigError(explain(what, found=found, expected=expected,
-                               hint=hint or f"set {key} in the config file or as {key}=... on the command line"),
+                               hint=hint or f"set {key} in the config file or as {key}=... on the "
+                                            "command line"),
                        key=key)
 
 
 def _check_liveness(dist: Any) -> None:
-    """A frozen node must be found by liveness before the hang watchdog (dist.timeout_s) fires on the ranks that
-    wait for it: otherwise the attempt is recorded as hung and the frozen node is only a soft suspect."""
+    """A frozen node must be found by liveness before the hang watchdog (dist.timeout_s) fires on
+    the ranks that wait for it: otherwise the attempt is recorded as hung and the frozen node is
+    only a soft suspect."""
     live = dist.liveness_s
     if not live or live == LIVENESS_S or 2 * live <= dist.timeout_s:
         return
-    raise _fail("dist.liveness_s", f"dist.liveness_s={live:g} is not well below dist.timeout_s={dist.timeout_s}: "
-                "the hang watchdog would fire first on the ranks waiting for a frozen node, and the attempt would "
+    raise _fail("dist.liveness_s", f"dist.liveness_s={live:g} is not well below "
+                                   f"dist.timeout_s={dist.timeout_s}: "
+                "the hang watchdog would fire first on the ranks waiting for a frozen node, and "
+                "the attempt would "
                 "be recorded as hung instead of naming the lost node", f"dist.liveness_s={live:g}",
                 f"at most half of dist.timeout_s (<= {dist.timeout_s / 2:g})",
-                f"lower it (dist.liveness_s={max(1, dist.timeout_s // 4)}), raise dist.timeout_s, or turn liveness "
+                f"lower it (dist.liveness_s={max(1, dist.timeout_s // 4)}), raise dist.timeout_s, "
+                "or turn liveness "
                 "off with dist.liveness_s=0")
 
 
 def _check_container(box: Any) -> None:
-    """An image without a runtime, or a runtime without an image: either way the job would run somewhere else
-    than the user meant (on the host, or nowhere), so neither is guessed."""
+    """An image without a runtime, or a runtime without an image: either way the job would run
+    somewhere else than the user meant (on the host, or nowhere), so neither is guessed."""
     if box.runtime and not box.image:
-        raise _fail("slurm.container.image", f"slurm.container.runtime={box.runtime} needs an image", box.image,
+        raise _fail("slurm.container.image",
+                    f"slurm.container.runtime={box.runtime} needs an image", box.image,
                     "the image every rank runs in", "set slurm.container.image=" + (
-                        "nvcr.io#nvidia/pytorch:24.05-py3 (or a .sqsh file)" if box.runtime == "pyxis" else
+                        "nvcr.io#nvidia/pytorch:24.05-py3 (or a .sqsh file)"
+                        if box.runtime == "pyxis" else
                         "/path/to/image.sif") + ", or slurm.container=null for no container")
     if box.image and not box.runtime:
-        raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no runtime runs it",
-                    None, f"one of {', '.join(RUNTIMES)}", "set slurm.container.runtime=apptainer (or pyxis, "
+        raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no "
+                                               "runtime runs it",
+                    None, f"one of {', '.join(RUNTIMES)}", "set slurm.container.runtime=apptainer "
+                                                           "(or pyxis, "
                     "singularity: what your site offers), or drop slurm.container.image")
 
 
 def _check_compile(train: Any) -> None:
-    """train.compile: its shape, and only for our Trainer (a loop or a script calls torch.compile itself)."""
+    """train.compile: its shape, and only for our Trainer (a loop or a script calls torch.compile
+    itself)."""
     problem = compile_problem(train.compile)
     if problem is not None:
         what, found, expected = problem
-        raise _fail("train.compile", what, found, expected, "train.compile=true, or in a file: compile: {mode: "
+        raise _fail("train.compile", what, found, expected, "train.compile=true, or in a file: "
+                                                            "compile: {mode: "
                     "max-autotune} (docs/compile.md)")
     if train.compile not in (None, False) and not train.task:
         program = "train.loop" if train.loop else "train.script"
-        raise _fail("train.compile", f"train.compile is set but {program} runs, not our Trainer (train.task)",
-                    train.compile, "train.compile with train.task only", f"drop train.compile; {program} compiles "
-                    "its model itself: torch.compile(model) first, then DistributedDataParallel(compiled) "
+        raise _fail("train.compile", f"train.compile is set but {program} runs, not our Trainer "
+                                     "(train.task)",
+                    train.compile, "train.compile with train.task only",
+                    f"drop train.compile; {program} compiles "
+                    "its model itself: torch.compile(model) first, then "
+                    "DistributedDataParallel(compiled) "
                     "(docs/compile.md)")
 
 
 def check_config(cfg: Any) -> None:
     """Raise :class:`ConfigError` for the first value out of its range or format."""
-    check_one_line(cfg)  # first: a line break anywhere is named as what it is, whatever the key's own format
+    # first: a line break anywhere is named as what it is, whatever the key's own format
+    check_one_line(cfg)
     sig = cfg.slurm.signal
     if isinstance(sig, str) and sig.upper().removeprefix("SIG") == "USR1":
-        raise _fail("slurm.signal", "slurm.signal must not be USR1", sig, "USR2 (the default) or another signal",
-                    "NCCL uses SIGUSR1 internally; a USR1 warning would be swallowed. Use slurm.signal=USR2")
+        raise _fail("slurm.signal", "slurm.signal must not be USR1", sig,
+                    "USR2 (the default) or another signal",
+                    "NCCL uses SIGUSR1 internally; a USR1 warning would be swallowed. Use "
+                    "slurm.signal=USR2")
     cfg.slurm.signal = sig.upper().removeprefix("SIG") if isinstance(sig, str) else sig
     for key, (ok, expected) in RULES.items():
         value = _get(cfg, key)
@@ -254,30 +296,39 @@ def check_config(cfg: Any) -> None:
     _check_program(cfg.train)
     _check_compile(cfg.train)
     if cfg.train.task and cfg.train.max_steps is None and cfg.train.epochs is None:
-        raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are both null",
+        raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are "
+                                       "both null",
                     None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
     if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:
-        raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} leaves no time to "
-                    f"train within slurm.timeout_min={cfg.slurm.timeout_min}", cfg.slurm.signal_delay_s,
-                    "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise slurm.timeout_min")
+        raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} "
+                                            "leaves no time to "
+                    f"train within slurm.timeout_min={cfg.slurm.timeout_min}",
+                    cfg.slurm.signal_delay_s,
+                    "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise "
+                                                         "slurm.timeout_min")
     _check_liveness(cfg.dist)
     _check_container(cfg.slurm.container)
     if cfg.train.global_batch_size is not None and cfg.train.grad_accum != 1:
         raise _fail("train.grad_accum", "train.grad_accum and train.global_batch_size are both set",
-                    f"train.grad_accum={cfg.train.grad_accum}, train.global_batch_size={cfg.train.global_batch_size}",
-                    "one of them", "with train.global_batch_size the accumulation follows the world size: "
+                    f"train.grad_accum={cfg.train.grad_accum}, "
+                    f"train.global_batch_size={cfg.train.global_batch_size}",
+                    "one of them", "with train.global_batch_size the accumulation follows the "
+                                   "world size: "
                     "drop train.grad_accum")
     if cfg.slurm.spare_nodes and len(node_counts(cfg.slurm.nodes)) > 1:
-        raise _fail("slurm.spare_nodes", "slurm.spare_nodes needs a fixed node count, but slurm.nodes is a range",
+        raise _fail("slurm.spare_nodes", "slurm.spare_nodes needs a fixed node count, but "
+                                         "slurm.nodes is a range",
                     f"slurm.nodes={cfg.slurm.nodes}, slurm.spare_nodes={cfg.slurm.spare_nodes}",
                     "slurm.nodes=N with spares, or a range without them",
-                    "with a range the run goes on with fewer nodes when one fails; spares keep the world size "
+                    "with a range the run goes on with fewer nodes when one fails; spares keep the "
+                    "world size "
                     "(bit-exact): choose one, e.g. slurm.nodes=2 slurm.spare_nodes=1")
     check_geometry(cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node)
 
 
 def _run_dir_mode(value: Any) -> bool:
-    """run_dir_mode's own check raises the error that says what to write (:mod:`hpc_ddp.core.run_dir_mode`)."""
+    """run_dir_mode's own check raises the error that says what to write
+    (:mod:`hpc_ddp.core.run_dir_mode`)."""
     from hpc_ddp.core.run_dir_mode import check_run_dir_mode
 
     check_run_dir_mode(value)

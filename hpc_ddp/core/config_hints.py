@@ -1,4 +1,5 @@
-""""Did you mean": the config key a mistyped or foreign one stands for, and the override an sbatch flag does.
+""""Did you mean": the config key a mistyped or foreign one stands for, and the override an sbatch
+flag does.
 
 A fuzzy match alone misses what newcomers type most: the names other tools use (``lr``,
 ``learning_rate``, ``slurm.time``, ``slurm.gpus``), a right key in the wrong section (``max_steps``,
@@ -12,45 +13,60 @@ import difflib
 
 from hpc_ddp.core.config_schema import schema_rows
 
-# what other tools (PyTorch, Lightning, Hydra configs, sbatch, torchrun) call our keys; leaf names apply in any section
+# what other tools (PyTorch, Lightning, Hydra configs, sbatch, torchrun) call our keys; leaf names
+# apply in any section
 ALIASES = {
-    "lr": "train.lr", "learning_rate": "train.lr", "learningrate": "train.lr", "base_lr": "train.lr",
+    "lr": "train.lr", "learning_rate": "train.lr", "learningrate": "train.lr",
+    "base_lr": "train.lr",
     "steps": "train.max_steps", "max_iters": "train.max_steps", "iterations": "train.max_steps",
     "num_steps": "train.max_steps", "total_steps": "train.max_steps", "max_epochs": "train.epochs",
-    "num_epochs": "train.epochs", "batch": "train.batch_size", "micro_batch_size": "train.batch_size",
-    "accumulate_grad_batches": "train.grad_accum", "gradient_accumulation_steps": "train.grad_accum",
-    "precision": "train.amp", "mixed_precision": "train.amp", "gradient_clip_val": "train.clip_grad_norm",
+    "num_epochs": "train.epochs", "batch": "train.batch_size",
+    "micro_batch_size": "train.batch_size",
+    "accumulate_grad_batches": "train.grad_accum",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "precision": "train.amp", "mixed_precision": "train.amp",
+    "gradient_clip_val": "train.clip_grad_norm",
     "max_grad_norm": "train.clip_grad_norm", "workers": "train.num_workers",
     "time": "slurm.timeout_min", "time_limit": "slurm.timeout_min", "walltime": "slurm.timeout_min",
     "timeout": "slurm.timeout_min", "minutes": "slurm.timeout_min",
-    "gpus": "slurm.gpus_per_node", "gres": "slurm.gpus_per_node", "gpus_per_task": "slurm.gpus_per_node",
+    "gpus": "slurm.gpus_per_node", "gres": "slurm.gpus_per_node",
+    "gpus_per_task": "slurm.gpus_per_node",
     "num_gpus": "slurm.gpus_per_node", "devices": "slurm.gpus_per_node",
     "ntasks_per_node": "slurm.tasks_per_node", "nproc_per_node": "slurm.tasks_per_node",
     "num_nodes": "slurm.nodes", "nnodes": "slurm.nodes", "n_nodes": "slurm.nodes",
     "mem": "slurm.mem_gb", "memory": "slurm.mem_gb", "cpus": "slurm.cpus_per_task",
     "queue": "slurm.partition", "qos_name": "slurm.qos", "spares": "slurm.spare_nodes",
-    "output_dir": "run_dir", "out_dir": "run_dir", "save_dir": "run_dir", "checkpoint_dir": "run_dir",
+    "output_dir": "run_dir", "out_dir": "run_dir", "save_dir": "run_dir",
+    "checkpoint_dir": "run_dir",
 }
-# sbatch's flags (long, and the short ones people type), as our keys; "!": the value needs converting
+# sbatch's flags (long, and the short ones people type), as our keys; "!": the value needs
+# converting
 SBATCH_FLAGS = {
     "nodes": "slurm.nodes", "N": "slurm.nodes", "ntasks-per-node": "slurm.tasks_per_node",
-    "gpus-per-node": "slurm.gpus_per_node", "gpus": "slurm.gpus_per_node", "gres": "slurm.gpus_per_node!",
-    "cpus-per-task": "slurm.cpus_per_task", "c": "slurm.cpus_per_task", "time": "slurm.timeout_min!",
-    "t": "slurm.timeout_min!", "partition": "slurm.partition", "p": "slurm.partition", "account": "slurm.account",
+    "gpus-per-node": "slurm.gpus_per_node", "gpus": "slurm.gpus_per_node",
+    "gres": "slurm.gpus_per_node!",
+    "cpus-per-task": "slurm.cpus_per_task", "c": "slurm.cpus_per_task",
+    "time": "slurm.timeout_min!",
+    "t": "slurm.timeout_min!", "partition": "slurm.partition", "p": "slurm.partition",
+    "account": "slurm.account",
     "A": "slurm.account", "qos": "slurm.qos", "q": "slurm.qos", "constraint": "slurm.constraint",
-    "C": "slurm.constraint", "mem": "slurm.mem_gb!", "exclusive": "slurm.exclusive", "job-name": "name",
-    "J": "name", "signal": "slurm.signal!", "nproc-per-node": "slurm.tasks_per_node", "nnodes": "slurm.nodes",
+    "C": "slurm.constraint", "mem": "slurm.mem_gb!", "exclusive": "slurm.exclusive",
+    "job-name": "name",
+    "J": "name", "signal": "slurm.signal!", "nproc-per-node": "slurm.tasks_per_node",
+    "nnodes": "slurm.nodes",
 }
-CONVERT = {"slurm.timeout_min": "in minutes (e.g. 2:00:00 is 120)", "slurm.mem_gb": "in GB (e.g. 64G is 64)",
-           "slurm.gpus_per_node": "a count (e.g. gpu:4 is 4)", "slurm.signal": "USR2, with slurm.signal_delay_s"}
+CONVERT = {"slurm.timeout_min": "in minutes (e.g. 2:00:00 is 120)",
+           "slurm.mem_gb": "in GB (e.g. 64G is 64)",
+           "slurm.gpus_per_node": "a count (e.g. gpu:4 is 4)",
+           "slurm.signal": "USR2, with slurm.signal_delay_s"}
 
 
 UNLIMITED = ("UNLIMITED", "INFINITE", "NONE", "N/A")
 
 
 def minutes(text: str) -> float | None:
-    """A Slurm time (``MaxTime``: ``30``, ``1:00:00``, ``2-00:00:00``, ``7-12``) in minutes; None for unlimited
-    or unreadable."""
+    """A Slurm time (``MaxTime``: ``30``, ``1:00:00``, ``2-00:00:00``, ``7-12``) in minutes; None
+    for unlimited or unreadable."""
     text = text.strip()
     if not text or text.upper() in UNLIMITED:
         return None
@@ -73,7 +89,8 @@ def minutes(text: str) -> float | None:
 
 
 def _converted(key: str, value: str) -> str | None:
-    """An sbatch flag's value as our key takes it (``2:00:00`` -> 120 minutes, ``64G`` -> 64, ``gpu:4`` -> 4)."""
+    """An sbatch flag's value as our key takes it (``2:00:00`` -> 120 minutes, ``64G`` -> 64,
+    ``gpu:4`` -> 4)."""
     if key == "slurm.timeout_min":
         found = minutes(value)
         return None if found is None else str(max(1, round(found)))
@@ -95,13 +112,15 @@ def _keys() -> list[str]:
 
 
 def suggest(key: str) -> str | None:
-    """The config key ``key`` most likely stands for, or None: a near-typo in its own section, then a known
-    synonym, then the same name in another section, then the closest spelling (its section first)."""
+    """The config key ``key`` most likely stands for, or None: a near-typo in its own section, then
+    a known synonym, then the same name in another section, then the closest spelling (its section
+    first)."""
     keys = _keys()
     norm = key.strip().lstrip("-+~").replace("-", "_")
     parent, _, leaf = norm.rpartition(".")
     prefix = parent + "." if parent else ""
-    siblings = list(dict.fromkeys(k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)))
+    siblings = list(dict.fromkeys(k[len(prefix):].split(".")[0] for k in keys
+                                  if k.startswith(prefix)))
     typo = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.85)
     if typo:
         return ".".join(filter(None, [parent, typo[0]]))
@@ -119,19 +138,24 @@ def suggest(key: str) -> str | None:
 
 
 def flag_hint(arg: str) -> str | None:
-    """For a command-line argument that looks like an sbatch or torchrun flag (``--nodes=2``, ``-N``, ``--lr=0.1``),
-    the ``key=value`` override to type instead; None when it looks like nothing we know."""
+    """For a command-line argument that looks like an sbatch or torchrun flag (``--nodes=2``,
+    ``-N``, ``--lr=0.1``), the ``key=value`` override to type instead; None when it looks like
+    nothing we know."""
     name, sep, value = arg.lstrip("-").partition("=")
     if not arg.startswith("-") or not name:
         return None
     key = SBATCH_FLAGS.get(name) or SBATCH_FLAGS.get(name.lower())
     if key is None:
-        key = suggest(name) if name.replace("-", "_") in ALIASES or name.replace("-", "_") in _leaves() else None
+        key = suggest(name) if name.replace("-",
+                                            "_") in ALIASES or name.replace("-",
+                                                                            "_") in _leaves() else None
         if key is None:
             return None
     convert = key.endswith("!")
     key = key.rstrip("!")
-    shown = (_converted(key, value) if convert else value) if sep else ("true" if key == "slurm.exclusive" else None)
+    shown = (_converted(key, value) if convert else value) if sep else ("true"
+                                                                        if key == "slurm.exclusive"
+                                                                        else None)
     text = f"{arg} -> {key}={shown or 'VALUE'}"
     if convert and not shown:
         text += f" ({key} is {CONVERT[key]})"

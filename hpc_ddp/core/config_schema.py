@@ -27,19 +27,27 @@ def _doc_factory(factory: Any, doc: str) -> Any:
 class ContainerConfig:
     """The container every rank runs in; runtime null: none (docs: Your cluster, containers)."""
 
-    runtime: Optional[str] = _doc(None, "pyxis (srun --container-image, enroot), apptainer or singularity "
-                                  "(every rank runs as RUNTIME exec [--nv] --bind ... IMAGE COMMAND); it wraps "
-                                  "every step of the job: the first, the healing ones, the probes. null: no "
+    runtime: Optional[str] = _doc(None, "pyxis (srun --container-image, enroot), apptainer or "
+                                        "singularity "
+                                  "(every rank runs as RUNTIME exec [--nv] --bind ... IMAGE "
+                                  "COMMAND); it wraps "
+                                  "every step of the job: the first, the healing ones, the probes. "
+                                  "null: no "
                                   "container; slurm.container=null drops one an earlier file set.")
-    image: str = _doc("", "The image: for pyxis what --container-image takes (nvcr.io#nvidia/pytorch:24.05-py3, a "
+    image: str = _doc("", "The image: for pyxis what --container-image takes "
+                          "(nvcr.io#nvidia/pytorch:24.05-py3, a "
                       ".sqsh file); for apptainer and singularity a .sif file (or docker://...).")
-    mounts: List[str] = _doc_factory(list, "Host paths to mount besides the run dir and the submit directory "
-                                     "(always mounted at their own paths), each SRC[:DST[:OPTS]], e.g. "
+    mounts: List[str] = _doc_factory(list, "Host paths to mount besides the run dir and the submit "
+                                           "directory "
+                                     "(always mounted at their own paths), each SRC[:DST[:OPTS]], "
+                                     "e.g. "
                                      "/scratch/data:/data:ro.")
     args: List[str] = _doc_factory(list, "More arguments for the runtime: pyxis: srun options "
-                                   "(['--container-env=HOME']); apptainer: exec options before the image "
+                                   "(['--container-env=HOME']); apptainer: exec options before the "
+                                   "image "
                                    "(['--cleanenv']).")
-    python: str = _doc("python3", "The Python inside the image that runs every rank (torch, hpc_ddp and, for "
+    python: str = _doc("python3", "The Python inside the image that runs every rank (torch, "
+                                  "hpc_ddp and, for "
                        "submit's own jobs, submitit must import there).")
 
 
@@ -47,36 +55,53 @@ class ContainerConfig:
 class SlurmConfig:
     """What to ask Slurm for, and how often a run may be requeued."""
 
-    nodes: Union[int, str] = _doc(1, "Number of nodes, or a range MIN-MAX (e.g. 2-4): Slurm starts the job on any "
-                                  "count in it that is free, and each requeue may get another (needs "
+    nodes: Union[int, str] = _doc(1, "Number of nodes, or a range MIN-MAX (e.g. 2-4): Slurm starts "
+                                     "the job on any "
+                                  "count in it that is free, and each requeue may get another "
+                                  "(needs "
                                   "train.global_batch_size; see docs/resume.md).")
     tasks_per_node: int = _doc(1, "Processes per node; one per GPU on GPU nodes.")
     gpus_per_node: int = _doc(0, "GPUs to request per node (0 on CPU partitions).")
     cpus_per_task: int = _doc(1, "CPU cores per task (data loader workers need their own).")
-    mem_gb: Optional[float] = _doc(None, "Memory per node in GB; null keeps the partition's default.")
+    mem_gb: Optional[float] = _doc(None, "Memory per node in GB; null keeps the partition's "
+                                         "default.")
     timeout_min: int = _doc(60, "Time limit of one attempt in minutes.")
     partition: Optional[str] = _doc(None, "Partition (-p); null uses the cluster's default.")
     account: Optional[str] = _doc(None, "Account to charge (-A).")
     qos: Optional[str] = _doc(None, "Quality of service (--qos).")
     constraint: Optional[str] = _doc(None, "Node features (-C), e.g. 'a100'.")
     exclusive: bool = _doc(False, "Ask for whole nodes (--exclusive).")
-    signal: str = _doc("USR2", "Warning signal Slurm sends before the time limit; never USR1 (NCCL uses it).")
-    signal_delay_s: int = _doc(120, "Seconds before the time limit that the warning signal arrives.")
+    signal: str = _doc("USR2", "Warning signal Slurm sends before the time limit; never USR1 (NCCL "
+                               "uses it).")
+    signal_delay_s: int = _doc(120,
+                               "Seconds before the time limit that the warning signal arrives.")
     max_timeouts: int = _doc(20, "Requeues allowed after running into the time limit.")
     max_preemptions: int = _doc(20, "Requeues allowed after preemption.")
-    max_failures: int = _doc(0, "Requeues allowed after a crash or a hang (0: a crash ends the run, keeping "
-                             "its newest snapshot; a bug that crashes every time would burn the allocation).")
-    spare_nodes: int = _doc(0, "Nodes the job holds beside slurm.nodes and trains on only when one fails: a "
-                            "failed node is replaced inside the allocation and the resume is bit-exact "
+    max_failures: int = _doc(0, "Requeues allowed after a crash or a hang (0: a crash ends the "
+                                "run, keeping "
+                             "its newest snapshot; a bug that crashes every time would burn the "
+                             "allocation).")
+    spare_nodes: int = _doc(0, "Nodes the job holds beside slurm.nodes and trains on only when one "
+                               "fails: a "
+                            "failed node is replaced inside the allocation and the resume is "
+                            "bit-exact "
                             "(needs a fixed slurm.nodes; see docs/faults.md, healing).")
-    max_restarts_in_job: int = _doc(3, "New steps the batch shell may start inside the job after failed ones (a "
-                                    "crash, a hang, a lost node), on healthy nodes from the last snapshot, before "
-                                    "the failure takes the requeue path (slurm.max_failures); 0: never.")
-    setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, source venv).")
-    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. {mail-type: END}; an "
-                                                "empty value is a flag: {no-requeue: ''} turns requeue off, and "
-                                                "each stop then chains the run's next job (docs/faults.md).")
-    srun_args: List[str] = _doc_factory(list, "Extra arguments for every training step's srun, e.g. "
+    max_restarts_in_job: int = _doc(3, "New steps the batch shell may start inside the job after "
+                                       "failed ones (a "
+                                    "crash, a hang, a lost node), on healthy nodes from the last "
+                                    "snapshot, before "
+                                    "the failure takes the requeue path (slurm.max_failures); 0: "
+                                    "never.")
+    setup: List[str] = _doc_factory(list, "Shell lines run before the job starts (module load, "
+                                          "source venv).")
+    sbatch_extra: Dict[str, str] = _doc_factory(dict, "Extra sbatch options without '--', e.g. "
+                                                      "{mail-type: END}; an "
+                                                "empty value is a flag: {no-requeue: ''} turns "
+                                                "requeue off, and "
+                                                "each stop then chains the run's next job "
+                                                "(docs/faults.md).")
+    srun_args: List[str] = _doc_factory(list, "Extra arguments for every training step's srun, "
+                                              "e.g. "
                                         "['--cpu-bind=cores'] (after hpc_ddp's own, so they win).")
     container: ContainerConfig = _doc_factory(ContainerConfig, "The container every rank runs in.")
 
@@ -86,23 +111,37 @@ class DistConfig:
     """How the processes of a job find each other."""
 
     backend: str = _doc("auto", "auto (NCCL when CUDA is available, else gloo), nccl or gloo.")
-    timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot write, the "
-                          "start-up) before the watchdog declares the job hung, names the stuck ranks and dumps the collectives "
-                          "each rank was in to RUN_DIR/errors/. When every rank is at the same place (a collective "
-                          "itself is stuck), rank 0 waits up to 2 x this before it declares the hang. The "
+    timeout_s: int = _doc(600, "Seconds a rank may go without progress (one step, a snapshot "
+                               "write, the "
+                          "start-up) before the watchdog declares the job hung, names the stuck "
+                          "ranks and dumps the collectives "
+                          "each rank was in to RUN_DIR/errors/. When every rank is at the same "
+                          "place (a collective "
+                          "itself is stuck), rank 0 waits up to 2 x this before it declares the "
+                          "hang. The "
                           "collectives' own timeout is 2 x this + 30 s.")
-    liveness_s: Optional[float] = _doc(LIVENESS_S, "Seconds without a liveness beat after which a rank or node "
-                                       "counts as lost (frozen, powered off): every rank beats from a side thread "
-                                       "on its node (/dev/shm) and each node's first rank for the node to "
-                                       "RUN_DIR/liveness/ (a long step or eval is not silence); each watches one "
-                                       "peer; the rank that sees the silence names the lost rank and its host in "
-                                       "RUN_DIR/errors/ and ends the step (exit 6), which the batch shell heals. "
-                                       "null or 0: off. It must be at most half of dist.timeout_s, or the hang "
-                                       "watchdog speaks first; the default steps aside (off) when dist.timeout_s is "
+    liveness_s: Optional[float] = _doc(LIVENESS_S, "Seconds without a liveness beat after which a "
+                                                   "rank or node "
+                                       "counts as lost (frozen, powered off): every rank beats "
+                                       "from a side thread "
+                                       "on its node (/dev/shm) and each node's first rank for the "
+                                       "node to "
+                                       "RUN_DIR/liveness/ (a long step or eval is not silence); "
+                                       "each watches one "
+                                       "peer; the rank that sees the silence names the lost rank "
+                                       "and its host in "
+                                       "RUN_DIR/errors/ and ends the step (exit 6), which the "
+                                       "batch shell heals. "
+                                       "null or 0: off. It must be at most half of dist.timeout_s, "
+                                       "or the hang "
+                                       "watchdog speaks first; the default steps aside (off) when "
+                                       "dist.timeout_s is "
                                        "below 60.")
     master_port: Optional[int] = _doc(None, "Rendezvous port; null derives it from the job id.")
-    nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. {NCCL_DEBUG: INFO}. "
-                                 "They win over hpc_ddp's own NCCL defaults (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, the "
+    nccl_env: Dict[str, str] = _doc_factory(dict, "Variables exported before init, e.g. "
+                                                  "{NCCL_DEBUG: INFO}. "
+                                 "They win over hpc_ddp's own NCCL defaults "
+                                 "(TORCH_NCCL_ASYNC_ERROR_HANDLING=1, the "
                                  "flight recorder: docs/faults.md).")
 
 
@@ -110,58 +149,93 @@ class DistConfig:
 class TrainConfig:
     """The training loop."""
 
-    task: str = _doc("", "The task class our Trainer trains, as 'package.module:ClassName'. Exactly one of "
+    task: str = _doc("", "The task class our Trainer trains, as 'package.module:ClassName'. "
+                         "Exactly one of "
                      "train.task, train.loop and train.script names what the job runs.")
-    loop: str = _doc("", "Your own training loop, as 'package.module:function': called as function(run) in "
-                     "every task, with the run object (run.resume, run.boundary; see docs/own-loop.md).")
-    script: str = _doc("", "An unmodified torchrun-style script (a .py path, relative to the submit directory) run "
-                       "in every task with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... set; the stop signal "
+    loop: str = _doc("", "Your own training loop, as 'package.module:function': called as "
+                         "function(run) in "
+                     "every task, with the run object (run.resume, run.boundary; see "
+                     "docs/own-loop.md).")
+    script: str = _doc("", "An unmodified torchrun-style script (a .py path, relative to the "
+                           "submit directory) run "
+                       "in every task with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... set; the "
+                       "stop signal "
                        "reaches it and its exit after one is a requeue.")
     args: List[str] = _doc_factory(list, "Command-line arguments for train.script.")
-    resume_args: List[str] = _doc_factory(list, "Appended to train.args on every attempt that continues the run "
-                                          "(a requeue or --resume: the ledger has an earlier attempt), for "
-                                          "scripts that must be told to resume: ['--init_from=resume'] for "
+    resume_args: List[str] = _doc_factory(list, "Appended to train.args on every attempt that "
+                                                "continues the run "
+                                          "(a requeue or --resume: the ledger has an earlier "
+                                          "attempt), for "
+                                          "scripts that must be told to resume: "
+                                          "['--init_from=resume'] for "
                                           "nanoGPT's train.py, ['--resume', '${run_dir}/ckpt.pt'].")
-    script_progress: str = _doc(r"(?:(?i:\bstep)|\biter(?:ation)?)\b\D{0,3}(\d+)", "A regex that finds "
-                                "train.script's step in rank 0's output (group 1: the step): the local rehearsal's "
-                                "--preempt-at/--timeout-at fire by it, the worker judges by it whether the script "
-                                "went on after a stop signal, and whether a continued attempt started again at 0. "
-                                "The default reads 'step 12', 'Step: 12', 'step=12' and nanoGPT's lowercase "
-                                "'iter 12:' / 'iteration 12'; not 'Steps: 64' (a count) nor minGPT's 'Iter 0' (a "
+    script_progress: str = _doc(r"(?:(?i:\bstep)|\biter(?:ation)?)\b\D{0,3}(\d+)",
+                                "A regex that finds "
+                                "train.script's step in rank 0's output (group 1: the step): the "
+                                "local rehearsal's "
+                                "--preempt-at/--timeout-at fire by it, the worker judges by it "
+                                "whether the script "
+                                "went on after a stop signal, and whether a continued attempt "
+                                "started again at 0. "
+                                "The default reads 'step 12', 'Step: 12', 'step=12' and nanoGPT's "
+                                "lowercase "
+                                "'iter 12:' / 'iteration 12'; not 'Steps: 64' (a count) nor "
+                                "minGPT's 'Iter 0' (a "
                                 "counter that restarts every epoch).")
-    max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs this or epochs; "
+    max_steps: Optional[int] = _doc(None, "Stop after this many optimizer steps (train.task needs "
+                                          "this or epochs; "
                                     "a train.loop may read it from run.config).")
-    epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever comes first.")
+    epochs: Optional[int] = _doc(None, "Stop after this many epochs; with max_steps, whichever "
+                                       "comes first.")
     batch_size: int = _doc(32, "Samples per rank per micro-step.")
-    grad_accum: int = _doc(1, "Micro-steps per optimizer step (with train.global_batch_size set, it follows the "
+    grad_accum: int = _doc(1, "Micro-steps per optimizer step (with train.global_batch_size set, "
+                              "it follows the "
                            "world size instead).")
-    global_batch_size: Optional[int] = _doc(None, "Samples per optimizer step over all ranks. Set, it stays the "
-                                            "same at any world size: the accumulation is global_batch_size / "
-                                            "(batch_size x world size), so a run can resume on another node count "
-                                            "with the same batch and data order. Null: batch_size x grad_accum x "
+    global_batch_size: Optional[int] = _doc(None, "Samples per optimizer step over all ranks. Set, "
+                                                  "it stays the "
+                                            "same at any world size: the accumulation is "
+                                            "global_batch_size / "
+                                            "(batch_size x world size), so a run can resume on "
+                                            "another node count "
+                                            "with the same batch and data order. Null: batch_size "
+                                            "x grad_accum x "
                                             "world size.")
     lr: float = _doc(1e-3, "Learning rate given to the task's optimizer.")
-    amp: str = _doc("off", "Mixed precision: off, bf16 (autocast) or fp16 (autocast with a grad scaler).")
-    clip_grad_norm: Optional[float] = _doc(None, "Clip the gradient norm to this value; null: no clipping.")
+    amp: str = _doc("off", "Mixed precision: off, bf16 (autocast) or fp16 (autocast with a grad "
+                           "scaler).")
+    clip_grad_norm: Optional[float] = _doc(None, "Clip the gradient norm to this value; null: no "
+                                                 "clipping.")
     sync_batchnorm: bool = _doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
-    find_unused_parameters: bool = _doc(False, "DDP's find_unused_parameters (slower; only if the model needs it).")
+    find_unused_parameters: bool = _doc(False, "DDP's find_unused_parameters (slower; only if the "
+                                               "model needs it).")
     seed: int = _doc(0, "Seed for model init, shuffling and every rank's RNG.")
-    rng: str = _doc("derived", "Every rank's RNGs (Python, NumPy, torch, CUDA) between steps. derived: reseeded "
-                    "at every run.boundary(step) and resume from (seed, step, rank), so a lost rank's are known "
-                    "without saving them (snapshot.jit needs it); saved: one stream per rank carried from step to "
+    rng: str = _doc("derived", "Every rank's RNGs (Python, NumPy, torch, CUDA) between steps. "
+                               "derived: reseeded "
+                    "at every run.boundary(step) and resume from (seed, step, rank), so a lost "
+                    "rank's are known "
+                    "without saving them (snapshot.jit needs it); saved: one stream per rank "
+                    "carried from step to "
                     "step and saved in every snapshot.")
-    log_every: int = _doc(10, "The Trainer writes a metrics line (its loss averaged over ranks) every this many "
-                          "steps. A train.loop reads it as run.config.train.log_every: run.log_metrics writes "
+    log_every: int = _doc(10, "The Trainer writes a metrics line (its loss averaged over ranks) "
+                              "every this many "
+                          "steps. A train.loop reads it as run.config.train.log_every: "
+                          "run.log_metrics writes "
                           "every call it gets, rank 0's values.")
     num_workers: int = _doc(0, "DataLoader worker processes per rank (kept for the whole attempt: "
                             "persistent_workers).")
-    compile: Any = _doc(False, "Compile the Trainer's model with torch.compile before wrapping it in DDP: false, "
-                        "true, or a mapping of torch.compile options (mode, dynamic, fullgraph, backend, options), "
-                        "e.g. {mode: max-autotune}. Own loops and scripts call torch.compile themselves "
+    compile: Any = _doc(False, "Compile the Trainer's model with torch.compile before wrapping it "
+                               "in DDP: false, "
+                        "true, or a mapping of torch.compile options (mode, dynamic, fullgraph, "
+                        "backend, options), "
+                        "e.g. {mode: max-autotune}. Own loops and scripts call torch.compile "
+                        "themselves "
                         "(docs/compile.md).")
-    compile_cache: str = _doc("run", "Where torch.compile's caches live (for every program, compiled by us or "
-                              "not): run (RUN_DIR/compile_cache, shared by every node and requeue), node "
-                              "(node-local, seeded from the run's copy at each attempt's start), off (no FX "
+    compile_cache: str = _doc("run", "Where torch.compile's caches live (for every program, "
+                                     "compiled by us or "
+                              "not): run (RUN_DIR/compile_cache, shared by every node and "
+                              "requeue), node "
+                              "(node-local, seeded from the run's copy at each attempt's start), "
+                              "off (no FX "
                               "graph or AOTAutograd cache), or an absolute path. An explicit "
                               "TORCHINDUCTOR_CACHE_DIR in the environment wins.")
 
@@ -170,29 +244,48 @@ class TrainConfig:
 class SnapshotConfig:
     """When snapshots are written and how many are kept."""
 
-    every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step count.")
-    every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by time.")
+    every_steps: Optional[int] = _doc(None, "Snapshot every this many steps; null: not by step "
+                                            "count.")
+    every_minutes: Optional[float] = _doc(30.0, "Snapshot every this many minutes; null: not by "
+                                                "time.")
     keep_last: int = _doc(2, "Committed snapshots to keep (the newest is never deleted early).")
-    replicas: int = _doc(2, "Nodes whose files hold each slice of the replicated state. Each node writes "
-                         "replicas/nodes of it, so a snapshot costs replicas x the state at any node count. "
-                         "1: fewest bytes, a lost file falls back to the previous snapshot; 2 (default): any "
-                         "one lost or damaged file is survived with the newest step; >= nodes: a whole copy "
+    replicas: int = _doc(2, "Nodes whose files hold each slice of the replicated state. Each node "
+                            "writes "
+                         "replicas/nodes of it, so a snapshot costs replicas x the state at any "
+                         "node count. "
+                         "1: fewest bytes, a lost file falls back to the previous snapshot; 2 "
+                         "(default): any "
+                         "one lost or damaged file is survived with the newest step; >= nodes: a "
+                         "whole copy "
                          "in every node's file.")
-    load: str = _doc("auto", "How a resume reads the snapshot (each reader hashes what it reads against the "
-                     "slice's digest; a copy that differs is replaced by its replica): spread (one rank per "
-                     "node reads that node's slices; they go to the other nodes' first ranks and from each to "
-                     "its node's ranks, over gloo: the filesystem serves the state once), every_node (each "
-                     "node's first rank reads every slice and shares it in the node: the state once per node; "
-                     "every_rank is its old name), or auto: spread on a cluster of more than one node, "
-                     "every_node on one node and in the local rehearsal (one page cache: the disk serves the "
+    load: str = _doc("auto", "How a resume reads the snapshot (each reader hashes what it reads "
+                             "against the "
+                     "slice's digest; a copy that differs is replaced by its replica): spread (one "
+                     "rank per "
+                     "node reads that node's slices; they go to the other nodes' first ranks and "
+                     "from each to "
+                     "its node's ranks, over gloo: the filesystem serves the state once), "
+                     "every_node (each "
+                     "node's first rank reads every slice and shares it in the node: the state "
+                     "once per node; "
+                     "every_rank is its old name), or auto: spread on a cluster of more than one "
+                     "node, "
+                     "every_node on one node and in the local rehearsal (one page cache: the disk "
+                     "serves the "
                      "state once either way, and broadcasts only add time: B9).")
-    jit: bool = _doc(True, "When a rank is lost, the survivors write a snapshot of the newest step they hold "
-                     "before they exit, so a failure costs the step in flight, not the work since the last "
-                     "snapshot (needs train.rng=derived; per_rank objects are mirrored to a buddy rank on the next node "
-                     "for it; where no whole copy of a step is left, the run resumes from the last periodic "
+    jit: bool = _doc(True, "When a rank is lost, the survivors write a snapshot of the newest step "
+                           "they hold "
+                     "before they exit, so a failure costs the step in flight, not the work since "
+                     "the last "
+                     "snapshot (needs train.rng=derived; per_rank objects are mirrored to a buddy "
+                     "rank on the next node "
+                     "for it; where no whole copy of a step is left, the run resumes from the last "
+                     "periodic "
                      "snapshot and the ledger says why).")
-    async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step only starts "
-                             "the copy to host memory; a GPU's runs on a side stream, the host does not wait "
+    async_write: bool = _doc(False, "Write periodic snapshots in a background thread (the step "
+                                    "only starts "
+                             "the copy to host memory; a GPU's runs on a side stream, the host "
+                             "does not wait "
                              "for it); the stop snapshot is always synchronous.")
 
 
@@ -200,12 +293,16 @@ class SnapshotConfig:
 class MetricsConfig:
     """Where rank 0's metrics go besides metrics.jsonl; each stays one run across requeues."""
 
-    tensorboard: bool = _doc(False, "Write TensorBoard event files to RUN_DIR/tensorboard (pip install "
-                             "'hpc_ddp[tensorboard]'); a resumed attempt replaces the steps after its snapshot.")
-    wandb: bool = _doc(False, "Log to Weights & Biases (pip install 'hpc_ddp[wandb]'): one W&B run per run, its "
+    tensorboard: bool = _doc(False, "Write TensorBoard event files to RUN_DIR/tensorboard (pip "
+                                    "install "
+                             "'hpc_ddp[tensorboard]'); a resumed attempt replaces the steps after "
+                             "its snapshot.")
+    wandb: bool = _doc(False, "Log to Weights & Biases (pip install 'hpc_ddp[wandb]'): one W&B run "
+                              "per run, its "
                        "id kept in RUN_DIR/wandb_id.txt so every requeued attempt resumes it.")
     wandb_project: str = _doc("", "W&B project; empty: the run's name.")
-    wandb_mode: str = _doc("online", "W&B mode: online, offline (no network needed; upload later with wandb "
+    wandb_mode: str = _doc("online", "W&B mode: online, offline (no network needed; upload later "
+                                     "with wandb "
                            "sync RUN_DIR/wandb/offline-run-*) or disabled.")
 
 
@@ -213,33 +310,51 @@ class MetricsConfig:
 class RunConfig:
     """One run: where it lives, what it asks of Slurm, and how it trains."""
 
-    name: str = _doc("", "Run name; keys the run directory. Defaults to the last config file's name (shared "
-                     "defaults such as cluster.yaml come first, the run's own file last). Letters, digits, "
+    name: str = _doc("", "Run name; keys the run directory. Defaults to the last config file's "
+                         "name (shared "
+                     "defaults such as cluster.yaml come first, the run's own file last). Letters, "
+                     "digits, "
                      "'.', '_', '+' and '-' only (it names a folder and a Slurm job).")
-    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs. A relative path is "
-                        "resolved against the directory you submit from (where the job starts), not the config "
+    run_dir: str = _doc("runs/${name}", "Run directory: config, snapshots, ledger, metrics, logs. "
+                                        "A relative path is "
+                        "resolved against the directory you submit from (where the job starts), "
+                        "not the config "
                         "file's; submit and --dry-run print it absolute.")
-    run_dir_mode: str = _doc("0700", "The mode a new run dir is created with, four octal digits in quotes, "
-                             "whatever the umask: '0700' (only you), '0750' (your group reads), '0770' (your "
-                             "group writes too; '2770' keeps new files in the folder's group). Whoever can write "
-                             "the run dir runs code as you, so a run dir, slurm/ or compile_cache/ that others "
-                             "can write beyond this mode is warned about at submit and at each attempt's start "
+    run_dir_mode: str = _doc("0700", "The mode a new run dir is created with, four octal digits in "
+                                     "quotes, "
+                             "whatever the umask: '0700' (only you), '0750' (your group reads), "
+                             "'0770' (your "
+                             "group writes too; '2770' keeps new files in the folder's group). "
+                             "Whoever can write "
+                             "the run dir runs code as you, so a run dir, slurm/ or compile_cache/ "
+                             "that others "
+                             "can write beyond this mode is warned about at submit and at each "
+                             "attempt's start "
                              "(docs/security.md). An existing run dir keeps its mode.")
     profile: str = _doc("", "The cluster profile merged under the config files: "
-                        "$XDG_CONFIG_HOME/hpc_ddp/profiles/NAME.yaml (default ~/.config/hpc_ddp/profiles/). Chosen "
-                        "by --profile NAME (the override profile=NAME), this key in a config file, else "
-                        "HPC_DDP_PROFILE; 'none': no profile. The run's config.yaml records the name beside the "
+                        "$XDG_CONFIG_HOME/hpc_ddp/profiles/NAME.yaml (default "
+                        "~/.config/hpc_ddp/profiles/). Chosen "
+                        "by --profile NAME (the override profile=NAME), this key in a config file, "
+                        "else "
+                        "HPC_DDP_PROFILE; 'none': no profile. The run's config.yaml records the "
+                        "name beside the "
                         "merged values (see python -m hpc_ddp.profiles --help).")
     slurm: SlurmConfig = _doc_factory(SlurmConfig, "Slurm resources and requeue caps.")
     dist: DistConfig = _doc_factory(DistConfig, "Process group settings.")
     train: TrainConfig = _doc_factory(TrainConfig, "Training loop settings.")
     snapshot: SnapshotConfig = _doc_factory(SnapshotConfig, "Snapshot policy.")
-    metrics: MetricsConfig = _doc_factory(MetricsConfig, "TensorBoard and W&B (metrics.jsonl is always written).")
-    user: Dict[str, Any] = _doc_factory(dict, "Your own settings, any keys, nested (user.eval_every=100 adds or "
-                                        "overrides one): recorded with the run and compared by --resume; an own "
-                                        "loop reads run.config.user (a mapping, also by attribute), a "
-                                        "train.script the variables HPC_DDP_USER_<KEY> (nested keys joined by _, "
-                                        "upper-cased; text as is, other values as JSON) and HPC_DDP_USER (all "
+    metrics: MetricsConfig = _doc_factory(MetricsConfig, "TensorBoard and W&B (metrics.jsonl is "
+                                                         "always written).")
+    user: Dict[str, Any] = _doc_factory(dict, "Your own settings, any keys, nested "
+                                              "(user.eval_every=100 adds or "
+                                        "overrides one): recorded with the run and compared by "
+                                        "--resume; an own "
+                                        "loop reads run.config.user (a mapping, also by "
+                                        "attribute), a "
+                                        "train.script the variables HPC_DDP_USER_<KEY> (nested "
+                                        "keys joined by _, "
+                                        "upper-cased; text as is, other values as JSON) and "
+                                        "HPC_DDP_USER (all "
                                         "of it as JSON). hpc_ddp reads none of it.")
 
     def __post_init__(self) -> None:

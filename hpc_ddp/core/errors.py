@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-# "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] ": where in torch's C++ tree the message was made
+# "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] ": where in torch's C++ tree the message was
+# made
 _SOURCE_PREFIX = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|cxx|cu|h|hpp):\d+\]\s*")
 
 
@@ -39,9 +40,9 @@ class SlurmEnvError(HpcDdpError):
 
 
 class UsageError(HpcDdpError, ValueError):
-    """A training program used hpc_ddp's API the wrong way (an argument of the wrong kind, calls out of
-    order). Deterministic like a config error: exit 2, recorded once, never requeued. Also a ValueError,
-    which is what such a mistake raised before it had a class of its own."""
+    """A training program used hpc_ddp's API the wrong way (an argument of the wrong kind, calls out
+    of order). Deterministic like a config error: exit 2, recorded once, never requeued. Also a
+    ValueError, which is what such a mistake raised before it had a class of its own."""
 
 
 class ClusterError(HpcDdpError):
@@ -77,9 +78,10 @@ def explain(
 
 
 def first_line(error: BaseException | str, limit: int = 300) -> str:
-    """An error's first line for a ledger line, an offer or a log line: without the C++ source location that
-    gloo and c10d put in front ("[../third_party/gloo/.../pair.cc:553] Connection closed by peer"), which
-    names torch's build tree rather than what went wrong; the exception's class name when it has no message."""
+    """An error's first line for a ledger line, an offer or a log line: without the C++ source
+    location that gloo and c10d put in front ("[../third_party/gloo/.../pair.cc:553] Connection
+    closed by peer"), which names torch's build tree rather than what went wrong; the exception's
+    class name when it has no message."""
     text = str(error).strip()
     if not text:
         return type(error).__name__ if isinstance(error, BaseException) else ""

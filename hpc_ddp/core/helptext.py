@@ -1,4 +1,5 @@
-"""A module docstring as ``--help`` shows it: plain text, not the reST that the API reference renders.
+"""A module docstring as ``--help`` shows it: plain text, not the reST that the API reference
+renders.
 
 Double backticks become plain words and roles such as ``:mod:`x``` their target, so a user
 reading ``--help`` in a terminal sees ``python -m hpc_ddp.status RUN_DIR``, not markup.
@@ -20,7 +21,8 @@ def for_help(doc: str | None) -> str:
 
 
 def add_version(parser: Any) -> None:
-    """``--version`` on every command: which hpc_ddp answered (and which Python), for a bug report."""
+    """``--version`` on every command: which hpc_ddp answered (and which Python), for a bug
+    report."""
     import platform
 
     parser.add_argument("--version", action="version",

@@ -88,7 +88,8 @@ def _group(text: str, pos: int, body: str) -> list[str]:
         if hi < lo:
             raise _malformed(text, offset, f"range {part!r} runs backwards", "lo <= hi")
         if hi - lo + 1 > MAX_RANGE:
-            raise _malformed(text, offset, f"range {part!r} is too large", f"at most {MAX_RANGE} hosts")
+            raise _malformed(text, offset, f"range {part!r} is too large",
+                             f"at most {MAX_RANGE} hosts")
         width = len(lo_text)
         names.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
         offset += len(part) + 1
@@ -106,7 +107,8 @@ def _expand_item(text: str, start: int, item: str) -> list[str]:
         groups.append(_group(text, at + len(head), body))
         at += len(head) + len(body) + 2
     if groups and rest:
-        raise _malformed(text, at, f"text {rest!r} after the last ']'", "',' or the end of the list")
+        raise _malformed(text, at, f"text {rest!r} after the last ']'",
+                         "',' or the end of the list")
     literals.append(rest)
     if math.prod(len(g) for g in groups) > MAX_HOSTS:
         raise _malformed(text, start, "the item expands to too many hosts", f"at most {MAX_HOSTS}")
@@ -136,7 +138,8 @@ def expand_hostlist(text: str) -> list[str]:
     for start, item in _items(text):
         hosts.extend(_expand_item(text, start, item))
         if len(hosts) > MAX_HOSTS:
-            raise _malformed(text, start, "the list expands to too many hosts", f"at most {MAX_HOSTS}")
+            raise _malformed(text, start, "the list expands to too many hosts",
+                             f"at most {MAX_HOSTS}")
     return hosts
 
 
@@ -157,7 +160,8 @@ def compress_hostlist(hosts: Sequence[str]) -> str:
     for name in hosts:
         if not name or any(c in name for c in "[], \t\n"):
             raise SlurmEnvError(explain("cannot compress host name", found=name,
-                                        expected="a non-empty name without brackets, commas or spaces"))
+                                        expected="a non-empty name without brackets, commas or "
+                                                 "spaces"))
         prefix, digits = _split_number(name)
         if not digits:
             groups.append((name, []))

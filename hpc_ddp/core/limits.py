@@ -1,4 +1,5 @@
-"""Open files against the world size: a rank's sockets grow with the job, and many clusters cap them at 1,024.
+"""Open files against the world size: a rank's sockets grow with the job, and many clusters cap them
+at 1,024.
 
 gloo connects a rank to every other rank of a group: at once when the group is made, or, for
 hpc_ddp's control groups (made with ``TORCH_GLOO_LAZY_INIT=1``), on the first message between
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-BASE = 64  # the interpreter, torch's libraries, logs, the store, the liveness files: 31 measured (B12)
-PER_RANK = 3.5  # sockets per other rank: the training group's, the control group's, the node's group: 3.16 measured
+# the interpreter, torch's libraries, logs, the store, the liveness files: 31 measured (B12)
+BASE = 64
+# sockets per other rank: the training group's, the control group's, the node's group: 3.16 measured
+PER_RANK = 3.5
 
 
 def needed(world_size: int) -> int:
@@ -28,21 +31,25 @@ def needed(world_size: int) -> int:
 
 
 def problem(world_size: int, soft: int, hard: int) -> str | None:
-    """What goes wrong when the hard limit is below what ``world_size`` ranks need; None when it is enough.
-    (A soft limit below it is raised by each rank itself up to the hard one.)"""
+    """What goes wrong when the hard limit is below what ``world_size`` ranks need; None when it is
+    enough. (A soft limit below it is raised by each rank itself up to the hard one.)"""
     want = needed(world_size)
     if hard < 0 or hard >= want:  # RLIM_INFINITY is -1
         return None
-    return (f"{world_size} ranks need about {want} open files each (their sockets to the other ranks), but the "
-            f"hard limit here is {hard} (soft {soft}): the job would fail to connect its process group with "
-            f"'Too many open files'. HINT: ask for a higher limit (`ulimit -Hn` on the compute nodes; Slurm hands the "
-            f"job the limits of the shell you submit from unless the site says otherwise), or use fewer ranks")
+    return (f"{world_size} ranks need about {want} open files each (their sockets to the other "
+            "ranks), but the "
+            f"hard limit here is {hard} (soft {soft}): the job would fail to connect its process "
+            "group with "
+            "'Too many open files'. HINT: ask for a higher limit (`ulimit -Hn` on the compute "
+            "nodes; Slurm hands the "
+            "job the limits of the shell you submit from unless the site says otherwise), or use "
+            "fewer ranks")
 
 
 def raise_soft_limit(want: int, get: Callable[[], tuple[int, int]] | None = None,
                      set_: Callable[[int, int], None] | None = None) -> tuple[int, int]:
-    """Raise this process's soft limit on open files to ``want`` (capped by the hard limit) when it is lower;
-    return (soft, hard) as they are afterwards."""
+    """Raise this process's soft limit on open files to ``want`` (capped by the hard limit) when it
+    is lower; return (soft, hard) as they are afterwards."""
     if get is None or set_ is None:
         import resource
 

@@ -1,17 +1,18 @@
 """Which network interface a rank's collectives use between nodes: never loopback.
 
 gloo finds this node's address by resolving the hostname (unless ``GLOO_SOCKET_IFNAME`` names an
-interface). On images whose ``/etc/hosts`` maps the hostname to 127.0.1.1 that address is loopback: the
-ranks of other nodes are told to connect to 127.0.1.1, which is themselves, and a multi-node job hangs at
-its first collective with no word why (mlc-ai/pith-train#91). NCCL's sockets (its bootstrap, and its data
-where there is no InfiniBand) follow ``NCCL_SOCKET_IFNAME``.
+interface). On images whose ``/etc/hosts`` maps the hostname to 127.0.1.1 that address is loopback:
+the ranks of other nodes are told to connect to 127.0.1.1, which is themselves, and a multi-node job
+hangs at its first collective with no word why (mlc-ai/pith-train#91). NCCL's sockets (its
+bootstrap, and its data where there is no InfiniBand) follow ``NCCL_SOCKET_IFNAME``.
 
-:func:`plan` decides, before the first collective of a job that spans nodes: where the hostname resolves
-to loopback while ``MASTER_ADDR`` does not, the interface whose address routes to ``MASTER_ADDR`` is named
-in ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (each only where the user set none); where none
-routes there, :class:`NetworkError` says how to name one. ``MASTER_ADDR`` on loopback means every rank runs
-on this one machine (the local test cluster started ``--one-machine``: its nodes are 127.0.2.x): then
-loopback is right and nothing changes. Pure: the facts (:class:`Facts`) come from the seams of :mod:`hpc_ddp.rank.attempt.placement`.
+:func:`plan` decides, before the first collective of a job that spans nodes: where the hostname
+resolves to loopback while ``MASTER_ADDR`` does not, the interface whose address routes to
+``MASTER_ADDR`` is named in ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (each only where the
+user set none); where none routes there, :class:`NetworkError` says how to name one. ``MASTER_ADDR``
+on loopback means every rank runs on this one machine (the local test cluster started
+``--one-machine``: its nodes are 127.0.2.x): then loopback is right and nothing changes. Pure: the
+facts (:class:`Facts`) come from the seams of :mod:`hpc_ddp.rank.attempt.placement`.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class NetworkError(HpcDdpError):
 
 @dataclass(frozen=True)
 class Facts:
-    """What the node's resolver and interfaces say, gathered by the rank (tests give them by hand)."""
+    """What the node's resolver and interfaces say, gathered by the rank (tests give them by
+    hand)."""
 
     hostname: str
-    host_addrs: tuple[str, ...]  # the hostname resolved, in the resolver's order (gloo takes the first)
+    # the hostname resolved, in the resolver's order (gloo takes the first)
+    host_addrs: tuple[str, ...]
     master_addr: str
     master_addrs: tuple[str, ...]  # MASTER_ADDR resolved (empty: it does not resolve here)
     route_source: str | None  # this node's source address towards MASTER_ADDR (None: no route)
@@ -44,7 +47,8 @@ class Facts:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to export before the process group starts, and the log line that says why (both empty: nothing)."""
+    """What to export before the process group starts, and the log line that says why (both empty:
+    nothing)."""
 
     exports: dict[str, str] = field(default_factory=dict)
     note: str = ""
@@ -60,11 +64,13 @@ def is_loopback(address: str) -> bool:
 def interface_of(address: str, interfaces: Mapping[str, tuple[str, ...]]) -> str | None:
     """The interface that holds ``address`` (link-local IPv6 scope suffixes ignored)."""
     bare = address.split("%")[0]
-    return next((name for name, addrs in interfaces.items() if bare in {a.split("%")[0] for a in addrs}), None)
+    return next((name for name, addrs in interfaces.items()
+                 if bare in {a.split("%")[0] for a in addrs}), None)
 
 
 def plan(environ: Mapping[str, str], num_nodes: int, facts: Facts) -> Plan:
-    """The interface for gloo and NCCL on this node (see the module's docstring); raises :class:`NetworkError`."""
+    """The interface for gloo and NCCL on this node (see the module's docstring); raises
+    :class:`NetworkError`."""
     if num_nodes <= 1 or GLOO_VAR in environ:
         return Plan()  # one node talks over loopback anyway; a named interface is the user's choice
     if facts.host_addrs and not is_loopback(facts.host_addrs[0]):
@@ -76,16 +82,22 @@ def plan(environ: Mapping[str, str], num_nodes: int, facts: Facts) -> Plan:
     name = interface_of(source, facts.interfaces) if source and not is_loopback(source) else None
     if name is None:
         raise NetworkError(explain(
-            f"gloo would use a loopback address on {facts.hostname} (the hostname resolves to {gloo_sees}) in a "
-            f"job of {num_nodes} nodes, and no interface of this node routes to MASTER_ADDR={facts.master_addr} "
-            f"({', '.join(facts.master_addrs)}) but loopback: the job would hang at its first collective",
+            f"gloo would use a loopback address on {facts.hostname} (the hostname resolves to "
+            f"{gloo_sees}) in a "
+            f"job of {num_nodes} nodes, and no interface of this node routes to "
+            f"MASTER_ADDR={facts.master_addr} "
+            f"({', '.join(facts.master_addrs)}) but loopback: the job would hang at its first "
+            "collective",
             found=f"route source {source!r}, interfaces {dict(facts.interfaces)}",
             expected="an interface whose address reaches the first node",
-            hint=f"name the interface the nodes reach each other on (`ip -o addr` on a compute node), e.g. "
-            f"slurm.setup=['export {GLOO_VAR}=eth0', 'export {NCCL_VAR}=eth0'] (or ib0 for IP over InfiniBand), "
+            hint="name the interface the nodes reach each other on (`ip -o addr` on a compute "
+                 "node), e.g. "
+            f"slurm.setup=['export {GLOO_VAR}=eth0', 'export {NCCL_VAR}=eth0'] (or ib0 for IP over "
+            "InfiniBand), "
             "or fix the image's /etc/hosts so the hostname resolves to that address"), key=GLOO_VAR)
     exports = {var: name for var in (GLOO_VAR, NCCL_VAR) if var not in environ}
-    note = (f"{facts.hostname} resolves to {gloo_sees}, a loopback address, so gloo would bind loopback in a job "
+    note = (f"{facts.hostname} resolves to {gloo_sees}, a loopback address, so gloo would bind "
+            "loopback in a job "
             f"of {num_nodes} nodes; {name} ({source}) routes to MASTER_ADDR={facts.master_addr}: "
             + ", ".join(f"{var}={value}" for var, value in exports.items())
             + (f" ({NCCL_VAR} kept as set: {environ[NCCL_VAR]})" if NCCL_VAR in environ else ""))

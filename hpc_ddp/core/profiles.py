@@ -6,9 +6,10 @@ account, QOS, ``setup`` lines, srun arguments, NCCL variables, a scratch ``run_d
 ``XDG_CONFIG_HOME``) and is merged UNDER the run's config files and overrides:
 schema defaults < profile < config files < ``key=value``.
 
-Which profile: the config key ``profile`` as the config files and overrides leave it (``--profile NAME``
-is the override ``profile=NAME``), else ``HPC_DDP_PROFILE``; ``none`` chooses none. Pure: the caller
-passes the environment; reading and merging the YAML is :func:`hpc_ddp.core.config.load_config`'s.
+Which profile: the config key ``profile`` as the config files and overrides leave it (``--profile
+NAME`` is the override ``profile=NAME``), else ``HPC_DDP_PROFILE``; ``none`` chooses none. Pure: the
+caller passes the environment; reading and merging the YAML is
+:func:`hpc_ddp.core.config.load_config`'s.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Profiles:
         return cls(profile_dir(environ), environ.get(ENV_VAR, "").strip())
 
     def choose(self, configured: str) -> Profile | None:
-        """The profile for a run whose config leaves ``profile`` as ``configured``; None for none."""
+        """The profile for a run whose config leaves ``profile`` as ``configured``; None for
+        none."""
         name = (configured or self.default).strip()
         if not name or name == NO_PROFILE:
             return None
@@ -89,21 +91,27 @@ def available(directory: Path) -> list[Profile]:
 
 
 def find_profile(name: str, directory: Path, key: str = "profile") -> Profile:
-    """The profile called ``name``; a :class:`ProfileError` listing the ones there are, and where, if none is."""
+    """The profile called ``name``; a :class:`ProfileError` listing the ones there are, and where,
+    if none is."""
     if not _NAME.fullmatch(name) or name.endswith(SUFFIXES):
         stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
         raise ProfileError(explain(f"bad profile name {name!r} ({key})", found=name,
                                    expected=f"a profile's name: the stem of a file in {directory}",
-                                   hint=f"name it without directory or suffix, e.g. --profile {stem or 'mycluster'}"),
+                                   hint="name it without directory or suffix, e.g. --profile "
+                                        f"{stem or 'mycluster'}"),
                            key=key)
     for profile in available(directory):
         if profile.name == name:
             return profile
     there = available(directory)
-    expected = (f"one of the profiles in {directory}: {', '.join(p.name for p in there)}" if there else
+    expected = (f"one of the profiles in {directory}: {', '.join(p.name for p in there)}" if there
+                else
                 f"a profile file in {directory}, which holds none (it is empty or absent)")
-    raise ProfileError(explain(f"no profile named {name!r} ({key}): looked for {directory / (name + '.yaml')}",
+    raise ProfileError(explain(f"no profile named {name!r} ({key}): looked for "
+                               f"{directory / (name + '.yaml')}",
                                found=name, expected=expected,
-                               hint=f"create {directory / (name + '.yaml')} with the cluster's keys (see "
-                               "python -m hpc_ddp.profiles --help), pick another, or run without one "
+                               hint=f"create {directory / (name + '.yaml')} with the cluster's "
+                                    "keys (see "
+                               "python -m hpc_ddp.profiles --help), pick another, or run without "
+                               "one "
                                f"(--profile {NO_PROFILE})"), key=key)

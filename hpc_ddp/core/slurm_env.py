@@ -12,10 +12,10 @@ dicts. Three sources, tried in this order:
 * ``single``: neither; one process, rank 0 of 1.
 
 MASTER_ADDR is the first host of the node list; MASTER_PORT is
-:func:`master_port` of the job id, in [20000, 31999], below Linux's ephemeral
-range (32768-60999) so that no outgoing connection holds it. An explicit
-MASTER_ADDR / MASTER_PORT in the environment wins. Inside a run, the worker sets MASTER_PORT first: one of
-the attempt's unguessable ports (:mod:`hpc_ddp.core.store_ports`), unless you chose one.
+:func:`master_port` of the job id, in [20000, 31999], below Linux's ephemeral range (32768-60999) so
+that no outgoing connection holds it. An explicit MASTER_ADDR / MASTER_PORT in the environment wins.
+Inside a run, the worker sets MASTER_PORT first: one of the attempt's unguessable ports
+(:mod:`hpc_ddp.core.store_ports`), unless you chose one.
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ NUM_NODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
 NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
-IN_JOB_VAR = "HPC_DDP_IN_JOB_RESTART"  # set by the batch shell's supervisor on each step it restarts in the job
-CHAINED_VAR = "HPC_DDP_CHAINED_FROM"  # set by the batch shell that submitted this job (requeue refused: a chain)
-HEALED_VAR = "HPC_DDP_HEALED"  # and JSON for that step's ledger line: what failed, what was left out and why
+# set by the batch shell's supervisor on each step it restarts in the job
+IN_JOB_VAR = "HPC_DDP_IN_JOB_RESTART"
+# set by the batch shell that submitted this job (requeue refused: a chain)
+CHAINED_VAR = "HPC_DDP_CHAINED_FROM"
+# and JSON for that step's ledger line: what failed, what was left out and why
+HEALED_VAR = "HPC_DDP_HEALED"
 STEP_ID_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -61,12 +64,16 @@ class DistEnv:
     job_id: int | None = None
     array_task_id: int | None = None
     restart_count: int = 0
-    in_job: int = 0  # the in-job restart (a step the batch shell started after a failed one), 0 for the first
-    chained_from: int | None = None  # the job that submitted this one where Slurm refuses requeue (a chain)
+    # the in-job restart (a step the batch shell started after a failed one), 0 for the first
+    in_job: int = 0
+    # the job that submitted this one where Slurm refuses requeue (a chain)
+    chained_from: int | None = None
     nodelist: tuple[str, ...] = ()
     source: str = "single"  # "slurm" | "torchrun" | "single"
-    store_ports: tuple[int, ...] = ()  # the attempt's rendezvous ports, first = master_port (core/store_ports.py)
-    store_key: str | None = None  # the key that proves a store is the attempt's own; None: believe it as it is
+    # the attempt's rendezvous ports, first = master_port (core/store_ports.py)
+    store_ports: tuple[int, ...] = ()
+    # the key that proves a store is the attempt's own; None: believe it as it is
+    store_key: str | None = None
 
     @property
     def is_main(self) -> bool:
@@ -120,14 +127,16 @@ def _rendezvous(env: Mapping[str, str], nodelist: tuple[str, ...]) -> tuple[str,
     """MASTER_ADDR and MASTER_PORT: explicit values win, else derived from the job."""
     addr = env.get("MASTER_ADDR", "").strip() or (nodelist[0] if nodelist else "")
     if not addr:
-        raise SlurmEnvError(explain("cannot tell the rendezvous address", found=env.get("MASTER_ADDR"),
+        raise SlurmEnvError(explain("cannot tell the rendezvous address",
+                                    found=env.get("MASTER_ADDR"),
                                     expected=f"MASTER_ADDR or one of {', '.join(NODELIST_VARS)}",
                                     hint="export MASTER_ADDR=<host of rank 0>"), key="MASTER_ADDR")
     port = _explicit_port(env)
     if port is None:
         job_id = int_var(env, ("SLURM_ARRAY_JOB_ID",)) or int_var(env, JOB_ID_VARS)
         if job_id is None:
-            raise SlurmEnvError(explain("cannot derive the rendezvous port", expected="SLURM_JOB_ID or MASTER_PORT",
+            raise SlurmEnvError(explain("cannot derive the rendezvous port",
+                                        expected="SLURM_JOB_ID or MASTER_PORT",
                                         hint="export MASTER_PORT=<free port>"), key="MASTER_PORT")
         port = master_port(job_id, int_var(env, ("SLURM_ARRAY_TASK_ID",)))
     return addr, port
@@ -144,10 +153,12 @@ def rendezvous_endpoint(env: Mapping[str, str]) -> tuple[str, int]:
 
 def _explicit_port(env: Mapping[str, str]) -> int | None:
     """MASTER_PORT from the environment, checked to be a port; None when unset."""
-    port = int_var(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. 29500>")
+    port = int_var(env, ("MASTER_PORT",), minimum=1, hint="export MASTER_PORT=<free port, e.g. "
+                                                          "29500>")
     if port is not None and port > 65535:
         raise SlurmEnvError(explain("MASTER_PORT is not a port", found=env.get("MASTER_PORT"),
-                                    expected="1..65535", hint="export MASTER_PORT=29500"), key="MASTER_PORT")
+                                    expected="1..65535", hint="export MASTER_PORT=29500"),
+                            key="MASTER_PORT")
     return port
 
 
@@ -157,9 +168,11 @@ def _store(env: Mapping[str, str], port: int) -> dict[str, Any]:
 
 
 def _job_fields(env: Mapping[str, str]) -> dict[str, Any]:
-    return {"job_id": int_var(env, JOB_ID_VARS), "array_task_id": int_var(env, ("SLURM_ARRAY_TASK_ID",)),
+    return {"job_id": int_var(env, JOB_ID_VARS),
+            "array_task_id": int_var(env, ("SLURM_ARRAY_TASK_ID",)),
             "restart_count": int_var(env, ("SLURM_RESTART_COUNT",)) or 0,
-            "in_job": int_var(env, (IN_JOB_VAR,)) or 0, "chained_from": int_var(env, (CHAINED_VAR,))}
+            "in_job": int_var(env, (IN_JOB_VAR,)) or 0,
+            "chained_from": int_var(env, (CHAINED_VAR,))}
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:
@@ -168,22 +181,27 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     check_below("SLURM_PROCID", rank, var_name(env, WORLD_SIZE_VARS), world_size)
     nodelist = _nodelist(env)
     if not nodelist:
-        raise SlurmEnvError(explain("no node list in a Slurm task", expected=" or ".join(NODELIST_VARS),
+        raise SlurmEnvError(explain("no node list in a Slurm task",
+                                    expected=" or ".join(NODELIST_VARS),
                                     hint=SRUN_HINT), key=NODELIST_VARS[1])
     num_nodes = int_var(env, NUM_NODES_VARS, minimum=1) or len(nodelist)
     if num_nodes != len(nodelist):
-        raise SlurmEnvError(explain(f"{var_name(env, NUM_NODES_VARS)}={num_nodes} but the node list "
+        raise SlurmEnvError(explain(f"{var_name(env, NUM_NODES_VARS)}={num_nodes} but the node "
+                                    "list "
                                     f"names {len(nodelist)} nodes", found=",".join(nodelist[:8]),
                                     expected="as many nodes as the count says", hint=SRUN_HINT),
                             key=var_name(env, NUM_NODES_VARS))
     tasks_var = lookup(env, TASKS_PER_NODE_VARS)
     if tasks_var is None:
         raise SlurmEnvError(explain("environment variable SLURM_TASKS_PER_NODE is missing",
-                                    expected="e.g. '2(x2)'", hint=SRUN_HINT), key="SLURM_TASKS_PER_NODE")
+                                    expected="e.g. '2(x2)'", hint=SRUN_HINT),
+                            key="SLURM_TASKS_PER_NODE")
     tasks = parse_tasks_per_node(tasks_var[1])
     if len(tasks) != num_nodes or sum(tasks) != world_size:
-        raise SlurmEnvError(explain(f"{tasks_var[0]} does not match {num_nodes} nodes and {world_size} tasks",
-                                    found=tasks_var[1], expected=f"{num_nodes} counts adding up to {world_size}",
+        raise SlurmEnvError(explain(f"{tasks_var[0]} does not match {num_nodes} nodes and "
+                                    f"{world_size} tasks",
+                                    found=tasks_var[1],
+                                    expected=f"{num_nodes} counts adding up to {world_size}",
                                     hint=SRUN_HINT), key=tasks_var[0])
     node_rank = required_int(env, ("SLURM_NODEID",))
     check_below("SLURM_NODEID", node_rank, "number of nodes", num_nodes)
@@ -204,7 +222,8 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     check_below("RANK", rank, "WORLD_SIZE", world_size)
     check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
     check_below("LOCAL_WORLD_SIZE", local_world_size - 1, "WORLD_SIZE", world_size)
-    num_nodes = int_var(env, ("GROUP_WORLD_SIZE",), minimum=1, hint=hint) or -(-world_size // local_world_size)
+    num_nodes = int_var(env, ("GROUP_WORLD_SIZE",), minimum=1,
+                        hint=hint) or -(-world_size // local_world_size)
     node_rank = int_var(env, ("GROUP_RANK",), hint=hint)
     node_rank = rank // local_world_size if node_rank is None else node_rank
     check_below("GROUP_RANK", node_rank, "number of nodes", num_nodes)
@@ -225,8 +244,10 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
     job = lookup(env, JOB_ID_VARS)
     if job:
         raise SlurmEnvError(explain(f"inside Slurm job {job[1]} but not in a task launched by srun "
-                                    "(SLURM_STEP_ID is not set: this is the batch script or salloc shell)",
-                                    expected="one process per task, started by srun", hint=SRUN_HINT),
+                                    "(SLURM_STEP_ID is not set: this is the batch script or salloc "
+                                    "shell)",
+                                    expected="one process per task, started by srun",
+                                    hint=SRUN_HINT),
                             key="SLURM_STEP_ID")
     addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
     port = _explicit_port(env) or SINGLE_PROCESS_PORT
@@ -238,23 +259,27 @@ def torch_env(dist_env: DistEnv) -> dict[str, str]:
     """The variables torch's ``env://`` rendezvous (and most libraries) read."""
     return {"MASTER_ADDR": dist_env.master_addr, "MASTER_PORT": str(dist_env.master_port),
             "RANK": str(dist_env.rank), "WORLD_SIZE": str(dist_env.world_size),
-            "LOCAL_RANK": str(dist_env.local_rank), "LOCAL_WORLD_SIZE": str(dist_env.local_world_size)}
+            "LOCAL_RANK": str(dist_env.local_rank),
+            "LOCAL_WORLD_SIZE": str(dist_env.local_world_size)}
 
 
 def simulated_environ(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int = 0,
                       node_prefix: str = "node", hosts: Sequence[str] | None = None,
                       ranks: Sequence[int] | None = None) -> list[dict[str, str]]:
-    """The Slurm variables srun would give each task of a nodes x tasks_per_node step (``ranks``: only those
-    global ranks', for a view of a big job that shows a few).
+    """The Slurm variables srun would give each task of a nodes x tasks_per_node step (``ranks``:
+    only those global ranks', for a view of a big job that shows a few).
 
     Used by the local simulation and ``hpc_ddp.whoami --simulate``; names are
     compressed as Slurm does (``node[0-1]``, ``2(x2)``).
     """
     hosts = list(hosts) if hosts else [f"{node_prefix}{i}" for i in range(nodes)]
-    common = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(nodes * tasks_per_node),
+    common = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0",
+              "SLURM_NTASKS": str(nodes * tasks_per_node),
               "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": compress_hostlist(hosts),
-              "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),
+              "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1
+              else str(tasks_per_node),
               "SLURM_RESTART_COUNT": str(restart_count)}
     chosen = range(nodes * tasks_per_node) if ranks is None else ranks
     return [{**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % tasks_per_node),
-             "SLURM_NODEID": str(r // tasks_per_node), "SLURMD_NODENAME": hosts[r // tasks_per_node]} for r in chosen]
+             "SLURM_NODEID": str(r // tasks_per_node),
+             "SLURMD_NODENAME": hosts[r // tasks_per_node]} for r in chosen]

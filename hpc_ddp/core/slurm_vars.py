@@ -58,6 +58,7 @@ def check_below(name: str, value: int, limit_name: str, limit: int) -> None:
     if value >= limit:
         raise SlurmEnvError(explain(f"{name}={value} does not fit {limit_name}={limit}",
                                     expected=f"0 <= {name} < {limit}",
-                                    hint="the job's variables disagree; was part of the environment "
+                                    hint="the job's variables disagree; was part of the "
+                                         "environment "
                                     "set by hand or copied from another job?"),
                             key=name)

@@ -1,4 +1,5 @@
-"""A heal's (or a requeue's) timeline: where the seconds between a failure and the first step after it go.
+"""A heal's (or a requeue's) timeline: where the seconds between a failure and the first step after
+it go.
 
 Pure (no torch, no files). The batch shell knows when it saw the failure and when it started the
 next step; the new step's rank 0 knows when it had imported torch, formed its process group,
@@ -28,19 +29,24 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-TIMELINE_VAR = "HPC_DDP_TIMELINE"  # JSON from the batch shell: failure, failure_from, detected, launched (epoch s)
+# JSON from the batch shell: failure, failure_from, detected, launched (epoch s)
+TIMELINE_VAR = "HPC_DDP_TIMELINE"
 PHASES = ("detected", "launched", "imported", "group_ready", "restored", "compiled", "first_step")
 SHELL_PHASES = ("detected", "launched")  # the batch shell's (or the rehearsal's launcher's)
 RANK_PHASES = PHASES[2:]  # rank 0's, in memory (hpc_ddp.rank.metrics.timeline.mark)
-EXTRAS = ("compile_cache", "compile_s")  # optional facts beside "compiled": "hit"|"miss"|"partial", dynamo's seconds
+# optional facts beside "compiled": "hit"|"miss"|"partial", dynamo's seconds
+EXTRAS = ("compile_cache", "compile_s")
 MEANING = {
     "detected": "the batch shell knew (srun returned; for a requeue: Slurm started the job again)",
     "launched": "the batch shell started the new step (srun)",
-    "imported": "rank 0 had imported torch and hpc_ddp (train.script: the wrapper started the script)",
+    "imported": "rank 0 had imported torch and hpc_ddp (train.script: the wrapper started the "
+                "script)",
     "group_ready": "the process group was formed (every rank had joined)",
     "restored": "the state was restored (snapshot or survivors')",
-    "compiled": "the first compiled step was done (its compile included; the cache's verdict beside it)",
-    "first_step": "the first run.boundary of the new attempt was reached (train.script: its first progress line)",
+    "compiled": "the first compiled step was done (its compile included; the cache's verdict "
+                "beside it)",
+    "first_step": "the first run.boundary of the new attempt was reached (train.script: its first "
+                  "progress line)",
 }
 # the previous attempt's reasons after which the next attempt is a requeue (or a chain's next job)
 REQUEUED_AFTER = ("timeout", "preemption", "requeued", "failed", "hung", "lost")
@@ -50,15 +56,16 @@ BAR_WIDTH = 40
 def encode_shell(failure: tuple[float, str] | None = None, **times: float | None) -> str:
     """The batch shell's part for :data:`TIMELINE_VAR`: the failure (instant, where from) and the
     :data:`SHELL_PHASES` it timed, as epoch seconds."""
-    record: dict[str, Any] = {k: round(v, 3) for k, v in times.items() if k in SHELL_PHASES and v is not None}
+    record: dict[str, Any] = {k: round(v, 3) for k, v in times.items() if k in SHELL_PHASES
+                              and v is not None}
     if failure is not None:
         record.update(failure=round(failure[0], 3), failure_from=failure[1])
     return json.dumps(record, sort_keys=True)
 
 
 def shell_marks(environ: Mapping[str, str]) -> dict[str, Any]:
-    """What :func:`encode_shell` put in the environment; {} when absent or unreadable (a timeline is a
-    report, never a reason to fail a step)."""
+    """What :func:`encode_shell` put in the environment; {} when absent or unreadable (a timeline is
+    a report, never a reason to fail a step)."""
     try:
         record = json.loads(environ.get(TIMELINE_VAR) or "{}")
     except ValueError:
@@ -78,8 +85,8 @@ def _number(value: Any) -> bool:
 
 def heal_failure(record: Mapping[str, Any], last_beats: Iterable[float], seen_end: float | None,
                  ) -> tuple[float, str] | None:
-    """The failure instant of a step healed in the job: the earliest of the lost ranks' last beats, the
-    failed line's ``end`` and when the batch shell saw the step end; None when none is known."""
+    """The failure instant of a step healed in the job: the earliest of the lost ranks' last beats,
+    the failed line's ``end`` and when the batch shell saw the step end; None when none is known."""
     found = [(t, "last beat") for t in last_beats if _number(t) and t > 0]
     if _number(record.get("end")):
         found.append((float(record["end"]), "ledger line"))
@@ -89,8 +96,9 @@ def heal_failure(record: Mapping[str, Any], last_beats: Iterable[float], seen_en
 
 
 def requeue_failure(previous: Mapping[str, Any] | None) -> tuple[float, str] | None:
-    """The failure instant of a requeued (or chained) attempt: the previous attempt's end, when that attempt
-    ended in a way that requeues (not a finished run, a cancel or a person's ``--resume``)."""
+    """The failure instant of a requeued (or chained) attempt: the previous attempt's end, when that
+    attempt ended in a way that requeues (not a finished run, a cancel or a person's
+    ``--resume``)."""
     if previous is None or previous.get("before_resume") or previous.get("reason") not in REQUEUED_AFTER:
         return None
     end = previous.get("end")
@@ -99,8 +107,9 @@ def requeue_failure(previous: Mapping[str, Any] | None) -> tuple[float, str] | N
 
 def compose(failure: tuple[float, str], marks: Mapping[str, float], kind: str,
             extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ledger's ``timeline``: ``failure`` (epoch s), ``failure_from``, ``kind`` ("heal" or "requeue")
-    and each phase marked, as seconds after the failure (phases in :data:`PHASES` order), with the
+    """The ledger's ``timeline``: ``failure`` (epoch s), ``failure_from``, ``kind`` ("heal" or
+    "requeue") and each phase marked, as seconds after the failure (phases in :data:`PHASES` order),
+    with the
     :data:`EXTRAS` given."""
     at, source = failure
     timeline: dict[str, Any] = {"kind": kind, "failure": round(at, 3), "failure_from": source}
@@ -113,11 +122,12 @@ def compose(failure: tuple[float, str], marks: Mapping[str, float], kind: str,
     return timeline
 
 
-def for_attempt(shell: Mapping[str, Any], marks: Mapping[str, float], previous: Mapping[str, Any] | None,
+def for_attempt(shell: Mapping[str, Any], marks: Mapping[str, float],
+                previous: Mapping[str, Any] | None,
                 in_job: int, extras: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """Rank 0's timeline of its attempt: the shell's failure instant (a heal), else the previous attempt's
-    end (a requeue, or a heal whose shell gave none); None for a run's first attempt or one after a
-    finished, cancelled or resumed run."""
+    """Rank 0's timeline of its attempt: the shell's failure instant (a heal), else the previous
+    attempt's end (a requeue, or a heal whose shell gave none); None for a run's first attempt or
+    one after a finished, cancelled or resumed run."""
     failure: tuple[float, str] | None = None
     if _number(shell.get("failure")):
         failure = (float(shell["failure"]), str(shell.get("failure_from") or "batch shell"))
@@ -129,8 +139,8 @@ def for_attempt(shell: Mapping[str, Any], marks: Mapping[str, float], previous: 
 
 
 def out_of_order(timeline: Mapping[str, Any]) -> list[str]:
-    """The phases that end before the failure or before a phase listed before them: clock skew between
-    the hosts that timed them (or a phase marked out of its place)."""
+    """The phases that end before the failure or before a phase listed before them: clock skew
+    between the hosts that timed them (or a phase marked out of its place)."""
     wrong, latest = [], 0.0
     for phase in PHASES:
         seconds = timeline.get(phase)
@@ -151,8 +161,10 @@ def last_timeline(attempts: Sequence[Mapping[str, Any]]) -> tuple[int, dict[str,
 
 
 def lines(timeline: Mapping[str, Any], index: int) -> list[str]:
-    """``status``'s view: a line per phase, seconds after the failure, a bar of the phase's own share."""
-    head = (f"timeline of attempt #{index} ({timeline.get('kind', '?')}), seconds after the failure "
+    """``status``'s view: a line per phase, seconds after the failure, a bar of the phase's own
+    share."""
+    head = (f"timeline of attempt #{index} ({timeline.get('kind', '?')}), seconds after the "
+            "failure "
             f"({timeline.get('failure_from', '?')}):")
     marked = [(p, float(timeline[p])) for p in PHASES if _number(timeline.get(p))]
     total = max([s for _, s in marked] + [1e-9])
@@ -160,21 +172,26 @@ def lines(timeline: Mapping[str, Any], index: int) -> list[str]:
     for phase, seconds in marked:
         start, end = (min(before, seconds), max(before, seconds))
         lead = min(BAR_WIDTH - 1, int(round(BAR_WIDTH * max(0.0, start) / total)))
-        bar = " " * lead + "#" * max(1, min(BAR_WIDTH - lead, int(round(BAR_WIDTH * (end - max(0.0, start)) / total))))
+        bar = " " * lead + "#" * max(1, min(BAR_WIDTH - lead,
+                                            int(round(BAR_WIDTH * (end - max(0.0,
+                                                                             start)) / total))))
         note = _compile_note(timeline) if phase == "compiled" else ""
-        out.append(f"  {phase:<12} {seconds:>8.1f} s  +{seconds - before:>6.1f}  |{bar:<{BAR_WIDTH}}|{note}")
+        out.append(f"  {phase:<12} {seconds:>8.1f} s  +{seconds - before:>6.1f}  "
+                   f"|{bar:<{BAR_WIDTH}}|{note}")
         before = max(before, seconds)
     missing = [p for p in PHASES if p not in timeline and p != "compiled"]
     if missing:
         out.append(f"  not timed: {', '.join(missing)}")
     skewed = out_of_order(timeline)
     if skewed:
-        out.append(f"  WARNING: {', '.join(skewed)} end(s) before the phase before: the hosts' clocks disagree")
+        out.append(f"  WARNING: {', '.join(skewed)} end(s) before the phase before: the hosts' "
+                   "clocks disagree")
     return out
 
 
 def _compile_note(timeline: Mapping[str, Any]) -> str:
-    """Beside the compiled phase: the cache's verdict and dynamo's own count of seconds spent compiling."""
+    """Beside the compiled phase: the cache's verdict and dynamo's own count of seconds spent
+    compiling."""
     facts = [f"cache {timeline['compile_cache']}"] if "compile_cache" in timeline else []
     if "compile_s" in timeline:
         facts.append(f"{timeline['compile_s']} s compiling")

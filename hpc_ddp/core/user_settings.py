@@ -6,11 +6,12 @@ config.yaml, compared by ``--resume``, and handed to the program:
 
 - an own loop reads ``run.config.user`` as a mapping or by attribute
   (``run.config.user["eval_every"]``, ``run.config.user.eval_every``; nested sections alike);
-- a ``train.script`` gets one environment variable per leaf: ``HPC_DDP_USER_`` + the key path
-  joined with ``_``, upper-cased, any other character than a letter or digit made ``_``
+- a ``train.script`` gets one environment variable per leaf: ``HPC_DDP_USER_`` + the key path joined
+  with ``_``, upper-cased, any other character than a letter or digit made ``_``
   (``user.eval.every`` -> ``HPC_DDP_USER_EVAL_EVERY``). Text is passed as it is, every other value
-  as JSON (``true``, ``0.5``, ``[1, 2]``, ``null``); ``HPC_DDP_USER`` holds the whole section as JSON.
-  For a command-line argument, interpolate: ``train.args: [--eval_every, "${user.eval_every}"]``.
+  as JSON (``true``, ``0.5``, ``[1, 2]``, ``null``); ``HPC_DDP_USER`` holds the whole section as
+  JSON. For a command-line argument, interpolate: ``train.args: [--eval_every,
+  "${user.eval_every}"]``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _NOT_WORD = re.compile(r"[^A-Za-z0-9]")
 class UserSettings(dict):  # type: ignore[type-arg]
     """A mapping whose keys also read as attributes (``user.eval_every``), nested sections too.
 
-    A plain ``dict`` subclass, so it is JSON, YAML and pickle as a dict is, and compares equal to one."""
+    A plain ``dict`` subclass, so it is JSON, YAML and pickle as a dict is, and compares equal to
+    one."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -42,8 +44,10 @@ class UserSettings(dict):  # type: ignore[type-arg]
             return self[name]
         except KeyError:
             keys = ", ".join(map(str, self)) or "none"
-            raise AttributeError(f"the user section has no key {name!r} (its keys: {keys}); set it in the config "
-                                 f"(user: {{{name}: ...}}) or on the command line (user.{name}=...), or read it "
+            raise AttributeError(f"the user section has no key {name!r} (its keys: {keys}); set it "
+                                 "in the config "
+                                 f"(user: {{{name}: ...}}) or on the command line "
+                                 f"(user.{name}=...), or read it "
                                  f"with .get({name!r}, default)") from None
 
 

@@ -21,24 +21,30 @@ from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
 
 def healing_line(slurm: Any) -> str:
-    """What a failure costs this run: spares, in-job restarts, then requeues (docs/faults.md, healing)."""
+    """What a failure costs this run: spares, in-job restarts, then requeues (docs/faults.md,
+    healing)."""
     spares = (f"{slurm.spare_nodes} spare node(s) (the job holds {held_nodes(slurm)})"
               if slurm.spare_nodes else "no spare node" + (", fewer nodes within slurm.nodes"
-                                                          if len(node_counts(slurm.nodes)) > 1 else ""))
-    return (f"on a failure: {slurm.max_restarts_in_job} in-job restart(s) (slurm.max_restarts_in_job), {spares}; "
+                                                          if len(node_counts(slurm.nodes)) > 1
+                                                           else ""))
+    return (f"on a failure: {slurm.max_restarts_in_job} in-job restart(s) "
+            f"(slurm.max_restarts_in_job), {spares}; "
             f"then {slurm.max_failures} requeue(s) (slurm.max_failures)")
 
 
 def submitit_script(cfg: RunConfig, array: int | None = None, python: str = sys.executable,
                     cfgs: list[RunConfig] | None = None, workdir: str | None = None) -> str:
-    """The sbatch script submitit writes for this config (the same call it makes when submitting)."""
-    from submitit.slurm.slurm import _make_sbatch_string  # no public renderer; pinned by a golden file
+    """The sbatch script submitit writes for this config (the same call it makes when
+    submitting)."""
+    # no public renderer; pinned by a golden file
+    from submitit.slurm.slurm import _make_sbatch_string
 
     folder = log_folder(cfg, array)
     wrapped = submitit_python(cfg, python, workdir, bool(array))
     command = f"{wrapped} -u -m submitit.core._submit {shlex.quote(str(folder))}"
     return _make_sbatch_string(command=command, folder=folder, map_count=array,
-                               **submitit_parameters(cfg, _config_paths(cfgs or [cfg]), python, workdir))
+                               **submitit_parameters(cfg, _config_paths(cfgs or [cfg]), python,
+                                                     workdir))
 
 
 def _config_paths(cfgs: list[RunConfig]) -> list[str]:
@@ -58,28 +64,34 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
     print("# the sbatch script submit would hand to Slurm (through submitit):\n"
           + submitit_script(cfg, array, cfgs=cfgs, workdir=workdir))
     if array:
-        print(f"job array of {array} runs ({{config}} in the teardown line: each element's RUN_DIR/config.yaml):")
+        print(f"job array of {array} runs ({{config}} in the teardown line: each element's "
+              "RUN_DIR/config.yaml):")
         print("\n".join(f"  [{i}] {c.run_dir}" for i, c in enumerate(cfgs)))
     nodes = node_counts(cfg.slurm.nodes)
     world = nodes[-1] * cfg.slurm.tasks_per_node
-    environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242, ranks=shown(world))
+    environs = simulated_environ(nodes[-1], cfg.slurm.tasks_per_node, job_id=4242,
+                                 ranks=shown(world))
     print(f"run {cfg.name}: {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}, "
           f"{run_dir_words(cfg)}")
     print(f"program: {program_line(cfg)}")
     if cfg.profile:
-        print(f"profile: {cfg.profile} (merged under the config files; python -m hpc_ddp.profiles show {cfg.profile})")
+        print(f"profile: {cfg.profile} (merged under the config files; python -m hpc_ddp.profiles "
+              f"show {cfg.profile})")
     print(container_line(cfg, workdir, bool(array)))
     print(healing_line(cfg.slurm))
     if not cfg.train.script:
         print(batch_plans(cfg))
-    print(f"every rank as Slurm job 4242 would derive it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
+    print("every rank as Slurm job 4242 would derive "
+          f"it{f' on {nodes[-1]} nodes' if len(nodes) > 1 else ''} "
           "(nodes named node0..; the port follows the job id):")
-    print(elided(table([from_environ(e) for e in environs], [e["SLURMD_NODENAME"] for e in environs]), world,
+    print(elided(table([from_environ(e) for e in environs],
+                       [e["SLURMD_NODENAME"] for e in environs]), world,
                  "rank", head=1))
     if not checks:
         return 0
     from hpc_ddp.core.requeue_policy import requeue_path
-    from hpc_ddp.login.preflight import preflight  # here: --no-preflight need not import it (benchmark B1)
+    # here: --no-preflight need not import it (benchmark B1)
+    from hpc_ddp.login.preflight import preflight
 
     everything = preflight(cfg)
     findings = [f for f in everything if f.level != "note"]
@@ -100,27 +112,33 @@ def dry_run(cfgs: list[RunConfig], checks: bool = True) -> int:
 
 
 def container_line(cfg: RunConfig, workdir: str, array: bool = False) -> str:
-    """Where every rank runs: the srun lines above carry the container (the first step, and the one the batch
-    shell starts on each heal); a probe of the nodes runs ``true`` in it."""
+    """Where every rank runs: the srun lines above carry the container (the first step, and the one
+    the batch shell starts on each heal); a probe of the nodes runs ``true`` in it."""
     box = cfg.slurm.container
     if not box.runtime:
         return "container: none (slurm.container); every rank runs on the host"
-    probe = ["srun", "--nodes=N", "...", *probe_tail(cfg.slurm, mount_paths(cfg, workdir, array), workdir)]
-    return (f"container: {box.runtime}, image {box.image}: every step of the job runs in it (the first and each "
+    probe = ["srun", "--nodes=N", "...",
+             *probe_tail(cfg.slurm, mount_paths(cfg, workdir, array), workdir)]
+    return (f"container: {box.runtime}, image {box.image}: every step of the job runs in it (the "
+            "first and each "
             f"healing step: the srun lines above; a probe of the nodes: {shlex.join(probe)})")
 
 
 def run_dir_words(cfg: RunConfig) -> str:
-    """'run dir /abs/path', and where it lies under the submit directory, why (docs/submit.md#where-the-run-dir-is)."""
+    """'run dir /abs/path', and where it lies under the submit directory, why
+    (docs/submit.md#where-the-run-dir-is)."""
     cwd = Path.cwd().resolve()
     under = Path(cfg.run_dir).is_relative_to(cwd)
-    return f"run dir {cfg.run_dir}" + (" (under the directory you submit from: a relative run_dir is resolved "
-                                       "against it, not against the config file's directory)" if under else "")
+    return f"run dir {cfg.run_dir}" + (" (under the directory you submit from: a relative run_dir "
+                                       "is resolved "
+                                       "against it, not against the config file's directory)"
+                                       if under else "")
 
 
 def program_line(cfg: RunConfig) -> str:
-    """What every task runs, as --dry-run shows it: the script's command line resolved, or the loop or task;
-    a value from the environment as its ``${oc.env:...}`` text (dry-run output gets pasted into tickets)."""
+    """What every task runs, as --dry-run shows it: the script's command line resolved, or the loop
+    or task; a value from the environment as its ``${oc.env:...}`` text (dry-run output gets pasted
+    into tickets)."""
     train = masked(cfg).train
     if train.script:
         resume = f" (then on every attempt that continues the run: + {shlex.join(train.resume_args)})" \
@@ -136,14 +154,18 @@ def batch_plans(cfg: RunConfig) -> str:
     counts = node_counts(cfg.slurm.nodes)
     rows = [f"{n} node{'s' if n > 1 else ' '} -> {plan(cfg.train, n * cfg.slurm.tasks_per_node)}"
             for n in (counts[i] for i in shown(len(counts)))]
-    fixed = (f"train.global_batch_size={cfg.train.global_batch_size}: the accumulation follows the node count"
-             if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows the world size")
+    fixed = (f"train.global_batch_size={cfg.train.global_batch_size}: the accumulation follows the "
+             "node count"
+             if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows "
+                                                 "the world size")
     whose = "; run.batch gives a train.loop this plan, a loop that sizes its own batches ignores it" \
         if cfg.train.loop else ""
-    return f"batch ({fixed}{whose}):\n" + elided("\n".join(f"  {row}" for row in rows), len(counts), "node count")
+    return f"batch ({fixed}{whose}):\n" + elided("\n".join(f"  {row}" for row in rows), len(counts),
+                                                 "node count")
 
 
-SHOW_FIRST, SHOW_LAST = 8, 2  # a big job's per-rank table: these first and last rows, "... N more" between
+# a big job's per-rank table: these first and last rows, "... N more" between
+SHOW_FIRST, SHOW_LAST = 8, 2
 
 
 def shown(total: int) -> list[int]:
@@ -154,8 +176,8 @@ def shown(total: int) -> list[int]:
 
 
 def elided(text: str, total: int, what: str, head: int = 0) -> str:
-    """``text`` (``head`` header lines, then the :func:`shown` rows of ``total``) with a "... N more" line
-    where rows were left out."""
+    """``text`` (``head`` header lines, then the :func:`shown` rows of ``total``) with a "... N
+    more" line where rows were left out."""
     lines = text.split("\n")
     if total == len(lines) - head:
         return text

@@ -1,4 +1,5 @@
-"""Which log says why an attempt failed: the first rank's own exception, not a survivor's view of it.
+"""Which log says why an attempt failed: the first rank's own exception, not a survivor's view of
+it.
 
 When one rank crashes, every other rank fails too, a moment later, in whatever collective it
 was waiting in: gloo says "Connection closed by peer", NCCL that a remote process exited or
@@ -20,12 +21,15 @@ from hpc_ddp.core.mismatch import mismatch_line
 
 # What a rank says when a peer died under it: never the cause. Matched in the log's last lines.
 
-_RANK_PART = re.compile(r"rank-\d+|_\d+_log")  # attempt-0-rank-3.log, 1234_3_log.err (submitit, task 3)
+# attempt-0-rank-3.log, 1234_3_log.err (submitit, task 3)
+_RANK_PART = re.compile(r"rank-\d+|_\d+_log")
 
 
 def has_error(lines: list[str]) -> bool:
-    """A traceback, an ``error:`` line, or gloo's abort for a collective mismatch (no traceback: SIGABRT)."""
-    return any("Traceback" in line or "error:" in line.lower() for line in lines) or mismatch_line(lines) is not None
+    """A traceback, an ``error:`` line, or gloo's abort for a collective mismatch (no traceback:
+    SIGABRT)."""
+    return any("Traceback" in line or "error:" in line.lower()
+               for line in lines) or mismatch_line(lines) is not None
 
 
 def blames_a_peer(lines: list[str]) -> bool:
@@ -34,14 +38,18 @@ def blames_a_peer(lines: list[str]) -> bool:
 
 
 def attempt_of(log: Path) -> str:
-    """The log's name without its rank: the logs of one attempt (or of one submitit job) share it."""
+    """The log's name without its rank: the logs of one attempt (or of one submitit job) share
+    it."""
     return _RANK_PART.sub("", log.name)
 
 
-def pick(logs: list[tuple[Path, float, list[str]]], lines: int = 15) -> tuple[Path, list[str]] | None:
-    """Pure: from (path, mtime, its lines), the log to show and its tail. Among the newest attempt's logs
-    that hold an error, the earliest written whose tail blames no peer; else the newest (a survivor's)."""
-    failed = sorted(((path, when, text) for path, when, text in logs if has_error(text)), key=lambda c: c[1])
+def pick(logs: list[tuple[Path, float, list[str]]],
+         lines: int = 15) -> tuple[Path, list[str]] | None:
+    """Pure: from (path, mtime, its lines), the log to show and its tail. Among the newest attempt's
+    logs that hold an error, the earliest written whose tail blames no peer; else the newest (a
+    survivor's)."""
+    failed = sorted(((path, when, text) for path, when, text in logs if has_error(text)),
+                    key=lambda c: c[1])
     if not failed:
         return None
     newest = failed[-1]
@@ -52,7 +60,8 @@ def pick(logs: list[tuple[Path, float, list[str]]], lines: int = 15) -> tuple[Pa
 
 
 def last_errors(run_dir: Path, slurm_logs: Path, lines: int = 15) -> list[str]:
-    """The tail of the log that says why the newest failed attempt failed, headed by its path; [] if none."""
+    """The tail of the log that says why the newest failed attempt failed, headed by its path; [] if
+    none."""
     found = []
     for log in [*slurm_logs.glob("*.err"), *run_dir.glob("logs/*.log")]:
         try:

@@ -1,4 +1,5 @@
-"""One preflight result (:mod:`hpc_ddp.login.preflight`): its level, the config key, what is wrong and the fix."""
+"""One preflight result (:mod:`hpc_ddp.login.preflight`): its level, the config key, what is wrong
+and the fix."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Finding:
-    """One preflight result; ``level`` is "error" (stops the submit), "warning", or "note" (what was planned for)."""
+    """One preflight result; ``level`` is "error" (stops the submit), "warning", or "note" (what was
+    planned for)."""
 
     level: str
     key: str
@@ -15,4 +17,5 @@ class Finding:
     hint: str
 
     def __str__(self) -> str:
-        return f"{self.level} [{self.key}]: {self.message}" + (f"\nHINT: {self.hint}" if self.hint else "")
+        return f"{self.level} [{self.key}]: {self.message}" + (f"\nHINT: {self.hint}" if self.hint
+                                                               else "")

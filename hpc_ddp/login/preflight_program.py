@@ -20,14 +20,17 @@ from pathlib import Path
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.login.preflight_finding import Finding
 
-# a setup line that may make a module importable in the job: an environment, a module system, PYTHONPATH
+# a setup line that may make a module importable in the job: an environment, a module system,
+# PYTHONPATH
 _ENV_LINE = re.compile(r"(^|[\s;&|(])(source|\.|module|ml|conda|mamba|micromamba|activate|spack|pip|pip3|uv|pyenv|"
                        r"eval|export\s+(PYTHONPATH|PATH)\b|(PYTHONPATH|PATH)=|cd|pushd)(\s|$|=)")
-_CD_LINE = re.compile(r"(^|[;&|(]\s*)(cd|pushd)(\s|$)")  # a line that changes the directory the job runs in
+# a line that changes the directory the job runs in
+_CD_LINE = re.compile(r"(^|[;&|(]\s*)(cd|pushd)(\s|$)")
 
 
 def setup_changes(setup: Sequence[str]) -> tuple[str | None, str | None]:
-    """(the first setup line that may change which modules import, the first that changes directory)."""
+    """(the first setup line that may change which modules import, the first that changes
+    directory)."""
     env = next((line for line in setup if _ENV_LINE.search(line.strip())), None)
     cd = next((line for line in setup if _CD_LINE.search(line.strip())), None)
     return env, cd
@@ -54,8 +57,9 @@ def find_module(dotted: str, search: Sequence[str]) -> bool:
 
 
 def defines(source: str, name: str) -> bool | None:
-    """Whether module ``source`` binds ``name`` at top level (class, def, assignment, import): read, never
-    run. None when that cannot be told without running it (``import *``, a module ``__getattr__``)."""
+    """Whether module ``source`` binds ``name`` at top level (class, def, assignment, import): read,
+    never run. None when that cannot be told without running it (``import *``, a module
+    ``__getattr__``)."""
     def bound(body: list[ast.stmt]) -> Iterator[str]:
         for node in body:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -72,7 +76,8 @@ def defines(source: str, name: str) -> bool | None:
                     inner = getattr(node, block, None)
                     if isinstance(inner, list):
                         yield from bound([n for n in inner if isinstance(n, ast.stmt)] +
-                                         [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body])
+                                         [s for h in inner if isinstance(h, ast.ExceptHandler)
+                                          for s in h.body])
     try:
         names = set(bound(ast.parse(source).body))
     except (SyntaxError, ValueError):
@@ -92,14 +97,19 @@ def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Find
     key = "train.loop" if cfg.train.loop else "train.task"
     target = cfg.train.loop or cfg.train.task
     module, _, attr = target.partition(":")
-    origin = module_origin(module, sys.path if search is None else search) if module else "namespace"
+    origin = module_origin(module, sys.path if search is None
+                           else search) if module else "namespace"
     if origin is None:
-        why = (f"; a warning, not an error, because slurm.setup line {env_line!r} may provide it in the job"
+        why = (f"; a warning, not an error, because slurm.setup line {env_line!r} may provide it "
+               "in the job"
                if env_line else "")
         return [Finding(level, key, f"module {module!r} of {key}={target} is not importable "
-                        f"from here (cwd {os.getcwd()}){why}", "submit from the directory that holds it, pip install "
-                        "your project, or add it to PYTHONPATH; the job starts in this directory with this "
-                        "environment (only a setup line that activates an environment, loads a module, sets "
+                        f"from here (cwd {os.getcwd()}){why}",
+                        "submit from the directory that holds it, pip install "
+                        "your project, or add it to PYTHONPATH; the job starts in this directory "
+                        "with this "
+                        "environment (only a setup line that activates an environment, loads a "
+                        "module, sets "
                         "PYTHONPATH or changes directory makes this a warning)")]
     if not attr or not origin.endswith(".py"):
         return []  # a compiled or namespace module: only importing it could tell
@@ -111,21 +121,25 @@ def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Find
     if defines(source, name) is False:
         example = f"{module}:{_first_class(origin) or 'MyTask'}" if key == "train.task" else f"{module}:train"
         kind = "CLASS" if key == "train.task" else "FUNCTION"
-        return [Finding(level, key, f"module {module!r} ({origin}) defines no {name!r}, named by {key}={target}",
-                        f"check the spelling after the colon; {key} is MODULE:{kind}, e.g. {example}")]
+        return [Finding(level, key, f"module {module!r} ({origin}) defines no {name!r}, named by "
+                                    f"{key}={target}",
+                        f"check the spelling after the colon; {key} is MODULE:{kind}, e.g. "
+                        f"{example}")]
     problem = loop_signature_problem(source, name) if key == "train.loop" else None
-    return [Finding("error", key, problem, f"define it as `def {name}(run): ...`: hpc_ddp calls it with "
+    return [Finding("error", key, problem, f"define it as `def {name}(run): ...`: hpc_ddp calls it "
+                                           "with "
                     "the run object")] if problem else []
 
 
 def loop_signature_problem(source: str, name: str) -> str | None:
-    """Why ``name(run)`` cannot be called, for a top-level ``def name`` in ``source``; None when it can
-    (or when only running the module could tell)."""
+    """Why ``name(run)`` cannot be called, for a top-level ``def name`` in ``source``; None when it
+    can (or when only running the module could tell)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return None
-    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name),
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == name),
                 None)
     if node is None:
         return None
@@ -136,23 +150,28 @@ def loop_signature_problem(source: str, name: str) -> str | None:
     if isinstance(node, ast.AsyncFunctionDef):
         return f"train.loop's {name} is `async def`; it must be a plain function"
     if (not positional and args.vararg is None) or required > 1 or required_kw:
-        shown = ", ".join(a.arg for a in positional) + (", *" + args.vararg.arg if args.vararg else "")
+        shown = ", ".join(a.arg for a in positional) + (", *" + args.vararg.arg if args.vararg
+                                                        else "")
         return (f"train.loop's {name}({shown}) cannot be called with the run as its one argument"
-                + (f" (it needs keyword arguments {', '.join(required_kw)})" if required_kw else ""))
+                + (f" (it needs keyword arguments {', '.join(required_kw)})" if required_kw
+                   else ""))
     return None
 
 
 def check_script(script: str, cd_line: str | None = None) -> list[Finding]:
-    """train.script's file, from here. The job starts in this directory, so a relative path that is not here is
-    an error, unless a setup line changes directory (``cd_line``: then a warning); an absolute one is an error
-    whatever the setup lines do."""
+    """train.script's file, from here. The job starts in this directory, so a relative path that is
+    not here is an error, unless a setup line changes directory (``cd_line``: then a warning); an
+    absolute one is an error whatever the setup lines do."""
     path = Path(script)
     if not path.is_file():
         level = "warning" if cd_line and not path.is_absolute() else "error"
-        why = (f"; a warning, not an error, because slurm.setup line {cd_line!r} changes the directory the "
+        why = (f"; a warning, not an error, because slurm.setup line {cd_line!r} changes the "
+               "directory the "
                "job runs it from" if level == "warning" else "")
-        return [Finding(level, "train.script", f"train.script={script} does not exist (cwd {os.getcwd()}){why}",
-                        "give a path relative to the directory you submit from (the job starts there), or an "
+        return [Finding(level, "train.script", f"train.script={script} does not exist (cwd "
+                                               f"{os.getcwd()}){why}",
+                        "give a path relative to the directory you submit from (the job starts "
+                        "there), or an "
                         "absolute path")]
     if path.suffix != ".py":
         return [Finding("warning", "train.script", f"train.script={script} is not a .py file",
@@ -167,6 +186,7 @@ def _first_class(origin: str) -> str | None:
     except (OSError, SyntaxError, ValueError):
         return None
     return next((node.name for node in tree.body if isinstance(node, ast.ClassDef) and any(
-        isinstance(item, ast.FunctionDef) and item.name == "build_model" for item in node.body)), None)
+        isinstance(item, ast.FunctionDef) and item.name == "build_model" for item in node.body)),
+                None)
 
 

@@ -43,12 +43,15 @@ and KEY=VALUE win over it):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.profiles", description=for_help(__doc__),
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.profiles",
+                                     description=for_help(__doc__),
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="list | show NAME")
     sub.add_parser("list", help="every profile's name and file, or where they are looked for")
-    show = sub.add_parser("show", help="a profile's file and the keys it merges in (checked against the schema)")
+    show = sub.add_parser("show", help="a profile's file and the keys it merges in (checked "
+                                       "against the schema)")
     show.add_argument("name", help="the profile's name (its file's stem)")
     return parser
 
@@ -56,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 def list_profiles(profiles: Profiles) -> str:
     found = profiles.available()
     if not found:
-        return (f"no profiles in {profiles.directory}\n  create one: {profiles.directory}/NAME.yaml with the "
+        return (f"no profiles in {profiles.directory}\n  create one: "
+                f"{profiles.directory}/NAME.yaml with the "
                 "cluster's keys (python -m hpc_ddp.profiles --help shows an example)")
     width = max(len(p.name) for p in found)
     lines = [f"profiles in {profiles.directory}:"]
-    lines += [f"  {p.name:<{width}}  {p.path}" + ("  (default: " + ENV_VAR + ")" if p.name == profiles.default
+    lines += [f"  {p.name:<{width}}  {p.path}"
+              + ("  (default: " + ENV_VAR + ")" if p.name == profiles.default
                                                   else "") for p in found]
     return "\n".join(lines)
 
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     args = build_parser().parse_args(argv)
     profiles = Profiles.from_environ(os.environ if environ is None else environ)
     try:
-        print((list_profiles(profiles) if args.command == "list" else show_profile(profiles, args.name)).rstrip())
+        print((list_profiles(profiles) if args.command == "list"
+               else show_profile(profiles, args.name)).rstrip())
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -83,8 +89,9 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 
 def load_with_profile(paths: Sequence[str], overrides: list[str], profiles: Profiles, resume: bool,
                       label: str = "") -> RunConfig:
-    """The config with its profile merged under it. On ``--resume`` of a run that has its config.yaml, a
-    profile that is gone is not a refusal: the run goes on with its own config, which holds the values."""
+    """The config with its profile merged under it. On ``--resume`` of a run that has its
+    config.yaml, a profile that is gone is not a refusal: the run goes on with its own config, which
+    holds the values."""
     try:
         return load_config(paths, overrides, profiles)
     except ProfileError as err:
@@ -94,17 +101,19 @@ def load_with_profile(paths: Sequence[str], overrides: list[str], profiles: Prof
         run_dir = Path(cfg.run_dir).expanduser().resolve()
         if not layout.config(run_dir / label if label else run_dir).is_file():
             raise
-        print(f"--resume: {str(err).splitlines()[0]} The run goes on with its own config (its profile's values as "
+        print(f"--resume: {str(err).splitlines()[0]} The run goes on with its own config (its "
+              "profile's values as "
               "they were merged).", flush=True)
         return cfg
 
 
 def recorded_profile(cfg: RunConfig, own: RunConfig, paths: Sequence[str], overrides: Sequence[str],
                      profiles: Profiles) -> RunConfig:
-    """What ``--resume`` compares the run's own config with: ``cfg``, or, when this command names no profile
-    and the run recorded one, the config files with the run's profile as it is now (so a changed
-    profile shows as such, and an unchanged one not at all)."""
-    if any(o.startswith("profile=") for o in overrides) or not own.profile or cfg.profile == own.profile:
+    """What ``--resume`` compares the run's own config with: ``cfg``, or, when this command names no
+    profile and the run recorded one, the config files with the run's profile as it is now (so a
+    changed profile shows as such, and an unchanged one not at all)."""
+    if any(o.startswith("profile=")
+           for o in overrides) or not own.profile or cfg.profile == own.profile:
         return cfg
     try:
         again = load_config(paths, [*overrides, f"profile={own.profile}"], profiles)

@@ -1,5 +1,5 @@
-"""``submit --local``: the rehearsal driven from the login node's command line, and the outcome line it
-prints (finished, stopped, failed), read back from the run dir.
+"""``submit --local``: the rehearsal driven from the login node's command line, and the outcome line
+it prints (finished, stopped, failed), read back from the run dir.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from hpc_ddp.core.config import RunConfig
 
 
 def check_program(cfg: RunConfig) -> None:
-    """The checks of the program that ``--dry-run`` and a submit make (train.script's file, train.task's or
-    train.loop's module), before a rehearsal creates the run dir and starts ranks that would each fail at once.
-    Prints the warnings; raises with the errors."""
+    """The checks of the program that ``--dry-run`` and a submit make (train.script's file,
+    train.task's or train.loop's module), before a rehearsal creates the run dir and starts ranks
+    that would each fail at once. Prints the warnings; raises with the errors."""
     import sys
 
     from hpc_ddp.core.errors import HpcDdpError
@@ -32,15 +32,16 @@ def check_program(cfg: RunConfig) -> None:
             print(finding, file=sys.stderr)
     errors = [f for f in findings if f.level == "error"]
     if errors:
-        raise HpcDdpError("preflight found problems; nothing was rehearsed (--no-preflight skips the checks)\n"
+        raise HpcDdpError("preflight found problems; nothing was rehearsed (--no-preflight skips "
+                          "the checks)\n"
                           + "\n".join(map(str, errors)), key=errors[0].key)
 
 
 def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resume: bool = False,
               again: str = "", fail_at: list[tuple[int, int | None]] | None = None,
               freeze_at: list[tuple[int, int | None]] | None = None) -> int:
-    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C). The submit
-    command runs :func:`check_program` on every config before the first rehearsal starts."""
+    """Rehearse ``cfg`` here; ``again`` is the command that continues it (shown after Ctrl-C). The
+    submit command runs :func:`check_program` on every config before the first rehearsal starts."""
     from hpc_ddp.core.codes import EXIT_INTERRUPTED
     from hpc_ddp.rehearsal.local import rehearse
     from hpc_ddp.core.stopping import signal_number
@@ -50,33 +51,40 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     check_free(cfg, resume)
     config_path = write_config(cfg, resume)
     job_id = int(time.time()) % 10**6
-    write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(), "pid": os.getpid()})
+    write_job(run_dir, {"job_id": job_id, "local": True, "host": socket.gethostname(),
+                        "pid": os.getpid()})
     counts = node_counts(cfg.slurm.nodes)
     nodes = counts[-1]  # a range: as many nodes as Slurm could grant on an idle cluster
     print(f"rehearsing {cfg.name} as {shape(nodes, cfg.slurm.tasks_per_node)} on this machine"
-          + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N continues at "
+          + (f" (slurm.nodes={slurm_nodes(cfg.slurm.nodes)}: the most; --resume slurm.nodes=N "
+             "continues at "
              "another count)" if len(counts) > 1 else "") + f"; run dir {run_dir}"
           + (f"; outside slurm.container ({cfg.slurm.container.runtime}: on the cluster only)"
              if cfg.slurm.container.runtime else ""), flush=True)
     try:
         code = rehearse(config_path, run_dir, nodes, cfg.slurm.tasks_per_node, job_id=job_id,
-                        preempt_at=preempt_at, timeout_at=timeout_at, warning_signal=signal_number(cfg.slurm.signal),
+                        preempt_at=preempt_at, timeout_at=timeout_at,
+                        warning_signal=signal_number(cfg.slurm.signal),
                         fail_at=fail_at or [], freeze_at=freeze_at or [])
-        code = 128 - code if code < 0 else code  # a rank killed by a signal: as a shell reports it (-9 -> 137)
+        # a rank killed by a signal: as a shell reports it (-9 -> 137)
+        code = 128 - code if code < 0 else code
     except KeyboardInterrupt:  # between attempts: the ranks are gone already
         code = EXIT_INTERRUPTED
     if code == EXIT_INTERRUPTED:
         steps = [] if cfg.train.script else committed_steps(run_dir)
-        kept = ("the script was ended (hpc_ddp commits no snapshot of a train.script: it goes on from its own "
+        kept = ("the script was ended (hpc_ddp commits no snapshot of a train.script: it goes on "
+                "from its own "
                 "checkpoint, if it saves one)" if cfg.train.script else
                 f"snapshot of step {steps[0]} committed" if steps else "no snapshot committed yet")
-        print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}", flush=True)
+        print(f"interrupted: {kept}; continue with:\n  {again or 'the same command with --resume'}",
+              flush=True)
         return code
     ignored = _ignored_stop(run_dir, job_id)
     if code == 0 and ignored:
         code = 1  # a rehearsal that would lose the run on the cluster has not passed
     metrics = layout.metrics(run_dir)
-    print(f"{_outcome(run_dir, code, ignored)}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+    print(f"{_outcome(run_dir, code, ignored)}: "
+          + (f"metrics in {metrics}, " if metrics.exists() else "")
           + f"logs in {run_dir / 'logs'}", flush=True)
     return code
 
@@ -93,7 +101,8 @@ def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) ->
     if ignored:
         note = str(ignored.get("note", ""))
         why = note if note.startswith("the script") else "the loop never called run.boundary(step)"
-        return (f"FAILED: {ignored['stop_ignored']} was sent but never acted on (attempt {ignored['restart_count']}): "
+        return (f"FAILED: {ignored['stop_ignored']} was sent but never acted on (attempt "
+                f"{ignored['restart_count']}): "
                 f"{why}; on a cluster this job is killed with nothing saved")
     if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
         return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
@@ -107,4 +116,5 @@ def _ignored_stop(run_dir: Path, job_id: int | None) -> dict[str, Any] | None:
     """This rehearsal's attempt whose loop got a stop signal and never acted on it, if any."""
     from hpc_ddp.rundir.ledger import read_attempts
 
-    return next((a for a in read_attempts(run_dir) if a.get("stop_ignored") and a.get("job_id") == job_id), None)
+    return next((a for a in read_attempts(run_dir) if a.get("stop_ignored")
+                 and a.get("job_id") == job_id), None)

@@ -18,8 +18,8 @@ from hpc_ddp.login.profiles import load_with_profile, recorded_profile
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
-    """Config files (``*.yaml``/``*.yml``, or a run dir: its config.yaml) and ``key=value`` overrides, each in
-    the given order."""
+    """Config files (``*.yaml``/``*.yml``, or a run dir: its config.yaml) and ``key=value``
+    overrides, each in the given order."""
     def as_path(item: str) -> str | None:
         if "=" in item:
             return None
@@ -33,26 +33,33 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str = "",
             resume: bool = False) -> RunConfig:
-    """The run's config. With ``resume``, the run's own config.yaml (its earlier overrides included) with
-    only this command line's ``overrides`` on top: the CONFIG file serves to find the run dir."""
+    """The run's config. With ``resume``, the run's own config.yaml (its earlier overrides included)
+    with only this command line's ``overrides`` on top: the CONFIG file serves to find the run
+    dir."""
     profiles = Profiles.from_environ(os.environ)
     cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
     run_dir = Path(cfg.run_dir).expanduser().resolve()  # workers may start elsewhere
     absolute = str(run_dir / label if label else run_dir)
-    if absolute != cfg.run_dir:  # a ${run_dir} in another key (train.args) means this absolute dir too, at submit
-        overrides = [*overrides, f"run_dir={absolute}"]  # as at --resume (the run's config.yaml holds it)
+    # a ${run_dir} in another key (train.args) means this absolute dir too, at submit
+    if absolute != cfg.run_dir:
+        # as at --resume (the run's config.yaml holds it)
+        overrides = [*overrides, f"run_dir={absolute}"]
         cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
     cfg.run_dir = absolute
     saved = layout.config(cfg.run_dir)
     if resume and saved.is_file():
         named = {item.split("=", 1)[0].lstrip("+~") for item in overrides} - {"profile"}
-        try:  # the run's config holds its profile's values: a profile named now is compared, not merged
-            own = load_config([saved], [o for o in overrides if not o.startswith(("run_dir=", "profile="))])
+        # the run's config holds its profile's values: a profile named now is compared, not merged
+        try:
+            own = load_config([saved], [o for o in overrides
+                                        if not o.startswith(("run_dir=", "profile="))])
         except HpcDdpError as err:
-            raise HpcDdpError(f"--resume reads the run's own config, {saved}, and it cannot be used: {err}",
+            raise HpcDdpError(f"--resume reads the run's own config, {saved}, and it cannot be "
+                              f"used: {err}",
                               key="run_dir") from None
         cfg = recorded_profile(cfg, own, paths, overrides, profiles)
-        _note_file_differences(paths + ([f"profile {cfg.profile}"] if cfg.profile else []), flat_values(cfg),
+        _note_file_differences(paths + ([f"profile {cfg.profile}"] if cfg.profile else []),
+                               flat_values(cfg),
                                flat_values(own), named)
         own.run_dir = cfg.run_dir
         return own
@@ -61,16 +68,20 @@ def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str
 
 def _note_file_differences(paths: list[str], from_file: dict[str, Any], own: dict[str, Any],
                            named: set[str]) -> None:
-    """Say which keys the CONFIG file now sets otherwise than the run: --resume keeps the run's values."""
+    """Say which keys the CONFIG file now sets otherwise than the run: --resume keeps the run's
+    values."""
     ignored = [d for d in config_diff(own, from_file) if d[0] not in named and d[0] != "run_dir"]
     if ignored and paths:
-        print(f"--resume continues the run with its own config; {', '.join(map(str, paths))} differs in "
-              f"{describe_diff(ignored)}, which is not applied (name a key on the command line to change it)",
+        print(f"--resume continues the run with its own config; {', '.join(map(str, paths))} "
+              "differs in "
+              f"{describe_diff(ignored)}, which is not applied (name a key on the command line to "
+              "change it)",
               flush=True)
 
 
 def resolve_all(items: list[str], multirun: bool, resume: bool = False) -> list[RunConfig]:
-    """The run's config, or with ``multirun`` one config per combination (each in RUN_DIR/<label>)."""
+    """The run's config, or with ``multirun`` one config per combination (each in
+    RUN_DIR/<label>)."""
     paths, overrides = split_items(items)
     if not multirun:
         return [resolve(paths, overrides, resume=resume)]

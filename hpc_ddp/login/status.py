@@ -1,14 +1,15 @@
 """``python -m hpc_ddp.status RUN_DIR``: where a run stands, from its files and Slurm.
 
-Job state (squeue, else sacct), the attempts ledger as a table, progress with an
-ETA, the newest committed snapshot, the timeline of the last heal or requeue (:mod:`hpc_ddp.core.timeline`),
-and the last error lines of the log that says why when the run is not going well (the first rank's own exception, not a survivor's view of
-it: :mod:`hpc_ddp.login.failure_logs`). ``--json`` prints the same as one object; ``--plot
-loss.png`` draws the loss curve and every other logged metric (matplotlib, the ``plot`` extra). A directory of
-run dirs (``runs/``) is shown as one line per run; ``--follow`` refreshes until the runs end. The exit code says
-how the run stands (:data:`hpc_ddp.core.codes.STATUS_OK` and after: 0 pending, running or finished; 1 failed;
-3 stopped, --resume continues it; 4 unknown; 2 not a run dir). No torch.
-Also installed as the console script ``hpc-ddp-status``.
+Job state (squeue, else sacct), the attempts ledger as a table, progress with an ETA, the newest
+committed snapshot, the timeline of the last heal or requeue (:mod:`hpc_ddp.core.timeline`), and the
+last error lines of the log that says why when the run is not going well (the first rank's own
+exception, not a survivor's view of it: :mod:`hpc_ddp.login.failure_logs`). ``--json`` prints the
+same as one object; ``--plot loss.png`` draws the loss curve and every other logged metric
+(matplotlib, the ``plot`` extra). A directory of run dirs (``runs/``) is shown as one line per run;
+``--follow`` refreshes until the runs end. The exit code says how the run stands
+(:data:`hpc_ddp.core.codes.STATUS_OK` and after: 0 pending, running or finished; 1 failed; 3
+stopped, --resume continues it; 4 unknown; 2 not a run dir). No torch. Also installed as the console
+script ``hpc-ddp-status``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ time-outs or preemptions, a scancel: submit --resume continues it); 4 unknown (n
 
 
 def _shape(attempt: dict[str, Any], tasks_per_node: int | None = None) -> str:
-    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation. A failed attempt's line has no
-    world size (its ranks never reported): its hosts times the config's tasks per node; '-' when neither is known."""
+    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation. A failed
+    attempt's line has no world size (its ranks never reported): its hosts times the config's tasks
+    per node; '-' when neither is known."""
     world, nodes = attempt.get("world_size"), attempt.get("nodes")
     if not world:
         hosts = attempt.get("hosts")
@@ -64,8 +66,8 @@ def _shape(attempt: dict[str, Any], tasks_per_node: int | None = None) -> str:
 
 
 def done_line(done: dict[str, Any]) -> str:
-    """DONE.json in a line, whichever program wrote it: a loop or task (step, params_sha256) or a script (its
-    exit code, and no step: a script's steps are its own)."""
+    """DONE.json in a line, whichever program wrote it: a loop or task (step, params_sha256) or a
+    script (its exit code, and no step: a script's steps are its own)."""
     parts = [f"step {done['step']}"] if "step" in done else []
     if "script" in done:
         parts.append(f"script {done['script']} exited {done.get('exit_code', '?')}")
@@ -96,14 +98,16 @@ def _progress(info: dict[str, Any]) -> list[str]:
             line += f"; about {duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
         out.append(line)
     if info.get("logged"):
-        out.append("metrics " + "  ".join(f"{key} {_number(value)}" + ("" if step == progress.get("step") else
+        out.append("metrics " + "  ".join(f"{key} {_number(value)}"
+                                          + ("" if step == progress.get("step") else
                                                                       f" (step {step})")
                                           for key, (value, step) in info["logged"].items()))
     return out
 
 
 def render(info: dict[str, Any]) -> str:
-    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state {info['state'] or 'unknown'}"]
+    out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state "
+                                         f"{info['state'] or 'unknown'}"]
     if len(info.get("jobs") or []) > 1:
         out.append(chain_line(info["jobs"], info["state"]))
     if info.get("profile"):
@@ -115,18 +119,22 @@ def render(info: dict[str, Any]) -> str:
     out += _progress(info)
     if info["done"]:
         out.append(f"done    {done_line(info['done'])}")
-    out.append(f"snapshot newest committed step: {info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
+    out.append("snapshot newest committed step: "
+               f"{info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
     out.extend(network_line(info["attempts"]))
     if info["attempts"]:
         out.append("attempts:")
-        out.append("  #  job      restart  ended for        steps          geometry     resumed from")
+        out.append("  #  job      restart  ended for        steps          geometry     resumed "
+                   "from")
         for i, a in enumerate(info["attempts"]):
             first, last = a.get("first_step"), a.get("last_step")
             steps = "-" if last is None else f"{first or 0}->{last}"
             reason = a.get("reason", "?") + (" (cap)" if a.get("capped") else "")
-            if a.get("reason") in ("failed", "error", "hung") and not last and not info["progress"].get("step"):
+            if a.get("reason") in ("failed", "error",
+                                   "hung") and not last and not info["progress"].get("step"):
                 steps = "before step 1"
-            restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job") else "")
+            restart = f"{a.get('restart_count', '-')}" + (f"+{a['in_job']}" if a.get("in_job")
+                                                          else "")
             out.append(f"  {i:<2} {str(a.get('job_id')):<8} {restart:<8} {reason:<16} "
                        f"{steps:<14} {_shape(a, info.get('tasks_per_node')):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-':<12} "
@@ -136,12 +144,14 @@ def render(info: dict[str, Any]) -> str:
     notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
               if isinstance(a.get("stopped_mid_step"), dict)]
     notes += list(info.get("hangs", {}).items())
-    notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items() if "lost" in entry]
+    notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items()
+              if "lost" in entry]
     notes.sort(key=lambda item: item[0])
     if notes:
         out.append("notes:")
         out.extend(f"  #{i}: {note}" for i, note in notes)
-    last = last_timeline(info["attempts"])  # the newest heal's or requeue's, phase by phase (core/timeline.py)
+    # the newest heal's or requeue's, phase by phase (core/timeline.py)
+    last = last_timeline(info["attempts"])
     if last is not None:
         out.extend(timeline_lines(last[1], last[0]))
     if info.get("last_errors"):
@@ -151,7 +161,8 @@ def render(info: dict[str, Any]) -> str:
 
 
 def compile_note(record: Any) -> str:
-    """An attempt's ledger ``compile`` field, short: 'compile miss 59.1 s, 2 graph(s)'; '' for none."""
+    """An attempt's ledger ``compile`` field, short: 'compile miss 59.1 s, 2 graph(s)'; '' for
+    none."""
     if not isinstance(record, dict) or not record.get("cache"):
         return ""
     seconds = f" {float(record['s']):.1f} s" if isinstance(record.get("s"), (int, float)) else ""
@@ -160,7 +171,8 @@ def compile_note(record: Any) -> str:
 
 
 def network_line(attempts: list[dict[str, Any]]) -> list[str]:
-    """'network NCCL IB (...) between nodes, attempt #3': what the newest NCCL attempt across nodes used."""
+    """'network NCCL IB (...) between nodes, attempt #3': what the newest NCCL attempt across nodes
+    used."""
     found = next(((i, a["nccl_net"]) for i, a in reversed(list(enumerate(attempts)))
                   if isinstance(a.get("nccl_net"), dict) and a["nccl_net"].get("network")), None)
     if found is None:
@@ -175,11 +187,14 @@ def _number(value: Any) -> str:
 
 
 def chain_line(jobs: list[str], state: str | None) -> str:
-    """The jobs of a run that chained its own successors (Slurm refused requeue): one run, several job ids."""
+    """The jobs of a run that chained its own successors (Slurm refused requeue): one run, several
+    job ids."""
     last = jobs[-1]
-    end = "" if state in ("FINISHED", None) or str(state).split()[0] in ("COMPLETED", "FAILED", "CANCELLED") else (
+    end = "" if state in ("FINISHED", None) or str(state).split()[0] in ("COMPLETED", "FAILED",
+                                                                         "CANCELLED") else (
         f"; scancel {last} ends the chain")
-    return (f"jobs    {' -> '.join(jobs)}  (a chain: each job submitted the next with --dependency=afterany, "
+    return (f"jobs    {' -> '.join(jobs)}  (a chain: each job submitted the next with "
+            "--dependency=afterany, "
             f"as Slurm refuses requeue here{end})")
 
 
@@ -189,21 +204,25 @@ def lost_note(entry: dict[str, Any]) -> str:
     why = entry.get("why") or ""
     return (f"lost {entry['lost']} step(s): got to step {entry['last_step']}, "
             f"{'will resume' if entry['pending'] else 'resumed'} from {start}"
-            + (f"; no survivors' snapshot: {why[:200]}{'...' if len(why) > 200 else ''}" if why else ""))
+            + (f"; no survivors' snapshot: {why[:200]}{'...' if len(why) > 200 else ''}" if why
+               else ""))
 
 
 def broken_stop_note(entry: dict[str, Any]) -> str:
-    """One line on a stop whose last step broke (rank/stop/broken_step.py): what broke it and what it cost."""
+    """One line on a stop whose last step broke (rank/stop/broken_step.py): what broke it and what
+    it cost."""
     held, saved = entry.get("held"), entry.get("snapshot")
     cost = ("kept the step every rank held" if held is not None and saved == held else
             f"resumes from {'step ' + str(saved) if saved is not None else 'the start'}"
-            + (f" ({held - saved} step(s) lost)" if isinstance(held, int) and isinstance(saved, int) else ""))
+            + (f" ({held - saved} step(s) lost)" if isinstance(held, int) and isinstance(saved, int)
+               else ""))
     fix = "; give each DataLoader worker_init_fn=hpc_ddp.worker_init()" if entry.get("child_killed") else ""
     return f"the stop signal broke a step ({entry.get('error')}): {cost}{fix}"
 
 
 def healed_note(attempt: dict[str, Any]) -> str:
-    """One line on an in-job restart: after what, how, on which nodes, and what was left out and why."""
+    """One line on an in-job restart: after what, how, on which nodes, and what was left out and
+    why."""
     healed = attempt["healed"]
     left_out = "; ".join(f"{node}: {why}" for node, why in (healed.get("excluded") or {}).items())
     return (f"in-job restart {attempt.get('in_job')} after a {healed.get('after')} step on "
@@ -212,12 +231,16 @@ def healed_note(attempt: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=for_help(__doc__), epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.status", description=for_help(__doc__),
+                                     epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_version(parser)
-    parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit), or a directory of them")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (a list for a directory of runs)")
-    parser.add_argument("--plot", type=Path, metavar="PNG", help="also write the loss curve to this image")
+    parser.add_argument("run_dir", type=Path, help="the run directory (printed by submit), or a "
+                                                   "directory of them")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (a list for a "
+                                                            "directory of runs)")
+    parser.add_argument("--plot", type=Path, metavar="PNG",
+                        help="also write the loss curve to this image")
     parser.add_argument("--follow", action="store_true",
                         help="refresh every --every seconds until the run, or every run, has ended")
     parser.add_argument("--every", type=float, default=30.0, metavar="SECONDS",
@@ -226,25 +249,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _refusal(args: argparse.Namespace, runs: list[Path]) -> str | None:
-    """Why these arguments show nothing: not a run dir (nor a directory of them), or --plot of several runs."""
+    """Why these arguments show nothing: not a run dir (nor a directory of them), or --plot of
+    several runs."""
     if not runs:
         found = "does not exist)" if not args.run_dir.exists() else f"has no {layout.CONFIG}), nor holds one"
-        return (f"{args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that submit printed, "
+        return (f"{args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that "
+                "submit printed, "
                 "e.g. runs/NAME, or the directory that holds your runs, e.g. runs/")
     if args.plot and runs != [args.run_dir]:
-        return (f"--plot draws one run; {args.run_dir} holds {len(runs)}.\nHINT: pass one of them, e.g. "
+        return (f"--plot draws one run; {args.run_dir} holds {len(runs)}.\nHINT: pass one of them, "
+                "e.g. "
                 f"python -m hpc_ddp.status {runs[0]} --plot {args.plot}")
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``status``'s entry point. Its output piped into a reader that closes early (``status RUN | head``) ends
-    it quietly, as the shell tools do: Python ignores SIGPIPE, so the write raises BrokenPipeError instead."""
+    """``status``'s entry point. Its output piped into a reader that closes early (``status RUN |
+    head``) ends it quietly, as the shell tools do: Python ignores SIGPIPE, so the write raises
+    BrokenPipeError instead."""
     try:
         code = _main(argv)
-        sys.stdout.flush()  # here, not at the interpreter's exit, where the error would print unhandled
+        # here, not at the interpreter's exit, where the error would print unhandled
+        sys.stdout.flush()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the idiom of Python's signal docs
+        # the idiom of Python's signal docs
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE
     return code
 

@@ -1,6 +1,6 @@
 """What ``status`` knows of a run, read from its run dir (ledger, metrics, DONE.json, hang dumps,
-config) and, for a live job, from Slurm: one dict that :func:`hpc_ddp.login.status.render` turns into
-text. No torch.
+config) and, for a live job, from Slurm: one dict that :func:`hpc_ddp.login.status.render` turns
+into text. No torch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _slurm_state(job_id: str) -> str | None:
     state = job_state(job_id)
     if state or not shutil.which("sacct"):
         return state
-    proc = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True,
+    proc = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True,
+                          text=True,
                           timeout=30)
     lines = proc.stdout.split()
     return lines[-1] if proc.returncode == 0 and lines else None
@@ -37,7 +38,8 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-STOPS = ("timeout", "preemption", "requeued", "interrupted", "cancelled")  # a ledger's reasons that --resume continues
+# a ledger's reasons that --resume continues
+STOPS = ("timeout", "preemption", "requeued", "interrupted", "cancelled")
 
 
 def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
@@ -55,14 +57,17 @@ def local_state(attempts: list[dict[str, Any]], done: bool, alive: bool) -> str:
     return "FAILED (local)"
 
 
-ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
-          "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED")  # Slurm's STOPPED: SIGSTOPped, still holds its nodes
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+          "REQUEUE_FED", "RESIZING",
+          # Slurm's STOPPED: SIGSTOPped, still holds its nodes
+          "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED")
 
 
 def verdict(state: str | None, done: bool, attempts: list[dict[str, Any]]) -> str:
-    """"active", "finished", "failed", "stopped" (short of its end; --resume continues it) or "unknown": what
-    status's exit code says (:data:`hpc_ddp.core.codes.STATUS_OK` and after). Slurm's state first; where the job
-    is gone, the ledger's last attempt (a job that COMPLETED without DONE.json ended as its last attempt did)."""
+    """"active", "finished", "failed", "stopped" (short of its end; --resume continues it) or
+    "unknown": what status's exit code says (:data:`hpc_ddp.core.codes.STATUS_OK` and after).
+    Slurm's state first; where the job is gone, the ledger's last attempt (a job that COMPLETED
+    without DONE.json ended as its last attempt did)."""
     if done:
         return "finished"
     word = state.split()[0].rstrip("+") if state and state.split() else ""
@@ -74,15 +79,18 @@ def verdict(state: str | None, done: bool, attempts: list[dict[str, Any]]) -> st
         return "stopped"
     last = attempts[-1].get("reason") if attempts else None
     if last is None:
-        return "failed" if word in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "TIMEOUT", "PREEMPTED",
+        return "failed" if word in ("FAILED", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "TIMEOUT",
+                                    "PREEMPTED",
                                     "DEADLINE") else "unknown"  # ended without an attempt line
     return "stopped" if last in STOPS else "failed"
 
 
-def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_steps: int | None, running: bool,
+def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_steps: int | None,
+           running: bool,
            now: float, started: float | None = None) -> dict[str, Any]:
-    """Time used over all attempts (the running one from ``started``, its lock's time, start-up included; else
-    from its first metric), how many attempts that is, the recent steps/s and, with max_steps, the ETA."""
+    """Time used over all attempts (the running one from ``started``, its lock's time, start-up
+    included; else from its first metric), how many attempts that is, the recent steps/s and, with
+    max_steps, the ETA."""
     ended = sum(a["end"] - a["start"] for a in attempts if isinstance(a.get("start"), (int, float))
                 and isinstance(a.get("end"), (int, float)))
     since = attempts[-1].get("end", 0) if attempts else 0
@@ -91,7 +99,8 @@ def timing(metrics: list[dict[str, Any]], attempts: list[dict[str, Any]], max_st
         current[0]["time"] if current else None)
     out: dict[str, Any] = {"time_used_s": round(ended + (now - begun if running and begun else 0)),
                            "attempts": len(attempts) + int(running)}
-    untimed = sum(1 for a in attempts if not isinstance(a.get("start"), (int, float)))  # an older batch shell's
+    # an older batch shell's
+    untimed = sum(1 for a in attempts if not isinstance(a.get("start"), (int, float)))
     if untimed:  # lines had none: said, so that the sum is not taken for the whole
         out["untimed"] = untimed
     recent = current[-20:] if running else []
@@ -114,8 +123,10 @@ def collect(run_dir: Path) -> dict[str, Any]:
     from hpc_ddp.rundir import snapshot_steps  # manifests only: no torch
 
     job = _read_json(layout.job(run_dir)) or {}
-    metrics = metrics_file.read(run_dir)  # one record per step: a resumed attempt's values replace replays
-    metrics = metrics or script_progress.points(run_dir)  # a train.script's steps, as rank 0's worker read them
+    # one record per step: a resumed attempt's values replace replays
+    metrics = metrics_file.read(run_dir)
+    # a train.script's steps, as rank 0's worker read them
+    metrics = metrics or script_progress.points(run_dir)
     done = _read_json(layout.done(run_dir))
     attempts = read_attempts(run_dir)
     job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)
@@ -131,33 +142,43 @@ def collect(run_dir: Path) -> dict[str, Any]:
     if metrics:
         last = metrics[-1]
         progress = {"step": last["step"], "loss": newest(metrics).get("loss", (None,))[0],
-                    "samples_per_s": last.get("samples_per_s"), **({"max_steps": max_steps} if max_steps else {})}
+                    "samples_per_s": last.get("samples_per_s"),
+                    **({"max_steps": max_steps} if max_steps else {})}
     running = bool(state) and str(state).startswith("RUNNING") and not done
     lock = _read_json(layout.lock(run_dir)) or {}
     progress.update(timing(metrics, attempts, max_steps, running, time.time(), lock.get("since")))
     steps = snapshot_steps.committed_steps(run_dir)
-    result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done, "progress": progress,
-              "attempts": attempts, "newest_snapshot": steps[0] if steps else None, "hangs": _hangs(run_dir, attempts),
-              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()},  # by attempt (JSON keys)
-              "jobs": chain_jobs(attempts, job_id or None) if any(a.get("next_job") for a in attempts) else []}
+    result = {"run_dir": str(run_dir), "job_id": job_id, "state": state, "done": done,
+              "progress": progress,
+              "attempts": attempts, "newest_snapshot": steps[0] if steps else None,
+              "hangs": _hangs(run_dir, attempts),
+              # by attempt (JSON keys)
+              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()},
+              "jobs": chain_jobs(attempts, job_id or None)
+              if any(a.get("next_job") for a in attempts) else []}
     result["profile"] = (cfg.profile or None) if cfg is not None else None
-    result["tasks_per_node"] = None if cfg is None else cfg.slurm.tasks_per_node  # a failed attempt's geometry
+    # a failed attempt's geometry
+    result["tasks_per_node"] = None if cfg is None else cfg.slurm.tasks_per_node
     result["logged"] = {key: value for key, value in newest(metrics).items() if key not in SHOWN}
     result["verdict"] = verdict(state, bool(done), attempts)
     if state and state.startswith("PENDING") and not job.get("local"):
         from hpc_ddp.login.partition import pending_reason
 
         result["pending_reason"] = pending_reason(job_id)
-    if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY",
+    if not done and (state is None or state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT",
+                                                           "OUT_OF_MEMORY",
                                                            "NODE_FAIL")):
-        # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in RUN_DIR/slurm
-        result["last_errors"] = last_errors(run_dir, Path(job.get("logs") or layout.slurm_logs(run_dir)))
+        # a job array's logs are in the sweep's slurm/ (job.json says where), one run's in
+        # RUN_DIR/slurm
+        result["last_errors"] = last_errors(run_dir,
+                                            Path(job.get("logs") or layout.slurm_logs(run_dir)))
     return result
 
 
 def _hangs(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[int, str]:
-    """A note per hung attempt whose ranks dumped their flight record: where the dumps are, and which
-    collective the ranks waited in and who never reached it (:func:`hpc_ddp.rundir.flight.summarize`)."""
+    """A note per hung attempt whose ranks dumped their flight record: where the dumps are, and
+    which collective the ranks waited in and who never reached it
+    (:func:`hpc_ddp.rundir.flight.summarize`)."""
     from hpc_ddp.rundir import flight  # no torch at import
 
     notes = {}
@@ -169,16 +190,20 @@ def _hangs(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[int, str]:
             world = attempt.get("world_size")
             missing = [r for r in range(world) if r not in dumps] if isinstance(world, int) else []
             if missing:  # e.g. a rank whose connection broke when a peer's watchdog ended it first
-                lines.append(f"no dump from ranks {','.join(map(str, missing))}: they ended before their watchdog "
+                lines.append(f"no dump from ranks {','.join(map(str, missing))}: they ended before "
+                             "their watchdog "
                              "fired (their logs say why)")
-            notes[i] = (f"hung; the collectives of ranks {','.join(map(str, sorted(dumps)))} are in "
-                        f"{attempt['collectives']}*.json" + "".join(f"\n      {line}" for line in lines))
+            notes[i] = (f"hung; the collectives of ranks {','.join(map(str, sorted(dumps)))} are "
+                        "in "
+                        f"{attempt['collectives']}*.json"
+                        + "".join(f"\n      {line}" for line in lines))
     return notes
 
 
 def _ledger_job(run_dir: Path, attempts: list[dict[str, Any]]) -> str | None:
     """The newest attempt's job id for a job submitted by hand with an emitted script (no job.json;
-    its log dir RUN_DIR/slurm exists). Local rehearsals have neither, and their ids are not Slurm's."""
+    its log dir RUN_DIR/slurm exists). Local rehearsals have neither, and their ids are not
+    Slurm's."""
     if not layout.slurm_logs(run_dir).is_dir():
         return None
     return next((str(a["job_id"]) for a in reversed(attempts) if a.get("job_id") is not None), None)
@@ -194,11 +219,13 @@ def read_config(run_dir: Path) -> Any:
         return None
 
 
-SHOWN = ("step", "time", "loss", "samples_per_s", "max_steps")  # on status's step line, or not a metric
+# on status's step line, or not a metric
+SHOWN = ("step", "time", "loss", "samples_per_s", "max_steps")
 
 
 def newest(metrics: list[dict[str, Any]]) -> dict[str, tuple[Any, int]]:
-    """Every key the run logged (``run.log_metrics(step, val_loss=...)``), with its newest value and that step."""
+    """Every key the run logged (``run.log_metrics(step, val_loss=...)``), with its newest value and
+    that step."""
     latest: dict[str, tuple[Any, int]] = {}
     for record in metrics:
         latest.update((key, (value, record["step"])) for key, value in record.items()
@@ -208,9 +235,9 @@ def newest(metrics: list[dict[str, Any]]) -> dict[str, tuple[Any, int]]:
 
 def total_steps(cfg: Any, metrics: list[dict[str, Any]]) -> int | None:
     """The run's last step, where it is known: what the loop logged as ``max_steps``
-    (``run.log_metrics(step, loss=..., max_steps=N)``); else the config's train.max_steps, which the Trainer
-    obeys. An own loop or script decides its own end: its train.max_steps is shown only while the run has not
-    passed it (a loop with its own count would read ``step 1500/100``)."""
+    (``run.log_metrics(step, loss=..., max_steps=N)``); else the config's train.max_steps, which the
+    Trainer obeys. An own loop or script decides its own end: its train.max_steps is shown only
+    while the run has not passed it (a loop with its own count would read ``step 1500/100``)."""
     logged = newest(metrics).get("max_steps", (None,))[0]
     if isinstance(logged, int) and not isinstance(logged, bool) and logged > 0:
         return logged

@@ -58,7 +58,8 @@ Also installed as the console script `hpc-ddp-submit`.
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with the override to type for an sbatch or torchrun flag given as ours (``--nodes=2``)."""
+    """argparse, with the override to type for an sbatch or torchrun flag given as ours
+    (``--nodes=2``)."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         from hpc_ddp.core.config_hints import flag_hint
@@ -70,7 +71,8 @@ class _Parser(argparse.ArgumentParser):
                 hint = flag_hint(f"{arg}={after}" if spaced else arg)  # -t 2:00:00 as -t=2:00:00
                 hints += [hint.replace(f"{arg}={after} ->", f"{arg} {after} ->")] if hint else []
             if hints:
-                message += ("\nHINT: hpc_ddp takes Slurm's settings as config keys, not sbatch flags: "
+                message += ("\nHINT: hpc_ddp takes Slurm's settings as config keys, not sbatch "
+                            "flags: "
                             + "; ".join(hints) + " (docs/config.md; any other sbatch option: "
                             "slurm.sbatch_extra.OPTION=VALUE)")
         super().error(message)
@@ -83,39 +85,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("items", nargs="+", metavar="CONFIG.yaml | KEY=VALUE",
                         help="config files, then overrides such as train.lr=0.01")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with gloo")
-    mode.add_argument("--dry-run", action="store_true", help="show every rank's derived environment; run nothing")
+    mode.add_argument("--local", action="store_true", help="rehearse the job on this machine with "
+                                                           "gloo")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="show every rank's derived environment; run nothing")
     mode.add_argument("--emit-sbatch", type=Path, metavar="PATH",
-                      help="write a standalone sbatch script for this config (from slurm/ddp.sbatch, or "
-                      "slurm/ddp_torchrun.sbatch with --launcher torchrun); submit it yourself with `sbatch PATH`")
+                      help="write a standalone sbatch script for this config (from "
+                           "slurm/ddp.sbatch, or "
+                      "slurm/ddp_torchrun.sbatch with --launcher torchrun); submit it yourself "
+                      "with `sbatch PATH`")
     parser.add_argument("--launcher", choices=sorted(LAUNCHERS), default="srun",
-                        help="with --emit-sbatch: srun starts every worker (default), or one torchrun per node")
+                        help="with --emit-sbatch: srun starts every worker (default), or one "
+                             "torchrun per node")
     parser.add_argument("--multirun", action="store_true",
                         help="KEY=V1,V2 overrides sweep: one job array, one run dir per combination")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in RUN_DIR from its newest snapshot (a new job; with --local, a "
-                        "new rehearsal), with the run's own config.yaml and only the KEY=VALUE given now on top; "
+                        help="continue the run in RUN_DIR from its newest snapshot (a new job; "
+                             "with --local, a "
+                        "new rehearsal), with the run's own config.yaml and only the KEY=VALUE "
+                        "given now on top; "
                         "CONFIG may be the run dir")
     parser.add_argument("--profile", metavar="NAME",
-                        help="merge the cluster profile NAME (~/.config/hpc_ddp/profiles/NAME.yaml, under "
-                        "$XDG_CONFIG_HOME if set) under the config files and overrides; default: $HPC_DDP_PROFILE; "
+                        help="merge the cluster profile NAME "
+                             "(~/.config/hpc_ddp/profiles/NAME.yaml, under "
+                        "$XDG_CONFIG_HOME if set) under the config files and overrides; default: "
+                        "$HPC_DDP_PROFILE; "
                         "'none': no profile (python -m hpc_ddp.profiles list shows them)")
     parser.add_argument("--no-preflight", action="store_true",
-                        help="submit without the login-node checks (Slurm commands, partition, run dir, "
+                        help="submit without the login-node checks (Slurm commands, partition, run "
+                             "dir, "
                         "geometry, task module)")
     parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
-                        help="with --local: preempt (SIGTERM every rank) after these steps, e.g. 7,19 (0: before the "
+                        help="with --local: preempt (SIGTERM every rank) after these steps, e.g. "
+                             "7,19 (0: before the "
                         "first step)")
     parser.add_argument("--timeout-at", type=_steps, default=[], metavar="STEPS",
-                        help="with --local: send the time-out warning signal after these steps, e.g. 31")
+                        help="with --local: send the time-out warning signal after these steps, "
+                             "e.g. 31")
     parser.add_argument("--fail-at", type=_fail_at, default=[], metavar="STEP[:NODE],...",
-                        help="with --local: lose a simulated node (SIGKILL its ranks right after their step STEP), e.g. 30, "
-                        "30:0 or 30,60 (NODE: its index among the training nodes, from 0; default the last). The rehearsal "
-                        "heals as the batch shell would: a spare takes its place (slurm.spare_nodes), or the run "
-                        "goes on with fewer nodes (a slurm.nodes range); else the requeue path (slurm.max_failures)")
+                        help="with --local: lose a simulated node (SIGKILL its ranks right after "
+                             "their step STEP), e.g. 30, "
+                        "30:0 or 30,60 (NODE: its index among the training nodes, from 0; default "
+                        "the last). The rehearsal "
+                        "heals as the batch shell would: a spare takes its place "
+                        "(slurm.spare_nodes), or the run "
+                        "goes on with fewer nodes (a slurm.nodes range); else the requeue path "
+                        "(slurm.max_failures)")
     parser.add_argument("--freeze-at", type=_fail_at, default=[], metavar="STEP[:NODE],...",
-                        help="with --local: freeze a simulated node (SIGSTOP its ranks) after STEP, as --fail-at "
-                        "names it; nothing closes, so the rank watching it declares it lost after dist.liveness_s "
+                        help="with --local: freeze a simulated node (SIGSTOP its ranks) after "
+                             "STEP, as --fail-at "
+                        "names it; nothing closes, so the rank watching it declares it lost after "
+                        "dist.liveness_s "
                         "and the step ends (exit 6), healed like --fail-at")
     return parser
 
@@ -126,7 +146,8 @@ def _steps(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected step numbers like 7,19; found {text!r}") from None
     if any(s < 0 for s in steps):
-        raise argparse.ArgumentTypeError(f"steps are >= 0 (0: after start-up, before the first step); found {text!r}")
+        raise argparse.ArgumentTypeError("steps are >= 0 (0: after start-up, before the first "
+                                         f"step); found {text!r}")
     return steps
 
 
@@ -153,12 +174,14 @@ def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
 
         print(f"preflight: {requeue_path(cfg.slurm)}", file=sys.stderr)
     if errors:
-        raise HpcDdpError("preflight found problems; nothing was submitted (--no-preflight skips the checks)\n"
+        raise HpcDdpError("preflight found problems; nothing was submitted (--no-preflight skips "
+                          "the checks)\n"
                           + "\n".join(map(str, errors)), key=errors[0].key)
 
 
 def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
-    """One job (or a job array, one element per config) through submitit; job.json in each run dir."""
+    """One job (or a job array, one element per config) through submitit; job.json in each run
+    dir."""
     import submitit
 
     from hpc_ddp.login.finished import done_step, put_back
@@ -166,34 +189,44 @@ def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
 
     for cfg in cfgs:
         check_free(cfg, resume)
-    finished = {one.run_dir: done_step(Path(one.run_dir)) for one in cfgs}  # set aside by write_config on --resume
+    # set aside by write_config on --resume
+    finished = {one.run_dir: done_step(Path(one.run_dir)) for one in cfgs}
     paths = [str(write_config(cfg, resume)) for cfg in cfgs]
     cfg, array = cfgs[0], len(cfgs) > 1
     folder = log_folder(cfg, len(cfgs) if array else None)
     workdir = os.getcwd()  # the job runs here (sbatch's default); a container mounts it
-    executor = submitit.SlurmExecutor(folder=folder, python=submitit_python(cfg, sys.executable, workdir, array))
+    executor = submitit.SlurmExecutor(folder=folder,
+                                      python=submitit_python(cfg, sys.executable, workdir, array))
     executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable, workdir))
     try:
-        jobs = executor.map_array(job_main, paths) if array else [executor.submit(job_main, paths[0])]
+        jobs = executor.map_array(job_main,
+                                  paths) if array else [executor.submit(job_main, paths[0])]
     except submitit.core.utils.FailedJobError as err:  # sbatch said no: nothing is queued
         for run_dir, kept in finished.items():
             if kept is not None:
                 put_back(Path(run_dir), kept)
         lines = [line for line in str(err).splitlines() if line.strip()][:6]
-        raise HpcDdpError(explain("sbatch refused the job, so nothing was queued:\n  " + "\n  ".join(lines),
-                                  hint="fix what Slurm says above (partition, account, time limit, a cluster "
-                                  "this machine can reach); to rehearse on this machine instead, add --local"),
+        raise HpcDdpError(explain("sbatch refused the job, so nothing was queued:\n  "
+                                  + "\n  ".join(lines),
+                                  hint="fix what Slurm says above (partition, account, time limit, "
+                                       "a cluster "
+                                  "this machine can reach); to rehearse on this machine instead, "
+                                  "add --local"),
                           key="slurm") from None
     for job, one in zip(jobs, cfgs):
         write_job(Path(one.run_dir), {"job_id": job.job_id, "logs": str(folder)})
     first = jobs[0].job_id.split("_")[0]
     what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
-    print(f"submitted {what}: {cfg.name}, {shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
+    print(f"submitted {what}: {cfg.name}, "
+          f"{shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
     for job, one in zip(jobs, cfgs):
         err, out = (folder / f"{job.job_id}_0_log.{kind}" for kind in ("err", "out"))
-        print(f"{'  [' + job.job_id + ']' if array else ''}\n  {run_dir_words(one).replace('run dir', 'run dir ', 1)}\n  logs     {folder}: "
-              f"two per rank R, {job.job_id}_R_log.err (hpc_ddp's lines, your logging, tracebacks) and "
-              f"{job.job_id}_R_log.out (what the program prints)\n  watch    python -m hpc_ddp.status {one.run_dir}"
+        print(f"{'  [' + job.job_id + ']' if array else ''}\n  "
+              f"{run_dir_words(one).replace('run dir', 'run dir ', 1)}\n  logs     {folder}: "
+              f"two per rank R, {job.job_id}_R_log.err (hpc_ddp's lines, your logging, tracebacks) "
+              "and "
+              f"{job.job_id}_R_log.out (what the program prints)\n  watch    python -m "
+              f"hpc_ddp.status {one.run_dir}"
               f"\n  tail     tail -f {err} {out}")
     print(f"  cancel   scancel {first}")
     return 0
@@ -203,10 +236,14 @@ def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
     check_free(cfg, resume=True, earlier=False)  # a live run's config is never rewritten
     config_path = save_config(cfg, layout.config(cfg.run_dir))
     node_local.run_secret(cfg.run_dir)  # before any rank: it names the run's node-local folders
-    layout.slurm_logs(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # Slurm does not create --output's dir
-    workdir = os.getcwd()  # where train.task's module was found: the job runs there, wherever sbatch is called
-    path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher, workdir=workdir))
-    path.chmod(0o777 & ~current_umask())  # executable, but never more open than the umask lets a new file be
+    # Slurm does not create --output's dir
+    layout.slurm_logs(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    # where train.task's module was found: the job runs there, wherever sbatch is called
+    workdir = os.getcwd()
+    path.write_text(render(cfg, str(config_path), python=sys.executable, launcher=launcher,
+                           workdir=workdir))
+    # executable, but never more open than the umask lets a new file be
+    path.chmod(0o777 & ~current_umask())
     print(f"wrote {path} ({launcher} launcher) for run {cfg.name} (config {config_path}); "
           f"submit it from any directory with: sbatch {shlex.quote(str(path))}\n"
           f"  the job runs in {workdir} (its WORKDIR line), {found_from(cfg)}\n"
@@ -223,8 +260,10 @@ def current_umask() -> int:
 
 def _usage_error(args: argparse.Namespace) -> str | None:
     if (args.preempt_at or args.timeout_at or args.fail_at or args.freeze_at) and not args.local:
-        return ("--preempt-at, --timeout-at and --fail-at go with --local, as does --freeze-at. HINT: they rehearse "
-                "stops and failures on this machine; add --local (a job on the cluster gets its stops from Slurm)")
+        return ("--preempt-at, --timeout-at and --fail-at go with --local, as does --freeze-at. "
+                "HINT: they rehearse "
+                "stops and failures on this machine; add --local (a job on the cluster gets its "
+                "stops from Slurm)")
     if args.launcher != "srun" and not args.emit_sbatch:
         return "--launcher goes with --emit-sbatch (submit and --local start one worker per task)"
     if args.multirun and args.emit_sbatch:
@@ -235,7 +274,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # options may come between overrides
     if args.profile is not None:
-        args.items.append(f"profile={args.profile}")  # the key the run records; --resume's command keeps it
+        # the key the run records; --resume's command keeps it
+        args.items.append(f"profile={args.profile}")
     problem = _usage_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -247,12 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             from hpc_ddp.core.extras import require_extras
 
-            for cfg in cfgs:  # the Slurm path checks these in preflight; every point before any rehearsal starts
+            # the Slurm path checks these in preflight; every point before any rehearsal starts
+            for cfg in cfgs:
                 require_extras(cfg.metrics)
                 if not args.no_preflight:
-                    check_program(cfg)  # train.script's file: a missing one failed every rank with exit 2
+                    # train.script's file: a missing one failed every rank with exit 2
+                    check_program(cfg)
             again = resume_command(args.items, args.multirun)
-            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again, args.fail_at, args.freeze_at)
+            codes = [run_local(cfg, args.preempt_at, args.timeout_at, args.resume, again,
+                               args.fail_at, args.freeze_at)
                      for cfg in cfgs]
             return next((code for code in codes if code), 0)
         if not args.no_preflight:

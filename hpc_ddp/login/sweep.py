@@ -50,23 +50,28 @@ def split_top_level(value: str) -> list[str]:
 def _axis(override: str) -> tuple[str, list[str]]:
     key, sep, value = override.partition("=")
     if not sep:
-        raise ConfigError(explain(f"override {override!r} has no '='", expected="KEY=VALUE or KEY=V1,V2",
+        raise ConfigError(explain(f"override {override!r} has no '='",
+                                  expected="KEY=VALUE or KEY=V1,V2",
                                   hint="e.g. train.lr=0.1,0.01"), key=override)
     values = split_top_level(value)
     if len(values) > 1 and key.startswith(FIXED_PREFIXES):
         raise ConfigError(explain(f"--multirun cannot vary {key}", found=value,
-                                  expected="slurm.*, name and run_dir fixed across the sweep (one job array "
+                                  expected="slurm.*, name and run_dir fixed across the sweep (one "
+                                           "job array "
                                   "asks for one allocation shape; each run gets RUN_DIR/<label>)",
                                   hint="submit one sweep per Slurm setting"), key=key)
     if any(not v.strip() for v in values):
-        raise ConfigError(explain(f"{key} has an empty sweep value", found=value, expected="V1,V2,...",
+        raise ConfigError(explain(f"{key} has an empty sweep value", found=value,
+                                  expected="V1,V2,...",
                                   hint="remove the stray comma"), key=key)
     return key, values
 
 
 def label_of(pairs: list[tuple[str, str]]) -> str:
-    """A directory name for one combination: ``lr=0.1,seed=1`` (last key segment, unsafe chars -> _)."""
-    return ",".join(f"{key.rsplit('.', 1)[-1]}={re.sub(r'[^A-Za-z0-9._+-]', '_', value)}" for key, value in pairs)
+    """A directory name for one combination: ``lr=0.1,seed=1`` (last key segment, unsafe chars ->
+    _)."""
+    return ",".join(f"{key.rsplit('.', 1)[-1]}={re.sub(r'[^A-Za-z0-9._+-]', '_', value)}"
+                    for key, value in pairs)
 
 
 def expand(overrides: list[str]) -> list[Combination]:
@@ -78,9 +83,11 @@ def expand(overrides: list[str]) -> list[Combination]:
     axes = [_axis(o) for o in overrides]
     swept = [(key, values) for key, values in axes if len(values) > 1]
     if not swept:
-        raise ConfigError(explain("--multirun found nothing to sweep", found=" ".join(overrides) or "no overrides",
+        raise ConfigError(explain("--multirun found nothing to sweep", found=" ".join(overrides)
+                                  or "no overrides",
                                   expected="at least one KEY=V1,V2 override",
-                                  hint="e.g. --multirun train.lr=0.1,0.01; drop --multirun for a single run"),
+                                  hint="e.g. --multirun train.lr=0.1,0.01; drop --multirun for a "
+                                       "single run"),
                           key="--multirun")
     fixed = [o for o, (_, values) in zip(overrides, axes) if len(values) == 1]
     combos = []
@@ -89,7 +96,9 @@ def expand(overrides: list[str]) -> list[Combination]:
         combos.append(Combination(tuple(fixed + [f"{k}={v}" for k, v in pairs]), label_of(pairs)))
     labels = [c.label for c in combos]
     if len(set(labels)) != len(labels):
-        raise ConfigError(explain("two sweep values give the same run dir name", found=", ".join(labels),
-                                  expected="values that differ after replacing unsafe characters with _",
+        raise ConfigError(explain("two sweep values give the same run dir name",
+                                  found=", ".join(labels),
+                                  expected="values that differ after replacing unsafe characters "
+                                           "with _",
                                   hint="write the values differently"), key="--multirun")
     return combos

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from hpc_ddp.rank.loop.run import Run
 
 log = logging.getLogger("hpc_ddp.worker")
-# torch warns on import when numpy is absent (a bare torch install); keep every rank's log free of it
+# torch warns on import when numpy is absent (a bare torch install); keep every rank's log free of
+# it
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
@@ -67,22 +68,26 @@ def run(config_path: Path, environ: Mapping[str, str], flag: StopFlag | None = N
 
 
 def _record(env: DistEnv, run_dir: Path, err: HpcDdpError) -> None:
-    """A deterministic error goes into the ledger once (a requeue would fail the same way after another
-    wait in the queue); a lock refusal leaves the run, which belongs to another job, untouched."""
+    """A deterministic error goes into the ledger once (a requeue would fail the same way after
+    another wait in the queue); a lock refusal leaves the run, which belongs to another job,
+    untouched."""
     if isinstance(err, RunLockedError):
         return
     record = {**attempt_fields(env.job_id, env.restart_count, env.in_job), "rank": env.rank,
               "end": round(time.time(), 3)}
-    if err.retry_may_help:  # a failure (the batch shell settles, heals or requeues it): no `error` line, but
-        note_error(run_dir, record, str(err))  # the message, for the ranks still waiting at the rendezvous
+    # a failure (the batch shell settles, heals or requeues it): no `error` line, but
+    if err.retry_may_help:
+        # the message, for the ranks still waiting at the rendezvous
+        note_error(run_dir, record, str(err))
         return
     record_error(run_dir, record, str(err))
 
 
 def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: StopFlag,
              attempts: list[dict[str, Any]], limits: dict[str, int]) -> int:
-    """Open the run, hand it to the program (a Task's Trainer or a ``train.loop`` function), close it;
-    or, for ``train.script``, run the script as this task's program (:mod:`hpc_ddp.rank.script.wrapper`)."""
+    """Open the run, hand it to the program (a Task's Trainer or a ``train.loop`` function), close
+    it; or, for ``train.script``, run the script as this task's program
+    (:mod:`hpc_ddp.rank.script.wrapper`)."""
     from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.rank.attempt.session import beating, open_run
 
@@ -92,48 +97,55 @@ def _attempt(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str], flag: Sto
     if cfg.train.script:
         from hpc_ddp.rank.script.wrapper import run_script
 
-        with beating(attempt):  # the script's process group is its own: this worker beats for its rank
+        # the script's process group is its own: this worker beats for its rank
+        with beating(attempt):
             return run_script(attempt)
     program = _program(cfg)
     try:
         with open_run(attempt) as run:
             try:
                 program(run)
-            except (RuntimeError, ValueError) as err:  # a mistake of the program that torch reports as a failure
+            # a mistake of the program that torch reports as a failure
+            except (RuntimeError, ValueError) as err:
                 raise _explained(err) or err
-    except StoppedMidStep as stop:  # a stop signal broke the step: recorded as that stop (rank/stop/broken_step.py)
+    # a stop signal broke the step: recorded as that stop (rank/stop/broken_step.py)
+    except StoppedMidStep as stop:
         return stop.code
     assert attempt.code is not None
     return attempt.code
 
 
 def warn_writers(cfg: RunConfig) -> None:
-    """Rank 0, once per attempt: a run dir, slurm/ or compile_cache/ that others may write beyond run_dir_mode
-    (whoever can write it runs code as the run's owner: docs/security.md)."""
+    """Rank 0, once per attempt: a run dir, slurm/ or compile_cache/ that others may write beyond
+    run_dir_mode (whoever can write it runs code as the run's owner: docs/security.md)."""
     for what, fix in loose_folders(run_dir_folders(cfg.run_dir), cfg.run_dir_mode):
         log.warning("%s\nHINT: %s", what, fix)
 
 
 def _explained(err: Exception) -> HpcDdpError | None:
-    """A usage error for an error torch raises that only a program's own code causes (it fails the same way on every
-    retry, so it must not be retried under slurm.max_failures), or None."""
+    """A usage error for an error torch raises that only a program's own code causes (it fails the
+    same way on every retry, so it must not be retried under slurm.max_failures), or None."""
     from hpc_ddp.core.errors import UsageError, explain
     from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
 
     mismatch = mismatch_line(str(err).splitlines())
-    if mismatch is not None:  # torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL): the ranks called other collectives
+    # torch's own check (TORCH_DISTRIBUTED_DEBUG=DETAIL): the ranks called other collectives
+    if mismatch is not None:
         return UsageError(mismatch_message(mismatch))
     if "initialize the default process group twice" in str(err):
         return UsageError(explain(
-            "the loop called torch.distributed.init_process_group, but hpc_ddp has already started the process "
-            "group", hint="remove the init_process_group (and destroy_process_group) calls: the run's process group "
+            "the loop called torch.distributed.init_process_group, but hpc_ddp has already started "
+            "the process "
+            "group", hint="remove the init_process_group (and destroy_process_group) calls: the "
+                          "run's process group "
             "is up before the loop starts, on the backend dist.backend chose (docs/own-loop.md)"))
     return None
 
 
 def _program(cfg: RunConfig) -> Callable[[Any], Any]:
     """What trains: ``train.loop``'s function, or our Trainer for ``train.task``. Loaded before the
-    process group starts: an import error is reported at once, on every rank, without a rendezvous."""
+    process group starts: an import error is reported at once, on every rank, without a
+    rendezvous."""
     from hpc_ddp.rank.loop.task import load_loop, load_task
 
     if cfg.train.loop:
@@ -176,7 +188,8 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
 
     try:
         cfg, env, environ = prepared[:3]
-        attempt = Attempt(cfg, env, environ if wrapped else placed(cfg, env, environ), *prepared[3:], wrapped=wrapped)
+        attempt = Attempt(cfg, env, environ if wrapped else placed(cfg, env, environ),
+                          *prepared[3:], wrapped=wrapped)
         with open_run(attempt) as run:
             yield run
     except StoppedMidStep as stop:
@@ -189,23 +202,26 @@ def session(config: str | Path | None = None, overrides: Sequence[str] = ()) -> 
 
 
 def placed(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) -> Mapping[str, str]:
-    """This rank's CPUs, GPUs and network checked before its first collective (rank/attempt/placement.py); the
-    environment with the interface gloo and NCCL must use where the hostname is loopback in a multi-node job."""
+    """This rank's CPUs, GPUs and network checked before its first collective
+    (rank/attempt/placement.py); the environment with the interface gloo and NCCL must use where the
+    hostname is loopback in a multi-node job."""
     from hpc_ddp.rank.attempt.placement import check
 
     exports = check(cfg, env, environ)
     if not exports:
         return environ
-    os.environ.update(exports)  # gloo and NCCL read them from this process's environment; a script's child too
+    # gloo and NCCL read them from this process's environment; a script's child too
+    os.environ.update(exports)
     return {**environ, **exports}
 
 
 def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
-    """One task's attempt; its exit code. ``early``: the flag ``python -m hpc_ddp.worker`` installed before it
-    imported anything (:data:`hpc_ddp.core.stopping.EARLY_SIGNALS`)."""
+    """One task's attempt; its exit code. ``early``: the flag ``python -m hpc_ddp.worker`` installed
+    before it imported anything (:data:`hpc_ddp.core.stopping.EARLY_SIGNALS`)."""
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.worker", description=for_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example:\n  srun python -m hpc_ddp.worker --config runs/mlp/config.yaml")
+                                     epilog="example:\n  srun python -m hpc_ddp.worker --config "
+                                            "runs/mlp/config.yaml")
     add_version(parser)
     parser.add_argument("--config", required=True, type=Path, help="the run's resolved config.yaml")
     flag = early or StopFlag()
@@ -218,10 +234,13 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
         return EXIT_LOCKED
     except HpcDdpError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1 if err.retry_may_help else EXIT_ERROR  # 1: a failure, settled and capped by max_failures
+        # 1: a failure, settled and capped by max_failures
+        return 1 if err.retry_may_help else EXIT_ERROR
     except Exception as err:
-        if peer_lost(err):  # where this rank waited is no news; what the survivors wrote is in the log above
-            log.error("a peer rank was lost, so this rank's collective failed (%s: %s)", type(err).__name__,
+        # where this rank waited is no news; what the survivors wrote is in the log above
+        if peer_lost(err):
+            log.error("a peer rank was lost, so this rank's collective failed (%s: %s)",
+                      type(err).__name__,
                       first_line(err))
         else:
             log.exception("training failed")

@@ -30,18 +30,21 @@ from typing import IO, Any
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir import beats, jit_offers
 from hpc_ddp.rehearsal.local_report import attempt_code
-from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection, freeze_problem, injector,
+from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection,
+                                            freeze_problem, injector,
                                             node_ranks, signal_family, unfired)
 from hpc_ddp.core.codes import (DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR,
                                  PROGRESS_MARK)
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
-ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")  # where a rank's error starts
+# where a rank's error starts
+ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")
 
 POLL_S = 0.02
 GRACE_S = 3.0
-KILL_WAIT_S = 30.0  # Slurm's default KillWait: how long a survivor's just-in-time snapshot may take after SIGTERM
+# Slurm's default KillWait: how long a survivor's just-in-time snapshot may take after SIGTERM
+KILL_WAIT_S = 30.0
 
 
 def free_port() -> int:
@@ -54,16 +57,20 @@ def free_port() -> int:
 def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count: int, port: int,
                   base: Mapping[str, str], hosts: Sequence[str] | None = None,
                   cpus_per_task: int = 1) -> list[dict[str, str]]:
-    """The full environment of every simulated task. Each task gets ``slurm.cpus_per_task`` as srun gives it
-    (SLURM_CPUS_PER_TASK), so it runs as many intra-op threads as on the cluster (rank/attempt/session.py's threads):
-    another thread count sums in another order, and the rehearsal would not give the cluster's bits."""
-    return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+    """The full environment of every simulated task. Each task gets ``slurm.cpus_per_task`` as srun
+    gives it (SLURM_CPUS_PER_TASK), so it runs as many intra-op threads as on the cluster
+    (rank/attempt/session.py's threads): another thread count sums in another order, and the
+    rehearsal would not give the cluster's bits."""
+    return [{**base, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+             "PYTHONUNBUFFERED": "1",
              "SLURM_CPUS_PER_TASK": str(cpus_per_task), "HPC_DDP_LOCAL": "1"}
-            for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
+            for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id,
+                                           restart_count=restart_count,
                                            hosts=hosts)]
 
 
-def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_step: Callable[[int], None],
+def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str],
+         on_step: Callable[[int], None],
          progress: re.Pattern[str] | None = None, watch: dict[str, object] | None = None,
          quiet: threading.Event | None = None) -> None:
     """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
@@ -73,9 +80,9 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
     From rank 0's first error line on (``error: ...``, a traceback, an ERROR log record) its lines
     go to ``err``: errors reach stderr, and the launcher's summary need not print them again.
 
-    Once ``quiet`` is set (the launch returned while a process that outlived rank 0 still held its pipe),
-    lines go to the log only: ``stream`` and ``err`` may be closed by then (a test's captured output),
-    and a write to them would raise in this thread.
+    Once ``quiet`` is set (the launch returned while a process that outlived rank 0 still held its
+    pipe), lines go to the log only: ``stream`` and ``err`` may be closed by then (a test's captured
+    output), and a write to them would raise in this thread.
     """
     erring = False
     with open(log_path, "ab") as log:
@@ -88,7 +95,8 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
             if found:
                 on_step(int(found.group(1)))
             if watch is not None and text.strip():
-                watch["line"] = text.strip()  # rank 0's last line: says why an injected stop never fired
+                # rank 0's last line: says why an injected stop never fired
+                watch["line"] = text.strip()
             log.write(line)
             log.flush()
             erring = erring or bool(ERROR_LINE.match(text))
@@ -104,9 +112,10 @@ def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str], on_st
 
 def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = (),
          writing: Callable[[], bool] = lambda: False) -> None:
-    """SIGTERM every rank's process group, SIGKILL what is left after a grace period (up to srun's KillWait
-    while a survivor still writes its just-in-time snapshot: ``writing``); the ``frozen`` ranks' at once (a
-    stopped process never acts on SIGTERM; their scripts die with them: PR_SET_PDEATHSIG)."""
+    """SIGTERM every rank's process group, SIGKILL what is left after a grace period (up to srun's
+    KillWait while a survivor still writes its just-in-time snapshot: ``writing``); the ``frozen``
+    ranks' at once (a stopped process never acts on SIGTERM; their scripts die with them:
+    PR_SET_PDEATHSIG)."""
     for rank in frozen:
         if procs[rank].poll() is None:
             try:
@@ -142,24 +151,31 @@ def cpus_per_task(config_path: Path) -> int:
 
 
 def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
-           restart_count: int = 0, events: list[tuple[int, int]] | None = None, stream: IO[str] = sys.stdout,
-           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None, log_index: int | None = None,
+           restart_count: int = 0, events: list[tuple[int, int]] | None = None,
+           stream: IO[str] = sys.stdout,
+           err: IO[str] = sys.stderr, watch: dict[str, object] | None = None,
+           log_index: int | None = None,
            hosts: Sequence[str] | None = None, extra_env: Mapping[str, str] | None = None,
            kills: list[Injection] | None = None, freezes: list[Injection] | None = None,
            die_at: Mapping[int, int] | None = None) -> int:
-    """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the failure's
-    (``watch["failed"]``: the ranks that failed, the first one first; a rank declared lost comes first)."""
+    """Run one attempt of the job; return rank 0's code (0 done, EXIT_REQUEUE stopped), else the
+    failure's (``watch["failed"]``: the ranks that failed, the first one first; a rank declared lost
+    comes first)."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
-                             port=free_port(), base={**os.environ, **(extra_env or {})}, hosts=hosts,
+                             port=free_port(), base={**os.environ, **(extra_env or {})},
+                             hosts=hosts,
                              cpus_per_task=cpus_per_task(config_path))
-    for rank, step in (die_at or {}).items():  # --fail-at: these ranks die after their own boundary of that step
+    # --fail-at: these ranks die after their own boundary of that step
+    for rank, step in (die_at or {}).items():
         environs[rank][DIE_AT_VAR] = str(step)
-    if events:  # rank 0 waits at each injected stop's step for the signal sent on reading its report
+    # rank 0 waits at each injected stop's step for the signal sent on reading its report
+    if events:
         environs[0][HOLD_AT_VAR] = ",".join(str(step) for step, _signum in events)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
-    index = restart_count if log_index is None else log_index  # the attempt's number in the run's ledger
+    # the attempt's number in the run's ledger
+    index = restart_count if log_index is None else log_index
     paths = [logs / f"attempt-{index}-rank-{rank}.log" for rank in range(len(environs))]
     procs: list[subprocess.Popen[bytes]] = []
     frozen: list[int] = []
@@ -173,10 +189,13 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
             if rank:
                 out.close()  # type: ignore[union-attr]
         on_step = injector(procs, events if events is not None else [], err, watch, kills,
-                           skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes, frozen=frozen,
-                           kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0), self_kill=bool(die_at))
+                           skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes,
+                           frozen=frozen,
+                           kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0),
+                           self_kill=bool(die_at))
         tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
-                                                  script_progress(config_path), watch, quiet), daemon=True)
+                                                  script_progress(config_path), watch, quiet),
+                               daemon=True)
         tee.start()
         codes, failed, interrupted = _wait(procs, err)
     finally:
@@ -184,7 +203,9 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
                                                        int((extra_env or {}).get(IN_JOB_VAR) or 0)))
         if tee is not None:
             tee.join(timeout=5)
-            quiet.set()  # a pipe still held (a child that outlived rank 0): from here the tee writes its log only
+            # a pipe still held (a child that outlived rank 0): from here the tee writes its log
+            # only
+            quiet.set()
         if procs and procs[0].stdout is not None and (tee is None or not tee.is_alive()):
             procs[0].stdout.close()  # rank 0's pipe, read by the tee until it ended
     if interrupted:
@@ -193,13 +214,16 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     return attempt_code(procs, codes, failed, paths, attempt, watch, err)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int | None], list[int], bool]:
-    """Until every rank has exited or one has failed: (exit codes, failed ranks, interrupted with Ctrl-C)."""
+def _wait(procs: list[subprocess.Popen[bytes]],
+          err: IO[str]) -> tuple[list[int | None], list[int], bool]:
+    """Until every rank has exited or one has failed: (exit codes, failed ranks, interrupted with
+    Ctrl-C)."""
     interrupted = False
     while True:
         try:
             codes = [p.poll() for p in procs]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0, EXIT_REQUEUE)]
+            failed = [rank for rank, code in enumerate(codes)
+                      if code not in (None, 0, EXIT_REQUEUE)]
             if failed or all(code is not None for code in codes):
                 return codes, [] if interrupted else failed, interrupted
             time.sleep(POLL_S)
@@ -208,16 +232,18 @@ def _wait(procs: list[subprocess.Popen[bytes]], err: IO[str]) -> tuple[list[int 
                 err.write("[local] interrupted again: ending every rank now\n")
                 return [p.poll() for p in procs], [], True
             interrupted = True
-            err.write("[local] Ctrl-C: every rank stops at its next step boundary and commits a snapshot "
+            err.write("[local] Ctrl-C: every rank stops at its next step boundary and commits a "
+                      "snapshot "
                       "(Ctrl-C again ends them at once)\n")
             for proc in procs:
                 if proc.poll() is None:
-                    signal_family(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the loader workers too
+                    # as a terminal's Ctrl-C reaches the loader workers too
+                    signal_family(proc.pid, signal.SIGINT)
 
 
 def rehearse(config_path: Path, run_dir: Path, *args: Any, **kwargs: Any) -> int:
-    """:func:`_rehearse`; then the simulated nodes' liveness folders on this machine (``/dev/shm``) go, a lost
-    node's included, as a real node's go with it."""
+    """:func:`_rehearse`; then the simulated nodes' liveness folders on this machine (``/dev/shm``)
+    go, a lost node's included, as a real node's go with it."""
     try:
         return _rehearse(config_path, run_dir, *args, **kwargs)
     finally:
@@ -225,11 +251,13 @@ def rehearse(config_path: Path, run_dir: Path, *args: Any, **kwargs: Any) -> int
 
 
 def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *, job_id: int,
-             preempt_at: list[int], timeout_at: list[int], warning_signal: int, stream: IO[str] = sys.stdout,
+             preempt_at: list[int], timeout_at: list[int], warning_signal: int,
+              stream: IO[str] = sys.stdout,
              err: IO[str] = sys.stderr, fail_at: Sequence[tuple[int, int | None]] = (),
              freeze_at: Sequence[tuple[int, int | None]] = ()) -> int:
-    """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT + 1), with
-    failed steps healed in-process first, as the batch shell heals them in the job (:mod:`hpc_ddp.rehearsal.local_heal`).
+    """Attempts until the run finishes or fails, as Slurm would requeue it (SLURM_RESTART_COUNT +
+    1), with failed steps healed in-process first, as the batch shell heals them in the job
+    (:mod:`hpc_ddp.rehearsal.local_heal`).
 
     ``preempt_at`` steps get SIGTERM, ``timeout_at`` steps the time-out warning signal,
     each once, sent to every rank when rank 0 has finished that step; at each ``fail_at``
@@ -240,7 +268,8 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     from hpc_ddp.rehearsal.local_settle import StepEnd, settle_step
     from hpc_ddp.rundir.ledger import read_attempts
 
-    events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at] + [(s, warning_signal) for s in timeout_at])
+    events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at]
+                    + [(s, warning_signal) for s in timeout_at])
     healer = LocalHealer.for_config(config_path, nodes)
     problem = healer.fail_at_problem(fail_at) or freeze_problem(freeze_at, len(healer.training))
     if problem:
@@ -248,32 +277,44 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
         return EXIT_USAGE
     restart = 0
     marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
-    kills = [(step, lambda node=node, step=step: healer.kill(node, marks())) for step, node in fail_at]
-    at_boundary = not os.environ.get(KILL_DELAY_VAR)  # else B11's random points: the launcher kills, timed
-    freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training, tasks_per_node, node))
+    kills = [(step, lambda node=node, step=step: healer.kill(node, marks()))
+             for step, node in fail_at]
+    # else B11's random points: the launcher kills, timed
+    at_boundary = not os.environ.get(KILL_DELAY_VAR)
+    freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training, tasks_per_node,
+                                                                    node))
                                 for step, node in freeze_at]
     watch: dict[str, object] = {"step": None, "line": ""}
-    earlier = len(read_attempts(run_dir))  # a --resume rehearsal: its logs follow the earlier attempts' logs
-    done_before = layout.done(run_dir).exists()  # a finished run's requeue does nothing: no stop to rehearse
-    steps, ended, healing = 0, None, None  # when the last step ended, and which failed step the next heals
+    # a --resume rehearsal: its logs follow the earlier attempts' logs
+    earlier = len(read_attempts(run_dir))
+    # a finished run's requeue does nothing: no stop to rehearse
+    done_before = layout.done(run_dir).exists()
+    # when the last step ended, and which failed step the next heals
+    steps, ended, healing = 0, None, None
     while True:
         started = round(time.time(), 3)
-        times = timeline_environ(run_dir, healing, ended, started)  # the batch shell's part of the timeline
+        # the batch shell's part of the timeline
+        times = timeline_environ(run_dir, healing, ended, started)
         code = launch(config_path, run_dir, len(healer.training), tasks_per_node, job_id=job_id,
                       restart_count=restart, events=events, stream=stream, err=err, watch=watch,
-                      log_index=earlier + steps, hosts=healer.training, extra_env={**healer.environ(), **times},
+                      log_index=earlier + steps, hosts=healer.training,
+                      extra_env={**healer.environ(), **times},
                       kills=kills, freezes=freezes,
-                      die_at={rank: step for step, node in fail_at if at_boundary and step in {k[0] for k in kills}
+                      die_at={rank: step for step, node in fail_at if at_boundary
+                              and step in {k[0] for k in kills}
                               for rank in healer.victims(node)[1]})
         steps, ended, healing = steps + 1, round(time.time(), 3), None
-        if code == 0 and (events or kills or freezes) and not done_before:  # ended before what it was to rehearse
-            err.write(unfired(events, watch, script_progress(config_path), kills=[s for s, _ in kills],
+        # ended before what it was to rehearse
+        if code == 0 and (events or kills or freezes) and not done_before:
+            err.write(unfired(events, watch, script_progress(config_path),
+                              kills=[s for s, _ in kills],
                               freezes=[s for s, _ in freezes]) + "\n")
             return 1
         if code in (0, EXIT_INTERRUPTED):
             return code
         if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, heal or requeue it
-            step = StepEnd(config_path, run_dir, job_id, restart, code, earlier + steps - 1, started, times)
+            step = StepEnd(config_path, run_dir, job_id, restart, code, earlier + steps - 1,
+                           started, times)
             requeued = settle_step(step, healer, watch, err)
             if healer.advance():
                 healing = (job_id, restart, healer.index - 1)
@@ -282,5 +323,6 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                 return code
         restart += 1
         healer.requeued()
-        err.write(f"[local] attempt {earlier + steps - 1} ended; the job is requeued (requeue {restart}), its first "
+        err.write(f"[local] attempt {earlier + steps - 1} ended; the job is requeued (requeue "
+                  f"{restart}), its first "
                   f"step is attempt {earlier + steps}, as status numbers them\n")

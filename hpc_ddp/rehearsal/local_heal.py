@@ -1,4 +1,5 @@
-"""The local rehearsal's batch shell: heal a failed attempt in-process, as ``hpc_ddp.supervise`` does on Slurm.
+"""The local rehearsal's batch shell: heal a failed attempt in-process, as ``hpc_ddp.supervise``
+does on Slurm.
 
 The rehearsal simulates the job's nodes (``slurm.nodes`` plus ``slurm.spare_nodes``, named
 node0, node1, ...). ``--fail-at STEP[:NODE]`` kills every rank of one simulated node once rank
@@ -67,47 +68,60 @@ class LocalHealer:
         """What the step's ranks get beside the simulated Slurm variables."""
         if not self.index:
             return {}
-        return {IN_JOB_VAR: str(self.index), HEALED_VAR: json.dumps(self.memory.healed or {}, sort_keys=True)}
+        return {IN_JOB_VAR: str(self.index),
+                HEALED_VAR: json.dumps(self.memory.healed or {}, sort_keys=True)}
 
     def node_of(self, rank: int) -> str:
         return self.training[min(len(self.training) - 1, rank // max(1, self.tasks_per_node))]
 
-    def kill(self, node_index: int | None, marks: tuple[Path, int, int] | None = None) -> tuple[str, list[int]]:
-        """The node --fail-at kills (its index in the training nodes; None: the last one) and its ranks.
-        ``marks`` (run dir, job id, requeue count): note each killed rank's crash, as a dying rank's worker
-        would, so the workers left do not take the launcher's SIGTERM for a stop signal."""
+    def kill(self, node_index: int | None,
+             marks: tuple[Path, int, int] | None = None) -> tuple[str, list[int]]:
+        """The node --fail-at kills (its index in the training nodes; None: the last one) and its
+        ranks. ``marks`` (run dir, job id, requeue count): note each killed rank's crash, as a dying
+        rank's worker would, so the workers left do not take the launcher's SIGTERM for a stop
+        signal."""
         node, ranks = self.victims(node_index)
         self.lost[node] = "its ranks were killed (--fail-at): the node is lost"
-        if marks is not None and ranks:  # one note for the node, as the liveness declaration is (a reader takes
-            run_dir, job_id, restart = marks  # the first note it finds, rank by rank: script_outcome._marked)
+        # one note for the node, as the liveness declaration is (a reader takes
+        if marks is not None and ranks:
+            # the first note it finds, rank by rank: script_outcome._marked)
+            run_dir, job_id, restart = marks
             path = crash_marker(run_dir, job_id, restart, self.index, ranks[0])
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(f"{node} was lost (--fail-at): rank(s) {', '.join(map(str, ranks))} were killed\n")
+            path.write_text(f"{node} was lost (--fail-at): rank(s) {', '.join(map(str, ranks))} "
+                            "were killed\n")
         return node, ranks
 
     def victims(self, node_index: int | None) -> tuple[str, list[int]]:
         """The training node a --fail-at names (its index; None: the last one) and its ranks."""
-        index = len(self.training) - 1 if node_index is None else min(node_index, len(self.training) - 1)
-        return self.training[index], list(range(index * self.tasks_per_node, (index + 1) * self.tasks_per_node))
+        index = len(self.training) - 1 if node_index is None else min(node_index,
+                                                                      len(self.training) - 1)
+        return self.training[index], list(range(index * self.tasks_per_node,
+                                                (index + 1) * self.tasks_per_node))
 
     def fail_at_problem(self, fail_at: Sequence[tuple[int, int | None]]) -> str | None:
         """Why a --fail-at names a node the rehearsal does not train on (None: it is fine)."""
         for step, node in fail_at:
             if node is not None and node >= len(self.training):
-                return (f"--fail-at {step}:{node} names training node {node}, but the rehearsal trains on "
-                        f"{len(self.training)} node(s), numbered 0..{len(self.training) - 1} (spares are not "
-                        f"training nodes). HINT: --fail-at {step}:{len(self.training) - 1}, or --fail-at {step} "
+                return (f"--fail-at {step}:{node} names training node {node}, but the rehearsal "
+                        "trains on "
+                        f"{len(self.training)} node(s), numbered 0..{len(self.training) - 1} "
+                        "(spares are not "
+                        f"training nodes). HINT: --fail-at {step}:{len(self.training) - 1}, or "
+                        f"--fail-at {step} "
                         "for the last one")
         return None
 
-    def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int], point: int | None) -> str | None:
-        """As :meth:`hpc_ddp.shell.supervisor.Supervisor.heal`, with the rehearsal's facts (``point``: how far the run
-        got, :func:`hpc_ddp.shell.settle.last_known`)."""
+    def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int],
+             point: int | None) -> str | None:
+        """As :meth:`hpc_ddp.shell.supervisor.Supervisor.heal`, with the rehearsal's facts
+        (``point``: how far the run got, :func:`hpc_ddp.shell.settle.last_known`)."""
         hard = dict(self.lost)
         per_node = heal.ranks_per_node(record, self.training, self.tasks_per_node)
         if self.run_dir is not None:
             job_id, restart, in_job = attempt_key(record)
-            for node, why in lost_nodes(self.run_dir, job_id, restart, in_job, self.training, per_node).items():
+            for node, why in lost_nodes(self.run_dir, job_id, restart, in_job, self.training,
+                                        per_node).items():
                 hard.setdefault(node, why)
                 self.lost.setdefault(node, why)
         soft = {self.node_of(r): f"rank {r} failed first there" for r in failed_ranks[:1]
@@ -116,7 +130,8 @@ class LocalHealer:
                                                      per_node).items() if n not in hard}
         self.held = [n for n in self.held if n not in self.lost]
         return self.memory.decide(record, self.index, self.held, self.training, hard, soft, point,
-                                  no_resize=None if self.run_dir is None else refuses_resize(self.run_dir))
+                                  no_resize=None if self.run_dir is None
+                                  else refuses_resize(self.run_dir))
 
     def advance(self) -> bool:
         """Move to the planned step; False when there is none (the requeue path, or done)."""
@@ -134,10 +149,12 @@ class LocalHealer:
         self.training = self.held[:self.width]
 
 
-def timeline_environ(run_dir: Path, healing: tuple[int | None, int, int] | None, ended: float | None,
+def timeline_environ(run_dir: Path, healing: tuple[int | None, int, int] | None,
+                     ended: float | None,
                      started: float) -> dict[str, str]:
-    """The batch shell's part of the next step's timeline (:mod:`hpc_ddp.core.timeline`), as the supervisor
-    gives it: after a failed step (``healing``: its key), the failure's instant, when the launcher saw the step
-    end (``ended``) and when it starts the next (``started``); after a requeue, the last two only."""
+    """The batch shell's part of the next step's timeline (:mod:`hpc_ddp.core.timeline`), as the
+    supervisor gives it: after a failed step (``healing``: its key), the failure's instant, when the
+    launcher saw the step end (``ended``) and when it starts the next (``started``); after a
+    requeue, the last two only."""
     failure = heal_failure_of(run_dir, healing, ended) if healing is not None else None
     return {TIMELINE_VAR: encode_shell(failure, detected=ended, launched=started)}

@@ -1,5 +1,6 @@
-"""What the local rehearsal injects: stop signals at chosen steps, a lost node (``--fail-at``), a frozen
-node (``--freeze-at``); and why an injection never fired. The launcher (:mod:`hpc_ddp.rehearsal.local`) calls
+"""What the local rehearsal injects: stop signals at chosen steps, a lost node (``--fail-at``), a
+frozen node (``--freeze-at``); and why an injection never fired. The launcher
+(:mod:`hpc_ddp.rehearsal.local`) calls
 :func:`injector`'s function with each step rank 0 reports. No torch.
 """
 
@@ -15,53 +16,64 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-Injection = tuple[int, Callable[[], tuple[str, list[int]]]]  # (step, which node's ranks) of --fail-at, --freeze-at
+# (step, which node's ranks) of --fail-at, --freeze-at
+Injection = tuple[int, Callable[[], tuple[str, list[int]]]]
 
-SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"  # fault injection: rank 0 gets an injected stop at most this late
-KILL_DELAY_VAR = "HPC_DDP_LOCAL_KILL_DELAY_S"  # fault injection: --fail-at's SIGKILL lands this long after the step
-BACKSTOP_S = 5.0  # --fail-at's ranks kill themselves after their step; the launcher's SIGKILL follows this late
+# fault injection: rank 0 gets an injected stop at most this late
+SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"
+# fault injection: --fail-at's SIGKILL lands this long after the step
+KILL_DELAY_VAR = "HPC_DDP_LOCAL_KILL_DELAY_S"
+# --fail-at's ranks kill themselves after their step; the launcher's SIGKILL follows this late
+BACKSTOP_S = 5.0
 
 
 def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
-             err: IO[str], watch: dict[str, object] | None = None, kills: list[Injection] | None = None,
+             err: IO[str], watch: dict[str, object] | None = None,
+             kills: list[Injection] | None = None,
              skew_s: float = 0.0, freezes: list[Injection] | None = None,
              frozen: list[int] | None = None, kill_delay_s: float = 0.0,
              self_kill: bool = False) -> Callable[[int], None]:
-    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started); each
-    (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names (``--fail-at``); each of
-    ``freezes`` SIGSTOPs them and what they started (``--freeze-at``), noting their ranks in ``frozen``.
+    """Send each (step, signal) event to every rank once rank 0 has finished that step (0: started);
+    each (step, kill) of ``kills`` SIGKILLs the ranks of the node that ``kill()`` names
+    (``--fail-at``); each of ``freezes`` SIGSTOPs them and what they started (``--freeze-at``),
+    noting their ranks in ``frozen``.
 
-    ``skew_s`` > 0 signals the other ranks first and rank 0 once the processes rank 0 started (its wrapped
-    script) have ended and it has reaped them, at most ``skew_s`` later, as a cluster's signal reaches its
-    nodes apart and a script dies of its peer's first (a test of the race it opens;
-    ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``). A fixed delay lost that race on a loaded machine, where the script
-    could take longer than the delay to die.
+    ``skew_s`` > 0 signals the other ranks first and rank 0 once the processes rank 0 started (its
+    wrapped script) have ended and it has reaped them, at most ``skew_s`` later, as a cluster's
+    signal reaches its nodes apart and a script dies of its peer's first (a test of the race it
+    opens; ``HPC_DDP_LOCAL_SIGNAL_SKEW_S``). A fixed delay lost that race on a loaded machine, where
+    the script could take longer than the delay to die.
 
     ``self_kill``: the lost node's ranks kill themselves right after their own boundary of the step
-    (``HPC_DDP_LOCAL_DIE_AT``), so what they send there has left, and rank 0 may be a few milliseconds ahead
-    of them without the kill landing inside their step; the launcher's SIGKILL is a backstop, ``BACKSTOP_S``
-    later. ``kill_delay_s`` (B11's random points, ``HPC_DDP_LOCAL_KILL_DELAY_S``) kills from the launcher
-    that long after rank 0 reported the step."""
+    (``HPC_DDP_LOCAL_DIE_AT``), so what they send there has left, and rank 0 may be a few
+    milliseconds ahead of them without the kill landing inside their step; the launcher's SIGKILL is
+    a backstop, ``BACKSTOP_S`` later. ``kill_delay_s`` (B11's random points,
+    ``HPC_DDP_LOCAL_KILL_DELAY_S``) kills from the launcher that long after rank 0 reported the
+    step."""
     def on_step(step: int) -> None:
         if watch is not None:
-            watch["step"] = max(step, int(watch.get("step") or 0))  # the furthest, across healed job steps
+            # the furthest, across healed job steps
+            watch["step"] = max(step, int(watch.get("step") or 0))
         while kills and step >= kills[0][0]:
             at, kill = kills.pop(0)
             node, ranks = kill()
             how = f"SIGKILL to its {ranks_text(ranks)}" + (
-                f" right after their own step {at}" if self_kill else f" {kill_delay_s:.3f} s later" if kill_delay_s
+                f" right after their own step {at}" if self_kill else f" {kill_delay_s:.3f} s later"
+                if kill_delay_s
                 else "")
             err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): {how}\n")
             if watch is not None:
                 watch["lost"] = (node, ranks)
             if kill_delay_s or self_kill:  # the rank 0 reader thread must not wait
-                threading.Timer(BACKSTOP_S if self_kill else kill_delay_s, _kill, args=(procs, ranks)).start()
+                threading.Timer(BACKSTOP_S if self_kill else kill_delay_s, _kill,
+                                args=(procs, ranks)).start()
             else:
                 _kill(procs, ranks)
         while freezes and step >= freezes[0][0]:
             at, freeze = freezes.pop(0)
             node, ranks = freeze()
-            err.write(f"[local] rank 0 reached step {step}: freezing {node} (--freeze-at {at}): SIGSTOP to its "
+            err.write(f"[local] rank 0 reached step {step}: freezing {node} (--freeze-at {at}): "
+                      "SIGSTOP to its "
                       f"{ranks_text(ranks)} and their children\n")
             for rank in ranks:
                 if procs[rank].poll() is None:
@@ -70,7 +82,8 @@ def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]]
                 frozen.extend(ranks)
         while events and step >= events[0][0]:
             at, signum = events.pop(0)
-            err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} to every rank "
+            err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} "
+                      "to every rank "
                       f"(injected at {at})\n")
             started = _children(procs[0].pid) if skew_s > 0 else []
             for proc in procs[1:] if skew_s > 0 else procs:
@@ -94,8 +107,8 @@ def _parent(pid: int) -> int | None:
 
 
 def _until_they_end(proc: subprocess.Popen[bytes], children: list[int], limit_s: float) -> None:
-    """Wait, at most ``limit_s``, until ``proc`` has ended or ``children`` are gone: reaped, so ``proc`` has
-    seen its script end (a zombie's parent has not yet)."""
+    """Wait, at most ``limit_s``, until ``proc`` has ended or ``children`` are gone: reaped, so
+    ``proc`` has seen its script end (a zombie's parent has not yet)."""
     deadline = time.monotonic() + limit_s
     while children and proc.poll() is None and time.monotonic() < deadline:
         if not any(Path(f"/proc/{pid}").exists() for pid in children):
@@ -111,8 +124,9 @@ def _kill(procs: list[subprocess.Popen[bytes]], ranks: list[int]) -> None:
 
 def family(pid: int) -> list[int]:
     """A rank and every process it started, children first (a script runs in a session of its own, a
-    forkserver's loader workers are its grandchildren): what Slurm's process tracking signals on a node. One
-    pass over /proc/*/stat (the parent of every process), so the signal follows rank 0's step closely."""
+    forkserver's loader workers are its grandchildren): what Slurm's process tracking signals on a
+    node. One pass over /proc/*/stat (the parent of every process), so the signal follows rank 0's
+    step closely."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -128,9 +142,10 @@ def family(pid: int) -> list[int]:
 
 
 def signal_family(pid: int, signum: int) -> None:
-    """``signum`` to a rank's process group and every process it started, as Slurm signals every process of a
-    step (DataLoader workers included), not the rank alone."""
-    for member in family(pid):  # once each: a second SIGTERM means something to a wrapped script's worker
+    """``signum`` to a rank's process group and every process it started, as Slurm signals every
+    process of a step (DataLoader workers included), not the rank alone."""
+    # once each: a second SIGTERM means something to a wrapped script's worker
+    for member in family(pid):
         try:
             os.kill(member, signum)
         except (ProcessLookupError, PermissionError):
@@ -138,8 +153,8 @@ def signal_family(pid: int, signum: int) -> None:
 
 
 def _freeze(pid: int) -> None:
-    """SIGSTOP a rank and everything it started, as a frozen node stops everything on it at once; SIGKILL still
-    ends them when the step ends."""
+    """SIGSTOP a rank and everything it started, as a frozen node stops everything on it at once;
+    SIGKILL still ends them when the step ends."""
     signal_family(pid, signal.SIGSTOP)
 
 
@@ -152,7 +167,8 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def node_ranks(training: Sequence[str], tasks_per_node: int, node: int | None) -> tuple[str, list[int]]:
+def node_ranks(training: Sequence[str], tasks_per_node: int,
+               node: int | None) -> tuple[str, list[int]]:
     """A training node (its index; None: the last one) and its ranks."""
     index = len(training) - 1 if node is None else min(node, len(training) - 1)
     return training[index], list(range(index * tasks_per_node, (index + 1) * tasks_per_node))
@@ -162,26 +178,34 @@ def freeze_problem(freeze_at: Sequence[tuple[int, int | None]], nodes: int) -> s
     """Why a --freeze-at names a node the rehearsal does not train on (None: it is fine)."""
     for step, node in freeze_at:
         if node is not None and node >= nodes:
-            return (f"--freeze-at {step}:{node} names training node {node}, but the rehearsal trains on {nodes} "
-                    f"node(s), numbered 0..{nodes - 1}. HINT: --freeze-at {step}:{nodes - 1}, or --freeze-at {step} "
+            return (f"--freeze-at {step}:{node} names training node {node}, but the rehearsal "
+                    f"trains on {nodes} "
+                    f"node(s), numbered 0..{nodes - 1}. HINT: --freeze-at {step}:{nodes - 1}, or "
+                    f"--freeze-at {step} "
                     "for the last one")
     return None
 
 
-def unfired(events: list[tuple[int, int]], watch: Mapping[str, object], progress: re.Pattern[str] | None,
+def unfired(events: list[tuple[int, int]], watch: Mapping[str, object],
+            progress: re.Pattern[str] | None,
             kills: Sequence[int] = (), freezes: Sequence[int] = ()) -> str:
-    """Why the injected stops left in ``events`` never fired, naming each flag: the rehearsal did not happen."""
+    """Why the injected stops left in ``events`` never fired, naming each flag: the rehearsal did
+    not happen."""
     flags = ", ".join([f"{'--preempt-at' if signum == signal.SIGTERM else '--timeout-at'} {step}"
                        for step, signum in events] + [f"--fail-at {step}" for step in kills]
                       + [f"--freeze-at {step}" for step in freezes])
     step = watch.get("step")
     if progress is not None and not step:
-        why = (f"no line of rank 0's output matched train.script_progress ({progress.pattern!r}), so the "
-               f"rehearsal never learned the script's step; its last line was {watch.get('line')!r}. HINT: set "
+        why = (f"no line of rank 0's output matched train.script_progress ({progress.pattern!r}), "
+               "so the "
+               "rehearsal never learned the script's step; its last line was "
+               f"{watch.get('line')!r}. HINT: set "
                "train.script_progress to a regex whose first group is the step in that line")
     elif not step:
-        why = ("rank 0 reported no step after the start: a loop reports its step in run.boundary(step), which is "
-               "also where it acts on a stop. HINT: call `if run.boundary(step): return` after every optimizer step")
+        why = ("rank 0 reported no step after the start: a loop reports its step in "
+               "run.boundary(step), which is "
+               "also where it acts on a stop. HINT: call `if run.boundary(step): return` after "
+               "every optimizer step")
     else:
         why = f"the run finished at step {step} first. HINT: choose steps below the run's last step"
     what = "stop" if events else "failure"

@@ -3,11 +3,11 @@
 torch keeps the last collectives of every process group in a ring buffer (the flight
 recorder; NCCL's groups, and gloo's since torch 2.10, in two recorders: one for CUDA events,
 one for the rest), switched on by the variables of
-:func:`hpc_ddp.rank.group.distributed.failure_env`. When the hang watchdog fires it dumps that record
-as JSON into the run dir's errors/, next to the Python stacks in the rank's log, and
-``hpc_ddp.status`` reads the dumps back and says which collective the ranks wait in and
-which ranks never reached it. NCCL's own watchdog, on a collective timeout, writes its
-pickled dump under the same prefix without the ``.json``.
+:func:`hpc_ddp.rank.group.distributed.failure_env`. When the hang watchdog fires it dumps that
+record as JSON into the run dir's errors/, next to the Python stacks in the rank's log, and
+``hpc_ddp.status`` reads the dumps back and says which collective the ranks wait in and which ranks
+never reached it. NCCL's own watchdog, on a collective timeout, writes its pickled dump under the
+same prefix without the ``.json``.
 
 No torch at import: :func:`summarize` runs on the login node (status).
 """
@@ -28,17 +28,19 @@ log = logging.getLogger("hpc_ddp.flight")
 
 
 def prefix(run_dir: Path | str, job_id: int | str | None, restart_count: int, in_job: int) -> str:
-    """The dumps' path prefix for an attempt; a rank's dump is the prefix, its rank and ``.json``."""
+    """The dumps' path prefix for an attempt; a rank's dump is the prefix, its rank and
+    ``.json``."""
     return str(layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-collectives-rank-")
 
 
-READERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")  # gloo's (and others') recorder, then NCCL's
+# gloo's (and others') recorder, then NCCL's
+READERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 
 
 def dump(target_prefix: str, rank: int) -> Path | None:
-    """This process's flight record as ``PREFIX<rank>.json``, both recorders merged (on a GPU the training
-    group's NCCL entries are in one, the gloo control group's in the other: seen on an H100 with torch 2.11);
-    None where torch keeps none (an older torch, or a record switched off)."""
+    """This process's flight record as ``PREFIX<rank>.json``, both recorders merged (on a GPU the
+    training group's NCCL entries are in one, the gloo control group's in the other: seen on an H100
+    with torch 2.11); None where torch keeps none (an older torch, or a record switched off)."""
     import torch
 
     c10d = torch._C._distributed_c10d
@@ -49,7 +51,8 @@ def dump(target_prefix: str, rank: int) -> Path | None:
             continue
         try:
             records.append(json.loads(reader()))
-        except Exception as err:  # the dump is a diagnosis: never let it stop the hang from being recorded
+        # the dump is a diagnosis: never let it stop the hang from being recorded
+        except Exception as err:
             log.warning("the flight recorder could not be dumped (%s): %s", name, err)
     record = merged(records)
     if not record.get("entries"):
@@ -61,8 +64,9 @@ def dump(target_prefix: str, rank: int) -> Path | None:
 
 
 def merged(records: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """One record of several recorders' dumps: entries in the order they were created, and each recorder's
-    per-group status and config (the groups differ between recorders; the first recorder wins a clash)."""
+    """One record of several recorders' dumps: entries in the order they were created, and each
+    recorder's per-group status and config (the groups differ between recorders; the first recorder
+    wins a clash)."""
     out: dict[str, Any] = {}
     entries: list[Any] = []
     for record in records:
@@ -74,7 +78,8 @@ def merged(records: list[Mapping[str, Any]]) -> dict[str, Any]:
                 out[key] = {**value, **out[key]}
             else:
                 out.setdefault(key, value)
-    out["entries"] = sorted(entries, key=lambda e: e.get("time_created_ns", 0) if isinstance(e, Mapping) else 0)
+    out["entries"] = sorted(entries, key=lambda e: e.get("time_created_ns", 0)
+                            if isinstance(e, Mapping) else 0)
     return out
 
 
@@ -95,21 +100,26 @@ def _last(record: Mapping[str, Any], group: str) -> tuple[int, str]:
     status = record.get("pg_status", {}).get(group, {})
     seq = int(status.get("last_enqueued_collective", -1))
     name = next((e.get("profiling_name", "?") for e in record.get("entries", [])
-                 if str(e.get("pg_id")) == group and e.get("collective_seq_id") == seq and not e.get("is_p2p")), "?")
+                 if str(e.get("pg_id")) == group and e.get("collective_seq_id") == seq
+                 and not e.get("is_p2p")), "?")
     return seq, name
 
 
 def _issued(record: Mapping[str, Any], group: str) -> dict[int, str]:
-    """{sequence number: "name [sizes]"} of the collectives this rank issued on ``group`` (as far as kept)."""
+    """{sequence number: "name [sizes]"} of the collectives this rank issued on ``group`` (as far as
+    kept)."""
     return {int(e["collective_seq_id"]): f"{e.get('profiling_name', '?')} of "
             + (", ".join(map(str, e.get("input_sizes") or [])) or "nothing")
-            for e in record.get("entries", []) if str(e.get("pg_id")) == group and not e.get("is_p2p")
+            for e in record.get("entries", []) if str(e.get("pg_id")) == group
+            and not e.get("is_p2p")
             and isinstance(e.get("collective_seq_id"), int)}
 
 
-def first_mismatch(dumps: Mapping[int, Mapping[str, Any]], group: str) -> tuple[int, dict[str, list[int]]] | None:
-    """The first collective number at which the ranks issued different collectives on ``group`` (a branch
-    some ranks took and others did not), with the ranks that issued each; None when they agree."""
+def first_mismatch(dumps: Mapping[int, Mapping[str, Any]],
+                   group: str) -> tuple[int, dict[str, list[int]]] | None:
+    """The first collective number at which the ranks issued different collectives on ``group`` (a
+    branch some ranks took and others did not), with the ranks that issued each; None when they
+    agree."""
     issued = {rank: _issued(record, group) for rank, record in dumps.items()}
     common = set.intersection(*(set(ops) for ops in issued.values())) if issued else set()
     for seq in sorted(common):
@@ -123,17 +133,20 @@ def first_mismatch(dumps: Mapping[int, Mapping[str, Any]], group: str) -> tuple[
 
 def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """One line per process group where the ranks part: the first collective they issued differently
-    (some ranks took a branch the others did not), else the collective the furthest ranks wait in and
-    the ranks that never reached it (the ones to look at)."""
+    (some ranks took a branch the others did not), else the collective the furthest ranks wait in
+    and the ranks that never reached it (the ones to look at)."""
     groups = sorted({g for record in dumps.values() for g in record.get("pg_status", {})}, key=str)
     lines = []
     for group in groups:
-        mismatch = first_mismatch({r: d for r, d in dumps.items() if group in d.get("pg_status", {})}, group)
+        mismatch = first_mismatch({r: d for r, d in dumps.items()
+                                   if group in d.get("pg_status", {})}, group)
         if mismatch is not None:
             seq, by_op = mismatch
-            lines.append(f"process group {group}: the ranks issued different collectives at #{seq}: "
+            lines.append(f"process group {group}: the ranks issued different collectives at "
+                         f"#{seq}: "
                          + "; ".join(f"ranks {_ranks(ranks)} {op}" for op, ranks in by_op.items())
-                         + " (a branch only some ranks take, e.g. a forward of the DDP model on rank 0 alone: "
+                         + " (a branch only some ranks take, e.g. a forward of the DDP model on "
+                           "rank 0 alone: "
                          "docs/troubleshooting.md)")
             continue
         last = {rank: _last(record, group) for rank, record in sorted(dumps.items())
@@ -144,11 +157,13 @@ def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
             continue
         waiting = sorted(rank for rank, (seq, _) in last.items() if seq == top)
         name = next(n for r, (s, n) in last.items() if s == top)
-        lines.append(f"process group {group}: ranks {_ranks(waiting)} wait in collective #{top} ({name}); "
+        lines.append(f"process group {group}: ranks {_ranks(waiting)} wait in collective #{top} "
+                     f"({name}); "
                      f"ranks {_ranks(behind)} never reached it (last: "
                      + ", ".join(f"#{last[r][0]}" for r in behind[:8]) + ")")
     return lines
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+    return ",".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16
+                                             else "")

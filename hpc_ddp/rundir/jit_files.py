@@ -1,15 +1,16 @@
-"""The run dir's part of a just-in-time snapshot (:mod:`hpc_ddp.rank.salvage.jit`): where the survivors of an attempt
-meet, without a process group or a store. No torch: the batch shell reads what they said.
+"""The run dir's part of a just-in-time snapshot (:mod:`hpc_ddp.rank.salvage.jit`): where the
+survivors of an attempt meet, without a process group or a store. No torch: the batch shell reads
+what they said.
 
 Per node, not per rank (issue 45). Each survivor leaves its offer (the step it holds whole and its
 fingerprint, or why it holds none, and what came of it) and, with ``per_rank`` objects, the per-rank
-states it holds (its own and its ward's, from :mod:`hpc_ddp.rank.salvage.mirror`) on its node, in the node's
-folder on node-local storage. Under a lock on the node, whoever offers last publishes what the node's
-ranks said as one file per node in ``RUN_DIR/jit/job-J-restart-R[-step-K]/``: ``node-N.json`` (the
-offers) and ``blobs-node-N.pt`` (the per-rank states, by holder: :mod:`hpc_ddp.rundir.jit_blobs` reads them),
-rewritten only when it changed. At
-4,096 ranks on 512 nodes that is about 512 files a failure, not 8,192, and a survivor that completes the
-set reads 512 offers, not 4,096.
+states it holds (its own and its ward's, from :mod:`hpc_ddp.rank.salvage.mirror`) on its node, in
+the node's folder on node-local storage. Under a lock on the node, whoever offers last publishes
+what the node's ranks said as one file per node in ``RUN_DIR/jit/job-J-restart-R[-step-K]/``:
+``node-N.json`` (the offers) and ``blobs-node-N.pt`` (the per-rank states, by holder:
+:mod:`hpc_ddp.rundir.jit_blobs` reads them), rewritten only when it changed. At 4,096 ranks on 512
+nodes that is about 512 files a failure, not 8,192, and a survivor that completes the set reads 512
+offers, not 4,096.
 
 Who writes and who commits is claimed apart (:mod:`hpc_ddp.rundir.jit_claims`: exclusive
 creates), and what the nodes' files say is read apart (:mod:`hpc_ddp.rundir.jit_offers`: by name,
@@ -41,37 +42,43 @@ def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: 
     return Path(run_dir) / JIT / attempt_tag(job_id, restart_count, in_job)
 
 
-BROKEN_STOP_MARK = "stopped-mid-step"  # a rank whose step a stop signal broke (rank/stop/broken_step.py) creates it
+# a rank whose step a stop signal broke (rank/stop/broken_step.py) creates it
+BROKEN_STOP_MARK = "stopped-mid-step"
 
 
-def broken_stop_marked(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
-    """Whether a rank of this attempt found its step broken by a stop signal (opened by name, not listed)."""
+def broken_stop_marked(run_dir: Path | str, job_id: int | None, restart_count: int,
+                       in_job: int = 0) -> bool:
+    """Whether a rank of this attempt found its step broken by a stop signal (opened by name, not
+    listed)."""
     return (folder(run_dir, job_id, restart_count, in_job) / BROKEN_STOP_MARK).exists()
 
 
 def file_name(rank: int) -> str:
-    """The snapshot file a survivor writes: its own name, apart from the nodes' files of a periodic save of
-    the same step that a failure may have left half-written (a manifest lists only what it commits)."""
+    """The snapshot file a survivor writes: its own name, apart from the nodes' files of a periodic
+    save of the same step that a failure may have left half-written (a manifest lists only what it
+    commits)."""
     return f"jit-{rank:05d}.pt"
 
 
 def node_file_name(node: int) -> str:
-    """A split survivors' snapshot's file of node ``node``'s share (one writer per node and step)."""
+    """A split survivors' snapshot's file of node ``node``'s share (one writer per node and
+    step)."""
     return f"jit-node-{node:05d}.pt"
 
 
 def ranks_file_name(step: int, committer: int) -> str:
-    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state file), named
-    after the survivor that committed it: on a filesystem without O_EXCL across nodes two may both believe they
-    hold the commit claim, and the same name would have one's bytes under the other's manifest."""
+    """The snapshot file of every rank's per-rank state at ``step`` (beside the survivor's state
+    file), named after the survivor that committed it: on a filesystem without O_EXCL across nodes
+    two may both believe they hold the commit claim, and the same name would have one's bytes under
+    the other's manifest."""
     return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
 
 
 @dataclass(frozen=True)
 class Post:
-    """Where one survivor says what it holds: its node's folder on node-local storage (each rank's offer and
-    per-rank states, :func:`hpc_ddp.rundir.beats.node_dir`) and the attempt's folder in the run dir, where one
-    file per node gathers what the node's ranks said (:func:`publish`)."""
+    """Where one survivor says what it holds: its node's folder on node-local storage (each rank's
+    offer and per-rank states, :func:`hpc_ddp.rundir.beats.node_dir`) and the attempt's folder in
+    the run dir, where one file per node gathers what the node's ranks said (:func:`publish`)."""
 
     shared: Path  # RUN_DIR/jit/<attempt>
     local: Path  # this node's folder for the attempt
@@ -79,7 +86,8 @@ class Post:
     node: int
     local_rank: int
     local_size: int
-    tag: str = ""  # the attempt's tag with its token: every record in ``local`` carries it (rundir/node_local.py)
+    # the attempt's tag with its token: every record in ``local`` carries it (rundir/node_local.py)
+    tag: str = ""
 
 
 def post_for(run_dir: Path | str, env: Any) -> Post:
@@ -87,15 +95,17 @@ def post_for(run_dir: Path | str, env: Any) -> Post:
     from hpc_ddp.rundir import beats
 
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
-    return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank) / JIT, env.rank,
-                env.node_rank, env.local_rank, max(1, env.local_world_size), beats.local_tag(run_dir, tag))
+    return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank) / JIT,
+                env.rank,
+                env.node_rank, env.local_rank, max(1, env.local_world_size),
+                beats.local_tag(run_dir, tag))
 
 
 def prepare(post: Post) -> None:
-    """The node's first rank, before the rendezvous: its node's (empty) file exists before any survivor of
-    another node looks it up, so no NFS client remembers it as absent when the node offers (a survivor that
-    completes the set would not see it for up to a minute). One create per node and attempt; a failure to
-    create it is only a warning (the offer creates it)."""
+    """The node's first rank, before the rendezvous: its node's (empty) file exists before any
+    survivor of another node looks it up, so no NFS client remembers it as absent when the node
+    offers (a survivor that completes the set would not see it for up to a minute). One create per
+    node and attempt; a failure to create it is only a warning (the offer creates it)."""
     try:
         post.shared.mkdir(parents=True, exist_ok=True)
         os.close(os.open(post.shared / f"node-{post.node}.json", os.O_WRONLY | os.O_CREAT, 0o644))
@@ -103,19 +113,21 @@ def prepare(post: Post) -> None:
         logging.getLogger("hpc_ddp.jit").warning("could not create %s (%s)", post.shared, err)
 
 
-GATHER_S = 0.2  # how long an offer waits for its node's other ranks before the node's file is rewritten
+# how long an offer waits for its node's other ranks before the node's file is rewritten
+GATHER_S = 0.2
 GATHER_POLL_S = 0.01  # how often it looks (node-local files: no byte reaches the run dir)
 
 
 def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> bool:
-    """This rank's offer: on its node first, then in its node's file in the run dir (:func:`publish`, whose
-    answer it returns: whether this rank should check the set).
+    """This rank's offer: on its node first, then in its node's file in the run dir
+    (:func:`publish`, whose answer it returns: whether this rank should check the set).
 
-    A killed peer frees its survivors one after another, so a node's ranks offer milliseconds apart, and each
-    offer used to rewrite the node's file (3 writes per rank at 2 x 4 in B14). Before it publishes, an offer
-    waits up to ``gather_s`` until every rank of the node has offered (and, for an offer that says what came of
-    it, said what came of theirs): the last to arrive publishes for all, the others find nothing new. A rank
-    that never offers (it died with the node's others alive) costs its peers ``gather_s`` once."""
+    A killed peer frees its survivors one after another, so a node's ranks offer milliseconds apart,
+    and each offer used to rewrite the node's file (3 writes per rank at 2 x 4 in B14). Before it
+    publishes, an offer waits up to ``gather_s`` until every rank of the node has offered (and, for
+    an offer that says what came of it, said what came of theirs): the last to arrive publishes for
+    all, the others find nothing new. A rank that never offers (it died with the node's others
+    alive) costs its peers ``gather_s`` once."""
     node_local.ensure(post.local)
     write_atomic(post.local / f"offer-{post.local_rank}.json",
                  json.dumps({"tag": post.tag, "offer": {**content, "node": post.node}}).encode())
@@ -124,7 +136,8 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> bo
 
 
 def _await_peers(post: Post, outcome: bool, gather_s: float) -> None:
-    """Wait, up to ``gather_s``, until every local rank has an offer on the node (with an outcome if ``outcome``)."""
+    """Wait, up to ``gather_s``, until every local rank has an offer on the node (with an outcome if
+    ``outcome``)."""
     deadline = time.monotonic() + gather_s
     while time.monotonic() < deadline:
         said = []
@@ -133,21 +146,26 @@ def _await_peers(post: Post, outcome: bool, gather_s: float) -> None:
             if found is None:
                 break
             said.append(found)
-        if len(said) == post.local_size and (not outcome or all(any(k in o for k in OUTCOME_KEYS) for o in said)):
+        if len(said) == post.local_size and (not outcome
+                                             or all(any(k in o for k in OUTCOME_KEYS)
+                                                    for o in said)):
             return
         time.sleep(GATHER_POLL_S)
 
 
-def once_per_node(post: Post, key: str, compute: Callable[[], Any], fresh_s: float | None = None) -> Any:
-    """``compute()`` once for the node's ranks (under the node's lock, kept in its folder): a value every survivor
-    of the node needs from the run dir (the newest commit, a commit's record) is read there once per node, not
-    once per rank. ``fresh_s``: how old a kept value may be (None: any age). JSON values only."""
+def once_per_node(post: Post, key: str, compute: Callable[[], Any],
+                  fresh_s: float | None = None) -> Any:
+    """``compute()`` once for the node's ranks (under the node's lock, kept in its folder): a value
+    every survivor of the node needs from the run dir (the newest commit, a commit's record) is read
+    there once per node, not once per rank. ``fresh_s``: how old a kept value may be (None: any
+    age). JSON values only."""
     node_local.ensure(post.local)
     with _lock(post.local / "memo.lock"):
         memo_path = post.local / "memo.json"
         memo = _local_json(post, memo_path)
         kept = memo.get(key)
-        if isinstance(kept, dict) and (fresh_s is None or time.time() - float(kept.get("at", 0)) < fresh_s):
+        if isinstance(kept, dict) and (fresh_s is None
+                                       or time.time() - float(kept.get("at", 0)) < fresh_s):
             return kept.get("value")
         value = compute()
         memo[key] = {"value": value, "at": time.time()}
@@ -156,24 +174,27 @@ def once_per_node(post: Post, key: str, compute: Callable[[], Any], fresh_s: flo
 
 
 def write_blobs(post: Post, blobs: dict[int, dict[int, bytes]]) -> None:
-    """A survivor's per-rank states ({rank: {step: packed bytes}}: its own and its ward's of their last two
-    boundaries), on its node, before its offer names them."""
+    """A survivor's per-rank states ({rank: {step: packed bytes}}: its own and its ward's of their
+    last two boundaries), on its node, before its offer names them."""
     import torch
 
     node_local.ensure(post.local)
-    held = {"holder": post.rank, "tag": post.tag, "blobs": {r: dict(states) for r, states in blobs.items()}}
+    held = {"holder": post.rank, "tag": post.tag,
+            "blobs": {r: dict(states) for r, states in blobs.items()}}
     write_atomic(post.local / f"blobs-{post.local_rank}.pt", lambda out: torch.save(held, out))
 
 
 def _local_offer(post: Post, local: int) -> dict[str, Any] | None:
-    """Local rank ``local``'s offer on this node: from a file of this user's that carries the attempt's token."""
+    """Local rank ``local``'s offer on this node: from a file of this user's that carries the
+    attempt's token."""
     found = _local_json(post, post.local / f"offer-{local}.json")
     offer = found.get("offer")
     return offer if isinstance(offer, dict) else None
 
 
 def _local_json(post: Post, path: Path) -> dict[str, Any]:
-    """A JSON record of the node's folder ({} when absent, unreadable, not this user's or without the token)."""
+    """A JSON record of the node's folder ({} when absent, unreadable, not this user's or without
+    the token)."""
     raw = node_local.read(path, 1 << 24)
     try:
         record = json.loads(raw) if raw is not None else {}
@@ -196,18 +217,21 @@ def _lock(path: Path) -> Iterator[int]:
         os.close(fd)
 
 
-OUTCOME_KEYS = ("outcome", "why")  # what an offer says came of it: news for the ledger, never for the set
+# what an offer says came of it: news for the ledger, never for the set
+OUTCOME_KEYS = ("outcome", "why")
 
 
 def publish(post: Post) -> bool:
-    """The node's file in the run dir, ``node-N.json`` (every offer its ranks made, by rank), and with per-rank
-    state ``blobs-node-N.pt`` (each rank's per-rank states, by the rank that holds them): rewritten only when
-    what the node's ranks said changed since the last publish, under a lock on the node, so ranks that offer
-    together cost the file server one write for the node, not one per rank.
+    """The node's file in the run dir, ``node-N.json`` (every offer its ranks made, by rank), and
+    with per-rank state ``blobs-node-N.pt`` (each rank's per-rank states, by the rank that holds
+    them): rewritten only when what the node's ranks said changed since the last publish, under a
+    lock on the node, so ranks that offer together cost the file server one write for the node, not
+    one per rank.
 
-    True when the node's file now says something that may complete the set (a step held, a state file
-    written, per-rank states) that it did not say before: whoever publishes that checks the set
-    (:func:`hpc_ddp.rank.salvage.jit_commit.complete`), so one rank per change of the node checks it, not every rank."""
+    True when the node's file now says something that may complete the set (a step held, a state
+    file written, per-rank states) that it did not say before: whoever publishes that checks the set
+    (:func:`hpc_ddp.rank.salvage.jit_commit.complete`), so one rank per change of the node checks
+    it, not every rank."""
     with _lock(post.local / "publish.lock"):
         offers, blob_files = [], []
         for local in range(post.local_size):
@@ -218,9 +242,11 @@ def publish(post: Post) -> bool:
             with contextlib.suppress(OSError):
                 info = blob.lstat()  # a regular file of this user's (never a link's target)
                 if info.st_uid == os.getuid() and stat.S_ISREG(info.st_mode):
-                    blob_files.append([local, info.st_mtime_ns, info.st_size])  # a list: as published.json reads
+                    # a list: as published.json reads
+                    blob_files.append([local, info.st_mtime_ns, info.st_size])
         said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
-        news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS} for o in offers],
+        news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS}
+                                      for o in offers],
                            "blobs": blob_files}, sort_keys=True)
         published = post.local / "published.json"
         before = _local_json(post, published)
@@ -228,9 +254,11 @@ def publish(post: Post) -> bool:
             return False
         if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])
-        record = json.dumps({"node": post.node, "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
+        record = json.dumps({"node": post.node,
+                             "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
         _shared(post, f"node-{post.node}.json", record)
-        write_atomic(published, json.dumps({"said": said, "news": news, "blobs": blob_files, "tag": post.tag}))
+        write_atomic(published, json.dumps({"said": said, "news": news, "blobs": blob_files,
+                                            "tag": post.tag}))
         return before.get("news") != news
 
 
@@ -239,15 +267,16 @@ def _publish_blobs(post: Post, locals_: list[int]) -> None:
 
     by_holder: dict[int, Any] = {}
     for local in locals_:
-        found = jit_blobs.survivor_file(post.local / f"blobs-{local}.pt", post.tag)  # None: missing, garbage,
+        # None: missing, garbage,
+        found = jit_blobs.survivor_file(post.local / f"blobs-{local}.pt", post.tag)
         if found is not None:  # not this user's or without the attempt's token (named)
             by_holder[found[0]] = found[1]
     _shared(post, f"blobs-node-{post.node}.pt", lambda out: torch.save(by_holder, out))
 
 
 def _shared(post: Post, name: str, data: Any) -> None:
-    """One of the node's files in the run dir; the folder made only when no node made it before the rendezvous
-    (:func:`prepare`), not at every write."""
+    """One of the node's files in the run dir; the folder made only when no node made it before the
+    rendezvous (:func:`prepare`), not at every write."""
     try:
         write_atomic(post.shared / name, data)
     except FileNotFoundError:

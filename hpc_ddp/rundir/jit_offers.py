@@ -20,21 +20,26 @@ from hpc_ddp.rundir.jit_files import JIT, folder
 
 
 def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
-    """The survivors whose offer of a just-in-time snapshot's step holds another state than its writer's (their
-    fingerprints differ): a source that offered after the writer's last look, or whose withdraw another node's
-    cache hid. Empty for a periodic snapshot. Rank 0 asks it before resuming from a step."""
+    """The survivors whose offer of a just-in-time snapshot's step holds another state than its
+    writer's (their fingerprints differ): a source that offered after the writer's last look, or
+    whose withdraw another node's cache hid. Empty for a periodic snapshot. Rank 0 asks it before
+    resuming from a step."""
     record = manifest.get("jit")
     world = manifest.get("world_size")
-    if not isinstance(record, dict) or not isinstance(record.get("attempt"), str) or not isinstance(world, int):
+    if not isinstance(record, dict) or not isinstance(record.get("attempt"),
+                                                      str) or not isinstance(world, int):
         return []
     where = Path(run_dir) / JIT / record["attempt"]
-    nodes = record.get("nodes") if isinstance(record.get("nodes"), int) else world  # older records: at most one a rank
-    return sorted(o["rank"] for o in offers(where, nodes) if o.get("source") and o.get("step") == manifest.get("step")
+    # older records: at most one a rank
+    nodes = record.get("nodes") if isinstance(record.get("nodes"), int) else world
+    return sorted(o["rank"] for o in offers(where, nodes) if o.get("source")
+                  and o.get("step") == manifest.get("step")
                   and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
 
 
 def offers(where: Path, nodes: int) -> list[dict[str, Any]]:
-    """Every offer of the attempt that can be read now: ``nodes`` files opened by name, one per node."""
+    """Every offer of the attempt that can be read now: ``nodes`` files opened by name, one per
+    node."""
     found = []
     for node in range(nodes):
         found.extend(node_offers(where, node))
@@ -51,14 +56,16 @@ def node_offers(where: Path, node: int) -> list[dict[str, Any]]:
 
 
 def writing(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> bool:
-    """A survivor of this attempt is still at its just-in-time snapshot: a source whose offer has no outcome yet
-    (the rehearsal then waits as srun waits KillWait, not its short grace)."""
-    return any(o.get("source") and "outcome" not in o for o in listed(folder(run_dir, job_id, restart_count, in_job)))
+    """A survivor of this attempt is still at its just-in-time snapshot: a source whose offer has no
+    outcome yet (the rehearsal then waits as srun waits KillWait, not its short grace)."""
+    return any(o.get("source") and "outcome" not in o
+               for o in listed(folder(run_dir, job_id, restart_count, in_job)))
 
 
 def listed(where: Path) -> list[dict[str, Any]]:
-    """Every node's offers, the node files found by listing: only for the batch shell and the rehearsal, after
-    (or beside) the step, on the node that lists (never to decide what a survivor commits)."""
+    """Every node's offers, the node files found by listing: only for the batch shell and the
+    rehearsal, after (or beside) the step, on the node that lists (never to decide what a survivor
+    commits)."""
     found = []
     for path in sorted(where.glob("node-*.json")) if where.is_dir() else []:
         number = path.stem.removeprefix("node-")

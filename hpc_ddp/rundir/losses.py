@@ -1,6 +1,6 @@
-"""The lost-rank markers a rank's liveness watcher leaves in ``RUN_DIR/errors/`` (:mod:`hpc_ddp.rank.watch.liveness`),
-read by the batch shell and the rehearsal: which ranks and hosts an attempt lost, and the ledger's line
-for it. No torch.
+"""The lost-rank markers a rank's liveness watcher leaves in ``RUN_DIR/errors/``
+(:mod:`hpc_ddp.rank.watch.liveness`), read by the batch shell and the rehearsal: which ranks and
+hosts an attempt lost, and the ledger's line for it. No torch.
 
 A failed attempt's ledger line says what it lost (:func:`ledger_fields`) and what its survivors
 saved (:func:`jit_fields`: their offers in :mod:`hpc_ddp.rundir.jit_files`, the commit in the
@@ -26,15 +26,17 @@ def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: i
                  in_job: int = 0) -> dict[int, dict[str, Any]]:
     """Every lost-rank marker of an attempt, by rank (an unreadable one as ``{}``).
 
-    The listing of ``errors/`` may be another node's cached past on NFS and lack a marker written seconds ago;
-    the declaration (``liveness/declared.json``, created before the rendezvous and read by name) cannot: the
-    rank it names is always among these, so a stale listing never moves the blame to the detector's node."""
+    The listing of ``errors/`` may be another node's cached past on NFS and lack a marker written
+    seconds ago; the declaration (``liveness/declared.json``, created before the rendezvous and read
+    by name) cannot: the rank it names is always among these, so a stale listing never moves the
+    blame to the detector's node."""
     tag = attempt_tag(job_id, restart_count, in_job)
     pattern = layout.lost_marker(run_dir, tag, "*")
     head, tail = pattern.name.split("*")
     seen = view.current()
     try:
-        names = sorted(n for n in seen.listdir(pattern.parent) if n.startswith(head) and n.endswith(tail))
+        names = sorted(n for n in seen.listdir(pattern.parent) if n.startswith(head)
+                       and n.endswith(tail))
     except OSError:
         names = []
     found: dict[int, dict[str, Any]] = {}
@@ -47,7 +49,8 @@ def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: i
         except (OSError, ValueError):
             record = {}
         record = record if isinstance(record, dict) else {}
-        for each in named_ranks(record) or [int(rank)]:  # a whole node's marker names every rank on it
+        # a whole node's marker names every rank on it
+        for each in named_ranks(record) or [int(rank)]:
             found[each] = record
     declared = declaration(run_dir, tag)
     if declared is not None and isinstance(declared.get("rank"), int):
@@ -65,8 +68,9 @@ def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
 
 
 def declaration_in(path: Path, tag: str, own: bool = False) -> dict[str, Any] | None:
-    """A declaration in ``path``: the run dir's, or (``own``) its relay on a node (:mod:`hpc_ddp.rundir.beats`),
-    believed only from a file of this user's, never through a link, and with the token in its ``tag``."""
+    """A declaration in ``path``: the run dir's, or (``own``) its relay on a node
+    (:mod:`hpc_ddp.rundir.beats`), believed only from a file of this user's, never through a link,
+    and with the token in its ``tag``."""
     try:
         if own:
             raw = node_local.read(path, 1 << 16)
@@ -81,7 +85,8 @@ def declaration_in(path: Path, tag: str, own: bool = False) -> dict[str, Any] | 
 
 
 def padded(record: Mapping[str, Any]) -> bytes:
-    """A declaration as written in place: one fixed width, so a second declarer overwrites the first whole."""
+    """A declaration as written in place: one fixed width, so a second declarer overwrites the first
+    whole."""
     text = json.dumps(record, sort_keys=True)
     width = 1024 * (len(text) // 1024 + 1)
     return (text.ljust(width - 1) + "\n").encode()
@@ -100,16 +105,18 @@ def who(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def lost_ranks(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int) -> dict[int, str]:
-    """rank -> host of the ranks declared lost in that attempt (the host "" if its marker is unreadable);
-    empty when none was. For the batch shell and the rehearsal: a lost rank's node is a hard suspect."""
+def lost_ranks(run_dir: Path, job_id: int | str | None, restart_count: int,
+               in_job: int) -> dict[int, str]:
+    """rank -> host of the ranks declared lost in that attempt (the host "" if its marker is
+    unreadable); empty when none was. For the batch shell and the rehearsal: a lost rank's node is a
+    hard suspect."""
     return {rank: str(record.get("host") or "") for rank, record in lost_markers(
         run_dir, job_id, restart_count, in_job).items()}
 
 
 def describe(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> str:
-    """One line for the ledger and the logs, e.g. ``rank 3 on node1 lost (no liveness beat for 31s, seen by
-    rank 2)``; "" when no rank was declared lost."""
+    """One line for the ledger and the logs, e.g. ``rank 3 on node1 lost (no liveness beat for 31s,
+    seen by rank 2)``; "" when no rank was declared lost."""
     return _describe(lost_markers(run_dir, job_id, restart_count, in_job))
 
 
@@ -120,16 +127,20 @@ def _describe(markers: Mapping[int, Mapping[str, Any]]) -> str:
         key = (str(m.get("host") or "?"), str(m.get("silent_s", "?")), str(m.get("by_rank", "?")))
         groups.setdefault(key, []).append(rank)
     return "; ".join(f"{who(ranks)} on {host} lost (no "
-                     f"liveness beat for {silent}s, seen by rank {by})" for (host, silent, by), ranks in groups.items())
+                     f"liveness beat for {silent}s, seen by rank {by})"
+                     for (host, silent, by), ranks in groups.items())
 
 
-def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int, in_job: int = 0) -> dict[str, Any]:
-    """What a ``failed`` ledger line adds when ranks were declared lost: ``lost_ranks``, ``lost_hosts`` and
-    the ``message``; empty when none was."""
-    markers = lost_markers(run_dir, job_id, restart_count, in_job)  # read once: the ranks, hosts and message
+def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int,
+                  in_job: int = 0) -> dict[str, Any]:
+    """What a ``failed`` ledger line adds when ranks were declared lost: ``lost_ranks``,
+    ``lost_hosts`` and the ``message``; empty when none was."""
+    # read once: the ranks, hosts and message
+    markers = lost_markers(run_dir, job_id, restart_count, in_job)
     if not markers:
         return {}
-    return {"lost_ranks": sorted(markers), "lost_hosts": sorted({str(m.get("host")) for m in markers.values()
+    return {"lost_ranks": sorted(markers),
+            "lost_hosts": sorted({str(m.get("host")) for m in markers.values()
                                                                  if m.get("host")}),
             "message": _describe(markers)}
 

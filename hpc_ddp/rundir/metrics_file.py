@@ -1,11 +1,12 @@
 """metrics.jsonl read back as the run's history: one record per step, the newest attempt's values.
 
-Rank 0 appends one JSON line per ``run.log_metrics`` call (``{"step": 7, "loss": 0.3, ..., "time": ...}``)
-and never rewrites one, so a crash can cut at most the last line short (a reader skips it). An attempt
-that resumes from an older snapshot logs the steps after it again, so the raw file can hold a step
-twice. The rule, the same in every sink (TensorBoard's ``purge_step``, W&B's rewind, see
-:mod:`hpc_ddp.rank.metrics.sinks`): **a resumed attempt's values replace the steps it replays**, and what an
-earlier attempt logged after the step the new one resumed from is no longer the run's history.
+Rank 0 appends one JSON line per ``run.log_metrics`` call (``{"step": 7, "loss": 0.3, ..., "time":
+...}``) and never rewrites one, so a crash can cut at most the last line short (a reader skips it).
+An attempt that resumes from an older snapshot logs the steps after it again, so the raw file can
+hold a step twice. The rule, the same in every sink (TensorBoard's ``purge_step``, W&B's rewind, see
+:mod:`hpc_ddp.rank.metrics.sinks`): **a resumed attempt's values replace the steps it replays**, and
+what an earlier attempt logged after the step the new one resumed from is no longer the run's
+history.
 
 Where an attempt begins, in the file alone (this module reads no other file, so it stays pure):
 
@@ -33,23 +34,24 @@ from typing import Any
 
 from hpc_ddp.rundir import layout
 
-RESUMED_FROM = "_resumed_from"  # on an attempt's first line: the snapshot step it resumed from (0: from scratch)
+# on an attempt's first line: the snapshot step it resumed from (0: from scratch)
+RESUMED_FROM = "_resumed_from"
 ATTEMPT = "_attempt"  # on the same line: the attempt's number in the ledger, as status numbers it
 MARKS = (RESUMED_FROM, ATTEMPT)
 
 
 def line(step: int, values: Mapping[str, Any], *, resumed_from: int | None = None,
          attempt: int | None = None, now: float | None = None) -> str:
-    """One metrics.jsonl line (with its newline). Pass ``resumed_from`` (None: from scratch, written 0)
-    and ``attempt`` on the first line an attempt writes, so readers can drop what it replaces."""
+    """One metrics.jsonl line (with its newline). Pass ``resumed_from`` (None: from scratch, written
+    0) and ``attempt`` on the first line an attempt writes, so readers can drop what it replaces."""
     mark = {} if attempt is None else {RESUMED_FROM: resumed_from or 0, ATTEMPT: attempt}
     stamp = round(time.time() if now is None else now, 3)  # time: status's ETA and time used
     return json.dumps({"step": step, **values, "time": stamp, **mark}) + "\n"
 
 
 def entries(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """The whole lines of metrics.jsonl as dicts with an int ``step``, in file order (a line cut short
-    by a crash, or one that is not a metrics line, is skipped)."""
+    """The whole lines of metrics.jsonl as dicts with an int ``step``, in file order (a line cut
+    short by a crash, or one that is not a metrics line, is skipped)."""
     out = []
     for text in lines:
         try:
@@ -62,7 +64,8 @@ def entries(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def resumes(rows: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """``(index, resumed_from)`` for every entry that begins a resumed attempt (see the module's rule).
+    """``(index, resumed_from)`` for every entry that begins a resumed attempt (see the module's
+    rule).
 
     Steps going down mark a boundary only before the first marked line: once the writer marks
     attempts, a lower step within one is a late log call, not a resume."""
@@ -74,12 +77,14 @@ def resumes(rows: list[dict[str, Any]]) -> list[tuple[int, int]]:
 
 
 def history(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """One record per step in step order, each with the values of the newest attempt that logged it."""
+    """One record per step in step order, each with the values of the newest attempt that logged
+    it."""
     rows = entries(lines)
     cuts = dict(resumes(rows))
     by_step: dict[int, dict[str, Any]] = {}
     for i, entry in enumerate(rows):
-        if i in cuts:  # an attempt begins: what earlier ones logged after its snapshot is not the run's any more
+        # an attempt begins: what earlier ones logged after its snapshot is not the run's any more
+        if i in cuts:
             by_step = {step: record for step, record in by_step.items() if step <= cuts[i]}
         values = {key: value for key, value in entry.items() if key not in MARKS}
         by_step[entry["step"]] = {**by_step.get(entry["step"], {}), **values}
@@ -87,8 +92,9 @@ def history(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def read(run_dir: Path | str) -> list[dict[str, Any]]:
-    """:func:`history` of ``RUN_DIR/metrics.jsonl`` (empty when there is none yet). The file itself is taken
-    too: a newcomer who passed ``RUN_DIR/metrics.jsonl`` got an empty list, as if nothing had been logged."""
+    """:func:`history` of ``RUN_DIR/metrics.jsonl`` (empty when there is none yet). The file itself
+    is taken too: a newcomer who passed ``RUN_DIR/metrics.jsonl`` got an empty list, as if nothing
+    had been logged."""
     path = Path(run_dir)
     if path.is_dir() or not path.name.endswith(".jsonl"):
         path = layout.metrics(path)

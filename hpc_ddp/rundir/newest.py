@@ -1,12 +1,12 @@
-"""``RUN_DIR/snapshots/newest.json``: the newest commit named in one file, so that a node can learn of a step
-another node committed seconds ago without trusting a cached listing or lookup.
+"""``RUN_DIR/snapshots/newest.json``: the newest commit named in one file, so that a node can learn
+of a step another node committed seconds ago without trusting a cached listing or lookup.
 
-Every commit (a periodic snapshot's, the survivors') rewrites it in place after its manifest. Rank 0 creates it
-before the rendezvous, so no node ever looked the name up while it was absent, and an open by name always
-reaches the server (close-to-open): the content is as new as the last writer's close. A manifest it names that
-this node cannot see yet (its client cached the name's absence) becomes visible within ``acdirmax``; the
-resume waits that long for it rather than resuming from an older step (:func:`hpc_ddp.rundir.snapshot_steps.committed`).
-No torch.
+Every commit (a periodic snapshot's, the survivors') rewrites it in place after its manifest. Rank 0
+creates it before the rendezvous, so no node ever looked the name up while it was absent, and an
+open by name always reaches the server (close-to-open): the content is as new as the last writer's
+close. A manifest it names that this node cannot see yet (its client cached the name's absence)
+becomes visible within ``acdirmax``; the resume waits that long for it rather than resuming from an
+older step (:func:`hpc_ddp.rundir.snapshot_steps.committed`). No torch.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ def path(run_dir: Path | str) -> Path:
 
 
 def create(run_dir: Path | str) -> None:
-    """Rank 0, before the rendezvous: the file exists before any node looks for it (kept if it does)."""
+    """Rank 0, before the rendezvous: the file exists before any node looks for it (kept if it
+    does)."""
     target = path(run_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        if os.fstat(fd).st_size == 0:  # its block now: a rewrite on a full filesystem needs no new one
+        # its block now: a rewrite on a full filesystem needs no new one
+        if os.fstat(fd).st_size == 0:
             os.pwrite(fd, b" " * (WIDTH - 1) + b"\n", 0)
     finally:
         os.close(fd)
@@ -42,7 +44,8 @@ def create(run_dir: Path | str) -> None:
 def publish(run_dir: Path | str, step: int, attempt: str | None = None) -> None:
     """After a commit: name its step (in place, one fixed width; created if rank 0 had not)."""
     record = json.dumps({"step": step, **({"attempt": attempt} if attempt else {})}, sort_keys=True)
-    atomic.rewrite_in_place(path(run_dir), (record.ljust(WIDTH - 1)[:WIDTH - 1] + "\n").encode(), sync=True)
+    atomic.rewrite_in_place(path(run_dir), (record.ljust(WIDTH - 1)[:WIDTH - 1] + "\n").encode(),
+                            sync=True)
 
 
 def read(run_dir: Path | str) -> dict[str, Any] | None:

@@ -1,26 +1,30 @@
-"""Node-local storage that only the job's user can touch, and the run's secret that names it (issue 61).
+"""Node-local storage that only the job's user can touch, and the run's secret that names it (issue
+61).
 
-A node's ``/dev/shm`` and ``/tmp`` are shared with every other user of the node, and what is left there
-outlives a job. Whatever hpc_ddp keeps there (the ranks' liveness beats, the node's copy of the config and the
-ledger, the survivors' offers and per-rank states, the node compile cache) would run as the user's code or
-steer the user's run if another user could plant it. So:
+A node's ``/dev/shm`` and ``/tmp`` are shared with every other user of the node, and what is left
+there outlives a job. Whatever hpc_ddp keeps there (the ranks' liveness beats, the node's copy of
+the config and the ledger, the survivors' offers and per-rank states, the node compile cache) would
+run as the user's code or steer the user's run if another user could plant it. So:
 
-- **The names are unguessable.** A run's folder on a node is ``BASE/hpc_ddp-UID-KEY``, where KEY is an HMAC of
-  the run dir's path under the run's secret: 32 random bytes in ``RUN_DIR/.hpc_ddp-secret`` (mode 0600, made
-  once with an exclusive create, by ``submit`` or by the first process that needs it). Every node reads the
-  same secret from the run dir, so every rank of a node agrees on the folder without talking; another user,
-  who cannot read the run dir's secret, cannot compute it (the job id, the uid and the run dir's path are
-  public through ``scontrol show job``).
-- **Every folder is checked before use** (:func:`ensure`): made with mode 0700 whatever the umask, then
-  ``lstat``-ed: a real directory (not a link), owned by this user, closed to group and others; anything else is
-  refused with an error that names the folder and its owner.
-- **Files are opened without following links** (:func:`read`, ``O_NOFOLLOW``, and their owner checked with
-  ``fstat`` before the bytes are trusted); new ones with ``O_EXCL`` (:mod:`hpc_ddp.core.atomic`).
-- **Records carry the attempt's token** (:func:`token`, an HMAC of the attempt's tag): a record on the node
-  without it is ignored, and the keys hpc_ddp sets in torch's store live under it.
+- **The names are unguessable.** A run's folder on a node is ``BASE/hpc_ddp-UID-KEY``, where KEY is
+  an HMAC of the run dir's path under the run's secret: 32 random bytes in
+  ``RUN_DIR/.hpc_ddp-secret`` (mode 0600, made once with an exclusive create, by ``submit`` or by
+  the first process that needs it). Every node reads the same secret from the run dir, so every rank
+  of a node agrees on the folder without talking; another user, who cannot read the run dir's
+  secret, cannot compute it (the job id, the uid and the run dir's path are public through
+  ``scontrol show job``).
+- **Every folder is checked before use** (:func:`ensure`): made with mode 0700 whatever the umask,
+  then ``lstat``-ed: a real directory (not a link), owned by this user, closed to group and others;
+  anything else is refused with an error that names the folder and its owner.
+- **Files are opened without following links** (:func:`read`, ``O_NOFOLLOW``, and their owner
+  checked with ``fstat`` before the bytes are trusted); new ones with ``O_EXCL``
+  (:mod:`hpc_ddp.core.atomic`).
+- **Records carry the attempt's token** (:func:`token`, an HMAC of the attempt's tag): a record on
+  the node without it is ignored, and the keys hpc_ddp sets in torch's store live under it.
 
-``BASE`` is ``/dev/shm`` where it is writable, else the temporary directory (``TMPDIR``). Where Slurm gives each
-job a private ``/tmp`` and ``/dev/shm`` (``job_container/tmpfs``) all of this still holds. No torch.
+``BASE`` is ``/dev/shm`` where it is writable, else the temporary directory (``TMPDIR``). Where
+Slurm gives each job a private ``/tmp`` and ``/dev/shm`` (``job_container/tmpfs``) all of this still
+holds. No torch.
 """
 
 from __future__ import annotations
@@ -53,12 +57,14 @@ def prefix(uid: int | None = None) -> str:
 
 
 def base_dir() -> Path:
-    """Where the node-local folders go: ``/dev/shm`` where this user may write, else the temporary directory."""
+    """Where the node-local folders go: ``/dev/shm`` where this user may write, else the temporary
+    directory."""
     return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def run_secret(run_dir: Path | str) -> bytes:
-    """The run's secret, made on first use (an exclusive create, mode 0600), read back by every other process."""
+    """The run's secret, made on first use (an exclusive create, mode 0600), read back by every
+    other process."""
     return _secret(str(Path(run_dir).absolute()))
 
 
@@ -75,7 +81,8 @@ def _secret(run_dir: str) -> bytes:
     except FileExistsError:
         return _read_secret(path)
     if _group_writes(path.parent):
-        os.fchmod(fd, 0o640)  # run_dir_mode '0770': the group may resume the run, so it reads the secret too
+        # run_dir_mode '0770': the group may resume the run, so it reads the secret too
+        os.fchmod(fd, 0o640)
     try:
         os.write(fd, (secrets.token_hex(SECRET_BYTES) + "\n").encode())
         os.fsync(fd)
@@ -85,7 +92,8 @@ def _secret(run_dir: str) -> bytes:
 
 
 def _group_writes(run_dir: Path) -> bool:
-    """The run dir's group may write it (``run_dir_mode: '0770'``): the group is trusted with the run."""
+    """The run dir's group may write it (``run_dir_mode: '0770'``): the group is trusted with the
+    run."""
     try:
         return bool(os.stat(run_dir).st_mode & 0o020)
     except OSError:
@@ -94,7 +102,8 @@ def _group_writes(run_dir: Path) -> bool:
 
 def _read_secret(path: Path) -> bytes:
     deadline = time.monotonic() + READ_WAIT_S
-    closed = 0o007 if _group_writes(path.parent) else 0o077  # who else may read it: the group, where it writes
+    # who else may read it: the group, where it writes
+    closed = 0o007 if _group_writes(path.parent) else 0o077
     while True:
         data = read(path, 4 * SECRET_BYTES, private=closed, owner=None)
         if data is not None and len(data.strip()) == 2 * SECRET_BYTES:
@@ -103,31 +112,41 @@ def _read_secret(path: Path) -> bytes:
             break
         time.sleep(0.05)  # its writer created it a moment ago and writes its 65 bytes now
     raise NodeLocalError(explain(
-        f"the run's secret {path} is missing, unreadable, not a private file or not {2 * SECRET_BYTES} hex digits",
-        expected="a regular file of mode 0600 that hpc_ddp wrote (0640 where the run dir's group may write it)",
-        hint=f"if nobody else can write the run dir, remove {path} (a new one is made at the next start); if "
-        "someone else made it, the run dir is not yours alone: see docs/security.md"), key="run_dir")
+        f"the run's secret {path} is missing, unreadable, not a private file or not "
+        f"{2 * SECRET_BYTES} hex digits",
+        expected="a regular file of mode 0600 that hpc_ddp wrote (0640 where the run dir's group "
+                 "may write it)",
+        hint=f"if nobody else can write the run dir, remove {path} (a new one is made at the next "
+             "start); if "
+        "someone else made it, the run dir is not yours alone: see docs/security.md"),
+                         key="run_dir")
 
 
 def token(run_dir: Path | str, tag: str) -> str:
-    """The attempt ``tag``'s token: what a node-local record or a store key must carry to be believed."""
-    return hmac.new(run_secret(run_dir), b"attempt\0" + tag.encode(), hashlib.sha256).hexdigest()[:32]
+    """The attempt ``tag``'s token: what a node-local record or a store key must carry to be
+    believed."""
+    return hmac.new(run_secret(run_dir), b"attempt\0" + tag.encode(),
+                    hashlib.sha256).hexdigest()[:32]
 
 
 def run_folder(run_dir: Path | str, base: Path | None = None, suffix: str = "") -> Path:
-    """The run's folder on this node (not made here: :func:`ensure`); ``suffix`` names a sibling of its own."""
+    """The run's folder on this node (not made here: :func:`ensure`); ``suffix`` names a sibling of
+    its own."""
     path = str(Path(run_dir).resolve())
-    key = hmac.new(run_secret(run_dir), b"node-folder\0" + path.encode(), hashlib.sha256).hexdigest()[:24]
+    key = hmac.new(run_secret(run_dir), b"node-folder\0" + path.encode(),
+                   hashlib.sha256).hexdigest()[:24]
     return (base or base_dir()) / f"{prefix()}{key}{suffix}"
 
 
 def ensure(path: Path | str) -> Path:
-    """``path`` as a private folder of this user, made where missing: every folder from the first one named
-    ``hpc_ddp-UID-...`` down to ``path`` is made with mode 0700 and checked (:func:`check`)."""
+    """``path`` as a private folder of this user, made where missing: every folder from the first
+    one named ``hpc_ddp-UID-...`` down to ``path`` is made with mode 0700 and checked
+    (:func:`check`)."""
     path = Path(path)
     chain = [path, *path.parents]
     top = next((i for i, p in enumerate(chain) if p.name.startswith(prefix())), 0)
-    chain[top].parent.mkdir(parents=True, exist_ok=True)  # the base (TMPDIR, a test's folder) where missing
+    # the base (TMPDIR, a test's folder) where missing
+    chain[top].parent.mkdir(parents=True, exist_ok=True)
     for folder in reversed(chain[: top + 1]):
         try:
             os.mkdir(folder, 0o700)
@@ -139,14 +158,15 @@ def ensure(path: Path | str) -> Path:
 
 
 def check(folder: Path) -> None:
-    """A real directory, this user's, closed to group and others; one of ours left open to reading only
-    (an older hpc_ddp's 0755) is closed; anything else is refused."""
+    """A real directory, this user's, closed to group and others; one of ours left open to reading
+    only (an older hpc_ddp's 0755) is closed; anything else is refused."""
     info = os.lstat(folder)
     if not stat.S_ISDIR(info.st_mode):
         what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
         raise NodeLocalError(_refusal(folder, what, info))
     if info.st_uid != os.getuid():
-        raise NodeLocalError(_refusal(folder, f"owned by uid {info.st_uid}{_name(info.st_uid)}", info))
+        raise NodeLocalError(_refusal(folder, f"owned by uid {info.st_uid}{_name(info.st_uid)}",
+                                      info))
     if info.st_mode & 0o022:
         raise NodeLocalError(_refusal(folder, "writable by others", info))
     if info.st_mode & 0o077:
@@ -155,10 +175,12 @@ def check(folder: Path) -> None:
 
 def _refusal(folder: Path, what: str, info: os.stat_result) -> str:
     return explain(
-        f"hpc_ddp will not use {folder} on this node: it is {what} (mode {stat.filemode(info.st_mode)}), and "
+        f"hpc_ddp will not use {folder} on this node: it is {what} (mode "
+        f"{stat.filemode(info.st_mode)}), and "
         "something another user planted there could steer or run as your job",
         expected=f"a directory of mode 0700 owned by you (uid {os.getuid()}), or none",
-        hint=f"remove it (`ls -ld {folder}` shows who made it; ask the node's admin if it is not yours); "
+        hint=f"remove it (`ls -ld {folder}` shows who made it; ask the node's admin if it is not "
+             "yours); "
         "docs/security.md says what hpc_ddp keeps on node-local storage")
 
 
@@ -171,10 +193,12 @@ def _name(uid: int) -> str:
         return ""
 
 
-def read(path: Path | str, limit: int = 1 << 20, *, private: int = 0, owner: int | None = -1) -> bytes | None:
-    """The first ``limit`` bytes of the regular file ``path``, opened without following a link and without
-    blocking on a planted FIFO; None when it is absent, not a regular file, not ``owner``'s (default: this
-    user's; None: anyone's), or with any of the mode bits ``private`` (0o077: a secret only its owner reads)."""
+def read(path: Path | str, limit: int = 1 << 20, *, private: int = 0,
+         owner: int | None = -1) -> bytes | None:
+    """The first ``limit`` bytes of the regular file ``path``, opened without following a link and
+    without blocking on a planted FIFO; None when it is absent, not a regular file, not ``owner``'s
+    (default: this user's; None: anyone's), or with any of the mode bits ``private`` (0o077: a
+    secret only its owner reads)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:  # absent, or a link where a file of ours should be (ELOOP)

@@ -39,7 +39,8 @@ class RunLockedError(HpcDdpError):
 def holder_record(job: str, *, local: bool, pid: int | None = None, host: str | None = None,
                   now: float | None = None) -> dict[str, Any]:
     """What the lock file says about its holder."""
-    return {"job": job, "local": local, "host": host or socket.gethostname(), "pid": pid or os.getpid(),
+    return {"job": job, "local": local, "host": host or socket.gethostname(), "pid": pid
+            or os.getpid(),
             "since": round(now if now is not None else time.time(), 3)}
 
 
@@ -66,10 +67,12 @@ def holder_alive(holder: Mapping[str, Any], runner: Callable[..., Any] = subproc
 
 
 def in_use(run_dir: Path, who: str, hint: str) -> RunLockedError:
-    """The refusal for a run dir that a live job holds: the same words from submit and from any rank."""
+    """The refusal for a run dir that a live job holds: the same words from submit and from any
+    rank."""
     return RunLockedError(explain(f"run dir {run_dir} is in use by {who}",
                                   expected="one job per run dir (two would interleave snapshots)",
-                                  hint=f"{hint}; for a separate run choose another run_dir=... (its default is "
+                                  hint=f"{hint}; for a separate run choose another run_dir=... "
+                                       "(its default is "
                                   "runs/NAME, from name=...)"), key="run_dir")
 
 
@@ -81,8 +84,8 @@ def _where(holder: Mapping[str, Any]) -> str:
 
 
 def _zombie(pid: int) -> bool:
-    """An exited process not yet reaped (state Z): dead, though kill(pid, 0) still finds it. A killed
-    launcher's ranks go to PID 1, which reaps slowly on some machines (containers)."""
+    """An exited process not yet reaped (state Z): dead, though kill(pid, 0) still finds it. A
+    killed launcher's ranks go to PID 1, which reaps slowly on some machines (containers)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
     except (OSError, IndexError):
@@ -90,7 +93,8 @@ def _zombie(pid: int) -> bool:
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
-    """A JSON object file of the run dir (lock, job record), or None when missing, unreadable or not an object."""
+    """A JSON object file of the run dir (lock, job record), or None when missing, unreadable or not
+    an object."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -111,7 +115,8 @@ def _create(path: Path, record: Mapping[str, Any]) -> bool:
     return True
 
 
-def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
+def acquire(run_dir: Path, me: Mapping[str, Any],
+            alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
     """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder."""
     path = layout.lock(run_dir)
     for _ in range(3):
@@ -120,7 +125,8 @@ def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, 
             created = _create(path, me)
         except OSError as err:
             raise HpcDdpError(explain(f"cannot write the run dir {run_dir}: {err.strerror}",
-                                      hint="the run needs a writable run dir with free space; the snapshots "
+                                      hint="the run needs a writable run dir with free space; the "
+                                           "snapshots "
                                       "already there are untouched"), key="run_dir") from None
         if created:
             return
@@ -129,11 +135,13 @@ def acquire(run_dir: Path, me: Mapping[str, Any], alive: Callable[[Mapping[str, 
             time.sleep(0.2)
             holder = read_record(path)
         if holder is not None and holder.get("job") == me["job"] and holder.get("local") == me["local"]:
-            path.unlink(missing_ok=True)  # our own job, requeued (or restarted by the local launcher)
+            # our own job, requeued (or restarted by the local launcher)
+            path.unlink(missing_ok=True)
             continue
         if holder is not None and alive(holder):
             raise in_use(run_dir, f"job {holder.get('job')} ({_where(holder)})",
-                         f"wait for that job or cancel it; if you are sure nothing uses it, delete {path}")
+                         "wait for that job or cancel it; if you are sure nothing uses it, delete "
+                         f"{path}")
         log.warning("taking over the lock of %s from job %s, which is gone", run_dir,
                     holder.get("job") if holder else "(unreadable lock)")
         path.unlink(missing_ok=True)

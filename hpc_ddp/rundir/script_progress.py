@@ -1,4 +1,5 @@
-"""``RUN_DIR/script_progress.json``: a ``train.script``'s recent steps, as rank 0's worker read them.
+"""``RUN_DIR/script_progress.json``: a ``train.script``'s recent steps, as rank 0's worker read
+them.
 
 A wrapped script writes no metrics of hpc_ddp's, but rank 0's worker reads its output for
 ``train.script_progress`` lines. So that ``status`` can show the step, ``step/max`` and an ETA as it
@@ -25,13 +26,16 @@ LOSS = re.compile(r"(?i)\bloss\b\D{0,3}?(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
 
 
 def point(step: int, line: str, now: float) -> dict[str, Any]:
-    """A point for ``step`` from its progress line: the loss too, where the line says ``loss 0.123``."""
+    """A point for ``step`` from its progress line: the loss too, where the line says ``loss
+    0.123``."""
     found = LOSS.search(line)
-    return {"step": step, "time": round(now, 3), **({"loss": float(found.group(1))} if found else {})}
+    return {"step": step, "time": round(now, 3),
+            **({"loss": float(found.group(1))} if found else {})}
 
 
 def write(run_dir: Path, record: dict[str, Any]) -> None:
-    """Replace the file (a temporary name, then a rename: a reader sees the old file or the new one)."""
+    """Replace the file (a temporary name, then a rename: a reader sees the old file or the new
+    one)."""
     path = layout.script_progress(run_dir)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:

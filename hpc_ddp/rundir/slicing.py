@@ -28,14 +28,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-FORMAT = 2  # format 1: every node's file held the whole replicated state ("replicated") and its ranks' RNG
-MIN_SPLIT = 1 << 20  # tensors below 1 MiB stay whole: cutting them saves nothing and adds pieces to the manifest
+# format 1: every node's file held the whole replicated state ("replicated") and its ranks' RNG
+FORMAT = 2
+# tensors below 1 MiB stay whole: cutting them saves nothing and adds pieces to the manifest
+MIN_SPLIT = 1 << 20
 Path_ = tuple[Any, ...]  # keys (str or int) from the state's root to a tensor
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements ``[start, stop)`` of the flattened tensor number ``tensor``, held by slice ``slice``."""
+    """Elements ``[start, stop)`` of the flattened tensor number ``tensor``, held by slice
+    ``slice``."""
 
     tensor: int
     start: int
@@ -44,7 +47,8 @@ class Piece:
 
 
 def plan(sizes: Sequence[tuple[int, int]], slices: int, min_split: int = MIN_SPLIT) -> list[Piece]:
-    """Cut tensors of ``(numel, itemsize)`` into pieces so every slice holds about 1/``slices`` of the bytes.
+    """Cut tensors of ``(numel, itemsize)`` into pieces so every slice holds about 1/``slices`` of
+    the bytes.
 
     Deterministic (every writer computes the same plan from the same state) and
     contiguous: slice ``s`` covers bytes ``[s*T/S, (s+1)*T/S)`` of the stream, up to a
@@ -65,8 +69,11 @@ def plan(sizes: Sequence[tuple[int, int]], slices: int, min_split: int = MIN_SPL
             start = 0
             while start < numel:
                 owner = slice_at(offset + start * item)
-                end_byte = -(-(owner + 1) * total // slices)  # where slice ``owner`` ends, rounded up
-                stop = numel if owner == slices - 1 else min(numel, max(start + 1, -(-(end_byte - offset) // item)))
+                # where slice ``owner`` ends, rounded up
+                end_byte = -(-(owner + 1) * total // slices)
+                stop = numel if owner == slices - 1 else min(numel,
+                                                             max(start + 1,
+                                                                 -(-(end_byte - offset) // item)))
                 pieces.append(Piece(index, start, stop, owner))
                 start = stop
         offset += nbytes
@@ -88,9 +95,11 @@ def layout_digest(layout: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# -- reading a manifest (no torch) ----------------------------------------------------------------------
+# -- reading a manifest (no torch)
+# ----------------------------------------------------------------------
 def layout_problem(manifest: Mapping[str, Any]) -> str | None:
-    """Why a split manifest's layout cannot be followed (tampered, truncated), or None when it holds together.
+    """Why a split manifest's layout cannot be followed (tampered, truncated), or None when it holds
+    together.
 
     Format-1 manifests (no ``layout``) have nothing to check: every file is a whole copy.
     """
@@ -103,7 +112,8 @@ def layout_problem(manifest: Mapping[str, Any]) -> str | None:
     slices, tensors, pieces = layout.get("slices"), layout.get("tensors"), layout.get("pieces")
     if not _count(slices) or not isinstance(tensors, list) or not isinstance(pieces, list):
         return "layout lacks slices, tensors or pieces"
-    if not all(isinstance(t, list) and len(t) == 2 and _key_path(t[0]) and _shape(t[1]) for t in tensors):
+    if not all(isinstance(t, list) and len(t) == 2 and _key_path(t[0]) and _shape(t[1])
+               for t in tensors):
         return "a tensor entry is not [path, shape]"
     covered = [0] * len(tensors)
     for piece in pieces:
@@ -138,8 +148,8 @@ def slice_count(manifest: Mapping[str, Any]) -> int:
 
 
 def sources(manifest: Mapping[str, Any], good: Iterable[str]) -> dict[int, str] | None:
-    """For every slice, the first good file that holds it (its own node's before a replica); None when
-    some slice has no good copy left (the step cannot be restored)."""
+    """For every slice, the first good file that holds it (its own node's before a replica); None
+    when some slice has no good copy left (the step cannot be restored)."""
     good = set(good)
     found: dict[int, str] = {}
     for name, held in sorted(file_slices(manifest).items()):
@@ -150,7 +160,8 @@ def sources(manifest: Mapping[str, Any], good: Iterable[str]) -> dict[int, str] 
 
 
 def rank_file(manifest: Mapping[str, Any], rank: int) -> str | None:
-    """The file that holds ``rank``'s RNG state in the snapshot's own geometry (None: no such rank)."""
+    """The file that holds ``rank``'s RNG state in the snapshot's own geometry (None: no such
+    rank)."""
     files, written_by = manifest.get("files", {}), manifest.get("world_size")
     listed = False
     for name, entry in sorted(files.items()):
@@ -158,7 +169,8 @@ def rank_file(manifest: Mapping[str, Any], rank: int) -> str | None:
             listed = True
             if rank in entry["ranks"]:
                 return name
-    if listed:  # the files say whose RNG they hold, and none holds this rank's (a just-in-time snapshot's)
+    # the files say whose RNG they hold, and none holds this rank's (a just-in-time snapshot's)
+    if listed:
         return None
     nodes = manifest.get("num_nodes")  # format 1: nodes held consecutive blocks of ranks
     if _count(nodes) and _count(written_by) and written_by % nodes == 0 and 0 <= rank < written_by:
@@ -182,7 +194,8 @@ def _shape(value: Any) -> bool:
     return isinstance(value, list) and all(_int(d) and d >= 0 for d in value)
 
 
-# -- the tensors (torch, imported by the caller's process already) --------------------------------------
+# -- the tensors (torch, imported by the caller's process already)
+# --------------------------------------
 def split(state: Any) -> tuple[Any, list[tuple[Path_, torch.Tensor]]]:
     """(the state with every tensor replaced by None, [(path, tensor)] in the state's order).
 
@@ -200,14 +213,16 @@ def split(state: Any) -> tuple[Any, list[tuple[Path_, torch.Tensor]]]:
             return None
         if isinstance(value, dict) and all(isinstance(k, str) or _int(k) for k in value):
             return {k: walk(v, (*path, k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # a namedtuple stays whole
+        # a namedtuple stays whole
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             return type(value)(walk(v, (*path, i)) for i, v in enumerate(value))
         return value
 
     return walk(state, ()), found
 
 
-def layout_for(tensors: Sequence[tuple[Path_, torch.Tensor]], slices: int, replicas: int) -> dict[str, Any]:
+def layout_for(tensors: Sequence[tuple[Path_, torch.Tensor]], slices: int,
+               replicas: int) -> dict[str, Any]:
     """The manifest's ``layout`` for these tensors split over ``slices`` nodes."""
     pieces = plan([(t.numel(), t.element_size()) for _, t in tensors], slices)
     return {"format": FORMAT, "slices": slices, "replicas": min(replicas, slices),
@@ -218,10 +233,11 @@ def layout_for(tensors: Sequence[tuple[Path_, torch.Tensor]], slices: int, repli
 def pieces_for(layout: Mapping[str, Any], tensors: Sequence[tuple[Path_, torch.Tensor]],
                held: Iterable[int], copy: bool = True) -> dict[int, torch.Tensor]:
     """{piece index: tensor} for the slices ``held``: a whole tensor as it is, a part as a flat copy
-    (torch.save of a view writes the whole tensor's storage), a tensor whose storage is not in row-major order
-    (transposed, channels_last) as a row-major copy: a resume reads a piece's bytes as they lie in the file and
-    puts them in the manifest's shape. ``copy=False``: parts and such tensors as they are, for a caller that
-    copies them anyway (:mod:`hpc_ddp.rank.state.pipeline`)."""
+    (torch.save of a view writes the whole tensor's storage), a tensor whose storage is not in
+    row-major order (transposed, channels_last) as a row-major copy: a resume reads a piece's bytes
+    as they lie in the file and puts them in the manifest's shape. ``copy=False``: parts and such
+    tensors as they are, for a caller that copies them anyway
+    (:mod:`hpc_ddp.rank.state.pipeline`)."""
     import torch
 
     held = set(held)
@@ -241,8 +257,9 @@ def pieces_for(layout: Mapping[str, Any], tensors: Sequence[tuple[Path_, torch.T
 
 def node_content(state: Any, node: int, nodes: int, replicas: int, rng: Any,
                  copy: bool = True) -> tuple[dict[str, Any], dict[str, Any], list[int]]:
-    """(what node ``node``'s file holds: the skeleton, its slices' pieces and ``rng``; the layout over ``nodes``;
-    the slices it holds). A periodic snapshot's writers and a just-in-time snapshot's (one node) alike."""
+    """(what node ``node``'s file holds: the skeleton, its slices' pieces and ``rng``; the layout
+    over ``nodes``; the slices it holds). A periodic snapshot's writers and a just-in-time
+    snapshot's (one node) alike."""
     skeleton, tensors = split(state)
     layout = layout_for(tensors, nodes, replicas)
     held = slices_of(node, nodes, replicas)
@@ -262,7 +279,8 @@ def assemble(layout: Mapping[str, Any], skeleton: Any, pieces: Mapping[int, torc
         chunks = parts.get(index, [])
         value = chunks[0] if len(chunks) == 1 else torch.cat([c.reshape(-1) for c in chunks])
         if value.numel() != math.prod(shape):
-            raise ValueError(f"{'.'.join(map(str, path))} has {value.numel()} elements, the manifest says {shape}")
+            raise ValueError(f"{'.'.join(map(str, path))} has {value.numel()} elements, the "
+                             f"manifest says {shape}")
         tensors[tuple(path)] = value.reshape(shape)
 
     def rebuild(value: Any, path: Path_) -> Any:

@@ -1,6 +1,7 @@
-"""Where rank 0 says that it serves the attempt's store on another of its ports (:mod:`hpc_ddp.core.store_ports`):
-the first one was taken on its node. The other ranks, waiting to connect, look here as they look for rank 0's
-recorded error (``RUN_DIR/errors/``, read by name). Rare: a taken port of 22,000 that nobody can guess. No torch.
+"""Where rank 0 says that it serves the attempt's store on another of its ports
+(:mod:`hpc_ddp.core.store_ports`): the first one was taken on its node. The other ranks, waiting to
+connect, look here as they look for rank 0's recorded error (``RUN_DIR/errors/``, read by name).
+Rare: a taken port of 22,000 that nobody can guess. No torch.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""How this process sees the run dir: the seam between the decisions that another node's writes can change
-(which steps are committed, which step directory is a leftover, which ranks were declared lost) and the
-filesystem they read.
+"""How this process sees the run dir: the seam between the decisions that another node's writes can
+change (which steps are committed, which step directory is a leftover, which ranks were declared
+lost) and the filesystem they read.
 
-On one machine the answer is the disk's. On a cluster the run dir is on NFS or Lustre, and a node's client
-caches names (absent names too: ``lookupcache=all``), attributes and directory listings for up to
-``acdirmax`` (60 s by default): a manifest another node committed seconds ago can look absent here, and a
-listing can lack a marker. What stays trustworthy is creating a name exclusively, and opening a file by name
-after its writer closed it (close-to-open), *if this node never looked the name up while it was absent*. So
-the run dir's shared decisions go through :func:`current`, and tests swap in a client that caches as NFS
-does (``tests/nfs_client.py``) to run them against another node's stale view. No torch.
+On one machine the answer is the disk's. On a cluster the run dir is on NFS or Lustre, and a node's
+client caches names (absent names too: ``lookupcache=all``), attributes and directory listings for
+up to ``acdirmax`` (60 s by default): a manifest another node committed seconds ago can look absent
+here, and a listing can lack a marker. What stays trustworthy is creating a name exclusively, and
+opening a file by name after its writer closed it (close-to-open), *if this node never looked the
+name up while it was absent*. So the run dir's shared decisions go through :func:`current`, and
+tests swap in a client that caches as NFS does (``tests/nfs_client.py``) to run them against another
+node's stale view. No torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Protocol
 
 
 class View(Protocol):
-    """What a node asks of the run dir. Every method raises ``OSError`` as the ``os`` call it stands for."""
+    """What a node asks of the run dir. Every method raises ``OSError`` as the ``os`` call it stands
+    for."""
 
     def listdir(self, path: Path) -> list[str]: ...
 
@@ -63,7 +65,8 @@ def seen_as(view: View) -> Iterator[View]:
 
 
 def exists(path: Path) -> bool:
-    """Whether ``path`` is there as the current view sees it (a stat, which a client may answer from its cache)."""
+    """Whether ``path`` is there as the current view sees it (a stat, which a client may answer from
+    its cache)."""
     try:
         current().stat(path)
     except OSError:

@@ -1,4 +1,5 @@
-"""Healing inside the allocation: which nodes run the next step after a failed one (pure: no Slurm, no torch).
+"""Healing inside the allocation: which nodes run the next step after a failed one (pure: no Slurm,
+no torch).
 
 The batch shell's supervisor (:mod:`hpc_ddp.supervise`) gathers the facts: what the job
 holds now (``scontrol show job``: ``SLURM_JOB_NODELIST`` goes stale once Slurm removes a
@@ -27,7 +28,8 @@ from typing import Any
 
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 
-# scontrol's State= flags that make a node unusable for the next step (State=IDLE+DRAIN, DOWN*, ...).
+# scontrol's State= flags that make a node unusable for the next step (State=IDLE+DRAIN, DOWN*,
+# ...).
 BAD_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWER", "REBOOT", "MAINT")
 _TASK_FAILED = re.compile(r"srun: error: (?P<node>[^\s:]+): tasks? [\d,\-]+: (?P<what>.+)$")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (?P<node>[^\s:]+)")
@@ -72,7 +74,8 @@ def bad_state(state: str) -> bool:
 
 
 def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
-    """The nodes srun blamed for a failed step: every lost node, or else the node of the task that died first.
+    """The nodes srun blamed for a failed step: every lost node, or else the node of the task that
+    died first.
 
     With ``--kill-on-bad-exit`` srun ends the other tasks itself once one fails, and reports
     them too; what it reports after its "Terminating StepId" line is a consequence, not a
@@ -94,28 +97,32 @@ def culprits(srun_lines: Iterable[str]) -> dict[str, str]:
         if task and not terminating:
             died.append((task.group("node"), task.group("what").strip()))
     if died and not found:  # a lost node's peers are killed because of it: they are not to blame
-        node, what = next(((n, w) for n, w in died if not w.startswith("Exited with exit code")), died[0])
+        node, what = next(((n, w) for n, w in died if not w.startswith("Exited with exit code")),
+                          died[0])
         found.setdefault(node, f"a task died first there ({what})")
     return found
 
 
 def failed_at_same_point(previous: int | None, now: int | None) -> str:
-    """Why not to heal again when two steps in a row failed with the run at the same point (the same last
-    logged step or snapshot): a bug that fails there every time would use every in-job restart the same way.
-    ``previous`` is -1 before the first failure. Empty when healing may go on."""
+    """Why not to heal again when two steps in a row failed with the run at the same point (the same
+    last logged step or snapshot): a bug that fails there every time would use every in-job restart
+    the same way. ``previous`` is -1 before the first failure. Empty when healing may go on."""
     if previous == -1 or previous != now:
         return ""
     where = "before its first step" if now is None else f"at step {now}"
-    return (f"the step failed twice in a row with the run {where}: a retry in the job would most likely fail the "
+    return (f"the step failed twice in a row with the run {where}: a retry in the job would most "
+            "likely fail the "
             "same way")
 
 
-def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str], ranks_per_node: int) -> dict[str, str]:
-    """The nodes of the ranks the watchdog named stuck (rank // ranks per node in the step's node order).
+def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str],
+                ranks_per_node: int) -> dict[str, str]:
+    """The nodes of the ranks the watchdog named stuck (rank // ranks per node in the step's node
+    order).
 
-    ``ranks_per_node`` counts the workers' global ranks on a node, which is not srun's tasks per node
-    under the torchrun template (one torchrun task per node, ``nproc_per_node`` ranks each): take it
-    from the ledger line (:func:`ranks_per_node`)."""
+    ``ranks_per_node`` counts the workers' global ranks on a node, which is not srun's tasks per
+    node under the torchrun template (one torchrun task per node, ``nproc_per_node`` ranks each):
+    take it from the ledger line (:func:`ranks_per_node`)."""
     named = {}
     for rank in stuck_ranks:
         index = rank // max(1, ranks_per_node)
@@ -125,81 +132,98 @@ def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str], ranks_per_node
 
 
 def ranks_per_node(record: Mapping[str, Any], nodes: Sequence[str], fallback: int) -> int:
-    """How many worker ranks ran on each node of the step: the ledger line's world size over its nodes
-    (what the workers saw), else ``fallback`` (srun's tasks per node, right for the srun launchers)."""
+    """How many worker ranks ran on each node of the step: the ledger line's world size over its
+    nodes (what the workers saw), else ``fallback`` (srun's tasks per node, right for the srun
+    launchers)."""
     world = record.get("world_size")
     if isinstance(world, int) and world > 0 and nodes and world % len(nodes) == 0:
         return world // len(nodes)
     return fallback
 
 
-def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str], soft: Mapping[str, str],
+def plan(held: Sequence[str], training: Sequence[str], *, hard: Mapping[str, str],
+         soft: Mapping[str, str],
          counts: range, avoid: Collection[str] = ()) -> Plan:
-    """The nodes of the next step. ``held``: what the job holds now, in order; ``training``: the failed
-    step's nodes; ``hard``/``soft``: suspects with why; ``counts``: the node counts the run may train on;
-    ``avoid``: nodes used only when nothing else is left (the batch host: a step that trains there takes
-    the supervisor down with it when the node is lost)."""
+    """The nodes of the next step. ``held``: what the job holds now, in order; ``training``: the
+    failed step's nodes; ``hard``/``soft``: suspects with why; ``counts``: the node counts the run
+    may train on; ``avoid``: nodes used only when nothing else is left (the batch host: a step that
+    trains there takes the supervisor down with it when the node is lost)."""
     want = min(len(training), counts[-1])
     usable = [n for n in held if n not in hard]
     clean = [n for n in usable if n not in soft]
-    known = [*held, *(n for n in training if n not in held)]  # a node Slurm took away is still named
+    # a node Slurm took away is still named
+    known = [*held, *(n for n in training if n not in held)]
     excluded = {n: hard[n] if n in hard else soft[n] for n in known if n in hard or n in soft}
     if len(clean) >= want:
         nodes = prefer(clean, training, want, avoid)
         how = "replaced" if set(nodes) != set(training) else "retried"
         return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes}, how,
-                    f"{want} healthy nodes" + (" (a spare took a suspect's place)" if how == "replaced" else ""))
+                    f"{want} healthy nodes"
+                    + (" (a spare took a suspect's place)" if how == "replaced" else ""))
     if len(usable) >= want:
         nodes = prefer(usable, training, want, avoid)
         kept = [n for n in nodes if n in soft]
         return Plan(nodes, {n: w for n, w in excluded.items() if n not in nodes},
                     "replaced" if set(nodes) != set(training) else "retried",
-                    f"no other spare: {', '.join(kept)} failed once and still answers, so it is tried once more")
+                    f"no other spare: {', '.join(kept)} failed once and still answers, so it is "
+                    "tried once more")
     if len(clean) >= counts[0]:
         nodes = prefer(clean, training, len(clean), avoid)
-        return Plan(nodes, excluded, "shrunk", f"{len(nodes)} healthy nodes of {want}: slurm.nodes allows "
+        return Plan(nodes, excluded, "shrunk", f"{len(nodes)} healthy nodes of {want}: slurm.nodes "
+                                               "allows "
                     f"{counts[0]}-{counts[-1]}, same global batch")
     spare = "" if len(held) > len(training) else (  # the job held no spare: say how to hold one
-        "; no spare node was held: slurm.spare_nodes=1 holds one that takes a lost node's place in the job"
-        + (f" (or slurm.nodes={max(1, want - 1)}-{want} goes on with fewer)" if len(counts) == 1 and want > 1 else ""))
-    return Plan([], excluded, "requeue", f"{len(clean)} healthy node(s) left, {counts[0]} needed{spare}")
+        "; no spare node was held: slurm.spare_nodes=1 holds one that takes a lost node's place in "
+        "the job"
+        + (f" (or slurm.nodes={max(1, want - 1)}-{want} goes on with fewer)" if len(counts) == 1
+           and want > 1 else ""))
+    return Plan([], excluded, "requeue", f"{len(clean)} healthy node(s) left, {counts[0]} "
+                                         f"needed{spare}")
 
 
-def prefer(candidates: Sequence[str], training: Sequence[str], want: int, avoid: Collection[str] = ()) -> list[str]:
-    """``want`` of the candidates: the failed step's own nodes first (their page cache holds the snapshot),
-    then the others in the job's order, the ``avoid`` ones last; returned in the job's order (srun numbers
-    nodes that way)."""
-    ranked = sorted(candidates, key=lambda n: (n in avoid, n not in training))  # stable: the job's order within
+def prefer(candidates: Sequence[str], training: Sequence[str], want: int,
+           avoid: Collection[str] = ()) -> list[str]:
+    """``want`` of the candidates: the failed step's own nodes first (their page cache holds the
+    snapshot), then the others in the job's order, the ``avoid`` ones last; returned in the job's
+    order (srun numbers nodes that way)."""
+    # stable: the job's order within
+    ranked = sorted(candidates, key=lambda n: (n in avoid, n not in training))
     chosen = set(ranked[:want])
     return [n for n in candidates if n in chosen]
 
 
 @dataclass
 class Healer:
-    """What one job's healer remembers between its steps, and its decision after a failed one; used by the
-    batch shell (:mod:`hpc_ddp.supervise`) and the local rehearsal (:mod:`hpc_ddp.rehearsal.local_heal`) alike."""
+    """What one job's healer remembers between its steps, and its decision after a failed one; used
+    by the batch shell (:mod:`hpc_ddp.supervise`) and the local rehearsal
+    (:mod:`hpc_ddp.rehearsal.local_heal`) alike."""
 
     cap: int  # slurm.max_restarts_in_job
     counts: range  # the node counts slurm.nodes allows
-    failed_before: set[str] = field(default_factory=set)  # the nodes blamed for the previous failed step
-    last_failure: int | None = -1  # how far the run had got at the previous failed step (-1: none yet)
+    # the nodes blamed for the previous failed step
+    failed_before: set[str] = field(default_factory=set)
+    # how far the run had got at the previous failed step (-1: none yet)
+    last_failure: int | None = -1
     next_nodes: list[str] = field(default_factory=list)
     healed: dict[str, Any] | None = None  # for the next step's ledger line
     why_not: str = ""  # why the last failure was not healed in the job
 
-    def decide(self, record: Mapping[str, Any], index: int, held: Sequence[str], training: Sequence[str],
-               hard: dict[str, str], soft: dict[str, str], point: int | None, *, avoid: Collection[str] = (),
+    def decide(self, record: Mapping[str, Any], index: int, held: Sequence[str],
+               training: Sequence[str],
+               hard: dict[str, str], soft: dict[str, str], point: int | None, *,
+               avoid: Collection[str] = (),
                no_resize: str | None = None) -> str | None:
         """After step ``index`` on ``training`` failed: a sentence on the next step (its nodes in
-        ``next_nodes``), or None with ``why_not`` (the requeue path). ``point``: how far the run got;
-        ``avoid``: see :func:`plan`; ``no_resize``: why the run's state cannot change its world size (then
-        the next step has the same number of nodes, or there is none)."""
+        ``next_nodes``), or None with ``why_not`` (the requeue path). ``point``: how far the run
+        got; ``avoid``: see :func:`plan`; ``no_resize``: why the run's state cannot change its world
+        size (then the next step has the same number of nodes, or there is none)."""
         self.healed, self.next_nodes = None, []
         if index >= self.cap:
             self.why_not = f"slurm.max_restarts_in_job={self.cap} in-job restarts used"
             return None
         again, self.last_failure = failed_at_same_point(self.last_failure, point), point
-        if again and not hard:  # a node Slurm or a probe found bad is hardware, not a bug that fails every time
+        # a node Slurm or a probe found bad is hardware, not a bug that fails every time
+        if again and not hard:
             self.why_not = again
             return None
         for node in list(soft):
@@ -211,10 +235,12 @@ class Healer:
         left_out = "; ".join(f"{n}: {why}" for n, why in chosen.excluded.items())
         if not chosen.heals:
             self.why_not = chosen.why + (f" ({left_out})" if left_out else "") + (
-                f"; fewer nodes are no option: {no_resize}" if no_resize and len(self.counts) > 1 else "")
+                f"; fewer nodes are no option: {no_resize}" if no_resize and len(self.counts) > 1
+                else "")
             return None
         self.next_nodes = chosen.nodes
         self.healed = {"after": record.get("reason"), "how": chosen.how,
                        "excluded": chosen.excluded, "nodes_before": compress_hostlist(training)}
-        return (f"{chosen.how}: restarting inside the job on {compress_hostlist(chosen.nodes)} (in-job restart "
+        return (f"{chosen.how}: restarting inside the job on {compress_hostlist(chosen.nodes)} "
+                "(in-job restart "
                 f"{index + 1} of {self.cap}){'; left out ' + left_out if left_out else ''}")

@@ -31,7 +31,8 @@ from hpc_ddp.rundir import jit_claims, jit_files, layout, losses
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
-from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields, attempt_key, cap_reached, caps,
+from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields, attempt_key,
+                                   cap_reached, caps,
                                    name_the_ledger, note_error, read_attempts)
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
@@ -43,7 +44,8 @@ FAILURE_REASONS = ("failed", "hung")
 
 
 def not_requeued(run_dir: Path) -> str:
-    return ("not requeued: a configuration, task or environment error fails the same way every time; the message "
+    return ("not requeued: a configuration, task or environment error fails the same way every "
+            "time; the message "
             f"is in the rank logs and in {layout.errors(run_dir)}; fix it, then submit again")
 
 
@@ -68,8 +70,9 @@ def _last_metrics_step(run_dir: Path) -> int | None:
 
 
 def last_known(run_dir: Path) -> dict[str, Any]:
-    """How far a run got that died without a word: the newer of metrics.jsonl's last step and the newest
-    committed snapshot, which of the two it is, and the snapshot (where the next attempt resumes)."""
+    """How far a run got that died without a word: the newer of metrics.jsonl's last step and the
+    newest committed snapshot, which of the two it is, and the snapshot (where the next attempt
+    resumes)."""
     logged, snapshot = _last_metrics_step(run_dir), _newest_snapshot(run_dir)
     if logged is not None and (snapshot is None or logged > snapshot):
         return {"last_step": logged, "last_step_from": "metrics.jsonl", "snapshot": snapshot}
@@ -77,26 +80,30 @@ def last_known(run_dir: Path) -> dict[str, Any]:
             "snapshot": snapshot}
 
 
-def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int, limits: Mapping[str, int],
+def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int,
+           limits: Mapping[str, int],
            requeue_job: Callable[[], str | None] | None, now: float | None = None, in_job: int = 0,
            heal: Callable[[Mapping[str, Any]], str | None] | None = None,
            extra: Mapping[str, Any] | None = None, stop_reason: Callable[[], str] | None = None,
            logs: Callable[[], Sequence[Path]] | None = None) -> str:
-    """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can (it
-    starts no step itself: it says what the next one will be, or None), else requeue it under its cap.
-    ``logs``: the step's output files, read (their tails) only when the workers wrote no line: a rank that
-    gloo aborted for a collective mismatch (:mod:`hpc_ddp.core.mismatch`) left no line, and the attempt is
-    then an ``error``, never healed nor requeued. Returns what happened."""
+    """Record the attempt if the workers could not; heal a failure inside the job when ``heal`` can
+    (it starts no step itself: it says what the next one will be, or None), else requeue it under
+    its cap. ``logs``: the step's output files, read (their tails) only when the workers wrote no
+    line: a rank that gloo aborted for a collective mismatch (:mod:`hpc_ddp.core.mismatch`) left no
+    line, and the attempt is then an ``error``, never healed nor requeued. Returns what happened."""
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
-    if exit_code != 0:  # fencing: no process of this attempt commits a survivors' snapshot from now on
+    # fencing: no process of this attempt commits a survivors' snapshot from now on
+    if exit_code != 0:
         try:
             jit_claims.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
         except OSError as err:  # the ledger line matters more: recorded below whatever the seal met
-            print(f"hpc_ddp.settle: could not seal the attempt's survivors' snapshot: {err}", file=sys.stderr)
+            print(f"hpc_ddp.settle: could not seal the attempt's survivors' snapshot: {err}",
+                  file=sys.stderr)
     if layout.done(run_dir).exists():
         return "finished"
-    name_the_ledger(run_dir)  # the ranks' line of this step may be seconds old, written on another node
+    # the ranks' line of this step may be seconds old, written on another node
+    name_the_ledger(run_dir)
     attempts = read_attempts(run_dir)
     mine = [a for a in attempts if attempt_key(a) == (job_id, restart_count, in_job)]
     reason = mine[-1].get("reason") if mine else None
@@ -106,19 +113,26 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return _requeue_stop(reason, requeue_job)
     if mine and reason not in FAILURE_REASONS:
         return f"recorded by the workers: {reason}"
-    if not mine and stop_reason is not None and jit_files.broken_stop_marked(run_dir, job_id, restart_count, in_job):
+    if not mine and stop_reason is not None and jit_files.broken_stop_marked(run_dir, job_id,
+                                                                             restart_count, in_job):
         return _broken_stop(run_dir, stop_reason(), attempts, limits, requeue_job,
-                            {**attempt_fields(job_id, restart_count, in_job), "exit_code": exit_code,
-                             "end": round(now if now is not None else time.time(), 3), **last_known(run_dir),
+                            {**attempt_fields(job_id, restart_count, in_job),
+                             "exit_code": exit_code,
+                             "end": round(now if now is not None else time.time(), 3),
+                             **last_known(run_dir),
                              **(extra or {})})
-    mismatch = None if mine or exit_code in (0, EXIT_ERROR) or logs is None else _mismatch_in(logs())
+    mismatch = None if mine or exit_code in (0,
+                                             EXIT_ERROR) or logs is None else _mismatch_in(logs())
     if mine:
         record: dict[str, Any] = mine[-1]
     else:
-        record = _failed_record(run_dir, (job_id, restart_count, in_job), exit_code, mismatch, now, extra)
-        append_attempt(run_dir, record)  # durable before anything else runs: a healer that fails cannot lose it
+        record = _failed_record(run_dir, (job_id, restart_count, in_job), exit_code, mismatch, now,
+                                extra)
+        # durable before anything else runs: a healer that fails cannot lose it
+        append_attempt(run_dir, record)
         if mismatch:
-            note_error(run_dir, record, mismatch)  # the whole message, HINT too, where a rank's error is kept
+            # the whole message, HINT too, where a rank's error is kept
+            note_error(run_dir, record, mismatch)
             return f"error: a collective mismatch, a bug of the program; {not_requeued(run_dir)}"
         if record["reason"] == "error":
             return f"error; {not_requeued(run_dir)}"
@@ -127,9 +141,11 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     if healing:
         return f"{record['reason']}; {healing}"
     capped = cap_reached(record["reason"], attempts, limits)
-    decided = {**({} if mine else {"capped": bool(capped)}), **({"heal_error": problem} if problem else {})}
+    decided = {**({} if mine else {"capped": bool(capped)}),
+               **({"heal_error": problem} if problem else {})}
     if decided:
-        append_attempt(run_dir, {**attempt_fields(job_id, restart_count, in_job), "amends": True, **decided})
+        append_attempt(run_dir, {**attempt_fields(job_id, restart_count, in_job), "amends": True,
+                                 **decided})
     if capped or requeue_job is None:
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
     done = requeue_job()
@@ -140,13 +156,15 @@ def _requeue_stop(reason: str, requeue_job: Callable[[], str | None] | None) -> 
     """A stop the workers recorded but left to the batch shell to requeue: requeue it, once."""
     if requeue_job is None:
         return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
-    done = requeue_job()  # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
+    # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
+    done = requeue_job()
     if done and done != "requeued":
         return f"{reason}; {done}"
     return f"{reason}; requeued by the batch shell (the job's tasks have no scontrol)"
 
 
-def _failed_record(run_dir: Path, key: tuple[int | None, int, int], exit_code: int, mismatch: str | None,
+def _failed_record(run_dir: Path, key: tuple[int | None, int, int], exit_code: int,
+                   mismatch: str | None,
                    now: float | None, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The ledger line of a step whose workers wrote none (``key``: job id, requeue, job step)."""
     job_id, restart_count, in_job = key
@@ -157,12 +175,13 @@ def _failed_record(run_dir: Path, key: tuple[int | None, int, int], exit_code: i
             **losses.jit_fields(run_dir, job_id, restart_count, in_job), **(extra or {})}
 
 
-TAIL_BYTES = 65536  # of each log: the abort is among the last lines a rank wrote, the survivors' after it
+# of each log: the abort is among the last lines a rank wrote, the survivors' after it
+TAIL_BYTES = 65536
 
 
 def _mismatch_in(paths: Sequence[Path]) -> str | None:
-    """The error for a collective mismatch that one of the step's logs shows in its tail (its first such line,
-    naming the file), or None."""
+    """The error for a collective mismatch that one of the step's logs shows in its tail (its first
+    such line, naming the file), or None."""
     for path in paths:
         tail = tail_of(path, TAIL_BYTES)
         if tail is None:
@@ -173,25 +192,31 @@ def _mismatch_in(paths: Sequence[Path]) -> str | None:
     return None
 
 
-def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]], limits: Mapping[str, int],
+def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]],
+                 limits: Mapping[str, int],
                  requeue_job: Callable[[], str | None] | None, record: dict[str, Any]) -> str:
-    """A stop signal broke the step (a rank marked it) and rank 0 wrote no line (killed at the end of the grace
-    time, say): the attempt is that stop, never a failure to heal; requeued unless it was a cancel."""
+    """A stop signal broke the step (a rank marked it) and rank 0 wrote no line (killed at the end
+    of the grace time, say): the attempt is that stop, never a failure to heal; requeued unless it
+    was a cancel."""
     capped = reason in STOP_REASONS and cap_reached(reason, attempts + [{"reason": reason}], limits)
     append_attempt(run_dir, {**record, "reason": reason, "capped": bool(capped),
-                             "note": "a stop signal broke the step and the ranks wrote no line: recorded by the batch "
+                             "note": "a stop signal broke the step and the ranks wrote no line: "
+                                     "recorded by the batch "
                              "shell"})
     if reason == "requeued":
         return "requeued by Slurm (an admin's scontrol requeue, or a preemption past its grace time)"
     if reason not in STOP_REASONS or capped or requeue_job is None:
-        return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped else "")
+        return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped
+                                                                           else "")
     done = requeue_job()
     return f"{reason} (a stop signal broke the step); {done or 'requeued'} by the batch shell"
 
 
-def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None, record: Mapping[str, Any]) -> tuple[str | None, str]:
-    """The healer's plan, or None and why not when it raised: a healer's bug (an scontrol line it cannot
-    read, a file it cannot list) must fall back to the requeue path, never end the job without one."""
+def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None,
+          record: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The healer's plan, or None and why not when it raised: a healer's bug (an scontrol line it
+    cannot read, a file it cannot list) must fall back to the requeue path, never end the job
+    without one."""
     if heal is None:
         return None, ""
     try:
@@ -211,13 +236,15 @@ def pick_config(configs: list[str], environ: Mapping[str, str]) -> str:
         return configs[0]
     index = int(environ.get("SLURM_ARRAY_TASK_ID", "-1"))
     if not 0 <= index < len(configs):
-        raise HpcDdpError(f"SLURM_ARRAY_TASK_ID={environ.get('SLURM_ARRAY_TASK_ID')} does not index the "
+        raise HpcDdpError(f"SLURM_ARRAY_TASK_ID={environ.get('SLURM_ARRAY_TASK_ID')} does not "
+                          "index the "
                           f"{len(configs)} configs given", key="SLURM_ARRAY_TASK_ID")
     return configs[index]
 
 
 def _start(spec: str) -> dict[str, float]:
-    """The attempt's start as Slurm says (the step ran before this line): status sums attempts that have one."""
+    """The attempt's start as Slurm says (the step ran before this line): status sums attempts that
+    have one."""
     start = start_time(job_fields(spec)) if spec else None
     return {"start": round(start, 3)} if start else {}
 
@@ -226,10 +253,12 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.settle", description=for_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example (the line after srun in a batch script):\n"
-                                     "  python -m hpc_ddp.settle --exit-code $? runs/mlp/config.yaml")
+                                     "  python -m hpc_ddp.settle --exit-code $? "
+                                     "runs/mlp/config.yaml")
     add_version(parser)
     parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
-    parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, in order)")
+    parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, "
+                                                   "in order)")
     args = parser.parse_args(argv)
     environ = os.environ if environ is None else environ
     try:
@@ -237,15 +266,18 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         job = environ.get("SLURM_JOB_ID", "")
         spec = job_spec(environ)
         outcome = settle(run_dir, job_id=int(job) if job.isdigit() else None,
-                         restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0), exit_code=args.exit_code,
+                         restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                         exit_code=args.exit_code,
                          limits=limits, requeue_job=batch_shell_requeue(
                              run_dir, (int(job) if job.isdigit() else None,
-                                       int(environ.get("SLURM_RESTART_COUNT", "0") or 0), 0), spec, environ)
+                                       int(environ.get("SLURM_RESTART_COUNT", "0") or 0), 0), spec,
+                                       environ)
                          if spec else None, extra=_start(spec))
     except HpcDdpError as err:
         print(f"hpc_ddp.shell.settle: error: {err}", file=sys.stderr)
         return args.exit_code or 1
-    print(f"hpc_ddp.shell.settle: attempt {environ.get('SLURM_RESTART_COUNT', '0')} of job {spec or '-'}: {outcome}",
+    print(f"hpc_ddp.shell.settle: attempt {environ.get('SLURM_RESTART_COUNT', '0')} of job "
+          f"{spec or '-'}: {outcome}",
           file=sys.stderr)
     return args.exit_code
 

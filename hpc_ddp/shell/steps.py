@@ -28,9 +28,13 @@ class Step:
     code: int = 0
     srun_lines: list[str] = field(default_factory=list)
     start: float | None = None  # when the batch shell started it (None: submitit's own step)
-    healed: dict[str, Any] | None = None  # how it came to be (an in-job restart), for its ledger line
-    ended: float | None = None  # when the batch shell saw it end (srun returned): "detected" in a heal's timeline
-    times: str = ""  # the batch shell's part of its timeline (hpc_ddp.core.timeline.encode_shell), as its ranks got it
+    # how it came to be (an in-job restart), for its ledger line
+    healed: dict[str, Any] | None = None
+    # when the batch shell saw it end (srun returned): "detected" in a heal's timeline
+    ended: float | None = None
+    # the batch shell's part of its timeline (hpc_ddp.core.timeline.encode_shell), as its ranks got
+    # it
+    times: str = ""
 
 
 Srun = Callable[[Sequence[str], Mapping[str, str], "float | None"], tuple[int, list[str]]]
@@ -38,9 +42,11 @@ Srun = Callable[[Sequence[str], Mapping[str, str], "float | None"], tuple[int, l
 
 def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | None = None,
              warning: int = signal.SIGUSR2) -> tuple[int, list[str]]:
-    """Run a step; srun's stderr is relayed line by line (it names the failed task's node) and kept. With
-    ``warn_in``, srun gets the stop warning that many seconds from now (srun forwards it to every task)."""
-    proc = subprocess.Popen(list(argv), env=dict(environ), stderr=subprocess.PIPE, text=True, errors="replace")
+    """Run a step; srun's stderr is relayed line by line (it names the failed task's node) and kept.
+    With ``warn_in``, srun gets the stop warning that many seconds from now (srun forwards it to
+    every task)."""
+    proc = subprocess.Popen(list(argv), env=dict(environ), stderr=subprocess.PIPE, text=True,
+                            errors="replace")
     timer = None
     if warn_in is not None:
         timer = threading.Timer(warn_in, lambda: proc.poll() is None and proc.send_signal(warning))
@@ -60,8 +66,8 @@ def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | N
 
 
 def tail_of(path: Path, nbytes: int) -> bytes | None:
-    """The last ``nbytes`` of a file that grows with the job (a log, metrics.jsonl), or None when it cannot be
-    read; its first line may be cut."""
+    """The last ``nbytes`` of a file that grows with the job (a log, metrics.jsonl), or None when it
+    cannot be read; its first line may be cut."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -71,9 +77,11 @@ def tail_of(path: Path, nbytes: int) -> bytes | None:
         return None
 
 
-def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:", tail_bytes: int = 1 << 16) -> list[str]:
-    """srun's own lines in this shell's stderr file since the last supervise line: what srun said of the step
-    submitit ran before handing over (its srun writes there; a requeued job appends to the same file)."""
+def srun_lines_before(stderr: Path, marker: str = "hpc_ddp.supervise:",
+                      tail_bytes: int = 1 << 16) -> list[str]:
+    """srun's own lines in this shell's stderr file since the last supervise line: what srun said of
+    the step submitit ran before handing over (its srun writes there; a requeued job appends to the
+    same file)."""
     tail = tail_of(stderr, tail_bytes)
     if tail is None:
         return []

@@ -1,4 +1,5 @@
-"""``python -m hpc_ddp.supervise``: the batch shell runs the training steps and heals a failed one in the job.
+"""``python -m hpc_ddp.supervise``: the batch shell runs the training steps and heals a failed one
+in the job.
 
 Slurm hands a job to one batch shell that outlives every step. This is that shell's
 program (the last line of both sbatch templates; submitit's teardown after its own
@@ -56,28 +57,31 @@ examples (the last line of a batch script; the srun line is the step it supervis
 def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -> int:
     """Run steps until one ends without a failure to heal; returns the last step's exit code.
 
-    Whatever goes wrong in here after a step ended (a healer's bug, srun missing for the next step), the
-    step's line is in the ledger and the requeue path runs: no failure that could be retried ends the job
-    unrecorded."""
+    Whatever goes wrong in here after a step ended (a healer's bug, srun missing for the next step),
+    the step's line is in the ledger and the requeue path runs: no failure that could be retried
+    ends the job unrecorded."""
     step = first or sup.run_step(sup.first_nodes(), 0)
     while True:
         sup.healer.why_not = ""
         can_heal = not sup.command_problem()
         outcome = _settle(sup, step, heal=can_heal)
-        say(f"attempt {sup.restart} of job {job_spec(sup.environ) or '-'}, job step {step.index} on "
+        say(f"attempt {sup.restart} of job {job_spec(sup.environ) or '-'}, job step {step.index} "
+            "on "
             f"{compress_hostlist(step.nodes)}: {outcome}"
             + (f" (not healed in the job: {sup.healer.why_not})" if sup.healer.why_not else "")
             + ("" if can_heal else f" (not healed in the job: {sup.command_problem()})"))
         if not sup.healer.next_nodes:
             return 0 if chained(sup, step) else step.code
         nodes, healed, sup.healer.next_nodes = sup.healer.next_nodes, sup.healer.healed, []
-        if sup.stopping:  # a SIGTERM after the decision: start nothing; Slurm requeues a preempted job itself
+        # a SIGTERM after the decision: start nothing; Slurm requeues a preempted job itself
+        if sup.stopping:
             say("a stop signal reached the batch shell: the planned step is not started")
             return step.code
         try:
             step = sup.run_step(nodes, step.index + 1, healed, after=step)
         except Exception as err:  # noqa: BLE001 - the step could not start: take the requeue path for the last one
-            say(f"error: the next job step could not start ({type(err).__name__}: {err}); taking the requeue path")
+            say(f"error: the next job step could not start ({type(err).__name__}: {err}); taking "
+                "the requeue path")
             say(f"attempt {sup.restart}, job step {step.index}: {_settle(sup, step, heal=False)}")
             return step.code or 1
 
@@ -86,53 +90,61 @@ def _settle(sup: Supervisor, step: Step, *, heal: bool) -> str:
     spec = job_spec(sup.environ)
     return settle(sup.run_dir, job_id=sup.job_id, restart_count=sup.restart, exit_code=step.code,
                   limits=caps(sup.cfg.slurm),
-                  requeue_job=batch_shell_requeue(sup.run_dir, (sup.job_id, sup.restart, step.index), spec,
+                  requeue_job=batch_shell_requeue(sup.run_dir,
+                                                  (sup.job_id, sup.restart, step.index), spec,
                                                   sup.environ, sup.runner) if spec else None,
                   in_job=step.index, heal=(lambda record: sup.heal(step, record)) if heal else None,
                   stop_reason=lambda: term_reason(job_fields(spec), sup.restart) or "preemption",
                   logs=lambda: job_logs(sup.run_dir, sup.job_id),
                   extra={"hosts": compress_hostlist(step.nodes), **_started(step, spec),
-                         **({"healed": step.healed} if step.healed else {}), **rules.shell_timeline(step.times, step.index),
+                         **({"healed": step.healed} if step.healed else {}),
+                         **rules.shell_timeline(step.times, step.index),
                          **losses.ledger_fields(sup.run_dir, sup.job_id, sup.restart, step.index)})
 
 
 def _started(step: Step, spec: str) -> dict[str, float]:
-    """The step's start for its line: the batch shell's own step's, or (submitit's step, which started before
-    this shell) the attempt's start as Slurm says; without one, status would leave its time out."""
+    """The step's start for its line: the batch shell's own step's, or (submitit's step, which
+    started before this shell) the attempt's start as Slurm says; without one, status would leave
+    its time out."""
     start = step.start if step.start else start_time(job_fields(spec)) if spec else None
     return {"start": round(start, 3)} if start else {}
 
 
 def chained(sup: Supervisor, step: Step) -> bool:
-    """Whether this step's stop submitted the run's next job (Slurm refuses requeue): the job then ended as
-    planned, and says so with exit 0 (sacct shows COMPLETED, not FAILED, for a link of the chain)."""
+    """Whether this step's stop submitted the run's next job (Slurm refuses requeue): the job then
+    ended as planned, and says so with exit 0 (sacct shows COMPLETED, not FAILED, for a link of the
+    chain)."""
     key = (sup.job_id, sup.restart, step.index)
     return any(a.get("next_job") for a in read_attempts(sup.run_dir) if attempt_key(a) == key)
 
 
 def job_logs(run_dir: Path, job_id: int | None) -> list[Path]:
-    """The job's output files in the run dir's Slurm log folder (submitit's ``JOB_0_log.err``, a template's
-    ``JOB.out``): written through this node's srun, so this node's listing of them is current."""
+    """The job's output files in the run dir's Slurm log folder (submitit's ``JOB_0_log.err``, a
+    template's ``JOB.out``): written through this node's srun, so this node's listing of them is
+    current."""
     folder = layout.slurm_logs(run_dir)
-    found = {*folder.glob(f"{job_id}_*"), *folder.glob(f"{job_id}.*")} if job_id is not None else set()
+    found = {*folder.glob(f"{job_id}_*"),
+             *folder.glob(f"{job_id}.*")} if job_id is not None else set()
     return sorted(path for path in found if path.suffix in (".err", ".out"))
 
 
 def ran_on(sup: Supervisor) -> list[str]:
-    """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote one, else
-    from their liveness beats: a step that lost a node wrote no line, and accounting's record of the step
-    (sacct) can lag it by seconds, while the job's node list no longer holds the lost node (a CI run blamed
-    the spare that had not trained)."""
+    """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote
+    one, else from their liveness beats: a step that lost a node wrote no line, and accounting's
+    record of the step (sacct) can lag it by seconds, while the job's node list no longer holds the
+    lost node (a CI run blamed the spare that had not trained)."""
     key = (sup.job_id, sup.restart, 0)
-    lines = [a for a in read_attempts(Path(sup.cfg.run_dir)) if attempt_key(a) == key and a.get("hosts")]
+    lines = [a for a in read_attempts(Path(sup.cfg.run_dir)) if attempt_key(a) == key
+             and a.get("hosts")]
     if lines:
         return expand_hostlist(lines[-1]["hosts"])
     return beat_hosts(Path(sup.cfg.run_dir), attempt_tag(sup.job_id, sup.restart), sup.counts[-1])
 
 
 def beat_hosts(run_dir: Path, tag: str, max_nodes: int) -> list[str]:
-    """The hosts of the step's nodes by their liveness beats of attempt ``tag`` (``liveness/node-N.json``, one
-    per node, opened by name), in node order; it stops at the first node without one."""
+    """The hosts of the step's nodes by their liveness beats of attempt ``tag``
+    (``liveness/node-N.json``, one per node, opened by name), in node order; it stops at the first
+    node without one."""
     hosts: list[str] = []
     for node in range(max_nodes):
         beat = beats.read(beats.node_beat(run_dir, node), tag)
@@ -149,18 +161,24 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.supervise", description=for_help(__doc__),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-                                     usage="%(prog)s [--exit-code N] CONFIG [CONFIG ...] -- srun [ARGS] PROGRAM\n"
-                                     "({config} in the command is replaced by this array element's config)")
+    parser = argparse.ArgumentParser(prog="python -m hpc_ddp.supervise",
+                                     description=for_help(__doc__),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EPILOG,
+                                     usage="%(prog)s [--exit-code N] CONFIG [CONFIG ...] -- srun "
+                                           "[ARGS] PROGRAM\n"
+                                     "({config} in the command is replaced by this array element's "
+                                     "config)")
     add_version(parser)
     parser.add_argument("--exit-code", type=int, default=None, metavar="N",
                         help="the first step already ran (submitit's srun) and ended with this code")
-    parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, in order)")
+    parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, "
+                                                   "in order)")
     ours, command = _split(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(ours)
     environ = os.environ if environ is None else environ
-    say = lambda text: print(f"hpc_ddp.supervise: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda text: print(f"hpc_ddp.supervise: {text}", file=sys.stderr,
+                             flush=True)  # noqa: E731
     try:
         config = pick_config(args.configs, environ)
         cfg = load_config([Path(config)])
@@ -176,7 +194,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     try:
         lost = rules.settle_lost_step(sup.run_dir, sup.job_id, sup.restart, time.time())
         if lost:
-            say(f"job step {lost.get('in_job', 0)} of attempt {lost['restart_count']} of job {lost['job_id']} on "
+            say(f"job step {lost.get('in_job', 0)} of attempt {lost['restart_count']} of job "
+                f"{lost['job_id']} on "
                 f"{lost.get('hosts')} left no ledger line: recorded as lost")
         first = None
         if args.exit_code is not None:
@@ -191,7 +210,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 
 
 def _stop_on_term(sup: Supervisor) -> None:
-    """A SIGTERM (cancel, preemption) to the batch shell: start no new step; the running one gets its own."""
+    """A SIGTERM (cancel, preemption) to the batch shell: start no new step; the running one gets
+    its own."""
     if threading.current_thread() is not threading.main_thread():
         return
 

@@ -1,7 +1,8 @@
 """What the batch shell knows of its job and asks Slurm: the job's nodes now (``scontrol``), which
 of them answer (one probe step on the plan's nodes), the walltime left, the stop signal, the caps;
 and the plan for the next step from :mod:`hpc_ddp.shell.heal`'s rules. The loop that uses it is
-:func:`hpc_ddp.shell.supervise.supervise`. Every Slurm command goes through a runner (a seam for tests).
+:func:`hpc_ddp.shell.supervise.supervise`. Every Slurm command goes through a runner (a seam for
+tests).
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
 
 
 class Supervisor:
-    """The steps of one job (one attempt of the run, in Slurm's sense) and the decisions between them."""
+    """The steps of one job (one attempt of the run, in Slurm's sense) and the decisions between
+    them."""
 
     def __init__(self, cfg: RunConfig, environ: Mapping[str, str], command: Sequence[str], *,
                  runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                 srun: Srun | None = None, clock: Callable[[], float] = time.time, workdir: str | None = None) -> None:
+                 srun: Srun | None = None, clock: Callable[[], float] = time.time,
+                 workdir: str | None = None) -> None:
         self.cfg, self.environ, self.command = cfg, environ, list(command)
-        self.workdir = workdir or os.getcwd()  # the job's directory: a container mounts it (probes too)
+        # the job's directory: a container mounts it (probes too)
+        self.workdir = workdir or os.getcwd()
         self.runner, self.clock = runner, clock
         self.srun: Srun = srun or (lambda argv, env, warn_in: run_srun(
             argv, env, warn_in, signal_number(cfg.slurm.signal)))
@@ -50,50 +54,55 @@ class Supervisor:
         self.job = environ.get("SLURM_JOB_ID", "")
         self.job_id = int(self.job) if self.job.isdigit() else None
         self.restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        self.tasks_per_node = int(environ.get("SLURM_NTASKS_PER_NODE", "") or cfg.slurm.tasks_per_node)
+        self.tasks_per_node = int(environ.get("SLURM_NTASKS_PER_NODE", "")
+                                  or cfg.slurm.tasks_per_node)
         self.counts = node_counts(cfg.slurm.nodes)
         self.healer = heal.Healer(cfg.slurm.max_restarts_in_job, self.counts)
         self.stopping = False
         self.batch_host = ""
         self.end: float | None = None  # the job's end (squeue), asked once per decision
-        self.began = round(clock(), 3)  # this batch shell's start: when Slurm started (or restarted) the job
+        # this batch shell's start: when Slurm started (or restarted) the job
+        self.began = round(clock(), 3)
 
     def command_problem(self) -> str:
-        """Why the supervised command cannot be run as a step (checked before the first decision, so an
-        unexpected command costs the healing, never the ledger line or the requeue)."""
+        """Why the supervised command cannot be run as a step (checked before the first decision, so
+        an unexpected command costs the healing, never the ledger line or the requeue)."""
         if not self.command or Path(self.command[0]).name != "srun":
-            return (f"hpc_ddp.supervise runs an srun command; found {self.command[:1]!r}. HINT: put the step "
+            return (f"hpc_ddp.supervise runs an srun command; found {self.command[:1]!r}. HINT: "
+                    "put the step "
                     "after '--': -- srun --kill-on-bad-exit=1 ...")
         return ""
 
     def held(self) -> list[str]:
-        """What the job holds now (scontrol; the batch shell's SLURM_JOB_NODELIST is a fallback, stale after
-        a node was removed from the job). Notes the batch host on the way."""
+        """What the job holds now (scontrol; the batch shell's SLURM_JOB_NODELIST is a fallback,
+        stale after a node was removed from the job). Notes the batch host on the way."""
         text = self._scontrol("show", "job", self.job)
         self.batch_host = rules.batch_host(text, self.environ)
         nodes = heal.job_nodes(text) if text else []
         return nodes or expand_hostlist(self.environ.get("SLURM_JOB_NODELIST", ""))
 
     def avoid(self) -> list[str]:
-        """With spares the batch host is the last node to train on: a step there that loses its node loses
-        the supervisor too (no line, no heal). Without spares it trains like the others."""
+        """With spares the batch host is the last node to train on: a step there that loses its node
+        loses the supervisor too (no line, no heal). Without spares it trains like the others."""
         return [self.batch_host] if self.cfg.slurm.spare_nodes and self.batch_host else []
 
     def first_nodes(self) -> list[str]:
-        """The first step trains on the job's nodes less the spares (at most the range's maximum); the batch
-        host is one of the spares."""
+        """The first step trains on the job's nodes less the spares (at most the range's maximum);
+        the batch host is one of the spares."""
         held = self.held()
         want = max(self.counts[0], min(len(held) - self.cfg.slurm.spare_nodes, self.counts[-1]))
         return heal.prefer(held, [], want, self.avoid())
 
     def first_step_nodes(self) -> list[str]:
-        """Where the step submitit ran (``srun --nodes=N`` lets Slurm choose): accounting's record of step 0,
-        else the first nodes the job holds."""
+        """Where the step submitit ran (``srun --nodes=N`` lets Slurm choose): accounting's record
+        of step 0, else the first nodes the job holds."""
         try:
-            proc = self.runner(["sacct", "-n", "-P", "-j", f"{self.job}.0", "-o", "NodeList"], capture_output=True,
+            proc = self.runner(["sacct", "-n", "-P", "-j", f"{self.job}.0", "-o", "NodeList"],
+                               capture_output=True,
                                text=True, timeout=30)
             text = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
-            nodes = expand_hostlist(text) if text and text not in ("None assigned", "(null)") else []
+            nodes = expand_hostlist(text) if text and text not in ("None assigned",
+                                                                   "(null)") else []
         except (OSError, subprocess.SubprocessError, HpcDdpError):
             nodes = []
         return nodes or self.first_nodes()
@@ -106,12 +115,13 @@ class Supervisor:
         return proc.stdout if proc.returncode == 0 else ""
 
     def probe(self, nodes: Sequence[str]) -> bool:
-        """One short step on these nodes: do their slurmds start a task at all, in the job's container, within the
-        timeout? A probe that times out is cancelled (killing srun does not end its step at slurmctld, which
-        would hold the nodes)."""
+        """One short step on these nodes: do their slurmds start a task at all, in the job's
+        container, within the timeout? A probe that times out is cancelled (killing srun does not
+        end its step at slurmctld, which would hold the nodes)."""
         name = f"hpc_ddp-probe-{uuid.uuid4().hex[:8]}"
         argv = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1", f"--job-name={name}",
+                f"--nodelist={','.join(nodes)}", "--time=1", "--kill-on-bad-exit=1",
+                f"--job-name={name}",
                 *probe_tail(self.cfg.slurm, [self.cfg.run_dir, self.workdir], self.workdir)]
         try:
             return self.runner(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
@@ -123,9 +133,11 @@ class Supervisor:
             return False
 
     def _cancel_step(self, name: str) -> None:
-        """scancel this job's step named ``name`` (a probe that timed out), if slurmctld still lists it."""
+        """scancel this job's step named ``name`` (a probe that timed out), if slurmctld still lists
+        it."""
         try:
-            listed = self.runner(["squeue", "--steps", f"--jobs={self.job_id}", "--noheader", "--format=%i %j"],
+            listed = self.runner(["squeue", "--steps", f"--jobs={self.job_id}", "--noheader",
+                                  "--format=%i %j"],
                                  capture_output=True, text=True, timeout=30)
             for line in listed.stdout.splitlines() if listed.returncode == 0 else []:
                 step, _, step_name = line.strip().partition(" ")
@@ -134,33 +146,43 @@ class Supervisor:
         except (OSError, subprocess.SubprocessError):
             pass
 
-    def suspects(self, step: Step, record: Mapping[str, Any]) -> tuple[list[str], dict[str, str], dict[str, str]]:
-        """What the job holds, and the hard and soft suspects (see :mod:`hpc_ddp.shell.heal`), before any probe."""
+    def suspects(self, step: Step, record: Mapping[str, Any]) -> tuple[list[str], dict[str, str],
+                                                                       dict[str, str]]:
+        """What the job holds, and the hard and soft suspects (see :mod:`hpc_ddp.shell.heal`),
+        before any probe."""
         held = self.held()
-        hard = {n: "the job no longer holds it (Slurm removed it)" for n in step.nodes if n not in held}
-        states = heal.node_states(self._scontrol("show", "node", "-o", compress_hostlist(held))) if held else {}
-        hard |= {n: f"Slurm says State={s}" for n, s in states.items() if n in held and heal.bad_state(s)}
+        hard = {n: "the job no longer holds it (Slurm removed it)" for n in step.nodes
+                if n not in held}
+        states = heal.node_states(self._scontrol("show", "node", "-o",
+                                                 compress_hostlist(held))) if held else {}
+        hard |= {n: f"Slurm says State={s}" for n, s in states.items() if n in held
+                 and heal.bad_state(s)}
         per_node = heal.ranks_per_node(record, step.nodes, self.tasks_per_node)
-        lost = rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes, per_node)
+        lost = rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes,
+                                per_node)
         hard |= {n: why for n, why in lost.items() if n not in hard}
         stuck = heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes, per_node)
-        # srun names the first task to exit; after a hang or a loss that is the rank that saw it and ended
-        # the step on purpose (the watchdog's recorder, the lost rank's watcher), not the culprit
+        # srun names the first task to exit; after a hang or a loss that is the rank that saw it and
+        # ended the step on purpose (the watchdog's recorder, the lost rank's watcher), not the
+        # culprit
         told = stuck or lost or record.get("lost_ranks")
-        soft = {} if told else {n: why for n, why in heal.culprits(step.srun_lines).items() if n not in hard}
+        soft = {} if told else {n: why for n, why in heal.culprits(step.srun_lines).items()
+                                if n not in hard}
         soft |= {n: why for n, why in stuck.items() if n not in hard}
         return held, hard, soft
 
     def probed(self, held: Sequence[str], training: Sequence[str], hard: dict[str, str],
                soft: Mapping[str, str]) -> None:
-        """Probe only the nodes the plan would use: one step across them all; when it fails, halves of them
-        (:func:`bisect_silent`), and the silent ones become hard suspects before the plan is made again (three
-        rounds at most). At 512 nodes that is one step creation at slurmctld in the common case, not 512, and
-        about 2 x log2(512) = 18 for one silent node, in 9 rounds, not 32 rounds of 16."""
+        """Probe only the nodes the plan would use: one step across them all; when it fails, halves
+        of them (:func:`bisect_silent`), and the silent ones become hard suspects before the plan is
+        made again (three rounds at most). At 512 nodes that is one step creation at slurmctld in
+        the common case, not 512, and about 2 x log2(512) = 18 for one silent node, in 9 rounds, not
+        32 rounds of 16."""
         soft_now = {n: w for n, w in soft.items() if n not in self.healer.failed_before}
         strikes = {n: w for n, w in soft.items() if n in self.healer.failed_before}
         for _ in range(3):
-            trial = heal.plan(held, training, hard={**hard, **strikes}, soft=soft_now, counts=self.counts,
+            trial = heal.plan(held, training, hard={**hard, **strikes}, soft=soft_now,
+                              counts=self.counts,
                               avoid=self.avoid())
             if not trial.nodes or self.probe(trial.nodes):
                 return
@@ -171,7 +193,8 @@ class Supervisor:
             hard |= silent
 
     def heal(self, step: Step, record: Mapping[str, Any]) -> str | None:
-        """Called by settle for a failure: the next step's plan as a sentence, or None (requeue path)."""
+        """Called by settle for a failure: the next step's plan as a sentence, or None (requeue
+        path)."""
         if self.stopping:
             self.healer.why_not = "a stop signal reached the batch shell"
             return None
@@ -182,7 +205,8 @@ class Supervisor:
         if late:  # checked after the probes too: they may take PROBE_TIMEOUT_S
             self.healer.why_not = late
             return None
-        return self.healer.decide(record, step.index, held, step.nodes, hard, soft, point, avoid=self.avoid(),
+        return self.healer.decide(record, step.index, held, step.nodes, hard, soft, point,
+                                  avoid=self.avoid(),
                                   no_resize=refuses_resize(self.run_dir))
 
     def _walltime(self) -> str:
@@ -205,15 +229,17 @@ class Supervisor:
         if index:
             env[IN_JOB_VAR] = str(index)
             port = self._port(index)
-            if port is not None:  # the failed step's store may still hold the port you chose: the next one
+            # the failed step's store may still hold the port you chose: the next one
+            if port is not None:
                 env["MASTER_PORT"] = str(port)
             env[HEALED_VAR] = json.dumps(healed or {}, sort_keys=True)
         return env
 
     def _port(self, index: int) -> int | None:
-        """A restarted step's rendezvous port where the user chose one (MASTER_PORT, dist.master_port): moved on
-        by the restart's number. None otherwise: each attempt's ranks draw their own unguessable ports from the
-        run's secret and the attempt (:mod:`hpc_ddp.core.store_ports`), which differ from the failed step's."""
+        """A restarted step's rendezvous port where the user chose one (MASTER_PORT,
+        dist.master_port): moved on by the restart's number. None otherwise: each attempt's ranks
+        draw their own unguessable ports from the run's secret and the attempt
+        (:mod:`hpc_ddp.core.store_ports`), which differ from the failed step's."""
         given = self.environ.get("MASTER_PORT") or (None if self.cfg.dist.master_port is None
                                                      else str(self.cfg.dist.master_port))
         if given is None:
@@ -222,37 +248,44 @@ class Supervisor:
         return base + index if base + index <= 65535 else base - index
 
     def _env_without_step_shape(self) -> dict[str, str]:
-        """The batch shell's environment without the job-wide counts srun would read as this step's shape."""
-        drop = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_TASKS_PER_NODE",
+        """The batch shell's environment without the job-wide counts srun would read as this step's
+        shape."""
+        drop = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                "SLURM_TASKS_PER_NODE",
                 "SLURM_NTASKS_PER_NODE", HEALED_VAR, IN_JOB_VAR, TIMELINE_VAR)
         return {k: v for k, v in self.environ.items() if k not in drop}
 
     def run_step(self, nodes: list[str], index: int, healed: dict[str, Any] | None = None,
                  after: Step | None = None) -> Step:
-        """Run a step on ``nodes``; ``after``: the failed step it heals (its times go to the new step's ranks
-        for the heal's timeline, :mod:`hpc_ddp.core.timeline`)."""
+        """Run a step on ``nodes``; ``after``: the failed step it heals (its times go to the new
+        step's ranks for the heal's timeline, :mod:`hpc_ddp.core.timeline`)."""
         start = round(self.clock(), 3)
         argv, env = self.step_argv(nodes), self.step_environ(index, healed)
         env[TIMELINE_VAR] = times = self.timeline(after, start)
-        rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes), start)
+        rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes),
+                        start)
         warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
         code, lines = self.srun(argv, env, warn_in)
-        return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3), times=times)
+        return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3),
+                    times=times)
 
     def timeline(self, after: Step | None, start: float) -> str:
-        """The batch shell's times for the step's timeline: after a failed step, the failure's instant, when this
-        shell saw it end and this start; a job's first step, when this shell began (a requeue's ranks find the
-        failure, the stopped attempt's end, in the ledger)."""
+        """The batch shell's times for the step's timeline: after a failed step, the failure's
+        instant, when this shell saw it end and this start; a job's first step, when this shell
+        began (a requeue's ranks find the failure, the stopped attempt's end, in the ledger)."""
         if after is None:
             return encode_shell(detected=self.began, launched=start)
-        failure = rules.heal_failure_of(self.run_dir, (self.job_id, self.restart, after.index), after.ended)
+        failure = rules.heal_failure_of(self.run_dir, (self.job_id, self.restart, after.index),
+                                        after.ended)
         return encode_shell(failure, detected=after.ended, launched=start)
 
 
-def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool], workers: int = 16) -> list[str]:
-    """The nodes that fail a probe, when one probe across all of them failed: each failing group is probed in
-    halves, the halves of a round at once (up to ``workers`` steps), until single nodes. k silent nodes among n
-    cost about 2 k log2(n) probes in log2(n) rounds, each round at most PROBE_TIMEOUT_S."""
+def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool],
+                  workers: int = 16) -> list[str]:
+    """The nodes that fail a probe, when one probe across all of them failed: each failing group is
+    probed in halves, the halves of a round at once (up to ``workers`` steps), until single nodes. k
+    silent nodes among n cost about 2 k log2(n) probes in log2(n) rounds, each round at most
+    PROBE_TIMEOUT_S."""
     silent: list[str] = []
     groups = [nodes[:len(nodes) // 2], nodes[len(nodes) // 2:]] if len(nodes) > 1 else [nodes]
     while groups:
@@ -261,5 +294,6 @@ def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool], work
             answers = list(pool.map(probe, groups))
         failing = [g for g, ok in zip(groups, answers) if not ok]
         silent += [g[0] for g in failing if len(g) == 1]
-        groups = [half for g in failing if len(g) > 1 for half in (g[:len(g) // 2], g[len(g) // 2:])]
+        groups = [half for g in failing if len(g) > 1
+                  for half in (g[:len(g) // 2], g[len(g) // 2:])]
     return sorted(silent, key=nodes.index)

@@ -6,7 +6,8 @@ points ``sbatch``/``srun``/``squeue`` at it; ``stop`` ends exactly what ``start`
 """
 
 from hpc_ddp.slurm_local.conf import ClusterSpec, render_slurm_conf, render_slurmdbd_conf
-from hpc_ddp.slurm_local.daemons import (APT_PACKAGES, is_up, missing_pieces, running_spec, set_preempt_signal, start,
+from hpc_ddp.slurm_local.daemons import (APT_PACKAGES, is_up, missing_pieces, running_spec,
+                                         set_preempt_signal, start,
                                          stop)
 
 __all__ = ["APT_PACKAGES", "ClusterSpec", "is_up", "missing_pieces", "render_slurm_conf",

@@ -1,4 +1,5 @@
-"""``python -m hpc_ddp.slurm_local {start,stop,status,env,preempt-signal,fault}``: the throw-away cluster's CLI."""
+"""``python -m hpc_ddp.slurm_local {start,stop,status,env,preempt-signal,fault}``: the throw-away
+cluster's CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.slurm_local import faults, isolation
 from hpc_ddp.slurm_local.conf import PREEMPT_SIGNALS, ClusterSpec
-from hpc_ddp.slurm_local.daemons import (APT_PACKAGES, is_up, missing_pieces, running_spec, set_preempt_signal, start,
+from hpc_ddp.slurm_local.daemons import (APT_PACKAGES, is_up, missing_pieces, running_spec,
+                                         set_preempt_signal, start,
                                          stop)
 from hpc_ddp.slurm_local.machines import PIECES
 
@@ -41,31 +43,42 @@ freezer and cpu cgroups. `status` says what could not be isolated and why; --one
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.slurm_local", description=__doc__,
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["start", "stop", "status", "env", "preempt-signal", "fault"],
-                        help="start the cluster (a running one is kept as it is), stop it, say whether it is up "
-                        "and how each node stands, print its SLURM_CONF export, switch how a running cluster "
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["start", "stop", "status", "env", "preempt-signal",
+                                            "fault"],
+                        help="start the cluster (a running one is kept as it is), stop it, say "
+                             "whether it is up "
+                        "and how each node stands, print its SLURM_CONF export, switch how a "
+                        "running cluster "
                         "preempts, or play a node fault")
     parser.add_argument("args", nargs="*", metavar="ARG",
-                        help=f"preempt-signal: {'|'.join(PREEMPT_SIGNALS)} (a preempted job gets its --signal, or "
+                        help=f"preempt-signal: {'|'.join(PREEMPT_SIGNALS)} (a preempted job gets "
+                             "its --signal, or "
                         f"SIGTERM); fault: NODE ACTION, ACTION one of {'|'.join(faults.ACTIONS)}")
     parser.add_argument("--root", type=Path, default=ClusterSpec.root,
                         help="state directory: config, pid files, logs (default %(default)s)")
-    parser.add_argument("--nodes", type=int, default=ClusterSpec.nodes, help="slurmd nodes (default %(default)s)")
+    parser.add_argument("--nodes", type=int, default=ClusterSpec.nodes,
+                        help="slurmd nodes (default %(default)s)")
     parser.add_argument("--cpus-per-node", type=int, default=ClusterSpec.cpus_per_node,
                         help="CPUs each node declares (default %(default)s)")
-    parser.add_argument("--preempt-signal", choices=PREEMPT_SIGNALS, default=ClusterSpec.preempt_signal,
-                        help="how a preempted job is told: its --signal (user) or SIGTERM (term); default %(default)s")
+    parser.add_argument("--preempt-signal", choices=PREEMPT_SIGNALS,
+                        default=ClusterSpec.preempt_signal,
+                        help="how a preempted job is told: its --signal (user) or SIGTERM (term); "
+                             "default %(default)s")
     parser.add_argument("--no-accounting", action="store_true",
                         help="skip MariaDB + slurmdbd (faster start; sacct will not work)")
     parser.add_argument("--one-machine", action="store_true",
-                        help="do not make each node a machine of its own: shared network (loopback), hostname, "
+                        help="do not make each node a machine of its own: shared network "
+                             "(loopback), hostname, "
                         "/tmp, /dev/shm and a coherent filesystem")
     parser.add_argument("--shared", type=Path, default=ClusterSpec.shared,
-                        help="the shared root every node sees through its own cached view; put run dirs here "
+                        help="the shared root every node sees through its own cached view; put run "
+                             "dirs here "
                         "(default %(default)s)")
     parser.add_argument("--cache-s", type=int, default=ClusterSpec.cache_s,
-                        help="how long a node caches names of the shared root, present and missing (attributes: fetched at "
+                        help="how long a node caches names of the shared root, present and missing "
+                             "(attributes: fetched at "
                         "every open, as NFS does), "
                         "as an NFS client's acdirmax (default %(default)s; 0: a coherent view)")
     return parser
@@ -78,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     wanted = {"preempt-signal": (0, 1), "fault": (2, 2)}.get(args.command, (0, 0))
     if not wanted[0] <= len(args.args) <= wanted[1]:
-        usage = {"preempt-signal": "preempt-signal [user|term]", "fault": "fault NODE ACTION (e.g. fault n2 freeze)"}
+        usage = {"preempt-signal": "preempt-signal [user|term]",
+                 "fault": "fault NODE ACTION (e.g. fault n2 freeze)"}
         print(f"error: {args.command} takes {usage.get(args.command, 'no arguments')}; "
               f"found {' '.join(args.args) or 'none'}", file=sys.stderr)
         return 2
@@ -95,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "fault":
             running = running_spec(spec)
             if not is_up(running):
-                print(f"error: the local cluster at {spec.root} is not running (start it first)", file=sys.stderr)
+                print(f"error: the local cluster at {spec.root} is not running (start it first)",
+                      file=sys.stderr)
                 return 1
             print(faults.fault(running, args.args[0], args.args[1]))
         elif args.command == "stop":
@@ -103,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "preempt-signal":
             mode = args.args[0] if args.args else args.preempt_signal
             if mode not in PREEMPT_SIGNALS:
-                print(f"error: preempt-signal takes {' or '.join(PREEMPT_SIGNALS)}, not {mode!r}", file=sys.stderr)
+                print(f"error: preempt-signal takes {' or '.join(PREEMPT_SIGNALS)}, not {mode!r}",
+                      file=sys.stderr)
                 return 2
             set_preempt_signal(spec, mode)
             print(f"preempted jobs now get {'their --signal' if mode == 'user' else 'SIGTERM, then SIGKILL after GraceTime'}")
@@ -131,7 +147,8 @@ def _print_isolation(spec: ClusterSpec) -> None:
     record = isolation.read_record(spec)
     isolated = record.get("isolated", [])
     print(f"each node's own: {', '.join(isolated) or 'nothing (one machine)'}"
-          + (f"; shared root {record.get('shared')} cached {record.get('cache_s')} s" if "filesystem" in isolated
+          + (f"; shared root {record.get('shared')} cached {record.get('cache_s')} s"
+             if "filesystem" in isolated
              else ""))
     for piece in PIECES:
         if piece not in isolated and piece in record.get("missing", {}):

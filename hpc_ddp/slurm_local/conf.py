@@ -37,13 +37,18 @@ class ClusterSpec:
     grace_time_s: int = 10
     kill_wait_s: int = 5
     slurmd_timeout_s: int = 30
-    preempt_signal: str = "user"  # "user": a preempted job gets its --signal; "term": SIGTERM (Slurm's default)
-    # Each node a machine of its own (slurm_local.machines): the pieces asked for, and the ones start could have
+    # "user": a preempted job gets its --signal; "term": SIGTERM (Slurm's default)
+    preempt_signal: str = "user"
+    # Each node a machine of its own (slurm_local.machines): the pieces asked for, and the ones
+    # start could have
     machines: bool = True
     isolated: tuple[str, ...] = ()
-    net_prefix: str = "10.77.0."  # the nodes' private range; the login side (slurmctld, srun) is .254
-    shared: Path = Path("/var/tmp/hpc_ddp-shared")  # where runs live: each node sees it through its own cache
-    cache_s: int = 30  # how long a node caches names of the shared root, present or absent; 0: coherent
+    # the nodes' private range; the login side (slurmctld, srun) is .254
+    net_prefix: str = "10.77.0."
+    # where runs live: each node sees it through its own cache
+    shared: Path = Path("/var/tmp/hpc_ddp-shared")
+    # how long a node caches names of the shared root, present or absent; 0: coherent
+    cache_s: int = 30
 
     @property
     def node_names(self) -> list[str]:
@@ -57,12 +62,14 @@ class ClusterSpec:
 
     @property
     def key(self) -> str:
-        """Six hex digits of the state directory: the cluster's namespaces, links and cgroups carry them."""
+        """Six hex digits of the state directory: the cluster's namespaces, links and cgroups carry
+        them."""
         return hashlib.sha1(str(self.root).encode()).hexdigest()[:6]
 
     @property
     def gateway(self) -> str:
-        """The login side's address on the nodes' bridge: slurmctld and srun as the nodes reach them."""
+        """The login side's address on the nodes' bridge: slurmctld and srun as the nodes reach
+        them."""
         return f"{self.net_prefix}254"
 
     @property
@@ -121,8 +128,10 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
         "# fast: start batch jobs within ~1 s, and rescan the queue every second (requeue)",
         "SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1",
         f"KillWait={spec.kill_wait_s}",
-        "# fast: a node that stops answering (frozen, cut off, powered off) is marked down after 30 s (default 300):",
-        "# until then srun waits for its part of a step, and so does the heal of a job that ran on it",
+        "# fast: a node that stops answering (frozen, cut off, powered off) is marked down after "
+        "30 s (default 300):",
+        "# until then srun waits for its part of a step, and so does the heal of a job that ran on "
+        "it",
         f"SlurmdTimeout={spec.slurmd_timeout_s}",
         "MinJobAge=300",
         "PreemptType=preempt/partition_prio",
@@ -140,13 +149,15 @@ def render_slurm_conf(spec: ClusterSpec) -> str:
 
 
 PREEMPT_SIGNALS = ("user", "term")
-USER_SIGNAL_LINES = ["# preempted jobs get their --signal (our warning signal) instead of SIGTERM (22.05 spelling)",
+USER_SIGNAL_LINES = ["# preempted jobs get their --signal (our warning signal) instead of SIGTERM "
+                     "(22.05 spelling)",
                      "SlurmctldParameters=preempt_send_user_signal"]
 TERM_SIGNAL_LINE = "# preempted jobs get SIGTERM, then SIGKILL after GraceTime (Slurm's default, most clusters')"
 
 
 def preempt_lines(mode: str) -> list[str]:
-    """How a preempted job is told (``preempt_signal``): its own --signal, or SIGTERM as most clusters do."""
+    """How a preempted job is told (``preempt_signal``): its own --signal, or SIGTERM as most
+    clusters do."""
     if mode not in PREEMPT_SIGNALS:
         raise ValueError(f"preempt_signal must be one of {', '.join(PREEMPT_SIGNALS)}, not {mode!r}")
     return USER_SIGNAL_LINES if mode == "user" else [TERM_SIGNAL_LINE]
@@ -154,7 +165,8 @@ def preempt_lines(mode: str) -> list[str]:
 
 def with_preempt_signal(conf: str, mode: str) -> str:
     """slurm.conf's text with its preemption signal lines for ``mode`` (the rest as it was)."""
-    lines = [line for line in conf.splitlines() if line not in (*USER_SIGNAL_LINES, TERM_SIGNAL_LINE)]
+    lines = [line for line in conf.splitlines()
+             if line not in (*USER_SIGNAL_LINES, TERM_SIGNAL_LINE)]
     at = next(i for i, line in enumerate(lines) if line.startswith("PreemptMode=")) + 1
     return "\n".join([*lines[:at], *preempt_lines(mode), *lines[at:]]) + "\n"
 
@@ -178,7 +190,8 @@ def render_slurmdbd_conf(spec: ClusterSpec) -> str:
 
 def hosts_lines(spec: ClusterSpec) -> list[str]:
     """/etc/hosts lines so node names resolve (MASTER_ADDR is a node name)."""
-    return [f"{addr} {name} {hosts_tag(spec)}" for addr, name in zip(spec.node_addrs, spec.node_names)]
+    return [f"{addr} {name} {hosts_tag(spec)}"
+            for addr, name in zip(spec.node_addrs, spec.node_names)]
 
 
 def hosts_tag(spec: ClusterSpec) -> str:

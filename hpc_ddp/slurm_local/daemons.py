@@ -25,7 +25,8 @@ from hpc_ddp.slurm_local.hosts import add_hosts, remove_hosts
 from hpc_ddp.slurm_local.machines import PIECES, RESOLV_CONF, node_script
 
 APT_PACKAGES = "slurmctld slurmd slurm-client munge slurmdbd mariadb-server bindfs iproute2"
-_BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch", "munge",
+_BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "srun", "sbatch",
+             "munge",
              "unmunge", "munged"]
 _ACCOUNTING_BINARIES = ["slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db"]
 
@@ -37,7 +38,8 @@ def _which(name: str) -> str | None:
 
 def missing_pieces(spec: ClusterSpec) -> list[str]:
     """What stands between this machine and a running cluster (empty when nothing)."""
-    missing = [b for b in _BINARIES + (_ACCOUNTING_BINARIES if spec.accounting else []) if not _which(b)]
+    missing = [b for b in _BINARIES + (_ACCOUNTING_BINARIES if spec.accounting else [])
+               if not _which(b)]
     if os.geteuid() != 0:
         missing.append("root privileges (the daemons run as root)")
     return missing
@@ -47,8 +49,10 @@ def _env(spec: ClusterSpec) -> dict[str, str]:
     return {**os.environ, "SLURM_CONF": str(spec.conf_path)}
 
 
-def _run(spec: ClusterSpec, cmd: Sequence[str], check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(cmd), env=_env(spec), capture_output=True, text=True, timeout=timeout)
+def _run(spec: ClusterSpec, cmd: Sequence[str], check: bool = True,
+         timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(cmd), env=_env(spec), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise ClusterError(explain(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}",
                                    found=(proc.stderr or proc.stdout).strip()[-600:],
@@ -63,7 +67,8 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _wait(what: str, ready: Callable[[], bool], spec: ClusterSpec, timeout: float = 30, log: str = "") -> None:
+def _wait(what: str, ready: Callable[[], bool], spec: ClusterSpec, timeout: float = 30,
+          log: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready():
@@ -71,13 +76,15 @@ def _wait(what: str, ready: Callable[[], bool], spec: ClusterSpec, timeout: floa
         time.sleep(0.1)
     tail = ""
     if log and (spec.path("log", log)).exists():
-        tail = "\n" + "\n".join(spec.path("log", log).read_text(errors="replace").splitlines()[-15:])
+        tail = "\n" + "\n".join(spec.path("log",
+                                          log).read_text(errors="replace").splitlines()[-15:])
     raise ClusterError(explain(f"{what} did not become ready within {timeout:.0f} s",
                                hint=f"see {spec.path('log', log or '')}") + tail)
 
 
 def _pid_files(spec: ClusterSpec) -> list[Path]:
-    """Our daemons, newest first in start order reversed: slurmd, slurmctld, slurmdbd, mysqld, munged."""
+    """Our daemons, newest first in start order reversed: slurmd, slurmctld, slurmdbd, mysqld,
+    munged."""
     run = spec.path("run")
     order = [*sorted(run.glob("slurmd-*.pid")), run / "slurmctld.pid", run / "slurmdbd.pid",
              run / "mysqld.pid", run / "munged.pid"]
@@ -96,9 +103,11 @@ def _prepare(spec: ClusterSpec) -> None:
     """A fresh state tree: job ids start at 1 against an empty accounting database."""
     if spec.root.exists():
         shutil.rmtree(spec.root)
-    for kind in ("etc", "run", "log", "spool/ctld", *(f"spool/slurmd-{n}" for n in spec.node_names)):
+    for kind in ("etc", "run", "log", "spool/ctld",
+                 *(f"spool/slurmd-{n}" for n in spec.node_names)):
         spec.path(kind).mkdir(parents=True, exist_ok=True)
-    if not spec.shared.exists():  # every user's runs, as /tmp: each owns its own (a folder of yours is left as is)
+    # every user's runs, as /tmp: each owns its own (a folder of yours is left as is)
+    if not spec.shared.exists():
         spec.shared.mkdir(parents=True)
         spec.shared.chmod(0o1777)
     spec.conf_path.write_text(render_slurm_conf(spec))
@@ -133,14 +142,19 @@ def _start_accounting(spec: ClusterSpec) -> None:
     _run(spec, ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
                 "--auth-root-authentication-method=normal", "--skip-test-db"], timeout=120)
     with open(spec.path("log", "mysqld.log"), "ab") as log:
-        subprocess.Popen([_which("mariadbd") or "mariadbd", "--no-defaults", f"--datadir={data}", "--user=root",
-                          f"--socket={sock}", f"--port={spec.mysql_port}", "--bind-address=127.0.0.1",
+        subprocess.Popen([_which("mariadbd") or "mariadbd", "--no-defaults", f"--datadir={data}",
+                          "--user=root",
+                          f"--socket={sock}", f"--port={spec.mysql_port}",
+                          "--bind-address=127.0.0.1",
                           "--skip-name-resolve", f"--pid-file={spec.path('run', 'mysqld.pid')}",
-                          "--innodb-buffer-pool-size=128M", "--innodb-lock-wait-timeout=900", "--skip-log-bin"],
+                          "--innodb-buffer-pool-size=128M", "--innodb-lock-wait-timeout=900",
+                          "--skip-log-bin"],
                          stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-    _wait("MariaDB", lambda: sock.exists() and spec.path("run", "mysqld.pid").exists(), spec, log="mysqld.log")
+    _wait("MariaDB", lambda: sock.exists() and spec.path("run", "mysqld.pid").exists(), spec,
+          log="mysqld.log")
     _run(spec, [_which("slurmdbd") or "slurmdbd"])
-    _wait("slurmdbd", lambda: _run(spec, ["sacctmgr", "-n", "list", "cluster"], check=False).returncode == 0,
+    _wait("slurmdbd", lambda: _run(spec, ["sacctmgr", "-n", "list", "cluster"],
+                                   check=False).returncode == 0,
           spec, log="slurmdbd.log")
     _run(spec, ["sacctmgr", "-i", "add", "cluster", spec.cluster_name])
 
@@ -154,7 +168,8 @@ def _start_slurm(spec: ClusterSpec) -> None:
 
     def all_idle() -> bool:
         lines = _run(spec, ["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.splitlines()
-        states = dict(line.split() for line in lines if len(line.split()) == 2)  # a node per partition
+        # a node per partition
+        states = dict(line.split() for line in lines if len(line.split()) == 2)
         return len(states) == spec.nodes and all(s == "idle" for s in states.values())
 
     _wait("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
@@ -171,12 +186,16 @@ def node_script_path(spec: ClusterSpec, name: str) -> Path:
 
 
 def start_node(spec: ClusterSpec, name: str) -> None:
-    """One slurmd as a machine of its own (the pieces ``spec.isolated`` names; its script lies in ROOT/etc)."""
+    """One slurmd as a machine of its own (the pieces ``spec.isolated`` names; its script lies in
+    ROOT/etc)."""
     m = isolation.machine_of(spec, name)
-    script = node_script(name=name, isolated=spec.isolated, netns=m.netns, cgroup_dirs=isolation.cgroup_dirs(m),
+    script = node_script(name=name, isolated=spec.isolated, netns=m.netns,
+                         cgroup_dirs=isolation.cgroup_dirs(m),
                          state_root=spec.root, shared=spec.shared, cache_s=spec.cache_s,
-                         slurmd=[_which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N", name],
-                         bindfs_pid=isolation.bindfs_pid_file(spec, name), resolv_conf=spec.path("etc", "resolv.conf"),
+                         slurmd=[_which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N",
+                                 name],
+                         bindfs_pid=isolation.bindfs_pid_file(spec, name),
+                         resolv_conf=spec.path("etc", "resolv.conf"),
                          bindfs_log=spec.path("log", f"bindfs-{name}.log"))
     path = node_script_path(spec, name)
     path.write_text(script)
@@ -192,9 +211,9 @@ def isolation_pieces(spec: ClusterSpec) -> tuple[tuple[str, ...], dict[str, str]
 
 
 def set_preempt_signal(spec: ClusterSpec, mode: str) -> None:
-    """Switch a running cluster between telling a preempted job with its --signal ("user") and Slurm's default
-    SIGTERM ("term"): slurm.conf is rewritten and ``scontrol reconfigure`` applies it (measured on 22.05: no
-    restart needed)."""
+    """Switch a running cluster between telling a preempted job with its --signal ("user") and
+    Slurm's default SIGTERM ("term"): slurm.conf is rewritten and ``scontrol reconfigure`` applies
+    it (measured on 22.05: no restart needed)."""
     spec.conf_path.write_text(with_preempt_signal(spec.conf_path.read_text(), mode))
     _run(spec, ["scontrol", "reconfigure"])
     want = "preempt_send_user_signal" if mode == "user" else "(null)"
@@ -207,8 +226,8 @@ def set_preempt_signal(spec: ClusterSpec, mode: str) -> None:
 
 
 def start(spec: ClusterSpec) -> bool:
-    """Start the cluster unless ours is already up; True when this call started it. Each node is a machine of
-    its own as far as this machine allows (:func:`running_spec` says how far)."""
+    """Start the cluster unless ours is already up; True when this call started it. Each node is a
+    machine of its own as far as this machine allows (:func:`running_spec` says how far)."""
     if is_up(spec):
         return False
     missing = missing_pieces(spec)
@@ -254,7 +273,8 @@ def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
     if not spec.path("run").exists():
         return []
     running = running_spec(spec)
-    if "cgroups" in running.isolated:  # a frozen node's slurmd and tasks would wait out every timeout below
+    # a frozen node's slurmd and tasks would wait out every timeout below
+    if "cgroups" in running.isolated:
         for m in isolation.machines(running):
             if isolation.freezer_state(m) not in ("THAWED", "n/a"):
                 isolation.kill_node(running, m)
@@ -277,9 +297,12 @@ def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
 
 
 def running_spec(spec: ClusterSpec) -> ClusterSpec:
-    """``spec`` as the running (or last) cluster at its root was started: what it isolated, its nodes."""
+    """``spec`` as the running (or last) cluster at its root was started: what it isolated, its
+    nodes."""
     record = isolation.read_record(spec)
     if not record:
         return spec
-    return replace(spec, isolated=tuple(record.get("isolated", ())), nodes=len(record.get("nodes", {})) or spec.nodes,
-                   shared=Path(record.get("shared", spec.shared)), cache_s=int(record.get("cache_s", spec.cache_s)))
+    return replace(spec, isolated=tuple(record.get("isolated", ())),
+                   nodes=len(record.get("nodes", {})) or spec.nodes,
+                   shared=Path(record.get("shared", spec.shared)),
+                   cache_s=int(record.get("cache_s", spec.cache_s)))

@@ -1,12 +1,14 @@
-"""The faults a real node has, played on a local node: ``python -m hpc_ddp.slurm_local fault NODE ACTION``.
+"""The faults a real node has, played on a local node: ``python -m hpc_ddp.slurm_local fault NODE
+ACTION``.
 
 * ``kill``: every process of the node gets SIGKILL, slurmd and its view of the shared root included
-  (power lost: peers see silence, slurmctld finds the node not responding); ``normal`` boots it again.
-* ``freeze``/``thaw``: the node's freezer cgroup, slurmd included (a kernel hang: SIGCONT does not wake it,
-  and Slurm's own signals wait with it).
-* ``partition``/``reconnect``: the node's link down/up. It lives on and still sees its view of the shared
-  root (which is local here, as a node whose training network fails and whose storage network does not);
-  nobody reaches it and it reaches nobody, and no FIN or RST is sent.
+  (power lost: peers see silence, slurmctld finds the node not responding); ``normal`` boots it
+  again.
+* ``freeze``/``thaw``: the node's freezer cgroup, slurmd included (a kernel hang: SIGCONT does not
+  wake it, and Slurm's own signals wait with it).
+* ``partition``/``reconnect``: the node's link down/up. It lives on and still sees its view of the
+  shared root (which is local here, as a node whose training network fails and whose storage network
+  does not); nobody reaches it and it reaches nobody, and no FIN or RST is sent.
 * ``slow=FRACTION``: the node's CPU share capped at FRACTION of this machine; ``normal`` lifts it.
 * ``normal``: all of the above undone; a killed node booted again and returned to service.
 """
@@ -23,7 +25,8 @@ from hpc_ddp.slurm_local.conf import ClusterSpec
 from hpc_ddp.slurm_local.machines import Machine
 
 ACTIONS = ("kill", "freeze", "thaw", "partition", "reconnect", "slow=FRACTION", "normal")
-NEEDS = {"kill": "cgroups", "freeze": "cgroups", "thaw": "cgroups", "slow": "cgroups", "partition": "network",
+NEEDS = {"kill": "cgroups", "freeze": "cgroups", "thaw": "cgroups", "slow": "cgroups",
+         "partition": "network",
          "reconnect": "network"}
 
 
@@ -53,8 +56,10 @@ def parse_action(text: str) -> tuple[str, float | None]:
         except ValueError:
             fraction = -1.0
         if not 0 < fraction <= 1:
-            raise ClusterError(explain(f"fault action {text!r} needs a CPU fraction", found=value or "nothing",
-                                       expected="slow=FRACTION with 0 < FRACTION <= 1, of this machine's CPUs",
+            raise ClusterError(explain(f"fault action {text!r} needs a CPU fraction", found=value
+                                       or "nothing",
+                                       expected="slow=FRACTION with 0 < FRACTION <= 1, of this "
+                                                "machine's CPUs",
                                        hint="slow=0.25 gives the node a quarter of the machine"))
         return name, fraction
     if value or name not in ACTIONS:
@@ -65,26 +70,30 @@ def parse_action(text: str) -> tuple[str, float | None]:
 
 def _machine(spec: ClusterSpec, node: str) -> Machine:
     if node not in spec.node_names:
-        raise ClusterError(explain(f"no node {node!r} in the local cluster", expected=", ".join(spec.node_names),
+        raise ClusterError(explain(f"no node {node!r} in the local cluster",
+                                   expected=", ".join(spec.node_names),
                                    hint="python -m hpc_ddp.slurm_local status lists them"))
     return isolation.machine_of(spec, node)
 
 
 def _scontrol(spec: ClusterSpec, *args: str) -> str:
     proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30,
-                          env={"SLURM_CONF": str(spec.conf_path), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+                          env={"SLURM_CONF": str(spec.conf_path),
+                               "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
     return proc.stdout + proc.stderr
 
 
 def fault(spec: ClusterSpec, node: str, action: str) -> str:
-    """Play ``action`` on ``node`` of the running cluster ``spec`` (as :func:`daemons.running_spec` gives it);
-    return what was done, in a sentence."""
+    """Play ``action`` on ``node`` of the running cluster ``spec`` (as :func:`daemons.running_spec`
+    gives it); return what was done, in a sentence."""
     name, fraction = parse_action(action)
     m = _machine(spec, node)
     needed = NEEDS.get(name)
     if needed and needed not in spec.isolated:
-        raise ClusterError(explain(f"`fault {node} {action}` needs the node's {needed}, which this cluster does "
-                                   "not isolate", hint="`python -m hpc_ddp.slurm_local status` says why; start "
+        raise ClusterError(explain(f"`fault {node} {action}` needs the node's {needed}, which this "
+                                   "cluster does "
+                                   "not isolate", hint="`python -m hpc_ddp.slurm_local status` "
+                                                       "says why; start "
                                    "the cluster as root on a machine with namespaces and cgroup v1"))
     if name == "kill":
         pids = isolation.kill_node(spec, m)
@@ -129,7 +138,8 @@ def normal(spec: ClusterSpec, m: Machine) -> str:
     if any(word in state for word in ("State=DOWN", "DRAIN", "NOT_RESPONDING")):
         _scontrol(spec, "update", f"nodename={m.name}", "state=resume")
         deadline = time.monotonic() + 20
-        while "NOT_RESPONDING" in _scontrol(spec, "show", "node", m.name) and time.monotonic() < deadline:
+        while "NOT_RESPONDING" in _scontrol(spec, "show", "node",
+                                            m.name) and time.monotonic() < deadline:
             time.sleep(0.2)
         done.append("resumed in Slurm")
     return f"{m.name}: " + (", ".join(done) if done else "already normal")
@@ -137,8 +147,10 @@ def normal(spec: ClusterSpec, m: Machine) -> str:
 
 def states(spec: ClusterSpec) -> list[NodeState]:
     """Each node's Slurm state and the faults on it."""
-    sinfo = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=30,
-                           env={"SLURM_CONF": str(spec.conf_path), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+    sinfo = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True,
+                           timeout=30,
+                           env={"SLURM_CONF": str(spec.conf_path),
+                                "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
     slurm = dict(line.split() for line in sinfo.stdout.splitlines() if len(line.split()) == 2)
     out = []
     for node in spec.node_names:

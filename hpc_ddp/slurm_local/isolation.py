@@ -1,5 +1,6 @@
 """Make, undo and ask about the local nodes' machines: the bridge and namespaces, the cgroups, the
-record of what ``start`` could isolate (root only; names from :mod:`hpc_ddp.slurm_local.machines`)."""
+record of what ``start`` could isolate (root only; names from
+:mod:`hpc_ddp.slurm_local.machines`)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ def probe() -> dict[str, str]:
             missing["filesystem"] = f"`unshare --mount` failed: {why}"
     absent = [c for c in CONTROLLERS if not (CGROUP_ROOT / c / "cgroup.procs").exists()]
     if absent:
-        missing["cgroups"] = (f"cgroup v1 controller(s) {', '.join(absent)} not mounted under {CGROUP_ROOT} (a "
-                              "cgroup v2 machine: boot with systemd.unified_cgroup_hierarchy=0): fault kill, freeze "
+        missing["cgroups"] = (f"cgroup v1 controller(s) {', '.join(absent)} not mounted under "
+                              f"{CGROUP_ROOT} (a "
+                              "cgroup v2 machine: boot with systemd.unified_cgroup_hierarchy=0): "
+                              "fault kill, freeze "
                               "and slow are not available")
     else:
         for controller in CONTROLLERS:
@@ -95,7 +98,8 @@ def write_record(spec: ClusterSpec, missing: dict[str, str]) -> None:
 
 
 def read_record(spec: ClusterSpec) -> dict:
-    """What ``start`` isolated on this cluster (empty when it is not running or isolated nothing)."""
+    """What ``start`` isolated on this cluster (empty when it is not running or isolated
+    nothing)."""
     try:
         return json.loads(record_path(spec).read_text())
     except (OSError, ValueError):
@@ -105,14 +109,17 @@ def read_record(spec: ClusterSpec) -> dict:
 def _ip(*args: str, check: bool = True) -> None:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
     if check and proc.returncode != 0:
-        raise ClusterError(explain(f"`ip {' '.join(args)}` failed", found=proc.stderr.strip()[-300:],
-                                   hint="run as root; `python -m hpc_ddp.slurm_local start --one-machine` "
+        raise ClusterError(explain(f"`ip {' '.join(args)}` failed",
+                                   found=proc.stderr.strip()[-300:],
+                                   hint="run as root; `python -m hpc_ddp.slurm_local start "
+                                        "--one-machine` "
                                         "starts the cluster without network namespaces"))
 
 
 def set_up(spec: ClusterSpec) -> None:
-    """The bridge, a namespace and veth per node, and the nodes' cgroups, for the pieces ``spec.isolated``
-    names. Leftovers of an earlier cluster with the same names are removed first."""
+    """The bridge, a namespace and veth per node, and the nodes' cgroups, for the pieces
+    ``spec.isolated`` names. Leftovers of an earlier cluster with the same names are removed
+    first."""
     tear_down(spec)
     if "network" in spec.isolated:
         _ip("link", "add", bridge(spec.key), "type", "bridge")
@@ -156,7 +163,8 @@ def kill_node(spec: ClusterSpec, m: Machine) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    """True for a running process; a zombie or a missing PID is dead (PID 1 in containers reaps slowly)."""
+    """True for a running process; a zombie or a missing PID is dead (PID 1 in containers reaps
+    slowly)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -165,7 +173,8 @@ def alive(pid: int) -> bool:
 
 
 def _bindfs_pid(spec: ClusterSpec, name: str) -> int | None:
-    """The node's bindfs, from its pid file, if that PID still is a bindfs (never another process that got it)."""
+    """The node's bindfs, from its pid file, if that PID still is a bindfs (never another process
+    that got it)."""
     try:
         pid = int(bindfs_pid_file(spec, name).read_text().split()[0])
         return pid if Path(f"/proc/{pid}/comm").read_text().strip() == "bindfs" else None
@@ -224,7 +233,8 @@ def cpu_fraction(m: Machine) -> float | None:
 
 
 def link(m: Machine, up: bool) -> None:
-    """The node's link down (the host's end of its veth) or up (both ends: a node may have cut itself off)."""
+    """The node's link down (the host's end of its veth) or up (both ends: a node may have cut
+    itself off)."""
     _ip("link", "set", m.veth, "up" if up else "down")
     if up:
         _ip("-n", m.netns, "link", "set", "eth0", "up")
@@ -232,7 +242,8 @@ def link(m: Machine, up: bool) -> None:
 
 def link_up(m: Machine) -> bool | None:
     """Both ends of the node's link are up (None: the node has no link of its own)."""
-    ends = [["ip", "-br", "link", "show", m.veth], ["ip", "-n", m.netns, "-br", "link", "show", "eth0"]]
+    ends = [["ip", "-br", "link", "show", m.veth],
+            ["ip", "-n", m.netns, "-br", "link", "show", "eth0"]]
     states = []
     for cmd in ends:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
@@ -243,8 +254,8 @@ def link_up(m: Machine) -> bool | None:
 
 
 def tear_down(spec: ClusterSpec) -> None:
-    """Undo :func:`set_up` (whatever of it exists): every node's processes killed, cgroups removed, the
-    namespaces and the bridge deleted."""
+    """Undo :func:`set_up` (whatever of it exists): every node's processes killed, cgroups removed,
+    the namespaces and the bridge deleted."""
     has_ip = bool(_which("ip"))
     for m in machines(spec):
         if any(p.exists() for p in cgroup_dirs(m).values()):

@@ -2,34 +2,37 @@
 
 A rank learns of a failure in one of four ways:
 
-- **the program raised**: a collective failed because a peer died, or the program itself crashed. The
-  exception reaches :func:`~hpc_ddp.rank.attempt.session.open_run` on the training thread, which hands it
-  to :func:`after_exception`;
-- **liveness found a peer silent** (this rank watched it and declares it lost), **or heard a declaration**
-  made by another rank (:mod:`hpc_ddp.rank.watch.liveness`): its side thread calls the callbacks that
+- **the program raised**: a collective failed because a peer died, or the program itself crashed.
+  The exception reaches :func:`~hpc_ddp.rank.attempt.session.open_run` on the training thread, which
+  hands it to :func:`after_exception`;
+- **liveness found a peer silent** (this rank watched it and declares it lost), **or heard a
+  declaration** made by another rank (:mod:`hpc_ddp.rank.watch.liveness`): its side thread calls the
+  callbacks that
   :func:`wire` and :func:`exit_lost` / :func:`exit_heard` give it;
-- **the watchdog found no progress** for ``dist.timeout_s`` (:mod:`hpc_ddp.rank.watch.watchdog`): its side
-  thread calls :func:`on_hang`;
-- **a stop broke the step**: the stop signal killed a child or a peer that had already stopped made a
-  collective fail. It arrives as a raised exception, and :func:`after_exception` tells it apart from a
-  failure (:mod:`hpc_ddp.rank.stop.broken_step`) and ends the attempt as the stop it was.
+- **the watchdog found no progress** for ``dist.timeout_s`` (:mod:`hpc_ddp.rank.watch.watchdog`):
+  its side thread calls :func:`on_hang`;
+- **a stop broke the step**: the stop signal killed a child or a peer that had already stopped made
+  a collective fail. It arrives as a raised exception, and :func:`after_exception` tells it apart
+  from a failure (:mod:`hpc_ddp.rank.stop.broken_step`) and ends the attempt as the stop it was.
 
 Then the same phases, in this order, each on the thread that noticed:
 
 1. **flight dump**: which collective this rank waits in (:func:`hpc_ddp.rundir.flight.dump`), before
-   anyone exits. Only for a hang, on the watchdog's thread; NCCL's own watchdog dumps on a collective's
-   timeout.
-2. **survivors' snapshot**: ``attempt.after_failure`` (:func:`hpc_ddp.rank.salvage.jit.after_failure`,
-   once per process whichever thread comes first: :class:`~hpc_ddp.rank.salvage.jit.OneHandler`). Inline on
-   the training thread; bounded by ``SIDE_WAIT_S`` on the liveness and watchdog threads, which must exit.
-3. **ledger line**: rank 0 writes ``hung`` on the watchdog's thread (:func:`on_hang`), or the stop's line
-   on the training thread (:func:`~hpc_ddp.rank.attempt.conclude.end_as_stop`). A raised failure or a lost
-   rank gets no line here: the batch shell's settle step writes ``failed`` (with the lost-rank markers
-   that liveness wrote).
-4. **exit code** (:mod:`hpc_ddp.core.codes`): ``EXIT_HUNG`` for a hang, ``EXIT_LOST`` for the rank that
-   declared a peer lost, ``EXIT_FAILED`` for one that heard the declaration, all by ``exit_fast`` from the
-   side thread (the training thread may be stuck in a collective); the stop's code for a broken step
-   (:class:`~hpc_ddp.rank.stop.broken_step.StoppedMidStep`); for a raised failure, the worker's exit 1.
+   anyone exits. Only for a hang, on the watchdog's thread; NCCL's own watchdog dumps on a
+   collective's timeout.
+2. **survivors' snapshot**: ``attempt.after_failure``
+   (:func:`hpc_ddp.rank.salvage.jit.after_failure`, once per process whichever thread comes first:
+   :class:`~hpc_ddp.rank.salvage.jit.OneHandler`). Inline on the training thread; bounded by
+   ``SIDE_WAIT_S`` on the liveness and watchdog threads, which must exit.
+3. **ledger line**: rank 0 writes ``hung`` on the watchdog's thread (:func:`on_hang`), or the stop's
+   line on the training thread (:func:`~hpc_ddp.rank.attempt.conclude.end_as_stop`). A raised
+   failure or a lost rank gets no line here: the batch shell's settle step writes ``failed`` (with
+   the lost-rank markers that liveness wrote).
+4. **exit code** (:mod:`hpc_ddp.core.codes`): ``EXIT_HUNG`` for a hang, ``EXIT_LOST`` for the rank
+   that declared a peer lost, ``EXIT_FAILED`` for one that heard the declaration, all by
+   ``exit_fast`` from the side thread (the training thread may be stuck in a collective); the stop's
+   code for a broken step (:class:`~hpc_ddp.rank.stop.broken_step.StoppedMidStep`); for a raised
+   failure, the worker's exit 1.
 
 What happens next is the batch shell's: :mod:`hpc_ddp.shell.settle`, then :mod:`hpc_ddp.shell.heal`.
 """
@@ -54,18 +57,19 @@ if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.rank.loop.run import Run
 
-log = logging.getLogger("hpc_ddp.session")  # the 0.1 logger name: users' log filters and the tests grep it
+# the 0.1 logger name: users' log filters and the tests grep it
+log = logging.getLogger("hpc_ddp.session")
 
 
 class PeerLost(RuntimeError):
-    """What a just-in-time snapshot follows when this rank's liveness thread found its peer frozen, or its
-    watchdog found another rank stuck."""
+    """What a just-in-time snapshot follows when this rank's liveness thread found its peer frozen,
+    or its watchdog found another rank stuck."""
 
 
 def wire(attempt: Attempt, run: Run) -> None:
-    """Once the run exists: the survivors' snapshot of this run becomes ``attempt.after_failure``, and a
-    frozen peer found by liveness starts it too (the rank that finds it writes what it holds, from the
-    liveness thread, then exits, whatever the write waits for)."""
+    """Once the run exists: the survivors' snapshot of this run becomes ``attempt.after_failure``,
+    and a frozen peer found by liveness starts it too (the rank that finds it writes what it holds,
+    from the liveness thread, then exits, whatever the write waits for)."""
     from hpc_ddp.rank.salvage import jit
 
     attempt.after_failure = jit.OneHandler(functools.partial(jit.after_failure, run))
@@ -75,7 +79,8 @@ def wire(attempt: Attempt, run: Run) -> None:
 
 
 def exit_lost(message: str) -> None:
-    """Liveness, after this rank declared a silent peer lost (its marker written, its snapshot done)."""
+    """Liveness, after this rank declared a silent peer lost (its marker written, its snapshot
+    done)."""
     _exit(EXIT_LOST)
 
 
@@ -85,7 +90,8 @@ def exit_heard(message: str) -> None:
 
 
 def on_hang(attempt: Attempt, timeout_s: float) -> Callable[[str, list[int]], None]:
-    """The watchdog's callback: rank 0 records the hang (naming the stuck ranks) before the process ends.
+    """The watchdog's callback: rank 0 records the hang (naming the stuck ranks) before the process
+    ends.
 
     The other ranks wait a little before exiting: the stuck rank's watchdog fires first (its
     last beat is the oldest), and its exit would make rank 0's collective fail before rank 0's
@@ -101,7 +107,8 @@ def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) ->
     dumped = flight.dump(dumps, env.rank)  # which collective this rank is in, before anyone exits
     if dumped is not None:
         log.error("the collectives this rank was in: %s", dumped)
-    if attempt.after_failure is not None and env.rank not in stuck:  # it waits in a collective: it holds a step
+    # it waits in a collective: it holds a step
+    if attempt.after_failure is not None and env.rank not in stuck:
         from hpc_ddp.rank.salvage.jit import SIDE_WAIT_S
 
         attempt.after_failure(PeerLost(message.splitlines()[0]), wait_s=SIDE_WAIT_S)
@@ -121,18 +128,21 @@ def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) ->
 
 def after_exception(attempt: Attempt, run: Run, err: Exception) -> None:
     """The program raised (not an explained error of its own): on the training thread, inside
-    ``open_run``'s ``except``. This rank writes what it holds; where a stop signal broke the step, rank 0
-    writes the stop's ledger line and this raises :class:`StoppedMidStep` with the stop's exit code.
-    Otherwise it returns, and ``open_run`` re-raises ``err`` with its traceback as it came: the worker
-    reports it and exits 1, and the batch shell's settle step writes the ``failed`` line."""
+    ``open_run``'s ``except``. This rank writes what it holds; where a stop signal broke the step,
+    rank 0 writes the stop's ledger line and this raises :class:`StoppedMidStep` with the stop's
+    exit code. Otherwise it returns, and ``open_run`` re-raises ``err`` with its traceback as it
+    came: the worker reports it and exits 1, and the batch shell's settle step writes the ``failed``
+    line."""
     attempt.after_failure(err)
-    if stop_came_first(attempt.flag, err, marker(attempt.run_dir, attempt.env)):  # a stop broke the step
+    # a stop broke the step
+    if stop_came_first(attempt.flag, err, marker(attempt.run_dir, attempt.env)):
         attempt.code = end_as_stop(attempt, run, err)
         raise StoppedMidStep(attempt.code) from err
 
 
 def _exit(code: int) -> None:
-    """The process ends now, from whichever thread: the training thread may wait in a collective forever."""
+    """The process ends now, from whichever thread: the training thread may wait in a collective
+    forever."""
     from hpc_ddp.core.shutdown import exit_fast
 
     exit_fast(code)

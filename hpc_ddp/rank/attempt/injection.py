@@ -1,10 +1,12 @@
-"""The rehearsal's hooks on the rank's side: what ``submit --local`` and the tests inject into an attempt.
+"""The rehearsal's hooks on the rank's side: what ``submit --local`` and the tests inject into an
+attempt.
 
-The local launcher (:mod:`hpc_ddp.rehearsal`) watches rank 0's output for progress lines and sends its
-stop signals at the steps asked for (``--preempt-at``, ``--timeout-at``); ``--fail-at`` kills a rank after
-a step, as a lost node; ``HPC_DDP_FAULT_POINT`` signals a rank in the middle of a snapshot's write. Only the
-local launcher and the tests set the variables that turn these on. Kept apart so that the session composes
-the attempt and nothing else, and one call (:func:`on_step`) arms all of it.
+The local launcher (:mod:`hpc_ddp.rehearsal`) watches rank 0's output for progress lines and sends
+its stop signals at the steps asked for (``--preempt-at``, ``--timeout-at``); ``--fail-at`` kills a
+rank after a step, as a lost node; ``HPC_DDP_FAULT_POINT`` signals a rank in the middle of a
+snapshot's write. Only the local launcher and the tests set the variables that turn these on. Kept
+apart so that the session composes the attempt and nothing else, and one call (:func:`on_step`) arms
+all of it.
 """
 
 from __future__ import annotations
@@ -23,31 +25,36 @@ if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
     from hpc_ddp.rank.loop.run import Run
 
-HOLD_S = 60.0  # the longest rank 0 waits at a step for the rehearsal's injected signal (ms when all is well;
-# 10 s ran out once in CI, a launcher starved by a loaded machine, and the stop under test never happened)
-DIE_WAIT_S = 5.0  # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
+# the longest rank 0 waits at a step for the rehearsal's injected signal (ms when all is well;
+HOLD_S = 60.0
+# 10 s ran out once in CI, a launcher starved by a loaded machine, and the stop under test never
+# happened)
+# how long --fail-at waits for a victim's per-rank state to be posted before it kills it
+DIE_WAIT_S = 5.0
 FAULT_POINT_VAR = "HPC_DDP_FAULT_POINT"  # tests only: rundir/snapshot.py's FAULT_POINT
 
 
 def on_step(attempt: Attempt, run: Run) -> Callable[[int], None] | None:
-    """What ``run`` calls after each step (``run.on_step``), or None outside a rehearsal; also arms the
-    snapshot writer's fault point (tests only), before the run writes anything."""
+    """What ``run`` calls after each step (``run.on_step``), or None outside a rehearsal; also arms
+    the snapshot writer's fault point (tests only), before the run writes anything."""
     from hpc_ddp.rundir import snapshot
 
     environ = attempt.environ
     snapshot.FAULT_POINT = environ.get(FAULT_POINT_VAR)
-    hook: Callable[[int], None] | None = _print_progress if attempt.local and attempt.env.is_main else None
+    hook: Callable[[int],
+                   None] | None = _print_progress if attempt.local and attempt.env.is_main else None
     if hook is not None and environ.get(HOLD_AT_VAR):  # the rehearsal's --preempt-at/--timeout-at
         hook = functools.partial(_hold_for_stop, _steps(environ[HOLD_AT_VAR]), attempt.flag)
-    if environ.get(DIE_AT_VAR):  # the rehearsal's --fail-at: this rank's node is lost after that step
+    # the rehearsal's --fail-at: this rank's node is lost after that step
+    if environ.get(DIE_AT_VAR):
         hook = functools.partial(_die_after, int(environ[DIE_AT_VAR]), hook, run)
     return hook
 
 
 def _die_after(last: int, then: Callable[[int], None] | None, run: Run, step: int) -> None:
-    """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run and its per-rank
-    state of that step has left for its buddy (posted by the mirror's sender thread, within a millisecond or
-    so), as in a node lost during the next step."""
+    """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run and
+    its per-rank state of that step has left for its buddy (posted by the mirror's sender thread,
+    within a millisecond or so), as in a node lost during the next step."""
     if then is not None:
         then(step)
     if step >= last:
@@ -61,9 +68,10 @@ def _steps(text: str) -> frozenset[int]:
 
 
 def _hold_for_stop(steps: frozenset[int], flag: StopFlag, step: int) -> None:
-    """The rehearsal's injected stop (``--preempt-at``/``--timeout-at``): rank 0 reports the step and waits, at
-    most ``HOLD_S``, for the signal the launcher sends on reading that report. Without the wait a short run on
-    a loaded machine could finish before the signal lands, and the stop under test would never happen."""
+    """The rehearsal's injected stop (``--preempt-at``/``--timeout-at``): rank 0 reports the step
+    and waits, at most ``HOLD_S``, for the signal the launcher sends on reading that report. Without
+    the wait a short run on a loaded machine could finish before the signal lands, and the stop
+    under test would never happen."""
     _print_progress(step)
     deadline = time.monotonic() + HOLD_S
     while step in steps and not flag.is_set and time.monotonic() < deadline:

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from hpc_ddp.rank.watch.watchdog import Watchdog
 
 log = logging.getLogger("hpc_ddp.session")
-CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"  # "shared": control traffic on a gloo training group (tests only)
+# "shared": control traffic on a gloo training group (tests only)
+CONTROL_GROUP_VAR = "HPC_DDP_CONTROL_GROUP"
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -68,7 +69,8 @@ def threads(environ: Mapping[str, str], env: DistEnv) -> None:
 
 @contextlib.contextmanager
 def open_run(attempt: Attempt) -> Iterator[Run]:
-    """``with open_run(attempt) as run: program(run)``; afterwards ``attempt.code`` is this rank's exit code.
+    """``with open_run(attempt) as run: program(run)``; afterwards ``attempt.code`` is this rank's
+    exit code.
 
     An exception from the program propagates (the worker records and reports it); the
     process group is torn down on every exit path.
@@ -78,7 +80,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     from hpc_ddp.rank.watch.watchdog import Watchdog
 
     timeline.reset()
-    timeline.mark("imported")  # torch and hpc_ddp's rank code are loaded (the heal timeline, core/timeline.py)
+    # torch and hpc_ddp's rank code are loaded (the heal timeline, core/timeline.py)
+    timeline.mark("imported")
     cfg, env = attempt.cfg, attempt.env
     _prepare(attempt)
     with beating(attempt), process_group(env, cfg.dist, **_group_options(attempt)) as device:
@@ -86,21 +89,26 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
         if not attempt.wrapped:
             lock(attempt.run_dir, attempt.holder, env, from_main)
         try:
-            watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size, store=default_store(attempt.token),
+            watchdog = Watchdog(cfg.dist.timeout_s, env.rank, env.world_size,
+                                store=default_store(attempt.token),
                                 on_hang=failure.on_hang(attempt, cfg.dist.timeout_s)).start()
             run: Run | None = None
             try:
                 run = _new_run(attempt, device, watchdog)
                 try:
                     yield run
-                except LoopIgnoredStop as err:  # the stop snapshot is committed: end the attempt as that stop
+                # the stop snapshot is committed: end the attempt as that stop
+                except LoopIgnoredStop as err:
                     log.error("%s", err)
                     note(attempt, "the loop went on after run.boundary returned True")
                     run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
                 except HpcDdpError:
-                    raise  # the program's own error (explained): it fails the same way after any resume
-                except Exception as err:  # a collective failed (a peer died), or the program crashed
-                    failure.after_exception(attempt, run, err)  # raises StoppedMidStep if a stop broke the step
+                    # the program's own error (explained): it fails the same way after any resume
+                    raise
+                # a collective failed (a peer died), or the program crashed
+                except Exception as err:
+                    # raises StoppedMidStep if a stop broke the step
+                    failure.after_exception(attempt, run, err)
                     raise
                 if not run.stopped:
                     run.finish()  # a loop that returned without a stop has finished (idempotent)
@@ -116,38 +124,48 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
 
 
 def _prepare(attempt: Attempt) -> None:
-    """Before the rendezvous: this process's threads, compile caches and loader workers; rank 0 makes the run
-    dir where no submit made it, and each node's first rank the node's file of survivors' offers."""
+    """Before the rendezvous: this process's threads, compile caches and loader workers; rank 0
+    makes the run dir where no submit made it, and each node's first rank the node's file of
+    survivors' offers."""
     from hpc_ddp.rank.loop.compiling import apply_cache_env
     from hpc_ddp.rundir import newest
 
     cfg, env, environ = attempt.cfg, attempt.env, attempt.environ
     threads(environ, env)
-    apply_cache_env(cfg, env, environ)  # before torch._inductor reads them (the first optimizer or DDP imports it)
-    # DataLoader workers from a forkserver (our Trainer's, and a loop's that asks for one) are forked from a
-    # server that has imported torch once: each epoch's new workers then start in ms, not an import each.
-    # The server ignores the stop signals (its workers exit when it dies); the workers' worker_init learns the
-    # run's warning signal from the environment they inherit (hpc_ddp.rank.stop.shield).
+    # before torch._inductor reads them (the first optimizer or DDP imports it)
+    apply_cache_env(cfg, env, environ)
+    # DataLoader workers from a forkserver (our Trainer's, and a loop's that asks for one) are
+    # forked from a server that has imported torch once: each epoch's new workers then start in ms,
+    # not an import each. The server ignores the stop signals (its workers exit when it dies); the
+    # workers' worker_init learns the run's warning signal from the environment they inherit
+    # (hpc_ddp.rank.stop.shield).
     multiprocessing.forkserver.set_forkserver_preload(["torch", FORKSERVER_PRELOAD])
     os.environ[STOP_SIGNALS_VAR] = cfg.slurm.signal
-    at_exit_kill_workers()  # a script's normal exit must not wait for loader workers that ignore SIGTERM
-    if env.is_main and not attempt.wrapped:  # before the rendezvous: no node looks for it before it exists
+    # a script's normal exit must not wait for loader workers that ignore SIGTERM
+    at_exit_kill_workers()
+    # before the rendezvous: no node looks for it before it exists
+    if env.is_main and not attempt.wrapped:
         try:
-            make_run_dir(attempt.run_dir, cfg.run_dir_mode)  # made here when no submit made it: closed to others
+            # made here when no submit made it: closed to others
+            make_run_dir(attempt.run_dir, cfg.run_dir_mode)
             newest.create(attempt.run_dir)
-        except OSError as err:  # a full or read-only run dir fails where it matters, with its own message
+        # a full or read-only run dir fails where it matters, with its own message
+        except OSError as err:
             log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
     if env.is_node_main and not attempt.wrapped and cfg.snapshot.jit and env.world_size > 1:
-        jit_files.prepare(jit_files.post_for(attempt.run_dir, env))  # the node's file, before anyone reads it
+        # the node's file, before anyone reads it
+        jit_files.prepare(jit_files.post_for(attempt.run_dir, env))
 
 
 def _group_options(attempt: Attempt) -> dict[str, Any]:
-    """``process_group``'s keywords for this attempt: where a peer's recorded error and the flight recorder's
-    dumps are, whether control traffic gets its own group, and how rank 0 says it left a taken port."""
+    """``process_group``'s keywords for this attempt: where a peer's recorded error and the flight
+    recorder's dumps are, whether control traffic gets its own group, and how rank 0 says it left a
+    taken port."""
     env = attempt.env
     ids = (attempt.run_dir, env.job_id, env.restart_count, env.in_job)
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
-    shared = attempt.environ.get(CONTROL_GROUP_VAR) == "shared"  # tests: the control traffic on a gloo training group
+    # tests: the control traffic on a gloo training group
+    shared = attempt.environ.get(CONTROL_GROUP_VAR) == "shared"
     return {"peer_error": functools.partial(recorded_error, *ids), "dumps": flight.prefix(*ids),
             "own_control_group": False if shared else None,
             "store_moves": (functools.partial(store_moved.announced, attempt.run_dir, tag),
@@ -155,8 +173,8 @@ def _group_options(attempt: Attempt) -> dict[str, Any]:
 
 
 def _group_ready(attempt: Attempt, device: torch.device) -> None:
-    """Every rank is past the rendezvous: liveness listens for declarations, and rank 0 logs the group and
-    keeps, for the ledger, which network NCCL chose between nodes."""
+    """Every rank is past the rendezvous: liveness listens for declarations, and rank 0 logs the
+    group and keeps, for the ledger, which network NCCL chose between nodes."""
     import torch.distributed as dist
 
     from hpc_ddp.rank.group import control, nccl_report
@@ -164,9 +182,12 @@ def _group_ready(attempt: Attempt, device: torch.device) -> None:
     env = attempt.env
     timeline.mark("group_ready")
     if attempt.liveness is not None:
-        attempt.liveness.listen()  # every rank is past the rendezvous: rank 0 created the declaration's file
-    log.info("process group: backend %s, world size %d, device %s, control traffic on %s", dist.get_backend(),
-             env.world_size, device, "its own gloo group" if control.group() is not None else "the same group")
+        # every rank is past the rendezvous: rank 0 created the declaration's file
+        attempt.liveness.listen()
+    log.info("process group: backend %s, world size %d, device %s, control traffic on %s",
+             dist.get_backend(),
+             env.world_size, device, "its own gloo group" if control.group() is not None
+             else "the same group")
     if env.is_main and nccl_report.FOUND is not None:
         attempt.record["nccl_net"] = dict(nccl_report.FOUND)
 
@@ -179,7 +200,8 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     from hpc_ddp.rank.state.checkpointer import Checkpointer
 
     cfg, env = attempt.cfg, attempt.env
-    checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg), config=flat_values(cfg),
+    checkpointer = Checkpointer(attempt.run_dir, cfg.snapshot, env, config_hash(cfg),
+                                config=flat_values(cfg),
                                 local=attempt.local)
     run = Run(cfg, env, device, checkpointer=checkpointer, stop=attempt.flag, beat=watchdog.beat)
     run.on_step = injection.on_step(attempt, run)
@@ -190,10 +212,11 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
 
 @contextlib.contextmanager
 def beating(attempt: Attempt) -> Iterator[None]:
-    """This rank's liveness beats (:mod:`hpc_ddp.rank.watch.liveness`) for the attempt, from before the
-    rendezvous (a node that freezes in it is found too) to after the closing barrier; the last beat says it
-    left, on every way out. A wrapped script's own session does not beat: the worker that started it does.
-    How a rank exits when its thread finds a peer lost or hears so is :mod:`hpc_ddp.rank.attempt.failure`'s."""
+    """This rank's liveness beats (:mod:`hpc_ddp.rank.watch.liveness`) for the attempt, from before
+    the rendezvous (a node that freezes in it is found too) to after the closing barrier; the last
+    beat says it left, on every way out. A wrapped script's own session does not beat: the worker
+    that started it does. How a rank exits when its thread finds a peer lost or hears so is
+    :mod:`hpc_ddp.rank.attempt.failure`'s."""
     from hpc_ddp.rank.watch import liveness
 
     attempt.liveness = None if attempt.wrapped else liveness.start(
@@ -208,8 +231,9 @@ def beating(attempt: Attempt) -> Iterator[None]:
 
 def lock(run_dir: Path, me: dict[str, Any], env: DistEnv,
          from_main: Callable[[str | None], str | None]) -> None:
-    """Rank 0 takes the run dir's lock; every rank learns whether it could, and raises rank 0's error
-    word for word: whichever rank's message reaches the user first names the job that holds the run dir."""
+    """Rank 0 takes the run dir's lock; every rank learns whether it could, and raises rank 0's
+    error word for word: whichever rank's message reaches the user first names the job that holds
+    the run dir."""
     problem: HpcDdpError | None = None
     if env.is_main:
         try:

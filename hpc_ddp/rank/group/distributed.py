@@ -29,10 +29,12 @@ from hpc_ddp.core.slurm_env import DistEnv, torch_env
 log = logging.getLogger("hpc_ddp.distributed")
 
 
-def rendezvous_store(env: DistEnv, timeout: timedelta, peer_error: Callable[[], str | None] = lambda: None,
+def rendezvous_store(env: DistEnv, timeout: timedelta,
+                     peer_error: Callable[[], str | None] = lambda: None,
                      moved: Callable[[], int | None] = lambda: None,
                      announce: Callable[[int], Any] = lambda port: None) -> dist.Store:
-    """The job's key-value store on MASTER_ADDR and its port (or the attempt's ports), served by rank 0:
+    """The job's key-value store on MASTER_ADDR and its port (or the attempt's ports), served by
+    rank 0:
     :mod:`hpc_ddp.rank.group.rendezvous`."""
     if env.rank == 0:
         return rendezvous.serve(env, timeout, announce)
@@ -46,7 +48,8 @@ def choose_backend(requested: str, cuda_available: bool) -> str:
     if requested == "nccl" and not cuda_available:
         raise DistributedError(explain("dist.backend=nccl but CUDA is not available on this node",
                                        expected="a GPU node with a CUDA build of torch",
-                                       hint="use dist.backend=auto (gloo on CPU) or run on a GPU partition "
+                                       hint="use dist.backend=auto (gloo on CPU) or run on a GPU "
+                                            "partition "
                                        "with slurm.gpus_per_node set"), key="dist.backend")
     return requested
 
@@ -58,7 +61,8 @@ def device_index(env: DistEnv, visible_gpus: int) -> int:
     if visible_gpus >= env.local_world_size:
         return env.local_rank
     raise DistributedError(explain(
-        f"{env.local_world_size} tasks on node {env.node_rank} but {visible_gpus} GPUs visible to each",
+        f"{env.local_world_size} tasks on node {env.node_rank} but {visible_gpus} GPUs visible to "
+        "each",
         expected="one GPU per task (tasks_per_node == gpus_per_node)",
         hint="set slurm.tasks_per_node equal to slurm.gpus_per_node, or check CUDA_VISIBLE_DEVICES"),
         key="slurm.tasks_per_node")
@@ -70,7 +74,8 @@ def device_for(backend: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def failure_env(environ: Mapping[str, str], dumps: str | None, new_names: bool = True) -> dict[str, str]:
+def failure_env(environ: Mapping[str, str], dumps: str | None,
+                new_names: bool = True) -> dict[str, str]:
     """The NCCL variables that make a failure end fast and leave a record, where the user set none.
 
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear down): when a collective fails or outlives the
@@ -97,48 +102,62 @@ def failure_env(environ: Mapping[str, str], dumps: str | None, new_names: bool =
 TRACE_ENTRIES = 2000  # collectives the flight recorder keeps per process (a few hundred bytes each)
 
 
-def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[str, str] | None = None,
-                       peer_error: Callable[[], str | None] = lambda: None, dumps: str | None = None,
+def init_process_group(env: DistEnv, cfg: DistConfig,
+                       environ: MutableMapping[str, str] | None = None,
+                       peer_error: Callable[[], str | None] = lambda: None,
+                       dumps: str | None = None,
                        own_control_group: bool | None = None,
-                       store_moves: tuple[Callable[[], int | None], Callable[[int], Any]] | None = None,
+                       store_moves: tuple[Callable[[], int | None],
+                                          Callable[[int], Any]] | None = None,
                        ) -> torch.device:
-    """Join the job's process group (once) and open its CPU control group; return this rank's device.
+    """Join the job's process group (once) and open its CPU control group; return this rank's
+    device.
 
     Exports the rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` first: NCCL reads
-    its variables when it initialises, so they must be in the environment before. On NCCL across nodes
-    rank 0 also learns which network NCCL chose (:mod:`hpc_ddp.rank.group.nccl_report`), after one
-    all_reduce that every rank makes (the communicator may be made lazily, at the first collective).
-    ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`);
-    ``own_control_group=False`` leaves the control traffic on a gloo default group (measurements only; the
-    default gives it a gloo group of its own on every backend: :mod:`hpc_ddp.rank.group.control`).
+    its variables when it initialises, so they must be in the environment before. On NCCL across
+    nodes rank 0 also learns which network NCCL chose (:mod:`hpc_ddp.rank.group.nccl_report`), after
+    one all_reduce that every rank makes (the communicator may be made lazily, at the first
+    collective). ``peer_error`` says whether rank 0 already failed (see :func:`rendezvous_store`);
+    ``own_control_group=False`` leaves the control traffic on a gloo default group (measurements
+    only; the default gives it a gloo group of its own on every backend:
+    :mod:`hpc_ddp.rank.group.control`).
     """
     backend = choose_backend(cfg.backend, torch.cuda.is_available())
     device = device_for(backend, env)
     enough_open_files(env)
-    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck ranks
-    # and dumps the flight recorder; the collectives' own timeout only says "timed out", so it comes later.
+    # A backstop: the hang watchdog (watchdog.py) ends a stuck job after timeout_s, names the stuck
+    # ranks and dumps the flight recorder; the collectives' own timeout only says "timed out", so it
+    # comes later.
     timeout = timedelta(seconds=2 * cfg.timeout_s + 30)
-    if dist.is_available() and dist.is_initialized():  # the program made it (e.g. before hpc_ddp.session())
+    # the program made it (e.g. before hpc_ddp.session())
+    if dist.is_available() and dist.is_initialized():
         control.open_group(dist.get_backend(), own_control_group, timeout)
         _open_tiers(env)
         return device
     target = os.environ if environ is None else environ
     target.update({**torch_env(env), **cfg.nccl_env})
-    target.update(failure_env(target, dumps, new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
+    target.update(failure_env(target, dumps,
+                              new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
     report = nccl_report.prepare(target, env) if nccl_report.wanted(backend, env) else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     device_id = device if device.type == "cuda" else None
     if env.world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    elif env.source == "torchrun":  # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE)
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    # torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE)
+    elif env.source == "torchrun":
+        dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size,
                                 timeout=timeout, device_id=device_id)
     else:
-        dist.init_process_group(backend, store=rendezvous_store(env, timeout, peer_error, *(store_moves or ())),
+        dist.init_process_group(backend,
+                                store=rendezvous_store(env, timeout, peer_error,
+                                                       *(store_moves or ())),
                                 rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
-    if nccl_report.wanted(backend, env):  # every rank: the first communicator exists after one collective
+    # every rank: the first communicator exists after one collective
+    if nccl_report.wanted(backend, env):
         dist.all_reduce(torch.zeros(1, device=device))
         nccl_report.collect(report)
     control.open_group(backend, own_control_group, timeout)
@@ -147,8 +166,9 @@ def init_process_group(env: DistEnv, cfg: DistConfig, environ: MutableMapping[st
 
 
 def _open_tiers(env: DistEnv) -> None:
-    """The stop agreement's two levels (:mod:`hpc_ddp.rank.group.tiers`), beside the control group; none where the
-    control traffic shares a gloo training group (B2's and a test's measurement of that, as before)."""
+    """The stop agreement's two levels (:mod:`hpc_ddp.rank.group.tiers`), beside the control group;
+    none where the control traffic shares a gloo training group (B2's and a test's measurement of
+    that, as before)."""
     if control.group() is not None:
         tiers.open_tiers(env)
     else:
@@ -156,8 +176,9 @@ def _open_tiers(env: DistEnv) -> None:
 
 
 def enough_open_files(env: DistEnv) -> None:
-    """Raise this rank's soft limit on open files to what the world size needs (a cluster's default soft
-    limit is often 1,024, its hard one far higher); rank 0 warns when even the hard limit is short."""
+    """Raise this rank's soft limit on open files to what the world size needs (a cluster's default
+    soft limit is often 1,024, its hard one far higher); rank 0 warns when even the hard limit is
+    short."""
     want = limits.needed(env.world_size)
     soft, hard = limits.raise_soft_limit(want)
     problem = limits.problem(env.world_size, soft, hard)
@@ -166,9 +187,10 @@ def enough_open_files(env: DistEnv) -> None:
 
 
 def default_store(token: str | None = None) -> Any:
-    """The process group's key-value store (the watchdog's heartbeats go there); None if unavailable. ``token``:
-    hpc_ddp's keys go under ``hpc_ddp/TOKEN/`` (the attempt's token, :func:`hpc_ddp.rundir.node_local.token`),
-    so a client of the store that does not know it (anyone on the network can connect) cannot set one."""
+    """The process group's key-value store (the watchdog's heartbeats go there); None if
+    unavailable. ``token``: hpc_ddp's keys go under ``hpc_ddp/TOKEN/`` (the attempt's token,
+    :func:`hpc_ddp.rundir.node_local.token`), so a client of the store that does not know it (anyone
+    on the network can connect) cannot set one."""
     try:
         store = dist.distributed_c10d._get_default_store()  # no public accessor in torch 2.x
     except (AttributeError, RuntimeError, ValueError):
@@ -177,7 +199,8 @@ def default_store(token: str | None = None) -> Any:
 
 
 def teardown() -> None:
-    """Leave the process group after a clean end (every rank met at a barrier); safe when none exists."""
+    """Leave the process group after a clean end (every rank met at a barrier); safe when none
+    exists."""
     tiers.close_tiers()
     control.close_group()
     if dist.is_available() and dist.is_initialized():
@@ -197,24 +220,29 @@ def abort() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        dist.distributed_c10d._abort_process_group()  # no public name in torch 2.x; every group, NCCL's at once
-    except Exception as err:  # an older torch without it, or a backend that cannot abort: os._exit follows
+        # no public name in torch 2.x; every group, NCCL's at once
+        dist.distributed_c10d._abort_process_group()
+    # an older torch without it, or a backend that cannot abort: os._exit follows
+    except Exception as err:
         log.debug("aborting the process groups: %s", err)
 
 
 @contextmanager
-def process_group(env: DistEnv, cfg: DistConfig, peer_error: Callable[[], str | None] = lambda: None,
+def process_group(env: DistEnv, cfg: DistConfig,
+                  peer_error: Callable[[], str | None] = lambda: None,
                   dumps: str | None = None, own_control_group: bool | None = None,
                   store_moves: tuple[Callable[[], int | None], Callable[[int], Any]] | None = None,
                   ) -> Iterator[torch.device]:
-    """``with process_group(env, cfg) as device:`` -- left by a clean teardown or, after an error, an abort.
+    """``with process_group(env, cfg) as device:`` -- left by a clean teardown or, after an error,
+    an abort.
 
     On a normal exit all ranks meet at a barrier first (on the control group), so that no rank tears
     its connections down while a peer still uses them (gloo then aborts the peer with "terminate
     called without an active exception"). After an error there is no barrier, since the other ranks
     may never arrive, and no destroy (see :func:`abort`).
     """
-    device = init_process_group(env, cfg, peer_error=peer_error, dumps=dumps, own_control_group=own_control_group,
+    device = init_process_group(env, cfg, peer_error=peer_error, dumps=dumps,
+                                own_control_group=own_control_group,
                                 store_moves=store_moves)
     try:
         yield device
@@ -227,17 +255,19 @@ def process_group(env: DistEnv, cfg: DistConfig, peer_error: Callable[[], str | 
 
 
 def all_mean(value: float, device: torch.device | None = None) -> float:
-    """The mean of one float over all ranks (one small all_reduce on the CPU control group: reading a
-    CUDA tensor back would wait for the GPU). ``device`` is accepted for older callers and unused."""
+    """The mean of one float over all ranks (one small all_reduce on the CPU control group: reading
+    a CUDA tensor back would wait for the GPU). ``device`` is accepted for older callers and
+    unused."""
     return control.sum_of(value) / dist.get_world_size()
 
 
 def from_main(text: str | None) -> str | None:
-    """Rank 0's ``text`` on every rank (one broadcast): a refusal every rank repeats word for word."""
+    """Rank 0's ``text`` on every rank (one broadcast): a refusal every rank repeats word for
+    word."""
     return control.from_main(text)
 
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
-    """True on every rank when it is True on any rank (the stop-flag agreement), on the CPU control group.
-    ``device`` is accepted for older callers and unused."""
+    """True on every rank when it is True on any rank (the stop-flag agreement), on the CPU control
+    group. ``device`` is accepted for older callers and unused."""
     return bool(control.max_of(torch.tensor([int(flag)], dtype=torch.int32)).item())

@@ -12,7 +12,8 @@ So each finding is logged once by rank 0 when it is found, and kept for the atte
   ``run.resume`` refuses it, so its position cannot resume. Found at the first boundary by looking
   at the loop's own variables (the frames that called ``run.boundary``, outside hpc_ddp): nothing
   of torch's is patched, and it costs one look per attempt.
-- a model compiled around DDP (``torch.compile(DDP(model))``) while dynamo compiled nothing: found by
+- a model compiled around DDP (``torch.compile(DDP(model))``) while dynamo compiled nothing: found
+  by
   :func:`hpc_ddp.rank.loop.compiling.at_first_boundary`, which says the order that compiles.
 """
 
@@ -28,21 +29,29 @@ from hpc_ddp.rank.loop.sampler import ShardSampler
 
 log = logging.getLogger("hpc_ddp.run")
 
-NEVER_BOUNDARY = ("the loop never called run.boundary(step): the run counts as finished at step 0, no snapshot was "
+NEVER_BOUNDARY = ("the loop never called run.boundary(step): the run counts as finished at step 0, "
+                  "no snapshot was "
                   "taken and no stop could be acted on; "
-                  "call `if run.boundary(step): return` after every optimizer step (docs/own-loop.md)")
-OUTSIDE_ITERATE = ("the tracked ShardSampler '{name}' was iterated outside sampler.iterate(loader): its position "
-                   "stayed at the start of the epoch, so a resume replays the epoch from its start (not exact); take "
+                  "call `if run.boundary(step): return` after every optimizer step "
+                  "(docs/own-loop.md)")
+OUTSIDE_ITERATE = ("the tracked ShardSampler '{name}' was iterated outside "
+                   "sampler.iterate(loader): its position "
+                   "stayed at the start of the epoch, so a resume replays the epoch from its start "
+                   "(not exact); take "
                    "the batches with `for batch in sampler.iterate(loader):`")
-DISTRIBUTED_SAMPLER = ("torch's DistributedSampler is in use ({where}): it keeps no position within an epoch, so a "
-                       "resume replays the epoch from its start (not exact); use hpc_ddp.ShardSampler(len(data), "
-                       "run.rank, run.world_size, seed=...), pass it to run.resume(sampler=...) and take the batches "
+DISTRIBUTED_SAMPLER = ("torch's DistributedSampler is in use ({where}): it keeps no position "
+                       "within an epoch, so a "
+                       "resume replays the epoch from its start (not exact); use "
+                       "hpc_ddp.ShardSampler(len(data), "
+                       "run.rank, run.world_size, seed=...), pass it to run.resume(sampler=...) "
+                       "and take the batches "
                        "with `for batch in sampler.iterate(loader):` (docs/own-loop.md)")
 FRAMES = 3  # the loop, and a helper or two it calls run.boundary from
 
 
 def outside_iterate(tracked: dict[str, Any]) -> list[str]:
-    """A finding per tracked ShardSampler that was iterated outside ``iterate()`` (it warned on its rank)."""
+    """A finding per tracked ShardSampler that was iterated outside ``iterate()`` (it warned on its
+    rank)."""
     return [OUTSIDE_ITERATE.format(name=name) for name, obj in tracked.items()
             if isinstance(obj, ShardSampler) and obj.iterated_outside]
 
@@ -57,7 +66,8 @@ def _distributed_sampler(value: object) -> bool:
 
 
 def distributed_samplers(frame: FrameType | None) -> list[str]:
-    """Where the loop holds a DistributedSampler: ``sampler``, ``loader`` (its sampler), ``self.loader``."""
+    """Where the loop holds a DistributedSampler: ``sampler``, ``loader`` (its sampler),
+    ``self.loader``."""
     found: list[str] = []
     for _ in range(FRAMES):
         if frame is None:
@@ -67,7 +77,8 @@ def distributed_samplers(frame: FrameType | None) -> list[str]:
                 if _distributed_sampler(value):
                     found.append(f"`{name}` in {frame.f_code.co_name}()")
                 elif name == "self" and hasattr(value, "__dict__"):
-                    found += [f"`self.{attr}` in {frame.f_code.co_name}()" for attr, inner in vars(value).items()
+                    found += [f"`self.{attr}` in {frame.f_code.co_name}()"
+                              for attr, inner in vars(value).items()
                               if _distributed_sampler(inner)]
         frame = frame.f_back
     return [DISTRIBUTED_SAMPLER.format(where=", ".join(found))] if found else []
@@ -90,4 +101,5 @@ class Advice:
     def note(self, record: dict[str, Any]) -> None:
         """The findings into a ledger record's ``note`` (after any note it has)."""
         if self.found:
-            record["note"] = "; ".join([*([record["note"]] if record.get("note") else []), *self.found])
+            record["note"] = "; ".join([*([record["note"]] if record.get("note") else []),
+                                        *self.found])

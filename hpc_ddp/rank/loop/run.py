@@ -10,16 +10,15 @@ adds two calls::
         if run.boundary(step):     # True once every rank agreed to stop; the snapshot is committed
             return
 
-Everything else is the stop protocol, in this one place: the stop flag agreed by all ranks
-one boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by
-step count or by rank 0's clock (sync, or async with the copy in the step), the stop
-snapshot, every rank's RNG captured and restored, the hang watchdog's heartbeat, the final
-model and DONE marker. Its pieces with a job of their own sit beside it: how ranks agree
-(:mod:`~hpc_ddp.rank.loop.agreement`), what a snapshot holds
-(:mod:`~hpc_ddp.rank.loop.step_state`), the end of a finished run
-(:mod:`~hpc_ddp.rank.loop.finish`), a loop's wrong calls (:mod:`~hpc_ddp.rank.loop.misuse`).
-Who writes which file is the checkpointer's business; what happens
-after the loop returns (ledger, requeue, exit code) is the session's (:mod:`hpc_ddp.rank.attempt.session`).
+Everything else is the stop protocol, in this one place: the stop flag agreed by all ranks one
+boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by step count or
+by rank 0's clock (sync, or async with the copy in the step), the stop snapshot, every rank's RNG
+captured and restored, the hang watchdog's heartbeat, the final model and DONE marker. Its pieces
+with a job of their own sit beside it: how ranks agree (:mod:`~hpc_ddp.rank.loop.agreement`), what a
+snapshot holds (:mod:`~hpc_ddp.rank.loop.step_state`), the end of a finished run
+(:mod:`~hpc_ddp.rank.loop.finish`), a loop's wrong calls (:mod:`~hpc_ddp.rank.loop.misuse`). Who
+writes which file is the checkpointer's business; what happens after the loop returns (ledger,
+requeue, exit code) is the session's (:mod:`hpc_ddp.rank.attempt.session`).
 """
 
 from __future__ import annotations
@@ -66,33 +65,45 @@ class Run:
     boundary's), ``resumed_from`` (the snapshot's step, or None), ``stopped``.
     """
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, device: torch.device, *, checkpointer: Checkpointer | None,
+    def __init__(self, cfg: RunConfig, env: DistEnv, device: torch.device, *,
+                 checkpointer: Checkpointer | None,
                  stop: StopFlag | None, beat: Callable[[int, str], None] | None = None,
                  on_step: Callable[[int], None] | None = None) -> None:
         self.config, self.env, self.device = cfg, env, device
         self.run_dir = Path(cfg.run_dir)
         self.checkpointer, self.stop, self.on_step = checkpointer, stop, on_step
         self._beat = beat or (lambda step, phase: None)
-        self.tracked: dict[str, Any] = {}  # replicated: one copy in the snapshot, checked alike on every rank
+        # replicated: one copy in the snapshot, checked alike on every rank
+        self.tracked: dict[str, Any] = {}
         self.per_rank: dict[str, PerRank] = {}  # saved and restored per rank, like the RNG
-        self.boundaries = 0  # run.boundary calls in this attempt: a loop that makes none cannot honour a stop
+        # run.boundary calls in this attempt: a loop that makes none cannot honour a stop
+        self.boundaries = 0
         self.per_rank_checked = False  # per_rank's unloadable objects refused once (step_state.py)
         self.step = 0
         self.resumed_from: int | None = None
-        self.resume_read: dict[str, Any] | None = None  # rank 0: bytes the resume read from snapshot files
-        self.resumed_world_size: int | None = None  # the world size that wrote the snapshot resumed from
+        # rank 0: bytes the resume read from snapshot files
+        self.resume_read: dict[str, Any] | None = None
+        # the world size that wrote the snapshot resumed from
+        self.resumed_world_size: int | None = None
         self.stopped = False
         self.finished: dict[str, Any] | None = None
         self._resumed = False
-        self._agreeing: tuple[Any, Any] | None = None  # the stop-flag all_reduce in flight (one rank: its flags)
+        # the stop-flag all_reduce in flight (one rank: its flags)
+        self._agreeing: tuple[Any, Any] | None = None
         self._derived = cfg.train.rng == "derived"  # every boundary reseeds (rank/state/rng.py)
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
-        self.held: jit.Held | None = None  # the state a just-in-time snapshot would take now (snapshot.jit)
-        self._broadcasts_buffers: list[DistributedDataParallel] = []  # DDP modules whose buffers rank 0 sends
-        self.mirror: mirror.Mirror | None = None  # per_rank objects sent to a buddy at every boundary (rank/salvage/mirror.py)
-        self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary, not mid-update
-        self.on_stop: Callable[[int], None] | None = None  # the session's ledger line at the agreed stop
-        self.advice = Advice(env.is_main)  # what makes a stop impossible or a resume inexact (rank/loop/advice.py)
+        # the state a just-in-time snapshot would take now (snapshot.jit)
+        self.held: jit.Held | None = None
+        # DDP modules whose buffers rank 0 sends
+        self._broadcasts_buffers: list[DistributedDataParallel] = []
+        # per_rank objects sent to a buddy at every boundary (rank/salvage/mirror.py)
+        self.mirror: mirror.Mirror | None = None
+        # acted on at a boundary, not mid-update
+        self.child_deaths = ChildDeaths(stop, stop_came_first)
+        # the session's ledger line at the agreed stop
+        self.on_stop: Callable[[int], None] | None = None
+        # what makes a stop impossible or a resume inexact (rank/loop/advice.py)
+        self.advice = Advice(env.is_main)
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -104,10 +115,12 @@ class Run:
 
     @property
     def batch(self) -> BatchPlan:
-        """This world size's share of the global batch: ``batch_size`` per micro-step, ``grad_accum`` micro-steps.
+        """This world size's share of the global batch: ``batch_size`` per micro-step,
+        ``grad_accum`` micro-steps.
 
         With ``train.global_batch_size`` set, ``grad_accum`` follows the world size, so a loop that
-        accumulates ``run.batch.grad_accum`` micro-steps keeps the same global batch on any node count.
+        accumulates ``run.batch.grad_accum`` micro-steps keeps the same global batch on any node
+        count.
         """
         return plan(self.config.train, self.world_size)
 
@@ -120,15 +133,17 @@ class Run:
         """Tell the hang watchdog where this rank is (optional: every boundary is a beat)."""
         self._beat(step, phase)
 
-    # -- resume --------------------------------------------------------------------------------------
+    # -- resume
+    # --------------------------------------------------------------------------------------
     def resume(self, *positional: object, **objects: object) -> int:
-        """Track these objects and load them from the newest committed snapshot; return its step (0: fresh).
+        """Track these objects and load them from the newest committed snapshot; return its step (0:
+        fresh).
 
         Collective: call it on every rank, once, before the first step. Anything with
-        ``state_dict()``/``load_state_dict()`` can be tracked, and a dict (restored in
-        place). State that differs by rank goes in as ``name=hpc_ddp.per_rank(obj)``: it is
-        saved and restored per rank. This rank's RNG states (Python, NumPy, torch, CUDA) are restored too.
-        A DDP model's gradient buckets are settled before its first step (see
+        ``state_dict()``/``load_state_dict()`` can be tracked, and a dict (restored in place). State
+        that differs by rank goes in as ``name=hpc_ddp.per_rank(obj)``: it is saved and restored per
+        rank. This rank's RNG states (Python, NumPy, torch, CUDA) are restored too. A DDP model's
+        gradient buckets are settled before its first step (see
         :mod:`hpc_ddp.rank.state.ddp_settle`), so a resumed run sums gradients in
         the same order as one that never stopped.
         """
@@ -141,22 +156,28 @@ class Run:
                 else:
                     self.tracked[name] = obj
                     if isinstance(obj, ShardSampler):
-                        obj.tracked = True  # its iteration outside iterate() now warns: the position would be lost
+                        # its iteration outside iterate() now warns: the position would be lost
+                        obj.tracked = True
         self._resumed = True
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.checkpointer is not None:  # every manifest says whether this run may resume at another size
+        # every manifest says whether this run may resume at another size
+        if self.checkpointer is not None:
             self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
-            self.checkpointer.ranks_needed = bool(self.per_rank)  # a step without every rank's is skipped
+            # a step without every rank's is skipped
+            self.checkpointer.ranks_needed = bool(self.per_rank)
         restored = self.checkpointer.restore() if self.checkpointer is not None else None
         if restored is not None:
             restore.load(self, restored)
         timeline.mark("restored")  # the heal timeline (rank/metrics/timeline.py): in memory, once
         if self._derived:
-            reseed(self.config.train.seed, self.step, self.rank)  # as every boundary does: the next step's
+            # as every boundary does: the next step's
+            reseed(self.config.train.seed, self.step, self.rank)
         self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
-        ddps = [ddp for ddp in map(ddp_in, self.tracked.values()) if ddp is not None]  # compiled ones too
-        self._broadcasts_buffers = [ddp for ddp in ddps if ddp.broadcast_buffers and self.world_size > 1
+        # compiled ones too
+        ddps = [ddp for ddp in map(ddp_in, self.tracked.values()) if ddp is not None]
+        self._broadcasts_buffers = [ddp for ddp in ddps if ddp.broadcast_buffers
+                                    and self.world_size > 1
                                     and next(ddp.module.buffers(), None) is not None]
         self.mirror = mirror.open_for(self)
         if self.held is not None:
@@ -165,10 +186,12 @@ class Run:
         for ddp in ddps if self.world_size > 1 else []:
             settle_buckets_on_first_forward(ddp)
         if self.on_step is not None:
-            self.on_step(self.step)  # "started": the local rehearsal may inject a signal before the first step
+            # "started": the local rehearsal may inject a signal before the first step
+            self.on_step(self.step)
         return self.step
 
-    # -- boundary ------------------------------------------------------------------------------------
+    # -- boundary
+    # ------------------------------------------------------------------------------------
     def boundary(self, step: int) -> bool:
         """Call after every optimizer step with the step count; True once every rank agreed to stop.
 
@@ -185,42 +208,53 @@ class Run:
         self.boundaries += 1
         if self.held is not None:
             self._mark(step)
-        self.child_deaths.at_boundary()  # a loader worker that died since the last boundary (rank/stop/child_deaths.py)
-        if self.boundaries == 1:  # a DistributedSampler among the loop's variables: its position will not resume
+        # a loader worker that died since the last boundary (rank/stop/child_deaths.py)
+        self.child_deaths.at_boundary()
+        # a DistributedSampler among the loop's variables: its position will not resume
+        if self.boundaries == 1:
             self.advice.add(distributed_samplers(sys._getframe(1)))
-            self.advice.add(at_first_boundary(self, sys._getframe(1)))  # compile: hit or miss, the order (compiling.py)
-            timeline.mark("first_step")  # after "compiled", which at_first_boundary marks where the loop compiled
-        if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None or self.held is not None):
-            # what snapshots will hold is checked now, not at the first one (none may come before a failure,
-            # and a survivors' snapshot would then be refused for it)
+            # compile: hit or miss, the order (compiling.py)
+            self.advice.add(at_first_boundary(self, sys._getframe(1)))
+            # after "compiled", which at_first_boundary marks where the loop compiled
+            timeline.mark("first_step")
+        if self.boundaries == 1 and self.world_size > 1 and (ckpt is not None
+                                                             or self.held is not None):
+            # what snapshots will hold is checked now, not at the first one (none may come before a
+            # failure, and a survivors' snapshot would then be refused for it)
             doing = f"stopped at the first run.boundary of this attempt (step {step})"
             checked_state(self, step, doing)
         if self.on_step is not None:
             self.on_step(step)
         self.beat(step, "boundary")
         stop = False
-        if ckpt is not None or self.stop is not None:  # else nothing to agree on or save (a bare run object)
+        # else nothing to agree on or save (a bare run object)
+        if ckpt is not None or self.stop is not None:
             stop, due_time, busy = self._agreed()
             if not stop:
                 self._start_agreement(ckpt)
             if ckpt is not None:
                 self._snapshot(ckpt, step, stop, due_time or ckpt.due_by_steps(step), busy)
         if self._derived:  # also without a checkpointer: every boundary, as the resume derives it
-            reseed(self.config.train.seed, step, self.rank)  # the next step's randomness, known to every rank
+            # the next step's randomness, known to every rank
+            reseed(self.config.train.seed, step, self.rank)
         self.stopped = stop
         if stop and self.mirror is not None:
-            self.mirror.close()  # every rank stops here: nothing in flight when the process group goes
+            # every rank stops here: nothing in flight when the process group goes
+            self.mirror.close()
         if stop and self.on_stop is not None:
-            self.on_stop(step)  # before the program lets go: its teardown may outlast Slurm's KillWait
+            # before the program lets go: its teardown may outlast Slurm's KillWait
+            self.on_stop(step)
         return stop
 
     def _mark(self, step: int) -> None:
-        """What a just-in-time snapshot of this step takes (rank/salvage/jit.py), and the per-rank state to the buddy;
-        then rank 0's buffers to every rank (rank/salvage/held.py: a survivors' snapshot holds them, rank 0 lost or not)."""
+        """What a just-in-time snapshot of this step takes (rank/salvage/jit.py), and the per-rank
+        state to the buddy; then rank 0's buffers to every rank (rank/salvage/held.py: a survivors'
+        snapshot holds them, rank 0 lost or not)."""
         self.held.mark(step)
         if self.mirror is not None:
             self.mirror.mark(step, per_rank_state(self, cuda=True))
-        if self._broadcasts_buffers and all([sync_buffers(obj) for obj in self._broadcasts_buffers]):
+        if self._broadcasts_buffers and all([sync_buffers(obj)
+                                             for obj in self._broadcasts_buffers]):
             self.held.synced()
 
     def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
@@ -238,31 +272,37 @@ class Run:
         """Start agreeing on (stop? a snapshot due by rank 0's clock? a writer busy?); read at the
         next boundary (rank/loop/agreement.py)."""
         flags = [int(self.stop is not None and self.stop.is_set),
-                 int(self.is_main and ckpt is not None and ckpt.due_by_time()), int(ckpt is not None and ckpt.busy)]
+                 int(self.is_main and ckpt is not None and ckpt.due_by_time()),
+                 int(ckpt is not None and ckpt.busy)]
         self._agreeing = agreement.start(flags, self.world_size)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
-        """The result of the agreement started at the previous boundary (none yet: nothing agreed)."""
+        """The result of the agreement started at the previous boundary (none yet: nothing
+        agreed)."""
         in_flight, self._agreeing = self._agreeing, None
         return agreement.read(in_flight)
 
     def state(self) -> dict[str, Any]:
-        """What a snapshot holds besides the RNG: every tracked object's state_dict, and the step."""
+        """What a snapshot holds besides the RNG: every tracked object's state_dict, and the
+        step."""
         state: dict[str, Any] = {name: state_of(obj) for name, obj in self.tracked.items()}
         state[STEP] = self.step
         return state
 
-    # -- metrics and the end ---------------------------------------------------------------------------
+    # -- metrics and the end
+    # ---------------------------------------------------------------------------
     def log_metrics(self, step: int, **values: object) -> None:
-        """Log numbers for a step: call it on every rank or on rank 0 alone; only rank 0 writes anything.
+        """Log numbers for a step: call it on every rank or on rank 0 alone; only rank 0 writes
+        anything.
 
-        Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl, and
-        sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value may be
-        a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
+        Rank 0 appends ``{"step": step, **values, "time": unix time}`` to the run's metrics.jsonl,
+        and sends the numbers to TensorBoard and W&B where ``metrics.*`` switches them on. A value
+        may be a number, a string, or a one-element tensor or NumPy scalar (logged as its number).
 
-        Every call is written: ``train.log_every`` is the Trainer's interval, which a loop reads from
-        ``run.config.train.log_every`` itself (an evaluation logged at another step is kept). The values
-        are rank 0's: a loss is not averaged over ranks unless the loop all-reduces it first.
+        Every call is written: ``train.log_every`` is the Trainer's interval, which a loop reads
+        from ``run.config.train.log_every`` itself (an evaluation logged at another step is kept).
+        The values are rank 0's: a loss is not averaged over ranks unless the loop all-reduces it
+        first.
 
         The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
         logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
@@ -271,7 +311,8 @@ class Run:
             self.metrics.log(step, values, self.resumed_from)
 
     def close_metrics(self) -> None:
-        """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit path)."""
+        """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit
+        path)."""
         self.metrics.close(self.stopped)
 
     def model(self) -> torch.nn.Module | None:
@@ -280,7 +321,8 @@ class Run:
         return modules.get("model", next(iter(modules.values()), None))
 
     def finish(self, **result: object) -> dict[str, Any]:
-        """Collective: the run is complete (the session calls it when the loop returns without a stop).
+        """Collective: the run is complete (the session calls it when the loop returns without a
+        stop).
 
         Drains the agreement and any async write; rank 0 writes model.pt. The DONE record (step,
         world size, params_sha256, and ``result``) is kept in ``finished``: the session writes
@@ -288,6 +330,7 @@ class Run:
         if self.finished is not None:
             return self.finished
         self.beat(self.step, "finish")
-        self._agreed()  # the last agreement in flight: collectives stay in the same order on every rank
+        # the last agreement in flight: collectives stay in the same order on every rank
+        self._agreed()
         self.finished = finish_run(self, result)
         return self.finished

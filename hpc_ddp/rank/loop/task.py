@@ -55,30 +55,37 @@ def _fail(what: str, hint: str, found: object = None, key: str = "train.task") -
 
 
 def import_target(path: str, key: str = "train.task") -> Any:
-    """Import ``package.module:Name`` and return the named object; errors name ``key`` and the fix."""
+    """Import ``package.module:Name`` and return the named object; errors name ``key`` and the
+    fix."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         kind = "ClassName" if key == "train.task" else "function"
-        raise _fail(f"{key} must name {'a class' if key == 'train.task' else 'a function'} as 'package.module:{kind}'",
+        raise _fail(f"{key} must name {'a class' if key == 'train.task' else 'a function'} as "
+                    f"'package.module:{kind}'",
                     found=path, key=key,
-                    hint="e.g. train.task=examples.mlp:MLPTask or train.loop=examples.own_loop_gpt:train")
+                    hint="e.g. train.task=examples.mlp:MLPTask or "
+                         "train.loop=examples.own_loop_gpt:train")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
-            raise _fail(f"cannot import module {module_name!r} of {key}: no module named {err.name!r}", key=key,
-                        hint="run from the directory that holds the package, or pip install it into the "
+            raise _fail(f"cannot import module {module_name!r} of {key}: no module named "
+                        f"{err.name!r}", key=key,
+                        hint="run from the directory that holds the package, or pip install it "
+                             "into the "
                         "job's environment; jobs start in the submit directory") from err
         raise _fail(f"importing {module_name!r} of {key} failed: {err}", key=key,
                     hint=f"install {err.name!r} in the job's environment") from err
     except Exception as err:
-        raise _fail(f"importing {module_name!r} of {key} raised {type(err).__name__}: {err}", key=key,
+        raise _fail(f"importing {module_name!r} of {key} raised {type(err).__name__}: {err}",
+                    key=key,
                     hint="see the traceback above; the module runs on import in every worker") from err
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
         near = difflib.get_close_matches(attr, names, n=1)
         raise _fail(f"module {module_name!r} has no {attr!r} ({key}={path})", key=key,
-                    hint=f"did you mean {module_name}:{near[0]}?" if near else f"it defines: {', '.join(names)}")
+                    hint=f"did you mean {module_name}:{near[0]}?" if near
+                    else f"it defines: {', '.join(names)}")
     return getattr(module, attr)
 
 
@@ -99,7 +106,8 @@ def load_loop(path: str) -> Callable[[Any], Any]:
     target = import_target(path, key="train.loop")
     hint = f"define it as `def {path.partition(':')[2]}(run): ...` (hpc_ddp passes the run object)"
     if not callable(target) or isinstance(target, type):
-        raise _fail(f"train.loop={path} is a {type(target).__name__}, not a function", key="train.loop", hint=hint)
+        raise _fail(f"train.loop={path} is a {type(target).__name__}, not a function",
+                    key="train.loop", hint=hint)
     try:
         inspect.signature(target).bind(object())
     except TypeError as err:

@@ -1,11 +1,11 @@
 """The DDP training loop of a Task: sharded data, accumulation, AMP, clipping, metrics.
 
-Shape after pytorch/examples' ``multigpu_torchrun.py`` (``_run_step``, the
-epoch loop), with what it lacks for resumable jobs: the sampler position is
-part of the state (``epoch`` and ``sample_in_epoch``, a global position, so the run can
-resume on another world size with the same global batch and data order). The stop protocol, snapshots and
-the DONE marker are not here: the Trainer is a user of the public :class:`~hpc_ddp.rank.loop.run.Run`,
-like anyone's own loop (``run.resume``, ``run.boundary``, ``run.finish``).
+Shape after pytorch/examples' ``multigpu_torchrun.py`` (``_run_step``, the epoch loop), with what it
+lacks for resumable jobs: the sampler position is part of the state (``epoch`` and
+``sample_in_epoch``, a global position, so the run can resume on another world size with the same
+global batch and data order). The stop protocol, snapshots and the DONE marker are not here: the
+Trainer is a user of the public :class:`~hpc_ddp.rank.loop.run.Run`, like anyone's own loop
+(``run.resume``, ``run.boundary``, ``run.finish``).
 """
 
 from __future__ import annotations
@@ -59,36 +59,48 @@ class Trainer:
         if train.sync_batchnorm:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model = model.to(device)
-        # compile the module, then wrap it: DDP(torch.compile(model)) compiles; the other order does not (compiling.py)
+        # compile the module, then wrap it: DDP(torch.compile(model)) compiles; the other order does
+        # not (compiling.py)
         self.ddp = DistributedDataParallel(compiled(self.model, train.compile),
-                                           device_ids=[device.index] if device.type == "cuda" else None,
+                                           device_ids=[device.index] if device.type == "cuda"
+                                           else None,
                                            find_unused_parameters=train.find_unused_parameters)
         self.optimizer = task.build_optimizer(self.model, cfg)
         build_scheduler = getattr(task, "build_scheduler", None)
         self.scheduler = build_scheduler(self.optimizer, cfg) if callable(build_scheduler) else None
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.amp == "fp16")
         dataset = task.build_dataset(cfg)
-        self.plan = run.batch  # this world size's share of the global batch (a ConfigError if it cannot split it)
+        # this world size's share of the global batch (a ConfigError if it cannot split it)
+        self.plan = run.batch
         self.grad_accum, self.global_batch = self.plan.grad_accum, self.plan.global_batch
         if len(dataset) < self.global_batch:
             raise ConfigError(explain(
-                f"one optimizer step needs {self.global_batch} samples ({self.plan}), but the dataset has "
-                f"{len(dataset)}", hint="lower train.batch_size, train.grad_accum or train.global_batch_size, "
+                f"one optimizer step needs {self.global_batch} samples ({self.plan}), but the "
+                "dataset has "
+                f"{len(dataset)}", hint="lower train.batch_size, train.grad_accum or "
+                                        "train.global_batch_size, "
                 "or use fewer ranks"), key="train.batch_size")
         self.sampler = ShardSampler(len(dataset), env.rank, env.world_size, seed=train.seed,
                                     global_batch=self.global_batch)
         # Workers come from a forkserver, never a fork of this process: forking a process whose
-        # process group threads hold a lock can hang the child in os.fork() (seen here once in ~60 starts).
-        # (open_run has the server import torch once, so each epoch's new workers start without importing it.)
+        # process group threads hold a lock can hang the child in os.fork() (seen here once in ~60
+        # starts). (open_run has the server import torch once, so each epoch's new workers start
+        # without importing it.)
         self.loader = DataLoader(dataset, batch_size=train.batch_size, sampler=self.sampler,
-                                 num_workers=train.num_workers, pin_memory=device.type == "cuda", drop_last=True,
-                                 persistent_workers=train.num_workers > 0,  # one start per attempt, not per epoch
-                                 multiprocessing_context="forkserver" if train.num_workers else None,
-                                 worker_init_fn=worker_init() if train.num_workers else None,  # a stop spares them
-                                 generator=torch.Generator().manual_seed(train.seed * 100003 + env.rank))
+                                 num_workers=train.num_workers, pin_memory=device.type == "cuda",
+                                 drop_last=True,
+                                 # one start per attempt, not per epoch
+                                 persistent_workers=train.num_workers > 0,
+                                 multiprocessing_context="forkserver" if train.num_workers
+                                 else None,
+                                 # a stop spares them
+                                 worker_init_fn=worker_init() if train.num_workers else None,
+                                 generator=torch.Generator().manual_seed(train.seed * 100003
+                                                                         + env.rank))
         self.steps_per_epoch = self.sampler.usable // self.global_batch
         self.step = 0
-        # The data position is global (samples of the epoch taken by all ranks): any world size can resume it
+        # The data position is global (samples of the epoch taken by all ranks): any world size can
+        # resume it
         self.progress = {"epoch": 0, "sample_in_epoch": 0, "global_batch": self.global_batch}
         self._last_log = (time.monotonic(), 0)
 
@@ -98,7 +110,8 @@ class Trainer:
 
     def done(self) -> bool:
         max_steps, epochs = self.cfg.train.max_steps, self.cfg.train.epochs
-        return (max_steps is not None and self.step >= max_steps) or (epochs is not None and self.epoch >= epochs)
+        return (max_steps is not None and self.step >= max_steps) or (epochs is not None
+                                                                      and self.epoch >= epochs)
 
     def train(self) -> dict[str, Any]:
         """Train until max_steps or epochs, or until every rank agreed to stop.
@@ -107,10 +120,12 @@ class Trainer:
         is committed), else the finished result (DONE.json written by rank 0).
         """
         run = self.run
-        self.step = first_step = run.resume(model=self.ddp, optimizer=self.optimizer, scheduler=self.scheduler,
+        self.step = first_step = run.resume(model=self.ddp, optimizer=self.optimizer,
+                                            scheduler=self.scheduler,
                                             scaler=self.scaler, progress=self.progress)
         self._check_position()
-        self._last_log = (time.monotonic(), first_step)  # samples/s counts this attempt's steps only
+        # samples/s counts this attempt's steps only
+        self._last_log = (time.monotonic(), first_step)
         while not self.done():
             micro_batches = self._epoch_batches()
             while True:
@@ -131,7 +146,8 @@ class Trainer:
                 "resumed_from": run.resumed_from}
 
     def _check_position(self) -> None:
-        """A resumed position this world size can continue: global, and at the batch it was written with.
+        """A resumed position this world size can continue: global, and at the batch it was written
+        with.
 
         Without ``train.global_batch_size`` the batch follows the world size, so a resume on another
         one would change it: refused with the setting that keeps it.
@@ -140,25 +156,29 @@ class Trainer:
         if "sample_in_epoch" not in progress:
             raise old_position(progress)
         saved = int(progress.get("global_batch", self.global_batch))
-        problem = batch_change_problem(run.resumed_world_size or self.env.world_size, saved, self.cfg.train,
+        problem = batch_change_problem(run.resumed_world_size or self.env.world_size, saved,
+                                       self.cfg.train,
                                        self.env.world_size)
         if problem:
             raise ConfigError(problem, key="train.global_batch_size")
         progress["global_batch"] = self.global_batch
 
     def _epoch_batches(self) -> Iterator[Any]:
-        """This rank's remaining micro-batches of the current epoch, from the saved (global) position."""
+        """This rank's remaining micro-batches of the current epoch, from the saved (global)
+        position."""
         position = int(self.progress["sample_in_epoch"])
         self.sampler.resume(self.epoch, position)
         # DataLoader workers draw their seeds from this generator: same seeds after a resume
-        self.loader.generator.manual_seed(self.cfg.train.seed * 100003 + self.env.rank * 1009 + self.epoch)
+        self.loader.generator.manual_seed(self.cfg.train.seed * 100003 + self.env.rank * 1009
+                                          + self.epoch)
         left = (self.sampler.usable - position) // self.global_batch * self.grad_accum
         return iter(itertools.islice(self.loader, left))
 
     def _autocast(self) -> torch.autocast:
         """bf16/fp16 autocast per train.amp (a disabled context when amp is off)."""
         amp = self.cfg.train.amp
-        return torch.autocast(self.device.type, dtype=AMP_DTYPES.get(amp, torch.bfloat16), enabled=amp != "off")
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES.get(amp, torch.bfloat16),
+                              enabled=amp != "off")
 
     def _run_step(self, micro_batches: Iterator[Any]) -> torch.Tensor:
         train = self.cfg.train
@@ -166,7 +186,8 @@ class Trainer:
         for i in range(self.grad_accum):
             batch = to_device(next(micro_batches), self.device)
             last = i == self.grad_accum - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce once per step
+            # all-reduce once per step
+            with contextlib.nullcontext() if last else self.ddp.no_sync():
                 self.run.beat(self.step + 1, "forward")
                 with self._autocast():
                     loss = self.task.loss(self.ddp, batch)
@@ -195,6 +216,8 @@ class Trainer:
         if not self.env.is_main:
             return
         lr = self.optimizer.param_groups[0]["lr"]
-        self.run.log_metrics(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, samples_per_s=round(rate, 2))
+        self.run.log_metrics(self.step, epoch=self.epoch, loss=mean_loss, lr=lr,
+                             samples_per_s=round(rate, 2))
         total = self.cfg.train.max_steps or self.steps_per_epoch * (self.cfg.train.epochs or 1)
-        log.info("step %d/%d loss %.6g lr %.3g %.1f samples/s", self.step, total, mean_loss, lr, rate)
+        log.info("step %d/%d loss %.6g lr %.3g %.1f samples/s", self.step, total, mean_loss, lr,
+                 rate)

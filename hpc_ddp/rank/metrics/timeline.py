@@ -1,4 +1,5 @@
-"""The rank's side of a heal's timeline (:mod:`hpc_ddp.core.timeline`): when each phase of this attempt ended.
+"""The rank's side of a heal's timeline (:mod:`hpc_ddp.core.timeline`): when each phase of this
+attempt ended.
 
 ``mark(phase)`` notes the wall-clock time in this process's memory; nothing is written then. Rank 0
 puts the marks into its attempt's ledger line when it writes it (:func:`ledger_field`), so a heal
@@ -21,16 +22,18 @@ _EXTRAS: dict[str, Any] = {}
 
 
 def mark(phase: str, at: float | None = None, **extra: object) -> None:
-    """This attempt's ``phase`` ended at ``at`` (epoch seconds; now when None). ``extra``: facts for the
-    timeline, e.g. ``compile_cache="hit"``."""
+    """This attempt's ``phase`` ended at ``at`` (epoch seconds; now when None). ``extra``: facts for
+    the timeline, e.g. ``compile_cache="hit"``."""
     if phase not in RANK_PHASES:
-        raise UsageError(explain(f"timeline.mark: unknown phase {phase!r}", expected=", ".join(RANK_PHASES),
+        raise UsageError(explain(f"timeline.mark: unknown phase {phase!r}",
+                                 expected=", ".join(RANK_PHASES),
                                  hint='e.g. mark("compiled", compile_cache="hit")'), key="phase")
     if phase not in _MARKS:
         _MARKS[phase] = time.time() if at is None else float(at)
     for key, value in extra.items():
         if key not in EXTRAS:
-            raise UsageError(explain(f"timeline.mark: unknown fact {key!r}", expected=", ".join(EXTRAS)), key=key)
+            raise UsageError(explain(f"timeline.mark: unknown fact {key!r}",
+                                     expected=", ".join(EXTRAS)), key=key)
         _EXTRAS.setdefault(key, value)
 
 
@@ -45,23 +48,27 @@ def facts() -> dict[str, Any]:
 
 
 def reset() -> None:
-    """Forget every mark (a process that runs a second attempt: tests, a wrapped script's session)."""
+    """Forget every mark (a process that runs a second attempt: tests, a wrapped script's
+    session)."""
     _MARKS.clear()
     _EXTRAS.clear()
 
 
-def ledger_field(environ: Mapping[str, str], attempts: list[dict[str, Any]], in_job: int) -> dict[str, Any]:
-    """``{"timeline": {...}}`` for rank 0's ledger line, or {} (a run's first attempt). ``attempts``: the ledger
-    as read when the attempt opened (its last line is the failed or stopped attempt before this one)."""
+def ledger_field(environ: Mapping[str, str], attempts: list[dict[str, Any]],
+                 in_job: int) -> dict[str, Any]:
+    """``{"timeline": {...}}`` for rank 0's ledger line, or {} (a run's first attempt).
+    ``attempts``: the ledger as read when the attempt opened (its last line is the failed or stopped
+    attempt before this one)."""
     previous = attempts[-1] if attempts else None
     timeline = for_attempt(shell_marks(environ), _MARKS, previous, in_job, _EXTRAS)
     return {"timeline": timeline} if timeline is not None else {}
 
 
 def compile_field(report: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``{"compile": {"cache": "miss", "s": 59.1, "graphs": 2}}`` for rank 0's ledger line of every attempt that
-    compiled (its first, cold one too, which has no timeline), from
+    """``{"compile": {"cache": "miss", "s": 59.1, "graphs": 2}}`` for rank 0's ledger line of every
+    attempt that compiled (its first, cold one too, which has no timeline), from
     :func:`hpc_ddp.rank.loop.compiling.compile_report`; {} when nothing was compiled."""
     if not report:
         return {}
-    return {"compile": {"cache": report.get("cache"), "s": report.get("seconds"), "graphs": report.get("graphs")}}
+    return {"compile": {"cache": report.get("cache"), "s": report.get("seconds"),
+                        "graphs": report.get("graphs")}}

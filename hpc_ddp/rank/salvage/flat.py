@@ -1,24 +1,27 @@
-"""The per-rank mirror's message body for the usual per-rank state: a JSON skeleton and the tensors' bytes.
+"""The per-rank mirror's message body for the usual per-rank state: a JSON skeleton and the tensors'
+bytes.
 
-The mirror (:mod:`hpc_ddp.rank.salvage.mirror`) sends each rank's per-rank state at every boundary. ``torch.save``
-made that cost 0.5 ms of CPU per step of B2 on this machine (its pickler runs Python for every object,
-with the training loop's caches cold) plus a staging copy, while the state itself is mostly tensors
-(a prefetched batch, a generator's state, a small module's ``state_dict``) and a few numbers. So the
-training thread copies each tensor's bytes straight into the message once, beside a JSON skeleton of
-the containers and scalars; the bytes a snapshot holds (``torch.save``'s) are made from it only when
-a snapshot needs them, after a failure or at a periodic snapshot of that step.
+The mirror (:mod:`hpc_ddp.rank.salvage.mirror`) sends each rank's per-rank state at every boundary.
+``torch.save`` made that cost 0.5 ms of CPU per step of B2 on this machine (its pickler runs Python
+for every object, with the training loop's caches cold) plus a staging copy, while the state itself
+is mostly tensors (a prefetched batch, a generator's state, a small module's ``state_dict``) and a
+few numbers. So the training thread copies each tensor's bytes straight into the message once,
+beside a JSON skeleton of the containers and scalars; the bytes a snapshot holds (``torch.save``'s)
+are made from it only when a snapshot needs them, after a failure or at a periodic snapshot of that
+step.
 
-**Leaves, for a delta.** A body is a run of leaves at fixed offsets (:func:`segments`: the skeleton, then each
-tensor's bytes). When two bodies have the same leaves (same skeleton length, same tensor offsets and sizes), a
-body is the other with only the leaves that differ replaced: :func:`changed` finds them (with an early exit on
-each leaf's first bytes, so a changed batch costs almost nothing to compare), :func:`write_delta` packs them
-and :func:`apply_delta` writes them onto a copy of the other body. What lies between leaves (alignment padding)
-is never read, so the result holds the same state, byte for byte where it is read, as the whole body.
+**Leaves, for a delta.** A body is a run of leaves at fixed offsets (:func:`segments`: the skeleton,
+then each tensor's bytes). When two bodies have the same leaves (same skeleton length, same tensor
+offsets and sizes), a body is the other with only the leaves that differ replaced: :func:`changed`
+finds them (with an early exit on each leaf's first bytes, so a changed batch costs almost nothing
+to compare), :func:`write_delta` packs them and :func:`apply_delta` writes them onto a copy of the
+other body. What lies between leaves (alignment padding) is never read, so the result holds the same
+state, byte for byte where it is read, as the whole body.
 
 Only exact round trips take this path: dicts, OrderedDicts, lists and tuples of exactly those types,
 ``str``, ``int``, ``float``, ``bool``, ``None`` and strided tensors. Anything else (a NumPy array, a
-namedtuple, a dict subclass) returns None from :func:`plan`, and the mirror sends ``torch.save`` bytes
-instead. Tensors that share storage come back as separate copies with the same values.
+namedtuple, a dict subclass) returns None from :func:`plan`, and the mirror sends ``torch.save``
+bytes instead. Tensors that share storage come back as separate copies with the same values.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 
 Segment = tuple[int, int]  # a leaf's [start, end) in a body
 PEEK = 4096  # bytes of each leaf compared first: a leaf that changed almost always differs there
-ALIGN = 64  # tensor data starts at multiples of this inside the body (any dtype's element size divides it)
+# tensor data starts at multiples of this inside the body (any dtype's element size divides it)
+ALIGN = 64
 META = 8  # bytes: int64 length of the JSON skeleton at the start of the body
 
 
@@ -40,11 +44,13 @@ class _Unsupported(Exception):
 
 
 class Plan:
-    """A state laid out for one message body: its skeleton, its tensors and where each one's bytes go."""
+    """A state laid out for one message body: its skeleton, its tensors and where each one's bytes
+    go."""
 
     def __init__(self, meta: bytes, tensors: list[torch.Tensor]) -> None:
         self.meta, self.tensors = meta, tensors
-        self.cuda = any(t.is_cuda for t in tensors)  # its body should be pinned: the copies then never wait
+        # its body should be pinned: the copies then never wait
+        self.cuda = any(t.is_cuda for t in tensors)
         at = _up(META + len(meta))
         self.offsets = []
         for tensor in tensors:
@@ -53,13 +59,15 @@ class Plan:
         self.nbytes = at
 
     def write(self, body: torch.Tensor) -> None:
-        """Fill ``body`` (uint8, at least ``nbytes``): one copy of each tensor. A CUDA tensor's copy is only
-        enqueued on the current stream when ``body`` is pinned: its bytes are there once the stream reaches it
-        (the caller records an event and waits for it before reading), so the training thread never waits for
-        the GPU here. Into pageable memory the copy waits for the GPU, as a plain ``.cpu()`` would."""
+        """Fill ``body`` (uint8, at least ``nbytes``): one copy of each tensor. A CUDA tensor's copy
+        is only enqueued on the current stream when ``body`` is pinned: its bytes are there once the
+        stream reaches it (the caller records an event and waits for it before reading), so the
+        training thread never waits for the GPU here. Into pageable memory the copy waits for the
+        GPU, as a plain ``.cpu()`` would."""
         body[:META] = torch.tensor([len(self.meta)], dtype=torch.int64).view(torch.uint8)
         body[META:META + len(self.meta)] = torch.frombuffer(bytearray(self.meta), dtype=torch.uint8)
-        body[META + len(self.meta):_up(META + len(self.meta))] = 0  # the skeleton's leaf ends aligned: same bytes
+        # the skeleton's leaf ends aligned: same bytes
+        body[META + len(self.meta):_up(META + len(self.meta))] = 0
         for tensor, at in zip(self.tensors, self.offsets):
             size = tensor.numel() * tensor.element_size()
             if size:
@@ -68,14 +76,17 @@ class Plan:
 
 
     def segments(self) -> list[Segment]:
-        """The body's leaves: the skeleton (its length, and zeros up to the first tensor's offset, so a counter in it
-        that gains a digit leaves the layout as it was), then each tensor's bytes (empty ones included)."""
+        """The body's leaves: the skeleton (its length, and zeros up to the first tensor's offset,
+        so a counter in it that gains a digit leaves the layout as it was), then each tensor's bytes
+        (empty ones included)."""
         sizes = (t.numel() * t.element_size() for t in self.tensors)
-        return [(0, _up(META + len(self.meta))), *((at, at + n) for at, n in zip(self.offsets, sizes))]
+        return [(0, _up(META + len(self.meta))),
+                *((at, at + n) for at, n in zip(self.offsets, sizes))]
 
 
 def plan(state: object) -> Plan | None:
-    """``state`` laid out for a message, or None when it holds something this format cannot give back exactly."""
+    """``state`` laid out for a message, or None when it holds something this format cannot give
+    back exactly."""
     tensors: list[torch.Tensor] = []
     try:
         skeleton = _walk(state, tensors)
@@ -100,23 +111,27 @@ def read(body: torch.Tensor) -> Any:
             count *= n
         size = count * torch.empty((), dtype=dtype).element_size()
         piece = body[at:at + size]
-        tensors.append(piece.view(dtype).reshape(shape).clone() if size else torch.empty(shape, dtype=dtype))
+        tensors.append(piece.view(dtype).reshape(shape).clone() if size
+                       else torch.empty(shape, dtype=dtype))
         at = _up(at + size)
     return _build(meta["s"], tensors)
 
 
 def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two uint8 ranges hold the same bytes: the first :data:`PEEK` first (a changed leaf exits there), then
-    the rest as int64 where both are 8-byte aligned (7 x faster than comparing bytes: 4 ms for 64 MB here)."""
+    """Whether two uint8 ranges hold the same bytes: the first :data:`PEEK` first (a changed leaf
+    exits there), then the rest as int64 where both are 8-byte aligned (7 x faster than comparing
+    bytes: 4 ms for 64 MB here)."""
     if a.numel() != b.numel() or not torch.equal(a[:PEEK], b[:PEEK]):
         return False
     words = a.numel() // 8 * 8 if a.storage_offset() % 8 == 0 and b.storage_offset() % 8 == 0 else 0
-    return torch.equal(a[:words].view(torch.int64), b[:words].view(torch.int64)) and torch.equal(a[words:],
+    return torch.equal(a[:words].view(torch.int64),
+                       b[:words].view(torch.int64)) and torch.equal(a[words:],
                                                                                               b[words:])
 
 
 def changed(new: torch.Tensor, old: torch.Tensor, leaves: list[Segment]) -> list[Segment]:
-    """The leaves of body ``new`` whose bytes differ from the same leaves of body ``old`` (same layout)."""
+    """The leaves of body ``new`` whose bytes differ from the same leaves of body ``old`` (same
+    layout)."""
     return [(s, e) for s, e in leaves if not equal(new[s:e], old[s:e])]
 
 
@@ -126,7 +141,8 @@ def delta_size(leaves: list[Segment]) -> int:
 
 
 def write_delta(out: torch.Tensor, body: torch.Tensor, leaves: list[Segment]) -> int:
-    """Write into ``out`` (uint8, at least :func:`delta_size`) the leaves of ``body``: returns the bytes written."""
+    """Write into ``out`` (uint8, at least :func:`delta_size`) the leaves of ``body``: returns the
+    bytes written."""
     table = torch.tensor([len(leaves), *(v for leaf in leaves for v in leaf)], dtype=torch.int64)
     at = table.numel() * 8
     out[:at] = table.view(torch.uint8)
@@ -137,21 +153,25 @@ def write_delta(out: torch.Tensor, body: torch.Tensor, leaves: list[Segment]) ->
 
 
 def delta_leaves(delta: torch.Tensor, size: int) -> list[Segment]:
-    """The leaves a delta carries, checked first: each inside a body of ``size`` bytes, their bytes inside the
-    delta. A receiver reads them before it changes anything (it writes the old bytes of those leaves aside
-    to keep the state before the delta), so a delta that does not fit raises before any byte is written."""
+    """The leaves a delta carries, checked first: each inside a body of ``size`` bytes, their bytes
+    inside the delta. A receiver reads them before it changes anything (it writes the old bytes of
+    those leaves aside to keep the state before the delta), so a delta that does not fit raises
+    before any byte is written."""
     count = int(delta[:8].view(torch.int64)[0]) if delta.numel() >= 8 else -1
     if count < 0 or delta.numel() < 8 + 16 * count:
-        raise ValueError(f"a mirror delta of {delta.numel()} bytes has no table of leaves (count {count})")
+        raise ValueError(f"a mirror delta of {delta.numel()} bytes has no table of leaves (count "
+                         f"{count})")
     table = delta[8:8 + 16 * count].view(torch.int64).tolist()
     leaves = list(zip(table[::2], table[1::2]))
     if any(not 0 <= s <= e <= size for s, e in leaves) or delta.numel() < delta_size(leaves):
-        raise ValueError(f"a mirror delta's leaves do not fit a body of {size} bytes or the delta itself")
+        raise ValueError(f"a mirror delta's leaves do not fit a body of {size} bytes or the delta "
+                         "itself")
     return leaves
 
 
 def apply_delta(body: torch.Tensor, delta: torch.Tensor) -> None:
-    """Write the leaves a delta carries onto ``body`` (in place): it then holds the state the delta was made from."""
+    """Write the leaves a delta carries onto ``body`` (in place): it then holds the state the delta
+    was made from."""
     leaves = delta_leaves(delta, body.numel())
     at = 8 + 16 * len(leaves)
     for s, e in leaves:
@@ -169,7 +189,8 @@ def _walk(value: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(value.detach())
         return {"T": len(tensors) - 1}
     if kind is dict or kind is OrderedDict:
-        return {"D" if kind is dict else "O": [[_walk(k, tensors), _walk(v, tensors)] for k, v in value.items()]}
+        return {"D" if kind is dict else "O": [[_walk(k, tensors), _walk(v, tensors)]
+                                               for k, v in value.items()]}
     if kind is list or kind is tuple:
         return {"L" if kind is list else "U": [_walk(v, tensors) for v in value]}
     raise _Unsupported

@@ -1,13 +1,15 @@
-"""The survivors' snapshot committed once, and only whole (:mod:`hpc_ddp.rank.salvage.jit` writes the state file).
+"""The survivors' snapshot committed once, and only whole (:mod:`hpc_ddp.rank.salvage.jit` writes
+the state file).
 
-A survivor that finds the step committed already checks it against what it holds (:func:`check_commit`: a
-snapshot that another survivor disagrees with is withdrawn). Otherwise any survivor may complete the set
-(:func:`complete`): the newest written step whose sources agree, with every rank's per-rank state of that
-step in some survivor's file, is committed by the one survivor that creates the attempt's commit claim
-(:func:`hpc_ddp.rundir.jit_claims.claim_commit`: one per attempt; the batch shell seals it once the step ended,
-so a late process of the attempt, a partitioned node's, never commits into a run gone on); the per-rank
-states go into one more file of the step, listed with the ranks it holds, so a resumed rank finds its own
-as it finds its RNG state in a periodic snapshot.
+A survivor that finds the step committed already checks it against what it holds
+(:func:`check_commit`: a snapshot that another survivor disagrees with is withdrawn). Otherwise any
+survivor may complete the set (:func:`complete`): the newest written step whose sources agree, with
+every rank's per-rank state of that step in some survivor's file, is committed by the one survivor
+that creates the attempt's commit claim (:func:`hpc_ddp.rundir.jit_claims.claim_commit`: one per
+attempt; the batch shell seals it once the step ended, so a late process of the attempt, a
+partitioned node's, never commits into a run gone on); the per-rank states go into one more file of
+the step, listed with the ranks it holds, so a resumed rank finds its own as it finds its RNG state
+in a periodic snapshot.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ log = logging.getLogger("hpc_ddp.jit")
 
 
 def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dict[str, Any]) -> str:
-    """This source came after the step was committed: if another survivor's snapshot of the same step holds
-    another state than this rank (their fingerprints differ), withdraw it (the manifest is renamed away before
-    any rank of the next step can read it: they start once every rank of this one has exited)."""
+    """This source came after the step was committed: if another survivor's snapshot of the same
+    step holds another state than this rank (their fingerprints differ), withdraw it (the manifest
+    is renamed away before any rank of the next step can read it: they start once every rank of this
+    one has exited)."""
     if newest != step:
         return f"step {newest} is committed already"
     directory = snapshot.step_dir(run_dir, step)
@@ -39,20 +42,25 @@ def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dic
         return f"step {step} is committed already"
     if record.get("fingerprint") == offer["fingerprint"]:
         return f"step {step} committed by another survivor (same fingerprint)"
-    snapshot.withdraw(directory, f"rank {offer['rank']} holds another state of step {step} than rank "
+    snapshot.withdraw(directory, f"rank {offer['rank']} holds another state of step {step} than "
+                                 "rank "
                                  f"{record.get('writer')} wrote")
-    log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than this rank holds",
+    log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than "
+              "this rank holds",
               step, record.get("writer"))
     return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
 
 
-def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, Any], wait_s: float = 10.0) -> str:
-    """Another survivor writes the step: wait a little for its commit (this rank's exit would free ranks that
-    wait on it, but also tells the batch shell the step ended), then compare it with what this rank holds
-    (:func:`check_commit`: withdrawn if it differs), and say what came of it."""
+def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, Any],
+                       wait_s: float = 10.0) -> str:
+    """Another survivor writes the step: wait a little for its commit (this rank's exit would free
+    ranks that wait on it, but also tells the batch shell the step ended), then compare it with what
+    this rank holds (:func:`check_commit`: withdrawn if it differs), and say what came of it."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:  # polls the newest commit's own file: never a manifest not there yet,
-        named = newest.read(run_dir)    # whose absence this node's NFS client would remember (rundir/newest.py)
+    # polls the newest commit's own file: never a manifest not there yet,
+    while time.monotonic() < deadline:
+        # whose absence this node's NFS client would remember (rundir/newest.py)
+        named = newest.read(run_dir)
         if named is not None and named["step"] >= step:
             return check_commit(run_dir, folder, step, named["step"], offer)
         time.sleep(0.1)
@@ -60,43 +68,53 @@ def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, 
 
 
 def complete(run: Survivor, folder: Path) -> str:
-    """Commit the newest written step whose set is complete: every slice of the state written by a survivor
-    (the whole state by one, or each node's share by that node,
-    :func:`hpc_ddp.rank.salvage.jit_write.split_over`), no source of it holds another state, and (with
-    per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any survivor may
-    complete it; the attempt's commit claim makes one the committer. Otherwise say what is missing."""
+    """Commit the newest written step whose set is complete: every slice of the state written by a
+    survivor (the whole state by one, or each node's share by that node,
+    :func:`hpc_ddp.rank.salvage.jit_write.split_over`), no source of it holds another state, and
+    (with per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any
+    survivor may complete it; the attempt's commit claim makes one the committer. Otherwise say what
+    is missing."""
     env = run.env
     offers = jit_offers.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
-    steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)}, reverse=True)
+    steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)},
+                   reverse=True)
     reasons = []
     for step in steps:
-        writers = [o for o in offers if isinstance(o.get("written"), dict) and o["written"]["step"] == step]
+        writers = [o for o in offers if isinstance(o.get("written"), dict)
+                   and o["written"]["step"] == step]
         unwritten = _unwritten(writers, step)
         if unwritten:
             reasons.append(unwritten)
             continue
         writer = writers[0]
         sources = [o for o in offers if o.get("source") and o.get("step") == step]
-        differing = sorted(o["rank"] for o in sources if o.get("fingerprint") != writer["fingerprint"])
+        differing = sorted(o["rank"] for o in sources
+                           if o.get("fingerprint") != writer["fingerprint"])
         if differing:
-            log.error("no just-in-time snapshot: ranks %s hold another state of step %d than rank %d", differing,
+            log.error("no just-in-time snapshot: ranks %s hold another state of step %d than rank "
+                      "%d", differing,
                       step, writer["rank"])
-            reasons.append(f"ranks {differing} hold another state of step {step} than rank {writer['rank']}")
+            reasons.append(f"ranks {differing} hold another state of step {step} than rank "
+                           f"{writer['rank']}")
             continue
         holders = _holders(offers, step) if run.per_rank else {}
         missing = [r for r in range(env.world_size) if r not in holders] if run.per_rank else []
         if missing:
-            reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step {step} (their "
+            reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step "
+                           f"{step} (their "
                            "buddies were lost too, or their mirror was more than a step behind)")
             continue
-        states = _per_rank_states(folder, holders, {o["rank"]: o.get("node", 0) for o in offers}, step)
-        if isinstance(states, str):  # read before the claim: a commit that cannot be made never takes it
+        states = _per_rank_states(folder, holders, {o["rank"]: o.get("node", 0) for o in offers},
+                                  step)
+        # read before the claim: a commit that cannot be made never takes it
+        if isinstance(states, str):
             reasons.append(states)
             continue
         if not jit_claims.claim_commit(folder, step):
             held = jit_claims.commit_holder(folder)
             if held == "sealed":
-                return (f"not committed: the attempt was sealed (its step had ended and the batch shell went on) "
+                return ("not committed: the attempt was sealed (its step had ended and the batch "
+                        "shell went on) "
                         f"before step {step}'s set was complete")
             if held == f"step {step}":
                 return f"step {step} committed by another survivor"
@@ -104,7 +122,8 @@ def complete(run: Survivor, folder: Path) -> str:
         try:
             return _commit(run, folder, writers, sources, holders, states)
         except BaseException as err:
-            jit_claims.commit_failed(folder, f"failed: {err!r}")  # the claim says so: nobody reads "step S" wrongly
+            # the claim says so: nobody reads "step S" wrongly
+            jit_claims.commit_failed(folder, f"failed: {err!r}")
             raise
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
@@ -112,9 +131,10 @@ def complete(run: Survivor, folder: Path) -> str:
 
 
 def _holders(offers: list[dict[str, Any]], step: int) -> dict[int, int]:
-    """rank -> the survivor whose file holds its per-rank state of ``step``: the rank's own copy where it survived,
-    else its buddy's. An offer names the steps it holds of each rank (``{rank: [steps]}``: the last two
-    boundaries); an offer of the version before names one step, a number."""
+    """rank -> the survivor whose file holds its per-rank state of ``step``: the rank's own copy
+    where it survived, else its buddy's. An offer names the steps it holds of each rank (``{rank:
+    [steps]}``: the last two boundaries); an offer of the version before names one step, a
+    number."""
     holders: dict[int, int] = {}
     for o in offers:
         for rank, held in (o.get("blobs") or {}).items():
@@ -125,37 +145,42 @@ def _holders(offers: list[dict[str, Any]], step: int) -> dict[int, int]:
 
 
 def _unwritten(writers: list[dict[str, Any]], step: int) -> str | None:
-    """Why the state files of ``step`` are not a whole state yet: a slice nobody wrote (its node and the next
-    were lost, or they still write), or writers that cut the state differently; None when whole."""
+    """Why the state files of ``step`` are not a whole state yet: a slice nobody wrote (its node and
+    the next were lost, or they still write), or writers that cut the state differently; None when
+    whole."""
     layouts = {slicing.layout_digest(w["written"]["layout"]) for w in writers}
     if len(layouts) > 1:
         return f"the survivors' files of step {step} cut the state in {len(layouts)} different ways"
     held = {s for w in writers for s in w["written"]["entry"].get("slices", [])}
     missing = sorted(set(range(writers[0]["written"]["layout"]["slices"])) - held)
     if missing:
-        return (f"slice(s) {missing} of step {step} not written (yet): the nodes that write them were lost, or "
+        return (f"slice(s) {missing} of step {step} not written (yet): the nodes that write them "
+                "were lost, or "
                 "had not finished (a later survivor completes the snapshot)")
     return None
 
 
 def _per_rank_states(folder: Path, holders: dict[int, int], node_of: dict[int, int],
                      step: int) -> dict[int, bytes] | str:
-    """Every rank's packed per-rank state of ``step`` from the file of the survivor that holds it ({} without
-    per_rank objects), or why some cannot be read."""
+    """Every rank's packed per-rank state of ``step`` from the file of the survivor that holds it
+    ({} without per_rank objects), or why some cannot be read."""
     if not holders:
         return {}
-    loaded = {node: jit_blobs.read_blobs(folder, node) for node in sorted({node_of[h] for h in holders.values()})}
-    states = {rank: jit_blobs.blob_of(loaded[node_of[holder]], holder, rank, step) for rank, holder in holders.items()}
+    loaded = {node: jit_blobs.read_blobs(folder, node)
+              for node in sorted({node_of[h] for h in holders.values()})}
+    states = {rank: jit_blobs.blob_of(loaded[node_of[holder]], holder, rank, step)
+              for rank, holder in holders.items()}
     lost = sorted(rank for rank, blob in states.items() if blob is None)
     if lost:
         return f"the files holding the per_rank state of rank(s) {lost} at step {step} could not be read"
     return {rank: blob for rank, blob in states.items() if blob is not None}
 
 
-def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]], sources: list[dict[str, Any]],
+def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]],
+            sources: list[dict[str, Any]],
             holders: dict[int, int], states: dict[int, bytes]) -> str:
-    """The manifest of the writers' state files (and of every rank's per-rank state, put together in one more
-    file): the snapshot is committed."""
+    """The manifest of the writers' state files (and of every rank's per-rank state, put together in
+    one more file): the snapshot is committed."""
     env, ckpt, writer = run.env, run.checkpointer, writers[0]
     step = writer["written"]["step"]
     directory = snapshot.step_dir(run.run_dir, step)
@@ -163,20 +188,25 @@ def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]], sources:
     if holders:
         content = {"format": slicing.FORMAT, "skeleton": None, "pieces": {},
                    "rng": {rank: {PER_RANK: blob} for rank, blob in states.items()}}
-        entry = snapshot_write.write_node_file(directory, 0, content, name=jit_files.ranks_file_name(step, env.rank))
+        entry = snapshot_write.write_node_file(directory, 0, content,
+                                               name=jit_files.ranks_file_name(step, env.rank))
         entries.append({**entry, "slices": [], "ranks": sorted(states)})
     took = round(time.time() - min(o["time"] for o in [*writers, *sources]), 3)
-    shares = {str(w["rank"]): {"write_s": w["written"].get("write_s"), "bytes": w["written"]["entry"].get("size"),
+    shares = {str(w["rank"]): {"write_s": w["written"].get("write_s"),
+                               "bytes": w["written"]["entry"].get("size"),
                                "slices": w["written"]["entry"].get("slices")} for w in writers}
-    record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"], "took_s": took,
+    record = {"attempt": folder.name, "writer": writer["rank"], "host": writer["host"],
+              "took_s": took,
               **({"writers": shares} if shares else {}),
               "fingerprint": writer["fingerprint"], "sources": sorted(o["rank"] for o in sources),
               "after": writer["error"], "nodes": max(1, env.num_nodes),
-              **({"committer": env.rank, "per_rank_from": {str(r): h for r, h in sorted(holders.items())}}
+              **({"committer": env.rank,
+                  "per_rank_from": {str(r): h for r, h in sorted(holders.items())}}
                  if holders else {})}
     snapshot.commit(directory, step, entries, env.world_size, ckpt.config_hash if ckpt else "",
                     ckpt.config if ckpt else None, split=writer["written"]["layout"],
                     refuses_resize=ckpt.refuses_resize if ckpt else None, extra={"jit": record})
-    log.warning("just-in-time snapshot of step %d committed in %s (%.2f s after the failure): the run resumes "
+    log.warning("just-in-time snapshot of step %d committed in %s (%.2f s after the failure): the "
+                "run resumes "
                 "from it", step, directory, took)
     return f"committed step {step}"

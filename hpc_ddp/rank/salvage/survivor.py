@@ -1,9 +1,11 @@
-"""What the salvage code reads of the run a failure cut short: the seam between salvage/ and the run API.
+"""What the salvage code reads of the run a failure cut short: the seam between salvage/ and the run
+API.
 
-The survivors' snapshot (:mod:`hpc_ddp.rank.salvage.jit`, :mod:`~hpc_ddp.rank.salvage.jit_commit`) and the
-per-rank mirror (:mod:`~hpc_ddp.rank.salvage.mirror`) take the run (a :class:`hpc_ddp.rank.loop.run.Run`) as a
-:class:`Survivor`: the fields they read, named here, without an import of loop/ (an import up the rank's
-layers). :class:`hpc_ddp.rank.state.restore.Resuming` is the same seam for a resume.
+The survivors' snapshot (:mod:`hpc_ddp.rank.salvage.jit`, :mod:`~hpc_ddp.rank.salvage.jit_commit`)
+and the per-rank mirror (:mod:`~hpc_ddp.rank.salvage.mirror`) take the run (a
+:class:`hpc_ddp.rank.loop.run.Run`) as a
+:class:`Survivor`: the fields they read, named here, without an import of loop/ (an import up the
+rank's layers). :class:`hpc_ddp.rank.state.restore.Resuming` is the same seam for a resume.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ if TYPE_CHECKING:
 
 
 class Mirrored(Protocol):
-    """What a survivor reads of its mirror (a :class:`hpc_ddp.rank.salvage.mirror.Mirror`; named by its
-    fields so that mirror.py, which takes a :class:`Survivor`, is not imported back)."""
+    """What a survivor reads of its mirror (a :class:`hpc_ddp.rank.salvage.mirror.Mirror`; named by
+    its fields so that mirror.py, which takes a :class:`Survivor`, is not imported back)."""
 
     broken: str | None  # why the exchange stopped before the end (a peer died)
 
@@ -29,8 +31,8 @@ class Mirrored(Protocol):
 
 
 class Survivor(Protocol):
-    """What the salvage code reads of the run: read only, so a run's narrower fields (a ``Mirror`` for
-    ``mirror``) fit."""
+    """What the salvage code reads of the run: read only, so a run's narrower fields (a ``Mirror``
+    for ``mirror``) fit."""
 
     @property
     def config(self) -> RunConfig: ...
@@ -42,7 +44,8 @@ class Survivor(Protocol):
     def run_dir(self) -> Path: ...
 
     @property
-    def tracked(self) -> dict[str, Any]: ...  # the user's replicated objects: anything with a state_dict
+    # the user's replicated objects: anything with a state_dict
+    def tracked(self) -> dict[str, Any]: ...
 
     @property
     def per_rank(self) -> dict[str, PerRank]: ...

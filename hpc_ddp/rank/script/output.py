@@ -1,4 +1,5 @@
-"""Rank 0's ``train.script`` output, read as it comes: passed on unchanged, its progress lines noted.
+"""Rank 0's ``train.script`` output, read as it comes: passed on unchanged, its progress lines
+noted.
 
 A wrapped script is a black box except for what it prints. Rank 0's worker reads the
 script's stdout and stderr through pipes (the child gets ``PYTHONUNBUFFERED=1``, so its
@@ -22,7 +23,8 @@ from typing import IO
 
 IGNORED_AFTER = 2  # progress lines after a forwarded stop that prove the script went on
 CHUNK = 65536
-GAP_FACTOR = 3  # a script is hung after this many times its longest gap between progress lines (if longer)
+# a script is hung after this many times its longest gap between progress lines (if longer)
+GAP_FACTOR = 3
 
 
 @dataclass
@@ -73,8 +75,9 @@ class Progress:
         return (time.monotonic() if now is None else now) - self.seen_at
 
     def hang_limit(self, timeout_s: float) -> float:
-        """Quiet time that means hung: ``timeout_s``, or 3 x the longest gap so far if that is longer
-        (a script that prints once per 20-minute epoch is not hung after 10 quiet minutes)."""
+        """Quiet time that means hung: ``timeout_s``, or 3 x the longest gap so far if that is
+        longer (a script that prints once per 20-minute epoch is not hung after 10 quiet
+        minutes)."""
         return max(timeout_s, GAP_FACTOR * self.longest_gap)
 
     @property
@@ -93,7 +96,8 @@ class Progress:
 
 
 def relay(source: IO[bytes], sink: IO[bytes], progress: Progress) -> None:
-    """Copy ``source`` to ``sink`` as bytes arrive until it closes, feeding each line to ``progress``.
+    """Copy ``source`` to ``sink`` as bytes arrive until it closes, feeding each line to
+    ``progress``.
 
     Chunks, not lines, are passed on: a progress bar that redraws itself with ``\r`` shows
     as it did without us. For reading, ``\r`` ends a line too.
@@ -107,17 +111,22 @@ def relay(source: IO[bytes], sink: IO[bytes], progress: Progress) -> None:
             sink.write(chunk)
             sink.flush()
         except (OSError, ValueError):
-            pass  # our own stream is gone (a closed pipe): keep reading, or the script blocks on a full pipe
+            # our own stream is gone (a closed pipe): keep reading, or the script blocks on a full
+            # pipe
+            pass
         *lines, pending = re.split(rb"[\r\n]", pending + chunk)
-        pending = pending[-CHUNK:]  # a script that never ends a line does not grow this without bound
+        # a script that never ends a line does not grow this without bound
+        pending = pending[-CHUNK:]
         for line in lines:
             progress.feed(line.decode(errors="replace"))
     if pending:
         progress.feed(pending.decode(errors="replace"))
 
 
-def start_relays(pairs: list[tuple[IO[bytes], IO[bytes]]], progress: Progress) -> list[threading.Thread]:
-    threads = [threading.Thread(target=relay, args=(source, sink, progress), daemon=True) for source, sink in pairs]
+def start_relays(pairs: list[tuple[IO[bytes], IO[bytes]]],
+                 progress: Progress) -> list[threading.Thread]:
+    threads = [threading.Thread(target=relay, args=(source, sink, progress), daemon=True)
+               for source, sink in pairs]
     for thread in threads:
         thread.start()
     return threads

@@ -1,6 +1,6 @@
-"""What rank 0's worker learns from its script's progress lines, made visible: the step for ``status``
-(:mod:`hpc_ddp.rundir.script_progress`) and, on an attempt that continues the run, the step the script
-resumed from, for the ledger line.
+"""What rank 0's worker learns from its script's progress lines, made visible: the step for
+``status`` (:mod:`hpc_ddp.rundir.script_progress`) and, on an attempt that continues the run, the
+step the script resumed from, for the ledger line.
 
 A script resumes from its own checkpoint, which hpc_ddp does not read. Its first progress line of
 the attempt says where it went on: a line that says it resumes (``resuming ... step 300``) names the
@@ -23,14 +23,16 @@ from hpc_ddp.rundir.ledger import attempt_tag
 
 log = logging.getLogger("hpc_ddp.script")
 RESUMING = re.compile(r"(?i)\bresum")
-NEAR_ZERO = 10  # a continued attempt whose first step is within a tenth of the run's furthest step started over
+# a continued attempt whose first step is within a tenth of the run's furthest step started over
+NEAR_ZERO = 10
 
 
 def started_over(first_step: int | None, first_line: str, attempts: list[dict[str, Any]],
                  resume_args: list[str]) -> str | None:
-    """A warning when a continued attempt's script started again at (or near) step 0 although an earlier
-    attempt had reached step N > 0: the script did not resume (no ``train.resume_args``, or no checkpoint of
-    its own to resume from) and redoes the run's work, on every requeue. None otherwise."""
+    """A warning when a continued attempt's script started again at (or near) step 0 although an
+    earlier attempt had reached step N > 0: the script did not resume (no ``train.resume_args``, or
+    no checkpoint of its own to resume from) and redoes the run's work, on every requeue. None
+    otherwise."""
     reached = max((a["last_step"] for a in attempts if isinstance(a.get("last_step"), int)
                    and not isinstance(a.get("last_step"), bool)), default=0)
     if first_step is None or reached <= 0 or first_step > max(1, reached // NEAR_ZERO):
@@ -38,14 +40,18 @@ def started_over(first_step: int | None, first_line: str, attempts: list[dict[st
     said = f"train.script started again at step {first_step} ({first_line!r}) although the run had reached step " \
         f"{reached}: it did not resume, and redoes that work on every requeue"
     if not resume_args:
-        return (f"{said}. train.resume_args is not set, so hpc_ddp told it nothing: set train.resume_args to what "
+        return (f"{said}. train.resume_args is not set, so hpc_ddp told it nothing: set "
+                "train.resume_args to what "
                 "makes it load its own checkpoint (nanoGPT: ['--init_from=resume'])")
-    return (f"{said}. train.resume_args {resume_args} were appended: did it find no checkpoint of its own? It must "
-            "save one often enough to have one at a stop (nanoGPT: eval_interval, always_save_checkpoint=True)")
+    return (f"{said}. train.resume_args {resume_args} were appended: did it find no checkpoint of "
+            "its own? It must "
+            "save one often enough to have one at a stop (nanoGPT: eval_interval, "
+            "always_save_checkpoint=True)")
 
 
 def resumed_from(progress: Progress, continues: bool) -> int | None:
-    """The step the script resumed from, by its first progress line; None on a fresh start (or none yet)."""
+    """The step the script resumed from, by its first progress line; None on a fresh start (or none
+    yet)."""
     if not continues or progress.first_step is None:
         return None
     step = progress.first_step if RESUMING.search(progress.first_line) else progress.first_step - 1
@@ -55,12 +61,14 @@ def resumed_from(progress: Progress, continues: bool) -> int | None:
 class Publisher:
     """Polled by the worker's loop (its main thread) while the script runs, and once at the end."""
 
-    def __init__(self, attempt: Attempt, progress: Progress, every_s: float = script_progress.EVERY_S) -> None:
+    def __init__(self, attempt: Attempt, progress: Progress,
+                 every_s: float = script_progress.EVERY_S) -> None:
         self.attempt, self.progress, self.every_s = attempt, progress, every_s
         self.points: list[dict[str, Any]] = []
         self.written_at = 0.0
         self.started = False
-        self.warnings: list[str] = []  # for the ledger's note (already there) and DONE.json's warnings
+        # for the ledger's note (already there) and DONE.json's warnings
+        self.warnings: list[str] = []
 
     def poll(self, final: bool = False) -> None:
         progress, now = self.progress, time.time()
@@ -71,7 +79,8 @@ class Publisher:
         if step is None or (self.points and self.points[-1]["step"] == step) or \
                 (not final and now - self.written_at < self.every_s):
             return
-        self.points = [*self.points, script_progress.point(step, progress.line, now)][-script_progress.KEEP:]
+        self.points = [*self.points, script_progress.point(step, progress.line,
+                                                           now)][-script_progress.KEEP:]
         self.written_at = now
         env = self.attempt.env
         script_progress.write(self.attempt.run_dir, {
@@ -79,11 +88,13 @@ class Publisher:
             "resumed_from": self.attempt.record.get("resumed_from"), "points": self.points})
 
     def _first(self, resumed: int | None) -> None:
-        """The ledger line's first step and the step resumed from (every line rank 0 writes takes the record),
-        and a warning when a continued attempt started over (:func:`started_over`)."""
+        """The ledger line's first step and the step resumed from (every line rank 0 writes takes
+        the record), and a warning when a continued attempt started over (:func:`started_over`)."""
         self.attempt.record.update(first_step=resumed or 0, resumed_from=resumed)
-        timeline.mark("first_step")  # the script's first progress line: its first step of this attempt
-        warning = started_over(self.progress.first_step, self.progress.first_line, self.attempt.attempts,
+        # the script's first progress line: its first step of this attempt
+        timeline.mark("first_step")
+        warning = started_over(self.progress.first_step, self.progress.first_line,
+                               self.attempt.attempts,
                                list(self.attempt.cfg.train.resume_args or []))
         if warning is not None:
             self.warnings.append(warning)

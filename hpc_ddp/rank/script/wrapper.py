@@ -67,17 +67,23 @@ from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
 POLL_S = 0.05
-RESUME_NOTE = ("A stop and a requeue are only as exact as that checkpoint (what it saves and how often); hpc_ddp "
-               "forwards the signal, records and requeues the attempt, and writes no model.pt or params_sha256 for "
-               "it. A script that opens hpc_ddp.session() gets both, and a resume exact to the step "
+RESUME_NOTE = ("A stop and a requeue are only as exact as that checkpoint (what it saves and how "
+               "often); hpc_ddp "
+               "forwards the signal, records and requeues the attempt, and writes no model.pt or "
+               "params_sha256 for "
+               "it. A script that opens hpc_ddp.session() gets both, and a resume exact to the "
+               "step "
                "(docs/own-loop.md)")
 
 
 def resume_note(resume_args: list[str]) -> str:
-    """What rank 0 says at the start of every attempt: how the script resumes, truthfully (hpc_ddp does not
-    know whether it will; the first progress line tells, :func:`hpc_ddp.rank.script.publish.started_over`)."""
-    how = (f"on a continued attempt hpc_ddp appends train.resume_args {resume_args}" if resume_args else
-           "train.resume_args is not set, so hpc_ddp tells it nothing and it resumes only if it looks for its "
+    """What rank 0 says at the start of every attempt: how the script resumes, truthfully (hpc_ddp
+    does not know whether it will; the first progress line tells,
+    :func:`hpc_ddp.rank.script.publish.started_over`)."""
+    how = (f"on a continued attempt hpc_ddp appends train.resume_args {resume_args}" if resume_args
+           else
+           "train.resume_args is not set, so hpc_ddp tells it nothing and it resumes only if it "
+           "looks for its "
            "checkpoint by itself (nanoGPT needs train.resume_args: ['--init_from=resume'])")
     return f"train.script: the script resumes from its own checkpoint if it finds one; {how}. {RESUME_NOTE}"
 
@@ -88,14 +94,17 @@ class ScriptError(HpcDdpError):
 
 def script_environ(environ: Mapping[str, str], env: DistEnv, run_dir: Path,
                    user: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """The child's environment: this task's, plus what torchrun would set, where the run lives, and the config's
-    user section as HPC_DDP_USER_* (:mod:`hpc_ddp.core.user_settings`; none left from the submitting shell)."""
+    """The child's environment: this task's, plus what torchrun would set, where the run lives, and
+    the config's user section as HPC_DDP_USER_* (:mod:`hpc_ddp.core.user_settings`; none left from
+    the submitting shell)."""
     kept = {k: v for k, v in environ.items() if not k.startswith(USER_PREFIX)}
     return {**kept, **user_environ(user or {}), **torch_env(env), "GROUP_RANK": str(env.node_rank),
             "GROUP_WORLD_SIZE": str(env.num_nodes),
             "ROLE_RANK": str(env.rank), "ROLE_WORLD_SIZE": str(env.world_size),
-            "TORCHELASTIC_RESTART_COUNT": str(env.restart_count + env.in_job), "HPC_DDP_RUN_DIR": str(run_dir),
-            "HPC_DDP_RESTART_COUNT": str(env.restart_count), CONFIG_VAR: str(layout.config(run_dir)),
+            "TORCHELASTIC_RESTART_COUNT": str(env.restart_count + env.in_job),
+            "HPC_DDP_RUN_DIR": str(run_dir),
+            "HPC_DDP_RESTART_COUNT": str(env.restart_count),
+            CONFIG_VAR: str(layout.config(run_dir)),
             WRAPPED: "1"}
 
 
@@ -103,31 +112,38 @@ def script_path(script: str) -> Path:
     path = Path(script)
     if not path.is_file():
         raise ScriptError(explain(f"train.script={script} does not exist (looked in {Path.cwd()})",
-                                  hint="give a path relative to the directory you submit from (jobs start "
+                                  hint="give a path relative to the directory you submit from "
+                                       "(jobs start "
                                   "there), or an absolute one"), key="train.script")
     return path
 
 
-def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progress: Progress | None = None,
+def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag,
+              progress: Progress | None = None,
               on_later_stop: Callable[[], None] | None = None, hang_after_s: float | None = None,
               on_hang: Callable[[float], None] | None = None,
-              before_forward: Callable[[], None] | None = None, on_poll: Callable[[], None] | None = None) -> int:
-    """Run the child to its end, forwarding the first stop signal this process receives; its exit code.
+              before_forward: Callable[[], None] | None = None,
+              on_poll: Callable[[], None] | None = None) -> int:
+    """Run the child to its end, forwarding the first stop signal this process receives; its exit
+    code.
 
-    With ``progress`` (rank 0), the child's output comes through pipes and is read for progress lines.
-    ``on_later_stop`` is called once if another stop signal arrives while the child still runs after
-    the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by more than KillWait.
-    ``before_forward`` is called just before the first stop is forwarded (the peers' scripts may die of
-    it before the signal reaches their workers). ``on_hang`` is called when the child, after its second
-    progress line and before any stop, prints none for ``hang_after_s`` seconds (or 3 x its longest gap
-    so far, if longer); the child's process group is then ended. ``on_poll`` is called at every poll (rank 0's
+    With ``progress`` (rank 0), the child's output comes through pipes and is read for progress
+    lines. ``on_later_stop`` is called once if another stop signal arrives while the child still
+    runs after the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by
+    more than KillWait. ``before_forward`` is called just before the first stop is forwarded (the
+    peers' scripts may die of it before the signal reaches their workers). ``on_hang`` is called
+    when the child, after its second progress line and before any stop, prints none for
+    ``hang_after_s`` seconds (or 3 x its longest gap so far, if longer); the child's process group
+    is then ended. ``on_poll`` is called at every poll (rank 0's
     :class:`~hpc_ddp.rank.script.publish.Publisher`).
     """
     pipe = subprocess.PIPE if progress is not None else None
-    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True, preexec_fn=die_with_parent,
+    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True,
+                             preexec_fn=die_with_parent,
                              stdout=pipe, stderr=pipe)
     relays = [] if progress is None else start_relays(
-        [(child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)], progress)  # type: ignore[list-item]
+        [(child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)],
+        progress)  # type: ignore[list-item]
     seen, warned = 0, False
     while child.poll() is None:
         if on_poll is not None:
@@ -152,15 +168,18 @@ def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag, progre
             break
         if progress is not None and progress.ignored and not warned:
             warned = True
-            log.warning("%s, so it took no snapshot of its own at the signal; on a cluster it is killed at the "
+            log.warning("%s, so it took no snapshot of its own at the signal; on a cluster it is "
+                        "killed at the "
                         "time limit or the end of the grace period. %s", progress.went_on(
                             signal.Signals(flag.signum or signal.SIGTERM).name), IGNORED_HINT)
         time.sleep(POLL_S)
     for relay in relays:
         relay.join(timeout=5)
     code = int(child.wait())
-    if flag.is_set and not seen:  # the stop came in the same poll as the script's exit: nothing to forward
-        log.info("the script exited with code %s just before %s reached this rank (not forwarded: it had ended)",
+    # the stop came in the same poll as the script's exit: nothing to forward
+    if flag.is_set and not seen:
+        log.info("the script exited with code %s just before %s reached this rank (not forwarded: "
+                 "it had ended)",
                  code, signal.Signals(flag.signum or signal.SIGTERM).name)
     return code
 
@@ -180,25 +199,28 @@ def end_group(child: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
 
 
 def script_args(attempt: Attempt) -> list[str]:
-    """train.args, and train.resume_args when this attempt continues the run (the ledger has an earlier one)."""
+    """train.args, and train.resume_args when this attempt continues the run (the ledger has an
+    earlier one)."""
     train = attempt.cfg.train
     if attempt.attempts and train.resume_args:
         if attempt.env.is_main:
-            log.info("this attempt continues the run: appending train.resume_args %s", train.resume_args)
+            log.info("this attempt continues the run: appending train.resume_args %s",
+                     train.resume_args)
         return [*train.args, *train.resume_args]
     return list(train.args)
 
 
 def _watch(attempt: Attempt) -> Progress | None:
-    """Rank 0 reads its script's output for progress lines (train.script_progress) and its last line (a script
-    that exits 0 at once: :func:`exited_early`); the others do not."""
+    """Rank 0 reads its script's output for progress lines (train.script_progress) and its last line
+    (a script that exits 0 at once: :func:`exited_early`); the others do not."""
     pattern = attempt.cfg.train.script_progress
     return Progress(re.compile(pattern) if pattern else None) if attempt.env.is_main else None
 
 
 def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
-    """Rank 0 of a GPU script across nodes: its child's NCCL writes its INIT/NET lines where the worker reads
-    them when the script ends (rank/group/nccl_report.py), whether the script uses hpc_ddp.session() or not."""
+    """Rank 0 of a GPU script across nodes: its child's NCCL writes its INIT/NET lines where the
+    worker reads them when the script ends (rank/group/nccl_report.py), whether the script uses
+    hpc_ddp.session() or not."""
     cfg, env = attempt.cfg, attempt.env
     if cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo" or not nccl_report.wanted("nccl", env):
         return None
@@ -226,12 +248,14 @@ def _finished(attempt: Attempt, path: Path, progress: Progress | None, publisher
     its step and what it warned of."""
     env = attempt.env
     early = exited_early(attempt, progress, ran_s)
-    result = conclude(attempt, stopped=False, step=None)  # the ledger's finished line, then DONE.json
+    # the ledger's finished line, then DONE.json
+    result = conclude(attempt, stopped=False, step=None)
     warnings = [*(publisher.warnings if publisher is not None else []), *([early] if early else [])]
     if env.is_main:
         layout.publish_done(attempt.run_dir, json.dumps(
             {"script": str(path), "world_size": env.world_size, "exit_code": 0,
-             **({"step": progress.step} if progress is not None and progress.step is not None else {}),
+             **({"step": progress.step} if progress is not None and progress.step is not None
+                else {}),
              **({"warnings": warnings} if warnings else {})}))
     return result
 
@@ -243,7 +267,8 @@ def run_script(attempt: Attempt) -> int:
     if env.is_main:
         acquire(attempt.run_dir, attempt.holder)
     try:
-        prepare_marks(attempt)  # before the script can crash or be stopped: peers read the marks by name
+        # before the script can crash or be stopped: peers read the marks by name
+        prepare_marks(attempt)
         if attempt.local and env.is_main:
             from hpc_ddp.core.codes import PROGRESS_MARK
 
@@ -251,32 +276,46 @@ def run_script(attempt: Attempt) -> int:
         progress, decided = _watch(attempt), {}
         publisher = Publisher(attempt, progress) if progress is not None else None
         environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
-        environ.update(apply_cache_env(cfg, env, attempt.environ).exported)  # the script's torch.compile caches
+        # the script's torch.compile caches
+        environ.update(apply_cache_env(cfg, env, attempt.environ).exported)
         if progress is not None:
-            environ.setdefault("PYTHONUNBUFFERED", "1")  # lines as they are printed, not in 8 KiB blocks
+            # lines as they are printed, not in 8 KiB blocks
+            environ.setdefault("PYTHONUNBUFFERED", "1")
         if env.is_main:
             log.info("%s", resume_note(list(cfg.train.resume_args or [])))
         nccl, started = _nccl_capture(attempt, environ), time.monotonic()
-        timeline.mark("imported")  # a script's timeline: the worker starts it now (publish.py marks first_step)
-        code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag, progress,
-                         None if attempt.local or not env.is_main else later_stop(attempt, progress, decided),
-                         cfg.dist.timeout_s, None if progress is None else hung(attempt, progress, decided),
-                         before_forward=lambda: mark_stop(attempt), on_poll=None if publisher is None else publisher.poll)
+        # a script's timeline: the worker starts it now (publish.py marks first_step)
+        timeline.mark("imported")
+        code = supervise([sys.executable, str(path), *script_args(attempt)], environ, attempt.flag,
+                         progress,
+                         None if attempt.local or not env.is_main
+                         else later_stop(attempt, progress, decided),
+                         cfg.dist.timeout_s, None if progress is None
+                         else hung(attempt, progress, decided),
+                         before_forward=lambda: mark_stop(attempt), on_poll=None
+                         if publisher is None else publisher.poll)
         attempt.record.update(end=round(time.time(), 3), script_exit_code=code,
-                              **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job))
-        if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:  # what the script's NCCL chose
+                              **timeline.ledger_field(attempt.environ, attempt.attempts,
+                                                      env.in_job))
+        # what the script's NCCL chose
+        if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:
             attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
         if publisher is not None:
             publisher.poll(final=True)
         if progress is not None and progress.step is not None:
-            attempt.record["last_step"] = progress.step  # the script's own step, as its last progress line said
+            # the script's own step, as its last progress line said
+            attempt.record["last_step"] = progress.step
         if "code" in decided:
-            return decided["code"]  # recorded when Slurm's later signal came (and requeued), or hung
+            # recorded when Slurm's later signal came (and requeued), or hung
+            return decided["code"]
         if -code in stop_signals({STOP_SIGNALS_VAR: cfg.slurm.signal}):
-            mark_stop(attempt, -code)  # Slurm signals the script too: it may die of the stop before this worker
-            # forwards it, and the peers' scripts die of the broken collective before their own signal comes
+            # Slurm signals the script too: it may die of the stop before this worker
+            mark_stop(attempt, -code)
+            # forwards it, and the peers' scripts die of the broken collective before their own
+            # signal comes
         if code != 0 and not attempt.flag.is_set:
-            stopped_late(attempt, code)  # a peer's script may have died of the stop before it reached this rank
+            # a peer's script may have died of the stop before it reached this rank
+            stopped_late(attempt, code)
         if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
             return _stopped(attempt, code)
         if code == 0:
@@ -284,8 +323,10 @@ def run_script(attempt: Attempt) -> int:
         if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
             return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
         mark_crash(attempt, path, code)
-        print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop signal: "
-              "a failure (requeued only within slurm.max_failures); its output is above", file=sys.stderr, flush=True)
+        print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a "
+              "stop signal: "
+              "a failure (requeued only within slurm.max_failures); its output is above",
+              file=sys.stderr, flush=True)
         return 1
     finally:
         if env.is_main:

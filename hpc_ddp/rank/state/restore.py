@@ -1,6 +1,7 @@
-"""Resuming a run: the snapshot's state loaded into the tracked objects, per-rank state and RNG restored,
-and the checks and notes that go with it (a batch that would change with the world size is refused; a
-changed config is said, and a changed learning rate applied). Called by :meth:`hpc_ddp.rank.loop.run.Run.resume`.
+"""Resuming a run: the snapshot's state loaded into the tracked objects, per-rank state and RNG
+restored, and the checks and notes that go with it (a batch that would change with the world size is
+refused; a changed config is said, and a changed learning rate applied). Called by
+:meth:`hpc_ddp.rank.loop.run.Run.resume`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ log = logging.getLogger("hpc_ddp.run")
 
 
 class Resuming(Protocol):
-    """What a resume reads of the run it loads into (a :class:`hpc_ddp.rank.loop.run.Run`), and the four fields
-    it sets (``step``, ``resumed_from``, ``resumed_world_size``, ``resume_read``); no import of the run API."""
+    """What a resume reads of the run it loads into (a :class:`hpc_ddp.rank.loop.run.Run`), and the
+    four fields it sets (``step``, ``resumed_from``, ``resumed_world_size``, ``resume_read``); no
+    import of the run API."""
 
     config: RunConfig
     env: DistEnv
@@ -52,19 +54,22 @@ class Resuming(Protocol):
 
 
 def base_lr(group: Mapping[str, Any]) -> float:
-    """A param group's base learning rate: before any scheduler's factor (``initial_lr``) when it has one."""
+    """A param group's base learning rate: before any scheduler's factor (``initial_lr``) when it
+    has one."""
     return float(group.get("initial_lr", group["lr"]))
 
 
 def load(run: Resuming, restored: Restored) -> None:
-    """The snapshot's state into the tracked objects, the step and the RNG; the checks that refuse a resume."""
+    """The snapshot's state into the tracked objects, the step and the RNG; the checks that refuse a
+    resume."""
     state = restored.state
     missing = sorted(set(run.tracked) - set(state))
     if missing:
         raise RunUsageError(explain(
             f"the snapshot of step {restored.step} has no {', '.join(missing)} (it holds "
             f"{', '.join(sorted(k for k in state if k != STEP))})",
-            hint="track the same names as the run that wrote it, or start a new run in another run_dir=..."))
+            hint="track the same names as the run that wrote it, or start a new run in another "
+                 "run_dir=..."))
     built = {name: [base_lr(g) for g in obj.param_groups] for name, obj in run.tracked.items()
              if isinstance(obj, torch.optim.Optimizer)}
     refuse_batch_change(run, restored)
@@ -81,42 +86,51 @@ def load(run: Resuming, restored: Restored) -> None:
         reseed(run.config.train.seed, run.step, run.rank)
 
 def refuse_batch_change(run: Resuming, restored: Restored) -> None:
-    """A loop resumed at another world size with ``train.global_batch_size`` unset would change its global
-    batch: refused, as on the login node (a job from an sbatch template never passed there)."""
+    """A loop resumed at another world size with ``train.global_batch_size`` unset would change its
+    global batch: refused, as on the login node (a job from an sbatch template never passed
+    there)."""
     if not run.config.train.script:
-        problem = snapshot_batch_problem(restored.world_size, restored.config, run.config.train, run.world_size)
-        if problem:  # a configuration error on a person's --resume; a failure on a requeue or in-job restart
-            raise resize_refused(problem, run.env, run.run_dir, restored.step, key="train.global_batch_size")
+        problem = snapshot_batch_problem(restored.world_size, restored.config, run.config.train,
+                                         run.world_size)
+        # a configuration error on a person's --resume; a failure on a requeue or in-job restart
+        if problem:
+            raise resize_refused(problem, run.env, run.run_dir, restored.step,
+                                 key="train.global_batch_size")
 
 def load_per_rank(run: Resuming, blob: bytes | None, restored: Restored) -> None:
     """Collective when per-rank state is tracked: every rank gets its own value back, or every rank
-    raises the same error (a rank that has nothing to load must not leave the others in a collective)."""
+    raises the same error (a rank that has nothing to load must not leave the others in a
+    collective)."""
     if not run.per_rank:
         return
     problem = restore_per_rank(run.per_rank, _unpacked(blob, run.rank, restored.step), restored,
                                run.rank, run.world_size, run.device)
-    first = control.to_main_and_back(problem, merge=lambda problems: next((p for p in problems if p), None))
+    first = control.to_main_and_back(problem,
+                                     merge=lambda problems: next((p for p in problems if p), None))
     if first and restored.world_size not in (None, run.world_size):  # refused at another world size
         raise resize_refused(first, run.env, run.run_dir, restored.step)
     if first:
         raise RunUsageError(first)
 
 def _unpacked(blob: bytes | None, rank: int, step: int) -> dict[str, Any] | None:
-    """This rank's per-rank state from its blob; None (as for a damaged file) where the blob is garbage: a rank that
-    raised here would leave its peers in the collective that follows (the issue 61 of a garbage blob)."""
+    """This rank's per-rank state from its blob; None (as for a damaged file) where the blob is
+    garbage: a rank that raised here would leave its peers in the collective that follows (the issue
+    61 of a garbage blob)."""
     if blob is None:
         return None
     try:
         saved = unpack(blob)
     except Exception as err:  # noqa: BLE001 - garbage raises what the unpickler meets first
-        log.warning("rank %d's per-rank state in the snapshot of step %d cannot be read (%s: %s): treated as "
+        log.warning("rank %d's per-rank state in the snapshot of step %d cannot be read (%s: %s): "
+                    "treated as "
                     "missing", rank, step, type(err).__name__, first_line(err, 160))
         return None
     return saved if isinstance(saved, dict) else None
 
 
 def report_changes(run: Resuming, restored: Restored, built: dict[str, list[float]]) -> None:
-    """Say which config keys differ from those that wrote the snapshot; apply a changed learning rate.
+    """Say which config keys differ from those that wrote the snapshot; apply a changed learning
+    rate.
 
     An optimizer's state dict carries the learning rate it was built with, so loading it
     would silently undo ``--resume train.lr=...``. Where an optimizer built in this attempt
@@ -124,7 +138,8 @@ def report_changes(run: Resuming, restored: Restored, built: dict[str, list[floa
     schedulers' bases) are rescaled to it: the schedule goes on from the snapshot's step
     at the new peak. An unchanged config builds the same rates: an exact resume is untouched.
     """
-    changed = config_diff(restored.config, flat_values(run.config)) if restored.config is not None else []
+    changed = config_diff(restored.config,
+                          flat_values(run.config)) if restored.config is not None else []
     changed = [c for c in changed if c[0] != "run_dir"]
     schedulers = [o for o in run.tracked.values() if isinstance(getattr(o, "base_lrs", None), list)]
     applied = ""
@@ -137,13 +152,17 @@ def report_changes(run: Resuming, restored: Restored, built: dict[str, list[floa
                 if "initial_lr" in group:
                     group["initial_lr"] = new
                 for scheduler in schedulers:
-                    if getattr(scheduler, "optimizer", None) is optimizer and i < len(scheduler.base_lrs):
+                    if getattr(scheduler, "optimizer",
+                               None) is optimizer and i < len(scheduler.base_lrs):
                         scheduler.base_lrs[i] = new
         if new_lrs != saved and not applied:
-            applied = (f"; the learning rate is now based on {new_lrs[0]:g} (the snapshot's optimizer had "
+            applied = (f"; the learning rate is now based on {new_lrs[0]:g} (the snapshot's "
+                       "optimizer had "
                        f"{saved[0]:g}), the schedule continuing from this step")
-    geometry = geometry_change(restored.world_size, restored.config, run.config.train, run.world_size)
+    geometry = geometry_change(restored.world_size, restored.config, run.config.train,
+                               run.world_size)
     if (changed or geometry) and run.is_main:
         log.warning("resuming from the snapshot of step %d%s%s%s", restored.step, geometry,
-                    f"{'; resumed' if geometry else ''} with a changed config: {describe_diff(changed)}"
+                    f"{'; resumed' if geometry else ''} with a changed config: "
+                    f"{describe_diff(changed)}"
                     if changed else "", applied)

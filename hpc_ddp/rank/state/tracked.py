@@ -14,12 +14,12 @@ At another world size a rank's saved value has no owner. :func:`per_rank`'s
 reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warning.
 
 Such a run cannot resume on fewer nodes, so every snapshot's manifest says so
-(:func:`resize_refusal`, read without torch by :func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`):
-the batch shell then never heals a failure by shrinking it. Where a resize is refused all
-the same on an attempt nobody asked for (a requeued job that Slurm gave fewer nodes, an
-in-job restart planned before the manifest said so), the refusal is a failure, not a
-configuration error (:func:`resize_refused`): the requeue path goes on and gets the whole
-allocation back. On a person's ``--resume`` at another size it stays an error (exit 2).
+(:func:`resize_refusal`, read without torch by
+:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`): the batch shell then never heals a failure by
+shrinking it. Where a resize is refused all the same on an attempt nobody asked for (a requeued job
+that Slurm gave fewer nodes, an in-job restart planned before the manifest said so), the refusal is
+a failure, not a configuration error (:func:`resize_refused`): the requeue path goes on and gets the
+whole allocation back. On a person's ``--resume`` at another size it stays an error (exit 2).
 """
 
 from __future__ import annotations
@@ -51,20 +51,21 @@ ELASTIC = ("refuse", "fresh")
 
 
 class RunUsageError(UsageError):
-    """The loop used the run API the wrong way (boundary before resume, a step not rising, an object that
-    cannot be tracked): exit 2, recorded once, never requeued."""
+    """The loop used the run API the wrong way (boundary before resume, a step not rising, an object
+    that cannot be tracked): exit 2, recorded once, never requeued."""
 
 
 class ResizeRefused(HpcDdpError):
-    """An attempt nobody asked for (an in-job restart, a requeue) runs at another world size than its snapshot's,
-    and the run's state refuses that: a failure (exit 1), recorded as ``failed`` by rank 0, so the requeue path
-    goes on (a requeued job gets its whole allocation back)."""
+    """An attempt nobody asked for (an in-job restart, a requeue) runs at another world size than
+    its snapshot's, and the run's state refuses that: a failure (exit 1), recorded as ``failed`` by
+    rank 0, so the requeue path goes on (a requeued job gets its whole allocation back)."""
 
     retry_may_help = True
 
 
 def unwrap(model: object) -> Any:
-    """The module under DDP (and torch.compile): snapshots and model.pt hold plain parameter names."""
+    """The module under DDP (and torch.compile): snapshots and model.pt hold plain parameter
+    names."""
     while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
         model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
     return model
@@ -88,36 +89,47 @@ def per_rank(obj: object, elastic: str = "refuse") -> PerRank:
     ``"refuse"`` stops with the reason, ``"fresh"`` keeps what the loop built in this attempt.
     """
     if elastic not in ELASTIC:
-        raise RunUsageError(explain(f"hpc_ddp.per_rank(..., elastic={elastic!r})", expected=" or ".join(
-            repr(e) for e in ELASTIC), hint="'refuse' stops a resume at another world size; 'fresh' keeps the "
+        raise RunUsageError(explain(f"hpc_ddp.per_rank(..., elastic={elastic!r})",
+                                    expected=" or ".join(
+            repr(e) for e in ELASTIC), hint="'refuse' stops a resume at another world size; "
+                                            "'fresh' keeps the "
             "value built in that attempt"))
     if isinstance(obj, DistributedDataParallel):
-        raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the same on every rank",
-                                 hint="track it plainly (run.resume(model=model)); per_rank is for state that "
+        raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
+                                    "same on every rank",
+                                 hint="track it plainly (run.resume(model=model)); per_rank is for "
+                                      "state that "
                                  "differs by rank"))
     if not isinstance(obj, (dict, torch.Generator)) and not _has_state_dict(obj):
         raise RunUsageError(explain(f"hpc_ddp.per_rank() got {a_type(obj)}, which has no "
-                                 "state_dict()/load_state_dict()", hint="pass a dict (restored in place), a "
+                                 "state_dict()/load_state_dict()",
+                                    hint="pass a dict (restored in place), a "
                                  "torch.Generator, or a module/object with state_dict()"))
     return PerRank(obj, elastic)
 
 
 def _has_state_dict(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict",
+                                                                           None))
 
 
 def check_trackable(name: str, obj: object) -> None:
     """Refuse what run.resume cannot save and restore, with what to track instead."""
     if isinstance(obj, DistributedSampler):
         raise RunUsageError(explain(
-            f"run.resume({name}=...) got torch's DistributedSampler, which keeps no position within an epoch: a "
-            "resume would replay the epoch from its start", hint="use hpc_ddp.ShardSampler(len(data), run.rank, "
-            "run.world_size, seed=...) and take the batches with `for batch in sampler.iterate(loader)`"), key=name)
+            f"run.resume({name}=...) got torch's DistributedSampler, which keeps no position "
+            "within an epoch: a "
+            "resume would replay the epoch from its start",
+            hint="use hpc_ddp.ShardSampler(len(data), run.rank, "
+            "run.world_size, seed=...) and take the batches with `for batch in "
+            "sampler.iterate(loader)`"), key=name)
     if isinstance(obj, PerRank) or isinstance(obj, dict) or _has_state_dict(obj):
         return
     raise RunUsageError(explain(f"run.resume({name}=...) got {a_type(obj)}, which has no "
-                             "state_dict()/load_state_dict()", hint="track a model, optimizer, scheduler, scaler, "
-                             "sampler, a dict of your own counters (restored in place), or per-rank state with "
+                             "state_dict()/load_state_dict()",
+                                hint="track a model, optimizer, scheduler, scaler, "
+                             "sampler, a dict of your own counters (restored in place), or "
+                             "per-rank state with "
                              "hpc_ddp.per_rank(obj)"), key=name)
 
 
@@ -131,7 +143,8 @@ def state_of(obj: object) -> Any:
 
 
 def load_into(obj: object, state: Any, device: torch.device | None = None) -> None:
-    """Put a saved state back into ``obj`` in place (a dict's tensors go where the built one's were)."""
+    """Put a saved state back into ``obj`` in place (a dict's tensors go where the built one's
+    were)."""
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif isinstance(obj, dict):
@@ -144,25 +157,27 @@ def load_into(obj: object, state: Any, device: torch.device | None = None) -> No
 
 
 def pack(state: Mapping[str, Any]) -> bytes:
-    """Per-rank states (:func:`staged`) as bytes: they travel with the rank's RNG state to the node's writer."""
+    """Per-rank states (:func:`staged`) as bytes: they travel with the rank's RNG state to the
+    node's writer."""
     buffer = io.BytesIO()
     serialize(state, buffer)
     return buffer.getvalue()
 
 
 def staged(objects: Mapping[str, PerRank], cuda: bool = False) -> dict[str, Any]:
-    """The per-rank states as they are now, to be serialized or copied at once: tensors on the CPU and compact
-    (a view would save its whole storage). A compact CPU tensor is not copied: what uses it right away (a
-    snapshot's :func:`pack`, the mirror's message) needs no copy of its own. ``cuda``: CUDA tensors stay where
-    they are, for the mirror, which enqueues their copies into a pinned message instead of waiting for the GPU
-    at every boundary (a ``.cpu()`` here would sync the host with the GPU once per step)."""
+    """The per-rank states as they are now, to be serialized or copied at once: tensors on the CPU
+    and compact (a view would save its whole storage). A compact CPU tensor is not copied: what uses
+    it right away (a snapshot's :func:`pack`, the mirror's message) needs no copy of its own.
+    ``cuda``: CUDA tensors stay where they are, for the mirror, which enqueues their copies into a
+    pinned message instead of waiting for the GPU at every boundary (a ``.cpu()`` here would sync
+    the host with the GPU once per step)."""
     return {name: _compact(state_of(p.obj), cuda) for name, p in objects.items()}
 
 
 def serialize(state: object, out: BinaryIO) -> None:
-    """The per-rank format: torch's pickle format, not its zip one (packed at every boundary for the mirror, it
-    is 2.5 x faster, 50 us against 127 for a batch and a counter, and a third of the size); torch.load reads
-    either, ``weights_only``."""
+    """The per-rank format: torch's pickle format, not its zip one (packed at every boundary for the
+    mirror, it is 2.5 x faster, 50 us against 127 for a batch and a counter, and a third of the
+    size); torch.load reads either, ``weights_only``."""
     torch.save(state, out, _use_new_zipfile_serialization=False)
 
 
@@ -188,20 +203,24 @@ def unpack(blob: bytes) -> dict[str, Any]:
 
 
 def unloadable(objects: Mapping[str, PerRank]) -> str | None:
-    """Checked at the first boundary: per-rank state that a resume could not load back is refused now, not then."""
+    """Checked at the first boundary: per-rank state that a resume could not load back is refused
+    now, not then."""
     for name, p in objects.items():
         try:
             unpack(pack(staged({name: p})))
         except Exception as err:  # noqa: BLE001 - the unpickler names the type it refused
             return explain(f"the per-rank state {name} holds something a snapshot cannot load back "
-                           f"({str(err).splitlines()[0]})", hint="keep tensors, numbers, strings, lists and dicts "
+                           f"({str(err).splitlines()[0]})",
+                           hint="keep tensors, numbers, strings, lists and dicts "
                            "in it")
     return None
 
 
-def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | None, restored: Restored, rank: int,
+def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | None,
+                     restored: Restored, rank: int,
                      world_size: int, device: torch.device) -> str | None:
-    """Put this rank's saved values back into ``objects``; the problem (refused per ``elastic``), or None.
+    """Put this rank's saved values back into ``objects``; the problem (refused per ``elastic``), or
+    None.
 
     ``saved`` is None when the snapshot holds nothing for this rank: written at another world size,
     or its node's file is damaged. ``elastic="fresh"`` then keeps the value this attempt built.
@@ -214,34 +233,41 @@ def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | 
         why = (f"was written by {restored.world_size} ranks and this attempt has {world_size}"
                if restored.world_size not in (None, world_size) else
                "has no per-rank state named " + repr(name) if saved is not None else
-               f"lost rank {rank}'s per-rank state (its node's file is damaged, or it predates per_rank)")
+               f"lost rank {rank}'s per-rank state (its node's file is damaged, or it predates "
+               "per_rank)")
         if wanted.elastic == "fresh":
             log.warning("the snapshot of step %d %s: %s keeps the value this attempt built "
                         "(per_rank(..., elastic='fresh'))", restored.step, why, name)
             continue
         problem = problem or explain(
-            f"cannot restore the per-rank state {name!r}: the snapshot of step {restored.step} {why}",
-            hint=f"resume at the world size that wrote it, or track it with hpc_ddp.per_rank({name}, "
+            f"cannot restore the per-rank state {name!r}: the snapshot of step {restored.step} "
+            f"{why}",
+            hint="resume at the world size that wrote it, or track it with "
+                 f"hpc_ddp.per_rank({name}, "
             "elastic='fresh') to keep the value each rank builds in the new attempt")
     return problem
 
 
 def resize_refusal(objects: Mapping[str, PerRank], train: TrainConfig) -> str | None:
-    """Why a resume of this run at another world size would be refused, or None: the per-rank state tracked
-    with ``elastic="refuse"`` (named), and a global batch that follows the world size. Recorded in every
-    snapshot's manifest for the batch shell (:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`)."""
+    """Why a resume of this run at another world size would be refused, or None: the per-rank state
+    tracked with ``elastic="refuse"`` (named), and a global batch that follows the world size.
+    Recorded in every snapshot's manifest for the batch shell
+    (:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`)."""
     reasons = []
     refusing = [name for name, p in objects.items() if p.elastic == "refuse"]
     if refusing:
-        reasons.append(f"{PER_RANK_REASON}{', '.join(map(repr, refusing))} is tracked with hpc_ddp.per_rank(..., "
+        reasons.append(f"{PER_RANK_REASON}{', '.join(map(repr, refusing))} is tracked with "
+                       "hpc_ddp.per_rank(..., "
                        "elastic='refuse'): a rank's saved value has no owner at another world size")
     if getattr(train, "global_batch_size", None) is None and not getattr(train, "script", None):
-        reasons.append("train.global_batch_size is unset: the global batch would change with the world size")
+        reasons.append("train.global_batch_size is unset: the global batch would change with the "
+                       "world size")
     return REASONS_JOIN.join(reasons) or None
 
 
 def unattended(env: DistEnv) -> str | None:
-    """What started this attempt without a person: an in-job restart by the batch shell, or a requeue."""
+    """What started this attempt without a person: an in-job restart by the batch shell, or a
+    requeue."""
     if env.in_job:
         return f"in-job restart {env.in_job}, which the batch shell started on {env.num_nodes} node(s)"
     if env.restart_count:
@@ -252,23 +278,31 @@ def unattended(env: DistEnv) -> str | None:
     return None
 
 
-def resize_refused(problem: str, env: DistEnv, run_dir: Path, step: int, key: str | None = None) -> HpcDdpError:
-    """The error for a resume at another world size that the run's state refuses (every rank raises it alike).
+def resize_refused(problem: str, env: DistEnv, run_dir: Path, step: int,
+                   key: str | None = None) -> HpcDdpError:
+    """The error for a resume at another world size that the run's state refuses (every rank raises
+    it alike).
 
-    On a person's ``--resume``: the configuration error it always was (exit 2, ``error``, never requeued).
-    On an unattended attempt: :class:`ResizeRefused` (exit 1), and rank 0 writes the ``failed`` line that says
-    why, before it raises: the batch shell's settle step finds it and takes the requeue path.
+    On a person's ``--resume``: the configuration error it always was (exit 2, ``error``, never
+    requeued). On an unattended attempt: :class:`ResizeRefused` (exit 1), and rank 0 writes the
+    ``failed`` line that says why, before it raises: the batch shell's settle step finds it and
+    takes the requeue path.
     """
     started = unattended(env)
     if started is None:
         return ConfigError(problem, key=key) if key else RunUsageError(problem)
     first = problem.splitlines()[0]
-    message = (f"{first} This attempt ({started}) refused to resume at {env.world_size} ranks: recorded as failed, "
-               "not as a configuration error, so the run goes on the requeue path (a requeued job gets its whole "
+    message = (f"{first} This attempt ({started}) refused to resume at {env.world_size} ranks: "
+               "recorded as failed, "
+               "not as a configuration error, so the run goes on the requeue path (a requeued job "
+               "gets its whole "
                "allocation back).")
     if env.is_main:
-        append_attempt(run_dir, {**attempt_fields(env.job_id, env.restart_count, env.in_job), "reason": "failed",
-                                 "exit_code": 1, "end": round(time.time(), 3), "nodes": env.num_nodes,
+        append_attempt(run_dir, {**attempt_fields(env.job_id, env.restart_count, env.in_job),
+                                 "reason": "failed",
+                                 "exit_code": 1, "end": round(time.time(), 3),
+                                 "nodes": env.num_nodes,
                                  "world_size": env.world_size, "snapshot": step, "last_step": step,
-                                 "last_step_from": "snapshot", "resize_refused": first, "message": message})
+                                 "last_step_from": "snapshot", "resize_refused": first,
+                                 "message": message})
     return ResizeRefused("\n".join([message, *problem.splitlines()[1:]]), key=key)

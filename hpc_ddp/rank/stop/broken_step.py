@@ -1,17 +1,18 @@
-"""A stop whose last step broke: the program raised after a stop signal had reached this rank (issue 43).
+"""A stop whose last step broke: the program raised after a stop signal had reached this rank (issue
+43).
 
 Slurm signals every process of the step. A child the stop signal kills (a DataLoader worker not
 shielded with :func:`hpc_ddp.worker_init`, a forkserver, a helper process of the user's) makes the
 rank raise during the step before the boundary where every rank would have agreed to stop; a peer's
 collective then fails as that rank leaves. Neither is a failure of the run: the attempt ends as the
 stop it was (``cancelled``, ``preemption``, ``timeout``, ``interrupted``), with its ledger line, the
-survivors' snapshot of the step every rank held at its last boundary (:mod:`hpc_ddp.rank.salvage.jit`, written
-from the run dir without the training group), and no in-job restart used up. What it cost (the step
-in flight, or back to the last periodic snapshot when no whole step could be written) and the error
-are in the ledger line.
+survivors' snapshot of the step every rank held at its last boundary
+(:mod:`hpc_ddp.rank.salvage.jit`, written from the run dir without the training group), and no
+in-job restart used up. What it cost (the step in flight, or back to the last periodic snapshot when
+no whole step could be written) and the error are in the ledger line.
 
-This module tells the stop from a failure (:func:`stop_came_first`: noticing); the attempt's end as that
-stop is :func:`hpc_ddp.rank.attempt.conclude.end_as_stop`.
+This module tells the stop from a failure (:func:`stop_came_first`: noticing); the attempt's end as
+that stop is :func:`hpc_ddp.rank.attempt.conclude.end_as_stop`.
 """
 
 from __future__ import annotations
@@ -30,16 +31,20 @@ if TYPE_CHECKING:
     from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.session")
-SIGNAL_WAIT_S = 2.0  # a child killed by the stop signal may be noticed before this rank's own signal arrives
+# a child killed by the stop signal may be noticed before this rank's own signal arrives
+SIGNAL_WAIT_S = 2.0
 CHILD_DEATHS = ("DataLoader worker", "killed by signal", "exited unexpectedly")
-HINT = ("HINT: pass worker_init_fn=hpc_ddp.worker_init() to every DataLoader with workers (your own "
-        "worker_init_fn goes inside: hpc_ddp.worker_init(fn)); the workers then ignore the stop signals and the "
-        "rank stops at its next boundary with a snapshot (docs/own-loop.md#data-loader-workers-and-a-stop)")
+HINT = ("HINT: pass worker_init_fn=hpc_ddp.worker_init() to every DataLoader with workers (your "
+        "own "
+        "worker_init_fn goes inside: hpc_ddp.worker_init(fn)); the workers then ignore the stop "
+        "signals and the "
+        "rank stops at its next boundary with a snapshot "
+        "(docs/own-loop.md#data-loader-workers-and-a-stop)")
 
 
 class StoppedMidStep(Exception):
-    """Leaves the process group with an abort (no closing barrier: the ranks are not in step) and carries the
-    exit code of the stop the attempt ended as."""
+    """Leaves the process group with an abort (no closing barrier: the ranks are not in step) and
+    carries the exit code of the stop the attempt ended as."""
 
     def __init__(self, code: int) -> None:
         super().__init__(f"the attempt ended as a stop (exit code {code})")
@@ -47,40 +52,45 @@ class StoppedMidStep(Exception):
 
 
 def child_killed(error: BaseException) -> bool:
-    """The error says a child process of this rank died (PyTorch's DataLoader reports its workers so)."""
+    """The error says a child process of this rank died (PyTorch's DataLoader reports its workers
+    so)."""
     text = str(error)
     return any(part in text for part in CHILD_DEATHS)
 
 
 def pipe_broke(error: BaseException) -> bool:
-    """A pipe or socket to a child broke (a DataLoader's queue from a worker that died reads EOFError or
-    ConnectionResetError): a child's death once a stop signal is here."""
+    """A pipe or socket to a child broke (a DataLoader's queue from a worker that died reads
+    EOFError or ConnectionResetError): a child's death once a stop signal is here."""
     return isinstance(error, (EOFError, ConnectionError))
 
 
 def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = None,
                     wait_s: float = SIGNAL_WAIT_S, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Whether the program's error is a stop's doing, not a failure; ``marker`` (the attempt's, in the run dir)
-    tells the other ranks so.
+    """Whether the program's error is a stop's doing, not a failure; ``marker`` (the attempt's, in
+    the run dir) tells the other ranks so.
 
-    - A child's death: a stop when this rank's own stop signal is here, or arrives within ``wait_s`` (Slurm
-      signals the child first as often as the rank).
-    - A collective that failed because a peer left: a stop only when a peer marked its step as broken by the
-      stop (it waited for nothing): srun's ``--kill-on-bad-exit`` and the rehearsal send the survivors of a
-      lost rank a SIGTERM too, and that failure must stay a failure.
-    - A loader's pipe that broke as its worker died (EOFError, ConnectionError) once a stop signal is here: a
-      stop. Any other error is a failure, whatever signal came with it (srun ends the survivors of a crash with
-      SIGTERM too).
+    - A child's death: a stop when this rank's own stop signal is here, or arrives within ``wait_s``
+      (Slurm signals the child first as often as the rank).
+    - A collective that failed because a peer left: a stop only when a peer marked its step as
+      broken by the stop (it waited for nothing): srun's ``--kill-on-bad-exit`` and the rehearsal
+      send the survivors of a lost rank a SIGTERM too, and that failure must stay a failure.
+    - A loader's pipe that broke as its worker died (EOFError, ConnectionError) once a stop signal
+      is here: a stop. Any other error is a failure, whatever signal came with it (srun ends the
+      survivors of a crash with SIGTERM too).
     """
     if child_killed(error):
         deadline = clock() + wait_s
         while not flag.is_set and clock() < deadline:
             sleep(0.05)
         stopped = flag.is_set
-    elif peer_lost(error):  # the peer marks before it leaves, so before its sockets close: no wait (a failure's
-        return flag.is_set and marker is not None and marker.exists()  # survivors must not linger: KillWait)
-    else:  # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop is here;
+    # the peer marks before it leaves, so before its sockets close: no wait (a failure's
+    elif peer_lost(error):
+        # survivors must not linger: KillWait)
+        return flag.is_set and marker is not None and marker.exists()
+    # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop
+    # is here;
+    else:
         stopped = flag.is_set and pipe_broke(error)  # any other error is a failure
     if stopped and marker is not None:
         _mark(marker)
@@ -102,4 +112,5 @@ def peer_lost(error: BaseException) -> bool:
 
 def marker(run_dir: Path, env: DistEnv) -> Path:
     """The attempt's mark that a stop signal broke a step (in its survivors' snapshot folder)."""
-    return jit_files.folder(run_dir, env.job_id, env.restart_count, env.in_job) / jit_files.BROKEN_STOP_MARK
+    return jit_files.folder(run_dir, env.job_id, env.restart_count,
+                            env.in_job) / jit_files.BROKEN_STOP_MARK

@@ -1,14 +1,14 @@
 """Who is stuck when a job hangs: where each rank is, and rank 0's verdict from those positions.
 
 Pure functions for :mod:`hpc_ddp.rank.watch.watchdog`, which publishes each rank's :class:`Position`
-in the process group's store and asks :func:`verdict` on rank 0. A rank's position is its
-last beat (step, phase) and, once it has made no progress for ``dist.timeout_s``, where it
-stays (``final``) with the last collective it entered on each process group (torch's flight
-recorder). The verdict must not depend on timing: a rank that looks behind is named only once
-its position is final (a stale one would name a rank that has moved on) and the ranks ahead
-of it are final too (they wait for it; one that got ahead a moment ago does not, yet), and when
-every rank is at the same place it waits twice the timeout (a start-up or snapshot write that every rank
-is slow in is not a hang). No torch, no I/O.
+in the process group's store and asks :func:`verdict` on rank 0. A rank's position is its last beat
+(step, phase) and, once it has made no progress for ``dist.timeout_s``, where it stays (``final``)
+with the last collective it entered on each process group (torch's flight recorder). The verdict
+must not depend on timing: a rank that looks behind is named only once its position is final (a
+stale one would name a rank that has moved on) and the ranks ahead of it are final too (they wait
+for it; one that got ahead a moment ago does not, yet), and when every rank is at the same place it
+waits twice the timeout (a start-up or snapshot write that every rank is slow in is not a hang). No
+torch, no I/O.
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from dataclasses import dataclass
 
 # Order within a step: a rank in a later phase is waiting for the ones in earlier phases.
 PHASES = ("start", "data", "forward", "backward", "optimizer", "boundary", "snapshot", "finish")
-Issued = Mapping[str, int]  # process group -> the number of the last collective this rank entered on it
-UNREADABLE = "unreadable"  # a rank whose position could not be read (the store is gone): never named
+# process group -> the number of the last collective this rank entered on it
+Issued = Mapping[str, int]
+# a rank whose position could not be read (the store is gone): never named
+UNREADABLE = "unreadable"
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where a rank is: its last beat, whether it is final (no progress for the timeout), and its collectives."""
+    """Where a rank is: its last beat, whether it is final (no progress for the timeout), and its
+    collectives."""
 
     step: int
     phase: str
@@ -47,7 +50,8 @@ class Position:
 
 
 def laggards(beats: Sequence[tuple[int, str] | None]) -> list[int]:
-    """The ranks whose (step, phase) is behind the rest; every rank that never beat counts as behind.
+    """The ranks whose (step, phase) is behind the rest; every rank that never beat counts as
+    behind.
 
     Empty when all ranks are at the same place (then a collective itself hangs, or all are stuck).
     """
@@ -58,8 +62,9 @@ def laggards(beats: Sequence[tuple[int, str] | None]) -> list[int]:
 
 
 def never_entered(issued: Mapping[int, Issued]) -> list[int]:
-    """The ranks that never entered a collective the others of a process group entered, by group: they are
-    where the others wait. ``issued``: rank -> its last collective per group (flight recorder)."""
+    """The ranks that never entered a collective the others of a process group entered, by group:
+    they are where the others wait. ``issued``: rank -> its last collective per group (flight
+    recorder)."""
     behind: set[int] = set()
     for group in {g for counts in issued.values() for g in counts}:
         seen = {rank: counts[group] for rank, counts in issued.items() if group in counts}
@@ -69,7 +74,8 @@ def never_entered(issued: Mapping[int, Issued]) -> list[int]:
     return sorted(behind)
 
 
-def verdict(positions: Sequence[Position | str | None], quiet_s: float, timeout_s: float) -> list[int] | None:
+def verdict(positions: Sequence[Position | str | None], quiet_s: float,
+            timeout_s: float) -> list[int] | None:
     """Rank 0's verdict: the stuck ranks ([] when every rank is at the same place), or None to wait.
 
     ``positions``: every rank's (None: never published; :data:`UNREADABLE`), rank 0's own final;
@@ -83,8 +89,9 @@ def verdict(positions: Sequence[Position | str | None], quiet_s: float, timeout_
             return stuck
     ranks = sorted(known)
     behind = [ranks[i] for i in laggards(places(list(known.values())))]
-    # named once every rank is final, those ahead too: a rank ahead that is not quiet got there a moment ago (the
-    # end of a slow start-up, which the rank behind is about to finish as well) and waits for nobody yet
+    # named once every rank is final, those ahead too: a rank ahead that is not quiet got there a
+    # moment ago (the end of a slow start-up, which the rank behind is about to finish as well) and
+    # waits for nobody yet
     if behind and len(final) == len(known):
         return behind
     return (behind if behind else []) if quiet_s >= 2 * timeout_s else None
@@ -92,26 +99,36 @@ def verdict(positions: Sequence[Position | str | None], quiet_s: float, timeout_
 
 def describe_hang(rank: int, timeout_s: float, beats: Sequence[tuple[int, str] | None],
                   stuck: Sequence[int] | None = None, quiet_s: float | None = None) -> str:
-    """The message every watchdog logs; it names the stuck ranks (``stuck``: the verdict; else the laggards)."""
+    """The message every watchdog logs; it names the stuck ranks (``stuck``: the verdict; else the
+    laggards)."""
     mine = beats[rank]
     where = f"step {mine[0]} phase {mine[1]}" if mine else "start-up"
     stuck = laggards(beats) if stuck is None else list(stuck)
     quiet = f"{max(quiet_s, timeout_s):.0f}s" if quiet_s else f"{timeout_s:g}s"
     if not stuck:
-        return (f"rank {rank}: no progress for {quiet} at {where}; every rank is at the same place, so a "
-                "collective itself is stuck (network, NCCL) or every rank is stuck.\nHINT: the stacks below "
-                "show where; NCCL_DEBUG=INFO (dist.nccl_env) logs the collectives; if every rank is merely slow "
+        return (f"rank {rank}: no progress for {quiet} at {where}; every rank is at the same "
+                "place, so a "
+                "collective itself is stuck (network, NCCL) or every rank is stuck.\nHINT: the "
+                "stacks below "
+                "show where; NCCL_DEBUG=INFO (dist.nccl_env) logs the collectives; if every rank "
+                "is merely slow "
                 "there (a start-up, a snapshot write), raise dist.timeout_s")
-    alike = not laggards(beats)  # named by the flight recorder: every rank last beat at the same place
-    named = ", ".join(f"rank {r}" + ("" if alike else " at " + (f"step {beats[r][0]} {beats[r][1]}" if beats[r]
-                                                                  else "start-up")) for r in stuck[:16])
+    # named by the flight recorder: every rank last beat at the same place
+    alike = not laggards(beats)
+    named = ", ".join(f"rank {r}" + ("" if alike else " at "
+                                     + (f"step {beats[r][0]} {beats[r][1]}" if beats[r]
+                                                                  else "start-up"))
+                      for r in stuck[:16])
     more = f" and {len(stuck) - 16} more" if len(stuck) > 16 else ""
-    wait = (f"every rank last beat at {where}, and these never entered the collective the others wait in" if alike
+    wait = (f"every rank last beat at {where}, and these never entered the collective the others "
+            "wait in" if alike
             else "the other ranks wait for them in a collective")
     return (f"rank {rank}: no progress for {quiet} at {where}. Stuck: {named}{more}; {wait}."
             "\nHINT: the faulthandler stacks in the stuck ranks' logs show "
-            "where they are (a data loader, I/O, code in the task, or a collective only some ranks call, such as "
-            "a forward of the DDP model on rank 0 alone: docs/troubleshooting.md); `python -m hpc_ddp.status "
+            "where they are (a data loader, I/O, code in the task, or a collective only some ranks "
+            "call, such as "
+            "a forward of the DDP model on rank 0 alone: docs/troubleshooting.md); `python -m "
+            "hpc_ddp.status "
             "RUN_DIR` names the collective where the ranks parted")
 
 

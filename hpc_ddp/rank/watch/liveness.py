@@ -1,9 +1,9 @@
 """Liveness: a rank or node that freezes is found in seconds, not after ``dist.timeout_s``.
 
-A killed rank closes its sockets and its peers fail at once; a frozen node (SIGSTOP, a kernel
-hang, power lost behind links that stay up) closes nothing, and the others would wait in a
-collective until the hang watchdog (:mod:`hpc_ddp.rank.watch.watchdog`) fires. Liveness is not progress
-(a 90 s evaluation on rank 0 is slow, not dead), so every rank runs a side thread that, every
+A killed rank closes its sockets and its peers fail at once; a frozen node (SIGSTOP, a kernel hang,
+power lost behind links that stay up) closes nothing, and the others would wait in a collective
+until the hang watchdog (:mod:`hpc_ddp.rank.watch.watchdog`) fires. Liveness is not progress (a 90 s
+evaluation on rank 0 is slow, not dead), so every rank runs a side thread that, every
 ``dist.liveness_s / 6``:
 
 Per node, not per rank (issue 45): at 512 nodes x 8 GPUs a file per rank would be 800 writes a
@@ -23,14 +23,14 @@ second, forever, in one directory of the shared filesystem. So (:mod:`hpc_ddp.ru
    attempt: the directory never grows, and the attempt inside tells older beats apart.
 
 Each peer is judged by the watcher's own monotonic clock (no change for ``liveness_s``), never by
-clocks across nodes. Against false alarms (:class:`Judge`, pure): a peer is not judged before its first beat of the
-attempt (ranks start seconds apart; one that never starts is the rendezvous timeout's), nor
-after a last beat saying it ``left`` (it ended on its own, with its own exit code; the watcher
-moves on to the next rank); and silence this rank could not watch (its thread starved, the file
-server stalled, the job suspended by ``scontrol suspend``) is not counted. A thread rather than a
-process: it beats while the main thread computes or waits in a collective (both release the GIL)
-and dies with the process, as a frozen node's does; C code that holds the GIL for ``liveness_s``
-would starve it, hence a default (30 s) far above any such call we know.
+clocks across nodes. Against false alarms (:class:`Judge`, pure): a peer is not judged before its
+first beat of the attempt (ranks start seconds apart; one that never starts is the rendezvous
+timeout's), nor after a last beat saying it ``left`` (it ended on its own, with its own exit code;
+the watcher moves on to the next rank); and silence this rank could not watch (its thread starved,
+the file server stalled, the job suspended by ``scontrol suspend``) is not counted. A thread rather
+than a process: it beats while the main thread computes or waits in a collective (both release the
+GIL) and dies with the process, as a frozen node's does; C code that holds the GIL for
+``liveness_s`` would starve it, hence a default (30 s) far above any such call we know.
 
 When the watched peer is silent for ``liveness_s``, this rank declares it lost (the markers in
 ``RUN_DIR/errors/``, the batch shell's :func:`lost_ranks`) and exits at once with :data:`EXIT_LOST`;
@@ -62,7 +62,8 @@ if TYPE_CHECKING:
     from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.liveness")
-BEATS_PER_WINDOW = 6  # a live peer beats this often within liveness_s: five late beats are still not a loss
+# a live peer beats this often within liveness_s: five late beats are still not a loss
+BEATS_PER_WINDOW = 6
 MIN_PERIOD_S = 0.25
 
 
@@ -72,16 +73,17 @@ def period(liveness_s: float) -> float:
 
 
 def effective(liveness_s: float | None, timeout_s: float) -> float | None:
-    """The window this run uses; None when liveness is off: ``dist.liveness_s`` null or 0, or more than half
-    of ``dist.timeout_s`` (then the hang watchdog would speak first; the config refuses that unless
-    ``liveness_s`` is the default, which steps aside for a small ``dist.timeout_s``)."""
+    """The window this run uses; None when liveness is off: ``dist.liveness_s`` null or 0, or more
+    than half of ``dist.timeout_s`` (then the hang watchdog would speak first; the config refuses
+    that unless ``liveness_s`` is the default, which steps aside for a small ``dist.timeout_s``)."""
     if not liveness_s:
         return None
     return float(liveness_s) if 2 * liveness_s <= timeout_s else None
 
 
 def host_of(environ: Mapping[str, str], nodelist: Sequence[str] = (), node_rank: int = 0) -> str:
-    """This rank's node as Slurm names it (what the batch shell excludes), else as the hostlist does."""
+    """This rank's node as Slurm names it (what the batch shell excludes), else as the hostlist
+    does."""
     if environ.get("SLURMD_NODENAME"):
         return environ["SLURMD_NODENAME"]
     return nodelist[node_rank] if 0 <= node_rank < len(nodelist) else socket.gethostname()
@@ -97,38 +99,46 @@ class Place:
 
 
 class Liveness:
-    """This rank's beat-and-watch thread: ``start()`` when the attempt opens, ``leave()`` on every way out
-    that this process controls (then its watcher never takes it for lost). Without a ``place`` every rank is
-    a node of its own (the unit tests' pairs)."""
+    """This rank's beat-and-watch thread: ``start()`` when the attempt opens, ``leave()`` on every
+    way out that this process controls (then its watcher never takes it for lost). Without a
+    ``place`` every rank is a node of its own (the unit tests' pairs)."""
 
-    def __init__(self, run_dir: Path | str, job_id: int | str | None, restart_count: int, in_job: int, rank: int,
+    def __init__(self, run_dir: Path | str, job_id: int | str | None, restart_count: int,
+                 in_job: int, rank: int,
                  world_size: int, host: str, liveness_s: float, *, place: Place | None = None,
                  node_base: Path | None = None, on_lost: Callable[[str], Any] | None = None,
                  on_heard: Callable[[str], Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.run_dir, self.ids = Path(run_dir), (job_id, restart_count, in_job)
         self.tag = attempt_tag(job_id, restart_count, in_job)
         self.rank, self.world_size, self.host, self.liveness_s = rank, world_size, host, liveness_s
         self.place = place or Place(0, 1, rank, world_size)
-        self.leader = self.place.local_rank == 0  # beats for the node to the run dir and watches the next node
+        # beats for the node to the run dir and watches the next node
+        self.leader = self.place.local_rank == 0
         self.folder = beats.node_dir(self.run_dir, self.tag, self.place.node, node_base)
-        self.local_tag = beats.local_tag(self.run_dir, self.tag)  # what a record in self.folder must carry
+        # what a record in self.folder must carry
+        self.local_tag = beats.local_tag(self.run_dir, self.tag)
         # where this rank posts a declaration and hears one
         self.board = declaration.Board(self.run_dir, self.ids, self.tag, self.folder,
                                        self.local_tag)
         self.period_s = period(liveness_s)
         self.on_lost = on_lost or _exit_lost
         self.on_heard = on_heard or _exit_heard
-        self.before_exit: Callable[[str], Any] | None = None  # set by the session once the run exists
+        # set by the session once the run exists
+        self.before_exit: Callable[[str], Any] | None = None
         self.listening = False  # reads the declaration once the rendezvous is done (:meth:`listen`)
         self.clock, self.wall = clock, wall
         self.count = 0
-        # the leader's: the node's ranks, named in the node's beat; Slurm's and torchrun's block layout until every
-        # rank of the node has beaten on it (then what they say: another distribution numbers them otherwise)
+        # the leader's: the node's ranks, named in the node's beat; Slurm's and torchrun's block
+        # layout until every rank of the node has beaten on it (then what they say: another
+        # distribution numbers them otherwise)
         self.on_node = {rank - self.place.local_rank + i for i in range(self.place.local_size)}
         self.seen: set[int] = {rank}
-        self.local_peer, self.local_judge = (self.place.local_rank + 1) % self.place.local_size, Judge(liveness_s)
-        self.node_peer, self.node_judge = (self.place.node + 1) % self.place.nodes, Judge(liveness_s)
+        self.local_peer, self.local_judge = (self.place.local_rank
+                                             + 1) % self.place.local_size, Judge(liveness_s)
+        self.node_peer, self.node_judge = (self.place.node
+                                           + 1) % self.place.nodes, Judge(liveness_s)
         self._left, self._warned = False, False
         self._lock = threading.Lock()  # a beat and the last ("left") beat never interleave
         self._stopped = threading.Event()
@@ -139,7 +149,8 @@ class Liveness:
             path = layout.declared(self.run_dir)
             path.parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
-        node_local.ensure(self.folder)  # private, checked: a planted folder is refused here, before any beat
+        # private, checked: a planted folder is refused here, before any beat
+        node_local.ensure(self.folder)
         if self.leader:
             beats.clear_other_attempts(self.folder, self.tag)
         self.beat()
@@ -147,7 +158,8 @@ class Liveness:
         return self
 
     def listen(self) -> None:
-        """After the rendezvous (rank 0 has created the declaration's file): hear declarations from now on."""
+        """After the rendezvous (rank 0 has created the declaration's file): hear declarations from
+        now on."""
         self.listening = True
 
     def beat(self) -> None:
@@ -157,7 +169,8 @@ class Liveness:
                 self._write(left=False)
 
     def leave(self) -> None:
-        """Stop beating, with a last beat that says ``left``. Idempotent; safe from the thread itself."""
+        """Stop beating, with a last beat that says ``left``. Idempotent; safe from the thread
+        itself."""
         self._stopped.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.period_s + 1)
@@ -170,8 +183,9 @@ class Liveness:
         beats.clear_when_all_left(self.folder, self.local_tag, self.place.local_size)
 
     def check(self) -> float | None:
-        """One period: beat, hear a declaration, look at the next rank on this node and (the node's leader) at
-        the next node; declare what was silent for ``liveness_s``. Returns that silence (None: none declared)."""
+        """One period: beat, hear a declaration, look at the next rank on this node and (the node's
+        leader) at the next node; declare what was silent for ``liveness_s``. Returns that silence
+        (None: none declared)."""
         self.beat()
         if self.listening and not self._left:
             heard = self._hear()
@@ -195,30 +209,36 @@ class Liveness:
                 log.warning("liveness check failed (this rank goes on beating): %s", err)
 
     def _watch_local(self) -> float | None:
-        """The next rank on this node, through the node's own storage: a frozen rank is named by rank."""
+        """The next rank on this node, through the node's own storage: a frozen rank is named by
+        rank."""
         judge = self.local_judge
         beat = beats.read(beats.local_beat(self.folder, self.local_peer), self.local_tag, own=True)
         silent = judge.observe(beat, self.clock())
         if judge.left:  # watch the next one instead, one per period
-            self.local_peer, self.local_judge = (self.local_peer + 1) % self.place.local_size, Judge(self.liveness_s)
+            self.local_peer, self.local_judge = (self.local_peer
+                                                 + 1) % self.place.local_size, Judge(self.liveness_s)
             return None
         if silent is not None and judge.last is not None:
             self._declare(silent, [judge.last.rank], judge.last)
         return silent
 
     def _watch_node(self) -> float | None:
-        """The next node's beat in the run dir: a node silent for ``liveness_s`` is lost with all its ranks."""
+        """The next node's beat in the run dir: a node silent for ``liveness_s`` is lost with all
+        its ranks."""
         judge = self.node_judge
-        silent = judge.observe(beats.read(beats.node_beat(self.run_dir, self.node_peer), self.tag), self.clock())
+        silent = judge.observe(beats.read(beats.node_beat(self.run_dir, self.node_peer), self.tag),
+                               self.clock())
         if judge.left:
-            self.node_peer, self.node_judge = (self.node_peer + 1) % self.place.nodes, Judge(self.liveness_s)
+            self.node_peer, self.node_judge = (self.node_peer
+                                               + 1) % self.place.nodes, Judge(self.liveness_s)
             return None
         if silent is not None and judge.last is not None:
             self._declare(silent, list(judge.last.ranks or (judge.last.rank,)), judge.last)
         return silent
 
     def _gather_ranks(self) -> None:
-        """The leader learns its node's ranks from their local beats (no assumption on Slurm's distribution)."""
+        """The leader learns its node's ranks from their local beats (no assumption on Slurm's
+        distribution)."""
         for local in range(1, self.place.local_size):
             found = beats.read(beats.local_beat(self.folder, local), self.local_tag, own=True)
             if found is not None:
@@ -231,7 +251,8 @@ class Liveness:
         mine = Beat(self.local_tag, self.rank, self.host, self.count, left, wall)
         writes = [(beats.local_beat(self.folder, self.place.local_rank), encode(mine))]
         if self.leader:
-            node = Beat(self.tag, min(self.on_node), self.host, self.count, left, wall, self.place.node,
+            node = Beat(self.tag, min(self.on_node), self.host, self.count, left, wall,
+                        self.place.node,
                         tuple(sorted(self.on_node)))
             writes.append((beats.node_beat(self.run_dir, self.place.node), encode(node)))
         for path, data in writes:
@@ -240,9 +261,12 @@ class Liveness:
             except OSError as err:
                 if not self._warned:
                     self._warned = True
-                    log.warning("rank %d cannot write its liveness beat to %s (%s): the rank watching it will "
-                                "declare it lost after %gs. HINT: RUN_DIR must be writable from every node, and "
-                                "/dev/shm or TMPDIR on each node", self.rank, path, err, self.liveness_s)
+                    log.warning("rank %d cannot write its liveness beat to %s (%s): the rank "
+                                "watching it will "
+                                "declare it lost after %gs. HINT: RUN_DIR must be writable from "
+                                "every node, and "
+                                "/dev/shm or TMPDIR on each node", self.rank, path, err,
+                                self.liveness_s)
 
     def _hear(self) -> dict[str, Any] | None:
         """Another rank's declaration in this attempt, or None
@@ -254,7 +278,8 @@ class Liveness:
         log.error("%s", message)
         self.leave()
         if self.before_exit is not None:
-            self.before_exit(message)  # what this rank holds, from this thread (rank/salvage/jit.py)
+            # what this rank holds, from this thread (rank/salvage/jit.py)
+            self.before_exit(message)
         self.on_heard(message)
 
     def _declare(self, silent: float, ranks: list[int], last: Beat) -> None:
@@ -264,24 +289,31 @@ class Liveness:
         log.error("%s", message)
         self.leave()
         if self.before_exit is not None:
-            self.before_exit(message)  # the survivors' just-in-time snapshot (rank/salvage/jit.py), from this thread
+            # the survivors' just-in-time snapshot (rank/salvage/jit.py), from this thread
+            self.before_exit(message)
         self.on_lost(message)
 
 
 def start(run_dir: Path, dist: DistConfig, env: DistEnv, environ: Mapping[str, str], *,
           on_lost: Callable[[str], Any], on_heard: Callable[[str], Any]) -> Liveness | None:
-    """This rank's beats for the attempt, started; None when liveness is off (rank 0 says why when the
-    config asked for it) or the rank is alone. The session passes how it exits (rank/attempt/failure.py)."""
+    """This rank's beats for the attempt, started; None when liveness is off (rank 0 says why when
+    the config asked for it) or the rank is alone. The session passes how it exits
+    (rank/attempt/failure.py)."""
     window = effective(dist.liveness_s, dist.timeout_s)
-    if window is None and dist.liveness_s and env.is_main:  # only the default can be off this way (config checks)
-        log.info("dist.liveness_s=%g is more than half of dist.timeout_s=%s: liveness is off for this run, and a "
-                    "frozen node is found by the hang watchdog after dist.timeout_s.\nHINT: dist.liveness_s=%g "
+    # only the default can be off this way (config checks)
+    if window is None and dist.liveness_s and env.is_main:
+        log.info("dist.liveness_s=%g is more than half of dist.timeout_s=%s: liveness is off for "
+                 "this run, and a "
+                    "frozen node is found by the hang watchdog after dist.timeout_s.\nHINT: "
+                    "dist.liveness_s=%g "
                     "turns it on", dist.liveness_s, dist.timeout_s, max(1, dist.timeout_s // 4))
     if window is None or env.world_size < 2:
         return None
-    place = Place(env.local_rank, max(1, env.local_world_size), env.node_rank, max(1, env.num_nodes))
+    place = Place(env.local_rank, max(1, env.local_world_size), env.node_rank,
+                  max(1, env.num_nodes))
     return Liveness(run_dir, env.job_id, env.restart_count, env.in_job, env.rank, env.world_size,
-                    host_of(environ, env.nodelist, env.node_rank), window, place=place, on_lost=on_lost,
+                    host_of(environ, env.nodelist, env.node_rank), window, place=place,
+                    on_lost=on_lost,
                     on_heard=on_heard).start()
 
 

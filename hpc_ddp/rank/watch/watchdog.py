@@ -1,4 +1,5 @@
-"""The hang watchdog: a rank that makes no progress for ``dist.timeout_s`` ends the job, saying who is stuck.
+"""The hang watchdog: a rank that makes no progress for ``dist.timeout_s`` ends the job, saying who
+is stuck.
 
 A rank stuck outside a collective (a deadlocked data loader, a sleep, an
 infinite loop in the loss) leaves every other rank waiting inside one, until the
@@ -28,8 +29,8 @@ from every rank's *final* position:
    default: exit with :data:`EXIT_HUNG`); rank 0 records it, once the quiet ranks have
    said they saw the verdict (the store lives in rank 0's process: it goes when rank 0 exits).
 
-The verdict itself is :mod:`hpc_ddp.rank.watch.hang` (pure). No torch import: the store is passed in, and the
-flight recorder is read lazily.
+The verdict itself is :mod:`hpc_ddp.rank.watch.hang` (pure). No torch import: the store is passed
+in, and the flight recorder is read lazily.
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ class Store(Protocol):
 
 
 def recorded_collectives() -> dict[str, int] | None:
-    """This rank's last collective per process group, from torch's flight recorder; None without one."""
+    """This rank's last collective per process group, from torch's flight recorder; None without
+    one."""
     try:
         import torch
 
         c10d = torch._C._distributed_c10d
-        reader = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+        reader = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d,
+                                                                       "_dump_nccl_trace_json",
+                                                                       None)
         if reader is None:
             return None
         status = json.loads(reader(includeCollectives=False)).get("pg_status") or {}
@@ -84,7 +88,8 @@ class Watchdog:
     """One thread per rank; ``beat`` from the training loop, ``stop`` before a clean exit."""
 
     def __init__(self, timeout_s: float, rank: int, world_size: int, *, store: Store | None = None,
-                 on_hang: Callable[[str, list[int]], Any] | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_hang: Callable[[str, list[int]], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  stream: IO[str] | None = None, poll_s: float | None = None,
                  collectives: Callable[[], Issued | None] | None = recorded_collectives) -> None:
         self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
@@ -110,7 +115,8 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def check(self) -> bool:
-        """Publish this rank's position; quiet for the timeout, judge (rank 0) or wait for rank 0's verdict.
+        """Publish this rank's position; quiet for the timeout, judge (rank 0) or wait for rank 0's
+        verdict.
 
         Fires once there is a verdict; True when it fired (for tests)."""
         last, quiet = self.last, self.clock() - self.last
@@ -119,7 +125,8 @@ class Watchdog:
             self._publish(Position(self.step, self.phase))
             return False
         if self._final is None or (self._final.step, self._final.phase) != (self.step, self.phase):
-            self._final = Position(self.step, self.phase, True, self.collectives() if self.collectives else None)
+            self._final = Position(self.step, self.phase, True, self.collectives()
+                                   if self.collectives else None)
         self._publish(self._final)
         found = self._judge(quiet, last) if self.rank == 0 else self._verdict_of_rank_0(quiet)
         if found is None:  # no verdict yet (or rank 0 moved on before it gave one)
@@ -145,12 +152,15 @@ class Watchdog:
             log.debug("heartbeat not published: %s", err)
 
     def positions(self) -> list[Position | str | None]:
-        """Every rank's last published position (None: never published; UNREADABLE); this rank's own from memory."""
-        return [self._final or Position(self.step, self.phase) if rank == self.rank else self._read(rank)
+        """Every rank's last published position (None: never published; UNREADABLE); this rank's own
+        from memory."""
+        return [self._final or Position(self.step, self.phase) if rank == self.rank
+                else self._read(rank)
                 for rank in range(self.world_size)]
 
     def beats(self) -> list[tuple[int, str] | None]:
-        """Every rank's last published (step, phase), None when unknown; this rank's own from memory."""
+        """Every rank's last published (step, phase), None when unknown; this rank's own from
+        memory."""
         return places(self.positions())
 
     def _read(self, rank: int) -> Position | str | None:
@@ -163,8 +173,8 @@ class Watchdog:
             return UNREADABLE
 
     def _judge(self, quiet: float, last: float) -> tuple[str, list[int]] | None:
-        """Rank 0: the verdict from every rank's position, published for the others; None to wait (or when
-        rank 0's own beat moved on meanwhile: it was slow, not stuck)."""
+        """Rank 0: the verdict from every rank's position, published for the others; None to wait
+        (or when rank 0's own beat moved on meanwhile: it was slow, not stuck)."""
         positions = self.positions()
         stuck = verdict(positions, quiet, self.timeout_s)
         if stuck is None or self.last != last:
@@ -178,9 +188,11 @@ class Watchdog:
         return message, stuck
 
     def _wait_until_seen(self) -> None:
-        """Rank 0: before it records and exits (taking the store along), every quiet rank has read the verdict
-        and dumped its stacks; at most two polls and 2 s more (a rank that cannot answer is not waited for)."""
-        waiting = {r for r, p in enumerate(self.positions()) if r != self.rank and isinstance(p, Position) and p.final}
+        """Rank 0: before it records and exits (taking the store along), every quiet rank has read
+        the verdict and dumped its stacks; at most two polls and 2 s more (a rank that cannot answer
+        is not waited for)."""
+        waiting = {r for r, p in enumerate(self.positions()) if r != self.rank
+                   and isinstance(p, Position) and p.final}
         deadline = time.monotonic() + 2 * self.poll_s + 2
         while waiting and time.monotonic() < deadline and self.store is not None:
             try:
@@ -190,8 +202,8 @@ class Watchdog:
             time.sleep(min(0.05, self.poll_s))
 
     def _verdict_of_rank_0(self, quiet: float) -> tuple[str, list[int]] | None:
-        """Another rank: rank 0's verdict once it is published; its own view if none comes before the
-        collectives' own timeout (2 x the timeout + 30 s: rank 0 is gone, or makes progress)."""
+        """Another rank: rank 0's verdict once it is published; its own view if none comes before
+        the collectives' own timeout (2 x the timeout + 30 s: rank 0 is gone, or makes progress)."""
         try:
             if self.store is not None and self.store.check([VERDICT_KEY]):
                 found = json.loads(self.store.get(VERDICT_KEY).decode())
