@@ -7,7 +7,8 @@ hpc_ddp 0.2 put every module in the folder of the place it runs (``core``, ``run
 so ``isinstance`` and monkeypatching behave) and a :class:`DeprecationWarning`. A module that
 was split in two (``preemption``, ``liveness``, ``tracking``) answers with a module that looks
 up each name in its successors. ``hpc_ddp.session`` is not here: that name is the public
-context manager. The entry points (``python -m hpc_ddp.submit`` and the others) are real
+context manager. A dotted key (``core.config_checks``) is a 0.2 path that issue 56 moved into a
+folder of its family (``core/config/``). The entry points (``python -m hpc_ddp.submit`` and the others) are real
 modules at their old paths and never move. Removed in 0.3.
 """
 
@@ -45,6 +46,13 @@ MOVED: dict[str, tuple[str, ...]] = {
     "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.watch.liveness",
                  "hpc_ddp.rank.watch.declaration"),
     "tracking": ("hpc_ddp.rank.metrics.sinks", "hpc_ddp.core.extras"),
+    # issue 56: the prefix families became folders; a dotted key is the 0.2 path under hpc_ddp
+    # core/config/:
+
+    # login/status/ and login/preflight/:
+
+    # rundir/snapshot/:
+
 }
 
 
