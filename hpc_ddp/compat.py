@@ -1,15 +1,15 @@
 """Old module paths keep working for one minor version, with a warning that names the new path.
 
-hpc_ddp 0.2 put every module in the folder of the place it runs (``core``, ``rundir``,
-``login``, ``shell``, ``rank``, ``rehearsal``). Code written against 0.1 imports
-``hpc_ddp.config``, ``hpc_ddp.sampler``, ``hpc_ddp.distributed`` ...: a finder on
-``sys.meta_path`` answers those names with the module at its new path (the same module object,
-so ``isinstance`` and monkeypatching behave) and a :class:`DeprecationWarning`. A module that
-was split in two (``preemption``, ``liveness``, ``tracking``) answers with a module that looks
-up each name in its successors. ``hpc_ddp.session`` is not here: that name is the public
-context manager. A dotted key (``core.config_checks``) is a 0.2 path that issue 56 moved into a
-folder of its family (``core/config/``). The entry points (``python -m hpc_ddp.submit`` and the others) are real
-modules at their old paths and never move. Removed in 0.3.
+hpc_ddp 0.2 put every module in the folder of the place it runs (``core``, ``rundir``, ``login``,
+``shell``, ``rank``, ``rehearsal``). Code written against 0.1 imports ``hpc_ddp.config``,
+``hpc_ddp.sampler``, ``hpc_ddp.distributed`` ...: a finder on ``sys.meta_path`` answers those names
+with the module at its new path (the same module object, so ``isinstance`` and monkeypatching
+behave) and a :class:`DeprecationWarning`. A module that was split in two (``preemption``,
+``liveness``, ``tracking``) answers with a module that looks up each name in its successors.
+``hpc_ddp.session`` is not here: that name is the public context manager. A dotted key
+(``core.config_checks``) is a 0.2 path that issue 56 moved into a folder of its family
+(``core/config/``). The entry points (``python -m hpc_ddp.submit`` and the others) are real modules
+at their old paths and never move. Removed in 0.3.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -231,11 +230,10 @@ def test_huge_counts_are_refused_with_the_bound(tmp_path: Path, slurm: dict[str,
 
 def test_dry_run_of_the_largest_job_shows_a_few_ranks_and_ends(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    start = time.monotonic()
     code = submit([str(MLP), "--dry-run", "--no-preflight", f"run_dir={tmp_path}/r", "slurm.nodes=65536",
                    "slurm.tasks_per_node=8"])
     out = capsys.readouterr().out
-    assert code == 0 and time.monotonic() - start < 30
+    assert code == 0 and len(out.splitlines()) < 200  # a few ranks, not one line (or one step of work) per rank
     assert "  ... 524278 more ranks ..." in out and "\n524287  7 " in out and "\n8  " not in out
 
 

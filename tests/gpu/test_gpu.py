@@ -141,11 +141,8 @@ def _faulty(run_dir: Path, fault: str) -> subprocess.CompletedProcess[str]:
 def test_a_rank_stalled_outside_any_collective_on_nccl_is_recorded_hung_with_the_flight_record(
         tmp_path: Path) -> None:
     """World size 1: the watchdog (no peer) sees the stall; the NCCL flight recorder's dump names DDP's all_reduce."""
-    import time
-
-    start = time.monotonic()
-    proc = _faulty(tmp_path / "hang", "sleep:0:7")
-    assert proc.returncode == 4 and time.monotonic() - start < 10 + 90, proc.stderr[-3000:]
+    proc = _faulty(tmp_path / "hang", "sleep:0:7")  # exit 4, reason hung: the watchdog ended it, not a time limit
+    assert proc.returncode == 4, proc.stderr[-3000:]
     [attempt] = read_attempts(tmp_path / "hang")  # the ledger's reader: an 'amends' line joins its attempt
     assert attempt["reason"] == "hung" and attempt["collectives"]
     dump = tmp_path / "hang" / (attempt["collectives"] + "0.json")
@@ -157,11 +154,8 @@ def test_a_rank_stalled_outside_any_collective_on_nccl_is_recorded_hung_with_the
 def test_a_crash_on_nccl_at_world_size_one_is_recorded_failed_and_ends_at_once(tmp_path: Path) -> None:
     """World size 1 cannot tell abort from destroy (no peer can wedge the communicator): it shows the error path
     runs on NCCL and the attempt is recorded; abort instead of destroy needs a peer, so two GPUs."""
-    import time
-
-    start = time.monotonic()
-    proc = _faulty(tmp_path / "crash", "raise:0:7")
-    assert proc.returncode not in (0, None) and time.monotonic() - start < 90, proc.stderr[-3000:]
+    proc = _faulty(tmp_path / "crash", "raise:0:7")  # dist.timeout_s=10: no watchdog verdict, reason failed
+    assert proc.returncode not in (0, None), proc.stderr[-3000:]
     [attempt] = read_attempts(tmp_path / "crash")
     assert attempt["reason"] == "failed"
 

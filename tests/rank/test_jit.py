@@ -588,7 +588,19 @@ def test_one_failure_handler_per_process_whichever_thread_comes_first() -> None:
         release.wait(5)
         return {"outcome": f"committed after {error}"}
 
+    class Watched(threading.Event):
+        """The handler's end, telling when a caller waits for it (threads ordered by events, not sleeps)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.waited = threading.Event()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waited.set()
+            return super().wait(timeout)
+
     once = OneHandler(handler, wait_s=10)
+    once._done = done = Watched()
     results: list[Any] = []
     first = threading.Thread(target=lambda: results.append(once(RuntimeError("liveness"))))
     first.start()
@@ -596,8 +608,7 @@ def test_one_failure_handler_per_process_whichever_thread_comes_first() -> None:
         time.sleep(0.01)
     second = threading.Thread(target=lambda: results.append(once(RuntimeError("training"))))
     second.start()
-    time.sleep(0.2)
-    assert second.is_alive()  # it waits for the first write
+    assert done.waited.wait(5) and not done.is_set()  # the second waits for the first write, still running
     release.set()
     first.join(5)
     second.join(5)

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,9 +63,9 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_a_crashing_rank_ends_every_rank_and_the_ledger_says_failed(tmp_path: Path, kind: str) -> None:
     run_dir = tmp_path / kind
-    start = time.monotonic()
-    proc = local(run_dir, FAULTY, "dist.timeout_s=60", fault=f"{kind}:1:23")
-    assert proc.returncode != 0 and time.monotonic() - start < 60 + 30  # within dist.timeout_s and a margin
+    # no hang: with an hour's dist.timeout_s, only the failure's own path can end the run within local()'s bound
+    proc = local(run_dir, FAULTY, "dist.timeout_s=3600", fault=f"{kind}:1:23")
+    assert proc.returncode != 0
     assert "rank 1 failed" in proc.stderr and alive_with(str(run_dir)) == []
     [attempt] = read_attempts(run_dir)
     assert attempt["reason"] == "failed" and attempt["capped"] is True
@@ -89,9 +88,8 @@ def test_max_failures_requeues_a_crash_and_the_run_ends_as_if_nothing_happened(c
 
 def test_a_stuck_rank_is_named_by_the_watchdog_with_its_stack(tmp_path: Path) -> None:
     run_dir = tmp_path / "hang"
-    start = time.monotonic()
     proc = local(run_dir, FAULTY, "dist.timeout_s=8", fault="sleep:1:17")
-    assert proc.returncode != 0 and time.monotonic() - start < 8 + 60  # not the walltime: the watchdog's timeout
+    assert proc.returncode != 0  # ended by the watchdog (reason hung below), not by the time limit
     [attempt] = read_attempts(run_dir)
     assert attempt["reason"] == "hung" and attempt["stuck_ranks"] == [1]
     assert "Stuck: rank 1 at step 17 forward" in attempt["message"] + logs(run_dir)
