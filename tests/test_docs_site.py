@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.config import schema_rows
-from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import finished, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -131,12 +129,3 @@ def test_quickstart_dry_run_and_rehearsal_work_as_written(tmp_path: Path) -> Non
     page = (DOCS / "quickstart.md").read_text()
     assert "at step 41" in page and "at 42 when" in page
 
-
-@pytest.mark.slurm
-def test_quickstart_slurm_job_works_as_written(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    submit_cmd, status_cmd = quickstart_commands("3. A first Slurm job")
-    proc = _run(submit_cmd, tmp_path)
-    assert proc.returncode == 0 and "submitted job" in proc.stdout, proc.stderr[-2000:]
-    assert wait_until(lambda: finished(tmp_path / "quickstart-slurm"), 240)
-    status = _run(status_cmd, tmp_path)
-    assert status.returncode == 0 and "state FINISHED" in status.stdout

@@ -19,7 +19,7 @@ from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import FAKE_IMAGE, container_calls, fake_apptainer, finished, losses, wait_until
 
 if TYPE_CHECKING:
-    from tests.conftest import Rehearsal
+    from tests.cluster.conftest import Rehearsal
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slurm

@@ -17,7 +17,7 @@ from hpc_ddp.core.slurm_env import master_port
 from tests.helpers import finished, wait_until
 
 if TYPE_CHECKING:
-    from tests.conftest import Rehearsal
+    from tests.cluster.conftest import Rehearsal
 
 pytestmark = pytest.mark.slurm
 

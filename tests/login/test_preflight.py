@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from hpc_ddp.core.config import load_config
 from hpc_ddp.login.preflight import (check_commands, check_geometry, check_partition, check_run_dir,
                                      check_run_dir_writers, check_signal_delay, check_task, find_module)
-from hpc_ddp.slurm_local import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,16 +110,6 @@ def test_missing_task_module_is_an_error_unless_setup_lines_may_provide_it() -> 
     assert "PYTHONPATH" in missing.hint
     [maybe] = check_task(config("train.task=nowhere.tasks:Task", "slurm.setup=[source env/bin/activate]"), search=[])
     assert maybe.level == "warning"
-
-
-@pytest.mark.slurm
-def test_submit_with_an_unknown_partition_submits_nothing(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/mlp.yaml", "slurm.partition=gpu",
-                           f"run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout
-    assert "nothing was submitted" in proc.stderr and "partition 'gpu' does not exist; sinfo lists debug, high" \
-        in proc.stderr
-    assert not (tmp_path / "run" / "job.json").exists()
 
 
 def test_the_local_clusters_shared_root_is_not_node_local() -> None:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.core.errors import ClusterError
-from hpc_ddp.slurm_local import ClusterSpec, is_up, render_slurm_conf, render_slurmdbd_conf, running_spec, start, stop
+from hpc_ddp.slurm_local import ClusterSpec, render_slurm_conf, render_slurmdbd_conf
 from hpc_ddp.slurm_local.faults import parse_action
 from hpc_ddp.slurm_local.machines import PIECES, machine, node_script
 from hpc_ddp.slurm_local.conf import hosts_lines
-from hpc_ddp.slurm_local.daemons import alive
-from hpc_ddp.slurm_local.hosts import HOSTS_FILE
 
 
 def test_slurm_conf_has_the_settings_that_make_tests_fast_and_preemption_work() -> None:
@@ -74,25 +70,3 @@ def test_fault_actions_are_checked_before_anything_is_done() -> None:
 def test_hosts_lines_are_tagged_per_cluster() -> None:
     assert hosts_lines(ClusterSpec(root=Path("/a"), nodes=1)) == ["127.0.2.1 n1 # hpc_ddp slurm-local /a"]
 
-
-@pytest.mark.slurm
-def test_second_cluster_starts_and_stops_only_its_own_daemons(slurm_cluster: ClusterSpec, tmp_path: Path) -> None:
-    spec = ClusterSpec(root=tmp_path / "c2", nodes=1, node_prefix="m", addr_prefix="127.0.3.", net_prefix="10.77.3.",
-                       slurmd_base_port=17101, slurmctld_port=16917, accounting=False, cluster_name="second")
-    assert start(spec) is True
-    try:
-        assert is_up(spec) and start(spec) is False  # a second start reuses it
-        pids = [int(p.read_text()) for p in (spec.root / "run").glob("*.pid") if not p.name.startswith("bindfs")]
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)  # slurmctld + one slurmd; munged is shared
-        line = f"{running_spec(spec).node_addrs[0]} m1"
-        assert line in HOSTS_FILE.read_text()
-        assert subprocess.run(["srun", "-N1", "true"], env={**os.environ, "SLURM_CONF": str(spec.conf_path)},
-                              capture_output=True, timeout=60).returncode == 0
-    finally:
-        stopped = stop(spec)
-    assert set(pids) <= set(stopped) and not any(alive(pid) for pid in pids)
-    assert line not in HOSTS_FILE.read_text()
-    assert is_up(slurm_cluster)  # the session's cluster was not touched: its nodes still run jobs
-    assert f"{slurm_cluster.node_addrs[0]} n1" in HOSTS_FILE.read_text()
-    assert subprocess.run(["srun", "-N3", "true"], capture_output=True, timeout=60).returncode == 0
-    assert subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0
