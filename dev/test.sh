@@ -5,8 +5,8 @@
 # HPC_DDP_REQUIRE_SLURM=1 turns "Slurm missing" skips into failures: CI must run them.
 #
 # With no arguments the suite runs as two pytest sessions side by side: the cluster's tests
-# (-m cluster: they mostly wait, for a job to start, a liveness or watchdog timeout, slurmctld)
-# and the rest (-m "not cluster"), so that the rest does not wait behind the cluster. The
+# (tests/cluster, every test marked cluster: they mostly wait, for a job to start, a liveness or
+# watchdog timeout, slurmctld) and the rest, so that the rest does not wait behind the cluster. The
 # cluster's session writes to .pytest-cluster.log, printed whole when both are done; the exit
 # code is non-zero if either failed. HPC_DDP_TEST_SIDE_BY_SIDE=0 runs one session instead.
 # Extra arguments go to one pytest session, e.g. `bash dev/test.sh -k hostlist` or
@@ -23,11 +23,11 @@ fi
 log=.pytest-cluster.log
 start=$SECONDS
 # -p no:cacheprovider: one session writes pytest's cache (the last-failed list), not both at once
-"$python" -m pytest -m cluster -p no:cacheprovider >"$log" 2>&1 &
+"$python" -m pytest tests/cluster -m cluster -p no:cacheprovider >"$log" 2>&1 &
 cluster=$!
 trap 'kill "$cluster" 2>/dev/null || true' INT TERM
 rest=0
-"$python" -m pytest -m "not cluster" || rest=$?
+"$python" -m pytest --ignore=tests/cluster -m "not cluster" || rest=$?
 echo "== the rest is done after $((SECONDS - start)) s; waiting for the cluster's tests (log: $log)"
 on_cluster=0
 wait "$cluster" || on_cluster=$?
