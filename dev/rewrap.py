@@ -20,6 +20,7 @@ import textwrap
 import tokenize
 
 LIMIT = 100
+ALIGNED = re.compile(r"\S {2,}\S")  # columns aligned by hand (a table): never reflowed
 MARKER = re.compile(r"^(\s*)([-*+] |\d+[.)] |>>> |\.\.\. |\||```|:\w)")
 
 
@@ -38,21 +39,29 @@ def reflow_paragraphs(body: list[str], prefix: str) -> list[str]:
     out: list[str] = []
     i = 0
     fence = False
+    literal: int | None = None  # the indentation of a line ending "::": deeper lines are a literal block
     while i < len(body):
         line = body[i]
+        lead = len(line) - len(line.lstrip())
+        if literal is not None and line.strip() and lead <= literal:
+            literal = None
         if line.strip().startswith("```"):
             fence = not fence
-        if not line.strip() or fence or line.strip().startswith(("```", ">>>", "...", "|")):
+        if (not line.strip() or fence or literal is not None or ALIGNED.search(line.strip())
+                or line.strip().startswith(("```", ">>>", "...", "|"))):
             out.append(line)
             i += 1
             continue
+        if line.rstrip().endswith("::"):
+            literal = lead
         m = MARKER.match(line)
         lead = len(line) - len(line.lstrip())
         cont = lead + (len(m.group(2)) if m and m.group(2)[0] in "-*+0123456789" else 0)
         j = i + 1
-        while j < len(body):
+        while j < len(body) and not line.rstrip().endswith("::"):
             nxt = body[j]
-            if not nxt.strip() or MARKER.match(nxt) or nxt.strip().startswith("```"):
+            if (not nxt.strip() or MARKER.match(nxt) or nxt.strip().startswith("```")
+                    or ALIGNED.search(nxt.strip())):
                 break
             if len(nxt) - len(nxt.lstrip()) != cont:
                 break

@@ -4,36 +4,36 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
 (or a resubmitted one) finds its own state. What it holds::
 
     config.yaml        the resolved config every attempt reads (${oc.env:VAR} kept as written:
-    core/config_env.py) .hpc_ddp-secret    the run's secret (mode 0600): names its node-local
-    folders, signs their records
-                       (hpc_ddp.rundir.node_local)
-    attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained) metrics.jsonl
-    step, loss, lr, samples/s (rank 0) script_progress.json  a train.script's recent steps as rank
-    0's worker read them from its output tensorboard/       TensorBoard event files
-    (metrics.tensorboard=true) wandb_id.txt       the W&B run every attempt resumes; wandb/ its
-    local files (metrics.wandb=true) snapshots/         step-00000123/ node files + manifest.json
-    (the checkpointer's business); newest.json
-                       names the newest commit (hpc_ddp.rundir.newest)
+                       hpc_ddp.core.config.env)
+    .hpc_ddp-secret    the run's secret (mode 0600): names its node-local folders, signs their
+                       records (hpc_ddp.rundir.node_local)
+    attempts.jsonl     the ledger: one line per attempt (why it ended, steps gained)
+    metrics.jsonl      step, loss, lr, samples/s (rank 0)
+    script_progress.json  a train.script's recent steps as rank 0's worker read them from its output
+    tensorboard/       TensorBoard event files (metrics.tensorboard=true)
+    wandb_id.txt       the W&B run every attempt resumes; wandb/ its local files
+                       (metrics.wandb=true)
+    snapshots/         step-00000123/ node files + manifest.json (the checkpointer's business);
+                       newest.json names the newest commit (hpc_ddp.rundir.newest)
     lock.json          which job holds the run now
     job.json           the job id (or the local launcher's pid) of the last submission
     DONE.json          written last when training finished (after the ledger's finished line): step,
                        world size, params_sha256 (a train.script: its exit code and last step)
-    model.pt           the final model's state_dict (not for a train.script: the script keeps its
-    own) errors/            job-J-restart-N.txt: the full message of a deterministic error;
+    model.pt           the final model's state_dict (not for a train.script: the script keeps
+                       its own)
+    errors/            job-J-restart-N.txt: the full message of a deterministic error;
                        job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
     liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
                        hpc_ddp.rundir.beats); declared.json: the last declaration of a loss
     jit/               job-J-restart-N[-step-K]/: what the survivors of a failure said, one
-    node-N.json (and
-                       blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files)
-    logs/              the local rehearsal's per-rank logs slurm/             submitit's and the
-    sbatch templates' job logs compile_cache/     torch.compile's caches (TORCHINDUCTOR_CACHE_DIR;
-    train.compile_cache=run, the default):
-                       every step, node and requeue of the run finds its compiled graphs warm
-                       (hpc_ddp.rundir.compile_cache)
+                       node-N.json (and blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files)
+    logs/              the local rehearsal's per-rank logs
+    slurm/             submitit's and the sbatch templates' job logs
+    compile_cache/     torch.compile's caches (TORCHINDUCTOR_CACHE_DIR; train.compile_cache=run,
+                       the default): every step, node and requeue of the run finds its compiled
+                       graphs warm (hpc_ddp.rundir.compile_cache)
     chain/             job-J.sbatch: the batch script job J submitted its successor with, where
-    Slurm
-                       refuses requeue (hpc_ddp.shell.chain)
+                       Slurm refuses requeue (hpc_ddp.shell.chain)
 
 No torch, no I/O: plain names and paths.
 """
