@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 
-from hpc_ddp.core.config_schema import schema_rows
+from hpc_ddp.core.config.schema import schema_rows
 
 # what other tools (PyTorch, Lightning, Hydra configs, sbatch, torchrun) call our keys; leaf names
 # apply in any section
