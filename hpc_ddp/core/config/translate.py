@@ -35,11 +35,12 @@ def translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErro
         parent, _, leaf = key_path.rpartition(".")
         valid = [f.name for f in dataclasses.fields(section)] if section else []
         near = suggest(key_path)
-        hint = f"did you mean {near}?" if near else "see the config reference (docs/config.md) for every key"
+        hint = (f"did you mean {near}?" if near
+                else "see the config reference (docs/config.md) for every key")
         if parent in ("", "train"):  # train.eval_every, model.hidden: the user's own settings
             own = fallback_key if fallback_key.startswith(key_path + ".") else key_path
-            hint += (" Y" if near
-                     else "; y") + f"our own settings go under user: (user.{own.removeprefix('train.')}=...)"
+            hint += ((" Y" if near else "; y")
+                     + f"our own settings go under user: (user.{own.removeprefix('train.')}=...)")
         return ConfigError(explain(f"unknown config key {key!r} in {source}",
                                    expected=f"one of the keys of {parent or 'the top level'}: "
                                             f"{', '.join(valid)}",
