@@ -18,6 +18,7 @@ from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
 from hpc_ddp.core.shell_safe import check_one_line
 
+
 def _get(cfg: Any, path: str) -> Any:
     for part in path.split("."):
         cfg = getattr(cfg, part)
