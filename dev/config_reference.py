@@ -12,7 +12,7 @@ from hpc_ddp.core.config import schema_rows
 HEADER = """\
 # Config reference
 
-Generated from the schema in `hpc_ddp/core/config.py` by `python dev/config_reference.py > docs/config.md`.
+Generated from the schema in `hpc_ddp/core/config/` by `python dev/config_reference.py > docs/config.md`.
 Do not edit by hand: a test fails when this page and the schema differ.
 
 A run's config is one or more YAML files merged in order, then `key=value` overrides from the command

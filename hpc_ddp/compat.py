@@ -26,8 +26,8 @@ from typing import Any
 REMOVED_IN = "0.3"
 MOVED: dict[str, tuple[str, ...]] = {
     **{m: (f"hpc_ddp.core.{m}",) for m in ("errors", "atomic", "hostlist", "slurm_env", "batching",
-                                           "config",
-                                           "config_checks", "helptext", "shutdown")},
+                                           "config", "helptext", "shutdown")},
+    "config_checks": ("hpc_ddp.core.config.checks",),
     **{m: (f"hpc_ddp.rundir.{m}",) for m in ("layout", "runlock", "snapshot", "slicing", "flight",
                                              "metrics_file")},
     **{m: (f"hpc_ddp.login.{m}",) for m in ("preflight", "sbatch", "sweep", "finished",
@@ -48,6 +48,12 @@ MOVED: dict[str, tuple[str, ...]] = {
     "tracking": ("hpc_ddp.rank.metrics.sinks", "hpc_ddp.core.extras"),
     # issue 56: the prefix families became folders; a dotted key is the 0.2 path under hpc_ddp
     # core/config/:
+    "core.config_checks": ("hpc_ddp.core.config.checks",),
+    "core.config_schema": ("hpc_ddp.core.config.schema",),
+    "core.config_diff": ("hpc_ddp.core.config.diff",),
+    "core.config_env": ("hpc_ddp.core.config.env",),
+    "core.config_hints": ("hpc_ddp.core.config.hints",),
+    "core.config_items": ("hpc_ddp.core.config.items",),
 
     # login/status/ and login/preflight/:
 

@@ -115,14 +115,14 @@ def check_geometry(train: Any, nodes: Any, tasks_per_node: int) -> None:
     counts = node_counts(nodes)
     if len(counts) > 1 and getattr(train, "global_batch_size",
                                    None) is None and getattr(train, "task", ""):
+        batch = train.batch_size * train.grad_accum * counts.start * tasks_per_node
         raise ConfigError(explain(
             f"slurm.nodes={nodes} lets Slurm choose the node count, but train.global_batch_size is "
             "unset, so "
             "the batch per optimizer step would change with the count Slurm grants",
             expected="train.global_batch_size with a range of nodes",
-            hint=f"set train.global_batch_size={train.batch_size * train.grad_accum * counts.start * tasks_per_node} "
-            f"(the batch at {counts.start} node{'s' if counts.start > 1 else ''}), or a single "
-            "count slurm.nodes="
+            hint=f"set train.global_batch_size={batch} (the batch at {counts.start} "
+            f"node{'s' if counts.start > 1 else ''}), or a single count slurm.nodes="
             f"{counts.stop - 1}"), key="train.global_batch_size")
     fit, unfit = fitting_node_counts(train, nodes, tasks_per_node)
     if not unfit:
@@ -137,7 +137,8 @@ def check_geometry(train: Any, nodes: Any, tasks_per_node: int) -> None:
                 "train.batch_size or "
                 "train.global_batch_size")
     else:
-        hint = f"keep to the counts that fit: {', '.join(map(str, fit))} (e.g. slurm.nodes={_span(fit)})"
+        hint = (f"keep to the counts that fit: {', '.join(map(str, fit))} "
+                f"(e.g. slurm.nodes={_span(fit)})")
     raise ConfigError(explain(
         f"train.global_batch_size={target} cannot be split at {where} x {tasks_per_node} task"
         f"{'s' if tasks_per_node > 1 else ''} with "

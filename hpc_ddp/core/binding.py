@@ -20,12 +20,9 @@ from dataclasses import dataclass
 from hpc_ddp.core.errors import HpcDdpError, explain
 
 FIX_CPUS = ("launch every rank with `srun --cpus-per-task={asked} ...`, or `export "
-            "SRUN_CPUS_PER_TASK={asked}` in "
-            "the batch script before srun (python -m hpc_ddp.submit does both); since Slurm 22.05 "
-            "srun does not "
-            "inherit --cpus-per-task from sbatch or salloc. Also look for a --cpu-bind in "
-            "slurm.srun_args that "
-            "narrows it")
+            "SRUN_CPUS_PER_TASK={asked}` in the batch script before srun (python -m hpc_ddp.submit "
+            "does both); since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch or "
+            "salloc. Also look for a --cpu-bind in slurm.srun_args that narrows it")
 
 
 class BindingError(HpcDdpError):
@@ -62,7 +59,8 @@ class View:
             f", GPUs {'?' if self.visible_gpus is None else self.visible_gpus} visible"
             + (f" (CUDA_VISIBLE_DEVICES={self.cuda_visible})" if self.cuda_visible is not None
                else ""))
-        return f"rank {self.rank} (local {self.local_rank}): CPUs {cpu_list(self.cpus)} ({len(self.cpus)}){gpus}"
+        return (f"rank {self.rank} (local {self.local_rank}): CPUs {cpu_list(self.cpus)} "
+                f"({len(self.cpus)}){gpus}")
 
 
 def cpu_list(cpus: Iterable[int]) -> str:
@@ -92,7 +90,8 @@ def check_cpus(view: View, asked: int, environ: Mapping[str, str]) -> str | None
     if have >= asked:
         return None
     slurm = environ.get("SLURM_CPUS_PER_TASK")
-    gave = f"SLURM_CPUS_PER_TASK={slurm} in the task's environment" if slurm else "no SLURM_CPUS_PER_TASK"
+    gave = (f"SLURM_CPUS_PER_TASK={slurm} in the task's environment" if slurm
+            else "no SLURM_CPUS_PER_TASK")
     if not view.bound:
         return (f"{view.host} has {have} CPU(s) in all and slurm.cpus_per_task={asked}: every task "
                 "of this node "
@@ -131,10 +130,9 @@ def check_gpus(view: View, gpus_per_node: int, tasks_per_node: int, local_world_
         expected=f"{share} GPU(s) bound to the task, or all {max(local_world_size, share)} of the "
                  "node's",
         hint="leave the GPU binding to hpc_ddp (each task picks the GPU of its local rank): remove "
-             "a --gpu-bind "
-        "or --gpus-per-task from slurm.srun_args, do not set CUDA_VISIBLE_DEVICES in slurm.setup, "
-        "and set "
-        "slurm.tasks_per_node equal to slurm.gpus_per_node"), key="slurm.gpus_per_node")
+        "a --gpu-bind or --gpus-per-task from slurm.srun_args, do not set CUDA_VISIBLE_DEVICES in "
+        "slurm.setup, and set slurm.tasks_per_node equal to "
+        "slurm.gpus_per_node"), key="slurm.gpus_per_node")
 
 
 def node_line(host: str, node_rank: int, num_nodes: int, lines: list[str], expected: int) -> str:

@@ -19,9 +19,9 @@ OPTIONS = ("mode", "dynamic", "fullgraph", "backend", "options")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CACHE_PLACES = ("run", "node", "off")
 COMPILE_EXPECTED = ("false, true, or a mapping of torch.compile options (mode, dynamic, fullgraph, "
-                    "backend, "
-                    "options), e.g. {mode: max-autotune, dynamic: false}")
-CACHE_EXPECTED = "run (in the run dir), node (node-local, seeded from the run's copy), off, or an absolute path"
+                    "backend, options), e.g. {mode: max-autotune, dynamic: false}")
+CACHE_EXPECTED = ("run (in the run dir), node (node-local, seeded from the run's copy), off, or an "
+                  "absolute path")
 
 
 def compile_options(value: Any) -> dict[str, Any] | None:
@@ -60,8 +60,7 @@ def compile_problem(value: Any) -> tuple[str, Any, str] | None:
                     "true, false or null (torch decides)"),
         "fullgraph": (lambda v: isinstance(v, bool), "true or false"),
         "backend": (lambda v: isinstance(v, str) and bool(v.strip()),
-                    "a backend name: inductor (the default), "
-                    "aot_eager, eager, cudagraphs, ..."),
+                    "a backend name: inductor (the default), aot_eager, eager, cudagraphs, ..."),
         "options": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
                     "a mapping of inductor config names to values, e.g. {max_autotune: true}"),
     }

@@ -117,11 +117,13 @@ def runtime_check(slurm: Any) -> list[str]:
                "one")
     elif runtime == "pyxis":
         test = 'case "$(srun --help 2>&1)" in *--container-image*) true ;; *) false ;; esac'
-        missing = "the srun of this cluster has no --container-image (the pyxis plugin is not installed)"
-        fix = "ask your site which container runtime it offers, e.g. slurm.container.runtime=apptainer"
+        missing = ("the srun of this cluster has no --container-image (the pyxis plugin is not "
+                   "installed)")
+        fix = ("ask your site which container runtime it offers, e.g. "
+               "slurm.container.runtime=apptainer")
     else:
         return []
-    before, _, after = f"hpc_ddp: error: slurm.container.runtime={runtime}, but {missing}. HINT: {fix}".partition(
-        "$PATH")
+    said = f"hpc_ddp: error: slurm.container.runtime={runtime}, but {missing}. HINT: {fix}"
+    before, _, after = said.partition("$PATH")
     text = shlex.quote(before) + ('"$PATH"' + shlex.quote(after) if after else "")
     return [f"{test} || {{ echo {text} >&2; exit 2; }}"]

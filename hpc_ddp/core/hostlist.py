@@ -39,8 +39,8 @@ def _malformed(text: str, pos: int, problem: str, expected: str) -> SlurmEnvErro
     message = explain(
         f"malformed Slurm hostlist {text!r}: {problem} at position {pos}",
         expected=expected,
-        hint="node lists look like 'node[01-04,07],gpu1'; "
-        "run `scontrol show hostnames LIST` to see how Slurm reads it",
+        hint="node lists look like 'node[01-04,07],gpu1'; run `scontrol show hostnames LIST` to "
+        "see how Slurm reads it",
     )
     return SlurmEnvError(f"{message}\n    {text}\n{caret}")
 

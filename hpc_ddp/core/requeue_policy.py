@@ -42,8 +42,8 @@ def requeue_plan(sbatch_extra: Mapping[str, str], config_text: str = "", partiti
     ``config_text``: ``scontrol show config``; ``partition_text``: ``scontrol show partition -o P``
     (either may be empty: Slurm could not be asked, and the sentence says what is assumed)."""
     chain_how = ("at each stop the batch shell submits the run's next job with "
-                 "--dependency=afterany on "
-                 "this one, which resumes from the snapshot (a chain of jobs, one run in status)")
+                 "--dependency=afterany on this one, which resumes from the snapshot (a chain of "
+                 "jobs, one run in status)")
     if asks_no_requeue(sbatch_extra):
         return CHAIN, f"slurm.sbatch_extra turns requeue off (--no-requeue): {chain_how}"
     where = f"partition {partition}" if partition else "the default partition"

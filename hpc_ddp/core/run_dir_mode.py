@@ -28,25 +28,25 @@ def check_run_dir_mode(text: object) -> int:
     if not _MODE.fullmatch(value):
         hint = "quote it, e.g. run_dir_mode: '0750' (on the command line: run_dir_mode=\"'0750'\")"
         if re.fullmatch(r"[0-7]{3}", value):  # 750 written without its leading 0
-            hint = f"write the mode with its leading 0, quoted: run_dir_mode: '0{value}' (on the command " \
-                   f"line: run_dir_mode=\"'0{value}'\")"
+            hint = (f"write the mode with its leading 0, quoted: run_dir_mode: '0{value}' (on the "
+                    f"command line: run_dir_mode=\"'0{value}'\")")
         elif value.isdigit() and not value.startswith("0") and re.fullmatch(r"0o[0-7]{3,4}",
                                                                             oct(int(value))):
             hint = (f"YAML reads an unquoted 0{oct(int(value))[2:]} as the number {value}: {hint}")
         raise ConfigError(explain("run_dir_mode is not a folder mode of four octal digits",
                                   found=value,
                                   expected="'0700' (the default: only you), '0750' (your group "
-                                           "reads), '0770' "
-                                  "(your group writes too) or the same with setgid, '2770'",
+                                  "reads), '0770' (your group writes too) or the same with setgid, "
+                                  "'2770'",
                                   hint=hint),
                           key="run_dir_mode")
     mode = int(value, 8)
     if mode & 0o700 != 0o700 or mode & 0o002:
-        why = "others could write it, and so run code as you" if mode & 0o002 else "you could not use it yourself"
+        why = ("others could write it, and so run code as you" if mode & 0o002
+               else "you could not use it yourself")
         raise ConfigError(explain(f"run_dir_mode {value} is refused: {why}", found=value,
                                   expected="a mode with rwx for you (7 first) and no write for "
-                                           "others "
-                                  "(the last digit 0, 1, 4 or 5)",
+                                  "others (the last digit 0, 1, 4 or 5)",
                                   hint="share with a group instead: run_dir_mode: '0770' "
                                        "(docs/security.md)"
                                   if mode & 0o002 else "your own digit must be 7: e.g. "

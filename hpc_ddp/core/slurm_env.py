@@ -215,7 +215,8 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
-    hint = "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE together; unset stray ones"
+    hint = ("torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE together; unset stray "
+            "ones")
     rank, local_rank = (required_int(env, (v,), hint=hint) for v in ("RANK", "LOCAL_RANK"))
     world_size, local_world_size = (required_int(env, (v,), minimum=1, hint=hint)
                                     for v in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))

@@ -49,8 +49,8 @@ def refused(message: str) -> bool:
     return any(words in text for words in REFUSALS)
 
 
-def job_end_time(spec: str, runner: Callable[...,
-                                             subprocess.CompletedProcess[str]] = subprocess.run) -> float | None:
+def job_end_time(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run
+                 ) -> float | None:
     """The job's end time (start + time limit) from squeue, as epoch seconds; None when unknown.
 
     Asked once when an attempt starts: a preemption later moves the end time forward.
@@ -66,8 +66,8 @@ def job_end_time(spec: str, runner: Callable[...,
         return None
 
 
-def job_state(spec: str, runner: Callable[...,
-                                          subprocess.CompletedProcess[str]] = subprocess.run) -> str | None:
+def job_state(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run
+              ) -> str | None:
     """The job's state as squeue prints it (RUNNING, COMPLETING, ...); None when unknown."""
     if not spec or not shutil.which("squeue"):
         return None
@@ -83,8 +83,8 @@ def job_state(spec: str, runner: Callable[...,
 JOB_FIELDS = ("JobState", "Reason", "PreemptTime", "Restarts", "EndTime", "StartTime")
 
 
-def job_fields(spec: str, runner: Callable[...,
-                                           subprocess.CompletedProcess[str]] = subprocess.run) -> dict[str, str]:
+def job_fields(spec: str, runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run
+               ) -> dict[str, str]:
     """``scontrol show job -o SPEC``'s :data:`JOB_FIELDS` (``{}`` when Slurm cannot be asked): what
     the job is going through when a SIGTERM arrives (:func:`hpc_ddp.core.stopping.term_reason`)."""
     if not spec or not shutil.which("scontrol"):
@@ -122,17 +122,15 @@ def requeue_available(which: Callable[[str], str | None] = shutil.which) -> bool
     return which("scontrol") is not None
 
 
-def requeue(spec: str, runner: Callable[...,
-                                        subprocess.CompletedProcess[str]] = subprocess.run) -> None:
+def requeue(spec: str,
+            runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> None:
     """``scontrol requeue SPEC``; a clear error when scontrol is missing or refuses."""
     if not shutil.which("scontrol"):
         raise PreemptionError(explain(f"cannot requeue job {spec}: scontrol is not on PATH in the "
                                       "job",
                                       hint="the snapshot is committed: submitting the same job "
-                                           "again resumes "
-                                      "from it; to requeue by itself, the job needs the Slurm "
-                                      "client "
-                                      "(containers often lack it)"))
+                                      "again resumes from it; to requeue by itself, the job needs "
+                                      "the Slurm client (containers often lack it)"))
     proc = runner(["scontrol", "requeue", spec], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         said = (proc.stderr or proc.stdout).strip()
@@ -141,8 +139,6 @@ def requeue(spec: str, runner: Callable[...,
         error = RequeueRefused if refused(said) else PreemptionError
         raise error(explain(f"`scontrol requeue {spec}` failed: {said}",
                                       hint="requeueing needs JobRequeue=1 (or sbatch --requeue); "
-                                           "where Slurm refuses "
-                                      "it, the batch shell submits the run's next job itself "
-                                      "(docs/resume.md, a "
-                                      "chain); the snapshot is committed, so that job resumes from "
-                                      "it"))
+                                      "where Slurm refuses it, the batch shell submits the run's "
+                                      "next job itself (docs/resume.md, a chain); the snapshot is "
+                                      "committed, so that job resumes from it"))

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 
 from hpc_ddp.core.errors import SlurmEnvError, explain
 
-SRUN_HINT = ("run every task through srun, e.g. `srun python -m hpc_ddp.worker ...` "
-             "in the batch script (or use `python -m hpc_ddp.submit`, which does)")
+SRUN_HINT = ("run every task through srun, e.g. `srun python -m hpc_ddp.worker ...` in the batch "
+             "script (or use `python -m hpc_ddp.submit`, which does)")
 
 
 def lookup(env: Mapping[str, str], names: Sequence[str]) -> tuple[str, str] | None:
@@ -59,6 +59,5 @@ def check_below(name: str, value: int, limit_name: str, limit: int) -> None:
         raise SlurmEnvError(explain(f"{name}={value} does not fit {limit_name}={limit}",
                                     expected=f"0 <= {name} < {limit}",
                                     hint="the job's variables disagree; was part of the "
-                                         "environment "
-                                    "set by hand or copied from another job?"),
+                                    "environment set by hand or copied from another job?"),
                             key=name)

@@ -99,7 +99,8 @@ def requeue_failure(previous: Mapping[str, Any] | None) -> tuple[float, str] | N
     """The failure instant of a requeued (or chained) attempt: the previous attempt's end, when that
     attempt ended in a way that requeues (not a finished run, a cancel or a person's
     ``--resume``)."""
-    if previous is None or previous.get("before_resume") or previous.get("reason") not in REQUEUED_AFTER:
+    if (previous is None or previous.get("before_resume")
+            or previous.get("reason") not in REQUEUED_AFTER):
         return None
     end = previous.get("end")
     return (float(end), "previous end") if _number(end) else None

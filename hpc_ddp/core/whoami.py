@@ -27,7 +27,7 @@ examples:
   python -m hpc_ddp.whoami --simulate 2x2          # every rank of a 2-node x 2-task job
   srun -N2 --ntasks-per-node=2 python -m hpc_ddp.whoami
   srun -N2 --ntasks-per-node=2 python -m hpc_ddp.whoami --json   # one JSON object per task
-  python -m hpc_ddp.whoami --endpoint              # in a batch script: HOST:PORT for torchrun's c10d
+  python -m hpc_ddp.whoami --endpoint              # HOST:PORT for torchrun's c10d (batch scripts)
 """
 COLUMNS = ("rank", "local_rank", "node_rank", "local_world_size", "world_size", "master_addr",
            "master_port")

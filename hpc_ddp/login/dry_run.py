@@ -14,7 +14,7 @@ from typing import Any
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.batching import node_counts, plan, slurm_nodes
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.core.config_env import masked
+from hpc_ddp.core.config.env import masked
 from hpc_ddp.core.container import probe_tail
 from hpc_ddp.login.sbatch import held_nodes, mount_paths, submitit_parameters, submitit_python
 from hpc_ddp.core.slurm_env import from_environ, simulated_environ

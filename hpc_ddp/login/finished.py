@@ -19,7 +19,7 @@ from typing import Any
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
-from hpc_ddp.core.config_diff import flat_values
+from hpc_ddp.core.config.diff import flat_values
 from hpc_ddp.core.errors import HpcDdpError, explain
 
 

@@ -13,7 +13,7 @@ from hpc_ddp.rundir.runlock import read_record
 from hpc_ddp.rundir import layout, node_local
 from hpc_ddp.core.batching import resume_batch_problem
 from hpc_ddp.core.config import RunConfig, load_config, save_config
-from hpc_ddp.core.config_diff import config_diff, describe_diff, flat_values
+from hpc_ddp.core.config.diff import config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import HpcDdpError, explain
 
 

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 
 from hpc_ddp.core.batching import node_counts
-from hpc_ddp.core.config_hints import minutes
+from hpc_ddp.core.config.hints import minutes
 
 Runner = Callable[..., subprocess.CompletedProcess]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
-from hpc_ddp.core.config_diff import config_diff, describe_diff, flat_values
+from hpc_ddp.core.config.diff import config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.profiles import Profiles
 from hpc_ddp.login.profiles import load_with_profile, recorded_profile

@@ -62,7 +62,7 @@ class _Parser(argparse.ArgumentParser):
     (``--nodes=2``)."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        from hpc_ddp.core.config_hints import flag_hint
+        from hpc_ddp.core.config.hints import flag_hint
 
         if message.startswith("unrecognized arguments:"):
             args, hints = message.split(":", 1)[1].split(), []

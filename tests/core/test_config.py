@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpc_ddp.core.config import RunConfig, load_config, save_config, schema_rows, to_yaml
-from hpc_ddp.core.config_checks import OPTIONAL, RULES
+from hpc_ddp.core.config.rules import OPTIONAL, RULES
 from hpc_ddp.core.errors import ConfigError
 
 MINIMAL = "train:\n  task: examples.mlp:MLPTask\n  max_steps: 50\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.config import load_config
-from hpc_ddp.core.config_hints import flag_hint, suggest
+from hpc_ddp.core.config.hints import flag_hint, suggest
 from hpc_ddp.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

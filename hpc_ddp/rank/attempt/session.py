@@ -31,7 +31,7 @@ from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.stop.shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, store_moved
 from hpc_ddp.core.config import RunConfig, to_yaml
-from hpc_ddp.core.config_diff import flat_values
+from hpc_ddp.core.config.diff import flat_values
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.run_dir_mode import make_run_dir
 from hpc_ddp.rundir.ledger import attempt_tag, recorded_error

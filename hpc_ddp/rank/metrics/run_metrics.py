@@ -15,7 +15,7 @@ from typing import Any
 
 from hpc_ddp.core.atomic import append_line
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.core.config_diff import flat_values
+from hpc_ddp.core.config.diff import flat_values
 from hpc_ddp.rank.metrics.sinks import Sink, log_to, metric_value, open_sinks
 from hpc_ddp.rundir import layout, metrics_file
 from hpc_ddp.rundir.ledger import read_attempts

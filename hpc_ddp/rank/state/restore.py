@@ -17,7 +17,7 @@ from hpc_ddp.rank.group import control
 from hpc_ddp.core.batching import geometry_change, snapshot_batch_problem
 from hpc_ddp.rank.state.rng import reseed, restore_rng
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.core.config_diff import config_diff, describe_diff, flat_values
+from hpc_ddp.core.config.diff import config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import explain, first_line
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP

@@ -1,9 +1,11 @@
-"""Checks on a loaded config that the schema's types alone cannot express.
+"""Each key's own rule: the range, choice or format one value must have (:data:`RULES`), the keys
+that may be null (:data:`OPTIONAL`), and the limits they name (:data:`MAX_NODES`, ...).
 
-Ranges, choices, formats, element types of lists and mappings (omegaconf lets
-``[a, [b]]`` through as ``List[str]``), and rules across keys. Each failure is a
-:class:`ConfigError` naming the key, the value found, what is expected and how
-to set it. Pure: no omegaconf, no torch.
+The schema's types cannot say these: ranges, choices, formats, the element types of lists and
+mappings (omegaconf lets ``[a, [b]]`` through as ``List[str]``). A rule reads one value;
+:func:`hpc_ddp.core.config.checks.check_config` walks them, then checks the rules across keys.
+Apart from it so the table, which grows with every key, is read on its own. Pure: no omegaconf, no
+torch.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ import signal as _signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hpc_ddp.core.batching import check_geometry, node_counts, valid_nodes
-from hpc_ddp.core.compile_settings import CACHE_EXPECTED, COMPILE_EXPECTED, cache_ok, compile_problem
+from hpc_ddp.core.batching import node_counts, valid_nodes
+from hpc_ddp.core.compile_settings import CACHE_EXPECTED, COMPILE_EXPECTED, cache_ok
 from hpc_ddp.core.container import RUNTIMES
-from hpc_ddp.core.errors import ConfigError, explain
 from hpc_ddp.core.hostlist import MAX_RANGE
-from hpc_ddp.core.shell_safe import check_one_line
 
 _TASK = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -116,8 +116,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.max_restarts_in_job": (_at_least(0), "an integer >= 0"),
     "slurm.setup": (_texts, "a list of shell lines"),
     "slurm.sbatch_extra": (_mapping(_SBATCH_OPTION), "a mapping of sbatch long options without "
-                                                     "'--' "
-                           "(e.g. mail-type) to one-line text values"),
+                           "'--' (e.g. mail-type) to one-line text values"),
     "slurm.srun_args": (_texts, "a list of text arguments"),
     "slurm.container.runtime": (lambda v: v in RUNTIMES, f"one of {', '.join(RUNTIMES)}, or null "
                                                          "(no container)"),
@@ -168,8 +167,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.load": (lambda v: v in ("auto", "spread", "every_node", "every_rank"),
                       "one of auto, spread, every_node (every_rank: its old name)"),
     "user": (_user_keys, "a mapping whose keys (at every depth) are names: a letter or _, then "
-                         "letters, digits, "
-             "_ or -"),
+             "letters, digits, _ or -"),
     "metrics.wandb_mode": (lambda v: v in ("online", "offline", "disabled"),
                            "one of online, offline, disabled"),
     "metrics.wandb_project": (lambda v: isinstance(v, str) and not any(c in v for c in "/\\#?%:"),
@@ -179,151 +177,6 @@ OPTIONAL = {"slurm.container.runtime", "slurm.mem_gb", "slurm.partition", "slurm
             "slurm.qos", "slurm.constraint", "dist.master_port",
             "dist.liveness_s", "train.max_steps", "train.epochs", "train.global_batch_size",
             "train.clip_grad_norm", "snapshot.every_steps", "snapshot.every_minutes"}
-
-
-def _get(cfg: Any, path: str) -> Any:
-    for part in path.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-PROGRAMS = ("train.task", "train.loop", "train.script")
-
-
-def _check_program(train: Any) -> None:
-    """Exactly one of train.task, train.loop and train.script names what the job runs."""
-    chosen = [key for key in PROGRAMS if getattr(train, key.split(".")[1])]
-    if not chosen:
-        raise _fail("train.task", "nothing to train: train.task, train.loop and train.script are "
-                                  "all unset", "",
-                    "exactly one of them", "set one: train.task=mypkg.tasks:MyTask (our Trainer), "
-                    "train.loop=mypkg.train:main (your loop, called with the run), or "
-                    "train.script=train.py "
-                    "(an unmodified torchrun-style script)")
-    if len(chosen) > 1:
-        raise _fail(chosen[1], f"{' and '.join(chosen)} are both set", ", ".join(
-            f"{key}={getattr(train, key.split('.')[1])}" for key in chosen), "exactly one of them",
-            "keep one; unset the other" + (" with " if len(chosen) == 2 else "s with ")
-            + " or ".join(f"{key}=null" for key in chosen))
-    for key in ("args", "resume_args"):
-        if getattr(train, key) and not train.script:
-            raise _fail(f"train.{key}", f"train.{key} is set but train.script is not",
-                        getattr(train, key),
-                        "arguments for train.script", "set train.script=path/to/train.py, or drop "
-                                                      f"train.{key}")
-
-
-def _fail(key: str, what: str, found: Any, expected: str, hint: str | None = None) -> ConfigError:
-    return ConfigError(explain(what, found=found, expected=expected,
-                               hint=hint or f"set {key} in the config file or as {key}=... on the "
-                                            "command line"),
-                       key=key)
-
-
-def _check_liveness(dist: Any) -> None:
-    """A frozen node must be found by liveness before the hang watchdog (dist.timeout_s) fires on
-    the ranks that wait for it: otherwise the attempt is recorded as hung and the frozen node is
-    only a soft suspect."""
-    live = dist.liveness_s
-    if not live or live == LIVENESS_S or 2 * live <= dist.timeout_s:
-        return
-    raise _fail("dist.liveness_s", f"dist.liveness_s={live:g} is not well below "
-                                   f"dist.timeout_s={dist.timeout_s}: "
-                "the hang watchdog would fire first on the ranks waiting for a frozen node, and "
-                "the attempt would "
-                "be recorded as hung instead of naming the lost node", f"dist.liveness_s={live:g}",
-                f"at most half of dist.timeout_s (<= {dist.timeout_s / 2:g})",
-                f"lower it (dist.liveness_s={max(1, dist.timeout_s // 4)}), raise dist.timeout_s, "
-                "or turn liveness "
-                "off with dist.liveness_s=0")
-
-
-def _check_container(box: Any) -> None:
-    """An image without a runtime, or a runtime without an image: either way the job would run
-    somewhere else than the user meant (on the host, or nowhere), so neither is guessed."""
-    if box.runtime and not box.image:
-        raise _fail("slurm.container.image",
-                    f"slurm.container.runtime={box.runtime} needs an image", box.image,
-                    "the image every rank runs in", "set slurm.container.image=" + (
-                        "nvcr.io#nvidia/pytorch:24.05-py3 (or a .sqsh file)"
-                        if box.runtime == "pyxis" else
-                        "/path/to/image.sif") + ", or slurm.container=null for no container")
-    if box.image and not box.runtime:
-        raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no "
-                                               "runtime runs it",
-                    None, f"one of {', '.join(RUNTIMES)}", "set slurm.container.runtime=apptainer "
-                                                           "(or pyxis, "
-                    "singularity: what your site offers), or drop slurm.container.image")
-
-
-def _check_compile(train: Any) -> None:
-    """train.compile: its shape, and only for our Trainer (a loop or a script calls torch.compile
-    itself)."""
-    problem = compile_problem(train.compile)
-    if problem is not None:
-        what, found, expected = problem
-        raise _fail("train.compile", what, found, expected, "train.compile=true, or in a file: "
-                                                            "compile: {mode: "
-                    "max-autotune} (docs/compile.md)")
-    if train.compile not in (None, False) and not train.task:
-        program = "train.loop" if train.loop else "train.script"
-        raise _fail("train.compile", f"train.compile is set but {program} runs, not our Trainer "
-                                     "(train.task)",
-                    train.compile, "train.compile with train.task only",
-                    f"drop train.compile; {program} compiles "
-                    "its model itself: torch.compile(model) first, then "
-                    "DistributedDataParallel(compiled) "
-                    "(docs/compile.md)")
-
-
-def check_config(cfg: Any) -> None:
-    """Raise :class:`ConfigError` for the first value out of its range or format."""
-    # first: a line break anywhere is named as what it is, whatever the key's own format
-    check_one_line(cfg)
-    sig = cfg.slurm.signal
-    if isinstance(sig, str) and sig.upper().removeprefix("SIG") == "USR1":
-        raise _fail("slurm.signal", "slurm.signal must not be USR1", sig,
-                    "USR2 (the default) or another signal",
-                    "NCCL uses SIGUSR1 internally; a USR1 warning would be swallowed. Use "
-                    "slurm.signal=USR2")
-    cfg.slurm.signal = sig.upper().removeprefix("SIG") if isinstance(sig, str) else sig
-    for key, (ok, expected) in RULES.items():
-        value = _get(cfg, key)
-        if value is None and key in OPTIONAL:
-            continue
-        if not ok(value):
-            raise _fail(key, f"bad value for config key {key}", value, expected)
-    _check_program(cfg.train)
-    _check_compile(cfg.train)
-    if cfg.train.task and cfg.train.max_steps is None and cfg.train.epochs is None:
-        raise _fail("train.max_steps", "the run has no end: train.max_steps and train.epochs are "
-                                       "both null",
-                    None, "at least one of them", "add train.max_steps=1000 or train.epochs=10")
-    if cfg.slurm.signal_delay_s >= cfg.slurm.timeout_min * 60:
-        raise _fail("slurm.signal_delay_s", f"slurm.signal_delay_s={cfg.slurm.signal_delay_s} "
-                                            "leaves no time to "
-                    f"train within slurm.timeout_min={cfg.slurm.timeout_min}",
-                    cfg.slurm.signal_delay_s,
-                    "fewer seconds than the time limit", "lower slurm.signal_delay_s or raise "
-                                                         "slurm.timeout_min")
-    _check_liveness(cfg.dist)
-    _check_container(cfg.slurm.container)
-    if cfg.train.global_batch_size is not None and cfg.train.grad_accum != 1:
-        raise _fail("train.grad_accum", "train.grad_accum and train.global_batch_size are both set",
-                    f"train.grad_accum={cfg.train.grad_accum}, "
-                    f"train.global_batch_size={cfg.train.global_batch_size}",
-                    "one of them", "with train.global_batch_size the accumulation follows the "
-                                   "world size: "
-                    "drop train.grad_accum")
-    if cfg.slurm.spare_nodes and len(node_counts(cfg.slurm.nodes)) > 1:
-        raise _fail("slurm.spare_nodes", "slurm.spare_nodes needs a fixed node count, but "
-                                         "slurm.nodes is a range",
-                    f"slurm.nodes={cfg.slurm.nodes}, slurm.spare_nodes={cfg.slurm.spare_nodes}",
-                    "slurm.nodes=N with spares, or a range without them",
-                    "with a range the run goes on with fewer nodes when one fails; spares keep the "
-                    "world size "
-                    "(bit-exact): choose one, e.g. slurm.nodes=2 slurm.spare_nodes=1")
-    check_geometry(cfg.train, cfg.slurm.nodes, cfg.slurm.tasks_per_node)
 
 
 def _run_dir_mode(value: Any) -> bool:

@@ -68,8 +68,8 @@ def script_args_hint(merged: Any, key: str, item: str) -> str:
     if not script:
         return ""
     args = OmegaConf.select(merged, "train.args", default=None, throw_on_resolution_failure=False)
-    items = [str(v) for v in OmegaConf.to_container(args,
-                                                    resolve=False)] if OmegaConf.is_list(args) else []
+    items = ([str(v) for v in OmegaConf.to_container(args, resolve=False)]
+             if OmegaConf.is_list(args) else [])
     same = [i for i, v in enumerate(items) if v.partition("=")[0] == key]
     index = same[0] if same else len(items)
     example = f"'train.args.{index}={item}'"

@@ -46,7 +46,8 @@ def env_leaves(merged: Any) -> dict[Key, str]:
         _put(marked, path, _MARK)
     try:
         resolved = OmegaConf.to_container(OmegaConf.create(marked), resolve=True)
-    except Exception:  # noqa: BLE001 - a resolver that refuses the mark: keep every interpolation unresolved
+    # a resolver that refuses the mark: keep every interpolation unresolved
+    except Exception:  # noqa: BLE001
         return {path: text for path, text in texts.items() if "${" in text}
     return {path: text for path, text in texts.items()
             if path in direct or ("${" in text

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 
-from hpc_ddp.core.config_schema import schema_rows
+from hpc_ddp.core.config.schema import schema_rows
 
 # what other tools (PyTorch, Lightning, Hydra configs, sbatch, torchrun) call our keys; leaf names
 # apply in any section
@@ -146,16 +146,14 @@ def flag_hint(arg: str) -> str | None:
         return None
     key = SBATCH_FLAGS.get(name) or SBATCH_FLAGS.get(name.lower())
     if key is None:
-        key = suggest(name) if name.replace("-",
-                                            "_") in ALIASES or name.replace("-",
-                                                                            "_") in _leaves() else None
+        known = name.replace("-", "_")
+        key = suggest(name) if known in ALIASES or known in _leaves() else None
         if key is None:
             return None
     convert = key.endswith("!")
     key = key.rstrip("!")
-    shown = (_converted(key, value) if convert else value) if sep else ("true"
-                                                                        if key == "slurm.exclusive"
-                                                                        else None)
+    shown = ((_converted(key, value) if convert else value) if sep
+             else ("true" if key == "slurm.exclusive" else None))
     text = f"{arg} -> {key}={shown or 'VALUE'}"
     if convert and not shown:
         text += f" ({key} is {CONVERT[key]})"

@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from hpc_ddp.core.config_env import masked
-from hpc_ddp.core.config_schema import RunConfig
+from hpc_ddp.core.config.env import masked
+from hpc_ddp.core.config.schema import RunConfig
 from hpc_ddp.core.user_settings import user_leaves
 
 __all__ = ["config_diff", "describe_diff", "flat_values"]
