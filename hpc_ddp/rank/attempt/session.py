@@ -217,9 +217,9 @@ def beating(attempt: Attempt) -> Iterator[None]:
     beat says it left, on every way out. A wrapped script's own session does not beat: the worker
     that started it does. How a rank exits when its thread finds a peer lost or hears so is
     :mod:`hpc_ddp.rank.attempt.failure`'s."""
-    from hpc_ddp.rank.watch import liveness
+    from hpc_ddp.rank.watch import liveness_start
 
-    attempt.liveness = None if attempt.wrapped else liveness.start(
+    attempt.liveness = None if attempt.wrapped else liveness_start.start(
         attempt.run_dir, attempt.cfg.dist, attempt.env, attempt.environ, on_lost=failure.exit_lost,
         on_heard=failure.exit_heard)
     try:
