@@ -63,7 +63,8 @@ def threads(environ: Mapping[str, str], env: DistEnv) -> None:
     if "OMP_NUM_THREADS" in environ:
         return
     cpus = environ.get("SLURM_CPUS_PER_TASK", "")
-    count = int(cpus) if cpus.isdigit() and int(cpus) > 0 else len(os.sched_getaffinity(0)) // env.local_world_size
+    count = (int(cpus) if cpus.isdigit() and int(cpus) > 0
+             else len(os.sched_getaffinity(0)) // env.local_world_size)
     torch.set_num_threads(max(1, count))
 
 
@@ -101,7 +102,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 except LoopIgnoredStop as err:
                     log.error("%s", err)
                     note(attempt, "the loop went on after run.boundary returned True")
-                    run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
+                    run.step = (run.checkpointer.last_step if run.checkpointer is not None
+                                else run.step)
                 except HpcDdpError:
                     # the program's own error (explained): it fails the same way after any resume
                     raise

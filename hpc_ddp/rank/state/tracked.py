@@ -171,7 +171,7 @@ def _compact(value: object, cuda: bool = False) -> Any:
             return value
         whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
         if (value.device.type == "cpu" and whole and value.storage_offset() == 0
-            and value.is_contiguous()):
+                and value.is_contiguous()):
             return value
         return stage(value)
     if isinstance(value, dict):
