@@ -4,8 +4,8 @@ hpc_ddp 0.2 put every module in the folder of the place it runs (``core``, ``run
 ``shell``, ``rank``, ``rehearsal``). Code written against 0.1 imports ``hpc_ddp.config``,
 ``hpc_ddp.sampler``, ``hpc_ddp.distributed`` ...: a finder on ``sys.meta_path`` answers those names
 with the module at its new path (the same module object, so ``isinstance`` and monkeypatching
-behave) and a :class:`DeprecationWarning`. A module that was split in two (``preemption``,
-``liveness``, ``tracking``) answers with a module that looks up each name in its successors.
+behave) and a :class:`DeprecationWarning`. A module that was split (``preemption``, ``liveness``,
+``tracking``, ``tracked``) answers with a module that looks up each name in its successors.
 ``hpc_ddp.session`` is not here: that name is the public context manager. A dotted key
 (``core.config_checks``) is a 0.2 path that issue 56 moved into a folder of its family
 (``core/config/``). The entry points (``python -m hpc_ddp.submit`` and the others) are real modules
@@ -36,7 +36,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     **{m: (f"hpc_ddp.rank.loop.{m}",) for m in ("run", "trainer", "task", "sampler")},
     **{m: (f"hpc_ddp.rank.group.{m}",) for m in ("distributed", "control")},
     **{m: (f"hpc_ddp.rank.watch.{m}",) for m in ("watchdog", "hang")},
-    **{m: (f"hpc_ddp.rank.state.{m}",) for m in ("checkpointer", "tracked", "spread", "replication",
+    **{m: (f"hpc_ddp.rank.state.{m}",) for m in ("checkpointer", "spread", "replication",
                                                  "ddp_settle")},
     "script": ("hpc_ddp.rank.script.wrapper",), "script_outcome": ("hpc_ddp.rank.script.outcome",),
     "script_output": ("hpc_ddp.rank.script.output",),
@@ -44,8 +44,10 @@ MOVED: dict[str, tuple[str, ...]] = {
     "preemption": ("hpc_ddp.core.codes", "hpc_ddp.core.stopping", "hpc_ddp.core.slurm_jobs",
                    "hpc_ddp.rundir.ledger"),
     "liveness": ("hpc_ddp.core.codes", "hpc_ddp.rundir.losses", "hpc_ddp.rank.watch.liveness",
-                 "hpc_ddp.rank.watch.declaration"),
+                 "hpc_ddp.rank.watch.liveness_start", "hpc_ddp.rank.watch.declaration"),
     "tracking": ("hpc_ddp.rank.metrics.sinks", "hpc_ddp.core.extras"),
+    # issue 56 split these two by job: the per-rank resume and the liveness start moved out
+    "tracked": ("hpc_ddp.rank.state.tracked", "hpc_ddp.rank.state.per_rank_resume"),
     # issue 56: the prefix families became folders; a dotted key is the 0.2 path under hpc_ddp
     # core/config/:
     "core.config_checks": ("hpc_ddp.core.config.checks",),

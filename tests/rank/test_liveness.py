@@ -19,11 +19,12 @@ import pytest
 
 from hpc_ddp.rundir import beats, layout
 from hpc_ddp.core import codes
-from hpc_ddp.rank.watch import liveness
+from hpc_ddp.rank.watch import liveness, liveness_start
 from hpc_ddp.rundir import losses
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import ConfigError
-from hpc_ddp.rank.watch.liveness import Beat, Judge, Liveness, decode, effective, encode
+from hpc_ddp.rank.watch.liveness import Beat, Judge, Liveness, decode, encode
+from hpc_ddp.rank.watch.liveness_start import effective
 from hpc_ddp.rundir.losses import lost_ranks
 from hpc_ddp.rehearsal.local_inject import freeze_problem, unfired
 from hpc_ddp.rundir.ledger import read_attempts
@@ -121,8 +122,8 @@ def test_liveness_needs_no_torch() -> None:
 
 
 def test_the_host_is_the_slurm_node_name() -> None:
-    assert liveness.host_of({"SLURMD_NODENAME": "gpu7"}, ("a", "b"), 1) == "gpu7"
-    assert liveness.host_of({}, ("a", "b"), 1) == "b"
+    assert liveness_start.host_of({"SLURMD_NODENAME": "gpu7"}, ("a", "b"), 1) == "gpu7"
+    assert liveness_start.host_of({}, ("a", "b"), 1) == "b"
 
 
 # --- two ranks in one process, with a fake clock: the I/O through the run dir ---

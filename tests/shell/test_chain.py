@@ -117,7 +117,7 @@ def test_the_next_sbatch_gets_the_users_environment_without_this_jobs_slurm_vari
     assert workdir_of("JobId=5 WorkDir=/tmp/a b StdOut=/tmp/o\n") == "/tmp/a b" and workdir_of("JobId=5") is None
     chained = from_environ({**simulated_environ(1, 1, job_id=7)[0], CHAINED_VAR: "5"})
     assert chained.chained_from == 5 and chained.restart_count == 0
-    from hpc_ddp.rank.state.tracked import unattended  # a chained job is no person's --resume: a resize refused is
+    from hpc_ddp.rank.state.per_rank_resume import unattended  # a chained job is no person's --resume: a resize refused is
     assert "job 5 chained" in (unattended(chained) or "")  # a failure on the requeue path, not a config error
 
 

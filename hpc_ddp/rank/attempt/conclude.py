@@ -147,8 +147,8 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
     if capped:
         log.error("%s", capped)
         return Ending(1)
-    why = "a requeue by Slurm (an admin's `scontrol requeue`, or a preemption past its grace time)" \
-        if reason == "requeued" else reason
+    why = ("a requeue by Slurm (an admin's `scontrol requeue`, or a preemption past its grace "
+           "time)" if reason == "requeued" else reason)
     log.info("stopped%s for %s; %s", "" if step is None else f" at step {step}", why,
              "the script was ended: the next attempt runs it again" if step is None
              else "snapshot committed")
@@ -202,7 +202,8 @@ def end_as_stop(attempt: Attempt, run: Run | None, error: BaseException) -> int:
                                             "child_killed": killed},
                           **timeline.ledger_field(attempt.environ, attempt.attempts,
                                                   attempt.env.in_job))
-    lost = "" if held is None or saved is None or saved >= held else f" ({held - saved} step(s) lost)"
+    lost = ("" if held is None or saved is None or saved >= held
+            else f" ({held - saved} step(s) lost)")
     log.error("the stop signal ended this rank's step before the agreed stop: %s. The attempt ends "
               "as the stop "
               "it was (not a failure); its newest snapshot is %s%s.%s", first_line(error),
@@ -282,7 +283,8 @@ def note_ignored_stop(attempt: Attempt, run: Run) -> None:
         return
     name = signal.Signals(attempt.flag.signum).name if attempt.flag.signum else "a stop signal"
     attempt.record["stop_ignored"] = name
-    attempt.record["note"] = f"{name} arrived and was never acted on: the loop never called run.boundary(step)"
+    attempt.record["note"] = (f"{name} arrived and was never acted on: the loop never called "
+                              "run.boundary(step)")
     log.error("%s arrived and was never acted on: the loop never called run.boundary(step), so it "
               "took no "
               "snapshot and could not stop; on a cluster the job is killed at the end of the grace "

@@ -63,7 +63,8 @@ def threads(environ: Mapping[str, str], env: DistEnv) -> None:
     if "OMP_NUM_THREADS" in environ:
         return
     cpus = environ.get("SLURM_CPUS_PER_TASK", "")
-    count = int(cpus) if cpus.isdigit() and int(cpus) > 0 else len(os.sched_getaffinity(0)) // env.local_world_size
+    count = (int(cpus) if cpus.isdigit() and int(cpus) > 0
+             else len(os.sched_getaffinity(0)) // env.local_world_size)
     torch.set_num_threads(max(1, count))
 
 
@@ -101,7 +102,8 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
                 except LoopIgnoredStop as err:
                     log.error("%s", err)
                     note(attempt, "the loop went on after run.boundary returned True")
-                    run.step = run.checkpointer.last_step if run.checkpointer is not None else run.step
+                    run.step = (run.checkpointer.last_step if run.checkpointer is not None
+                                else run.step)
                 except HpcDdpError:
                     # the program's own error (explained): it fails the same way after any resume
                     raise
@@ -217,9 +219,9 @@ def beating(attempt: Attempt) -> Iterator[None]:
     beat says it left, on every way out. A wrapped script's own session does not beat: the worker
     that started it does. How a rank exits when its thread finds a peer lost or hears so is
     :mod:`hpc_ddp.rank.attempt.failure`'s."""
-    from hpc_ddp.rank.watch import liveness
+    from hpc_ddp.rank.watch import liveness_start
 
-    attempt.liveness = None if attempt.wrapped else liveness.start(
+    attempt.liveness = None if attempt.wrapped else liveness_start.start(
         attempt.run_dir, attempt.cfg.dist, attempt.env, attempt.environ, on_lost=failure.exit_lost,
         on_heard=failure.exit_heard)
     try:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from hpc_ddp.core import limits
 from hpc_ddp.rank.group import control, nccl_report, rendezvous, tiers
-from hpc_ddp.rank.group.rendezvous import DistributedError, RendezvousError  # noqa: F401  (raised from here)
+# raised from here
+from hpc_ddp.rank.group.rendezvous import DistributedError, RendezvousError  # noqa: F401
 from hpc_ddp.core.config import DistConfig
 from hpc_ddp.core.errors import explain
 from hpc_ddp.core.shutdown import exit_fast  # noqa: F401  (part of the library API)
@@ -64,7 +65,8 @@ def device_index(env: DistEnv, visible_gpus: int) -> int:
         f"{env.local_world_size} tasks on node {env.node_rank} but {visible_gpus} GPUs visible to "
         "each",
         expected="one GPU per task (tasks_per_node == gpus_per_node)",
-        hint="set slurm.tasks_per_node equal to slurm.gpus_per_node, or check CUDA_VISIBLE_DEVICES"),
+        hint="set slurm.tasks_per_node equal to slurm.gpus_per_node, or check "
+             "CUDA_VISIBLE_DEVICES"),
         key="slurm.tasks_per_node")
 
 
@@ -134,13 +136,36 @@ def init_process_group(env: DistEnv, cfg: DistConfig,
         control.open_group(dist.get_backend(), own_control_group, timeout)
         _open_tiers(env)
         return device
-    target = os.environ if environ is None else environ
-    target.update({**torch_env(env), **cfg.nccl_env})
-    target.update(failure_env(target, dumps,
-                              new_names=hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")))
+    target = _exported(env, cfg, environ, dumps)
     report = nccl_report.prepare(target, env) if nccl_report.wanted(backend, env) else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    _join(backend, env, device, timeout, peer_error, store_moves)
+    # every rank: the first communicator exists after one collective
+    if nccl_report.wanted(backend, env):
+        dist.all_reduce(torch.zeros(1, device=device))
+        nccl_report.collect(report)
+    control.open_group(backend, own_control_group, timeout)
+    _open_tiers(env)
+    return device
+
+
+def _exported(env: DistEnv, cfg: DistConfig, environ: MutableMapping[str, str] | None,
+              dumps: str | None) -> MutableMapping[str, str]:
+    """The rendezvous variables, ``dist.nccl_env`` and :func:`failure_env` put into ``environ``
+    (``os.environ`` when None), which is returned."""
+    target = os.environ if environ is None else environ
+    target.update({**torch_env(env), **cfg.nccl_env})
+    new_names = hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+    target.update(failure_env(target, dumps, new_names=new_names))
+    return target
+
+
+def _join(backend: str, env: DistEnv, device: torch.device, timeout: timedelta,
+          peer_error: Callable[[], str | None],
+          store_moves: tuple[Callable[[], int | None], Callable[[int], Any]] | None) -> None:
+    """torch's default process group, on the store this world uses: in memory for a world of one,
+    torchrun's agent's under torchrun, else rank 0's (:func:`rendezvous_store`)."""
     device_id = device if device.type == "cuda" else None
     if env.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -156,13 +181,6 @@ def init_process_group(env: DistEnv, cfg: DistConfig,
                                                        *(store_moves or ())),
                                 rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, device_id=device_id)
-    # every rank: the first communicator exists after one collective
-    if nccl_report.wanted(backend, env):
-        dist.all_reduce(torch.zeros(1, device=device))
-        nccl_report.collect(report)
-    control.open_group(backend, own_control_group, timeout)
-    _open_tiers(env)
-    return device
 
 
 def _open_tiers(env: DistEnv) -> None:

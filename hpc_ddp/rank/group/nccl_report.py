@@ -63,7 +63,8 @@ def collect(prefix: str | None, ib_class: Path = IB_CLASS,
         return None
     text = ""
     pid = os.getpid() if pid == -1 else pid
-    for path in sorted(Path(prefix).parent.glob(f"{Path(prefix).name}.*.{'*' if pid is None else pid}")):
+    pattern = f"{Path(prefix).name}.*.{'*' if pid is None else pid}"
+    for path in sorted(Path(prefix).parent.glob(pattern)):
         try:
             text += path.read_text(errors="replace")
             # NCCL keeps it open and may add lines for later communicators: they go nowhere seen

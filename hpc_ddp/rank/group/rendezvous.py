@@ -128,7 +128,8 @@ def join(env: DistEnv, timeout: timedelta, peer_error: Callable[[], str | None] 
             port, box = other, _connect(env, other, timeout)
             continue
         if "error" in box or (key and time.monotonic() > deadline):
-            why = f": {str(box['error']).splitlines()[0]}" if "error" in box else " (no store of this attempt there)"
+            why = (f": {str(box['error']).splitlines()[0]}" if "error" in box
+                   else " (no store of this attempt there)")
             raise RendezvousError(explain(
                 f"rank {env.rank} could not reach rank 0's rendezvous at {env.master_addr}:{port} "
                 "within "

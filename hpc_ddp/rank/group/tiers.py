@@ -125,7 +125,8 @@ class Tiers:
             tensor, pending = job
             try:
                 self.max_of(tensor)
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits, as a collective's error is
+            # handed to whoever waits, as a collective's error is
+            except BaseException as err:  # noqa: BLE001
                 pending.finish(err)
                 continue
             pending.finish()
@@ -145,7 +146,8 @@ class Tiers:
             return None
         if between is None:
             return [value]
-        gathered: list[Any] | None = [None] * len(self.groups.leaders) if self.env.rank == 0 else None
+        gathered: list[Any] | None = ([None] * len(self.groups.leaders) if self.env.rank == 0
+                                      else None)
         dist.gather_object(value, gathered, dst=0, group=between)
         return gathered
 

@@ -84,7 +84,8 @@ class Checkpointer:
     def __init__(self, run_dir: Path, cfg: SnapshotConfig, env: DistEnv, config_hash: str,
                  clock: Callable[[], float] = time.monotonic, config: dict[str, Any] | None = None,
                  local: bool = False) -> None:
-        self.run_dir, self.cfg, self.env, self.config_hash, self.clock = run_dir, cfg, env, config_hash, clock
+        self.run_dir, self.cfg, self.env = run_dir, cfg, env
+        self.config_hash, self.clock = config_hash, clock
         # every_rank: its name before issue 45
         load = "every_node" if cfg.load == "every_rank" else cfg.load
         self.load = load if load != "auto" else auto_load(local, env.num_nodes, cfg.replicas)
@@ -115,7 +116,8 @@ class Checkpointer:
 
     def due_by_time(self) -> bool:
         """every_minutes, by this rank's clock; the trainer asks rank 0 and agrees on its answer."""
-        return bool(self.cfg.every_minutes) and self.clock() - self.last_time >= self.cfg.every_minutes * 60
+        return (bool(self.cfg.every_minutes)
+                and self.clock() - self.last_time >= self.cfg.every_minutes * 60)
 
     def _gather_rng(self, rng: dict[str, Any]) -> dict[int, Any] | None:
         """Collective within each node: the node's writer gets {rank: RNG state} of its ranks;

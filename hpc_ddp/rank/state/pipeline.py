@@ -106,7 +106,8 @@ class Staged:
                     if not chunk[4]:
                         try:
                             chunk[2].wait(chunk[3])
-                        except BaseException as err:  # noqa: BLE001 - re-raised below, once all are waited for
+                        # re-raised below, once all are waited for
+                        except BaseException as err:  # noqa: BLE001
                             error = error or err
                         chunk[4], chunk[5] = True, None
             self.released = True

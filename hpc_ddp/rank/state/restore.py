@@ -22,7 +22,8 @@ from hpc_ddp.core.errors import explain, first_line
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP
 from hpc_ddp.rank.state.snapshot_load import Restored
-from hpc_ddp.rank.state.tracked import RunUsageError, load_into, resize_refused, restore_per_rank, unpack
+from hpc_ddp.rank.state.per_rank_resume import resize_refused, restore_per_rank
+from hpc_ddp.rank.state.tracked import RunUsageError, load_into, unpack
 
 log = logging.getLogger("hpc_ddp.run")
 

@@ -21,12 +21,13 @@ optimizer) and a copy there and back, for bytes that are unpacked on the CPU any
 exchange between nodes uses the network gloo binds to (the interface of the node's hostname,
 or ``GLOO_SOCKET_IFNAME``), which on most clusters is the same fabric NCCL uses, over TCP
 (IP over InfiniBand on an InfiniBand cluster), not RDMA.
+
+What a reader takes from its files, and how it knows the bytes are good, is
+:mod:`hpc_ddp.rank.state.step_files`; this module is who reads what, and the exchange.
 """
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ import torch
 
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.group.tiers import Groups
-from hpc_ddp.rundir import slicing, snapshot, snapshot_verify
+from hpc_ddp.rank.state.step_files import StepFiles, node_rngs, read_slice
+from hpc_ddp.rundir import slicing, snapshot
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")
@@ -66,132 +68,6 @@ class Loaded:
     rng_unusable: str | None = None  # the file that held it, when that file was not usable
 
 
-class _Files:
-    """The step's files this rank opened: each opened once, and loaded only after the bytes outside
-    its pieces verified (the pickle is never unpickled unverified). What is kept of a file is small
-    and detached from it (its pieces' dtypes and sizes, the skeleton, the RNG entries): torch.load
-    maps the file, and while a map of it exists the kernel reads ahead of every read of the file,
-    read-ahead off or not (a slice of 13 MB cost 25 MB of disk reads here); so the map is let go
-    before a slice's bytes are read."""
-
-    def __init__(self, choice: snapshot.Choice) -> None:
-        self.choice, self.loaded, self.bad = choice, {}, {}  # type: dict[str, dict[str, Any]], dict[str, str]
-        self.checked: set[str] = set()
-
-    def verified(self, name: str) -> bool:
-        """Whether the file's bytes outside its pieces verify (read once, without read-ahead; the
-        reason in ``bad``)."""
-        if name not in self.checked and name not in self.bad:
-            why = snapshot_verify.rest_problem(self.choice.directory / name,
-                                               self.choice.manifest["files"].get(name) or {})
-            if why is None:
-                self.checked.add(name)
-            else:
-                self.bad[name] = why
-        return name in self.checked
-
-    def get(self, name: str) -> dict[str, Any] | None:
-        """{"pieces": {index: tensor}, "skeleton", "rng"} of a verified file, or None (its reason in
-        ``bad``). Pieces are meta tensors (a dtype and a size, no memory), except those the file has
-        no span for (written before issue 45, or copied by torch first): those are copied out whole.
-        Load a file after its slices are read: torch's reads leave the kernel's marks for read-ahead
-        on the file's pages, which a later read of the file follows whatever its advice (a 13 MB
-        slice cost 25 MB after a load, 13 MB before)."""
-        if name not in self.loaded and self.verified(name):
-            # a verified file that needs arbitrary unpickling was planted: stop, never fall back
-            # (SnapshotError)
-            snapshot_verify.warm_heads(self.choice.directory / name,
-                                       self.choice.manifest["files"].get(name) or {})
-            mapped = snapshot.load_file(self.choice.directory / name)
-            spans = snapshot_verify.spans_of(self.choice.manifest["files"].get(name) or {})
-            self.loaded[name] = {
-                "pieces": {i: (t.clone() if i not in spans
-                               else torch.empty(t.shape, dtype=t.dtype, device="meta"))
-                           for i, t in (mapped.get("pieces") or {}).items()},
-                "skeleton": _detached(mapped.get("skeleton")),
-                "rng": _detached(mapped.get("rng") or {})}
-            # the map goes with its last tensor: torch.load's unpickler holds some in a cycle
-            del mapped
-            gc.collect()
-        return self.loaded.get(name)
-
-    def copies_of(self, slice_: int) -> list[str]:
-        """The good files holding ``slice_``: the chosen source first, then its replicas."""
-        first = self.choice.sources[slice_]
-        return [first] + [name
-                          for name, held in sorted(slicing.file_slices(self.choice.manifest).items())
-                          if slice_ in held and name != first and name in self.choice.good_files]
-
-
-def _detached(value: object) -> Any:
-    """``value`` with every tensor in it copied out of the file's map (small: a skeleton, RNG
-    states)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_detached(v) for v in value)
-    return value
-
-
-def _read_slice(files: _Files, slice_: int,
-                indices: list[int]) -> tuple[torch.Tensor, dict[int, tuple[str, int]]]:
-    """One slice's pieces end to end in one byte buffer, from the first copy whose bytes give the
-    slice's digest (hashed here, as they are read: nothing else hashes them): (the buffer, {piece:
-    (dtype, numel)}).
-
-    The pieces' bytes are read straight from their spans in the file (their places, in the manifest)
-    into the buffer, with no read-ahead: exactly the slice's bytes, not the other slice's beside
-    them, and no copy out of a memory map. A piece with no span (a file written before issue 45, or
-    a piece torch copied first) comes from the memory-mapped file, whose rest was verified."""
-    tried = []
-    for name in files.copies_of(slice_):
-        if not files.verified(name):
-            tried.append(f"{name} ({files.bad[name]})")
-            continue
-        entry = files.choice.manifest["files"][name]
-        spans = snapshot_verify.spans_of(entry)
-        # every piece has its place: read them before any load of the file
-        early = all(i in spans for i in indices)
-        loaded = None if early else files.get(name)
-        sizes = [spans[i][1] for i in indices] if early else [loaded["pieces"][i].nbytes
-                                                              for i in indices]  # type: ignore[index]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        view, digests, offset, why = memoryview(buffer.numpy()), [], 0, None
-        try:
-            with snapshot_verify.open_exact(files.choice.directory / name) as source:
-                for i, size in zip(indices, sizes):
-                    part = view[offset:offset + size]
-                    if i in spans and spans[i][1] == size:
-                        snapshot_verify.read_span(source, spans[i][0], part)
-                    else:  # no span: copied out of the file's load, whose rest verified
-                        part[:] = memoryview(loaded["pieces"][i].reshape(-1).view(torch.uint8).numpy())  # type: ignore[index]
-                    digests.append(hashlib.sha256(part).hexdigest())
-                    offset += size
-            why = snapshot_verify.slice_problem(entry, slice_, digests)
-        except (OSError, EOFError) as err:
-            why = f"cannot be read ({err})"
-        if why is None:
-            loaded = loaded or files.get(name)
-            held = [loaded["pieces"][i] for i in indices] if loaded is not None else []
-            if loaded is None or [t.nbytes for t in held] != sizes:
-                why = "its pieces' sizes differ from their places in the manifest"
-        if why is None:
-            if tried:
-                log.warning("slice %d of step %d read from %s instead: %s", slice_,
-                            files.choice.step, name,
-                            "; ".join(f"{files.choice.directory / t}" for t in tried))
-            return buffer, {i: (str(t.dtype).removeprefix("torch."), t.numel())
-                            for i, t in zip(indices, held)}
-        files.bad[name] = why
-        log.warning("snapshot file %s is not usable (%s)", files.choice.directory / name, why)
-        tried.append(f"{name} ({why})")
-    raise snapshot.Unverified(f"no copy of slice {slice_} of step {files.choice.step} in "
-                              f"{files.choice.directory} "
-                              f"verifies as it is read: {'; '.join(tried)}")
-
-
 def load(choice: snapshot.Choice, env: DistEnv, groups: Groups, across: bool = True,
          rng_needed: bool = False) -> Loaded:
     """Collective: the replicated state on every rank, and each rank's RNG entry.
@@ -210,24 +86,46 @@ def load(choice: snapshot.Choice, env: DistEnv, groups: Groups, across: bool = T
         by_slice.setdefault(owner, []).append(index)
     who = readers(sources, groups.leaders) if across else {s: groups.leader for s in sources}
     mine = sorted(s for s, rank in who.items() if rank == env.rank)
-    files, buffers, shapes, skeleton, rngs = _Files(choice), {}, {}, None, None
+    buffers, shapes, skeleton, rngs, problem = _read_mine(choice, env, groups, by_slice, mine,
+                                                          rng_needed)
+    # every rank learns every piece's dtype and size, the skeleton, or the first problem: all stop
+    # alike
+    shapes, problem, skeleton = control.to_main_and_back((shapes, problem, skeleton),
+                                                         merge=_merged)
+    if problem:
+        raise (snapshot.Unverified if problem[1] else snapshot.SnapshotError)(problem[0])
+    read = sum(b.numel() for b in buffers.values())
+    pieces = _shared_pieces(by_slice, shapes, buffers, who, groups, across)
+    state = slicing.assemble(split, skeleton, pieces)
+    mine_rng = (control.scatter_within(rngs, groups.leader, groups.within)
+                if groups.within is not None
+                else (rngs or [(None, None)])[0])
+    return Loaded(state, read, *mine_rng)
+
+
+def _read_mine(choice: snapshot.Choice, env: DistEnv, groups: Groups,
+               by_slice: dict[int, list[int]], mine: list[int], rng_needed: bool,
+               ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[str, int]], Any,
+                          list[tuple[Any, str | None]] | None, tuple[str, bool] | None]:
+    """This rank's reads, before any exchange: (its slices' bytes, their pieces' dtypes and sizes,
+    the skeleton (rank 0's), its node's RNG entries (the leader's), the problem: (why, whether the
+    step is only unverified), or None). A problem is returned, not raised: every rank must reach
+    the exchange that tells all of them alike."""
+    files = StepFiles(choice)
+    buffers: dict[int, torch.Tensor] = {}
+    shapes: dict[int, tuple[str, int]] = {}
+    skeleton: Any = None
+    rngs: list[tuple[Any, str | None]] | None = None
     problem: tuple[str, bool] | None = None
     try:
         for s in mine:
-            buffers[s], found = _read_slice(files, s, by_slice.get(s, []))
+            buffers[s], found = read_slice(files, s, by_slice.get(s, []))
             shapes.update(found)
         if env.rank == 0:
-            named = next((n for n in [*files.loaded, *sorted(set(sources.values()))]
-                          if files.get(n)), None)
-            if named is None:
-                raise snapshot.Unverified(f"no file of step {choice.step} in {choice.directory} "
-                                          "verifies: "
-                                          + "; ".join(f"{n} ({why})"
-                                                      for n, why in sorted(files.bad.items())))
-            skeleton = files.loaded[named]["skeleton"]
+            skeleton = _skeleton(files)
         if env.rank == groups.leader:
             # the group's order
-            rngs = _node_rngs(files, sorted(groups.node), env.world_size, rng_needed)
+            rngs = node_rngs(files, sorted(groups.node), env.world_size, rng_needed)
     except snapshot.Unverified as err:
         problem = (str(err), True)
     except snapshot.SnapshotError as err:
@@ -236,17 +134,37 @@ def load(choice: snapshot.Choice, env: DistEnv, groups: Groups, across: bool = T
         problem = (f"the files of step {choice.step} in {choice.directory} do not hold what its "
                    "manifest says "
                    f"({err!r})", False)
-    # every rank learns every piece's dtype and size, the skeleton, or the first problem: all stop
-    # alike
-    shapes, problem, skeleton = control.to_main_and_back((shapes, problem, skeleton),
-                                                         merge=lambda parts: (
-        {k: v for p, _, _ in parts for k, v in p.items()},
-        next((why for _, why, _ in parts if why), None),
-        parts[0][2]))
-    if problem:
-        raise (snapshot.Unverified if problem[1] else snapshot.SnapshotError)(problem[0])
+    return buffers, shapes, skeleton, rngs, problem
+
+
+def _skeleton(files: StepFiles) -> Any:
+    """Rank 0's: the state's skeleton, from a file it loaded already, else the first source file
+    that verifies."""
+    choice = files.choice
+    named = next((n for n in [*files.loaded, *sorted(set(choice.sources.values()))]
+                  if files.get(n)), None)
+    if named is None:
+        raise snapshot.Unverified(f"no file of step {choice.step} in {choice.directory} "
+                                  "verifies: "
+                                  + "; ".join(f"{n} ({why})"
+                                              for n, why in sorted(files.bad.items())))
+    return files.loaded[named]["skeleton"]
+
+
+def _merged(parts: list[Any]) -> tuple[dict[int, tuple[str, int]], Any, Any]:
+    """Rank 0's merge of every rank's (shapes, problem, skeleton): all the shapes, the first
+    problem, rank 0's skeleton."""
+    return ({k: v for p, _, _ in parts for k, v in p.items()},
+            next((why for _, why, _ in parts if why), None),
+            parts[0][2])
+
+
+def _shared_pieces(by_slice: dict[int, list[int]], shapes: dict[int, tuple[str, int]],
+                   buffers: dict[int, torch.Tensor], who: dict[int, int], groups: Groups,
+                   across: bool) -> dict[int, torch.Tensor]:
+    """Collective: every slice's bytes from its reader to every rank (:func:`share`), cut into the
+    slice's pieces (the reader's buffers are taken out of ``buffers``)."""
     pieces: dict[int, torch.Tensor] = {}
-    read = sum(b.numel() for b in buffers.values())
     for s in sorted(by_slice):
         indices = by_slice[s]
         sizes = [shapes[i][1] * _itemsize(shapes[i][0]) for i in indices]
@@ -258,34 +176,7 @@ def load(choice: snapshot.Choice, env: DistEnv, groups: Groups, across: bool = T
             # clone: aligned for the dtype
             pieces[i] = buffer[offset:offset + size].clone().view(dtype)
             offset += size
-    state = slicing.assemble(split, skeleton, pieces)
-    mine_rng = (control.scatter_within(rngs, groups.leader, groups.within)
-                if groups.within is not None
-                else (rngs or [(None, None)])[0])
-    return Loaded(state, read, *mine_rng)
-
-
-def _node_rngs(files: _Files, node: list[int], world_size: int,
-               needed: bool) -> list[tuple[Any, str | None]]:
-    """For each rank of this node, in order: (its RNG entry or None, the file that held it when that
-    file was not usable). Read from the files that hold them in the snapshot's own geometry (none at
-    another world size: every rank is reseeded)."""
-    manifest, out = files.choice.manifest, []
-    for rank in node:
-        holder = slicing.rank_file(manifest,
-                                   rank) if manifest.get("world_size") == world_size else None
-        loaded = files.get(holder) if holder is not None and holder in files.choice.good_files else None
-        if holder is not None and loaded is None:
-            why = files.bad.get(holder, "not usable")
-            if needed:
-                raise snapshot.Unverified(f"the file of rank {rank}'s per_rank state in step "
-                                          f"{files.choice.step}, "
-                                          f"{files.choice.directory / holder}, is not usable "
-                                          f"({why})")
-            out.append((None, holder))
-        else:
-            out.append((loaded["rng"].get(rank) if loaded is not None else None, None))
-    return out
+    return pieces
 
 
 def share(buffer: torch.Tensor, reader: int, groups: Groups, across: bool = True) -> None:

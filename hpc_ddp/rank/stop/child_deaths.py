@@ -65,7 +65,8 @@ class ChildDeaths:
 
     def _stand_in(self) -> None:
         current = signal.getsignal(signal.SIGCHLD)
-        if current == self._noted or not callable(current) or threading.current_thread() is not threading.main_thread():
+        if (current == self._noted or not callable(current)
+                or threading.current_thread() is not threading.main_thread()):
             return
         self.held = current
         signal.signal(signal.SIGCHLD, self._noted)

@@ -76,7 +76,8 @@ class WorkerInit:
             self.then(worker_id)
 
     def __repr__(self) -> str:
-        return f"hpc_ddp.worker_init({self.then!r})" if self.then is not None else "hpc_ddp.worker_init()"
+        return (f"hpc_ddp.worker_init({self.then!r})" if self.then is not None
+                else "hpc_ddp.worker_init()")
 
 
 def worker_init(then: Callable[[int], object] | None = None) -> WorkerInit:

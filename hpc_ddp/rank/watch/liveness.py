@@ -35,31 +35,28 @@ GIL) and dies with the process, as a frozen node's does; C code that holds the G
 When the watched peer is silent for ``liveness_s``, this rank declares it lost (the markers in
 ``RUN_DIR/errors/``, the batch shell's :func:`lost_ranks`) and exits at once with :data:`EXIT_LOST`;
 every survivor hears the declaration (:meth:`Liveness.listen`), writes what it holds and exits with
-:data:`EXIT_FAILED`: :mod:`hpc_ddp.rank.watch.declaration` writes and reads it. No torch.
+:data:`EXIT_FAILED`: :mod:`hpc_ddp.rank.watch.declaration` writes and reads it. No torch. The
+session starts the thread with :func:`hpc_ddp.rank.watch.liveness_start.start`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpc_ddp.rank.watch import declaration
 from hpc_ddp.rank.watch.declaration import rewrite
 from hpc_ddp.rundir import beats, layout, node_local
-from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401  (Judge, decode and encode were here first)
+# Judge, decode and encode were here first
+from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
 from hpc_ddp.rundir.ledger import attempt_tag
-
-if TYPE_CHECKING:
-    from hpc_ddp.core.config import DistConfig
-    from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.liveness")
 # a live peer beats this often within liveness_s: five late beats are still not a loss
@@ -70,23 +67,6 @@ MIN_PERIOD_S = 0.25
 def period(liveness_s: float) -> float:
     """How often a rank beats and looks at its peer."""
     return max(MIN_PERIOD_S, liveness_s / BEATS_PER_WINDOW)
-
-
-def effective(liveness_s: float | None, timeout_s: float) -> float | None:
-    """The window this run uses; None when liveness is off: ``dist.liveness_s`` null or 0, or more
-    than half of ``dist.timeout_s`` (then the hang watchdog would speak first; the config refuses
-    that unless ``liveness_s`` is the default, which steps aside for a small ``dist.timeout_s``)."""
-    if not liveness_s:
-        return None
-    return float(liveness_s) if 2 * liveness_s <= timeout_s else None
-
-
-def host_of(environ: Mapping[str, str], nodelist: Sequence[str] = (), node_rank: int = 0) -> str:
-    """This rank's node as Slurm names it (what the batch shell excludes), else as the hostlist
-    does."""
-    if environ.get("SLURMD_NODENAME"):
-        return environ["SLURMD_NODENAME"]
-    return nodelist[node_rank] if 0 <= node_rank < len(nodelist) else socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -205,7 +185,8 @@ class Liveness:
         while not self._stopped.wait(self.period_s):
             try:
                 self.check()
-            except Exception as err:  # noqa: BLE001 - a thread that dies stops beating: its watcher would cry wolf
+            # a thread that dies stops beating: its watcher would cry wolf
+            except Exception as err:  # noqa: BLE001
                 log.warning("liveness check failed (this rank goes on beating): %s", err)
 
     def _watch_local(self) -> float | None:
@@ -215,8 +196,8 @@ class Liveness:
         beat = beats.read(beats.local_beat(self.folder, self.local_peer), self.local_tag, own=True)
         silent = judge.observe(beat, self.clock())
         if judge.left:  # watch the next one instead, one per period
-            self.local_peer, self.local_judge = (self.local_peer
-                                                 + 1) % self.place.local_size, Judge(self.liveness_s)
+            self.local_peer = (self.local_peer + 1) % self.place.local_size
+            self.local_judge = Judge(self.liveness_s)
             return None
         if silent is not None and judge.last is not None:
             self._declare(silent, [judge.last.rank], judge.last)
@@ -292,29 +273,6 @@ class Liveness:
             # the survivors' just-in-time snapshot (rank/salvage/jit.py), from this thread
             self.before_exit(message)
         self.on_lost(message)
-
-
-def start(run_dir: Path, dist: DistConfig, env: DistEnv, environ: Mapping[str, str], *,
-          on_lost: Callable[[str], Any], on_heard: Callable[[str], Any]) -> Liveness | None:
-    """This rank's beats for the attempt, started; None when liveness is off (rank 0 says why when
-    the config asked for it) or the rank is alone. The session passes how it exits
-    (rank/attempt/failure.py)."""
-    window = effective(dist.liveness_s, dist.timeout_s)
-    # only the default can be off this way (config checks)
-    if window is None and dist.liveness_s and env.is_main:
-        log.info("dist.liveness_s=%g is more than half of dist.timeout_s=%s: liveness is off for "
-                 "this run, and a "
-                    "frozen node is found by the hang watchdog after dist.timeout_s.\nHINT: "
-                    "dist.liveness_s=%g "
-                    "turns it on", dist.liveness_s, dist.timeout_s, max(1, dist.timeout_s // 4))
-    if window is None or env.world_size < 2:
-        return None
-    place = Place(env.local_rank, max(1, env.local_world_size), env.node_rank,
-                  max(1, env.num_nodes))
-    return Liveness(run_dir, env.job_id, env.restart_count, env.in_job, env.rank, env.world_size,
-                    host_of(environ, env.nodelist, env.node_rank), window, place=place,
-                    on_lost=on_lost,
-                    on_heard=on_heard).start()
 
 
 def _exit_heard(message: str) -> None:

@@ -46,7 +46,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from hpc_ddp.rank.watch.hang import PHASES, UNREADABLE, Issued, Position, describe_hang, laggards, never_entered, places, verdict
+from hpc_ddp.rank.watch.hang import (PHASES, UNREADABLE, Issued, Position, describe_hang, laggards,
+                                     never_entered, places, verdict)
 
 __all__ = ["EXIT_HUNG", "PHASES", "UNREADABLE", "Position", "Watchdog", "describe_hang", "laggards",
            "never_entered", "poll_interval", "recorded_collectives", "verdict"]
@@ -207,15 +208,15 @@ class Watchdog:
         try:
             if self.store is not None and self.store.check([VERDICT_KEY]):
                 found = json.loads(self.store.get(VERDICT_KEY).decode())
-                return f"rank {self.rank}: rank 0's verdict: {found['message'].removeprefix('rank 0: ')}", \
-                    list(found["stuck"])
+                said = found["message"].removeprefix("rank 0: ")
+                return f"rank {self.rank}: rank 0's verdict: {said}", list(found["stuck"])
         except Exception:
             pass
         if quiet < 2 * self.timeout_s + 30:
             return None
         beats = self.beats()
-        return f"rank 0 gave no verdict; {describe_hang(self.rank, self.timeout_s, beats, quiet_s=quiet)}", \
-            laggards(beats)
+        described = describe_hang(self.rank, self.timeout_s, beats, quiet_s=quiet)
+        return f"rank 0 gave no verdict; {described}", laggards(beats)
 
     def _fire(self, message: str, stuck: list[int]) -> None:
         stream = self.stream or sys.stderr
