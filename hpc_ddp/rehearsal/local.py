@@ -25,26 +25,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir import beats, jit_offers
+from hpc_ddp.rehearsal.local_end import end_ranks, wait_ranks
 from hpc_ddp.rehearsal.local_report import attempt_code
+from hpc_ddp.rehearsal.local_tee import tee as tee_rank_0
 from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Injection,
                                             freeze_problem, injector,
-                                            node_ranks, signal_family, unfired)
-from hpc_ddp.core.codes import (DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR,
-                                 PROGRESS_MARK)
+                                            node_ranks, unfired)
+from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR
 from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
-# where a rank's error starts
-ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")
-
-POLL_S = 0.02
-GRACE_S = 3.0
-# Slurm's default KillWait: how long a survivor's just-in-time snapshot may take after SIGTERM
-KILL_WAIT_S = 30.0
+if TYPE_CHECKING:
+    from hpc_ddp.rehearsal.local_heal import LocalHealer
 
 
 def free_port() -> int:
@@ -67,72 +63,6 @@ def rank_environs(nodes: int, tasks_per_node: int, *, job_id: int, restart_count
             for slurm in simulated_environ(nodes, tasks_per_node, job_id=job_id,
                                            restart_count=restart_count,
                                            hosts=hosts)]
-
-
-def _tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str],
-         on_step: Callable[[int], None],
-         progress: re.Pattern[str] | None = None, watch: dict[str, object] | None = None,
-         quiet: threading.Event | None = None) -> None:
-    """Copy rank 0's output to its log and to ``stream``; progress marks go to ``on_step`` instead.
-
-    ``progress`` (``train.script_progress``) finds the step in an unmodified script's own lines.
-
-    From rank 0's first error line on (``error: ...``, a traceback, an ERROR log record) its lines
-    go to ``err``: errors reach stderr, and the launcher's summary need not print them again.
-
-    Once ``quiet`` is set (the launch returned while a process that outlived rank 0 still held its
-    pipe), lines go to the log only: ``stream`` and ``err`` may be closed by then (a test's captured
-    output), and a write to them would raise in this thread.
-    """
-    erring = False
-    with open(log_path, "ab") as log:
-        for line in iter(source.readline, b""):
-            text = line.decode(errors="replace")
-            if text.startswith(PROGRESS_MARK):
-                on_step(int(text[len(PROGRESS_MARK):]))
-                continue
-            found = progress.search(text) if progress is not None else None
-            if found:
-                on_step(int(found.group(1)))
-            if watch is not None and text.strip():
-                # rank 0's last line: says why an injected stop never fired
-                watch["line"] = text.strip()
-            log.write(line)
-            log.flush()
-            erring = erring or bool(ERROR_LINE.match(text))
-            if quiet is not None and quiet.is_set():
-                continue
-            out = err if erring else stream
-            try:
-                out.write(text)
-                out.flush()
-            except (ValueError, OSError):  # closed under us: the log keeps every line
-                pass
-
-
-def _end(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = (),
-         writing: Callable[[], bool] = lambda: False) -> None:
-    """SIGTERM every rank's process group, SIGKILL what is left after a grace period (up to srun's
-    KillWait while a survivor still writes its just-in-time snapshot: ``writing``); the ``frozen``
-    ranks' at once (a stopped process never acts on SIGTERM; their scripts die with them:
-    PR_SET_PDEATHSIG)."""
-    for rank in frozen:
-        if procs[rank].poll() is None:
-            try:
-                os.killpg(procs[rank].pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-        start = time.monotonic()
-        while any(p.poll() is None for p in procs) and (time.monotonic() < start + GRACE_S or (
-                sig == signal.SIGTERM and time.monotonic() < start + KILL_WAIT_S and writing())):
-            time.sleep(POLL_S)
 
 
 def script_progress(config_path: Path) -> re.Pattern[str] | None:
@@ -163,16 +93,9 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     comes first)."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
-                             port=free_port(), base={**os.environ, **(extra_env or {})},
-                             hosts=hosts,
-                             cpus_per_task=cpus_per_task(config_path))
-    # --fail-at: these ranks die after their own boundary of that step
-    for rank, step in (die_at or {}).items():
-        environs[rank][DIE_AT_VAR] = str(step)
-    # rank 0 waits at each injected stop's step for the signal sent on reading its report
-    if events:
-        environs[0][HOLD_AT_VAR] = ",".join(str(step) for step, _signum in events)
+    environs = _attempt_environs(config_path, nodes, tasks_per_node, job_id=job_id,
+                                 restart_count=restart_count, hosts=hosts, extra_env=extra_env,
+                                 die_at=die_at, events=events)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
     # the attempt's number in the run's ledger
     index = restart_count if log_index is None else log_index
@@ -181,26 +104,22 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     frozen: list[int] = []
     tee, quiet = None, threading.Event()
     try:
-        for rank, env in enumerate(environs):
-            out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=die_with_parent))
-            if rank:
-                out.close()  # type: ignore[union-attr]
+        _start_ranks(procs, cmd, environs, paths)
         on_step = injector(procs, events if events is not None else [], err, watch, kills,
                            skew_s=float(os.environ.get(SIGNAL_SKEW_VAR) or 0), freezes=freezes,
                            frozen=frozen,
                            kill_delay_s=float(os.environ.get(KILL_DELAY_VAR) or 0),
                            self_kill=bool(die_at))
-        tee = threading.Thread(target=_tee, args=(procs[0].stdout, paths[0], stream, err, on_step,
-                                                  script_progress(config_path), watch, quiet),
+        tee = threading.Thread(target=tee_rank_0, args=(procs[0].stdout, paths[0], stream, err,
+                                                        on_step, script_progress(config_path),
+                                                        watch, quiet),
                                daemon=True)
         tee.start()
-        codes, failed, interrupted = _wait(procs, err)
+        codes, failed, interrupted = wait_ranks(procs, err)
     finally:
-        _end(procs, frozen, lambda: jit_offers.writing(run_dir, job_id, restart_count,
-                                                       int((extra_env or {}).get(IN_JOB_VAR) or 0)))
+        end_ranks(procs, frozen,
+                  lambda: jit_offers.writing(run_dir, job_id, restart_count,
+                                             int((extra_env or {}).get(IN_JOB_VAR) or 0)))
         if tee is not None:
             tee.join(timeout=5)
             # a pipe still held (a child that outlived rank 0): from here the tee writes its log
@@ -214,31 +133,36 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     return attempt_code(procs, codes, failed, paths, attempt, watch, err)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]],
-          err: IO[str]) -> tuple[list[int | None], list[int], bool]:
-    """Until every rank has exited or one has failed: (exit codes, failed ranks, interrupted with
-    Ctrl-C)."""
-    interrupted = False
-    while True:
-        try:
-            codes = [p.poll() for p in procs]
-            failed = [rank for rank, code in enumerate(codes)
-                      if code not in (None, 0, EXIT_REQUEUE)]
-            if failed or all(code is not None for code in codes):
-                return codes, [] if interrupted else failed, interrupted
-            time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            if interrupted:  # the second Ctrl-C: no more waiting for the snapshot
-                err.write("[local] interrupted again: ending every rank now\n")
-                return [p.poll() for p in procs], [], True
-            interrupted = True
-            err.write("[local] Ctrl-C: every rank stops at its next step boundary and commits a "
-                      "snapshot "
-                      "(Ctrl-C again ends them at once)\n")
-            for proc in procs:
-                if proc.poll() is None:
-                    # as a terminal's Ctrl-C reaches the loader workers too
-                    signal_family(proc.pid, signal.SIGINT)
+def _attempt_environs(config_path: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+                      restart_count: int, hosts: Sequence[str] | None,
+                      extra_env: Mapping[str, str] | None, die_at: Mapping[int, int] | None,
+                      events: list[tuple[int, int]] | None) -> list[dict[str, str]]:
+    """Every rank's environment for one attempt, with what the injections ask of the ranks."""
+    environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
+                             port=free_port(), base={**os.environ, **(extra_env or {})},
+                             hosts=hosts,
+                             cpus_per_task=cpus_per_task(config_path))
+    # --fail-at: these ranks die after their own boundary of that step
+    for rank, step in (die_at or {}).items():
+        environs[rank][DIE_AT_VAR] = str(step)
+    # rank 0 waits at each injected stop's step for the signal sent on reading its report
+    if events:
+        environs[0][HOLD_AT_VAR] = ",".join(str(step) for step, _signum in events)
+    return environs
+
+
+def _start_ranks(procs: list[subprocess.Popen[bytes]], cmd: list[str],
+                 environs: list[dict[str, str]], paths: list[Path]) -> None:
+    """Start every rank in a session of its own, appending each to ``procs`` as it starts (the
+    caller ends those that started when a later one cannot); rank 0's output is a pipe (the tee
+    reads it), every other rank's goes to its log."""
+    for rank, env in enumerate(environs):
+        out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent))
+        if rank:
+            out.close()  # type: ignore[union-attr]
 
 
 def rehearse(config_path: Path, run_dir: Path, *args: Any, **kwargs: Any) -> int:
@@ -264,9 +188,7 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     (step, node) the ranks of that simulated node are killed, at each ``freeze_at`` they are
     stopped (SIGSTOP: found by liveness, then SIGKILLed when the step ends).
     """
-    from hpc_ddp.rehearsal.local_heal import LocalHealer, timeline_environ
-    from hpc_ddp.rehearsal.local_settle import StepEnd, settle_step
-    from hpc_ddp.rundir.ledger import read_attempts
+    from hpc_ddp.rehearsal.local_heal import LocalHealer
 
     events = sorted([(s, int(signal.SIGTERM)) for s in preempt_at]
                     + [(s, warning_signal) for s in timeout_at])
@@ -275,15 +197,26 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
     if problem:
         err.write(f"error: {problem}\n")
         return EXIT_USAGE
+    return _attempts(config_path, run_dir, tasks_per_node, healer, job_id=job_id, events=events,
+                     fail_at=fail_at, freeze_at=freeze_at, stream=stream, err=err)
+
+
+def _attempts(config_path: Path, run_dir: Path, tasks_per_node: int, healer: LocalHealer, *,
+              job_id: int, events: list[tuple[int, int]],
+              fail_at: Sequence[tuple[int, int | None]],
+              freeze_at: Sequence[tuple[int, int | None]], stream: IO[str], err: IO[str]) -> int:
+    """The attempts of a rehearsal whose injections were checked: each step launched, a failed one
+    settled as the batch shell settles it (healed in the job, else the job requeued), until a step
+    ends the run; returns its code."""
+    from hpc_ddp.rehearsal.local_heal import timeline_environ
+    from hpc_ddp.rehearsal.local_settle import StepEnd, settle_step
+    from hpc_ddp.rundir.ledger import read_attempts
+
     restart = 0
     marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
-    kills = [(step, lambda node=node, step=step: healer.kill(node, marks()))
-             for step, node in fail_at]
+    kills, freezes = _injections(fail_at, freeze_at, healer, tasks_per_node, marks)
     # else B11's random points: the launcher kills, timed
     at_boundary = not os.environ.get(KILL_DELAY_VAR)
-    freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training, tasks_per_node,
-                                                                    node))
-                                for step, node in freeze_at]
     watch: dict[str, object] = {"step": None, "line": ""}
     # a --resume rehearsal: its logs follow the earlier attempts' logs
     earlier = len(read_attempts(run_dir))
@@ -300,9 +233,7 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
                       log_index=earlier + steps, hosts=healer.training,
                       extra_env={**healer.environ(), **times},
                       kills=kills, freezes=freezes,
-                      die_at={rank: step for step, node in fail_at if at_boundary
-                              and step in {k[0] for k in kills}
-                              for rank in healer.victims(node)[1]})
+                      die_at=_die_at(fail_at, kills, healer, at_boundary))
         steps, ended, healing = steps + 1, round(time.time(), 3), None
         # ended before what it was to rehearse
         if code == 0 and (events or kills or freezes) and not done_before:
@@ -326,3 +257,27 @@ def _rehearse(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int,
         err.write(f"[local] attempt {earlier + steps - 1} ended; the job is requeued (requeue "
                   f"{restart}), its first "
                   f"step is attempt {earlier + steps}, as status numbers them\n")
+
+
+def _injections(fail_at: Sequence[tuple[int, int | None]],
+                freeze_at: Sequence[tuple[int, int | None]], healer: LocalHealer,
+                tasks_per_node: int, marks: Callable[[], tuple[Path, int, int]],
+                ) -> tuple[list[Injection], list[Injection]]:
+    """--fail-at's kills and --freeze-at's freezes as the injector takes them: (step, what names
+    the node's ranks, killing them for a kill); ``marks``: the attempt a kill happens in, at the
+    kill."""
+    kills = [(step, lambda node=node, step=step: healer.kill(node, marks()))
+             for step, node in fail_at]
+    freezes: list[Injection] = [(step, lambda node=node: node_ranks(healer.training,
+                                                                    tasks_per_node, node))
+                                for step, node in freeze_at]
+    return kills, freezes
+
+
+def _die_at(fail_at: Sequence[tuple[int, int | None]], kills: list[Injection],
+            healer: LocalHealer, at_boundary: bool) -> dict[int, int]:
+    """The ranks that kill themselves after their boundary of a --fail-at step (rank: step), unless
+    the launcher kills them at random points (``at_boundary`` False)."""
+    return {rank: step for step, node in fail_at if at_boundary
+            and step in {k[0] for k in kills}
+            for rank in healer.victims(node)[1]}

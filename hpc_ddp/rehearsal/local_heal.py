@@ -115,7 +115,7 @@ class LocalHealer:
     def heal(self, record: Mapping[str, Any], failed_ranks: Sequence[int],
              point: int | None) -> str | None:
         """As :meth:`hpc_ddp.shell.supervisor.Supervisor.heal`, with the rehearsal's facts
-        (``point``: how far the run got, :func:`hpc_ddp.shell.settle.last_known`)."""
+        (``point``: how far the run got, :func:`hpc_ddp.shell.last_known.last_known`)."""
         hard = dict(self.lost)
         per_node = heal.ranks_per_node(record, self.training, self.tasks_per_node)
         if self.run_dir is not None:
@@ -137,7 +137,8 @@ class LocalHealer:
         """Move to the planned step; False when there is none (the requeue path, or done)."""
         if not self.memory.next_nodes:
             return False
-        self.training, self.memory.next_nodes, self.index = self.memory.next_nodes, [], self.index + 1
+        self.training, self.memory.next_nodes, self.index = (self.memory.next_nodes, [],
+                                                              self.index + 1)
         self.lost = {}
         return True
 

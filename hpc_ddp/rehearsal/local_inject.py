@@ -54,44 +54,67 @@ def injector(procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]]
         if watch is not None:
             # the furthest, across healed job steps
             watch["step"] = max(step, int(watch.get("step") or 0))
-        while kills and step >= kills[0][0]:
-            at, kill = kills.pop(0)
-            node, ranks = kill()
-            how = f"SIGKILL to its {ranks_text(ranks)}" + (
-                f" right after their own step {at}" if self_kill else f" {kill_delay_s:.3f} s later"
-                if kill_delay_s
-                else "")
-            err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): {how}\n")
-            if watch is not None:
-                watch["lost"] = (node, ranks)
-            if kill_delay_s or self_kill:  # the rank 0 reader thread must not wait
-                threading.Timer(BACKSTOP_S if self_kill else kill_delay_s, _kill,
-                                args=(procs, ranks)).start()
-            else:
-                _kill(procs, ranks)
-        while freezes and step >= freezes[0][0]:
-            at, freeze = freezes.pop(0)
-            node, ranks = freeze()
-            err.write(f"[local] rank 0 reached step {step}: freezing {node} (--freeze-at {at}): "
-                      "SIGSTOP to its "
-                      f"{ranks_text(ranks)} and their children\n")
-            for rank in ranks:
-                if procs[rank].poll() is None:
-                    _freeze(procs[rank].pid)
-            if frozen is not None:
-                frozen.extend(ranks)
-        while events and step >= events[0][0]:
-            at, signum = events.pop(0)
-            err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} "
-                      "to every rank "
-                      f"(injected at {at})\n")
-            started = _children(procs[0].pid) if skew_s > 0 else []
-            for proc in procs[1:] if skew_s > 0 else procs:
-                _signal(proc, signum)
-            if skew_s > 0:
-                _until_they_end(procs[0], started, skew_s)
-                _signal(procs[0], signum)
+        _lose_nodes(step, procs, kills, err, watch, self_kill=self_kill, kill_delay_s=kill_delay_s)
+        _freeze_nodes(step, procs, freezes, err, frozen)
+        _send_stops(step, procs, events, err, skew_s)
     return on_step
+
+
+def _lose_nodes(step: int, procs: list[subprocess.Popen[bytes]], kills: list[Injection] | None,
+                err: IO[str], watch: dict[str, object] | None, *, self_kill: bool,
+                kill_delay_s: float) -> None:
+    """``--fail-at``: SIGKILL the ranks of each node whose step rank 0 has reached (see
+    :func:`injector`)."""
+    while kills and step >= kills[0][0]:
+        at, kill = kills.pop(0)
+        node, ranks = kill()
+        how = f"SIGKILL to its {ranks_text(ranks)}" + (
+            f" right after their own step {at}" if self_kill else f" {kill_delay_s:.3f} s later"
+            if kill_delay_s
+            else "")
+        err.write(f"[local] rank 0 reached step {step}: losing {node} (--fail-at {at}): {how}\n")
+        if watch is not None:
+            watch["lost"] = (node, ranks)
+        if kill_delay_s or self_kill:  # the rank 0 reader thread must not wait
+            threading.Timer(BACKSTOP_S if self_kill else kill_delay_s, _kill,
+                            args=(procs, ranks)).start()
+        else:
+            _kill(procs, ranks)
+
+
+def _freeze_nodes(step: int, procs: list[subprocess.Popen[bytes]],
+                  freezes: list[Injection] | None, err: IO[str],
+                  frozen: list[int] | None) -> None:
+    """``--freeze-at``: SIGSTOP the ranks of each node whose step rank 0 has reached, and what
+    they started, noting them in ``frozen``."""
+    while freezes and step >= freezes[0][0]:
+        at, freeze = freezes.pop(0)
+        node, ranks = freeze()
+        err.write(f"[local] rank 0 reached step {step}: freezing {node} (--freeze-at {at}): "
+                  "SIGSTOP to its "
+                  f"{ranks_text(ranks)} and their children\n")
+        for rank in ranks:
+            if procs[rank].poll() is None:
+                _freeze(procs[rank].pid)
+        if frozen is not None:
+            frozen.extend(ranks)
+
+
+def _send_stops(step: int, procs: list[subprocess.Popen[bytes]], events: list[tuple[int, int]],
+                err: IO[str], skew_s: float) -> None:
+    """The injected stop signals whose step rank 0 has reached, to every rank (rank 0 last with
+    ``skew_s``: see :func:`injector`)."""
+    while events and step >= events[0][0]:
+        at, signum = events.pop(0)
+        err.write(f"[local] rank 0 reached step {step}: sending {signal.Signals(signum).name} "
+                  "to every rank "
+                  f"(injected at {at})\n")
+        started = _children(procs[0].pid) if skew_s > 0 else []
+        for proc in procs[1:] if skew_s > 0 else procs:
+            _signal(proc, signum)
+        if skew_s > 0:
+            _until_they_end(procs[0], started, skew_s)
+            _signal(procs[0], signum)
 
 
 def _children(pid: int) -> list[int]:

@@ -42,7 +42,8 @@ def settle_step(step: StepEnd, healer: LocalHealer, watch: dict[str, object], er
     """Record the failed step and let the healer plan the next one; say so on ``err``. True when
     the job was requeued (the healer's :meth:`advance` says whether the job heals it instead)."""
     from hpc_ddp.core.timeline import TIMELINE_VAR
-    from hpc_ddp.shell.settle import last_known, limits_of, settle
+    from hpc_ddp.shell.last_known import last_known
+    from hpc_ddp.shell.settle import limits_of, settle
     from hpc_ddp.shell.shell_rules import shell_timeline
 
     run_dir, job_id, restart, code = step.run_dir, step.job_id, step.restart, step.code

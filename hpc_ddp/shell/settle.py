@@ -18,7 +18,6 @@ run's next job is submitted here instead (:mod:`hpc_ddp.shell.chain`). No torch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields,
                                    name_the_ledger, note_error, read_attempts)
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
+from hpc_ddp.shell.last_known import last_known
 from hpc_ddp.core.codes import EXIT_LOCKED
 from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
 from hpc_ddp.shell.steps import tail_of
@@ -47,37 +47,6 @@ def not_requeued(run_dir: Path) -> str:
     return ("not requeued: a configuration, task or environment error fails the same way every "
             "time; the message "
             f"is in the rank logs and in {layout.errors(run_dir)}; fix it, then submit again")
-
-
-def _newest_snapshot(run_dir: Path) -> int | None:
-    from hpc_ddp.rundir import snapshot  # manifests only: no torch
-
-    steps = snapshot.committed_steps(run_dir)
-    return steps[0] if steps else None
-
-
-def _last_metrics_step(run_dir: Path) -> int | None:
-    """The step of metrics.jsonl's last whole line (its tail only: the file grows with the run)."""
-    tail = tail_of(layout.metrics(run_dir), 4096)
-    for line in reversed(tail.splitlines() if tail is not None else []):
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue  # a line cut by the crash, or the tail's first, partial line
-        if isinstance(step, int):
-            return step
-    return None
-
-
-def last_known(run_dir: Path) -> dict[str, Any]:
-    """How far a run got that died without a word: the newer of metrics.jsonl's last step and the
-    newest committed snapshot, which of the two it is, and the snapshot (where the next attempt
-    resumes)."""
-    logged, snapshot = _last_metrics_step(run_dir), _newest_snapshot(run_dir)
-    if logged is not None and (snapshot is None or logged > snapshot):
-        return {"last_step": logged, "last_step_from": "metrics.jsonl", "snapshot": snapshot}
-    return {"last_step": snapshot, "last_step_from": "snapshot" if snapshot is not None else None,
-            "snapshot": snapshot}
 
 
 def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: int,
@@ -93,13 +62,8 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     line, and the attempt is then an ``error``, never healed nor requeued. Returns what happened."""
     if exit_code == EXIT_LOCKED:
         return "refused to start: another job holds the run dir (its ledger is left alone)"
-    # fencing: no process of this attempt commits a survivors' snapshot from now on
     if exit_code != 0:
-        try:
-            jit_claims.seal(jit_files.folder(run_dir, job_id, restart_count, in_job))
-        except OSError as err:  # the ledger line matters more: recorded below whatever the seal met
-            print(f"hpc_ddp.settle: could not seal the attempt's survivors' snapshot: {err}",
-                  file=sys.stderr)
+        _seal(run_dir, (job_id, restart_count, in_job))
     if layout.done(run_dir).exists():
         return "finished"
     # the ranks' line of this step may be seconds old, written on another node
@@ -137,15 +101,36 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         if record["reason"] == "error":
             return f"error; {not_requeued(run_dir)}"
         attempts = attempts + [record]
+    return _heal_or_requeue(run_dir, (job_id, restart_count, in_job), record, attempts,
+                            recorded_by_workers=bool(mine), limits=limits, heal=heal,
+                            requeue_job=requeue_job)
+
+
+def _seal(run_dir: Path, key: tuple[int | None, int, int]) -> None:
+    """Fencing (``key``: job id, requeue, job step): no process of this attempt commits a
+    survivors' snapshot from now on."""
+    try:
+        jit_claims.seal(jit_files.folder(run_dir, *key))
+    except OSError as err:  # the ledger line matters more: recorded below whatever the seal met
+        print(f"hpc_ddp.settle: could not seal the attempt's survivors' snapshot: {err}",
+              file=sys.stderr)
+
+
+def _heal_or_requeue(run_dir: Path, key: tuple[int | None, int, int], record: Mapping[str, Any],
+                     attempts: list[dict[str, Any]], *, recorded_by_workers: bool,
+                     limits: Mapping[str, int],
+                     heal: Callable[[Mapping[str, Any]], str | None] | None,
+                     requeue_job: Callable[[], str | None] | None) -> str:
+    """A failure or a hang in the ledger: heal it inside the job, else requeue it under its cap
+    (what was decided goes in the ledger as an amending line)."""
     healing, problem = _heal(heal, record)
     if healing:
         return f"{record['reason']}; {healing}"
     capped = cap_reached(record["reason"], attempts, limits)
-    decided = {**({} if mine else {"capped": bool(capped)}),
+    decided = {**({} if recorded_by_workers else {"capped": bool(capped)}),
                **({"heal_error": problem} if problem else {})}
     if decided:
-        append_attempt(run_dir, {**attempt_fields(job_id, restart_count, in_job), "amends": True,
-                                 **decided})
+        append_attempt(run_dir, {**attempt_fields(*key), "amends": True, **decided})
     if capped or requeue_job is None:
         return f"{record['reason']}; not requeued" + (f": {capped}" if capped else "")
     done = requeue_job()
@@ -155,7 +140,8 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
 def _requeue_stop(reason: str, requeue_job: Callable[[], str | None] | None) -> str:
     """A stop the workers recorded but left to the batch shell to requeue: requeue it, once."""
     if requeue_job is None:
-        return f"{reason}; the workers could not requeue and neither can the batch shell (no job id)"
+        return (f"{reason}; the workers could not requeue and neither can the batch shell "
+                "(no job id)")
     # the workers left it to us: exactly one requeue (or, where Slurm refuses, a chain)
     done = requeue_job()
     if done and done != "requeued":
@@ -204,7 +190,8 @@ def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]],
                                      "recorded by the batch "
                              "shell"})
     if reason == "requeued":
-        return "requeued by Slurm (an admin's scontrol requeue, or a preemption past its grace time)"
+        return ("requeued by Slurm (an admin's scontrol requeue, or a preemption past its grace "
+                "time)")
     if reason not in STOP_REASONS or capped or requeue_job is None:
         return f"{reason} (a stop signal broke the step); not requeued" + (f": {capped}" if capped
                                                                            else "")
@@ -221,7 +208,8 @@ def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None,
         return None, ""
     try:
         return heal(record), ""
-    except Exception as err:  # noqa: BLE001 - any error: the requeue path still runs, and the ledger names it
+    # any error: the requeue path still runs, and the ledger names it
+    except Exception as err:  # noqa: BLE001
         return None, f"{type(err).__name__}: {err}"
 
 

@@ -50,7 +50,8 @@ EPILOG = """\
 examples (the last line of a batch script; the srun line is the step it supervises):
   exec python -m hpc_ddp.supervise runs/mlp/config.yaml -- \\
       srun --kill-on-bad-exit=1 python -m hpc_ddp.worker --config runs/mlp/config.yaml
-  python -m hpc_ddp.supervise --exit-code $? runs/mlp/config.yaml -- srun ...   # the first step already ran
+  # the first step already ran:
+  python -m hpc_ddp.supervise --exit-code $? runs/mlp/config.yaml -- srun ...
 """
 
 
@@ -79,7 +80,8 @@ def supervise(sup: Supervisor, first: Step | None, say: Callable[[str], None]) -
             return step.code
         try:
             step = sup.run_step(nodes, step.index + 1, healed, after=step)
-        except Exception as err:  # noqa: BLE001 - the step could not start: take the requeue path for the last one
+        # the step could not start: take the requeue path for the last one
+        except Exception as err:  # noqa: BLE001
             say(f"error: the next job step could not start ({type(err).__name__}: {err}); taking "
                 "the requeue path")
             say(f"attempt {sup.restart}, job step {step.index}: {_settle(sup, step, heal=False)}")
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                      "config)")
     add_version(parser)
     parser.add_argument("--exit-code", type=int, default=None, metavar="N",
-                        help="the first step already ran (submitit's srun) and ended with this code")
+                        help="the first step already ran (submitit's srun) and ended with this "
+                             "code")
     parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, "
                                                    "in order)")
     ours, command = _split(sys.argv[1:] if argv is None else argv)
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
             first = Step(ran_on(sup) or sup.first_step_nodes(), 0, args.exit_code,
                          srun_lines_before(Path("/proc/self/fd/2")), ended=sup.began)
         return supervise(sup, first, say)
-    except Exception as err:  # noqa: BLE001 - the last resort: the step's line and the requeue path, whatever broke
+    # the last resort: the step's line and the requeue path, whatever broke
+    except Exception as err:  # noqa: BLE001
         say(f"error: {type(err).__name__}: {err}")
         if args.exit_code is not None:
             say(f"job step 0: {_settle(sup, Step([], 0, args.exit_code), heal=False)}")

@@ -27,7 +27,7 @@ from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.core.slurm_jobs import job_end_time, job_spec, job_state
 from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
-from hpc_ddp.shell.settle import last_known
+from hpc_ddp.shell.last_known import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
 from hpc_ddp.rundir.snapshot_steps import refuses_resize
 from hpc_ddp.shell.steps import Srun, Step, run_srun
@@ -100,7 +100,8 @@ class Supervisor:
             proc = self.runner(["sacct", "-n", "-P", "-j", f"{self.job}.0", "-o", "NodeList"],
                                capture_output=True,
                                text=True, timeout=30)
-            text = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+            text = (proc.stdout.strip().splitlines()[0]
+                    if proc.returncode == 0 and proc.stdout.strip() else "")
             nodes = expand_hostlist(text) if text and text not in ("None assigned",
                                                                    "(null)") else []
         except (OSError, subprocess.SubprocessError, HpcDdpError):

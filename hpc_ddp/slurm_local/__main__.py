@@ -21,23 +21,25 @@ examples:
   python -m hpc_ddp.slurm_local start              # 3 nodes; --nodes N for more or fewer
   eval "$(python -m hpc_ddp.slurm_local env)"     # point sbatch/srun/squeue at it
   srun -N3 hostname                                # n1 n2 n3: each node is a machine of its own
-  python -m hpc_ddp.slurm_local fault n2 freeze    # kill|freeze|thaw|partition|reconnect|slow=0.25|normal
+  python -m hpc_ddp.slurm_local fault n2 freeze    # a node fault (each ACTION: see ARG above)
   python -m hpc_ddp.slurm_local status             # each node's Slurm state and faults
   python -m hpc_ddp.slurm_local fault n2 normal
-  python -m hpc_ddp.slurm_local preempt-signal term   # a running cluster preempts as most clusters do
+  python -m hpc_ddp.slurm_local preempt-signal term   # a running cluster preempts as most do
   python -m hpc_ddp.slurm_local stop
 
 Partitions: debug (default, preemptable, GraceTime 10 s) and high (preempts debug). A preempted job
-gets its own --signal (our warning signal; --preempt-signal user, the default) or SIGTERM, then SIGKILL
-after the grace time (term: Slurm's default and most clusters'): `start --preempt-signal term`, or
-`preempt-signal term|user` to switch a running cluster for every job on it (scontrol reconfigure).
-Start wipes the state directory: job ids begin at 1 against an empty accounting DB.
+gets its own --signal (our warning signal; --preempt-signal user, the default) or SIGTERM, then
+SIGKILL after the grace time (term: Slurm's default and most clusters'):
+`start --preempt-signal term`, or `preempt-signal term|user` to switch a running cluster for every
+job on it (scontrol reconfigure). Start wipes the state directory: job ids begin at 1 against an
+empty accounting DB.
 
-Each node is a machine of its own where this machine allows (root, namespaces, bindfs, cgroup v1): its own
-network namespace and address (10.77.0.K; the login side is 10.77.0.254), hostname, /tmp and /dev/shm, its own
-cached view of the shared root --shared (default /var/tmp/hpc_ddp-shared: put run dirs there) and its own
-freezer and cpu cgroups. `status` says what could not be isolated and why; --one-machine turns it all off
-(every node on this machine's loopback, /tmp and /dev/shm, as before). See docs/slurm-local.md.
+Each node is a machine of its own where this machine allows (root, namespaces, bindfs, cgroup v1):
+its own network namespace and address (10.77.0.K; the login side is 10.77.0.254), hostname, /tmp and
+/dev/shm, its own cached view of the shared root --shared (default /var/tmp/hpc_ddp-shared: put run
+dirs there) and its own freezer and cpu cgroups. `status` says what could not be isolated and why;
+--one-machine turns it all off (every node on this machine's loopback, /tmp and /dev/shm, as
+before). See docs/slurm-local.md.
 """
 
 
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             set_preempt_signal(spec, mode)
-            print(f"preempted jobs now get {'their --signal' if mode == 'user' else 'SIGTERM, then SIGKILL after GraceTime'}")
+            told = "their --signal" if mode == "user" else "SIGTERM, then SIGKILL after GraceTime"
+            print(f"preempted jobs now get {told}")
         elif args.command == "env":
             print(f"export SLURM_CONF={spec.conf_path}")
         else:

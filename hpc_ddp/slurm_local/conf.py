@@ -89,8 +89,8 @@ class ClusterSpec:
 def render_slurm_conf(spec: ClusterSpec) -> str:
     """slurm.conf for the cluster; every non-default line says why it is there."""
     names = compress_hostlist(spec.node_names)
-    last_port = spec.slurmd_base_port + spec.nodes - 1
-    ports = str(spec.slurmd_base_port) if spec.nodes == 1 else f"{spec.slurmd_base_port}-{last_port}"
+    first_port, last_port = spec.slurmd_base_port, spec.slurmd_base_port + spec.nodes - 1
+    ports = str(first_port) if spec.nodes == 1 else f"{first_port}-{last_port}"
     accounting = [
         "AccountingStorageType=accounting_storage/slurmdbd",
         "AccountingStorageHost=localhost",
@@ -152,14 +152,16 @@ PREEMPT_SIGNALS = ("user", "term")
 USER_SIGNAL_LINES = ["# preempted jobs get their --signal (our warning signal) instead of SIGTERM "
                      "(22.05 spelling)",
                      "SlurmctldParameters=preempt_send_user_signal"]
-TERM_SIGNAL_LINE = "# preempted jobs get SIGTERM, then SIGKILL after GraceTime (Slurm's default, most clusters')"
+TERM_SIGNAL_LINE = ("# preempted jobs get SIGTERM, then SIGKILL after GraceTime (Slurm's default, "
+                    "most clusters')")
 
 
 def preempt_lines(mode: str) -> list[str]:
     """How a preempted job is told (``preempt_signal``): its own --signal, or SIGTERM as most
     clusters do."""
     if mode not in PREEMPT_SIGNALS:
-        raise ValueError(f"preempt_signal must be one of {', '.join(PREEMPT_SIGNALS)}, not {mode!r}")
+        raise ValueError(f"preempt_signal must be one of {', '.join(PREEMPT_SIGNALS)}, not "
+                         f"{mode!r}")
     return USER_SIGNAL_LINES if mode == "user" else [TERM_SIGNAL_LINE]
 
 

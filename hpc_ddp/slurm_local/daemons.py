@@ -14,13 +14,14 @@ import signal
 import subprocess
 import time
 from dataclasses import replace
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hpc_ddp.core.errors import ClusterError, explain
 from hpc_ddp.slurm_local import isolation
+from hpc_ddp.slurm_local.commands import read_pid, run_command, wait_for, which
 from hpc_ddp.slurm_local.isolation import alive
-from hpc_ddp.slurm_local.conf import ClusterSpec, render_slurm_conf, render_slurmdbd_conf, with_preempt_signal
+from hpc_ddp.slurm_local.conf import (ClusterSpec, render_slurm_conf, render_slurmdbd_conf,
+                                      with_preempt_signal)
 from hpc_ddp.slurm_local.hosts import add_hosts, remove_hosts
 from hpc_ddp.slurm_local.machines import PIECES, RESOLV_CONF, node_script
 
@@ -31,55 +32,13 @@ _BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "scancel", "s
 _ACCOUNTING_BINARIES = ["slurmdbd", "sacctmgr", "sacct", "mariadbd", "mariadb-install-db"]
 
 
-def _which(name: str) -> str | None:
-    """shutil.which, plus the sbin directories a non-login root shell may lack on PATH."""
-    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-
-
 def missing_pieces(spec: ClusterSpec) -> list[str]:
     """What stands between this machine and a running cluster (empty when nothing)."""
     missing = [b for b in _BINARIES + (_ACCOUNTING_BINARIES if spec.accounting else [])
-               if not _which(b)]
+               if not which(b)]
     if os.geteuid() != 0:
         missing.append("root privileges (the daemons run as root)")
     return missing
-
-
-def _env(spec: ClusterSpec) -> dict[str, str]:
-    return {**os.environ, "SLURM_CONF": str(spec.conf_path)}
-
-
-def _run(spec: ClusterSpec, cmd: Sequence[str], check: bool = True,
-         timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(cmd), env=_env(spec), capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise ClusterError(explain(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}",
-                                   found=(proc.stderr or proc.stdout).strip()[-600:],
-                                   hint=f"see the logs under {spec.path('log')}"))
-    return proc
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _wait(what: str, ready: Callable[[], bool], spec: ClusterSpec, timeout: float = 30,
-          log: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ready():
-            return
-        time.sleep(0.1)
-    tail = ""
-    if log and (spec.path("log", log)).exists():
-        tail = "\n" + "\n".join(spec.path("log",
-                                          log).read_text(errors="replace").splitlines()[-15:])
-    raise ClusterError(explain(f"{what} did not become ready within {timeout:.0f} s",
-                               hint=f"see {spec.path('log', log or '')}") + tail)
 
 
 def _pid_files(spec: ClusterSpec) -> list[Path]:
@@ -93,10 +52,10 @@ def _pid_files(spec: ClusterSpec) -> list[Path]:
 
 def is_up(spec: ClusterSpec) -> bool:
     """Our slurmctld is alive and answers ``scontrol ping``."""
-    pid = _read_pid(spec.path("run", "slurmctld.pid"))
+    pid = read_pid(spec.path("run", "slurmctld.pid"))
     if pid is None or not alive(pid) or not spec.conf_path.exists():
         return False
-    return "UP" in _run(spec, ["scontrol", "ping"], check=False, timeout=10).stdout
+    return "UP" in run_command(spec, ["scontrol", "ping"], check=False, timeout=10).stdout
 
 
 def _prepare(spec: ClusterSpec) -> None:
@@ -124,25 +83,25 @@ def _start_munge(spec: ClusterSpec) -> None:
         return  # a system munged (systemd, or a previous session): reuse, never stop it
     key = Path("/etc/munge/munge.key")
     if not key.exists():
-        _run(spec, ["mungekey", "--create", "--force"] if _which("mungekey") else
-             ["dd", "if=/dev/urandom", f"of={key}", "bs=1", "count=1024"])
+        run_command(spec, ["mungekey", "--create", "--force"] if which("mungekey") else
+                    ["dd", "if=/dev/urandom", f"of={key}", "bs=1", "count=1024"])
         shutil.chown(key, "munge", "munge")
         key.chmod(0o400)
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
-    _run(spec, ["runuser", "-u", "munge", "--", _which("munged") or "munged"])
-    _wait("munged", answers, spec, timeout=10)
-    pid = _read_pid(Path("/run/munge/munged.pid"))
+    run_command(spec, ["runuser", "-u", "munge", "--", which("munged") or "munged"])
+    wait_for("munged", answers, spec, timeout=10)
+    pid = read_pid(Path("/run/munge/munged.pid"))
     if pid:
         spec.path("run", "munged.pid").write_text(f"{pid}\n")
 
 
 def _start_accounting(spec: ClusterSpec) -> None:
     data, sock = spec.path("mysql"), spec.path("run", "mysqld.sock")
-    _run(spec, ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
-                "--auth-root-authentication-method=normal", "--skip-test-db"], timeout=120)
+    run_command(spec, ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
+                       "--auth-root-authentication-method=normal", "--skip-test-db"], timeout=120)
     with open(spec.path("log", "mysqld.log"), "ab") as log:
-        subprocess.Popen([_which("mariadbd") or "mariadbd", "--no-defaults", f"--datadir={data}",
+        subprocess.Popen([which("mariadbd") or "mariadbd", "--no-defaults", f"--datadir={data}",
                           "--user=root",
                           f"--socket={sock}", f"--port={spec.mysql_port}",
                           "--bind-address=127.0.0.1",
@@ -150,34 +109,36 @@ def _start_accounting(spec: ClusterSpec) -> None:
                           "--innodb-buffer-pool-size=128M", "--innodb-lock-wait-timeout=900",
                           "--skip-log-bin"],
                          stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-    _wait("MariaDB", lambda: sock.exists() and spec.path("run", "mysqld.pid").exists(), spec,
-          log="mysqld.log")
-    _run(spec, [_which("slurmdbd") or "slurmdbd"])
-    _wait("slurmdbd", lambda: _run(spec, ["sacctmgr", "-n", "list", "cluster"],
-                                   check=False).returncode == 0,
-          spec, log="slurmdbd.log")
-    _run(spec, ["sacctmgr", "-i", "add", "cluster", spec.cluster_name])
+    wait_for("MariaDB", lambda: sock.exists() and spec.path("run", "mysqld.pid").exists(), spec,
+             log="mysqld.log")
+    run_command(spec, [which("slurmdbd") or "slurmdbd"])
+    wait_for("slurmdbd", lambda: run_command(spec, ["sacctmgr", "-n", "list", "cluster"],
+                                             check=False).returncode == 0,
+             spec, log="slurmdbd.log")
+    run_command(spec, ["sacctmgr", "-i", "add", "cluster", spec.cluster_name])
 
 
 def _start_slurm(spec: ClusterSpec) -> None:
-    _run(spec, [_which("slurmctld") or "slurmctld", "-f", str(spec.conf_path)])
-    _wait("slurmctld", lambda: "UP" in _run(spec, ["scontrol", "ping"], check=False).stdout, spec,
-          log="slurmctld.log")
+    run_command(spec, [which("slurmctld") or "slurmctld", "-f", str(spec.conf_path)])
+    wait_for("slurmctld",
+             lambda: "UP" in run_command(spec, ["scontrol", "ping"], check=False).stdout, spec,
+             log="slurmctld.log")
     for name in spec.node_names:
         start_node(spec, name)
 
     def all_idle() -> bool:
-        lines = _run(spec, ["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.splitlines()
+        lines = run_command(spec, ["sinfo", "-h", "-N", "-o", "%N %T"],
+                            check=False).stdout.splitlines()
         # a node per partition
         states = dict(line.split() for line in lines if len(line.split()) == 2)
         return len(states) == spec.nodes and all(s == "idle" for s in states.values())
 
-    _wait("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
+    wait_for("the slurmd nodes", all_idle, spec, log=f"slurmd-{spec.node_names[0]}.log")
 
 
 def node_alive(spec: ClusterSpec, name: str) -> bool:
     """The node's slurmd runs (a killed node's does not)."""
-    pid = _read_pid(spec.path("run", f"slurmd-{name}.pid"))
+    pid = read_pid(spec.path("run", f"slurmd-{name}.pid"))
     return pid is not None and alive(pid)
 
 
@@ -192,14 +153,14 @@ def start_node(spec: ClusterSpec, name: str) -> None:
     script = node_script(name=name, isolated=spec.isolated, netns=m.netns,
                          cgroup_dirs=isolation.cgroup_dirs(m),
                          state_root=spec.root, shared=spec.shared, cache_s=spec.cache_s,
-                         slurmd=[_which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N",
+                         slurmd=[which("slurmd") or "slurmd", "-f", str(spec.conf_path), "-N",
                                  name],
                          bindfs_pid=isolation.bindfs_pid_file(spec, name),
                          resolv_conf=spec.path("etc", "resolv.conf"),
                          bindfs_log=spec.path("log", f"bindfs-{name}.log"))
     path = node_script_path(spec, name)
     path.write_text(script)
-    _run(spec, ["bash", str(path)])
+    run_command(spec, ["bash", str(path)])
 
 
 def isolation_pieces(spec: ClusterSpec) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -215,14 +176,14 @@ def set_preempt_signal(spec: ClusterSpec, mode: str) -> None:
     Slurm's default SIGTERM ("term"): slurm.conf is rewritten and ``scontrol reconfigure`` applies
     it (measured on 22.05: no restart needed)."""
     spec.conf_path.write_text(with_preempt_signal(spec.conf_path.read_text(), mode))
-    _run(spec, ["scontrol", "reconfigure"])
+    run_command(spec, ["scontrol", "reconfigure"])
     want = "preempt_send_user_signal" if mode == "user" else "(null)"
 
     def applied() -> bool:
-        shown = _run(spec, ["scontrol", "show", "config"], check=False).stdout
+        shown = run_command(spec, ["scontrol", "show", "config"], check=False).stdout
         return any(line.split("=", 1)[-1].strip() == want for line in shown.splitlines()
                    if line.startswith("SlurmctldParameters"))
-    _wait(f"slurmctld to take preempt_signal={mode}", applied, spec, log="slurmctld.log")
+    wait_for(f"slurmctld to take preempt_signal={mode}", applied, spec, log="slurmctld.log")
 
 
 def start(spec: ClusterSpec) -> bool:
@@ -234,7 +195,8 @@ def start(spec: ClusterSpec) -> bool:
     if missing:
         raise ClusterError(explain("cannot start the local Slurm cluster", found=", ".join(missing),
                                    expected="Slurm, munge and MariaDB installed, running as root",
-                                   hint=f"apt-get install -y --no-install-recommends {APT_PACKAGES}"))
+                                   hint="apt-get install -y --no-install-recommends "
+                                        f"{APT_PACKAGES}"))
     stop(spec)  # leftovers of a crashed earlier start, by their pid files
     isolated, missing_isolation = isolation_pieces(spec)
     spec = replace(spec, isolated=isolated)
@@ -255,14 +217,14 @@ def start(spec: ClusterSpec) -> bool:
 
 def _queue(spec: ClusterSpec) -> list[str]:
     """Jobs Slurm still knows as pending, running, suspended or completing."""
-    return _run(spec, ["squeue", "-h", "-o", "%A"], check=False, timeout=10).stdout.split()
+    return run_command(spec, ["squeue", "-h", "-o", "%A"], check=False, timeout=10).stdout.split()
 
 
 def _cancel_jobs(spec: ClusterSpec) -> None:
     """Let Slurm end the jobs it runs, so no slurmstepd outlives its slurmd."""
     if not is_up(spec) or not (jobs := _queue(spec)):
         return
-    _run(spec, ["scancel", *jobs], check=False)
+    run_command(spec, ["scancel", *jobs], check=False)
     deadline = time.monotonic() + spec.kill_wait_s + 10
     while _queue(spec) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -281,7 +243,7 @@ def stop(spec: ClusterSpec, timeout: float = 15) -> list[int]:
     _cancel_jobs(spec)
     stopped = []
     for pid_file in _pid_files(spec):
-        pid = _read_pid(pid_file)
+        pid = read_pid(pid_file)
         if pid and alive(pid):
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout

@@ -91,16 +91,18 @@ def fault(spec: ClusterSpec, node: str, action: str) -> str:
     needed = NEEDS.get(name)
     if needed and needed not in spec.isolated:
         raise ClusterError(explain(f"`fault {node} {action}` needs the node's {needed}, which this "
-                                   "cluster does "
-                                   "not isolate", hint="`python -m hpc_ddp.slurm_local status` "
-                                                       "says why; start "
-                                   "the cluster as root on a machine with namespaces and cgroup v1"))
+                                   "cluster does not isolate",
+                                   hint="`python -m hpc_ddp.slurm_local status` says why; start "
+                                        "the cluster as root on a machine with namespaces and "
+                                        "cgroup v1"))
     if name == "kill":
         pids = isolation.kill_node(spec, m)
-        return f"{node}: killed {len(pids)} processes (slurmd, its jobs' tasks, its filesystem view)"
+        return (f"{node}: killed {len(pids)} processes (slurmd, its jobs' tasks, its filesystem "
+                "view)")
     if name == "freeze":
         state = isolation.freeze(m)
-        return f"{node}: freezer {state} ({len(isolation.cgroup_pids(m))} processes, slurmd included)"
+        return (f"{node}: freezer {state} ({len(isolation.cgroup_pids(m))} processes, slurmd "
+                "included)")
     if name == "thaw":
         isolation.thaw(m)
         return f"{node}: thawed"

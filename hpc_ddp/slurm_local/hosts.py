@@ -24,7 +24,8 @@ def add_hosts(spec: ClusterSpec) -> None:
         HOSTS_FILE.write_text("\n".join(kept + hosts_lines(spec)) + "\n")
     except OSError as err:
         raise ClusterError(explain(f"cannot add the node names to {HOSTS_FILE}: {err.strerror}",
-                                   hint="run as root; node names must resolve for MASTER_ADDR")) from None
+                                   hint="run as root; node names must resolve for "
+                                        "MASTER_ADDR")) from None
 
 
 def remove_hosts(spec: ClusterSpec) -> None:

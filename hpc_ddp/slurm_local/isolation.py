@@ -69,7 +69,8 @@ def probe() -> dict[str, str]:
                 trial.mkdir()
                 trial.rmdir()
             except OSError as err:
-                missing["cgroups"] = f"cannot make a cgroup under {CGROUP_ROOT / controller}: {err.strerror}"
+                missing["cgroups"] = (f"cannot make a cgroup under {CGROUP_ROOT / controller}: "
+                                      f"{err.strerror}")
                 break
     return missing
 

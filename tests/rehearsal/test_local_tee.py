@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from hpc_ddp.rehearsal.local import _tee
+from hpc_ddp.rehearsal import local_tee
 
 
 def test_the_tee_writes_its_log_only_once_the_launch_is_over_and_never_raises(tmp_path: Path) -> None:
@@ -17,8 +17,8 @@ def test_the_tee_writes_its_log_only_once_the_launch_is_over_and_never_raises(tm
     hook, threading.excepthook = threading.excepthook, lambda args: raised.append(args.exc_value)
     read_fd, write_fd = os.pipe()
     stream, err, quiet = io.StringIO(), io.StringIO(), threading.Event()
-    tee = threading.Thread(target=_tee, args=(os.fdopen(read_fd, "rb"), tmp_path / "rank-0.log", stream, err,
-                                              lambda step: None, None, None, quiet))
+    tee = threading.Thread(target=local_tee.tee, args=(os.fdopen(read_fd, "rb"), tmp_path / "rank-0.log",
+                                                       stream, err, lambda step: None, None, None, quiet))
     try:
         tee.start()
         os.write(write_fd, b"before the end\n")
