@@ -24,7 +24,7 @@ def check_program(cfg: RunConfig) -> None:
     import sys
 
     from hpc_ddp.core.errors import HpcDdpError
-    from hpc_ddp.login.preflight_program import check_task
+    from hpc_ddp.login.preflight.program import check_task
 
     findings = check_task(cfg)
     for finding in findings:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.login.status_read import read_config
+from hpc_ddp.login.status.read import read_config
 from hpc_ddp.rundir import metrics_file
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.rundir.ledger import read_attempts

@@ -1,5 +1,5 @@
 """What ``status`` knows of a run, read from its run dir (ledger, metrics, DONE.json, hang dumps,
-config) and, for a live job, from Slurm: one dict that :func:`hpc_ddp.login.status.render` turns
+config) and, for a live job, from Slurm: one dict that :func:`hpc_ddp.login.status.render.render` turns
 into text. No torch.
 """
 

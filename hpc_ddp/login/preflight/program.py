@@ -18,7 +18,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.login.preflight_finding import Finding
+from hpc_ddp.login.preflight.finding import Finding
 
 # a setup line that may make a module importable in the job: an environment, a module system,
 # PYTHONPATH
