@@ -55,7 +55,8 @@ def check_partition(partition: str | None, runner: Runner = subprocess.run) -> l
 
 
 def check_slurm_version(cfg: RunConfig, runner: Runner = subprocess.run) -> list[Finding]:
-    """A note of the Slurm behaviour the job is planned for (:mod:`hpc_ddp.login.preflight.slurm_version`)."""
+    """A note of the Slurm behaviour the job is planned for
+    (:mod:`hpc_ddp.login.preflight.slurm_version`)."""
     return [Finding("note", "slurm.cpus_per_task", planned_for(cfg.slurm.cpus_per_task, runner),
                     "")]
 

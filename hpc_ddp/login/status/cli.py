@@ -37,10 +37,11 @@ examples:
   python -m hpc_ddp.status runs/mlp --json | jq .progress
   python -m hpc_ddp.status runs/mlp --plot loss.png          # needs: pip install 'hpc_ddp[plot]'
   python -m hpc_ddp.status runs/                             # every run under runs/, one line each
-  python -m hpc_ddp.status runs/mlp --follow --every 10 && echo ok  # refresh every 10 s until the run ends
+  python -m hpc_ddp.status runs/mlp --follow --every 10 && echo ok  # every 10 s until it ends
 
-exit codes: 0 pending, running or finished; 1 failed; 2 not a run dir; 3 stopped short of its end (a cap of
-time-outs or preemptions, a scancel: submit --resume continues it); 4 unknown (no job, no attempt yet).
+exit codes: 0 pending, running or finished; 1 failed; 2 not a run dir; 3 stopped short of its end
+(a cap of time-outs or preemptions, a scancel: submit --resume continues it); 4 unknown (no job, no
+attempt yet).
 """
 
 
@@ -66,7 +67,8 @@ def _refusal(args: argparse.Namespace, runs: list[Path]) -> str | None:
     """Why these arguments show nothing: not a run dir (nor a directory of them), or --plot of
     several runs."""
     if not runs:
-        found = "does not exist)" if not args.run_dir.exists() else f"has no {layout.CONFIG}), nor holds one"
+        found = ("does not exist)" if not args.run_dir.exists()
+                 else f"has no {layout.CONFIG}), nor holds one")
         return (f"{args.run_dir} is not a run directory (it {found}.\nHINT: pass the run dir that "
                 "submit printed, "
                 "e.g. runs/NAME, or the directory that holds your runs, e.g. runs/")

@@ -75,7 +75,8 @@ def plot(run_dir: Path, out: Path) -> str:
     fig.savefig(out)
     plt.close(fig)
     also = f"; also {', '.join(others)}" if others else ""
-    return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}{also}"
+    return (f"wrote {out}: {len(metrics)} points, steps "
+            f"{metrics[0]['step']}..{metrics[-1]['step']}{also}")
 
 
 def _panels(axes: list[Any], metrics: list[dict[str, Any]], keys: list[str]) -> None:

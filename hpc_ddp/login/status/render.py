@@ -1,5 +1,6 @@
-"""``status``'s text view of one run: :func:`render` turns what :func:`hpc_ddp.login.status.read.collect`
-read into lines (the state, progress, the attempts table and a note per attempt that needs one).
+"""``status``'s text view of one run: :func:`render` turns what
+:func:`hpc_ddp.login.status.read.collect` read into lines (the state, progress, the attempts table
+and a note per attempt that needs one).
 
 Apart from the command line (:mod:`hpc_ddp.login.status.cli`): tests and the rehearsal trials call
 it on their own, and it is the longest part of the view. No torch.
@@ -64,7 +65,8 @@ def _progress(info: dict[str, Any]) -> list[str]:
         if progress.get("untimed"):
             line += f" ({progress['untimed']} of them with no recorded start: not counted)"
         if progress.get("eta_s") is not None:
-            line += f"; about {duration(progress['eta_s'])} left at {progress['steps_per_s']} steps/s"
+            line += (f"; about {duration(progress['eta_s'])} left at {progress['steps_per_s']} "
+                     "steps/s")
         out.append(line)
     if info.get("logged"):
         out.append("metrics " + "  ".join(f"{key} {_number(value)}"
@@ -185,7 +187,8 @@ def broken_stop_note(entry: dict[str, Any]) -> str:
             f"resumes from {'step ' + str(saved) if saved is not None else 'the start'}"
             + (f" ({held - saved} step(s) lost)" if isinstance(held, int) and isinstance(saved, int)
                else ""))
-    fix = "; give each DataLoader worker_init_fn=hpc_ddp.worker_init()" if entry.get("child_killed") else ""
+    fix = ("; give each DataLoader worker_init_fn=hpc_ddp.worker_init()"
+           if entry.get("child_killed") else "")
     return f"the stop signal broke a step ({entry.get('error')}): {cost}{fix}"
 
 
