@@ -58,6 +58,9 @@ MOVED: dict[str, tuple[str, ...]] = {
     "core.config_items": ("hpc_ddp.core.config.items",),
 
     # login/status/ and login/preflight/:
+    **{f"login.status_{m}": (f"hpc_ddp.login.status.{m}",) for m in ("read", "plot", "runs")},
+    **{f"login.preflight_{m}": (f"hpc_ddp.login.preflight.{m}",) for m in ("program", "finding")},
+    "login.slurm_version": ("hpc_ddp.login.preflight.slurm_version",),
 
     # rundir/snapshot/:
 

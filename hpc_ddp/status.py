@@ -2,14 +2,14 @@
 attempt.
 
 An entry point at a path that never moves: Slurm keeps batch scripts that name it, and users
-type it. The code is in :mod:`hpc_ddp.login.status`.
+type it. The code is in :mod:`hpc_ddp.login.status.cli`.
 """
 
 from __future__ import annotations
 
 import sys
 
-from hpc_ddp.login.status import main
+from hpc_ddp.login.status.cli import main
 
 __all__ = ["main"]
 

@@ -55,12 +55,12 @@ def test_the_import_contracts_hold() -> None:
 def test_the_login_node_importing_rank_code_breaks_them(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "hpc_ddp", tmp_path / "hpc_ddp", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / ".importlinter", tmp_path)
-    status = tmp_path / "hpc_ddp" / "login" / "status.py"
+    status = tmp_path / "hpc_ddp" / "login" / "status" / "cli.py"
     status.write_text(status.read_text() + "\n\ndef _wrong() -> None:\n    from hpc_ddp.rank.loop import run  # noqa\n")
     proc = lint(tmp_path)
     assert proc.returncode != 0
     assert "hpc_ddp.login is not allowed to import hpc_ddp.rank" in proc.stdout
-    assert "hpc_ddp.login.status -> hpc_ddp.rank.loop.run" in proc.stdout
+    assert "hpc_ddp.login.status.cli -> hpc_ddp.rank.loop.run" in proc.stdout
 
 
 @pytest.mark.parametrize("module, wrong, said, arrow", [

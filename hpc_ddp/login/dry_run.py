@@ -141,11 +141,12 @@ def program_line(cfg: RunConfig) -> str:
     into tickets)."""
     train = masked(cfg).train
     if train.script:
-        resume = f" (then on every attempt that continues the run: + {shlex.join(train.resume_args)})" \
-            if train.resume_args else ""
+        resume = (" (then on every attempt that continues the run: + "
+                  f"{shlex.join(train.resume_args)})" if train.resume_args else "")
         return f"python {shlex.join([train.script, *train.args])}{resume}"
     if train.loop:
-        return f"train.loop={train.loop}, called as {train.loop.rsplit(':', 1)[-1]}(run) in every task"
+        return (f"train.loop={train.loop}, called as {train.loop.rsplit(':', 1)[-1]}(run) in every "
+                "task")
     return f"train.task={train.task}, trained by hpc_ddp's Trainer in every task"
 
 
@@ -158,8 +159,8 @@ def batch_plans(cfg: RunConfig) -> str:
              "node count"
              if cfg.train.global_batch_size else "train.global_batch_size unset: the batch follows "
                                                  "the world size")
-    whose = "; run.batch gives a train.loop this plan, a loop that sizes its own batches ignores it" \
-        if cfg.train.loop else ""
+    whose = ("; run.batch gives a train.loop this plan, a loop that sizes its own batches ignores "
+             "it" if cfg.train.loop else "")
     return f"batch ({fixed}{whose}):\n" + elided("\n".join(f"  {row}" for row in rows), len(counts),
                                                  "node count")
 
@@ -188,4 +189,5 @@ def elided(text: str, total: int, what: str, head: int = 0) -> str:
 
 def shape(nodes: int | str, tasks: int) -> str:
     """'1 node x 1 task', '2-4 nodes x 8 tasks': what the job asks of Slurm, in words."""
-    return f"{nodes} node{'' if str(nodes) == '1' else 's'} x {tasks} task{'' if tasks == 1 else 's'}"
+    return (f"{nodes} node{'' if str(nodes) == '1' else 's'} x "
+            f"{tasks} task{'' if tasks == 1 else 's'}")

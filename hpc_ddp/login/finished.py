@@ -173,4 +173,5 @@ def goes_on_from(run_dir: Path, kept: Path, script: str = "") -> str:
 def _kept_model(run_dir: Path, kept: Path) -> Path:
     """model.pt's name beside a kept DONE-step-N.json (DONE-finished-N.json): model-step-N.pt
     (model-finished-N.pt)."""
-    return layout.model(run_dir).with_name(f"model-{kept.name.removeprefix('DONE-').removesuffix('.json')}.pt")
+    tag = kept.name.removeprefix("DONE-").removesuffix(".json")
+    return layout.model(run_dir).with_name(f"model-{tag}.pt")

@@ -84,7 +84,8 @@ def live_holder(run_dir: Path) -> tuple[str, str] | None:
                     "and the job "
                     "is ending)", "try again in a few seconds, once `squeue` no longer lists it")
         if state:
-            return f"job {job['job_id']} ({state})", f"wait for it, or cancel it: scancel {job['job_id']}"
+            return (f"job {job['job_id']} ({state})",
+                    f"wait for it, or cancel it: scancel {job['job_id']}")
     lock = read_record(layout.lock(run_dir))
     if lock and holder_alive(lock):
         return (f"job {lock.get('job')} (it holds {layout.lock(run_dir)}: host {lock.get('host')}, "
@@ -118,7 +119,8 @@ def _check_resume_batch(cfg: RunConfig) -> None:
     """Refuse a resume at another world size that would change the global batch, or whose per-rank
     state cannot be resumed at another size (manifests only: no torch), before config.yaml is
     rewritten or a job queued."""
-    from hpc_ddp.rundir.snapshot_steps import committed_steps, read_manifest, refuses_resize, step_dir
+    from hpc_ddp.rundir.snapshot_steps import (committed_steps, read_manifest, refuses_resize,
+                                               step_dir)
 
     run_dir = Path(cfg.run_dir)
     steps = committed_steps(run_dir)
@@ -128,8 +130,8 @@ def _check_resume_batch(cfg: RunConfig) -> None:
     if problem:
         raise HpcDdpError(problem, key="train.global_batch_size")
     world, written = cfg.slurm.nodes * cfg.slurm.tasks_per_node, (manifest or {}).get("world_size")
-    refusal = refuses_resize(run_dir, per_rank_only=True) if isinstance(written,
-                                                                        int) and written != world else None
+    resized = isinstance(written, int) and written != world
+    refusal = refuses_resize(run_dir, per_rank_only=True) if resized else None
     # every rank would refuse it once the allocation came, after config.yaml was rewritten
     if refusal:
         raise HpcDdpError(explain(f"--resume at {world} ranks ({cfg.slurm.nodes} x "

@@ -42,7 +42,8 @@ REASONS = {
                    "start",
     "JobHeldAdmin": "an administrator held it; ask them, or scancel it",
     "Dependency": "it waits for the job it depends on (--dependency) to end",
-    "DependencyNeverSatisfied": "the job it depends on ended so that it can never start; scancel it",
+    "DependencyNeverSatisfied": "the job it depends on ended so that it can never start; scancel "
+                                "it",
     "BeginTime": "it waits for its start time: a requeued job waits a little before it may start "
                  "again "
                  "(or it was submitted with --begin)",
@@ -54,7 +55,8 @@ REASONS = {
                                      "this QOS",
     "AssocGrpGRES": "your account's GPU (GRES) quota is in use by your other jobs; it starts when "
                     "they end",
-    "AssocMaxJobsLimit": "your account runs as many jobs as it may; it starts when one of them ends",
+    "AssocMaxJobsLimit": "your account runs as many jobs as it may; it starts when one of them "
+                         "ends",
     "QOSMaxJobsPerUserLimit": "you run as many jobs as the QOS allows; it starts when one of them "
                               "ends",
     "BadConstraints": "no node has the requested features (slurm.constraint) in this combination: "

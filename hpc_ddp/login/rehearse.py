@@ -24,7 +24,7 @@ def check_program(cfg: RunConfig) -> None:
     import sys
 
     from hpc_ddp.core.errors import HpcDdpError
-    from hpc_ddp.login.preflight_program import check_task
+    from hpc_ddp.login.preflight.program import check_task
 
     findings = check_task(cfg)
     for finding in findings:
@@ -97,7 +97,8 @@ def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) ->
     if code == 0:
         return "finished"
     if last.get("reason") == "finished" and not ignored:
-        return "FAILED: the run finished, but a stop it was asked to rehearse never happened (the error above)"
+        return ("FAILED: the run finished, but a stop it was asked to rehearse never happened (the "
+                "error above)")
     if ignored:
         note = str(ignored.get("note", ""))
         why = note if note.startswith("the script") else "the loop never called run.boundary(step)"
@@ -105,8 +106,8 @@ def _outcome(run_dir: Path, code: int, ignored: dict[str, Any] | None = None) ->
                 f"{ignored['restart_count']}): "
                 f"{why}; on a cluster this job is killed with nothing saved")
     if last.get("capped") and last.get("reason") in ("timeout", "preemption"):
-        return f"STOPPED at step {last.get('last_step')} (slurm.{REASONS_CAPPED[last['reason']]} reached; " \
-               "--resume continues it)"
+        return (f"STOPPED at step {last.get('last_step')} "
+                f"(slurm.{REASONS_CAPPED[last['reason']]} reached; --resume continues it)")
     from hpc_ddp.core.codes import exit_words
 
     return f"FAILED, {exit_words(code)}"

@@ -4,6 +4,7 @@ sweep point, with what differs from an earlier run's config said; and the comman
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 from pathlib import Path
@@ -11,7 +12,6 @@ from typing import Any
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.config import RunConfig, load_config
-from hpc_ddp.core.config.diff import config_diff, describe_diff, flat_values
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.profiles import Profiles
 from hpc_ddp.login.profiles import load_with_profile, recorded_profile
@@ -44,10 +44,13 @@ def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str
     if absolute != cfg.run_dir:
         # as at --resume (the run's config.yaml holds it)
         overrides = [*overrides, f"run_dir={absolute}"]
-        cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
+        if _holds_run_dir(cfg):
+            cfg = load_with_profile(paths, list(overrides), profiles, resume, label)
     cfg.run_dir = absolute
     saved = layout.config(cfg.run_dir)
     if resume and saved.is_file():
+        from hpc_ddp.core.config.diff import flat_values
+
         named = {item.split("=", 1)[0].lstrip("+~") for item in overrides} - {"profile"}
         # the run's config holds its profile's values: a profile named now is compared, not merged
         try:
@@ -66,10 +69,32 @@ def resolve(paths: list[str], overrides: list[str] | tuple[str, ...], label: str
     return cfg
 
 
+def _holds_run_dir(cfg: RunConfig) -> bool:
+    """Whether a value besides ``run_dir`` holds the run dir's text as loaded (a ``${run_dir}`` in
+    train.args, say): only then is the config loaded again with the absolute dir, which costs a
+    whole merge (benchmark B1). A value that interpolates run_dir holds its text (hpc_ddp registers
+    no resolver that could rewrite it), so a config without it loads the same either way."""
+    relative = cfg.run_dir
+
+    def holds(value: Any) -> bool:
+        if dataclasses.is_dataclass(value):
+            return any(holds(getattr(value, f.name)) for f in dataclasses.fields(value)
+                       if f.name != "run_dir" or value is not cfg)
+        if isinstance(value, dict):
+            return any(holds(k) or holds(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return any(holds(item) for item in value)
+        return isinstance(value, str) and relative in value
+
+    return holds(cfg)
+
+
 def _note_file_differences(paths: list[str], from_file: dict[str, Any], own: dict[str, Any],
                            named: set[str]) -> None:
     """Say which keys the CONFIG file now sets otherwise than the run: --resume keeps the run's
     values."""
+    from hpc_ddp.core.config.diff import config_diff, describe_diff
+
     ignored = [d for d in config_diff(own, from_file) if d[0] not in named and d[0] != "run_dir"]
     if ignored and paths:
         print(f"--resume continues the run with its own config; {', '.join(map(str, paths))} "

@@ -194,7 +194,9 @@ def _quoted(option: str) -> str:
     (:func:`hpc_ddp.core.shell_safe.sbatch_value`): a run_dir with a space or a ``#`` stays one
     value, and a line break is refused."""
     flag, eq, value = option.partition("=")
-    return f"{flag}={sbatch_value(value, f'the #SBATCH {flag} value')}" if eq else one_line("an #SBATCH option", flag)
+    if not eq:
+        return one_line("an #SBATCH option", flag)
+    return f"{flag}={sbatch_value(value, f'the #SBATCH {flag} value')}"
 
 
 def render(cfg: RunConfig, config_path: str, python: str = "python", launcher: str = "srun",

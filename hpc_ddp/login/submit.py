@@ -11,49 +11,59 @@ nothing here imports torch or runs the task's code.
 from __future__ import annotations
 
 import argparse
-import shlex
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from hpc_ddp.login.dry_run import log_folder, dry_run, healing_line, run_dir_words, shape
-from hpc_ddp.login.guards import check_free, write_config, write_job
-from hpc_ddp.login.rehearse import check_program, run_local
-from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
-from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import layout, node_local
-from hpc_ddp.core.batching import slurm_nodes
 from hpc_ddp.core.config import RunConfig, save_config
-from hpc_ddp.core.errors import HpcDdpError, explain
-from hpc_ddp.login.sbatch import LAUNCHERS, render, submitit_parameters, submitit_python
+from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.helptext import add_version, for_help
+from hpc_ddp.login.dry_run import dry_run, healing_line
+from hpc_ddp.login.resolve import found_from, resolve_all, resume_command
+from hpc_ddp.login.sbatch import LAUNCHERS, render
+from hpc_ddp.rundir import layout
+
+# what only a submit, an --emit-sbatch or a --local run needs is imported where it runs: --dry-run
+# (benchmark B1) does without the run dir's guards, the rehearsal, submitit's executor
 
 EPILOG = """\
 examples:
-  python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 slurm.tasks_per_node=4
-  python -m hpc_ddp.submit examples/mlp.yaml --resume                     # continue a stopped run, new job
-  python -m hpc_ddp.submit runs/mlp --resume train.max_steps=200           # the run dir stands in for the YAML
-  python -m hpc_ddp.submit examples/mlp.yaml slurm.nodes=1-2 train.global_batch_size=256   # 1 or 2 nodes
+  python -m hpc_ddp.submit examples/mlp.yaml slurm.partition=gpu slurm.gpus_per_node=4 \\
+      slurm.tasks_per_node=4
+  python -m hpc_ddp.submit examples/mlp.yaml --resume           # continue a stopped run, new job
+  python -m hpc_ddp.submit runs/mlp --resume train.max_steps=200
+                                        # the run dir stands in for the YAML
+  python -m hpc_ddp.submit examples/mlp.yaml slurm.nodes=1-2 train.global_batch_size=256
+                                        # 1 or 2 nodes
   python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch && sbatch job.sbatch
-  python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch --launcher torchrun   # torchrun per node
-  python -m hpc_ddp.submit examples/mlp.yaml --multirun train.lr=0.1,0.01 train.seed=1,2   # 4-run job array
-  python -m hpc_ddp.submit examples/mlp.yaml --local                      # 2 nodes x 2 tasks on this machine
+  python -m hpc_ddp.submit examples/mlp.yaml --emit-sbatch job.sbatch --launcher torchrun
+                                        # torchrun per node
+  python -m hpc_ddp.submit examples/mlp.yaml --multirun train.lr=0.1,0.01 train.seed=1,2
+                                        # 4-run job array
+  python -m hpc_ddp.submit examples/mlp.yaml --local            # 2 nodes x 2 tasks on this machine
   python -m hpc_ddp.submit examples/mlp.yaml --local slurm.nodes=1 train.max_steps=20
   python -m hpc_ddp.submit examples/mlp.yaml --dry-run slurm.nodes=4 slurm.tasks_per_node=8
-  python -m hpc_ddp.submit --profile mycluster examples/mlp.yaml user.eval_every=100   # cluster keys, own keys
-  python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31   # stops, requeues, resumes
-  python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30     # a node lost, healed
-  python -m hpc_ddp.submit examples/mlp.yaml --local --freeze-at 30:0 dist.liveness_s=5  # a node frozen, found
-  python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 train.global_batch_size=128
-                                            # continue a 2 x 2 rehearsal on 1 node, same global batch
+  python -m hpc_ddp.submit --profile mycluster examples/mlp.yaml user.eval_every=100
+                                        # cluster keys, own keys
+  python -m hpc_ddp.submit examples/mlp.yaml --local --preempt-at 7,19 --timeout-at 31
+                                        # stops, requeues, resumes
+  python -m hpc_ddp.submit examples/mlp.yaml --local slurm.spare_nodes=1 --fail-at 30
+                                        # a node lost, healed
+  python -m hpc_ddp.submit examples/mlp.yaml --local --freeze-at 30:0 dist.liveness_s=5
+                                        # a node frozen, found
+  python -m hpc_ddp.submit examples/mlp.yaml --local --resume slurm.nodes=1 \\
+      train.global_batch_size=128
+                                        # continue a 2 x 2 rehearsal on 1 node, same global batch
 
 Arguments ending in .yaml/.yml are config files (merged in order, over the cluster profile that
---profile or HPC_DDP_PROFILE names; the run is named by the last file unless one sets name); KEY=VALUE
-arguments override them (see docs/config.md for every key; your own settings go under user.*, e.g.
-user.eval_every=100). The resolved config is written to RUN_DIR/config.yaml; with --multirun each
-combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the run's
-own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it.
-Also installed as the console script `hpc-ddp-submit`.
+--profile or HPC_DDP_PROFILE names; the run is named by the last file unless one sets name);
+KEY=VALUE arguments override them (see docs/config.md for every key; your own settings go under
+user.*, e.g. user.eval_every=100). The resolved config is written to RUN_DIR/config.yaml; with
+--multirun each combination gets RUN_DIR/<label>, e.g. runs/mlp/lr=0.1,seed=1. With --resume the
+run's own RUN_DIR/config.yaml is the base: only the KEY=VALUE given with --resume change it. Also
+installed as the console script `hpc-ddp-submit`.
 """
 
 
@@ -98,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --emit-sbatch: srun starts every worker (default), or one "
                              "torchrun per node")
     parser.add_argument("--multirun", action="store_true",
-                        help="KEY=V1,V2 overrides sweep: one job array, one run dir per combination")
+                        help="KEY=V1,V2 overrides sweep: one job array, one run dir per "
+                             "combination")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in RUN_DIR from its newest snapshot (a new job; "
                              "with --local, a "
@@ -115,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="submit without the login-node checks (Slurm commands, partition, run "
                              "dir, "
                         "geometry, task module)")
+    _add_rehearsal_flags(parser)
+    return parser
+
+
+def _add_rehearsal_flags(parser: argparse.ArgumentParser) -> None:
+    """``--local``'s faults: the stops and failures a rehearsal plays on this machine (a job on the
+    cluster gets its own from Slurm)."""
     parser.add_argument("--preempt-at", type=_steps, default=[], metavar="STEPS",
                         help="with --local: preempt (SIGTERM every rank) after these steps, e.g. "
                              "7,19 (0: before the "
@@ -137,14 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "names it; nothing closes, so the rank watching it declares it lost after "
                         "dist.liveness_s "
                         "and the step ends (exit 6), healed like --fail-at")
-    return parser
 
 
 def _steps(text: str) -> list[int]:
     try:
         steps = sorted(int(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected step numbers like 7,19; found {text!r}") from None
+        message = f"expected step numbers like 7,19; found {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
     if any(s < 0 for s in steps):
         raise argparse.ArgumentTypeError("steps are >= 0 (0: after start-up, before the first "
                                          f"step); found {text!r}")
@@ -179,60 +197,10 @@ def check_preflight(cfg: RunConfig, slurm: bool = True) -> None:
                           + "\n".join(map(str, errors)), key=errors[0].key)
 
 
-def submit_slurm(cfgs: list[RunConfig], resume: bool) -> int:
-    """One job (or a job array, one element per config) through submitit; job.json in each run
-    dir."""
-    import submitit
-
-    from hpc_ddp.login.finished import done_step, put_back
-    from hpc_ddp.worker import job_main
-
-    for cfg in cfgs:
-        check_free(cfg, resume)
-    # set aside by write_config on --resume
-    finished = {one.run_dir: done_step(Path(one.run_dir)) for one in cfgs}
-    paths = [str(write_config(cfg, resume)) for cfg in cfgs]
-    cfg, array = cfgs[0], len(cfgs) > 1
-    folder = log_folder(cfg, len(cfgs) if array else None)
-    workdir = os.getcwd()  # the job runs here (sbatch's default); a container mounts it
-    executor = submitit.SlurmExecutor(folder=folder,
-                                      python=submitit_python(cfg, sys.executable, workdir, array))
-    executor.update_parameters(**submitit_parameters(cfg, paths, sys.executable, workdir))
-    try:
-        jobs = executor.map_array(job_main,
-                                  paths) if array else [executor.submit(job_main, paths[0])]
-    except submitit.core.utils.FailedJobError as err:  # sbatch said no: nothing is queued
-        for run_dir, kept in finished.items():
-            if kept is not None:
-                put_back(Path(run_dir), kept)
-        lines = [line for line in str(err).splitlines() if line.strip()][:6]
-        raise HpcDdpError(explain("sbatch refused the job, so nothing was queued:\n  "
-                                  + "\n  ".join(lines),
-                                  hint="fix what Slurm says above (partition, account, time limit, "
-                                       "a cluster "
-                                  "this machine can reach); to rehearse on this machine instead, "
-                                  "add --local"),
-                          key="slurm") from None
-    for job, one in zip(jobs, cfgs):
-        write_job(Path(one.run_dir), {"job_id": job.job_id, "logs": str(folder)})
-    first = jobs[0].job_id.split("_")[0]
-    what = f"job array {first} ({len(jobs)} runs)" if array else f"job {first}"
-    print(f"submitted {what}: {cfg.name}, "
-          f"{shape(slurm_nodes(cfg.slurm.nodes), cfg.slurm.tasks_per_node)}")
-    for job, one in zip(jobs, cfgs):
-        err, out = (folder / f"{job.job_id}_0_log.{kind}" for kind in ("err", "out"))
-        print(f"{'  [' + job.job_id + ']' if array else ''}\n  "
-              f"{run_dir_words(one).replace('run dir', 'run dir ', 1)}\n  logs     {folder}: "
-              f"two per rank R, {job.job_id}_R_log.err (hpc_ddp's lines, your logging, tracebacks) "
-              "and "
-              f"{job.job_id}_R_log.out (what the program prints)\n  watch    python -m "
-              f"hpc_ddp.status {one.run_dir}"
-              f"\n  tail     tail -f {err} {out}")
-    print(f"  cancel   scancel {first}")
-    return 0
-
-
 def emit_sbatch(cfg: RunConfig, path: Path, launcher: str) -> int:
+    from hpc_ddp.login.guards import check_free
+    from hpc_ddp.rundir import node_local
+
     check_free(cfg, resume=True, earlier=False)  # a live run's config is never rewritten
     config_path = save_config(cfg, layout.config(cfg.run_dir))
     node_local.run_secret(cfg.run_dir)  # before any rank: it names the run's node-local folders
@@ -267,7 +235,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.launcher != "srun" and not args.emit_sbatch:
         return "--launcher goes with --emit-sbatch (submit and --local start one worker per task)"
     if args.multirun and args.emit_sbatch:
-        return "--multirun submits a job array; --emit-sbatch writes one script for one run (drop one of them)"
+        return ("--multirun submits a job array; --emit-sbatch writes one script for one run (drop "
+                "one of them)")
     return None
 
 
@@ -286,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfgs, checks=not args.no_preflight)
         if args.local:
             from hpc_ddp.core.extras import require_extras
+            from hpc_ddp.login.rehearse import check_program, run_local
 
             # the Slurm path checks these in preflight; every point before any rehearsal starts
             for cfg in cfgs:
@@ -302,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             check_preflight(cfgs[0], slurm=not args.emit_sbatch)
         if args.emit_sbatch:
             return emit_sbatch(cfgs[0], args.emit_sbatch, args.launcher)
+        from hpc_ddp.login.queue import submit_slurm
+
         return submit_slurm(cfgs, args.resume)
     except HpcDdpError as err:
         from hpc_ddp.core.codes import EXIT_LOCKED

@@ -18,7 +18,7 @@ from hpc_ddp.login import profiles as profiles_cli
 from hpc_ddp.login.guards import write_config
 from hpc_ddp.login.resolve import resolve_all
 from hpc_ddp.login.status import render
-from hpc_ddp.login.status_read import collect
+from hpc_ddp.login.status.read import collect
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = """\

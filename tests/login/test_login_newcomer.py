@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.config import load_config
-from hpc_ddp.login.preflight_program import check_task, setup_changes
+from hpc_ddp.login.preflight.program import check_task, setup_changes
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "examples" / "mlp.yaml"

@@ -21,7 +21,8 @@ def torch_free_modules() -> list[str]:
              "hpc_ddp.preemption", "hpc_ddp.config", "hpc_ddp.profiles"]
     for place in TORCH_FREE_PLACES:
         package = importlib.import_module(f"hpc_ddp.{place}")
-        found += [f"hpc_ddp.{place}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+        # and the modules of its folders (login/status/, login/preflight/, ...)
+        found += [m.name for m in pkgutil.walk_packages(package.__path__, f"hpc_ddp.{place}.")]
     return found
 
 

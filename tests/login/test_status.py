@@ -14,7 +14,7 @@ import pytest
 from hpc_ddp.core.config import load_config, save_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.rundir import metrics_file
-from hpc_ddp.login.status_read import collect, local_state, timing
+from hpc_ddp.login.status.read import collect, local_state, timing
 from hpc_ddp.login.status import main, render
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.yaml")

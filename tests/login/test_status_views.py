@@ -13,8 +13,8 @@ import pytest
 from hpc_ddp.core import codes
 from hpc_ddp.login.partition import explain_reason, pending_reason
 from hpc_ddp.login.status import main, render
-from hpc_ddp.login.status_read import collect, verdict
-from hpc_ddp.login.status_runs import follow
+from hpc_ddp.login.status.read import collect, verdict
+from hpc_ddp.login.status.runs import follow
 from tests.login import test_status
 
 

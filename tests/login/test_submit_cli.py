@@ -144,3 +144,21 @@ def test_every_command_says_its_version(capsys: pytest.CaptureFixture[str]) -> N
         with pytest.raises(SystemExit) as end:
             command(["--version"])
         assert end.value.code == 0 and f"hpc_ddp {__version__}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, loads", [((), 1), (("train.script=x.py", "train.task=null",
+                                                    'train.args=[--out,"${run_dir}/o"]'), 2)])
+def test_a_relative_run_dir_is_merged_again_only_when_another_value_holds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], loads: int) -> None:
+    """A second merge with the absolute run dir is a whole config load more for a dry run (benchmark
+    B1): it is made only where a ${run_dir} elsewhere must read the absolute dir."""
+    from hpc_ddp.login import resolve
+
+    calls = []
+    real = resolve.load_with_profile
+    monkeypatch.setattr(resolve, "load_with_profile",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve.resolve_all([MLP, *args], multirun=False)[0]
+    assert len(calls) == loads and cfg.run_dir == str(tmp_path.resolve() / "runs" / "mlp")
+    assert cfg.train.args == ([] if not args else ["--out", f"{cfg.run_dir}/o"])

@@ -16,7 +16,7 @@ import pytest
 from hpc_ddp.core import binding, nccl_net, netplan
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.slurm_env import DistEnv
-from hpc_ddp.login.slurm_version import cpus_behaviour, planned_for, slurm_version
+from hpc_ddp.login.preflight.slurm_version import cpus_behaviour, planned_for, slurm_version
 from hpc_ddp.login.status import render
 from hpc_ddp.rank.attempt import placement
 from hpc_ddp.rank.group import nccl_report

@@ -41,7 +41,7 @@ def test_an_unmodified_torchrun_script_is_requeued_once_and_resumes_from_its_own
     """Also what a newcomer missed: the attempt's ledger line says where the script resumed (by its first progress
     line; it read `0->300` and "resumed from -"), status shows its step from rank 0's worker (it showed none), the
     start says the resume is only as exact as the script's own checkpoint, and DONE.json has the last step."""
-    from hpc_ddp.login.status_read import collect
+    from hpc_ddp.login.status.read import collect
 
     run_dir = tmp_path / "script"
     proc = submit("examples/torchrun_script.yaml", "--local", "slurm.nodes=1", f"run_dir={run_dir}",

@@ -70,7 +70,7 @@ def test_a_requeued_script_that_restarts_from_scratch_warns_and_has_a_timeline(t
     log = (run_dir / "logs" / "attempt-1-rank-0.log").read_text()
     assert "resumes from its own checkpoint if it finds one" in log and "started again at step 0" in log
     from hpc_ddp.login.status import render
-    from hpc_ddp.login.status_read import collect
+    from hpc_ddp.login.status.read import collect
 
     shown = render(collect(run_dir))
     assert "#1: train.script started again at step 0" in shown and "first_step" in shown, shown
@@ -95,7 +95,7 @@ def test_max_steps_stays_in_metrics_jsonl_and_is_no_tensorboard_scalar(tmp_path:
 def test_every_attempt_that_compiled_has_a_compile_field_and_status_shows_it(tmp_path: Path) -> None:
     """The cold first attempt (79 s compiling) left no compile record: only a requeued attempt's timeline had one."""
     from hpc_ddp.login.status import compile_note, render
-    from hpc_ddp.login.status_read import collect
+    from hpc_ddp.login.status.read import collect
     from hpc_ddp.rank.metrics.timeline import compile_field
     from tests.login.test_status import run_dir
 

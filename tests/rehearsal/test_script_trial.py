@@ -156,7 +156,7 @@ def test_a_rehearsed_script_that_exits_0_at_once_is_finished_with_the_warning_in
     [line] = read_attempts(run_dir)
     assert line["reason"] == "finished" and MINGPT_NO_GPU in line["note"]
     from hpc_ddp.login.status import render
-    from hpc_ddp.login.status_read import collect
+    from hpc_ddp.login.status.read import collect
 
     assert "may have exited early" in render(collect(run_dir))
 
@@ -167,7 +167,7 @@ def test_the_batch_shells_line_for_a_failed_step_has_its_start_and_status_counts
 
     from hpc_ddp.core.config import load_config, save_config
     from hpc_ddp.core.slurm_jobs import start_time
-    from hpc_ddp.login.status_read import timing
+    from hpc_ddp.login.status.read import timing
     from hpc_ddp.rundir import layout
     from hpc_ddp.shell import settle
 
@@ -259,7 +259,7 @@ def test_ctrl_c_of_a_script_rehearsal_says_no_snapshot_is_committed_by_hpc_ddp_o
 
 def test_status_says_how_many_attempts_it_could_not_time(tmp_path: Path) -> None:
     from hpc_ddp.login.status import render
-    from hpc_ddp.login.status_read import collect, timing
+    from hpc_ddp.login.status.read import collect, timing
     from hpc_ddp.rundir.ledger import append_attempt
 
     lines = [{"job_id": 44, "restart_count": 0, "reason": "preemption", "start": 100.0, "end": 160.0},

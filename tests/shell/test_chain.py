@@ -18,7 +18,7 @@ from hpc_ddp.core.slurm_env import CHAINED_VAR, from_environ, simulated_environ
 from hpc_ddp.core.slurm_jobs import PreemptionError, RequeueRefused, refused, requeue
 from hpc_ddp.login.sbatch import sbatch_options, submitit_parameters
 from hpc_ddp.login.status import render
-from hpc_ddp.login.status_read import collect
+from hpc_ddp.login.status.read import collect
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir.ledger import append_attempt, cap_reached, chain_jobs, read_attempts
 from hpc_ddp.shell.chain import (batch_shell_requeue, chain_environ, parsable_id, requeue_or_chain, sbatch_argv,

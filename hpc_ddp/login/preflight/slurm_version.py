@@ -30,7 +30,8 @@ def cpus_behaviour(version: tuple[int, int] | None, cpus: int, shown: str = "") 
     it."""
     ours = f"hpc_ddp passes --cpus-per-task={cpus} to every srun and exports SRUN_CPUS_PER_TASK"
     if version is None:
-        return f"Slurm's version is unknown ({shown or 'srun --version said nothing'}): {ours}, as every version needs"
+        return (f"Slurm's version is unknown ({shown or 'srun --version said nothing'}): {ours}, "
+                "as every version needs")
     name = f"Slurm {version[0]}.{version[1]:02d}"
     if version < (22, 5):
         return f"{name}: srun inherits --cpus-per-task from the job; {ours} all the same"

@@ -18,12 +18,13 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from hpc_ddp.core.config import RunConfig
-from hpc_ddp.login.preflight_finding import Finding
+from hpc_ddp.login.preflight.finding import Finding
 
 # a setup line that may make a module importable in the job: an environment, a module system,
 # PYTHONPATH
-_ENV_LINE = re.compile(r"(^|[\s;&|(])(source|\.|module|ml|conda|mamba|micromamba|activate|spack|pip|pip3|uv|pyenv|"
-                       r"eval|export\s+(PYTHONPATH|PATH)\b|(PYTHONPATH|PATH)=|cd|pushd)(\s|$|=)")
+_ENV_LINE = re.compile(r"(^|[\s;&|(])(source|\.|module|ml|conda|mamba|micromamba|activate|spack|"
+                       r"pip|pip3|uv|pyenv|eval|export\s+(PYTHONPATH|PATH)\b|(PYTHONPATH|PATH)=|"
+                       r"cd|pushd)(\s|$|=)")
 # a line that changes the directory the job runs in
 _CD_LINE = re.compile(r"(^|[;&|(]\s*)(cd|pushd)(\s|$)")
 
@@ -119,7 +120,8 @@ def check_task(cfg: RunConfig, search: Sequence[str] | None = None) -> list[Find
         return []
     name = attr.split(".")[0]
     if defines(source, name) is False:
-        example = f"{module}:{_first_class(origin) or 'MyTask'}" if key == "train.task" else f"{module}:train"
+        example = (f"{module}:{_first_class(origin) or 'MyTask'}" if key == "train.task"
+                   else f"{module}:train")
         kind = "CLASS" if key == "train.task" else "FUNCTION"
         return [Finding(level, key, f"module {module!r} ({origin}) defines no {name!r}, named by "
                                     f"{key}={target}",

@@ -1,6 +1,6 @@
 """What ``status`` knows of a run, read from its run dir (ledger, metrics, DONE.json, hang dumps,
-config) and, for a live job, from Slurm: one dict that :func:`hpc_ddp.login.status.render` turns
-into text. No torch.
+config) and, for a live job, from Slurm: one dict that :func:`hpc_ddp.login.status.render.render`
+turns into text. No torch.
 """
 
 from __future__ import annotations

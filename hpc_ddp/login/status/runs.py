@@ -56,8 +56,8 @@ def run_line(info: dict[str, Any], root: Path) -> list[str]:
     state = "FINISHED" if info["done"] else (info["state"] or "unknown")
     if info.get("pending_reason"):
         state += f" ({info['pending_reason']})"
-    name = str(Path(info["run_dir"]).relative_to(root)) if Path(info["run_dir"]).is_relative_to(root) else \
-        info["run_dir"]
+    path = Path(info["run_dir"])
+    name = str(path.relative_to(root)) if path.is_relative_to(root) else info["run_dir"]
     return [name, state, step, attempt, str(info["job_id"] or "-")]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.login.status_read import read_config
+from hpc_ddp.login.status.read import read_config
 from hpc_ddp.rundir import metrics_file
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.rundir.ledger import read_attempts
@@ -75,7 +75,8 @@ def plot(run_dir: Path, out: Path) -> str:
     fig.savefig(out)
     plt.close(fig)
     also = f"; also {', '.join(others)}" if others else ""
-    return f"wrote {out}: {len(metrics)} points, steps {metrics[0]['step']}..{metrics[-1]['step']}{also}"
+    return (f"wrote {out}: {len(metrics)} points, steps "
+            f"{metrics[0]['step']}..{metrics[-1]['step']}{also}")
 
 
 def _panels(axes: list[Any], metrics: list[dict[str, Any]], keys: list[str]) -> None:
