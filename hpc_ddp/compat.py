@@ -52,6 +52,9 @@ MOVED: dict[str, tuple[str, ...]] = {
     # login/status/ and login/preflight/:
 
     # rundir/snapshot/:
+    "rundir.snapshot_steps": ("hpc_ddp.rundir.snapshot.steps",),
+    "rundir.snapshot_verify": ("hpc_ddp.rundir.snapshot.verify",),
+    "rundir.snapshot_write": ("hpc_ddp.rundir.snapshot.write",),
 
 }
 

@@ -120,7 +120,7 @@ def duration(seconds: float) -> str:
 
 def collect(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data."""
-    from hpc_ddp.rundir import snapshot_steps  # manifests only: no torch
+    from hpc_ddp.rundir.snapshot import steps as snapshot_steps  # manifests only: no torch
 
     job = _read_json(layout.job(run_dir)) or {}
     # one record per step: a resumed attempt's values replace replays

@@ -37,7 +37,8 @@ import torch
 
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.group.tiers import Groups
-from hpc_ddp.rundir import slicing, snapshot, snapshot_verify
+from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir.snapshot import verify as snapshot_verify
 from hpc_ddp.core.slurm_env import DistEnv
 
 log = logging.getLogger("hpc_ddp.checkpointer")

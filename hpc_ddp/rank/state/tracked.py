@@ -15,7 +15,7 @@ reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warni
 
 Such a run cannot resume on fewer nodes, so every snapshot's manifest says so
 (:func:`resize_refusal`, read without torch by
-:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`): the batch shell then never heals a failure by
+:func:`hpc_ddp.rundir.snapshot.steps.refuses_resize`): the batch shell then never heals a failure by
 shrinking it. Where a resize is refused all the same on an attempt nobody asked for (a requeued job
 that Slurm gave fewer nodes, an in-job restart planned before the manifest said so), the refusal is
 a failure, not a configuration error (:func:`resize_refused`): the requeue path goes on and gets the
@@ -40,7 +40,7 @@ from hpc_ddp.rank.state.checkpointer import stage
 from hpc_ddp.rank.state.snapshot_load import Restored
 from hpc_ddp.core.errors import ConfigError, HpcDdpError, UsageError, a_type, explain
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields
-from hpc_ddp.rundir.snapshot_steps import PER_RANK_REASON, REASONS_JOIN
+from hpc_ddp.rundir.snapshot.steps import PER_RANK_REASON, REASONS_JOIN
 from hpc_ddp.core.slurm_env import DistEnv
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ def resize_refusal(objects: Mapping[str, PerRank], train: TrainConfig) -> str | 
     """Why a resume of this run at another world size would be refused, or None: the per-rank state
     tracked with ``elastic="refuse"`` (named), and a global batch that follows the world size.
     Recorded in every snapshot's manifest for the batch shell
-    (:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`)."""
+    (:func:`hpc_ddp.rundir.snapshot.steps.refuses_resize`)."""
     reasons = []
     refusing = [name for name, p in objects.items() if p.elastic == "refuse"]
     if refusing:
