@@ -16,7 +16,8 @@ from hpc_ddp.rundir import layout, metrics_file, script_progress
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
-from hpc_ddp.rundir.ledger import chain_jobs, read_attempts, steps_lost
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.ledger_history import chain_jobs, steps_lost
 
 
 def _slurm_state(job_id: str) -> str | None:

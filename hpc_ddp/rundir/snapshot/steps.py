@@ -83,7 +83,8 @@ def _named(directory: Path, wait_s: float, sleep: Callable[[float], None]) -> di
     """The manifest of the step the newest commit names, read by name until this node sees it
     (``wait_s``); None at once for a withdrawn step."""
     waited = 0.0
-    while (manifest := read_manifest(directory)) is None and waited < wait_s and not _withdrawn(directory):
+    while ((manifest := read_manifest(directory)) is None and waited < wait_s
+           and not _withdrawn(directory)):
         if not waited:
             log.warning("%s names %s as committed, but its manifest is not visible from this node "
                         "yet (a cached "
