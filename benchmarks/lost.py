@@ -76,7 +76,7 @@ def trial(run_dir: Path, step: int, delay_s: float, reference: dict[str, Any], *
 def uncommitted(run_dir: Path) -> list[str]:
     """Step directories left without a manifest: none should outlive the attempt after the one that left them."""
     from hpc_ddp.rundir import layout
-    from hpc_ddp.rundir.snapshot_steps import MANIFEST
+    from hpc_ddp.rundir.snapshot.steps import MANIFEST
 
     return sorted(p.name for p in layout.snapshots(run_dir).glob("step-*") if not (p / MANIFEST).exists())
 

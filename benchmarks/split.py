@@ -68,7 +68,8 @@ def worker(rank: int, world: int, port: int, run_dir: Path, replicas: int, megab
 
 def one(nodes: int, replicas: int, megabytes: float, scratch: Path) -> dict[str, Any]:
     """One snapshot and one restore at ``nodes`` x 1 task: bytes, busiest node, save and restore times."""
-    from hpc_ddp.rundir import snapshot, snapshot_steps
+    from hpc_ddp.rundir import snapshot
+    from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 
     run_dir = scratch / f"b7-{nodes}-{replicas}"
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -63,6 +63,9 @@ MOVED: dict[str, tuple[str, ...]] = {
     "login.slurm_version": ("hpc_ddp.login.preflight.slurm_version",),
 
     # rundir/snapshot/:
+    "rundir.snapshot_steps": ("hpc_ddp.rundir.snapshot.steps",),
+    "rundir.snapshot_verify": ("hpc_ddp.rundir.snapshot.verify",),
+    "rundir.snapshot_write": ("hpc_ddp.rundir.snapshot.write",),
 
 }
 

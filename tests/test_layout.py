@@ -116,9 +116,9 @@ def test_no_module_imports_itself_back_through_others() -> None:
     # the survivors' files reading the snapshots' manifests themselves: the circle losses.jit_fields opened
     ("rundir/jit_files.py", "from hpc_ddp.rundir.snapshot import committed", "hpc_ddp.rundir.jit_files is not "
      "allowed to import hpc_ddp.rundir.snapshot", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.snapshot", True),
-    # ... or through losses, which reads them (the committed steps: rundir/snapshot_steps.py)
+    # ... or through losses, which reads them (the committed steps: rundir/snapshot/steps.py)
     ("rundir/jit_files.py", "from hpc_ddp.rundir import losses", "hpc_ddp.rundir.jit_files is not allowed to "
-     "import hpc_ddp.rundir.snapshot_steps", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.losses", True),
+     "import hpc_ddp.rundir.snapshot:", "hpc_ddp.rundir.jit_files -> hpc_ddp.rundir.losses", True),
     # the first-boundary hook naming the run API's class: the circle its FirstBoundary Protocol opened
     ("rank/loop/compiling.py", "from hpc_ddp.rank.loop.run import Run", "hpc_ddp.rank.loop.compiling is not "
      "allowed to import hpc_ddp.rank.loop.run", "hpc_ddp.rank.loop.compiling -> hpc_ddp.rank.loop.run", True)])
@@ -132,7 +132,9 @@ def test_an_import_of_the_root_or_back_round_a_circle_breaks_them(tmp_path: Path
     ("config", "hpc_ddp.core.config", "RunConfig"), ("slurm_env", "hpc_ddp.core.slurm_env", "from_environ"),
     ("sampler", "hpc_ddp.rank.loop.sampler", "ShardSampler"), ("distributed", "hpc_ddp.rank.group.distributed", "all_mean"),
     ("snapshot", "hpc_ddp.rundir.snapshot", "committed_steps"), ("metrics_file", "hpc_ddp.rundir.metrics_file", "read"),
-    ("local", "hpc_ddp.rehearsal.local", "rehearse"), ("heal", "hpc_ddp.shell.heal", "plan")])
+    ("local", "hpc_ddp.rehearsal.local", "rehearse"), ("heal", "hpc_ddp.shell.heal", "plan"),
+    # a 0.2 path that issue 56 moved into its family's folder
+    ("rundir.snapshot_steps", "hpc_ddp.rundir.snapshot.steps", "committed_steps")])
 def test_an_old_path_imports_the_module_at_its_new_path_and_says_so(old: str, new: str, name: str) -> None:
     code = (f"import warnings, importlib\nwarnings.simplefilter('always')\n"
             f"with warnings.catch_warnings(record=True) as seen:\n"

@@ -147,7 +147,7 @@ def goes_on_from(run_dir: Path, kept: Path, script: str = "") -> str:
     then steps are trained again and their metrics replaced, and the user should know before an
     allocation is spent on it. A ``script`` keeps its own checkpoint, which hpc_ddp neither writes
     nor reads."""
-    from hpc_ddp.rundir.snapshot_steps import committed_steps  # manifests only: no torch
+    from hpc_ddp.rundir.snapshot.steps import committed_steps  # manifests only: no torch
 
     if script:
         return (f"train.script {script} is started again with the new train.args and goes on from "

@@ -119,7 +119,7 @@ def _check_resume_batch(cfg: RunConfig) -> None:
     """Refuse a resume at another world size that would change the global batch, or whose per-rank
     state cannot be resumed at another size (manifests only: no torch), before config.yaml is
     rewritten or a job queued."""
-    from hpc_ddp.rundir.snapshot_steps import (committed_steps, read_manifest, refuses_resize,
+    from hpc_ddp.rundir.snapshot.steps import (committed_steps, read_manifest, refuses_resize,
                                                step_dir)
 
     run_dir = Path(cfg.run_dir)
@@ -149,7 +149,7 @@ def _check_resume_batch(cfg: RunConfig) -> None:
 
 
 def _check_earlier(run_dir: Path, resume: bool) -> None:
-    from hpc_ddp.rundir.snapshot_steps import committed_steps  # manifests only: no torch
+    from hpc_ddp.rundir.snapshot.steps import committed_steps  # manifests only: no torch
 
     earlier = bool(committed_steps(run_dir)) or layout.done(run_dir).exists()
     if earlier and not resume:

@@ -45,7 +45,7 @@ def run_local(cfg: RunConfig, preempt_at: list[int], timeout_at: list[int], resu
     from hpc_ddp.core.codes import EXIT_INTERRUPTED
     from hpc_ddp.rehearsal.local import rehearse
     from hpc_ddp.core.stopping import signal_number
-    from hpc_ddp.rundir.snapshot_steps import committed_steps
+    from hpc_ddp.rundir.snapshot.steps import committed_steps
 
     run_dir = Path(cfg.run_dir)
     check_free(cfg, resume)

@@ -22,7 +22,7 @@ from hpc_ddp.core.batching import node_counts
 from hpc_ddp.rundir.ledger import attempt_key, crash_marker
 from hpc_ddp.shell.shell_rules import heal_failure_of, lost_nodes
 from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
-from hpc_ddp.rundir.snapshot_steps import refuses_resize
+from hpc_ddp.rundir.snapshot.steps import refuses_resize
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
 
 

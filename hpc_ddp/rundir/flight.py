@@ -30,7 +30,8 @@ log = logging.getLogger("hpc_ddp.flight")
 def prefix(run_dir: Path | str, job_id: int | str | None, restart_count: int, in_job: int) -> str:
     """The dumps' path prefix for an attempt; a rank's dump is the prefix, its rank and
     ``.json``."""
-    return str(layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-collectives-rank-")
+    tag = attempt_tag(job_id, restart_count, in_job)
+    return str(layout.errors(run_dir) / f"{tag}-collectives-rank-")
 
 
 # gloo's (and others') recorder, then NCCL's

@@ -44,7 +44,8 @@ def load(path: Path, own: bool = False) -> Any | None:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         return None
-    except Exception as err:  # noqa: BLE001 - garbage raises what the unpickler meets first: a corrupt source
+    # garbage raises what the unpickler meets first: a corrupt source
+    except Exception as err:  # noqa: BLE001
         log.warning("the per-rank states in %s cannot be read (%s: %s): treated as missing", path,
                     type(err).__name__, first_line(err, 160))
         return None
@@ -63,8 +64,8 @@ def _states(entry: Any) -> dict[int, bytes] | None:
     """One rank's states: ``{step: bytes}``, or the version before's one ``[step, bytes]``; None if
     neither (a dict with any entry of another shape is none: a step's bytes are whole or not
     there)."""
-    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0],
-                                                                  int) and isinstance(entry[1], bytes):
+    if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+            and isinstance(entry[1], bytes)):
         return {entry[0]: entry[1]}
     if isinstance(entry, dict) and entry and all(isinstance(s, int) and isinstance(b, bytes)
                                                  for s, b in entry.items()):
@@ -88,7 +89,8 @@ def survivor_file(path: Path, tag: str | None = None) -> tuple[int, Held] | None
                         path)
         return None
     if len(held) != len(loaded["blobs"]):
-        log.warning("some per-rank states in %s are not {step: bytes}: those are treated as missing", path)
+        log.warning("some per-rank states in %s are not {step: bytes}: those are treated as "
+                    "missing", path)
     return holder, held
 
 

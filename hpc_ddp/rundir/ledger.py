@@ -1,7 +1,8 @@
 """The ledger of attempts (``RUN_DIR/attempts.jsonl``) and the files an attempt leaves for the next:
 one line per attempt, ``amends`` lines merged into it, a person's ``--resume`` from which the caps
 count afresh, the error files and crash markers. Written by ranks, the batch shell and the
-rehearsal, read by all of them and by ``status``. No torch.
+rehearsal, read by all of them and by ``status``; its summaries of a run as a whole (the steps
+each failure lost, the chain of jobs) are :mod:`hpc_ddp.rundir.ledger_history`'s. No torch.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def crash_marker(run_dir: Path, job_id: int | str | None, restart_count: int, in
     (``kind="stop"``), is noted for the other ranks' workers. Peers read it by this name, rank by
     rank, never by listing the directory (NFS caches listings): see
     :mod:`hpc_ddp.rank.script.outcome`."""
-    return layout.errors(run_dir) / f"{attempt_tag(job_id, restart_count, in_job)}-{kind}-rank-{rank}.txt"
+    tag = attempt_tag(job_id, restart_count, in_job)
+    return layout.errors(run_dir) / f"{tag}-{kind}-rank-{rank}.txt"
 
 
 def error_path(run_dir: Path, job_id: int | str | None, restart_count: int,
@@ -263,32 +265,6 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]],
                    f"(slurm.{key}={limits[key] + 10})")
 
 
-FAILURE_REASONS = ("failed", "lost", "hung")  # the attempts that end without a stop snapshot
-
-
-def steps_lost(attempts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per failed attempt (by index): the steps its failure threw away, ``last_step`` (how far it
-    got, by its ledger line) less the step the next attempt resumed from (or, before there is one,
-    the snapshot its line names: where the next will resume). A stop loses nothing by design and is
-    not listed; an attempt whose figures are missing is listed without ``lost``; ``why``: the
-    ledger's reason the survivors wrote no snapshot, where steps were lost."""
-    found: dict[int, dict[str, Any]] = {}
-    for i, attempt in enumerate(attempts):
-        if attempt.get("reason") not in FAILURE_REASONS:
-            continue
-        after = attempts[i + 1] if i + 1 < len(attempts) else None
-        resumed = after.get("resumed_from") if after is not None else attempt.get("snapshot")
-        last = attempt.get("last_step")
-        entry: dict[str, Any] = {"last_step": last, "resumed_from": resumed,
-                                 "pending": after is None}
-        if isinstance(last, int):
-            entry["lost"] = last - (resumed if isinstance(resumed, int) else 0)
-        if entry.get("lost") and attempt.get("jit_fallback"):  # why the survivors wrote no snapshot
-            entry["why"] = attempt["jit_fallback"]
-        found[i] = entry
-    return found
-
-
 def record_next_job(run_dir: Path, attempt: Mapping[str, Any], next_job: str, script: str) -> None:
     """Where Slurm refuses requeue, the batch shell submitted the run's next job itself (a chain):
     the stopped attempt's line says which job comes next (``next_job``) and from which batch script.
@@ -297,16 +273,3 @@ def record_next_job(run_dir: Path, attempt: Mapping[str, Any], next_job: str, sc
     append_attempt(run_dir, {**attempt_fields(*attempt_key(attempt)), "amends": True,
                              "next_job": next_job,
                              "chained_with": script, "requeue_by": "chain"})
-
-
-def chain_jobs(attempts: Sequence[Mapping[str, Any]], current: str | None = None) -> list[str]:
-    """The jobs of a run in order (each once), with the last chained ``next_job`` and ``current``
-    (job.json's) after them: ``["5", "7", "9"]`` for a run that went on through two chained jobs."""
-    jobs: list[str] = []
-    for attempt in attempts:
-        for job in (attempt.get("job_id"), attempt.get("next_job")):
-            if job is not None and str(job) not in jobs:
-                jobs.append(str(job))
-    if current and current not in jobs:
-        jobs.append(current)
-    return jobs

@@ -12,7 +12,6 @@ line here is data, never trusted further than its type. No torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 # A kind of value: the types it may have (bool is never an int here), and how a warning names it.
@@ -77,7 +76,8 @@ def what_is(value: Any) -> str:
              list: "a list",
              dict: "a JSON object", type(None): "null"}
     shown = repr(value)
-    return f"{names.get(type(value), type(value).__name__)} ({shown[:60] + '...' if len(shown) > 60 else shown})"
+    shown = shown[:60] + "..." if len(shown) > 60 else shown
+    return f"{names.get(type(value), type(value).__name__)} ({shown})"
 
 
 def problems(record: Any) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from hpc_ddp.rundir import jit_files, jit_offers, layout, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
-from hpc_ddp.rundir.snapshot_steps import committed
+from hpc_ddp.rundir.snapshot.steps import committed
 
 
 

@@ -6,7 +6,7 @@ creates it before the rendezvous, so no node ever looked the name up while it wa
 open by name always reaches the server (close-to-open): the content is as new as the last writer's
 close. A manifest it names that this node cannot see yet (its client cached the name's absence)
 becomes visible within ``acdirmax``; the resume waits that long for it rather than resuming from an
-older step (:func:`hpc_ddp.rundir.snapshot_steps.committed`). No torch.
+older step (:func:`hpc_ddp.rundir.snapshot.steps.committed`). No torch.
 """
 
 from __future__ import annotations

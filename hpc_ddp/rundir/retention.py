@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.rundir import layout, newest, view
-from hpc_ddp.rundir.snapshot_steps import MANIFEST, committed_steps
+from hpc_ddp.rundir.snapshot.steps import MANIFEST, committed_steps
 
 log = logging.getLogger("hpc_ddp.snapshot")
 

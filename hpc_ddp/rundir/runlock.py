@@ -134,7 +134,8 @@ def acquire(run_dir: Path, me: Mapping[str, Any],
         if holder is None:  # being written right now, or torn by a crash: look again shortly
             time.sleep(0.2)
             holder = read_record(path)
-        if holder is not None and holder.get("job") == me["job"] and holder.get("local") == me["local"]:
+        if (holder is not None and holder.get("job") == me["job"]
+                and holder.get("local") == me["local"]):
             # our own job, requeued (or restarted by the local launcher)
             path.unlink(missing_ok=True)
             continue
@@ -146,7 +147,8 @@ def acquire(run_dir: Path, me: Mapping[str, Any],
                     holder.get("job") if holder else "(unreadable lock)")
         path.unlink(missing_ok=True)
     raise RunLockedError(explain(f"could not take the lock {path}: it keeps changing",
-                                 hint="another job is starting in this run dir; start one at a time"),
+                                 hint="another job is starting in this run dir; start one at a "
+                                      "time"),
                          key="run_dir")
 
 

@@ -108,7 +108,8 @@ def layout_problem(manifest: Mapping[str, Any]) -> str | None:
         return None
     files = manifest.get("files")
     if not isinstance(layout, dict) or layout.get("format") != FORMAT:
-        return f"layout format {layout.get('format') if isinstance(layout, dict) else layout!r}, expected {FORMAT}"
+        found = layout.get("format") if isinstance(layout, dict) else repr(layout)
+        return f"layout format {found}, expected {FORMAT}"
     slices, tensors, pieces = layout.get("slices"), layout.get("tensors"), layout.get("pieces")
     if not _count(slices) or not isinstance(tensors, list) or not isinstance(pieces, list):
         return "layout lacks slices, tensors or pieces"
@@ -126,7 +127,8 @@ def layout_problem(manifest: Mapping[str, Any]) -> str | None:
         covered[tensor] = stop
     for index, (path, shape) in enumerate(tensors):
         if covered[index] != math.prod(shape):
-            return f"the pieces of {'.'.join(map(str, path))} cover {covered[index]} of {math.prod(shape)} elements"
+            return (f"the pieces of {'.'.join(map(str, path))} cover {covered[index]} of "
+                    f"{math.prod(shape)} elements")
     for name, entry in files.items() if isinstance(files, dict) else ():
         held = entry.get("slices") if isinstance(entry, dict) else None
         if not (isinstance(held, list) and all(_int(s) and 0 <= s < slices for s in held)):
@@ -248,7 +250,8 @@ def pieces_for(layout: Mapping[str, Any], tensors: Sequence[tuple[Path_, torch.T
         value = tensors[tensor][1].detach()
         if start == 0 and stop == value.numel():
             whole = value.is_contiguous() and value.untyped_storage().nbytes() == value.nbytes
-            out[index] = value if whole or not copy else value.clone(memory_format=torch.contiguous_format)
+            out[index] = (value if whole or not copy
+                          else value.clone(memory_format=torch.contiguous_format))
         else:
             part = value.reshape(-1)[start:stop]
             out[index] = part.clone() if copy else part

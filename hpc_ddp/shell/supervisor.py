@@ -29,7 +29,7 @@ from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.shell.last_known import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
-from hpc_ddp.rundir.snapshot_steps import refuses_resize
+from hpc_ddp.rundir.snapshot.steps import refuses_resize
 from hpc_ddp.shell.steps import Srun, Step, run_srun
 
 

@@ -321,7 +321,8 @@ def test_a_cuda_state_goes_through_the_pipeline_into_reused_pinned_memory_and_re
     gives the very bytes back."""
     from hpc_ddp.rank.state.copier import CudaCopier
     from hpc_ddp.rank.state.rng import capture_rng
-    from hpc_ddp.rundir import snapshot, snapshot_steps
+    from hpc_ddp.rundir import snapshot
+    from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 
     state = _cuda_state()
     expected = _on_cpu(state)

@@ -91,7 +91,7 @@ def test_status_prints_the_state_time_and_eta_of_a_running_local_run(tmp_path: P
 def test_status_says_how_many_steps_each_failure_threw_away(tmp_path: Path) -> None:
     """A failure costs the steps since the snapshot the next attempt resumed from (issue 35): status says how
     many, for a healed failure and for one whose next attempt has not started; a stop loses none."""
-    from hpc_ddp.rundir.ledger import steps_lost
+    from hpc_ddp.rundir.ledger_history import steps_lost
 
     attempts = [{"reason": "failed", "job_id": 5, "restart_count": 0, "first_step": 0, "last_step": 37,
                  "snapshot": 30},

@@ -20,8 +20,8 @@ import torch
 from hpc_ddp.rank.state.rng import reseed
 from hpc_ddp.rank.salvage.jit import Held, buffers
 from hpc_ddp.rank.salvage.jit_checks import fingerprint
-from hpc_ddp.rundir import (jit_claims, jit_files, jit_offers, layout, retention, slicing, snapshot,
-                            snapshot_steps, snapshot_write)
+from hpc_ddp.rundir import jit_claims, jit_files, jit_offers, layout, retention, slicing, snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps, write as snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.losses import jit_fields
 from tests.helpers import done, losses, submit

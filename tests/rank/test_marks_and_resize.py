@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from hpc_ddp.rank.state.restore import load_per_rank
-from hpc_ddp.rundir import snapshot, snapshot_steps
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.shell.settle import settle
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot, snapshot_steps
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 from hpc_ddp.rundir.ledger import read_attempts
-from hpc_ddp.rundir.snapshot_steps import committed_steps
+from hpc_ddp.rundir.snapshot.steps import committed_steps
 from tests.helpers import ROOT, done, losses, submit
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,8 @@ import torch
 
 from hpc_ddp.rank.state.copier import Chunk
 from hpc_ddp.rank.state.pipeline import Pipeline
-from hpc_ddp.rundir import slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir.snapshot import write as snapshot_write
 
 CHUNK = 4096  # small chunks: every piece of a few KB is several
 

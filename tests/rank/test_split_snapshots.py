@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import slicing, snapshot, snapshot_steps
+from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot, snapshot_steps, snapshot_verify
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps, verify as snapshot_verify
 from hpc_ddp.rundir.ledger import read_attempts
 
 ROOT = Path(__file__).resolve().parents[2]

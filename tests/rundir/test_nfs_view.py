@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rank.watch.liveness import Beat, Liveness
-from hpc_ddp.rundir import layout, losses, newest, retention, snapshot, snapshot_steps, view
+from hpc_ddp.rundir import layout, losses, newest, retention, snapshot, view
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 from hpc_ddp.shell import shell_rules
 from tests.nfs_client import CachingClient
 

@@ -20,7 +20,8 @@ from hpc_ddp.login.sbatch import sbatch_options, submitit_parameters
 from hpc_ddp.login.status import render
 from hpc_ddp.login.status.read import collect
 from hpc_ddp.rundir import layout
-from hpc_ddp.rundir.ledger import append_attempt, cap_reached, chain_jobs, read_attempts
+from hpc_ddp.rundir.ledger import append_attempt, cap_reached, read_attempts
+from hpc_ddp.rundir.ledger_history import chain_jobs
 from hpc_ddp.shell.chain import (batch_shell_requeue, chain_environ, parsable_id, requeue_or_chain, sbatch_argv,
                                  submitit_folder, workdir_of)
 from hpc_ddp.shell.settle import settle

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot, snapshot_verify, snapshot_write
+from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir.snapshot import verify as snapshot_verify, write as snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.rundir.runlock import LOCK, RunLockedError, acquire, holder_alive, holder_record, release
 from hpc_ddp.shell.settle import pick_config, settle

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from hpc_ddp.rank.watch.liveness import Beat, Liveness
-from hpc_ddp.rundir import layout, losses, newest, retention, snapshot, snapshot_steps
+from hpc_ddp.rundir import layout, losses, newest, retention, snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps
 from hpc_ddp.shell import shell_rules
 
 TAG = "job-7-restart-0"

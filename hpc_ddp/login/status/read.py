@@ -16,7 +16,8 @@ from hpc_ddp.rundir import layout, metrics_file, script_progress
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
-from hpc_ddp.rundir.ledger import chain_jobs, read_attempts, steps_lost
+from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.ledger_history import chain_jobs, steps_lost
 
 
 def _slurm_state(job_id: str) -> str | None:
@@ -120,7 +121,7 @@ def duration(seconds: float) -> str:
 
 def collect(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data."""
-    from hpc_ddp.rundir import snapshot_steps  # manifests only: no torch
+    from hpc_ddp.rundir.snapshot import steps as snapshot_steps  # manifests only: no torch
 
     job = _read_json(layout.job(run_dir)) or {}
     # one record per step: a resumed attempt's values replace replays

@@ -31,16 +31,17 @@ HOLD_S = 60.0
 # happened)
 # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
 DIE_WAIT_S = 5.0
-FAULT_POINT_VAR = "HPC_DDP_FAULT_POINT"  # tests only: rundir/snapshot.py's FAULT_POINT
+FAULT_POINT_VAR = "HPC_DDP_FAULT_POINT"  # tests only: rundir/snapshot/store.py's FAULT_POINT
 
 
 def on_step(attempt: Attempt, run: Run) -> Callable[[int], None] | None:
     """What ``run`` calls after each step (``run.on_step``), or None outside a rehearsal; also arms
     the snapshot writer's fault point (tests only), before the run writes anything."""
-    from hpc_ddp.rundir import snapshot
+    # the module that reads it (the folder's __init__ only re-exports names)
+    from hpc_ddp.rundir.snapshot import store
 
     environ = attempt.environ
-    snapshot.FAULT_POINT = environ.get(FAULT_POINT_VAR)
+    store.FAULT_POINT = environ.get(FAULT_POINT_VAR)
     hook: Callable[[int],
                    None] | None = _print_progress if attempt.local and attempt.env.is_main else None
     if hook is not None and environ.get(HOLD_AT_VAR):  # the rehearsal's --preempt-at/--timeout-at

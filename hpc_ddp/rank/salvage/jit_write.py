@@ -16,7 +16,8 @@ from typing import Any
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.salvage import jit_commit
 from hpc_ddp.rank.salvage.survivor import Survivor
-from hpc_ddp.rundir import jit_files, slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import jit_files, slicing, snapshot
+from hpc_ddp.rundir.snapshot import write as snapshot_write
 
 # how long after its failure the writer waits for the other survivors' offers before comparing
 OFFER_WAIT_S = 0.5

@@ -32,7 +32,8 @@ from hpc_ddp.rank.state import pipeline as pipeline_
 from hpc_ddp.rank.state import snapshot_load, spread
 from hpc_ddp.rank.state.snapshot_load import Restored, auto_load
 from hpc_ddp.rank.group import tiers as tiers_
-from hpc_ddp.rundir import retention, slicing, snapshot, snapshot_write
+from hpc_ddp.rundir import retention, slicing, snapshot
+from hpc_ddp.rundir.snapshot import write as snapshot_write
 from hpc_ddp.core.config import SnapshotConfig
 from hpc_ddp.core.slurm_env import DistEnv
 

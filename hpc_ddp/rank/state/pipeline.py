@@ -6,7 +6,7 @@ once with host tensors that alias the :class:`Arena`: one buffer, pinned where a
 it, allocated at the attempt's first snapshot and grown only when a state needs more. Each piece is
 a storage of its own in the arena (``torch.frombuffer`` on its region), so torch.save writes it as
 it would a CPU tensor of that size: the file on disk is the one a CPU state of the same values
-gives, with a digest per slice. The writer (:func:`hpc_ddp.rundir.snapshot_write.write_node_file`)
+gives, with a digest per slice. The writer (:func:`hpc_ddp.rundir.snapshot.write.write_node_file`)
 calls :meth:`Staged.ready` before it hashes or writes a chunk: the writer's thread waits for that
 chunk's copy alone, while the later chunks are still copying.
 

@@ -25,7 +25,8 @@ from hpc_ddp.core.errors import explain
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.state import spread
-from hpc_ddp.rundir import retention, slicing, snapshot, snapshot_steps, snapshot_verify
+from hpc_ddp.rundir import retention, slicing, snapshot
+from hpc_ddp.rundir.snapshot import steps as snapshot_steps, verify as snapshot_verify
 
 log = logging.getLogger("hpc_ddp.checkpointer")
 

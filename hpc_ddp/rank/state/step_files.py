@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from hpc_ddp.rundir import slicing, snapshot, snapshot_verify
+from hpc_ddp.rundir import slicing, snapshot
+from hpc_ddp.rundir.snapshot import verify as snapshot_verify
 
 log = logging.getLogger("hpc_ddp.checkpointer")
 

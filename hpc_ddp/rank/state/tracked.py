@@ -15,7 +15,7 @@ reason; ``"fresh"`` keeps the value the loop built in this attempt, with a warni
 
 Such a run cannot resume on fewer nodes, so every snapshot's manifest says so
 (:func:`resize_refusal`, read without torch by
-:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`): the batch shell then never heals a failure by
+:func:`hpc_ddp.rundir.snapshot.steps.refuses_resize`): the batch shell then never heals a failure by
 shrinking it. The resume's side (each rank's value back, or the refusal, a failure on an attempt
 nobody asked for) is :mod:`hpc_ddp.rank.state.per_rank_resume`.
 """
@@ -33,7 +33,7 @@ from torch.utils.data import DistributedSampler
 
 from hpc_ddp.rank.state.checkpointer import stage
 from hpc_ddp.core.errors import UsageError, a_type, explain
-from hpc_ddp.rundir.snapshot_steps import PER_RANK_REASON, REASONS_JOIN
+from hpc_ddp.rundir.snapshot.steps import PER_RANK_REASON, REASONS_JOIN
 
 if TYPE_CHECKING:
     from hpc_ddp.core.config import TrainConfig
@@ -204,7 +204,7 @@ def resize_refusal(objects: Mapping[str, PerRank], train: TrainConfig) -> str | 
     """Why a resume of this run at another world size would be refused, or None: the per-rank state
     tracked with ``elastic="refuse"`` (named), and a global batch that follows the world size.
     Recorded in every snapshot's manifest for the batch shell
-    (:func:`hpc_ddp.rundir.snapshot_steps.refuses_resize`)."""
+    (:func:`hpc_ddp.rundir.snapshot.steps.refuses_resize`)."""
     reasons = []
     refusing = [name for name, p in objects.items() if p.elastic == "refuse"]
     if refusing:

@@ -1,7 +1,7 @@
 """Checking a snapshot file's bytes against its manifest entry, and reading exactly the bytes asked
 for.
 
-A node file's manifest entry (written by :mod:`hpc_ddp.rundir.snapshot_write`) holds a digest per
+A node file's manifest entry (written by :mod:`hpc_ddp.rundir.snapshot.write`) holds a digest per
 slice of the replicated state and one of the *rest* (the zip's records, the pickle, the RNG states):
 a resume reads a slice and verifies it as it reads it (:func:`slice_problem`), the rest before
 (:func:`rest_problem`), and a verify of the whole file (:func:`file_problem`) checks both. Plain

@@ -1,19 +1,11 @@
-"""Per-node snapshot files, the manifest that commits them, and choosing what to resume from.
+"""Storing a step: a node file's atomic write, the manifest that commits the step, taking one
+back, and choosing and reading what a resume starts from.
 
-Layout: ``RUN_DIR/snapshots/step-00000123/node-00000.pt`` (one per node, written by
-its local rank 0: its slices of the replicated state, see :mod:`hpc_ddp.rundir.slicing`, and
-its ranks' RNG states) and ``manifest.json`` (files with their sizes, sha256, slices
-and ranks; the layout; step, world size, config), written last by global rank 0: a
-step without a valid manifest does not exist. Every file is written to a temporary
-name, fsynced, renamed, and the directory fsynced, so a crash at any point leaves the
-last committed step intact. Loads use ``torch.load(weights_only=True)``: a file that
-needs arbitrary unpickling is refused, nothing in it runs. The collective part (who
-writes what: :mod:`hpc_ddp.rank.state.checkpointer`; who verifies and reads what:
-:mod:`hpc_ddp.rank.state.snapshot_load`) is the rank's; this module is
-plain file handling, and imports torch only to load. Which steps are committed is read by
-:mod:`hpc_ddp.rundir.snapshot_steps` (no torch: ``status`` and the batch shell read only that). A
-node file is written by :mod:`hpc_ddp.rundir.snapshot_write` and its bytes checked by
-:mod:`hpc_ddp.rundir.snapshot_verify`.
+Every file is written to a temporary name, fsynced, renamed, and the directory fsynced, so a crash
+at any point leaves the last committed step intact; the manifest is written last, by global rank
+0: a step without a valid manifest does not exist. Loads use ``torch.load(weights_only=True)``: a
+file that needs arbitrary unpickling is refused, nothing in it runs. Plain file handling, torch
+imported only to load. The format as a whole: :mod:`hpc_ddp.rundir.snapshot`.
 """
 
 from __future__ import annotations
@@ -32,11 +24,9 @@ from typing import Any, BinaryIO
 from hpc_ddp.core import atomic
 from hpc_ddp.rundir import newest, slicing
 from hpc_ddp.core.errors import HpcDdpError, explain
-# committed_steps: also public here (docs/reference.md)
-from hpc_ddp.rundir.snapshot_steps import (MANIFEST, REFUSES_RESIZE, WITHDRAWN, agreed,
-                                           committed,  # noqa: F401
-                                           committed_steps, step_dir)
-from hpc_ddp.rundir.snapshot_verify import file_problem
+from hpc_ddp.rundir.snapshot.steps import (MANIFEST, REFUSES_RESIZE, WITHDRAWN, agreed, committed,
+                                           step_dir)
+from hpc_ddp.rundir.snapshot.verify import file_problem
 
 log = logging.getLogger("hpc_ddp.snapshot")
 # Tests only: "POINT:STEP[:SIGNAL]" with POINT one of tmp, before_rename, before_manifest: at that

@@ -2,9 +2,8 @@
 
 :func:`write_node_file` is what every writer calls (the periodic snapshot's node files, the
 survivors' just-in-time files); the manifest that commits them and the choice of what to resume from
-are in
-:mod:`hpc_ddp.rundir.snapshot`, the checks of what was written in
-:mod:`hpc_ddp.rundir.snapshot_verify`. Torch is imported only inside the writer.
+are in :mod:`hpc_ddp.rundir.snapshot.store`, the checks of what was written in
+:mod:`hpc_ddp.rundir.snapshot.verify`. Torch is imported only inside the writer.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hpc_ddp.core.errors import explain
-from hpc_ddp.rundir.snapshot import SnapshotError, node_file_name, write_atomic
-from hpc_ddp.rundir.snapshot_verify import slice_digest
+from hpc_ddp.rundir.snapshot.store import SnapshotError, node_file_name, write_atomic
+from hpc_ddp.rundir.snapshot.verify import slice_digest
 
 # (piece, start, stop): returns once those bytes of the piece are in memory
 Ready = Callable[[int, int, int], None]

@@ -4,9 +4,9 @@ cached view hides it), withdrawn steps and survivors' snapshots that a survivor 
 left out, and why the newest one refuses a resize. No torch: the login node, the batch shell and
 ``status`` read only this.
 
-Apart from :mod:`hpc_ddp.rundir.snapshot`, which writes and commits a step's files, takes one back
-and chooses and loads what a resume reads: finding the committed steps is a reader's job for every
-place, where writing one is a rank's.
+Apart from :mod:`hpc_ddp.rundir.snapshot.store`, which writes and commits a step's files, takes one
+back and chooses and loads what a resume reads: finding the committed steps is a reader's job for
+every place, where writing one is a rank's.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """The step's manifest, or None: none, unreadable, or withdrawn
-    (:func:`hpc_ddp.rundir.snapshot.withdraw`)."""
+    (:func:`hpc_ddp.rundir.snapshot.store.withdraw`)."""
     try:
         manifest = json.loads(view.current().read_bytes(directory / MANIFEST))
     except (OSError, ValueError):
@@ -83,7 +83,8 @@ def _named(directory: Path, wait_s: float, sleep: Callable[[float], None]) -> di
     """The manifest of the step the newest commit names, read by name until this node sees it
     (``wait_s``); None at once for a withdrawn step."""
     waited = 0.0
-    while (manifest := read_manifest(directory)) is None and waited < wait_s and not _withdrawn(directory):
+    while ((manifest := read_manifest(directory)) is None and waited < wait_s
+           and not _withdrawn(directory)):
         if not waited:
             log.warning("%s names %s as committed, but its manifest is not visible from this node "
                         "yet (a cached "
