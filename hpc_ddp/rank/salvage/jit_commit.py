@@ -43,12 +43,12 @@ def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dic
     if record.get("fingerprint") == offer["fingerprint"]:
         return f"step {step} committed by another survivor (same fingerprint)"
     snapshot.withdraw(directory, f"rank {offer['rank']} holds another state of step {step} than "
-                                 "rank "
-                                 f"{record.get('writer')} wrote")
+                                 f"rank {record.get('writer')} wrote")
     log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than "
               "this rank holds",
               step, record.get("writer"))
-    return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
+    return (f"withdrew step {step}: rank {record.get('writer')} wrote another state than "
+            f"rank {offer['rank']} holds")
 
 
 def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, Any],
@@ -118,7 +118,8 @@ def complete(run: Survivor, folder: Path) -> str:
                         f"before step {step}'s set was complete")
             if held == f"step {step}":
                 return f"step {step} committed by another survivor"
-            return f"step {step} not committed here: this attempt's commit went to another survivor ({held})"
+            return (f"step {step} not committed here: this attempt's commit went to another "
+                    f"survivor ({held})")
         try:
             return _commit(run, folder, writers, sources, holders, states)
         except BaseException as err:
@@ -172,7 +173,8 @@ def _per_rank_states(folder: Path, holders: dict[int, int], node_of: dict[int, i
               for rank, holder in holders.items()}
     lost = sorted(rank for rank, blob in states.items() if blob is None)
     if lost:
-        return f"the files holding the per_rank state of rank(s) {lost} at step {step} could not be read"
+        return (f"the files holding the per_rank state of rank(s) {lost} at step {step} could "
+                "not be read")
     return {rank: blob for rank, blob in states.items() if blob is not None}
 
 

@@ -52,7 +52,9 @@ from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import recorded_error
 from hpc_ddp.rundir.runlock import acquire, release
-from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, exited_early, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
+from hpc_ddp.rank.script.outcome import (IGNORED_HINT, crashes, exited_early, hung, later_stop,
+                                         mark_crash, mark_stop, prepare_marks, ran_to_its_end,
+                                         record_crash, stopped_late, wait_for_ledger)
 from hpc_ddp.rank.stop.shield import STOP_SIGNALS_VAR, stop_signals
 from hpc_ddp.rank.script.output import Progress, start_relays
 from hpc_ddp.rank.script.publish import Publisher
@@ -85,7 +87,8 @@ def resume_note(resume_args: list[str]) -> str:
            "train.resume_args is not set, so hpc_ddp tells it nothing and it resumes only if it "
            "looks for its "
            "checkpoint by itself (nanoGPT needs train.resume_args: ['--init_from=resume'])")
-    return f"train.script: the script resumes from its own checkpoint if it finds one; {how}. {RESUME_NOTE}"
+    return (f"train.script: the script resumes from its own checkpoint if it finds one; {how}. "
+            f"{RESUME_NOTE}")
 
 
 class ScriptError(HpcDdpError):
@@ -222,7 +225,8 @@ def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
     worker reads them when the script ends (rank/group/nccl_report.py), whether the script uses
     hpc_ddp.session() or not."""
     cfg, env = attempt.cfg, attempt.env
-    if cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo" or not nccl_report.wanted("nccl", env):
+    if (cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo"
+            or not nccl_report.wanted("nccl", env)):
         return None
     return nccl_report.prepare(environ, env, user=cfg.dist.nccl_env)
 
