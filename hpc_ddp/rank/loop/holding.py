@@ -1,4 +1,4 @@
-"""What a failure would take, kept current on a rank: opened at the resume, marked at every boundary.
+"""What a failure would take, kept current on a rank: opened at the resume, marked at each boundary.
 
 The state a just-in-time snapshot of this step writes (:class:`hpc_ddp.rank.salvage.jit.Held`),
 this rank's per-rank state at its buddy (:mod:`hpc_ddp.rank.salvage.mirror`), and rank 0's DDP
