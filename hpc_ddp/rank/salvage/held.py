@@ -119,9 +119,9 @@ class Held:
         self.step = step
 
     def synced(self) -> None:
-        """After the boundary broadcast rank 0's buffers to every rank (rank/loop/run.py): copy them
-        again. Every rank then holds the buffers a snapshot of this step must hold, rank 0's, also
-        when rank 0 is the one lost."""
+        """After the boundary broadcast rank 0's buffers to every rank (rank/loop/holding.py): copy
+        them again. Every rank then holds the buffers a snapshot of this step must hold, rank 0's,
+        also when rank 0 is the one lost."""
         self.generation += 1
         self.copies = {**self.copies, **{name: {key: tensor.detach().clone()
                                                 for key, (_, _, tensor) in found.items()}
