@@ -17,7 +17,8 @@ from hpc_ddp.core.slurm_env import from_environ
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.group import control
 from hpc_ddp.rank.loop.run import Run
-from hpc_ddp.rank.salvage.held import Held, plain_copy
+from hpc_ddp.rank.salvage.held import Held
+from hpc_ddp.rank.salvage.held_copies import plain_copy
 from hpc_ddp.rank.state.rng import capture_rng
 from tests.helpers import done, losses, submit
 

@@ -176,7 +176,7 @@ def test_a_stop_that_comes_as_the_script_exits_is_said(tmp_path: Path, caplog: p
     import sys
 
     from hpc_ddp.core.stopping import StopFlag
-    from hpc_ddp.rank.script.wrapper import supervise
+    from hpc_ddp.rank.script.child import supervise
 
     flag = StopFlag()
     cmd = [sys.executable, "-c", f"import os, signal; os.kill(os.getppid(), {int(signal.SIGUSR2)}); os._exit(3)"]

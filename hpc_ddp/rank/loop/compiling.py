@@ -117,7 +117,8 @@ def apply_cache_env(cfg: RunConfig, env: DistEnv, environ: Mapping[str, str]) ->
     if found.place == "node" and found.folder is not None and CACHE_DIR_VAR not in found.kept:
         # before inductor makes it (0755): private and this user's, or refused
         node_local.ensure(found.folder)
-    if found.place == "node" and env.local_rank == 0 and found.folder is not None and not found.kept:
+    if (found.place == "node" and env.local_rank == 0 and found.folder is not None
+            and not found.kept):
         copied = compile_cache.seed(cfg.run_dir, found.folder)
         log.info("compile cache: %d entries copied from the run's copy into %s", copied,
                  found.folder)
@@ -233,7 +234,8 @@ def at_first_boundary(run: FirstBoundary, frame: FrameType | None = None) -> lis
     timeline.mark("compiled", report["ended"], compile_cache=report["cache"],
                   compile_s=report["seconds"])
     cache: CacheEnv | None = _state["cache"]
-    where = cache.folder if cache is not None and cache.folder is not None else "torch's default place"
+    where = (cache.folder if cache is not None and cache.folder is not None
+             else "torch's default place")
     if run.is_main:
         log.info("compile: cache %s (%d of %d FX graphs from the cache), %d graph(s), %s s "
                  "compiling; cache in %s",

@@ -14,7 +14,9 @@ Everything else is the stop protocol, in this one place: the stop flag agreed by
 boundary after a signal (the all_reduce overlaps the next step), periodic snapshots by step count or
 by rank 0's clock (sync, or async with the copy in the step), the stop snapshot, every rank's RNG
 captured and restored, the hang watchdog's heartbeat, the final model and DONE marker. Its pieces
-with a job of their own sit beside it: how ranks agree (:mod:`~hpc_ddp.rank.loop.agreement`), what a
+with a job of their own sit beside it: the resume's tracking and loading
+(:mod:`~hpc_ddp.rank.loop.resuming`), what a failure would take, kept current
+(:mod:`~hpc_ddp.rank.loop.holding`), how ranks agree (:mod:`~hpc_ddp.rank.loop.agreement`), what a
 snapshot holds (:mod:`~hpc_ddp.rank.loop.step_state`), the end of a finished run
 (:mod:`~hpc_ddp.rank.loop.finish`), a loop's wrong calls (:mod:`~hpc_ddp.rank.loop.misuse`). Who
 writes which file is the checkpointer's business; what happens after the loop returns (ledger,
@@ -35,22 +37,21 @@ from hpc_ddp.core.batching import BatchPlan, plan
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rank.loop import agreement
+from hpc_ddp.rank.loop import agreement, holding
 from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
 from hpc_ddp.rank.loop.compiling import at_first_boundary
 from hpc_ddp.rank.loop.finish import finish_run
 from hpc_ddp.rank.loop.misuse import check_resume, check_step
-from hpc_ddp.rank.loop.sampler import ShardSampler
-from hpc_ddp.rank.loop.step_state import checked_state, per_rank_state
+from hpc_ddp.rank.loop.resuming import load_newest, track
+from hpc_ddp.rank.loop.step_state import checked_state
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.metrics.run_metrics import MetricsLog
-from hpc_ddp.rank.salvage import jit, jit_checks, mirror
-from hpc_ddp.rank.state import restore
+from hpc_ddp.rank.salvage import jit, mirror
 from hpc_ddp.rank.state.checkpointer import STEP, Checkpointer
-from hpc_ddp.rank.state.ddp_settle import ddp_in, settle_buckets_on_first_forward, sync_buffers
+from hpc_ddp.rank.state.ddp_settle import settle_buckets_on_first_forward
 from hpc_ddp.rank.state.replication import params_sha256  # noqa: F401  (public: docs/reference.md)
 from hpc_ddp.rank.state.rng import reseed
-from hpc_ddp.rank.state.tracked import PerRank, check_trackable, resize_refusal, state_of
+from hpc_ddp.rank.state.tracked import PerRank, state_of
 from hpc_ddp.rank.stop.broken_step import stop_came_first
 from hpc_ddp.rank.stop.child_deaths import ChildDeaths
 
@@ -94,8 +95,8 @@ class Run:
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         # the state a just-in-time snapshot would take now (snapshot.jit)
         self.held: jit.Held | None = None
-        # DDP modules whose buffers rank 0 sends
-        self._broadcasts_buffers: list[DistributedDataParallel] = []
+        # DDP modules whose buffers rank 0 sends (rank/loop/holding.py)
+        self.broadcasts_buffers: list[DistributedDataParallel] = []
         # per_rank objects sent to a buddy at every boundary (rank/salvage/mirror.py)
         self.mirror: mirror.Mirror | None = None
         # acted on at a boundary, not mid-update
@@ -148,41 +149,10 @@ class Run:
         the same order as one that never stopped.
         """
         check_resume(positional, self._resumed)
-        for name, obj in objects.items():
-            if obj is not None:
-                check_trackable(name, obj)
-                if isinstance(obj, PerRank):
-                    self.per_rank[name] = obj
-                else:
-                    self.tracked[name] = obj
-                    if isinstance(obj, ShardSampler):
-                        # its iteration outside iterate() now warns: the position would be lost
-                        obj.tracked = True
+        track(self, objects)  # rank/loop/resuming.py
         self._resumed = True
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        # every manifest says whether this run may resume at another size
-        if self.checkpointer is not None:
-            self.checkpointer.refuses_resize = resize_refusal(self.per_rank, self.config.train)
-            # a step without every rank's is skipped
-            self.checkpointer.ranks_needed = bool(self.per_rank)
-        restored = self.checkpointer.restore() if self.checkpointer is not None else None
-        if restored is not None:
-            restore.load(self, restored)
-        timeline.mark("restored")  # the heal timeline (rank/metrics/timeline.py): in memory, once
-        if self._derived:
-            # as every boundary does: the next step's
-            reseed(self.config.train.seed, self.step, self.rank)
-        self.held = jit.Held(self.tracked) if self.config.snapshot.jit else None
-        # compiled ones too
-        ddps = [ddp for ddp in map(ddp_in, self.tracked.values()) if ddp is not None]
-        self._broadcasts_buffers = [ddp for ddp in ddps if ddp.broadcast_buffers
-                                    and self.world_size > 1
-                                    and next(ddp.module.buffers(), None) is not None]
-        self.mirror = mirror.open_for(self)
-        if self.held is not None:
-            self._mark(self.step)
-            jit_checks.warn_unprotected(self)
+        load_newest(self)
+        ddps = holding.open_holding(self)  # what a failure would take (rank/loop/holding.py)
         for ddp in ddps if self.world_size > 1 else []:
             settle_buckets_on_first_forward(ddp)
         if self.on_step is not None:
@@ -207,7 +177,7 @@ class Run:
         self.step = step
         self.boundaries += 1
         if self.held is not None:
-            self._mark(step)
+            holding.mark(self, step)
         # a loader worker that died since the last boundary (rank/stop/child_deaths.py)
         self.child_deaths.at_boundary()
         # a DistributedSampler among the loop's variables: its position will not resume
@@ -245,17 +215,6 @@ class Run:
             # before the program lets go: its teardown may outlast Slurm's KillWait
             self.on_stop(step)
         return stop
-
-    def _mark(self, step: int) -> None:
-        """What a just-in-time snapshot of this step takes (rank/salvage/jit.py), and the per-rank
-        state to the buddy; then rank 0's buffers to every rank (rank/salvage/held.py: a survivors'
-        snapshot holds them, rank 0 lost or not)."""
-        self.held.mark(step)
-        if self.mirror is not None:
-            self.mirror.mark(step, per_rank_state(self, cuda=True))
-        if self._broadcasts_buffers and all([sync_buffers(obj)
-                                             for obj in self._broadcasts_buffers]):
-            self.held.synced()
 
     def _snapshot(self, ckpt: Checkpointer, step: int, stop: bool, due: bool, busy: bool) -> None:
         if ckpt.pending is not None and (stop or not busy):

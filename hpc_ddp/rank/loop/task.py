@@ -79,7 +79,8 @@ def import_target(path: str, key: str = "train.task") -> Any:
     except Exception as err:
         raise _fail(f"importing {module_name!r} of {key} raised {type(err).__name__}: {err}",
                     key=key,
-                    hint="see the traceback above; the module runs on import in every worker") from err
+                    hint="see the traceback above; the module runs on import in every worker"
+                    ) from err
     if not hasattr(module, attr):
         names = [n for n in dir(module) if not n.startswith("_")]
         near = difflib.get_close_matches(attr, names, n=1)

@@ -133,7 +133,8 @@ class Trainer:
                 loss = self._run_step(micro_batches)
                 self.step += 1
                 self.progress["sample_in_epoch"] += self.global_batch
-                epoch_end = self.progress["sample_in_epoch"] + self.global_batch > self.sampler.usable
+                epoch_end = (self.progress["sample_in_epoch"] + self.global_batch
+                             > self.sampler.usable)
                 if epoch_end:
                     self.progress.update(epoch=self.epoch + 1, sample_in_epoch=0)
                 self._maybe_log(loss)

@@ -124,9 +124,8 @@ def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() != b.numel() or not torch.equal(a[:PEEK], b[:PEEK]):
         return False
     words = a.numel() // 8 * 8 if a.storage_offset() % 8 == 0 and b.storage_offset() % 8 == 0 else 0
-    return torch.equal(a[:words].view(torch.int64),
-                       b[:words].view(torch.int64)) and torch.equal(a[words:],
-                                                                                              b[words:])
+    return (torch.equal(a[:words].view(torch.int64), b[:words].view(torch.int64))
+            and torch.equal(a[words:], b[words:]))
 
 
 def changed(new: torch.Tensor, old: torch.Tensor, leaves: list[Segment]) -> list[Segment]:

@@ -12,9 +12,9 @@ objects.
 settings are the very objects of the last boundary's copy, every one immutable (numbers, strings,
 tuples of them), keeps that copy; a group with a tensor or a list among its settings is copied every
 time. A state made of numbers, strings, lists, tuples and dicts (a sampler's position, a scheduler's
-state) is copied by :func:`plain_copy`, not ``deepcopy`` (1-2 µs, not 5-20). Buffers are cloned at
-every boundary: a forward changes them, and a change made through ``.data`` leaves no trace
-(``_version``) to skip by.
+state) is copied by :func:`~hpc_ddp.rank.salvage.held_copies.plain_copy`, not ``deepcopy`` (1-2 µs,
+not 5-20). Buffers are cloned at every boundary: a forward changes them, and a change made through
+``.data`` leaves no trace (``_version``) to skip by.
 
 **Generations, not flags.** A survivors' snapshot may be taken from a side thread (liveness,
 watchdog) while the training thread still runs: a false alarm. ``updates`` is reset by every
@@ -49,27 +49,16 @@ tracker are cloned as tensors here, and read back to numbers only when a snapsho
 
 from __future__ import annotations
 
-import copy
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from hpc_ddp.rank.salvage.held_copies import (SCALERS, GroupCopy, group_copy, immutable, kind_of,
+                                              plain_copy, scaler_copy, scaler_state, slots)
 from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rank.state.tracked import state_of, unwrap
 
-SCALERS = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
-                            getattr(torch.cuda.amp, "GradScaler", None)) if c)
-# state_dict key -> (owner, attribute, tensor)
-Slots = dict[str, tuple[torch.nn.Module, str, torch.Tensor]]
-SCALAR_TYPES = frozenset((int, float, bool, str, bytes, complex, type(None)))
 _MISSING = object()
-
-
-class GroupCopy(NamedTuple):
-    """One optimizer group's settings as copied at a boundary, and what they were copied from."""
-    # the group's setting objects at the copy; None: one is mutable (copy every time)
-    live: dict[str, Any] | None
-    copy: dict[str, Any]  # what a snapshot holds: the settings and the parameters' numbers
 
 
 class Held:
@@ -100,7 +89,7 @@ class Held:
         # optimizer group settings copied, over all boundaries (the tests count them)
         self.settings_copied = 0
         # once: a boundary asks no isinstance
-        self._kinds = {name: _kind(obj) for name, obj in tracked.items()}
+        self._kinds = {name: kind_of(obj) for name, obj in tracked.items()}
         self._optimizers = [(name, obj) for name, obj in tracked.items()
                             if self._kinds[name] == "optimizer"]
         for obj in tracked.values():
@@ -130,9 +119,9 @@ class Held:
         self.step = step
 
     def synced(self) -> None:
-        """After the boundary broadcast rank 0's buffers to every rank (rank/loop/run.py): copy them
-        again. Every rank then holds the buffers a snapshot of this step must hold, rank 0's, also
-        when rank 0 is the one lost."""
+        """After the boundary broadcast rank 0's buffers to every rank (rank/loop/holding.py): copy
+        them again. Every rank then holds the buffers a snapshot of this step must hold, rank 0's,
+        also when rank 0 is the one lost."""
         self.generation += 1
         self.copies = {**self.copies, **{name: {key: tensor.detach().clone()
                                                 for key, (_, _, tensor) in found.items()}
@@ -188,7 +177,7 @@ class Held:
         for key, value in group.items():
             if live.get(key, _MISSING) is value or key == "params":
                 continue
-            if key not in live or not _frozen(value):
+            if key not in live or not immutable(value):
                 self.settings_copied += len(group) - 1
                 return group_copy(group, params)
             if live is last.live:
@@ -238,87 +227,3 @@ def _recorded() -> torch.cuda.Event:
     return event
 
 
-def group_copy(group: dict[str, Any], params: list[int]) -> GroupCopy:
-    """A group's settings as a snapshot holds them, with the objects they came from when all are
-    immutable."""
-    live = {k: v for k, v in group.items() if k != "params"}
-    frozen = all(_frozen(v) for v in live.values())
-    return GroupCopy(live if frozen else None,
-                     {**{k: _value(v) for k, v in live.items()}, "params": params})
-
-
-def _kind(obj: object) -> str:
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, torch.nn.Module):
-        return "module"
-    return "scaler" if isinstance(obj, SCALERS) else "other"
-
-
-def _frozen(value: Any) -> bool:
-    """Immutable all the way down: the same object is the same value (a tensor or a list may change
-    in place)."""
-    kind = type(value)
-    return kind in SCALAR_TYPES or (kind is tuple and all(type(v) in SCALAR_TYPES for v in value))
-
-
-def plain_copy(value: Any) -> Any:
-    """A copy of a state of numbers, strings, and lists, tuples and dicts of them, without
-    ``deepcopy``'s bookkeeping (a sampler's position, a scheduler's state); anything else in it is
-    deep-copied."""
-    kind = type(value)
-    if kind in SCALAR_TYPES:
-        return value
-    if kind is dict:
-        return {key: plain_copy(item) for key, item in value.items()}
-    if kind is list:
-        return [plain_copy(item) for item in value]
-    if kind is tuple:
-        return tuple([plain_copy(item) for item in value])
-    return copy.deepcopy(value)
-
-
-def _value(value: object) -> Any:
-    """A group setting as it is now: a tensor learning rate is updated in place by a scheduler, so
-    it is cloned."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.copy(value)
-
-
-def slots(module: torch.nn.Module) -> Slots:
-    """A module's buffers by state_dict key, with the module and attribute that hold each."""
-    inner = unwrap(module)
-    owners = {id(t): (m, attr) for _, m in inner.named_modules() for attr, t in m._buffers.items()
-              if t is not None}
-    return {key: (*owners[id(t)], t) for key, t in buffers(inner).items() if id(t) in owners}
-
-
-def buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's buffers by state_dict key (they change in the forward; parameters only in
-    step())."""
-    inner = unwrap(module)
-    params = {id(p) for p in inner.parameters()}
-    return {key: value for key, value in inner.state_dict(keep_vars=True).items()
-            if id(value) not in params}
-
-
-def scaler_copy(scaler: Any) -> dict[str, Any]:
-    """A GradScaler's state without a device sync: its scale and growth tracker cloned as
-    tensors."""
-    # disabled, or not used yet: plain numbers, no sync
-    if not scaler.is_enabled() or scaler._scale is None:
-        return dict(scaler.state_dict())
-    return {"scale": scaler._scale.detach().clone(), "growth_factor": scaler.get_growth_factor(),
-            "backoff_factor": scaler.get_backoff_factor(),
-            "growth_interval": scaler.get_growth_interval(),
-            "_growth_tracker": scaler._growth_tracker.detach().clone()}
-
-
-def scaler_state(copied: dict[str, Any]) -> dict[str, Any]:
-    """What ``GradScaler.state_dict()`` gave at the boundary, from :func:`scaler_copy` (the sync
-    happens here)."""
-    state = dict(copied)
-    if isinstance(state.get("scale"), torch.Tensor):
-        state["scale"] = float(state["scale"].item())
-    if isinstance(state.get("_growth_tracker"), torch.Tensor):
-        state["_growth_tracker"] = int(state["_growth_tracker"].item())
-    return state

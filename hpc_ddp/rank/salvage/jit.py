@@ -64,7 +64,8 @@ from typing import Any
 from hpc_ddp.core.errors import first_line
 from hpc_ddp.rank.salvage import jit_commit
 # Held and buffers were defined here first
-from hpc_ddp.rank.salvage.held import Held, buffers  # noqa: F401
+from hpc_ddp.rank.salvage.held import Held
+from hpc_ddp.rank.salvage.held_copies import buffers  # noqa: F401
 from hpc_ddp.rank.salvage.jit_checks import broadcast_buffers, fingerprint, why_not, why_not_buffers
 from hpc_ddp.rank.salvage.jit_write import split_over, write_claimed
 from hpc_ddp.rank.salvage.survivor import Survivor

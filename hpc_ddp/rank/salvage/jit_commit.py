@@ -43,12 +43,12 @@ def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dic
     if record.get("fingerprint") == offer["fingerprint"]:
         return f"step {step} committed by another survivor (same fingerprint)"
     snapshot.withdraw(directory, f"rank {offer['rank']} holds another state of step {step} than "
-                                 "rank "
-                                 f"{record.get('writer')} wrote")
+                                 f"rank {record.get('writer')} wrote")
     log.error("withdrew the just-in-time snapshot of step %d: rank %s wrote another state than "
               "this rank holds",
               step, record.get("writer"))
-    return f"withdrew step {step}: rank {record.get('writer')} wrote another state than rank {offer['rank']} holds"
+    return (f"withdrew step {step}: rank {record.get('writer')} wrote another state than "
+            f"rank {offer['rank']} holds")
 
 
 def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, Any],
@@ -92,8 +92,7 @@ def complete(run: Survivor, folder: Path) -> str:
                            if o.get("fingerprint") != writer["fingerprint"])
         if differing:
             log.error("no just-in-time snapshot: ranks %s hold another state of step %d than rank "
-                      "%d", differing,
-                      step, writer["rank"])
+                      "%d", differing, step, writer["rank"])
             reasons.append(f"ranks {differing} hold another state of step {step} than rank "
                            f"{writer['rank']}")
             continue
@@ -101,8 +100,8 @@ def complete(run: Survivor, folder: Path) -> str:
         missing = [r for r in range(env.world_size) if r not in holders] if run.per_rank else []
         if missing:
             reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step "
-                           f"{step} (their "
-                           "buddies were lost too, or their mirror was more than a step behind)")
+                           f"{step} (their buddies were lost too, or their mirror was more than a "
+                           "step behind)")
             continue
         states = _per_rank_states(folder, holders, {o["rank"]: o.get("node", 0) for o in offers},
                                   step)
@@ -111,14 +110,7 @@ def complete(run: Survivor, folder: Path) -> str:
             reasons.append(states)
             continue
         if not jit_claims.claim_commit(folder, step):
-            held = jit_claims.commit_holder(folder)
-            if held == "sealed":
-                return ("not committed: the attempt was sealed (its step had ended and the batch "
-                        "shell went on) "
-                        f"before step {step}'s set was complete")
-            if held == f"step {step}":
-                return f"step {step} committed by another survivor"
-            return f"step {step} not committed here: this attempt's commit went to another survivor ({held})"
+            return _claimed_elsewhere(folder, step)
         try:
             return _commit(run, folder, writers, sources, holders, states)
         except BaseException as err:
@@ -128,6 +120,19 @@ def complete(run: Survivor, folder: Path) -> str:
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
     return "not committed: " + "; ".join(reasons)
+
+
+def _claimed_elsewhere(folder: Path, step: int) -> str:
+    """Why this survivor did not commit the complete ``step``: the attempt's commit claim was taken
+    (by another survivor, for this step or another) or sealed by the batch shell."""
+    held = jit_claims.commit_holder(folder)
+    if held == "sealed":
+        return ("not committed: the attempt was sealed (its step had ended and the batch shell "
+                f"went on) before step {step}'s set was complete")
+    if held == f"step {step}":
+        return f"step {step} committed by another survivor"
+    return (f"step {step} not committed here: this attempt's commit went to another "
+            f"survivor ({held})")
 
 
 def _holders(offers: list[dict[str, Any]], step: int) -> dict[int, int]:
@@ -172,7 +177,8 @@ def _per_rank_states(folder: Path, holders: dict[int, int], node_of: dict[int, i
               for rank, holder in holders.items()}
     lost = sorted(rank for rank, blob in states.items() if blob is None)
     if lost:
-        return f"the files holding the per_rank state of rank(s) {lost} at step {step} could not be read"
+        return (f"the files holding the per_rank state of rank(s) {lost} at step {step} could "
+                "not be read")
     return {rank: blob for rank, blob in states.items() if blob is not None}
 
 

@@ -246,8 +246,9 @@ def hung(attempt: Attempt, progress: Progress, outcome: dict[str, int]) -> Calla
     slurm.max_failures by the settle step, as any hang) before the worker ends the script."""
     def record(quiet: float) -> None:
         limit = progress.hang_limit(attempt.cfg.dist.timeout_s)
-        bound = f"dist.timeout_s={attempt.cfg.dist.timeout_s}" if limit == attempt.cfg.dist.timeout_s else \
-            f"3 x its longest gap between progress lines ({progress.longest_gap:.0f} s)"
+        bound = (f"dist.timeout_s={attempt.cfg.dist.timeout_s}"
+                 if limit == attempt.cfg.dist.timeout_s
+                 else f"3 x its longest gap between progress lines ({progress.longest_gap:.0f} s)")
         message = (f"train.script printed no progress line (train.script_progress) for {quiet:.0f} "
                    "s, more than "
                    f"{bound}; its last was {progress.line!r}")
@@ -285,7 +286,8 @@ def exited_early(attempt: Attempt, progress: Progress | None, ran_s: float) -> s
     pattern = attempt.cfg.train.script_progress
     if progress is None or progress.lines or (not pattern and ran_s >= EARLY_S):
         return None
-    said = f"its last output line: {progress.last_output!r}" if progress.last_output else "it printed nothing"
+    said = (f"its last output line: {progress.last_output!r}" if progress.last_output
+            else "it printed nothing")
     why = (f"printed no line matching train.script_progress={pattern!r}" if pattern
            else f"ended after {ran_s:.1f} s")
     note = f"train.script exited 0 but {why}: it may have exited early, without training ({said})"

@@ -91,8 +91,10 @@ class Progress:
 
     def went_on(self, signame: str) -> str:
         """'the script went on after SIGUSR2: 5 progress lines since (step 30 -> 80)'."""
-        since = f"step {self.step_at_stop} -> {self.step}" if self.step_at_stop is not None else f"to step {self.step}"
-        return f"the script went on after {signame}: {self.after_stop} progress lines since ({since})"
+        since = (f"step {self.step_at_stop} -> {self.step}" if self.step_at_stop is not None
+                 else f"to step {self.step}")
+        return (f"the script went on after {signame}: {self.after_stop} progress lines since "
+                f"({since})")
 
 
 def relay(source: IO[bytes], sink: IO[bytes], progress: Progress) -> None:

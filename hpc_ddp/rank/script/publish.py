@@ -37,8 +37,8 @@ def started_over(first_step: int | None, first_line: str, attempts: list[dict[st
                    and not isinstance(a.get("last_step"), bool)), default=0)
     if first_step is None or reached <= 0 or first_step > max(1, reached // NEAR_ZERO):
         return None
-    said = f"train.script started again at step {first_step} ({first_line!r}) although the run had reached step " \
-        f"{reached}: it did not resume, and redoes that work on every requeue"
+    said = (f"train.script started again at step {first_step} ({first_line!r}) although the run "
+            f"had reached step {reached}: it did not resume, and redoes that work on every requeue")
     if not resume_args:
         return (f"{said}. train.resume_args is not set, so hpc_ddp told it nothing: set "
                 "train.resume_args to what "
@@ -102,6 +102,7 @@ class Publisher:
             record["note"] = "; ".join(filter(None, [record.get("note"), warning]))
             log.warning("%s", warning)
         if resumed is not None:
-            self.attempt.record["resumed_from_by"] = f"the script's first progress line: {self.progress.first_line!r}"
+            self.attempt.record["resumed_from_by"] = ("the script's first progress line: "
+                                                     f"{self.progress.first_line!r}")
             log.info("the script resumed from step %d, by its first progress line (%r)", resumed,
                      self.progress.first_line)

@@ -14,7 +14,8 @@ step as well, so it may get the signal twice. When the script exits after one, t
 attempt is a time-out or preemption (or an interruption) and rank 0's worker records it
 and requeues within the caps, as for any program (:func:`hpc_ddp.rank.attempt.conclude.conclude`).
 Exit 0 without a signal is a finished run; any other exit without a signal is a failure
-(settled and capped as usual).
+(settled and capped as usual). The child process itself (started in its own session, the stop
+forwarded, a hung one ended) is :mod:`hpc_ddp.rank.script.child`'s.
 
 Rank 0's worker reads its script's output (:mod:`hpc_ddp.rank.script.output`). A script that
 goes on printing progress after the signal did not act on it: exit 0 then means it ran to
@@ -36,44 +37,38 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 from pathlib import Path
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.core.codes import EXIT_ERROR
-from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir.ledger import recorded_error
 from hpc_ddp.rundir.runlock import acquire, release
-from hpc_ddp.rank.script.outcome import IGNORED_HINT, crashes, exited_early, hung, later_stop, mark_crash, mark_stop, prepare_marks, ran_to_its_end, record_crash, stopped_late, wait_for_ledger
+from hpc_ddp.rank.script.child import supervise
+from hpc_ddp.rank.script.outcome import (crashes, exited_early, hung, later_stop, mark_crash,
+                                         mark_stop, prepare_marks, ran_to_its_end, record_crash,
+                                         stopped_late, wait_for_ledger)
 from hpc_ddp.rank.stop.shield import STOP_SIGNALS_VAR, stop_signals
-from hpc_ddp.rank.script.output import Progress, start_relays
+from hpc_ddp.rank.script.output import Progress
 from hpc_ddp.rank.script.publish import Publisher
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
 from hpc_ddp.rank.group import nccl_report
 from hpc_ddp.rank.metrics import timeline
-from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
 from hpc_ddp.rank.loop.compiling import apply_cache_env
 from hpc_ddp.core.user_settings import PREFIX as USER_PREFIX, user_environ
 
 log = logging.getLogger("hpc_ddp.script")
-POLL_S = 0.05
 RESUME_NOTE = ("A stop and a requeue are only as exact as that checkpoint (what it saves and how "
-               "often); hpc_ddp "
-               "forwards the signal, records and requeues the attempt, and writes no model.pt or "
-               "params_sha256 for "
-               "it. A script that opens hpc_ddp.session() gets both, and a resume exact to the "
-               "step "
-               "(docs/own-loop.md)")
+               "often); hpc_ddp forwards the signal, records and requeues the attempt, and writes "
+               "no model.pt or params_sha256 for it. A script that opens hpc_ddp.session() gets "
+               "both, and a resume exact to the step (docs/own-loop.md)")
 
 
 def resume_note(resume_args: list[str]) -> str:
@@ -81,11 +76,11 @@ def resume_note(resume_args: list[str]) -> str:
     does not know whether it will; the first progress line tells,
     :func:`hpc_ddp.rank.script.publish.started_over`)."""
     how = (f"on a continued attempt hpc_ddp appends train.resume_args {resume_args}" if resume_args
-           else
-           "train.resume_args is not set, so hpc_ddp tells it nothing and it resumes only if it "
-           "looks for its "
-           "checkpoint by itself (nanoGPT needs train.resume_args: ['--init_from=resume'])")
-    return f"train.script: the script resumes from its own checkpoint if it finds one; {how}. {RESUME_NOTE}"
+           else "train.resume_args is not set, so hpc_ddp tells it nothing and it resumes only if "
+           "it looks for its checkpoint by itself (nanoGPT needs train.resume_args: "
+           "['--init_from=resume'])")
+    return (f"train.script: the script resumes from its own checkpoint if it finds one; {how}. "
+            f"{RESUME_NOTE}")
 
 
 class ScriptError(HpcDdpError):
@@ -113,89 +108,9 @@ def script_path(script: str) -> Path:
     if not path.is_file():
         raise ScriptError(explain(f"train.script={script} does not exist (looked in {Path.cwd()})",
                                   hint="give a path relative to the directory you submit from "
-                                       "(jobs start "
-                                  "there), or an absolute one"), key="train.script")
+                                       "(jobs start there), or an absolute one"),
+                          key="train.script")
     return path
-
-
-def supervise(cmd: list[str], environ: Mapping[str, str], flag: StopFlag,
-              progress: Progress | None = None,
-              on_later_stop: Callable[[], None] | None = None, hang_after_s: float | None = None,
-              on_hang: Callable[[float], None] | None = None,
-              before_forward: Callable[[], None] | None = None,
-              on_poll: Callable[[], None] | None = None) -> int:
-    """Run the child to its end, forwarding the first stop signal this process receives; its exit
-    code.
-
-    With ``progress`` (rank 0), the child's output comes through pipes and is read for progress
-    lines. ``on_later_stop`` is called once if another stop signal arrives while the child still
-    runs after the first: Slurm's SIGTERM at the time limit, which the worker does not outlive by
-    more than KillWait. ``before_forward`` is called just before the first stop is forwarded (the
-    peers' scripts may die of it before the signal reaches their workers). ``on_hang`` is called
-    when the child, after its second progress line and before any stop, prints none for
-    ``hang_after_s`` seconds (or 3 x its longest gap so far, if longer); the child's process group
-    is then ended. ``on_poll`` is called at every poll (rank 0's
-    :class:`~hpc_ddp.rank.script.publish.Publisher`).
-    """
-    pipe = subprocess.PIPE if progress is not None else None
-    child = subprocess.Popen(cmd, env=dict(environ), start_new_session=True,
-                             preexec_fn=die_with_parent,
-                             stdout=pipe, stderr=pipe)
-    relays = [] if progress is None else start_relays(
-        [(child.stdout, sys.stdout.buffer), (child.stderr, sys.stderr.buffer)],
-        progress)  # type: ignore[list-item]
-    seen, warned = 0, False
-    while child.poll() is None:
-        if on_poll is not None:
-            on_poll()
-        if flag.count > seen and flag.signum is not None:
-            if not seen:
-                log.info("forwarding %s to the script", signal.Signals(flag.signum).name)
-                if before_forward is not None:
-                    before_forward()
-                child.send_signal(flag.signum)
-                if progress is not None:
-                    progress.stop_forwarded()
-            elif on_later_stop is not None:
-                on_later_stop()
-                on_later_stop = None
-            seen = flag.count
-        quiet = progress.quiet_for() if progress is not None and not seen else None
-        if on_hang is not None and hang_after_s is not None and quiet is not None and \
-                quiet > progress.hang_limit(hang_after_s):  # type: ignore[union-attr]
-            on_hang(quiet)
-            end_group(child)
-            break
-        if progress is not None and progress.ignored and not warned:
-            warned = True
-            log.warning("%s, so it took no snapshot of its own at the signal; on a cluster it is "
-                        "killed at the "
-                        "time limit or the end of the grace period. %s", progress.went_on(
-                            signal.Signals(flag.signum or signal.SIGTERM).name), IGNORED_HINT)
-        time.sleep(POLL_S)
-    for relay in relays:
-        relay.join(timeout=5)
-    code = int(child.wait())
-    # the stop came in the same poll as the script's exit: nothing to forward
-    if flag.is_set and not seen:
-        log.info("the script exited with code %s just before %s reached this rank (not forwarded: "
-                 "it had ended)",
-                 code, signal.Signals(flag.signum or signal.SIGTERM).name)
-    return code
-
-
-def end_group(child: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
-    """SIGTERM the child's process group (the script and what it started), SIGKILL what is left."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            return
-        try:
-            child.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def script_args(attempt: Attempt) -> list[str]:
@@ -222,7 +137,8 @@ def _nccl_capture(attempt: Attempt, environ: dict[str, str]) -> str | None:
     worker reads them when the script ends (rank/group/nccl_report.py), whether the script uses
     hpc_ddp.session() or not."""
     cfg, env = attempt.cfg, attempt.env
-    if cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo" or not nccl_report.wanted("nccl", env):
+    if (cfg.slurm.gpus_per_node <= 0 or cfg.dist.backend == "gloo"
+            or not nccl_report.wanted("nccl", env)):
         return None
     return nccl_report.prepare(environ, env, user=cfg.dist.nccl_env)
 
@@ -275,12 +191,7 @@ def run_script(attempt: Attempt) -> int:
             print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
         progress, decided = _watch(attempt), {}
         publisher = Publisher(attempt, progress) if progress is not None else None
-        environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
-        # the script's torch.compile caches
-        environ.update(apply_cache_env(cfg, env, attempt.environ).exported)
-        if progress is not None:
-            # lines as they are printed, not in 8 KiB blocks
-            environ.setdefault("PYTHONUNBUFFERED", "1")
+        environ = _child_environ(attempt, progress)
         if env.is_main:
             log.info("%s", resume_note(list(cfg.train.resume_args or [])))
         nccl, started = _nccl_capture(attempt, environ), time.monotonic()
@@ -290,44 +201,70 @@ def run_script(attempt: Attempt) -> int:
                          progress,
                          None if attempt.local or not env.is_main
                          else later_stop(attempt, progress, decided),
-                         cfg.dist.timeout_s, None if progress is None
-                         else hung(attempt, progress, decided),
-                         before_forward=lambda: mark_stop(attempt), on_poll=None
-                         if publisher is None else publisher.poll)
-        attempt.record.update(end=round(time.time(), 3), script_exit_code=code,
-                              **timeline.ledger_field(attempt.environ, attempt.attempts,
-                                                      env.in_job))
-        # what the script's NCCL chose
-        if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:
-            attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
-        if publisher is not None:
-            publisher.poll(final=True)
-        if progress is not None and progress.step is not None:
-            # the script's own step, as its last progress line said
-            attempt.record["last_step"] = progress.step
+                         cfg.dist.timeout_s,
+                         None if progress is None else hung(attempt, progress, decided),
+                         before_forward=lambda: mark_stop(attempt),
+                         on_poll=None if publisher is None else publisher.poll)
+        _record_end(attempt, code, nccl, progress, publisher)
         if "code" in decided:
             # recorded when Slurm's later signal came (and requeued), or hung
             return decided["code"]
-        if -code in stop_signals({STOP_SIGNALS_VAR: cfg.slurm.signal}):
-            # Slurm signals the script too: it may die of the stop before this worker
-            mark_stop(attempt, -code)
-            # forwards it, and the peers' scripts die of the broken collective before their own
-            # signal comes
-        if code != 0 and not attempt.flag.is_set:
-            # a peer's script may have died of the stop before it reached this rank
-            stopped_late(attempt, code)
-        if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
-            return _stopped(attempt, code)
-        if code == 0:
-            return _finished(attempt, path, progress, publisher, time.monotonic() - started)
-        if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
-            return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
-        mark_crash(attempt, path, code)
-        print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a "
-              "stop signal: "
-              "a failure (requeued only within slurm.max_failures); its output is above",
-              file=sys.stderr, flush=True)
-        return 1
+        return _ended(attempt, path, code, progress, publisher, started)
     finally:
         if env.is_main:
             release(attempt.run_dir, attempt.holder)
+
+
+def _child_environ(attempt: Attempt, progress: Progress | None) -> dict[str, str]:
+    """The script's environment (:func:`script_environ`), with its torch.compile caches and, where
+    rank 0 reads its output, unbuffered."""
+    cfg, env = attempt.cfg, attempt.env
+    environ = script_environ(attempt.environ, env, attempt.run_dir, cfg.user)
+    # the script's torch.compile caches
+    environ.update(apply_cache_env(cfg, env, attempt.environ).exported)
+    if progress is not None:
+        # lines as they are printed, not in 8 KiB blocks
+        environ.setdefault("PYTHONUNBUFFERED", "1")
+    return environ
+
+
+def _record_end(attempt: Attempt, code: int, nccl: str | None, progress: Progress | None,
+                publisher: Publisher | None) -> None:
+    """The attempt's record when the script has exited: its exit code, the timeline, what its NCCL
+    chose, the last progress published and the script's own last step."""
+    attempt.record.update(end=round(time.time(), 3), script_exit_code=code,
+                          **timeline.ledger_field(attempt.environ, attempt.attempts,
+                                                  attempt.env.in_job))
+    # what the script's NCCL chose
+    if nccl is not None and nccl_report.collect(nccl, pid=None) is not None:
+        attempt.record["nccl_net"] = dict(nccl_report.FOUND or {})
+    if publisher is not None:
+        publisher.poll(final=True)
+    if progress is not None and progress.step is not None:
+        # the script's own step, as its last progress line said
+        attempt.record["last_step"] = progress.step
+
+
+def _ended(attempt: Attempt, path: Path, code: int, progress: Progress | None,
+           publisher: Publisher | None, started: float) -> int:
+    """This rank's exit code for a script that exited with ``code`` (nothing decided before): a
+    stop, a finish, a deterministic error the script's session recorded, or a crash."""
+    cfg, env = attempt.cfg, attempt.env
+    if -code in stop_signals({STOP_SIGNALS_VAR: cfg.slurm.signal}):
+        # Slurm signals the script too: it may die of the stop before this worker forwards it,
+        # and the peers' scripts die of the broken collective before their own signal comes
+        mark_stop(attempt, -code)
+    if code != 0 and not attempt.flag.is_set:
+        # a peer's script may have died of the stop before it reached this rank
+        stopped_late(attempt, code)
+    if attempt.flag.is_set and not ran_to_its_end(attempt, progress, code):
+        return _stopped(attempt, code)
+    if code == 0:
+        return _finished(attempt, path, progress, publisher, time.monotonic() - started)
+    if recorded_error(attempt.run_dir, env.job_id, env.restart_count, env.in_job):
+        return EXIT_ERROR  # the script's hpc_ddp.session() recorded a deterministic error
+    mark_crash(attempt, path, code)
+    print(f"error: train.script {path} exited with code {code} on rank {env.rank} without a stop "
+          "signal: a failure (requeued only within slurm.max_failures); its output is above",
+          file=sys.stderr, flush=True)
+    return 1
