@@ -76,9 +76,10 @@ class ShardSampler(Sampler[int]):
         self._restored: tuple[int, int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (call once per epoch, as with DistributedSampler).
+        """Start ``epoch`` from its beginning, for a loop that iterates the loader itself (as with
+        DistributedSampler); with :meth:`iterate` drop it: iterate moves to the next epoch itself.
 
-        Not needed with :meth:`iterate`, which moves to the next epoch itself. After a resume
+        After a resume
         restored a position (``load_state_dict``/``resume``), setting the epoch it is in keeps that
         position (a tutorial's ``for epoch ...: sampler.set_epoch(epoch)`` loop stays exact), and
         setting another one is an error: it would silently train on other data than the run that was
