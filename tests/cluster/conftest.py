@@ -69,7 +69,7 @@ class Rehearsal:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp.submit", *options, "--local",
-                                          f"run_dir={run_dir}"], cwd=Path(__file__).resolve().parent.parent,
+                                          f"run_dir={run_dir}"], cwd=Path(__file__).resolve().parents[2],
                                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def done(self, timeout: float = 300) -> Path:
