@@ -4,19 +4,21 @@
 # The session fixture starts the local multi-node cluster (as root) and stops it after.
 # HPC_DDP_REQUIRE_SLURM=1 turns "Slurm missing" skips into failures: CI must run them.
 #
-# With no arguments the suite runs as two pytest sessions side by side: the cluster's tests
-# (tests/cluster, every test marked cluster: they mostly wait, for a job to start, a liveness or
-# watchdog timeout, slurmctld) and the rest, so that the rest does not wait behind the cluster. The
-# cluster's session writes to .pytest-cluster.log, printed whole when both are done; the exit
-# code is non-zero if either failed. HPC_DDP_TEST_SIDE_BY_SIDE=0 runs one session instead.
-# Extra arguments go to one pytest session, e.g. `bash dev/test.sh -k hostlist` or
-# `bash dev/test.sh -m "not cluster"` (a developer's loop without the cluster).
+# Extra arguments go to pytest, e.g. `bash dev/test.sh -k hostlist` or
+# `bash dev/test.sh -m "not cluster"` (a developer's loop without the cluster; its tests run last).
+#
+# HPC_DDP_TEST_SIDE_BY_SIDE=1 (no arguments) runs two pytest sessions side by side instead: the
+# cluster's tests (tests/cluster: they mostly wait, for a job to start, a liveness or watchdog
+# timeout, slurmctld) and the rest. On 2 cores it took 32 min against ~42 in one session (issue 56,
+# 2026-12-02), but the cluster's timing-bound tests then failed under the rest's load (a heal, the
+# stops), so it is not the default yet. The cluster's session writes .pytest-cluster.log, printed
+# whole when both are done; the exit code is non-zero if either failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh --slurm
 export HPC_DDP_REQUIRE_SLURM="${HPC_DDP_REQUIRE_SLURM:-1}"
 python="${HPC_DDP_VENV:-.venv}/bin/python"
-if [ "$#" -gt 0 ] || [ "${HPC_DDP_TEST_SIDE_BY_SIDE:-1}" = 0 ]; then
+if [ "$#" -gt 0 ] || [ "${HPC_DDP_TEST_SIDE_BY_SIDE:-0}" != 1 ]; then
     exec "$python" -m pytest "$@"
 fi
 
