@@ -18,8 +18,10 @@ import re
 import sys
 import textwrap
 import tokenize
+from collections.abc import Callable
 
 LIMIT = 100
+Edit = tuple[int, int, list[str]]  # lines start..end (1-based, inclusive) become these
 ALIGNED = re.compile(r"\S {2,}\S")  # columns aligned by hand (a table): never reflowed
 MARKER = re.compile(r"^(\s*)([-*+] |\d+[.)] |>>> |\.\.\. |\||```|:\w)")
 
@@ -319,19 +321,29 @@ def apply(src: str, edits: list[tuple[int, int, list[str]]]) -> str:
     return "\n".join(lines)
 
 
-def rewrap(src: str) -> str:
-    for kind in (docstring_edits, comment_edits, string_edits, string_edits, string_edits, *[code_edits] * 6,
-                 string_edits, string_edits, *[code_edits] * 3):
-        new = apply(src, kind(src, src.split("\n")))
-        if new != src:
-            try:
-                if shape(new) != shape(src):
-                    print(f"  {kind.__name__}: AST changed, skipped", file=sys.stderr)
-                    continue
-            except SyntaxError as e:
-                print(f"  {kind.__name__}: syntax error {e}, skipped", file=sys.stderr)
-                continue
-            src = new
+def _pass(kind: Callable[[str, list[str]], list[Edit]], src: str) -> str:
+    """``src`` with one kind of edit applied, or as it was if the edit would change its AST."""
+    new = apply(src, kind(src, src.split("\n")))
+    try:
+        if new == src or shape(new) == shape(src):
+            return new
+        print(f"  {kind.__name__}: AST changed, skipped", file=sys.stderr)
+    except SyntaxError as e:
+        print(f"  {kind.__name__}: syntax error {e}, skipped", file=sys.stderr)
+    return src
+
+
+def rewrap(src: str, rounds: int = 10) -> str:
+    """Docstrings and comments once; then strings and code in rounds until a round changes nothing
+    (each round breaks a line once more: what is left of a broken line may still be long)."""
+    for kind in (docstring_edits, comment_edits):
+        src = _pass(kind, src)
+    for _ in range(rounds):
+        before = src
+        for kind in (string_edits, code_edits):
+            src = _pass(kind, src)
+        if src == before:
+            break
     return src
 
 
