@@ -99,8 +99,9 @@ def master_port(job_id: int, array_task_id: int | None = None) -> int:
 _TASKS_ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 
-def parse_tasks_per_node(text: str) -> list[int]:
-    """Expand SLURM_TASKS_PER_NODE: ``'2(x3),1'`` -> ``[2, 2, 2, 1]``."""
+def parse_tasks_per_node(text: str, var: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Expand SLURM_TASKS_PER_NODE (or ``var``, the variable it came from): ``'2(x3),1'`` -> ``[2,
+    2, 2, 1]``."""
     counts: list[int] = []
     for item in text.split(","):
         match = _TASKS_ITEM.fullmatch(item.strip())
@@ -108,7 +109,7 @@ def parse_tasks_per_node(text: str) -> list[int]:
             raise SlurmEnvError(explain(
                 f"cannot read tasks per node {text!r}: item {item!r}",
                 expected="comma-separated counts, each 'N' or 'N(xR)', e.g. '2(x3),1'",
-                hint="this value comes from SLURM_TASKS_PER_NODE; do not set it by hand"))
+                hint=f"this value comes from {var}; do not set it by hand"), key=var)
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
 
@@ -196,7 +197,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
         raise SlurmEnvError(explain("environment variable SLURM_TASKS_PER_NODE is missing",
                                     expected="e.g. '2(x2)'", hint=SRUN_HINT),
                             key="SLURM_TASKS_PER_NODE")
-    tasks = parse_tasks_per_node(tasks_var[1])
+    tasks = parse_tasks_per_node(tasks_var[1], tasks_var[0])
     if len(tasks) != num_nodes or sum(tasks) != world_size:
         raise SlurmEnvError(explain(f"{tasks_var[0]} does not match {num_nodes} nodes and "
                                     f"{world_size} tasks",

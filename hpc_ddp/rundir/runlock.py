@@ -50,20 +50,33 @@ def holder_alive(holder: Mapping[str, Any], runner: Callable[..., Any] = subproc
     When that cannot be told (no squeue where a Slurm job holds it), the answer is yes: refusing is
     safe, and the error says how to remove the lock.
     """
-    if holder.get("local"):
-        if holder.get("host") != socket.gethostname():
-            return True
-        try:
-            pid = int(holder.get("pid", 0))
-            os.kill(pid, 0)
-        except (ProcessLookupError, ValueError, TypeError):
-            return False
-        except PermissionError:
-            return True
-        return not _zombie(pid)
+    if holder.get("local") or not job_known(holder.get("job")):
+        # a task that found no job (Apptainer's --cleanenv passes no SLURM_*) is told by its process
+        return _process_alive(holder)
     if not shutil.which("squeue"):
         return True
     return job_state(str(holder.get("job")), runner) is not None
+
+
+def job_known(job: object) -> bool:
+    """The holder named a job. A task that found no Slurm variables names none ("None"): N such
+    tasks are N trainings of one, and each must refuse the others' lock, never take it over as its
+    own job's (issue 57: N independent trainings wrote one run dir)."""
+    return isinstance(job, str) and job not in ("", "None")
+
+
+def _process_alive(holder: Mapping[str, Any]) -> bool:
+    """The holder's process lives (on another host: cannot be told, so yes)."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    try:
+        pid = int(holder.get("pid", 0))
+        os.kill(pid, 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return not _zombie(pid)
 
 
 def in_use(run_dir: Path, who: str, hint: str) -> RunLockedError:
@@ -134,7 +147,7 @@ def acquire(run_dir: Path, me: Mapping[str, Any],
         if holder is None:  # being written right now, or torn by a crash: look again shortly
             time.sleep(0.2)
             holder = read_record(path)
-        if (holder is not None and holder.get("job") == me["job"]
+        if (holder is not None and job_known(me["job"]) and holder.get("job") == me["job"]
                 and holder.get("local") == me["local"]):
             # our own job, requeued (or restarted by the local launcher)
             path.unlink(missing_ok=True)

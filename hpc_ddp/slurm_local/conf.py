@@ -36,7 +36,10 @@ class ClusterSpec:
     cluster_name: str = "hpcddp"
     grace_time_s: int = 10
     kill_wait_s: int = 5
-    slurmd_timeout_s: int = 30
+    # twice dist.liveness_s's default: a frozen node's survivors declare it after 30 s and write
+    # their snapshot before slurmctld's "not responding" kills the step (at 30 s a CI run lost that
+    # race: no declaration, no lost_ranks); real clusters default to 300
+    slurmd_timeout_s: int = 60
     # "user": a preempted job gets its --signal; "term": SIGTERM (Slurm's default)
     preempt_signal: str = "user"
     # Each node a machine of its own (slurm_local.machines): the pieces asked for, and the ones

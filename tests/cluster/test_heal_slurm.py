@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +37,18 @@ def submit(run_dir: Path, fault: str, *options: str) -> str:
     return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
 
 
-def scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60).stdout
+def scontrol(*args: str, check: bool = False) -> str:
+    proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    assert not check or proc.returncode == 0, (args, proc.stdout, proc.stderr)
+    return proc.stdout
+
+
+def step_on(job: str, node: str) -> bool:
+    """A step of the job (not its batch or extern step) runs on ``node``, as Slurm lists it."""
+    listed = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], capture_output=True,
+                            text=True).stdout.split("\n")
+    return any(len(line.split()) == 2 and line.split()[0].split(".")[-1].isdigit()
+               and node in expand_hostlist(line.split()[1]) for line in listed)
 
 
 def wait_done(run_dir: Path) -> None:
@@ -301,7 +312,7 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
     (its probe finds no answer) and the run ends bit-identical to the rehearsal."""
     run_dir = tmp_path / "cut"
     # the watchdog (2 x dist.timeout_s where every survivor waits) must fire before slurmctld finds the cut-off
-    # node not responding (SlurmdTimeout, 30 s here, 300 s by default): srun then SIGKILLs the step's tasks, the
+    # node not responding (SlurmdTimeout, 60 s here, 300 s by default): srun then SIGKILLs the step's tasks, the
     # survivors included, and nobody writes the survivors' snapshot. Liveness cannot see a partition: the node
     # still beats into the run dir (issue 60: a beat over the training network)
     _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=10")
@@ -376,9 +387,13 @@ def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(
     """A 1-node job with two spares (the whole cluster): n1 runs the batch shell, so n2 trains; n2 is marked
     down, n3 takes over; n3 is marked down before the run logs another step (the same point: before, the
     second loss was "failed twice in a row" and, with max_failures=0, the end of the run). It heals twice in
-    the same job, the batch host trains last, and the run ends bit-identical to an uninterrupted one."""
-    options = ["slurm.nodes=1", "slurm.spare_nodes=2", "slurm.max_failures=0"]
-    reference = rehearsal(tmp_path / "reference", *OPTIONS, "slurm.nodes=1")  # while the job runs
+    the same job, the batch host trains last, and the run ends bit-identical to an uninterrupted one.
+
+    n3 goes down once its step is listed and a second has passed: a kill Slurm sends between the step's creation
+    and its tasks' launch on the node misses them (a CI run's step on n3 then trained to the end). 80 steps:
+    the step on n3 is still training when it goes down, under any load."""
+    options = ["slurm.nodes=1", "slurm.spare_nodes=2", "slurm.max_failures=0", "train.max_steps=80"]
+    reference = rehearsal(tmp_path / "reference", *OPTIONS, "slurm.nodes=1", "train.max_steps=80")
     run_dir = tmp_path / "twice"
     job = submit(run_dir, "slow:-1:0.15", *options)
     metrics = run_dir / "metrics.jsonl"
@@ -386,12 +401,13 @@ def test_two_nodes_lost_in_a_row_heal_twice_and_the_batch_host_trains_last(
     downed = []
     try:
         for node in ("n2", "n3"):  # the first training node, then the spare that replaced it
-            scontrol("update", f"nodename={node}", "state=down", "reason=hpc_ddp-heal-test")
-            downed.append(node)
-            if node == "n2":  # the batch shell starts the next step: take its node before it logs a step
+            if node == "n3":  # the batch shell starts the next step: take its node before it logs a step
                 step = run_dir / "step.json"
                 started = lambda: step.exists() and json.loads(step.read_text()).get("in_job") == 1  # noqa: E731
-                assert wait_until(started, 120), read_attempts(run_dir)
+                assert wait_until(lambda: started() and step_on(job, "n3"), 120), read_attempts(run_dir)
+                time.sleep(1.0)
+            scontrol("update", f"nodename={node}", "state=down", "reason=hpc_ddp-heal-test", check=True)
+            downed.append(node)
         wait_done(run_dir)
     finally:
         for node in downed:

@@ -185,6 +185,9 @@ def test_the_batch_script_stops_with_the_key_when_the_runtime_is_missing(tmp_pat
     (["slurm.container.runtime=pyxis", "slurm.container.image=x", "slurm.container.python=''"],
      "slurm.container.python", "python3"),
     (["slurm.container.runtim=pyxis"], "slurm.container.runtim", "did you mean slurm.container.runtime"),
+    # issue 57: a script's arguments put in the container's, with no container: never silently ignored
+    (["slurm.container.args=[--epochs,3]"], "slurm.container.args", "train.args"),
+    (["slurm.container.mounts=[/data]"], "slurm.container.mounts", "nothing would use it"),
 ])
 def test_bad_container_settings_name_the_key_and_the_fix(overrides: list[str], key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

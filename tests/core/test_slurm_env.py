@@ -115,7 +115,7 @@ ERRORS = [
     (srun_task(0, 0, 0, SLURM_STEP_NODELIST="gpu[01-"), "SLURM_STEP_NODELIST", "never closed"),
     (srun_task(0, 0, 0, SLURM_STEP_NODELIST="gpu[01-03]"), "SLURM_STEP_NUM_NODES", "names 3 nodes"),
     (srun_task(0, 0, 0, SLURM_STEP_TASKS_PER_NODE="4(x3)"), "SLURM_STEP_TASKS_PER_NODE", "does not match"),
-    (srun_task(0, 0, 0, SLURM_STEP_TASKS_PER_NODE="four"), None, "cannot read tasks per node"),
+    (srun_task(0, 0, 0, SLURM_STEP_TASKS_PER_NODE="four"), "SLURM_STEP_TASKS_PER_NODE", "cannot read tasks per node"),
     (srun_task(0, 0, 0, MASTER_PORT="70000"), "MASTER_PORT", "1..65535"),
     (srun_task(0, 0, 0, MASTER_PORT="abc"), "MASTER_PORT", "an integer >= 1"),
     ({"MASTER_PORT": "99999999999999999999"}, "MASTER_PORT", "1..65535"),

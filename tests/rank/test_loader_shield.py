@@ -324,3 +324,30 @@ def test_a_killed_ranks_forkserver_and_loader_workers_end_with_it() -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_broken_stops_line_keeps_the_split_snapshot_another_node_commits_a_moment_later(tmp_path: Path) -> None:
+    """Rank 0 wrote its share of step 21; the other node writes the last share and commits it after rank 0's
+    offer (a CI run's ledger said "no snapshot" of a stop whose step 21 was committed then): rank 0 waits for
+    newest.json to name it, within the bound; without a share of its own it does not wait."""
+    from hpc_ddp.rank.stop.broken_step import kept_step
+    from hpc_ddp.rundir import newest
+
+    newest.create(tmp_path)
+    now = [0.0]
+    polls: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        polls.append(now[0])
+        now[0] += seconds
+        if len(polls) == 3:
+            newest.publish(tmp_path, 21)  # the other node's commit (its manifest: not on this node yet)
+
+    offered = {"written": {"step": 21}}
+    assert kept_step(tmp_path, offered, wait_s=2.0, clock=lambda: now[0], sleep=sleep) == 21
+    assert len(polls) == 3
+    polls.clear()
+    assert kept_step(tmp_path / "other", {"outcome": "no source"}, clock=lambda: now[0], sleep=sleep) is None
+    assert polls == []  # nothing written by this rank: nothing to wait for
+    assert kept_step(tmp_path / "other", offered, wait_s=1.0, clock=lambda: now[0], sleep=sleep) is None
+    assert 15 <= len(polls) <= 25  # bounded: the line is written without it

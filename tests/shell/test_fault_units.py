@@ -307,3 +307,19 @@ def test_one_commit_per_attempt_and_the_batch_shell_seals_it_when_the_step_ended
     assert not jit_claims.claim_commit(late, 30)  # a late survivor of job 8's attempt commits nothing
     settle(tmp_path, job_id=9, restart_count=0, exit_code=0, limits=LIMITS, requeue_job=None, now=5.0)
     assert not jit_files.folder(tmp_path, 9, 0).exists()  # a clean step leaves no folder behind
+
+
+def test_tasks_that_found_no_job_refuse_each_others_lock(tmp_path: Path) -> None:
+    """Issue 57: a container with --cleanenv hides every SLURM_* variable; each task is rank 0 of a world of
+    one and names job "None". The second no longer takes the first's lock over as "our own job, requeued" (N
+    trainings wrote one run dir): refused while the first lives, taken over once it is gone."""
+    first = holder_record("None", local=False, pid=os.getpid())
+    acquire(tmp_path, first)
+    with pytest.raises(RunLockedError, match="is in use by job None"):
+        acquire(tmp_path, holder_record("None", local=False, pid=os.getpid() + 1))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK).unlink()
+    acquire(tmp_path, holder_record("None", local=False, pid=dead.pid))
+    acquire(tmp_path, holder_record("None", local=False, pid=os.getpid()))  # its holder is gone: taken over
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()

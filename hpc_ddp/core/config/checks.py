@@ -85,6 +85,15 @@ def _check_container(box: Any) -> None:
                         "nvcr.io#nvidia/pytorch:24.05-py3 (or a .sqsh file)"
                         if box.runtime == "pyxis" else
                         "/path/to/image.sif") + ", or slurm.container=null for no container")
+    for key in ("args", "mounts"):
+        # a script's own arguments put here by mistake
+        if list(getattr(box, key) or []) and not box.runtime:
+            raise _fail(f"slurm.container.{key}", f"slurm.container.{key} is set but no container "
+                        "runtime runs the job: nothing would use it", list(getattr(box, key)),
+                        f"slurm.container.{key} with slurm.container.runtime and image",
+                        "a train.script's own arguments go in train.args; to run in a container "
+                        "set slurm.container.runtime and slurm.container.image; else drop "
+                        f"slurm.container.{key}")
     if box.image and not box.runtime:
         raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no "
                                                "runtime runs it",

@@ -33,8 +33,8 @@ from hpc_ddp.core.stopping import signal_number, slurm_requeued, stop_reason, te
 from hpc_ddp.rank.attempt.context import Ending
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.stop.shield import stop_signals_blocked
-from hpc_ddp.rank.stop.broken_step import HINT, child_killed, pipe_broke
-from hpc_ddp.rundir import compile_cache, layout, snapshot
+from hpc_ddp.rank.stop.broken_step import HINT, child_killed, kept_step, pipe_broke
+from hpc_ddp.rundir import compile_cache, layout
 from hpc_ddp.rundir.ledger import append_attempt, attempt_fields, attempt_key, cap_reached
 
 if TYPE_CHECKING:
@@ -185,11 +185,11 @@ def amend_line(attempt: Attempt, **fields: Any) -> None:
                                      **fields})
 
 
-def end_as_stop(attempt: Attempt, run: Run | None, error: BaseException) -> int:
-    """After the survivors' snapshot (``attempt.after_failure``): rank 0 writes the stop's ledger
-    line, and every rank gets the stop's exit code (:func:`conclude`)."""
-    steps = snapshot.committed_steps(attempt.run_dir)
-    saved = steps[0] if steps else None
+def end_as_stop(attempt: Attempt, run: Run | None, error: BaseException,
+                offered: dict[str, Any] | None = None) -> int:
+    """After the survivors' snapshot (``attempt.after_failure``, which returned ``offered``): rank
+    0 writes the stop's ledger line, and every rank gets the stop's exit code (:func:`conclude`)."""
+    saved = kept_step(attempt.run_dir, offered if attempt.env.is_main else None)
     held = run.held.step if run is not None and run.held is not None else None
     # either way a child died: the HINT names the shield
     killed = child_killed(error) or pipe_broke(error)

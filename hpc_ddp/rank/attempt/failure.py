@@ -133,10 +133,11 @@ def after_exception(attempt: Attempt, run: Run, err: Exception) -> None:
     exit code. Otherwise it returns, and ``open_run`` re-raises ``err`` with its traceback as it
     came: the worker reports it and exits 1, and the batch shell's settle step writes the ``failed``
     line."""
-    attempt.after_failure(err)
+    offered = attempt.after_failure(err)
     # a stop broke the step
     if stop_came_first(attempt.flag, err, marker(attempt.run_dir, attempt.env)):
-        attempt.code = end_as_stop(attempt, run, err)
+        attempt.code = end_as_stop(attempt, run, err,
+                                   offered if isinstance(offered, dict) else None)
         raise StoppedMidStep(attempt.code) from err
 
 

@@ -21,11 +21,11 @@ import logging
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.core.codes import PEER_SYMPTOMS
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rundir import jit_files
+from hpc_ddp.rundir import jit_files, newest, snapshot
 
 if TYPE_CHECKING:
     from hpc_ddp.core.slurm_env import DistEnv
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_ddp.session")
 # a child killed by the stop signal may be noticed before this rank's own signal arrives
 SIGNAL_WAIT_S = 2.0
+# how long rank 0 waits for another node to commit the split snapshot its own share was part of
+# (under the local cluster's KillWait of 5 s, after SIGNAL_WAIT_S)
+COMMIT_WAIT_S = 2.0
 CHILD_DEATHS = ("DataLoader worker", "killed by signal", "exited unexpectedly")
 HINT = ("HINT: pass worker_init_fn=hpc_ddp.worker_init() to every DataLoader with workers (your "
         "own "
@@ -95,6 +98,33 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     if stopped and marker is not None:
         _mark(marker)
     return stopped
+
+
+def kept_step(run_dir: Path, offered: dict[str, Any] | None, wait_s: float = COMMIT_WAIT_S,
+              clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> int | None:
+    """The newest committed step, for the stop's ledger line. From ``snapshots/newest.json`` read
+    by name (a listing of snapshots/ on this node may be 30 s old), else from the manifests. Where
+    this rank wrote its share of a split survivors' snapshot (``offered``: its
+    :func:`~hpc_ddp.rank.salvage.jit.after_failure`), the node that writes the last share commits
+    it, often a moment after this rank's offer: wait up to ``wait_s`` for that commit (a CI run's
+    ledger said "no snapshot" of a stop whose step 21 was committed a moment later)."""
+    written = (offered or {}).get("written")
+    wanted = written.get("step") if isinstance(written, dict) else None
+    deadline = clock() + (wait_s if isinstance(wanted, int) else 0.0)
+    while True:
+        record = newest.read(run_dir)
+        named = record["step"] if record is not None else None
+        if wanted is None or (named is not None and named >= wanted):
+            break
+        if clock() >= deadline:
+            log.warning("the snapshot of step %s this rank wrote a share of was not committed "
+                        "within %g s", wanted, wait_s)
+            break
+        sleep(0.05)
+    steps = snapshot.committed_steps(run_dir)
+    known = [s for s in (named, steps[0] if steps else None) if s is not None]
+    return max(known) if known else None
 
 
 def _mark(marker: Path) -> None:
