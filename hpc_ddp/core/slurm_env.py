@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_ddp.core import store_ports
+from hpc_ddp.core import foreign_env, store_ports
 from hpc_ddp.core.errors import SlurmEnvError, explain
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
 from hpc_ddp.core.slurm_vars import SRUN_HINT, check_below, int_var, lookup, required_int, var_name
@@ -238,7 +238,10 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
 
 
 def from_environ(env: Mapping[str, str]) -> DistEnv:
-    """Derive this process's :class:`DistEnv`; raise :class:`SlurmEnvError` with a HINT."""
+    """Derive this process's :class:`DistEnv`; raise :class:`SlurmEnvError` with a HINT. Inside a
+    Slurm step, torchrun's names set by anything but torchrun do not count
+    (:mod:`hpc_ddp.core.foreign_env`)."""
+    env = foreign_env.slurm_view(env, expand_hostlist)
     if any(name in env for name in TORCHRUN_VARS):
         return _from_torchrun(env)
     if lookup(env, STEP_ID_VARS):

@@ -257,7 +257,8 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]],
         return None
     kinds = "failures and hangs" if key == "max_failures" else reason
     since = " since its last --resume" if any(a.get(BEFORE_RESUME) for a in attempts) else ""
-    return explain(f"the run stopped for {kinds} {count} times{since}, more than "
+    times = "once" if count == 1 else f"{count} times"
+    return explain(f"the run stopped for {kinds} {times}{since}, more than "
                    f"slurm.{key}={limits[key]}",
                    hint="--resume continues it from the newest snapshot, with its caps counted "
                         "afresh; to allow "

@@ -89,6 +89,8 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
                                              EXIT_ERROR) or logs is None else _mismatch_in(logs())
     if mine:
         record: dict[str, Any] = mine[-1]
+        if reason == "hung":
+            record = _amend_hung(run_dir, (job_id, restart_count, in_job), record)
     else:
         record = _failed_record(run_dir, (job_id, restart_count, in_job), exit_code, mismatch, now,
                                 extra)
@@ -104,6 +106,22 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     return _heal_or_requeue(run_dir, (job_id, restart_count, in_job), record, attempts,
                             recorded_by_workers=bool(mine), limits=limits, heal=heal,
                             requeue_job=requeue_job)
+
+
+def _amend_hung(run_dir: Path, key: tuple[int | None, int, int],
+                record: dict[str, Any]) -> dict[str, Any]:
+    """A ``hung`` line is rank 0's, written as its watchdog fired: it knew neither how far the run
+    got (status showed "-" for its steps) nor the survivors' snapshot another survivor committed
+    after it (it kept "no survivors' snapshot"). Now that the step has ended and is sealed, both
+    are read and added in an amending line (issue 57)."""
+    found: dict[str, Any] = {} if isinstance(record.get("last_step"), int) else last_known(run_dir)
+    saved = losses.jit_fields(run_dir, *key)
+    if "jit_snapshot" in saved:
+        found.update(jit_snapshot=saved["jit_snapshot"], jit_fallback=None)
+    if not found:
+        return record
+    append_attempt(run_dir, {**attempt_fields(*key), "amends": True, **found})
+    return {**record, **found}
 
 
 def _seal(run_dir: Path, key: tuple[int | None, int, int]) -> None:

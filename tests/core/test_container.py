@@ -41,14 +41,14 @@ def test_apptainer_and_singularity_wrap_the_rank_command(runtime: str) -> None:
         "srun", "--kill-on-bad-exit=1", "--cpus-per-task=4", "--overlap",
         runtime, "exec", "--bind", "/runs/a,/home/me/code", "/img/pt.sif", *WORKER]
     gpu = apptainer("slurm.gpus_per_node=4", "slurm.tasks_per_node=4", "slurm.srun_args=[--cpu-bind=cores]",
-                    "slurm.container.mounts=[/scratch/data:/data:ro, /opt/x]", "slurm.container.args=[--cleanenv]",
+                    "slurm.container.mounts=[/scratch/data:/data:ro, /opt/x]", "slurm.container.args=[--writable-tmpfs]",
                     runtime=runtime)
     assert step_argv(gpu.slurm, WORKER, ["/runs/a"]) == [
         "srun", "--kill-on-bad-exit=1", "--cpus-per-task=1", "--overlap", "--cpu-bind=cores",
-        runtime, "exec", "--nv", "--bind", "/runs/a,/scratch/data:/data:ro,/opt/x", "--cleanenv", "/img/pt.sif",
+        runtime, "exec", "--nv", "--bind", "/runs/a,/scratch/data:/data:ro,/opt/x", "--writable-tmpfs", "/img/pt.sif",
         *WORKER]  # --nv on a GPU partition; the user's srun_args after ours; args before the image
     assert probe_tail(gpu.slurm, ["/runs/a"]) == ["--cpus-per-task=1", "--overlap", runtime, "exec", "--nv", "--bind",
-                                                  "/runs/a,/scratch/data:/data:ro,/opt/x", "--cleanenv",
+                                                  "/runs/a,/scratch/data:/data:ro,/opt/x", "--writable-tmpfs",
                                                   "/img/pt.sif", "true"]
     assert rank_python(gpu.slurm, "/venv/bin/python") == "python3"
 
@@ -188,6 +188,11 @@ def test_the_batch_script_stops_with_the_key_when_the_runtime_is_missing(tmp_pat
     # issue 57: a script's arguments put in the container's, with no container: never silently ignored
     (["slurm.container.args=[--epochs,3]"], "slurm.container.args", "train.args"),
     (["slurm.container.mounts=[/data]"], "slurm.container.mounts", "nothing would use it"),
+    # issue 57: --cleanenv hides SLURM_*: every task a world of one, N trainings in one run dir
+    (["slurm.container.runtime=apptainer", "slurm.container.image=/i.sif", "slurm.container.args=[--cleanenv]"],
+     "slurm.container.args", "world of one"),
+    (["slurm.container.runtime=singularity", "slurm.container.image=/i.sif", "slurm.container.args=[-C]"],
+     "slurm.container.args", "drop -C"),
 ])
 def test_bad_container_settings_name_the_key_and_the_fix(overrides: list[str], key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

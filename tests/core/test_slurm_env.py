@@ -63,11 +63,36 @@ def test_step_variables_win_over_job_variables() -> None:
 def test_torchrun_under_slurm_wins_over_slurm() -> None:
     env = srun_task(1, 0, 1, SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
                     RANK="6", LOCAL_RANK="2", WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",
-                    GROUP_WORLD_SIZE="2", MASTER_ADDR="gpu01", MASTER_PORT="29400")
+                    GROUP_WORLD_SIZE="2", MASTER_ADDR="gpu01", MASTER_PORT="29400", TORCHELASTIC_RUN_ID="none")
     got = from_environ(env)
     assert (got.rank, got.local_rank, got.world_size, got.local_world_size, got.node_rank, got.num_nodes) == (
         6, 2, 8, 4, 1, 2)
     assert (got.master_addr, got.master_port, got.source, got.job_id) == ("gpu01", 29400, "torchrun", 777)
+
+
+def test_an_enroot_hooks_variables_in_a_slurm_step_give_way_to_slurms_with_one_warning() -> None:
+    """Issue 57: enroot's PyTorch hook (or a site's wrapper) sets RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR
+    from the job (no LOCAL_WORLD_SIZE, no TORCHELASTIC_RUN_ID): every rank used to fail on the torchrun path.
+    After a heal that left out the job's first node, its MASTER_ADDR names a node the step does not run on."""
+    from hpc_ddp.core import foreign_env
+    from hpc_ddp.core.hostlist import expand_hostlist
+
+    hook = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "gpu01", "OMP_NUM_THREADS": "1"}
+    env = srun_task(5, 1, 1, **hook)
+    got = from_environ(env)
+    assert (got.rank, got.local_rank, got.world_size, got.local_world_size, got.source) == (5, 1, 8, 4, "slurm")
+    assert foreign_env.disagreements(env, got, expand_hostlist) == []  # it agreed: nothing to say
+    healed = srun_task(3, 1, 1, SLURM_STEP_NODELIST="gpu[02-03]", SLURM_JOB_NODELIST="gpu[01-03]",
+                       SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)", **hook)
+    got = from_environ(healed)
+    assert (got.rank, got.world_size, got.master_addr, got.nodelist) == (3, 4, "gpu02", ("gpu02", "gpu03"))
+    said = foreign_env.disagreements(healed, got, expand_hostlist)
+    assert said == ["RANK=5 but Slurm says 3", "WORLD_SIZE=8 but Slurm says 4",
+                    "MASTER_ADDR=gpu01 is a node of the job this step does not run on (the step's first node "
+                    "gpu02 is used)"]
+    assert "enroot's PyTorch hook" in foreign_env.warning(said)
+    # outside a step (torchrun alone, or a laptop) and under torchrun itself, the variables are torchrun's
+    assert from_environ({**hook, "LOCAL_WORLD_SIZE": "4", "MASTER_PORT": "1"}).source == "torchrun"
 
 
 def test_torchrun_alone_without_group_rank() -> None:

@@ -36,3 +36,35 @@ def test_a_module_that_raises_on_import(tmp_path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(TaskError, match="raised ValueError: boom at import"):
         load_task("raising_task_mod:Task")
     sys.modules.pop("raising_task_mod", None)
+
+
+def test_build_dataset_must_return_a_map_style_dataset() -> None:
+    """Issue 57: the tutorial's DataLoader, or an iterable, returned from build_dataset: a TaskError naming
+    build_dataset and the fix (exit 2, never retried), not a batch-size hint or a TypeError."""
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from hpc_ddp.rank.loop.task import build_dataset
+
+    data = TensorDataset(torch.zeros(4, 1))
+
+    class Returns:
+        def __init__(self, made: object) -> None:
+            self.made = made
+
+        def build_dataset(self, cfg: object) -> object:
+            return self.made
+
+    assert build_dataset(Returns(data), None) is data  # type: ignore[arg-type]
+    with pytest.raises(TaskError) as info:
+        build_dataset(Returns(DataLoader(data, batch_size=2)), None)  # type: ignore[arg-type]
+    assert "Returns.build_dataset returned a DataLoader" in str(info.value) and "loader.dataset" in str(info.value)
+    assert info.value.key == "train.task"
+
+    class Stream(IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter([])
+
+    for made in (Stream(), iter([1, 2])):
+        with pytest.raises(TaskError, match="not a map-style dataset"):
+            build_dataset(Returns(made), None)  # type: ignore[arg-type]

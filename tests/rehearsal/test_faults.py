@@ -240,6 +240,12 @@ def test_a_deterministic_error_is_launched_once_and_shown_once(tmp_path: Path) -
     assert "max_failures" not in out and "snapshot" not in out  # no advice that cannot help, no phantom snapshot
     message = attempt["message"]
     assert "Nope" in message and out.count(message) == 1, out  # every rank, one error: printed once
+    # issue 57: a Task whose build_dataset returns a DataLoader is such an error, naming build_dataset (was "the
+    # dataset has 16" samples with advice to lower the batch size)
+    loader = local(tmp_path / "loader", "train.task=tests.tasks:LoaderDataset", "slurm.max_failures=3")
+    out = loader.stdout + loader.stderr
+    assert loader.returncode == 2 and "LoaderDataset.build_dataset returned a DataLoader" in out, out[-3000:]
+    assert [a["reason"] for a in read_attempts(tmp_path / "loader")] == ["error"] and "loader.dataset" in out
 
 
 def test_a_taken_rendezvous_port_is_named_on_every_rank_within_seconds(tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ def test_a_run_stopped_by_its_cap_continues_with_a_plain_resume_and_its_caps_cou
     assert first.returncode == 1 and "(slurm.max_preemptions reached; --resume continues it)" in first.stdout, \
         first.stdout[-2000:] + first.stderr[-2000:]
     again = submit(run_dir, *ONE_RANK, "--resume", "--preempt-at", "12")  # still capped at 0 preemptions: per resume
-    assert again.returncode == 1 and "stopped for preemption 1 times since its last --resume, more than " \
+    assert again.returncode == 1 and "stopped for preemption once since its last --resume, more than " \
         "slurm.max_preemptions=0" in again.stderr, again.stderr[-3000:]
     last = submit(run_dir, *ONE_RANK, "--resume")
     assert last.returncode == 0, last.stderr[-3000:]

@@ -323,3 +323,22 @@ def test_tasks_that_found_no_job_refuse_each_others_lock(tmp_path: Path) -> None
     acquire(tmp_path, holder_record("None", local=False, pid=dead.pid))
     acquire(tmp_path, holder_record("None", local=False, pid=os.getpid()))  # its holder is gone: taken over
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+
+
+def test_settle_adds_to_a_hung_line_how_far_it_got_and_the_survivors_snapshot_committed_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 57: rank 0's hung line is written as its watchdog fires; status showed "-" for its steps, and "no
+    survivors' snapshot" stayed after another survivor committed one. Settle amends both once the step ended."""
+    from hpc_ddp.rundir import losses
+    from hpc_ddp.rundir.ledger import append_attempt
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 16, "loss": 1.0}\n{"step": 17, "loss": 0.9}\n')
+    append_attempt(tmp_path, {"job_id": 7, "restart_count": 0, "reason": "hung", "end": 1.0, "stuck_ranks": [1],
+                              "jit_fallback": "no survivor had written a state file yet"})
+    committed = {"jit_snapshot": {"step": 17, "writer": 0, "host": "n1", "took_s": 0.5}}
+    monkeypatch.setattr(losses, "jit_fields", lambda *args, **kw: committed)  # the commit that came after
+    outcome = settle(tmp_path, job_id=7, restart_count=0, exit_code=4, limits=LIMITS, requeue_job=None)
+    assert outcome.startswith("hung")
+    [line] = read_attempts(tmp_path)
+    assert (line["last_step"], line["last_step_from"]) == (17, "metrics.jsonl")
+    assert line["jit_snapshot"]["step"] == 17 and line["jit_fallback"] is None

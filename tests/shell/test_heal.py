@@ -122,7 +122,7 @@ def test_settle_heals_a_failure_but_never_an_error(tmp_path) -> None:
     # the healer declines: the requeue path as before
     out = settle(tmp_path, job_id=5, restart_count=0, exit_code=1, limits=limits,
                  requeue_job=lambda: requeued.append(1), in_job=2, heal=lambda record: None)
-    assert out.startswith("failed; not requeued") and "failures and hangs 1 times" in out and not requeued
+    assert out.startswith("failed; not requeued") and "failures and hangs once" in out and not requeued
 
 
 def test_the_batch_shell_supervisor_imports_no_torch_and_dry_run_says_what_a_failure_costs() -> None:

@@ -33,6 +33,13 @@ class NoLoss:
         return torch.nn.Linear(1, 1)
 
 
+class LoaderDataset(MLPTask):
+    """A newcomer's mistake (issue 57): build_dataset returns the tutorial's DataLoader, not its dataset."""
+
+    def build_dataset(self, cfg: Any) -> Any:
+        return torch.utils.data.DataLoader(super().build_dataset(cfg), batch_size=8)
+
+
 class Faulty(FaultyLoss, MLPTask):
     """examples.mlp with a fault from HPC_DDP_TEST_FAULT="KIND:RANK:STEP" (:mod:`tests.tasks.faults`: kill, stop,
     raise, sleep or slow) in the loss of that rank's STEP-th training step of the job's first attempt."""

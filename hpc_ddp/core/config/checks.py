@@ -75,6 +75,10 @@ def _check_liveness(dist: Any) -> None:
                 "off with dist.liveness_s=0")
 
 
+# apptainer/singularity exec options that pass no host variable (issue 57)
+CLEANENV = ("--cleanenv", "-e", "--containall", "-C")
+
+
 def _check_container(box: Any) -> None:
     """An image without a runtime, or a runtime without an image: either way the job would run
     somewhere else than the user meant (on the host, or nowhere), so neither is guessed."""
@@ -94,6 +98,14 @@ def _check_container(box: Any) -> None:
                         "a train.script's own arguments go in train.args; to run in a container "
                         "set slurm.container.runtime and slurm.container.image; else drop "
                         f"slurm.container.{key}")
+    cleaning = [a for a in box.args or [] if str(a).split("=")[0] in CLEANENV]
+    if cleaning and box.runtime in ("apptainer", "singularity"):
+        raise _fail("slurm.container.args", f"{box.runtime}'s {cleaning[0]} passes no host "
+                    "variable into the container: no SLURM_*, so every task would be rank 0 of a "
+                    "world of one, N trainings in one run dir", cleaning,
+                    "exec options that keep the environment",
+                    f"drop {cleaning[0]} from slurm.container.args; to keep a variable of yours "
+                    "out, unset it in slurm.setup (e.g. ['unset PYTHONPATH'])")
     if box.image and not box.runtime:
         raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no "
                                                "runtime runs it",

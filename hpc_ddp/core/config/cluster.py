@@ -43,7 +43,8 @@ class ContainerConfig:
                                     "SRC[:DST[:OPTS]], e.g. /scratch/data:/data:ro.")
     args: List[str] = doc_factory(list, "More arguments for the runtime: pyxis: srun options "
                                   "(['--container-env=HOME']); apptainer: exec options before the "
-                                  "image (['--cleanenv']).")
+                                  "image (['--writable-tmpfs']; not --cleanenv or --containall, "
+                                  "which hide Slurm's variables from the ranks).")
     python: str = doc("python3", "The Python inside the image that runs every rank (torch, hpc_ddp "
                       "and, for submit's own jobs, submitit must import there).")
 

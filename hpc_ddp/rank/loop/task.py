@@ -118,3 +118,30 @@ def load_loop(path: str) -> Callable[[Any], Any]:
     except ValueError:  # no signature to inspect (a builtin): let the call decide
         pass
     return target  # type: ignore[no-any-return]
+
+
+def build_dataset(task: Task, cfg: RunConfig) -> Dataset[Any]:
+    """``task.build_dataset(cfg)``, checked to be map-style (``len()`` and ``[i]``): the Trainer
+    shards and batches it itself. A tutorial's DataLoader returned as it was (the newcomer's
+    mistake) used to end in "the dataset has 16" samples (its batches) with advice to lower the
+    batch size, and an iterable in a TypeError counted as a failure and retried; both are a
+    :class:`TaskError` naming ``build_dataset`` (exit 2, never retried)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    dataset = task.build_dataset(cfg)
+    name = f"{type(task).__name__}.build_dataset"
+    if isinstance(dataset, DataLoader):
+        raise _fail(f"{name} returned a DataLoader; the Trainer builds the loader itself (its "
+                    "sampler shards the data over the ranks, its batch size is train.batch_size)",
+                    found=f"DataLoader of {type(dataset.dataset).__name__}",
+                    hint="return the loader's dataset (`return loader.dataset`, or the Dataset you "
+                         "gave it) and set train.batch_size and train.num_workers in the config")
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__")
+                                                    and hasattr(dataset, "__getitem__")):
+        raise _fail(f"{name} returned a {type(dataset).__name__}, not a map-style dataset "
+                    "(len() and [i]): the Trainer shards a dataset by index",
+                    found=type(dataset).__name__,
+                    hint="return a torch.utils.data.Dataset with __len__ and __getitem__ (e.g. "
+                         "TensorDataset); for a stream, write your own loop (train.loop, "
+                         "docs/own-loop.md)")
+    return dataset

@@ -29,7 +29,7 @@ from hpc_ddp.rank.stop.shield import worker_init
 from hpc_ddp.rank.loop.compiling import compiled
 from hpc_ddp.rank.loop.run import Run
 from hpc_ddp.rank.loop.sampler import ShardSampler, old_position
-from hpc_ddp.rank.loop.task import Task
+from hpc_ddp.rank.loop.task import Task, build_dataset
 
 log = logging.getLogger("hpc_ddp.trainer")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,7 +69,7 @@ class Trainer:
         build_scheduler = getattr(task, "build_scheduler", None)
         self.scheduler = build_scheduler(self.optimizer, cfg) if callable(build_scheduler) else None
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.amp == "fp16")
-        dataset = task.build_dataset(cfg)
+        dataset = build_dataset(task, cfg)  # map-style, or a TaskError naming it
         # this world size's share of the global batch (a ConfigError if it cannot split it)
         self.plan = run.batch
         self.grad_accum, self.global_batch = self.plan.grad_accum, self.plan.global_batch
