@@ -129,8 +129,12 @@ def _create(path: Path, record: Mapping[str, Any]) -> bool:
 
 
 def acquire(run_dir: Path, me: Mapping[str, Any],
-            alive: Callable[[Mapping[str, Any]], bool] = holder_alive) -> None:
-    """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder."""
+            alive: Callable[[Mapping[str, Any]], bool] = holder_alive,
+            predecessor: str | None = None) -> None:
+    """Take the run dir for ``me`` or raise :class:`RunLockedError` naming the live holder.
+    ``predecessor``: the job this one was chained from (``--dependency=afterany``), whose lock it
+    takes over: Slurm starts the chained job while that one may still be COMPLETING (its lock not
+    yet released), and refusing then ended the chain (issue 57)."""
     path = layout.lock(run_dir)
     for _ in range(3):
         try:
@@ -150,6 +154,11 @@ def acquire(run_dir: Path, me: Mapping[str, Any],
         if (holder is not None and job_known(me["job"]) and holder.get("job") == me["job"]
                 and holder.get("local") == me["local"]):
             # our own job, requeued (or restarted by the local launcher)
+            path.unlink(missing_ok=True)
+            continue
+        if holder is not None and predecessor and holder.get("job") == predecessor:
+            log.info("taking over the lock of %s from job %s, which this job was chained from",
+                     run_dir, predecessor)
             path.unlink(missing_ok=True)
             continue
         if holder is not None and alive(holder):

@@ -31,8 +31,9 @@ BASE = ["examples/mlp.yaml", "--local", "slurm.nodes=2", "slurm.tasks_per_node=1
 FAULTY = "train.task=tests.tasks:Faulty"
 
 
-def local(run_dir: Path, *args: str, fault: str | None = None, wait: bool = True, timeout: float = 300):
-    env = {**os.environ, "HPC_DDP_TEST_FAULT": fault or ""}
+def local(run_dir: Path, *args: str, fault: str | None = None, wait: bool = True, timeout: float = 300,
+          extra: dict[str, str] | None = None):
+    env = {**os.environ, "HPC_DDP_TEST_FAULT": fault or "", **(extra or {})}
     cmd = [sys.executable, "-m", "hpc_ddp.submit", *BASE, f"run_dir={run_dir}", *args]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -228,6 +229,19 @@ def test_ctrl_c_commits_a_snapshot_prints_one_line_and_resume_continues_bit_exac
     assert "with a changed config: train.lr: 0.01 -> 0.05" in logs(changed)
     after = [r for r in map(json.loads, (changed / "metrics.jsonl").read_text().splitlines()) if r["step"] > step]
     assert after and all(abs(r["lr"] - 0.05 * max(0.1, 1 - r["step"] / 40)) < 1e-12 for r in after), after
+
+
+def test_an_enroot_hooks_rank_variables_give_way_to_slurms_and_each_rank_says_so_once(tmp_path: Path,
+                                                                                     clean: Path) -> None:
+    """Issue 57: enroot's PyTorch hook (or a wrapper) sets RANK, LOCAL_RANK and WORLD_SIZE over every task's
+    environment (no LOCAL_WORLD_SIZE, no torchrun): each rank used to fail on the torchrun path (exit 2, never
+    retried). Now the 2 x 2 run trains as four ranks, bit for bit the clean run, and each rank warns once."""
+    run_dir = tmp_path / "hooked"
+    proc = local(run_dir, FAULTY, extra={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sha(run_dir) == sha(clean)
+    text = logs(run_dir)
+    assert text.count("Slurm's variables win over these") == 4 and "WORLD_SIZE=1 but Slurm says 4" in text, text[-3000:]
 
 
 def test_a_deterministic_error_is_launched_once_and_shown_once(tmp_path: Path) -> None:

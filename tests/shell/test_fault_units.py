@@ -342,3 +342,13 @@ def test_settle_adds_to_a_hung_line_how_far_it_got_and_the_survivors_snapshot_co
     [line] = read_attempts(tmp_path)
     assert (line["last_step"], line["last_step_from"]) == (17, "metrics.jsonl")
     assert line["jit_snapshot"]["step"] == 17 and line["jit_fallback"] is None
+
+
+def test_a_chained_job_takes_the_lock_over_from_the_job_it_was_chained_from(tmp_path: Path) -> None:
+    """Issue 57: afterany lets the chained job start while its predecessor is still COMPLETING, its lock not
+    yet released: the chained job takes it over (any other live job's lock still refuses it)."""
+    acquire(tmp_path, holder_record("100", local=False, pid=11, host="n1"), alive=lambda h: True)
+    with pytest.raises(RunLockedError):
+        acquire(tmp_path, holder_record("101", local=False, pid=22), alive=lambda h: True, predecessor="99")
+    acquire(tmp_path, holder_record("101", local=False, pid=22), alive=lambda h: True, predecessor="100")
+    assert json.loads((tmp_path / LOCK).read_text())["job"] == "101"

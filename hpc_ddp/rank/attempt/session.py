@@ -239,7 +239,7 @@ def lock(run_dir: Path, me: dict[str, Any], env: DistEnv,
     problem: HpcDdpError | None = None
     if env.is_main:
         try:
-            acquire(run_dir, me)
+            acquire(run_dir, me, predecessor=str(env.chained_from) if env.chained_from else None)
         except HpcDdpError as err:
             problem = err
     kind = "locked" if isinstance(problem, RunLockedError) else "error"

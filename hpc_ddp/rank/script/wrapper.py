@@ -181,7 +181,8 @@ def run_script(attempt: Attempt) -> int:
     cfg, env = attempt.cfg, attempt.env
     path = script_path(cfg.train.script)
     if env.is_main:
-        acquire(attempt.run_dir, attempt.holder)
+        acquire(attempt.run_dir, attempt.holder,
+                predecessor=str(env.chained_from) if env.chained_from else None)
     try:
         # before the script can crash or be stopped: peers read the marks by name
         prepare_marks(attempt)
