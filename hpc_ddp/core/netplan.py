@@ -3,13 +3,15 @@
 gloo finds this node's address by resolving the hostname (unless ``GLOO_SOCKET_IFNAME`` names an
 interface). On images whose ``/etc/hosts`` maps the hostname to 127.0.1.1 that address is loopback:
 the ranks of other nodes are told to connect to 127.0.1.1, which is themselves, and a multi-node job
-hangs at its first collective with no word why (mlc-ai/pith-train#91). NCCL's sockets (its
-bootstrap, and its data where there is no InfiniBand) follow ``NCCL_SOCKET_IFNAME``.
+hangs at its first collective with no word why (mlc-ai/pith-train#91). NCCL does not resolve the
+hostname: it picks its interfaces itself (InfiniBand's IP interfaces first), so its
+``NCCL_SOCKET_IFNAME`` is left alone; pinning it to the interface that routes to ``MASTER_ADDR``
+would tie NCCL's bootstrap and socket transport to the management network (issue 57).
 
 :func:`plan` decides, before the first collective of a job that spans nodes: where the hostname
 resolves to loopback while ``MASTER_ADDR`` does not, the interface whose address routes to
-``MASTER_ADDR`` is named in ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` (each only where the
-user set none); where none routes there, :class:`NetworkError` says how to name one. ``MASTER_ADDR``
+``MASTER_ADDR`` is named in ``GLOO_SOCKET_IFNAME`` (only where the user set none); where none
+routes there, :class:`NetworkError` says how to name one. ``MASTER_ADDR``
 on loopback means every rank runs on this one machine (the local test cluster started
 ``--one-machine``: its nodes are 127.0.2.x): then loopback is right and nothing changes. Pure: the
 facts (:class:`Facts`) come from the seams of :mod:`hpc_ddp.rank.attempt.placement`.
@@ -92,13 +94,12 @@ def plan(environ: Mapping[str, str], num_nodes: int, facts: Facts) -> Plan:
             expected="an interface whose address reaches the first node",
             hint="name the interface the nodes reach each other on (`ip -o addr` on a compute "
                  "node), e.g. "
-            f"slurm.setup=['export {GLOO_VAR}=eth0', 'export {NCCL_VAR}=eth0'] (or ib0 for IP over "
+            f"slurm.setup=['export {GLOO_VAR}=eth0'] (or ib0 for IP over "
             "InfiniBand), "
             "or fix the image's /etc/hosts so the hostname resolves to that address"), key=GLOO_VAR)
-    exports = {var: name for var in (GLOO_VAR, NCCL_VAR) if var not in environ}
+    exports = {GLOO_VAR: name} if GLOO_VAR not in environ else {}
     note = (f"{facts.hostname} resolves to {gloo_sees}, a loopback address, so gloo would bind "
             "loopback in a job "
             f"of {num_nodes} nodes; {name} ({source}) routes to MASTER_ADDR={facts.master_addr}: "
-            + ", ".join(f"{var}={value}" for var, value in exports.items())
-            + (f" ({NCCL_VAR} kept as set: {environ[NCCL_VAR]})" if NCCL_VAR in environ else ""))
+            + ", ".join(f"{var}={value}" for var, value in exports.items()))
     return Plan(exports, note)

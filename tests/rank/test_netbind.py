@@ -229,9 +229,7 @@ def test_a_loopback_hostname_gets_the_interface_that_routes_to_master_addr(tmp_p
                              "interfaces": lambda: {"lo": ("127.0.0.1",), "ib0": ("10.1.2.3",)}}
     name, addr = found or ("ib0", "10.1.2.3")
     exports = placement.check(_cfg(tmp_path), _env(), {}, _looped_seams(addr, **fake))
-    assert exports == {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
-    kept = placement.check(_cfg(tmp_path), _env(), {"NCCL_SOCKET_IFNAME": "ib1"}, _looped_seams(addr, **fake))
-    assert kept == {"GLOO_SOCKET_IFNAME": name}  # the user's NCCL_SOCKET_IFNAME stands
+    assert exports == {"GLOO_SOCKET_IFNAME": name}  # NCCL picks its own interfaces: not pinned (issue 57)
     assert placement.check(_cfg(tmp_path), _env(), {"GLOO_SOCKET_IFNAME": "eth9"}, _looped_seams(addr, **fake)) == {}
     named = _cfg(tmp_path, "dist.nccl_env={GLOO_SOCKET_IFNAME: eth9}")  # exported before init: the user's too
     assert placement.check(named, _env(), {}, _looped_seams(addr, **fake)) == {}
@@ -249,7 +247,7 @@ def test_a_loopback_hostname_with_no_route_but_loopback_is_refused_with_the_vari
         with pytest.raises(netplan.NetworkError) as refused:
             placement.check(_cfg(tmp_path), _env(), {}, seams)
         text = str(refused.value)
-        assert "GLOO_SOCKET_IFNAME" in text and "NCCL_SOCKET_IFNAME" in text and "slurm.setup" in text
+        assert "GLOO_SOCKET_IFNAME" in text and "slurm.setup" in text
         assert "127.0.1.1" in text and "MASTER_ADDR=n1" in text and not refused.value.retry_may_help
 
 
