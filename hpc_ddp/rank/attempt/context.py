@@ -66,6 +66,8 @@ class Attempt:
     # the just-in-time snapshot's part of this rank (rank/salvage/jit.py's OneHandler), once the run
     # exists
     after_failure: Callable[..., object] | None = None
+    # the run's (resumed_from, step) once it exists: for a line written outside the training thread
+    progress: Callable[[], tuple[int | None, int]] | None = None
     ending: Ending | None = None  # once the ledger line is written (at the agreed stop)
 
     def __post_init__(self) -> None:

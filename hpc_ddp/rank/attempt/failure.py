@@ -73,6 +73,7 @@ def wire(attempt: Attempt, run: Run) -> None:
     from hpc_ddp.rank.salvage import jit
 
     attempt.after_failure = jit.OneHandler(functools.partial(jit.after_failure, run))
+    attempt.progress = lambda: (run.resumed_from, run.step)
     if attempt.liveness is not None:
         attempt.liveness.before_exit = lambda message: attempt.after_failure(
             PeerLost(message), wait_s=jit.SIDE_WAIT_S)
@@ -115,7 +116,10 @@ def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) ->
     if not env.is_main:
         time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
     if env.is_main and not attempt.wrapped:
+        resumed, step = attempt.progress() if attempt.progress is not None else (None, None)
         ledger_line(attempt, "hung", end=round(time.time(), 3),
+                    **({} if step is None else {"first_step": resumed or 0, "last_step": step,
+                                                "resumed_from": resumed}),
                     **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job),
                     stuck_ranks=stuck, message=message.splitlines()[0],
                     **losses.jit_fields(attempt.run_dir, env.job_id, env.restart_count, env.in_job),
