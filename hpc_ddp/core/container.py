@@ -8,7 +8,11 @@ default, the rank there would fail or crawl in a way nobody could see from the c
 them are built here:
 
 - ``pyxis`` (enroot): srun itself takes the container, by ``--container-image``,
-  ``--container-mounts`` and ``--container-workdir``; the rank command is unchanged.
+  ``--container-mounts`` and ``--container-workdir``; the rank command is unchanged. Every step
+  names the container (:func:`container_name`): pyxis imports an unnamed one for each srun and
+  removes it when the step ends, so every heal step and every probe imported a 10-20 GB image again
+  on every node (the 20 s probes timed out, and healing never happened: issue 57); a named one is
+  imported once and reused.
 - ``apptainer`` / ``singularity``: srun starts ``RUNTIME exec [--nv] --bind PATHS [args] IMAGE
   COMMAND...``; ``--nv`` on GPU jobs (``slurm.gpus_per_node`` > 0) makes the host's driver visible
   inside.
@@ -25,6 +29,7 @@ read here.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from collections.abc import Sequence
 from typing import Any
@@ -47,9 +52,18 @@ def srun_options(slurm: Any, paths: Sequence[str] = (), workdir: str | None = No
     if box.runtime != "pyxis":
         return []
     mounts = [f"{p}:{p}" for p in binds(paths)] + list(box.mounts)
-    return [f"--container-image={box.image}",
+    return [f"--container-image={box.image}", f"--container-name={container_name(box.image)}",
             *([f"--container-mounts={','.join(mounts)}"] if mounts else []),
             *([f"--container-workdir={workdir}"] if workdir else []), *box.args]
+
+
+def container_name(image: str) -> str:
+    """The pyxis container of every step of a job: named after the image, so that only a step of
+    the same image reuses it. pyxis keeps a named container to the job's end by default
+    (``container_scope=job``); a site with ``container_scope=global`` keeps it across the user's
+    jobs, which then start without the import (a tag that moved since is not imported again: name
+    the image by digest or by a squashfs file there)."""
+    return "hpc_ddp-" + hashlib.sha256(image.encode()).hexdigest()[:12]
 
 
 def wrap(slurm: Any, command: Sequence[str], paths: Sequence[str] = ()) -> list[str]:

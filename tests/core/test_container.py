@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.core.config import load_config
-from hpc_ddp.core.container import binds, probe_tail, rank_python, runtime_check, step_argv, wrap
+from hpc_ddp.core.container import binds, container_name, probe_tail, rank_python, runtime_check, step_argv, wrap
 from hpc_ddp.core.errors import ConfigError
 from hpc_ddp.login.dry_run import submitit_script
 from hpc_ddp.login.preflight import check_container
@@ -59,6 +59,7 @@ def test_pyxis_gives_srun_the_container_and_leaves_the_command_alone() -> None:
                  "slurm.container.mounts=[/scratch:/scratch]", "slurm.container.args=[--container-env=HOME]",
                  "slurm.srun_args=[--cpu-bind=cores]")
     options = ["--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+               f"--container-name={container_name('nvcr.io#nvidia/pytorch:24.05-py3')}",
                "--container-mounts=/runs/a:/runs/a,/home/me:/home/me,/scratch:/scratch",
                "--container-workdir=/home/me", "--container-env=HOME"]
     assert step_argv(cfg.slurm, WORKER, ["/runs/a", "/home/me"], "/home/me") == [
@@ -66,7 +67,10 @@ def test_pyxis_gives_srun_the_container_and_leaves_the_command_alone() -> None:
     assert probe_tail(cfg.slurm, ["/runs/a", "/home/me"], "/home/me") == ["--cpus-per-task=1", "--overlap", *options, "true"]
     bare = config("slurm.container.runtime=pyxis", "slurm.container.image=img.sqsh")
     assert step_argv(bare.slurm, ["true"]) == ["srun", "--kill-on-bad-exit=1", "--cpus-per-task=1", "--overlap",
-                                               "--container-image=img.sqsh", "true"]
+                                               "--container-image=img.sqsh",
+                                               f"--container-name={container_name('img.sqsh')}", "true"]
+    # issue 57: one container per job and image (pyxis re-imported an unnamed one for every step)
+    assert container_name("img.sqsh").startswith("hpc_ddp-") and container_name("a") != container_name("b")
 
 
 def test_without_a_container_only_the_cpus_are_added() -> None:
