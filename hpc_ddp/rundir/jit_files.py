@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import NEW, write_atomic
-from hpc_ddp.rundir import jit_blobs, node_local
+from hpc_ddp.rundir import jit_blobs, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
 
 JIT = "jit"
@@ -42,15 +42,31 @@ def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: 
     return Path(run_dir) / JIT / attempt_tag(job_id, restart_count, in_job)
 
 
-# a rank whose step a stop signal broke (rank/stop/broken_step.py) creates it
+# made empty by rank 0; a rank whose step a stop broke (rank/stop/broken_step.py) writes into it
 BROKEN_STOP_MARK = "stopped-mid-step"
 
 
 def broken_stop_marked(run_dir: Path | str, job_id: int | None, restart_count: int,
                        in_job: int = 0) -> bool:
-    """Whether a rank of this attempt found its step broken by a stop signal (opened by name, not
-    listed)."""
-    return (folder(run_dir, job_id, restart_count, in_job) / BROKEN_STOP_MARK).exists()
+    """Whether a rank of this attempt found its step broken by a stop signal."""
+    return marked(folder(run_dir, job_id, restart_count, in_job) / BROKEN_STOP_MARK)
+
+
+def marked(path: Path) -> bool:
+    """A mark read by its content, opened by name (a stat may answer from a cache that remembers it
+    absent): rank 0 creates it empty before anyone looks it up (:func:`prepare_mark`)."""
+    try:
+        return bool(view.current().read_bytes(path).strip())
+    except OSError:
+        return False
+
+
+def prepare_mark(path: Path) -> None:  # rank 0, before the rendezvous: empty (kept if it is there)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError as err:  # the mark is written all the same (it creates the file)
+        logging.getLogger("hpc_ddp.jit").warning("could not create %s (%s)", path, err)
 
 
 def file_name(rank: int) -> str:

@@ -95,6 +95,10 @@ def test_a_peers_failed_collective_is_a_stop_only_when_a_peer_marked_its_step_br
     flag, mark = StopFlag(), tmp_path / "jit" / "stopped-mid-step"
     flag._handle(signal.SIGTERM, None)
     assert not stop_came_first(flag, peer, mark, wait_s=0.2)  # nobody marked: the peer died
+    from hpc_ddp.rundir import jit_files
+
+    jit_files.prepare_mark(mark)  # rank 0 made it before the rendezvous (issue 57: read by content, by name)
+    assert not stop_came_first(flag, peer, mark, wait_s=0.2)
     assert stop_came_first(flag, RuntimeError("DataLoader worker (pid(s) 9) exited unexpectedly"), mark, wait_s=0.2)
     assert mark.exists() and stop_came_first(flag, peer, mark, wait_s=0.2)  # marked: the peer left for the stop
     assert stop_came_first(flag, EOFError(), tmp_path / "other", wait_s=0.2)  # the stop's signal came first

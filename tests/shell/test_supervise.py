@@ -330,7 +330,9 @@ def test_a_step_a_stop_broke_without_a_ledger_line_is_that_stop_never_a_failure(
 
     folder = jit_files.folder(tmp_path, 7, 0, 0)
     folder.mkdir(parents=True)
-    (folder / jit_files.BROKEN_STOP_MARK).touch()
+    jit_files.prepare_mark(folder / jit_files.BROKEN_STOP_MARK)  # rank 0's, empty: nobody marked yet
+    assert not jit_files.broken_stop_marked(tmp_path, 7, 0, 0)
+    (folder / jit_files.BROKEN_STOP_MARK).write_text("broken by a stop signal\n")  # a rank marks it
     requeues: list[int] = []
     outcome = settle(tmp_path, job_id=7, restart_count=0, exit_code=1, limits={"max_preemptions": 3,
                      "max_timeouts": 3, "max_failures": 0}, requeue_job=lambda: requeues.append(1),

@@ -28,6 +28,7 @@ from hpc_ddp.rank.attempt import failure, injection
 from hpc_ddp.rank.attempt.conclude import close, line_at_stop, note, note_ignored_stop
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.metrics import timeline
+from hpc_ddp.rank.stop.broken_step import marker
 from hpc_ddp.rank.stop.shield import FORKSERVER_PRELOAD, STOP_SIGNALS_VAR, at_exit_kill_workers
 from hpc_ddp.rundir import flight, jit_files, store_moved
 from hpc_ddp.core.config import RunConfig, to_yaml
@@ -154,6 +155,8 @@ def _prepare(attempt: Attempt) -> None:
         # a full or read-only run dir fails where it matters, with its own message
         except OSError as err:
             log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
+    if env.is_main and not attempt.wrapped and env.world_size > 1:  # read by content, by name
+        jit_files.prepare_mark(marker(attempt.run_dir, env))
     if env.is_node_main and not attempt.wrapped and cfg.snapshot.jit and env.world_size > 1:
         # the node's file, before anyone reads it
         jit_files.prepare(jit_files.post_for(attempt.run_dir, env))

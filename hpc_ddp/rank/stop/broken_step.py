@@ -18,6 +18,7 @@ that stop is :func:`hpc_ddp.rank.attempt.conclude.end_as_stop`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -90,7 +91,7 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     # the peer marks before it leaves, so before its sockets close: no wait (a failure's
     elif peer_lost(error):
         # survivors must not linger: KillWait)
-        return flag.is_set and marker is not None and marker.exists()
+        return flag.is_set and marker is not None and jit_files.marked(marker)
     # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop
     # is here;
     else:
@@ -128,9 +129,14 @@ def kept_step(run_dir: Path, offered: dict[str, Any] | None, wait_s: float = COM
 
 
 def _mark(marker: Path) -> None:
+    """Written into (read by content: :func:`~hpc_ddp.rundir.jit_files.marked`)."""
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"broken by a stop signal\n")
+        finally:
+            os.close(fd)
     except OSError:
         pass
 
