@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,16 @@ def create(run_dir: Path | str) -> None:
         os.close(fd)
 
 
-def publish(run_dir: Path | str, step: int, attempt: str | None = None) -> None:
-    """After a commit: name its step (in place, one fixed width; created if rank 0 had not)."""
+def publish(run_dir: Path | str, step: int, attempt: str | None = None,
+            standing: Callable[[int], bool] | None = None) -> None:
+    """After a commit: name its step (in place, one fixed width; created if rank 0 had not), unless
+    a newer step is named whose commit still stands (``standing``: its manifest is readable, not
+    withdrawn): the newest step wins, not the last writer (issue 57), as the resume's own choice
+    does. A commit may come after a newer one: a survivors' snapshot finished late, say."""
+    named = read(run_dir)
+    if named is not None and named["step"] > step and (standing is None
+                                                       or standing(named["step"])):
+        return
     record = json.dumps({"step": step, **({"attempt": attempt} if attempt else {})}, sort_keys=True)
     atomic.rewrite_in_place(path(run_dir), (record.ljust(WIDTH - 1)[:WIDTH - 1] + "\n").encode(),
                             sync=True)

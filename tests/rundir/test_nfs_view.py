@@ -119,3 +119,15 @@ def test_the_newest_commit_file_survives_a_full_filesystem_rewrite_in_place(tmp_
     newest.create(tmp_path)  # a later attempt's rank 0 keeps what it names
     assert newest.read(tmp_path) == {"step": 123, "attempt": TAG}
     assert newest.path(tmp_path).stat().st_size == size
+
+
+def test_the_newest_commit_file_names_the_newest_step_that_stands_not_the_last_writer(tmp_path: Path) -> None:
+    """Issue 57: a commit that comes after a newer one (a survivors' snapshot finished late) no longer takes the
+    name back to an older step; once the newer one is withdrawn, the next commit names its own."""
+    run_dir = tmp_path / "run"
+    _commit(run_dir, 30)
+    _commit(run_dir, 22, jit={"attempt": TAG, "writer": 2})
+    assert newest.read(run_dir)["step"] == 30
+    snapshot.withdraw(snapshot.step_dir(run_dir, 30), "rank 3 holds another state")
+    _commit(run_dir, 25)
+    assert newest.read(run_dir)["step"] == 25

@@ -25,7 +25,7 @@ from hpc_ddp.core import atomic
 from hpc_ddp.rundir import newest, slicing
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.rundir.snapshot.steps import (MANIFEST, REFUSES_RESIZE, WITHDRAWN, agreed, committed,
-                                           step_dir)
+                                           read_manifest, step_dir)
 from hpc_ddp.rundir.snapshot.verify import file_problem
 
 log = logging.getLogger("hpc_ddp.snapshot")
@@ -98,8 +98,9 @@ def commit(directory: Path, step: int, entries: list[dict[str, Any]], world_size
     # (rundir/newest.py)
     try:
         jit = (extra or {}).get("jit")
-        newest.publish(directory.parent.parent, step, jit.get("attempt") if isinstance(jit, dict)
-                       else None)
+        run_dir = directory.parent.parent
+        newest.publish(run_dir, step, jit.get("attempt") if isinstance(jit, dict) else None,
+                       standing=lambda named: read_manifest(step_dir(run_dir, named)) is not None)
     except OSError as err:
         log.warning("step %d is committed, but %s could not name it (%s): another node may resume "
                     "from an older "
