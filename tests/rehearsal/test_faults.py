@@ -235,13 +235,14 @@ def test_an_enroot_hooks_rank_variables_give_way_to_slurms_and_each_rank_says_so
                                                                                      clean: Path) -> None:
     """Issue 57: enroot's PyTorch hook (or a wrapper) sets RANK, LOCAL_RANK and WORLD_SIZE over every task's
     environment (no LOCAL_WORLD_SIZE, no torchrun): each rank used to fail on the torchrun path (exit 2, never
-    retried). Now the 2 x 2 run trains as four ranks, bit for bit the clean run, and each rank warns once."""
+    retried). Now the 2 x 1 run trains as two ranks, bit for bit the clean run, and each rank warns once."""
     run_dir = tmp_path / "hooked"
     proc = local(run_dir, FAULTY, extra={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sha(run_dir) == sha(clean)
     text = logs(run_dir)
-    assert text.count("Slurm's variables win over these") == 4 and "WORLD_SIZE=1 but Slurm says 4" in text, text[-3000:]
+    assert text.count("Slurm's variables win over these") == 2 and "WORLD_SIZE=1 but Slurm says 2" in text, text[-3000:]
+    assert "RANK=0 but Slurm says 1" in text  # rank 1's (rank 0's RANK agreed)
 
 
 def test_a_deterministic_error_is_launched_once_and_shown_once(tmp_path: Path) -> None:
