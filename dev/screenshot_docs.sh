@@ -12,10 +12,34 @@ browser=$(command -v chromium || command -v chromium-browser || true)
 out=runs/docs-shots
 mkdir -p "$out"
 "$python" -m mkdocs build --strict --quiet --site-dir runs/site
+# headless Chromium ignores an #anchor for a screenshot, so a page with one is cut to start at that
+# heading (a copy beside the page); without the flags below it may draw a blank page (it waits on
+# its first-run and network services)
+cut() {  # cut PAGE_HTML ANCHOR -> the copy's path
+    "$python" - "$1" "$2" <<'PY'
+import sys
+from pathlib import Path
+page, anchor = Path(sys.argv[1]), sys.argv[2]
+html = page.read_text()
+at = html.find(f'id="{anchor}"')
+if at < 0:
+    sys.exit(f"error: no heading #{anchor} in {page}")
+start = html.rfind("<h", 0, at)
+body = html.find(">", html.find("<article")) + 1
+copy = page.with_name(f"shot-{anchor}.html")
+copy.write_text(html[:body] + html[start:])
+print(copy)
+PY
+}
 for page in "$@"; do
     name=${page%%#*}
     anchor=${page#"$name"}
-    "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,${HPC_DDP_SHOT_HEIGHT:-2400} \
-        --screenshot="$out/${name//\//_}.png" "file://$PWD/runs/site/$name/index.html$anchor" 2>/dev/null
+    target="$PWD/runs/site/$name/index.html"
+    [ -z "$anchor" ] || target=$(cut "$target" "${anchor#\#}")
+    "$browser" --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
+        --disable-background-networking --disable-component-update --disable-sync \
+        --user-data-dir="${TMPDIR:-/tmp}/hpc_ddp-chromium" --hide-scrollbars \
+        --window-size=1280,${HPC_DDP_SHOT_HEIGHT:-2400} \
+        --screenshot="$out/${name//\//_}.png" "file://$target" 2>/dev/null
     echo "$out/${name//\//_}.png"
 done
