@@ -117,11 +117,12 @@ def _issued(record: Mapping[str, Any], group: str) -> dict[int, str]:
 
 
 def first_mismatch(dumps: Mapping[int, Mapping[str, Any]],
-                   group: str) -> tuple[int, dict[str, list[int]]] | None:
+                   group: str | Mapping[int, str]) -> tuple[int, dict[str, list[int]]] | None:
     """The first collective number at which the ranks issued different collectives on ``group`` (a
     branch some ranks took and others did not), with the ranks that issued each; None when they
-    agree."""
-    issued = {rank: _issued(record, group) for rank, record in dumps.items()}
+    agree. ``group``: its id, or each rank's id of it (:func:`groups`)."""
+    ids = group if isinstance(group, Mapping) else {rank: group for rank in dumps}
+    issued = {rank: _issued(record, ids[rank]) for rank, record in dumps.items()}
     common = set.intersection(*(set(ops) for ops in issued.values())) if issued else set()
     for seq in sorted(common):
         by_op: dict[str, list[int]] = {}
@@ -132,15 +133,33 @@ def first_mismatch(dumps: Mapping[int, Mapping[str, Any]],
     return None
 
 
+def groups(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, str]]:
+    """{a group's name: {rank: that rank's id of it}}. A rank's ``pg_id`` counts the groups it is
+    in, so one node's group and the next node's have the same id on their own ranks (issue 57:
+    status said "the ranks issued different collectives" across two nodes' groups); the name the
+    entries carry (``process_group``) tells them apart. A group with no entry keeps its id."""
+    found: dict[str, dict[int, str]] = {}
+    for rank, record in dumps.items():
+        for pg_id in record.get("pg_status", {}):
+            found.setdefault(_name(record, str(pg_id)), {})[rank] = str(pg_id)
+    return dict(sorted(found.items()))
+
+
+def _name(record: Mapping[str, Any], pg_id: str) -> str:
+    for entry in record.get("entries", []):
+        named = entry.get("process_group") if str(entry.get("pg_id")) == pg_id else None
+        if isinstance(named, (list, tuple)) and named and str(named[0]):
+            return str(named[0])
+    return pg_id
+
+
 def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """One line per process group where the ranks part: the first collective they issued differently
     (some ranks took a branch the others did not), else the collective the furthest ranks wait in
     and the ranks that never reached it (the ones to look at)."""
-    groups = sorted({g for record in dumps.values() for g in record.get("pg_status", {})}, key=str)
     lines = []
-    for group in groups:
-        mismatch = first_mismatch({r: d for r, d in dumps.items()
-                                   if group in d.get("pg_status", {})}, group)
+    for group, ids in groups(dumps).items():
+        mismatch = first_mismatch({r: dumps[r] for r in ids}, ids)
         if mismatch is not None:
             seq, by_op = mismatch
             lines.append(f"process group {group}: the ranks issued different collectives at "
@@ -150,8 +169,7 @@ def summarize(dumps: Mapping[int, Mapping[str, Any]]) -> list[str]:
                            "rank 0 alone: "
                          "docs/troubleshooting.md)")
             continue
-        last = {rank: _last(record, group) for rank, record in sorted(dumps.items())
-                if group in record.get("pg_status", {})}
+        last = {rank: _last(dumps[rank], pg_id) for rank, pg_id in sorted(ids.items())}
         top = max(seq for seq, _ in last.values())
         behind = sorted(rank for rank, (seq, _) in last.items() if seq < top)
         if not behind:

@@ -143,3 +143,23 @@ def test_a_flight_dump_merges_the_nccl_recorder_with_the_gloo_one() -> None:
     assert [e["profiling_name"] for e in record["entries"]] == ["nccl:all_reduce", "gloo:all_reduce"]
     assert set(record["pg_status"]) == {"0", "1"} and record["nccl_version"] == "2.28.9"
     assert merged([]) == {"entries": []}
+
+
+def test_the_flight_summary_tells_two_nodes_groups_of_one_id_apart() -> None:
+    """Issue 57: hpc_ddp's per-node groups have the same pg_id on their own ranks (node 0's group on ranks 0-1,
+    node 1's on ranks 2-3: each rank's second group); their entries carry the group's name. Each node's group
+    issuing its own collective is no mismatch; a real one within a node's group is named with that group."""
+    from hpc_ddp.rundir.flight import groups, summarize
+
+    def dump(name: str, *ops: tuple[int, str]) -> dict:
+        return {"pg_status": {"1": {"last_enqueued_collective": str(ops[-1][0])}},
+                "entries": [{"pg_id": 1, "process_group": [name, "undefined"], "collective_seq_id": seq,
+                             "profiling_name": op, "input_sizes": [[4]], "is_p2p": False} for seq, op in ops]}
+    node0, node1 = (3, "gloo:all_gather"), (3, "gloo:broadcast")
+    dumps = {0: dump("1", node0), 1: dump("1", node0), 2: dump("2", node1), 3: dump("2", node1)}
+    assert groups(dumps) == {"1": {0: "1", 1: "1"}, "2": {2: "1", 3: "1"}}
+    assert summarize(dumps) == []  # before: "the ranks issued different collectives at #3"
+    dumps[3] = dump("2", (3, "gloo:all_reduce"))
+    assert summarize(dumps) == ["process group 2: the ranks issued different collectives at #3: ranks 2 "
+                                "gloo:broadcast of [4]; ranks 3 gloo:all_reduce of [4] (a branch only some ranks "
+                                "take, e.g. a forward of the DDP model on rank 0 alone: docs/troubleshooting.md)"]
