@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hpc_ddp.core.hostlist import expand_hostlist
+
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
              "GROUP_WORLD_SIZE")
 TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -31,29 +33,29 @@ def foreign_ranks(env: Mapping[str, str]) -> bool:
             and not any(v in env for v in TORCHRUN_MARKERS))
 
 
-def stale_master(env: Mapping[str, str], expand: Any) -> bool:
+def stale_master(env: Mapping[str, str]) -> bool:
     """``MASTER_ADDR`` names a node of the job that this step does not run on (a hook took the
-    job's first node; the heal left it out). ``expand``: the hostlist expander."""
+    job's first node; the heal left it out)."""
     addr = env.get("MASTER_ADDR", "").strip()
     step, job = env.get("SLURM_STEP_NODELIST"), env.get("SLURM_JOB_NODELIST")
     if not addr or not step or not job or not any(env.get(v) for v in STEP_VARS):
         return False
     try:
-        return addr in expand(job) and addr not in expand(step)
+        return addr in expand_hostlist(job) and addr not in expand_hostlist(step)
     except Exception:  # noqa: BLE001 - an unreadable list is said where it is derived
         return False
 
 
-def slurm_view(env: Mapping[str, str], expand: Any) -> Mapping[str, str]:
+def slurm_view(env: Mapping[str, str]) -> Mapping[str, str]:
     """``env`` as Slurm set it: foreign rank variables and a stale MASTER_ADDR left out."""
     drop = [*(RANK_VARS if foreign_ranks(env) else ()),
-            *(("MASTER_ADDR",) if stale_master(env, expand) else ())]
+            *(("MASTER_ADDR",) if stale_master(env) else ())]
     if not drop:
         return env
     return {k: v for k, v in env.items() if k not in drop}
 
 
-def disagreements(env: Mapping[str, str], derived: Any, expand: Any) -> list[str]:
+def disagreements(env: Mapping[str, str], derived: Any) -> list[str]:
     """What was set aside that disagreed with the place Slurm gave (``derived``: the DistEnv), one
     line each; empty when nothing was, or everything agreed."""
     said = []
@@ -63,7 +65,7 @@ def disagreements(env: Mapping[str, str], derived: Any, expand: Any) -> list[str
                 "GROUP_RANK": derived.node_rank, "GROUP_WORLD_SIZE": derived.num_nodes}
         said += [f"{name}={env[name]} but Slurm says {ours[name]}" for name in RANK_VARS
                  if name in env and env[name].strip() != str(ours[name])]
-    if stale_master(env, expand):
+    if stale_master(env):
         said.append(f"MASTER_ADDR={env['MASTER_ADDR']} is a node of the job this step does not "
                     f"run on (the step's first node {derived.master_addr} is used)")
     return said

@@ -241,7 +241,7 @@ def from_environ(env: Mapping[str, str]) -> DistEnv:
     """Derive this process's :class:`DistEnv`; raise :class:`SlurmEnvError` with a HINT. Inside a
     Slurm step, torchrun's names set by anything but torchrun do not count
     (:mod:`hpc_ddp.core.foreign_env`)."""
-    env = foreign_env.slurm_view(env, expand_hostlist)
+    env = foreign_env.slurm_view(env)
     if any(name in env for name in TORCHRUN_VARS):
         return _from_torchrun(env)
     if lookup(env, STEP_ID_VARS):

@@ -117,11 +117,10 @@ def _issued(record: Mapping[str, Any], group: str) -> dict[int, str]:
 
 
 def first_mismatch(dumps: Mapping[int, Mapping[str, Any]],
-                   group: str | Mapping[int, str]) -> tuple[int, dict[str, list[int]]] | None:
-    """The first collective number at which the ranks issued different collectives on ``group`` (a
+                   ids: Mapping[int, str]) -> tuple[int, dict[str, list[int]]] | None:
+    """The first collective number at which the ranks issued different collectives on a group (a
     branch some ranks took and others did not), with the ranks that issued each; None when they
-    agree. ``group``: its id, or each rank's id of it (:func:`groups`)."""
-    ids = group if isinstance(group, Mapping) else {rank: group for rank in dumps}
+    agree. ``ids``: each rank's id of the group (:func:`groups`)."""
     issued = {rank: _issued(record, ids[rank]) for rank, record in dumps.items()}
     common = set.intersection(*(set(ops) for ops in issued.values())) if issued else set()
     for seq in sorted(common):

@@ -61,11 +61,11 @@ def marked(path: Path) -> bool:
         return False
 
 
-def prepare_mark(path: Path) -> None:  # rank 0, before the rendezvous: empty (kept if it is there)
+def prepare_mark(path: Path) -> None:  # before the rendezvous: empty (kept if it is there)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
-    except OSError as err:  # the mark is written all the same (it creates the file)
+    except OSError as err:  # its writer creates it all the same
         logging.getLogger("hpc_ddp.jit").warning("could not create %s (%s)", path, err)
 
 
@@ -122,11 +122,7 @@ def prepare(post: Post) -> None:
     survivor of another node looks it up, so no NFS client remembers it as absent when the node
     offers (a survivor that completes the set would not see it for up to a minute). One create per
     node and attempt; a failure to create it is only a warning (the offer creates it)."""
-    try:
-        post.shared.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(post.shared / f"node-{post.node}.json", os.O_WRONLY | os.O_CREAT, 0o644))
-    except OSError as err:
-        logging.getLogger("hpc_ddp.jit").warning("could not create %s (%s)", post.shared, err)
+    prepare_mark(post.shared / f"node-{post.node}.json")
 
 
 # how long an offer waits for its node's other ranks before the node's file is rewritten

@@ -75,18 +75,17 @@ def test_an_enroot_hooks_variables_in_a_slurm_step_give_way_to_slurms_with_one_w
     from the job (no LOCAL_WORLD_SIZE, no TORCHELASTIC_RUN_ID): every rank used to fail on the torchrun path.
     After a heal that left out the job's first node, its MASTER_ADDR names a node the step does not run on."""
     from hpc_ddp.core import foreign_env
-    from hpc_ddp.core.hostlist import expand_hostlist
 
     hook = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "gpu01", "OMP_NUM_THREADS": "1"}
     env = srun_task(5, 1, 1, **hook)
     got = from_environ(env)
     assert (got.rank, got.local_rank, got.world_size, got.local_world_size, got.source) == (5, 1, 8, 4, "slurm")
-    assert foreign_env.disagreements(env, got, expand_hostlist) == []  # it agreed: nothing to say
+    assert foreign_env.disagreements(env, got) == []  # it agreed: nothing to say
     healed = srun_task(3, 1, 1, SLURM_STEP_NODELIST="gpu[02-03]", SLURM_JOB_NODELIST="gpu[01-03]",
                        SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)", **hook)
     got = from_environ(healed)
     assert (got.rank, got.world_size, got.master_addr, got.nodelist) == (3, 4, "gpu02", ("gpu02", "gpu03"))
-    said = foreign_env.disagreements(healed, got, expand_hostlist)
+    said = foreign_env.disagreements(healed, got)
     assert said == ["RANK=5 but Slurm says 3", "WORLD_SIZE=8 but Slurm says 4",
                     "MASTER_ADDR=gpu01 is a node of the job this step does not run on (the step's first node "
                     "gpu02 is used)"]

@@ -90,10 +90,10 @@ def _check_container(box: Any) -> None:
                         if box.runtime == "pyxis" else
                         "/path/to/image.sif") + ", or slurm.container=null for no container")
     for key in ("args", "mounts"):
-        # a script's own arguments put here by mistake
-        if list(getattr(box, key) or []) and not box.runtime:
+        given = list(getattr(box, key) or [])
+        if given and not box.runtime:  # a script's own arguments put here by mistake
             raise _fail(f"slurm.container.{key}", f"slurm.container.{key} is set but no container "
-                        "runtime runs the job: nothing would use it", list(getattr(box, key)),
+                        "runtime runs the job: nothing would use it", given,
                         f"slurm.container.{key} with slurm.container.runtime and image",
                         "a train.script's own arguments go in train.args; to run in a container "
                         "set slurm.container.runtime and slurm.container.image; else drop "

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core import foreign_env, store_ports
-from hpc_ddp.core.hostlist import expand_hostlist
 from hpc_ddp.core.config import RunConfig, load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.slurm_env import DistEnv, from_environ
@@ -83,7 +82,7 @@ def prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     env = from_environ(environ)
     flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
     setup_logging(env)
-    set_aside = foreign_env.disagreements(environ, env, expand_hostlist)
+    set_aside = foreign_env.disagreements(environ, env)
     if set_aside:  # an enroot hook's or a wrapper's RANK, WORLD_SIZE, MASTER_ADDR
         log.warning("%s", foreign_env.warning(set_aside))
     log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
