@@ -91,18 +91,38 @@ def history(lines: Iterable[str]) -> list[dict[str, Any]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def read(run_dir: Path | str) -> list[dict[str, Any]]:
-    """:func:`history` of ``RUN_DIR/metrics.jsonl`` (empty when there is none yet). The file itself
-    is taken too: a newcomer who passed ``RUN_DIR/metrics.jsonl`` got an empty list, as if nothing
-    had been logged."""
+def attempt_marks(lines: Iterable[str]) -> dict[int, int]:
+    """``{step: attempt}``: where each attempt of the run's history began (its first line's step and
+    its number), by the writer's marks, dropping those a later attempt replaced as :func:`history`
+    drops their values."""
+    rows = entries(lines)
+    cuts = dict(resumes(rows))
+    marks: dict[int, int] = {}
+    for i, entry in enumerate(rows):
+        if i in cuts:
+            marks = {step: number for step, number in marks.items() if step <= cuts[i]}
+        if _is_int(entry.get(ATTEMPT)):
+            marks[entry["step"]] = entry[ATTEMPT]
+    return marks
+
+
+def lines_of(run_dir: Path | str) -> list[str]:
+    """The lines of ``RUN_DIR/metrics.jsonl`` (or of the file itself, when given), none when there
+    is none yet."""
     path = Path(run_dir)
     if path.is_dir() or not path.name.endswith(".jsonl"):
         path = layout.metrics(path)
     try:
-        text = path.read_text()
+        return path.read_text().splitlines()
     except OSError:
         return []
-    return history(text.splitlines())
+
+
+def read(run_dir: Path | str) -> list[dict[str, Any]]:
+    """:func:`history` of ``RUN_DIR/metrics.jsonl`` (empty when there is none yet). The file itself
+    is taken too: a newcomer who passed ``RUN_DIR/metrics.jsonl`` got an empty list, as if nothing
+    had been logged."""
+    return history(lines_of(run_dir))
 
 
 def _is_int(value: Any) -> bool:

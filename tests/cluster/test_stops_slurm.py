@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import snapshot
+from hpc_ddp.rundir import metrics_file, snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
 from tests.helpers import finished, job_gone, wait_until
+from tests.wandb_reader import wandb_fragments, wandb_history
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -92,7 +93,8 @@ def test_a_preemption_by_slurms_sigterm_is_requeued_and_ends_as_the_rehearsal_do
     config, threads included."""
     # side by side on two 4-CPU nodes: 3 CPUs a node for the own loop, 1 for the Task; the own loop (about 40 s)
     # still trains when the Task, slower to start, has logged its first steps
-    own = LOOP + ["train.max_steps=700", "slurm.cpus_per_task=3"]
+    # W&B offline on the own loop: Slurm's SIGTERM ends W&B's service process too (issue 57)
+    own = LOOP + ["train.max_steps=700", "slurm.cpus_per_task=3", "metrics.wandb=true", "metrics.wandb_mode=offline"]
     task = TASK + ["train.max_steps=300", "slurm.tasks_per_node=1"]
     jobs = {"own": submit(own, tmp_path / "own"), "task": submit(task, tmp_path / "task")}
     assert wait_until(lambda: all(logged(tmp_path / name) >= 15 for name in jobs), 300)
@@ -113,3 +115,10 @@ def test_a_preemption_by_slurms_sigterm_is_requeued_and_ends_as_the_rehearsal_do
         assert attempts[0]["signal"] == "TERM" and attempts[0]["slurm"]["PreemptTime"] != "None", attempts[0]
         assert json.loads((tmp_path / name / "DONE.json").read_text())["params_sha256"] == json.loads(
             (tmp_path / f"{name}-local" / "DONE.json").read_text())["params_sha256"], name
+    # the W&B run, read back with W&B's own reader, holds every step: what the SIGTERM cost attempt 0 in W&B,
+    # attempt 1 sent again from metrics.jsonl
+    fragments = wandb_fragments(tmp_path / "own")
+    rows = wandb_history(fragments, (tmp_path / "own" / "wandb_id.txt").read_text().strip())
+    history = {record["step"]: record for record in metrics_file.read(tmp_path / "own")}
+    assert sorted(rows) == sorted(history) == list(range(1, 701)), ([f["size"] for f in fragments], len(rows))
+    assert {s: rows[s]["loss"] for s in history} == pytest.approx({s: r["loss"] for s, r in history.items()})

@@ -18,6 +18,7 @@ import pytest
 
 from hpc_ddp.rundir import metrics_file
 from hpc_ddp.rundir.ledger import read_attempts
+from tests.wandb_reader import wandb_fragments, wandb_history
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Attempt 0 is killed at step 25 (snapshot at 20), attempt 1 is preempted after 27, attempt 2 finishes 40.
-    The preemption comes as the warning signal: a SIGTERM reaches W&B's service process too, which then shuts
-    down without finishing the run (docs/submit.md, known limit; the rehearsal signals every process as Slurm)."""
+    The time limit comes as the warning signal, which W&B's service process keeps blocked, so every attempt
+    finishes its W&B run (a SIGTERM's stop: the test after these)."""
     pytest.importorskip("tensorboard", reason="needs the tensorboard extra (pip install 'hpc_ddp[tensorboard]')")
     pytest.importorskip("wandb", reason="needs the wandb extra (pip install 'hpc_ddp[wandb]')")
     run_dir = tmp_path_factory.mktemp("watched") / "run"
@@ -98,42 +99,7 @@ def test_tensorboard_shows_one_value_per_step_the_resumed_attempts(watched: Path
         assert {e.step: e.value for e in scalars} == pytest.approx({s: r[key] for s, r in history.items()}), key
     attempts = [(e.step, int(e.value)) for e in events.Scalars("hpc_ddp/attempt")]
     stop = read_attempts(watched)[1]["last_step"]
-    assert attempts == [(0, 0), (20, 1), (stop, 2)]  # where each attempt began
-
-
-def wandb_fragments(run_dir: Path) -> list[dict[str, Any]]:
-    """Each attempt's offline run file as W&B's own reader sees it, in start order: its run record's branch
-    point (a rewind: where W&B truncates the run before this fragment), history rows and record types."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false"}  # no telemetry upload
-    fragments = []
-    for path in (run_dir / "wandb").glob("offline-run-*/run-*.wandb"):
-        proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
-                              capture_output=True, text=True, timeout=120, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-        runs = [r["run"] for r in records if r["type"] == "run"]
-        assert runs, f"{path} ({path.stat().st_size} bytes) holds no run: the attempt's Run.finish() failed?"
-        fragments.append({"start": runs[0]["start_time"], "branch": runs[0].get("branch_point"),
-                          "types": [r["type"] for r in records],
-                          "rows": [r["history"]["item"] for r in records if r["type"] == "history"]})
-    return sorted(fragments, key=lambda f: f["start"])
-
-
-def wandb_history(fragments: list[dict[str, Any]], run_id: str) -> dict[int, dict[str, Any]]:
-    """The run's history once `wandb sync` has uploaded the fragments in start order (as it does): a fragment
-    whose run record holds a branch point on its own run rewinds the run to that step first (wandb-core
-    runupserter.InitRun -> RewindRun: W&B truncates the history after it), then its rows are appended. Rows
-    must rise above what the run holds: wandb-core renumbers one that does not (historystep.go)."""
-    rows: dict[int, dict[str, Any]] = {}
-    for fragment in fragments:
-        point = fragment["branch"]
-        if point:
-            assert (point["run"], point["metric"]) == (run_id, "_step"), point
-            rows = {step: row for step, row in rows.items() if step <= point["value"]}
-        for row in fragment["rows"]:
-            assert row["_step"] > max(rows, default=-1), (row["_step"], sorted(rows)[-3:])
-            rows[row["_step"]] = row
-    return rows
+    assert attempts == [(1, 0), (21, 1), (stop + 1, 2)]  # each attempt's first step, not its snapshot's
 
 
 def test_wandb_offline_rewinds_so_the_run_has_each_step_once_with_the_resumed_value(watched: Path) -> None:
@@ -147,18 +113,43 @@ def test_wandb_offline_rewinds_so_the_run_has_each_step_once_with_the_resumed_va
     run_id = (watched / "wandb_id.txt").read_text().strip()
     rows = wandb_history(fragments, run_id)
     history = newest(watched)
-    assert sorted(rows) == [0, *sorted(history)]  # step 0: only attempt 0's marker
+    assert sorted(rows) == sorted(history)
     for key in ("loss", "samples_per_s", "lr"):
         assert {s: rows[s][key] for s in history} == pytest.approx({s: r[key] for s, r in history.items()}), key
     markers = [(step, row["hpc_ddp/attempt"]) for step, row in sorted(rows.items()) if "hpc_ddp/attempt" in row]
     stop = read_attempts(watched)[1]["last_step"]
-    assert markers == [(0, 0), (21, 1), (stop + 1, 2)]  # each attempt's first step that W&B took
+    assert markers == [(1, 0), (21, 1), (stop + 1, 2)]  # each attempt's first step that W&B took
 
 
 def test_wandb_offline_keeps_one_run_id_across_attempts(watched: Path) -> None:
     run_id = (watched / "wandb_id.txt").read_text().strip()
     runs = sorted(p.name for p in (watched / "wandb").glob("offline-run-*"))
     assert len(runs) == 3 and all(f"-{run_id}" in name for name in runs), runs
+
+
+def test_a_stop_by_sigterm_loses_no_step_in_w_and_b_the_next_attempt_sends_them_again(tmp_path: Path) -> None:
+    """An own loop of 20 steps at 2x2, preempted at step 8 by SIGTERM: the signal reaches W&B's service process
+    too (the rehearsal signals every process, as Slurm does), which shuts down without writing the attempt's
+    rows. The requeued attempt rewinds the run to what W&B surely holds and sends the lost steps again from
+    metrics.jsonl: the run, read back with W&B's own reader, holds steps 1-20 with metrics.jsonl's values."""
+    pytest.importorskip("wandb", reason="needs the wandb extra (pip install 'hpc_ddp[wandb]')")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", "examples/own_loop_gpt.yaml", "--local",
+                           f"run_dir={run_dir}", "train.max_steps=20", "train.log_every=1",
+                           "metrics.wandb=true", "metrics.wandb_mode=offline", "--preempt-at", "8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = read_attempts(run_dir)
+    assert [a["reason"] for a in attempts] == ["preemption", "finished"], attempts
+    fragments = wandb_fragments(run_dir)
+    assert len(fragments) == 2 and fragments[1]["branch"] is not None, fragments  # the rewind to what W&B kept
+    rows = wandb_history(fragments, (run_dir / "wandb_id.txt").read_text().strip())
+    history = newest(run_dir)
+    assert sorted(rows) == sorted(history) == list(range(1, 21))
+    assert {s: rows[s]["loss"] for s in history} == pytest.approx({s: r["loss"] for s, r in history.items()})
+    markers = [(step, row["hpc_ddp/attempt"]) for step, row in sorted(rows.items()) if "hpc_ddp/attempt" in row]
+    assert markers == [(1, 0), (attempts[1]["first_step"] + 1, 1)]
 
 
 @pytest.mark.parametrize("where", ["--local", "--emit-sbatch"])

@@ -94,3 +94,38 @@ def test_a_refused_rewind_resumes_says_so_and_keeps_w_and_bs_values_for_the_repl
         opened.log(step, {"loss": float(step)})
     assert [s for s, _ in opened.run.rows] == [25, 26]  # W&B would renumber steps it holds: not sent
     assert opened.run.rows[0][1] == {"hpc_ddp/attempt": 1.0, "loss": 25.0}
+
+
+def test_steps_a_stop_lost_in_w_and_b_are_sent_again_from_metrics_jsonl_after_a_rewind_to_what_it_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attempt 0 sent steps 1-8 and was stopped at 9 by a SIGTERM that ended W&B's service before it wrote them
+    (it never finished: nothing kept). Attempt 1 resumes from 9: it rewinds to step 0 and sends 1-9 again, with
+    attempt 0's marker at its first step, before its own steps."""
+    from hpc_ddp.rundir import metrics_file
+
+    calls = fake_wandb(monkeypatch)
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").write_text("-1\n")  # attempt 0's open wrote it
+    lines = [metrics_file.line(1, {"loss": 1.0}, resumed_from=None, attempt=0)]
+    lines += [metrics_file.line(step, {"loss": float(step)}) for step in range(2, 10)]
+    lines += [metrics_file.line(10, {"loss": 10.0}, resumed_from=9, attempt=1)]  # attempt 1's first line
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    opened = sink(tmp_path, 9, sent=8)
+    assert opened.rewound and [c.get("resume_from") for c in calls] == ["abc123?_step=0"]
+    opened.log(10, {"loss": 10.0, "hpc_ddp/attempt": 1})
+    assert [s for s, _ in opened.run.rows] == list(range(1, 11))
+    assert opened.run.rows[0][1] == {"loss": 1.0, "hpc_ddp/attempt": 0.0}
+    assert [v for _, v in opened.run.rows[1:9]] == [{"loss": float(s)} for s in range(2, 10)]  # no time, no step
+    assert (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").read_text() == "-1\n"
+    opened.close(stopped=False)
+    assert (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").read_text() == "10\n"  # finish returned: all kept
+
+
+def test_a_crashed_attempt_after_a_finished_one_rewinds_to_the_kept_step_not_to_what_it_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_wandb(monkeypatch)
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").write_text("20\n")  # attempt 0 stopped at 20, finished
+    opened = sink(tmp_path, 20, sent=26)  # attempt 1 sent 21-26, then its node died (no finish)
+    assert opened.rewound and [c.get("resume_from") for c in calls] == ["abc123?_step=20"]
+    assert opened.run.rows == []  # nothing at or below the snapshot to send again

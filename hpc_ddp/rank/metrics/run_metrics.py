@@ -4,7 +4,7 @@
 the stop protocol in :mod:`hpc_ddp.rank.loop.run`. The first call of an attempt opens the sinks at
 the step the attempt resumed from, so a sink drops what an earlier attempt logged after that
 snapshot (replayed steps are logged once, by the attempt that kept them), and marks the attempt's
-number at its first step.
+number at the first step it logs.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ class MetricsLog:
         append_line(layout.metrics(self.run_dir),
                     metrics_file.line(step, values, resumed_from=resumed_from,
                                                                     attempt=attempt), sync=False)
+        sent = values
         if self._sinks is None:
             first = resumed_from or 0
-            sinks = open_sinks(self.config, self.run_dir, first + 1, flat_values(self.config))
-            if sinks:
-                sinks = log_to(sinks, first, {"hpc_ddp/attempt": attempt})
-            self._sinks = sinks
-        self._sinks = log_to(self._sinks, step, values)
+            self._sinks = open_sinks(self.config, self.run_dir, first + 1,
+                                     flat_values(self.config))
+            # at the attempt's first step it logs, not at its snapshot's step (the attempt before
+            # it trained that one)
+            sent = {**values, "hpc_ddp/attempt": attempt}
+        self._sinks = log_to(self._sinks, step, sent)
 
     def close(self, stopped: bool) -> None:
         """Flush and close every sink; a sink that fails to close is a warning, never a failed
