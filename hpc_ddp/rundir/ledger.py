@@ -258,12 +258,17 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]],
     kinds = "failures and hangs" if key == "max_failures" else reason
     since = " since its last --resume" if any(a.get(BEFORE_RESUME) for a in attempts) else ""
     times = "once" if count == 1 else f"{count} times"
+    resume = ("--resume continues it from the newest snapshot, with its caps counted afresh; to "
+              "allow more per submission, raise the cap on that command line "
+              f"(slurm.{key}={limits[key] + 10})")
+    if reason == "hung":
+        # a hang in the program repeats on any node and at any cap: where it is comes first
+        resume = ("a hang in the program repeats wherever it runs: the stuck ranks' stacks in "
+                  "their logs say where they waited (`python -m hpc_ddp.status RUN_DIR` names them "
+                  "and the collective where the ranks parted; docs/troubleshooting.md). Fix that "
+                  "first; where a node was at fault (frozen, a stuck filesystem), " + resume)
     return explain(f"the run stopped for {kinds} {times}{since}, more than "
-                   f"slurm.{key}={limits[key]}",
-                   hint="--resume continues it from the newest snapshot, with its caps counted "
-                        "afresh; to allow "
-                   "more per submission, raise the cap on that command line "
-                   f"(slurm.{key}={limits[key] + 10})")
+                   f"slurm.{key}={limits[key]}", hint=resume)
 
 
 def record_next_job(run_dir: Path, attempt: Mapping[str, Any], next_job: str, script: str) -> None:

@@ -115,6 +115,14 @@ def failed_at_same_point(previous: int | None, now: int | None) -> str:
             "same way")
 
 
+# why a node is a suspect after a hang: the watchdog named one of its ranks
+STUCK_WHY = "was stuck (watchdog)"
+# a node left out only for a hang may well be innocent: a spare does not cure a hang in the code
+HANG_NOT_NODE = ("; every node left out was only where a rank hung, and a hang in the program "
+                 "repeats on any node (its stack in that rank's log says where it waited), so a "
+                 "spare helps only if the node was at fault")
+
+
 def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str],
                 ranks_per_node: int) -> dict[str, str]:
     """The nodes of the ranks the watchdog named stuck (rank // ranks per node in the step's node
@@ -127,7 +135,7 @@ def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str],
     for rank in stuck_ranks:
         index = rank // max(1, ranks_per_node)
         if 0 <= index < len(nodes):
-            named[nodes[index]] = f"rank {rank} was stuck (watchdog)"
+            named[nodes[index]] = f"rank {rank} {STUCK_WHY}"
     return named
 
 
@@ -236,7 +244,8 @@ class Healer:
         if not chosen.heals:
             self.why_not = chosen.why + (f" ({left_out})" if left_out else "") + (
                 f"; fewer nodes are no option: {no_resize}" if no_resize and len(self.counts) > 1
-                else "")
+                else "") + (HANG_NOT_NODE if chosen.excluded and all(
+                    STUCK_WHY in w for w in chosen.excluded.values()) else "")
             return None
         self.next_nodes = chosen.nodes
         self.healed = {"after": record.get("reason"), "how": chosen.how,

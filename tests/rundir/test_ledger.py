@@ -171,3 +171,12 @@ def test_status_shows_a_run_whose_ledger_has_a_wrong_typed_line(tmp_path: Path, 
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert shown.returncode == 3 and "STOPPED" in shown.stdout, shown.stderr
     assert 'line 2 skipped: "reason" is a list' in shown.stderr and "Traceback" not in shown.stderr
+
+
+def test_a_capped_hang_points_to_the_stuck_ranks_stacks_before_a_higher_cap() -> None:
+    hung = cap_reached("hung", [{"reason": "hung"}], LIMITS | {"max_failures": 0})
+    failed = cap_reached("failed", [{"reason": "failed"}], LIMITS | {"max_failures": 0})
+    assert hung is not None and failed is not None
+    assert "failures and hangs once, more than slurm.max_failures=0" in hung
+    assert hung.index("repeats wherever it runs") < hung.index("slurm.max_failures=10")
+    assert "repeats" not in failed and "slurm.max_failures=10" in failed

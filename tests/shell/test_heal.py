@@ -66,6 +66,20 @@ def test_stuck_ranks_name_their_nodes() -> None:
     assert heal.stuck_nodes([9], ["n1", "n2"], 2) == {}
 
 
+def test_a_node_left_out_only_for_a_hang_is_not_blamed_as_a_node_a_spare_would_cure() -> None:
+    """Two hangs in a row on n2 (at different steps) without a spare: the requeue's reason says a hang in the
+    program repeats on any node; a node that died keeps the spare advice alone."""
+    healer = heal.Healer(cap=3, counts=range(2, 3))
+    stuck = heal.stuck_nodes([3], ["n1", "n2"], 2)
+    assert healer.decide({"reason": "hung"}, 0, ["n1", "n2"], ["n1", "n2"], {}, dict(stuck), 10) is not None
+    assert healer.decide({"reason": "hung"}, 1, ["n1", "n2"], ["n1", "n2"], {}, dict(stuck), 20) is None
+    assert "slurm.spare_nodes=1" in healer.why_not and "a hang in the program repeats on any node" in healer.why_not
+    dead = heal.Healer(cap=3, counts=range(2, 3))
+    assert dead.decide({"reason": "failed"}, 0, ["n1", "n2"], ["n1", "n2"], {"n2": "Slurm says State=DOWN"}, {},
+                       10) is None
+    assert "slurm.spare_nodes=1" in dead.why_not and "hang" not in dead.why_not
+
+
 @pytest.mark.parametrize("held, training, hard, soft, counts, nodes, how", [
     # a spare takes the suspect's place: the same world size (bit-exact)
     (["n1", "n2", "n3"], ["n1", "n2"], {}, {"n2": "died"}, range(2, 3), ["n1", "n3"], "replaced"),
