@@ -76,3 +76,24 @@ def warning(lines: list[str]) -> str:
     return ("Slurm's variables win over these, set in the task's environment by " + SETTER
             + " (torchrun did not start this task): " + "; ".join(lines) + ". Nothing to do: "
             "each rank's place comes from Slurm; a wrapper script of yours can drop its exports")
+
+
+def launched_alone(derived: Any, nodes: Any, tasks_per_node: int) -> str | None:
+    """Why a task that found no rank variables at all must not train, when the run asks for more
+    than one rank; None when it may.
+
+    A container runtime's ``--cleanenv``/``--containall`` (or ``env -i`` in a wrapper) passes no
+    Slurm variable: each of the N tasks would be rank 0 of 1, and N trainings would share one run
+    dir. ``derived`` is :func:`hpc_ddp.core.slurm_env.from_environ`'s answer; ``nodes`` and
+    ``tasks_per_node`` are the run's ``slurm`` section."""
+    from hpc_ddp.core.batching import node_counts
+
+    fewest = node_counts(nodes)[0] * tasks_per_node
+    if derived.source != "single" or fewest <= 1:
+        return None
+    return (f"this task found no rank variables (no SLURM_PROCID or SLURM_NTASKS of a Slurm step, "
+            f"no RANK or WORLD_SIZE of torchrun): it would train as rank 0 of 1, but the run asks "
+            f"for slurm.nodes={nodes} x slurm.tasks_per_node={tasks_per_node} = {fewest} ranks "
+            "or more. Something between srun and this process cleared the environment: a "
+            "container runtime's --cleanenv, -e, --containall or -C (slurm.container.args), or a "
+            "wrapper that starts Python with `env -i`. Refused before the run dir was touched")

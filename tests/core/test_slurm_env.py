@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -226,3 +228,30 @@ def test_random_environments_raise_only_slurm_env_error(env: dict[str, str]) -> 
         return
     assert 0 <= got.rank < got.world_size and 0 <= got.local_rank < got.local_world_size
     assert 0 <= got.node_rank < got.num_nodes and 1 <= got.master_port <= 65535
+
+
+def test_a_task_with_no_rank_variables_in_a_run_of_four_is_refused_naming_the_cleared_environment(
+        tmp_path: Path) -> None:
+    """--cleanenv (or env -i) leaves a task no Slurm variable: alone it is rank 0 of 1. A run asking for 2 x 2
+    refuses it before the run dir is touched; a run of one rank, and a node range that allows one, do not."""
+    import subprocess
+    import sys
+
+    from hpc_ddp.core.foreign_env import launched_alone
+
+    alone = from_environ({"PATH": "/usr/bin"})
+    why = launched_alone(alone, 2, 2)
+    assert why is not None and "slurm.nodes=2 x slurm.tasks_per_node=2 = 4 ranks" in why and "--cleanenv" in why
+    assert launched_alone(alone, 1, 1) is None and launched_alone(alone, "1-4", 1) is None
+    step = simulated_environ(2, 2, job_id=7)[3]
+    assert launched_alone(from_environ(step), 2, 2) is None
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(f"name: r\nrun_dir: {run_dir}\ntrain: {{task: 'tests.tasks:Faulty', "
+                                         "max_steps: 10}\nslurm: {nodes: 2, tasks_per_node: 2}\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.worker", "--config", str(run_dir / "config.yaml")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "found no rank variables" in proc.stderr and "HINT:" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # nothing written in the run dir

@@ -138,7 +138,8 @@ def _prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_preemptions: 
 
     monkeypatch.setattr(StopFlag, "install", lambda self, signums: None)
     monkeypatch.setattr(start, "setup_logging", lambda env: None)
-    cfg = load_config([MLP], [f"run_dir={tmp_path / 'run'}", f"slurm.max_preemptions={max_preemptions}"])
+    cfg = load_config([MLP], [f"run_dir={tmp_path / 'run'}", f"slurm.max_preemptions={max_preemptions}",
+                              "slurm.nodes=1", "slurm.tasks_per_node=1"])  # a world of one: no rank variables
     return start.prepare(cfg, {}, StopFlag())
 
 

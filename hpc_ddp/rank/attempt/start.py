@@ -22,7 +22,7 @@ from typing import Any
 
 from hpc_ddp.core import foreign_env, store_ports
 from hpc_ddp.core.config import RunConfig, load_config
-from hpc_ddp.core.errors import HpcDdpError
+from hpc_ddp.core.errors import HpcDdpError, SlurmEnvError, explain
 from hpc_ddp.core.slurm_env import DistEnv, from_environ
 from hpc_ddp.core.stopping import StopFlag, signal_number
 from hpc_ddp.core.whoami import describe
@@ -82,6 +82,10 @@ def prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     env = from_environ(environ)
     flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
     setup_logging(env)
+    alone = foreign_env.launched_alone(env, cfg.slurm.nodes, cfg.slurm.tasks_per_node)
+    if alone:
+        raise SlurmEnvError(explain(alone, hint="drop that option or wrapper; with a container, "
+                                              "pass the environment through (docs/cluster.md)"))
     set_aside = foreign_env.disagreements(environ, env)
     if set_aside:  # an enroot hook's or a wrapper's RANK, WORLD_SIZE, MASTER_ADDR
         log.warning("%s", foreign_env.warning(set_aside))
