@@ -210,7 +210,8 @@ def _attempts(config_path: Path, run_dir: Path, tasks_per_node: int, healer: Loc
     ends the run; returns its code."""
     from hpc_ddp.rehearsal.local_heal import timeline_environ
     from hpc_ddp.rehearsal.local_settle import StepEnd, settle_step
-    from hpc_ddp.rundir.ledger import read_attempts
+    from hpc_ddp.rundir import jit_tidy
+    from hpc_ddp.rundir.ledger import attempt_tag, read_attempts
 
     restart = 0
     marks = lambda: (run_dir, job_id, restart)  # noqa: E731  (the attempt the kill happens in)
@@ -241,6 +242,8 @@ def _attempts(config_path: Path, run_dir: Path, tasks_per_node: int, healer: Loc
                               kills=[s for s, _ in kills],
                               freezes=[s for s, _ in freezes]) + "\n")
             return 1
+        if code in (0, EXIT_REQUEUE):  # the batch shell settles these too: its tidying of jit/
+            jit_tidy.prune(run_dir, attempt_tag(job_id, restart, healer.index))
         if code in (0, EXIT_INTERRUPTED):
             return code
         if code != EXIT_REQUEUE:  # as the batch shell does on Slurm: record it, heal or requeue it

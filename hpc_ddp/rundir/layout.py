@@ -26,7 +26,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
                        hpc_ddp.rundir.beats); declared.json: the last declaration of a loss
     jit/               job-J-restart-N[-step-K]/: what the survivors of a failure said, one
-                       node-N.json (and blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files)
+                       node-N.json (and blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files);
+                       an earlier attempt's keeps only its commit claim (hpc_ddp.rundir.jit_tidy)
     logs/              the local rehearsal's per-rank logs
     slurm/             submitit's and the sbatch templates' job logs
     compile_cache/     torch.compile's caches (TORCHINDUCTOR_CACHE_DIR; train.compile_cache=run,

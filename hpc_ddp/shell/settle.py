@@ -18,6 +18,7 @@ run's next job is submitted here instead (:mod:`hpc_ddp.shell.chain`). No torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -26,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.helptext import add_version, for_help
-from hpc_ddp.rundir import jit_claims, jit_files, layout, losses
+from hpc_ddp.rundir import jit_claims, jit_files, jit_tidy, layout, losses
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.codes import EXIT_ERROR
 from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields, attempt_key,
-                                   cap_reached, caps,
-                                   name_the_ledger, note_error, read_attempts)
+                                   attempt_tag, cap_reached, caps, name_the_ledger, note_error,
+                                   read_attempts)
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.shell.last_known import last_known
@@ -64,6 +65,8 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
         return "refused to start: another job holds the run dir (its ledger is left alone)"
     if exit_code != 0:
         _seal(run_dir, (job_id, restart_count, in_job))
+    with contextlib.suppress(OSError):  # a tidy run dir is worth less than the ledger line
+        jit_tidy.prune(run_dir, attempt_tag(job_id, restart_count, in_job))
     if layout.done(run_dir).exists():
         return "finished"
     # the ranks' line of this step may be seconds old, written on another node

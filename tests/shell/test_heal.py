@@ -187,6 +187,11 @@ def test_the_rehearsal_loses_a_node_and_heals_on_a_spare_or_on_fewer_nodes(tmp_p
     assert second["healed"]["how"] == "replaced" and "--fail-at" in second["healed"]["excluded"]["node1"]
     assert done(tmp_path / "spare")["params_sha256"] == done(tmp_path / "clean")["params_sha256"]
     assert "losing node1 (--fail-at 23): SIGKILL to its rank 1" in spare.stderr
+    # a tidy run dir: the failed attempt keeps its seal and the offers its kept survivors' snapshot is checked by
+    *earlier, last = sorted((tmp_path / "spare" / "jit").iterdir(), key=lambda p: len(p.name))
+    assert earlier and all({f.name for f in e.iterdir()} <= {"commit", "node-0.json", "node-1.json"}
+                           for e in earlier), [sorted(f.name for f in e.iterdir()) for e in earlier]
+    assert last.name.endswith("-step-1") and (last / "stopped-mid-step").exists()
     first, second = read_attempts(tmp_path / "shrunk")
     assert (second["healed"]["how"], second["hosts"], second["world_size"], second["grad_accum"]) == (
         "shrunk", "node1", 1, 2)
