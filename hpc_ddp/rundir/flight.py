@@ -3,11 +3,12 @@
 torch keeps the last collectives of every process group in a ring buffer (the flight
 recorder; NCCL's groups, and gloo's since torch 2.10, in two recorders: one for CUDA events,
 one for the rest), switched on by the variables of
-:func:`hpc_ddp.rank.group.distributed.failure_env`. When the hang watchdog fires it dumps that
-record as JSON into the run dir's errors/, next to the Python stacks in the rank's log, and
-``hpc_ddp.status`` reads the dumps back and says which collective the ranks wait in and which ranks
-never reached it. NCCL's own watchdog, on a collective timeout, writes its pickled dump under the
-same prefix without the ``.json``.
+:func:`hpc_ddp.rank.group.distributed.failure_env`. When the hang watchdog fires, every rank takes
+that record (:func:`record`) and its node's ranks publish theirs as one JSON file per node in the
+run dir's errors/ (:mod:`hpc_ddp.rundir.flight_node`), next to the Python stacks in each rank's
+log; ``hpc_ddp.status`` reads the dumps back (:func:`read`) and says which collective the ranks
+wait in and which ranks never reached it. NCCL's own watchdog, on a collective timeout, writes its
+pickled dump per rank under :func:`prefix` (a backstop that comes after ours).
 
 No torch at import: :func:`summarize` runs on the login node (status).
 """
@@ -21,15 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.rundir.ledger import attempt_tag
 
 log = logging.getLogger("hpc_ddp.flight")
 
 
 def prefix(run_dir: Path | str, job_id: int | str | None, restart_count: int, in_job: int) -> str:
-    """The dumps' path prefix for an attempt; a rank's dump is the prefix, its rank and
-    ``.json``."""
+    """The prefix NCCL's own watchdog writes its per-rank dump under (``TORCH_FR_DUMP_TEMP_FILE``;
+    the rank is appended); older runs' JSON dumps were there too."""
     tag = attempt_tag(job_id, restart_count, in_job)
     return str(layout.errors(run_dir) / f"{tag}-collectives-rank-")
 
@@ -38,10 +38,11 @@ def prefix(run_dir: Path | str, job_id: int | str | None, restart_count: int, in
 READERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 
 
-def dump(target_prefix: str, rank: int) -> Path | None:
-    """This process's flight record as ``PREFIX<rank>.json``, both recorders merged (on a GPU the
-    training group's NCCL entries are in one, the gloo control group's in the other: seen on an H100
-    with torch 2.11); None where torch keeps none (an older torch, or a record switched off)."""
+def record() -> dict[str, Any] | None:
+    """This process's flight record, both recorders merged (on a GPU the training group's NCCL
+    entries are in one, the gloo control group's in the other: seen on an H100 with torch 2.11);
+    None where torch keeps none (an older torch, or a record switched off). Where it goes:
+    :mod:`hpc_ddp.rundir.flight_node` (one file per node)."""
     import torch
 
     c10d = torch._C._distributed_c10d
@@ -55,13 +56,8 @@ def dump(target_prefix: str, rank: int) -> Path | None:
         # the dump is a diagnosis: never let it stop the hang from being recorded
         except Exception as err:
             log.warning("the flight recorder could not be dumped (%s): %s", name, err)
-    record = merged(records)
-    if not record.get("entries"):
-        return None
-    path = Path(f"{target_prefix}{rank}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(record).encode())
-    return path
+    found = merged(records)
+    return found if found.get("entries") else None
 
 
 def merged(records: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -85,13 +81,20 @@ def merged(records: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def read(target_prefix: str) -> dict[int, dict[str, Any]]:
-    """Every rank's JSON dump under a prefix, by rank (unreadable ones left out)."""
+    """Every rank's dump under a prefix, by rank: the per-node files
+    (``PREFIX node-N.json``, :mod:`hpc_ddp.rundir.flight_node`) and the per-rank files of older runs
+    (``PREFIX R.json``, ``PREFIX rank-R.json``); unreadable ones left out."""
     found: dict[int, dict[str, Any]] = {}
     base = Path(target_prefix)
     for path in sorted(base.parent.glob(base.name + "*.json")):
+        rest = path.stem.removeprefix(base.name)
         try:
-            found[int(path.stem.removeprefix(base.name))] = json.loads(path.read_text())
-        except (OSError, ValueError):
+            data = json.loads(path.read_text())
+            if rest.startswith("node-"):
+                found.update({int(rank): dump for rank, dump in data["ranks"].items()})
+            else:
+                found[int(rest.removeprefix("rank-"))] = data
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     return found
 

@@ -20,18 +20,17 @@ never by listing, for whoever decides).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.atomic import NEW, write_atomic
+from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.rundir import jit_blobs, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
 
@@ -172,7 +171,7 @@ def once_per_node(post: Post, key: str, compute: Callable[[], Any],
     there once per node, not once per rank. ``fresh_s``: how old a kept value may be (None: any
     age). JSON values only."""
     node_local.ensure(post.local)
-    with _lock(post.local / "memo.lock"):
+    with node_local.locked(post.local / "memo.lock"):
         memo_path = post.local / "memo.json"
         memo = _local_json(post, memo_path)
         kept = memo.get(key)
@@ -218,17 +217,6 @@ def _local_json(post: Post, path: Path) -> dict[str, Any]:
     return record
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[int]:
-    """The node's lock file, held exclusively (opened without following a link)."""
-    fd = os.open(path, NEW & ~os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
-    finally:
-        os.close(fd)
-
-
 # what an offer says came of it: news for the ledger, never for the set
 OUTCOME_KEYS = ("outcome", "why")
 
@@ -244,7 +232,7 @@ def publish(post: Post) -> bool:
     file written, per-rank states) that it did not say before: whoever publishes that checks the set
     (:func:`hpc_ddp.rank.salvage.jit_commit.complete`), so one rank per change of the node checks
     it, not every rank."""
-    with _lock(post.local / "publish.lock"):
+    with node_local.locked(post.local / "publish.lock"):
         offers, blob_files = [], []
         for local in range(post.local_size):
             found = _local_offer(post, local)

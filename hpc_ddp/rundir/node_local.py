@@ -29,6 +29,8 @@ holds. No torch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import hmac
@@ -37,6 +39,7 @@ import secrets
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hpc_ddp.core.errors import HpcDdpError, explain
@@ -220,5 +223,17 @@ def read(path: Path | str, limit: int = 1 << 20, *, private: int = 0,
         return b"".join(chunks)
     except OSError:
         return None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[int]:
+    """A lock file in a node's folder, held exclusively (opened without following a link): the
+    node's ranks take turns at what they publish for the node."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
     finally:
         os.close(fd)

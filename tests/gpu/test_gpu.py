@@ -145,8 +145,9 @@ def test_a_rank_stalled_outside_any_collective_on_nccl_is_recorded_hung_with_the
     assert proc.returncode == 4, proc.stderr[-3000:]
     [attempt] = read_attempts(tmp_path / "hang")  # the ledger's reader: an 'amends' line joins its attempt
     assert attempt["reason"] == "hung" and attempt["collectives"]
-    dump = tmp_path / "hang" / (attempt["collectives"] + "0.json")
-    record = json.loads(dump.read_text())
+    from hpc_ddp.rundir import flight
+
+    record = flight.read(str(tmp_path / "hang" / attempt["collectives"]))[0]  # node 0's file holds rank 0's
     names = {e.get("profiling_name") for e in record["entries"]}
     assert any(str(n).startswith("nccl:") for n in names), names  # DDP's gradient all_reduce on NCCL
 

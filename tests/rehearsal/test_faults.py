@@ -100,11 +100,13 @@ def test_a_stuck_rank_is_named_by_the_watchdog_with_its_stack(tmp_path: Path) ->
     # rank 0 waited in step 17's all-reduce, holding step 16 whole: it wrote it before it left (issue 35)
     assert snapshot.committed_steps(run_dir)[0] == attempt["jit_snapshot"]["step"] == 16
     assert alive_with(str(run_dir)) == []
-    # the flight recorder: every rank dumped the collectives it was in, next to its stacks; status reads them
-    # back: rank 0 waits in a training all_reduce of step 17 that rank 1 never entered
+    # the flight recorder: every rank dumped the collectives it was in, next to its stacks, one file per node in
+    # errors/ (issue 57); status reads them back: rank 0 waits in a training all_reduce of step 17 that rank 1
+    # never entered
     prefix = run_dir / attempt["collectives"]
     assert sorted(p.name for p in prefix.parent.glob(prefix.name + "*.json")) == [
-        f"{prefix.name}0.json", f"{prefix.name}1.json"]
+        f"{prefix.name}node-0.json", f"{prefix.name}node-1.json"]
+    assert [p.name for p in (run_dir / "errors").iterdir() if "collectives" in p.name and "node-" not in p.name] == []
     status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run_dir)], capture_output=True, text=True)
     assert f"hung; the collectives of ranks 0,1 are in {attempt['collectives']}*.json" in status.stdout
     assert re.search(r"process group 0: ranks 0 wait in collective #\d+ \(gloo:all_?reduce\); ranks 1 never "

@@ -17,9 +17,10 @@ A rank learns of a failure in one of four ways:
 
 Then the same phases, in this order, each on the thread that noticed:
 
-1. **flight dump**: which collective this rank waits in (:func:`hpc_ddp.rundir.flight.dump`), before
-   anyone exits. Only for a hang, on the watchdog's thread; NCCL's own watchdog dumps on a
-   collective's timeout.
+1. **flight dump**: which collective this rank waits in (:func:`hpc_ddp.rundir.flight.record`),
+   kept on its node before anyone exits, and published with its node's others as one file per node
+   just before it leaves (:mod:`hpc_ddp.rundir.flight_node`). Only for a hang, on the watchdog's
+   thread; NCCL's own watchdog dumps on a collective's timeout.
 2. **survivors' snapshot**: ``attempt.after_failure``
    (:func:`hpc_ddp.rank.salvage.jit.after_failure`, once per process whichever thread comes first:
    :class:`~hpc_ddp.rank.salvage.jit.OneHandler`). Inline on the training thread; bounded by
@@ -51,7 +52,7 @@ from hpc_ddp.rank.attempt.conclude import end_as_stop, ledger_line
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.stop.broken_step import StoppedMidStep, marker, stop_came_first
 from hpc_ddp.rank.watch.watchdog import poll_interval
-from hpc_ddp.rundir import flight, losses
+from hpc_ddp.rundir import flight, flight_node, losses
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
@@ -104,10 +105,8 @@ def on_hang(attempt: Attempt, timeout_s: float) -> Callable[[str, list[int]], No
 def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) -> None:
     """:func:`on_hang`'s phases, on the watchdog's thread."""
     env = attempt.env
-    dumps = flight.prefix(attempt.run_dir, env.job_id, env.restart_count, env.in_job)
-    dumped = flight.dump(dumps, env.rank)  # which collective this rank is in, before anyone exits
-    if dumped is not None:
-        log.error("the collectives this rank was in: %s", dumped)
+    spot = flight_node.spot_for(attempt.run_dir, env)
+    dumped = _keep_flight(spot)  # which collective this rank is in, before anyone exits
     # it waits in a collective: it holds a step
     if attempt.after_failure is not None and env.rank not in stuck:
         from hpc_ddp.rank.salvage.jit import SIDE_WAIT_S
@@ -115,6 +114,9 @@ def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) ->
         attempt.after_failure(PeerLost(message.splitlines()[0]), wait_s=SIDE_WAIT_S)
     if not env.is_main:
         time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
+    published = flight_node.publish(spot) if dumped else None  # the node's dumps, as one file
+    if published is not None:
+        log.error("the collectives this rank was in: %s", published)
     if env.is_main and not attempt.wrapped:
         resumed, step = attempt.progress() if attempt.progress is not None else (None, None)
         ledger_line(attempt, "hung", end=round(time.time(), 3),
@@ -123,11 +125,24 @@ def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) ->
                     **timeline.ledger_field(attempt.environ, attempt.attempts, env.in_job),
                     stuck_ranks=stuck, message=message.splitlines()[0],
                     **losses.jit_fields(attempt.run_dir, env.job_id, env.restart_count, env.in_job),
-                    **({"collectives": str(Path(dumps).relative_to(attempt.run_dir))}
-                       if dumped is not None else {}))
+                    **({"collectives": str(Path(spot.prefix).relative_to(attempt.run_dir))}
+                       if dumped else {}))
     if attempt.liveness is not None:
         attempt.liveness.leave()  # this exit is the hang's, not a lost rank's
     _exit(EXIT_HUNG)
+
+
+def _keep_flight(spot: flight_node.Spot) -> bool:
+    """This rank's flight record, kept on its node; whether there was one to keep (never an
+    error: the dump is a diagnosis)."""
+    try:
+        found = flight.record()
+        if found is not None:
+            flight_node.keep(spot, found)
+        return found is not None
+    except OSError as err:
+        log.warning("the flight record could not be kept on the node: %s", err)
+        return False
 
 
 def after_exception(attempt: Attempt, run: Run, err: Exception) -> None:
