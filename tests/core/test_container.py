@@ -197,6 +197,9 @@ def test_the_batch_script_stops_with_the_key_when_the_runtime_is_missing(tmp_pat
      "slurm.container.args", "world of one"),
     (["slurm.container.runtime=singularity", "slurm.container.image=/i.sif", "slurm.container.args=[-C]"],
      "slurm.container.args", "drop -C"),
+    # --contain: a /dev/shm per task, the node's ranks never see each other's beats (the rank checks it too)
+    (["slurm.container.runtime=apptainer", "slurm.container.image=/i.sif", "slurm.container.args=[--contain]"],
+     "slurm.container.args", "/dev/shm of its own"),
 ])
 def test_bad_container_settings_name_the_key_and_the_fix(overrides: list[str], key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -77,6 +77,7 @@ def _check_liveness(dist: Any) -> None:
 
 # apptainer/singularity exec options that pass no host variable (issue 57)
 CLEANENV = ("--cleanenv", "-e", "--containall", "-C")
+CONTAIN = ("--contain", "-c")  # a private /dev/shm for every task
 
 
 def _check_container(box: Any) -> None:
@@ -106,6 +107,12 @@ def _check_container(box: Any) -> None:
                     "exec options that keep the environment",
                     f"drop {cleaning[0]} from slurm.container.args; to keep a variable of yours "
                     "out, unset it in slurm.setup (e.g. ['unset PYTHONPATH'])")
+    contained = [a for a in box.args or [] if str(a) in CONTAIN]
+    if contained and box.runtime in ("apptainer", "singularity"):
+        raise _fail("slurm.container.args", f"{box.runtime}'s {contained[0]} gives every task a "
+                    "/dev/shm of its own: a node's ranks would not see each other's liveness "
+                    "beats and node files", contained, "exec options that keep /dev/shm shared",
+                    f"drop {contained[0]} from slurm.container.args")
     if box.image and not box.runtime:
         raise _fail("slurm.container.runtime", f"slurm.container.image={box.image} is set but no "
                                                "runtime runs it",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.rank.attempt import failure, injection
+from hpc_ddp.rank.attempt import failure, injection, node_shared
 from hpc_ddp.rank.attempt.conclude import close, line_at_stop, note, note_ignored_stop
 from hpc_ddp.rank.attempt.context import Attempt
 from hpc_ddp.rank.metrics import timeline
@@ -157,6 +157,8 @@ def _prepare(attempt: Attempt) -> None:
             log.warning("could not create %s (%s)", newest.path(attempt.run_dir), err)
     if env.is_main and not attempt.wrapped and env.world_size > 1:  # read by content, by name
         jit_files.prepare_mark(marker(attempt.run_dir, env))
+    if not attempt.wrapped:  # the node's ranks check they share its folder (node_shared.agree)
+        node_shared.leave_mark(attempt.run_dir, env)
     if env.is_node_main and not attempt.wrapped and cfg.snapshot.jit and env.world_size > 1:
         # the node's file, before anyone reads it
         jit_files.prepare(jit_files.post_for(attempt.run_dir, env))
@@ -186,6 +188,8 @@ def _group_ready(attempt: Attempt, device: torch.device) -> None:
 
     env = attempt.env
     timeline.mark("group_ready")
+    if not attempt.wrapped:
+        node_shared.agree(attempt.run_dir, env)
     if attempt.liveness is not None:
         # every rank is past the rendezvous: rank 0 created the declaration's file
         attempt.liveness.listen()
