@@ -15,7 +15,6 @@ at their old paths and never move. Removed in 0.3.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import sys
 import types
@@ -109,7 +108,8 @@ class _Successors(types.ModuleType):
         return sorted({n for p in self._parts for n in dir(p)})
 
 
-class _Loader(importlib.abc.Loader):
+# duck-typed: importlib.abc costs the CLI ~6 ms (it imports importlib.resources; issue 56, B1)
+class _Loader:
     def __init__(self, old: str) -> None:
         self.old = old
 
@@ -128,7 +128,7 @@ class _Loader(importlib.abc.Loader):
         sys.modules[f"hpc_ddp.{self.old}"] = module
 
 
-class Finder(importlib.abc.MetaPathFinder):
+class Finder:
     """Answers ``hpc_ddp.<old name>`` with its new module (see the module docstring)."""
 
     def find_spec(self, fullname: str, path: Any = None,

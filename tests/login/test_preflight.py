@@ -119,3 +119,18 @@ def test_the_local_clusters_shared_root_is_not_node_local() -> None:
 
     assert check_run_dir(ClusterSpec.shared / "runs" / "x", mounts="") == []
     assert [f.level for f in check_run_dir(Path("/var/tmp/runs/x"), mounts="")] == ["warning"]
+
+
+def test_the_preflights_local_cluster_root_is_the_local_clusters_and_the_cli_does_not_import_it() -> None:
+    """The preflight names the local cluster's shared root without importing its package (~9 ms of every
+    `submit --dry-run`, issue 56's B1): the two must not drift apart."""
+    import subprocess
+    import sys
+
+    from hpc_ddp.login.preflight.run_dir import LOCAL_CLUSTER_SHARED
+    from hpc_ddp.slurm_local.conf import ClusterSpec
+
+    assert LOCAL_CLUSTER_SHARED == ClusterSpec.shared
+    probe = "import sys, hpc_ddp.login.submit; print(sorted(m for m in sys.modules if 'slurm_local' in m))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"

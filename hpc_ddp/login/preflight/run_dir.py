@@ -13,8 +13,10 @@ from pathlib import Path
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.run_dir_mode import loose_folders, run_dir_folders
 from hpc_ddp.login.preflight.finding import Finding
-from hpc_ddp.slurm_local.conf import ClusterSpec
 
+# the local test cluster's shared root (hpc_ddp.slurm_local.conf.ClusterSpec.shared, checked equal by a
+# test): not imported from there, the local cluster's package costs the CLI ~9 ms (issue 56, B1)
+LOCAL_CLUSTER_SHARED = Path("/var/tmp/hpc_ddp-shared")
 NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")
 NODE_LOCAL_FSTYPES = ("tmpfs", "ramfs")
 
@@ -53,7 +55,7 @@ def check_run_dir(run_dir: Path, mounts: str | None = None) -> list[Finding]:
     under = next((prefix for prefix in NODE_LOCAL_PREFIXES if str(run_dir).startswith(prefix + "/")
                   or str(run_dir) == prefix), None)
     # the local cluster's shared root: every node sees it
-    if ClusterSpec.shared in (run_dir, *run_dir.parents):
+    if LOCAL_CLUSTER_SHARED in (run_dir, *run_dir.parents):
         under = None
     if under or fstype in NODE_LOCAL_FSTYPES:
         where = f"it is under {under}" if under else f"{point} is {fstype}"
