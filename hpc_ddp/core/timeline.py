@@ -31,7 +31,8 @@ from typing import Any
 
 # JSON from the batch shell: failure, failure_from, detected, launched (epoch s)
 TIMELINE_VAR = "HPC_DDP_TIMELINE"
-PHASES = ("detected", "launched", "imported", "group_ready", "restored", "compiled", "first_step")
+PHASES = ("detected", "launched", "started", "imported", "group_ready", "restored", "compiled",
+          "first_step")
 SHELL_PHASES = ("detected", "launched")  # the batch shell's (or the rehearsal's launcher's)
 RANK_PHASES = PHASES[2:]  # rank 0's, in memory (hpc_ddp.rank.metrics.timeline.mark)
 # optional facts beside "compiled": "hit"|"miss"|"partial", dynamo's seconds
@@ -39,6 +40,8 @@ EXTRAS = ("compile_cache", "compile_s")
 MEANING = {
     "detected": "the batch shell knew (srun returned; for a requeue: Slurm started the job again)",
     "launched": "the batch shell started the new step (srun)",
+    "started": "rank 0's process started (from launched: the step's start on the node, a pyxis "
+               "container's image import included)",
     "imported": "rank 0 had imported torch and hpc_ddp (train.script: the wrapper started the "
                 "script)",
     "group_ready": "the process group was formed (every rank had joined)",

@@ -37,7 +37,7 @@ def test_a_heal_on_slurm_times_every_phase_from_the_shell_and_rank_0(slurm_clust
     assert (failed["reason"], healed["in_job"], healed["healed"]["how"]) == ("failed", 1, "retried")
     timeline = healed["timeline"]
     assert timeline["kind"] == "heal" and [p for p in tl.PHASES if p in timeline] == [
-        "detected", "launched", "imported", "group_ready", "restored", "first_step"], timeline
+        "detected", "launched", "started", "imported", "group_ready", "restored", "first_step"], timeline
     assert tl.out_of_order(timeline) == [] and timeline["detected"] >= 0, timeline  # one machine: one clock
     shown = status()
     assert "timeline of attempt #1 (heal), seconds after the failure" in shown, shown

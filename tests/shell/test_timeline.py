@@ -79,17 +79,17 @@ def test_the_shell_part_round_trips_and_bad_values_are_ignored() -> None:
 
 
 def test_status_lines_show_each_phase_the_cache_and_skew() -> None:
-    timeline = tl.compose((T, "step end"), {"detected": T + 0.5, "launched": T + 4, "imported": T + 9,
+    timeline = tl.compose((T, "step end"), {"detected": T + 0.5, "launched": T + 4, "started": T + 6, "imported": T + 9,
                                             "group_ready": T + 11, "restored": T + 12, "compiled": T + 40,
                                             "first_step": T + 39}, "heal", {"compile_cache": "hit", "other": 1})
     assert "other" not in timeline and timeline["compile_cache"] == "hit"
     out = tl.lines(timeline, 3)
     assert out[0] == "timeline of attempt #3 (heal), seconds after the failure (step end):"
-    assert [line.split()[0] for line in out[1:8]] == list(tl.PHASES)
-    assert "40.0 s" in out[6] and "(cache hit)" in out[6]
+    assert [line.split()[0] for line in out[1:9]] == list(tl.PHASES)
+    assert "40.0 s" in out[7] and "(cache hit)" in out[7]
     assert out[-1].startswith("  WARNING: first_step end(s) before the phase before")
     short = tl.lines(tl.compose((T, "previous end"), {"first_step": T + 2}, "requeue"), 0)
-    assert short[-1] == "  not timed: detected, launched, imported, group_ready, restored"  # compiled: only if used
+    assert short[-1] == "  not timed: detected, launched, started, imported, group_ready, restored"  # compiled: if used
     assert tl.last_timeline([{"timeline": timeline}, {"reason": "finished"}]) == (0, timeline)
 
 
@@ -103,7 +103,7 @@ def test_a_rank_marks_in_memory_the_first_mark_wins_and_typos_are_refused() -> N
         timeline.mark("first_step", T + 8)
         with pytest.raises(UsageError, match="unknown phase 'compile'") as err:
             timeline.mark("compile")
-        assert "expected imported, group_ready, restored, compiled, first_step" in str(err.value)
+        assert "expected started, imported, group_ready, restored, compiled, first_step" in str(err.value)
         with pytest.raises(UsageError, match="unknown fact 'cache'"):
             timeline.mark("compiled", cache="hit")
         field = timeline.ledger_field({tl.TIMELINE_VAR: tl.encode_shell((T, "step end"), detected=T + 1)}, [], 1)
@@ -171,3 +171,17 @@ def test_a_healed_step_that_wrote_no_line_keeps_the_shells_part() -> None:
     assert shell_timeline(times, 1) == {"timeline": {
         "kind": "heal", "failure": T, "failure_from": "step end", "detected": 0.5, "launched": 6.0}}
     assert shell_timeline(tl.encode_shell(detected=T, launched=T), 0) == {}
+
+
+def test_a_process_start_is_read_from_proc_in_epoch_seconds() -> None:
+    """The timeline's ``started``: /proc/self/stat's start (clock ticks after boot) against how long ago boot was;
+    a command with spaces and parentheses in its name does not shift the fields."""
+    from hpc_ddp.rank.metrics.timeline import process_start
+
+    fields = ["S"] + ["0"] * 18 + ["12345"] + ["0"] * 10  # field 22 (starttime) is the 20th after the name
+    stat = "4242 (python (a b)) " + " ".join(fields)
+    now = __import__("time").time()
+    assert process_start(stat, since_boot=200.0, ticks=100) == pytest.approx(now - (200.0 - 123.45), abs=0.5)
+    assert process_start("garbage") is None
+    mine = process_start()
+    assert mine is not None and now - 3600 < mine <= now + 0.1

@@ -14,8 +14,8 @@ from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.run_dir_mode import loose_folders, run_dir_folders
 from hpc_ddp.login.preflight.finding import Finding
 
-# the local test cluster's shared root (hpc_ddp.slurm_local.conf.ClusterSpec.shared, checked equal by a
-# test): not imported from there, the local cluster's package costs the CLI ~9 ms (issue 56, B1)
+# the local test cluster's shared root (hpc_ddp.slurm_local.conf.ClusterSpec.shared, checked equal
+# by a test): not imported from there, the local cluster's package costs the CLI ~9 ms (issue 56)
 LOCAL_CLUSTER_SHARED = Path("/var/tmp/hpc_ddp-shared")
 NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")
 NODE_LOCAL_FSTYPES = ("tmpfs", "ramfs")

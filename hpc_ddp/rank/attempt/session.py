@@ -82,6 +82,9 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
     from hpc_ddp.rank.watch.watchdog import Watchdog
 
     timeline.reset()
+    started = timeline.process_start()  # the step reached this node and its Python began
+    if started is not None:
+        timeline.mark("started", started)
     # torch and hpc_ddp's rank code are loaded (the heal timeline, core/timeline.py)
     timeline.mark("imported")
     cfg, env = attempt.cfg, attempt.env

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.errors import explain, UsageError
+
 from hpc_ddp.core.timeline import EXTRAS, RANK_PHASES, for_attempt, shell_marks
 
 _MARKS: dict[str, float] = {}
@@ -72,3 +74,22 @@ def compile_field(report: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     return {"compile": {"cache": report.get("cache"), "s": report.get("seconds"),
                         "graphs": report.get("graphs")}}
+
+
+def process_start(stat: str | None = None, since_boot: float | None = None,
+                  ticks: int | None = None) -> float | None:
+    """When this process started, in epoch seconds: ``/proc/self/stat`` says when, in clock ticks
+    after boot (10 ms), and ``CLOCK_BOOTTIME`` how long ago boot was (``/proc/stat``'s ``btime``
+    is whole seconds: too coarse beside the shell's ``launched``). The timeline's ``started``,
+    before Python imported anything. None where /proc cannot say (not Linux)."""
+    import os
+
+    try:
+        stat = stat if stat is not None else Path("/proc/self/stat").read_text()
+        now, booted = time.time(), (since_boot if since_boot is not None
+                                    else time.clock_gettime(time.CLOCK_BOOTTIME))
+        ticks = ticks or os.sysconf("SC_CLK_TCK")
+        # after the command's closing parenthesis: field 3 on; starttime is field 22
+        return now - (booted - int(stat.rpartition(")")[2].split()[19]) / ticks)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
