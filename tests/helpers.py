@@ -108,20 +108,30 @@ shift
 while [ $# -gt 0 ] && [ "$1" != IMAGE ]; do shift; done
 [ $# -gt 1 ] || { echo "fake apptainer: no image or no command" >&2; exit 91; }
 shift
+if [ -n "${FAKE_ENROOT_HOOK:-}" ]; then
+    # plays enroot's PyTorch hook (pyxis gives the container's variables precedence): torchrun's names from the
+    # job, the job's first node as MASTER_ADDR, a fixed MASTER_PORT
+    nl=$SLURM_JOB_NODELIST
+    if [[ $nl == *"["* ]]; then rest=${nl#*[}; first=${nl%%[*}${rest%%[-,]*}; first=${first%]}; else first=${nl%%,*}; fi
+    export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS MASTER_ADDR=$first MASTER_PORT=29500
+    export OMP_NUM_THREADS=1
+fi
 exec "$@"
 """
 
 
-def fake_apptainer(folder: Path) -> tuple[list[str], Path]:
+def fake_apptainer(folder: Path, hook: bool = False) -> tuple[list[str], Path]:
     """The config overrides that run every rank through a stand-in ``apptainer`` found on the job's PATH only
-    (a ``slurm.setup`` line puts it there, as ``module load apptainer`` would), and the file it records to."""
+    (a ``slurm.setup`` line puts it there, as ``module load apptainer`` would), and the file it records to.
+    ``hook``: the stand-in also plays enroot's PyTorch hook (its variables over the job's)."""
     tools, record = folder / "container-bin", folder / "container-calls.txt"
     tools.mkdir(parents=True, exist_ok=True)
     (tools / "apptainer").write_text(FAKE_APPTAINER.replace("RECORD", str(record)).replace("IMAGE", FAKE_IMAGE))
     (tools / "apptainer").chmod(0o755)
     return ["slurm.container.runtime=apptainer", f"slurm.container.image={FAKE_IMAGE}",
             f"slurm.container.python={sys.executable}", 'slurm.container.mounts=["/tmp:/scratch"]',
-            "slurm.container.args=[--writable-tmpfs]", f'slurm.setup=["export PATH={tools}:$PATH"]'], record
+            "slurm.container.args=[--writable-tmpfs]",
+            f'slurm.setup=["export PATH={tools}:$PATH"' + (', "export FAKE_ENROOT_HOOK=1"]' if hook else "]")], record
 
 
 def container_calls(record: Path) -> dict[str, list[tuple[str, str, str]]]:

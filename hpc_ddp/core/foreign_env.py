@@ -8,8 +8,9 @@ which names a node the job lost after a heal. Read as torchrun's, every rank fai
 retried) or rendezvoused at a node that is gone (issue 57).
 
 So inside a Slurm step (``SLURM_STEP_ID``) that torchrun did not start (it always sets
-``TORCHELASTIC_RUN_ID``), the rank variables are set aside and Slurm's derive the place; a
-``MASTER_ADDR`` that names a node of the job outside this step is set aside too. Pure: the session
+``TORCHELASTIC_RUN_ID``), the rank variables (and the ``MASTER_PORT`` set with them: the hook's
+is fixed) are set aside and Slurm's derive the place; a ``MASTER_ADDR`` that names a node of the
+job outside this step is set aside too. Pure: the session
 logs :func:`disagreements` once, naming each variable and the likely setter.
 """
 
@@ -48,7 +49,9 @@ def stale_master(env: Mapping[str, str]) -> bool:
 
 def slurm_view(env: Mapping[str, str]) -> Mapping[str, str]:
     """``env`` as Slurm set it: foreign rank variables and a stale MASTER_ADDR left out."""
-    drop = [*(RANK_VARS if foreign_ranks(env) else ()),
+    # a hook's MASTER_PORT is fixed (enroot's: 29500): two jobs on one node would share it, and the
+    # attempt's own unguessable store ports would give way to it
+    drop = [*((*RANK_VARS, "MASTER_PORT") if foreign_ranks(env) else ()),
             *(("MASTER_ADDR",) if stale_master(env) else ())]
     if not drop:
         return env
@@ -65,6 +68,9 @@ def disagreements(env: Mapping[str, str], derived: Any) -> list[str]:
                 "GROUP_RANK": derived.node_rank, "GROUP_WORLD_SIZE": derived.num_nodes}
         said += [f"{name}={env[name]} but Slurm says {ours[name]}" for name in RANK_VARS
                  if name in env and env[name].strip() != str(ours[name])]
+        if env.get("MASTER_PORT"):
+            said.append(f"MASTER_PORT={env['MASTER_PORT']} (set with them) gives way to the "
+                        "attempt's own port")
     if stale_master(env):
         said.append(f"MASTER_ADDR={env['MASTER_ADDR']} is a node of the job this step does not "
                     f"run on (the step's first node {derived.master_addr} is used)")

@@ -120,7 +120,7 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     killed, hung, frozen, clash, requeued = (tmp_path / name for name in ("killed", "hung", "frozen", "clash",
                                                                            "requeued"))
     jobs = {frozen: submit(frozen, "stop:1:23", "slurm.spare_nodes=1")}  # the longest: it waits dist.liveness_s
-    container, record = fake_apptainer(tmp_path)
+    container, record = fake_apptainer(tmp_path, hook=True)  # and enroot's PyTorch hook's variables (issue 57)
     jobs[killed] = submit(killed, "kill:1:23", "slurm.spare_nodes=1", *container)
     with socket.socket() as squatter:  # (g)'s port is held by another program until its job is done
         squatter.bind(("", 0))
@@ -161,6 +161,11 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     first, healed = wrapped_steps(record, killed, ranks=4, hosts=["n[2-3]", attempts[1]["hosts"]])
     assert all(" -u -m submitit.core._submit " in args for *_, args in first)  # submitit's python, wrapped
     assert all(f"{sys.executable} -m hpc_ddp.worker --config {killed}/config.yaml" in args for *_, args in healed)
+    # the stand-in hook's RANK, WORLD_SIZE, MASTER_ADDR (the job's first node, n1: not in the first step) and fixed
+    # MASTER_PORT gave way to Slurm's, and the ranks said so
+    said = "\n".join(f.read_text(errors="replace") for f in (killed / "slurm").iterdir() if f.is_file())
+    assert "MASTER_ADDR=n1 is a node of the job this step does not run on (the step's first node n2 is used)" in said
+    assert "MASTER_PORT=29500 (set with them) gives way to the attempt's own port" in said
 
     # (b) Slurm marks a training node down mid-run: the job keeps its other nodes (--no-kill), the spare joins
     lost = tmp_path / "lost"

@@ -92,6 +92,12 @@ def test_an_enroot_hooks_variables_in_a_slurm_step_give_way_to_slurms_with_one_w
                     "MASTER_ADDR=gpu01 is a node of the job this step does not run on (the step's first node "
                     "gpu02 is used)"]
     assert "enroot's PyTorch hook" in foreign_env.warning(said)
+    # the hook's fixed MASTER_PORT gives way too: two jobs on one node would share it
+    fixed = srun_task(5, 1, 1, **hook, MASTER_PORT="29500")
+    got = from_environ(fixed)
+    assert got.master_port != 29500 and got.master_port == from_environ(env).master_port
+    assert foreign_env.disagreements(fixed, got) == ["MASTER_PORT=29500 (set with them) gives way to the attempt's "
+                                                     "own port"]
     # outside a step (torchrun alone, or a laptop) and under torchrun itself, the variables are torchrun's
     assert from_environ({**hook, "LOCAL_WORLD_SIZE": "4", "MASTER_PORT": "1"}).source == "torchrun"
 

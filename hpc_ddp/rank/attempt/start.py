@@ -78,7 +78,8 @@ def prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     """This rank's place, signal handlers and logging; an exit code instead when there is nothing to
     do (the run finished before) or a preempted job came back once more than slurm.max_preemptions
     allows."""
-    environ = with_store_ports(with_config_port(environ, cfg), cfg)
+    raw = environ  # what the task was given, a hook's variables included (said below)
+    environ = with_store_ports(with_config_port(foreign_env.slurm_view(environ), cfg), cfg)
     env = from_environ(environ)
     flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
     setup_logging(env)
@@ -86,7 +87,7 @@ def prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     if alone:
         raise SlurmEnvError(explain(alone, hint="drop that option or wrapper; with a container, "
                                               "pass the environment through (docs/cluster.md)"))
-    set_aside = foreign_env.disagreements(environ, env)
+    set_aside = foreign_env.disagreements(raw, env)
     if set_aside:  # an enroot hook's or a wrapper's RANK, WORLD_SIZE, MASTER_ADDR
         log.warning("%s", foreign_env.warning(set_aside))
     log.info("%s", describe(env, environ.get("SLURMD_NODENAME") or socket.gethostname()))
