@@ -111,12 +111,27 @@ def _last(record: Mapping[str, Any], group: str) -> tuple[int, str]:
 
 def _issued(record: Mapping[str, Any], group: str) -> dict[int, str]:
     """{sequence number: "name [sizes]"} of the collectives this rank issued on ``group`` (as far as
-    kept)."""
-    return {int(e["collective_seq_id"]): f"{e.get('profiling_name', '?')} of "
-            + (", ".join(map(str, e.get("input_sizes") or [])) or "nothing")
+    kept); the name alone where the sizes differ by rank when all is well (:func:`_sized`)."""
+    return {int(e["collective_seq_id"]): _said(e)
             for e in record.get("entries", []) if str(e.get("pg_id")) == group
             and not e.get("is_p2p")
             and isinstance(e.get("collective_seq_id"), int)}
+
+
+def _said(entry: Mapping[str, Any]) -> str:
+    name = str(entry.get("profiling_name", "?"))
+    if not _sized(name):
+        return name
+    return f"{name} of " + (", ".join(map(str, entry.get("input_sizes") or [])) or "nothing")
+
+
+def _sized(name: str) -> bool:
+    """Whether every rank gives a collective of this name inputs of one shape: not a scatter or a
+    gather (the root's inputs are not the others': a newcomer's status blamed hpc_ddp's own scatter
+    for a branch of the program) nor an all_to_all (uneven splits are allowed)."""
+    op = name.rpartition(":")[2]
+    return not ((op.endswith("scatter") and not op.endswith("reduce_scatter"))
+                or (op.endswith("gather") and not op.startswith("all")) or "all_to_all" in op)
 
 
 def first_mismatch(dumps: Mapping[int, Mapping[str, Any]],

@@ -14,18 +14,22 @@ from typing import Any
 FAILURE_REASONS = ("failed", "lost", "hung")  # the attempts that end without a stop snapshot
 
 
-def steps_lost(attempts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def steps_lost(attempts: list[dict[str, Any]],
+               newest: int | None = None) -> dict[int, dict[str, Any]]:
     """Per failed attempt (by index): the steps its failure threw away, ``last_step`` (how far it
     got, by its ledger line) less the step the next attempt resumed from (or, before there is one,
-    the snapshot its line names: where the next will resume). A stop loses nothing by design and is
-    not listed; an attempt whose figures are missing is listed without ``lost``; ``why``: the
-    ledger's reason the survivors wrote no snapshot, where steps were lost."""
+    where the next will resume: ``newest``, the newest committed snapshot, else the snapshot its
+    line names). A stop loses nothing by design and is not listed; an attempt whose figures are
+    missing is listed without ``lost``; ``why``: the ledger's reason the survivors wrote no
+    snapshot, where steps were lost."""
     found: dict[int, dict[str, Any]] = {}
     for i, attempt in enumerate(attempts):
         if attempt.get("reason") not in FAILURE_REASONS:
             continue
         after = attempts[i + 1] if i + 1 < len(attempts) else None
-        resumed = after.get("resumed_from") if after is not None else attempt.get("snapshot")
+        # a hung line names no snapshot: where the next resumes is the newest committed step
+        pending = newest if newest is not None else attempt.get("snapshot")
+        resumed = after.get("resumed_from") if after is not None else pending
         last = attempt.get("last_step")
         entry: dict[str, Any] = {"last_step": last, "resumed_from": resumed,
                                  "pending": after is None}

@@ -104,6 +104,11 @@ def test_status_says_how_many_steps_each_failure_threw_away(tmp_path: Path) -> N
     text = render(collect(run_dir(tmp_path, attempts=attempts)))
     assert "#0: lost 7 step(s): got to step 37, resumed from 30" in text
     assert "#2: lost 8 step(s): got to step 58, will resume from 50" in text and "#1: lost" not in text
+    # a hung line names no snapshot (a newcomer's status said "will resume from the start" and the run resumed
+    # from step 4): the newest committed snapshot is where the next attempt resumes
+    hung = [{"reason": "hung", "job_id": 6, "restart_count": 0, "first_step": 0, "last_step": 4}]
+    assert steps_lost(hung, newest=4) == {0: {"last_step": 4, "resumed_from": 4, "pending": True, "lost": 0}}
+    assert steps_lost(hung)[0]["resumed_from"] is None
 
 
 def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:

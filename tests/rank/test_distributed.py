@@ -145,6 +145,23 @@ def test_a_flight_dump_merges_the_nccl_recorder_with_the_gloo_one() -> None:
     assert merged([]) == {"entries": []}
 
 
+def test_a_scatter_or_gather_whose_root_alone_has_inputs_is_no_branch_of_the_program() -> None:
+    """A newcomer's hang at 2x2: status said "the ranks issued different collectives at #4: ranks 0 gloo:scatter of
+    [2, 16]; ranks 1 gloo:scatter of nothing" for hpc_ddp's own scatter (the root's inputs are the only ones). The
+    name alone is compared for a scatter, a gather and an all_to_all; an all_reduce still compares sizes."""
+    from hpc_ddp.rundir.flight import summarize
+
+    def dump(*ops: tuple[int, str, list]) -> dict:
+        return {"pg_status": {"1": {"last_enqueued_collective": str(ops[-1][0])}},
+                "entries": [{"pg_id": 1, "collective_seq_id": seq, "profiling_name": name, "input_sizes": sizes}
+                            for seq, name, sizes in ops]}
+    lines = summarize({0: dump((4, "gloo:scatter", [[2, 16]]), (5, "gloo:gather", [[3]])),
+                       1: dump((4, "gloo:scatter", []), (5, "gloo:gather", [[3]]))})
+    assert lines == []
+    lines = summarize({0: dump((4, "gloo:reduce_scatter", [[8]])), 1: dump((4, "gloo:reduce_scatter", [[4]]))})
+    assert lines and "different collectives at #4" in lines[0]
+
+
 def test_the_flight_summary_tells_two_nodes_groups_of_one_id_apart() -> None:
     """Issue 57: hpc_ddp's per-node groups have the same pg_id on their own ranks (node 0's group on ranks 0-1,
     node 1's on ranks 2-3: each rank's second group); their entries carry the group's name. Each node's group

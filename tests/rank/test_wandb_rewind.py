@@ -107,7 +107,7 @@ def test_steps_a_stop_lost_in_w_and_b_are_sent_again_from_metrics_jsonl_after_a_
     (tmp_path / "wandb").mkdir()
     (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").write_text("-1\n")  # attempt 0's open wrote it
     lines = [metrics_file.line(1, {"loss": 1.0}, resumed_from=None, attempt=0)]
-    lines += [metrics_file.line(step, {"loss": float(step)}) for step in range(2, 10)]
+    lines += [metrics_file.line(step, {"loss": float(step), "max_steps": 20}) for step in range(2, 10)]
     lines += [metrics_file.line(10, {"loss": 10.0}, resumed_from=9, attempt=1)]  # attempt 1's first line
     (tmp_path / "metrics.jsonl").write_text("".join(lines))
     opened = sink(tmp_path, 9, sent=8)
@@ -115,7 +115,8 @@ def test_steps_a_stop_lost_in_w_and_b_are_sent_again_from_metrics_jsonl_after_a_
     opened.log(10, {"loss": 10.0, "hpc_ddp/attempt": 1})
     assert [s for s, _ in opened.run.rows] == list(range(1, 11))
     assert opened.run.rows[0][1] == {"loss": 1.0, "hpc_ddp/attempt": 0.0}
-    assert [v for _, v in opened.run.rows[1:9]] == [{"loss": float(s)} for s in range(2, 10)]  # no time, no step
+    # no time, no step, no max_steps (the plan, not a curve)
+    assert [v for _, v in opened.run.rows[1:9]] == [{"loss": float(s)} for s in range(2, 10)]
     assert (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").read_text() == "-1\n"
     opened.close(stopped=False)
     assert (tmp_path / "wandb" / "hpc_ddp_kept_step.txt").read_text() == "10\n"  # finish returned: all kept

@@ -154,7 +154,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
               "attempts": attempts, "newest_snapshot": steps[0] if steps else None,
               "hangs": _hangs(run_dir, attempts),
               # by attempt (JSON keys)
-              "steps_lost": {str(i): entry for i, entry in steps_lost(attempts).items()},
+              "steps_lost": {str(i): entry for i, entry in steps_lost(
+                  attempts, steps[0] if steps else None).items()},
               "jobs": chain_jobs(attempts, job_id or None)
               if any(a.get("next_job") for a in attempts) else []}
     result["profile"] = (cfg.profile or None) if cfg is not None else None

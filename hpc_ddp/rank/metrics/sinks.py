@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_ddp.core.extras import require_extras
-from hpc_ddp.rank.metrics.wandb_sink import WandbSink, numbers
+from hpc_ddp.rank.metrics.wandb_sink import NOT_SENT, WandbSink, numbers
 from hpc_ddp.rundir import layout
 from hpc_ddp.core.errors import UsageError, a_type, explain
 
@@ -89,10 +89,6 @@ def open_sinks(cfg: RunConfig, run_dir: Path, first_step: int,
                             key,
                             type(err).__name__, err)
     return sinks
-
-
-# the run's plan, logged for status's step N/MAX: no curve in TensorBoard or W&B
-NOT_SENT = ("max_steps",)
 
 
 def log_to(sinks: list[Sink], step: int, values: Mapping[str, Any]) -> list[Sink]:

@@ -29,6 +29,8 @@ log = logging.getLogger("hpc_ddp.tracking")
 
 # a metrics.jsonl record's keys that were never a logged value
 NOT_VALUES = ("step", "time")
+# the run's plan, logged for status's step N/MAX: no curve in TensorBoard or W&B (sinks.log_to)
+NOT_SENT = ("max_steps",)
 
 
 def numbers(values: Mapping[str, Any]) -> dict[str, float]:
@@ -117,7 +119,8 @@ class WandbSink:
         for record in lost:
             mark = {"hpc_ddp/attempt": marks[record["step"]]} if record["step"] in marks else {}
             self.log(record["step"],
-                     {**{k: v for k, v in record.items() if k not in NOT_VALUES}, **mark})
+                     {**{k: v for k, v in record.items() if k not in (*NOT_VALUES, *NOT_SENT)},
+                      **mark})
         if lost:
             log.info("metrics.wandb: steps %d..%d sent again from metrics.jsonl (an earlier "
                      "attempt's W&B rows were not kept)", lost[0]["step"], lost[-1]["step"])
