@@ -249,6 +249,7 @@ def test_a_script_with_its_own_session_leaves_its_done_record_for_the_worker_to_
     ("sampler_outside_iterate", 0, "the tracked ShardSampler 'sampler' was iterated outside sampler.iterate(loader)"),
     ("inits_twice", 2, "hpc_ddp has already started the process group"),
     ("positional_resume", 2, "run.resume() takes its objects by name"),
+    ("one_epoch", 0, "the loop returned at step 4 of train.max_steps="),
 ])
 def test_a_newcomers_mistakes_in_a_loop_are_named_not_retried(tmp_path: Path, loop: str, code: int, said: str) -> None:
     """Seen by a newcomer converting the DDP tutorial: a loop without run.boundary ended `finished` at step 0 with

@@ -225,6 +225,25 @@ def sampler_outside_iterate(run: Any) -> None:
             return
 
 
+def one_epoch(run: Any) -> None:
+    """A newcomer's loop over one epoch of sampler.iterate (no `while step < max_steps` around it): it returns at
+    the epoch's end, short of train.max_steps."""
+    import hpc_ddp
+    from torch.utils.data import DataLoader
+
+    model, optimizer = _tiny(run)
+    sampler = hpc_ddp.ShardSampler(8, run.rank, run.world_size)
+    loader = DataLoader(torch.ones(8, 4), batch_size=2, sampler=sampler)
+    step = run.resume(model=model, optimizer=optimizer, sampler=sampler)
+    for batch in sampler.iterate(loader):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step):
+            return
+
+
 def inits_twice(run: Any) -> None:
     """Starts the process group itself, as the tutorial it came from did."""
     import torch.distributed as dist

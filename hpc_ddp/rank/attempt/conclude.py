@@ -268,11 +268,16 @@ def note(attempt: Attempt, text: str) -> None:
 
 
 def note_ignored_stop(attempt: Attempt, run: Run) -> None:
-    """The loop returned without ever calling run.boundary: rank 0 warns once (the ledger's note and
-    DONE.json keep it, :func:`_close_record`). Had a stop signal come, it could not be acted on: on
-    a cluster the job is killed at the grace period's end with nothing saved, and the ledger line
-    and the log say so."""
-    if run.boundaries or attempt.wrapped:
+    """The loop returned without ever calling run.boundary, or short of ``train.max_steps``: rank 0
+    warns once (the ledger's note and DONE.json keep it, :func:`_close_record`). Had a stop signal
+    come without a boundary, it could not be acted on: on a cluster the job is killed at the grace
+    period's end with nothing saved, and the ledger line and the log say so."""
+    if attempt.wrapped:
+        return
+    if run.boundaries:
+        from hpc_ddp.rank.loop.advice import short_of_plan
+
+        run.advice.add(short_of_plan(run.step, attempt.cfg.train))
         return
     if not attempt.flag.is_set:
         # a resumed loop that has nothing left to do makes no boundary, rightly

@@ -49,6 +49,19 @@ DISTRIBUTED_SAMPLER = ("torch's DistributedSampler is in use ({where}): it keeps
 FRAMES = 3  # the loop, and a helper or two it calls run.boundary from
 
 
+def short_of_plan(step: int, train: Any) -> list[str]:
+    """A loop that returned, unstopped, before ``train.max_steps`` (and no ``train.epochs`` to end
+    it): a newcomer's loop over one epoch's ``sampler.iterate`` finished a run of 24 steps at 16,
+    and nothing said so."""
+    planned = train.max_steps
+    if train.epochs is not None or not planned or step >= planned:
+        return []
+    return [f"the loop returned at step {step} of train.max_steps={planned}: the run counts as "
+            f"finished at step {step}; sampler.iterate(loader) ends with its epoch, so go on to "
+            "the next one until the plan: `while step < run.config.train.max_steps:` around it "
+            "(docs/own-loop.md), or set train.max_steps to what the loop trains"]
+
+
 def outside_iterate(tracked: dict[str, Any]) -> list[str]:
     """A finding per tracked ShardSampler that was iterated outside ``iterate()`` (it warned on its
     rank)."""

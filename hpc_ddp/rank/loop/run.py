@@ -152,6 +152,7 @@ class Run:
         track(self, objects)  # rank/loop/resuming.py
         self._resumed = True
         load_newest(self)
+        self.beat(self.step, "start")  # a hang before the first step names the resumed step, not 0
         ddps = holding.open_holding(self)  # what a failure would take (rank/loop/holding.py)
         for ddp in ddps if self.world_size > 1 else []:
             settle_buckets_on_first_forward(ddp)
