@@ -56,7 +56,10 @@ def translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErro
             hint = (f"{key} cannot be unset (null): give {_expected(tp)}, or leave it out for its "
                     "default"
                     + (f" ({default})" if default not in (None, dataclasses.MISSING) else ""))
-        return ConfigError(explain(f"bad value for config key {key} in {source}: {first_line}",
+        # OmegaConf's own sentence ("Value '8.5' of type 'float' could not be converted to
+        # Integer") says again what found and expected say, in its internal names
+        said = "" if found is not None else f": {first_line}"
+        return ConfigError(explain(f"bad value for config key {key} in {source}{said}",
                                    found=found, expected=_expected(tp), hint=hint), key=key)
     return ConfigError(f"invalid config in {source}: {first_line}")
 
