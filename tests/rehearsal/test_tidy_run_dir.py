@@ -29,7 +29,7 @@ def test_a_hang_and_two_heals_leave_one_whole_jit_folder_and_one_flight_file_per
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
     assert [(a["reason"], a.get("in_job", 0)) for a in attempts] == [("hung", 0), ("failed", 1), ("finished", 2)]
-    folders = sorted((run_dir / "jit").iterdir(), key=lambda p: len(p.name))
+    folders = sorted((run_dir / "jit").iterdir(), key=lambda p: (len(p.name), p.name))
     assert [f.name.removeprefix(folders[0].name) for f in folders] == ["", "-step-1", "-step-2"]
     # the hang's attempt: its survivors' snapshot (step 11) is no longer kept, so only the fence stays
     assert [p.name for p in folders[0].iterdir()] == ["commit"]

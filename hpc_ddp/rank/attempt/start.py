@@ -83,10 +83,6 @@ def prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     env = from_environ(environ)
     flag.install([signal_number(cfg.slurm.signal), signal.SIGTERM, signal.SIGINT])
     setup_logging(env)
-    alone = foreign_env.launched_alone(env, cfg.slurm.nodes, cfg.slurm.tasks_per_node)
-    if alone:
-        raise SlurmEnvError(explain(alone, hint="drop that option or wrapper; with a container, "
-                                              "pass the environment through (docs/cluster.md)"))
     set_aside = foreign_env.disagreements(raw, env)
     if set_aside:  # an enroot hook's or a wrapper's RANK, WORLD_SIZE, MASTER_ADDR
         log.warning("%s", foreign_env.warning(set_aside))
@@ -95,6 +91,11 @@ def prepare(cfg: RunConfig, environ: Mapping[str, str], flag: StopFlag,
     if layout.done(run_dir).exists():
         log.warning("run %s has already finished (DONE.json); nothing to do", run_dir)
         return 0
+    # after the finish check (a requeue after the finish has nothing to do whatever it finds)
+    alone = foreign_env.launched_alone(env, cfg.slurm.nodes, cfg.slurm.tasks_per_node)
+    if alone:
+        raise SlurmEnvError(explain(alone, hint="drop that option or wrapper; with a container, "
+                                              "pass the environment through (docs/cluster.md)"))
     limits = caps(cfg.slurm)
     if folder is not None:  # the ledger as this node's first rank read it
         read = node_share.read_once(layout.ledger(run_dir), folder, tag) or b""
