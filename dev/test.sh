@@ -9,9 +9,10 @@
 #
 # With no arguments it runs two pytest sessions side by side: the cluster's tests (tests/cluster:
 # they mostly wait, for a job to start, a liveness or watchdog timeout, slurmctld; 41% of 2 cores
-# alone) and the rest (CPU-bound rehearsals), niced so that the cluster's timing-bound jobs get the
-# CPU when they need it. Measured 2026-12-02 on 2 cores: 26 min side by side, both green, against
-# 41 min in one session (cluster 18.8 + rest 20.0). The cluster's session writes
+# alone) and the rest (CPU-bound rehearsals), niced (HPC_DDP_TEST_REST_NICE, default 10) so that the
+# cluster's timing-bound jobs get the CPU when they need it and the rest fills the time they idle.
+# Measured 2026-12-02 on 2 cores: 25-26 min side by side, both green (three runs, two of them fresh
+# clones), against 41 min in one session (cluster 18.8 + rest 20.0). The cluster's session writes
 # .pytest-cluster.log, printed whole when both are done; the exit code is non-zero if either
 # failed. HPC_DDP_TEST_SIDE_BY_SIDE=0 runs everything in one session (the cluster's tests last).
 set -euo pipefail
@@ -30,8 +31,6 @@ start=$SECONDS
 cluster=$!
 trap 'kill "$cluster" 2>/dev/null || true' INT TERM
 rest=0
-# The rest runs niced (HPC_DDP_TEST_REST_NICE, default 10): the cluster's jobs get the CPU when they
-# need it (their liveness and watchdog waits are timing-bound), the rest fills the time they idle.
 nice -n "${HPC_DDP_TEST_REST_NICE:-10}" "$python" -m pytest --ignore=tests/cluster -m "not cluster" || rest=$?
 echo "== the rest is done after $((SECONDS - start)) s; waiting for the cluster's tests (log: $log)"
 on_cluster=0
