@@ -29,7 +29,6 @@ read here.
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +62,8 @@ def container_name(image: str) -> str:
     (``container_scope=job``); a site with ``container_scope=global`` keeps it across the user's
     jobs, which then start without the import (a tag that moved since is not imported again: name
     the image by digest or by a squashfs file there)."""
+    import hashlib  # here: OpenSSL's hashlib is ~3 ms of the login node's import budget (B1)
+
     return "hpc_ddp-" + hashlib.sha256(image.encode()).hexdigest()[:12]
 
 

@@ -16,8 +16,6 @@ Pure: the secret and the tag come in, ports and names go out. No torch.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Mapping
 
 # the attempt's candidates, comma-separated (set by the worker for its rank)
@@ -32,6 +30,9 @@ TRIES = 4
 def candidates(secret: bytes, tag: str, tries: int = TRIES) -> tuple[int, ...]:
     """The attempt ``tag``'s ports, in the order rank 0 tries them: distinct, unguessable without
     ``secret``."""
+    import hashlib  # here: OpenSSL's hashlib is ~3 ms of the login node's import budget (B1)
+    import hmac
+
     found: list[int] = []
     counter = 0
     while len(found) < tries:

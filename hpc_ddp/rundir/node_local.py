@@ -111,7 +111,7 @@ def _read_secret(path: Path) -> bytes:
         data = read(path, 4 * SECRET_BYTES, private=closed, owner=None)
         if data is not None and len(data.strip()) == 2 * SECRET_BYTES:
             return bytes.fromhex(data.strip().decode("ascii", "replace"))
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or _never_readable(path, closed):
             break
         time.sleep(0.05)  # its writer created it a moment ago and writes its 65 bytes now
     raise NodeLocalError(explain(
@@ -123,6 +123,16 @@ def _read_secret(path: Path) -> bytes:
              "start); if "
         "someone else made it, the run dir is not yours alone: see docs/security.md"),
                          key="run_dir")
+
+
+def _never_readable(path: Path, closed: int) -> bool:
+    """A secret no wait makes readable: a link, not a regular file, or open to others (our writer
+    creates it private and only ever widens it to the group), so it is refused at once."""
+    try:
+        info = path.lstat()
+    except OSError:  # absent: its writer may still be on its way
+        return False
+    return not stat.S_ISREG(info.st_mode) or bool(info.st_mode & closed)
 
 
 def token(run_dir: Path | str, tag: str) -> str:
