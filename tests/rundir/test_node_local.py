@@ -44,11 +44,20 @@ def test_the_run_secret_is_private_made_once_and_names_folders_nobody_else_can_c
     assert node_local.token(run_dir, "job-7-restart-0") != node_local.token(run_dir, "job-7-restart-1")
 
 
-def test_a_secret_others_may_read_is_refused_with_the_fix(tmp_path: Path) -> None:
+def test_a_secret_others_may_read_is_refused_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused at once: a writer may still be writing a short secret, but none narrows one open to others."""
     (tmp_path / ".hpc_ddp-secret").write_text("ab" * 32 + "\n")
     os.chmod(tmp_path / ".hpc_ddp-secret", 0o644)
+    waits: list[float] = []
+    monkeypatch.setattr(node_local.time, "sleep", waits.append)
     with pytest.raises(node_local.NodeLocalError, match=r"(?s)secret .*not a private file.*HINT: .*remove"):
         node_local.run_secret(tmp_path)
+    assert waits == []  # no wait for a writer that cannot make it readable
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / ".hpc_ddp-secret").symlink_to(tmp_path / ".hpc_ddp-secret")
+    with pytest.raises(node_local.NodeLocalError):
+        node_local.run_secret(tmp_path / "link")
+    assert waits == []
 
 
 def test_a_run_dir_the_group_writes_shares_its_secret_with_the_group_and_no_one_else(tmp_path: Path) -> None:
