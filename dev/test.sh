@@ -12,7 +12,9 @@
 # alone) and the rest (CPU-bound rehearsals), niced (HPC_DDP_TEST_REST_NICE, default 10) so that the
 # cluster's timing-bound jobs get the CPU when they need it and the rest fills the time they idle.
 # Measured 2026-12-02 on 2 cores: 25-26 min side by side, both green (three runs, two of them fresh
-# clones), against 41 min in one session (cluster 18.8 + rest 20.0). The cluster's session writes
+# clones), against 41 min in one session (cluster 18.8 + rest 20.0); 2026-12-03, a fresh clone: the
+# rest 24:09, the cluster's 25:15. Both are bound by the machine's CPU (~2,500 CPU-s at ~85% of 2
+# cores; dev/pytest_cpu.py gives each test's CPU, its processes' included). The cluster's session writes
 # .pytest-cluster.log, printed whole when both are done; the exit code is non-zero if either
 # failed. HPC_DDP_TEST_SIDE_BY_SIDE=0 runs everything in one session (the cluster's tests last).
 set -euo pipefail
