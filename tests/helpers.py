@@ -105,9 +105,22 @@ args="$*"
 printf '%s\\n' "node=${SLURMD_NODENAME:-?} step=${SLURM_STEP_ID:-?} task=${SLURM_PROCID:-?} args=${args//$'\\n'/ }" >> RECORD
 [ "$1" = exec ] || { echo "fake apptainer: only exec is known, got: $*" >&2; exit 90; }
 shift
-while [ $# -gt 0 ] && [ "$1" != IMAGE ]; do shift; done
+# --cleanenv/-e and --containall/-C (or APPTAINER_CLEANENV=1) pass no host variable: only PATH's default,
+# HOME, and each APPTAINERENV_NAME as NAME, as the real runtime does
+clean=${APPTAINER_CLEANENV:-}
+while [ $# -gt 0 ] && [ "$1" != IMAGE ]; do
+    case $1 in --cleanenv|-e|--containall|-C) clean=1 ;; esac
+    shift
+done
 [ $# -gt 1 ] || { echo "fake apptainer: no image or no command" >&2; exit 91; }
 shift
+if [ -n "$clean" ]; then
+    kept=()
+    while IFS='=' read -r -d '' name value; do
+        [[ $name == APPTAINERENV_* ]] && kept+=("${name#APPTAINERENV_}=$value")
+    done < <(env -0)
+    exec env -i PATH=/usr/local/bin:/usr/bin:/bin HOME="${HOME:-/}" "${kept[@]}" "$@"
+fi
 if [ -n "${FAKE_ENROOT_HOOK:-}" ]; then
     # plays enroot's PyTorch hook (pyxis gives the container's variables precedence): torchrun's names from the
     # job, the job's first node as MASTER_ADDR, a fixed MASTER_PORT

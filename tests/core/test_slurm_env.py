@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hpc_ddp.core.errors import SlurmEnvError
 from hpc_ddp.core.slurm_env import MASTER_PORT_BASE, MASTER_PORT_SPAN, SINGLE_PROCESS_PORT, DistEnv, from_environ, master_port, parse_tasks_per_node, simulated_environ, torch_env
+from tests.helpers import FAKE_IMAGE, fake_apptainer
 
 
 def srun_task(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:
@@ -255,8 +256,15 @@ def test_a_task_with_no_rank_variables_in_a_run_of_four_is_refused_naming_the_cl
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(f"name: r\nrun_dir: {run_dir}\ntrain: {{task: 'tests.tasks:Faulty', "
                                          "max_steps: 10}\nslurm: {nodes: 2, tasks_per_node: 2}\n")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.worker", "--config", str(run_dir / "config.yaml")],
+    # task 3 of a 2 x 2 step, launched as a site's srun line would: through the (stand-in) apptainer with
+    # --cleanenv, which passes no host variable; PYTHONPATH reaches the task the way Apptainer documents
+    # (APPTAINERENV_), the step's SLURM_* variables do not
+    fake_apptainer(tmp_path / "container")
+    runtime = tmp_path / "container" / "container-bin" / "apptainer"
+    env = {**step, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "APPTAINERENV_PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([str(runtime), "exec", "--cleanenv", FAKE_IMAGE, sys.executable, "-m", "hpc_ddp.worker",
+                           "--config", str(run_dir / "config.yaml")],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "found no rank variables" in proc.stderr and "HINT:" in proc.stderr
