@@ -35,6 +35,15 @@ def supervise_line(cfg: RunConfig, configs: list[str], python: str = "python",
                      *map(shlex.quote, configs), "--", *map(shlex.quote, step)])
 
 
+def watch_line(configs: list[str], python: str = "python") -> str:
+    """The last setup line of a submitit job: in the background, ``supervise --watch`` ends
+    submitit's srun once only nodes the survivors declared lost are left (a frozen or cut-off node:
+    srun would wait for Slurm to mark it down, SlurmdTimeout later), so the supervise line after it
+    heals at once (:mod:`hpc_ddp.shell.lost_wait`)."""
+    return " ".join([shlex.quote(python), "-m", "hpc_ddp.supervise", "--watch",
+                     *map(shlex.quote, configs), "&"])
+
+
 # The first line of a submitit job's setup. A SIGTERM to the batch shell (a cancel, the end of a
 # preemption's grace time, a cluster that preempts with SIGTERM) would end bash at once, before the
 # teardown line after srun: no settle step, no line for a killed step, no chained next job where
@@ -113,7 +122,8 @@ def submitit_parameters(cfg: RunConfig, configs: list[str] | None = None, python
         "cpus_per_task": slurm.cpus_per_task,
         "time": slurm.timeout_min,
         "signal_delay_s": slurm.signal_delay_s,
-        "setup": [TERM_TRAP, *batch_setup(cfg)],
+        "setup": [TERM_TRAP, *batch_setup(cfg),
+                  *([watch_line(configs, python)] if configs else [])],
         "teardown": [supervise_line(cfg, configs, python, workdir)] if configs else [],
         "srun_args": [*srun[:2], *spare_shape(cfg), *srun[2:]],
         "additional_parameters": {"signal": f"{slurm.signal}@{slurm.signal_delay_s}",

@@ -22,7 +22,8 @@ batch); requeue.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,3 +254,22 @@ class Healer:
         return (f"{chosen.how}: restarting inside the job on {compress_hostlist(chosen.nodes)} "
                 "(in-job restart "
                 f"{index + 1} of {self.cap}){'; left out ' + left_out if left_out else ''}")
+
+
+def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool],
+                  workers: int = 16) -> list[str]:
+    """The nodes that fail a probe, when one probe across all of them failed: each failing group is
+    probed in halves, the halves of a round at once (up to ``workers`` steps), until single nodes. k
+    silent nodes among n cost about 2 k log2(n) probes in log2(n) rounds, each round at most
+    PROBE_TIMEOUT_S."""
+    silent: list[str] = []
+    groups = [nodes[:len(nodes) // 2], nodes[len(nodes) // 2:]] if len(nodes) > 1 else [nodes]
+    while groups:
+        groups = [g for g in groups if g]
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups)))) as pool:
+            answers = list(pool.map(probe, groups))
+        failing = [g for g, ok in zip(groups, answers) if not ok]
+        silent += [g[0] for g in failing if len(g) == 1]
+        groups = [half for g in failing if len(g) > 1
+                  for half in (g[:len(g) // 2], g[len(g) // 2:])]
+    return sorted(silent, key=nodes.index)

@@ -38,13 +38,18 @@ class Step:
 
 
 Srun = Callable[[Sequence[str], Mapping[str, str], "float | None"], tuple[int, list[str]]]
+# given srun's lines so far and whether it still runs, why the shell stops waiting for it, or None
+# once it ended (:func:`hpc_ddp.shell.lost_wait.watch`)
+Until = Callable[[Callable[[], list[str]], Callable[[], bool]], "str | None"]
 
 
 def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | None = None,
-             warning: int = signal.SIGUSR2) -> tuple[int, list[str]]:
+             warning: int = signal.SIGUSR2, until: Until | None = None) -> tuple[int, list[str]]:
     """Run a step; srun's stderr is relayed line by line (it names the failed task's node) and kept.
     With ``warn_in``, srun gets the stop warning that many seconds from now (srun forwards it to
-    every task)."""
+    every task). With ``until``, a side thread may end the wait: srun is killed once it says why
+    (the tasks srun still waits for are on nodes the survivors declared lost), and the code is
+    137, as the shell's ``$?`` would be."""
     proc = subprocess.Popen(list(argv), env=dict(environ), stderr=subprocess.PIPE, text=True,
                             errors="replace")
     timer = None
@@ -53,6 +58,10 @@ def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | N
         timer.daemon = True
         timer.start()
     lines: list[str] = []
+    ended: list[str] = []  # why the shell ended srun, if it did
+    if until is not None:
+        threading.Thread(target=_end_when, args=(until, proc, lines, ended), daemon=True,
+                         name="hpc_ddp-lost-wait").start()
     assert proc.stderr is not None
     for line in proc.stderr:
         sys.stderr.write(line)
@@ -62,7 +71,16 @@ def run_srun(argv: Sequence[str], environ: Mapping[str, str], warn_in: float | N
     code = proc.wait()
     if timer is not None:
         timer.cancel()
-    return code, lines
+    return (137 if ended else code), lines
+
+
+def _end_when(until: Until, proc: subprocess.Popen[str], lines: list[str],
+              ended: list[str]) -> None:
+    why = until(lambda: list(lines), lambda: proc.poll() is None)
+    if why and proc.poll() is None:
+        print(f"hpc_ddp.supervise: {why}", file=sys.stderr, flush=True)
+        ended.append(why)
+        proc.kill()
 
 
 def tail_of(path: Path, nbytes: int) -> bytes | None:

@@ -15,6 +15,10 @@ first step). It starts ``srun`` on the nodes that train (the job's nodes less
 3. otherwise takes the requeue path, as settle alone would: requeue under ``slurm.max_failures``,
    or not.
 
+A step that waits only for nodes its survivors declared lost (a frozen node: srun would
+wait for Slurm to mark it down) is ended there and healed at once (hpc_ddp.shell.lost_wait;
+--watch does it beside submitit's first step).
+
 A deterministic error (exit 2), a stop (time-out, preemption, cancel) and a finished run
 are never restarted here. The shell takes a SIGTERM (cancel, preemption) as "start no
 new step". Needs the job submitted with ``--no-kill`` (both templates and submit do so),
@@ -32,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from hpc_ddp.shell import heal, lost_wait
 from hpc_ddp.shell.supervisor import Supervisor
 from hpc_ddp.rundir import beats, layout, losses
 from hpc_ddp.shell import shell_rules as rules
@@ -175,6 +180,11 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     parser.add_argument("--exit-code", type=int, default=None, metavar="N",
                         help="the first step already ran (submitit's srun) and ended with this "
                              "code")
+    parser.add_argument("--watch", action="store_true",
+                        help="in the background of a submitit job's batch script, before its srun: "
+                             "end that srun once only nodes the survivors declared lost are left "
+                             "(hpc_ddp.shell.lost_wait), so the job heals without waiting for "
+                             "Slurm to mark them down")
     parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, "
                                                    "in order)")
     ours, command = _split(sys.argv[1:] if argv is None else argv)
@@ -189,6 +199,12 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         say(f"error: {err}")
         return args.exit_code or 1
     sup = Supervisor(cfg, environ, [part.replace("{config}", config) for part in command])
+    if args.watch:
+        lost_wait.watch_first_step(
+            sup.run_dir, (sup.job_id, sup.restart, 0), sup.tasks_per_node, cfg.slurm.tasks_per_node,
+            lambda: heal.job_nodes(sup.scontrol("show", "step", f"{sup.job}.0")),
+            lambda text: print(f"hpc_ddp.supervise --watch: {text}", file=sys.stderr, flush=True))
+        return 0
     _stop_on_term(sup)
     if args.exit_code is None and not command:
         parser.error("give the step to run after '--' (or --exit-code for one that already ran)")

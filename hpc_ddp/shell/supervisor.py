@@ -13,7 +13,6 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,8 @@ from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.shell.last_known import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
 from hpc_ddp.rundir.snapshot.steps import refuses_resize
-from hpc_ddp.shell.steps import Srun, Step, run_srun
+from hpc_ddp.shell.lost_wait import until_lost
+from hpc_ddp.shell.steps import Srun, Step, Until, run_srun
 
 
 PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
@@ -48,8 +48,9 @@ class Supervisor:
         # the job's directory: a container mounts it (probes too)
         self.workdir = workdir or os.getcwd()
         self.runner, self.clock = runner, clock
+        self.until: Until | None = None  # when to stop waiting for the running step's srun
         self.srun: Srun = srun or (lambda argv, env, warn_in: run_srun(
-            argv, env, warn_in, signal_number(cfg.slurm.signal)))
+            argv, env, warn_in, signal_number(cfg.slurm.signal), self.until))
         self.run_dir = Path(cfg.run_dir)
         self.job = environ.get("SLURM_JOB_ID", "")
         self.job_id = int(self.job) if self.job.isdigit() else None
@@ -76,7 +77,7 @@ class Supervisor:
     def held(self) -> list[str]:
         """What the job holds now (scontrol; the batch shell's SLURM_JOB_NODELIST is a fallback,
         stale after a node was removed from the job). Notes the batch host on the way."""
-        text = self._scontrol("show", "job", self.job)
+        text = self.scontrol("show", "job", self.job)
         self.batch_host = rules.batch_host(text, self.environ)
         nodes = heal.job_nodes(text) if text else []
         return nodes or expand_hostlist(self.environ.get("SLURM_JOB_NODELIST", ""))
@@ -108,7 +109,7 @@ class Supervisor:
             nodes = []
         return nodes or self.first_nodes()
 
-    def _scontrol(self, *args: str) -> str:
+    def scontrol(self, *args: str) -> str:
         try:
             proc = self.runner(["scontrol", *args], capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
@@ -154,7 +155,7 @@ class Supervisor:
         held = self.held()
         hard = {n: "the job no longer holds it (Slurm removed it)" for n in step.nodes
                 if n not in held}
-        states = heal.node_states(self._scontrol("show", "node", "-o",
+        states = heal.node_states(self.scontrol("show", "node", "-o",
                                                  compress_hostlist(held))) if held else {}
         hard |= {n: f"Slurm says State={s}" for n, s in states.items() if n in held
                  and heal.bad_state(s)}
@@ -175,10 +176,10 @@ class Supervisor:
     def probed(self, held: Sequence[str], training: Sequence[str], hard: dict[str, str],
                soft: Mapping[str, str]) -> None:
         """Probe only the nodes the plan would use: one step across them all; when it fails, halves
-        of them (:func:`bisect_silent`), and the silent ones become hard suspects before the plan is
-        made again (three rounds at most). At 512 nodes that is one step creation at slurmctld in
-        the common case, not 512, and about 2 x log2(512) = 18 for one silent node, in 9 rounds, not
-        32 rounds of 16."""
+        of them (:func:`hpc_ddp.shell.heal.bisect_silent`), and the silent ones become hard
+        suspects before the plan is made again (three rounds at most). At 512 nodes that is one step
+        creation at slurmctld in the common case, not 512, and about 2 x log2(512) = 18 for one
+        silent node, in 9 rounds, not 32 rounds of 16."""
         soft_now = {n: w for n, w in soft.items() if n not in self.healer.failed_before}
         strikes = {n: w for n, w in soft.items() if n in self.healer.failed_before}
         for _ in range(3):
@@ -188,7 +189,7 @@ class Supervisor:
             if not trial.nodes or self.probe(trial.nodes):
                 return
             silent = {n: f"no answer to a probe step within {PROBE_TIMEOUT_S:g} s"
-                      for n in bisect_silent(list(trial.nodes), self.probe)}
+                      for n in heal.bisect_silent(list(trial.nodes), self.probe)}
             if not silent:
                 return
             hard |= silent
@@ -266,6 +267,8 @@ class Supervisor:
         rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes),
                         start)
         warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
+        self.until = until_lost(self.run_dir, (self.job_id, self.restart, index), nodes,
+                                self.tasks_per_node, self.cfg.slurm.tasks_per_node)
         code, lines = self.srun(argv, env, warn_in)
         return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3),
                     times=times)
@@ -279,22 +282,3 @@ class Supervisor:
         failure = rules.heal_failure_of(self.run_dir, (self.job_id, self.restart, after.index),
                                         after.ended)
         return encode_shell(failure, detected=after.ended, launched=start)
-
-
-def bisect_silent(nodes: list[str], probe: Callable[[Sequence[str]], bool],
-                  workers: int = 16) -> list[str]:
-    """The nodes that fail a probe, when one probe across all of them failed: each failing group is
-    probed in halves, the halves of a round at once (up to ``workers`` steps), until single nodes. k
-    silent nodes among n cost about 2 k log2(n) probes in log2(n) rounds, each round at most
-    PROBE_TIMEOUT_S."""
-    silent: list[str] = []
-    groups = [nodes[:len(nodes) // 2], nodes[len(nodes) // 2:]] if len(nodes) > 1 else [nodes]
-    while groups:
-        groups = [g for g in groups if g]
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups)))) as pool:
-            answers = list(pool.map(probe, groups))
-        failing = [g for g, ok in zip(groups, answers) if not ok]
-        silent += [g[0] for g in failing if len(g) == 1]
-        groups = [half for g in failing if len(g) > 1
-                  for half in (g[:len(g) // 2], g[len(g) // 2:])]
-    return sorted(silent, key=nodes.index)

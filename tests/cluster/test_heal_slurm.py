@@ -296,6 +296,11 @@ def _frozen_node_healed(run_dir: Path, reference: Path, per_node: int, node: int
     assert manifest["jit"]["sources"] == survivors and manifest["jit"]["writer"] in survivors, manifest["jit"]
     offers = _offers(run_dir, _tag(attempts[0]))
     assert sorted(o["rank"] for o in offers) == survivors, offers  # no frozen rank offered or wrote anything
+    # srun would wait for the frozen node until slurmctld marks it down (SlurmdTimeout): the watcher beside
+    # submitit's srun ended it once every survivor's task had ended (hpc_ddp.shell.lost_wait)
+    shell_log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_0_log.err"))
+    assert "hpc_ddp.supervise --watch: srun still waits for " in shell_log, shell_log[-3000:]
+    assert "Node failure on" not in shell_log.split("hpc_ddp.supervise --watch:")[0], shell_log[-3000:]
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 

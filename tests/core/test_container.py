@@ -100,7 +100,9 @@ def test_submits_first_step_and_the_supervised_one_agree() -> None:
     assert teardown.endswith(f"srun --kill-on-bad-exit=1 --cpus-per-task=3 --overlap --cpu-bind=cores {wrapper} -m "
                              "hpc_ddp.worker --config /runs/a/config.yaml")
     setup = script.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert setup[1] == "export SRUN_CPUS_PER_TASK=3" and setup[-1].startswith("command -v apptainer")  # [0]: the trap
+    assert setup[1] == "export SRUN_CPUS_PER_TASK=3" and setup[-2].startswith("command -v apptainer")  # [0]: the trap
+    # last: the watcher that ends submitit's srun once only declared-lost nodes are left (hpc_ddp.shell.lost_wait)
+    assert setup[-1] == "/venv/bin/python -m hpc_ddp.supervise --watch /runs/a/config.yaml &"
     assert submitit_python(cfg, "/venv/bin/python", "/home/me") == wrapper
     spare = submitit_parameters(apptainer("slurm.spare_nodes=1", "slurm.nodes=2"), ["/runs/a/config.yaml"])
     assert spare["srun_args"][:5] == ["--kill-on-bad-exit=1", "--cpus-per-task=1", "--nodes=2", "--ntasks=4",

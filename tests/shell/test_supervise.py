@@ -220,7 +220,7 @@ def test_only_the_nodes_the_plan_uses_are_probed_in_one_step(tmp_path: Path) -> 
 def test_the_silent_nodes_are_found_by_halves_in_log2_rounds_not_one_by_one() -> None:
     """At 512 nodes one silent node cost 512 probes in 32 rounds of 16 (each up to 20 s); by halves it is
     2 x log2(512) probes in 9 rounds, and three silent nodes about three times that."""
-    from hpc_ddp.shell.supervisor import bisect_silent
+    from hpc_ddp.shell.heal import bisect_silent
 
     nodes = [f"n{i}" for i in range(512)]
     for silent in (["n300"], ["n7", "n8", "n400"]):
