@@ -6,7 +6,10 @@ cut off): it waits until slurmctld marks the node down, ``SlurmdTimeout`` later 
 on the local cluster, at 60 s, srun ended 73 s after a frozen node's last beat). Long before that
 the survivors declared the node lost (``dist.liveness_s``), wrote what they hold and exited. So once
 srun has reported every task outside the declared nodes as ended, and the declaration of this
-attempt (read by name, with the attempt's token) names the nodes whose tasks are left, the shell
+attempt (read by name, with the attempt's token) names the nodes whose tasks are left (or Slurm
+already finds them not answering: a node cut off from slurmctld, which may still reach the run dir
+and beat there, so that nobody declares it; ``NOT_RESPONDING`` comes after a missed ping, long
+before ``SlurmdTimeout``), the shell
 gives srun :data:`GRACE_S` to end on its own, then ends it (SIGKILL to the srun client: the tasks it
 still waits for cannot be reached anyway) and settles and heals at once. The stale step stays in
 Slurm's books until the node is marked down; the next step starts beside it on other nodes (every
@@ -98,31 +101,48 @@ def message(left: Sequence[str], why: Mapping[str, str]) -> str:
             "SlurmdTimeout later) and settles the step now")
 
 
+def not_answering(show_node: str) -> dict[str, str]:
+    """The nodes ``scontrol show node -o`` says do not answer (``DOWN``, or ``NOT_RESPONDING``: a
+    ``*``), with why: a node cut off from slurmctld may still run (it may even reach the run dir,
+    so nobody declares it), but srun cannot end its tasks either."""
+    from hpc_ddp.shell.heal import node_states
+
+    return {node: f"Slurm says State={state}" for node, state in node_states(show_node).items()
+            if any(flag in state.upper() for flag in ("DOWN", "NOT_RESPONDING", "*"))}
+
+
 def until_lost(run_dir: Path, key: tuple[int | None, int, int], nodes: Sequence[str],
-               tasks_per_node: int, ranks_per_node: int) -> Callable[
-                   [Callable[[], list[str]], Callable[[], bool]], str | None]:
+               tasks_per_node: int, ranks_per_node: int,
+               slurm_says: Callable[[Sequence[str]], Mapping[str, str]] = lambda nodes: {}
+               ) -> Callable[[Callable[[], list[str]], Callable[[], bool]], str | None]:
     """For :func:`hpc_ddp.shell.steps.run_srun`: the step ``key`` (job, restart, in-job restart)
     on ``nodes``, ``tasks_per_node`` srun tasks on each (one under the torchrun launcher) running
-    ``ranks_per_node`` ranks."""
+    ``ranks_per_node`` ranks; ``slurm_says``: the nodes Slurm finds not answering
+    (:func:`not_answering` of ``scontrol show node``)."""
     from hpc_ddp.shell.shell_rules import lost_nodes
 
+    def lost() -> dict[str, str]:
+        return {**slurm_says(nodes), **lost_nodes(run_dir, *key, list(nodes), ranks_per_node)}
+
     def until(srun_lines: Callable[[], list[str]], running: Callable[[], bool]) -> str | None:
-        found = watch(srun_lines, lambda: lost_nodes(run_dir, *key, list(nodes), ranks_per_node),
-                      lambda: nodes, tasks_per_node, running)
+        found = watch(srun_lines, lost, lambda: nodes, tasks_per_node, running)
         return message(*found) if found else None
     return until
 
 
 def watch_first_step(run_dir: Path, key: tuple[int | None, int, int], tasks_per_node: int,
                      ranks_per_node: int, step_nodes: Callable[[], list[str]],
-                     say: Callable[[str], None], shell_pid: int | None = None,
+                     say: Callable[[str], None],
+                     slurm_says: Callable[[Sequence[str]], Mapping[str, str]] = lambda nodes: {},
+                     shell_pid: int | None = None,
                      stderr: Path = Path("/proc/self/fd/2"), proc: Path = Path("/proc"),
                      appear_s: float = 600.0) -> bool:
     """``python -m hpc_ddp.supervise --watch``, started in the background of a submitit job's batch
     script just before submitit's srun: find that srun (a child of the batch shell named srun),
     read its lines from the shell's stderr file (from here on), and kill it once only nodes the
-    survivors declared lost are left (:func:`watch`). ``step_nodes`` says where the step runs
-    (Slurm chose: ``scontrol show step``), asked once some task ended. True when it ended srun."""
+    survivors declared lost or Slurm finds not answering are left (:func:`watch`). ``step_nodes``
+    says where the step runs (Slurm chose: ``scontrol show step``), asked once some task ended.
+    True when it ended srun."""
     import os
     import signal
 
@@ -140,7 +160,9 @@ def watch_first_step(run_dir: Path, key: tuple[int | None, int, int], tasks_per_
     def lost() -> Mapping[str, str]:
         from hpc_ddp.shell.shell_rules import lost_nodes
         nodes[:] = nodes or step_nodes()
-        return lost_nodes(run_dir, *key, nodes, ranks_per_node) if nodes else {}
+        if not nodes:
+            return {}
+        return {**slurm_says(nodes), **lost_nodes(run_dir, *key, nodes, ranks_per_node)}
 
     def running() -> bool:
         return _parent_and_name(proc / str(srun) / "stat") == (shell_pid, "srun")

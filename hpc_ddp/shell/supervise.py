@@ -15,9 +15,9 @@ first step). It starts ``srun`` on the nodes that train (the job's nodes less
 3. otherwise takes the requeue path, as settle alone would: requeue under ``slurm.max_failures``,
    or not.
 
-A step that waits only for nodes its survivors declared lost (a frozen node: srun would
-wait for Slurm to mark it down) is ended there and healed at once (hpc_ddp.shell.lost_wait;
---watch does it beside submitit's first step).
+A step that waits only for nodes its survivors declared lost or Slurm flags NOT_RESPONDING
+(a frozen or cut-off node: srun would wait for Slurm to mark it down) is ended there and
+healed at once (hpc_ddp.shell.lost_wait; --watch does it beside submitit's first step).
 
 A deterministic error (exit 2), a stop (time-out, preemption, cancel) and a finished run
 are never restarted here. The shell takes a SIGTERM (cancel, preemption) as "start no
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                              "code")
     parser.add_argument("--watch", action="store_true",
                         help="in the background of a submitit job's batch script, before its srun: "
-                             "end that srun once only nodes the survivors declared lost are left "
+                             "end that srun once only nodes the survivors declared lost (or Slurm "
+                             "flags NOT_RESPONDING) are left "
                              "(hpc_ddp.shell.lost_wait), so the job heals without waiting for "
                              "Slurm to mark them down")
     parser.add_argument("configs", nargs="+", help="the run's config.yaml (one per array element, "
@@ -200,11 +201,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         return args.exit_code or 1
     sup = Supervisor(cfg, environ, [part.replace("{config}", config) for part in command])
     if args.watch:
-        lost_wait.watch_first_step(
-            sup.run_dir, (sup.job_id, sup.restart, 0), sup.tasks_per_node, cfg.slurm.tasks_per_node,
-            lambda: heal.job_nodes(sup.scontrol("show", "step", f"{sup.job}.0")),
-            lambda text: print(f"hpc_ddp.supervise --watch: {text}", file=sys.stderr, flush=True))
-        return 0
+        return _watch(sup)
     _stop_on_term(sup)
     if args.exit_code is None and not command:
         parser.error("give the step to run after '--' (or --exit-code for one that already ran)")
@@ -227,6 +224,17 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         if args.exit_code is not None:
             say(f"job step 0: {_settle(sup, Step([], 0, args.exit_code), heal=False)}")
         return args.exit_code or 1
+
+
+def _watch(sup: Supervisor) -> int:
+    """``--watch``: beside submitit's srun of the job's first step, end it once only lost nodes are
+    left (:func:`hpc_ddp.shell.lost_wait.watch_first_step`); the teardown line then settles it."""
+    lost_wait.watch_first_step(
+        sup.run_dir, (sup.job_id, sup.restart, 0), sup.tasks_per_node, sup.cfg.slurm.tasks_per_node,
+        lambda: heal.job_nodes(sup.scontrol("show", "step", f"{sup.job}.0")),
+        lambda text: print(f"hpc_ddp.supervise --watch: {text}", file=sys.stderr, flush=True),
+        sup.not_answering)
+    return 0
 
 
 def _stop_on_term(sup: Supervisor) -> None:

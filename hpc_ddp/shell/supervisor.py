@@ -29,7 +29,7 @@ from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.shell.last_known import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
 from hpc_ddp.rundir.snapshot.steps import refuses_resize
-from hpc_ddp.shell.lost_wait import until_lost
+from hpc_ddp.shell import lost_wait
 from hpc_ddp.shell.steps import Srun, Step, Until, run_srun
 
 
@@ -115,6 +115,11 @@ class Supervisor:
         except (OSError, subprocess.SubprocessError):
             return ""
         return proc.stdout if proc.returncode == 0 else ""
+
+    def not_answering(self, nodes: Sequence[str]) -> dict[str, str]:
+        """The nodes Slurm finds not answering (:func:`hpc_ddp.shell.lost_wait.not_answering`)."""
+        return lost_wait.not_answering(self.scontrol("show", "node", "-o",
+                                                     compress_hostlist(nodes)))
 
     def probe(self, nodes: Sequence[str]) -> bool:
         """One short step on these nodes: do their slurmds start a task at all, in the job's
@@ -267,8 +272,9 @@ class Supervisor:
         rules.note_step(self.run_dir, self.job_id, self.restart, index, compress_hostlist(nodes),
                         start)
         warn_in = rules.warning_due_in(self.end, start, self.clock(), self.cfg.slurm.signal_delay_s)
-        self.until = until_lost(self.run_dir, (self.job_id, self.restart, index), nodes,
-                                self.tasks_per_node, self.cfg.slurm.tasks_per_node)
+        self.until = lost_wait.until_lost(self.run_dir, (self.job_id, self.restart, index), nodes,
+                                          self.tasks_per_node, self.cfg.slurm.tasks_per_node,
+                                          self.not_answering)
         code, lines = self.srun(argv, env, warn_in)
         return Step(nodes, index, code, lines, start, healed, ended=round(self.clock(), 3),
                     times=times)

@@ -338,6 +338,11 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
     commits = [o for o in _offers(run_dir, tag) if str(o.get("outcome", "")).startswith("committed")]
     assert len(commits) == 1, _offers(run_dir, tag)  # one commit in the attempt, from one side of the cut
     assert (run_dir / "jit" / tag / "commit").read_text().strip() == "step 22"
+    # nobody declares the cut-off node (it beats into the run dir), but slurmctld flags it NOT_RESPONDING after a
+    # missed ping: the watcher beside submitit's srun stopped waiting for it then, not at SlurmdTimeout
+    shell_log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_0_log.err"))
+    assert f"hpc_ddp.supervise --watch: srun still waits for {cut} ({cut}: Slurm says State=" in shell_log, \
+        shell_log[-3000:]
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 

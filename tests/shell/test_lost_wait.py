@@ -130,3 +130,24 @@ def test_the_watcher_leaves_an_srun_that_ends_by_itself_and_one_it_cannot_read(t
                                      done.set())).start()
     assert done.wait(10)  # no file to read srun's lines from: nothing to watch, it returns at once
     piped.kill()
+
+
+def test_a_node_slurm_finds_not_answering_counts_as_lost_and_a_drained_one_does_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cut-off node may still reach the run dir and beat there: nobody declares it, but slurmctld flags it
+    NOT_RESPONDING after a missed ping, long before it marks it down; a drained node still runs its tasks."""
+    show = ("NodeName=n2 Arch=x86_64 State=MIXED Partitions=debug\n"
+            "NodeName=n3 Arch=x86_64 State=MIXED+NOT_RESPONDING Partitions=debug\n"
+            "NodeName=n4 Arch=x86_64 State=MIXED+DRAIN Partitions=debug\n"
+            "NodeName=n5 Arch=x86_64 State=DOWN* Partitions=debug\n")
+    assert lost_wait.not_answering(show) == {"n3": "Slurm says State=MIXED+NOT_RESPONDING",
+                                             "n5": "Slurm says State=DOWN*"}
+    monkeypatch.setattr(lost_wait, "GRACE_S", 0.5)
+    asked: list[list[str]] = []
+
+    def slurm_says(nodes: list[str]) -> dict[str, str]:
+        asked.append(list(nodes))
+        return lost_wait.not_answering(show)
+    until = lost_wait.until_lost(tmp_path, (7, 0, 0), ["n2", "n3"], 3, 3, slurm_says)  # nobody declared n3
+    code, _ = run_srun([str(_fake_srun(tmp_path, None))], {"PATH": "/usr/bin:/bin"}, until=until)
+    assert code == 137 and asked[0] == ["n2", "n3"]
