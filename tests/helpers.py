@@ -97,6 +97,12 @@ def spawn_ranks(target: Callable[..., None], nodes: int, tasks: int, *args: obje
     return results
 
 
+# The MLP example at 300 steps, uninterrupted: the reference of two cluster tests (torchrun's template
+# signalled and requeued; the time-out warnings by scancel and by the limit), rehearsed once a session.
+# Their jobs' other options (slurm.timeout_min, slurm.signal_delay_s) shape only when the cluster
+# signals, never what training computes.
+MLP_300 = ("examples/mlp.yaml", "train.max_steps=300", "train.log_every=10")
+
 FAKE_IMAGE = "/hpc_ddp-test/fake.sif"
 FAKE_APPTAINER = """#!/bin/bash
 # Stands in for apptainer: one line with where it ran and its arguments, then the command after the image,

@@ -15,6 +15,7 @@ import pytest
 
 from hpc_ddp.slurm_local import APT_PACKAGES, ClusterSpec, missing_pieces, running_spec, set_preempt_signal, start, stop
 from tests.conftest import unavailable
+from tests.helpers import MLP_300
 
 
 @pytest.fixture(scope="session")
@@ -98,5 +99,21 @@ def rehearsal() -> Iterator[Callable[..., Rehearsal]]:
         return started[-1]
 
     yield start
+    for each in started:
+        each.end()
+
+
+@pytest.fixture(scope="session")
+def mlp_300_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Rehearsal]]:
+    """``mlp_300_reference()``: the :data:`tests.helpers.MLP_300` rehearsal, started by the first test that asks
+    (beside its cluster jobs) and shared by the session's others; ``.done()`` waits for it."""
+    started: list[Rehearsal] = []
+
+    def get() -> Rehearsal:
+        if not started:
+            started.append(Rehearsal(tmp_path_factory.mktemp("mlp-300") / "reference", MLP_300, None))
+        return started[0]
+
+    yield get
     for each in started:
         each.end()

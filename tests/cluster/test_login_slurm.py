@@ -19,7 +19,7 @@ import pytest
 
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import finished, wait_until
+from tests.helpers import MLP_300, finished, wait_until
 from tests.login.test_sbatch import GOLDEN, emit, job_log, sbatch
 from tests.test_docs_site import _run, quickstart_commands
 
@@ -63,11 +63,11 @@ def script_from_before_the_move(run_dir: Path) -> Path:
 
 @pytest.mark.slurm
 def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehearsal(
-        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
+        slurm_cluster: ClusterSpec, tmp_path: Path, mlp_300_reference: Callable[[], Rehearsal]) -> None:
     """One torchrun per node (c10d rendezvous on the first node); USR2 reaches the workers, not torchrun's death.
     Beside it, an unmodified torchrun-style script (train.script) under the same template, 2 nodes x 1: the
     worker under torchrun forwards the signal to its script, which resumes from its own snapshot (issue 27)."""
-    options = ["train.max_steps=300", "train.log_every=10", "slurm.timeout_min=30"]  # signalled at step ~50
+    options = [*MLP_300[1:], "slurm.timeout_min=30"]  # signalled at step ~50
     run_dir, script = tmp_path / "torchrun", tmp_path / "torchrun.sbatch"
     emit(script, "--launcher", "torchrun", *options, f"run_dir={run_dir}")
     script_dir, script_job_file = tmp_path / "script", tmp_path / "script.sbatch"
@@ -91,7 +91,7 @@ def test_torchrun_script_forwards_the_signal_requeues_once_and_matches_the_rehea
     queue = lambda: subprocess.run(["squeue", "-o", "%i %T %R"], capture_output=True, text=True).stdout + \
         subprocess.run(["sinfo", "-R"], capture_output=True, text=True).stdout  # why a job pends, if it does
     assert wait_until(signal_when_ready, 300), job_log(run_dir) + job_log(script_dir) + queue()
-    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *options)  # on this machine while Slurm requeues
+    local = mlp_300_reference()  # started on this machine while Slurm requeues (if no test started it before)
     assert wait_until(lambda: finished(run_dir) and finished(script_dir), 180), job_log(run_dir) + job_log(script_dir)
     for ran, number in ((run_dir, job), (script_dir, script_job)):
         attempts = read_attempts(ran)

@@ -14,7 +14,7 @@ import pytest
 
 from hpc_ddp.slurm_local import ClusterSpec
 from hpc_ddp.core.slurm_env import master_port
-from tests.helpers import finished, wait_until
+from tests.helpers import MLP_300, finished, wait_until
 
 if TYPE_CHECKING:
     from tests.cluster.conftest import Rehearsal
@@ -120,7 +120,7 @@ def wait_finished(run_dir: Path, out: Path, timeout: float) -> None:
 
 @pytest.mark.slow
 def test_warning_signals_by_scancel_and_by_the_time_limit_snapshot_requeue_and_resume(
-        slurm_cluster: ClusterSpec, tmp_path: Path, rehearsal: Callable[..., Rehearsal]) -> None:
+        slurm_cluster: ClusterSpec, tmp_path: Path, mlp_300_reference: Callable[[], Rehearsal]) -> None:
     """Two jobs side by side (2 nodes x 2 tasks each), and the rehearsal on this machine while they run:
     (1) scancel --signal=USR2 near the (2-minute) limit: time-out -> snapshot -> scontrol requeue -> resume,
     bit-exact to the rehearsal; (2) --time=1 with USR2@50: Slurm's own warning (at its 30 s tick) -> snapshot
@@ -136,13 +136,13 @@ def test_warning_signals_by_scancel_and_by_the_time_limit_snapshot_requeue_and_r
     sbatch("-N2", "--ntasks-per-node=2", "--time=1", "--signal=USR2@50", "--requeue", "--open-mode=append",
            f"--output={tmp_path / 't.out'}", str(limited), env={"HPC_DDP_TEST_FAULT": "slow:-1:0.1"})
 
-    overrides = ["train.max_steps=300", "train.log_every=10", "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
+    overrides = [*MLP_300[1:], "slurm.timeout_min=2", "slurm.signal_delay_s=100"]
     script, run_dir = worker_job(tmp_path, "slurm", overrides)
     job = sbatch("-N2", "--ntasks-per-node=2", "--time=2", "--requeue", "--open-mode=append",
                  f"--output={tmp_path / 'job.out'}", str(script))
     assert wait_until(lambda: len(logged_steps(run_dir)) >= 5, 120)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    local = rehearsal(tmp_path / "local", "examples/mlp.yaml", *overrides)
+    local = mlp_300_reference()  # the same training as the job's (its slurm.* options shape only the signals)
     wait_finished(run_dir, tmp_path / "job.out", 180)
     attempts = read_attempts(run_dir)
     assert [a["reason"] for a in attempts] == ["timeout", "finished"]

@@ -168,23 +168,45 @@ def test_a_resize_refused_on_an_unattended_attempt_is_a_failure_not_an_error(
         assert len(read_attempts(tmp_path)) == 1  # the workers' line, not a second one
 
 
-def test_a_stop_that_comes_as_the_script_exits_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_stop_that_comes_as_the_script_exits_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The stop reached this worker in the same poll as its script's exit (the script died of a peer's stop
-    a moment before): nothing was forwarded, and the log says why the script ended (seen in CI, torchrun)."""
+    a moment before): nothing was forwarded, and the log says why the script ended (seen in CI, torchrun).
+    The script sends the stop and exits; the stop is held back (blocked) until the script has exited and let in
+    between two polls, so the order is the one under test whatever the machine's load (a CI run polled between
+    the script's kill and its exit, and forwarded the stop to it)."""
     import logging
     import signal
+    import subprocess
     import sys
+    import time
 
     from hpc_ddp.core.stopping import StopFlag
     from hpc_ddp.rank.script.child import supervise
 
     flag = StopFlag()
     cmd = [sys.executable, "-c", f"import os, signal; os.kill(os.getppid(), {int(signal.SIGUSR2)}); os._exit(3)"]
+    started: list[subprocess.Popen[bytes]] = []
+    popen, sleep = subprocess.Popen, time.sleep
+
+    class Recorded(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            started.append(self)
+
+    def between_polls(seconds: float) -> None:
+        os.waitid(os.P_PID, started[0].pid, os.WEXITED | os.WNOWAIT)  # the script has exited (not reaped)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})  # its stop is let in now
+        sleep(seconds)
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setattr(time, "sleep", between_polls)
     flag.install([signal.SIGUSR2])
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     try:
         with caplog.at_level(logging.INFO, logger="hpc_ddp.script"):
             code = supervise(cmd, os.environ, flag)
     finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)
     assert code == 3 and flag.is_set
     said = [r.getMessage() for r in caplog.records]
