@@ -13,8 +13,10 @@
 # cluster's timing-bound jobs get the CPU when they need it and the rest fills the time they idle.
 # Measured 2026-12-02 on 2 cores: 25-26 min side by side, both green (three runs, two of them fresh
 # clones), against 41 min in one session (cluster 18.8 + rest 20.0); 2026-12-03, a fresh clone: the
-# rest 24:09, the cluster's 25:15. Both are bound by the machine's CPU (~2,500 CPU-s at ~85% of 2
-# cores; dev/pytest_cpu.py gives each test's CPU, its processes' included). The cluster's session writes
+# rest 24:09, the cluster's 25:15; later that day, on a slower machine (3,280 CPU-s busy, 90%), the
+# rest 30:18, the cluster's 29:12. Both are bound by the machine's CPU (dev/pytest_cpu.py gives each
+# test's CPU, its processes' included); dev/machine_cpu.py prints, at the end, the machine's CPU
+# use and the run in units of a reference `import torch` measured at the start. The cluster's session writes
 # .pytest-cluster.log, printed whole when both are done; the exit code is non-zero if either
 # failed. HPC_DDP_TEST_SIDE_BY_SIDE=0 runs everything in one session (the cluster's tests last).
 set -euo pipefail
@@ -31,6 +33,8 @@ if [ "$#" -gt 0 ] || [ "${HPC_DDP_TEST_SIDE_BY_SIDE:-1}" != 1 ]; then
 fi
 
 log=.pytest-cluster.log
+# the machine's speed today (a reference import) and its CPU counters, read back at the end
+"$python" dev/machine_cpu.py start .machine-cpu.json || true
 start=$SECONDS
 # -p no:cacheprovider: one session writes pytest's cache (the last-failed list), not both at once
 "$python" -m pytest tests/cluster -m cluster -p no:cacheprovider >"$log" 2>&1 &
@@ -44,4 +48,5 @@ wait "$cluster" || on_cluster=$?
 echo "== the cluster's tests (-m cluster), run beside the rest: exit $on_cluster"
 cat "$log"
 echo "== both sessions done in $((SECONDS - start)) s: the rest exit $rest, the cluster's tests exit $on_cluster"
+"$python" dev/machine_cpu.py end .machine-cpu.json || true
 [ "$rest" = 0 ] && [ "$on_cluster" = 0 ]
