@@ -102,13 +102,13 @@ def message(left: Sequence[str], why: Mapping[str, str]) -> str:
 
 
 def not_answering(show_node: str) -> dict[str, str]:
-    """The nodes ``scontrol show node -o`` says do not answer (``DOWN``, or ``NOT_RESPONDING``: a
-    ``*``), with why: a node cut off from slurmctld may still run (it may even reach the run dir,
+    """The nodes ``scontrol show node -o`` says do not answer (``DOWN``, ``NOT_RESPONDING``), with
+    why: a node cut off from slurmctld may still run (it may even reach the run dir,
     so nobody declares it), but srun cannot end its tasks either."""
     from hpc_ddp.shell.heal import node_states
 
     return {node: f"Slurm says State={state}" for node, state in node_states(show_node).items()
-            if any(flag in state.upper() for flag in ("DOWN", "NOT_RESPONDING", "*"))}
+            if any(flag in state.upper() for flag in ("DOWN", "NOT_RESPONDING"))}
 
 
 def until_lost(run_dir: Path, key: tuple[int | None, int, int], nodes: Sequence[str],
@@ -119,10 +119,8 @@ def until_lost(run_dir: Path, key: tuple[int | None, int, int], nodes: Sequence[
     on ``nodes``, ``tasks_per_node`` srun tasks on each (one under the torchrun launcher) running
     ``ranks_per_node`` ranks; ``slurm_says``: the nodes Slurm finds not answering
     (:func:`not_answering` of ``scontrol show node``)."""
-    from hpc_ddp.shell.shell_rules import lost_nodes
-
     def lost() -> dict[str, str]:
-        return {**slurm_says(nodes), **lost_nodes(run_dir, *key, list(nodes), ranks_per_node)}
+        return _lost(run_dir, key, list(nodes), ranks_per_node, slurm_says)
 
     def until(srun_lines: Callable[[], list[str]], running: Callable[[], bool]) -> str | None:
         found = watch(srun_lines, lost, lambda: nodes, tasks_per_node, running)
@@ -154,20 +152,19 @@ def watch_first_step(run_dir: Path, key: tuple[int | None, int, int], tasks_per_
     srun = _child_named(proc, shell_pid, "srun", appear_s) if start is not None else None
     if srun is None or start is None:
         return False  # no srun to watch, or its lines cannot be read back (not a file)
-    nodes: list[str] = []
-    seen = _Tail(stderr, start)
+    seen, nodes = _Tail(stderr, start), []
 
-    def lost() -> Mapping[str, str]:
-        from hpc_ddp.shell.shell_rules import lost_nodes
+    def where() -> list[str]:  # asked of Slurm once, when first needed
         nodes[:] = nodes or step_nodes()
-        if not nodes:
-            return {}
-        return {**slurm_says(nodes), **lost_nodes(run_dir, *key, nodes, ranks_per_node)}
+        return nodes
+
+    def lost() -> dict[str, str]:
+        return _lost(run_dir, key, where(), ranks_per_node, slurm_says) if where() else {}
 
     def running() -> bool:
         return _parent_and_name(proc / str(srun) / "stat") == (shell_pid, "srun")
 
-    ended = watch(seen.srun_lines, lost, lambda: nodes, tasks_per_node, running)
+    ended = watch(seen.srun_lines, lost, where, tasks_per_node, running)
     if ended is None:
         return False
     say(message(*ended))
@@ -176,6 +173,15 @@ def watch_first_step(run_dir: Path, key: tuple[int | None, int, int], tasks_per_
     except OSError:
         return False
     return True
+
+
+def _lost(run_dir: Path, key: tuple[int | None, int, int], nodes: list[str], ranks_per_node: int,
+          slurm_says: Callable[[Sequence[str]], Mapping[str, str]]) -> dict[str, str]:
+    """The step's nodes that are gone for srun, with why: those Slurm finds not answering, and those
+    the survivors declared lost (their word wins)."""
+    from hpc_ddp.shell.shell_rules import lost_nodes
+
+    return {**slurm_says(nodes), **lost_nodes(run_dir, *key, nodes, ranks_per_node)}
 
 
 class _Tail:
