@@ -19,8 +19,8 @@ Then the same phases, in this order, each on the thread that noticed:
 
 1. **flight dump**: which collective this rank waits in (:func:`hpc_ddp.rundir.flight.record`),
    kept on its node before anyone exits, and published with its node's others as one file per node
-   just before it leaves (:mod:`hpc_ddp.rundir.flight_node`). Only for a hang, on the watchdog's
-   thread; NCCL's own watchdog dumps on a collective's timeout.
+   after phase 2, before the rank waits to exit (:mod:`hpc_ddp.rundir.flight_node`). Only for a
+   hang, on the watchdog's thread; NCCL's own watchdog dumps on a collective's timeout.
 2. **survivors' snapshot**: ``attempt.after_failure``
    (:func:`hpc_ddp.rank.salvage.jit.after_failure`, once per process whichever thread comes first:
    :class:`~hpc_ddp.rank.salvage.jit.OneHandler`). Inline on the training thread; bounded by
@@ -112,11 +112,13 @@ def _hung(attempt: Attempt, timeout_s: float, message: str, stuck: list[int]) ->
         from hpc_ddp.rank.salvage.jit import SIDE_WAIT_S
 
         attempt.after_failure(PeerLost(message.splitlines()[0]), wait_s=SIDE_WAIT_S)
-    if not env.is_main:
-        time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
-    published = flight_node.publish(spot) if dumped else None  # the node's dumps, as one file
+    # the node's dumps, as one file, before the wait below: rank 0's exit ends the step, and the
+    # launcher's SIGKILL (a grace of 3 s locally, KillWait on Slurm) may come before the wait ends
+    published = flight_node.publish(spot) if dumped else None
     if published is not None:
         log.error("the collectives this rank was in: %s", published)
+    if not env.is_main:
+        time.sleep(min(30.0, 2 * poll_interval(timeout_s) + 2))
     if env.is_main and not attempt.wrapped:
         resumed, step = attempt.progress() if attempt.progress is not None else (None, None)
         ledger_line(attempt, "hung", end=round(time.time(), 3),
