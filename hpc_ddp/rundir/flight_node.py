@@ -9,7 +9,8 @@ handler it publishes what its node's ranks dumped as one file,
 publish already holds its own dump: the node's ranks dump at the start of their handlers and publish
 once their survivors' snapshot is written (before any wait: the step may end under them), so the
 first to publish takes them all and the others find themselves in it. Under a lock on the node; a
-rank whose node's file was published without it (it dumped late) publishes again. :func:`hpc_ddp.rundir.flight.read` reads these and the older per-rank files alike.
+rank whose node's file was published without it (it dumped late) publishes again.
+:func:`hpc_ddp.rundir.flight.read` reads these and the older per-rank files alike.
 """
 
 from __future__ import annotations
