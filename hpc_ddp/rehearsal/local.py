@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from hpc_ddp.rundir import layout
 from hpc_ddp.rundir import beats, jit_offers
+from hpc_ddp.rehearsal import local_warm
 from hpc_ddp.rehearsal.local_end import end_ranks, wait_ranks
 from hpc_ddp.rehearsal.local_report import attempt_code
 from hpc_ddp.rehearsal.local_tee import tee as tee_rank_0
@@ -36,7 +37,6 @@ from hpc_ddp.rehearsal.local_inject import (KILL_DELAY_VAR, SIGNAL_SKEW_VAR, Inj
                                             freeze_problem, injector,
                                             node_ranks, unfired)
 from hpc_ddp.core.codes import DIE_AT_VAR, EXIT_INTERRUPTED, EXIT_REQUEUE, EXIT_USAGE, HOLD_AT_VAR
-from hpc_ddp.core.shutdown import die_with_parent
 from hpc_ddp.core.slurm_env import IN_JOB_VAR, simulated_environ
 
 if TYPE_CHECKING:
@@ -158,9 +158,7 @@ def _start_ranks(procs: list[subprocess.Popen[bytes]], cmd: list[str],
     reads it), every other rank's goes to its log."""
     for rank, env in enumerate(environs):
         out = subprocess.PIPE if rank == 0 else open(paths[rank], "ab")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=die_with_parent))
+        procs.append(local_warm.start(cmd, env, out))  # type: ignore[arg-type]
         if rank:
             out.close()  # type: ignore[union-attr]
 
@@ -169,7 +167,8 @@ def rehearse(config_path: Path, run_dir: Path, *args: Any, **kwargs: Any) -> int
     """:func:`_rehearse`; then the simulated nodes' liveness folders on this machine (``/dev/shm``)
     go, a lost node's included, as a real node's go with it."""
     try:
-        return _rehearse(config_path, run_dir, *args, **kwargs)
+        with local_warm.warm_starts(config_path):  # torch imported once, not once per rank
+            return _rehearse(config_path, run_dir, *args, **kwargs)
     finally:
         shutil.rmtree(beats.run_folder(run_dir), ignore_errors=True)
 
