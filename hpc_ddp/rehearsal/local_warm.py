@@ -12,7 +12,7 @@ from the warm process that reaps it.
 A rank is started cold, as before, when no warm process runs (outside :func:`warm_starts`, or
 ``HPC_DDP_LOCAL_COLD=1``), when it could not start or has gone, and when the rank's environment
 differs from the warm process's in anything but the variables the launcher sets per rank
-(``SLURM_*``, ``HPC_DDP_*``, ``MASTER_*``): a variable torch reads at import is then the rank's.
+(``SLURM*``, ``HPC_DDP_*``, ``MASTER_*``): a variable torch reads at import is then the rank's.
 No torch in this process.
 """
 
@@ -33,7 +33,8 @@ from typing import IO, Any
 from hpc_ddp.core.shutdown import die_with_parent
 
 COLD_VAR = "HPC_DDP_LOCAL_COLD"
-PER_RANK = ("SLURM_", "HPC_DDP_", "MASTER_")
+# what the launcher sets per rank (SLURMD_NODENAME too: a simulated node's name)
+PER_RANK = ("SLURM", "HPC_DDP_", "MASTER_")
 # the warm process's first import of torch, on a loaded 2-core machine
 READY_S = 180.0
 MESSAGE_BYTES = 1 << 16

@@ -76,6 +76,17 @@ def test_a_gone_warm_process_takes_its_ranks_and_the_next_rank_starts_cold(tmp_p
         assert isinstance(after, subprocess.Popen) and _finish(after) == 0
 
 
+def test_every_rank_of_every_node_of_a_rehearsal_fits_the_warm_process_its_first_rank_started() -> None:
+    """The variables the launcher sets per rank and per node (SLURMD_NODENAME: node 1's ranks started cold, and
+    a 2 x 2 rehearsal forked only half its ranks) are not compared; every other one is."""
+    from hpc_ddp.rehearsal.local import rank_environs
+
+    environs = rank_environs(2, 2, job_id=7, restart_count=1, port=29500, base={"PYTHONPATH": "x"})
+    common = local_warm._common(environs[0])
+    assert all(local_warm._common(e) == common for e in environs) and common["PYTHONPATH"] == "x"
+    assert local_warm._common({**environs[3], "PYTHONPATH": "y"}) != common
+
+
 def test_cold_starts_when_asked() -> None:
     with local_warm.warm_starts(Path("config.yaml"), environ={local_warm.COLD_VAR: "1"}):
         proc = local_warm.start([*CHILD, "0"], _env(), subprocess.DEVNULL)
