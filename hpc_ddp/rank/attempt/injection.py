@@ -31,6 +31,11 @@ HOLD_S = 60.0
 # happened)
 # how long --fail-at waits for a victim's per-rank state to be posted before it kills it
 DIE_WAIT_S = 5.0
+# and then, as a node lost during the next step (its peers wait for it in that step's all-reduce,
+# holding the step before): the buddy's transport has drained the state before the kill's reset
+# (a reset discards what the buddy had not read yet: a warm-started rehearsal, fast enough to kill
+# within a millisecond of the send, left the buddy a step behind once in six under load)
+DIE_DURING_S = 1.0
 FAULT_POINT_VAR = "HPC_DDP_FAULT_POINT"  # tests only: rundir/snapshot/store.py's FAULT_POINT
 
 
@@ -55,12 +60,13 @@ def on_step(attempt: Attempt, run: Run) -> Callable[[int], None] | None:
 def _die_after(last: int, then: Callable[[int], None] | None, run: Run, step: int) -> None:
     """Fault injection (``--fail-at``): SIGKILL this rank once its boundary of ``last`` has run and
     its per-rank state of that step has left for its buddy (posted by the mirror's sender thread,
-    within a millisecond or so), as in a node lost during the next step."""
+    within a millisecond or so), ``DIE_DURING_S`` later, as a node lost during the next step: its
+    peers cannot pass that step's all-reduce without it, so they still hold ``last``."""
     if then is not None:
         then(step)
     if step >= last:
-        if run.mirror is not None:
-            run.mirror.wait_sent(step, DIE_WAIT_S)
+        if run.mirror is not None and run.mirror.wait_sent(step, DIE_WAIT_S):
+            time.sleep(DIE_DURING_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
