@@ -68,7 +68,6 @@ class Warm:
                 stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         self.sock, self.ready, self.gone = ours, False, False
         self.codes: dict[int, int] = {}
-        self.started: set[int] = set()
         self.lock = threading.Lock()
 
     def fits(self, environ: Mapping[str, str]) -> bool:
@@ -86,9 +85,7 @@ class Warm:
                 self._answer("ready", READY_S)
                 self.ready = True
             socket.send_fds(self.sock, [json.dumps(request).encode()], [out])
-            pid = int(self._answer("started", READY_S))  # type: ignore[call-overload]
-            self.started.add(pid)
-            return pid
+            return int(self._answer("started", READY_S))  # type: ignore[call-overload]
 
     def code(self, pid: int) -> int | None:
         """``pid``'s exit status once the warm process reaped it (no wait). Were the warm process
@@ -153,7 +150,8 @@ class _Slot:
     """One rehearsal's warm process, started by its first rank (whose environment it takes)."""
 
     def __init__(self, config_path: Path) -> None:
-        self.config_path, self.warm = config_path, None  # type: Path, Warm | None
+        self.config_path = config_path
+        self.warm: Warm | None = None
 
     def for_rank(self, environ: Mapping[str, str]) -> Warm | None:
         if self.warm is None:
