@@ -50,7 +50,7 @@ def test_a_rank_holds_its_last_step_whole_until_its_optimizer_begins_the_next_up
     optimizer.param_groups[0]["lr"] = 0.05  # and a schedule set its rate first
     loss = model(torch.randn(8, 4)).sum()
     loss.backward()  # ...and its gradient all-reduce fails here: the live state is still step 7's
-    step, state = held.whole()  # type: ignore[misc]
+    step, state, _ = held.whole()  # type: ignore[misc]
     assert step == 7 and state["step"] == 7 and state["position"] == {"sample": 0}
     assert all(torch.equal(state["model"][k], marked[k]) for k in marked)  # buffers from the copy, params live
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.1
@@ -633,7 +633,7 @@ def test_what_a_rank_holds_follows_reassigned_buffers_new_groups_and_tensor_rate
     optimizer.add_param_group({"params": list(model[2].parameters()), "lr": torch.tensor(0.01)})
     assert "a group was added since" in str(held.whole())
     held.mark(3)
-    step, state = held.whole()  # type: ignore[misc]
+    step, state, _ = held.whole()  # type: ignore[misc]
     assert step == 3 and [g["params"] for g in state["optimizer"]["param_groups"]] == [[0, 1], [2, 3]]
     optimizer.load_state_dict(state["optimizer"])  # what a resume does with it
 

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.loop.step_state import Capturing, per_rank_state
-from hpc_ddp.rank.salvage import jit, jit_checks, mirror
+from hpc_ddp.rank.salvage import device_read, jit, jit_checks, mirror
 from hpc_ddp.rank.state.checkpointer import Checkpointer
 from hpc_ddp.rank.state.ddp_settle import ddp_in, sync_buffers
 
@@ -44,6 +44,9 @@ def open_holding(run: Holding) -> list[DistributedDataParallel]:
     step marked. Returns the tracked DDP modules (compiled ones too), whose buckets the resume
     settles."""
     run.held = jit.Held(run.tracked) if run.config.snapshot.jit else None
+    if run.held is not None and run.held.clock.device:  # its side stream made now, not on failure
+        run.held.reader = device_read.CudaReader(
+            lambda: run.checkpointer.pipeline if run.checkpointer is not None else None)
     ddps = [ddp for ddp in map(ddp_in, run.tracked.values()) if ddp is not None]
     run.broadcasts_buffers = [ddp for ddp in ddps if ddp.broadcast_buffers
                               and run.world_size > 1

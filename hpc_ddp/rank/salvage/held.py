@@ -16,12 +16,13 @@ state) is copied by :func:`~hpc_ddp.rank.salvage.held_copies.plain_copy`, not ``
 not 5-20). Buffers are cloned at every boundary: a forward changes them, and a change made through
 ``.data`` leaves no trace (``_version``) to skip by.
 
-**Generations, not flags.** A survivors' snapshot may be taken from a side thread (liveness,
-watchdog) while the training thread still runs: a false alarm. ``updates`` is reset by every
-boundary, so a write that began at step k and ended after the next boundary would see no update and
-commit parameters half-way to k+1 as step k. ``generation`` only grows (each update begun, each
-boundary): a write is committed only when the generation it read first is still the one after its
-last byte.
+**Checked after the read, by the mark.** A survivors' snapshot may be taken from a side thread
+(liveness, watchdog) while the training thread still runs: a false alarm. ``updates`` is reset by
+every boundary, so a write that began at step k and ended after the next boundary would see no
+update and commit parameters half-way to k+1 as step k. So the write keeps the mark it read and asks
+:meth:`intact` after its last byte: the update after that mark had not begun (on the device, for a
+GPU). ``generation`` (bumped by each update begun and each boundary, never reset) says that the
+host moved at all.
 
 **Buffers are rank 0's.** DDP with ``broadcast_buffers`` gives every rank rank 0's buffers
 (BatchNorm's running statistics) at the start of each forward, and each rank's forward then moves
@@ -37,11 +38,15 @@ from the first references wrong. Each boundary checks the buffers' identity in t
 lookup each, not a walk of the model: 330 us for 150 modules) and re-reads the optimizers' numbering
 when their groups changed; a group added after the boundary makes the rank no source.
 
-**Device truth.** On CUDA the host runs ahead of the device: after a peer dies inside step k+1's
-all-reduce, a survivor's CPU may have passed ``run.boundary(k+1)`` while the GPU never finished that
-all-reduce, and any read of the state (``torch.save``, a fingerprint) would queue behind the wedged
-kernel forever. Each mark records an event on the current stream, which is queried, never waited on:
-a rank whose last boundary's event has not completed holds no step it can read, and says so at once.
+**Device truth** (issue 58). On CUDA the host runs ahead of the device: after a peer dies inside
+step k+1's all-reduce, a survivor's CPU may have begun step k+1's update or passed
+``run.boundary(k+1)`` while its GPU never finished that all-reduce, and step k is still whole in
+device memory. So the last two boundaries are kept (:class:`~hpc_ddp.rank.salvage.device_clock.Mark`:
+the copies, an event after them, the events around the update that follows, recorded by the
+optimizers' step pre- and post-hooks on the stream that runs the update), and :meth:`whole` takes
+the newest whose events say the memory holds it
+(:func:`~hpc_ddp.rank.salvage.device_clock.holding`): queried, never waited on. On the CPU the
+same rule reads the host's order: an update begun on the host has begun.
 
 **No device sync.** ``GradScaler.state_dict()`` calls ``.item()`` twice; its scale and growth
 tracker are cloned as tensors here, and read back to numbers only when a snapshot is written.
@@ -53,6 +58,9 @@ from typing import Any
 
 import torch
 
+from hpc_ddp.rank.salvage.device_clock import (Clock, CudaClock, Holding, HostClock, Mark,
+                                               holding, intact)
+from hpc_ddp.rank.salvage.device_read import Reader
 from hpc_ddp.rank.salvage.held_copies import (SCALERS, GroupCopy, group_copy, immutable, kind_of,
                                               plain_copy, scaler_copy, scaler_state, slots)
 from hpc_ddp.rank.state.checkpointer import STEP
@@ -65,21 +73,22 @@ class Held:
     """The whole state of the last boundary's step, as long as no optimizer update began since
     (module docstring)."""
 
-    def __init__(self, tracked: dict[str, Any]) -> None:
+    def __init__(self, tracked: dict[str, Any], clock: Clock | None = None) -> None:
         self.tracked = tracked
         self.step: int | None = None
         self.updates = 0  # optimizer updates begun since the last boundary
         # bumped by every update begun and every boundary; never reset (module docstring)
         self.generation = 0
-        # rank 0's buffers were broadcast after the last mark (:meth:`synced`)
-        self.buffers_synced = False
-        self.copies: dict[str, Any] = {}
+        # the last two boundaries, oldest first (module docstring)
+        self.marks: list[Mark] = []
         self._buffers = {name: slots(obj) for name, obj in tracked.items()
                          if isinstance(obj, torch.nn.Module)}
         self._cuda = any(p.is_cuda for obj in tracked.values() if isinstance(obj, torch.nn.Module)
                          for p in obj.parameters())
-        # CUDA: recorded at the last mark, on the current stream
-        self.event: torch.cuda.Event | None = None
+        # the device's events (a CPU's: done when recorded); a test's stand-in
+        self.clock: Clock = clock or (CudaClock() if self._cuda else HostClock())
+        # a GPU's: what copies the held state to host memory after a failure (rank/loop/holding.py)
+        self.reader: Reader | None = None
         # each group's parameter count: what state_dict's numbers follow
         self._groups: dict[str, tuple[int, ...]] = {}
         # each group's parameter indices as state_dict numbers them
@@ -95,10 +104,30 @@ class Held:
         for obj in tracked.values():
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._began)
+                obj.register_step_post_hook(self._ended)
+
+    @property
+    def copies(self) -> dict[str, Any]:
+        """The newest boundary's copies (rank 0's buffers once synced)."""
+        if not self.marks:
+            return {}
+        mark = self.marks[-1]
+        return {**mark.copies, **(mark.synced_copies or {})}
+
+    @property
+    def buffers_synced(self) -> bool:
+        """Rank 0's buffers were broadcast after the newest mark (:meth:`synced`), on the host."""
+        return bool(self.marks) and self.marks[-1].synced_copies is not None
 
     def _began(self, *args: object) -> None:
         self.updates += 1
         self.generation += 1
+        if self.marks and self.marks[-1].began is None:  # the first optimizer's: the update began
+            self.marks[-1].began = self.clock.record()
+
+    def _ended(self, *args: object) -> None:
+        if self.marks:  # the last optimizer's: the update ended
+            self.marks[-1].ended = self.clock.record()
 
     def buffer_keys(self, name: str) -> set[str]:
         """The state_dict keys of the tracked module ``name``'s buffers."""
@@ -108,14 +137,13 @@ class Held:
         """At run.boundary(step) and resume: the live state is this step's; copy what the next step
         changes early."""
         self.generation += 1
-        self.buffers_synced = False
         # an exception raised inside the copy (a signal handler's) leaves none
         self.step, self.updates = None, 0
         self._refresh()
         kinds = self._kinds
-        self.copies = {name: self._copy(name, obj, kinds[name])
-                       for name, obj in self.tracked.items()}  # then published
-        self.event = _recorded() if self._cuda else None
+        copies = {name: self._copy(name, obj, kinds[name]) for name, obj in self.tracked.items()}
+        # then published, with the event after the copies
+        self.marks = [*self.marks[-1:], Mark(step, copies, self.clock.record())]
         self.step = step
 
     def synced(self) -> None:
@@ -123,10 +151,12 @@ class Held:
         them again. Every rank then holds the buffers a snapshot of this step must hold, rank 0's,
         also when rank 0 is the one lost."""
         self.generation += 1
-        self.copies = {**self.copies, **{name: {key: tensor.detach().clone()
-                                                for key, (_, _, tensor) in found.items()}
-                                         for name, found in self._buffers.items()}}
-        self.buffers_synced = True
+        mark = self.marks[-1]
+        copies = {name: {key: tensor.detach().clone() for key, (_, _, tensor) in found.items()}
+                  for name, found in self._buffers.items()}
+        # the event first: a mark whose synced copies are set has their event (device_clock)
+        mark.synced_event = self.clock.record()
+        mark.synced_copies = copies
 
     def _refresh(self) -> None:
         for name, found in self._buffers.items():
@@ -186,22 +216,14 @@ class Held:
             self.settings_copied += 1
         return last if live is last.live else GroupCopy(live, copied)
 
-    def whole(self) -> tuple[int, dict[str, Any]] | str:
-        """(step, the replicated state of it) as a snapshot holds it, or why this rank holds no
-        whole step. Read ``generation`` before and compare after using the state
-        (:func:`intact`)."""
-        step, copies = self.step, self.copies
-        if step is None:
-            return "this rank had not finished run.resume()"
-        if self.updates:
-            return (f"this rank's optimizer had begun the update after step {step} and its "
-                    f"run.boundary({step + 1}) had not come")
-        event = self.event
-        if event is not None and not event.query():
-            return (f"this rank's GPU had not finished the work of step {step} (its "
-                    f"run.boundary({step}) came "
-                    "first on the host; a collective on the device may be wedged): its state "
-                    "cannot be read")
+    def whole(self) -> tuple[int, dict[str, Any], Holding] | str:
+        """(step, the replicated state of it as a snapshot holds it, the holding) for the newest
+        boundary the memory still holds, or why this rank holds none. After reading the state, ask
+        :meth:`intact` with the holding's mark. Never waits on the device."""
+        held = holding(self.marks, self.clock)
+        if isinstance(held, str):
+            return held
+        step, copies = held.step, held.copies
         state: dict[str, Any] = {}
         for name, obj in self.tracked.items():
             if isinstance(obj, torch.optim.Optimizer):
@@ -218,12 +240,9 @@ class Held:
             else:
                 state[name] = copies[name]
         state[STEP] = step
-        return step, state
+        return step, state, held
 
-
-def _recorded() -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
+    def intact(self, mark: Mark) -> bool:
+        """Whether the live state read for ``mark`` is still its step's, asked once the read is
+        done (:func:`~hpc_ddp.rank.salvage.device_clock.intact`)."""
+        return intact(mark, self.clock)

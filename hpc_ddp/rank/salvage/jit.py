@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.errors import first_line
-from hpc_ddp.rank.salvage import jit_commit
+from hpc_ddp.rank.salvage import device_read, jit_commit
+from hpc_ddp.rank.salvage.device_clock import Holding
 # Held and buffers were defined here first
 from hpc_ddp.rank.salvage.held import Held
 from hpc_ddp.rank.salvage.held_copies import buffers  # noqa: F401
@@ -119,12 +120,13 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
         if mirror.broken is not None:
             offer["mirror_broken"] = mirror.broken
     reason = why_not(run)
-    generation = held.generation  # read first: a write that sees it move holds a torn state
-    synced = held.buffers_synced  # rank 0's buffers on every rank (rank/salvage/held.py)
     whole = held.whole() if reason is None else reason
+    if not isinstance(whole, str):  # a GPU's state: read once, off the wedged stream
+        whole = _on_host(held, *whole)
     if isinstance(whole, str):
         return _no_source(run, post, offer, whole)
-    step, state = whole
+    step, state, holding = whole
+    synced = holding.synced  # rank 0's buffers on every rank (rank/salvage/held.py)
     broadcast = broadcast_buffers(run, held)
     # unsynced: this rank's buffers are its own, not rank 0's
     skip = any(({} if synced else broadcast).values())
@@ -151,13 +153,29 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
         offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
             run, folder, step, offer, share))
     else:
-        offer.update(outcome=write_claimed(run, post, step, state, offer, started, generation,
-                                           share))
+        offer.update(outcome=write_claimed(run, post, step, state, offer, started,
+                                           holding.mark, share))
     carried = jit_files.offer(post, offer)
     if carried and mirror is not None and not offer["outcome"].startswith("committed"):
         offer.update(outcome=_check_set(run, folder, True))  # it carried another rank's news: check
         jit_files.offer(post, offer)
     return offer
+
+
+def _on_host(held: Held, step: int, state: dict[str, Any],
+             holding: Holding) -> tuple[int, dict[str, Any], Holding] | str:
+    """The held state with its device tensors copied to host memory on a stream of their own
+    (:mod:`~hpc_ddp.rank.salvage.device_read`), checked after the copy: the update after the step
+    had not begun on the device meanwhile. A CPU state as it is (the write checks it)."""
+    if held.reader is None:
+        return step, state, holding
+    read = device_read.to_host(state, held.reader)
+    if isinstance(read, str):
+        return read
+    if not held.intact(holding.mark):
+        return (f"the update after step {step} began on this rank's device while its state was "
+                "copied to host memory")
+    return step, read, holding
 
 
 class OneHandler:

@@ -15,7 +15,6 @@ in a periodic snapshot.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any

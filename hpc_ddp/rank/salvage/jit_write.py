@@ -15,6 +15,7 @@ from typing import Any
 
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rank.salvage import jit_commit
+from hpc_ddp.rank.salvage.device_clock import Mark
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rundir import jit_files, slicing, snapshot
 from hpc_ddp.rundir.snapshot import write as snapshot_write
@@ -42,12 +43,13 @@ def replicas_of(nodes: int, configured: int) -> int:
 
 
 def write_claimed(run: Survivor, post: jit_files.Post, step: int, state: dict[str, Any],
-                  offer: dict[str, Any], started: float, generation: int,
+                  offer: dict[str, Any], started: float, mark: Mark,
                   share: tuple[int, int] = (0, 1)) -> str:
     """The claimed step's file; then, once the other survivors' offers had a moment to come in, the
     commit if the set is complete (:func:`jit_commit.complete`). Not committed when the training
-    thread began an update or reached its next boundary while the state was read and written
-    (``generation`` moved): the file may hold parameters half-way to the next step."""
+    thread began the update after ``mark`` while the state was read and written (on the device, for
+    a GPU: :meth:`~hpc_ddp.rank.salvage.held.Held.intact`): the file may hold parameters half-way
+    to the next step."""
     index, nodes = share
     # a part of a tensor is copied (torch.save of a view writes its whole storage: every node would
     # write the whole state, as B13-SPLIT's first run showed); a whole tensor never is
@@ -60,9 +62,9 @@ def write_claimed(run: Survivor, post: jit_files.Post, step: int, state: dict[st
     entry = snapshot_write.write_node_file(directory, 0, content, name=name, split=split)
     wrote_s = time.monotonic() - writing
     assert run.held is not None  # for the type checker: after_failure writes only with a Held
-    if run.held.generation != generation:  # written from a side thread while training went on
-        return ("not committed: this rank's training went on (an optimizer update or a boundary) "
-                "while the state was written")
+    if not run.held.intact(mark):  # written from a side thread while training went on
+        return ("not committed: this rank's training went on (an optimizer update) while the "
+                "state was written")
     offer.update(written={"step": step, "entry": {**entry, "slices": held, "ranks": []},
                           "layout": split, "took_s": round(time.monotonic() - started, 3),
                           "write_s": round(wrote_s, 3)})

@@ -161,6 +161,21 @@ class Pipeline:
         self._last.copying = any(c[2] is not HOST for cs in chunks.values() for c in cs)
         return self._last
 
+    def borrow(self, sizes: list[int]) -> list[memoryview] | None:
+        """The arena's regions for ``sizes``, for the survivors' snapshot's read of device memory
+        (:mod:`hpc_ddp.rank.salvage.device_read`), without allocating: None when the arena is not
+        pinned, too small, or a snapshot's write holds it. Kept for good: the process ends after the
+        failure path, and a snapshot staged meanwhile (a false alarm's training thread) is refused,
+        not written over the read."""
+        if self._last is not None and not self._last.released:
+            return None
+        arena = self.arena
+        need = sum(-(-size // ALIGN) * ALIGN for size in sizes)
+        if arena.buffer is None or not arena.pinned or arena.buffer.numel() < need:
+            return None
+        self._last = Staged({}, {})  # never released: stage() refuses to reuse the arena
+        return arena.regions(sizes, pinned=True)
+
     def _start(self, plan: dict[int, tuple[torch.Tensor, torch.Tensor, Copier]],
                chunks: dict[int, list[list[Any]]]) -> None:
         """Every chunk's copy, started in piece order after each copier's boundary, into ``chunks``;
