@@ -10,6 +10,7 @@ brought them (whole, delta, unchanged, refused)."""
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 import signal
 from typing import Any
 
@@ -169,6 +170,44 @@ def test_a_state_comes_back_from_its_message_exactly_or_goes_as_torch_save_bytes
     assert same(state, back)
     for odd in (np.zeros(3), defaultdict(int), np.float32(1.0), torch.zeros(3).to_sparse()):
         assert flat.plan({"odd": odd}) is None
+    # a per-rank parameter comes back a parameter, with its flag (issue 58: it went through torch.save)
+    param = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    layout = flat.plan({"p": param})
+    assert layout is not None
+    layout.write(body := torch.zeros(layout.nbytes, dtype=torch.uint8))
+    got = flat.read(body)["p"]
+    assert type(got) is torch.nn.Parameter and not got.requires_grad and torch.equal(got, param)
+
+
+Batch = namedtuple("Batch", "x y")  # a per-rank type the flat format does not carry (picklable: module level)
+
+
+def test_the_first_boundary_names_a_per_rank_type_that_costs_a_torch_save_per_step_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 58: a namedtuple, a dataclass, a NumPy array went through torch.save on the training thread at every
+    boundary, silently (with a CUDA tensor inside, a device sync per step). The first boundary says so, once, and
+    names the type and where it is."""
+    import numpy as np
+    import torch
+
+    from hpc_ddp.rank.salvage import flat, mirror
+    from hpc_ddp.rank.salvage.mirror_receive import Receiver
+    from hpc_ddp.rank.salvage.mirror_send import Sender
+
+    assert flat.unsupported({"b": [1, Batch(torch.ones(1), 2)]}) == \
+        f"a {__name__}.Batch at ['b'][1]"
+    assert flat.unsupported({"a": np.zeros(2)}) == "a numpy.ndarray at ['a']"
+    assert flat.unsupported({"t": (torch.ones(2), {"k": None})}) is None
+    kept = object.__new__(mirror.Mirror)  # no process group: only the boundary's packing runs
+    kept.rank, kept.ward, kept.broken = 0, 0, None
+    kept._lock = mirror.threading.Lock()
+    Sender.__init__(kept)
+    Receiver.__init__(kept)
+    with caplog.at_level("WARNING", logger="hpc_ddp.mirror"):
+        kept.mark(1, {"prefetched": Batch(torch.ones(2), torch.zeros(2))})
+        kept.mark(2, {"prefetched": Batch(torch.ones(2), torch.zeros(2))})
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "Batch at ['prefetched']" in said[0] and "device sync per step" in said[0]
 
 
 def _long_gap(environ: dict[str, str], out: Any) -> None:

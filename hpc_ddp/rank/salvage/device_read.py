@@ -80,12 +80,13 @@ class CudaReader:
         return bool(handle.query())
 
 
-def to_host(state: Any, reader: Reader, read_s: float = READ_S,
+def to_host(state: Any, reader: Reader, read_s: float | None = None,
             clock: Callable[[], float] = time.monotonic,
             sleep: Callable[[float], None] = time.sleep) -> Any | str:
     """``state`` with every tensor the reader moves replaced by a host copy of it (one copy per
     storage view, in the state's order), or why not: the copies did not complete within
-    ``read_s``."""
+    ``read_s`` (:data:`READ_S` when None)."""
+    read_s = READ_S if read_s is None else read_s
     found: list[torch.Tensor] = []
     index: dict[int, int] = {}
 

@@ -19,9 +19,14 @@ other body. What lies between leaves (alignment padding) is never read, so the r
 state, byte for byte where it is read, as the whole body.
 
 Only exact round trips take this path: dicts, OrderedDicts, lists and tuples of exactly those types,
-``str``, ``int``, ``float``, ``bool``, ``None`` and strided tensors. Anything else (a NumPy array, a
-namedtuple, a dict subclass) returns None from :func:`plan`, and the mirror sends ``torch.save``
-bytes instead. Tensors that share storage come back as separate copies with the same values.
+``str``, ``int``, ``float``, ``bool``, ``None``, strided tensors and ``nn.Parameter``\ s. Anything
+else (a NumPy array, a namedtuple, a dataclass, a dict subclass, another tensor subclass) returns
+None from :func:`plan`, and the mirror sends ``torch.save`` bytes instead, made on the training
+thread at every boundary: with a CUDA tensor inside, that is a device sync per step, so the first
+boundary warns once and names it (:func:`unsupported`, issue 58). Such types must also be
+registered for ``weights_only`` loads, or the first boundary refuses them
+(:func:`hpc_ddp.rank.state.tracked.unloadable`). Tensors that share storage come back as separate
+copies with the same values.
 """
 
 from __future__ import annotations
@@ -183,9 +188,12 @@ def _walk(value: Any, tensors: list[torch.Tensor]) -> Any:
     if value is None or kind in (bool, int, float, str):
         return value
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_quantized or type(value) is not torch.Tensor:
+        if (value.layout != torch.strided or value.is_quantized
+                or kind not in (torch.Tensor, torch.nn.Parameter)):
             raise _Unsupported
         tensors.append(value.detach())
+        if kind is torch.nn.Parameter:  # a per-rank parameter: itself again, with its flag
+            return {"P": [len(tensors) - 1, value.requires_grad]}
         return {"T": len(tensors) - 1}
     if kind is dict or kind is OrderedDict:
         return {"D" if kind is dict else "O": [[_walk(k, tensors), _walk(v, tensors)]
@@ -195,12 +203,34 @@ def _walk(value: Any, tensors: list[torch.Tensor]) -> Any:
     raise _Unsupported
 
 
+def unsupported(state: object, path: str = "") -> str | None:
+    """The first part of ``state`` this format cannot carry, as "a TYPE at PATH", or None: what the
+    first boundary's warning names (it goes as ``torch.save`` bytes instead, at every boundary)."""
+    kind = type(state)
+    if state is None or kind in (bool, int, float, str):
+        return None
+    if isinstance(state, torch.Tensor):
+        if (state.layout == torch.strided and not state.is_quantized
+                and kind in (torch.Tensor, torch.nn.Parameter)):
+            return None
+    elif kind is dict or kind is OrderedDict:
+        return next((found for k, v in state.items()
+                     if (found := unsupported(k, f"{path}[{k!r}]:key")
+                         or unsupported(v, f"{path}[{k!r}]")) is not None), None)
+    elif kind is list or kind is tuple:
+        return next((found for i, v in enumerate(state)
+                     if (found := unsupported(v, f"{path}[{i}]")) is not None), None)
+    return f"a {kind.__module__}.{kind.__qualname__} at {path or 'the top'}"
+
+
 def _build(node: object, tensors: list[torch.Tensor]) -> Any:
     if not isinstance(node, dict):
         return node
     (tag, inner), = node.items()
     if tag == "T":
         return tensors[inner]
+    if tag == "P":
+        return torch.nn.Parameter(tensors[inner[0]], requires_grad=inner[1])
     if tag in ("D", "O"):
         pairs = ((_build(k, tensors), _build(v, tensors)) for k, v in inner)
         return dict(pairs) if tag == "D" else OrderedDict(pairs)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -62,6 +63,8 @@ log = logging.getLogger("hpc_ddp.mirror")
 RECEIVE_TIMEOUT = timedelta(hours=24)
 # how long the end of an attempt waits for the threads (a peer that never sends its end)
 JOIN_S = 10.0
+# how long a failure waits for a GPU's copies into this rank's last states (queried, never synced)
+HELD_WAIT_S = 2.0
 
 
 def new_group() -> dist.ProcessGroup:
@@ -132,11 +135,15 @@ class Mirror(Sender, Receiver):
         """What a survivor can give a just-in-time snapshot: {rank: {step: packed state}}, newest
         first, for itself and its ward, each at its last two boundaries (the survivors may stand at
         two steps: issue 55). Each is read under the lock (its buffer is neither reused nor written
-        meanwhile), packed outside it."""
+        meanwhile), packed outside it. A GPU's copy into a state's buffer not done within
+        :data:`HELD_WAIT_S` leaves that state out (it was enqueued behind a wedged collective)."""
+        # before the lock (the boundary never waits for it behind the GPU), queried, never
+        # synchronized: a copy behind a wedged collective never completes (issue 58)
+        deadline = time.monotonic() + HELD_WAIT_S
         for own in (self.own, self.before):
             for event in (own.ready or ()) if own is not None else ():
-                # before the lock: the boundary never waits for it behind the GPU
-                event.synchronize()
+                while not event.query() and time.monotonic() < deadline:
+                    time.sleep(0.001)
         with self._lock:
             mine = copies(self._own_bodies())
             theirs = copies(self._ward_bodies()) if self.ward != self.rank else []

@@ -30,6 +30,7 @@ older than the state.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -48,6 +49,8 @@ from hpc_ddp.rank.state import tracked
 IN_FLIGHT = 5
 # messages: one goes whole at least this often (a refused delta is mended within as many steps)
 FULL_EVERY = 100
+
+log = logging.getLogger("hpc_ddp.mirror")
 
 
 class Sender:
@@ -70,6 +73,7 @@ class Sender:
         self.sent_kinds = {BYTES: 0, FLAT: 0, UNCHANGED: 0, DELTA: 0}
         self.wire_bytes = 0  # bytes this rank's messages put on the wire, headers included
         self.allocated = 0  # buffers the boundary allocated (reused after: at most IN_FLIGHT exist)
+        self.warned = False  # a state the flat format cannot carry was named once
         # the sender thread waits on it for a state or the end
         self._wake = threading.Condition(self._lock)
         self._next: Packed | None = None  # the newest state the sender thread has not taken yet
@@ -128,6 +132,13 @@ class Sender:
         events beside it (one per device; else None) complete with them, and whoever reads it waits
         for them first, never the training thread."""
         layout = None if isinstance(state, bytes) else flat.plan(state)
+        if layout is None and not isinstance(state, bytes) and not self.warned:
+            self.warned = True
+            log.warning("the per-rank state holds %s, which the mirror cannot copy as it copies "
+                        "tensors: it is packed with torch.save at every boundary, on the training "
+                        "thread (with a CUDA tensor inside, a device sync per step).\nHINT: keep "
+                        "tensors, numbers, strings, lists and dicts in it (a namedtuple or a "
+                        "dataclass as a dict, a NumPy array as a tensor)", flat.unsupported(state))
         blob = (b"" if layout is not None else state if isinstance(state, bytes)
                 else tracked.pack(state))
         size = layout.nbytes if layout is not None else len(blob)
@@ -241,14 +252,11 @@ class Sender:
 
     def _own_bodies(self) -> list[tuple[int, int, torch.Tensor]]:
         """This rank's last state and the one before: (step, kind, body), newest first (under the
-        lock). The last one's copies from a GPU are done already unless a boundary came since
-        ``held`` waited for them; the one before is left out rather than waited for if its copies
-        are not (enqueued before the last one's, they are done in practice)."""
+        lock). Each is left out rather than waited for when its copies from a GPU are not done
+        (``held`` gave them a bounded time first: a copy behind a wedged collective never is)."""
         out = []
         own, before = self.own, self.before
-        if own is not None:
-            for event in own.ready or ():
-                event.synchronize()
+        if own is not None and all(event.query() for event in own.ready or ()):
             out.append((own.step, own.kind, own.body()))
         if before is not None and all(event.query() for event in before.ready or ()):
             out.append((before.step, before.kind, before.body()))
