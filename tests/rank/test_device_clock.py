@@ -274,3 +274,30 @@ def test_the_mirrors_held_states_leave_out_one_whose_gpu_copy_never_completes_in
     started = time.monotonic()
     held = kept.held()
     assert time.monotonic() - started < 2 and list(held[0]) == [4]
+
+
+def test_the_optimizer_state_the_host_advances_at_once_is_held_as_it_was_when_the_update_began() -> None:
+    """On a GPU model Adam's ``step`` counters are CPU tensors: ``optimizer.step()`` advances them on the host at
+    once while the update's kernels wait behind the wedge. The held step k takes them as they were when the update
+    of k+1 began (here every leaf is a CPU one: the stand-in device runs on the CPU), and a parameter with no state
+    then has none in the held step."""
+    import copy
+
+    model, _ = _model()
+    optimizer = torch.optim.AdamW(model[0].parameters(), lr=0.1)
+    clock = Clock()
+    held = Held({"model": model, "optimizer": optimizer}, clock=clock)
+    for step in (1, 2, 3):
+        _train(model, optimizer)
+        held.mark(step)
+    expected = copy.deepcopy(optimizer.state_dict())
+    optimizer.add_param_group({"params": list(model[1].parameters()), "lr": 0.01})
+    held.mark(3)  # the group is in the step's copies; its parameters have no state yet
+    clock.running = False
+    _train(model, optimizer)  # the host's update: counters to 4, the new group's state made
+    assert float(optimizer.state_dict()["state"][0]["step"]) == 4.0 and 2 in optimizer.state_dict()["state"]
+    step, state, _ = held.whole()  # type: ignore[misc]
+    got = state["optimizer"]["state"]
+    assert step == 3 and sorted(got) == sorted(expected["state"]) == [0, 1]
+    assert all(torch.equal(got[i][k], expected["state"][i][k]) for i in got for k in got[i])
+    assert float(got[0]["step"]) == 3.0

@@ -28,7 +28,7 @@ ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -87,6 +87,8 @@ class Mark:
     ended: Any = None  # ... and ended
     synced_copies: dict[str, Any] | None = None
     synced_event: Any = None
+    # a GPU's: each optimizer's host-side state as its update after this step began (held_copies)
+    host: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

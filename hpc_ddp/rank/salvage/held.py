@@ -61,8 +61,9 @@ import torch
 from hpc_ddp.rank.salvage.device_clock import (Clock, CudaClock, Holding, HostClock, Mark,
                                                holding, intact)
 from hpc_ddp.rank.salvage.device_read import Reader
-from hpc_ddp.rank.salvage.held_copies import (SCALERS, GroupCopy, group_copy, immutable, kind_of,
-                                              plain_copy, scaler_copy, scaler_state, slots)
+from hpc_ddp.rank.salvage.held_copies import (SCALERS, GroupCopy, HostPlan, group_copy, host_plan,
+                                              host_side, immutable, kind_of, plain_copy,
+                                              scaler_copy, scaler_state, slots, with_host_side)
 from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rank.state.tracked import state_of, unwrap
 
@@ -101,10 +102,11 @@ class Held:
         self._kinds = {name: kind_of(obj) for name, obj in tracked.items()}
         self._optimizers = [(name, obj) for name, obj in tracked.items()
                             if self._kinds[name] == "optimizer"]
-        for obj in tracked.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                obj.register_step_pre_hook(self._began)
-                obj.register_step_post_hook(self._ended)
+        # a GPU's: where each optimizer's host-side state is (held_copies.host_plan)
+        self._host_plans: dict[str, HostPlan] = {}
+        for name, obj in self._optimizers:
+            obj.register_step_pre_hook(lambda opt, *_, name=name: self._began(name, opt))
+            obj.register_step_post_hook(self._ended)
 
     @property
     def copies(self) -> dict[str, Any]:
@@ -119,11 +121,19 @@ class Held:
         """Rank 0's buffers were broadcast after the newest mark (:meth:`synced`), on the host."""
         return bool(self.marks) and self.marks[-1].synced_copies is not None
 
-    def _began(self, *args: object) -> None:
+    def _began(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         self.updates += 1
         self.generation += 1
-        if self.marks and self.marks[-1].began is None:  # the first optimizer's: the update began
-            self.marks[-1].began = self.clock.record()
+        if not self.marks:
+            return
+        mark = self.marks[-1]
+        if mark.began is None:  # the first optimizer's: the update began
+            mark.began = self.clock.record()
+        if self.clock.device and name not in mark.host:  # the host changes these at once
+            plan = self._host_plans.get(name)
+            if plan is None or plan.size != len(optimizer.state):
+                plan = self._host_plans[name] = host_plan(optimizer)
+            mark.host[name] = host_side(optimizer, plan)
 
     def _ended(self, *args: object) -> None:
         if self.marks:  # the last optimizer's: the update ended
@@ -232,15 +242,24 @@ class Held:
                             f"{len(copies[name])} at "
                             f"run.boundary({step}): a group was added since, and the step's state "
                             "is not whole")
-                state[name] = {**obj.state_dict(), "param_groups": copies[name]}
+                live = obj.state_dict()
+                if name in held.mark.host:  # the host began the update the device had not
+                    live = with_host_side(live, held.mark.host[name])
+                state[name] = {**live, "param_groups": copies[name]}
             elif isinstance(obj, torch.nn.Module):
                 state[name] = {**unwrap(obj).state_dict(), **copies[name]}
-            elif isinstance(obj, SCALERS):
-                state[name] = scaler_state(copies[name])
+            elif isinstance(obj, SCALERS):  # a GPU's: numbers once on the host (to_numbers)
+                state[name] = copies[name] if self.clock.device else scaler_state(copies[name])
             else:
                 state[name] = copies[name]
         state[STEP] = step
         return step, state, held
+
+    def to_numbers(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A GPU's held state once copied to the host: a GradScaler's scale and growth tracker read
+        back to the numbers its state_dict() gives (a CPU tensor's ``.item()``: no device sync)."""
+        return {name: scaler_state(value) if self._kinds.get(name) == "scaler" else value
+                for name, value in state.items()}
 
     def intact(self, mark: Mark) -> bool:
         """Whether the live state read for ``mark`` is still its step's, asked once the read is

@@ -116,3 +116,72 @@ def scaler_state(copied: dict[str, Any]) -> dict[str, Any]:
     if isinstance(state.get("_growth_tracker"), torch.Tensor):
         state["_growth_tracker"] = int(state["_growth_tracker"].item())
     return state
+
+
+class HostSide(NamedTuple):
+    """What an optimizer's update changes on the host, as it was when the update began: on a GPU
+    model, Adam's ``step`` counters are CPU tensors that ``step()`` advances at once, while the
+    update's kernels still wait behind the gradients' all-reduce (issue 58). ``present``: the
+    state_dict numbers that had a state then (a first update creates them)."""
+    present: frozenset[int]
+    values: dict[tuple[int, str], Any]
+
+
+class HostPlan(NamedTuple):
+    """Where an optimizer's host-side leaves are (made again when its state grows)."""
+    size: int  # len(optimizer.state) when made
+    present: frozenset[int]
+    tensors: list[tuple[int, str]]  # CPU tensors, in the order of ``refs``
+    refs: list[torch.Tensor]
+    others: list[tuple[torch.Tensor, str, int]]  # (parameter, key, number): Python values
+
+
+def host_plan(optimizer: torch.optim.Optimizer) -> HostPlan:
+    """The CPU tensors and Python values in ``optimizer``'s state, numbered as state_dict() numbers
+    the parameters."""
+    numbers = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    tensors, refs, others = [], [], []
+    for param, state in optimizer.state.items():
+        number = numbers.get(id(param))
+        if number is None:
+            continue
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if not value.is_cuda:
+                    tensors.append((number, key))
+                    refs.append(value)
+            else:
+                others.append((param, key, number))
+    present = frozenset(numbers[id(p)] for p in optimizer.state if id(p) in numbers)
+    return HostPlan(len(optimizer.state), present, tensors, refs, others)
+
+
+def host_side(optimizer: torch.optim.Optimizer, plan: HostPlan) -> HostSide:
+    """The host-side leaves now (one ``torch.stack`` for the usual 0-d counters: 40 µs for 150 on
+    this machine, against 150 for a clone each)."""
+    values: dict[tuple[int, str], Any] = {}
+    if plan.refs:
+        try:
+            stacked = torch.stack(plan.refs)
+            values.update(zip(plan.tensors, stacked.unbind(0)))
+        except RuntimeError:  # shapes or dtypes that differ
+            values.update(zip(plan.tensors, (t.clone() for t in plan.refs)))
+    for param, key, number in plan.others:
+        values[(number, key)] = copy.copy(optimizer.state[param][key])
+    return HostSide(plan.present, values)
+
+
+def with_host_side(state: dict[str, Any], side: HostSide) -> dict[str, Any]:
+    """An optimizer's state_dict() with its host-side leaves as they were when the update began
+    (and no state for a parameter that had none then)."""
+    kept = {}
+    for number, leaves in state["state"].items():
+        if number in side.present:
+            kept[number] = {key: _own(side.values[(number, key)]) if (number, key) in side.values
+                            else value for key, value in leaves.items()}
+    return {**state, "state": kept}
+
+
+def _own(value: Any) -> Any:
+    """A stacked counter as a tensor of its own (torch.save of a view writes its whole storage)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -175,7 +175,7 @@ def _on_host(held: Held, step: int, state: dict[str, Any],
     if not held.intact(holding.mark):
         return (f"the update after step {step} began on this rank's device while its state was "
                 "copied to host memory")
-    return step, read, holding
+    return step, held.to_numbers(read), holding
 
 
 class OneHandler:
