@@ -1,62 +1,117 @@
 #!/usr/bin/env bash
-# The checks a lent GPU machine runs (the device tool's `run`), each with its own time limit, each writing into
-# OUTDIR as it goes, so a part that runs long costs only itself.
-#   tests   tests/gpu: NCCL at world size 1, CUDA RNG restore, pinned staging, bf16, the hang and crash paths on
-#           NCCL, the mirror with a CUDA tensor. Seen on an H200 machine (2026-11-26): the first 7 tests took
-#           170 s; the hang test waits up to 100 s and the crash test up to 90 s. Limit: 360 s.
-#   mirror  B2-MIRROR on that machine's 16 CPU cores (gloo, 2 ranks: more cores than ranks). About 11 s per round
-#           of 100 steps there. Limit: 30 s + 15 s per round. Its JSON goes into benchmarks/results.json by hand,
-#           as B2-MIRROR-DEVICE with a "machine" line (the table in docs/performance.md shows it).
-#   gpu     B2-GPU (benchmarks/gpu.py): over 170 s at 5 rounds there (with its 2048 MB snapshot figures); give it a
-#           call of its own. Limit: 540 s.
-#   pipeline  the snapshot's device-to-host pipeline (hpc_ddp/rank/state/pipeline.py): its two tests in tests/gpu
-#           (a CUDA state through reused pinned memory resumes bit-identically; an async snapshot does not wait for
-#           the GPU and holds its boundary's state), then B2-GPU-PIPELINE (`python -m benchmarks.gpu --pipeline`:
-#           a 2048 MB CUDA state, sync GB/s against dd, async blocking, the first snapshot, one writer thread
-#           against two on that disk). Not run on a GPU yet: about 2 minutes expected. Limits: 150 s + 300 s.
-#   nccl    dev/nccl_net_check.py: NCCL at world size 1, one all_reduce, and which network the parser read from
-#           NCCL's own INIT/NET lines (hpc_ddp.rank.group.nccl_report). Limit: 120 s.
-# A session has 15 minutes of device time in all and a machine starts in about 30 s: run `tests,mirror` in one
-# call and `gpu` in another, or fewer rounds; `pipeline` alone fits one short call.
-# Usage, from the repository root on the device (carry .whl, which holds the omegaconf and submitit wheels):
-#   bash dev/gpu_check.sh "$OUT" [PARTS, default tests,mirror,nccl] [mirror rounds, default 8] [gpu rounds, default 3]
+# The one prepared GPU check (issue 58): what only a GPU can show, run on a lent machine by the device tool's
+# `run`, each part with its own time limit, inside one budget, writing what it saw under OUTDIR as it goes (at most
+# 8 files come back: machine.txt, summary.txt, log.txt, figures.json, b15.json, mingpt.txt).
+#
+# Before it, here: `bash dev/gpu_prepare.sh` (the wheels and minGPT-ddp the machine cannot fetch, in .gpu/). Then:
+#   run(command='bash dev/gpu_check.sh "$OUT"', carry=['.gpu'], timeout_s=560)
+# Without a GPU (or without torch) every part says that it needs one, in a second or two, and nothing runs.
+#
+# Parts, in the order they run (PARTS picks and orders them; a part whose limit no longer fits the budget is
+# listed as not run, for the next lent GPU):
+#   survivor  the survivors' snapshot at world size 1 while a long torch.cuda._sleep wedges the update stream:
+#             step k held, copied on a side stream and written bit for bit before the stream is free; and the
+#             device's events said without a wait (tests/gpu: two tests). Limit 90 s.
+#   pair      two ranks on the one GPU (gloo group, CUDA model with BatchNorm, per-rank CUDA batch): no sync in
+#             any run.boundary after the first (tests/gpu/sync_free_pair.py). Limit 150 s.
+#   b15       B15 on CUDA: run.boundary alone, GPT own loop and Trainer, world size 1 (benchmarks/boundary.py).
+#             Limit 200 s.
+#   nccl      dev/nccl_net_check.py: the network NCCL says it uses, parsed from its own lines. Limit 90 s.
+#   pipeline  tests/gpu's two pipeline tests, then B2-GPU-PIPELINE (2048 MB CUDA state vs dd). Limit 90 + 240 s.
+#   gpu       B2-GPU (own loop vs raw, sync/async snapshots) at GPU_ROUNDS rounds (default 2). Limit 300 s.
+#   mingpt    pytorch/examples' minGPT-ddp, unmodified, at world size 1 through hpc_ddp.submit --local: it refuses
+#             one GPU ("Unable to locate sufficient 2 gpus") and hpc_ddp must say it trained nothing; then a copy
+#             whose only change is that minimum (1), one epoch on 1 % of the text, which must train. Limit 150 s.
+#   tests     the rest of tests/gpu (NCCL resume, RNG, staging, the hang and crash paths, the mirror). Limit 360 s.
+#   mirror    B2-MIRROR on the machine's CPU cores (gloo, 2 ranks). Limit 30 + 15 s a round (MIRROR_ROUNDS, 4).
+# Usage: bash dev/gpu_check.sh OUTDIR [PARTS, default survivor,pair,b15,nccl,pipeline,gpu,mingpt,tests]
+#        [BUDGET_S, default 480: one call of the device tool, with its start, within its 10 minutes]
 set -u
-out=${1:?usage: dev/gpu_check.sh OUTDIR [tests,mirror,gpu,pipeline,nccl] [mirror_rounds] [gpu_rounds]}
-parts=,${2:-tests,mirror,nccl},
-mrounds=${3:-8}
-grounds=${4:-3}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/deps/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+out=${1:?usage: dev/gpu_check.sh OUTDIR [survivor,pair,b15,nccl,pipeline,gpu,mingpt,tests,mirror] [BUDGET_S]}
+parts=${2:-survivor,pair,b15,nccl,pipeline,gpu,mingpt,tests}
+budget=${3:-480}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+summary="$out/summary.txt" log="$out/log.txt"
+: >"$summary"
+: >"$log"
+say() { echo "$*" | tee -a "$summary"; }
+
+if ! why=$("$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")' 2>&1); then
+    [ -n "$why" ] || why="no CUDA device"
+    case $why in *"No module named"*) why="$py cannot import torch";; esac
+    for part in ${parts//,/ }; do say "$part: needs a GPU ($why): not run"; done
+    exit 0
+fi
+if [ -d .gpu/wheels ]; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .gpu/wheels/*.whl >>"$log" 2>&1 || { say "setup: the wheels of .gpu/wheels did not install (log.txt)"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+    say "setup: no .gpu/wheels (run dev/gpu_prepare.sh here and carry .gpu): parts that need omegaconf will fail"
+fi
+export PYTHONUNBUFFERED=1
 { date; nproc; lscpu | grep -E 'Model name|Thread|Core|Socket'; nvidia-smi -L
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'; } \
-    >"$out/machine.txt" 2>&1
-if [[ $parts == *,tests,* ]]; then
-    start=$SECONDS
-    timeout 360 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.log" | tail -40
-    echo "tests/gpu: $((SECONDS - start)) s"
-fi
-if [[ $parts == *,mirror,* ]]; then
-    start=$SECONDS
-    timeout $((30 + 15 * mrounds)) python3 -c "import json, sys; from benchmarks.run import b2_mirror
-json.dump(b2_mirror($mrounds, 100), sys.stdout, indent=1)" >"$out/b2-mirror.json" 2>"$out/b2-mirror.err"
-    echo "B2-MIRROR ($mrounds rounds of 100 steps): rc $?, $((SECONDS - start)) s"; cat "$out/b2-mirror.json"
-fi
-if [[ $parts == *,gpu,* ]]; then
-    start=$SECONDS
-    timeout 540 python3 -c "import json, sys; from benchmarks.gpu import figures
-json.dump(figures($grounds, 400, 50, 2048, smoke=False), sys.stdout, indent=1)" >"$out/b2-gpu.json" 2>"$out/b2-gpu.err"
-    echo "B2-GPU ($grounds rounds): rc $?, $((SECONDS - start)) s"; cat "$out/b2-gpu.json"
-fi
-if [[ $parts == *,pipeline,* ]]; then
-    start=$SECONDS
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "through_the_pipeline or boundary_s_state" 2>&1 \
-        | tee "$out/pipeline-tests.log" | tail -30
-    timeout 300 python3 -m benchmarks.gpu --pipeline >"$out/b2-gpu-pipeline.json" 2>"$out/b2-gpu-pipeline.err"
-    echo "B2-GPU-PIPELINE: rc $?, $((SECONDS - start)) s"; cat "$out/b2-gpu-pipeline.json"
-fi
-if [[ $parts == *,nccl,* ]]; then
-    start=$SECONDS
-    timeout 120 python3 dev/nccl_net_check.py 2>&1 | tee "$out/nccl-net.log" | tail -30
-    echo "nccl_net_check: $((SECONDS - start)) s"
-fi
+  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+} >"$out/machine.txt" 2>&1
+started=$SECONDS
+
+# part NAME LIMIT_S COMMAND...: runs it under its limit when the budget still holds it; its output goes to log.txt
+part() {
+    local name=$1 limit=$2 begin rc
+    shift 2
+    if (( SECONDS - started + limit > budget )); then
+        say "$name: not run (its limit, ${limit} s, is past what is left of the ${budget} s budget)"
+        return
+    fi
+    begin=$SECONDS
+    echo "===== $name: $*" >>"$log"
+    timeout "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    say "$name: rc $rc$([ $rc = 124 ] && echo ' (timed out)') in $((SECONDS - begin)) s"
+    tail -4 "$log" | sed "s/^/    /" | tee -a "$summary" >/dev/null
+}
+figure() {  # NAME JSON_FILE: merged into figures.json under NAME
+    "$py" - "$out/figures.json" "$1" "$2" <<'EOF' >>"$log" 2>&1
+import json, os, sys
+path, name, part = sys.argv[1:]
+figures = json.load(open(path)) if os.path.exists(path) else {}
+try:
+    figures[name] = json.load(open(part))
+except (OSError, ValueError) as err:
+    figures[name] = {"error": repr(err)}
+json.dump(figures, open(path, "w"), indent=1)
+EOF
+}
+pytest_gpu=("$py" -m pytest -q -p no:cacheprovider tests/gpu)
+
+for name in ${parts//,/ }; do
+    case $name in
+    survivor) part survivor 90 "${pytest_gpu[@]}" -k "survivor_writes or gpu_has_not_finished" ;;
+    pair) part pair 150 "${pytest_gpu[@]}" -k world_size_two ;;
+    b15) part b15 200 "$py" -m benchmarks.boundary "$out/b15.json" --calls 1000 --cases gpt:1:cuda,trainer:1:cuda ;;
+    nccl) part nccl 90 "$py" dev/nccl_net_check.py ;;
+    pipeline)
+        part pipeline-tests 90 "${pytest_gpu[@]}" -k "through_the_pipeline or boundary_s_state"
+        part pipeline 240 sh -c "$py -m benchmarks.gpu --pipeline > /tmp/pipeline.json"
+        figure B2-GPU-PIPELINE /tmp/pipeline.json ;;
+    gpu)
+        part gpu 300 "$py" -c "import json; from benchmarks.gpu import figures
+json.dump(figures(${GPU_ROUNDS:-2}, 400, 50, 2048, smoke=False), open('/tmp/b2-gpu.json', 'w'), indent=1)"
+        figure B2-GPU /tmp/b2-gpu.json ;;
+    mingpt)
+        if [ -f .gpu/mingpt/main.py ]; then
+            part mingpt 150 bash dev/gpu_mingpt.sh "$out/mingpt.txt"
+        else
+            say "mingpt: not run (no .gpu/mingpt: run dev/gpu_prepare.sh here and carry .gpu)"
+        fi ;;
+    tests) part tests 360 "${pytest_gpu[@]}" -k "not survivor_writes and not gpu_has_not_finished and not world_size_two" ;;
+    mirror)
+        part mirror $((30 + 15 * ${MIRROR_ROUNDS:-4})) "$py" -c "import json; from benchmarks.run import b2_mirror
+json.dump(b2_mirror(${MIRROR_ROUNDS:-4}, 100), open('/tmp/b2-mirror.json', 'w'), indent=1)"
+        figure B2-MIRROR-DEVICE /tmp/b2-mirror.json ;;
+    *) say "$name: unknown part (known: survivor pair b15 nccl pipeline gpu mingpt tests mirror)" ;;
+    esac
+done
+say "all: $((SECONDS - started)) s of the ${budget} s budget"

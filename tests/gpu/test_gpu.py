@@ -247,9 +247,9 @@ def test_a_per_rank_cuda_tensor_reaches_the_buddy_whole_when_its_rank_dies() -> 
 
 def test_a_step_whose_work_the_gpu_has_not_finished_is_not_held_and_saying_so_does_not_wait() -> None:
     """On NCCL the host runs ahead of the device: a survivor's CPU can pass run.boundary(k) while the GPU never
-    finished step k's all-reduce, and every read of the state would queue behind it. A stream held busy by a long
-    kernel stands in for the wedged all-reduce: the rank says it holds no step at once, without waiting (a wait
-    would sit the whole kernel out), and holds the step once the device has finished it."""
+    finished step k's all-reduce. A stream held busy by a long kernel stands in for the wedged all-reduce: the
+    rank holds the boundary before (no update began after it), says so at once without waiting (a wait would sit
+    the whole kernel out), and holds the newer step once the device has finished it."""
     from hpc_ddp.rank.salvage.held import Held
 
     model = torch.nn.Linear(64, 64).cuda()
@@ -260,11 +260,79 @@ def test_a_step_whose_work_the_gpu_has_not_finished_is_not_held_and_saying_so_do
     assert held.whole()[0] == 1  # type: ignore[index]
     torch.cuda._sleep(5_000_000_000)  # seconds of a busy stream on any current GPU
     held.mark(2)
-    said = held.whole()
-    assert isinstance(said, str) and "had not finished the work of step 2" in said
-    assert not held.event.query()  # said while the kernel still ran: nothing waited for it
+    assert held.whole()[0] == 1  # type: ignore[index]  # step 2's copies are behind the kernel; 1 is whole
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    optimizer.step()  # queued: its pre-update event behind the kernel too
+    assert held.whole()[0] == 1  # type: ignore[index]  # the update's kernels have not run
+    assert not held.marks[-1].event.query()  # said while the kernel still ran: nothing waited for it
     torch.cuda.synchronize()
-    assert held.whole()[0] == 2  # type: ignore[index]
+    said = held.whole()
+    assert isinstance(said, str) and "update of step 3" in said  # the device ran the update: neither is held
+
+
+def test_a_survivor_writes_step_k_bit_for_bit_while_the_update_stream_is_wedged(tmp_path: Path) -> None:
+    """Issue 58's survivor at world size 1: a long torch.cuda._sleep on the update stream stands where DDP's
+    all-reduce is (after backward, before the optimizer), and the host goes on to optimizer.step() and
+    run.boundary(k+1) as it does on NCCL. The survivor holds step k, copies it to the host on its own stream, and
+    writes it; the file equals a clean save of step k bit for bit (Adam's CPU step counters included, which the
+    host had advanced), and the write finished while the stream was still busy."""
+    from hpc_ddp.rank.salvage import device_read
+    from hpc_ddp.rank.salvage.held import Held
+    from hpc_ddp.rank.salvage.jit import _on_host
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 256)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda")
+    position = {"sample": 0}
+    held = Held({"model": model, "optimizer": optimizer, "scaler": scaler, "position": position})
+    held.reader = device_read.CudaReader()
+    x = torch.randn(64, 256, device="cuda")
+
+    def forward_backward() -> None:
+        position["sample"] += 64
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+
+    for step in (1, 2, 3):
+        forward_backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        held.mark(step)
+    torch.cuda.synchronize()
+    clean = _on_cpu(held.to_numbers(held.whole()[1]))  # type: ignore[index]  # step 3, the device idle
+    forward_backward()
+    torch.cuda._sleep(20_000_000_000)  # the wedged all-reduce of step 4's gradients: about 10 s
+    wedge = torch.cuda.Event()
+    wedge.record()
+    optimizer.step()  # the host runs ahead: its counters advance now, its kernels wait behind the wedge
+    optimizer.zero_grad(set_to_none=True)
+    held.mark(4)
+    step, state, holding = held.whole()  # type: ignore[misc]
+    read = _on_host(held, step, state, holding)
+    assert not isinstance(read, str), read
+    path = tmp_path / "survivor.pt"
+    torch.save(read[1], path)
+    assert not wedge.query(), "the survivor's read or write waited for the wedged stream"
+    torch.cuda.synchronize()
+    assert step == 3 and _same(clean, torch.load(path, weights_only=True))
+
+
+def test_the_per_step_protocol_at_world_size_two_never_syncs_the_host_with_the_gpu(tmp_path: Path) -> None:
+    """Issue 58, Why 5: two ranks on the one GPU (gloo for the group, the model with BatchNorm and a per-rank
+    prefetched batch on the GPU), every boundary after the first under the sync debug mode: the stop agreement, the
+    two-level groups, the buffer broadcast and the mirror never make the training thread wait for the GPU
+    (tests/gpu/sync_free_pair.py)."""
+    from tests.gpu import sync_free_pair
+    from tests.helpers import spawn_ranks
+
+    results = spawn_ranks(sync_free_pair.rank_main, 2, 1, str(tmp_path / "run"), timeout=300)
+    for rank, syncs, synced, sent, ward in results:
+        assert syncs == [], f"rank {rank} synced with the GPU in run.boundary:\n" + "\n".join(syncs[:3])
+        assert synced and sent == sync_free_pair.STEPS
+        assert ward == [sync_free_pair.STEPS - 1, sync_free_pair.STEPS], (rank, ward)
 
 
 @pytest.fixture

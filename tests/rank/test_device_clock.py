@@ -301,3 +301,18 @@ def test_the_optimizer_state_the_host_advances_at_once_is_held_as_it_was_when_th
     assert step == 3 and sorted(got) == sorted(expected["state"]) == [0, 1]
     assert all(torch.equal(got[i][k], expected["state"][i][k]) for i in got for k in got[i])
     assert float(got[0]["step"]) == 3.0
+
+
+def test_the_gpu_checks_two_rank_script_runs_its_protocol_on_the_cpu(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu/sync_free_pair.py runs once on a lent GPU, where its first run must be its last: its protocol
+    (two nodes of one rank, BatchNorm broadcast at each boundary, a per-rank batch mirrored) is rehearsed here on
+    the CPU, without the debug mode."""
+    from tests.gpu import sync_free_pair
+    from tests.helpers import spawn_ranks
+
+    monkeypatch.setenv(sync_free_pair.DEVICE_VAR, "cpu")  # the spawned ranks inherit it
+    results = spawn_ranks(sync_free_pair.rank_main, 2, 1, str(tmp_path / "run"), timeout=180)
+    assert [r[0] for r in results] == [0, 1]
+    for rank, syncs, synced, sent, ward in results:
+        assert syncs == [] and synced and sent == sync_free_pair.STEPS
+        assert ward == [sync_free_pair.STEPS - 1, sync_free_pair.STEPS], (rank, ward)
