@@ -39,7 +39,7 @@ say() { echo "$*" | tee -a "$summary"; }
 
 if ! why=$("$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")' 2>&1); then
     [ -n "$why" ] || why="no CUDA device"
-    case $why in *"No module named"*) why="$py cannot import torch";; esac
+    case $why in *ModuleNotFoundError*|*ImportError*) why="$py cannot import torch";; *) why=$(tail -1 <<<"$why");; esac
     for part in ${parts//,/ }; do say "$part: needs a GPU ($why): not run"; done
     exit 0
 fi

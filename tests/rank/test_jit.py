@@ -178,16 +178,20 @@ BATCHNORM_LOOP = [*LOOP, "train.loop=tests.tasks.loops:batchnorm", *NO_SNAPSHOTS
 @pytest.mark.slow
 def test_a_batchnorm_model_ends_bit_identical_whichever_node_is_lost_and_after_a_periodic_snapshot(
         tmp_path: Path) -> None:
-    """BatchNorm with DDP's broadcast_buffers at 2 x 2, every rank on its own data: between two forwards each
+    """BatchNorm with DDP's broadcast_buffers at 3 x 1, every rank on its own data: between two forwards each
     rank's running statistics differ, and the step's are rank 0's. Losing node 0 (rank 0 with it) used to resume
     from a survivor's own statistics: the run drifted from one never stopped (buffers, evaluations, params_sha256).
-    Now the boundary hands rank 0's to every rank, so node 0 lost, node 1 lost and a resume from a periodic
-    snapshot all end as the uninterrupted run does, loss for loss, evaluation for evaluation, buffers included."""
+    Now the boundary hands rank 0's to every rank, so node 0 lost, node 2 lost and a resume from a periodic
+    snapshot all end as the uninterrupted run does, loss for loss, evaluation for evaluation, buffers included.
+    And the survivors' snapshot is split over the two surviving nodes as for any model (issue 59: one survivor
+    used to write a BatchNorm model's whole state alone)."""
     from hpc_ddp.rundir import metrics_file
+
+    geometry = ("slurm.nodes=3", "slurm.tasks_per_node=1")
 
     def rehearse(name: str, *more: str) -> Path:
         run_dir = tmp_path / name
-        proc = submit(*BATCHNORM_LOOP, f"run_dir={run_dir}", *more)
+        proc = submit(*BATCHNORM_LOOP, *geometry, f"run_dir={run_dir}", *more)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return run_dir
 
@@ -197,10 +201,14 @@ def test_a_batchnorm_model_ends_bit_identical_whichever_node_is_lost_and_after_a
 
     straight = seen(rehearse("straight"))
     assert sorted(straight[1]) == [10, 20, 30]
-    for node in (0, 1):
+    for node in (0, 2):
         failed = rehearse(f"node{node}", "--fail-at", f"23:{node}")  # not at an evaluation (its forward syncs them)
         first, second = read_attempts(failed)
         assert first["reason"] == "failed" and first["jit_snapshot"]["step"] == second["resumed_from"] >= 22, first
+        manifest = json.loads((failed / "snapshots" / f"step-{second['resumed_from']:08d}" / "manifest.json")
+                              .read_text())
+        writers = sorted(f for f in manifest["files"] if f.startswith("jit-node-"))
+        assert writers == [f"jit-node-{n:05d}.pt" for n in range(3) if n != node], manifest["files"]
         assert seen(failed) == straight, f"node {node} lost"
     periodic = rehearse("periodic", "snapshot.jit=false", "snapshot.every_steps=10", "--fail-at", "15:0")
     assert read_attempts(periodic)[1]["resumed_from"] == 10
@@ -812,6 +820,7 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     from hpc_ddp.rank.salvage.jit_commit import complete
 
     assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {}) == (2, 4)
+    # buffers that are this rank's own, not rank 0's (the boundary's broadcast had not finished): one writer
     assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {"model": {"bn.running_mean"}}) == (0, 1)
     assert split_over(SimpleNamespace(num_nodes=1, node_rank=0), {}) == (0, 1)
     assert [replicas_of(n, 1) for n in (1, 2, 3, 8)] == [1, 2, 2, 2] and replicas_of(8, 3) == 3

@@ -130,7 +130,8 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     broadcast = broadcast_buffers(run, held)
     # unsynced: this rank's buffers are its own, not rank 0's
     skip = any(({} if synced else broadcast).values())
-    share = split_over(env, broadcast)
+    # rank 0's own buffers are the step's: it splits as a synced rank does (issue 59)
+    share = split_over(env, {} if synced or env.rank == 0 else broadcast)
     if skip and (missing := why_not_buffers(env.rank, folder, step)) is not None:
         return _no_source(run, post, offer, missing)
     # never over the broadcast buffers: a survivor whose boundary broadcast had finished and one

@@ -27,9 +27,13 @@ OFFER_WAIT_S = 0.5
 def split_over(env: DistEnv, broadcast: dict[str, set[str]]) -> tuple[int, int]:
     """(this node's index, the node count) the survivors' snapshot is split over: each surviving
     node writes its share, as in a periodic snapshot, so its time falls with the node count (issue
-    45). (0, 1), one survivor writing the whole state, on one node and where DDP broadcasts buffers:
-    only rank 0 or a rank that holds rank 0's buffers may write then
-    (:func:`~hpc_ddp.rank.salvage.jit_checks.buffers_source_holds`), which no split can promise."""
+    45). (0, 1), one survivor writing the whole state, on one node and where ``broadcast`` names
+    buffers: the DDP buffers this rank holds are its own, not rank 0's (the boundary's broadcast of
+    them had not finished), and only rank 0 may write then
+    (:func:`~hpc_ddp.rank.salvage.jit_checks.buffers_source_holds`). A rank that holds rank 0's
+    buffers (rank 0, or any rank once the boundary synced them) splits as for any model: every
+    writer's share then holds the same statistics (issue 59: a BatchNorm model used to be written
+    whole by one survivor)."""
     if env.num_nodes < 2 or any(broadcast.values()):
         return 0, 1
     return env.node_rank, env.num_nodes
