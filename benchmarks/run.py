@@ -526,6 +526,11 @@ def table(results: dict[str, Any]) -> str:
         cells = "; ".join(f"{n} nodes: {r['writers']} writer(s), the busiest wrote {r['mb_per_node_max']} MB in "
                           f"{r['write_s_max']} s ({r['mb_all']} MB in all)" if "error" not in r else f"{n} nodes: failed"
                           for n, r in s["rows"].items())
+        bn = s.get("batchnorm")
+        if bn:
+            cells += (f"; BatchNorm model, {bn['nodes']} nodes: {bn['writers']} writer(s), the busiest wrote "
+                      f"{bn['mb_per_node_max']} MB in {bn['write_s_max']} s" if "error" not in bn
+                      else f"; BatchNorm model, {bn['nodes']} nodes: failed")
         rows.append(f"| B13-SPLIT the survivors' snapshot split over the surviving nodes, {s['megabytes']} MB of state, "
                     f"N x 1 rehearsal, node 1 lost | {cells} | {s['target']} | {mark(s)} |")
     if "B14" in b:

@@ -53,3 +53,12 @@ class BigTask(BenchTask):
 
     def build_optimizer(self, model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+class BigBatchNormTask(BigTask):
+    """BigTask's Linear followed by a BatchNorm, whose buffers DDP broadcasts from rank 0 (B13-SPLIT's BatchNorm
+    row: the survivors' snapshot of such a model used to be written whole by one survivor)."""
+
+    def build_model(self, cfg: Any) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(self.width, self.width, bias=False),
+                                   torch.nn.BatchNorm1d(self.width))
