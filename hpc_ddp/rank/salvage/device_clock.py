@@ -1,5 +1,5 @@
-"""Which step a rank's device memory holds after a failure: events around each optimizer update, read
-by a decision that never waits (issue 58).
+"""Which step a rank's device memory holds after a failure: events around each optimizer update,
+read by a decision that never waits (issue 58).
 
 **The host runs ahead of the device.** On NCCL, when a peer dies inside step k+1's gradient
 all-reduce, a survivor's CPU has usually gone on: it called ``optimizer.step()`` for k+1 (its

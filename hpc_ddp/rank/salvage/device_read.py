@@ -1,5 +1,5 @@
-"""The survivors' snapshot's one read of device memory: on a stream of its own, into host memory that
-is already there, with a deadline (issue 58).
+"""The survivors' snapshot's one read of device memory: on a stream of its own, into host memory
+that is already there, with a deadline (issue 58).
 
 After a failure on NCCL the stream that trains is wedged behind a collective that will never finish.
 A read on it (``torch.save`` of a live CUDA tensor, a fingerprint's ``.cpu()``, both on the legacy
@@ -9,11 +9,12 @@ so the memory holds the step) once, on a side stream that waits for nothing, and
 and writes the host copy. Nothing here synchronizes the device or a busy stream, calls ``.item()``,
 or uses the default stream; the one wait is an event query, polled until :data:`READ_S`.
 
-**Host memory.** Into the snapshot pipeline's pinned arena (:class:`hpc_ddp.rank.state.pipeline.Arena`)
-when it exists, is pinned, is large enough and no periodic write holds it: the copies are then
-asynchronous and the deadline bounds them. Otherwise into pageable memory allocated here (never
-pinned memory: allocating or freeing it may synchronize the device): the copy engine still never
-waits for the wedged stream, but each copy returns only when done.
+**Host memory.** Into the snapshot pipeline's pinned arena
+(:class:`hpc_ddp.rank.state.pipeline.Arena`) when it exists, is pinned, is large enough and no
+periodic write holds it: the copies are then asynchronous and the deadline bounds them. Otherwise
+into pageable memory allocated here (never pinned memory: allocating or freeing it may synchronize
+the device): the copy engine still never waits for the wedged stream, but each copy returns only
+when done.
 
 **A seam for the device.** :class:`Reader` is what touches the device; the walk, the host buffers
 and the deadline are tested on the CPU with a stand-in whose copies complete, stall or never come
@@ -65,7 +66,8 @@ class CudaReader:
         regions = pipeline.borrow(sizes) if pipeline is not None else None
         if regions is None:
             return [torch.empty(size, dtype=torch.uint8) for size in sizes]
-        return [torch.frombuffer(r, dtype=torch.uint8) if len(r) else torch.empty(0, dtype=torch.uint8)
+        return [torch.frombuffer(r, dtype=torch.uint8) if len(r)
+                else torch.empty(0, dtype=torch.uint8)
                 for r in regions]
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -41,12 +41,12 @@ when their groups changed; a group added after the boundary makes the rank no so
 **Device truth** (issue 58). On CUDA the host runs ahead of the device: after a peer dies inside
 step k+1's all-reduce, a survivor's CPU may have begun step k+1's update or passed
 ``run.boundary(k+1)`` while its GPU never finished that all-reduce, and step k is still whole in
-device memory. So the last two boundaries are kept (:class:`~hpc_ddp.rank.salvage.device_clock.Mark`:
-the copies, an event after them, the events around the update that follows, recorded by the
-optimizers' step pre- and post-hooks on the stream that runs the update), and :meth:`whole` takes
-the newest whose events say the memory holds it
-(:func:`~hpc_ddp.rank.salvage.device_clock.holding`): queried, never waited on. On the CPU the
-same rule reads the host's order: an update begun on the host has begun.
+device memory. So the last two boundaries are kept
+(:class:`~hpc_ddp.rank.salvage.device_clock.Mark`: the copies, an event after them, the events
+around the update that follows, recorded by the optimizers' step pre- and post-hooks on the stream
+that runs the update), and :meth:`whole` takes the newest whose events say the memory holds it
+(:func:`~hpc_ddp.rank.salvage.device_clock.holding`): queried, never waited on. On the CPU the same
+rule reads the host's order: an update begun on the host has begun.
 
 **No device sync.** ``GradScaler.state_dict()`` calls ``.item()`` twice; its scale and growth
 tracker are cloned as tensors here, and read back to numbers only when a snapshot is written.

@@ -139,7 +139,8 @@ class HostPlan(NamedTuple):
 def host_plan(optimizer: torch.optim.Optimizer) -> HostPlan:
     """The CPU tensors and Python values in ``optimizer``'s state, numbered as state_dict() numbers
     the parameters."""
-    numbers = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    numbers = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
+                                              for p in g["params"])}
     tensors, refs, others = [], [], []
     for param, state in optimizer.state.items():
         number = numbers.get(id(param))
