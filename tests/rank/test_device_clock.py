@@ -316,3 +316,41 @@ def test_the_gpu_checks_two_rank_script_runs_its_protocol_on_the_cpu(tmp_path: A
     for rank, syncs, synced, sent, ward in results:
         assert syncs == [] and synced and sent == sync_free_pair.STEPS
         assert ward == [sync_free_pair.STEPS - 1, sync_free_pair.STEPS], (rank, ward)
+
+
+def test_the_ranks_of_a_node_waiting_for_anothers_commit_read_newest_once_per_node_and_tenth_of_a_second(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59: in single-writer mode every surviving rank polled snapshots/newest.json ten times a second for
+    up to 10 s. Now the node's ranks share one read per tenth of a second (node-local memory)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hpc_ddp.rank.salvage import jit, jit_commit
+    from hpc_ddp.rundir import jit_files, newest
+
+    reads: list[float] = []
+    real = newest.read
+
+    def counted(run_dir: Any) -> Any:
+        reads.append(time.monotonic())
+        return real(run_dir)
+
+    monkeypatch.setattr(newest, "read", counted)
+    run = SimpleNamespace(run_dir=tmp_path)
+    results: list[str] = []
+
+    def rank(local: int) -> None:
+        env = SimpleNamespace(job_id=5, restart_count=0, in_job=0, node_rank=0, local_rank=local, rank=local,
+                              local_world_size=4)
+        post = jit_files.post_for(tmp_path, env)
+        results.append(jit_commit.claimed_by_another(tmp_path, 7, post.shared, {"rank": local}, wait_s=1.0,
+                                                     read=jit._newest_per_node(run, post)))
+
+    threads = [threading.Thread(target=rank, args=(local,)) for local in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == ["another survivor claimed step 7; not committed within 1 s"] * 4
+    assert 5 <= len(reads) <= 14, len(reads)  # one a tenth of a second for the node, not 4 x 10

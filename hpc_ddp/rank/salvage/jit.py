@@ -148,11 +148,12 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
             lambda: jit_commit.check_commit(run.run_dir, folder, step, latest, offer)))
     elif skip and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
         offer.update(outcome=_check_set(run, folder, news) if mirror is not None
-                     else jit_commit.claimed_by_another(run.run_dir, step, folder, offer))
+                     else jit_commit.claimed_by_another(run.run_dir, step, folder, offer,
+                                                        read=_newest_per_node(run, post)))
     elif (not jit_claims.claim_on_node(post, step)
           or (share[1] == 1 and not jit_claims.claim(folder, step))):
         offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
-            run, folder, step, offer, share))
+            run, post, folder, step, offer, share))
     else:
         offer.update(outcome=write_claimed(run, post, step, state, offer, started,
                                            holding.mark, share))
@@ -258,12 +259,20 @@ def _check_set(run: Survivor, folder: Path, news: bool) -> str:
     return jit_commit.complete(run, folder)
 
 
-def _lost_claim(run: Survivor, folder: Path, step: int, offer: dict[str, Any],
-                share: tuple[int, int]) -> str:
+def _newest_per_node(run: Survivor, post: jit_files.Post) -> Callable[[], Any]:
+    """The newest commit's record, read once per node and tenth of a second for the node's waiting
+    ranks (not each rank ten times a second: issue 59)."""
+    return lambda: jit_files.once_per_node(post, "newest-record", lambda: newest.read(run.run_dir),
+                                           fresh_s=0.1)
+
+
+def _lost_claim(run: Survivor, post: jit_files.Post, folder: Path, step: int,
+                offer: dict[str, Any], share: tuple[int, int]) -> str:
     """Another source writes this step (the whole state), or this node's share of it (a split): with
     one writer for the step, wait for its commit and compare
     (:func:`jit_commit.claimed_by_another`); a node's other sources need not, and exit (rank 0
     compares every source's offer before the next attempt resumes from it)."""
     if share[1] == 1:
-        return jit_commit.claimed_by_another(run.run_dir, step, folder, offer)
+        return jit_commit.claimed_by_another(run.run_dir, step, folder, offer,
+                                             read=_newest_per_node(run, post))
     return f"another rank of this node writes its share of step {step}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from hpc_ddp.rank.salvage.survivor import Survivor
@@ -51,15 +52,19 @@ def check_commit(run_dir: Path, folder: Path, step: int, newest: int, offer: dic
 
 
 def claimed_by_another(run_dir: Path, step: int, folder: Path, offer: dict[str, Any],
-                       wait_s: float = 10.0) -> str:
+                       wait_s: float = 10.0,
+                       read: Callable[[], dict[str, Any] | None] | None = None) -> str:
     """Another survivor writes the step: wait a little for its commit (this rank's exit would free
     ranks that wait on it, but also tells the batch shell the step ended), then compare it with what
-    this rank holds (:func:`check_commit`: withdrawn if it differs), and say what came of it."""
+    this rank holds (:func:`check_commit`: withdrawn if it differs), and say what came of it.
+    ``read``: the newest commit's record (the survivors pass one read per node and tenth of a
+    second, shared by the node's ranks: issue 59; by default this rank reads it)."""
     deadline = time.monotonic() + wait_s
+    read = read or (lambda: newest.read(run_dir))
     # polls the newest commit's own file: never a manifest not there yet,
     while time.monotonic() < deadline:
         # whose absence this node's NFS client would remember (rundir/newest.py)
-        named = newest.read(run_dir)
+        named = read()
         if named is not None and named["step"] >= step:
             return check_commit(run_dir, folder, step, named["step"], offer)
         time.sleep(0.1)
