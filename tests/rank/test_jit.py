@@ -507,8 +507,9 @@ def test_a_survivors_snapshot_written_while_the_training_thread_goes_on_is_never
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A false alarm: the liveness thread writes what the rank holds while the training thread trains on. Its
     boundary used to reset the update count that the write checked afterwards, so parameters half-way to step 8
-    could be committed as step 7 with a matching sha256. The held generation only grows: a write during which
-    the training went on is not committed, and one during which it did not is committed and equals step 7."""
+    could be committed as step 7 with a matching sha256. The write keeps the mark it read and asks after its last
+    byte whether the update after it began (rank/salvage/device_clock.intact): a write during which the training
+    went on is not committed, and one during which it did not is committed and equals step 7."""
     import threading
 
     from hpc_ddp.rank.salvage import jit
