@@ -250,9 +250,9 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]],
     if key is None:
         return None
     healed = healed_in_job(attempts)
-    count = sum(1 for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key
-                and attempt_key(a) not in healed
-                and not a.get(BEFORE_RESUME))
+    counted = [a for a in attempts if REASONS_CAPPED.get(a.get("reason", "")) == key
+               and attempt_key(a) not in healed and not a.get(BEFORE_RESUME)]
+    count = len(counted)
     if count <= limits[key]:
         return None
     kinds = "failures and hangs" if key == "max_failures" else reason
@@ -261,7 +261,14 @@ def cap_reached(reason: str, attempts: Sequence[Mapping[str, Any]],
     resume = ("--resume continues it from the newest snapshot, with its caps counted afresh; to "
               "allow more per submission, raise the cap on that command line "
               f"(slurm.{key}={limits[key] + 10})")
-    if reason == "hung":
+    if reason == "failed" and all(a.get("reason") == "failed" and a.get("last_step") is None
+                                  for a in counted):
+        # a program that fails at its start (an import, a missing file, no GPU) fails so again
+        resume = ("every failure came before the program's first step: it fails at its start the "
+                  "same way each time (its error is in rank 0's log; `python -m hpc_ddp.status "
+                  "RUN_DIR` shows the last lines), and a higher cap would only run it again. Fix "
+                  "that first; where a node was at fault, " + resume)
+    elif reason == "hung":
         # a hang in the program repeats on any node and at any cap: where it is comes first
         resume = ("a hang in the program repeats wherever it runs: the stuck ranks' stacks in "
                   "their logs say where they waited (`python -m hpc_ddp.status RUN_DIR` names them "

@@ -181,3 +181,15 @@ def test_a_capped_hang_points_to_the_stuck_ranks_stacks_before_a_higher_cap() ->
     assert "failures and hangs once, more than slurm.max_failures=0" in hung
     assert hung.index("repeats wherever it runs") < hung.index("slurm.max_failures=10")
     assert "repeats" not in failed and "slurm.max_failures=10" in failed
+
+
+def test_failures_that_all_came_before_the_first_step_point_to_the_error_before_a_higher_cap() -> None:
+    """A newcomer's script that fails at its start (a missing module, no GPU) was told to raise
+    slurm.max_failures: the same failure again. Where every counted failure came before the first step, the fix
+    comes first; a failure after some steps keeps the cap's advice alone."""
+    limits = LIMITS | {"max_failures": 0}
+    early = cap_reached("failed", [{"reason": "failed"}], limits)
+    later = cap_reached("failed", [{"reason": "failed", "last_step": 40}], limits)
+    assert early is not None and later is not None
+    assert early.index("every failure came before the program's first step") < early.index("slurm.max_failures=10")
+    assert "first step" not in later and "slurm.max_failures=10" in later
