@@ -18,6 +18,8 @@ from hpc_ddp.core.codes import PROGRESS_MARK
 
 # where a rank's error starts
 ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")
+# hpc_ddp's own log lines in a rank's output (rank/attempt/start.py's format): not the program's
+OWN_LINE = re.compile(r"\[rank \d+\] [\d:]+ [A-Z]+ hpc_ddp[.:]")
 
 
 def tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str],
@@ -45,8 +47,9 @@ def tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str],
             found = progress.search(text) if progress is not None else None
             if found:
                 on_step(int(found.group(1)))
-            if watch is not None and text.strip():
-                # rank 0's last line: says why an injected stop never fired
+            if watch is not None and text.strip() and not OWN_LINE.match(text):
+                # rank 0's program's last line: says why an injected stop never fired (not a warning
+                # of hpc_ddp's about it)
                 watch["line"] = text.strip()
             log.write(line)
             log.flush()

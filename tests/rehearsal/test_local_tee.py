@@ -35,3 +35,14 @@ def test_the_tee_writes_its_log_only_once_the_launch_is_over_and_never_raises(tm
         threading.excepthook = hook
     assert not tee.is_alive() and not raised, raised
     assert (tmp_path / "rank-0.log").read_text() == "before the end\nafter the end\nTraceback (most recent call last):\n"
+
+
+def test_the_line_that_says_why_a_stop_never_fired_is_the_programs_not_a_warning_of_hpc_ddps(tmp_path: Path) -> None:
+    """A newcomer's --preempt-at that never fired quoted, as the script's last line, hpc_ddp's own warning about
+    the script (the program's own last line is what tells)."""
+    watch: dict[str, object] = {}
+    text = ("Unable to locate sufficient 2 gpus to run this example. Exiting.\n"
+            "[rank 0] 13:11:58 WARNING hpc_ddp.script: train.script exited 0 but printed no line matching\n")
+    local_tee.tee(io.BytesIO(text.encode()), tmp_path / "rank-0.log", io.StringIO(), io.StringIO(), lambda step: None,
+                  None, watch, None)
+    assert watch["line"] == "Unable to locate sufficient 2 gpus to run this example. Exiting."
