@@ -111,7 +111,16 @@ def b13_split(scratch: Path, megabytes: int = 1000, node_counts: tuple[int, ...]
     # a BatchNorm model at the largest node count: split as the plain one is (issue 59), not one writer
     bn = split_one(scratch, megabytes, node_counts[-1], "benchmarks.tasks:BigBatchNormTask")
     plain = rows[str(node_counts[-1])]
-    bn_split = "error" not in bn and "error" not in plain and bn["writers"] == plain["writers"] > 1
-    return {"megabytes": megabytes, "rows": rows, "batchnorm": {"nodes": node_counts[-1], **bn}, "met": falls and bn_split,
+    return {"megabytes": megabytes, "rows": rows, "batchnorm": {"nodes": node_counts[-1], **bn},
+            "met": falls and batchnorm_split(bn, plain),
             "target": "the busiest surviving node writes less, in bytes and seconds, as the node count grows; a "
-                      "BatchNorm model's snapshot has as many writers as the plain model's"}
+                      "BatchNorm model's snapshot is split too (more than one writer, its busiest writing no more "
+                      "than the plain model's)"}
+
+
+def batchnorm_split(bn: dict[str, Any], plain: dict[str, Any]) -> bool:
+    """B13-SPLIT's BatchNorm target: split (more than one writer), its busiest node writing no more bytes than the
+    plain model's busiest (1 % for the BatchNorm's own few parameters and buffers). How many nodes write depends
+    on which survivors claim first; the bytes per node do not."""
+    return ("error" not in bn and "error" not in plain and bn["writers"] > 1
+            and bn["mb_per_node_max"] <= plain["mb_per_node_max"] * 1.01)
