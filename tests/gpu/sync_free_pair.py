@@ -29,6 +29,15 @@ DEVICE_VAR = "HPC_DDP_PAIR_DEVICE"
 
 
 def rank_main(environ: dict[str, str], run_dir: str, out: Any) -> None:
+    """One rank (module docstring); an exception is put on ``out`` as the rank's answer, so the test fails at
+    once with it rather than waiting out its timeout for an answer that never comes."""
+    try:
+        _rank(environ, run_dir, out)
+    except Exception as err:  # noqa: BLE001 - the test shows it
+        out.put((int(environ["SLURM_PROCID"]), [f"{type(err).__name__}: {err}"], None, None, None))
+
+
+def _rank(environ: dict[str, str], run_dir: str, out: Any) -> None:
     os.environ.update(environ)
     import torch
     from torch.nn.parallel import DistributedDataParallel

@@ -314,7 +314,7 @@ def test_the_gpu_checks_two_rank_script_runs_its_protocol_on_the_cpu(tmp_path: A
     results = spawn_ranks(sync_free_pair.rank_main, 2, 1, str(tmp_path / "run"), timeout=180)
     assert [r[0] for r in results] == [0, 1]
     for rank, syncs, synced, sent, ward in results:
-        assert syncs == [] and synced and sent == sync_free_pair.STEPS
+        assert syncs == [] and synced and sent == sync_free_pair.STEPS, (rank, syncs, synced, sent)
         assert ward == [sync_free_pair.STEPS - 1, sync_free_pair.STEPS], (rank, ward)
 
 
