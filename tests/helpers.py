@@ -75,18 +75,25 @@ def done(run_dir: Path) -> dict:
 
 
 def spawn_ranks(target: Callable[..., None], nodes: int, tasks: int, *args: object, timeout: float = 240) -> list:
-    """Run ``target(environ, *args, queue)`` in one spawned process per simulated rank (real gloo, a free
-    port); return what each put on the queue, sorted, once every process exited 0."""
-    import multiprocessing
+    """Run ``target(environ, *args, queue)`` in one spawned process per simulated rank (real gloo); return what
+    each put on the queue, sorted, once every process exited 0.
 
-    from hpc_ddp.rehearsal.local import free_port
+    The rendezvous ports are an attempt's secret ones (hpc_ddp.core.store_ports: below the ephemeral range, with
+    the key only this call's rank 0 sets, and fallbacks), not a free port picked and closed before rank 0 binds it:
+    between the two, another test's process could take it, and a rank could join another call's store (two calls
+    side by side, or the local cluster's daemons beside the suite). Targets that read the environment with
+    ``from_environ`` get the fallbacks and the key check; the others use MASTER_PORT, the first candidate."""
+    import multiprocessing
+    import secrets
+
+    from hpc_ddp.core import store_ports
     from hpc_ddp.core.slurm_env import simulated_environ
 
-    port = free_port()
+    token = secrets.token_hex(8)
+    rendezvous = store_ports.exported(secrets.token_bytes(16), f"spawn-{token}", token)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=({**e, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, *args,
-                                              out))
+    procs = [ctx.Process(target=target, args=({**e, "MASTER_ADDR": "127.0.0.1", **rendezvous}, *args, out))
              for e in simulated_environ(nodes, tasks, job_id=1)]
     for proc in procs:
         proc.start()
