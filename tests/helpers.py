@@ -93,8 +93,11 @@ def spawn_ranks(target: Callable[..., None], nodes: int, tasks: int, *args: obje
     rendezvous = store_ports.exported(secrets.token_bytes(16), f"spawn-{token}", token)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=({**e, "MASTER_ADDR": "127.0.0.1", **rendezvous}, *args, out))
-             for e in simulated_environ(nodes, tasks, job_id=1)]
+    procs = []
+    for e in simulated_environ(nodes, tasks, job_id=1):
+        chosen = e.get(store_ports.PORTS_VAR)  # a test's own ports (and key): the first is MASTER_PORT
+        given = {"MASTER_PORT": chosen.split(",")[0]} if chosen else rendezvous
+        procs.append(ctx.Process(target=target, args=({**e, "MASTER_ADDR": "127.0.0.1", **given}, *args, out)))
     for proc in procs:
         proc.start()
     results = sorted(out.get(timeout=timeout) for _ in procs)

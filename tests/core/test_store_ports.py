@@ -74,7 +74,7 @@ def test_a_first_port_held_by_a_stranger_costs_a_move_not_the_job(tmp_path: Path
 
         held = dist.TCPStore("127.0.0.1", ports[0], 1, is_master=True, wait_for_workers=False)
     extra = {store_ports.PORTS_VAR: ",".join(map(str, ports)), store_ports.KEY_VAR: "hpc_ddp/t0ken/rendezvous"}
-    monkeypatch.setattr("hpc_ddp.rehearsal.local.free_port", lambda: ports[0])  # spawn_ranks's MASTER_PORT
+    # spawn_ranks keeps a test's own ports and key, the first as MASTER_PORT
     monkeypatch.setattr("hpc_ddp.core.slurm_env.simulated_environ",
                         lambda *a, **k: [{**e, **extra} for e in simulated_environ(*a, **k)])
     try:
