@@ -50,19 +50,18 @@ class Reader(Protocol):
 
 class CudaReader:
     """Copies on a side stream of its own (made at the first boundary, not on the failure path),
-    into the pipeline's pinned arena when it is free and large enough (``arena``), else into
-    pageable memory."""
+    into the pinned arena of the checkpointer's pipeline (``pipeline``: it, or None) when it is free
+    and large enough, else into pageable memory."""
 
     def __init__(self, pipeline: Callable[[], Any] = lambda: None) -> None:
         self.stream = torch.cuda.Stream()
-        # the checkpointer's pipeline, when there is one (its arena: pinned, reused)
-        self.arena = pipeline
+        self.pipeline = pipeline
 
     def moves(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
 
     def buffers(self, sizes: list[int]) -> list[torch.Tensor]:
-        pipeline = self.arena()
+        pipeline = self.pipeline()
         regions = pipeline.borrow(sizes) if pipeline is not None else None
         if regions is None:
             return [torch.empty(size, dtype=torch.uint8) for size in sizes]

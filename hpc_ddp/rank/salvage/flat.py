@@ -45,7 +45,11 @@ META = 8  # bytes: int64 length of the JSON skeleton at the start of the body
 
 
 class _Unsupported(Exception):
-    pass
+    """A value the format cannot carry: its type, and where it is (filled in as it goes up)."""
+
+    def __init__(self, kind: type) -> None:
+        super().__init__(kind)
+        self.kind, self.path = kind, ""
 
 
 class Plan:
@@ -190,37 +194,39 @@ def _walk(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         if (value.layout != torch.strided or value.is_quantized
                 or kind not in (torch.Tensor, torch.nn.Parameter)):
-            raise _Unsupported
+            raise _Unsupported(kind)
         tensors.append(value.detach())
         if kind is torch.nn.Parameter:  # a per-rank parameter: itself again, with its flag
             return {"P": [len(tensors) - 1, value.requires_grad]}
         return {"T": len(tensors) - 1}
     if kind is dict or kind is OrderedDict:
-        return {"D" if kind is dict else "O": [[_walk(k, tensors), _walk(v, tensors)]
+        return {"D" if kind is dict else "O": [[_item(k, tensors, k, ":key"), _item(v, tensors, k)]
                                                for k, v in value.items()]}
     if kind is list or kind is tuple:
-        return {"L" if kind is list else "U": [_walk(v, tensors) for v in value]}
-    raise _Unsupported
+        return {"L" if kind is list else "U": [_item(v, tensors, i)
+                                               for i, v in enumerate(value)]}
+    raise _Unsupported(kind)
 
 
-def unsupported(state: object, path: str = "") -> str | None:
+def _item(value: Any, tensors: list[torch.Tensor], at: object, suffix: str = "") -> Any:
+    """:func:`_walk` of a container's item ``at``; a refusal names where it was (formatted only
+    then: nothing per leaf on a boundary that succeeds)."""
+    try:
+        return _walk(value, tensors)
+    except _Unsupported as err:
+        err.path = f"[{at!r}]{suffix}{err.path}"
+        raise
+
+
+def unsupported(state: object) -> str | None:
     """The first part of ``state`` this format cannot carry, as "a TYPE at PATH", or None: what the
-    first boundary's warning names (it goes as ``torch.save`` bytes instead, at every boundary)."""
-    kind = type(state)
-    if state is None or kind in (bool, int, float, str):
-        return None
-    if isinstance(state, torch.Tensor):
-        if (state.layout == torch.strided and not state.is_quantized
-                and kind in (torch.Tensor, torch.nn.Parameter)):
-            return None
-    elif kind is dict or kind is OrderedDict:
-        return next((found for k, v in state.items()
-                     if (found := unsupported(k, f"{path}[{k!r}]:key")
-                         or unsupported(v, f"{path}[{k!r}]")) is not None), None)
-    elif kind is list or kind is tuple:
-        return next((found for i, v in enumerate(state)
-                     if (found := unsupported(v, f"{path}[{i}]")) is not None), None)
-    return f"a {kind.__module__}.{kind.__qualname__} at {path or 'the top'}"
+    first boundary's warning names (it goes as ``torch.save`` bytes instead, at every boundary).
+    The same walk as :func:`plan`'s."""
+    try:
+        _walk(state, [])
+    except _Unsupported as err:
+        return f"a {err.kind.__module__}.{err.kind.__qualname__} at {err.path or 'the top'}"
+    return None
 
 
 def _build(node: object, tensors: list[torch.Tensor]) -> Any:

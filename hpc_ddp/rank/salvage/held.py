@@ -21,8 +21,7 @@ not 5-20). Buffers are cloned at every boundary: a forward changes them, and a c
 every boundary, so a write that began at step k and ended after the next boundary would see no
 update and commit parameters half-way to k+1 as step k. So the write keeps the mark it read and asks
 :meth:`intact` after its last byte: the update after that mark had not begun (on the device, for a
-GPU). ``generation`` (bumped by each update begun and each boundary, never reset) says that the
-host moved at all.
+GPU).
 
 **Buffers are rank 0's.** DDP with ``broadcast_buffers`` gives every rank rank 0's buffers
 (BatchNorm's running statistics) at the start of each forward, and each rank's forward then moves
@@ -78,8 +77,6 @@ class Held:
         self.tracked = tracked
         self.step: int | None = None
         self.updates = 0  # optimizer updates begun since the last boundary
-        # bumped by every update begun and every boundary; never reset (module docstring)
-        self.generation = 0
         # the last two boundaries, oldest first (module docstring)
         self.marks: list[Mark] = []
         self._buffers = {name: slots(obj) for name, obj in tracked.items()
@@ -123,7 +120,6 @@ class Held:
 
     def _began(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         self.updates += 1
-        self.generation += 1
         if not self.marks:
             return
         mark = self.marks[-1]
@@ -146,7 +142,6 @@ class Held:
     def mark(self, step: int) -> None:
         """At run.boundary(step) and resume: the live state is this step's; copy what the next step
         changes early."""
-        self.generation += 1
         # an exception raised inside the copy (a signal handler's) leaves none
         self.step, self.updates = None, 0
         self._refresh()
@@ -160,7 +155,6 @@ class Held:
         """After the boundary broadcast rank 0's buffers to every rank (rank/loop/holding.py): copy
         them again. Every rank then holds the buffers a snapshot of this step must hold, rank 0's,
         also when rank 0 is the one lost."""
-        self.generation += 1
         mark = self.marks[-1]
         copies = {name: {key: tensor.detach().clone() for key, (_, _, tensor) in found.items()}
                   for name, found in self._buffers.items()}

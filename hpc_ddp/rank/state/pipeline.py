@@ -50,10 +50,7 @@ class Arena:
     def regions(self, sizes: list[int], pinned: bool) -> list[memoryview]:
         """One region of ``sizes[i]`` bytes per piece, page-aligned; grows (or pins) the buffer when
         needed."""
-        offsets, at = [], 0
-        for size in sizes:
-            offsets.append(at)
-            at += -(-size // ALIGN) * ALIGN
+        offsets, at = _offsets(sizes)
         if not at:
             return [memoryview(b"") for _ in sizes]
         if self.buffer is None or self.buffer.numel() < at or (pinned and not self.pinned):
@@ -62,6 +59,13 @@ class Arena:
             self.pinned, self.allocations = pinned, self.allocations + 1
         view = memoryview(self.buffer.numpy())
         return [view[offset:offset + size] for offset, size in zip(offsets, sizes)]
+
+    def lend(self, sizes: list[int]) -> list[memoryview] | None:
+        """:meth:`regions` of the pinned buffer as it is, or None where it is not pinned or too
+        small: never allocates (the failure path's read, :meth:`Pipeline.borrow`)."""
+        if self.buffer is None or not self.pinned or self.buffer.numel() < _offsets(sizes)[1]:
+            return None
+        return self.regions(sizes, pinned=True)
 
 
 class Staged:
@@ -169,12 +173,10 @@ class Pipeline:
         not written over the read."""
         if self._last is not None and not self._last.released:
             return None
-        arena = self.arena
-        need = sum(-(-size // ALIGN) * ALIGN for size in sizes)
-        if arena.buffer is None or not arena.pinned or arena.buffer.numel() < need:
-            return None
-        self._last = Staged({}, {})  # never released: stage() refuses to reuse the arena
-        return arena.regions(sizes, pinned=True)
+        regions = self.arena.lend(sizes)
+        if regions is not None:
+            self._last = Staged({}, {})  # never released: stage() refuses to reuse the arena
+        return regions
 
     def _start(self, plan: dict[int, tuple[torch.Tensor, torch.Tensor, Copier]],
                chunks: dict[int, list[list[Any]]]) -> None:
@@ -200,6 +202,15 @@ class Pipeline:
     def _route(self, tensor: torch.Tensor, copy_host: bool) -> Copier | None:
         copier = self.copier_of(tensor)
         return copier if copier is not None else (HOST if copy_host else None)
+
+
+def _offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Each piece's offset in the arena (page-aligned) and the bytes they take in all."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // ALIGN) * ALIGN
+    return offsets, at
 
 
 def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
