@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 def claim(where: Path, step: int, what: str = "claim") -> bool:
     """True for the one survivor that creates ``claim-step-S`` first."""
-    return _exclusive(where / f"{what}-step-{step}")
+    return exclusive(where / f"{what}-step-{step}")
 
 
-def _exclusive(path: Path, content: bytes = b"") -> bool:
+def exclusive(path: Path, content: bytes = b"") -> bool:
     """Create ``path`` (and its folder) exclusively, holding ``content``: True for the one process
     that made it."""
     try:
@@ -61,14 +61,14 @@ def claim_commit(where: Path, step: int) -> bool:
     anything, however late it wakes (a partitioned node that still sees the run dir, a frozen one
     thawed). An exclusive create, which NFS and a cached view decide at the server: never a lookup
     that a stale cache could answer."""
-    return _exclusive(where / COMMIT_CLAIM, f"step {step}\n".encode())
+    return exclusive(where / COMMIT_CLAIM, f"step {step}\n".encode())
 
 
 def seal(where: Path) -> str:
     """The batch shell (or the rehearsal's launcher), once the attempt's step ended: take the
     attempt's commit claim so that no process of it commits later (fencing; :func:`claim_commit`).
     Returns "sealed", or what holds the claim ("step S" of a survivors' commit)."""
-    if _exclusive(where / COMMIT_CLAIM, b"sealed\n"):
+    if exclusive(where / COMMIT_CLAIM, b"sealed\n"):
         return "sealed"
     return commit_holder(where)
 

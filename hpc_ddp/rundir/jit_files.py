@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.rundir import jit_blobs, node_local, view
+from hpc_ddp.rundir import jit_blobs, jit_tally, node_local, view
 from hpc_ddp.rundir.ledger import attempt_tag
 
 JIT = "jit"
@@ -103,17 +103,22 @@ class Post:
     local_size: int
     # the attempt's tag with its token: every record in ``local`` carries it (rundir/node_local.py)
     tag: str = ""
+    world: int = 0  # the attempt's ranks, and whether the set needs each one's per-rank state
+    per_rank: bool = False
+    group: int = 1  # ranks per item of the per-rank tally (rundir/jit_tally.py): a node's worth
 
 
-def post_for(run_dir: Path | str, env: Any) -> Post:
-    """This rank's :class:`Post` (``env``: a :class:`hpc_ddp.core.slurm_env.DistEnv`)."""
+def post_for(run_dir: Path | str, env: Any, per_rank: bool = False) -> Post:
+    """This rank's :class:`Post` (``env``: a :class:`hpc_ddp.core.slurm_env.DistEnv`; ``per_rank``:
+    the set needs every rank's per-rank state)."""
     from hpc_ddp.rundir import beats
 
     tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
     return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank) / JIT,
                 env.rank,
                 env.node_rank, env.local_rank, max(1, env.local_world_size),
-                beats.local_tag(run_dir, tag))
+                beats.local_tag(run_dir, tag), env.world_size, per_rank,
+                jit_tally.group_size(env.world_size, env.num_nodes))
 
 
 def prepare(post: Post) -> None:
@@ -129,9 +134,11 @@ GATHER_S = 0.2
 GATHER_POLL_S = 0.01  # how often it looks (node-local files: no byte reaches the run dir)
 
 
-def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> bool:
+def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> jit_tally.Settled:
     """This rank's offer: on its node first, then in its node's file in the run dir
-    (:func:`publish`, whose answer it returns: whether this rank should check the set).
+    (:func:`publish`), and what the file newly says added to the steps' tallies
+    (:func:`hpc_ddp.rundir.jit_tally.settle`, whose answer it returns: the steps whose set this
+    rank found whole, which it must check and commit, and where it left a set waiting).
 
     A killed peer frees its survivors one after another, so a node's ranks offer milliseconds apart,
     and each offer used to rewrite the node's file (3 writes per rank at 2 x 4 in B14). Before it
@@ -143,7 +150,9 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> bo
     write_atomic(post.local / f"offer-{post.local_rank}.json",
                  json.dumps({"tag": post.tag, "offer": {**content, "node": post.node}}).encode())
     _await_peers(post, any(key in content for key in OUTCOME_KEYS), gather_s)
-    return publish(post)
+    new = publish(post)
+    return (jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank)
+            if new else jit_tally.Settled())
 
 
 def _await_peers(post: Post, outcome: bool, gather_s: float) -> None:
@@ -221,17 +230,17 @@ def _local_json(post: Post, path: Path) -> dict[str, Any]:
 OUTCOME_KEYS = ("outcome", "why")
 
 
-def publish(post: Post) -> bool:
+def publish(post: Post) -> list[jit_tally.Fact]:
     """The node's file in the run dir, ``node-N.json`` (every offer its ranks made, by rank), and
     with per-rank state ``blobs-node-N.pt`` (each rank's per-rank states, by the rank that holds
     them): rewritten only when what the node's ranks said changed since the last publish, under a
     lock on the node, so ranks that offer together cost the file server one write for the node, not
     one per rank.
 
-    True when the node's file now says something that may complete the set (a step held, a state
-    file written, per-rank states) that it did not say before: whoever publishes that checks the set
-    (:func:`hpc_ddp.rank.salvage.jit_commit.complete`), so one rank per change of the node checks
-    it, not every rank."""
+    Returns what the node's file now says towards a set (a slice written, per-rank states held) that
+    no publish of the node returned before: whoever publishes it adds it to the steps' tallies
+    (:func:`offer`), so each fact of the node reaches the file server once, whichever rank made
+    it."""
     with node_local.locked(post.local / "publish.lock"):
         offers, blob_files = [], []
         for local in range(post.local_size):
@@ -245,21 +254,20 @@ def publish(post: Post) -> bool:
                     # a list: as published.json reads
                     blob_files.append([local, info.st_mtime_ns, info.st_size])
         said = json.dumps({"offers": offers, "blobs": blob_files}, sort_keys=True)
-        news = json.dumps({"offers": [{k: v for k, v in o.items() if k not in OUTCOME_KEYS}
-                                      for o in offers],
-                           "blobs": blob_files}, sort_keys=True)
         published = post.local / "published.json"
         before = _local_json(post, published)
         if before.get("said") == said:
-            return False
+            return []
         if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])
         record = json.dumps({"node": post.node,
                              "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
         _shared(post, f"node-{post.node}.json", record)
-        write_atomic(published, json.dumps({"said": said, "news": news, "blobs": blob_files,
-                                            "tag": post.tag}))
-        return before.get("news") != news
+        told = set(before.get("facts", []))
+        new = [f for f in jit_tally.facts(offers, post.node, post.group) if f.key not in told]
+        write_atomic(published, json.dumps({"said": said, "blobs": blob_files, "tag": post.tag,
+                                            "facts": sorted(told | {f.key for f in new})}))
+        return new
 
 
 def _publish_blobs(post: Post, locals_: list[int]) -> None:

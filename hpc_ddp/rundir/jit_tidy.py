@@ -8,8 +8,8 @@ rehearsal's launcher) calls :func:`prune` as it settles a step; for every other 
 - the attempt is **sealed** first (:func:`hpc_ddp.rundir.jit_claims.seal`), so no process of it
   commits later, however late it wakes; a claim created a moment ago and not yet written is left
   for the next settle;
-- everything but the ``commit`` claim is removed: the per-rank blobs, the claims, the marks and the
-  nodes' offers. The claim stays: it is the fence (an exclusive create that found no file would
+- everything but the ``commit`` claim is removed: the per-rank blobs, the claims, the marks, the
+  steps' tallies and the nodes' offers. The claim stays: it is the fence (an exclusive create that found no file would
   succeed, and a partitioned node's late commit would count). One 7-byte file an attempt.
 - the nodes' offers stay while a committed survivors' snapshot of that attempt is still kept:
   a resume reads them to refuse one that a survivor disagreed with
@@ -22,6 +22,7 @@ A listing of ``jit/`` that another node's cache shortened only leaves a folder f
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from hpc_ddp.rundir.jit_claims import COMMIT_CLAIM, seal
@@ -52,7 +53,10 @@ def prune(run_dir: Path | str, current: str) -> list[str]:
             if entry.name == COMMIT_CLAIM or (offer and name in checked):
                 continue
             try:
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):  # a step's tally (rundir/jit_tally.py)
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
             except OSError:
                 continue  # gone already, or not ours to remove: the next settle tries again
             removed.append(f"{JIT}/{name}/{entry.name}")

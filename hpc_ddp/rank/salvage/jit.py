@@ -89,7 +89,7 @@ def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
     if run.held is None:
         return None
     started = time.monotonic()
-    post = jit_files.post_for(run.run_dir, run.env)
+    post = jit_files.post_for(run.run_dir, run.env, per_rank=bool(run.per_rank))
     offer: dict[str, Any] = {"rank": run.env.rank, "host": os.uname().nodename,
                              "error": first_line(error), "time": round(time.time(), 3)}
     try:
@@ -138,30 +138,49 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     # whose had not hold the same step with other statistics; which of them may write is decided
     # above, not by a mismatch
     offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
-    news = jit_files.offer(post, offer)
+    news = jit_commit.settled(run, folder, jit_files.offer(post, offer))
     latest = jit_files.once_per_node(post, "newest", lambda: _latest_commit(run.run_dir),
                                      fresh_s=NEWEST_FRESH_S)
-    if latest is not None and latest >= step:
+    if news is not None and news.startswith("committed"):
+        offer.update(outcome=news)  # what its node said completed the set: this rank committed
+    elif latest is not None and latest >= step:
         # the same state as a peer that compared it: its answer
         offer.update(outcome=jit_files.once_per_node(
             post, f"checked-{step}-{offer['fingerprint']}",
             lambda: jit_commit.check_commit(run.run_dir, folder, step, latest, offer)))
     elif skip and env.rank != 0:  # rank 0 holds the step: it writes, with its buffers
-        offer.update(outcome=_check_set(run, folder, news) if mirror is not None
+        offer.update(outcome=_passed(news) if mirror is not None
                      else jit_commit.claimed_by_another(run.run_dir, step, folder, offer,
                                                         read=_newest_per_node(run, post)))
     elif (not jit_claims.claim_on_node(post, step)
           or (share[1] == 1 and not jit_claims.claim(folder, step))):
-        offer.update(outcome=_check_set(run, folder, news) if mirror is not None else _lost_claim(
+        offer.update(outcome=_passed(news) if mirror is not None else _lost_claim(
             run, post, folder, step, offer, share))
     else:
         offer.update(outcome=write_claimed(run, post, step, state, offer, started,
                                            holding.mark, share))
-    carried = jit_files.offer(post, offer)
-    if carried and mirror is not None and not offer["outcome"].startswith("committed"):
-        offer.update(outcome=_check_set(run, folder, True))  # it carried another rank's news: check
-        jit_files.offer(post, offer)
+    if news is not None and news not in offer["outcome"]:  # what its first offer came to
+        offer.update(outcome=f"{offer['outcome']}; {news}")
+    _tell(run, post, offer)
     return offer
+
+
+def _passed(news: str | None) -> str:
+    """A survivor that writes nothing: what its part in the tally came to (:func:`_offer`)."""
+    return news or ("this node's offers are in the set's tally; the survivor that completes the "
+                    "set checks and commits it")
+
+
+def _tell(run: Survivor, post: jit_files.Post, offer: dict[str, Any]) -> None:
+    """Offer what came of this rank's part, again while its publishes carry news of its node's
+    other ranks that it must settle (a fact that completes a set: it checks and commits it)."""
+    for _ in range(post.local_size + 1):  # each round carries at least one other rank's news
+        came = jit_commit.settled(run, post.shared, jit_files.offer(post, offer))
+        said = str(offer.get("outcome") or "")
+        if came is None or said.startswith("committed"):
+            return
+        offer.update(outcome=came if came.startswith("committed") or not said
+                     else f"{said}; {came}")
 
 
 def _on_host(held: Held, step: int, state: dict[str, Any],
@@ -242,21 +261,12 @@ def _no_source(run: Survivor, post: jit_files.Post, offer: dict[str, Any],
     """This rank holds no step it may write: say why; with a mirror, its per-rank states may still
     be what another survivor's snapshot lacks."""
     offer.update(source=False, why=why)
-    news = jit_files.offer(post, offer)
+    news = jit_commit.settled(run, post.shared, jit_files.offer(post, offer))
     log.warning("no just-in-time snapshot from this rank: %s", why)
-    if run.mirror is not None:
-        offer.update(outcome=_check_set(run, post.shared, news))
-        jit_files.offer(post, offer)
+    if run.mirror is not None or news is not None:
+        offer.update(outcome=_passed(news))
+        _tell(run, post, offer)
     return offer
-
-
-def _check_set(run: Survivor, folder: Path, news: bool) -> str:
-    """Whether this rank's offer completed the set, checked by the one rank whose publish of its
-    node's file brought news (:func:`hpc_ddp.rundir.jit_files.publish`): per node and change, not
-    per rank."""
-    if not news:
-        return "this node's offers went out with another rank's, which checked the set"
-    return jit_commit.complete(run, folder)
 
 
 def _newest_per_node(run: Survivor, post: jit_files.Post) -> Callable[[], Any]:

@@ -22,7 +22,8 @@ from typing import Any
 
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.checkpointer import PER_RANK
-from hpc_ddp.rundir import jit_blobs, jit_claims, jit_files, jit_offers, newest, slicing, snapshot
+from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, jit_tally, newest, slicing,
+                            snapshot)
 from hpc_ddp.rundir.snapshot import steps as snapshot_steps, write as snapshot_write
 
 log = logging.getLogger("hpc_ddp.jit")
@@ -77,7 +78,8 @@ def complete(run: Survivor, folder: Path) -> str:
     :func:`hpc_ddp.rank.salvage.jit_write.split_over`), no source of it holds another state, and
     (with per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any
     survivor may complete it; the attempt's commit claim makes one the committer. Otherwise say what
-    is missing."""
+    is missing. The failure path calls it once per attempt, from the survivor that found the set
+    whole in the tally (:func:`settled`): it opens every node's file."""
     env = run.env
     offers = jit_offers.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
     steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)},
@@ -124,6 +126,19 @@ def complete(run: Survivor, folder: Path) -> str:
     if not steps:
         return "no survivor had written a state file yet (a later survivor completes the snapshot)"
     return "not committed: " + "; ".join(reasons)
+
+
+def settled(run: Survivor, folder: Path, said: jit_tally.Settled) -> str | None:
+    """What came of this rank's part in the steps' tallies (:mod:`hpc_ddp.rundir.jit_tally`): where
+    it carried a set's baton past the last item, the one full check and the commit
+    (:func:`complete`); where it left a set waiting, what the set lacks; None when it only added
+    what its node said (the survivor that completes the set checks it)."""
+    if said.whole:
+        return complete(run, folder)
+    if said.waiting:
+        return "not committed (yet): " + "; ".join(said.waiting[step]
+                                                    for step in sorted(said.waiting, reverse=True))
+    return None
 
 
 def _claimed_elsewhere(folder: Path, step: int) -> str:

@@ -49,8 +49,9 @@ def replicas_of(nodes: int, configured: int) -> int:
 def write_claimed(run: Survivor, post: jit_files.Post, step: int, state: dict[str, Any],
                   offer: dict[str, Any], started: float, mark: Mark,
                   share: tuple[int, int] = (0, 1)) -> str:
-    """The claimed step's file; then, once the other survivors' offers had a moment to come in, the
-    commit if the set is complete (:func:`jit_commit.complete`). Not committed when the training
+    """The claimed step's file; then, where this writer completed the set (the step's tally,
+    :mod:`hpc_ddp.rundir.jit_tally`) and once the other survivors' offers had a moment to come in,
+    the check and the commit (:func:`jit_commit.settled`). Not committed when the training
     thread began the update after ``mark`` while the state was read and written (on the device, for
     a GPU: :meth:`~hpc_ddp.rank.salvage.held.Held.intact`): the file may hold parameters half-way
     to the next step."""
@@ -72,7 +73,10 @@ def write_claimed(run: Survivor, post: jit_files.Post, step: int, state: dict[st
     offer.update(written={"step": step, "entry": {**entry, "slices": held, "ranks": []},
                           "layout": split, "took_s": round(time.monotonic() - started, 3),
                           "write_s": round(wrote_s, 3)})
-    jit_files.offer(post, offer)  # a survivor whose offer comes later may complete the set
-    # the other survivors' offers come in
-    time.sleep(max(0.0, OFFER_WAIT_S - (time.monotonic() - started)))
-    return jit_commit.complete(run, post.shared)
+    # a survivor whose offer comes later may complete the set
+    said = jit_files.offer(post, offer)
+    if said.whole:  # the other survivors' offers come in before the sources are compared
+        time.sleep(max(0.0, OFFER_WAIT_S - (time.monotonic() - started)))
+    what = "its node's share" if nodes > 1 else "the state"
+    return (jit_commit.settled(run, post.shared, said)
+            or f"wrote {what} of step {step}; the survivor that completes the set commits it")
