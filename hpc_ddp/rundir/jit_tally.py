@@ -17,7 +17,8 @@ Every item is a chain of entries ``s{K}-{J}`` (slice K) or ``r{G}-{J}`` (rank gr
 ...: each made by an exclusive create (the one operation another node's cache cannot answer
 wrongly, :mod:`hpc_ddp.rundir.view`), read only after the create of its name failed (so no node
 ever looked it up while it was absent), and never rewritten. The baton's hand-over is an exclusive
-create too (``take-...``, ``take-start`` for its first holder: a writer of slice 0). No torch.
+create too (``take-...``; ``take-start`` for its first holder, the first survivor that adds anything
+to the step's tally, who walks from slice 0). No torch.
 """
 
 from __future__ import annotations
@@ -94,13 +95,16 @@ def facts(offers: list[dict[str, Any]], node: int, group: int) -> list[Fact]:
 def settle(where: Path, new: list[Fact], rank: int, world: int, group: int,
            per_rank: bool) -> Settled:
     """Add ``new`` (what this rank's publish of its node's file newly said) to the steps' tallies,
-    and walk on with the baton of each step where it came to this rank."""
+    and walk on with the baton of each step where it came to this rank (a wait entry it passed, or
+    the first baton of the step, which the first survivor to add anything takes at slice 0)."""
     settled = Settled()
     for step in sorted({f.step for f in new}, reverse=True):
         folder = where / f"tally-{step}"
         taken: tuple[str, int] | None = None
         for fact in sorted((f for f in new if f.step == step), key=lambda f: (f.kind, f.index)):
             taken = _add(folder, fact, rank) or taken
+        if taken is None and exclusive(folder / "take-start", str(rank).encode()):
+            taken = ("s", 0)
         if taken is not None:
             said = _walk(folder, taken, rank, world, group if per_rank else 0)
             if said is None:
@@ -111,48 +115,67 @@ def settle(where: Path, new: list[Fact], rank: int, world: int, group: int,
 
 
 def _add(folder: Path, fact: Fact, rank: int) -> tuple[str, int] | None:
-    """Append ``fact`` to its item's chain; the item where this rank took the baton, if it did
-    (a wait entry it passed, or the first baton, for slice 0's first writer)."""
+    """Append ``fact`` to its item's chain (at its first free entry: a chain has no gaps); the item
+    if this rank took the baton there (it passed the wait entry where the baton stopped)."""
     item = f"{fact.kind}{fact.index}"
     data = json.dumps(fact.content).encode()
     taken = None
     for j in count():
         if exclusive(folder / f"{item}-{j}", data):
-            break
+            return taken
         entry = _read(folder / f"{item}-{j}")
         if entry is not None and entry.get("wait") is not None and taken is None \
                 and exclusive(folder / f"take-{item}-{j}", str(rank).encode()):
             taken = (fact.kind, fact.index)
-    if (fact.kind, fact.index) == ("s", 0) and exclusive(folder / "take-start", str(rank).encode()):
-        taken = ("s", 0)
-    return taken
+    return taken  # never reached: count() does not end
 
 
 def _walk(folder: Path, start: tuple[str, int], rank: int, world: int, groups_of: int) -> str | None:
     """Walk the baton from ``start`` over the step's items (its slices, then its rank groups) while
     each is covered; park it at the first that is not (a wait entry at the end of its chain) and say
-    what is missing; None once past the last: the set is whole."""
-    # the step's layout: slice 0's first writer's (its entry is there before any baton is: the
-    # first is taken by a writer of slice 0 after it wrote, and no wait entry comes before it)
-    first = _read(folder / "s0-0") or {}
-    digest, slices = first.get("digest"), int(first.get("of", 1))
+    what is missing; None once past the last: the set is whole. The step's layout is slice 0's
+    first writer's: every slice is covered in that layout or not at all."""
+    layout = None if start == ("s", 0) else _layout(folder)
+    if layout is None and start != ("s", 0):
+        return "the entries of slice 0 could not be read (the tally was tampered with)"
     groups = math.ceil(world / groups_of) if groups_of else 0
-    items = [("s", k) for k in range(slices)] + [("r", g) for g in range(groups)]
     wait = json.dumps({"wait": rank}).encode()
-    for kind, index in items[items.index(start):] if start in items else []:
+    kind, index = start
+    while True:
         wanted = (set(range(index * groups_of, min(world, (index + 1) * groups_of)))
                   if kind == "r" else set())
         seen: set[int] = set()
         covered = False
         for j in count():
-            if kind == "s" and covered or kind == "r" and wanted <= seen:
+            if covered or kind == "r" and wanted <= seen:
                 break
             if exclusive(folder / f"{kind}{index}-{j}", wait):
                 return _missing(kind, index, seen, wanted)
             entry = _read(folder / f"{kind}{index}-{j}") or {}
-            covered = covered or (kind == "s" and entry.get("digest") == digest)
+            if kind == "s" and entry.get("digest") is not None:
+                layout = layout or (entry["digest"], int(entry.get("of", 1)))
+                covered = entry["digest"] == layout[0]
             seen |= set(entry.get("ranks", [])) if kind == "r" else set()
-    return None
+        assert layout is not None  # slice 0 was covered: its first writer's layout is known
+        if kind == "s" and index + 1 < layout[1]:
+            index += 1
+        elif kind == "s" and groups or kind == "r" and index + 1 < groups:
+            kind, index = "r", index + 1 if kind == "r" else 0
+        else:
+            return None
+
+
+def _layout(folder: Path) -> tuple[str, int] | None:
+    """The step's layout (digest, slice count), from slice 0's first written entry: read by name in
+    order (a chain has no gaps, and slice 0 was covered before any baton went past it: every name
+    read up to that entry exists)."""
+    for j in count():
+        entry = _read(folder / f"s0-{j}")
+        if entry is None:  # not there after all, or not a record: the walk stops here
+            return None
+        if entry.get("digest") is not None:
+            return entry["digest"], int(entry.get("of", 1))
+    return None  # never reached: count() does not end
 
 
 def _missing(kind: str, index: int, seen: set[int], wanted: set[int]) -> str:
