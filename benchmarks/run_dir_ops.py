@@ -120,11 +120,19 @@ def flat_in_ranks_per_node(table: dict[tuple[int, int], float]) -> list[str]:
     return grows
 
 
-def b14(scratch: Path, grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
+# the scenarios each event is a difference of
+NEEDS = {"run": ("short", "long"), "step": ("short", "long"), "snapshot": ("long", "snapshots"),
+         "failure": ("long", "failure"), "stop": ("long", "stop")}
+
+
+def b14(scratch: Path, grid: list[tuple[int, int]] = GRID, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """B14's rows; ``only``: these events alone (the scenarios they need), e.g. ("failure",)."""
     rows: dict[str, Any] = {}
+    wanted = {name for event in only for name in NEEDS[event]} if only else set(SCENARIOS)
     for nodes, per_node in grid:
         runs = {name: counted(scratch, nodes, per_node, name) for name in SCENARIOS
-                if not (name == "failure" and nodes < 2)}  # one node lost is every rank lost: nothing to survive
+                if name in wanted
+                and not (name == "failure" and nodes < 2)}  # one node lost is every rank lost: nothing to survive
         rows[f"{nodes}x{per_node}"] = {"events": events(runs), "beats": {
             name: {k: run["rank"][k] + run["shell"][k] for k in BEATS + METRICS} for name, run in runs.items()
             if "error" not in run},
@@ -148,6 +156,8 @@ def b14(scratch: Path, grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # a flag is no scratch folder (it wrote ./--help/)
-        sys.exit("usage: python -m benchmarks.run_dir_ops SCRATCH_DIR [NODESxRANKS ...]  (B14's counts, as JSON)")
-    grid = [tuple(map(int, g.split("x"))) for g in sys.argv[2:]] or GRID
-    print(json.dumps(b14(Path(sys.argv[1]), grid), indent=1))  # type: ignore[arg-type]
+        sys.exit("usage: python -m benchmarks.run_dir_ops SCRATCH_DIR [NODESxRANKS ...] [EVENT ...]  (B14's counts,"
+                 f" as JSON; events: {', '.join(NEEDS)}, all by default)")
+    grid = [tuple(map(int, g.split("x"))) for g in sys.argv[2:] if "x" in g] or GRID
+    events_only = tuple(a for a in sys.argv[2:] if a in NEEDS)
+    print(json.dumps(b14(Path(sys.argv[1]), grid, events_only), indent=1))  # type: ignore[arg-type]

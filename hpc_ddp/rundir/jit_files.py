@@ -134,7 +134,8 @@ GATHER_S = 0.2
 GATHER_POLL_S = 0.01  # how often it looks (node-local files: no byte reaches the run dir)
 
 
-def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> jit_tally.Settled:
+def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S,
+          quiet: bool = False) -> jit_tally.Settled:
     """This rank's offer: on its node first, then in its node's file in the run dir
     (:func:`publish`), and what the file newly says added to the steps' tallies
     (:func:`hpc_ddp.rundir.jit_tally.settle`, whose answer it returns: the steps whose set this
@@ -142,33 +143,31 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S) -> ji
 
     A killed peer frees its survivors one after another, so a node's ranks offer milliseconds apart,
     and each offer used to rewrite the node's file (3 writes per rank at 2 x 4 in B14). Before it
-    publishes, an offer waits up to ``gather_s`` until every rank of the node has offered (and, for
-    an offer that says what came of it, said what came of theirs): the last to arrive publishes for
-    all, the others find nothing new. A rank that never offers (it died with the node's others
-    alive) costs its peers ``gather_s`` once."""
+    publishes, a first offer waits up to ``gather_s`` until every rank of the node has offered: the
+    last to arrive publishes for all, the others find nothing new. A rank that never offers (it died
+    with the node's others alive) costs its peers ``gather_s`` once. An offer that says what came of
+    it waits for nobody: where it tells the set nothing new and a rank of the node is still at its
+    part (its offer has no outcome yet), it is left on the node for that rank's publish to carry
+    (issue 59: the outcomes of a node's ranks came one by one, a rewrite each). ``quiet``: on the
+    node only."""
     node_local.ensure(post.local)
     write_atomic(post.local / f"offer-{post.local_rank}.json",
                  json.dumps({"tag": post.tag, "offer": {**content, "node": post.node}}).encode())
-    _await_peers(post, any(key in content for key in OUTCOME_KEYS), gather_s)
-    new = publish(post)
+    if quiet:  # it tells nobody anything (a late survivor that agrees with the commit)
+        return jit_tally.Settled()
+    told = "outcome" in content  # what came of it: the node's last rank to finish carries it
+    if not told:
+        _await_peers(post, gather_s)
+    new = publish(post, defer=told)
     return (jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank)
             if new else jit_tally.Settled())
 
 
-def _await_peers(post: Post, outcome: bool, gather_s: float) -> None:
-    """Wait, up to ``gather_s``, until every local rank has an offer on the node (with an outcome if
-    ``outcome``)."""
+def _await_peers(post: Post, gather_s: float) -> None:
+    """Wait, up to ``gather_s``, until every local rank has an offer on the node."""
     deadline = time.monotonic() + gather_s
     while time.monotonic() < deadline:
-        said = []
-        for local in range(post.local_size):
-            found = _local_offer(post, local)
-            if found is None:
-                break
-            said.append(found)
-        if len(said) == post.local_size and (not outcome
-                                             or all(any(k in o for k in OUTCOME_KEYS)
-                                                    for o in said)):
+        if all(_local_offer(post, local) is not None for local in range(post.local_size)):
             return
         time.sleep(GATHER_POLL_S)
 
@@ -191,6 +190,13 @@ def once_per_node(post: Post, key: str, compute: Callable[[], Any],
         memo[key] = {"value": value, "at": time.time()}
         write_atomic(memo_path, json.dumps({**memo, "tag": post.tag}))
         return value
+
+
+def per_node(post: Post, key: str, compute: Callable[[], Any],
+             fresh_s: float = 0.1) -> Callable[[], Any]:
+    """A reader of what the node's waiting ranks poll in the run dir, shared by them
+    (:func:`once_per_node`, at most one read per node every ``fresh_s``)."""
+    return lambda: once_per_node(post, key, compute, fresh_s=fresh_s)
 
 
 def write_blobs(post: Post, blobs: dict[int, dict[int, bytes]]) -> None:
@@ -226,11 +232,7 @@ def _local_json(post: Post, path: Path) -> dict[str, Any]:
     return record
 
 
-# what an offer says came of it: news for the ledger, never for the set
-OUTCOME_KEYS = ("outcome", "why")
-
-
-def publish(post: Post) -> list[jit_tally.Fact]:
+def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
     """The node's file in the run dir, ``node-N.json`` (every offer its ranks made, by rank), and
     with per-rank state ``blobs-node-N.pt`` (each rank's per-rank states, by the rank that holds
     them): rewritten only when what the node's ranks said changed since the last publish, under a
@@ -265,6 +267,8 @@ def publish(post: Post) -> list[jit_tally.Fact]:
         _shared(post, f"node-{post.node}.json", record)
         told = set(before.get("facts", []))
         new = [f for f in jit_tally.facts(offers, post.node, post.group) if f.key not in told]
+        if defer and not new and any("outcome" not in o for o in offers):
+            return []  # a rank of the node still at its part publishes later, and carries this
         write_atomic(published, json.dumps({"said": said, "blobs": blob_files, "tag": post.tag,
                                             "facts": sorted(told | {f.key for f in new})}))
         return new

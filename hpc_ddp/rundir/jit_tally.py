@@ -130,7 +130,8 @@ def _add(folder: Path, fact: Fact, rank: int) -> tuple[str, int] | None:
     return taken  # never reached: count() does not end
 
 
-def _walk(folder: Path, start: tuple[str, int], rank: int, world: int, groups_of: int) -> str | None:
+def _walk(folder: Path, start: tuple[str, int], rank: int, world: int,
+          groups_of: int) -> str | None:
     """Walk the baton from ``start`` over the step's items (its slices, then its rank groups) while
     each is covered; park it at the first that is not (a wait entry at the end of its chain) and say
     what is missing; None once past the last: the set is whole. The step's layout is slice 0's

@@ -9,8 +9,9 @@ rehearsal's launcher) calls :func:`prune` as it settles a step; for every other 
   commits later, however late it wakes; a claim created a moment ago and not yet written is left
   for the next settle;
 - everything but the ``commit`` claim is removed: the per-rank blobs, the claims, the marks, the
-  steps' tallies and the nodes' offers. The claim stays: it is the fence (an exclusive create that found no file would
-  succeed, and a partitioned node's late commit would count). One 7-byte file an attempt.
+  steps' tallies and the nodes' offers. The claim stays: it is the fence (an exclusive create that
+  found no file would succeed, and a partitioned node's late commit would count). One 7-byte file an
+  attempt.
 - the nodes' offers stay while a committed survivors' snapshot of that attempt is still kept:
   a resume reads them to refuse one that a survivor disagreed with
   (:func:`hpc_ddp.rundir.jit_offers.disagreeing`).

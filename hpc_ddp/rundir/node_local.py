@@ -74,6 +74,11 @@ def run_secret(run_dir: Path | str) -> bytes:
 @functools.lru_cache(maxsize=16)
 def _secret(run_dir: str) -> bytes:
     path = layout.secret(run_dir)
+    # read first: every process but the run's first (submit's) finds it there, one open each, not an
+    # exclusive create that fails and then a read (issue 59: B14 counts them per rank)
+    found = _secret_bytes(path, 0o007 if _group_writes(path.parent) else 0o077)
+    if found is not None:
+        return found
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         try:
@@ -108,9 +113,9 @@ def _read_secret(path: Path) -> bytes:
     # who else may read it: the group, where it writes
     closed = 0o007 if _group_writes(path.parent) else 0o077
     while True:
-        data = read(path, 4 * SECRET_BYTES, private=closed, owner=None)
-        if data is not None and len(data.strip()) == 2 * SECRET_BYTES:
-            return bytes.fromhex(data.strip().decode("ascii", "replace"))
+        found = _secret_bytes(path, closed)
+        if found is not None:
+            return found
         if time.monotonic() > deadline or _never_readable(path, closed):
             break
         time.sleep(0.05)  # its writer created it a moment ago and writes its 65 bytes now
@@ -123,6 +128,18 @@ def _read_secret(path: Path) -> bytes:
              "start); if "
         "someone else made it, the run dir is not yours alone: see docs/security.md"),
                          key="run_dir")
+
+
+def _secret_bytes(path: Path, closed: int) -> bytes | None:
+    """The secret in ``path`` if it holds one (its hex digits, none of the ``closed`` mode bits), or
+    None."""
+    data = read(path, 4 * SECRET_BYTES, private=closed, owner=None)
+    if data is None or len(data.strip()) != 2 * SECRET_BYTES:
+        return None
+    try:
+        return bytes.fromhex(data.strip().decode("ascii", "replace"))
+    except ValueError:
+        return None
 
 
 def _never_readable(path: Path, closed: int) -> bool:

@@ -342,7 +342,7 @@ def test_the_ranks_of_a_node_waiting_for_anothers_commit_read_newest_once_per_no
 
     def rank(local: int) -> None:
         env = SimpleNamespace(job_id=5, restart_count=0, in_job=0, node_rank=0, local_rank=local, rank=local,
-                              local_world_size=4)
+                              local_world_size=4, world_size=4, num_nodes=1)
         post = jit_files.post_for(tmp_path, env)
         results.append(jit_commit.claimed_by_another(tmp_path, 7, post.shared, {"rank": local}, wait_s=1.0,
                                                      read=jit._newest_per_node(run, post)))

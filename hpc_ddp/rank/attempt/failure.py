@@ -52,7 +52,7 @@ from hpc_ddp.rank.attempt.conclude import end_as_stop, ledger_line
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.stop.broken_step import StoppedMidStep, marker, stop_came_first
 from hpc_ddp.rank.watch.watchdog import poll_interval
-from hpc_ddp.rundir import flight, flight_node, losses
+from hpc_ddp.rundir import flight, flight_node, jit_files, losses
 
 if TYPE_CHECKING:
     from hpc_ddp.rank.attempt.context import Attempt
@@ -156,10 +156,26 @@ def after_exception(attempt: Attempt, run: Run, err: Exception) -> None:
     line."""
     offered = attempt.after_failure(err)
     # a stop broke the step
-    if stop_came_first(attempt.flag, err, marker(attempt.run_dir, attempt.env)):
+    if stop_came_first(attempt.flag, err, marker(attempt.run_dir, attempt.env),
+                       marked=_marked_once_per_node(attempt)):
         attempt.code = end_as_stop(attempt, run, err,
                                    offered if isinstance(offered, dict) else None)
         raise StoppedMidStep(attempt.code) from err
+
+
+def _marked_once_per_node(attempt: Attempt) -> Callable[[Path], bool]:
+    """The broken-stop mark read once for the node's survivors, not once per rank (issue 59: B14's
+    failure row grew with the ranks per node); read directly where the node's folder fails."""
+    post = jit_files.post_for(attempt.run_dir, attempt.env)
+
+    def marked(path: Path) -> bool:
+        try:
+            return bool(jit_files.once_per_node(post, "broken-stop",
+                                                lambda: jit_files.marked(path)))
+        except Exception:  # noqa: BLE001  (the node's folder: the failure path goes on)
+            return jit_files.marked(path)
+
+    return marked
 
 
 def _exit(code: int) -> None:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,14 +66,15 @@ from hpc_ddp.rank.salvage.device_clock import Holding
 # Held and buffers were defined here first
 from hpc_ddp.rank.salvage.held import Held
 from hpc_ddp.rank.salvage.held_copies import buffers  # noqa: F401
-from hpc_ddp.rank.salvage.jit_checks import broadcast_buffers, fingerprint, why_not, why_not_buffers
+from hpc_ddp.rank.salvage.jit_checks import (broadcast_buffers, fingerprint, rank_zero_offer,
+                                             why_not,
+                                             why_not_buffers)
 from hpc_ddp.rank.salvage.jit_write import split_over, write_claimed
+from hpc_ddp.rank.salvage.one_handler import HANDLER_WAIT_S, OneHandler  # noqa: F401 (its home)
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rundir import jit_claims, jit_files, newest, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
-# how long a second failure handler waits for the first one's write (under KillWait)
-HANDLER_WAIT_S = 25.0
 # how long the liveness or watchdog thread waits for the survivors' snapshot before it exits
 SIDE_WAIT_S = 20.0
 # how old a node's read of snapshots/newest.json may be for another survivor of the node
@@ -113,12 +113,7 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     (:mod:`~hpc_ddp.rank.salvage.jit_write`)."""
     env, folder, mirror = run.env, post.shared, run.mirror
     if mirror is not None:  # this rank's per-rank states and its ward's, whatever it holds besides
-        blobs = mirror.held()
-        jit_files.write_blobs(post, blobs)
-        # {rank: [steps], newest first}
-        offer["blobs"] = {str(r): list(states) for r, states in blobs.items()}
-        if mirror.broken is not None:
-            offer["mirror_broken"] = mirror.broken
+        _with_blobs(mirror, post, offer)
     reason = why_not(run)
     whole = held.whole() if reason is None else reason
     if not isinstance(whole, str):  # a GPU's state: read once, off the wedged stream
@@ -132,15 +127,18 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     skip = any(({} if synced else broadcast).values())
     # rank 0's own buffers are the step's: it splits as a synced rank does (issue 59)
     share = split_over(env, {} if synced or env.rank == 0 else broadcast)
-    if skip and (missing := why_not_buffers(env.rank, folder, step)) is not None:
+    if skip and (missing := why_not_buffers(env.rank, folder, step, read=jit_files.per_node(
+            post, "rank-0-offer", lambda: rank_zero_offer(folder)))) is not None:
         return _no_source(run, post, offer, missing)
     # never over the broadcast buffers: a survivor whose boundary broadcast had finished and one
     # whose had not hold the same step with other statistics; which of them may write is decided
     # above, not by a mismatch
     offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
-    news = jit_commit.settled(run, folder, jit_files.offer(post, offer))
     latest = jit_files.once_per_node(post, "newest", lambda: _latest_commit(run.run_dir),
                                      fresh_s=NEWEST_FRESH_S)
+    if latest is not None and latest >= step and mirror is None:
+        return _late(run, post, offer, step, latest)
+    news = jit_commit.settled(run, folder, jit_files.offer(post, offer))
     if news is not None and news.startswith("committed"):
         offer.update(outcome=news)  # what its node said completed the set: this rank committed
     elif latest is not None and latest >= step:
@@ -162,6 +160,31 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     if news is not None and news not in offer["outcome"]:  # what its first offer came to
         offer.update(outcome=f"{offer['outcome']}; {news}")
     _tell(run, post, offer)
+    return offer
+
+
+def _with_blobs(mirror: Any, post: jit_files.Post, offer: dict[str, Any]) -> None:
+    """The per-rank states this rank holds (its own and its ward's) on its node, named in its
+    offer: ``{rank: [steps], newest first}``."""
+    blobs = mirror.held()
+    jit_files.write_blobs(post, blobs)
+    offer["blobs"] = {str(r): list(states) for r, states in blobs.items()}
+    if mirror.broken is not None:
+        offer["mirror_broken"] = mirror.broken
+
+
+def _late(run: Survivor, post: jit_files.Post, offer: dict[str, Any], step: int,
+          latest: int) -> dict[str, Any]:
+    """A survivor freed after the set was committed (gloo frees a node's ranks one by one as their
+    peers exit): compared with the commit first (once per node and fingerprint), and offered in the
+    run dir only if it disagrees (the commit is then withdrawn, and a resume checks the offers); one
+    that agrees tells the file server nothing (issue 59: each late rank rewrote its node's file
+    twice)."""
+    said = jit_files.once_per_node(
+        post, f"checked-{step}-{offer['fingerprint']}",
+        lambda: jit_commit.check_commit(run.run_dir, post.shared, step, latest, offer))
+    offer.update(outcome=said)
+    jit_files.offer(post, offer, quiet=not said.startswith("withdrew"))
     return offer
 
 
@@ -199,51 +222,6 @@ def _on_host(held: Held, step: int, state: dict[str, Any],
     return step, held.to_numbers(read), holding
 
 
-class OneHandler:
-    """:func:`after_failure` once per process, whichever thread comes first (issue 44).
-
-    The training thread (its collective failed), the liveness thread (a frozen peer, a declaration)
-    and the watchdog thread (a hang) may each start the survivors' snapshot, and the second used to
-    write the same files over the first (and a thread that exits after it cut the first write
-    short). The first caller writes; a later one waits for it, up to ``wait_s`` (under Slurm's
-    KillWait, 30 s by default), and returns what it did, so that whichever thread ends the process
-    ends it after the write.
-
-    A side thread passes ``wait_s`` for its own call too: its write then runs in a thread of its
-    own, and the side thread goes on to exit when the bound passes, whatever the write waits for (on
-    a GPU, a read of the state queues behind a wedged collective's kernel). The training thread's
-    own write runs inline, as long as it takes."""
-
-    def __init__(self, handler: Callable[[BaseException], dict[str, Any] | None],
-                 wait_s: float = HANDLER_WAIT_S) -> None:
-        self.handler, self.wait_s = handler, wait_s
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._started = False
-        self._result: dict[str, Any] | None = None
-
-    def __call__(self, error: BaseException, wait_s: float | None = None) -> dict[str, Any] | None:
-        with self._lock:
-            first, self._started = not self._started, True
-        if first and wait_s is None:
-            self._run(error)
-            return self._result
-        if first:
-            threading.Thread(target=self._run, args=(error,), name="hpc_ddp-failure",
-                             daemon=True).start()
-        limit = wait_s if wait_s is not None else self.wait_s
-        if not self._done.wait(limit):
-            log.warning("the survivors' snapshot of this rank did not end within %g s: this rank "
-                        "exits without it", limit)
-        return self._result
-
-    def _run(self, error: BaseException) -> None:
-        try:
-            self._result = self.handler(error)
-        finally:
-            self._done.set()
-
-
 def _latest_commit(run_dir: Path) -> int | None:
     """The newest committed step, from the file that names it (read by name): not by reading every
     step's manifest, which would look up the one survivors are about to commit and make this node's
@@ -272,8 +250,7 @@ def _no_source(run: Survivor, post: jit_files.Post, offer: dict[str, Any],
 def _newest_per_node(run: Survivor, post: jit_files.Post) -> Callable[[], Any]:
     """The newest commit's record, read once per node and tenth of a second for the node's waiting
     ranks (not each rank ten times a second: issue 59)."""
-    return lambda: jit_files.once_per_node(post, "newest-record", lambda: newest.read(run.run_dir),
-                                           fresh_s=0.1)
+    return jit_files.per_node(post, "newest-record", lambda: newest.read(run.run_dir))
 
 
 def _lost_claim(run: Survivor, post: jit_files.Post, folder: Path, step: int,

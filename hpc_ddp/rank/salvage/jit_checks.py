@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,30 +70,40 @@ def broadcast_buffers(run: Survivor, held: Held) -> dict[str, set[str]]:
             and run.env.world_size > 1}
 
 
-def why_not_buffers(rank: int, folder: Path, step: int) -> str | None:
+def why_not_buffers(rank: int, folder: Path, step: int,
+                    read: Callable[[], dict[str, Any] | None] | None = None) -> str | None:
     """Why this rank, which holds its own DDP buffers of ``step`` and not rank 0's, may not write it
     (rank 0 offers no step ``step``), or None: rank 0, or a rank 0 that offers the step and writes
     it."""
-    if rank == 0 or buffers_source_holds(folder, step):
+    if rank == 0 or buffers_source_holds(folder, step, read=read):
         return None
     return (f"rank 0's DDP buffers (BatchNorm's running statistics) of step {step} are not on this "
             f"rank (the boundary's broadcast of them had not finished) and rank 0 offers no step "
             f"{step}: a snapshot from here would mix this rank's own statistics into the run")
 
 
-def buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S) -> bool:
+def rank_zero_offer(folder: Path) -> dict[str, Any] | None:
+    """Rank 0's offer, from node 0's file (read by name), or None."""
+    return next((o for o in jit_offers.offers(folder, 1) if o.get("rank") == 0), None)
+
+
+def buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE_WAIT_S,
+                         read: Callable[[], dict[str, Any] | None] | None = None) -> bool:
     """Whether rank 0 offers the same step (waiting up to ``wait_s`` for its offer). DDP broadcasts
     rank 0's buffers (BatchNorm's running statistics) at every forward, so rank 0's are the step's:
     a periodic snapshot holds them, and a survivors' snapshot written by another rank would hold
     that rank's own and the resumed run would drift from one never stopped. Rank 0 then writes it (a
     stop that broke a step leaves every rank alive). Only where the boundary's broadcast had not
     finished (rank/salvage/held.py ``buffers_synced``): when rank 0 was lost then, nobody writes
-    that step, and the run falls back rather than resume from a mixture."""
+    that step, and the run falls back rather than resume from a mixture. ``read``: rank 0's offer
+    (the failure path passes one read per node and tenth of a second, shared by the node's ranks:
+    issue 59); by default this rank reads node 0's file, ten times a second."""
     deadline = time.monotonic() + wait_s
+    read = read or (lambda: rank_zero_offer(folder))
     while True:
-        found = next((o for o in jit_offers.offers(folder, 1) if o.get("rank") == 0), None)
+        found = read()
         if found is not None:
             return bool(found.get("source")) and found.get("step") == step
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.05)
+        time.sleep(0.1)

@@ -22,7 +22,8 @@ from typing import Any
 
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.checkpointer import PER_RANK
-from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, jit_tally, newest, slicing,
+from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, jit_tally, newest,
+                            slicing,
                             snapshot)
 from hpc_ddp.rundir.snapshot import steps as snapshot_steps, write as snapshot_write
 

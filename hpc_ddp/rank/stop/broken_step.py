@@ -70,9 +70,11 @@ def pipe_broke(error: BaseException) -> bool:
 
 def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = None,
                     wait_s: float = SIGNAL_WAIT_S, clock: Callable[[], float] = time.monotonic,
-                    sleep: Callable[[float], None] = time.sleep) -> bool:
+                    sleep: Callable[[float], None] = time.sleep,
+                    marked: Callable[[Path], bool] = jit_files.marked) -> bool:
     """Whether the program's error is a stop's doing, not a failure; ``marker`` (the attempt's, in
-    the run dir) tells the other ranks so.
+    the run dir) tells the other ranks so; ``marked`` reads it (the failure path: once per node,
+    :func:`hpc_ddp.rundir.jit_files.once_per_node`).
 
     - A child's death: a stop when this rank's own stop signal is here, or arrives within ``wait_s``
       (Slurm signals the child first as often as the rank).
@@ -91,7 +93,7 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     # the peer marks before it leaves, so before its sockets close: no wait (a failure's
     elif peer_lost(error):
         # survivors must not linger: KillWait)
-        return flag.is_set and marker is not None and jit_files.marked(marker)
+        return flag.is_set and marker is not None and marked(marker)
     # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop
     # is here;
     else:

@@ -1,0 +1,176 @@
+"""B14-SIM: a failure's run-dir work at 16 to 512 nodes x 8 ranks, played by stand-in ranks (issue 59).
+
+The real B14 (benchmarks/run_dir_ops.py) runs rehearsals of real ranks, up to 8 nodes x 4 on this machine. What
+a failure costs at 512 nodes is the survivors' protocol: each survivor's offer (on its node, then its node's file in
+the run dir), the node's claim of its share, its share's file, the steps' tally (hpc_ddp/rundir/jit_tally.py), the
+one full check and the commit (hpc_ddp/rank/salvage/jit_commit.complete), the newest commit read once per node,
+and the comparison of the sources that come after it. Here each surviving rank is a thread that drives those same
+functions against a real folder, in the order the failure path does (hpc_ddp/rank/salvage/jit.py), without a model:
+a share is a 64-byte file, the fingerprint a number. One node (node 1) is lost, as in B14's failure row.
+
+Each simulation runs in a process of its own with ``benchmarks/opcount`` on ``PYTHONPATH``, so its operations are
+counted by the same audit hook as B14's (opens, creates, renames, unlinks, listings, mkdirs; node-local files
+apart: on a cluster they are in /dev/shm). The counts are fitted as ``a + b x nodes + c x nodes^2`` (the
+quadratic term is what the tally removed) and checked against the issue's targets: at most 40 operations per
+node plus a constant, and nothing per rank (the same count at 1 and 8 ranks a node).
+
+    python -m benchmarks.failure_sim [NODESxRANKS ...]      (default: 16, 64, 256, 512 nodes x 8, and x 1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP = 40
+GRID = [(16, 8), (64, 8), (256, 8), (512, 8), (16, 1), (64, 1), (256, 1), (512, 1)]
+NODES_AT_ONCE = 16  # nodes whose ranks fail together (threads: 16 x 8 at most)
+
+
+def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: int) -> str:
+    """One surviving rank's failure path, as hpc_ddp.rank.salvage.jit._offer takes it for a split snapshot
+    without per-rank state: offer the step it holds, read the newest commit once per node, claim its node's
+    share or leave it to the rank that did, write it, offer what it wrote, and settle what its offers carried."""
+    from hpc_ddp.rank.salvage import jit_commit
+    from hpc_ddp.rundir import jit_claims, jit_files, jit_tally, newest, snapshot
+
+    node, local = divmod(rank, per_node)
+    post = jit_files.Post(run_dir / "jit" / "job-1-restart-0", local_root / f"node-{node}", rank, node, local,
+                          per_node, "sim", nodes * per_node, False, jit_tally.group_size(nodes * per_node, nodes))
+    run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=nodes * per_node, num_nodes=nodes),
+                          per_rank={}, checkpointer=None, run_dir=run_dir)
+    offer: dict[str, Any] = {"rank": rank, "host": f"n{node}", "error": "peer lost", "time": 1.0, "source": True,
+                             "step": STEP, "fingerprint": 7}
+    outcomes = [jit_commit.settled(run, post.shared, jit_files.offer(post, offer))]
+    latest = jit_files.once_per_node(post, "newest", lambda: (newest.read(run_dir) or {}).get("step"), 0.5)
+    if latest is not None and latest >= STEP:
+        outcome = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
+            run_dir, post.shared, STEP, latest, offer))
+    elif not jit_claims.claim_on_node(post, STEP):
+        outcome = "another rank of this node writes its share"
+    else:
+        name = jit_files.node_file_name(node)
+        directory = snapshot.step_dir(run_dir, STEP)
+        directory.mkdir(parents=True, exist_ok=True)
+        from hpc_ddp.core.atomic import write_atomic
+
+        write_atomic(directory / name, b"x" * 64)
+        layout = {"format": 2, "slices": nodes, "replicas": 2, "tensors": [], "pieces": []}
+        held = [(node - j) % nodes for j in range(min(2, nodes))]
+        offer["written"] = {"step": STEP, "layout": layout, "took_s": 0.1, "write_s": 0.1,
+                            "entry": {"name": name, "size": 64, "sha256": "0" * 64, "slices": held, "ranks": []}}
+        outcome = jit_commit.settled(run, post.shared, jit_files.offer(post, offer)) or "wrote its share"
+    offer["outcome"] = outcome
+    outcomes.append(jit_commit.settled(run, post.shared, jit_files.offer(post, offer)))
+    return " / ".join(o for o in [outcome, *outcomes] if o)
+
+
+def play(run_dir: Path, nodes: int, per_node: int, seed: int = 0) -> list[str]:
+    """Every rank of every node but node 1, a node's ranks together, nodes in a shuffled order, 16 at once."""
+    from hpc_ddp.rundir import jit_files
+
+    local_root = Path(tempfile.mkdtemp(prefix="hpc-ddp-sim-"))
+    try:
+        for node in range(nodes):  # before the rendezvous: each node's first rank creates its (empty) file
+            jit_files.prepare(jit_files.Post(run_dir / "jit" / "job-1-restart-0", local_root / f"node-{node}", 0,
+                                             node, 0, per_node))
+        order = [n for n in range(nodes) if n != 1]
+        random.Random(seed).shuffle(order)
+        results: list[str] = []
+        lock = threading.Lock()
+
+        def one_node(node: int) -> None:
+            threads = []
+            for local in range(per_node):
+                def rank_thread(rank: int = node * per_node + local) -> None:
+                    said = survivor(run_dir, local_root, nodes, per_node, rank)
+                    with lock:
+                        results.append(said)
+                threads.append(threading.Thread(target=rank_thread))
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        with ThreadPoolExecutor(NODES_AT_ONCE) as pool:
+            list(pool.map(one_node, order))
+        return results
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+
+
+def counted(nodes: int, per_node: int) -> dict[str, Any]:
+    """One simulation in a process of its own, counted by B14's audit hook."""
+    scratch = Path(tempfile.mkdtemp(prefix="hpc-ddp-b14sim-"))
+    run_dir, out = scratch / "run", scratch / "ops"
+    run_dir.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "opcount"), str(ROOT),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "HPC_DDP_OPS_RUN_DIR": str(run_dir), "HPC_DDP_OPS_OUT": str(out)}
+    code = ("import json, sys; from pathlib import Path; from benchmarks.failure_sim import play; "
+            f"said = play(Path({str(run_dir)!r}), {nodes}, {per_node}); print(json.dumps(said))")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=1800)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-1500:]}
+        from benchmarks.run_dir_ops import BEATS, KINDS, METRICS
+
+        fields = KINDS + BEATS + METRICS
+        totals = dict.fromkeys(KINDS, 0)
+        for path in out.glob("*.ops"):
+            raw = path.read_bytes()
+            for i, kind in enumerate(fields):
+                if kind in totals:
+                    totals[kind] += int.from_bytes(raw[8 * i:8 * i + 8], "little", signed=True)
+        said = json.loads(proc.stdout.strip().splitlines()[-1])
+        commits = sum("committed step" in s and "by another" not in s for s in said)
+        manifest = run_dir / "snapshots" / f"step-{STEP:08d}" / "manifest.json"
+        return {"ops": totals, "total": sum(totals.values()), "per_node": round(sum(totals.values()) / nodes, 2),
+                "committed": manifest.exists(), "committers": commits}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def fit(points: list[tuple[int, float]]) -> dict[str, float] | None:
+    """count = a + b x nodes + c x nodes^2, least squares."""
+    if len(points) < 3:
+        return None
+    import numpy as np
+
+    matrix = np.array([[1.0, n, n * n] for n, _ in points])
+    (a, b, c), *_ = np.linalg.lstsq(matrix, np.array([v for _, v in points]), rcond=None)
+    return {"a": round(float(a), 2), "per_node": round(float(b), 3), "per_node_squared": round(float(c), 5)}
+
+
+def b14_sim(grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
+    rows = {f"{n}x{p}": counted(n, p) for n, p in grid}
+    ok = {k: r for k, r in rows.items() if "error" not in r}
+    fits = {str(p): fit([(int(k.split("x")[0]), r["total"]) for k, r in ok.items() if k.endswith(f"x{p}")])
+            for p in sorted({p for _, p in grid})}
+    per_rank = {k: round(r["total"] - ok[k.split("x")[0] + "x1"]["total"], 1) for k, r in ok.items()
+                if not k.endswith("x1") and k.split("x")[0] + "x1" in ok}
+    met = (len(ok) == len(rows) and all(r["committed"] for r in ok.values())
+           and all(r["total"] <= 40 * int(k.split("x")[0]) + 100 for k, r in ok.items())
+           and all(abs(v) <= 0.1 * ok[k.split("x")[0] + "x1"]["total"] + 2 for k, v in per_rank.items()))
+    return {"rows": rows, "fits": fits, "growth_with_ranks_per_node": per_rank,
+            "target": "per failure <= 40 operations per node + 100; the same at 8 ranks a node as at 1 "
+                      "(within 10% and 2); committed at every size", "met": met}
+
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        sys.exit(__doc__)
+    chosen = [tuple(map(int, g.split("x"))) for g in sys.argv[1:]] or GRID
+    print(json.dumps(b14_sim(chosen), indent=1))  # type: ignore[arg-type]
