@@ -260,6 +260,22 @@ def b14_ops(scratch: Path, quick: bool) -> dict[str, Any]:
     return b14(scratch, [(1, 1), (2, 1), (2, 2)] if quick else GRID)
 
 
+def b14_failure(results: dict[str, Any], scratch: Path, quick: bool) -> dict[str, Any]:
+    """B14's failure row alone, at 2-8 nodes x 1-4 ranks a node, merged into the B14 section (its other rows
+    kept from their own run)."""
+    from benchmarks.run_dir_ops import GRID, b14, merged
+
+    fresh = b14(scratch, [(2, 1), (2, 2)] if quick else [g for g in GRID if g[0] >= 2], ("failure",))
+    return merged(results.get("B14") or {}, fresh, ("failure",))
+
+
+def b14_sim(quick: bool) -> dict[str, Any]:
+    """B14-SIM (benchmarks/failure_sim.py): a failure's run-dir work at 16-512 nodes x 1 and 8, stand-in ranks."""
+    from benchmarks.failure_sim import GRID, b14_sim as figure
+
+    return figure([(16, 1), (16, 8), (64, 8)] if quick else GRID)
+
+
 def b10_healing() -> dict[str, Any]:
     from benchmarks.healing import b10_healing as figure
 
@@ -561,6 +577,14 @@ def table(results: dict[str, Any]) -> str:
                         f"{fit.get('per_node', '-')} x nodes + {fit.get('per_rank', '-')} x ranks"
                         + (f"; grows with ranks a node: {'; '.join(g.split(': ', 1)[1] for g in grows)}" if grows else "")
                         + f" | {s['target']} | {mark(s)} |")
+    if "B14-SIM" in b:
+        s = b["B14-SIM"]
+        cells = ", ".join(f"{k}: {r['total']} ({r['per_node']} a node)" if "error" not in r else f"{k}: failed"
+                          for k, r in s["rows"].items())
+        fits = "; ".join(f"at {p} a node {f['a']} + {f['per_node']} x nodes + {f['per_node_squared']} x nodes^2"
+                         for p, f in s["fits"].items() if f)
+        rows.append(f"| B14-SIM run-dir operations per failure, stand-in ranks (the survivors' protocol only), "
+                    f"nodes x ranks a node | {cells}; fit {fits} | {s['target']} | {mark(s)} |")
     if "B15" in b:
         rows.extend(_b15_rows(b["B15"], mark))
     if "B10" in b and "skipped" not in b["B10"]:
@@ -629,9 +653,9 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B15",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
-                        "'boundary' is B15)")
+                        "'boundary' is B15; B14-FAILURE re-measures B14's failure row alone)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args(argv)
@@ -642,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
                           "description": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs, "
                           f"{platform.system()} {platform.release()}", "args": (argv or sys.argv[1:])}
     everything = set(parser.get_default("only").split(","))
-    if only < everything:
+    if not everything <= only:
         results["machine"]["note"] = (f"{', '.join(sorted(only))} measured in this run; the other rows are kept "
                                       "from earlier runs, and results.json gives each section's run_at")
     SCRATCH.mkdir(exist_ok=True)
@@ -666,11 +690,15 @@ def main(argv: list[str] | None = None) -> int:
                  ("B12", lambda: b12_control_plane(quick)),
                  ("B13", lambda: b13_recovery(scratch, (100,) if quick else (100, 1000))),
                  ("B13-SPLIT", lambda: b13_split(scratch, quick)),
-                 ("B14", lambda: b14_ops(scratch, quick)), ("B15", lambda: b15_boundary(quick))]
+                 ("B14", lambda: b14_ops(scratch, quick)),
+                 ("B14-FAILURE", lambda: b14_failure(results, scratch, quick)),
+                 ("B14-SIM", lambda: b14_sim(quick)), ("B15", lambda: b15_boundary(quick))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)
-                results[name] = {**run(), "run_at": time.strftime("%Y-%m-%d %H:%M")}  # whose figures are whose
+                # B14-FAILURE re-measures one row of B14's section
+                key = "B14" if name == "B14-FAILURE" else name
+                results[key] = {**run(), "run_at": time.strftime("%Y-%m-%d %H:%M")}  # whose figures are whose
                 RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

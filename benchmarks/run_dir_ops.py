@@ -137,6 +137,25 @@ def b14(scratch: Path, grid: list[tuple[int, int]] = GRID, only: tuple[str, ...]
             name: {k: run["rank"][k] + run["shell"][k] for k in BEATS + METRICS} for name, run in runs.items()
             if "error" not in run},
             "errors": {name: run["error"] for name, run in runs.items() if "error" in run}}
+    return summarize(rows)
+
+
+def merged(old: dict[str, Any], fresh: dict[str, Any], events: tuple[str, ...]) -> dict[str, Any]:
+    """``old`` B14 section with ``fresh``'s counts of ``events`` in place of its own (a row re-measured
+    alone: ``--only B14-FAILURE``), summarized again."""
+    rows = {key: {**row, "events": dict(row.get("events", {})), "errors": dict(row.get("errors", {}))}
+            for key, row in (old.get("rows") or {}).items()}
+    for key, row in fresh["rows"].items():
+        into = rows.setdefault(key, {"events": {}, "beats": {}, "errors": {}})
+        for event in events:
+            if event in row["events"]:
+                into["events"][event] = row["events"][event]
+        into["errors"].update(row["errors"])
+    return summarize(rows)
+
+
+def summarize(rows: dict[str, Any]) -> dict[str, Any]:
+    """Fits, growth with the ranks per node, and the verdict of B14's rows."""
     fits, grows, per_step = {}, [], {}
     for event in ("run", "step", "snapshot", "failure", "stop"):
         table = {}

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.rundir import jit_blobs, jit_tally, node_local, view
+from hpc_ddp.rundir import jit_blobs, jit_gather, jit_tally, node_local, view
+from hpc_ddp.rundir.jit_gather import local_json as _local_json, local_offer as _local_offer
 from hpc_ddp.rundir.ledger import attempt_tag
 
 JIT = "jit"
@@ -129,12 +130,7 @@ def prepare(post: Post) -> None:
     prepare_mark(post.shared / f"node-{post.node}.json")
 
 
-# how long an offer waits for its node's other ranks before the node's file is rewritten
-GATHER_S = 0.2
-GATHER_POLL_S = 0.01  # how often it looks (node-local files: no byte reaches the run dir)
-
-
-def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S,
+def offer(post: Post, content: dict[str, Any], gather_s: float = jit_gather.GATHER_S,
           quiet: bool = False) -> jit_tally.Settled:
     """This rank's offer: on its node first, then in its node's file in the run dir
     (:func:`publish`), and what the file newly says added to the steps' tallies
@@ -143,9 +139,10 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S,
 
     A killed peer frees its survivors one after another, so a node's ranks offer milliseconds apart,
     and each offer used to rewrite the node's file (3 writes per rank at 2 x 4 in B14). Before it
-    publishes, a first offer waits up to ``gather_s`` until every rank of the node has offered: the
-    last to arrive publishes for all, the others find nothing new. A rank that never offers (it died
-    with the node's others alive) costs its peers ``gather_s`` once. An offer that says what came of
+    publishes, a first offer waits for the node's ranks that are at their part and have not offered
+    yet (:func:`hpc_ddp.rundir.jit_gather.await_peers`: never for a rank still blocked elsewhere or
+    dead; at most ``gather_s``): the last to arrive publishes for all, the others find nothing new.
+    An offer that says what came of
     it waits for nobody: where it tells the set nothing new and a rank of the node is still at its
     part (its offer has no outcome yet), it is left on the node for that rank's publish to carry
     (issue 59: the outcomes of a node's ranks came one by one, a rewrite each). ``quiet``: on the
@@ -157,19 +154,10 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = GATHER_S,
         return jit_tally.Settled()
     told = "outcome" in content  # what came of it: the node's last rank to finish carries it
     if not told:
-        _await_peers(post, gather_s)
+        jit_gather.await_peers(post, gather_s)
     new = publish(post, defer=told)
     return (jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank)
             if new else jit_tally.Settled())
-
-
-def _await_peers(post: Post, gather_s: float) -> None:
-    """Wait, up to ``gather_s``, until every local rank has an offer on the node."""
-    deadline = time.monotonic() + gather_s
-    while time.monotonic() < deadline:
-        if all(_local_offer(post, local) is not None for local in range(post.local_size)):
-            return
-        time.sleep(GATHER_POLL_S)
 
 
 def once_per_node(post: Post, key: str, compute: Callable[[], Any],
@@ -208,28 +196,6 @@ def write_blobs(post: Post, blobs: dict[int, dict[int, bytes]]) -> None:
     held = {"holder": post.rank, "tag": post.tag,
             "blobs": {r: dict(states) for r, states in blobs.items()}}
     write_atomic(post.local / f"blobs-{post.local_rank}.pt", lambda out: torch.save(held, out))
-
-
-def _local_offer(post: Post, local: int) -> dict[str, Any] | None:
-    """Local rank ``local``'s offer on this node: from a file of this user's that carries the
-    attempt's token."""
-    found = _local_json(post, post.local / f"offer-{local}.json")
-    offer = found.get("offer")
-    return offer if isinstance(offer, dict) else None
-
-
-def _local_json(post: Post, path: Path) -> dict[str, Any]:
-    """A JSON record of the node's folder ({} when absent, unreadable, not this user's or without
-    the token)."""
-    raw = node_local.read(path, 1 << 24)
-    try:
-        record = json.loads(raw) if raw is not None else {}
-    except ValueError:
-        return {}
-    if not isinstance(record, dict) or record.get("tag") != post.tag:
-        return {}
-    record.pop("tag")
-    return record
 
 
 def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:

@@ -151,7 +151,7 @@ def test_records_without_the_attempts_token_are_ignored(tmp_path: Path) -> None:
     post = jit_files.Post(run_dir / "jit" / tag, folder / "jit", 0, 0, 0, 2, beats.local_tag(run_dir, tag))
     node_local.ensure(post.local)
     (post.local / "offer-1.json").write_text(json.dumps({"offer": {"rank": 1, "step": 99, "source": True}}))
-    assert jit_files._local_offer(post, 1) is None
+    assert jit_files.jit_gather.local_offer(post, 1) is None
 
 
 def test_the_node_compile_cache_is_private_and_copies_skip_links(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ from hpc_ddp.rank.salvage.jit_checks import (broadcast_buffers, fingerprint, ran
 from hpc_ddp.rank.salvage.jit_write import split_over, write_claimed
 from hpc_ddp.rank.salvage.one_handler import HANDLER_WAIT_S, OneHandler  # noqa: F401 (its home)
 from hpc_ddp.rank.salvage.survivor import Survivor
-from hpc_ddp.rundir import jit_claims, jit_files, newest, snapshot
+from hpc_ddp.rundir import jit_claims, jit_files, jit_gather, newest, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
 # how long the liveness or watchdog thread waits for the survivors' snapshot before it exits
@@ -93,6 +93,8 @@ def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
     offer: dict[str, Any] = {"rank": run.env.rank, "host": os.uname().nodename,
                              "error": first_line(error), "time": round(time.time(), 3)}
     try:
+        # the node's first offers wait for this rank's (rundir/jit_gather.py)
+        jit_gather.enter(post)
         return _offer(run, run.held, post, offer, started)
     except Exception as err:  # noqa: BLE001
         # the snapshot is a bonus: the failure it follows must still be reported

@@ -1,0 +1,63 @@
+"""A node's first offers wait on evidence, never a fixed window (hpc_ddp/rundir/jit_gather.py, issue 59): for a
+rank of the node that entered the failure path, lives and has not offered, and for nobody else."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.rundir import jit_files, jit_gather
+
+BOUND_S = 30.0  # far above any wait these cases make: reaching it is the failure
+
+
+def post(tmp_path: Path, local: int) -> jit_files.Post:
+    return jit_files.Post(tmp_path / "run" / "jit" / "a", tmp_path / "node-0", local, 0, local, 3, "tag")
+
+
+def offer_later(tmp_path: Path, local: int, after_s: float) -> threading.Thread:
+    def offer() -> None:
+        time.sleep(after_s)
+        write_atomic(post(tmp_path, local).local / f"offer-{local}.json",
+                     json.dumps({"tag": "tag", "offer": {"rank": local}}).encode())
+
+    thread = threading.Thread(target=offer)
+    thread.start()
+    return thread
+
+
+def test_a_first_offer_waits_for_a_rank_that_entered_and_lives_until_it_offers(tmp_path: Path) -> None:
+    """Local rank 1 entered (this process: alive) and offers 0.3 s later; local rank 2 never entered (blocked in a
+    collective elsewhere): rank 0's wait ends when rank 1's offer is there, without rank 2's."""
+    jit_gather.enter(post(tmp_path, 1))
+    thread = offer_later(tmp_path, 1, 0.3)
+    started = time.monotonic()
+    jit_gather.await_peers(post(tmp_path, 0), BOUND_S)
+    assert jit_gather.local_offer(post(tmp_path, 0), 1) == {"rank": 1}
+    assert jit_gather.local_offer(post(tmp_path, 0), 2) is None and time.monotonic() - started < BOUND_S
+    thread.join()
+
+
+def test_a_rank_that_entered_and_died_is_not_waited_for(tmp_path: Path) -> None:
+    """Local rank 1 entered, then its process ended before it offered: nobody waits for it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    jit_files.node_local.ensure(post(tmp_path, 1).local)
+    write_atomic(post(tmp_path, 1).local / "entered-1.json",
+                 json.dumps({"tag": "tag", "pid": int(dead.stdout)}).encode())
+    started = time.monotonic()
+    jit_gather.await_peers(post(tmp_path, 0), BOUND_S)
+    assert time.monotonic() - started < BOUND_S and jit_gather.local_offer(post(tmp_path, 0), 1) is None
+
+
+def test_an_entry_of_another_attempt_is_not_believed(tmp_path: Path) -> None:
+    """A record without the attempt's token (another attempt's, or planted) says nobody entered."""
+    jit_files.node_local.ensure(post(tmp_path, 1).local)
+    write_atomic(post(tmp_path, 1).local / "entered-1.json", json.dumps({"tag": "other", "pid": 1}).encode())
+    started = time.monotonic()
+    jit_gather.await_peers(post(tmp_path, 0), BOUND_S)
+    assert time.monotonic() - started < BOUND_S
