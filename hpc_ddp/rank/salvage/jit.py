@@ -179,14 +179,15 @@ def _late(run: Survivor, post: jit_files.Post, offer: dict[str, Any], step: int,
           latest: int) -> dict[str, Any]:
     """A survivor freed after the set was committed (gloo frees a node's ranks one by one as their
     peers exit): compared with the commit first (once per node and fingerprint), and offered in the
-    run dir only if it disagrees (the commit is then withdrawn, and a resume checks the offers); one
-    that agrees tells the file server nothing (issue 59: each late rank rewrote its node's file
-    twice)."""
+    run dir unless it agrees with this attempt's own commit (one that disagrees withdraws it, and a
+    resume checks the offers; a step committed otherwise is news for the ledger); one that agrees
+    tells the file server nothing (issue 59: each late rank rewrote its node's file twice)."""
     said = jit_files.once_per_node(
         post, f"checked-{step}-{offer['fingerprint']}",
         lambda: jit_commit.check_commit(run.run_dir, post.shared, step, latest, offer))
     offer.update(outcome=said)
-    jit_files.offer(post, offer, quiet=not said.startswith("withdrew"))
+    # quiet only where this attempt's own commit holds what it holds: anything else is for the ledger
+    jit_files.offer(post, offer, quiet=said.endswith("(same fingerprint)"))
     return offer
 
 
