@@ -39,11 +39,12 @@ NODES_AT_ONCE = 16  # nodes whose ranks fail together (threads: 16 x 8 at most)
 
 
 def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: int) -> str:
-    """One surviving rank's failure path, as hpc_ddp.rank.salvage.jit._offer takes it for a split snapshot
-    without per-rank state: offer the step it holds, read the newest commit once per node, claim its node's
-    share or leave it to the rank that did, write it, offer what it wrote, and settle what its offers carried."""
+    """One surviving rank's failure path, as hpc_ddp.rank.salvage.jit takes it for a split snapshot without
+    per-rank state: say it entered, read the newest commit once per node (freed after the commit: compare, and
+    stay quiet where it agrees), offer the step it holds, claim its node's share or leave it to the rank that
+    did, write it, offer what it wrote, and settle what its offers carried."""
     from hpc_ddp.rank.salvage import jit_commit
-    from hpc_ddp.rundir import jit_claims, jit_files, jit_tally, newest, snapshot
+    from hpc_ddp.rundir import jit_claims, jit_files, jit_gather, jit_tally, newest, snapshot
 
     node, local = divmod(rank, per_node)
     post = jit_files.Post(run_dir / "jit" / "job-1-restart-0", local_root / f"node-{node}", rank, node, local,
@@ -52,12 +53,15 @@ def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: i
                           per_rank={}, checkpointer=None, run_dir=run_dir)
     offer: dict[str, Any] = {"rank": rank, "host": f"n{node}", "error": "peer lost", "time": 1.0, "source": True,
                              "step": STEP, "fingerprint": 7}
-    outcomes = [jit_commit.settled(run, post.shared, jit_files.offer(post, offer))]
+    jit_gather.enter(post)
     latest = jit_files.once_per_node(post, "newest", lambda: (newest.read(run_dir) or {}).get("step"), 0.5)
-    if latest is not None and latest >= STEP:
-        outcome = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
+    if latest is not None and latest >= STEP:  # freed after the commit: compared, quiet where it agrees
+        offer["outcome"] = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
             run_dir, post.shared, STEP, latest, offer))
-    elif not jit_claims.claim_on_node(post, STEP):
+        jit_files.offer(post, offer, quiet=offer["outcome"].endswith("(same fingerprint)"))
+        return offer["outcome"]
+    outcomes = [jit_commit.settled(run, post.shared, jit_files.offer(post, offer))]
+    if not jit_claims.claim_on_node(post, STEP):
         outcome = "another rank of this node writes its share"
     else:
         name = jit_files.node_file_name(node)

@@ -142,20 +142,20 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = jit_gather.GATH
     publishes, a first offer waits for the node's ranks that are at their part and have not offered
     yet (:func:`hpc_ddp.rundir.jit_gather.await_peers`: never for a rank still blocked elsewhere or
     dead; at most ``gather_s``): the last to arrive publishes for all, the others find nothing new.
-    An offer that says what came of
-    it waits for nobody: where it tells the set nothing new and a rank of the node is still at its
-    part (its offer has no outcome yet), it is left on the node for that rank's publish to carry
-    (issue 59: the outcomes of a node's ranks came one by one, a rewrite each). ``quiet``: on the
-    node only."""
+    Then an offer that tells the set nothing new (no slice written, no per-rank state), while
+    another rank of the node is still at its part (a source whose offer has no outcome yet), is left
+    on the node for that rank's publish to carry: the node's last rank at work publishes what the
+    others said (issue 59: a node's ranks are freed one by one, and each rewrote the node's file
+    twice). Rank 0's first offer goes out at once: the other ranks may wait for it
+    (:func:`hpc_ddp.rank.salvage.jit_checks.buffers_source_holds`). ``quiet``: on the node only."""
     node_local.ensure(post.local)
     write_atomic(post.local / f"offer-{post.local_rank}.json",
                  json.dumps({"tag": post.tag, "offer": {**content, "node": post.node}}).encode())
     if quiet:  # it tells nobody anything (a late survivor that agrees with the commit)
         return jit_tally.Settled()
-    told = "outcome" in content  # what came of it: the node's last rank to finish carries it
-    if not told:
+    if "outcome" not in content:
         jit_gather.await_peers(post, gather_s)
-    new = publish(post, defer=told)
+    new = publish(post, defer=post.rank != 0 or "outcome" in content)
     return (jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank)
             if new else jit_tally.Settled())
 
@@ -233,7 +233,8 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
         _shared(post, f"node-{post.node}.json", record)
         told = set(before.get("facts", []))
         new = [f for f in jit_tally.facts(offers, post.node, post.group) if f.key not in told]
-        if defer and not new and any("outcome" not in o for o in offers):
+        if defer and not new and any(not {"outcome", "why"} & o.keys() for o in offers
+                                     if o.get("rank") != post.rank):
             return []  # a rank of the node still at its part publishes later, and carries this
         write_atomic(published, json.dumps({"said": said, "blobs": blob_files, "tag": post.tag,
                                             "facts": sorted(told | {f.key for f in new})}))

@@ -78,7 +78,7 @@ log = logging.getLogger("hpc_ddp.jit")
 # how long the liveness or watchdog thread waits for the survivors' snapshot before it exits
 SIDE_WAIT_S = 20.0
 # how old a node's read of snapshots/newest.json may be for another survivor of the node
-NEWEST_FRESH_S = 0.5
+NEWEST_FRESH_S = 0.1
 
 
 def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
@@ -140,6 +140,8 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
                                      fresh_s=NEWEST_FRESH_S)
     if latest is not None and latest >= step and mirror is None:
         return _late(run, post, offer, step, latest)
+    if mirror is None and not skip and share[1] > 1:  # a split: one offer a rank, two a writer
+        return _split(run, post, offer, step, state, started, holding, share)
     news = jit_commit.settled(run, folder, jit_files.offer(post, offer))
     if news is not None and news.startswith("committed"):
         offer.update(outcome=news)  # what its node said completed the set: this rank committed
@@ -165,6 +167,22 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     return offer
 
 
+def _split(run: Survivor, post: jit_files.Post, offer: dict[str, Any], step: int,
+           state: dict[str, Any], started: float, holding: Holding,
+           share: tuple[int, int]) -> dict[str, Any]:
+    """A split survivors' snapshot without per-rank state: the node's first source to claim the
+    step writes its share, and offers once it is written (its first offer is the written one); the
+    node's others offer once, with what came of it (left on the node while its writer is at work,
+    which then carries them: issue 59)."""
+    if jit_claims.claim_on_node(post, step):
+        offer.update(outcome=write_claimed(run, post, step, state, offer, started, holding.mark,
+                                           share))
+    else:
+        offer.update(outcome=f"another rank of this node writes its share of step {step}")
+    _tell(run, post, offer)
+    return offer
+
+
 def _with_blobs(mirror: Any, post: jit_files.Post, offer: dict[str, Any]) -> None:
     """The per-rank states this rank holds (its own and its ward's) on its node, named in its
     offer: ``{rank: [steps], newest first}``."""
@@ -186,7 +204,8 @@ def _late(run: Survivor, post: jit_files.Post, offer: dict[str, Any], step: int,
         post, f"checked-{step}-{offer['fingerprint']}",
         lambda: jit_commit.check_commit(run.run_dir, post.shared, step, latest, offer))
     offer.update(outcome=said)
-    # quiet only where this attempt's own commit holds what it holds: anything else is for the ledger
+    # quiet only where this attempt's own commit holds what it holds: anything else is for the
+    # ledger
     jit_files.offer(post, offer, quiet=said.endswith("(same fingerprint)"))
     return offer
 
