@@ -226,16 +226,16 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
         before = _local_json(post, published)
         if before.get("said") == said:
             return []
-        if blob_files and before.get("blobs") != blob_files:
-            _publish_blobs(post, [local for local, _, _ in blob_files])
-        record = json.dumps({"node": post.node,
-                             "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
-        _shared(post, f"node-{post.node}.json", record)
         told = set(before.get("facts", []))
         new = [f for f in jit_tally.facts(offers, post.node, post.group) if f.key not in told]
         if defer and not new and any(not {"outcome", "why"} & o.keys() for o in offers
                                      if o.get("rank") != post.rank):
             return []  # a rank of the node still at its part publishes later, and carries this
+        if blob_files and before.get("blobs") != blob_files:
+            _publish_blobs(post, [local for local, _, _ in blob_files])
+        record = json.dumps({"node": post.node,
+                             "offers": sorted(offers, key=lambda o: o.get("rank", -1))}).encode()
+        _shared(post, f"node-{post.node}.json", record)
         write_atomic(published, json.dumps({"said": said, "blobs": blob_files, "tag": post.tag,
                                             "facts": sorted(told | {f.key for f in new})}))
         return new

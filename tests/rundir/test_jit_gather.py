@@ -61,3 +61,24 @@ def test_an_entry_of_another_attempt_is_not_believed(tmp_path: Path) -> None:
     started = time.monotonic()
     jit_gather.await_peers(post(tmp_path, 0), BOUND_S)
     assert time.monotonic() - started < BOUND_S
+
+
+def test_an_offer_that_tells_the_set_nothing_waits_on_the_node_for_its_writer_to_carry_it(tmp_path: Path) -> None:
+    """Issue 59: a node's ranks are freed one by one, and each rewrote the node's file twice. While local rank 1
+    (a source, no outcome yet: it writes the node's share) is at work, rank 2's offer with its outcome stays on the
+    node; rank 1's own publish with its outcome carries it, one write for both. Rank 0's first offer goes out at
+    once (other ranks may wait for it)."""
+    from hpc_ddp.rundir import jit_offers
+
+    where = tmp_path / "run" / "jit" / "a"
+    jit_files.offer(post(tmp_path, 1), {"rank": 1, "source": True, "step": 8}, gather_s=0)
+    assert [o["rank"] for o in jit_offers.node_offers(where, 0)] == [1]
+    jit_files.offer(post(tmp_path, 2), {"rank": 2, "source": True, "step": 8, "outcome": "another writes"},
+                    gather_s=0)
+    assert [o["rank"] for o in jit_offers.node_offers(where, 0)] == [1]  # left on the node
+    jit_files.offer(post(tmp_path, 0), {"rank": 0, "source": True, "step": 8}, gather_s=0)
+    assert [o["rank"] for o in jit_offers.node_offers(where, 0)] == [0, 1, 2]  # rank 0's: at once
+    jit_files.offer(post(tmp_path, 1), {"rank": 1, "source": True, "step": 8, "outcome": "wrote"}, gather_s=0)
+    jit_files.offer(post(tmp_path, 0), {"rank": 0, "source": True, "step": 8, "outcome": "done"}, gather_s=0)
+    assert {o["rank"]: o.get("outcome") for o in jit_offers.node_offers(where, 0)} == {
+        0: "done", 1: "wrote", 2: "another writes"}

@@ -20,8 +20,11 @@ from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rundir import jit_files, slicing, snapshot
 from hpc_ddp.rundir.snapshot import write as snapshot_write
 
-# how long after its failure the writer waits for the other survivors' offers before comparing
-OFFER_WAIT_S = 0.5
+# how long after its failure the survivor that completes the set waits for the other survivors'
+# offers before comparing (0.5 s until issue 59: a source that offers later compares itself with the
+# commit, and rank 0 compares every offer again before it resumes; the wait only held the commit
+# back, and each rank of a node freed meanwhile rewrote the node's file)
+OFFER_WAIT_S = 0.1
 
 
 def split_over(env: DistEnv, broadcast: dict[str, set[str]]) -> tuple[int, int]:
