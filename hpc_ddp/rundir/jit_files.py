@@ -180,6 +180,19 @@ def once_per_node(post: Post, key: str, compute: Callable[[], Any],
         return value
 
 
+def written_alike(post: Post, step: int, fingerprint: Any) -> bool:
+    """Whether a rank of this node wrote its share of ``step`` holding the state ``fingerprint``
+    says, and said what came of it (its written offer is in the run dir): another source of the node
+    that holds the same state has nothing to tell the file server (issue 59)."""
+    for local in range(post.local_size):
+        found = _local_offer(post, local) if local != post.local_rank else None
+        written = (found or {}).get("written")
+        if (isinstance(written, dict) and written.get("step") == step and "outcome" in found
+                and found.get("fingerprint") == fingerprint):
+            return True
+    return False
+
+
 def per_node(post: Post, key: str, compute: Callable[[], Any],
              fresh_s: float = 0.1) -> Callable[[], Any]:
     """A reader of what the node's waiting ranks poll in the run dir, shared by them

@@ -82,3 +82,17 @@ def test_an_offer_that_tells_the_set_nothing_waits_on_the_node_for_its_writer_to
     jit_files.offer(post(tmp_path, 0), {"rank": 0, "source": True, "step": 8, "outcome": "done"}, gather_s=0)
     assert {o["rank"]: o.get("outcome") for o in jit_offers.node_offers(where, 0)} == {
         0: "done", 1: "wrote", 2: "another writes"}
+
+
+def test_a_source_that_holds_what_its_nodes_writer_wrote_has_nothing_to_tell(tmp_path: Path) -> None:
+    """Once a rank of the node wrote its share of step 8 and said what came of it, another source of the node with
+    the same fingerprint adds nothing to the run dir; one with another fingerprint, or of another step, does."""
+    written = {"step": 8, "layout": {"slices": 2}, "entry": {"slices": [0]}}
+    jit_files.node_local.ensure(post(tmp_path, 1).local)
+    write_atomic(post(tmp_path, 1).local / "offer-1.json", json.dumps(
+        {"tag": "tag", "offer": {"rank": 1, "source": True, "step": 8, "fingerprint": 7, "written": written,
+                                 "outcome": "wrote"}}).encode())
+    assert jit_files.written_alike(post(tmp_path, 2), 8, 7)
+    assert not jit_files.written_alike(post(tmp_path, 2), 8, 9)
+    assert not jit_files.written_alike(post(tmp_path, 2), 9, 7)
+    assert not jit_files.written_alike(post(tmp_path, 1), 8, 7)  # its own offer is not another's

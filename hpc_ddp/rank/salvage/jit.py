@@ -173,12 +173,15 @@ def _split(run: Survivor, post: jit_files.Post, offer: dict[str, Any], step: int
     """A split survivors' snapshot without per-rank state: the node's first source to claim the
     step writes its share, and offers once it is written (its first offer is the written one); the
     node's others offer once, with what came of it (left on the node while its writer is at work,
-    which then carries them: issue 59)."""
+    which then carries them; once it wrote the same state, not at all: issue 59)."""
     if jit_claims.claim_on_node(post, step):
         offer.update(outcome=write_claimed(run, post, step, state, offer, started, holding.mark,
                                            share))
     else:
         offer.update(outcome=f"another rank of this node writes its share of step {step}")
+        if jit_files.written_alike(post, step, offer["fingerprint"]):  # it has nothing to add
+            jit_files.offer(post, offer, quiet=True)
+            return offer
     _tell(run, post, offer)
     return offer
 
