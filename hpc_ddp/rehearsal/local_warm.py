@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from hpc_ddp.core import processes
 from hpc_ddp.core.shutdown import die_with_parent
 
 COLD_VAR = "HPC_DDP_LOCAL_COLD"
@@ -99,7 +100,7 @@ class Warm:
                     break
                 except OSError:
                     self.gone = True
-            if pid not in self.codes and self.gone and not _exists(pid):
+            if pid not in self.codes and self.gone and not processes.exists(pid):
                 self.codes[pid] = -signal.SIGKILL
             return self.codes.get(pid)
 
@@ -134,16 +135,6 @@ class Warm:
         if "exited" in message:
             self.codes[int(message["exited"])] = int(message["code"])
         return message
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Slot:

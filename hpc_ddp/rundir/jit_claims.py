@@ -22,7 +22,7 @@ from hpc_ddp.core.atomic import NEW, rewrite_in_place
 from hpc_ddp.rundir import node_local
 
 if TYPE_CHECKING:
-    from hpc_ddp.rundir.jit_files import Post
+    from hpc_ddp.rundir.jit_post import Post
 
 
 def claim(where: Path, step: int, what: str = "claim") -> bool:

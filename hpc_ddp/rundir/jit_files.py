@@ -26,16 +26,15 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.rundir import jit_blobs, jit_gather, jit_tally, node_local, view
 from hpc_ddp.rundir.jit_gather import local_json as _local_json, local_offer as _local_offer
+from hpc_ddp.rundir.jit_post import JIT, Post, post_for  # noqa: F401 (where callers find them)
 from hpc_ddp.rundir.ledger import attempt_tag
 
-JIT = "jit"
 
 
 def folder(run_dir: Path | str, job_id: int | None, restart_count: int, in_job: int = 0) -> Path:
@@ -88,38 +87,6 @@ def ranks_file_name(step: int, committer: int) -> str:
     two may both believe they hold the commit claim, and the same name would have one's bytes under
     the other's manifest."""
     return f"jit-ranks-{step:08d}-by-{committer:05d}.pt"
-
-
-@dataclass(frozen=True)
-class Post:
-    """Where one survivor says what it holds: its node's folder on node-local storage (each rank's
-    offer and per-rank states, :func:`hpc_ddp.rundir.beats.node_dir`) and the attempt's folder in
-    the run dir, where one file per node gathers what the node's ranks said (:func:`publish`)."""
-
-    shared: Path  # RUN_DIR/jit/<attempt>
-    local: Path  # this node's folder for the attempt
-    rank: int
-    node: int
-    local_rank: int
-    local_size: int
-    # the attempt's tag with its token: every record in ``local`` carries it (rundir/node_local.py)
-    tag: str = ""
-    world: int = 0  # the attempt's ranks, and whether the set needs each one's per-rank state
-    per_rank: bool = False
-    group: int = 1  # ranks per item of the per-rank tally (rundir/jit_tally.py): a node's worth
-
-
-def post_for(run_dir: Path | str, env: Any, per_rank: bool = False) -> Post:
-    """This rank's :class:`Post` (``env``: a :class:`hpc_ddp.core.slurm_env.DistEnv`; ``per_rank``:
-    the set needs every rank's per-rank state)."""
-    from hpc_ddp.rundir import beats
-
-    tag = attempt_tag(env.job_id, env.restart_count, env.in_job)
-    return Post(Path(run_dir) / JIT / tag, beats.node_dir(run_dir, tag, env.node_rank) / JIT,
-                env.rank,
-                env.node_rank, env.local_rank, max(1, env.local_world_size),
-                beats.local_tag(run_dir, tag), env.world_size, per_rank,
-                jit_tally.group_size(env.world_size, env.num_nodes))
 
 
 def prepare(post: Post) -> None:

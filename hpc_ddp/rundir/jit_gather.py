@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.core import processes
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.rundir import node_local
 
 if TYPE_CHECKING:
-    from hpc_ddp.rundir.jit_files import Post
+    from hpc_ddp.rundir.jit_post import Post
 
 # the most a first offer waits for a rank of its node that entered the failure path and has not
 # offered (it copies and fingerprints its state meanwhile: milliseconds, a second for a large one)
@@ -52,22 +53,7 @@ def _coming(post: Post, local: int) -> bool:
     if local_offer(post, local) is not None:
         return False
     pid = local_json(post, post.local / f"entered-{local}.json").get("pid")
-    return isinstance(pid, int) and _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    """The process ``pid`` exists and is not a zombie (a rank that died and was not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    return isinstance(pid, int) and processes.running(pid)
 
 
 def local_offer(post: Post, local: int) -> dict[str, Any] | None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from hpc_ddp.rundir import slicing, view
 from hpc_ddp.rundir.jit_claims import exclusive
+from hpc_ddp.rundir.jit_post import group_size  # noqa: F401 (the tally's own)
 
 # an entry is written just after its exclusive create: a reader that finds it empty looks again
 EMPTY_WAIT_S = 2.0
@@ -61,11 +62,6 @@ class Settled:
 
     whole: list[int] = field(default_factory=list)
     waiting: dict[int, str] = field(default_factory=dict)
-
-
-def group_size(world: int, nodes: int) -> int:
-    """How many ranks one item of the per-rank tally covers: a node's worth."""
-    return max(1, math.ceil(world / max(1, nodes)))
 
 
 def facts(offers: list[dict[str, Any]], node: int, group: int) -> list[Fact]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.rundir import layout
+from hpc_ddp.core import processes
 from hpc_ddp.core.errors import HpcDdpError, explain
 from hpc_ddp.core.slurm_jobs import job_state
 
@@ -71,12 +72,9 @@ def _process_alive(holder: Mapping[str, Any]) -> bool:
         return True
     try:
         pid = int(holder.get("pid", 0))
-        os.kill(pid, 0)
-    except (ProcessLookupError, ValueError, TypeError):
+    except (ValueError, TypeError):
         return False
-    except PermissionError:
-        return True
-    return not _zombie(pid)
+    return pid > 0 and processes.running(pid)
 
 
 def in_use(run_dir: Path, who: str, hint: str) -> RunLockedError:
@@ -94,15 +92,6 @@ def _where(holder: Mapping[str, Any]) -> str:
     when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if isinstance(
         since, (int, float)) else ""
     return f"host {holder.get('host')}, pid {holder.get('pid')}{when}"
-
-
-def _zombie(pid: int) -> bool:
-    """An exited process not yet reaped (state Z): dead, though kill(pid, 0) still finds it. A
-    killed launcher's ranks go to PID 1, which reaps slowly on some machines (containers)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def read_record(path: Path) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from hpc_ddp.core import processes
 from hpc_ddp.core.errors import ClusterError, explain
 from hpc_ddp.slurm_local.conf import ClusterSpec
 from hpc_ddp.slurm_local.machines import PIECES, Machine, bridge, machine
@@ -166,11 +167,7 @@ def kill_node(spec: ClusterSpec, m: Machine) -> list[int]:
 def alive(pid: int) -> bool:
     """True for a running process; a zombie or a missing PID is dead (PID 1 in containers reaps
     slowly)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return processes.running(pid)
 
 
 def _bindfs_pid(spec: ClusterSpec, name: str) -> int | None:
