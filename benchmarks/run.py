@@ -231,6 +231,23 @@ def b9_on_slurm(scratch: Path, megabytes: float) -> dict[str, Any]:
     return b9_slurm(scratch, megabytes, 3, 2, {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)})
 
 
+def b2_mirror_on_nodes(scratch: Path, quick: bool) -> dict[str, Any]:
+    """B2-MIRROR-NODES (benchmarks/mirror_nodes.py): the mirror between two machines of the local cluster."""
+    from benchmarks.mirror_nodes import b2_mirror_nodes
+    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
+
+    spec = ClusterSpec()
+    missing = missing_pieces(spec)
+    if missing:
+        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
+    start(spec)
+    from hpc_ddp.slurm_local.isolation import machines
+
+    return b2_mirror_nodes(scratch, (1, 1, 1) if quick else (4, 3, 3), 30 if quick else 80,
+                           {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)},
+                           [m.veth for m in machines(spec)])
+
+
 def b11_lost(scratch: Path, trials: int, per_rank: bool = False, batchnorm: bool = False) -> dict[str, Any]:
     """B11 (benchmarks/lost.py): steps lost per failure at random points, with the survivors' snapshot (and with
     per_rank objects mirrored to a buddy, or a BatchNorm model losing node 0 or node 1)."""
@@ -439,6 +456,12 @@ def table(results: dict[str, Any]) -> str:
                     f"{s['own_mirror_vs_own']} x the same loop without it (IQR {_span(s['own_mirror_vs_own_iqr'])})"
                     f"{counter}; own loop {s['own_vs_raw']} x raw; noise floor raw vs raw {s['raw_vs_raw']} x (IQR "
                     f"{_span(s['raw_vs_raw_iqr'])}){_mirror_sizes(s.get('sizes'))} | {s['target']} | {mark(s)} |")
+    if "B2-MIRROR-NODES" in b:
+        from benchmarks.mirror_nodes import row as nodes_row
+
+        s = b["B2-MIRROR-NODES"]
+        rows.append(nodes_row(s) if not s.get("skipped") else f"| B2-MIRROR-NODES | **not measured**: {s['skipped']} | "
+                    "- | - |")
     if "B2-GPU" in b:
         s = b["B2-GPU"]
         if s.get("skipped"):
@@ -653,7 +676,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-MIRROR-NODES,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
                         "'boundary' is B15; B14-FAILURE re-measures B14's failure row alone)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
@@ -675,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [("B1", lambda: b1_cli(4 if quick else 10)),
                  ("B2", lambda: b2_training(1 if quick else 9, 60 if quick else 160, 40)),
                  ("B2-MIRROR", lambda: b2_mirror((1, 1, 1) if quick else (6, 4, 3), 30 if quick else 80)),
+                 ("B2-MIRROR-NODES", lambda: b2_mirror_on_nodes(scratch, quick)),
                  ("B2-GPU", lambda: b2_gpu(quick)),
                  ("B2-GPU-PIPELINE", lambda: b2_gpu_pipeline(quick)),
                  ("B3", lambda: b3_snapshots(scratch, 2 if quick else 3, [100] if quick else [100, 1000])),

@@ -21,6 +21,8 @@ trainer variants use the same model, data, per-rank batch and optimizer:
 - ``own_fill<size>`` / ``own_mirror_fill<size>`` (size ``8m``, ``64m``...): the own loop writing a per-rank
   buffer of that size at every step (a prefetched batch: every byte new), untracked, and tracked with
   ``per_rank`` so the mirror sends it whole at each boundary: the mirror's cost for a state that changes;
+- ``own_derive_fill<size>``: ``own_mirror_fill<size>`` tracked with ``per_rank(..., mirror="derive")``: never sent
+  (what the policy costs a step: nothing, it should read 1.0 x);
 - ``own_mirror_same<size>``: a per-rank buffer of that size that never changes, tracked: the mirror compares
   it and sends "unchanged" (a header). At ``256k`` it is read against ``own``; at larger sizes the loop also
   rewrites an untracked buffer of the size, as ``own_fill<size>`` does, and is read against that (the same
@@ -82,7 +84,8 @@ def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> fl
         if per_rank == "counter":
             del seen["x"]
         tracked = bool(what) and extra != "untracked"
-        done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen)} if tracked else {}))
+        policy = "derive" if extra == "derive" else "every_step"  # derive: tracked, never mirrored
+        done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen, mirror=policy)} if tracked else {}))
     for x, y in loader:
         if "steps" in seen:
             seen["steps"] += 1
@@ -112,8 +115,8 @@ def _run_for(variant: str, cfg: Any, on_step: Any = None) -> Any:
     from hpc_ddp.core.slurm_env import from_environ, simulated_environ
 
     rank = dist.get_rank()
-    env = from_environ({**simulated_environ(1, 2, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": os.environ["MASTER_PORT"]})
+    env = ENV or from_environ({**simulated_environ(1, 2, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": os.environ["MASTER_PORT"]})
     checkpointer = Checkpointer(Path(cfg.run_dir), cfg.snapshot, env, "b2") if variant in ("sync", "async") else None
     return Run(cfg, env, torch.device("cpu"), checkpointer=checkpointer,
                stop=StopFlag() if variant != "bare" else None, on_step=on_step)
@@ -147,9 +150,10 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
 
 def own_state(variant: str) -> str:
     """``raw_loop``'s ``per_rank`` for an ``own...`` variant."""
-    if variant.startswith(("own_fill", "own_mirror_fill", "own_mirror_same")):
+    if variant.startswith(("own_fill", "own_mirror_fill", "own_mirror_same", "own_derive_fill")):
         what, size = ("same", variant[15:]) if "same" in variant else ("fill", variant.rpartition("fill")[2])
-        extra = ":untracked" if variant.startswith("own_fill") else ":fill" if what == "same" and size != "256k" else ""
+        extra = (":untracked" if variant.startswith("own_fill") else ":derive" if "derive" in variant
+                 else ":fill" if what == "same" and size != "256k" else "")
         return f"{what}:{size}{extra}"
     return {"own": "", "own_mirror": "batch", "own_mirror_counter": "counter"}[variant]
 
@@ -173,11 +177,26 @@ def _count(variant: str, mirror: Any) -> None:
 
 
 ALL = ("raw", "raw2", "own", "own_mirror", "bare", "stop", "shared", "sync", "async")
+# this rank's place when it is not rank r of one node's two (B2-MIRROR-NODES: nodes x tasks, on loopback or
+# as a Slurm job's task): the Run's env, whose node count picks the mirror's buddy (the next node's)
+ENV: Any = None
 
 
-def worker(rank: int, out: str, rounds: int, steps: int, every: int, variants: tuple[str, ...] = ALL) -> None:
+def worker(rank: int, out: str, rounds: int, steps: int, every: int, variants: tuple[str, ...] = ALL,
+           geometry: tuple[int, int] = (1, 2)) -> None:
+    global ENV
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if geometry != (1, 2):  # ranks of a simulated nodes x tasks on this machine (loopback)
+        from hpc_ddp.core.slurm_env import from_environ, simulated_environ
+
+        ENV = from_environ({**simulated_environ(*geometry, job_id=1)[rank], "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": os.environ["MASTER_PORT"]})
+    if ENV is not None:
+        dist.init_process_group("gloo", init_method=f"tcp://{ENV.master_addr}:{ENV.master_port}", rank=ENV.rank,
+                                world_size=ENV.world_size)
+        rank = ENV.rank
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
     control.open_group("gloo")  # as hpc_ddp's own init does: the control traffic on a gloo group of its own
     own_group = control.group()
     warmup = max(5, steps // 10)
@@ -199,12 +218,24 @@ def worker(rank: int, out: str, rounds: int, steps: int, every: int, variants: t
     dist.destroy_process_group()
 
 
-def run(out: Path, rounds: int, steps: int, every: int, port: int, variants: tuple[str, ...] = ALL) -> dict[str, Any]:
+def run(out: Path, rounds: int, steps: int, every: int, port: int, variants: tuple[str, ...] = ALL,
+        geometry: tuple[int, int] = (1, 2)) -> dict[str, Any]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    mp.spawn(worker, args=(str(out), rounds, steps, every, variants), nprocs=2, join=True)
+    mp.spawn(worker, args=(str(out), rounds, steps, every, variants, geometry), nprocs=geometry[0] * geometry[1],
+             join=True)
     return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                         int(sys.argv[5]), tuple(sys.argv[6].split(",")) if len(sys.argv) > 6 else ALL)))
+    if sys.argv[1] == "--slurm":  # one task of a Slurm step: its place from Slurm's variables, as a job's ranks
+        from hpc_ddp.core.slurm_env import from_environ
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        ENV = from_environ(os.environ)
+        worker(ENV.rank, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+               tuple(sys.argv[6].split(",")))
+    else:
+        nodes, _, per_node = (sys.argv[7] if len(sys.argv) > 7 else "1x2").partition("x")
+        print(json.dumps(run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                             int(sys.argv[5]), tuple(sys.argv[6].split(",")) if len(sys.argv) > 6 else ALL,
+                             (int(nodes), int(per_node)))))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from hpc_ddp.rundir import layout
-from hpc_ddp.rundir import beats, jit_offers
+from hpc_ddp.rundir import beats, jit_offers, node_local
 from hpc_ddp.rehearsal import local_warm
 from hpc_ddp.rehearsal.local_end import end_ranks, wait_ranks
 from hpc_ddp.rehearsal.local_report import attempt_code
@@ -93,7 +93,7 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     comes first)."""
     logs = layout.logs(run_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    environs = _attempt_environs(config_path, nodes, tasks_per_node, job_id=job_id,
+    environs = _attempt_environs(config_path, run_dir, nodes, tasks_per_node, job_id=job_id,
                                  restart_count=restart_count, hosts=hosts, extra_env=extra_env,
                                  die_at=die_at, events=events)
     cmd = [sys.executable, "-m", "hpc_ddp.worker", "--config", str(config_path)]
@@ -133,13 +133,16 @@ def launch(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
     return attempt_code(procs, codes, failed, paths, attempt, watch, err)
 
 
-def _attempt_environs(config_path: Path, nodes: int, tasks_per_node: int, *, job_id: int,
+def _attempt_environs(config_path: Path, run_dir: Path, nodes: int, tasks_per_node: int, *,
+                      job_id: int,
                       restart_count: int, hosts: Sequence[str] | None,
                       extra_env: Mapping[str, str] | None, die_at: Mapping[int, int] | None,
                       events: list[tuple[int, int]] | None) -> list[dict[str, str]]:
-    """Every rank's environment for one attempt, with what the injections ask of the ranks."""
+    """Every rank's environment for one attempt, with what the injections ask of the ranks, and the
+    run's secret read once for them all (:mod:`hpc_ddp.rundir.secret_env`)."""
+    base = {**os.environ, **(extra_env or {}), **node_local.handed_secret(run_dir)}
     environs = rank_environs(nodes, tasks_per_node, job_id=job_id, restart_count=restart_count,
-                             port=free_port(), base={**os.environ, **(extra_env or {})},
+                             port=free_port(), base=base,
                              hosts=hosts,
                              cpus_per_task=cpus_per_task(config_path))
     # --fail-at: these ranks die after their own boundary of that step

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hpc_ddp.core.errors import HpcDdpError, explain
-from hpc_ddp.rundir import layout
+from hpc_ddp.rundir import layout, secret_env
 
 SHM = Path("/dev/shm")
 SECRET_BYTES = 32
@@ -71,8 +71,17 @@ def run_secret(run_dir: Path | str) -> bytes:
     return _secret(str(Path(run_dir).absolute()))
 
 
+def handed_secret(run_dir: Path | str) -> dict[str, str]:
+    """The environment entry a launcher gives the ranks it starts: the run's secret, read once for
+    the step instead of once per rank (:mod:`hpc_ddp.rundir.secret_env`)."""
+    return secret_env.entry(Path(run_dir), run_secret(run_dir))
+
+
 @functools.lru_cache(maxsize=16)
 def _secret(run_dir: str) -> bytes:
+    given = secret_env.handed(run_dir, os.environ, SECRET_BYTES)  # a launcher's, for this run dir
+    if given is not None:
+        return given
     path = layout.secret(run_dir)
     # read first: every process but the run's first (submit's) finds it there, one open each, not an
     # exclusive create that fails and then a read (issue 59: B14 counts them per rank)

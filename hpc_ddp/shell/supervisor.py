@@ -28,6 +28,7 @@ from hpc_ddp.core.stopping import signal_number
 from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.shell.last_known import last_known
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
+from hpc_ddp.rundir import node_local
 from hpc_ddp.rundir.snapshot.steps import refuses_resize
 from hpc_ddp.shell import lost_wait
 from hpc_ddp.shell.steps import Srun, Step, Until, run_srun
@@ -232,7 +233,8 @@ class Supervisor:
         return [self.command[0], *shape, *self.command[1:]]
 
     def step_environ(self, index: int, healed: Mapping[str, Any] | None) -> dict[str, str]:
-        env = self._env_without_step_shape()
+        # the run's secret read once for the step's ranks, not once by each (rundir/secret_env.py)
+        env = {**self._env_without_step_shape(), **node_local.handed_secret(self.run_dir)}
         if index:
             env[IN_JOB_VAR] = str(index)
             port = self._port(index)

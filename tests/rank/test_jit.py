@@ -172,6 +172,30 @@ def test_a_lost_nodes_per_rank_state_comes_from_its_buddies_and_the_run_ends_bit
     assert done(tmp_path / "failed") == done(tmp_path / "straight")  # params_sha256 and every rank's own state
 
 
+@pytest.mark.slow
+def test_a_per_rank_batch_tracked_with_mirror_derive_is_rebuilt_after_the_survivors_snapshot(tmp_path: Path) -> None:
+    """Issue 59's mirror policy: ``per_rank(batch, mirror="derive")`` is never sent to a buddy, so the survivors'
+    snapshot at 3 x 1 (node 1 lost after step 20) holds every rank's mirrored counter but no batch; each rank
+    rebuilds its batch from (seed, rank, step), the run ends as one never stopped (losses, counters, batches,
+    params_sha256), and the resumed attempt's ledger note says the batch was rebuilt, not restored."""
+    loop = [*LOOP, "train.loop=tests.tasks.loops:derived_prefetch", *NO_SNAPSHOTS, "slurm.nodes=3",
+            "slurm.tasks_per_node=1"]
+    failed = submit(*loop, f"run_dir={tmp_path / 'failed'}", "--fail-at", "20:1")
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    straight = submit(*loop, f"run_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first, second = read_attempts(tmp_path / "failed")
+    assert second["resumed_from"] == first["jit_snapshot"]["step"] == first["last_step"] >= 20, first
+    manifest = json.loads((tmp_path / "failed" / "snapshots" / f"step-{second['resumed_from']:08d}" /
+                           "manifest.json").read_text())
+    assert {int(r) for r in manifest["jit"]["per_rank_from"]} == {0, 1, 2}  # the counters: every rank's
+    assert "mirror='derive'" in second.get("note", "") and "batch" in second["note"], second
+    assert losses(tmp_path / "failed") == losses(tmp_path / "straight")
+    ended, uninterrupted = done(tmp_path / "failed"), done(tmp_path / "straight")
+    assert any("mirror='derive'" in w for w in ended.pop("warnings")), ended  # DONE.json says it too
+    assert ended == {k: v for k, v in uninterrupted.items() if k != "warnings"}
+
+
 BATCHNORM_LOOP = [*LOOP, "train.loop=tests.tasks.loops:batchnorm", *NO_SNAPSHOTS]
 
 

@@ -142,6 +142,44 @@ def test_per_rank_refuses_what_it_cannot_keep_per_rank() -> None:
     assert hpc_ddp.per_rank(torch.Generator()).elastic == "refuse" and hpc_ddp.per_rank(model).obj is model
 
 
+def test_per_rank_takes_a_mirror_policy_and_derive_is_never_sent() -> None:
+    """Issue 59: ``mirror="derive"`` keeps an object out of what a buddy keeps; a policy it does not know is an
+    error that names both it takes."""
+    import hpc_ddp
+    from hpc_ddp.rank.state.tracked import mirrored
+
+    with pytest.raises(RunUsageError, match="mirror='every_n'") as err:
+        hpc_ddp.per_rank({}, mirror="every_n")
+    assert "'every_step' or 'derive'" in str(err.value)
+    objects = {"batch": hpc_ddp.per_rank({}, mirror="derive"), "counter": hpc_ddp.per_rank({"n": 1})}
+    assert objects["counter"].mirror == "every_step" and list(mirrored(objects)) == ["counter"]
+
+
+def test_a_derive_object_missing_from_a_snapshot_keeps_the_value_the_loop_built(tmp_path) -> None:
+    """What the survivors' snapshot lacks (it never holds a ``mirror="derive"`` object) is the loop's to rebuild:
+    the resume keeps the built value and the attempt's advice (its ledger note) says so; a mirrored object missing
+    the same way is still refused."""
+    import torch.distributed as dist
+
+    import hpc_ddp
+    from hpc_ddp.rank.state.snapshot_load import Restored
+    from hpc_ddp.rank.state.tracked import pack
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        restored = Restored(step=7, state={"step": 7}, rng=None, config=None, world_size=1)
+        built, counter = {"x": torch.ones(2)}, {"n": 0}
+        run = make_run(tmp_path)
+        run.per_rank = {"batch": hpc_ddp.per_rank(built, mirror="derive"), "counter": hpc_ddp.per_rank(counter)}
+        load_per_rank(run, pack({"counter": {"n": 5}}), restored)
+        assert counter["n"] == 5 and built["x"].tolist() == [1.0, 1.0]
+        assert any("holds no batch (per_rank(..., mirror='derive'))" in f for f in run.advice.found), run.advice.found
+        with pytest.raises(RunUsageError, match="has no per-rank state named 'counter'"):
+            load_per_rank(run, pack({}), restored)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_per_rank_state_round_trips_through_its_bytes(tmp_path) -> None:
     import hpc_ddp
     from hpc_ddp.rank.state.tracked import load_into, pack, staged, unloadable, unpack

@@ -74,6 +74,29 @@ def test_a_run_dir_the_group_writes_shares_its_secret_with_the_group_and_no_one_
         node_local.run_secret(run_dir)
 
 
+def test_a_launcher_hands_its_ranks_the_secret_of_their_run_dir_and_of_no_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59: the ranks a launcher starts take the run's secret from their environment (one read of the run
+    dir for the step, not one per rank); a value meant for another run dir, or garbage, is ignored and the file
+    is read, as a rank started without it does."""
+    from hpc_ddp.rundir import secret_env
+
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    run_dir.mkdir()
+    other.mkdir()
+    handed = node_local.handed_secret(run_dir)
+    secret = node_local.run_secret(run_dir)
+    assert handed[secret_env.SECRET_VAR].endswith(":" + secret.hex())
+    (run_dir / ".hpc_ddp-secret").unlink()  # a rank handed it never opens the file
+    node_local._secret.cache_clear()
+    monkeypatch.setenv(secret_env.SECRET_VAR, handed[secret_env.SECRET_VAR])
+    assert node_local.run_secret(run_dir) == secret and not (run_dir / ".hpc_ddp-secret").exists()
+    assert node_local.run_secret(other) != secret  # another run dir: its own file, made now
+    assert (other / ".hpc_ddp-secret").exists()
+    for garbage in (f"{secret_env.bound_to(run_dir)}:zz", f"{secret_env.bound_to(run_dir)}:{secret.hex()[:-2]}", ""):
+        assert secret_env.handed(run_dir, {secret_env.SECRET_VAR: garbage}, node_local.SECRET_BYTES) is None
+
+
 def test_folders_are_made_0700_under_umask_022_and_ours(tmp_path: Path) -> None:
     folder = beats.node_dir(tmp_path / "run", "job-1-restart-0", 0, tmp_path / "shm") / "jit"
     node_local.ensure(folder)

@@ -101,6 +101,47 @@ def nanogpt_shaped(run: Any) -> None:
     run.finish(per_rank=every)
 
 
+def derived_prefetch(run: Any) -> None:
+    """A per-rank prefetched batch the loop rebuilds from (seed, rank, step), tracked with
+    ``per_rank(batch, mirror="derive")`` (never sent to a buddy), beside a per-rank counter mirrored at every
+    step. After a survivors' snapshot (which holds no batch) the loop sees a batch of another step and rebuilds it;
+    after a periodic one the batch comes back as it was. DONE.json gets every rank's counter and batch sum."""
+    import hpc_ddp
+    import torch.distributed as dist
+    from torch.nn import functional as F
+
+    cfg = run.config.train
+    torch.manual_seed(cfg.seed)
+    model = torch.nn.parallel.DistributedDataParallel(_Net())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def make(step: int) -> dict[str, Any]:
+        drawn = torch.Generator().manual_seed(cfg.seed * 1_000_003 + run.rank * 10_007 + step)
+        x = torch.randn(cfg.batch_size, 16, generator=drawn)
+        return {"x": x, "y": x.sum(1, keepdim=True).sin(), "step": step}
+
+    batch, counters = make(0), {"seen": 0.0}
+    step = run.resume(model=model, optimizer=optimizer, batch=hpc_ddp.per_rank(batch, mirror="derive"),
+                      counters=hpc_ddp.per_rank(counters))
+    if batch["step"] != step:  # not in the snapshot (a survivors' one): rebuilt from what it holds
+        batch.update(make(step))
+    while step < cfg.max_steps:
+        inject(run.rank, step + 1, run)
+        loss = F.mse_loss(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        batch.update(make(step))  # the next step's, prefetched
+        counters["seen"] += float(batch["x"].sum())
+        run.log_metrics(step, loss=loss.detach())
+        if run.boundary(step):
+            return
+    every: list[Any] = [None] * run.world_size
+    dist.all_gather_object(every, (counters["seen"], float(batch["x"].sum())))
+    run.finish(per_rank=every)
+
+
 class _BatchNormNet(torch.nn.Module):
     """A regression net with BatchNorm (running statistics: buffers) and dropout."""
 

@@ -64,6 +64,6 @@ def mark(run: Holding, step: int) -> None:
     snapshot holds them, rank 0 lost or not). Only where ``run.held`` is set."""
     run.held.mark(step)
     if run.mirror is not None:
-        run.mirror.mark(step, per_rank_state(run, cuda=True))
+        run.mirror.mark(step, per_rank_state(run, cuda=True, kept=True))
     if run.broadcasts_buffers and all([sync_buffers(obj) for obj in run.broadcasts_buffers]):
         run.held.synced()

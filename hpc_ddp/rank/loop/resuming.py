@@ -17,7 +17,7 @@ from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.state import restore
 from hpc_ddp.rank.state.checkpointer import Checkpointer
 from hpc_ddp.rank.state.rng import reseed
-from hpc_ddp.rank.state.tracked import PerRank, check_trackable, resize_refusal
+from hpc_ddp.rank.state.tracked import PerRank, check_trackable, mirrored, resize_refusal
 
 
 class Tracking(restore.Resuming, Protocol):
@@ -51,7 +51,7 @@ def load_newest(run: Tracking) -> None:
     if run.checkpointer is not None:
         run.checkpointer.refuses_resize = resize_refusal(run.per_rank, run.config.train)
         # a step without every rank's is skipped
-        run.checkpointer.ranks_needed = bool(run.per_rank)
+        run.checkpointer.ranks_needed = bool(mirrored(run.per_rank))  # "derive"'s are rebuilt
     restored = run.checkpointer.restore() if run.checkpointer is not None else None
     if restored is not None:
         restore.load(run, restored)

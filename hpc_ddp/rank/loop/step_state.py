@@ -20,7 +20,7 @@ from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.state.checkpointer import PER_RANK, STEP
 from hpc_ddp.rank.state.ddp_settle import ddp_in, sync_buffers
 from hpc_ddp.rank.state.rng import capture_rng
-from hpc_ddp.rank.state.tracked import PerRank, RunUsageError, pack, staged, unloadable
+from hpc_ddp.rank.state.tracked import PerRank, RunUsageError, mirrored, pack, staged, unloadable
 
 Taken = tuple[dict[str, Any], dict[str, Any]]  # (replicated state, this rank's RNG and per-rank)
 
@@ -55,19 +55,20 @@ def checked_state(run: Capturing, step: int, doing: str | None = None) -> Taken:
     modules = {name for name, obj in run.tracked.items() if isinstance(obj, torch.nn.Module)}
     replication.check({n: v for n, v in state.items() if n != STEP}, step, modules, doing)
     rng = capture_rng()
-    if run.per_rank:  # packed once per step: the mirror's copy of this boundary where there is one
-        own = run.mirror.own_bytes(step) if run.mirror is not None else None
+    if run.per_rank:  # packed once per step: the mirror's copy of this boundary where it is whole
+        whole = run.mirror is not None and len(mirrored(run.per_rank)) == len(run.per_rank)
+        own = run.mirror.own_bytes(step) if whole else None
         rng[PER_RANK] = own if own is not None else pack(per_rank_state(run))
     return state, rng
 
 
-def per_rank_state(run: Capturing, cuda: bool = False) -> dict[str, Any]:
+def per_rank_state(run: Capturing, cuda: bool = False, kept: bool = False) -> dict[str, Any]:
     """This rank's per-rank states, ready to serialize (``cuda``: CUDA tensors left on the GPU, for
-    the mirror); the first time, what a resume could not load back is refused (every rank alike: a
-    usage error, never retried)."""
+    the mirror; ``kept``: only those a buddy keeps, not ``mirror="derive"``'s); the first time, what
+    a resume could not load back is refused (every rank alike: a usage error, never retried)."""
     if not run.per_rank_checked:
         problem = unloadable(run.per_rank)
         if problem:
             raise RunUsageError(problem)
         run.per_rank_checked = True
-    return staged(run.per_rank, cuda)
+    return staged(mirrored(run.per_rank) if kept else run.per_rank, cuda)

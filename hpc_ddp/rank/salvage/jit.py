@@ -72,6 +72,7 @@ from hpc_ddp.rank.salvage.jit_checks import (broadcast_buffers, fingerprint, ran
 from hpc_ddp.rank.salvage.jit_write import split_over, write_claimed
 from hpc_ddp.rank.salvage.one_handler import HANDLER_WAIT_S, OneHandler  # noqa: F401 (its home)
 from hpc_ddp.rank.salvage.survivor import Survivor
+from hpc_ddp.rank.state.tracked import mirrored
 from hpc_ddp.rundir import jit_claims, jit_files, jit_gather, newest, snapshot
 
 log = logging.getLogger("hpc_ddp.jit")
@@ -89,7 +90,7 @@ def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
     if run.held is None:
         return None
     started = time.monotonic()
-    post = jit_files.post_for(run.run_dir, run.env, per_rank=bool(run.per_rank))
+    post = jit_files.post_for(run.run_dir, run.env, per_rank=bool(mirrored(run.per_rank)))
     offer: dict[str, Any] = {"rank": run.env.rank, "host": os.uname().nodename,
                              "error": first_line(error), "time": round(time.time(), 3)}
     try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_ddp.rank.salvage.held import Held
 from hpc_ddp.rank.salvage.survivor import Survivor
+from hpc_ddp.rank.state.tracked import mirrored
 from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rank.state.ddp_settle import ddp_in
@@ -33,8 +34,9 @@ def why_not(run: Survivor) -> str | None:
     if run.config.train.rng != "derived":
         return ("train.rng=saved: a lost rank's RNG state died with it (train.rng=derived derives "
                 "it)")
-    if run.per_rank and run.mirror is None:
-        return (f"per_rank objects ({', '.join(sorted(run.per_rank))}) are not mirrored (one "
+    kept = mirrored(run.per_rank)
+    if kept and run.mirror is None:
+        return (f"per_rank objects ({', '.join(sorted(kept))}) are not mirrored (one "
                 "rank): a lost rank's died with it")
     return None
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpc_ddp.rank.salvage.survivor import Survivor
+from hpc_ddp.rank.state.tracked import mirrored
 from hpc_ddp.rank.state.checkpointer import PER_RANK
 from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, jit_tally, newest,
                             slicing,
@@ -103,8 +104,9 @@ def complete(run: Survivor, folder: Path) -> str:
             reasons.append(f"ranks {differing} hold another state of step {step} than rank "
                            f"{writer['rank']}")
             continue
-        holders = _holders(offers, step) if run.per_rank else {}
-        missing = [r for r in range(env.world_size) if r not in holders] if run.per_rank else []
+        kept = bool(mirrored(run.per_rank))  # a buddy keeps them: every rank's must be held
+        holders = _holders(offers, step) if kept else {}
+        missing = [r for r in range(env.world_size) if r not in holders] if kept else []
         if missing:
             reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step "
                            f"{step} (their buddies were lost too, or their mirror was more than a "

@@ -91,12 +91,12 @@ def ward_of(rank: int, local_world_size: int, world_size: int) -> int:
 
 
 def open_for(run: Survivor) -> Mirror | None:
-    """Collective at resume: this rank's mirror when the run tracks ``per_rank`` objects and may
-    write a just-in-time snapshot (``snapshot.jit``, more than one rank), else None. Every rank
-    decides alike (the group is made by all or by none)."""
+    """Collective at resume: this rank's mirror when the run tracks ``per_rank`` objects a buddy
+    keeps (not ``mirror="derive"``'s) and may write a just-in-time snapshot (``snapshot.jit``, more
+    than one rank), else None. Every rank decides alike (the group is made by all or by none)."""
     if run.held is None or run.world_size == 1:
         return None
-    if not control.to_main_and_back(bool(run.per_rank), merge=any):
+    if not control.to_main_and_back(bool(tracked.mirrored(run.per_rank)), merge=any):
         return None
     # each rank connects to its buddy and its ward only, on the first message
     with control.lazily():

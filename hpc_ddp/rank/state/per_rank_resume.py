@@ -39,17 +39,25 @@ class ResizeRefused(HpcDdpError):
 
 def restore_per_rank(objects: Mapping[str, PerRank], saved: Mapping[str, Any] | None,
                      restored: Restored, rank: int,
-                     world_size: int, device: torch.device) -> str | None:
+                     world_size: int, device: torch.device,
+                     rebuilt: list[str] | None = None) -> str | None:
     """Put this rank's saved values back into ``objects``; the problem (refused per ``elastic``), or
     None.
 
     ``saved`` is None when the snapshot holds nothing for this rank: written at another world size,
-    or its node's file is damaged. ``elastic="fresh"`` then keeps the value this attempt built.
+    or its node's file is damaged. ``elastic="fresh"`` then keeps the value this attempt built. A
+    ``mirror="derive"`` object the snapshot lacks (a survivors' snapshot never holds one) keeps the
+    value the loop built at the same world size, and its name goes into ``rebuilt``.
     """
     problem = None
     for name, wanted in objects.items():
         if saved is not None and name in saved:
             load_into(wanted.obj, saved[name], device)
+            continue
+        if wanted.mirror == "derive" and restored.world_size in (None, world_size):
+            # a survivors' snapshot never holds it: the loop rebuilt it from the data position
+            if rebuilt is not None:
+                rebuilt.append(name)
             continue
         why = (f"was written by {restored.world_size} ranks and this attempt has {world_size}"
                if restored.world_size not in (None, world_size) else

@@ -28,6 +28,13 @@ from hpc_ddp.rank.state.tracked import RunUsageError, load_into, unpack
 log = logging.getLogger("hpc_ddp.run")
 
 
+class Findings(Protocol):
+    """Where a resume says what makes it inexact: logged by rank 0 and kept for the attempt's ledger
+    note (a :class:`hpc_ddp.rank.loop.advice.Advice`)."""
+
+    def add(self, findings: list[str]) -> None: ...
+
+
 class Resuming(Protocol):
     """What a resume reads of the run it loads into (a :class:`hpc_ddp.rank.loop.run.Run`), and the
     four fields it sets (``step``, ``resumed_from``, ``resumed_world_size``, ``resume_read``); no
@@ -43,6 +50,7 @@ class Resuming(Protocol):
     resumed_from: int | None
     resumed_world_size: int | None
     resume_read: dict[str, Any] | None
+    advice: Findings
 
     @property
     def rank(self) -> int: ...
@@ -104,8 +112,13 @@ def load_per_rank(run: Resuming, blob: bytes | None, restored: Restored) -> None
     collective)."""
     if not run.per_rank:
         return
+    rebuilt: list[str] = []
     problem = restore_per_rank(run.per_rank, _unpacked(blob, run.rank, restored.step), restored,
-                               run.rank, run.world_size, run.device)
+                               run.rank, run.world_size, run.device, rebuilt)
+    if rebuilt:  # a survivors' snapshot: exact only where the loop rebuilds them as they were
+        run.advice.add([f"the snapshot of step {restored.step} holds no {', '.join(rebuilt)} "
+                        "(per_rank(..., mirror='derive')): each rank keeps the value its loop "
+                        "rebuilt, exact where that rebuild is (from the data position and seeds)"])
     first = control.to_main_and_back(problem,
                                      merge=lambda problems: next((p for p in problems if p), None))
     if first and restored.world_size not in (None, run.world_size):  # refused at another world size

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from hpc_ddp.core.config import TrainConfig
 
 ELASTIC = ("refuse", "fresh")
+# how a per_rank object survives its rank's loss: sent to a buddy at every boundary, or rebuilt by
+# the loop from what every snapshot holds (the data position, the seeds) and never sent
+MIRROR = ("every_step", "derive")
 
 
 class RunUsageError(UsageError):
@@ -60,9 +63,10 @@ class PerRank:
 
     obj: Any  # the user's object: a dict, a torch.Generator, or anything with state_dict()
     elastic: str = "refuse"
+    mirror: str = "every_step"
 
 
-def per_rank(obj: object, elastic: str = "refuse") -> PerRank:
+def per_rank(obj: object, elastic: str = "refuse", mirror: str = "every_step") -> PerRank:
     """Mark ``obj`` for ``run.resume`` as per-rank state: saved and restored per rank, like the RNG.
 
     ``obj``: a dict (of tensors, numbers, strings, lists; restored in place), a
@@ -70,6 +74,14 @@ def per_rank(obj: object, elastic: str = "refuse") -> PerRank:
     not a DDP model (a DDP model is replicated: track it plainly). ``elastic``: what a
     resume at another world size (or with this rank's file damaged) does with it:
     ``"refuse"`` stops with the reason, ``"fresh"`` keeps what the loop built in this attempt.
+
+    ``mirror``: how it survives its rank's loss in a survivors' snapshot. ``"every_step"`` (the
+    default) sends it to a buddy rank on the next node at every boundary: exact, at a cost per step
+    that grows with its size (docs/performance.md, B2-MIRROR-NODES). ``"derive"`` never sends it:
+    every snapshot taken at a boundary still holds it, but a survivors' snapshot does not, and after
+    one every rank keeps the value its loop builds when it resumes. Choose it for state the loop
+    rebuilds from what the snapshot holds (a batch prefetched from the sampler's position with the
+    step's seeds): exact when the rebuild is, and free per step.
     """
     if elastic not in ELASTIC:
         raise RunUsageError(explain(f"hpc_ddp.per_rank(..., elastic={elastic!r})",
@@ -77,6 +89,14 @@ def per_rank(obj: object, elastic: str = "refuse") -> PerRank:
             repr(e) for e in ELASTIC), hint="'refuse' stops a resume at another world size; "
                                             "'fresh' keeps the "
             "value built in that attempt"))
+    if mirror not in MIRROR:
+        raise RunUsageError(explain(f"hpc_ddp.per_rank(..., mirror={mirror!r})",
+                                    expected=" or ".join(repr(m) for m in MIRROR),
+                                    hint="'every_step' sends the object to a buddy at every "
+                                         "boundary "
+                                         "(exact after a survivors' snapshot); 'derive' never "
+                                         "sends it "
+                                         "and keeps what the loop rebuilds after one"))
     if isinstance(obj, DistributedDataParallel):
         raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
                                     "same on every rank",
@@ -88,7 +108,13 @@ def per_rank(obj: object, elastic: str = "refuse") -> PerRank:
                                  "state_dict()/load_state_dict()",
                                     hint="pass a dict (restored in place), a "
                                  "torch.Generator, or a module/object with state_dict()"))
-    return PerRank(obj, elastic)
+    return PerRank(obj, elastic, mirror)
+
+
+def mirrored(objects: Mapping[str, PerRank]) -> dict[str, PerRank]:
+    """The per_rank objects a buddy keeps (all but ``mirror="derive"``'s): what a survivors'
+    snapshot needs of every rank."""
+    return {name: p for name, p in objects.items() if p.mirror != "derive"}
 
 
 def _has_state_dict(obj: object) -> bool:
