@@ -36,6 +36,7 @@ from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.stopping import EARLY_SIGNALS, StopFlag
 from hpc_ddp.rank.attempt.start import node_folder, prepare, read_config
 from hpc_ddp.rank.stop.broken_step import StoppedMidStep, peer_lost
+from hpc_ddp.rundir import secret_env
 from hpc_ddp.rundir.ledger import attempt_fields, note_error, record_error
 from hpc_ddp.rundir.runlock import RunLockedError
 
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None, early: StopFlag | None = None) -> int:
     flag = early or StopFlag()
     flag.install(EARLY_SIGNALS)
     args = parser.parse_args(argv)
+    secret_env.take(os.environ)  # the run's secret its launcher handed it, out of reach of the code
     try:
         return run(args.config, os.environ, flag)
     except RunLockedError as err:

@@ -10,17 +10,29 @@ way (your own srun line, a container that cleans the environment) reads the file
 The value is bound to the run dir's path (``TAG:HEX``, TAG a digest of the absolute path), so a
 variable meant for one run is never taken for another run's secret by a process of a sweep or a
 chained job that inherited it. A process's environment is readable only by its own user (and root),
-as the secret file is; it is inherited by what the ranks start (data loader workers, your
-subprocesses), all of them the same user's. No torch.
+as the secret file is. A rank takes the variable out of its environment as it starts (:func:`take`),
+before any code of yours runs, so what your code starts (data loader workers, subprocesses) does not
+inherit it and a loop that logs its environment (to W&B, to a shared log) does not publish it. No
+torch.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 SECRET_VAR = "HPC_DDP_RUN_SECRET"
+_taken: str | None = None  # what :func:`take` took out of this process's environment
+
+
+def take(environ: MutableMapping[str, str]) -> None:
+    """At a rank's start: the handed secret out of ``environ`` (this process's: its children and
+    your code never see it), kept in this process for :func:`handed`."""
+    global _taken
+    value = environ.pop(SECRET_VAR, None)
+    if value is not None:
+        _taken = value
 
 
 def bound_to(run_dir: Path | str) -> str:
@@ -34,9 +46,10 @@ def entry(run_dir: Path | str, secret: bytes) -> dict[str, str]:
 
 
 def handed(run_dir: Path | str, environ: Mapping[str, str], size: int) -> bytes | None:
-    """The secret of ``run_dir`` that ``environ`` was handed (``size`` bytes), or None: absent,
-    meant for another run dir, or not ``2 * size`` hex digits (the file is read then)."""
-    tag, _, digits = environ.get(SECRET_VAR, "").partition(":")
+    """The secret of ``run_dir`` this process was handed (``size`` bytes: what :func:`take` took,
+    else ``environ``'s), or None: absent, meant for another run dir, or not ``2 * size`` hex digits
+    (the file is read then)."""
+    tag, _, digits = (_taken if _taken is not None else environ.get(SECRET_VAR, "")).partition(":")
     if tag != bound_to(run_dir) or len(digits) != 2 * size:
         return None
     try:

@@ -93,8 +93,15 @@ def test_a_launcher_hands_its_ranks_the_secret_of_their_run_dir_and_of_no_other(
     assert node_local.run_secret(run_dir) == secret and not (run_dir / ".hpc_ddp-secret").exists()
     assert node_local.run_secret(other) != secret  # another run dir: its own file, made now
     assert (other / ".hpc_ddp-secret").exists()
-    for garbage in (f"{secret_env.bound_to(run_dir)}:zz", f"{secret_env.bound_to(run_dir)}:{secret.hex()[:-2]}", ""):
+    tag = secret_env.bound_to(run_dir)
+    for garbage in (f"{tag}:zz", f"{tag}:{secret.hex()[:-2]}", ""):
         assert secret_env.handed(run_dir, {secret_env.SECRET_VAR: garbage}, node_local.SECRET_BYTES) is None
+    # a rank takes it out of its environment at start: its children and the user's code never see it
+    environ = {secret_env.SECRET_VAR: handed[secret_env.SECRET_VAR], "PATH": "/bin"}
+    monkeypatch.setattr(secret_env, "_taken", None)
+    secret_env.take(environ)
+    assert environ == {"PATH": "/bin"}
+    assert secret_env.handed(run_dir, {}, node_local.SECRET_BYTES) == secret
 
 
 def test_folders_are_made_0700_under_umask_022_and_ours(tmp_path: Path) -> None:
