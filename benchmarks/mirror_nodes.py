@@ -144,7 +144,8 @@ def row(s: dict[str, Any]) -> str:
     parts = []
     for size, f in s["sizes"].items():
         n, lo = f["nodes"], f["loopback"]
-        parts.append(f"{size.upper()}B ({f['rounds']} rounds, {n['link_mb']} MB over the links): changing "
+        parts.append(f"{size.upper()}B ({f['rounds']} rounds; the links carried {n['link_mb'] / 1024:.0f} GB, "
+                     "mostly the all-reduce's): changing "
                      f"{n['changing_vs_own']} x (IQR "
                      f"{'-'.join(map(str, n['changing_iqr']))}; loopback {lo['changing_vs_own']} x), "
                      f"{n['ms_per_step_per_mb']} ms a step per MB (loopback {lo['ms_per_step_per_mb']}); "

@@ -20,6 +20,7 @@ import torch
 from hpc_ddp.rank.state.rng import reseed
 from hpc_ddp.rank.salvage.jit import Held, buffers
 from hpc_ddp.rank.salvage.jit_checks import fingerprint
+from hpc_ddp.rank.state.tracked import PerRank
 from hpc_ddp.rundir import jit_claims, jit_files, jit_offers, layout, retention, slicing, snapshot
 from hpc_ddp.rundir.snapshot import steps as snapshot_steps, write as snapshot_write
 from hpc_ddp.rundir.ledger import read_attempts
@@ -303,7 +304,7 @@ def test_rank_0_warns_at_resume_when_a_failure_would_lose_everything(caplog: pyt
 
     cfg = RunConfig()
     cfg.snapshot.every_steps, cfg.snapshot.every_minutes = None, None
-    run = SimpleNamespace(config=cfg, per_rank={"batch": object()}, mirror=None, env=SimpleNamespace(is_main=True))
+    run = SimpleNamespace(config=cfg, per_rank={"batch": PerRank({})}, mirror=None, env=SimpleNamespace(is_main=True))
     with caplog.at_level(logging.WARNING, logger="hpc_ddp.jit"):
         warn_unprotected(run)
         cfg.snapshot.every_steps = 10
@@ -332,7 +333,7 @@ def test_the_survivor_whose_offer_completes_the_per_rank_set_commits_it(tmp_path
         jit_files.offer(post(where, rank), {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0, "source": True,
                                       "step": 40, "fingerprint": 7,
                                       "blobs": {str(r): list(states) for r, states in blobs.items()}, **more})
-        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": None},
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": PerRank({})},
                               checkpointer=None, run_dir=tmp_path)
         return complete(run, where)
 
@@ -379,7 +380,7 @@ def two_step_survivors(tmp_path: Path) -> Any:
             offer["written"] = {"step": step, "layout": slicing.layout_for([], 1, 1), "entry": {
                 "name": f"jit-{step}.pt", "size": 1, "sha256": "x", "slices": [0], "ranks": []}}
         jit_files.offer(post(where, rank, 3), offer)
-        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=6, num_nodes=2), per_rank={"batch": None},
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=6, num_nodes=2), per_rank={"batch": PerRank({})},
                               checkpointer=None, run_dir=tmp_path)
         return complete(run, where)
 
@@ -725,7 +726,7 @@ def test_a_garbage_per_rank_state_file_is_a_missing_source_named_in_a_warning(
         jit_files.offer(post(where, rank), {"rank": rank, "host": "n1", "error": "peer lost", "time": 1.0,
                                             "source": True, "step": 40, "fingerprint": 7,
                                             "blobs": {str(r): list(states) for r, states in blobs.items()}, **more})
-        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": None},
+        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=4, num_nodes=2), per_rank={"batch": PerRank({})},
                               checkpointer=None, run_dir=tmp_path)
         return complete(run, where)
 

@@ -116,7 +116,7 @@ def derived_prefetch(run: Any) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
     def make(step: int) -> dict[str, Any]:
-        drawn = torch.Generator().manual_seed(cfg.seed * 1_000_003 + run.rank * 10_007 + step)
+        drawn = torch.Generator().manual_seed(((cfg.seed * 65_536 + run.rank) << 32) + step)
         x = torch.randn(cfg.batch_size, 16, generator=drawn)
         return {"x": x, "y": x.sum(1, keepdim=True).sin(), "step": step}
 

@@ -73,7 +73,7 @@ from hpc_ddp.rank.salvage.jit_write import split_over, write_claimed
 from hpc_ddp.rank.salvage.one_handler import HANDLER_WAIT_S, OneHandler  # noqa: F401 (its home)
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.tracked import mirrored
-from hpc_ddp.rundir import jit_claims, jit_files, jit_gather, newest, snapshot
+from hpc_ddp.rundir import jit_claims, jit_files, jit_gather, newest
 
 log = logging.getLogger("hpc_ddp.jit")
 # how long the liveness or watchdog thread waits for the survivors' snapshot before it exits
@@ -133,15 +133,17 @@ def _offer(run: Survivor, held: Held, post: jit_files.Post, offer: dict[str, Any
     if skip and (missing := why_not_buffers(env.rank, folder, step, read=jit_files.per_node(
             post, "rank-0-offer", lambda: rank_zero_offer(folder)))) is not None:
         return _no_source(run, post, offer, missing)
-    # never over the broadcast buffers: a survivor whose boundary broadcast had finished and one
-    # whose had not hold the same step with other statistics; which of them may write is decided
-    # above, not by a mismatch
+    # never over the broadcast buffers: survivors before and after their boundary's broadcast hold
+    # the same step with other statistics; which of them may write is decided above
     offer.update(source=True, step=step, fingerprint=fingerprint(state, step, broadcast))
-    latest = jit_files.once_per_node(post, "newest", lambda: _latest_commit(run.run_dir),
+    split = mirror is None and not skip and share[1] > 1  # one offer a rank, two a writer
+    if split and jit_files.written_alike(post, step, offer["fingerprint"]):
+        return _said_by_writer(post, offer, step)  # no read of the run dir: nothing to tell it
+    latest = jit_files.once_per_node(post, "newest", lambda: jit_commit.latest_commit(run.run_dir),
                                      fresh_s=NEWEST_FRESH_S)
     if latest is not None and latest >= step and mirror is None:
         return _late(run, post, offer, step, latest)
-    if mirror is None and not skip and share[1] > 1:  # a split: one offer a rank, two a writer
+    if split:
         return _split(run, post, offer, step, state, started, holding, share)
     news = jit_commit.settled(run, folder, jit_files.offer(post, offer))
     if news is not None and news.startswith("committed"):
@@ -181,9 +183,19 @@ def _split(run: Survivor, post: jit_files.Post, offer: dict[str, Any], step: int
     else:
         offer.update(outcome=f"another rank of this node writes its share of step {step}")
         if jit_files.written_alike(post, step, offer["fingerprint"]):  # it has nothing to add
-            jit_files.offer(post, offer, quiet=True)
-            return offer
+            return _said_by_writer(post, offer, step)
     _tell(run, post, offer)
+    return offer
+
+
+def _said_by_writer(post: jit_files.Post, offer: dict[str, Any], step: int) -> dict[str, Any]:
+    """A source whose node's writer wrote its share of ``step`` holding the same state: its offer
+    stays on the node, and it reads nothing of the run dir (issue 59: a rank freed after its
+    writer finished read the newest commit and rewrote its node's file, once per rank). Rank 0
+    compares every offer before the next attempt resumes, so one that agrees adds nothing."""
+    offer.update(outcome=f"another rank of this node wrote its share of step {step} (same "
+                         "fingerprint)")
+    jit_files.offer(post, offer, quiet=True)
     return offer
 
 
@@ -246,18 +258,6 @@ def _on_host(held: Held, step: int, state: dict[str, Any],
         return (f"the update after step {step} began on this rank's device while its state was "
                 "copied to host memory")
     return step, held.to_numbers(read), holding
-
-
-def _latest_commit(run_dir: Path) -> int | None:
-    """The newest committed step, from the file that names it (read by name): not by reading every
-    step's manifest, which would look up the one survivors are about to commit and make this node's
-    NFS client remember it as absent (:mod:`hpc_ddp.rundir.newest`). A run dir older than that file:
-    by its manifests."""
-    named = newest.read(run_dir)
-    if named is not None:
-        return int(named["step"])
-    steps = snapshot.committed_steps(run_dir)
-    return steps[0] if steps else None
 
 
 def _no_source(run: Survivor, post: jit_files.Post, offer: dict[str, Any],

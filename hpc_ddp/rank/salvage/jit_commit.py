@@ -238,3 +238,15 @@ def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]],
                 "run resumes "
                 "from it", step, directory, took)
     return f"committed step {step}"
+
+
+def latest_commit(run_dir: Path) -> int | None:
+    """The newest committed step, from the file that names it (read by name): not by reading every
+    step's manifest, which would look up the one survivors are about to commit and make this node's
+    NFS client remember it as absent (:mod:`hpc_ddp.rundir.newest`). A run dir older than that file:
+    by its manifests."""
+    named = newest.read(run_dir)
+    if named is not None:
+        return int(named["step"])
+    steps = snapshot.committed_steps(run_dir)
+    return steps[0] if steps else None
