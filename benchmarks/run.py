@@ -218,31 +218,37 @@ def _wait(predicate: Callable[[], Any], timeout: float) -> float:
     raise TimeoutError(f"waited {timeout}s")
 
 
-def b9_on_slurm(scratch: Path, megabytes: float) -> dict[str, Any]:
-    """B9 as one job of 3 nodes x 2 tasks on the local Slurm cluster (started here if it is not running)."""
-    from benchmarks.spread import b9_slurm
+def _local_cluster() -> tuple[Any, dict[str, Any] | None]:
+    """The local Slurm cluster, started here if it is not running: (its spec, None), or (None, the row that
+    says what it lacks)."""
     from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
 
     spec = ClusterSpec()
     missing = missing_pieces(spec)
     if missing:
-        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
+        return None, {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
     start(spec)
+    return spec, None
+
+
+def b9_on_slurm(scratch: Path, megabytes: float) -> dict[str, Any]:
+    """B9 as one job of 3 nodes x 2 tasks on the local Slurm cluster (started here if it is not running)."""
+    from benchmarks.spread import b9_slurm
+
+    spec, skipped = _local_cluster()
+    if skipped:
+        return skipped
     return b9_slurm(scratch, megabytes, 3, 2, {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)})
 
 
 def b2_mirror_on_nodes(scratch: Path, quick: bool) -> dict[str, Any]:
     """B2-MIRROR-NODES (benchmarks/mirror_nodes.py): the mirror between two machines of the local cluster."""
     from benchmarks.mirror_nodes import b2_mirror_nodes
-    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
-
-    spec = ClusterSpec()
-    missing = missing_pieces(spec)
-    if missing:
-        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
-    start(spec)
     from hpc_ddp.slurm_local.isolation import machines
 
+    spec, skipped = _local_cluster()
+    if skipped:
+        return skipped
     return b2_mirror_nodes(scratch, (1, 1, 1) if quick else (4, 3, 3), 30 if quick else 80,
                            {**__import__("os").environ, "SLURM_CONF": str(spec.conf_path)},
                            [m.veth for m in machines(spec)])
