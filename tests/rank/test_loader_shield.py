@@ -104,6 +104,40 @@ def test_a_peers_failed_collective_is_a_stop_only_when_a_peer_marked_its_step_br
     assert stop_came_first(flag, EOFError(), tmp_path / "other", wait_s=0.2)  # the stop's signal came first
 
 
+def test_rank_zero_whose_peer_stopped_before_its_own_signal_came_waits_for_it(tmp_path: Path) -> None:
+    """Slurm signals node by node (2.5 s apart in a CI run): a peer's stop closed rank 0's collective before
+    rank 0's SIGTERM came, and the stop lost its ledger line (the batch shell wrote a bare one). Rank 0 reads
+    the mark and waits for its signal; the other survivors neither wait nor read the mark without their signal
+    (a failure's run-dir work flat in the ranks), and a real failure (no mark) costs rank 0 no wait."""
+    from hpc_ddp.rundir import jit_files
+
+    peer = RuntimeError("[../gloo/pair.cc:553] Connection closed by peer [10.77.0.2]:17104")
+    mark, now, reads = tmp_path / "jit" / "stopped-mid-step", [0.0], []
+    jit_files.prepare_mark(mark)
+
+    def marked(path: Path) -> bool:
+        reads.append(path)
+        return jit_files.marked(path)
+
+    def waits(flag: StopFlag, signal_at: float | None, **kw: object) -> tuple[bool, float]:
+        now[0] = 0.0
+
+        def sleep(seconds: float) -> None:
+            now[0] += seconds
+            if signal_at is not None and now[0] >= signal_at:
+                flag._handle(signal.SIGTERM, None)
+        return stop_came_first(flag, peer, mark, wait_s=2.0, clock=lambda: now[0], sleep=sleep, marked=marked,
+                               **kw), now[0]
+    assert waits(StopFlag(), 0.3, writes_the_line=True) == (False, 0.0)  # nobody marked: a failure, no wait
+    assert waits(StopFlag(), 0.3) == (False, 0.0) and len(reads) == 1  # another survivor: no read, no wait
+    mark.write_text("broken by a stop signal\n")  # the peer's stop, written before its sockets closed
+    stopped, waited = waits(StopFlag(), 0.3, writes_the_line=True)
+    assert stopped and 0.3 <= waited < 0.4, waited
+    stopped, waited = waits(StopFlag(), None, writes_the_line=True)
+    assert not stopped and 2.0 <= waited < 2.1, waited  # no signal within the wait: a failure after all
+    assert waits(StopFlag(), 0.3) == (False, 0.0) and len(reads) == 3  # without its signal a survivor goes on
+
+
 def test_a_childs_death_is_held_to_the_boundary_and_passed_over_for_a_stop() -> None:
     """PyTorch's SIGCHLD handler raises wherever the rank is; from the first boundary ours only notes it."""
     calls: list[int] = []

@@ -157,7 +157,8 @@ def after_exception(attempt: Attempt, run: Run, err: Exception) -> None:
     offered = attempt.after_failure(err)
     # a stop broke the step
     if stop_came_first(attempt.flag, err, marker(attempt.run_dir, attempt.env),
-                       marked=_marked_once_per_node(attempt)):
+                       marked=_marked_once_per_node(attempt),
+                       writes_the_line=attempt.env.is_main):
         attempt.code = end_as_stop(attempt, run, err,
                                    offered if isinstance(offered, dict) else None)
         raise StoppedMidStep(attempt.code) from err

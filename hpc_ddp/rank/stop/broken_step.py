@@ -71,7 +71,8 @@ def pipe_broke(error: BaseException) -> bool:
 def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = None,
                     wait_s: float = SIGNAL_WAIT_S, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep,
-                    marked: Callable[[Path], bool] = jit_files.marked) -> bool:
+                    marked: Callable[[Path], bool] = jit_files.marked,
+                    writes_the_line: bool = False) -> bool:
     """Whether the program's error is a stop's doing, not a failure; ``marker`` (the attempt's, in
     the run dir) tells the other ranks so; ``marked`` reads it (the failure path: once per node,
     :func:`hpc_ddp.rundir.jit_files.once_per_node`).
@@ -80,7 +81,12 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
       (Slurm signals the child first as often as the rank).
     - A collective that failed because a peer left: a stop only when a peer marked its step as
       broken by the stop (it waited for nothing): srun's ``--kill-on-bad-exit`` and the rehearsal
-      send the survivors of a lost rank a SIGTERM too, and that failure must stay a failure.
+      send the survivors of a lost rank a SIGTERM too, and that failure must stay a failure. Slurm
+      signals node by node (2.5 s apart in a CI run under load), so a peer's stop can close its
+      sockets before this rank's own signal arrives: the rank that ``writes_the_line`` (rank 0)
+      then reads the mark, and where it is there waits up to ``wait_s`` for its signal. The other
+      survivors of a failure never wait and never read the mark without their signal (a failure's
+      run-dir work stays flat in the ranks: B14), and rank 0 reads it once.
     - A loader's pipe that broke as its worker died (EOFError, ConnectionError) once a stop signal
       is here: a stop. Any other error is a failure, whatever signal came with it (srun ends the
       survivors of a crash with SIGTERM too).
@@ -93,7 +99,14 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     # the peer marks before it leaves, so before its sockets close: no wait (a failure's
     elif peer_lost(error):
         # survivors must not linger: KillWait)
-        return flag.is_set and marker is not None and marked(marker)
+        if marker is None or not (flag.is_set or writes_the_line):
+            return False
+        if not marked(marker):
+            return False
+        deadline = clock() + wait_s  # the peer stopped for a signal sent to the whole job
+        while not flag.is_set and clock() < deadline:
+            sleep(0.05)
+        return flag.is_set
     # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop
     # is here;
     else:
