@@ -14,7 +14,11 @@ apart: on a cluster they are in /dev/shm). The counts are fitted as ``a + b x no
 quadratic term is what the tally removed) and checked against the issue's targets: at most 40 operations per
 node plus a constant, and nothing per rank (the same count at 1 and 8 ranks a node).
 
-    python -m benchmarks.failure_sim [NODESxRANKS ...]      (default: 16, 64, 256, 512 nodes x 8, and x 1)
+With ``--per-rank`` every rank also holds a mirrored ``per_rank(...)`` state (its own and its ward's, last two
+boundaries): written on its node, published in its node's ``blobs-node-N.pt``, tallied by rank group, and read by
+the committer from the holders' nodes.
+
+    python -m benchmarks.failure_sim [--per-rank] [NODESxRANKS ...]   (default: 16-512 nodes x 8, and x 1)
 """
 
 from __future__ import annotations
@@ -38,29 +42,43 @@ GRID = [(16, 8), (64, 8), (256, 8), (512, 8), (16, 1), (64, 1), (256, 1), (512, 
 NODES_AT_ONCE = 16  # nodes whose ranks fail together (threads: 16 x 8 at most)
 
 
-def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: int) -> str:
-    """One surviving rank's failure path, as hpc_ddp.rank.salvage.jit takes it for a split snapshot without
-    per-rank state: say it entered, read the newest commit once per node (freed after the commit: compare, and
-    stay quiet where it agrees), offer the step it holds, claim its node's share or leave it to the rank that
-    did, write it, offer what it wrote, and settle what its offers carried."""
+def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: int, per_rank: bool = False) -> str:
+    """One surviving rank's failure path, as hpc_ddp.rank.salvage.jit takes it for a split snapshot: say it
+    entered, read the newest commit once per node (freed after the commit: compare, and stay quiet where it
+    agrees), offer the step it holds, claim its node's share or leave it to the rank that did, write it, offer
+    what it wrote, and settle what its offers carried. ``per_rank``: each rank also holds a per-rank state (a
+    ``per_rank(...)`` object mirrored every step), its own and its ward's of the last two boundaries, written on
+    its node and published with its node's file; the set then needs every rank's, and its committer reads the
+    holders' nodes' files (torch in that one thread)."""
     from hpc_ddp.rank.salvage import jit_commit
     from hpc_ddp.rundir import jit_claims, jit_files, jit_gather, jit_tally, newest, snapshot
 
     node, local = divmod(rank, per_node)
+    world = nodes * per_node
     post = jit_files.Post(run_dir / "jit" / "job-1-restart-0", local_root / f"node-{node}", rank, node, local,
-                          per_node, "sim", nodes * per_node, False, jit_tally.group_size(nodes * per_node, nodes))
-    run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=nodes * per_node, num_nodes=nodes),
-                          per_rank={}, checkpointer=None, run_dir=run_dir)
+                          per_node, "sim", world, per_rank, jit_tally.group_size(world, nodes))
+    run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=world, num_nodes=nodes),
+                          per_rank={"batch": SimpleNamespace(mirror="every_step")} if per_rank else {},
+                          checkpointer=None, run_dir=run_dir)
     offer: dict[str, Any] = {"rank": rank, "host": f"n{node}", "error": "peer lost", "time": 1.0, "source": True,
                              "step": STEP, "fingerprint": 7}
     jit_gather.enter(post)
+    if per_rank:  # its own state and its ward's (the same local rank on the node before: rank/salvage/mirror.py)
+        ward = ((node - 1) % nodes) * per_node + local
+        held = {r: {STEP: bytes(64), STEP - 1: bytes(64)} for r in {rank, ward}}
+        jit_files.write_blobs(post, held)
+        offer["blobs"] = {str(r): [STEP, STEP - 1] for r in held}
     latest = jit_files.once_per_node(post, "newest", lambda: (newest.read(run_dir) or {}).get("step"), 0.5)
-    if latest is not None and latest >= STEP:  # freed after the commit: compared, quiet where it agrees
+    if latest is not None and latest >= STEP and not per_rank:  # freed after the commit: compared, quiet
         offer["outcome"] = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
             run_dir, post.shared, STEP, latest, offer))
         jit_files.offer(post, offer, quiet=offer["outcome"].endswith("(same fingerprint)"))
         return offer["outcome"]
     outcomes = [jit_commit.settled(run, post.shared, jit_files.offer(post, offer))]
+    if per_rank and latest is not None and latest >= STEP:  # with a mirror: offered, then compared
+        offer["outcome"] = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
+            run_dir, post.shared, STEP, latest, offer))
+        return " / ".join(o for o in [offer["outcome"], *outcomes] if o)
     if not jit_claims.claim_on_node(post, STEP):
         outcome = "another rank of this node writes its share"
     else:
@@ -80,7 +98,7 @@ def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: i
     return " / ".join(o for o in [outcome, *outcomes] if o)
 
 
-def play(run_dir: Path, nodes: int, per_node: int, seed: int = 0) -> list[str]:
+def play(run_dir: Path, nodes: int, per_node: int, seed: int = 0, per_rank: bool = False) -> list[str]:
     """Every rank of every node but node 1, a node's ranks together, nodes in a shuffled order, 16 at once."""
     from hpc_ddp.rundir import jit_files
 
@@ -98,7 +116,7 @@ def play(run_dir: Path, nodes: int, per_node: int, seed: int = 0) -> list[str]:
             threads = []
             for local in range(per_node):
                 def rank_thread(rank: int = node * per_node + local) -> None:
-                    said = survivor(run_dir, local_root, nodes, per_node, rank)
+                    said = survivor(run_dir, local_root, nodes, per_node, rank, per_rank)
                     with lock:
                         results.append(said)
                 threads.append(threading.Thread(target=rank_thread))
@@ -114,7 +132,7 @@ def play(run_dir: Path, nodes: int, per_node: int, seed: int = 0) -> list[str]:
         shutil.rmtree(local_root, ignore_errors=True)
 
 
-def counted(nodes: int, per_node: int) -> dict[str, Any]:
+def counted(nodes: int, per_node: int, per_rank: bool = False) -> dict[str, Any]:
     """One simulation in a process of its own, counted by B14's audit hook."""
     scratch = Path(tempfile.mkdtemp(prefix="hpc-ddp-b14sim-"))
     run_dir, out = scratch / "run", scratch / "ops"
@@ -123,7 +141,7 @@ def counted(nodes: int, per_node: int) -> dict[str, Any]:
                                                         os.environ.get("PYTHONPATH", "")]),
            "HPC_DDP_OPS_RUN_DIR": str(run_dir), "HPC_DDP_OPS_OUT": str(out)}
     code = ("import json, sys; from pathlib import Path; from benchmarks.failure_sim import play; "
-            f"said = play(Path({str(run_dir)!r}), {nodes}, {per_node}); print(json.dumps(said))")
+            f"said = play(Path({str(run_dir)!r}), {nodes}, {per_node}, per_rank={per_rank}); print(json.dumps(said))")
     try:
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=1800)
@@ -158,8 +176,10 @@ def fit(points: list[tuple[int, float]]) -> dict[str, float] | None:
     return {"a": round(float(a), 2), "per_node": round(float(b), 3), "per_node_squared": round(float(c), 5)}
 
 
-def b14_sim(grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
-    rows = {f"{n}x{p}": counted(n, p) for n, p in grid}
+def b14_sim(grid: list[tuple[int, int]] = GRID, per_rank: bool = False) -> dict[str, Any]:
+    """The rows at each geometry, their fits in nodes, their growth with the ranks per node, and the verdict;
+    ``per_rank``: every rank with a mirrored per-rank state (the set then needs every rank's)."""
+    rows = {f"{n}x{p}": counted(n, p, per_rank) for n, p in grid}
     ok = {k: r for k, r in rows.items() if "error" not in r}
     fits = {str(p): fit([(int(k.split("x")[0]), r["total"]) for k, r in ok.items() if k.endswith(f"x{p}")])
             for p in sorted({p for _, p in grid})}
@@ -176,5 +196,6 @@ def b14_sim(grid: list[tuple[int, int]] = GRID) -> dict[str, Any]:
 if __name__ == "__main__":
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
         sys.exit(__doc__)
-    chosen = [tuple(map(int, g.split("x"))) for g in sys.argv[1:]] or GRID
-    print(json.dumps(b14_sim(chosen), indent=1))  # type: ignore[arg-type]
+    args = [a for a in sys.argv[1:] if a != "--per-rank"]
+    chosen = [tuple(map(int, g.split("x"))) for g in args] or GRID
+    print(json.dumps(b14_sim(chosen, "--per-rank" in sys.argv), indent=1))  # type: ignore[arg-type]

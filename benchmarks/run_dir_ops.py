@@ -19,7 +19,8 @@ resumes read as on a cluster, ``snapshot.load=spread``):
   start and its resume;
 - **per run**: 6 steps - 6 x per step: the attempt's start, the final snapshot, DONE and the ledger.
 
-Each count is fitted as ``a + b x nodes + c x ranks`` by least squares over the geometries; the target is met
+A failure's count is the median of the runs (three a geometry) with the writer count most runs at that node count
+had (``alike``: which nodes write a share before the commit is timing, and each writer is about a node's worth). Each count is fitted as ``a + b x nodes + c x ranks`` by least squares over the geometries; the target is met
 when no count grows with the ranks per node (at each node count, the count at 4 ranks a node is at most the
 count at 1 plus 10% and 2) and the per-step count is 0.
 """
@@ -74,9 +75,55 @@ def counted(scratch: Path, nodes: int, per_node: int, scenario: str) -> dict[str
         role = "rank" if path.stem.endswith("-rank") else "shell"
         for kind, value in zip(fields, values):
             totals[role][kind] += value
+    found = writers(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    return totals
+    return {**totals, "writers": found}
+
+
+def writers(run_dir: Path) -> int:
+    """How many survivors wrote a share, from their offers (read after the run, as the batch shell does). The
+    shares cover the state once each slice has a writer, and a node freed after the commit compares instead of
+    writing: at 4 nodes, 2 or 3 writers as timing has it, and the third's share, its node's file, its tally
+    entries and the commit's read of it are about 20 operations (dev/b14_trace.py, 2026-12-04)."""
+    from hpc_ddp.rundir import jit_offers
+
+    found = set()
+    for folder in (run_dir / "jit").glob("*") if (run_dir / "jit").is_dir() else []:
+        found |= {(folder.name, o.get("rank")) for o in jit_offers.listed(folder) if isinstance(o.get("written"), dict)}
+    return len(found)
+
+
+FAILURE_RUNS, MORE_RUNS = 3, 2  # a failure's count depends on how many survivors wrote: see alike
+
+
+def total(run: dict[str, Any]) -> int:
+    """One run's count, ranks and launcher together, beats apart."""
+    return sum(run["rank"][k] + run["shell"][k] for k in KINDS)
+
+
+def alike(runs: dict[int, list[dict[str, Any]]], more: Any = None) -> dict[int, dict[str, Any]]:
+    """A failure's counts at one node count, like with like: ``runs`` per ranks a node (``FAILURE_RUNS`` each),
+    the writer count most runs had, and per geometry the median of its runs with that many writers (``more(p)``
+    adds a run of a geometry that has none, up to ``MORE_RUNS``; without one, the median of all its runs, said in
+    ``alike``). Which nodes write a share before the commit is timing (a node freed after it compares instead),
+    and each writer costs about a node's worth: one run a geometry, or the median of three, read that as growth
+    with the ranks per node (4 x 2 at 176 and 174 against 155 and 152 at 4 x 1 on 2026-12-03)."""
+    if any("error" in r for rs in runs.values() for r in rs):
+        return {p: next((r for r in rs if "error" in r), rs[0]) for p, rs in runs.items()}
+    counts = [r["writers"] for rs in runs.values() for r in rs]
+    usual = max(sorted(set(counts)), key=counts.count)
+    chosen = {}
+    for per_node, rs in runs.items():
+        while more is not None and not any(r.get("writers") == usual for r in rs) \
+                and len(rs) < FAILURE_RUNS + MORE_RUNS:
+            rs.append(more(per_node))
+        ok = [r for r in rs if "error" not in r]
+        same = [r for r in ok if r["writers"] == usual]
+        pick = sorted(same or ok, key=total)[len(same or ok) // 2]
+        chosen[per_node] = {**pick, "totals": [total(r) for r in ok], "kinds": [r["writers"] for r in ok],
+                            "alike": bool(same)}
+    return chosen
 
 
 def events(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -129,11 +176,23 @@ def b14(scratch: Path, grid: list[tuple[int, int]] = GRID, only: tuple[str, ...]
     """B14's rows; ``only``: these events alone (the scenarios they need), e.g. ("failure",)."""
     rows: dict[str, Any] = {}
     wanted = {name for event in only for name in NEEDS[event]} if only else set(SCENARIOS)
+    failures: dict[tuple[int, int], dict[str, Any]] = {}
+    if "failure" in wanted:  # one node lost is every rank lost: nothing to survive at 1 node
+        for nodes in sorted({n for n, _ in grid if n >= 2}):
+            def again(per_node: int, nodes: int = nodes) -> dict[str, Any]:
+                return counted(scratch, nodes, per_node, "failure")
+            picked = alike({p: [again(p) for _ in range(FAILURE_RUNS)] for n, p in grid if n == nodes}, again)
+            failures.update({(nodes, p): run for p, run in picked.items()})
     for nodes, per_node in grid:
         runs = {name: counted(scratch, nodes, per_node, name) for name in SCENARIOS
-                if name in wanted
-                and not (name == "failure" and nodes < 2)}  # one node lost is every rank lost: nothing to survive
-        rows[f"{nodes}x{per_node}"] = {"events": events(runs), "beats": {
+                if name in wanted and name != "failure"}
+        if (nodes, per_node) in failures:
+            runs["failure"] = failures[(nodes, per_node)]
+        failure = runs.get("failure", {})
+        rows[f"{nodes}x{per_node}"] = {"events": events(runs), "failure_totals": failure.get("totals"),
+                                       "failure_writers": failure.get("kinds"),
+                                       "failure_alike": failure.get("alike"),
+                                       "beats": {
             name: {k: run["rank"][k] + run["shell"][k] for k in BEATS + METRICS} for name, run in runs.items()
             if "error" not in run},
             "errors": {name: run["error"] for name, run in runs.items() if "error" in run}}
@@ -150,6 +209,9 @@ def merged(old: dict[str, Any], fresh: dict[str, Any], events: tuple[str, ...]) 
         for event in events:
             if event in row["events"]:
                 into["events"][event] = row["events"][event]
+        if "failure" in events and row.get("failure_totals"):
+            for field in ("failure_totals", "failure_writers", "failure_alike"):
+                into[field] = row.get(field)
         into["errors"].update(row["errors"])
     return summarize(rows)
 

@@ -151,6 +151,8 @@ def test_per_rank_takes_a_mirror_policy_and_derive_is_never_sent() -> None:
     with pytest.raises(RunUsageError, match="mirror='every_n'") as err:
         hpc_ddp.per_rank({}, mirror="every_n")
     assert "'every_step' or 'derive'" in str(err.value)
+    with pytest.raises(RunUsageError, match="did you mean mirror='derive'"):  # the newcomer's typo
+        hpc_ddp.per_rank({}, mirror="derived")
     objects = {"batch": hpc_ddp.per_rank({}, mirror="derive"), "counter": hpc_ddp.per_rank({"n": 1})}
     assert objects["counter"].mirror == "every_step" and list(mirrored(objects)) == ["counter"]
 

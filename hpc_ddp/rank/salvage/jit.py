@@ -91,7 +91,9 @@ def after_failure(run: Survivor, error: BaseException) -> dict[str, Any] | None:
         return None
     started = time.monotonic()
     post = jit_files.post_for(run.run_dir, run.env, per_rank=bool(mirrored(run.per_rank)))
-    offer: dict[str, Any] = {"rank": run.env.rank, "host": os.uname().nodename,
+    # the node's name as Slurm (or the rehearsal's simulated node) gives it; else the host's
+    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    offer: dict[str, Any] = {"rank": run.env.rank, "host": host,
                              "error": first_line(error), "time": round(time.time(), 3)}
     try:
         # the node's first offers wait for this rank's (rundir/jit_gather.py)

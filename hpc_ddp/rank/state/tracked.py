@@ -22,6 +22,7 @@ nobody asked for) is :mod:`hpc_ddp.rank.state.per_rank_resume`.
 
 from __future__ import annotations
 
+import difflib
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,13 +91,13 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str = "every_step") -
                                             "'fresh' keeps the "
             "value built in that attempt"))
     if mirror not in MIRROR:
+        near = difflib.get_close_matches(str(mirror), MIRROR, n=1)
         raise RunUsageError(explain(f"hpc_ddp.per_rank(..., mirror={mirror!r})",
                                     expected=" or ".join(repr(m) for m in MIRROR),
-                                    hint="'every_step' sends the object to a buddy at every "
-                                         "boundary "
-                                         "(exact after a survivors' snapshot); 'derive' never "
-                                         "sends it "
-                                         "and keeps what the loop rebuilds after one"))
+                                    hint=(f"did you mean mirror={near[0]!r}? " if near else "")
+                                    + "'every_step' sends the object to a buddy at every boundary "
+                                      "(exact after a survivors' snapshot); 'derive' never sends "
+                                      "it and keeps what the loop rebuilds after one"))
     if isinstance(obj, DistributedDataParallel):
         raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
                                     "same on every rank",
