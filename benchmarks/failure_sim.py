@@ -179,7 +179,11 @@ def fit(points: list[tuple[int, float]]) -> dict[str, float] | None:
 def b14_sim(grid: list[tuple[int, int]] = GRID, per_rank: bool = False) -> dict[str, Any]:
     """The rows at each geometry, their fits in nodes, their growth with the ranks per node, and the verdict;
     ``per_rank``: every rank with a mirrored per-rank state (the set then needs every rank's)."""
-    rows = {f"{n}x{p}": counted(n, p, per_rank) for n, p in grid}
+    return judged({f"{n}x{p}": counted(n, p, per_rank) for n, p in grid}, grid)
+
+
+def judged(rows: dict[str, Any], grid: list[tuple[int, int]]) -> dict[str, Any]:
+    """The rows' fits in nodes, their growth with the ranks per node, and the verdict."""
     ok = {k: r for k, r in rows.items() if "error" not in r}
     fits = {str(p): fit([(int(k.split("x")[0]), r["total"]) for k, r in ok.items() if k.endswith(f"x{p}")])
             for p in sorted({p for _, p in grid})}

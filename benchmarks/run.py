@@ -298,7 +298,8 @@ def b14_sim(quick: bool) -> dict[str, Any]:
 
     grid = [(16, 1), (16, 8), (64, 8)] if quick else GRID
     plain, with_per_rank = figure(grid), figure(grid, per_rank=True)
-    return {**plain, "with_per_rank": with_per_rank, "met": plain["met"] and with_per_rank["met"]}
+    # "met" is the plain rows' own (their table row's mark); the per-rank rows carry theirs
+    return {**plain, "with_per_rank": with_per_rank}
 
 
 def b10_healing() -> dict[str, Any]:

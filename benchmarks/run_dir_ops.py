@@ -212,7 +212,8 @@ def merged(old: dict[str, Any], fresh: dict[str, Any], events: tuple[str, ...]) 
         if "failure" in events and row.get("failure_totals"):
             for field in ("failure_totals", "failure_writers", "failure_alike"):
                 into[field] = row.get(field)
-        into["errors"].update(row["errors"])
+        rerun = {name for event in events for name in NEEDS[event]}  # their old errors go with their old counts
+        into["errors"] = {**{k: v for k, v in into["errors"].items() if k not in rerun}, **row["errors"]}
     return summarize(rows)
 
 
