@@ -190,11 +190,13 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
     (:func:`offer`), so each fact of the node reaches the file server once, whichever rank made
     it."""
     with node_local.locked(post.local / "publish.lock"):
-        offers, blob_files = [], []
+        offers, blob_files, working = [], [], False
         for local in range(post.local_size):
             found = _local_offer(post, local)
             if found is not None:
                 offers.append(found)
+                working = working or (local != post.local_rank
+                                      and jit_gather.at_work(post, local, found))
             blob = post.local / f"blobs-{local}.pt"
             with contextlib.suppress(OSError):
                 info = blob.lstat()  # a regular file of this user's (never a link's target)
@@ -208,8 +210,10 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
             return []
         told = set(before.get("facts", []))
         new = [f for f in jit_tally.facts(offers, post.node, post.group) if f.key not in told]
-        if defer and not new and any(not {"outcome", "why"} & o.keys() for o in offers
-                                     if o.get("rank") != post.rank):
+        # per-rank states alone (no slice written) wait too: a node's ranks are freed one by one,
+        # and each one's own states, published at once, made its groups' tally chains grow with
+        # the ranks per node (B14-SIM with per-rank state); the last rank at work carries them all
+        if defer and working and all(f.kind == "r" for f in new):
             return []  # a rank of the node still at its part publishes later, and carries this
         if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])

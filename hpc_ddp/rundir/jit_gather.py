@@ -56,6 +56,15 @@ def _coming(post: Post, local: int) -> bool:
     return isinstance(pid, int) and processes.running(pid)
 
 
+def at_work(post: Post, local: int, offer: dict[str, Any]) -> bool:
+    """Local rank ``local``, whose offer is ``offer``, is still at its part: no outcome and no
+    reason yet, and its process is there (one killed at its part never publishes what waits)."""
+    if {"outcome", "why"} & offer.keys():
+        return False
+    pid = local_json(post, post.local / f"entered-{local}.json").get("pid")
+    return not isinstance(pid, int) or processes.running(pid)
+
+
 def local_offer(post: Post, local: int) -> dict[str, Any] | None:
     """Local rank ``local``'s offer on this node: from a file of this user's that carries the
     attempt's token."""

@@ -373,8 +373,9 @@ def two_step_survivors(tmp_path: Path) -> Any:
 
     def survivor(rank: int, step: int, blobs: dict[int, dict[int, bytes]], writes: bool) -> str:
         jit_files.write_blobs(post(where, rank, 3), blobs)
+        # its part done (an outcome): a node's ranks still at theirs leave their per-rank states to the last one
         offer: dict[str, Any] = {"rank": rank, "host": "n0", "error": "peer lost", "time": 1.0, "source": True,
-                                 "step": step, "fingerprint": step * 7,
+                                 "step": step, "fingerprint": step * 7, "outcome": "its part done",
                                  "blobs": {str(r): list(states) for r, states in blobs.items()}}
         if writes:
             offer["written"] = {"step": step, "layout": slicing.layout_for([], 1, 1), "entry": {

@@ -96,3 +96,38 @@ def test_a_source_that_holds_what_its_nodes_writer_wrote_has_nothing_to_tell(tmp
     assert not jit_files.written_alike(post(tmp_path, 2), 8, 9)
     assert not jit_files.written_alike(post(tmp_path, 2), 9, 7)
     assert not jit_files.written_alike(post(tmp_path, 1), 8, 7)  # its own offer is not another's
+
+
+def test_per_rank_states_wait_on_the_node_for_the_last_rank_at_work_unless_it_died(tmp_path: Path) -> None:
+    """Issue 59 (B14-SIM with per-rank state): each rank of a node published its own per-rank states as it was
+    freed, and its groups' tally chains grew with the ranks per node. While local rank 1 is at its part (no
+    outcome yet, alive), rank 2's states stay on the node, and rank 1's publish with its outcome carries them to
+    the node's file and its blobs file, with their tally facts. A rank at work whose process died holds nobody's
+    states back: they go out at once."""
+    from hpc_ddp.rundir import jit_blobs, jit_offers
+
+    where = tmp_path / "run" / "jit" / "a"
+
+    def per_rank_post(local: int) -> jit_files.Post:
+        return jit_files.Post(where, tmp_path / "node-0", local, 0, local, 3, "tag", 6, True, 3)
+
+    def offer(local: int, **fields: object) -> jit_files.jit_tally.Settled:
+        jit_files.write_blobs(per_rank_post(local), {local: {8: b"s%d" % local}})
+        return jit_files.offer(per_rank_post(local), {"rank": local, "source": True, "step": 8,
+                                                       "blobs": {str(local): [8]}, **fields}, gather_s=0)
+
+    jit_gather.enter(per_rank_post(1))  # this process: alive
+    offer(1)  # the node's first: at once (nobody else at work)
+    offer(2, outcome="another rank writes its share")
+    assert [o["rank"] for o in jit_offers.node_offers(where, 0)] == [1]  # rank 2's states wait on the node
+    offer(1, outcome="wrote its share")  # the last at work carries them
+    assert [o["rank"] for o in jit_offers.node_offers(where, 0)] == [1, 2]
+    assert set(jit_blobs.read_blobs(where, 0) or {}) == {1, 2}  # by holder
+    assert any(p.name.startswith("r0-") for p in where.glob("tally-8/*"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_atomic(per_rank_post(0).local / "entered-0.json",
+                 json.dumps({"tag": "tag", "pid": int(dead.stdout)}).encode())
+    write_atomic(per_rank_post(0).local / "offer-0.json", json.dumps(
+        {"tag": "tag", "offer": {"rank": 0, "source": True, "step": 8}}).encode())  # killed at its part
+    offer(2, outcome="another rank writes its share", fingerprint=1)  # news: not held back by a dead rank
+    assert {o["rank"]: o.get("fingerprint") for o in jit_offers.node_offers(where, 0)}[2] == 1
