@@ -69,15 +69,18 @@ def survivor(run_dir: Path, local_root: Path, nodes: int, per_node: int, rank: i
         jit_files.write_blobs(post, held)
         offer["blobs"] = {str(r): [STEP, STEP - 1] for r in held}
     latest = jit_files.once_per_node(post, "newest", lambda: (newest.read(run_dir) or {}).get("step"), 0.5)
-    if latest is not None and latest >= STEP and not per_rank:  # freed after the commit: compared, quiet
-        offer["outcome"] = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
+    late = latest is not None and latest >= STEP  # freed after the commit: compared with it, once a node
+
+    def compared() -> str:
+        return jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
             run_dir, post.shared, STEP, latest, offer))
+    if late and not per_rank:  # quiet where it agrees
+        offer["outcome"] = compared()
         jit_files.offer(post, offer, quiet=offer["outcome"].endswith("(same fingerprint)"))
         return offer["outcome"]
     outcomes = [jit_commit.settled(run, post.shared, jit_files.offer(post, offer))]
-    if per_rank and latest is not None and latest >= STEP:  # with a mirror: offered, then compared
-        offer["outcome"] = jit_files.once_per_node(post, f"checked-{STEP}", lambda: jit_commit.check_commit(
-            run_dir, post.shared, STEP, latest, offer))
+    if late:  # with a mirror: offered first, then compared
+        offer["outcome"] = compared()
         return " / ".join(o for o in [offer["outcome"], *outcomes] if o)
     if not jit_claims.claim_on_node(post, STEP):
         outcome = "another rank of this node writes its share"

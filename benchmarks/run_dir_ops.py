@@ -20,7 +20,8 @@ resumes read as on a cluster, ``snapshot.load=spread``):
 - **per run**: 6 steps - 6 x per step: the attempt's start, the final snapshot, DONE and the ledger.
 
 A failure's count is the median of the runs (three a geometry) with the writer count most runs at that node count
-had (``alike``: which nodes write a share before the commit is timing, and each writer is about a node's worth). Each count is fitted as ``a + b x nodes + c x ranks`` by least squares over the geometries; the target is met
+had (``alike``: which nodes write a share before the commit is timing, and each writer is about a node's worth).
+Each count is fitted as ``a + b x nodes + c x ranks`` by least squares over the geometries; the target is met
 when no count grows with the ranks per node (at each node count, the count at 4 ranks a node is at most the
 count at 1 plus 10% and 2) and the per-step count is 0.
 """
@@ -90,7 +91,8 @@ def writers(run_dir: Path) -> int:
 
     found = set()
     for folder in (run_dir / "jit").glob("*") if (run_dir / "jit").is_dir() else []:
-        found |= {(folder.name, o.get("rank")) for o in jit_offers.listed(folder) if isinstance(o.get("written"), dict)}
+        found |= {(folder.name, o.get("rank")) for o in jit_offers.listed(folder)
+                  if isinstance(o.get("written"), dict)}
     return len(found)
 
 

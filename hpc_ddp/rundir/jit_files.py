@@ -190,13 +190,13 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
     (:func:`offer`), so each fact of the node reaches the file server once, whichever rank made
     it."""
     with node_local.locked(post.local / "publish.lock"):
-        offers, blob_files, working = [], [], False
+        offers, blob_files, others = [], [], []
         for local in range(post.local_size):
             found = _local_offer(post, local)
             if found is not None:
                 offers.append(found)
-                working = working or (local != post.local_rank
-                                      and jit_gather.at_work(post, local, found))
+                if local != post.local_rank:
+                    others.append((local, found))
             blob = post.local / f"blobs-{local}.pt"
             with contextlib.suppress(OSError):
                 info = blob.lstat()  # a regular file of this user's (never a link's target)
@@ -213,7 +213,8 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
         # per-rank states alone (no slice written) wait too: a node's ranks are freed one by one,
         # and each one's own states, published at once, made its groups' tally chains grow with
         # the ranks per node (B14-SIM with per-rank state); the last rank at work carries them all
-        if defer and working and all(f.kind == "r" for f in new):
+        if defer and all(f.kind == "r" for f in new) and any(
+                jit_gather.at_work(post, local, o) for local, o in others):
             return []  # a rank of the node still at its part publishes later, and carries this
         if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])

@@ -50,19 +50,20 @@ def await_peers(post: Post, bound_s: float = GATHER_S) -> None:
 
 def _coming(post: Post, local: int) -> bool:
     """Local rank ``local`` entered, has not offered yet, and its process is there."""
-    if local_offer(post, local) is not None:
-        return False
+    return local_offer(post, local) is None and _alive(post, local) is True
+
+
+def _alive(post: Post, local: int) -> bool | None:
+    """Whether local rank ``local``'s process (the pid it entered with) is there; None when it did
+    not say it entered."""
     pid = local_json(post, post.local / f"entered-{local}.json").get("pid")
-    return isinstance(pid, int) and processes.running(pid)
+    return processes.running(pid) if isinstance(pid, int) else None
 
 
 def at_work(post: Post, local: int, offer: dict[str, Any]) -> bool:
     """Local rank ``local``, whose offer is ``offer``, is still at its part: no outcome and no
     reason yet, and its process is there (one killed at its part never publishes what waits)."""
-    if {"outcome", "why"} & offer.keys():
-        return False
-    pid = local_json(post, post.local / f"entered-{local}.json").get("pid")
-    return not isinstance(pid, int) or processes.running(pid)
+    return not {"outcome", "why"} & offer.keys() and _alive(post, local) is not False
 
 
 def local_offer(post: Post, local: int) -> dict[str, Any] | None:

@@ -92,21 +92,14 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
       survivors of a crash with SIGTERM too).
     """
     if child_killed(error):
-        deadline = clock() + wait_s
-        while not flag.is_set and clock() < deadline:
-            sleep(0.05)
-        stopped = flag.is_set
+        stopped = _signal_within(flag, wait_s, clock, sleep)
     # the peer marks before it leaves, so before its sockets close: no wait (a failure's
     elif peer_lost(error):
         # survivors must not linger: KillWait)
-        if marker is None or not (flag.is_set or writes_the_line):
+        if marker is None or not (flag.is_set or writes_the_line) or not marked(marker):
             return False
-        if not marked(marker):
-            return False
-        deadline = clock() + wait_s  # the peer stopped for a signal sent to the whole job
-        while not flag.is_set and clock() < deadline:
-            sleep(0.05)
-        return flag.is_set
+        # the peer stopped for a signal sent to the whole job: this rank's is on its way
+        return _signal_within(flag, wait_s, clock, sleep)
     # a loader's pipe that broke as its worker died (EOFError, ConnectionResetError) once the stop
     # is here;
     else:
@@ -114,6 +107,15 @@ def stop_came_first(flag: StopFlag, error: BaseException, marker: Path | None = 
     if stopped and marker is not None:
         _mark(marker)
     return stopped
+
+
+def _signal_within(flag: StopFlag, wait_s: float, clock: Callable[[], float],
+                   sleep: Callable[[float], None]) -> bool:
+    """Whether this rank's stop signal is here, or arrives within ``wait_s``."""
+    deadline = clock() + wait_s
+    while not flag.is_set and clock() < deadline:
+        sleep(0.05)
+    return flag.is_set
 
 
 def kept_step(run_dir: Path, offered: dict[str, Any] | None, wait_s: float = COMMIT_WAIT_S,
