@@ -20,7 +20,7 @@ from typing import Any
 from hpc_ddp.shell import heal
 from hpc_ddp.core.batching import node_counts
 from hpc_ddp.rundir.ledger import attempt_key, crash_marker
-from hpc_ddp.shell.shell_rules import heal_failure_of, lost_nodes
+from hpc_ddp.shell.shell_rules import heal_failure_of, lost_nodes, raised_first
 from hpc_ddp.core.timeline import TIMELINE_VAR, encode_shell
 from hpc_ddp.rundir.snapshot.steps import refuses_resize
 from hpc_ddp.core.slurm_env import HEALED_VAR, IN_JOB_VAR
@@ -124,8 +124,11 @@ class LocalHealer:
                                         per_node).items():
                 hard.setdefault(node, why)
                 self.lost.setdefault(node, why)
-        soft = {self.node_of(r): f"rank {r} failed first there" for r in failed_ranks[:1]
-                if self.node_of(r) not in hard}
+        # the rank that raised, as its offer says, else the first to exit (a bystander, often)
+        first = raised_first(self.run_dir, attempt_key(record), self.training,
+                             per_node) if self.run_dir is not None else {}
+        soft = first or {self.node_of(r): f"rank {r} failed first there" for r in failed_ranks[:1]}
+        soft = {n: w for n, w in soft.items() if n not in hard}
         soft |= {n: w for n, w in heal.stuck_nodes(record.get("stuck_ranks") or [], self.training,
                                                      per_node).items() if n not in hard}
         self.held = [n for n in self.held if n not in self.lost]

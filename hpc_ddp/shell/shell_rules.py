@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import losses
+from hpc_ddp.core.codes import PEER_SYMPTOMS
+from hpc_ddp.rundir import jit_files, jit_offers, losses
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.stopping import TICK_S
 from hpc_ddp.core.timeline import TIMELINE_VAR, for_attempt, heal_failure, shell_marks
@@ -136,6 +137,31 @@ def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nod
             ranks.setdefault(node, []).append(rank)
     return {node: f"{losses.who(lost)} stopped beating (liveness): frozen or lost"
             for node, lost in ranks.items()}
+
+
+def raised_first(run_dir: Path, key: tuple[int | None, int, int], nodes: Sequence[str],
+                 per_node: int) -> dict[str, str]:
+    """The node of the rank whose own error ended the step (the earliest offer of the survivors'
+    snapshot whose error is not a peer's loss), and why: {} when no offer says (snapshot.jit off,
+    or that rank died with its node).
+
+    Which rank *exited* first says little: the rank that raised is often the one that writes its
+    node's share of the survivors' snapshot, so its peers, whose collectives failed when it left
+    the group, exit before it; srun's first "task N: Exited" line and the rehearsal's first failed
+    rank then name a bystander's node (a CI run healed a failing program three times, blaming the
+    innocent node every other time). The offers carry each rank's error and when it came."""
+    own = [o for o in jit_offers.listed(jit_files.folder(run_dir, *key))
+           if isinstance(o.get("error"), str) and isinstance(o.get("rank"), int)
+           and not any(symptom in o["error"] for symptom in PEER_SYMPTOMS)]
+    if not own:
+        return {}
+    first = min(own, key=lambda o: (o.get("time") if isinstance(o.get("time"), (int, float))
+                                    else float("inf"), o["rank"]))
+    index = first["rank"] // max(1, per_node)
+    node = first.get("host") if first.get("host") in nodes else (
+        nodes[index] if index < len(nodes) else None)
+    return {} if node is None else {
+        node: f"rank {first['rank']} raised first there ({first['error'][:120]})"}
 
 
 def heal_failure_of(run_dir: Path, key: tuple[int | None, int, int],

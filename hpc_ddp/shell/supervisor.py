@@ -174,8 +174,12 @@ class Supervisor:
         # ended the step on purpose (the watchdog's recorder, the lost rank's watcher), not the
         # culprit
         told = stuck or lost or record.get("lost_ranks")
-        soft = {} if told else {n: why for n, why in heal.culprits(step.srun_lines).items()
-                                if n not in hard}
+        # whom srun saw exit first is a bystander when the rank that raised wrote its node's share
+        named = {} if told else (rules.raised_first(self.run_dir, (self.job_id, self.restart,
+                                                                     step.index),
+                                                    step.nodes, per_node)
+                                 or heal.culprits(step.srun_lines))
+        soft = {n: why for n, why in named.items() if n not in hard}
         soft |= {n: why for n, why in stuck.items() if n not in hard}
         return held, hard, soft
 

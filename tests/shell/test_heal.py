@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,31 @@ def test_srun_blames_the_first_task_to_die_and_every_lost_node() -> None:
     seen = ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Killed",
             "srun: launch/slurm: _step_signal: Terminating StepId=5.0", "srun: error: n3: task 2: Killed"]
     assert heal.culprits(seen) == {"n2": "a task died first there (Killed)"}
+
+
+def test_the_rank_that_raised_is_blamed_by_its_offer_not_the_bystander_that_exited_first(tmp_path: Path) -> None:
+    """The rank that raised wrote its node's share of the survivors' snapshot, so its peers (their collectives
+    failed when it left) exited first: srun's first line and the rehearsal's first failed rank named node n1. The
+    offers say who raised (an error that is not a peer's loss) and when."""
+    from hpc_ddp.rundir import jit_files
+    from hpc_ddp.shell.shell_rules import raised_first
+
+    key, nodes = (7, 0, 1), ["n1", "n2"]
+    assert raised_first(tmp_path, key, nodes, 2) == {}  # snapshot.jit off: nobody said
+    where = jit_files.folder(tmp_path, *key)
+    where.mkdir(parents=True)
+    peer = "Connection closed by peer [127.0.0.1]:15011. This is typically caused by a remote worker crashing."
+    (where / "node-0.json").write_text(json.dumps({"node": 0, "offers": [
+        {"rank": 0, "host": "n1", "error": peer, "time": 10.2}, {"rank": 1, "host": "n1", "error": peer}]}))
+    assert raised_first(tmp_path, key, nodes, 2) == {}  # only bystanders: srun's culprits decide
+    (where / "node-1.json").write_text(json.dumps({"node": 1, "offers": [
+        {"rank": 2, "host": "n2", "error": "injected failure on rank 2 at step 5", "time": 10.1},
+        {"rank": 3, "error": "ValueError: later, and of its own", "time": 10.3}]}))
+    assert raised_first(tmp_path, key, nodes, 2) == {
+        "n2": "rank 2 raised first there (injected failure on rank 2 at step 5)"}
+    # the rehearsal's node names differ from the hosts the offers carry: the rank's place decides
+    assert raised_first(tmp_path, key, ["node0", "node1"], 2) == {
+        "node1": "rank 2 raised first there (injected failure on rank 2 at step 5)"}
 
 
 def test_srun_lines_of_the_step_submitit_ran_are_read_back_from_the_shell_log(tmp_path) -> None:
