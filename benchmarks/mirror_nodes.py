@@ -14,8 +14,9 @@ same loop (``benchmarks.training``'s own loop, B2's model) runs at 2 nodes x 2 r
 At each size (256 KB, 8 MB, 64 MB a rank) the variants are interleaved in every round: the loop
 rewriting an untracked buffer of the size at every step (the reference), the same buffer tracked with
 ``per_rank`` (a state that changes: sent whole every step), one of the size that never changes,
-tracked (sent as a header), and the changing one tracked with ``per_rank(..., mirror="derive")`` (never
-sent: the policy for state the loop rebuilds). The cost per MB is what a step gains in milliseconds per MB of per-rank
+tracked (sent as a header), the changing one tracked with ``per_rank(..., mirror="derive")`` (never
+sent: the policy for state the loop rebuilds), and with ``mirror=10`` (copied every step, sent about every
+tenth). The cost per MB is what a step gains in milliseconds per MB of per-rank
 state sent whole, so a user can price their own state: (1 / rate_mirrored - 1 / rate_reference) / MB.
 """
 
@@ -42,10 +43,11 @@ PER_MB_TARGET = 1.5
 PLACES = ("nodes", "loopback")
 
 
-def variants(size: str) -> tuple[str, str, str, str]:
-    """``benchmarks.training``'s variants at ``size``: the reference, changing, unchanged, and the changing one
-    tracked with ``mirror="derive"`` (never sent)."""
-    return f"own_fill{size}", f"own_mirror_fill{size}", f"own_mirror_same{size}", f"own_derive_fill{size}"
+def variants(size: str) -> tuple[str, str, str, str, str]:
+    """``benchmarks.training``'s variants at ``size``: the reference, changing, unchanged, the changing one
+    tracked with ``mirror="derive"`` (never sent), and with ``mirror=10`` (sent about every 10 steps)."""
+    return (f"own_fill{size}", f"own_mirror_fill{size}", f"own_mirror_same{size}", f"own_derive_fill{size}",
+            f"own_every10_fill{size}")
 
 
 def link_bytes(veths: list[str]) -> int:
@@ -101,17 +103,22 @@ def summary(data: dict[str, Any], size: str) -> dict[str, Any]:
     from benchmarks.training import size_of
 
     samples = data["samples"]
-    reference, changing, same, derive = variants(size)
+    reference, changing, same, derive, every10 = variants(size)
     moving, kept = per_round(samples, changing, reference), per_round(samples, same, reference)
     derived = per_round(samples, derive, reference) if derive in samples else None
+    sparse = per_round(samples, every10, reference) if every10 in samples else None
     rates = {k: median(v) for k, v in samples.items()}
     megabytes = size_of(size) / 2**20
     per_mb = (1 / rates[changing] - 1 / rates[reference]) * 1000 / megabytes
     return {"changing_vs_own": round(moving[0], 3), "changing_iqr": moving[1], "same_vs_own": round(kept[0], 3),
             "same_iqr": kept[1], "ms_per_step_per_mb": round(per_mb, 3),
             **({"derive_vs_own": round(derived[0], 3), "derive_iqr": derived[1]} if derived else {}),
+            **({"every10_vs_own": round(sparse[0], 3), "every10_iqr": sparse[1],
+                "every10_ms_per_mb": round((1 / rates[every10] - 1 / rates[reference]) * 1000 / megabytes, 3)}
+               if sparse else {}),
             "steps_per_s": {k: round(v, 3) for k, v in rates.items()},
-            "sent": {"changing": data["mirrored"].get(changing), "same": data["mirrored"].get(same)}}
+            "sent": {"changing": data["mirrored"].get(changing), "same": data["mirrored"].get(same),
+                     **({"every10": data["mirrored"].get(every10)} if sparse else {})}}
 
 
 def b2_mirror_nodes(scratch: Path, rounds: tuple[int, ...], steps: int, environ: dict[str, str],
@@ -152,7 +159,10 @@ def row(s: dict[str, Any]) -> str:
                      f"unchanged {n['same_vs_own']} x (IQR {'-'.join(map(str, n['same_iqr']))}; loopback "
                      f"{lo['same_vs_own']} x)"
                      + (f"; tracked with mirror='derive' {n['derive_vs_own']} x (IQR "
-                        f"{'-'.join(map(str, n['derive_iqr']))})" if "derive_vs_own" in n else ""))
+                        f"{'-'.join(map(str, n['derive_iqr']))})" if "derive_vs_own" in n else "")
+                     + (f"; mirror=10 {n['every10_vs_own']} x (IQR {'-'.join(map(str, n['every10_iqr']))}; "
+                        f"loopback {lo['every10_vs_own']} x), {n['every10_ms_per_mb']} ms a step per MB "
+                        f"(loopback {lo['every10_ms_per_mb']})" if "every10_vs_own" in n else ""))
     ratio = ", ".join(f"{k.upper()}B {v} x" for k, v in s["per_mb_nodes_vs_loopback"].items())
     mark = "-" if s.get("met") is None else "yes" if s["met"] else "**no**"
     return (f"| B2-MIRROR-NODES ({s['geometry']}, {s['steps']} steps a variant; between two machines of the local "

@@ -23,6 +23,8 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   ``per_rank`` so the mirror sends it whole at each boundary: the mirror's cost for a state that changes;
 - ``own_derive_fill<size>``: ``own_mirror_fill<size>`` tracked with ``per_rank(..., mirror="derive")``: never sent
   (what the policy costs a step: nothing, it should read 1.0 x);
+- ``own_every10_fill<size>``: ``own_mirror_fill<size>`` tracked with ``per_rank(..., mirror=10)``: copied at every
+  boundary (a rank's own state stays exact), sent about every tenth (issue 59's cadence);
 - ``own_mirror_same<size>``: a per-rank buffer of that size that never changes, tracked: the mirror compares
   it and sends "unchanged" (a header). At ``256k`` it is read against ``own``; at larger sizes the loop also
   rewrites an untracked buffer of the size, as ``own_fill<size>`` does, and is read against that (the same
@@ -84,7 +86,8 @@ def raw_loop(steps: int, warmup: int, run: Any = None, per_rank: str = "") -> fl
         if per_rank == "counter":
             del seen["x"]
         tracked = bool(what) and extra != "untracked"
-        policy = "derive" if extra == "derive" else "every_step"  # derive: tracked, never mirrored
+        # derive: tracked, never mirrored; every10: sent about every 10 steps
+        policy: str | int = {"derive": "derive", "every10": 10}.get(extra, "every_step")
         done = run.resume(model=model, optimizer=optimizer, **({"seen": mine(seen, mirror=policy)} if tracked else {}))
     for x, y in loader:
         if "steps" in seen:
@@ -150,10 +153,12 @@ def trainer_loop(steps: int, warmup: int, variant: str, every: int) -> float:
 
 def own_state(variant: str) -> str:
     """``raw_loop``'s ``per_rank`` for an ``own...`` variant."""
-    if variant.startswith(("own_fill", "own_mirror_fill", "own_mirror_same", "own_derive_fill")):
+    if variant.startswith(("own_fill", "own_mirror_fill", "own_mirror_same", "own_derive_fill",
+                           "own_every10_fill")):
         what, size = ("same", variant[15:]) if "same" in variant else ("fill", variant.rpartition("fill")[2])
         extra = (":untracked" if variant.startswith("own_fill") else ":derive" if "derive" in variant
-                 else ":fill" if what == "same" and size != "256k" else "")
+                 else ":every10" if "every10" in variant else ":fill" if what == "same" and size != "256k"
+                 else "")
         return f"{what}:{size}{extra}"
     return {"own": "", "own_mirror": "batch", "own_mirror_counter": "counter"}[variant]
 

@@ -156,10 +156,12 @@ def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int,
         if isinstance(record, dict) and record.get("attempt") == where.name:
             writer = record.get("writer")
             committer = record.get("committer")  # with per_rank state: whoever completed the set
+            stale = record.get("per_rank_stale")  # rank -> the older step of its state (mirror=N)
             return {"jit_snapshot": {"step": step, "writer": writer, "host": record.get("host"),
                                      "took_s": record.get("took_s"),
                                      **({"committer": committer}
-                                        if committer not in (None, writer) else {})}}
+                                        if committer not in (None, writer) else {}),
+                                     **({"per_rank_stale": stale} if stale else {})}}
     try:
         said = jit_offers.listed(where)
     except OSError:

@@ -318,7 +318,7 @@ def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
             kept_right.append([(step, exact(step, body)) for step, _, body in self._ward_bodies()])
             return into
 
-    mirror = Counted(rank, 1, 2, group).start()
+    mirror = Counted(rank, 1, 2, group, 5 if scenario == "every5" else 1).start()
     for step in range(1, 13):
         mirror.mark(step, scenario_state(scenario, rank, step))
         assert mirror.wait_sent(step, 10)
@@ -326,7 +326,8 @@ def _exchange(environ: dict[str, str], scenario: str, out: Any) -> None:
     mirror.close()
     held = {r: [(s, same_leaves(unpack(b), scenario_state(scenario, r, s))) for s, b in states.items()]
             for r, states in mirror.held().items()}
-    out.put((rank, wire, dict(mirror.sent_kinds), mirror.refused, mirror.allocated, kept_right, held))
+    kinds = {**mirror.sent_kinds, **({"stale": mirror.stale} if scenario == "every5" else {})}
+    out.put((rank, wire, kinds, mirror.refused, mirror.allocated, kept_right, held))
     dist.destroy_process_group()
 
 
@@ -378,6 +379,18 @@ def test_the_last_two_states_are_held_exactly_whatever_messages_brought_them(sce
         assert refused == 0 and allocated <= 3
         assert newest_two(kept) == [[1]] + [[s, s - 1] for s in range(2, 13)] and all_exact(kept), kept
         assert held == {rank: [(12, True), (11, True)], 1 - rank: [(12, True), (11, True)]}
+
+
+def test_a_cadence_sends_a_state_every_n_steps_and_held_says_which_step_stands_in() -> None:
+    """``per_rank(..., mirror=5)``: the sender sends the first state, then each one at least 5 steps newer than
+    the buddy's (steps 1, 6 and 11 of 12); the others are packed (a rank's own stay exact) but never leave it.
+    After a failure ``held`` gives the ward's state of step 11 for this rank's own step 12, and ``stale`` says
+    so (the commit puts it in the ledger)."""
+    for rank, wire, kinds, refused, allocated, kept, held in spawn_ranks(_exchange, 1, 2, "every5", timeout=60):
+        assert sorted({step for step, _ in wire if step > 0}) == [1, 6, 11], wire  # -2 and -1: GROW and END
+        assert newest_two(kept) == [[1], [6, 1], [11, 6]] and all_exact(kept), kept
+        assert held == {rank: [(12, True), (11, True)], 1 - rank: [(12, False), (11, True), (6, True)]}, held
+        assert kinds["stale"] == {12: 11} and refused == 0
 
 
 def test_a_dropped_message_never_leaves_a_wrong_state_and_a_whole_one_mends_it() -> None:

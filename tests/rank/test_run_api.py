@@ -3,6 +3,8 @@ and the run object's rules (no process group needed: no checkpointer, no stop fl
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -155,6 +157,20 @@ def test_per_rank_takes_a_mirror_policy_and_derive_is_never_sent() -> None:
         hpc_ddp.per_rank({}, mirror="derived")
     objects = {"batch": hpc_ddp.per_rank({}, mirror="derive"), "counter": hpc_ddp.per_rank({"n": 1})}
     assert objects["counter"].mirror == "every_step" and list(mirrored(objects)) == ["counter"]
+
+
+def test_per_rank_takes_a_cadence_and_a_ranks_objects_travel_at_the_smallest() -> None:
+    """``mirror=N`` sends an object about every N steps; a rank's kept objects go together, at the smallest
+    cadence ("every_step" is 1); a cadence below 1, or a bool, is refused with what it takes."""
+    import hpc_ddp
+    from hpc_ddp.rank.state.tracked import cadence
+
+    for bad, says in ((0, "a cadence of 1 step or more"), (True, "or a number of steps (mirror=10)")):
+        with pytest.raises(RunUsageError, match=re.escape(says)):
+            hpc_ddp.per_rank({}, mirror=bad)
+    every = {"batch": hpc_ddp.per_rank({}, mirror=50), "rng": hpc_ddp.per_rank({}, mirror=10)}
+    assert cadence(every) == 10 and cadence({**every, "n": hpc_ddp.per_rank({})}) == 1
+    assert cadence({"batch": hpc_ddp.per_rank({}, mirror="derive")}) == 0 and cadence({}) == 0
 
 
 def test_a_derive_object_missing_from_a_snapshot_keeps_the_value_the_loop_built(tmp_path) -> None:

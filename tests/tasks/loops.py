@@ -423,3 +423,36 @@ def rank0_only_eval_with_ddp(run: Any) -> None:
         if run.boundary(step):
             return
         time.sleep(0.05)
+
+
+def cadenced_counter(run: Any) -> None:
+    """A per-rank counter of the steps taken, tracked with ``per_rank(counters, mirror=100)``: its buddy gets it
+    about every 100 steps (the first boundary's, then none in a 30-step run). After a survivors' snapshot a lost
+    rank's count is of the step its buddy last got, the others' exact; the batches come from (seed, rank, step),
+    so the losses are those of a run never stopped. DONE.json gets every rank's count."""
+    import hpc_ddp
+    import torch.distributed as dist
+    from torch.nn import functional as F
+
+    cfg = run.config.train
+    torch.manual_seed(cfg.seed)
+    model = torch.nn.parallel.DistributedDataParallel(_Net())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    counters = {"steps": 0}
+    step = run.resume(model=model, optimizer=optimizer, counters=hpc_ddp.per_rank(counters, mirror=100))
+    while step < cfg.max_steps:
+        inject(run.rank, step + 1, run)
+        drawn = torch.Generator().manual_seed(((cfg.seed * 65_536 + run.rank) << 32) + step)
+        x = torch.randn(cfg.batch_size, 16, generator=drawn)
+        loss = F.mse_loss(model(x), x.sum(1, keepdim=True).sin())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        counters["steps"] += 1
+        run.log_metrics(step, loss=loss.detach())
+        if run.boundary(step):
+            return
+    every: list[Any] = [None] * run.world_size
+    dist.all_gather_object(every, counters["steps"])
+    run.finish(per_rank=every)

@@ -121,7 +121,8 @@ def complete(run: Survivor, folder: Path) -> str:
         if not jit_claims.claim_commit(folder, step):
             return _claimed_elsewhere(folder, step)
         try:
-            return _commit(run, folder, writers, sources, holders, states)
+            return _commit(run, folder, writers, sources, holders, states,
+                           _stale(offers, holders, step))
         except BaseException as err:
             # the claim says so: nobody reads "step S" wrongly
             jit_claims.commit_failed(folder, f"failed: {err!r}")
@@ -171,6 +172,16 @@ def _holders(offers: list[dict[str, Any]], step: int) -> dict[int, int]:
     return holders
 
 
+def _stale(offers: list[dict[str, Any]], holders: dict[int, int], step: int) -> dict[int, int]:
+    """rank -> the older step whose per-rank state its holder gives for ``step`` (a buddy that gets
+    it every N steps: ``per_rank(..., mirror=N)``); only the ranks whose state is not of
+    ``step``."""
+    said = {o["rank"]: o.get("stale") or {} for o in offers}
+    older = {rank: (said.get(holder) or {}).get(str(rank), {}).get(str(step))
+             for rank, holder in holders.items()}
+    return {rank: int(s) for rank, s in older.items() if isinstance(s, int)}
+
+
 def _unwritten(writers: list[dict[str, Any]], step: int) -> str | None:
     """Why the state files of ``step`` are not a whole state yet: a slice nobody wrote (its node and
     the next were lost, or they still write), or writers that cut the state differently; None when
@@ -206,9 +217,10 @@ def _per_rank_states(folder: Path, holders: dict[int, int], node_of: dict[int, i
 
 def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]],
             sources: list[dict[str, Any]],
-            holders: dict[int, int], states: dict[int, bytes]) -> str:
+            holders: dict[int, int], states: dict[int, bytes], stale: dict[int, int]) -> str:
     """The manifest of the writers' state files (and of every rank's per-rank state, put together in
-    one more file): the snapshot is committed."""
+    one more file): the snapshot is committed. ``stale``: the ranks whose per-rank state is of an
+    older step (said in the ledger, and warned)."""
     env, ckpt, writer = run.env, run.checkpointer, writers[0]
     step = writer["written"]["step"]
     directory = snapshot.step_dir(run.run_dir, step)
@@ -230,13 +242,20 @@ def _commit(run: Survivor, folder: Path, writers: list[dict[str, Any]],
               "after": writer["error"], "nodes": max(1, env.num_nodes),
               **({"committer": env.rank,
                   "per_rank_from": {str(r): h for r, h in sorted(holders.items())}}
-                 if holders else {})}
+                 if holders else {}),
+              **({"per_rank_stale": {str(r): s for r, s in sorted(stale.items())}}
+                 if stale else {})}
     snapshot.commit(directory, step, entries, env.world_size, ckpt.config_hash if ckpt else "",
                     ckpt.config if ckpt else None, split=writer["written"]["layout"],
                     refuses_resize=ckpt.refuses_resize if ckpt else None, extra={"jit": record})
     log.warning("just-in-time snapshot of step %d committed in %s (%.2f s after the failure): the "
                 "run resumes "
                 "from it", step, directory, took)
+    if stale:
+        log.warning("in it, the per_rank state of %s is older than step %d (per_rank(..., "
+                    "mirror=N) sends it every N steps): the run resumes from it, not exactly as "
+                    "if uninterrupted", ", ".join(f"rank {r} of step {s}" for r, s in
+                                                  sorted(stale.items())), step)
     return f"committed step {step}"
 
 

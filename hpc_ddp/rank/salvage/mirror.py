@@ -96,12 +96,27 @@ def open_for(run: Survivor) -> Mirror | None:
     than one rank), else None. Every rank decides alike (the group is made by all or by none)."""
     if run.held is None or run.world_size == 1:
         return None
-    if not control.to_main_and_back(bool(tracked.mirrored(run.per_rank)), merge=any):
+    # the smallest cadence any rank keeps (0: none keeps any): every rank sends alike
+    every = control.to_main_and_back(tracked.cadence(run.per_rank),
+                                     merge=lambda all_: min((c for c in all_ if c), default=0))
+    if not every:
         return None
     # each rank connects to its buddy and its ward only, on the first message
     with control.lazily():
         group = new_group()
-    return Mirror(run.rank, run.local_world_size, run.world_size, group).start()
+    return Mirror(run.rank, run.local_world_size, run.world_size, group, every).start()
+
+
+def covered(ward: dict[int, bytes], steps: list[int], every: int) -> dict[int, int]:
+    """With a cadence of ``every`` steps, the ward's state this rank can give at each of its own
+    ``steps`` it holds no copy of: the newest it holds of an earlier step, at most ``2 every - 1``
+    steps older (one send may still have been on its way): {step: the held step}."""
+    found = {}
+    for step in steps:
+        older = [held for held in ward if held <= step]
+        if step not in ward and older and step - max(older) < 2 * every:
+            found[step] = max(older)
+    return found
 
 
 class Mirror(Sender, Receiver):
@@ -111,8 +126,10 @@ class Mirror(Sender, Receiver):
     thread of its own."""
 
     def __init__(self, rank: int, local_world_size: int, world_size: int,
-                 group: dist.ProcessGroup) -> None:
-        self.rank, self.group = rank, group
+                 group: dist.ProcessGroup, every: int = 1) -> None:
+        self.rank, self.group, self.every = rank, group, max(1, every)
+        # after ``held``: the ward's states it gave at a step they are not of ({step: their step})
+        self.stale: dict[int, int] = {}
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
         # why the receiver or the sender stopped before the end (a peer died)
@@ -155,6 +172,10 @@ class Mirror(Sender, Receiver):
                 if not packed or packed[-1][0] is not got:
                     packed.append((got, got if isinstance(got, bytes) else tracked.pack(got)))
                 held.setdefault(rank, {})[step] = packed[-1][1]
+        if self.every > 1 and self.ward != self.rank:
+            self.stale = covered(held.get(self.ward, {}), [step for step, _ in mine], self.every)
+            given = {**held[self.ward], **{s: held[self.ward][o] for s, o in self.stale.items()}}
+            held[self.ward] = dict(sorted(given.items(), reverse=True))  # newest first
         return held
 
     def close(self) -> None:

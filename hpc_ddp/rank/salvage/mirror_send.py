@@ -61,6 +61,8 @@ class Sender:
 
     buddy: int
     group: dist.ProcessGroup
+    # send a state when it is this many steps newer than the buddy's (per_rank's mirror=N)
+    every = 1
     _lock: threading.Lock  # the sender's buffers and slots; the kept state while ``held`` copies it
     broken: str | None  # why the receiver or the sender stopped before the end (a peer died)
 
@@ -87,6 +89,7 @@ class Sender:
         self.posted = -1  # the newest step the sender thread posted
         # the newest step whose send completed (gloo wrote it out: a SIGKILL no longer loses it)
         self.sent = -1
+        self.passed = -1  # the newest step not sent because the buddy's was new enough (``every``)
         self._posted_changed = threading.Condition()
 
     def mark(self, step: int, state: bytes | dict[str, Any]) -> None:
@@ -114,7 +117,7 @@ class Sender:
         never reached its buddy (it held step 21)."""
         with self._posted_changed:
             return self._posted_changed.wait_for(
-                lambda: self.sent >= step or self.broken is not None, timeout)
+                lambda: max(self.sent, self.passed) >= step or self.broken is not None, timeout)
 
     def own_bytes(self, step: int) -> bytes | None:
         """This rank's packed state of ``step`` when its last boundary or the one before was that
@@ -230,6 +233,9 @@ class Sender:
                 packed, self._next = self._next, None
             if packed is None:
                 return
+            if not self._due(packed):
+                self._pass(packed)
+                continue
             try:
                 for event in packed.ready or ():
                     # the copies from the GPU are in the buffer (waits here, GIL released)
@@ -249,6 +255,20 @@ class Sender:
                 if self._base is not None:
                     self._free.append(self._base)
                 self._base = packed
+
+    def _due(self, packed: Packed) -> bool:
+        """Whether the buddy needs ``packed``: always at a cadence of 1; at ``every`` N, when it is
+        at least N steps newer than the state the buddy holds (or the buddy holds none yet)."""
+        return self.every <= 1 or self._base is None or packed.step - self._base.step >= self.every
+
+    def _pass(self, packed: Packed) -> None:
+        """A state the buddy does not need: not sent, its buffer free again (never while it is this
+        rank's last state or the one before: ``_take`` skips those)."""
+        with self._posted_changed:
+            self.passed = max(self.passed, packed.step)
+            self._posted_changed.notify_all()
+        with self._lock:
+            self._free.append(packed)
 
     def _own_bodies(self) -> list[tuple[int, int, torch.Tensor]]:
         """This rank's last state and the one before: (step, kind, body), newest first (under the

@@ -26,6 +26,9 @@ class Mirrored(Protocol):
     its fields so that mirror.py, which takes a :class:`Survivor`, is not imported back)."""
 
     broken: str | None  # why the exchange stopped before the end (a peer died)
+    ward: int  # whose state this rank keeps
+    # after ``held``: the ward's states given at a later step than theirs (mirror=N): {step: theirs}
+    stale: dict[int, int]
 
     def held(self) -> dict[int, dict[int, bytes]]: ...  # {rank: {step: packed state}}, newest first
 

@@ -119,6 +119,13 @@ def load_per_rank(run: Resuming, blob: bytes | None, restored: Restored) -> None
         run.advice.add([f"the snapshot of step {restored.step} holds no {', '.join(rebuilt)} "
                         "(per_rank(..., mirror='derive')): each rank keeps the value its loop "
                         "rebuilt, exact where that rebuild is (from the data position and seeds)"])
+    # a survivors' snapshot with a lost rank's copy from a buddy that got it late
+    if restored.stale:
+        run.advice.add([f"the survivors' snapshot of step {restored.step} holds the per-rank state "
+                        "of " + ", ".join(f"rank {r} as of step {s}" for r, s in
+                                          sorted(restored.stale.items(), key=lambda i: int(i[0])))
+                        + " (per_rank(..., mirror=N) sends it every N steps): the run goes on "
+                          "from it, not exactly as one never stopped"])
     first = control.to_main_and_back(problem,
                                      merge=lambda problems: next((p for p in problems if p), None))
     if first and restored.world_size not in (None, run.world_size):  # refused at another world size

@@ -41,6 +41,8 @@ class Restored:
     world_size: int | None = None  # the world size that wrote it
     # on rank 0: bytes read from snapshot files (total, busiest node, state)
     read: dict[str, Any] | None = None
+    # a survivors' snapshot: the ranks whose per-rank state is of an older step (per_rank mirror=N)
+    stale: dict[str, int] | None = None
 
 
 def auto_load(local: bool, nodes: int, replicas: int) -> str:
@@ -121,8 +123,10 @@ def restore(run_dir: Path, env: DistEnv, groups: Callable[[], spread.Groups], *,
     summary = _read_summary(read_by, spread.state_bytes(state)) if read_by is not None else None
     written_by = choice.manifest.get("world_size")
     log.info("resuming from the snapshot of step %d in %s", choice.step, choice.directory)
+    jit = choice.manifest.get("jit")
     return Restored(choice.step, state, rng, choice.manifest.get("config"),
-                    written_by if isinstance(written_by, int) else None, summary)
+                    written_by if isinstance(written_by, int) else None, summary,
+                    jit.get("per_rank_stale") if isinstance(jit, dict) else None)
 
 
 def verify_spread(env: DistEnv, directory: Path, manifest: dict[str, Any]) -> dict[str, str | None]:

@@ -64,10 +64,10 @@ class PerRank:
 
     obj: Any  # the user's object: a dict, a torch.Generator, or anything with state_dict()
     elastic: str = "refuse"
-    mirror: str = "every_step"
+    mirror: str | int = "every_step"  # or N: sent every N steps
 
 
-def per_rank(obj: object, elastic: str = "refuse", mirror: str = "every_step") -> PerRank:
+def per_rank(obj: object, elastic: str = "refuse", mirror: str | int = "every_step") -> PerRank:
     """Mark ``obj`` for ``run.resume`` as per-rank state: saved and restored per rank, like the RNG.
 
     ``obj``: a dict (of tensors, numbers, strings, lists; restored in place), a
@@ -82,7 +82,12 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str = "every_step") -
     every snapshot taken at a boundary still holds it, but a survivors' snapshot does not, and after
     one every rank keeps the value its loop builds when it resumes. Choose it for state the loop
     rebuilds from what the snapshot holds (a batch prefetched from the sampler's position with the
-    step's seeds): exact when the rebuild is, and free per step.
+    step's seeds): exact when the rebuild is, and free per step. An int ``N`` sends it when it is
+    at least N steps newer than what the buddy holds (about every N steps): a survivors' snapshot
+    then holds a lost rank's copy from up to 2 N - 1 steps back, not exact, and the ledger's
+    ``jit_snapshot.per_rank_stale`` names each such rank and its step (docs/faults.md). A rank's
+    mirrored objects travel together, so the mirror sends at the smallest cadence among them
+    (``"every_step"`` is 1), agreed by every rank.
     """
     if elastic not in ELASTIC:
         raise RunUsageError(explain(f"hpc_ddp.per_rank(..., elastic={elastic!r})",
@@ -90,14 +95,22 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str = "every_step") -
             repr(e) for e in ELASTIC), hint="'refuse' stops a resume at another world size; "
                                             "'fresh' keeps the "
             "value built in that attempt"))
-    if mirror not in MIRROR:
+    if isinstance(mirror, int) and not isinstance(mirror, bool):
+        if mirror < 1:
+            raise RunUsageError(explain(f"hpc_ddp.per_rank(..., mirror={mirror})",
+                                        expected="a cadence of 1 step or more",
+                                        hint="mirror=10 sends the object about every 10 steps; "
+                                             "mirror='derive' never sends it"))
+    elif mirror not in MIRROR:
         near = difflib.get_close_matches(str(mirror), MIRROR, n=1)
         raise RunUsageError(explain(f"hpc_ddp.per_rank(..., mirror={mirror!r})",
-                                    expected=" or ".join(repr(m) for m in MIRROR),
+                                    expected=" or ".join(repr(m) for m in MIRROR)
+                                    + " or a number of steps (mirror=10)",
                                     hint=(f"did you mean mirror={near[0]!r}? " if near else "")
                                     + "'every_step' sends the object to a buddy at every boundary "
                                       "(exact after a survivors' snapshot); 'derive' never sends "
-                                      "it and keeps what the loop rebuilds after one"))
+                                      "it and keeps what the loop rebuilds after one; an int N "
+                                      "sends it every N steps (a lost rank's copy may be older)"))
     if isinstance(obj, DistributedDataParallel):
         raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
                                     "same on every rank",
@@ -116,6 +129,13 @@ def mirrored(objects: Mapping[str, PerRank]) -> dict[str, PerRank]:
     """The per_rank objects a buddy keeps (all but ``mirror="derive"``'s): what a survivors'
     snapshot needs of every rank."""
     return {name: p for name, p in objects.items() if p.mirror != "derive"}
+
+
+def cadence(objects: Mapping[str, PerRank]) -> int:
+    """How often the mirror sends this rank's kept objects (they travel together): the smallest
+    cadence among them, 1 for ``"every_step"``; 0 when none is kept (all ``"derive"``)."""
+    return min((1 if p.mirror == "every_step" else int(p.mirror)
+                for p in mirrored(objects).values()), default=0)
 
 
 def _has_state_dict(obj: object) -> bool:
