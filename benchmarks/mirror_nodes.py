@@ -15,8 +15,8 @@ At each size (256 KB, 8 MB, 64 MB a rank) the variants are interleaved in every 
 rewriting an untracked buffer of the size at every step (the reference), the same buffer tracked with
 ``per_rank`` (a state that changes: sent whole every step), one of the size that never changes,
 tracked (sent as a header), the changing one tracked with ``per_rank(..., mirror="derive")`` (never
-sent: the policy for state the loop rebuilds), and with ``mirror=10`` (copied every step, sent about every
-tenth). The cost per MB is what a step gains in milliseconds per MB of per-rank
+sent: the policy for state the loop rebuilds), and with ``mirror=10`` (copied and sent at about every
+tenth boundary). The cost per MB is what a step gains in milliseconds per MB of per-rank
 state sent whole, so a user can price their own state: (1 / rate_mirrored - 1 / rate_reference) / MB.
 """
 

@@ -23,8 +23,8 @@ trainer variants use the same model, data, per-rank batch and optimizer:
   ``per_rank`` so the mirror sends it whole at each boundary: the mirror's cost for a state that changes;
 - ``own_derive_fill<size>``: ``own_mirror_fill<size>`` tracked with ``per_rank(..., mirror="derive")``: never sent
   (what the policy costs a step: nothing, it should read 1.0 x);
-- ``own_every10_fill<size>``: ``own_mirror_fill<size>`` tracked with ``per_rank(..., mirror=10)``: copied at every
-  boundary (a rank's own state stays exact), sent about every tenth (issue 59's cadence);
+- ``own_every10_fill<size>``: ``own_mirror_fill<size>`` tracked with ``per_rank(..., mirror=10)``: copied and sent
+  at about every tenth boundary, the others copy nothing (issue 59's cadence);
 - ``own_mirror_same<size>``: a per-rank buffer of that size that never changes, tracked: the mirror compares
   it and sends "unchanged" (a header). At ``256k`` it is read against ``own``; at larger sizes the loop also
   rewrites an untracked buffer of the size, as ``own_fill<size>`` does, and is read against that (the same

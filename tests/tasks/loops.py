@@ -426,10 +426,10 @@ def rank0_only_eval_with_ddp(run: Any) -> None:
 
 
 def cadenced_counter(run: Any) -> None:
-    """A per-rank counter of the steps taken, tracked with ``per_rank(counters, mirror=100)``: its buddy gets it
-    about every 100 steps (the first boundary's, then none in a 30-step run). After a survivors' snapshot a lost
-    rank's count is of the step its buddy last got, the others' exact; the batches come from (seed, rank, step),
-    so the losses are those of a run never stopped. DONE.json gets every rank's count."""
+    """A per-rank counter of the steps taken, tracked with ``per_rank(counters, mirror=100)``: packed and sent to
+    its buddy about every 100 steps (the resume's boundary, then none in a 30-step run). After a survivors'
+    snapshot every rank's count is of the step it was last packed; the batches come from (seed, rank, step), so
+    the losses are those of a run never stopped. DONE.json gets every rank's count."""
     import hpc_ddp
     import torch.distributed as dist
     from torch.nn import functional as F

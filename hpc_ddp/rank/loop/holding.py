@@ -63,7 +63,9 @@ def mark(run: Holding, step: int) -> None:
     state to the buddy; then rank 0's buffers to every rank (rank/salvage/held.py: a survivors'
     snapshot holds them, rank 0 lost or not). Only where ``run.held`` is set."""
     run.held.mark(step)
-    if run.mirror is not None:
+    if run.mirror is not None and run.mirror.due(step):
         run.mirror.mark(step, per_rank_state(run, cuda=True, kept=True))
+    elif run.mirror is not None:  # per_rank(..., mirror=N): nothing copied at this boundary
+        run.mirror.skip(step)
     if run.broadcasts_buffers and all([sync_buffers(obj) for obj in run.broadcasts_buffers]):
         run.held.synced()

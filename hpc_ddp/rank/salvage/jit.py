@@ -203,15 +203,16 @@ def _said_by_writer(post: jit_files.Post, offer: dict[str, Any], step: int) -> d
 
 def _with_blobs(mirror: Any, post: jit_files.Post, offer: dict[str, Any]) -> None:
     """The per-rank states this rank holds (its own and its ward's) on its node, named in its
-    offer: ``{rank: [steps], newest first}``; with a cadence (``per_rank(..., mirror=N)``) the
-    ward's older state stands for this rank's own steps too, and ``stale`` says so (``{rank: {step:
-    the state's step}}``: the commit names it in the ledger)."""
+    offer: ``{rank: [steps], newest first}``; with a cadence (``per_rank(..., mirror=N)``) a
+    state packed at an earlier boundary stands for this rank's last boundaries, and ``stale`` says
+    so (``{rank: {step: the state's step}}``: the commit names it in the ledger)."""
     blobs = mirror.held()
     jit_files.write_blobs(post, blobs)
     offer["blobs"] = {str(r): list(states) for r, states in blobs.items()}
     stale = getattr(mirror, "stale", None)
     if stale:
-        offer["stale"] = {str(mirror.ward): {str(step): older for step, older in stale.items()}}
+        offer["stale"] = {str(r): {str(s): older for s, older in given.items()}
+                          for r, given in stale.items()}
     if mirror.broken is not None:
         offer["mirror_broken"] = mirror.broken
 

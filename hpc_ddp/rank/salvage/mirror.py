@@ -37,6 +37,12 @@ whose buddy this rank is) of its last two boundaries (of its last two messages, 
 skipped state is not held), and :meth:`Mirror.held` gives them all: ``{rank: {step: packed
 state}}``, newest first.
 
+**A cadence** (``per_rank(..., mirror=N)``, issue 59): a boundary copies and sends the state only
+when it is N steps past the last one that did
+(:meth:`~hpc_ddp.rank.salvage.mirror_send.Sender.due`); the copy is most of what the mirror costs.
+After a failure the last state copied stands for the boundaries since, and ``stale`` says which (the
+ledger names them).
+
 Both sides use a gloo group of their own, so no collective of the training waits behind them, and a
 buddy that dies or freezes stalls only these threads (gloo cannot abort a transfer: pytorch#130345).
 """
@@ -107,14 +113,15 @@ def open_for(run: Survivor) -> Mirror | None:
     return Mirror(run.rank, run.local_world_size, run.world_size, group, every).start()
 
 
-def covered(ward: dict[int, bytes], steps: list[int], every: int) -> dict[int, int]:
-    """With a cadence of ``every`` steps, the ward's state this rank can give at each of its own
-    ``steps`` it holds no copy of: the newest it holds of an earlier step, at most ``2 every - 1``
-    steps older (one send may still have been on its way): {step: the held step}."""
+def covered(states: dict[int, bytes], steps: list[int], every: int) -> dict[int, int]:
+    """With a cadence of ``every`` steps, the state a rank's ``states`` ({step: packed}) can give
+    at each of this rank's last boundaries (``steps``) they hold no copy of: the newest of an
+    earlier step, at most ``2 every - 1`` steps older (the ward's next send may have been on its
+    way): {step: the held step}."""
     found = {}
     for step in steps:
-        older = [held for held in ward if held <= step]
-        if step not in ward and older and step - max(older) < 2 * every:
+        older = [held for held in states if held <= step]
+        if step not in states and older and step - max(older) < 2 * every:
             found[step] = max(older)
     return found
 
@@ -128,8 +135,8 @@ class Mirror(Sender, Receiver):
     def __init__(self, rank: int, local_world_size: int, world_size: int,
                  group: dist.ProcessGroup, every: int = 1) -> None:
         self.rank, self.group, self.every = rank, group, max(1, every)
-        # after ``held``: the ward's states it gave at a step they are not of ({step: their step})
-        self.stale: dict[int, int] = {}
+        # after ``held``: the states it gave at a step they are not of ({rank: {step: their step}})
+        self.stale: dict[int, dict[int, int]] = {}
         self.buddy = buddy_of(rank, local_world_size, world_size)
         self.ward = ward_of(rank, local_world_size, world_size)
         # why the receiver or the sender stopped before the end (a peer died)
@@ -172,10 +179,12 @@ class Mirror(Sender, Receiver):
                 if not packed or packed[-1][0] is not got:
                     packed.append((got, got if isinstance(got, bytes) else tracked.pack(got)))
                 held.setdefault(rank, {})[step] = packed[-1][1]
-        if self.every > 1 and self.ward != self.rank:
-            self.stale = covered(held.get(self.ward, {}), [step for step, _ in mine], self.every)
-            given = {**held[self.ward], **{s: held[self.ward][o] for s, o in self.stale.items()}}
-            held[self.ward] = dict(sorted(given.items(), reverse=True))  # newest first
+        if self.every > 1:  # a boundary that packed nothing: the last packed state stands for it
+            self.stale = {r: c for r, states in held.items()
+                          if (c := covered(states, self.boundaries, self.every))}
+            for rank, given in self.stale.items():
+                got = {**held[rank], **{s: held[rank][older] for s, older in given.items()}}
+                held[rank] = dict(sorted(got.items(), reverse=True))  # newest first
         return held
 
     def close(self) -> None:

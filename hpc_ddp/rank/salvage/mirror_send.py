@@ -61,7 +61,7 @@ class Sender:
 
     buddy: int
     group: dist.ProcessGroup
-    # send a state when it is this many steps newer than the buddy's (per_rank's mirror=N)
+    # pack and send a state when it is this many steps newer than the last (per_rank's mirror=N)
     every = 1
     _lock: threading.Lock  # the sender's buffers and slots; the kept state while ``held`` copies it
     broken: str | None  # why the receiver or the sender stopped before the end (a peer died)
@@ -89,8 +89,26 @@ class Sender:
         self.posted = -1  # the newest step the sender thread posted
         # the newest step whose send completed (gloo wrote it out: a SIGKILL no longer loses it)
         self.sent = -1
-        self.passed = -1  # the newest step not sent because the buddy's was new enough (``every``)
+        # the newest boundary not packed (``every``: the last state packed is recent enough)
+        self.passed = -1
+        # this rank's last two boundaries, packed or not, newest last
+        self.boundaries: list[int] = []
         self._posted_changed = threading.Condition()
+
+    def due(self, step: int) -> bool:
+        """Whether the boundary of ``step`` packs and sends this rank's state: always at a cadence
+        of 1; at ``every`` N, when it is at least N steps newer than the last state packed (or none
+        is). A boundary that does not (:meth:`skip`) copies nothing: with ``mirror=N`` the copy, not
+        the link, is what the mirror costs (B2-MIRROR-NODES)."""
+        return self.every <= 1 or self.own is None or step - self.own.step >= self.every
+
+    def skip(self, step: int) -> None:
+        """A boundary that is not :meth:`due` (training thread): its state stays with the loop; this
+        rank's last packed state, and its buddy's copy, stand for it after a failure, older."""
+        self.boundaries = [*self.boundaries[-1:], step]
+        with self._posted_changed:
+            self.passed = max(self.passed, step)
+            self._posted_changed.notify_all()
 
     def mark(self, step: int, state: bytes | dict[str, Any]) -> None:
         """At a boundary (training thread): this step's per-rank state (bytes, or a state as
@@ -100,6 +118,7 @@ class Sender:
         as a delta, or as "unchanged"); it replaces a state still waiting for the sender thread.
         Never waits."""
         packed = self._pack(step, state)
+        self.boundaries = [*self.boundaries[-1:], step]
         with self._lock:
             if self._next is not None:
                 self.skipped += 1
@@ -233,9 +252,6 @@ class Sender:
                 packed, self._next = self._next, None
             if packed is None:
                 return
-            if not self._due(packed):
-                self._pass(packed)
-                continue
             try:
                 for event in packed.ready or ():
                     # the copies from the GPU are in the buffer (waits here, GIL released)
@@ -255,20 +271,6 @@ class Sender:
                 if self._base is not None:
                     self._free.append(self._base)
                 self._base = packed
-
-    def _due(self, packed: Packed) -> bool:
-        """Whether the buddy needs ``packed``: always at a cadence of 1; at ``every`` N, when it is
-        at least N steps newer than the state the buddy holds (or the buddy holds none yet)."""
-        return self.every <= 1 or self._base is None or packed.step - self._base.step >= self.every
-
-    def _pass(self, packed: Packed) -> None:
-        """A state the buddy does not need: not sent, its buffer free again (never while it is this
-        rank's last state or the one before: ``_take`` skips those)."""
-        with self._posted_changed:
-            self.passed = max(self.passed, packed.step)
-            self._posted_changed.notify_all()
-        with self._lock:
-            self._free.append(packed)
 
     def _own_bodies(self) -> list[tuple[int, int, torch.Tensor]]:
         """This rank's last state and the one before: (step, kind, body), newest first (under the

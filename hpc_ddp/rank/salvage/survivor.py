@@ -27,8 +27,8 @@ class Mirrored(Protocol):
 
     broken: str | None  # why the exchange stopped before the end (a peer died)
     ward: int  # whose state this rank keeps
-    # after ``held``: the ward's states given at a later step than theirs (mirror=N): {step: theirs}
-    stale: dict[int, int]
+    # after ``held``: states given at a later step than theirs (mirror=N): {rank: {step: theirs}}
+    stale: dict[int, dict[int, int]]
 
     def held(self) -> dict[int, dict[int, bytes]]: ...  # {rank: {step: packed state}}, newest first
 

@@ -82,12 +82,14 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str | int = "every_st
     every snapshot taken at a boundary still holds it, but a survivors' snapshot does not, and after
     one every rank keeps the value its loop builds when it resumes. Choose it for state the loop
     rebuilds from what the snapshot holds (a batch prefetched from the sampler's position with the
-    step's seeds): exact when the rebuild is, and free per step. An int ``N`` sends it when it is
-    at least N steps newer than what the buddy holds (about every N steps): a survivors' snapshot
-    then holds a lost rank's copy from up to 2 N - 1 steps back, not exact, and the ledger's
-    ``jit_snapshot.per_rank_stale`` names each such rank and its step (docs/faults.md). A rank's
-    mirrored objects travel together, so the mirror sends at the smallest cadence among them
-    (``"every_step"`` is 1), agreed by every rank.
+    step's seeds): exact when the rebuild is, and free per step. An int ``N`` copies and sends it
+    at a boundary only when it is at least N steps past the last one that did (about every N
+    steps; the copy is most of what the mirror costs): a survivors' snapshot then holds each rank's
+    copy from that boundary, up to N - 1 steps back (a lost rank's up to 2 N - 1), not exact, and
+    the ledger's ``jit_snapshot.per_rank_stale`` names each rank and its step (docs/faults.md).
+    Snapshots at a boundary (periodic, a stop's) hold it as it is. A rank's mirrored objects travel
+    together, so the mirror goes at the smallest cadence among them (``"every_step"`` is 1), agreed
+    by every rank.
     """
     if elastic not in ELASTIC:
         raise RunUsageError(explain(f"hpc_ddp.per_rank(..., elastic={elastic!r})",
