@@ -168,6 +168,8 @@ def test_per_rank_takes_a_cadence_and_a_ranks_objects_travel_at_the_smallest() -
     for bad, says in ((0, "a cadence of 1 step or more"), (True, "or a number of steps (mirror=10)")):
         with pytest.raises(RunUsageError, match=re.escape(says)):
             hpc_ddp.per_rank({}, mirror=bad)
+    with pytest.raises(RunUsageError, match=re.escape("did you mean mirror=10 (a number, not a string)?")):
+        hpc_ddp.per_rank({}, mirror="10")  # from a config file or the command line, unconverted
     every = {"batch": hpc_ddp.per_rank({}, mirror=50), "rng": hpc_ddp.per_rank({}, mirror=10)}
     assert cadence(every) == 10 and cadence({**every, "n": hpc_ddp.per_rank({})}) == 1
     assert cadence({"batch": hpc_ddp.per_rank({}, mirror="derive")}) == 0 and cadence({}) == 0

@@ -108,7 +108,9 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str | int = "every_st
         raise RunUsageError(explain(f"hpc_ddp.per_rank(..., mirror={mirror!r})",
                                     expected=" or ".join(repr(m) for m in MIRROR)
                                     + " or a number of steps (mirror=10)",
-                                    hint=(f"did you mean mirror={near[0]!r}? " if near else "")
+                                    hint=(f"did you mean mirror={near[0]!r}? " if near else
+                                          f"did you mean mirror={mirror.strip()} (a number, not a "
+                                          "string)? " if str(mirror).strip().isdigit() else "")
                                     + "'every_step' sends the object to a buddy at every boundary "
                                       "(exact after a survivors' snapshot); 'derive' never sends "
                                       "it and keeps what the loop rebuilds after one; an int N "
