@@ -109,12 +109,14 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str | int = "every_st
                                     expected=" or ".join(repr(m) for m in MIRROR)
                                     + " or a number of steps (mirror=10)",
                                     hint=(f"did you mean mirror={near[0]!r}? " if near else
-                                          f"did you mean mirror={mirror.strip()} (a number, not a "
+                                          f"did you mean mirror={str(mirror).strip()} (a number, "
+                                          "not a "
                                           "string)? " if str(mirror).strip().isdigit() else "")
                                     + "'every_step' sends the object to a buddy at every boundary "
                                       "(exact after a survivors' snapshot); 'derive' never sends "
                                       "it and keeps what the loop rebuilds after one; an int N "
-                                      "sends it every N steps (a lost rank's copy may be older)"))
+                                      "copies it about every N steps (a survivors' snapshot's may "
+                                      "be older)"))
     if isinstance(obj, DistributedDataParallel):
         raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
                                     "same on every rank",
