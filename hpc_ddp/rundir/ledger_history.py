@@ -37,6 +37,9 @@ def steps_lost(attempts: list[dict[str, Any]],
             entry["lost"] = last - (resumed if isinstance(resumed, int) else 0)
         if entry.get("lost") and attempt.get("jit_fallback"):  # why the survivors wrote no snapshot
             entry["why"] = attempt["jit_fallback"]
+        jit = attempt.get("jit_snapshot")
+        if isinstance(jit, dict) and isinstance(jit.get("per_rank_stale"), dict):  # mirror=N
+            entry["per_rank_from"] = jit["per_rank_stale"]
         found[i] = entry
     return found
 

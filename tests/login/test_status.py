@@ -109,6 +109,13 @@ def test_status_says_how_many_steps_each_failure_threw_away(tmp_path: Path) -> N
     hung = [{"reason": "hung", "job_id": 6, "restart_count": 0, "first_step": 0, "last_step": 4}]
     assert steps_lost(hung, newest=4) == {0: {"last_step": 4, "resumed_from": 4, "pending": True, "lost": 0}}
     assert steps_lost(hung)[0]["resumed_from"] is None
+    # per_rank(..., mirror=N): the survivors' snapshot lost no step of the model, but the per-rank state is older
+    (stale_dir := tmp_path / "stale").mkdir()
+    stale = [{"reason": "failed", "job_id": 7, "restart_count": 0, "last_step": 23,
+              "jit_snapshot": {"step": 23, "per_rank_stale": {"0": 20, "1": 20, "2": 20, "3": 20}}},
+             {"reason": "finished", "job_id": 7, "restart_count": 0, "in_job": 1, "resumed_from": 23}]
+    assert "#0: lost 0 step(s): got to step 23, resumed from 23; per-rank state of 4 rank(s) from step 20 " \
+           "(per_rank(..., mirror=N))" in render(collect(run_dir(stale_dir, attempts=stale)))
 
 
 def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:

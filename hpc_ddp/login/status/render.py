@@ -173,10 +173,14 @@ def lost_note(entry: dict[str, Any]) -> str:
     """What a failure cost: the steps since the snapshot the run resumed (or will resume) from."""
     start = entry["resumed_from"] if entry["resumed_from"] is not None else "the start"
     why = entry.get("why") or ""
+    stale = entry.get("per_rank_from") or {}
+    steps = sorted(set(stale.values()))
     return (f"lost {entry['lost']} step(s): got to step {entry['last_step']}, "
             f"{'will resume' if entry['pending'] else 'resumed'} from {start}"
             + (f"; no survivors' snapshot: {why[:200]}{'...' if len(why) > 200 else ''}" if why
-               else ""))
+               else "")
+            + (f"; per-rank state of {len(stale)} rank(s) from step "
+               f"{', '.join(map(str, steps))} (per_rank(..., mirror=N))" if stale else ""))
 
 
 def broken_stop_note(entry: dict[str, Any]) -> str:

@@ -100,8 +100,10 @@ class Receiver:
             kept = [held[0] for held in (self.kept, self.kept_before) if held is not None] or None
             log.warning("the per-rank mirror of rank %d stopped (%s); it holds rank %d's state of "
                         "steps %s. A survivors' snapshot needs that rank's state of the step it "
-                        "commits: if rank %d is alive, a later failure falls back to the periodic "
-                        "snapshot",
+                        "commits (with per_rank(..., mirror=N), of a boundary at most 2 N - 1 "
+                        "steps "
+                        "before it): if rank %d is alive, a later failure may fall back to the "
+                        "periodic snapshot",
                         self.ward, self.broken, self.ward, kept, self.ward)
 
     def _keep(self, step: int, kind: int, base: int, full: int, got: torch.Tensor,
