@@ -97,6 +97,23 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str | int = "every_st
             repr(e) for e in ELASTIC), hint="'refuse' stops a resume at another world size; "
                                             "'fresh' keeps the "
             "value built in that attempt"))
+    _check_mirror(mirror)
+    if isinstance(obj, DistributedDataParallel):
+        raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
+                                    "same on every rank",
+                                 hint="track it plainly (run.resume(model=model)); per_rank is for "
+                                      "state that "
+                                 "differs by rank"))
+    if not isinstance(obj, (dict, torch.Generator)) and not _has_state_dict(obj):
+        raise RunUsageError(explain(f"hpc_ddp.per_rank() got {a_type(obj)}, which has no "
+                                 "state_dict()/load_state_dict()",
+                                    hint="pass a dict (restored in place), a "
+                                 "torch.Generator, or a module/object with state_dict()"))
+    return PerRank(obj, elastic, mirror)
+
+
+def _check_mirror(mirror: object) -> None:
+    """Refuse a ``per_rank(..., mirror=...)`` policy it does not take, with what it takes."""
     if isinstance(mirror, int) and not isinstance(mirror, bool):
         if mirror < 1:
             raise RunUsageError(explain(f"hpc_ddp.per_rank(..., mirror={mirror})",
@@ -117,18 +134,6 @@ def per_rank(obj: object, elastic: str = "refuse", mirror: str | int = "every_st
                                       "it and keeps what the loop rebuilds after one; an int N "
                                       "copies it about every N steps (a survivors' snapshot's may "
                                       "be older)"))
-    if isinstance(obj, DistributedDataParallel):
-        raise RunUsageError(explain("hpc_ddp.per_rank() got a DDP model, whose parameters are the "
-                                    "same on every rank",
-                                 hint="track it plainly (run.resume(model=model)); per_rank is for "
-                                      "state that "
-                                 "differs by rank"))
-    if not isinstance(obj, (dict, torch.Generator)) and not _has_state_dict(obj):
-        raise RunUsageError(explain(f"hpc_ddp.per_rank() got {a_type(obj)}, which has no "
-                                 "state_dict()/load_state_dict()",
-                                    hint="pass a dict (restored in place), a "
-                                 "torch.Generator, or a module/object with state_dict()"))
-    return PerRank(obj, elastic, mirror)
 
 
 def mirrored(objects: Mapping[str, PerRank]) -> dict[str, PerRank]:
