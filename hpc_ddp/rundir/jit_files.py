@@ -123,27 +123,8 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = jit_gather.GATH
     if "outcome" not in content:
         jit_gather.await_peers(post, gather_s)
     new = publish(post, defer=post.rank != 0 or "outcome" in content)
-    if not new:
-        return jit_tally.Settled()
-    known = _chains(post)  # where the node's ranks left off in the tally's chains
-    said = jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank,
-                            known)
-    _chains(post, known)
-    return said
-
-
-def _chains(post: Post, update: dict[str, int] | None = None) -> dict[str, int]:
-    """The node's record of where its ranks left off in the steps' tally chains
-    (:func:`hpc_ddp.rundir.jit_tally.settle`'s ``known``), read, or merged with ``update`` (the
-    furthest entry wins: the node's ranks settle side by side)."""
-    path = post.local / "chains.json"
-    with node_local.locked(post.local / "chains.lock"):
-        kept = _local_json(post, path).get("next") or {}
-        if update is None:
-            return dict(kept)
-        merged = {k: max(int(kept.get(k, 0)), v) for k, v in update.items()}
-        write_atomic(path, json.dumps({"tag": post.tag, "next": {**kept, **merged}}).encode())
-        return merged
+    return (jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank)
+            if new else jit_tally.Settled())
 
 
 def once_per_node(post: Post, key: str, compute: Callable[[], Any],

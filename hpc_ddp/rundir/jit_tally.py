@@ -89,26 +89,16 @@ def facts(offers: list[dict[str, Any]], node: int, group: int) -> list[Fact]:
 
 
 def settle(where: Path, new: list[Fact], rank: int, world: int, group: int,
-           per_rank: bool, known: dict[str, int] | None = None) -> Settled:
+           per_rank: bool) -> Settled:
     """Add ``new`` (what this rank's publish of its node's file newly said) to the steps' tallies,
     and walk on with the baton of each step where it came to this rank (a wait entry it passed, or
-    the first baton of the step, which the first survivor to add anything takes at slice 0).
-
-    ``known``: where the node's ranks left off in each chain (``"step/item"`` -> the first entry
-    none of them has created or read yet), updated here; the caller keeps it on the node. A node
-    whose ranks publish one after another appends to its rank groups' chains again and again, and
-    each append used to try and read every entry before it (B14-SIM with per-rank state: most of
-    what its 8 ranks a node cost over 1). Entries are never rewritten, so what a rank of the node
-    read once needs no second look."""
+    the first baton of the step, which the first survivor to add anything takes at slice 0)."""
     settled = Settled()
-    known = {} if known is None else known
     for step in sorted({f.step for f in new}, reverse=True):
         folder = where / f"tally-{step}"
         taken: tuple[str, int] | None = None
         for fact in sorted((f for f in new if f.step == step), key=lambda f: (f.kind, f.index)):
-            key = f"{step}/{fact.kind}{fact.index}"
-            got, known[key] = _add(folder, fact, rank, known.get(key, 0))
-            taken = got or taken
+            taken = _add(folder, fact, rank) or taken
         if taken is None and exclusive(folder / "take-start", str(rank).encode()):
             taken = ("s", 0)
         if taken is not None:
@@ -120,23 +110,20 @@ def settle(where: Path, new: list[Fact], rank: int, world: int, group: int,
     return settled
 
 
-def _add(folder: Path, fact: Fact, rank: int,
-         start: int = 0) -> tuple[tuple[str, int] | None, int]:
-    """Append ``fact`` to its item's chain (at its first free entry from ``start``: a chain has no
-    gaps, and the node's ranks looked at every entry before ``start``); the item if this rank took
-    the baton there (it passed the wait entry where the baton stopped), and the entry after its
-    own."""
+def _add(folder: Path, fact: Fact, rank: int) -> tuple[str, int] | None:
+    """Append ``fact`` to its item's chain (at its first free entry: a chain has no gaps); the item
+    if this rank took the baton there (it passed the wait entry where the baton stopped)."""
     item = f"{fact.kind}{fact.index}"
     data = json.dumps(fact.content).encode()
     taken = None
-    for j in count(start):
+    for j in count():
         if exclusive(folder / f"{item}-{j}", data):
-            return taken, j + 1
+            return taken
         entry = _read(folder / f"{item}-{j}")
         if entry is not None and entry.get("wait") is not None and taken is None \
                 and exclusive(folder / f"take-{item}-{j}", str(rank).encode()):
             taken = (fact.kind, fact.index)
-    return taken, 0  # never reached: count() does not end
+    return taken  # never reached: count() does not end
 
 
 def _walk(folder: Path, start: tuple[str, int], rank: int, world: int,

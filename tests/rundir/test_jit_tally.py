@@ -154,23 +154,3 @@ def test_no_tally_name_is_looked_up_while_it_is_absent(tmp_path: Path) -> None:
         play(tmp_path, 5, 2, {2}, 0)
     absent = [name for name, (_, found) in client.names.items() if found is None]
     assert absent == [] and client.names, absent
-
-
-def test_a_node_that_appends_again_starts_where_its_ranks_left_off(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A node whose ranks publish one after another appends to its rank groups' chains again and again; with the
-    node's record of where its ranks left off (``known``), an append neither tries to create nor reads an entry
-    a rank of the node already passed, and still finds the wait entry parked after it (and takes the baton)."""
-    read: list[str] = []
-    real_read = jit_tally._read
-    monkeypatch.setattr(jit_tally, "_read", lambda path: read.append(path.name) or real_read(path))
-    known: dict[str, int] = {}
-    written = Fact(9, "s", 0, {"node": 0, "rank": 0, "of": 1, "digest": LAYOUT_DIGEST})
-    first = settle(tmp_path, [written, Fact(9, "r", 0, {"node": 0, "ranks": [0]})], rank=0, world=2, group=2,
-                   per_rank=True, known=known)
-    assert first.waiting and known == {"9/s0": 1, "9/r0": 1}  # the baton waits at r0-1 for rank 1's state
-    read.clear()
-    second = settle(tmp_path, [Fact(9, "r", 0, {"node": 0, "ranks": [1]})], rank=1, world=2, group=2,
-                    per_rank=True, known=known)
-    assert second.whole == [9] and known == {"9/s0": 1, "9/r0": 3}  # took the baton at r0-1, wrote r0-2
-    assert read.count("r0-0") == 1, read  # by the baton's walk only: the append started at r0-1
