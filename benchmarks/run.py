@@ -620,7 +620,9 @@ def table(results: dict[str, Any]) -> str:
                                              "per_rank state")):
             if not s:
                 continue
-            cells = ", ".join(f"{k}: {r['total']} ({r['per_node']} a node)" if "error" not in r else f"{k}: failed"
+            cells = ", ".join(f"{k}: {r['total']} ({r['per_node']} a node"
+                              + (f"; median of {'/'.join(map(str, r['runs']))}" if len(r.get("runs", [])) > 1
+                                 else "") + ")" if "error" not in r else f"{k}: failed"
                               for k, r in s["rows"].items())
             fits = "; ".join(f"at {p} a node {f['a']} + {f['per_node']} x nodes + {f['per_node_squared']} x "
                              "nodes^2" for p, f in s["fits"].items() if f)
