@@ -173,19 +173,25 @@ def test_a_lost_nodes_per_rank_state_comes_from_its_buddies_and_the_run_ends_bit
     assert done(tmp_path / "failed") == done(tmp_path / "straight")  # params_sha256 and every rank's own state
 
 
+def lost_and_straight(tmp_path: Path, loop: str, step: int) -> tuple[dict, dict]:
+    """``tests.tasks.loops``'s ``loop`` at 3 x 1 with a spare and no periodic snapshot, run twice: losing node 1
+    after ``step`` (in ``failed``), and never stopped (in ``straight``); the failed run's two ledger lines."""
+    args = [*LOOP, f"train.loop=tests.tasks.loops:{loop}", *NO_SNAPSHOTS, "slurm.nodes=3", "slurm.tasks_per_node=1"]
+    failed = submit(*args, f"run_dir={tmp_path / 'failed'}", "--fail-at", f"{step}:1")
+    assert failed.returncode == 0, failed.stderr[-3000:]
+    straight = submit(*args, f"run_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first, second = read_attempts(tmp_path / "failed")
+    return first, second
+
+
 @pytest.mark.slow
 def test_a_per_rank_batch_tracked_with_mirror_derive_is_rebuilt_after_the_survivors_snapshot(tmp_path: Path) -> None:
     """Issue 59's mirror policy: ``per_rank(batch, mirror="derive")`` is never sent to a buddy, so the survivors'
     snapshot at 3 x 1 (node 1 lost after step 20) holds every rank's mirrored counter but no batch; each rank
     rebuilds its batch from (seed, rank, step), the run ends as one never stopped (losses, counters, batches,
     params_sha256), and the resumed attempt's ledger note says the batch was rebuilt, not restored."""
-    loop = [*LOOP, "train.loop=tests.tasks.loops:derived_prefetch", *NO_SNAPSHOTS, "slurm.nodes=3",
-            "slurm.tasks_per_node=1"]
-    failed = submit(*loop, f"run_dir={tmp_path / 'failed'}", "--fail-at", "20:1")
-    assert failed.returncode == 0, failed.stderr[-3000:]
-    straight = submit(*loop, f"run_dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    first, second = read_attempts(tmp_path / "failed")
+    first, second = lost_and_straight(tmp_path, "derived_prefetch", 20)
     assert second["resumed_from"] == first["jit_snapshot"]["step"] == first["last_step"] >= 20, first
     manifest = json.loads((tmp_path / "failed" / "snapshots" / f"step-{second['resumed_from']:08d}" /
                            "manifest.json").read_text())
@@ -204,13 +210,7 @@ def test_a_per_rank_counter_mirrored_every_100_steps_comes_back_older_and_the_le
     snapshot still commits (each rank's last packed state stands for its step, rank 1's from its buddy), the
     ledger names every rank and the step its state is of, and the run ends with each count short of the steps
     since (a periodic or stop snapshot would pack it afresh), its losses those of a run never stopped."""
-    loop = [*LOOP, "train.loop=tests.tasks.loops:cadenced_counter", *NO_SNAPSHOTS, "slurm.nodes=3",
-            "slurm.tasks_per_node=1"]
-    failed = submit(*loop, f"run_dir={tmp_path / 'failed'}", "--fail-at", "22:1")
-    assert failed.returncode == 0, failed.stderr[-3000:]
-    straight = submit(*loop, f"run_dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    first, second = read_attempts(tmp_path / "failed")
+    first, second = lost_and_straight(tmp_path, "cadenced_counter", 22)
     step, stale = first["jit_snapshot"]["step"], first["jit_snapshot"].get("per_rank_stale")
     assert second["resumed_from"] == step == first["last_step"] >= 22, first
     assert stale == {"0": 0, "1": 0, "2": 0}, first  # the resume's boundary, every rank's
