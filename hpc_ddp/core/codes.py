@@ -35,6 +35,11 @@ PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broke
                  "caused by a remote worker crashing", "remote process exited",
                  "NCCL communicator was aborted")
 
+
+def blames_a_peer(text: str) -> bool:
+    """Whether an error's text is one of :data:`PEER_SYMPTOMS`: the failure is a peer's."""
+    return any(symptom in text for symptom in PEER_SYMPTOMS)
+
 # `python -m hpc_ddp.status`'s exit code: what a script that waits on a run needs to know
 # (docs/troubleshooting.md)
 STATUS_OK = 0  # pending, running, or finished (DONE.json)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hpc_ddp.core.codes import PEER_SYMPTOMS
+from hpc_ddp.core import codes
 from hpc_ddp.core.mismatch import mismatch_line
 
 # What a rank says when a peer died under it: never the cause. Matched in the log's last lines.
@@ -34,7 +34,7 @@ def has_error(lines: list[str]) -> bool:
 
 def blames_a_peer(lines: list[str]) -> bool:
     """The log ends in a peer's failure (a survivor's view), not in an exception of its own."""
-    return any(symptom in line for line in lines for symptom in PEER_SYMPTOMS)
+    return any(codes.blames_a_peer(line) for line in lines)
 
 
 def attempt_of(log: Path) -> str:

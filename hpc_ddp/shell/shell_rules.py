@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.codes import PEER_SYMPTOMS
+from hpc_ddp.core.codes import blames_a_peer
 from hpc_ddp.rundir import jit_files, jit_offers, losses
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.stopping import TICK_S
@@ -152,7 +152,7 @@ def raised_first(run_dir: Path, key: tuple[int | None, int, int], nodes: Sequenc
     innocent node every other time). The offers carry each rank's error and when it came."""
     own = [o for o in jit_offers.listed(jit_files.folder(run_dir, *key))
            if isinstance(o.get("error"), str) and isinstance(o.get("rank"), int)
-           and not any(symptom in o["error"] for symptom in PEER_SYMPTOMS)]
+           and not blames_a_peer(o["error"])]
     if not own:
         return {}
     first = min(own, key=lambda o: (o.get("time") if isinstance(o.get("time"), (int, float))

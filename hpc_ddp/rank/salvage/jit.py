@@ -209,10 +209,9 @@ def _with_blobs(mirror: Any, post: jit_files.Post, offer: dict[str, Any]) -> Non
     blobs = mirror.held()
     jit_files.write_blobs(post, blobs)
     offer["blobs"] = {str(r): list(states) for r, states in blobs.items()}
-    stale = getattr(mirror, "stale", None)
-    if stale:
+    if mirror.stale:  # set by held()
         offer["stale"] = {str(r): {str(s): older for s, older in given.items()}
-                          for r, given in stale.items()}
+                          for r, given in mirror.stale.items()}
     if mirror.broken is not None:
         offer["mirror_broken"] = mirror.broken
 

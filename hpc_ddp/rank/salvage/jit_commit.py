@@ -173,9 +173,8 @@ def _holders(offers: list[dict[str, Any]], step: int) -> dict[int, int]:
 
 
 def _stale(offers: list[dict[str, Any]], holders: dict[int, int], step: int) -> dict[int, int]:
-    """rank -> the older step whose per-rank state its holder gives for ``step`` (a buddy that gets
-    it every N steps: ``per_rank(..., mirror=N)``); only the ranks whose state is not of
-    ``step``."""
+    """rank -> the older step whose per-rank state its holder gives for ``step`` (its last copied
+    boundary: ``per_rank(..., mirror=N)``); only the ranks whose state is not of ``step``."""
     said = {o["rank"]: o.get("stale") or {} for o in offers}
     older = {rank: (said.get(holder) or {}).get(str(rank), {}).get(str(step))
              for rank, holder in holders.items()}

@@ -119,7 +119,7 @@ def load_per_rank(run: Resuming, blob: bytes | None, restored: Restored) -> None
         run.advice.add([f"the snapshot of step {restored.step} holds no {', '.join(rebuilt)} "
                         "(per_rank(..., mirror='derive')): each rank keeps the value its loop "
                         "rebuilt, exact where that rebuild is (from the data position and seeds)"])
-    # a survivors' snapshot with a lost rank's copy from a buddy that got it late
+    # a survivors' snapshot with ranks' states of their last copied boundary (mirror=N)
     if restored.stale:
         run.advice.add([f"the survivors' snapshot of step {restored.step} holds the per-rank state "
                         "of " + ", ".join(f"rank {r} as of step {s}" for r, s in

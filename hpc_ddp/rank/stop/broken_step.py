@@ -24,7 +24,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.core.codes import PEER_SYMPTOMS
+from hpc_ddp.core.codes import blames_a_peer
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rundir import jit_files, newest, snapshot
 
@@ -160,7 +160,7 @@ def _mark(marker: Path) -> None:
 
 def peer_lost(error: BaseException) -> bool:
     """A collective failed because a peer's process left (its sockets closed)."""
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_SYMPTOMS)
+    return isinstance(error, RuntimeError) and blames_a_peer(str(error))
 
 
 def marker(run_dir: Path, env: DistEnv) -> Path:
