@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 
 KINDS = ("open_read", "open_write", "rename", "unlink", "listdir", "mkdir", "rmdir")
 BEATS = ("beat_open_read", "beat_open_write")  # liveness/: per period, not per event: counted apart
@@ -39,7 +40,7 @@ def _install() -> None:
     counts = mmap.mmap(fd, 8 * len(FIELDS))
     os.close(fd)
     writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    busy = [False]
+    busy = threading.local()  # per thread: the hook's own operations are not counted, a peer's are
     trace = open(name[:-4] + ".trace", "a", buffering=1) if os.environ.get("HPC_DDP_OPS_TRACE") else None
 
     def bump(field: str) -> None:
@@ -57,9 +58,9 @@ def _install() -> None:
         return full if full == run_dir or full.startswith(run_dir + os.sep) else None
 
     def hook(event: str, args: tuple) -> None:
-        if busy[0] or not args:
+        if getattr(busy, "on", False) or not args:
             return
-        busy[0] = True
+        busy.on = True
         try:
             path = under(args[0])
             if path is None or path.startswith(logs):
@@ -85,7 +86,7 @@ def _install() -> None:
             elif not beat and event == "os.rmdir":
                 bump("rmdir")
         finally:
-            busy[0] = False
+            busy.on = False
 
     sys.addaudithook(hook)
 
