@@ -74,3 +74,8 @@ def end_ranks(procs: list[subprocess.Popen[bytes]], frozen: Sequence[int] = (),
         while any(p.poll() is None for p in procs) and (time.monotonic() < start + GRACE_S or (
                 sig == signal.SIGTERM and time.monotonic() < start + KILL_WAIT_S and writing())):
             time.sleep(POLL_S)
+    for proc in procs:  # what a rank that died first left in its group (its node's watcher) ends
+        try:  # with the step, as srun's cgroup ends every process of it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -21,6 +21,7 @@ Injection = tuple[int, Callable[[], tuple[str, list[int]]]]
 
 # fault injection: rank 0 gets an injected stop at most this late
 SIGNAL_SKEW_VAR = "HPC_DDP_LOCAL_SIGNAL_SKEW_S"
+WATCHER = "hpc_ddp.rank.watch.node_watch"  # a node's watcher's module, in its command line
 # fault injection: --fail-at's SIGKILL lands this long after the step
 KILL_DELAY_VAR = "HPC_DDP_LOCAL_KILL_DELAY_S"
 # --fail-at's ranks kill themselves after their step; the launcher's SIGKILL follows this late
@@ -118,8 +119,17 @@ def _send_stops(step: int, procs: list[subprocess.Popen[bytes]], events: list[tu
 
 
 def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started itself (a wrapped script, a forkserver)."""
-    return [member for member in family(pid) if member != pid and _parent(member) == pid]
+    """The processes ``pid`` started itself (a wrapped script, a forkserver), but its node's watcher
+    (:mod:`hpc_ddp.rank.watch.node_watch`, which ends with the rank, not with its script)."""
+    return [member for member in family(pid) if member != pid and _parent(member) == pid
+            and not _watcher(member)]
+
+
+def _watcher(pid: int) -> bool:
+    try:
+        return WATCHER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _parent(pid: int) -> int | None:

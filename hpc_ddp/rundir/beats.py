@@ -41,6 +41,7 @@ class Beat:
     wall: float = 0.0  # for people reading the file; never compared across nodes
     node: int | None = None  # a node's beat: its index in the step
     ranks: tuple[int, ...] = ()  # a node's beat: the ranks on it (those that have beaten)
+    pid: int | None = None  # a rank's beat on its node: its process, for the node's watcher
 
 
 def encode(beat: Beat) -> bytes:
@@ -48,6 +49,8 @@ def encode(beat: Beat) -> bytes:
               "state": "left" if beat.left else "alive", "time": round(beat.wall, 3)}
     if beat.node is not None:
         record.update(node=beat.node, ranks=list(beat.ranks))
+    if beat.pid is not None:
+        record["pid"] = beat.pid
     text = json.dumps(record)
     width = WIDTH * (len(text) // WIDTH + 1)  # fixed within an attempt unless the node's ranks grow
     return (text.ljust(width - 1) + "\n").encode()
@@ -60,11 +63,12 @@ def decode(raw: bytes, tag: str) -> Beat | None:
         record, _ = json.JSONDecoder().raw_decode(raw.decode().lstrip())
         if record.get("attempt") != tag:
             return None
-        node = record.get("node")
+        node, pid = record.get("node"), record.get("pid")
         return Beat(tag, int(record["rank"]), str(record.get("host") or ""), int(record["count"]),
                     record.get("state") == "left", float(record.get("time") or 0),
                     None if node is None else int(node),
-                    tuple(int(r) for r in record.get("ranks") or ()))
+                    tuple(int(r) for r in record.get("ranks") or ()),
+                    None if pid is None else int(pid))
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
 

@@ -124,11 +124,12 @@ def _describe(markers: Mapping[int, Mapping[str, Any]]) -> str:
     """One clause per marker: a whole node's ranks together (``ranks 2, 3 on n2 lost ...``)."""
     groups: dict[tuple[str, str, str], list[int]] = {}
     for rank, m in markers.items():
-        key = (str(m.get("host") or "?"), str(m.get("silent_s", "?")), str(m.get("by_rank", "?")))
+        noticed = str(m.get("noticed") or f"no liveness beat for {m.get('silent_s', '?')}s")
+        key = (str(m.get("host") or "?"), noticed,
+               str(m.get("by") or f"rank {m.get('by_rank', '?')}"))
         groups.setdefault(key, []).append(rank)
-    return "; ".join(f"{who(ranks)} on {host} lost (no "
-                     f"liveness beat for {silent}s, seen by rank {by})"
-                     for (host, silent, by), ranks in groups.items())
+    return "; ".join(f"{who(ranks)} on {host} lost ({noticed}, seen by {by})"
+                     for (host, noticed, by), ranks in groups.items())
 
 
 def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int,

@@ -44,28 +44,58 @@ HINT = ("HINT: the node may be frozen or gone (`scontrol show node HOST`, its ke
         "this long looks the same: raise dist.liveness_s")
 
 
-def lost(rank: int, own_host: str, liveness_s: float, silent: float, ranks: list[int], last: Beat,
-         now: float) -> tuple[str, dict[str, Any]]:
-    """What rank ``rank`` (on ``own_host``) says and records: ``ranks`` were silent ``silent`` s."""
+def lost(rank: int | None, own_host: str, liveness_s: float, silent: float, ranks: list[int],
+         last: Beat, now: float, by: str | None = None) -> tuple[str, dict[str, Any]]:
+    """What rank ``rank`` (on ``own_host``; or ``by``, a node's watcher) says and records:
+    ``ranks`` were silent ``silent`` s."""
     host = last.host or "?"
     whole = (f" (node {last.node}, every rank on it)"
              if last.node is not None and len(ranks) > 1 else "")
-    message = (f"rank {rank}: {losses.who(ranks)} on {host}{whole} "
+    message = (f"{by or f'rank {rank}'}: {losses.who(ranks)} on {host}{whole} "
                f"{'is' if len(ranks) == 1 else 'are'} lost: no liveness beat for {silent:.0f}s "
                f"(dist.liveness_s={liveness_s:g}); the last beat was #{last.count}. Ending this "
                f"step now instead of waiting in a collective for dist.timeout_s.\n{HINT}")
     record = {"rank": ranks[0], "ranks": ranks, "host": host, "silent_s": round(silent, 1),
               "liveness_s": liveness_s, "by_rank": rank, "by_host": own_host,
               "last_beat": last.count, "last_beat_time": last.wall, "time": round(now, 3)}
+    if by is not None:
+        record["by"] = by
+    return message, record
+
+
+def stopped(by: str, host: str, ranks: list[int], seconds: float, last: Beat, now: float,
+            how: str = "stopped") -> tuple[str, dict[str, Any]]:
+    """What a node's watcher says and records when ``ranks`` of its node were stopped (state T:
+    SIGSTOP), or gone without leaving (``how``), for ``seconds``
+    (:mod:`hpc_ddp.rank.watch.kernel_judge`)."""
+    noticed = (f"stopped (SIGSTOP: state T in /proc) for {seconds:.0f}s" if how == "stopped" else
+               f"its process gone without leaving for {seconds:.0f}s")
+    hint = ("HINT: something sent it SIGSTOP (a frozen container, `kill -STOP`, a job control "
+            "stop); a debugger's stop (gdb, py-spy) is never taken for a loss"
+            if how == "stopped" else
+            "HINT: it was killed (the OOM killer: `dmesg` or `journalctl -k` on that node; a "
+            "signal) and its peers did not fail with it")
+    message = (f"{by}: {losses.who(ranks)} on {host} {'is' if len(ranks) == 1 else 'are'} lost: "
+               f"{noticed}. Ending this step now instead of waiting for it in a collective.\n"
+               f"{hint}")
+    record = {"rank": ranks[0], "ranks": ranks, "host": host, "silent_s": round(seconds, 1),
+              "noticed": noticed, "by": by, "by_rank": None, "by_host": host,
+              "last_beat": last.count, "last_beat_time": last.wall, "time": round(now, 3)}
     return message, record
 
 
 def heard(rank: int, record: dict[str, Any]) -> str:
     """What rank ``rank`` says when it hears another rank's declaration ``record``."""
-    return (f"rank {rank}: rank {record.get('by_rank')} declared "
+    by = record.get("by") or f"rank {record.get('by_rank')}"
+    return (f"rank {rank}: {by} declared "
             f"{losses.who(losses.named_ranks(record))} on {record.get('host') or '?'} lost; this "
             "rank ends the step now instead of waiting in a collective for the process group to "
             "fail")
+
+
+def heard_on_node(folder: Path, local_tag: str) -> dict[str, Any] | None:
+    """The declaration relayed on this node (by its first rank, or its watcher), if any."""
+    return losses.declaration_in(beats.local_declared(folder), local_tag, own=True)
 
 
 @dataclass(frozen=True)

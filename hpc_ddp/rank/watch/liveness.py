@@ -3,34 +3,18 @@
 A killed rank closes its sockets and its peers fail at once; a frozen node (SIGSTOP, a kernel hang,
 power lost behind links that stay up) closes nothing, and the others would wait in a collective
 until the hang watchdog (:mod:`hpc_ddp.rank.watch.watchdog`) fires. Liveness is not progress (a 90 s
-evaluation on rank 0 is slow, not dead), so every rank runs a side thread that, every
-``dist.liveness_s / 6``:
+evaluation on rank 0 is slow, not dead), so every rank runs a side thread that beats every
+``dist.liveness_s / 6`` on its node (``/dev/shm``) and watches the next rank there; one beat per
+node goes to the run dir (``RUN_DIR/liveness/node-N.json``), watched by the node before it: O(nodes)
+on the file server at any ranks per node (issue 45; :mod:`hpc_ddp.rundir.beats` has the files). The
+node's beat and the next node are the node's watcher process's
+(:mod:`hpc_ddp.rank.watch.node_watch`, issue 60), which needs no rank's GIL and watches the node's
+ranks through the kernel; this thread does all that only while no watcher runs.
 
-Per node, not per rank (issue 45): at 512 nodes x 8 GPUs a file per rank would be 800 writes a
-second, forever, in one directory of the shared filesystem. So (:mod:`hpc_ddp.rundir.beats`):
-
-1. **Every rank beats on its node**: it rewrites its own beat (a counter, the attempt, host, rank,
-   wall time) in place in the node's folder on node-local storage (``/dev/shm``), and watches the
-   next rank on its node there: a rank of a live node that freezes is found and named by rank,
-   with no byte on the shared filesystem.
-2. **The node's first rank beats for the node**: it rewrites ``RUN_DIR/liveness/node-N.json`` in
-   place (the node's ranks and host inside) and watches the next node's file: one write and two
-   reads (the next node, the declaration) per period per node, at any ranks per node. A node that
-   freezes whole is found by the node before it and declared with every rank on it. No mtimes or
-   directory listings (attribute caches lie), no rename (a metadata operation per beat, and a
-   reader's cached handle may go stale), no fsync (a beat is not durable data); NFS's close-to-open
-   consistency makes a reader's next open see the new bytes. One file per node index, not per
-   attempt: the directory never grows, and the attempt inside tells older beats apart.
-
-Each peer is judged by the watcher's own monotonic clock (no change for ``liveness_s``), never by
-clocks across nodes. Against false alarms (:class:`Judge`, pure): a peer is not judged before its
-first beat of the attempt (ranks start seconds apart; one that never starts is the rendezvous
-timeout's), nor after a last beat saying it ``left`` (it ended on its own, with its own exit code;
-the watcher moves on to the next rank); and silence this rank could not watch (its thread starved,
-the file server stalled, the job suspended by ``scontrol suspend``) is not counted. A thread rather
-than a process: it beats while the main thread computes or waits in a collective (both release the
-GIL) and dies with the process, as a frozen node's does; C code that holds the GIL for
-``liveness_s`` would starve it, hence a default (30 s) far above any such call we know.
+Each peer is judged by the watcher's own clock (:class:`Judge`, pure): not before its first beat
+of the attempt, nor after a last beat saying it ``left``, and silence the watcher could not watch
+(its thread starved, the file server stalled, ``scontrol suspend``) is not counted. A rank's own
+thread cannot beat while C code holds its GIL, hence a default (30 s) far above any such call.
 
 When the watched peer is silent for ``liveness_s``, this rank declares it lost (the markers in
 ``RUN_DIR/errors/``, the batch shell's :func:`lost_ranks`) and exits at once with :data:`EXIT_LOST`;
@@ -52,6 +36,7 @@ from typing import Any
 
 from hpc_ddp.rank.watch import declaration
 from hpc_ddp.rank.watch.declaration import rewrite
+from hpc_ddp.rank.watch.node_watch import NextNode, Plan, Watcher, spawn, watching
 from hpc_ddp.rundir import beats, layout, node_local
 # Judge, decode and encode were here first
 from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401
@@ -62,6 +47,7 @@ log = logging.getLogger("hpc_ddp.liveness")
 # a live peer beats this often within liveness_s: five late beats are still not a loss
 BEATS_PER_WINDOW = 6
 MIN_PERIOD_S = 0.25
+HEAR_S = 0.5  # between two checks, how often a rank looks at its node's relay of a declaration
 
 
 def period(liveness_s: float) -> float:
@@ -89,7 +75,7 @@ class Liveness:
                  node_base: Path | None = None, on_lost: Callable[[str], Any] | None = None,
                  on_heard: Callable[[str], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, node_watch: bool = False) -> None:
         self.run_dir, self.ids = Path(run_dir), (job_id, restart_count, in_job)
         self.tag = attempt_tag(job_id, restart_count, in_job)
         self.rank, self.world_size, self.host, self.liveness_s = rank, world_size, host, liveness_s
@@ -117,8 +103,11 @@ class Liveness:
         self.seen: set[int] = {rank}
         self.local_peer, self.local_judge = (self.place.local_rank
                                              + 1) % self.place.local_size, Judge(liveness_s)
-        self.node_peer, self.node_judge = (self.place.node
-                                           + 1) % self.place.nodes, Judge(liveness_s)
+        self.next_node = NextNode(self.run_dir, self.tag, self.place.node, self.place.nodes,
+                                  liveness_s)
+        # the leader's: the node's watcher process (node_watch.py), which beats for the node and
+        # watches the next one while it runs; started by start() when ``node_watch``
+        self.node_watch, self.watcher = node_watch and self.leader, Watcher(None)
         self._left, self._warned = False, False
         self._lock = threading.Lock()  # a beat and the last ("left") beat never interleave
         self._stopped = threading.Event()
@@ -134,8 +123,15 @@ class Liveness:
         if self.leader:
             beats.clear_other_attempts(self.folder, self.tag)
         self.beat()
+        if self.node_watch:
+            self.watcher = spawn(self._plan())
         self._thread.start()
         return self
+
+    def _plan(self) -> Plan:
+        return Plan(str(self.run_dir), self.ids, self.tag, self.local_tag, str(self.folder),
+                    self.place.node, self.place.nodes, self.rank - self.place.local_rank,
+                    self.place.local_size, self.host, self.liveness_s, self.period_s)
 
     def listen(self) -> None:
         """After the rendezvous (rank 0 has created the declaration's file): hear declarations from
@@ -154,6 +150,7 @@ class Liveness:
         self._stopped.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.period_s + 1)
+        self.watcher.stop()  # before the node's last beat: nothing beats for the node after it
         with self._lock:
             if self._left:
                 return
@@ -175,15 +172,23 @@ class Liveness:
         if self.leader and len(self.seen) < self.place.local_size:
             self._gather_ranks()
         silent = None
-        if self.local_peer != self.place.local_rank:
+        if self.local_peer != self.place.local_rank and not watching(self.folder, self.local_tag):
             silent = self._watch_local()
-        if silent is None and self.leader and self.node_peer != self.place.node:
+        if silent is None and self.leader and not self.watcher.running():
             silent = self._watch_node()
         return silent
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.period_s):
+        """A check every period; in between, every :data:`HEAR_S`, a look at the node's relay
+        (node-local storage), where the node's watcher posts what it declared: its node's ranks
+        hear it within half a second, not a period."""
+        due = self.clock() + self.period_s
+        while not self._stopped.wait(max(0.0, min(HEAR_S, due - self.clock()))):
             try:
+                if self.clock() < due:
+                    self._hear_on_node()
+                    continue
+                due = self.clock() + self.period_s
                 self.check()
             # a thread that dies stops beating: its watcher would cry wolf
             except Exception as err:  # noqa: BLE001
@@ -204,17 +209,13 @@ class Liveness:
         return silent
 
     def _watch_node(self) -> float | None:
-        """The next node's beat in the run dir: a node silent for ``liveness_s`` is lost with all
-        its ranks."""
-        judge = self.node_judge
-        silent = judge.observe(beats.read(beats.node_beat(self.run_dir, self.node_peer), self.tag),
-                               self.clock())
-        if judge.left:
-            self.node_peer, self.node_judge = (self.node_peer
-                                               + 1) % self.place.nodes, Judge(self.liveness_s)
+        """The next node's beat in the run dir (while the node's watcher does not run): a node
+        silent for ``liveness_s`` is lost with all its ranks."""
+        lost = self.next_node.look(self.clock())
+        if lost is None:
             return None
-        if silent is not None and judge.last is not None:
-            self._declare(silent, list(judge.last.ranks or (judge.last.rank,)), judge.last)
+        silent, last = lost
+        self._declare(silent, list(last.ranks or (last.rank,)), last)
         return silent
 
     def _gather_ranks(self) -> None:
@@ -229,9 +230,9 @@ class Liveness:
 
     def _write(self, left: bool) -> None:
         wall = self.wall()
-        mine = Beat(self.local_tag, self.rank, self.host, self.count, left, wall)
+        mine = Beat(self.local_tag, self.rank, self.host, self.count, left, wall, pid=os.getpid())
         writes = [(beats.local_beat(self.folder, self.place.local_rank), encode(mine))]
-        if self.leader:
+        if self.leader and (left or not self.watcher.running()):
             node = Beat(self.tag, min(self.on_node), self.host, self.count, left, wall,
                         self.place.node,
                         tuple(sorted(self.on_node)))
@@ -253,6 +254,12 @@ class Liveness:
         """Another rank's declaration in this attempt, or None
         (:meth:`hpc_ddp.rank.watch.declaration.Board.hear`)."""
         return self.board.hear(self.rank, self.leader)
+
+    def _hear_on_node(self) -> None:
+        if self.listening and not self._left:
+            record = declaration.heard_on_node(self.folder, self.local_tag)
+            if record is not None and record.get("by_rank") != self.rank:
+                self._act_on(record)
 
     def _act_on(self, record: dict[str, Any]) -> None:
         message = declaration.heard(self.rank, record)

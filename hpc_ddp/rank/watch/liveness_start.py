@@ -58,4 +58,4 @@ def start(run_dir: Path, dist: DistConfig, env: DistEnv, environ: Mapping[str, s
                   max(1, env.num_nodes))
     return Liveness(run_dir, env.job_id, env.restart_count, env.in_job, env.rank, env.world_size,
                     host_of(environ, env.nodelist, env.node_rank), window, place=place,
-                    on_lost=on_lost, on_heard=on_heard).start()
+                    on_lost=on_lost, on_heard=on_heard, node_watch=True).start()

@@ -1,0 +1,249 @@
+"""The node's watcher: one small process per node that beats for the node and watches its ranks
+through the kernel, so that neither needs a rank's GIL (issue 60).
+
+The node's first rank starts it (:func:`spawn`) when its liveness starts, and it ends with the
+node's part of the attempt (the first rank's last beat says ``left``, or no rank of the node is
+left alive). It imports no torch and holds no GIL of a rank's, so:
+
+- **The node's beat** (``RUN_DIR/liveness/node-N.json``) comes from here, every period: a first
+  rank that holds the GIL in one long C call, or was killed by the OOM killer, no longer makes the
+  next node declare this whole, healthy node lost. The first rank's thread writes it only while
+  this process does not run (it could not start, or died: :meth:`Watcher.running`).
+- **The next node's beat** is watched from here (:class:`NextNode`), and a node silent for
+  ``dist.liveness_s`` is declared lost with every rank on it, as the first rank's thread did.
+- **Its node's ranks** are watched through ``/proc`` every :data:`TICK_S`
+  (:class:`hpc_ddp.rank.watch.kernel_judge.KernelJudge`): a rank stopped by SIGSTOP for
+  :data:`hpc_ddp.rank.watch.kernel_judge.STOPPED_S` is declared lost and named by rank, where its
+  beats alone took ``dist.liveness_s`` (30 s); a rank whose process is gone without leaving is
+  named in the log.
+
+A declaration goes where a rank's goes (:class:`hpc_ddp.rank.watch.declaration.Board`): the node's
+ranks hear this node's relay within a tick, the others through the run dir's ``declared.json``.
+The process ignores the stop signals Slurm and the rehearsal send to a step's processes (SIGTERM,
+SIGUSR1, ...): it ends with its ranks, and SIGKILL ends it with the step. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.core import processes
+from hpc_ddp.rank.watch import declaration
+from hpc_ddp.rank.watch.kernel_judge import STOPPED_S, KernelJudge
+from hpc_ddp.rundir import beats
+from hpc_ddp.rundir.beats import Beat, Judge
+
+log = logging.getLogger("hpc_ddp.liveness")
+TICK_S = 0.5  # how often the kernel view and the node's relay are looked at (node-local reads)
+IGNORED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGTSTP")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the watcher of one node needs, from its first rank (passed as JSON on argv)."""
+
+    run_dir: str
+    ids: tuple[Any, int, int]  # job id, restart count, in-job attempt
+    tag: str
+    local_tag: str
+    folder: str  # the node's folder on node-local storage
+    node: int
+    nodes: int
+    first_rank: int
+    local_size: int
+    host: str
+    liveness_s: float
+    period_s: float
+    stopped_s: float = STOPPED_S
+
+
+class NextNode:
+    """The next node's beat in the run dir, judged by this watcher's clock; past a node that left,
+    the one after it."""
+
+    def __init__(self, run_dir: Path, tag: str, node: int, nodes: int, liveness_s: float) -> None:
+        self.run_dir, self.tag, self.node, self.nodes = run_dir, tag, node, nodes
+        self.liveness_s = liveness_s
+        self.peer, self.judge = (node + 1) % nodes, Judge(liveness_s)
+
+    def look(self, now: float) -> tuple[float, Beat] | None:
+        """(silence, its last beat) once the watched node was silent for ``liveness_s``."""
+        if self.peer == self.node:
+            return None
+        judge = self.judge
+        silent = judge.observe(beats.read(beats.node_beat(self.run_dir, self.peer), self.tag), now)
+        if judge.left:
+            self.peer, self.judge = (self.peer + 1) % self.nodes, Judge(self.liveness_s)
+            return None
+        return (silent, judge.last) if silent is not None and judge.last is not None else None
+
+
+class NodeWatch:
+    """The watcher's state and one tick of its work; the clocks and ``/proc`` are seams."""
+
+    def __init__(self, plan: Plan, clock: Any = time.monotonic, wall: Any = time.time,
+                 proc: Path = Path("/proc")) -> None:
+        self.plan, self.clock, self.wall, self.proc = plan, clock, wall, proc
+        self.folder, self.run_dir = Path(plan.folder), Path(plan.run_dir)
+        self.board = declaration.Board(self.run_dir, plan.ids, plan.tag, self.folder,
+                                       plan.local_tag)
+        self.kernel = KernelJudge(plan.stopped_s, plan.liveness_s, stall_s=max(1.0, 2 * TICK_S))
+        self.next_node = NextNode(self.run_dir, plan.tag, plan.node, plan.nodes, plan.liveness_s)
+        self.on_node = set(range(plan.first_rank, plan.first_rank + plan.local_size))
+        self.count, self.beaten_at, self.done = 0, None, False
+
+    def tick(self) -> None:
+        """One look at the node's ranks; the node's beat and the next node every period."""
+        now = self.clock()
+        local = {}
+        for i in range(self.plan.local_size):
+            local[i] = beats.read(beats.local_beat(self.folder, i), self.plan.local_tag, own=True)
+        found = {b.rank: b for b in local.values() if b is not None}
+        if len(found) == self.plan.local_size:
+            self.on_node = set(found)
+        leader = local.get(0)
+        seen = {b.pid: processes.seen(b.pid, self.proc) for b in found.values()
+                if b.pid is not None}
+        alive = [b for b in found.values() if not b.left and (s := seen.get(b.pid)) is not None
+                 and not s.exited]
+        if leader is not None and leader.left or found and not alive:
+            self._beat(left=True)
+            self.done = True
+            return
+        if self._heard():
+            return  # a declaration is out: the step ends, and nothing more is judged here
+        look = self.kernel.observe(found, seen, now)
+        for rank in look.gone:
+            log.warning("node %d's watcher: rank %d's process (pid %s) is gone without saying it "
+                        "left (killed: the OOM killer, a signal?)", self.plan.node, rank,
+                        found[rank].pid)
+        if look.stopped or look.gone_long:
+            self._declare_stopped(look.stopped, look.gone_long, found)
+            return
+        if self.beaten_at is None or now - self.beaten_at >= self.plan.period_s:
+            self.beaten_at = now
+            self._beat(left=False)
+            lost = self.next_node.look(now)
+            if lost is not None:
+                silent, last = lost
+                message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s,
+                                                   silent, list(last.ranks or (last.rank,)),
+                                                   last, self.wall(), by=self._me())
+                self._post(message, record, silent)
+
+    def _me(self) -> str:
+        return f"node {self.plan.node}'s watcher ({self.plan.host})"
+
+    def _heard(self) -> bool:
+        return declaration.heard_on_node(self.folder, self.plan.local_tag) is not None
+
+    def _declare_stopped(self, stopped: dict[int, float], gone: dict[int, float],
+                         found: dict[int, Beat]) -> None:
+        how = "stopped" if stopped else "gone"
+        which = stopped or gone
+        ranks = sorted(which)
+        longest = max(which.values())
+        message, record = declaration.stopped(self._me(), self.plan.host, ranks, longest,
+                                              found[ranks[0]], self.wall(), how)
+        self._post(message, record, longest)
+
+    def _post(self, message: str, record: dict[str, Any], silent: float) -> None:
+        self.board.post(record, silent)
+        log.error("%s", message)
+        self.done = True
+
+    def _beat(self, left: bool) -> None:
+        self.count += 1
+        node = Beat(self.plan.tag, min(self.on_node), self.plan.host, self.count, left,
+                    self.wall(), self.plan.node, tuple(sorted(self.on_node)))
+        try:
+            declaration.rewrite(beats.node_beat(self.run_dir, self.plan.node), beats.encode(node))
+        except OSError as err:
+            log.warning("node %d's watcher cannot write the node's beat: %s", self.plan.node, err)
+
+
+def marker(folder: Path) -> Path:
+    """Where the node's watcher says it runs (its pid), on the node's storage."""
+    return folder / "watcher.beat"
+
+
+def watching(folder: Path, local_tag: str, proc: Path = Path("/proc")) -> bool:
+    """The node's watcher runs and is not stopped: the node's ranks leave their node's ranks to it
+    (a thread's watch of a rank's beats cries wolf when that rank holds the GIL)."""
+    found = beats.read(marker(folder), local_tag, own=True)
+    process = None if found is None or found.pid is None else processes.seen(found.pid, proc)
+    return process is not None and not process.exited and not process.stopped
+
+
+def run(plan: Plan, clock: Any = time.monotonic) -> None:
+    """Tick until the node's part of the attempt ends (or a declaration is out)."""
+    watch = NodeWatch(plan, clock=clock)
+    declaration.rewrite(marker(watch.folder), beats.encode(
+        Beat(plan.local_tag, plan.first_rank, plan.host, 1, pid=os.getpid())))
+    while not watch.done:
+        started = clock()
+        try:
+            watch.tick()
+        except Exception as err:  # noqa: BLE001 (a watcher that dies stops the node's beats)
+            log.warning("node %d's watcher: a look failed (it goes on): %s", plan.node, err)
+        time.sleep(max(0.0, TICK_S - (clock() - started)))
+
+
+@dataclass
+class Watcher:
+    """The first rank's handle on its node's watcher."""
+
+    process: subprocess.Popen[bytes] | None
+
+    def running(self) -> bool:
+        """It runs and is not stopped (then the first rank's thread beats for the node)."""
+        if self.process is None or self.process.poll() is not None:
+            return False
+        seen = processes.seen(self.process.pid)
+        return seen is not None and not seen.stopped
+
+    def stop(self) -> None:
+        if self.running():
+            assert self.process is not None
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+
+def spawn(plan: Plan) -> Watcher:
+    """The node's watcher, started beside the first rank (its stderr: the rank's log); a handle on
+    nothing where it cannot start (no ``/proc``: not Linux), and the rank's thread beats instead."""
+    if not Path("/proc/self/stat").exists():
+        return Watcher(None)
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "hpc_ddp.rank.watch.node_watch",
+                                    json.dumps(plan.__dict__)], stdin=subprocess.DEVNULL,
+                                   close_fds=True)
+    except OSError as err:
+        log.warning("the node's watcher could not start (%s): the first rank's thread beats for "
+                    "the node instead", err)
+        return Watcher(None)
+    return Watcher(process)
+
+
+def main(argv: list[str]) -> int:
+    for name in IGNORED:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    raw = json.loads(argv[0])
+    plan = Plan(**{**raw, "ids": tuple(raw["ids"])})
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[hpc_ddp node {plan.node} watcher] %(message)s")
+    run(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
