@@ -3,7 +3,8 @@
 On the local test cluster (three slurmd nodes), a 2 x 1 run of ``examples/mlp.yaml`` with
 snapshots every 10 steps, one failure per run, each path repeated: a rank SIGKILLed at step 23
 (its sockets close), a training node marked down by ``scontrol`` once step 15 is logged, a rank
-frozen with SIGSTOP at step 23 (nothing closes: liveness finds it after ``dist.liveness_s``), and
+frozen with SIGSTOP at step 23 (nothing closes: its node's watcher sees it stopped in /proc; before the
+watcher, liveness found it after ``dist.liveness_s``), and
 the killed rank again with in-job restarts off (the requeue path). The figure is the time from
 the failure (the rank stamps it just before it dies or freezes; the benchmark when it marks the
 node down) to the resumed attempt's first metrics line: detection, the batch shell's decision,
@@ -105,4 +106,5 @@ def b10_healing(repeats: int = 3) -> dict[str, Any]:
             "target": "killed and node down healed < 20 s and <= 0.5 x the requeue path; frozen < 60 s",
             "met": max(in_job[:2]) < 20 and ratio <= 0.5 and in_job[2] < 60,
             "note": f"requeue hold {LOCAL_HOLD_S:g} s here (AuthInfo=cred_expire=5), {DEFAULT_HOLD_S:g} s with "
-                    "Slurm's default; dist.liveness_s=30 (the default) for the frozen rank"}
+                    "Slurm's default; the frozen rank is found by its node's watcher (stopped 2 s), "
+                    "dist.liveness_s=30 (the default) before it"}
