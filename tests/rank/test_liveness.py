@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -475,8 +476,9 @@ def test_a_stopped_rank_is_named_by_its_nodes_watcher_long_before_liveness_s(tmp
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TEST_TIMEOUT_S,
                           env={**os.environ, "HPC_DDP_TEST_STOP_RANK": "3"})
     assert proc.returncode == codes.EXIT_LOST, proc.stderr[-3000:]
-    assert ("rank 3 on node1 lost (stopped (SIGSTOP: state T in /proc) for 2s, seen by node 1's watcher (node1))"
-            in proc.stderr), proc.stderr[-3000:]
+    # 2 s of the watcher's looks, every 0.5 s: "2s", or "3s" on a loaded machine whose looks came late
+    assert re.search(r"rank 3 on node1 lost \(stopped \(SIGSTOP: state T in /proc\) for [23]s, seen by node 1's "
+                     r"watcher \(node1\)\)", proc.stderr), proc.stderr[-3000:]
     [attempt] = read_attempts(run_dir)[:1]
     assert attempt["reason"] == "failed" and attempt["lost_ranks"] == [3] and attempt["lost_hosts"] == ["node1"]
     assert alive_with(str(run_dir)) == []  # the stopped rank was SIGKILLed with the step, the watchers ended

@@ -107,7 +107,7 @@ class Liveness:
                                   liveness_s)
         # the leader's: the node's watcher process (node_watch.py), which beats for the node and
         # watches the next one while it runs; started by start() when ``node_watch``
-        self.node_watch, self.watcher = node_watch and self.leader, Watcher(None)
+        self.node_watch, self.watcher, self.watched = node_watch and self.leader, Watcher(None), False
         self._left, self._warned = False, False
         self._lock = threading.Lock()  # a beat and the last ("left") beat never interleave
         self._stopped = threading.Event()
@@ -163,6 +163,8 @@ class Liveness:
         """One period: beat, hear a declaration, look at the next rank on this node and (the node's
         leader) at the next node; declare what was silent for ``liveness_s``. Returns that silence
         (None: none declared)."""
+        # the node's watcher is on duty (its marker, its process alive): it beats for the node
+        self.watched = watching(self.folder, self.local_tag)
         self.beat()
         if self.listening and not self._left:
             heard = self._hear()
@@ -172,9 +174,9 @@ class Liveness:
         if self.leader and len(self.seen) < self.place.local_size:
             self._gather_ranks()
         silent = None
-        if self.local_peer != self.place.local_rank and not watching(self.folder, self.local_tag):
+        if self.local_peer != self.place.local_rank and not self.watched:
             silent = self._watch_local()
-        if silent is None and self.leader and not self.watcher.running():
+        if silent is None and self.leader and not self.watched:
             silent = self._watch_node()
         return silent
 
@@ -232,7 +234,7 @@ class Liveness:
         wall = self.wall()
         mine = Beat(self.local_tag, self.rank, self.host, self.count, left, wall, pid=os.getpid())
         writes = [(beats.local_beat(self.folder, self.place.local_rank), encode(mine))]
-        if self.leader and (left or not self.watcher.running()):
+        if self.leader and (left or not self.watched):
             node = Beat(self.tag, min(self.on_node), self.host, self.count, left, wall,
                         self.place.node,
                         tuple(sorted(self.on_node)))

@@ -8,7 +8,7 @@ left alive). It imports no torch and holds no GIL of a rank's, so:
 - **The node's beat** (``RUN_DIR/liveness/node-N.json``) comes from here, every period: a first
   rank that holds the GIL in one long C call, or was killed by the OOM killer, no longer makes the
   next node declare this whole, healthy node lost. The first rank's thread writes it only while
-  this process does not run (it could not start, or died: :meth:`Watcher.running`).
+  this process is not on duty (not started yet, could not start, died, or stopped: :func:`watching`).
 - **The next node's beat** is watched from here (:class:`NextNode`), and a node silent for
   ``dist.liveness_s`` is declared lost with every rank on it, as the first rank's thread did.
 - **Its node's ranks** are watched through ``/proc`` every :data:`TICK_S`
@@ -204,16 +204,8 @@ class Watcher:
 
     process: subprocess.Popen[bytes] | None
 
-    def running(self) -> bool:
-        """It runs and is not stopped (then the first rank's thread beats for the node)."""
-        if self.process is None or self.process.poll() is not None:
-            return False
-        seen = processes.seen(self.process.pid)
-        return seen is not None and not seen.stopped
-
     def stop(self) -> None:
-        if self.running():
-            assert self.process is not None
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=5)
 
