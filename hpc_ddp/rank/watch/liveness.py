@@ -106,8 +106,9 @@ class Liveness:
         self.next_node = NextNode(self.run_dir, self.tag, self.place.node, self.place.nodes,
                                   liveness_s)
         # the leader's: the node's watcher process (node_watch.py), which beats for the node and
-        # watches the next one while it runs; started by start() when ``node_watch``
-        self.node_watch, self.watcher, self.watched = node_watch and self.leader, Watcher(None), False
+        # watches the next one while it is on duty (``watched``); started by start()
+        self.node_watch, self.watcher = node_watch and self.leader, Watcher(None)
+        self.watched = False
         self._left, self._warned = False, False
         self._lock = threading.Lock()  # a beat and the last ("left") beat never interleave
         self._stopped = threading.Event()

@@ -5,10 +5,10 @@ The node's first rank starts it (:func:`spawn`) when its liveness starts, and it
 node's part of the attempt (the first rank's last beat says ``left``, or no rank of the node is
 left alive). It imports no torch and holds no GIL of a rank's, so:
 
-- **The node's beat** (``RUN_DIR/liveness/node-N.json``) comes from here, every period: a first
-  rank that holds the GIL in one long C call, or was killed by the OOM killer, no longer makes the
-  next node declare this whole, healthy node lost. The first rank's thread writes it only while
-  this process is not on duty (not started yet, could not start, died, or stopped: :func:`watching`).
+- **The node's beat** (``RUN_DIR/liveness/node-N.json``) comes from here, every period: a first rank
+  that holds the GIL in one long C call, or was killed by the OOM killer, no longer makes the next
+  node declare this whole, healthy node lost. The first rank's thread writes it only while this
+  process is not on duty (not started yet, could not start, died, or stopped: :func:`watching`).
 - **The next node's beat** is watched from here (:class:`NextNode`), and a node silent for
   ``dist.liveness_s`` is declared lost with every rank on it, as the first rank's thread did.
 - **Its node's ranks** are watched through ``/proc`` every :data:`TICK_S`
