@@ -23,10 +23,8 @@ def exists(pid: int) -> bool:
 def zombie(pid: int) -> bool:
     """An exited process not yet reaped (state Z): dead, though kill(pid, 0) still finds it. A
     killed launcher's ranks go to PID 1, which reaps slowly on some machines (containers)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    found = seen(pid)
+    return found is not None and found.letter == "Z"
 
 
 def running(pid: int) -> bool:

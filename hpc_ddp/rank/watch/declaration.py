@@ -137,8 +137,7 @@ class Board:
                 rewrite(beats.local_declared(self.folder),
                         losses.padded({**record, "attempt": self.local_tag}))
         else:
-            record = losses.declaration_in(beats.local_declared(self.folder), self.local_tag,
-                                           own=True)
+            record = heard_on_node(self.folder, self.local_tag)
         return None if record is None or record.get("by_rank") == rank else record
 
 

@@ -212,13 +212,18 @@ class Watcher:
 
 def spawn(plan: Plan) -> Watcher:
     """The node's watcher, started beside the first rank (its stderr: the rank's log); a handle on
-    nothing where it cannot start (no ``/proc``: not Linux), and the rank's thread beats instead."""
+    nothing where it cannot start (no ``/proc``: not Linux), and the rank's thread beats instead.
+    The plan goes through a pipe, not the command line, which every user of the node can read: it
+    holds the attempt's token and the node's private folder (only the run dir is on the command
+    line, by which a test finds what a run left running)."""
     if not Path("/proc/self/stat").exists():
         return Watcher(None)
     try:
         process = subprocess.Popen([sys.executable, "-m", "hpc_ddp.rank.watch.node_watch",
-                                    json.dumps(plan.__dict__)], stdin=subprocess.DEVNULL,
-                                   close_fds=True)
+                                    plan.run_dir], stdin=subprocess.PIPE, close_fds=True)
+        assert process.stdin is not None
+        with process.stdin:
+            process.stdin.write(json.dumps(plan.__dict__).encode())
     except OSError as err:
         log.warning("the node's watcher could not start (%s): the first rank's thread beats for "
                     "the node instead", err)
@@ -226,10 +231,10 @@ def spawn(plan: Plan) -> Watcher:
     return Watcher(process)
 
 
-def main(argv: list[str]) -> int:
+def main(stdin: Any = sys.stdin) -> int:
     for name in IGNORED:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    raw = json.loads(argv[0])
+    raw = json.loads(stdin.read())
     plan = Plan(**{**raw, "ids": tuple(raw["ids"])})
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[hpc_ddp node {plan.node} watcher] %(message)s")
@@ -238,4 +243,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())
