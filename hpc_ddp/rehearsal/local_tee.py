@@ -18,6 +18,9 @@ from hpc_ddp.core.codes import PROGRESS_MARK
 
 # where a rank's error starts
 ERROR_LINE = re.compile(r"error: |Traceback |\[rank \d+\] [\d:]+ (ERROR|CRITICAL) ")
+# rank 0's progress mark, wherever another thread's write put it in a line (a tee that read
+# "... step 0[rank 0] ..." as a number died, and no injected stop fired)
+MARK = re.compile(re.escape(PROGRESS_MARK) + r"(\d+)\n?")
 # hpc_ddp's own log lines in a rank's output (rank/attempt/start.py's format): not the program's
 OWN_LINE = re.compile(r"\[rank \d+\] [\d:]+ [A-Z]+ hpc_ddp[.:]")
 
@@ -41,9 +44,14 @@ def tee(source: IO[bytes], log_path: Path, stream: IO[str], err: IO[str],
     with open(log_path, "ab") as log:
         for line in iter(source.readline, b""):
             text = line.decode(errors="replace")
-            if text.startswith(PROGRESS_MARK):
-                on_step(int(text[len(PROGRESS_MARK):]))
-                continue
+            mark = MARK.search(text)
+            if mark:
+                on_step(int(mark.group(1)))
+                # a line another thread's write landed in: the rest is the program's
+                text = text[:mark.start()] + text[mark.end():]
+                if not text.strip():
+                    continue
+                line = text.encode()
             found = progress.search(text) if progress is not None else None
             if found:
                 on_step(int(found.group(1)))

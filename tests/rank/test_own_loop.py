@@ -73,7 +73,10 @@ def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_no
                   "--preempt-at", "40")
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = read_attempts(run_dir)
-    assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
+    if [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("failed", 1), ("finished", 1)]:
+        _torn_down_by_gloo(run_dir, attempts[1], attempts[2])
+    else:
+        assert [(a["reason"], a["restart_count"]) for a in attempts] == [("preemption", 0), ("finished", 1)], attempts
     # rank 0's script died of its peer, not of the signal: by its RuntimeError (exit 1) or, about one run in eight
     # here, by SIGABRT ("terminate called without an active exception": gloo's threads as the interpreter tears
     # down after that error, in the plain torch script; seen with and without hpc_ddp's changes of the day)
@@ -82,6 +85,18 @@ def test_a_script_that_dies_of_its_peer_before_the_stop_reaches_it_is_stopped_no
     # which epoch snapshot it resumes from depends on how far the script got before the launcher saw step 40
     # (a loaded CI machine saw a later one): the resume itself is what matters here
     assert re.search(r"resuming training from snapshot at epoch [1-9]", proc.stdout), proc.stdout[-2000:]
+
+
+
+def _torn_down_by_gloo(run_dir: Path, torn: dict[str, object], retry: dict[str, object]) -> None:
+    """The resumed attempt's training finished, and a rank's plain torch script aborted as gloo tore down after
+    its last collective ("terminate called without an active exception", SIGABRT: torch's, 2 runs in about 50
+    under load, CI included; not seen in 60 plain runs of the same script). hpc_ddp may not call that a finish:
+    it is a failure, retried in the job, and the retry finds the script's last snapshot and ends the run."""
+    logs = "".join(path.read_text() for path in (run_dir / "logs").glob("attempt-1-rank-*.log"))
+    assert torn["last_step"] == 128 and "exited with code -6 on rank" in str(torn["message"]), torn
+    assert "terminate called without an active exception" in logs, logs[-2000:]
+    assert retry["healed"] == {"after": "failed", "excluded": {}, "how": "retried", "nodes_before": "node0"}, retry
 
 
 # a stand-in rank: its "script" (a child) dies once the peer rank is gone or a zombie (as of a broken

@@ -9,6 +9,8 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
 from hpc_ddp.rehearsal import local_tee
 
 
@@ -46,3 +48,35 @@ def test_the_line_that_says_why_a_stop_never_fired_is_the_programs_not_a_warning
     local_tee.tee(io.BytesIO(text.encode()), tmp_path / "rank-0.log", io.StringIO(), io.StringIO(), lambda step: None,
                   None, watch, None)
     assert watch["line"] == "Unable to locate sufficient 2 gpus to run this example. Exiting."
+
+
+def test_a_progress_mark_that_another_threads_line_landed_in_is_still_a_step(tmp_path: Path) -> None:
+    """The node's binding line is logged from a thread while rank 0 prints its first mark: ``print`` wrote the
+    mark and its newline apart, the log line landed between them, and the tee died on ``int("0[rank 0] ...")``:
+    no injected stop fired, the run finished unstopped (the skewed-stop test, 1 run in 24 under load). Now a mark
+    is one write, and the tee reads one wherever it lands."""
+    steps: list[int] = []
+    binding = "[rank 0] 13:55:25 INFO hpc_ddp.placement: binding on node0 (node 0 of 1)\n"
+    text = f"@@hpc_ddp step 0{binding}\n@@hpc_ddp step 1\nstep 1 loss 0.5\n"
+    stream = io.StringIO()
+    local_tee.tee(io.BytesIO(text.encode()), tmp_path / "rank-0.log", stream, io.StringIO(), steps.append, None,
+                  None, None)
+    assert steps == [0, 1]
+    assert "@@hpc_ddp" not in stream.getvalue() and binding in stream.getvalue()
+    assert (tmp_path / "rank-0.log").read_text().strip().splitlines() == [binding.strip(), "", "step 1 loss 0.5"]
+
+
+def test_a_mark_is_written_whole_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One write of the whole line, so no other thread's line can land inside it (``print`` made two)."""
+    from hpc_ddp.rank.attempt.injection import print_progress
+
+    class Writes(io.StringIO):
+        calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr("sys.stdout", Writes())
+    print_progress(7)
+    assert Writes.calls == ["@@hpc_ddp step 7\n"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ def on_step(attempt: Attempt, run: Run) -> Callable[[int], None] | None:
     environ = attempt.environ
     store.FAULT_POINT = environ.get(FAULT_POINT_VAR)
     hook: Callable[[int],
-                   None] | None = _print_progress if attempt.local and attempt.env.is_main else None
+                   None] | None = print_progress if attempt.local and attempt.env.is_main else None
     if hook is not None and environ.get(HOLD_AT_VAR):  # the rehearsal's --preempt-at/--timeout-at
         hook = functools.partial(_hold_for_stop, _steps(environ[HOLD_AT_VAR]), attempt.flag)
     # the rehearsal's --fail-at: this rank's node is lost after that step
@@ -79,14 +80,20 @@ def _hold_for_stop(steps: frozenset[int], flag: StopFlag, step: int) -> None:
     and waits, at most ``HOLD_S``, for the signal the launcher sends on reading that report. Without
     the wait a short run on a loaded machine could finish before the signal lands, and the stop
     under test would never happen."""
-    _print_progress(step)
+    print_progress(step)
     deadline = time.monotonic() + HOLD_S
     while step in steps and not flag.is_set and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
-def _print_progress(step: int) -> None:
-    """The local simulation watches rank 0 for these lines to inject signals at chosen steps."""
+def print_progress(step: int) -> None:
+    """The local simulation watches rank 0 for these lines to inject signals at chosen steps.
+
+    One write of the whole line: ``print`` writes the text and its newline apart (the rehearsal's
+    ranks run unbuffered), and a log line from another thread (the node's binding line) could land
+    between them; the rehearsal then read ``... step 0[rank 0] ...`` and its tee died on it, so no
+    injected stop ever fired."""
     from hpc_ddp.core.codes import PROGRESS_MARK
 
-    print(f"{PROGRESS_MARK}{step}", flush=True)
+    sys.stdout.write(f"{PROGRESS_MARK}{step}\n")
+    sys.stdout.flush()

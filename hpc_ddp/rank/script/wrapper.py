@@ -58,6 +58,7 @@ from hpc_ddp.rank.script.output import Progress
 from hpc_ddp.rank.script.publish import Publisher
 from hpc_ddp.rank.attempt.context import CONFIG_VAR, WRAPPED, Attempt
 from hpc_ddp.rank.attempt.conclude import conclude
+from hpc_ddp.rank.attempt.injection import print_progress
 from hpc_ddp.rank.group import nccl_report
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.core.slurm_env import DistEnv, torch_env
@@ -187,9 +188,7 @@ def run_script(attempt: Attempt) -> int:
         # before the script can crash or be stopped: peers read the marks by name
         prepare_marks(attempt)
         if attempt.local and env.is_main:
-            from hpc_ddp.core.codes import PROGRESS_MARK
-
-            print(f"{PROGRESS_MARK}0", flush=True)  # "started": --preempt-at 0 may fire now
+            print_progress(0)  # "started": --preempt-at 0 may fire now
         progress, decided = _watch(attempt), {}
         publisher = Publisher(attempt, progress) if progress is not None else None
         environ = _child_environ(attempt, progress)
