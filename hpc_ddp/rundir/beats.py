@@ -42,6 +42,7 @@ class Beat:
     node: int | None = None  # a node's beat: its index in the step
     ranks: tuple[int, ...] = ()  # a node's beat: the ranks on it (those that have beaten)
     pid: int | None = None  # a rank's beat on its node: its process, for the node's watcher
+    net: str | None = None  # a node's beat from its watcher: where it answers pings (ADDRESS:PORT)
 
 
 def encode(beat: Beat) -> bytes:
@@ -51,6 +52,8 @@ def encode(beat: Beat) -> bytes:
         record.update(node=beat.node, ranks=list(beat.ranks))
     if beat.pid is not None:
         record["pid"] = beat.pid
+    if beat.net is not None:
+        record["net"] = beat.net
     text = json.dumps(record)
     width = WIDTH * (len(text) // WIDTH + 1)  # fixed within an attempt unless the node's ranks grow
     return (text.ljust(width - 1) + "\n").encode()
@@ -68,7 +71,8 @@ def decode(raw: bytes, tag: str) -> Beat | None:
                     record.get("state") == "left", float(record.get("time") or 0),
                     None if node is None else int(node),
                     tuple(int(r) for r in record.get("ranks") or ()),
-                    None if pid is None else int(pid))
+                    None if pid is None else int(pid),
+                    None if record.get("net") is None else str(record["net"]))
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None
 

@@ -140,10 +140,11 @@ def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int,
     markers = lost_markers(run_dir, job_id, restart_count, in_job)
     if not markers:
         return {}
+    times = [float(m["time"]) for m in markers.values() if isinstance(m.get("time"), (int, float))]
     return {"lost_ranks": sorted(markers),
             "lost_hosts": sorted({str(m.get("host")) for m in markers.values()
                                                                  if m.get("host")}),
-            "message": _describe(markers)}
+            "message": _describe(markers), **({"lost_at": min(times)} if times else {})}
 
 
 def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int,

@@ -322,3 +322,17 @@ def test_status_piped_into_a_reader_that_closed_exits_quietly(tmp_path: Path) ->
     finally:
         os.close(write)
     assert proc.stderr == "" and proc.returncode == 141, proc.stderr
+
+
+def test_status_says_which_node_a_failure_lost_how_it_was_noticed_by_whom_and_when(tmp_path: Path) -> None:
+    """Issue 60: a partitioned node's declaration, as the ledger has it (losses.ledger_fields), in status."""
+    import time
+
+    declared = 1796400000.0
+    message = ("ranks 2, 3 on n1 lost (no answer over the training network for 3s, its beats in the run dir still "
+               "came (0s ago): its link is down or cut off, seen by node 0's watcher (n0))")
+    attempts = [{"reason": "failed", "job_id": 5, "restart_count": 0, "first_step": 0, "last_step": 23,
+                 "lost_ranks": [2, 3], "lost_hosts": ["n1"], "message": message, "lost_at": declared},
+                {"reason": "finished", "job_id": 5, "restart_count": 0, "in_job": 1, "resumed_from": 22}]
+    text = render(collect(run_dir(tmp_path, attempts=attempts)))
+    assert f"#0: at {time.strftime('%H:%M:%S', time.localtime(declared))}: {message}" in text, text

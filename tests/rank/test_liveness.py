@@ -152,7 +152,8 @@ def test_a_silent_peer_is_declared_lost_with_a_marker_that_names_it_and_its_host
     assert marker["by_rank"] == 0 and marker["silent_s"] >= LIVENESS_S and marker["last_beat"] == 4
     assert "rank 1 on node1 lost" in losses.describe(tmp_path, 7, 0)
     assert losses.ledger_fields(tmp_path, 7, 0) == {
-        "lost_ranks": [1], "lost_hosts": ["node1"], "message": losses.describe(tmp_path, 7, 0)}
+        "lost_ranks": [1], "lost_hosts": ["node1"], "message": losses.describe(tmp_path, 7, 0),
+        "lost_at": marker["time"]}  # when it was declared: status says it
     assert (tmp_path / "errors" / "job-7-restart-0-crash-rank-1.txt").exists()  # for a train.script's workers
     # the watcher said it leaves: its own watcher never takes it for lost
     assert decode(beats.node_beat(tmp_path, 0).read_bytes(), "job-7-restart-0").left  # type: ignore[union-attr]
@@ -203,9 +204,10 @@ def test_every_survivor_hears_the_declaration_and_writes_what_it_holds_before_it
     """Only rank 3 watches rank 0; ranks 1 and 2 used to learn of the loss when a peer they waited on exited and
     gloo failed their collective (NCCL does not: they stayed blocked, and rank 0's buddy never wrote its state).
     The declaration reaches them by name, read once the rendezvous is done, never from another attempt or their
-    own; each writes what it holds (before_exit) and exits."""
+    own; each writes what it holds (before_exit) and exits. Rank 0, thawed, hears that it was declared lost, and
+    writes nothing: a declared rank is fenced (issue 60: a partitioned node, a false alarm)."""
     clock = Clock()
-    heard: dict[int, list[str]] = {1: [], 2: [], 3: []}
+    heard: dict[int, list[str]] = {0: [], 1: [], 2: [], 3: []}
     wrote: list[int] = []
     ranks = [Liveness(tmp_path, 7, 0, 0, r, 4, f"node{r}", LIVENESS_S, clock=clock, on_lost=heard.get(r, []).append,
                       on_heard=heard.get(r, []).append, node_base=tmp_path / "node-local") for r in range(4)]
@@ -231,6 +233,8 @@ def test_every_survivor_hears_the_declaration_and_writes_what_it_holds_before_it
     for rank in ranks[1:3]:
         rank.check()
     assert wrote == [3, 1, 2] and all("rank 3 declared rank 0 on node0 lost" in heard[r][0] for r in (1, 2))
+    ranks[0].check()
+    assert wrote == [3, 1, 2] and "This rank is among them" in heard[0][0], heard[0]
     assert all(decode(beats.node_beat(tmp_path, r).read_bytes(), "job-7-restart-0").left for r in (1, 2, 3))  # type: ignore[union-attr]
 
 

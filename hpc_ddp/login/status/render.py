@@ -8,6 +8,7 @@ it on their own, and it is the longest part of the view. No torch.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hpc_ddp.core.errors import HpcDdpError
@@ -112,6 +113,8 @@ def render(info: dict[str, Any]) -> str:
                        f"{compile_note(a.get('compile'))}".rstrip())
     notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
     notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
+    notes += [(i, lost_ranks_note(a)) for i, a in enumerate(info["attempts"])
+              if a.get("lost_ranks") and a.get("message")]
     notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
               if isinstance(a.get("stopped_mid_step"), dict)]
     notes += list(info.get("hangs", {}).items())
@@ -194,6 +197,15 @@ def broken_stop_note(entry: dict[str, Any]) -> str:
     fix = ("; give each DataLoader worker_init_fn=hpc_ddp.worker_init()"
            if entry.get("child_killed") else "")
     return f"the stop signal broke a step ({entry.get('error')}): {cost}{fix}"
+
+
+def lost_ranks_note(attempt: dict[str, Any]) -> str:
+    """Which ranks a failed attempt lost, how it was noticed and by whom (the ledger's message),
+    and when they were declared."""
+    at = attempt.get("lost_at")
+    when = (f"at {time.strftime('%H:%M:%S', time.localtime(float(at)))}: "
+            if isinstance(at, (int, float)) else "")
+    return f"{when}{attempt['message']}"
 
 
 def healed_note(attempt: dict[str, Any]) -> str:

@@ -45,21 +45,26 @@ HINT = ("HINT: the node may be frozen or gone (`scontrol show node HOST`, its ke
 
 
 def lost(rank: int | None, own_host: str, liveness_s: float, silent: float, ranks: list[int],
-         last: Beat, now: float, by: str | None = None) -> tuple[str, dict[str, Any]]:
+         last: Beat, now: float, by: str | None = None,
+         noticed: str | None = None) -> tuple[str, dict[str, Any]]:
     """What rank ``rank`` (on ``own_host``; or ``by``, a node's watcher) says and records:
-    ``ranks`` were silent ``silent`` s."""
+    ``ranks`` were silent ``silent`` s (in the run dir's beats, or as ``noticed`` says: on the
+    training network, :mod:`hpc_ddp.rank.watch.net_beat`)."""
     host = last.host or "?"
     whole = (f" (node {last.node}, every rank on it)"
              if last.node is not None and len(ranks) > 1 else "")
+    how = noticed or (f"no liveness beat for {silent:.0f}s (dist.liveness_s={liveness_s:g}); the "
+                      f"last beat was #{last.count}")
     message = (f"{by or f'rank {rank}'}: {losses.who(ranks)} on {host}{whole} "
-               f"{'is' if len(ranks) == 1 else 'are'} lost: no liveness beat for {silent:.0f}s "
-               f"(dist.liveness_s={liveness_s:g}); the last beat was #{last.count}. Ending this "
+               f"{'is' if len(ranks) == 1 else 'are'} lost: {how}. Ending this "
                f"step now instead of waiting in a collective for dist.timeout_s.\n{HINT}")
     record = {"rank": ranks[0], "ranks": ranks, "host": host, "silent_s": round(silent, 1),
               "liveness_s": liveness_s, "by_rank": rank, "by_host": own_host,
               "last_beat": last.count, "last_beat_time": last.wall, "time": round(now, 3)}
     if by is not None:
         record["by"] = by
+    if noticed is not None:
+        record["noticed"] = noticed
     return message, record
 
 
@@ -87,10 +92,20 @@ def stopped(by: str, host: str, ranks: list[int], seconds: float, last: Beat, no
 def heard(rank: int, record: dict[str, Any]) -> str:
     """What rank ``rank`` says when it hears another rank's declaration ``record``."""
     by = record.get("by") or f"rank {record.get('by_rank')}"
-    return (f"rank {rank}: {by} declared "
+    said = (f"rank {rank}: {by} declared "
             f"{losses.who(losses.named_ranks(record))} on {record.get('host') or '?'} lost; this "
             "rank ends the step now instead of waiting in a collective for the process group to "
             "fail")
+    if fenced(rank, record):
+        return (f"{said}. This rank is among them (its node cut off, or a false alarm): it offers "
+                "nothing for the survivors' snapshot, which its peers write without it")
+    return said
+
+
+def fenced(rank: int, record: dict[str, Any]) -> bool:
+    """``rank`` is among the ranks ``record`` declares lost: once declared, nothing it would write
+    (an offer, its share of the survivors' snapshot) is taken; it writes none (issue 60)."""
+    return rank in losses.named_ranks(record)
 
 
 def heard_on_node(folder: Path, local_tag: str) -> dict[str, Any] | None:
@@ -116,9 +131,9 @@ class Board:
             marker = layout.lost_marker(self.run_dir, self.tag, ranks[0])
             marker.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(marker, json.dumps(record, sort_keys=True) + "\n")
+            noticed = record.get("noticed") or f"no liveness beat for {silent:.0f}s"
             write_atomic(crash_marker(self.run_dir, *self.ids, ranks[0]),
-                         f"{losses.who(ranks)} on {host} lost: no liveness beat for "
-                         f"{silent:.0f}s\n")
+                         f"{losses.who(ranks)} on {host} lost: {noticed}\n")
             # other nodes' leaders read it, and this node's ranks the copy here, with the token
             rewrite_in_place(layout.declared(self.run_dir),
                              losses.padded({**record, "attempt": self.tag}))

@@ -36,7 +36,8 @@ from typing import Any
 
 from hpc_ddp.rank.watch import declaration
 from hpc_ddp.rank.watch.declaration import rewrite
-from hpc_ddp.rank.watch.node_watch import NextNode, Plan, Watcher, spawn, watching
+from hpc_ddp.rank.watch.next_node import NextNode
+from hpc_ddp.rank.watch.node_watch import Plan, Watcher, spawn, watching
 from hpc_ddp.rundir import beats, layout, node_local
 # Judge, decode and encode were here first
 from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401
@@ -62,6 +63,7 @@ class Place:
     local_size: int = 1
     node: int = 0
     nodes: int = 1
+    toward: str = "127.0.0.1"  # MASTER_ADDR: the node's watcher pings from the address reaching it
 
 
 class Liveness:
@@ -132,7 +134,8 @@ class Liveness:
     def _plan(self) -> Plan:
         return Plan(str(self.run_dir), self.ids, self.tag, self.local_tag, str(self.folder),
                     self.place.node, self.place.nodes, self.rank - self.place.local_rank,
-                    self.place.local_size, self.host, self.liveness_s, self.period_s)
+                    self.place.local_size, self.host, self.liveness_s, self.period_s,
+                    toward=self.place.toward)
 
     def listen(self) -> None:
         """After the rendezvous (rank 0 has created the declaration's file): hear declarations from
@@ -265,10 +268,11 @@ class Liveness:
                 self._act_on(record)
 
     def _act_on(self, record: dict[str, Any]) -> None:
-        message = declaration.heard(self.rank, record)
+        message, fenced = declaration.heard(self.rank,
+                                            record), declaration.fenced(self.rank, record)
         log.error("%s", message)
         self.leave()
-        if self.before_exit is not None:
+        if self.before_exit is not None and not fenced:
             # what this rank holds, from this thread (rank/salvage/jit.py)
             self.before_exit(message)
         self.on_heard(message)

@@ -55,7 +55,7 @@ def start(run_dir: Path, dist: DistConfig, env: DistEnv, environ: Mapping[str, s
     if window is None or env.world_size < 2:
         return None
     place = Place(env.local_rank, max(1, env.local_world_size), env.node_rank,
-                  max(1, env.num_nodes))
+                  max(1, env.num_nodes), env.master_addr or "127.0.0.1")
     return Liveness(run_dir, env.job_id, env.restart_count, env.in_job, env.rank, env.world_size,
                     host_of(environ, env.nodelist, env.node_rank), window, place=place,
                     on_lost=on_lost, on_heard=on_heard, node_watch=True).start()

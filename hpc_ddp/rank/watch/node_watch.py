@@ -10,7 +10,10 @@ left alive). It imports no torch and holds no GIL of a rank's, so:
   node declare this whole, healthy node lost. The first rank's thread writes it only while this
   process is not on duty (not started yet, could not start, died, or stopped: :func:`watching`).
 - **The next node's beat** is watched from here (:class:`NextNode`), and a node silent for
-  ``dist.liveness_s`` is declared lost with every rank on it, as the first rank's thread did.
+  ``dist.liveness_s`` is declared lost with every rank on it, as the first rank's thread did; and
+  **over the training network** (:mod:`hpc_ddp.rank.watch.net_beat`): pinged every tick, a node
+  that stops answering for 3 s is lost (a partition, a frozen or powered-off node), and one whose
+  run-dir beats are late while it answers is not (a slow file server).
 - **Its node's ranks** are watched through ``/proc`` every :data:`TICK_S`
   (:class:`hpc_ddp.rank.watch.kernel_judge.KernelJudge`): a rank stopped by SIGSTOP for
   :data:`hpc_ddp.rank.watch.kernel_judge.STOPPED_S` is declared lost and named by rank, where its
@@ -39,8 +42,12 @@ from typing import Any
 from hpc_ddp.core import processes
 from hpc_ddp.rank.watch import declaration
 from hpc_ddp.rank.watch.kernel_judge import STOPPED_S, KernelJudge
+from hpc_ddp.rank.watch import net_beat
+from hpc_ddp.rank.watch.net_beat import NET_SILENT_S
+from hpc_ddp.rank.watch.next_node import NextNode
+from hpc_ddp.rundir import losses
 from hpc_ddp.rundir import beats
-from hpc_ddp.rundir.beats import Beat, Judge
+from hpc_ddp.rundir.beats import Beat
 
 log = logging.getLogger("hpc_ddp.liveness")
 TICK_S = 0.5  # how often the kernel view and the node's relay are looked at (node-local reads)
@@ -64,27 +71,8 @@ class Plan:
     liveness_s: float
     period_s: float
     stopped_s: float = STOPPED_S
-
-
-class NextNode:
-    """The next node's beat in the run dir, judged by this watcher's clock; past a node that left,
-    the one after it."""
-
-    def __init__(self, run_dir: Path, tag: str, node: int, nodes: int, liveness_s: float) -> None:
-        self.run_dir, self.tag, self.node, self.nodes = run_dir, tag, node, nodes
-        self.liveness_s = liveness_s
-        self.peer, self.judge = (node + 1) % nodes, Judge(liveness_s)
-
-    def look(self, now: float) -> tuple[float, Beat] | None:
-        """(silence, its last beat) once the watched node was silent for ``liveness_s``."""
-        if self.peer == self.node:
-            return None
-        judge = self.judge
-        silent = judge.observe(beats.read(beats.node_beat(self.run_dir, self.peer), self.tag), now)
-        if judge.left:
-            self.peer, self.judge = (self.peer + 1) % self.nodes, Judge(self.liveness_s)
-            return None
-        return (silent, judge.last) if silent is not None and judge.last is not None else None
+    toward: str = "127.0.0.1"  # MASTER_ADDR: the net beat goes from the address that reaches it
+    net_silent_s: float = NET_SILENT_S
 
 
 class NodeWatch:
@@ -100,6 +88,10 @@ class NodeWatch:
         self.next_node = NextNode(self.run_dir, plan.tag, plan.node, plan.nodes, plan.liveness_s)
         self.on_node = set(range(plan.first_rank, plan.first_rank + plan.local_size))
         self.count, self.beaten_at, self.done = 0, None, False
+        # a declaration is out: the step ends; pings are still answered, nothing more is judged
+        self.quiet, self.warned = False, False
+        self.net = net_beat.start(plan.local_tag, plan.tag, plan.node, plan.toward,
+                                  plan.net_silent_s, stall_s=max(1.0, 2 * TICK_S))
 
     def tick(self) -> None:
         """One look at the node's ranks; the node's beat and the next node every period."""
@@ -119,8 +111,13 @@ class NodeWatch:
             self._beat(left=True)
             self.done = True
             return
-        if self._heard():
-            return  # a declaration is out: the step ends, and nothing more is judged here
+        self.quiet = self.quiet or self._heard()
+        if self.net is not None:
+            self.net.tick(self.next_node.peer, None if self.quiet else self.next_node.endpoint(),
+                          now)
+        if self.quiet:
+            self._period(now, judge=False)
+            return
         look = self.kernel.observe(found, seen, now)
         for rank in look.gone:
             log.warning("node %d's watcher: rank %d's process (pid %s) is gone without saying it "
@@ -129,16 +126,55 @@ class NodeWatch:
         if look.stopped or look.gone_long:
             self._declare_stopped(look.stopped, look.gone_long, found)
             return
-        if self.beaten_at is None or now - self.beaten_at >= self.plan.period_s:
-            self.beaten_at = now
-            self._beat(left=False)
-            lost = self.next_node.look(now)
-            if lost is not None:
-                silent, last = lost
-                message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s,
-                                                   silent, list(last.ranks or (last.rank,)),
-                                                   last, self.wall(), by=self._me())
-                self._post(message, record, silent)
+        if not self._net_lost(now):
+            self._period(now, judge=True)
+
+    def _period(self, now: float, judge: bool) -> None:
+        """Every period: the node's beat, and (``judge``) the next node's in the run dir."""
+        if self.beaten_at is not None and now - self.beaten_at < self.plan.period_s:
+            return
+        self.beaten_at = now
+        self._beat(left=False)
+        lost = self.next_node.look(now) if judge else None
+        if lost is None:
+            self.warned = False
+            return
+        silent, last = lost
+        answers = None if self.net is None else self.net.silence(now)
+        if answers is not None and answers < self.plan.net_silent_s:
+            if not self.warned:
+                log.warning("node %d's watcher: node %d's beats in the run dir are %.0fs late, "
+                            "but it answers over the training network: its file server is slow "
+                            "(not a loss)", self.plan.node, self.next_node.peer, silent)
+            self.warned = True
+            return
+        message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
+                                           list(last.ranks or (last.rank,)), last, self.wall(),
+                                           by=self._me())
+        self._post(message, record, silent)
+
+    def _net_lost(self, now: float) -> bool:
+        """The next node silent on the training network for ``net_silent_s``: declared lost (not
+        when it left, when a declaration is already out, or when this node's own link is down),
+        and True."""
+        silent = None if self.net is None else self.net.lost(now)
+        if self.net is None or silent is None:
+            return False
+        left, age = self.next_node.fresh(now)
+        last = self.next_node.judge.last
+        if left or last is None or losses.declaration(self.run_dir, self.plan.tag) is not None:
+            return False
+        if self.net.cut_off():
+            if not self.warned:
+                log.error("node %d's watcher: this node's link (%s) is down: it is the one cut "
+                          "off, and declares nobody", self.plan.node, self.net.interface)
+            self.warned = True
+            return False
+        message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
+                                           list(last.ranks or (last.rank,)), last, self.wall(),
+                                           by=self._me(), noticed=net_beat.noticed(silent, age))
+        self._post(message, record, silent)
+        return True
 
     def _me(self) -> str:
         return f"node {self.plan.node}'s watcher ({self.plan.host})"
@@ -159,12 +195,13 @@ class NodeWatch:
     def _post(self, message: str, record: dict[str, Any], silent: float) -> None:
         self.board.post(record, silent)
         log.error("%s", message)
-        self.done = True
+        self.quiet = True
 
     def _beat(self, left: bool) -> None:
         self.count += 1
         node = Beat(self.plan.tag, min(self.on_node), self.plan.host, self.count, left,
-                    self.wall(), self.plan.node, tuple(sorted(self.on_node)))
+                    self.wall(), self.plan.node, tuple(sorted(self.on_node)),
+                    net=None if self.net is None else self.net.endpoint)
         try:
             declaration.rewrite(beats.node_beat(self.run_dir, self.plan.node), beats.encode(node))
         except OSError as err:
@@ -187,6 +224,8 @@ def watching(folder: Path, local_tag: str, proc: Path = Path("/proc")) -> bool:
 def run(plan: Plan, clock: Any = time.monotonic) -> None:
     """Tick until the node's part of the attempt ends (or a declaration is out)."""
     watch = NodeWatch(plan, clock=clock)
+    if watch.net is not None:
+        watch.net.serve(clock)  # answers pings while a tick waits on the file server
     declaration.rewrite(marker(watch.folder), beats.encode(
         Beat(plan.local_tag, plan.first_rank, plan.host, 1, pid=os.getpid())))
     while not watch.done:
@@ -196,6 +235,8 @@ def run(plan: Plan, clock: Any = time.monotonic) -> None:
         except Exception as err:  # noqa: BLE001 (a watcher that dies stops the node's beats)
             log.warning("node %d's watcher: a look failed (it goes on): %s", plan.node, err)
         time.sleep(max(0.0, TICK_S - (clock() - started)))
+    if watch.net is not None:
+        watch.net.close()
 
 
 @dataclass

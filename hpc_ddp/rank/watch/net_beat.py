@@ -1,0 +1,259 @@
+"""The node's beat over the training network (issue 60): how a node's watcher tells a partitioned
+node from a slow file server, and a frozen or powered-off node from a slow one, in seconds.
+
+The beats in the run dir (:mod:`hpc_ddp.rundir.beats`) go through the file server. A node whose
+training link is down still writes them (its storage network is another), so a partition was
+never seen (its peers waited in a collective for ``dist.timeout_s``); and a file server that
+stalls one node's writes looks like that node's death, so the window had to stay long
+(``dist.liveness_s``, 30 s).
+
+Each watcher (:mod:`hpc_ddp.rank.watch.node_watch`) therefore also pings the node it watches,
+every tick, over UDP from the address it reaches ``MASTER_ADDR`` from (its training network), at
+the address that node's watcher published in its beat in the run dir; the watched watcher answers
+each ping. :class:`NetJudge` keeps the silence of the answers, by the watcher's own clock:
+
+- no answer for :data:`NET_SILENT_S` once answers came: the node is lost (frozen, powered off,
+  partitioned), whatever its beats in the run dir say; a watcher that finds its own link down
+  (:func:`link_down`) is the one cut off, and declares nobody;
+- the run dir's beats silent for ``dist.liveness_s`` while the answers come: not a loss (its file
+  server is slow), a warning once;
+- no answer ever (UDP blocked between nodes, no watcher there): the run dir's beats alone, as
+  before.
+
+Datagrams carry the attempt and an HMAC with a key made from the attempt's node-local token, so
+another user on the network can neither answer for a dead node nor make a live one look dead (a
+replayed answer is older than the last one heard, and ignored). No torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("hpc_ddp.liveness")
+# a watched node that answered before and is silent this long on the network is lost: pings go
+# every tick (0.5 s), so six in a row went unanswered
+NET_SILENT_S = 3.0
+MAC_BYTES = 16
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def own_address(toward: str) -> str:
+    """The address this node reaches ``toward`` (MASTER_ADDR) from: its training network's (no
+    packet is sent: a UDP socket's connect only picks the route)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((toward, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def interface_of(address: str, net: Path = Path("/sys/class/net")) -> str | None:
+    """The interface that holds ``address`` (None: not found)."""
+    try:
+        names = sorted(os.listdir(net))
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                raw = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def link_down(interface: str | None, net: Path = Path("/sys/class/net")) -> bool:
+    """Whether ``interface`` says its link is down (this node is the one cut off)."""
+    if interface is None:
+        return False
+    try:
+        return (net / interface / "operstate").read_text().strip() == "down"
+    except OSError:
+        return False
+
+
+def key(local_tag: str) -> bytes:
+    """The attempt's key for its datagrams: from its node-local tag, which carries the attempt's
+    token (made from the run's secret)."""
+    return hmac.new(local_tag.encode(), b"net-beat", hashlib.sha256).digest()
+
+
+def encode(secret: bytes, tag: str, node: int, kind: str, count: int) -> bytes:
+    body = json.dumps({"a": tag, "n": node, "k": kind, "c": count}).encode()
+    return hmac.new(secret, body, hashlib.sha256).digest()[:MAC_BYTES] + body
+
+
+def decode(secret: bytes, tag: str, raw: bytes) -> tuple[int, str, int] | None:
+    """(node, kind, count) of a datagram of this attempt with a good MAC; None for anything else."""
+    mac, body = raw[:MAC_BYTES], raw[MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.new(secret, body, hashlib.sha256).digest()[:MAC_BYTES]):
+        return None
+    try:
+        record = json.loads(body)
+        if record["a"] != tag:
+            return None
+        return int(record["n"]), str(record["k"]), int(record["c"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class NetJudge:
+    """The answers of one watched node, by this watcher's clock. Pure: given the time."""
+
+    def __init__(self, silent_s: float = NET_SILENT_S, stall_s: float = 1.0) -> None:
+        self.silent_s, self.stall_s = silent_s, stall_s
+        self.count = -1
+        self.heard_at: float | None = None
+        self.looked_at: float | None = None
+
+    def heard(self, count: int, now: float) -> None:
+        if count > self.count:  # a replayed or reordered answer is no news
+            self.count, self.heard_at = count, now
+
+    def silence(self, now: float) -> float | None:
+        """Seconds without an answer, once one came; None before. A gap between two looks longer
+        than ``stall_s`` (this watcher was stopped: ``scontrol suspend`` stops every node) starts
+        the count again."""
+        if self.looked_at is not None and now - self.looked_at > self.stall_s \
+                and self.heard_at is not None:
+            self.heard_at = max(self.heard_at, now)
+        self.looked_at = now
+        return None if self.heard_at is None else now - self.heard_at
+
+    def lost(self, now: float) -> float | None:
+        """The silence once it reaches ``silent_s``."""
+        silent = self.silence(now)
+        return silent if silent is not None and silent >= self.silent_s else None
+
+
+class NetBeat:
+    """One watcher's socket: it answers the pings of the node that watches it and pings the node it
+    watches. The socket and the clock's readings are its only side effects.
+
+    :meth:`serve` answers from a thread of its own, which touches no file: a watcher whose tick
+    waits on a stalled file server (its beat into the run dir) still answers at once, so a slow
+    file server never reads as a silent node. Without it (the tests' hand-ticked watchers), each
+    :meth:`tick` answers what came."""
+
+    def __init__(self, local_tag: str, tag: str, node: int, toward: str,
+                 silent_s: float = NET_SILENT_S, stall_s: float = 1.0) -> None:
+        self.secret, self.tag, self.node = key(local_tag), tag, node
+        address = own_address(toward)
+        self.interface = interface_of(address)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((address, 0))
+        self.sock.setblocking(False)
+        self.endpoint = f"{address}:{self.sock.getsockname()[1]}"
+        self.judge, self.watched = NetJudge(silent_s, stall_s), -1
+        self.count = 0
+        self.silent_s, self.stall_s = silent_s, stall_s
+        self.lock, self.serving = threading.Lock(), False
+
+    def serve(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Answer pings and hear answers from a daemon thread, as they come."""
+        self.serving = True
+        self.sock.setblocking(True)
+        self.sock.settimeout(0.5)
+        threading.Thread(target=self._serve, args=(clock,), name="net-beat", daemon=True).start()
+
+    def tick(self, watched: int, endpoint: str | None, now: float) -> None:
+        """Hear the answers of node ``watched`` (another node than last time: a fresh judge), answer
+        the pings that came (unless a thread does), and ping ``watched`` at ``endpoint``."""
+        with self.lock:
+            if watched != self.watched:
+                self.watched, self.judge = watched, NetJudge(self.silent_s, self.stall_s)
+        if not self.serving:
+            self._drain(now)
+        if endpoint:
+            self.count += 1
+            self._send(encode(self.secret, self.tag, self.node, "ping", self.count), endpoint)
+
+    def lost(self, now: float) -> float | None:
+        with self.lock:
+            return self.judge.lost(now)
+
+    def silence(self, now: float) -> float | None:
+        with self.lock:
+            return self.judge.silence(now)
+
+    def cut_off(self) -> bool:
+        """This node's own link is down: it is the one partitioned."""
+        return link_down(self.interface)
+
+    def close(self) -> None:
+        self.serving = False
+        self.sock.close()
+
+    def _serve(self, clock: Callable[[], float]) -> None:
+        while self.serving:
+            try:
+                raw, source = self.sock.recvfrom(2048)
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            self._take(raw, source, clock())
+
+    def _drain(self, now: float) -> None:
+        while True:
+            try:
+                raw, source = self.sock.recvfrom(2048)
+            except OSError:  # nothing more (BlockingIOError), or closed
+                return
+            self._take(raw, source, now)
+
+    def _take(self, raw: bytes, source: tuple[str, int], now: float) -> None:
+        """A ping answered; an answer of the watched node heard."""
+        heard = decode(self.secret, self.tag, raw)
+        if heard is None:
+            return
+        node, kind, count = heard
+        if kind == "ping":
+            self._send(encode(self.secret, self.tag, self.node, "pong", count),
+                       f"{source[0]}:{source[1]}")
+        elif kind == "pong":
+            with self.lock:
+                if node == self.watched:
+                    self.judge.heard(count, now)
+
+    def _send(self, data: bytes, endpoint: str) -> None:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            self.sock.sendto(data, (host, int(port)))
+        except (OSError, ValueError):
+            pass  # a link down, a node gone: the silence says it
+
+
+def start(local_tag: str, tag: str, node: int, toward: str, silent_s: float = NET_SILENT_S,
+          stall_s: float = 1.0) -> NetBeat | None:
+    """The watcher's socket on the training network; None where none can be bound (the run dir's
+    beats alone, as before)."""
+    try:
+        return NetBeat(local_tag, tag, node, toward, silent_s, stall_s)
+    except OSError as err:
+        log.warning("node %d's watcher: no beat over the training network (%s): the run dir's "
+                    "beats alone tell its neighbours it lives", node, err)
+        return None
+
+
+def noticed(silent: float, age: float | None) -> str:
+    """How a node silent on the training network was noticed, and what its run-dir beats said."""
+    said = (f"its beats in the run dir still came ({age:.0f}s ago): its link is down or cut off"
+            if age is not None and age < silent else
+            "nor a beat in the run dir: frozen, powered off or hung in its kernel")
+    return f"no answer over the training network for {silent:.0f}s, {said}"

@@ -1,0 +1,42 @@
+"""The next node's beat in the run dir, as a node's watcher (:mod:`hpc_ddp.rank.watch.node_watch`)
+or, while none runs, the node's first rank (:mod:`hpc_ddp.rank.watch.liveness`) watches it: each
+node watches the next one, past a node that left. No torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc_ddp.rundir import beats
+from hpc_ddp.rundir.beats import Beat, Judge
+
+
+class NextNode:
+    """The next node's beat in the run dir, judged by this watcher's clock; past a node that left,
+    the one after it."""
+
+    def __init__(self, run_dir: Path, tag: str, node: int, nodes: int, liveness_s: float) -> None:
+        self.run_dir, self.tag, self.node, self.nodes = run_dir, tag, node, nodes
+        self.liveness_s = liveness_s
+        self.peer, self.judge = (node + 1) % nodes, Judge(liveness_s)
+
+    def look(self, now: float) -> tuple[float, Beat] | None:
+        """(silence, its last beat) once the watched node was silent for ``liveness_s``."""
+        if self.peer == self.node:
+            return None
+        judge = self.judge
+        silent = judge.observe(beats.read(beats.node_beat(self.run_dir, self.peer), self.tag), now)
+        if judge.left:
+            self.peer, self.judge = (self.peer + 1) % self.nodes, Judge(self.liveness_s)
+            return None
+        return (silent, judge.last) if silent is not None and judge.last is not None else None
+
+    def endpoint(self) -> str | None:
+        """Where the next node's watcher answers pings (its last beat in the run dir says)."""
+        last = self.judge.last
+        return None if last is None or self.peer == self.node else last.net
+
+    def fresh(self, now: float) -> tuple[bool, float | None]:
+        """The next node's beat read now: (it left, seconds since it last changed)."""
+        judge = self.judge
+        judge.observe(beats.read(beats.node_beat(self.run_dir, self.peer), self.tag), now)
+        return judge.left, None if judge.count is None else now - judge.changed_at

@@ -1,0 +1,183 @@
+"""The node's beat over the training network (issue 60): a watcher pings the node it watches over UDP and that
+node's watcher answers. Pure parts with a fake clock; two watchers' real sockets on loopback and real run-dir
+files, ticked by hand: a partitioned node (it still beats into the run dir) and a frozen one are declared in
+net_silent_s, a slow file server is not a loss, a node whose own link is down declares nobody. The whole thing
+on the local cluster of machines (a node's link cut for real): tests/cluster/test_heal_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.rank.watch import net_beat
+from hpc_ddp.rank.watch.net_beat import NetBeat, NetJudge, decode, encode
+from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan
+from hpc_ddp.rundir import beats, losses
+
+TAG = "job-7-restart-0"
+KEY = net_beat.key(f"{TAG}+token")
+
+
+def test_a_datagram_is_believed_only_with_the_attempts_key_and_tag() -> None:
+    raw = encode(KEY, TAG, 1, "ping", 5)
+    assert decode(KEY, TAG, raw) == (1, "ping", 5)
+    assert decode(net_beat.key(f"{TAG}+another-token"), TAG, raw) is None  # another user's, or another run's
+    assert decode(KEY, "job-7-restart-1", raw) is None  # another attempt's
+    assert decode(KEY, TAG, raw[:-2] + b"9}") is None  # tampered
+    assert decode(KEY, TAG, b"short") is None
+
+
+def test_the_judge_counts_silence_only_once_answers_came_ignores_replays_and_its_own_stall() -> None:
+    judge = NetJudge(silent_s=3.0, stall_s=1.0)
+    for t in (0.0, 0.5, 1.0):
+        assert judge.lost(t) is None and judge.silence(t) is None  # never answered: not judged here
+    judge.heard(4, 1.0)
+    judge.heard(2, 1.5)  # an older answer (replayed, reordered) is no news
+    for t in (1.5, 2.0, 2.5, 3.0, 3.5):
+        assert judge.lost(t) is None
+    assert judge.lost(4.0) == 3.0
+    judge.heard(5, 4.0)
+    judge.silence(4.5)
+    assert judge.silence(64.5) == 0.0  # 60 s without a look (scontrol suspend): this watcher's stall, not theirs
+    assert [judge.lost(t) for t in (65.5, 66.5, 67.0, 67.5)] == [None, None, None, 3.0]
+
+
+def test_two_sockets_ping_and_answer_on_loopback() -> None:
+    watcher, watched = NetBeat(f"{TAG}+token", TAG, 0, "127.0.0.1"), NetBeat(f"{TAG}+token", TAG, 1, "127.0.0.1")
+    stranger = NetBeat(f"{TAG}+other", TAG, 1, "127.0.0.1")  # another key: its answers are never heard
+    try:
+        assert watched.endpoint.startswith("127.0.0.1:") and watched.interface == "lo"
+        watcher.tick(1, stranger.endpoint, 0.0)
+        stranger.tick(0, None, 0.0)
+        watcher.tick(1, watched.endpoint, 0.5)
+        assert watcher.judge.count == -1  # the stranger ignored the ping it could not read
+        watched.tick(0, None, 0.5)  # answers
+        watcher.tick(1, watched.endpoint, 1.0)
+        assert watcher.judge.heard_at == 1.0 and watcher.judge.count == 2
+        for t in (1.5, 2.0, 2.5, 3.0, 3.5):  # the watched node frozen: no answers
+            watcher.tick(1, watched.endpoint, t)
+        assert watcher.judge.lost(4.0) == 3.0
+    finally:
+        for sock in (watcher, watched, stranger):
+            sock.close()
+
+
+def plans(tmp_path: Path) -> list[Plan]:
+    return [Plan(str(tmp_path / "run"), (7, 0, 0), TAG, f"{TAG}+token", str(tmp_path / f"node{n}"), n, 2, 2 * n, 2,
+                 f"n{n}", 3.0, 0.5) for n in (0, 1)]
+
+
+class Pair:
+    """Two nodes' watchers ticked by hand on one fake clock; node 1 frozen, cut or with a stalled file server."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.clock = [0.0]
+        self.watches = [NodeWatch(p, clock=lambda: self.clock[0], wall=lambda: 1000.0 + self.clock[0],
+                                  proc=tmp_path / "proc") for p in plans(tmp_path)]
+        for watch in self.watches:
+            Path(watch.plan.folder).mkdir(mode=0o700)
+
+    def run(self, until: float, node1: str = "alive") -> None:
+        """Tick both every 0.5 s; node 1 ``alive``, ``frozen`` (nothing), ``cut`` (its run-dir beats go on,
+        nothing reaches its socket) or ``slow-files`` (its answers go on, its run-dir beats do not)."""
+        while self.clock[0] < until:
+            self.clock[0] += 0.5
+            self.watches[0].tick()
+            one = self.watches[1]
+            if node1 == "cut":
+                self._drain_unanswered(one)
+                one._period(self.clock[0], judge=False)
+            elif node1 == "slow-files":
+                one._beat = lambda left: None  # type: ignore[method-assign]
+                one.tick()
+            elif node1 == "alive":
+                one.tick()
+
+    @staticmethod
+    def _drain_unanswered(watch: NodeWatch) -> None:
+        assert watch.net is not None
+        while True:
+            try:
+                watch.net.sock.recvfrom(2048)
+            except BlockingIOError:
+                return
+
+    def close(self) -> None:
+        for watch in self.watches:
+            if watch.net is not None:
+                watch.net.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made = Pair(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_partitioned_node_that_still_beats_into_the_run_dir_is_declared_and_says_so(pair: Pair) -> None:
+    pair.run(2.0)
+    assert pair.watches[0].net is not None and pair.watches[0].net.judge.heard_at is not None  # answers came
+    pair.run(4.5, node1="cut")
+    assert not pair.watches[0].quiet  # 2.5 s without an answer: not yet
+    pair.run(5.5, node1="cut")
+    record = losses.declaration(Path(pair.watches[0].plan.run_dir), TAG)
+    assert record is not None and record["ranks"] == [2, 3] and record["by"] == "node 0's watcher (n0)", record
+    assert record["noticed"].startswith("no answer over the training network for 3s, its beats in the run dir "
+                                        "still came"), record
+    assert losses.describe(Path(pair.watches[0].plan.run_dir), 7, 0).startswith(
+        "ranks 2, 3 on n1 lost (no answer over the training network for 3s")
+
+
+def test_a_frozen_node_is_declared_in_net_silent_s_not_liveness_s(pair: Pair) -> None:
+    pair.watches[0].plan = Plan(**{**pair.watches[0].plan.__dict__, "liveness_s": 30.0})  # the default window
+    pair.run(2.0)
+    pair.run(5.5, node1="frozen")
+    record = losses.declaration(Path(pair.watches[0].plan.run_dir), TAG)
+    assert record is not None and "nor a beat in the run dir: frozen" in record["noticed"], record
+
+
+def test_a_node_whose_file_server_stalls_but_answers_is_not_lost(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    pair.run(2.0)
+    pair.run(12.0, node1="slow-files")  # 10 s without a run-dir beat, liveness_s 3
+    assert losses.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None and not pair.watches[0].quiet
+    assert caplog.text.count("answers over the training network: its file server is slow") == 1
+
+
+def test_a_node_whose_own_link_is_down_declares_nobody(pair: Pair, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Node 0 plays the cut-off side here: its neighbour is silent to it, and its own interface says down."""
+    pair.run(2.0)
+    monkeypatch.setattr(net_beat, "link_down", lambda interface: True)
+    pair.run(6.0, node1="cut")
+    assert losses.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None
+    assert "this node's link (lo) is down: it is the one cut off, and declares nobody" in caplog.text
+
+
+def test_a_node_that_left_is_not_declared_when_its_answers_stop(pair: Pair) -> None:
+    pair.run(2.0)
+    one = pair.watches[1]
+    one._beat(left=True)
+    pair.run(6.0, node1="frozen")
+    assert losses.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None
+    assert json.loads(beats.node_beat(one.plan.run_dir, 1).read_text())["state"] == "left"
+
+
+def test_a_serving_watcher_answers_while_its_own_tick_waits_on_the_file_server() -> None:
+    """The answers come from a thread that touches no file: a tick stuck in a write to a stalled file server
+    (here: nothing ticks node 1 at all) does not silence the node on the network."""
+    watcher, watched = NetBeat(f"{TAG}+token", TAG, 0, "127.0.0.1"), NetBeat(f"{TAG}+token", TAG, 1, "127.0.0.1")
+    try:
+        watched.serve()
+        for t in range(1, 50):
+            watcher.tick(1, watched.endpoint, t * 0.5)
+            if watcher.judge.count >= 1:
+                break
+            time.sleep(0.05)
+        assert watcher.judge.count >= 1 and watcher.silence(t * 0.5) == 0.0
+    finally:
+        watcher.close()
+        watched.close()
