@@ -268,11 +268,10 @@ class Liveness:
                 self._act_on(record)
 
     def _act_on(self, record: dict[str, Any]) -> None:
-        message, fenced = declaration.heard(self.rank,
-                                            record), declaration.fenced(self.rank, record)
+        message = declaration.heard(self.rank, record)
         log.error("%s", message)
         self.leave()
-        if self.before_exit is not None and not fenced:
+        if self.before_exit is not None and not declaration.fenced(self.rank, record):
             # what this rank holds, from this thread (rank/salvage/jit.py)
             self.before_exit(message)
         self.on_heard(message)
