@@ -314,35 +314,36 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
         slurm_cluster: ClusterSpec, node_faults: ClusterSpec, tmp_path: Path,
         rehearsal: Callable[..., Rehearsal]) -> None:
     """Issue 55: 2 x 2 with a spare, per_rank state, no periodic snapshot; node 1 cuts its own link once its ranks
-    reached step 23 (no FIN, no RST; it still sees its view of the run dir, and beats into it). Both sides wait
-    in step 23's all-reduce until the hang watchdog (dist.timeout_s=10) ends them; both hold step 22, each
-    survivor its own and its ward's state, so either side may write the survivors' snapshot. One commit per
-    attempt fences: the attempt's commit claim is taken once, by whichever side completed its set first, and
-    the batch shell seals it when the step ends; nobody commits after. The spare replaces the cut-off node
-    (its probe finds no answer) and the run ends bit-identical to the rehearsal."""
+    reached step 23 (no FIN, no RST; it still sees its view of the run dir, and beats into it). Issue 60: node 0's
+    watcher gets no answer over the training network for 3 s and declares node 1's ranks lost, saying how it was
+    noticed (its beats in the run dir still came); node 1's watcher finds its own link down and declares nobody.
+    Node 1's ranks, declared, offer nothing (fenced): the survivors commit step 22, each its own and its ward's
+    state, and the batch shell seals the commit when the step ends. The spare replaces the cut-off node (its probe
+    finds no answer) and the run ends bit-identical to the rehearsal."""
     run_dir = tmp_path / "cut"
-    # the watchdog (2 x dist.timeout_s where every survivor waits) must fire before slurmctld finds the cut-off
-    # node not responding (SlurmdTimeout, 60 s here, 300 s by default): srun then SIGKILLs the step's tasks, the
-    # survivors included, and nobody writes the survivors' snapshot. Liveness cannot see a partition: the node
-    # still beats into the run dir (issue 60: a beat over the training network)
+    # dist.timeout_s=10: the hang watchdog as a backstop, well before slurmctld finds the cut-off node not
+    # responding (SlurmdTimeout, 60 s here, 300 s by default), which would SIGKILL the survivors' tasks too
     _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=10")
     reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(run_dir)
     attempts = read_attempts(run_dir)
     assert [a.get("in_job", 0) for a in attempts] == [0, 1] and attempts[1]["reason"] == "finished", attempts
-    assert attempts[0]["reason"] in ("hung", "failed"), attempts
-    assert attempts[1]["resumed_from"] == 22, attempts
+    assert attempts[0]["reason"] == "failed" and attempts[0]["lost_ranks"] == [2, 3], attempts[0]
     cut = expand_hostlist(attempts[0]["hosts"])[1]
+    assert attempts[0]["message"].startswith(
+        f"ranks 2, 3 on {cut} lost (no answer over the training network for 3s, its beats in the run dir still "
+        "came"), attempts[0]["message"]
+    assert "seen by node 0's watcher" in attempts[0]["message"], attempts[0]["message"]
+    assert attempts[1]["resumed_from"] == 22, attempts
     assert cut not in expand_hostlist(attempts[1]["hosts"]), attempts  # the cut-off node left out
     tag = _tag(attempts[0])
-    commits = [o for o in _offers(run_dir, tag) if str(o.get("outcome", "")).startswith("committed")]
-    assert len(commits) == 1, _offers(run_dir, tag)  # one commit in the attempt, from one side of the cut
+    offers = _offers(run_dir, tag)
+    assert sorted(o["rank"] for o in offers) == [0, 1], offers  # the declared ranks offered nothing
+    commits = [o for o in offers if str(o.get("outcome", "")).startswith("committed")]
+    assert len(commits) == 1, offers  # one commit in the attempt
     assert (run_dir / "jit" / tag / "commit").read_text().strip() == "step 22"
-    # nobody declares the cut-off node (it beats into the run dir), but slurmctld flags it NOT_RESPONDING after a
-    # missed ping: the watcher beside submitit's srun stopped waiting for it then, not at SlurmdTimeout
-    shell_log = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_0_log.err"))
-    assert f"hpc_ddp.supervise --watch: srun still waits for {cut} ({cut}: Slurm says State=" in shell_log, \
-        shell_log[-3000:]
+    logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_log.*"))
+    assert "this node's link (eth0) is down: it is the one cut off, and declares nobody" in logs, logs[-3000:]
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 

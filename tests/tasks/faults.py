@@ -22,7 +22,8 @@ Kinds:
 - ``slow:-1:S``: every step of every rank takes S seconds longer (a GPU's compute, for B11; numbers
   unchanged).
 
-``kill`` and ``stop`` first write the time to ``HPC_DDP_TEST_FAULT_STAMP`` when it is set (for B10).
+``kill``, ``stop``, ``freezenode`` and ``partitionnode`` write the time to ``HPC_DDP_TEST_FAULT_STAMP`` when it
+is set (for B10): just before the kill or stop, once the link is down.
 An own loop passes its run object: a rank then waits until the state of the step before has left for
 its buddy (the mirror's sender posts it about a millisecond after the boundary; a rank lost inside
 that window takes that step's state with it, by design, and a CI run caught rank 3 holding rank 1's
@@ -125,6 +126,8 @@ def partition_node(run: Any, step: int) -> None:
     env = run.env
     if _arrive("partition", env.local_rank, env.local_world_size):
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        if os.environ.get(STAMP):
+            Path(os.environ[STAMP]).write_text(repr(time.time()))
 
 
 def freeze_node(local_rank: int, local_world_size: int) -> None:

@@ -89,7 +89,7 @@ class NodeWatch:
         self.on_node = set(range(plan.first_rank, plan.first_rank + plan.local_size))
         self.count, self.beaten_at, self.done = 0, None, False
         # a declaration is out: the step ends; pings are still answered, nothing more is judged
-        self.quiet, self.warned = False, False
+        self.quiet, self.warned, self.cut = False, False, False
         self.net = net_beat.start(plan.local_tag, plan.tag, plan.node, plan.toward,
                                   plan.net_silent_s, stall_s=max(1.0, 2 * TICK_S))
 
@@ -113,6 +113,7 @@ class NodeWatch:
             return
         self.quiet = self.quiet or self._heard()
         if self.net is not None:
+            self._look_at_link()
             self.net.tick(self.next_node.peer, None if self.quiet else self.next_node.endpoint(),
                           now)
         if self.quiet:
@@ -160,21 +161,26 @@ class NodeWatch:
         silent = None if self.net is None else self.net.lost(now)
         if self.net is None or silent is None:
             return False
+        if self.cut:
+            return False
         left, age = self.next_node.fresh(now)
         last = self.next_node.judge.last
         if left or last is None or losses.declaration(self.run_dir, self.plan.tag) is not None:
-            return False
-        if self.net.cut_off():
-            if not self.warned:
-                log.error("node %d's watcher: this node's link (%s) is down: it is the one cut "
-                          "off, and declares nobody", self.plan.node, self.net.interface)
-            self.warned = True
             return False
         message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
                                            list(last.ranks or (last.rank,)), last, self.wall(),
                                            by=self._me(), noticed=net_beat.noticed(silent, age))
         self._post(message, record, silent)
         return True
+
+    def _look_at_link(self) -> None:
+        """This node's own link down: it is the one cut off, and declares nobody (said once)."""
+        assert self.net is not None
+        cut = self.net.cut_off()
+        if cut and not self.cut:
+            log.error("node %d's watcher: this node's link (%s) is down: it is the one cut off, "
+                      "and declares nobody", self.plan.node, self.net.interface)
+        self.cut = cut
 
     def _me(self) -> str:
         return f"node {self.plan.node}'s watcher ({self.plan.host})"
