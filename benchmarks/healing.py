@@ -1,15 +1,15 @@
 """B10: seconds from a failure to the first resumed step, healed in the job or by the requeue path.
 
-On the local test cluster (three slurmd nodes), a 2 x 1 run of ``examples/mlp.yaml`` with snapshots
-every 10 steps, one failure per run, each path repeated: a rank SIGKILLed at step 23 (its sockets
-close), a training node marked down by ``scontrol`` once step 15 is logged, a rank frozen with
-SIGSTOP at step 23 (nothing closes: its node's watcher sees it stopped in /proc; before the watcher,
-liveness found it after ``dist.liveness_s``), a training node frozen in its freezer cgroup and one
-whose link is cut at step 23 (the node before it gets no answer over the training network), and the
-killed rank again with in-job restarts off (the requeue path). The figure is the time from the
-failure (the rank stamps it just before it dies or freezes; the benchmark when it marks the node
-down) to the resumed attempt's first metrics line: detection, the batch shell's decision, the new
-step's start-up and the resume.
+On the local test cluster (three slurmd nodes), a 2 x 1 run of ``examples/mlp.yaml`` with
+snapshots every 10 steps, one failure per run, each path repeated: a rank SIGKILLed at step 23
+(its sockets close), a training node marked down by ``scontrol`` once step 15 is logged, a rank
+frozen with SIGSTOP at step 23 (nothing closes: its node's watcher sees it stopped in /proc; before the
+watcher, liveness found it after ``dist.liveness_s``), a training node frozen in its freezer cgroup and one
+whose link is cut at step 23 (the node before it gets no answer over the training network), and
+the killed rank again with in-job restarts off (the requeue path). The figure is the time from
+the failure (the rank stamps it just before it dies or freezes; the benchmark when it marks the
+node down) to the resumed attempt's first metrics line: detection, the batch shell's decision,
+the new step's start-up and the resume.
 
 The local cluster holds a requeued job ``cred_expire`` + 1 = 6 s before it may start again;
 Slurm's default (120 s) holds it 121 s. The requeue row is given as measured, less the hold
@@ -32,16 +32,14 @@ from hpc_ddp.rundir import metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_HOLD_S, DEFAULT_HOLD_S = 6.0, 121.0
-BASE = ["examples/mlp.yaml", "train.task=tests.tasks:Faulty", "train.log_every=1",
-        "train.max_steps=60",
+BASE = ["examples/mlp.yaml", "train.task=tests.tasks:Faulty", "train.log_every=1", "train.max_steps=60",
         "snapshot.every_steps=10", "slurm.tasks_per_node=1"]
 PATHS: dict[str, tuple[str, list[str]]] = {
     "killed": ("kill:1:23", ["slurm.spare_nodes=1"]),
     "node_down": ("slow:-1:0.1", ["slurm.spare_nodes=1"]),
     "frozen": ("stop:1:23", ["slurm.spare_nodes=1"]),
-    # a node frozen in its freezer cgroup (a kernel hang), and one whose link is cut: the node
-    # before it gets no answer over the training network (issue 60); both are put back to normal
-    # after the run
+    # a node frozen in its freezer cgroup (a kernel hang), and one whose link is cut: the node before it gets no
+    # answer over the training network (issue 60); both are put back to normal after the run
     "frozen_node": ("freezenode:1:23", ["slurm.spare_nodes=1"]),
     "partitioned": ("partitionnode:1:23", ["slurm.spare_nodes=1"]),
     "requeue": ("kill:1:23", ["slurm.max_restarts_in_job=0", "slurm.max_failures=1"]),
@@ -60,27 +58,20 @@ def one(path: str, run_dir: Path, env: dict[str, str]) -> float:
     """One run of one path: seconds from the failure to the resumed attempt's first metrics line."""
     fault, options = PATHS[path]
     stamp = run_dir.with_suffix(".died")
-    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *BASE, *options,
-                           f"run_dir={run_dir}"], cwd=ROOT,
-                          env={**env, "HPC_DDP_TEST_FAULT": fault,
-                               "HPC_DDP_TEST_FAULT_STAMP": str(stamp)},
+    proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *BASE, *options, f"run_dir={run_dir}"], cwd=ROOT,
+                          env={**env, "HPC_DDP_TEST_FAULT": fault, "HPC_DDP_TEST_FAULT_STAMP": str(stamp)},
                           capture_output=True, text=True, check=True)
     job = proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
     downed = None
     if path == "node_down":
         metrics = run_dir / "metrics.jsonl"
-        _wait(lambda: metrics.exists() and any(r["step"] >= 15 for r in metrics_file.read(run_dir)),
-              180)
-        downed = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True,
-                                text=True,
+        _wait(lambda: metrics.exists() and any(r["step"] >= 15 for r in metrics_file.read(run_dir)), 180)
+        downed = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True,
                                 env=env).stdout.strip()
-        node = subprocess.run(["scontrol", "show", "hostnames", downed], capture_output=True,
-                              text=True,
-                              # the second training node (the first is the batch host)
-                              env=env).stdout.split()[1]
+        node = subprocess.run(["scontrol", "show", "hostnames", downed], capture_output=True, text=True,
+                              env=env).stdout.split()[1]  # the second training node (the first is the batch host)
         stamp.write_text(repr(time.time()))
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=B10"],
-                       env=env, check=True)
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=B10"], env=env, check=True)
         downed = node
     try:
         _wait(lambda: (run_dir / "DONE.json").exists(), 400)
@@ -88,16 +79,15 @@ def one(path: str, run_dir: Path, env: dict[str, str]) -> float:
         if downed:
             subprocess.run(["scontrol", "update", f"nodename={downed}", "state=resume"], env=env)
         if path in ("frozen_node", "partitioned"):
-            _back_to_normal(env)
+            _back_to_normal()
     died = float(stamp.read_text())
     lines = metrics_file.entries((run_dir / "metrics.jsonl").read_text().splitlines())
     first = lines[metrics_file.resumes(lines)[-1][0]]  # the resumed attempt's first line
     return round(first["time"] - died, 2)
 
 
-def _back_to_normal(env: dict[str, str]) -> None:
-    """Every node as it was (a frozen one killed first: it never runs again, as the tests'
-    node_faults)."""
+def _back_to_normal() -> None:
+    """Every node as it was (a frozen one killed first: it never runs again, as the tests' node_faults)."""
     from hpc_ddp.slurm_local import ClusterSpec, faults, isolation
 
     spec = ClusterSpec()
@@ -113,8 +103,7 @@ def b10_healing(repeats: int = 3) -> dict[str, Any]:
     spec = ClusterSpec()
     missing = missing_pieces(spec)
     if missing:
-        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)",
-                "met": None}
+        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
     start(spec)
     env = {**os.environ, "SLURM_CONF": str(spec.conf_path)}
     seconds: dict[str, list[float]] = {path: [] for path in PATHS}
@@ -130,15 +119,11 @@ def b10_healing(repeats: int = 3) -> dict[str, Any]:
     rows["requeue"] |= {"less_hold_s": round(requeue - LOCAL_HOLD_S, 2),
                         "with_default_hold_s": round(requeue - LOCAL_HOLD_S + DEFAULT_HOLD_S, 2)}
     ratio = round(rows["killed"]["median_s"] / requeue, 3)
-    in_job = [rows[p]["median_s"] for p in ("killed", "node_down", "frozen", "frozen_node",
-                                            "partitioned")]
+    in_job = [rows[p]["median_s"] for p in ("killed", "node_down", "frozen", "frozen_node", "partitioned")]
     return {"rows": rows, "killed_vs_requeue": ratio, "repeats": repeats,
-            "target": "killed and node down healed < 20 s and <= 0.5 x the requeue path; a frozen "
-                      "rank, a frozen "
+            "target": "killed and node down healed < 20 s and <= 0.5 x the requeue path; a frozen rank, a frozen "
                       "node and a partitioned node < 60 s",
             "met": max(in_job[:2]) < 20 and ratio <= 0.5 and max(in_job[2:]) < 60,
-            "note": f"requeue hold {LOCAL_HOLD_S:g} s here (AuthInfo=cred_expire=5), "
-                    f"{DEFAULT_HOLD_S:g} s with "
-                    "Slurm's default; the frozen rank is found by its node's watcher (stopped 2 "
-                    "s), "
+            "note": f"requeue hold {LOCAL_HOLD_S:g} s here (AuthInfo=cred_expire=5), {DEFAULT_HOLD_S:g} s with "
+                    "Slurm's default; the frozen rank is found by its node's watcher (stopped 2 s), "
                     "dist.liveness_s=30 (the default) before it"}
