@@ -321,9 +321,10 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
     state, and the batch shell seals the commit when the step ends. The spare replaces the cut-off node (its probe
     finds no answer) and the run ends bit-identical to the rehearsal."""
     run_dir = tmp_path / "cut"
-    # dist.timeout_s=10: the hang watchdog as a backstop, well before slurmctld finds the cut-off node not
-    # responding (SlurmdTimeout, 60 s here, 300 s by default), which would SIGKILL the survivors' tasks too
-    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=10")
+    # dist.timeout_s=20: the hang watchdog as a backstop (it ended this test's attempt before the net beat), well
+    # before slurmctld finds the cut-off node not responding (SlurmdTimeout, 60 s here, 300 s by default), which
+    # would SIGKILL the survivors' tasks too; liveness (and the node's watcher with it) stays on at half of it
+    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=20", "dist.liveness_s=10")
     reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(run_dir)
     attempts = read_attempts(run_dir)

@@ -181,3 +181,22 @@ def test_a_serving_watcher_answers_while_its_own_tick_waits_on_the_file_server()
     finally:
         watcher.close()
         watched.close()
+
+
+def test_a_link_down_is_read_from_this_namespaces_kernel_not_from_sys() -> None:
+    """In a network namespace of its own (as each node of the local cluster of machines), /sys/class/net may be
+    the host's: the first version read operstate there, saw the host's eth0 up, and a cut-off node never knew it
+    was the one cut off. The flags come from the kernel through a socket of the namespace."""
+    import shutil
+    import subprocess
+    import sys
+
+    probe = ("from hpc_ddp.rank.watch import net_beat as n; "
+             "print(n.link_down('lo'), n.interface_of('127.0.0.1'))")
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-n", "true"]).returncode != 0:
+        pytest.skip("needs unshare -n (a network namespace of its own): root on Linux")
+    down = subprocess.run(["unshare", "-n", sys.executable, "-c", probe], capture_output=True, text=True)
+    up = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && {sys.executable} -c \"{probe}\""],
+                        capture_output=True, text=True)
+    assert down.stdout.split() == ["True", "None"], down  # lo down: no address either
+    assert up.stdout.split() == ["False", "lo"], up

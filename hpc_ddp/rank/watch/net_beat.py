@@ -38,14 +38,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 log = logging.getLogger("hpc_ddp.liveness")
 # a watched node that answered before and is silent this long on the network is lost: pings go
 # every tick (0.5 s), so six in a row went unanswered
 NET_SILENT_S = 3.0
 MAC_BYTES = 16
-SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+SIOCGIFADDR, SIOCGIFFLAGS = 0x8915, 0x8913  # Linux: an interface's IPv4 address, its flags
+IFF_UP, IFF_RUNNING = 0x1, 0x40  # up (ip link set ... up), and its carrier there
 
 
 def own_address(toward: str) -> str:
@@ -59,10 +59,12 @@ def own_address(toward: str) -> str:
         return "127.0.0.1"
 
 
-def interface_of(address: str, net: Path = Path("/sys/class/net")) -> str | None:
-    """The interface that holds ``address`` (None: not found)."""
+def interface_of(address: str) -> str | None:
+    """The interface that holds ``address`` (None: not found), asked of this network namespace's
+    kernel (``/sys/class/net`` may be another namespace's: a container's, the local cluster's
+    nodes')."""
     try:
-        names = sorted(os.listdir(net))
+        names = [name for _index, name in socket.if_nameindex()]
     except OSError:
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -77,14 +79,19 @@ def interface_of(address: str, net: Path = Path("/sys/class/net")) -> str | None
     return None
 
 
-def link_down(interface: str | None, net: Path = Path("/sys/class/net")) -> bool:
-    """Whether ``interface`` says its link is down (this node is the one cut off)."""
+def link_down(interface: str | None) -> bool:
+    """Whether ``interface`` is down or has lost its carrier (this node is the one cut off): its
+    flags, from this namespace's kernel."""
     if interface is None:
         return False
     try:
-        return (net / interface / "operstate").read_text().strip() == "down"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            raw = fcntl.ioctl(probe.fileno(), SIOCGIFFLAGS,
+                              struct.pack("256s", interface.encode()[:15]))
     except OSError:
         return False
+    flags = struct.unpack("H", raw[16:18])[0]
+    return not flags & IFF_UP or not flags & IFF_RUNNING
 
 
 def key(local_tag: str) -> bytes:
