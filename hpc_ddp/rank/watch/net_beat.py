@@ -43,6 +43,8 @@ log = logging.getLogger("hpc_ddp.liveness")
 # a watched node that answered before and is silent this long on the network is lost: pings go
 # every tick (0.5 s), so six in a row went unanswered
 NET_SILENT_S = 3.0
+# a gap this long between two runs of the pinging thread: this watcher was stopped, not its peer
+STALL_S = 1.5
 MAC_BYTES = 16
 SIOCGIFADDR, SIOCGIFFLAGS = 0x8915, 0x8913  # Linux: an interface's IPv4 address, its flags
 IFF_UP, IFF_RUNNING = 0x1, 0x40  # up (ip link set ... up), and its carrier there
@@ -122,24 +124,26 @@ def decode(secret: bytes, tag: str, raw: bytes) -> tuple[int, str, int] | None:
 class NetJudge:
     """The answers of one watched node, by this watcher's clock. Pure: given the time."""
 
-    def __init__(self, silent_s: float = NET_SILENT_S, stall_s: float = 1.0) -> None:
+    def __init__(self, silent_s: float = NET_SILENT_S, stall_s: float = STALL_S) -> None:
         self.silent_s, self.stall_s = silent_s, stall_s
         self.count = -1
         self.heard_at: float | None = None
-        self.looked_at: float | None = None
+        self.awake_at: float | None = None
 
     def heard(self, count: int, now: float) -> None:
         if count > self.count:  # a replayed or reordered answer is no news
             self.count, self.heard_at = count, now
 
-    def silence(self, now: float) -> float | None:
-        """Seconds without an answer, once one came; None before. A gap between two looks longer
-        than ``stall_s`` (this watcher was stopped: ``scontrol suspend`` stops every node) starts
-        the count again."""
-        if self.looked_at is not None and now - self.looked_at > self.stall_s \
+    def awake(self, now: float) -> None:
+        """The pinging side ran at ``now``. A gap since its last run longer than ``stall_s`` (this
+        watcher was stopped: ``scontrol suspend`` stops every node) starts the count again."""
+        if self.awake_at is not None and now - self.awake_at > self.stall_s \
                 and self.heard_at is not None:
             self.heard_at = max(self.heard_at, now)
-        self.looked_at = now
+        self.awake_at = now
+
+    def silence(self, now: float) -> float | None:
+        """Seconds without an answer, once one came; None before."""
         return None if self.heard_at is None else now - self.heard_at
 
     def lost(self, now: float) -> float | None:
@@ -152,13 +156,14 @@ class NetBeat:
     """One watcher's socket: it answers the pings of the node that watches it and pings the node it
     watches. The socket and the clock's readings are its only side effects.
 
-    :meth:`serve` answers from a thread of its own, which touches no file: a watcher whose tick
-    waits on a stalled file server (its beat into the run dir) still answers at once, so a slow
-    file server never reads as a silent node. Without it (the tests' hand-ticked watchers), each
-    :meth:`tick` answers what came."""
+    :meth:`serve` pings and answers from a thread of its own, which touches no file: a watcher
+    whose tick waits on a stalled file server (its beat into the run dir) still pings and answers on
+    time, so a slow file server never reads as a silent node, on either side. Its tick only says
+    whom to ping (:meth:`aim`) and reads the verdict. Without the thread (the tests' hand-ticked
+    watchers), each :meth:`tick` does the thread's work once."""
 
     def __init__(self, local_tag: str, tag: str, node: int, toward: str,
-                 silent_s: float = NET_SILENT_S, stall_s: float = 1.0) -> None:
+                 silent_s: float = NET_SILENT_S, stall_s: float = STALL_S) -> None:
         self.secret, self.tag, self.node = key(local_tag), tag, node
         address = own_address(toward)
         self.interface = interface_of(address)
@@ -166,29 +171,33 @@ class NetBeat:
         self.sock.bind((address, 0))
         self.sock.setblocking(False)
         self.endpoint = f"{address}:{self.sock.getsockname()[1]}"
-        self.judge, self.watched = NetJudge(silent_s, stall_s), -1
+        self.judge, self.watched, self.target = NetJudge(silent_s, stall_s), -1, None
         self.count = 0
         self.silent_s, self.stall_s = silent_s, stall_s
         self.lock, self.serving = threading.Lock(), False
 
-    def serve(self, clock: Callable[[], float] = time.monotonic) -> None:
-        """Answer pings and hear answers from a daemon thread, as they come."""
+    def serve(self, clock: Callable[[], float] = time.monotonic, every_s: float = 0.5) -> None:
+        """Ping every ``every_s``, answer pings and hear answers as they come, from a daemon
+        thread."""
         self.serving = True
         self.sock.setblocking(True)
-        self.sock.settimeout(0.5)
-        threading.Thread(target=self._serve, args=(clock,), name="net-beat", daemon=True).start()
+        threading.Thread(target=self._serve, args=(clock, every_s), name="net-beat",
+                         daemon=True).start()
 
-    def tick(self, watched: int, endpoint: str | None, now: float) -> None:
-        """Hear the answers of node ``watched`` (another node than last time: a fresh judge), answer
-        the pings that came (unless a thread does), and ping ``watched`` at ``endpoint``."""
+    def aim(self, watched: int, endpoint: str | None) -> None:
+        """Ping node ``watched`` at ``endpoint`` from now on (another node than before: a fresh
+        judge; None: ping nobody)."""
         with self.lock:
             if watched != self.watched:
                 self.watched, self.judge = watched, NetJudge(self.silent_s, self.stall_s)
+            self.target = endpoint
+
+    def tick(self, watched: int, endpoint: str | None, now: float) -> None:
+        """:meth:`aim`; without the thread, also its work once: answer, hear, ping."""
+        self.aim(watched, endpoint)
         if not self.serving:
             self._drain(now)
-        if endpoint:
-            self.count += 1
-            self._send(encode(self.secret, self.tag, self.node, "ping", self.count), endpoint)
+            self._ping(now)
 
     def lost(self, now: float) -> float | None:
         with self.lock:
@@ -206,9 +215,23 @@ class NetBeat:
         self.serving = False
         self.sock.close()
 
-    def _serve(self, clock: Callable[[], float]) -> None:
+    def _ping(self, now: float) -> None:
+        with self.lock:
+            self.judge.awake(now)
+            target = self.target
+        if target:
+            self.count += 1
+            self._send(encode(self.secret, self.tag, self.node, "ping", self.count), target)
+
+    def _serve(self, clock: Callable[[], float], every_s: float) -> None:
+        due = clock()
         while self.serving:
+            now = clock()
+            if now >= due:
+                self._ping(now)
+                due = now + every_s
             try:
+                self.sock.settimeout(max(0.01, due - clock()))
                 raw, source = self.sock.recvfrom(2048)
             except TimeoutError:
                 continue
@@ -247,7 +270,7 @@ class NetBeat:
 
 
 def start(local_tag: str, tag: str, node: int, toward: str, silent_s: float = NET_SILENT_S,
-          stall_s: float = 1.0) -> NetBeat | None:
+          stall_s: float = STALL_S) -> NetBeat | None:
     """The watcher's socket on the training network; None where none can be bound (the run dir's
     beats alone, as before)."""
     try:

@@ -91,7 +91,7 @@ class NodeWatch:
         # a declaration is out: the step ends; pings are still answered, nothing more is judged
         self.quiet, self.warned, self.cut = False, False, False
         self.net = net_beat.start(plan.local_tag, plan.tag, plan.node, plan.toward,
-                                  plan.net_silent_s, stall_s=max(1.0, 2 * TICK_S))
+                                  plan.net_silent_s)
 
     def tick(self) -> None:
         """One look at the node's ranks; the node's beat and the next node every period."""
@@ -231,7 +231,7 @@ def run(plan: Plan, clock: Any = time.monotonic) -> None:
     """Tick until the node's part of the attempt ends (or a declaration is out)."""
     watch = NodeWatch(plan, clock=clock)
     if watch.net is not None:
-        watch.net.serve(clock)  # answers pings while a tick waits on the file server
+        watch.net.serve(clock, TICK_S)  # pings and answers while a tick waits on the file server
     declaration.rewrite(marker(watch.folder), beats.encode(
         Beat(plan.local_tag, plan.first_rank, plan.host, 1, pid=os.getpid())))
     while not watch.done:
