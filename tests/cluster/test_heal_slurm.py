@@ -324,16 +324,17 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
     # dist.timeout_s=20: the hang watchdog as a backstop (it ended this test's attempt before the net beat), well
     # before slurmctld finds the cut-off node not responding (SlurmdTimeout, 60 s here, 300 s by default), which
     # would SIGKILL the survivors' tasks too; liveness (and the node's watcher with it) stays on at half of it
-    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=20", "dist.liveness_s=10")
+    _per_rank_submit(run_dir, "partitionnode:1:23", "slurm.spare_nodes=1", "dist.timeout_s=20", "dist.liveness_s=6")
     reference = rehearsal(tmp_path / "reference", *PER_RANK).done()
     wait_done(run_dir)
     attempts = read_attempts(run_dir)
     assert [a.get("in_job", 0) for a in attempts] == [0, 1] and attempts[1]["reason"] == "finished", attempts
     assert attempts[0]["reason"] == "failed" and attempts[0]["lost_ranks"] == [2, 3], attempts[0]
     cut = expand_hostlist(attempts[0]["hosts"])[1]
+    # its beats in the run dir come every second (dist.liveness_s=6): often enough to tell a cut from a freeze
     assert attempts[0]["message"].startswith(
-        f"ranks 2, 3 on {cut} lost (no answer over the training network for 3s, its beats in the run dir still "
-        "came"), attempts[0]["message"]
+        f"ranks 2, 3 on {cut} lost (no answer over the training network for 3s, while its beats in the run dir "
+        "still came"), attempts[0]["message"]
     assert "seen by node 0's watcher" in attempts[0]["message"], attempts[0]["message"]
     assert attempts[1]["resumed_from"] == 22, attempts
     assert cut not in expand_hostlist(attempts[1]["hosts"]), attempts  # the cut-off node left out

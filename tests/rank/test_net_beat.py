@@ -137,8 +137,8 @@ def test_a_partitioned_node_that_still_beats_into_the_run_dir_is_declared_and_sa
     pair.run(5.5, node1="cut")
     record = losses.declaration(Path(pair.watches[0].plan.run_dir), TAG)
     assert record is not None and record["ranks"] == [2, 3] and record["by"] == "node 0's watcher (n0)", record
-    assert record["noticed"].startswith("no answer over the training network for 3s, its beats in the run dir "
-                                        "still came"), record
+    assert record["noticed"].startswith("no answer over the training network for 3s, while its beats in the run "
+                                        "dir still came"), record
     assert losses.describe(Path(pair.watches[0].plan.run_dir), 7, 0).startswith(
         "ranks 2, 3 on n1 lost (no answer over the training network for 3s")
 
@@ -148,7 +148,16 @@ def test_a_frozen_node_is_declared_in_net_silent_s_not_liveness_s(pair: Pair) ->
     pair.run(2.0)
     pair.run(5.5, node1="frozen")
     record = losses.declaration(Path(pair.watches[0].plan.run_dir), TAG)
-    assert record is not None and "nor a beat in the run dir: frozen" in record["noticed"], record
+    assert record is not None and "nor a new beat in the run dir: frozen" in record["noticed"], record
+
+
+def test_what_the_run_dirs_beats_tell_is_said_only_when_they_come_often_enough_to_tell() -> None:
+    assert net_beat.noticed(3.0, 0.2, 0.5).endswith("while its beats in the run dir still came (0s ago): its link "
+                                                     "is down")
+    assert net_beat.noticed(3.0, 2.6, 0.5).endswith("nor a new beat in the run dir: frozen, powered off or hung "
+                                                     "in its kernel")
+    # one beat every 5 s (dist.liveness_s=30): 3 s of silence cannot tell
+    assert "too seldom to tell a frozen node from a cut-off one" in net_beat.noticed(3.0, 1.0, 5.0)
 
 
 def test_a_node_whose_file_server_stalls_but_answers_is_not_lost(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:

@@ -39,8 +39,7 @@ from hpc_ddp.rank.watch.declaration import rewrite
 from hpc_ddp.rank.watch.next_node import NextNode
 from hpc_ddp.rank.watch.node_watch import Plan, Watcher, spawn, watching
 from hpc_ddp.rundir import beats, layout, node_local
-# Judge, decode and encode were here first
-from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401
+from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401 (here first)
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
 from hpc_ddp.rundir.ledger import attempt_tag
 
@@ -262,7 +261,8 @@ class Liveness:
         return self.board.hear(self.rank, self.leader)
 
     def _hear_on_node(self) -> None:
-        if self.listening and not self._left:
+        # node-local, from the start: a wrapped script's worker never passes a rendezvous
+        if not self._left:
             record = declaration.heard_on_node(self.folder, self.local_tag)
             if record is not None and record.get("by_rank") != self.rank:
                 self._act_on(record)

@@ -281,9 +281,17 @@ def start(local_tag: str, tag: str, node: int, toward: str, silent_s: float = NE
         return None
 
 
-def noticed(silent: float, age: float | None) -> str:
-    """How a node silent on the training network was noticed, and what its run-dir beats said."""
-    said = (f"its beats in the run dir still came ({age:.0f}s ago): its link is down or cut off"
-            if age is not None and age < silent else
-            "nor a beat in the run dir: frozen, powered off or hung in its kernel")
-    return f"no answer over the training network for {silent:.0f}s, {said}"
+def noticed(silent: float, age: float | None, period_s: float, ping_s: float = 0.5) -> str:
+    """How a node silent on the training network was noticed, and what its run-dir beats said:
+    written every ``period_s`` and read as often, a beat newer than the last answer by more than a
+    period and a ping shows a node that lives on (cut off); none since shows one that stopped, when
+    the silence is long enough to have seen one."""
+    head = f"no answer over the training network for {silent:.0f}s"
+    if age is not None and age + period_s + ping_s < silent:
+        return (f"{head}, while its beats in the run dir still came ({age:.0f}s ago): its link is "
+                "down")
+    if silent > 2 * period_s + ping_s:
+        return f"{head}, nor a new beat in the run dir: frozen, powered off or hung in its kernel"
+    last = "" if age is None else f" {age:.0f}s ago"
+    return (f"{head}; its last beat in the run dir came{last} (one every {period_s:g}s, too seldom "
+            "to tell a frozen node from a cut-off one)")

@@ -169,7 +169,9 @@ class NodeWatch:
             return False
         message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
                                            list(last.ranks or (last.rank,)), last, self.wall(),
-                                           by=self._me(), noticed=net_beat.noticed(silent, age))
+                                           by=self._me(),
+                                           noticed=net_beat.noticed(silent, age,
+                                                                    self.plan.period_s))
         self._post(message, record, silent)
         return True
 
