@@ -110,3 +110,23 @@ def test_the_node_beat_says_left_when_the_first_rank_left_and_the_ranks_see_whet
     for pid, expected in ((200, True), (201, False), (202, False)):  # alive; stopped; gone
         marker(folder).write_bytes(encode(Beat(p.local_tag, 2, "n1", 1, pid=pid)))
         assert watching(folder, p.local_tag, proc) is expected
+
+
+def test_a_watcher_whose_nodes_folder_went_ends(tmp_path: Path) -> None:
+    """A watcher quiet after a declaration answers pings until its ranks end; where the step's end took the node's
+    folder first (the rehearsal's clean-up), it found no rank at all and stayed forever (seen after a test's time-out)."""
+    import shutil
+
+    p = plan(tmp_path)
+    folder = Path(p.folder)
+    folder.mkdir(mode=0o700)
+    (folder / "rank-0.beat").write_bytes(encode(Beat(p.local_tag, 2, "n1", 1, pid=100)))
+    watch = NodeWatch(p, proc=fake_proc(tmp_path / "proc", {100: "S"}))
+    watch.quiet = True
+    watch.tick()
+    assert not watch.done
+    shutil.rmtree(folder)
+    watch.tick()
+    assert watch.done
+    if watch.net is not None:
+        watch.net.close()

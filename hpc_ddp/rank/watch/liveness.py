@@ -102,15 +102,14 @@ class Liveness:
         # distribution numbers them otherwise)
         self.on_node = {rank - self.place.local_rank + i for i in range(self.place.local_size)}
         self.seen: set[int] = {rank}
-        self.local_peer, self.local_judge = (self.place.local_rank
-                                             + 1) % self.place.local_size, Judge(liveness_s)
+        self.local_peer = (self.place.local_rank + 1) % self.place.local_size
+        self.local_judge = Judge(liveness_s)
         self.next_node = NextNode(self.run_dir, self.tag, self.place.node, self.place.nodes,
                                   liveness_s)
         # the leader's: the node's watcher process (node_watch.py), which beats for the node and
         # watches the next one while it is on duty (``watched``); started by start()
         self.node_watch, self.watcher = node_watch and self.leader, Watcher(None)
-        self.watched = False
-        self._left, self._warned = False, False
+        self.watched, self._left, self._warned = False, False, False
         self._lock = threading.Lock()  # a beat and the last ("left") beat never interleave
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpc_ddp-liveness", daemon=True)
@@ -169,7 +168,7 @@ class Liveness:
         # the node's watcher is on duty (its marker, its process alive): it beats for the node
         self.watched = watching(self.folder, self.local_tag)
         self.beat()
-        if self.listening and not self._left:
+        if not self._left:
             heard = self._hear()
             if heard is not None:
                 self._act_on(heard)
@@ -256,16 +255,17 @@ class Liveness:
                                 self.liveness_s)
 
     def _hear(self) -> dict[str, Any] | None:
-        """Another rank's declaration in this attempt, or None
-        (:meth:`hpc_ddp.rank.watch.declaration.Board.hear`)."""
-        return self.board.hear(self.rank, self.leader)
+        """Another rank's declaration in this attempt, or None (:class:`declaration.Board`); before
+        the rendezvous (a wrapped script's worker never passes one), its node's relay only."""
+        return self.board.hear(self.rank, self.leader) if self.listening else self._hear_relay()
 
     def _hear_on_node(self) -> None:
-        # node-local, from the start: a wrapped script's worker never passes a rendezvous
-        if not self._left:
-            record = declaration.heard_on_node(self.folder, self.local_tag)
-            if record is not None and record.get("by_rank") != self.rank:
-                self._act_on(record)
+        if not self._left and (record := self._hear_relay()) is not None:
+            self._act_on(record)
+
+    def _hear_relay(self) -> dict[str, Any] | None:
+        record = declaration.heard_on_node(self.folder, self.local_tag)
+        return None if record is None or record.get("by_rank") == self.rank else record
 
     def _act_on(self, record: dict[str, Any]) -> None:
         message = declaration.heard(self.rank, record)

@@ -89,7 +89,7 @@ class NodeWatch:
         self.on_node = set(range(plan.first_rank, plan.first_rank + plan.local_size))
         self.count, self.beaten_at, self.done = 0, None, False
         # a declaration is out: the step ends; pings are still answered, nothing more is judged
-        self.quiet, self.warned, self.cut = False, False, False
+        self.quiet, self.warned, self.cut, self.found_any = False, False, False, False
         self.net = net_beat.start(plan.local_tag, plan.tag, plan.node, plan.toward,
                                   plan.net_silent_s)
 
@@ -100,6 +100,10 @@ class NodeWatch:
         for i in range(self.plan.local_size):
             local[i] = beats.read(beats.local_beat(self.folder, i), self.plan.local_tag, own=True)
         found = {b.rank: b for b in local.values() if b is not None}
+        if not found and self.found_any:
+            self.done = True  # the node's folder went with the step: nothing is left to watch
+            return
+        self.found_any = self.found_any or bool(found)
         if len(found) == self.plan.local_size:
             self.on_node = set(found)
         leader = local.get(0)
