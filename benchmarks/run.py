@@ -308,6 +308,12 @@ def b10_healing() -> dict[str, Any]:
     return figure()
 
 
+def b16_detection(trials: int, soak_minutes: float) -> dict[str, Any]:
+    from benchmarks.detection import b16_detection as figure
+
+    return figure(trials, soak_minutes=soak_minutes)
+
+
 def b10_real(quick: bool) -> dict[str, Any]:
     from benchmarks.healing_real import b10_real as figure
 
@@ -633,7 +639,6 @@ def table(results: dict[str, Any]) -> str:
     if "B10" in b and "skipped" not in b["B10"]:
         s = b["B10"]
         names = {"killed": "a killed rank", "node_down": "a node marked down", "frozen": "a frozen rank (SIGSTOP)",
-                 "frozen_node": "a frozen node (freezer cgroup)", "partitioned": "a partitioned node (link cut)",
                  "requeue": "a killed rank, requeue path"}
         for path, row in s.get("rows", {}).items():
             extra = (f"; {row['less_hold_s']} s less the local hold, {row['with_default_hold_s']} s with Slurm's "
@@ -641,6 +646,8 @@ def table(results: dict[str, Any]) -> str:
             rows.append(f"| B10 {names.get(path, path)}, 2 x 1 on the local cluster | failure to the first resumed "
                         f"step: median {row['median_s']} s (min {row['min_s']}, max {row['max_s']}, "
                         f"{len(row['runs'])} runs){extra} | {s['target']} | {mark(s)} |")
+    if "B16" in b and "skipped" not in b["B16"]:
+        rows.extend(_b16_rows(b["B16"], mark))
     if "B10-REAL" in b and "skipped" not in b["B10-REAL"]:
         from benchmarks.healing_real import doc_rows
 
@@ -654,6 +661,31 @@ def table(results: dict[str, Any]) -> str:
                             f"a sync snapshot ({row['sync_s']} s); per-round ratio IQR {row['ratio_iqr'][0]}-"
                             f"{row['ratio_iqr'][1]} over {row['rounds']} rounds | {s['target']} | {mark(s)} |")
     return "\n".join(rows)
+
+
+def _b16_rows(s: dict[str, Any], mark: Callable[[dict[str, Any]], str]) -> list[str]:
+    """B16: one row a failure class, seconds from the fault to the moment the job knew, and who knew first."""
+    names = {"killed_rank": "a killed rank", "frozen_rank": "a frozen rank (SIGSTOP)",
+             "frozen_node": "a frozen node (freezer cgroup)", "partitioned": "a partitioned node (link cut)",
+             "killed_node": "a killed node (every process)"}
+    rows = []
+    for kind, r in s["rows"].items():
+        runs = len(r["known"]) + r["missed"] + len(r["errors"])
+        trouble = (f"; **{r['missed']} missed**" if r["missed"] else "") + (
+            f"; **{len(r['errors'])} failed runs**" if r["errors"] else "")
+        first = "; ".join(r["who"])[:160]
+        rows.append(f"| B16 {names.get(kind, kind)}, {s['geometry']} on the local cluster of machines | known after "
+                    f"median {r['median_s']} s (max {r['max_s']}, {runs} runs); resumed after {r['resumed_median_s']}"
+                    f" s; first known by: {first}{trouble} | {s['target']} | {mark(s)} |")
+    soak = s.get("soak")
+    if soak and "error" not in soak:
+        cases = ", ".join(f"{name} x {n}" for name, n in soak["cases_done"].items())
+        rows.append(f"| B16 soak, 2 x 2 with the defaults, {soak['minutes']:g} min of slow things ({cases}) | "
+                    f"**{soak['false_alarms']} false alarms** (attempts: {', '.join(map(str, soak['reasons']))}); "
+                    f"{soak['slow_file_server_warnings']} slow-file-server warnings | {s['target']} | {mark(s)} |")
+    elif soak:
+        rows.append(f"| B16 soak | failed to run: {soak['error'][:120]} | {s['target']} | {mark(s)} |")
+    return rows
 
 
 def _stop_cost(cost: float) -> str:
@@ -697,7 +729,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-MIRROR-NODES,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-MIRROR-NODES,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15,B16",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
                         "'boundary' is B15; B14-FAILURE re-measures B14's failure row alone)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
@@ -737,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("B13-SPLIT", lambda: b13_split(scratch, quick)),
                  ("B14", lambda: b14_ops(scratch, quick)),
                  ("B14-FAILURE", lambda: b14_failure(results, scratch, quick)),
-                 ("B14-SIM", lambda: b14_sim(quick)), ("B15", lambda: b15_boundary(quick))]
+                 ("B14-SIM", lambda: b14_sim(quick)), ("B15", lambda: b15_boundary(quick)),
+                 ("B16", lambda: b16_detection(2 if quick else 5, 3 if quick else 20))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -188,6 +188,8 @@ def _group_ready(attempt: Attempt, device: torch.device) -> None:
     import torch.distributed as dist
 
     from hpc_ddp.rank.group import control, nccl_report
+    from hpc_ddp.rank.group.distributed import default_store
+    from hpc_ddp.rank.watch import net_exchange
 
     env = attempt.env
     timeline.mark("group_ready")
@@ -196,6 +198,8 @@ def _group_ready(attempt: Attempt, device: torch.device) -> None:
     if attempt.liveness is not None:
         # every rank is past the rendezvous: rank 0 created the declaration's file
         attempt.liveness.listen()
+        # the watchers ping each other from now on, not once the file server shows their beats
+        net_exchange.start(default_store(attempt.token), attempt.liveness)
     log.info("process group: backend %s, world size %d, device %s, control traffic on %s",
              dist.get_backend(),
              env.world_size, device, "its own gloo group" if control.group() is not None

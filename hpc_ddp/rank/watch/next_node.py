@@ -1,6 +1,7 @@
 """The next node's beat in the run dir, as a node's watcher (:mod:`hpc_ddp.rank.watch.node_watch`)
 or, while none runs, the node's first rank (:mod:`hpc_ddp.rank.watch.liveness`) watches it: each
-node watches the next one, past a node that left. No torch."""
+node watches the next one, past a node that left; until its beat is read, what the store handed
+over (:mod:`hpc_ddp.rank.watch.net_exchange`) says where it answers pings. No torch."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ from pathlib import Path
 from hpc_ddp.rundir import beats
 from hpc_ddp.rundir.beats import Beat, Judge
 
+PEER = "peer.beat"  # in the node's folder: the next node as the process group's store said
+
 
 class NextNode:
     """The next node's beat in the run dir, judged by this watcher's clock; past a node that left,
     the one after it."""
 
-    def __init__(self, run_dir: Path, tag: str, node: int, nodes: int, liveness_s: float) -> None:
+    def __init__(self, run_dir: Path, tag: str, node: int, nodes: int, liveness_s: float,
+                 handed: tuple[Path, str] | None = None) -> None:
         self.run_dir, self.tag, self.node, self.nodes = run_dir, tag, node, nodes
         self.liveness_s = liveness_s
         self.peer, self.judge = (node + 1) % nodes, Judge(liveness_s)
+        # (the node's folder, its local tag): where the store's hand-over lands, read until found
+        self.handed_in, self.handed = handed, None
 
     def look(self, now: float) -> tuple[float, Beat] | None:
         """(silence, its last beat) once the watched node was silent for ``liveness_s``."""
@@ -31,9 +37,19 @@ class NextNode:
         return (silent, judge.last) if silent is not None and judge.last is not None else None
 
     def endpoint(self) -> str | None:
-        """Where the next node's watcher answers pings (its last beat in the run dir says)."""
-        last = self.judge.last
+        """Where the next node's watcher answers pings (its last beat in the run dir says, or the
+        store's hand-over until one is read)."""
+        last = self.last()
         return None if last is None or self.peer == self.node else last.net
+
+    def last(self) -> Beat | None:
+        """The next node's last beat read from the run dir; until one is, the hand-over's."""
+        if self.judge.last is not None:
+            return self.judge.last
+        if self.handed is None and self.handed_in is not None:
+            folder, local_tag = self.handed_in
+            self.handed = beats.read(folder / PEER, local_tag, own=True)
+        return self.handed if self.handed is not None and self.handed.node == self.peer else None
 
     def fresh(self, now: float) -> tuple[bool, float | None]:
         """The next node's beat read now: (it left, seconds since it last changed)."""

@@ -85,7 +85,8 @@ class NodeWatch:
         self.board = declaration.Board(self.run_dir, plan.ids, plan.tag, self.folder,
                                        plan.local_tag)
         self.kernel = KernelJudge(plan.stopped_s, plan.liveness_s, stall_s=max(1.0, 2 * TICK_S))
-        self.next_node = NextNode(self.run_dir, plan.tag, plan.node, plan.nodes, plan.liveness_s)
+        self.next_node = NextNode(self.run_dir, plan.tag, plan.node, plan.nodes, plan.liveness_s,
+                                  handed=(self.folder, plan.local_tag))
         self.on_node = set(range(plan.first_rank, plan.first_rank + plan.local_size))
         self.count, self.beaten_at, self.done = 0, None, False
         # a declaration is out: the step ends; pings are still answered, nothing more is judged
@@ -163,12 +164,10 @@ class NodeWatch:
         when it left, when a declaration is already out, or when this node's own link is down),
         and True."""
         silent = None if self.net is None else self.net.lost(now)
-        if self.net is None or silent is None:
-            return False
-        if self.cut:
+        if self.net is None or silent is None or self.cut:
             return False
         left, age = self.next_node.fresh(now)
-        last = self.next_node.judge.last
+        last = self.next_node.last()
         if left or last is None or losses.declaration(self.run_dir, self.plan.tag) is not None:
             return False
         message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
@@ -234,12 +233,13 @@ def watching(folder: Path, local_tag: str, proc: Path = Path("/proc")) -> bool:
 
 
 def run(plan: Plan, clock: Any = time.monotonic) -> None:
-    """Tick until the node's part of the attempt ends (or a declaration is out)."""
+    """Tick until the node's part of the attempt ends."""
     watch = NodeWatch(plan, clock=clock)
     if watch.net is not None:
         watch.net.serve(clock, TICK_S)  # pings and answers while a tick waits on the file server
+    net = None if watch.net is None else watch.net.endpoint  # for the store's hand-over
     declaration.rewrite(marker(watch.folder), beats.encode(
-        Beat(plan.local_tag, plan.first_rank, plan.host, 1, pid=os.getpid())))
+        Beat(plan.local_tag, plan.first_rank, plan.host, 1, pid=os.getpid(), net=net)))
     while not watch.done:
         started = clock()
         try:
