@@ -316,7 +316,7 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
     """Issue 55: 2 x 2 with a spare, per_rank state, no periodic snapshot; node 1 cuts its own link once its ranks
     reached step 23 (no FIN, no RST; it still sees its view of the run dir, and beats into it). Issue 60: node 0's
     watcher gets no answer over the training network for 3 s and declares node 1's ranks lost, saying how it was
-    noticed (its beats in the run dir still came); node 1's watcher finds its own link down and declares nobody.
+    noticed (its beats in the run dir still came); node 1's watcher finds its own link down and declares no other node.
     Node 1's ranks, declared, offer nothing (fenced): the survivors commit step 22, each its own and its ward's
     state, and the batch shell seals the commit when the step ends. The spare replaces the cut-off node (its probe
     finds no answer) and the run ends bit-identical to the rehearsal."""
@@ -345,7 +345,7 @@ def test_a_partitioned_node_heals_bit_exact_and_is_fenced(
     assert len(commits) == 1, offers  # one commit in the attempt
     assert (run_dir / "jit" / tag / "commit").read_text().strip() == "step 22"
     logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "slurm").glob("*_log.*"))
-    assert "this node's link (eth0) is down: it is the one cut off, and declares nobody" in logs, logs[-3000:]
+    assert "this node's link (eth0) is down: it is the one cut off, and declares nobody else" in logs, logs[-3000:]
     assert losses(run_dir) == losses(reference)
     assert json.loads((run_dir / "DONE.json").read_text()) == json.loads((reference / "DONE.json").read_text())
 

@@ -1,7 +1,7 @@
 """The node's beat over the training network (issue 60): a watcher pings the node it watches over UDP and that
 node's watcher answers. Pure parts with a fake clock; two watchers' real sockets on loopback and real run-dir
 files, ticked by hand: a partitioned node (it still beats into the run dir) and a frozen one are declared in
-net_silent_s, a slow file server is not a loss, a node whose own link is down declares nobody. The whole thing
+net_silent_s, a slow file server is not a loss, a node whose own link is down declares no other node, and itself once it stays down. The whole thing
 on the local cluster of machines (a node's link cut for real): tests/cluster/test_heal_slurm.py."""
 
 from __future__ import annotations
@@ -167,14 +167,38 @@ def test_a_node_whose_file_server_stalls_but_answers_is_not_lost(pair: Pair, cap
     assert caplog.text.count("answers over the training network: its file server is slow") == 1
 
 
-def test_a_node_whose_own_link_is_down_declares_nobody(pair: Pair, monkeypatch: pytest.MonkeyPatch,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """Node 0 plays the cut-off side here: its neighbour is silent to it, and its own interface says down."""
+def test_a_node_whose_own_link_is_down_declares_no_other_and_itself_once_it_stays_down(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Node 0 plays the cut-off side here: its neighbour is silent to it, and its own interface says down. It never
+    declares node 1; after twice net_silent_s with nobody's declaration out, it declares its own ranks (a node cut
+    before its first answer is declared by nobody else)."""
     pair.run(2.0)
     monkeypatch.setattr(net_beat, "link_down", lambda interface: True)
-    pair.run(6.0, node1="cut")
-    assert losses.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None
-    assert "this node's link (lo) is down: it is the one cut off, and declares nobody" in caplog.text
+    pair.run(6.0, node1="cut")  # 3.5 s down
+    run_dir = Path(pair.watches[0].plan.run_dir)
+    assert losses.declaration(run_dir, TAG) is None
+    assert "this node's link (lo) is down: it is the one cut off, and declares nobody else" in caplog.text
+    pair.run(9.0, node1="cut")  # 6.5 s down
+    record = losses.declaration(run_dir, TAG)
+    assert record is not None and record["ranks"] == [0, 1] and record["host"] == "n0", record
+    assert record["noticed"] == "its own link (lo) down for 6s: the node declared itself, cut off from its peers"
+    assert pair.watches[0].quiet
+
+
+def test_a_cut_off_node_does_not_declare_itself_when_its_peers_already_declared_it(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc_ddp.core.atomic import rewrite_in_place
+    from hpc_ddp.rundir import layout
+
+    pair.run(2.0)
+    run_dir = Path(pair.watches[0].plan.run_dir)
+    said = {"attempt": TAG, "rank": 0, "ranks": [0, 1], "host": "n0", "by": "node 1's watcher (n1)", "time": 1.0}
+    layout.declared(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    rewrite_in_place(layout.declared(run_dir), losses.padded(said))
+    monkeypatch.setattr(net_beat, "link_down", lambda interface: True)
+    pair.run(9.0, node1="cut")
+    assert losses.declaration(run_dir, TAG)["by"] == "node 1's watcher (n1)"
+    assert not layout.lost_marker(run_dir, TAG, 0).exists()  # it wrote nothing of its own
 
 
 def test_a_node_that_left_is_not_declared_when_its_answers_stop(pair: Pair) -> None:

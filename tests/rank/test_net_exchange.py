@@ -12,7 +12,8 @@ from typing import Any
 
 from hpc_ddp.rank.watch import net_exchange
 from hpc_ddp.rank.watch.next_node import PEER
-from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan, marker
+from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan
+from hpc_ddp.rank.watch.watcher_marker import marker
 from hpc_ddp.rundir import beats, losses
 from hpc_ddp.rundir.beats import Beat, encode
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from hpc_ddp.core.processes import Seen, seen
 from hpc_ddp.rank.watch.kernel_judge import KernelJudge
-from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan, marker, watching
+from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan
+from hpc_ddp.rank.watch.watcher_marker import marker, watching
 from hpc_ddp.rundir import beats, losses
 from hpc_ddp.rundir.beats import Beat, decode, encode
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rank.watch import declaration
+from hpc_ddp.rank.watch import declaration, watcher_marker
 from hpc_ddp.rank.watch.declaration import rewrite
 from hpc_ddp.rank.watch.next_node import NextNode
-from hpc_ddp.rank.watch.node_watch import Plan, Watcher, spawn, watching
+from hpc_ddp.rank.watch.node_watch import Plan, Watcher, spawn
 from hpc_ddp.rundir import beats, layout, node_local
 from hpc_ddp.rundir.beats import Beat, Judge, decode, encode  # noqa: F401 (here first)
 from hpc_ddp.core.codes import EXIT_FAILED, EXIT_LOST
@@ -166,7 +166,7 @@ class Liveness:
         leader) at the next node; declare what was silent for ``liveness_s``. Returns that silence
         (None: none declared)."""
         # the node's watcher is on duty (its marker, its process alive): it beats for the node
-        self.watched = watching(self.folder, self.local_tag)
+        self.watched = watcher_marker.watching(self.folder, self.local_tag)
         self.beat()
         if not self._left:
             heard = self._hear()

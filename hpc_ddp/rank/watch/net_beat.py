@@ -14,7 +14,8 @@ each ping. :class:`NetJudge` keeps the silence of the answers, by the watcher's 
 
 - no answer for :data:`NET_SILENT_S` once answers came: the node is lost (frozen, powered off,
   partitioned), whatever its beats in the run dir say; a watcher that finds its own link down
-  (:func:`link_down`) is the one cut off, and declares nobody;
+  (:func:`link_down`) is the one cut off, and declares no other node (itself, once its link has
+  stayed down a while: :mod:`hpc_ddp.rank.watch.node_watch`);
 - the run dir's beats silent for ``dist.liveness_s`` while the answers come: not a loss (its file
   server is slow), a warning once;
 - no answer ever (UDP blocked between nodes, no watcher there): the run dir's beats alone, as

@@ -29,7 +29,7 @@ from typing import Any
 
 from hpc_ddp.rank.watch import declaration
 from hpc_ddp.rank.watch.next_node import PEER
-from hpc_ddp.rank.watch.node_watch import marker
+from hpc_ddp.rank.watch.watcher_marker import marker
 from hpc_ddp.rundir import beats
 from hpc_ddp.rundir.beats import Beat
 

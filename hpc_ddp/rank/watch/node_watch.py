@@ -8,12 +8,13 @@ left alive). It imports no torch and holds no GIL of a rank's, so:
 - **The node's beat** (``RUN_DIR/liveness/node-N.json``) comes from here, every period: a first rank
   that holds the GIL in one long C call, or was killed by the OOM killer, no longer makes the next
   node declare this whole, healthy node lost. The first rank's thread writes it only while this
-  process is not on duty (not started yet, could not start, died, or stopped: :func:`watching`).
+  process is not on duty (not started, could not start, died, or stopped: ``watcher_marker``).
 - **The next node's beat** is watched from here (:class:`NextNode`), and a node silent for
   ``dist.liveness_s`` is declared lost with every rank on it, as the first rank's thread did; and
   **over the training network** (:mod:`hpc_ddp.rank.watch.net_beat`): pinged every tick, a node
-  that stops answering for 3 s is lost (a partition, a frozen or powered-off node), and one whose
-  run-dir beats are late while it answers is not (a slow file server).
+  that stops answering for 3 s is lost (a partition, a frozen or powered-off node; a node that
+  finds its own link down declares itself), and one whose run-dir beats are late while it answers
+  is not (a slow file server).
 - **Its node's ranks** are watched through ``/proc`` every :data:`TICK_S`
   (:class:`hpc_ddp.rank.watch.kernel_judge.KernelJudge`): a rank stopped by SIGSTOP for
   :data:`hpc_ddp.rank.watch.kernel_judge.STOPPED_S` is declared lost and named by rank, where its
@@ -22,9 +23,8 @@ left alive). It imports no torch and holds no GIL of a rank's, so:
 
 A declaration goes where a rank's goes (:class:`hpc_ddp.rank.watch.declaration.Board`): the node's
 ranks hear this node's relay within a tick, the others through the run dir's ``declared.json``.
-The process ignores the stop signals Slurm and the rehearsal send to a step's processes (SIGTERM,
-SIGUSR1, ...): it ends with its ranks, and SIGKILL ends it with the step. No torch.
-"""
+It ignores the stop signals sent to a step's processes (SIGTERM, SIGUSR1, ...): it ends with its
+ranks, and SIGKILL with the step."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from hpc_ddp.rank.watch.kernel_judge import STOPPED_S, KernelJudge
 from hpc_ddp.rank.watch import net_beat
 from hpc_ddp.rank.watch.net_beat import NET_SILENT_S
 from hpc_ddp.rank.watch.next_node import NextNode
+from hpc_ddp.rank.watch.watcher_marker import marker
 from hpc_ddp.rundir import losses
 from hpc_ddp.rundir import beats
 from hpc_ddp.rundir.beats import Beat
@@ -91,6 +92,7 @@ class NodeWatch:
         self.count, self.beaten_at, self.done = 0, None, False
         # a declaration is out: the step ends; pings are still answered, nothing more is judged
         self.quiet, self.warned, self.cut, self.found_any = False, False, False, False
+        self.cut_at = 0.0  # when this node's own link went down
         self.net = net_beat.start(plan.local_tag, plan.tag, plan.node, plan.toward,
                                   plan.net_silent_s)
 
@@ -118,7 +120,7 @@ class NodeWatch:
             return
         self.quiet = self.quiet or self._heard()
         if self.net is not None:
-            self._look_at_link()
+            self._look_at_link(now)
             self.net.tick(self.next_node.peer, None if self.quiet else self.next_node.endpoint(),
                           now)
         if self.quiet:
@@ -178,14 +180,27 @@ class NodeWatch:
         self._post(message, record, silent)
         return True
 
-    def _look_at_link(self) -> None:
-        """This node's own link down: it is the one cut off, and declares nobody (said once)."""
+    def _look_at_link(self, now: float) -> None:
+        """This node's own link down: it is the one cut off and declares no other (said once);
+        down for 2 x ``net_silent_s`` with no declaration out, itself, through the run dir (a cut
+        before its first answer went undeclared: slurmctld's node timeout ended the step, B16)."""
         assert self.net is not None
         cut = self.net.cut_off()
         if cut and not self.cut:
             log.error("node %d's watcher: this node's link (%s) is down: it is the one cut off, "
-                      "and declares nobody", self.plan.node, self.net.interface)
+                      "and declares nobody else", self.plan.node, self.net.interface)
+            self.cut_at = now
         self.cut = cut
+        down = now - self.cut_at
+        if cut and not self.quiet and down >= 2 * self.plan.net_silent_s and \
+                losses.declaration(self.run_dir, self.plan.tag) is None:
+            ranks = sorted(self.on_node)
+            me = Beat(self.plan.tag, ranks[0], self.plan.host, self.count, node=self.plan.node,
+                      ranks=tuple(ranks))
+            noticed = (f"its own link ({self.net.interface}) down for {down:.0f}s: the node "
+                       "declared itself, cut off from its peers")
+            self._post(*declaration.lost(None, self.plan.host, self.plan.liveness_s, down, ranks,
+                                         me, self.wall(), by=self._me(), noticed=noticed), down)
 
     def _me(self) -> str:
         return f"node {self.plan.node}'s watcher ({self.plan.host})"
@@ -195,13 +210,10 @@ class NodeWatch:
 
     def _declare_stopped(self, stopped: dict[int, float], gone: dict[int, float],
                          found: dict[int, Beat]) -> None:
-        how = "stopped" if stopped else "gone"
         which = stopped or gone
-        ranks = sorted(which)
-        longest = max(which.values())
-        message, record = declaration.stopped(self._me(), self.plan.host, ranks, longest,
-                                              found[ranks[0]], self.wall(), how)
-        self._post(message, record, longest)
+        ranks, longest = sorted(which), max(which.values())
+        self._post(*declaration.stopped(self._me(), self.plan.host, ranks, longest, found[ranks[0]],
+                                        self.wall(), "stopped" if stopped else "gone"), longest)
 
     def _post(self, message: str, record: dict[str, Any], silent: float) -> None:
         self.board.post(record, silent)
@@ -217,19 +229,6 @@ class NodeWatch:
             declaration.rewrite(beats.node_beat(self.run_dir, self.plan.node), beats.encode(node))
         except OSError as err:
             log.warning("node %d's watcher cannot write the node's beat: %s", self.plan.node, err)
-
-
-def marker(folder: Path) -> Path:
-    """Where the node's watcher says it runs (its pid), on the node's storage."""
-    return folder / "watcher.beat"
-
-
-def watching(folder: Path, local_tag: str, proc: Path = Path("/proc")) -> bool:
-    """The node's watcher runs and is not stopped: the node's ranks leave their node's ranks to it
-    (a thread's watch of a rank's beats cries wolf when that rank holds the GIL)."""
-    found = beats.read(marker(folder), local_tag, own=True)
-    process = None if found is None or found.pid is None else processes.seen(found.pid, proc)
-    return process is not None and not process.exited and not process.stopped
 
 
 def run(plan: Plan, clock: Any = time.monotonic) -> None:
