@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 # B2-GPU-PIPELINE's targets (benchmarks/gpu.py measures it, benchmarks/run.py shows it)
 PIPELINE_TARGET = "sync >= 0.8 x dd (2 GB CUDA state); async snapshots every 50 steps >= 0.97 x raw"
@@ -44,3 +45,33 @@ def wall(cmd: Sequence[str], cwd: str | None = None) -> float:
     start = time.perf_counter()
     subprocess.run(list(cmd), cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - start
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, every: float = 0.2) -> None:
+    """Poll ``predicate`` until it holds; TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the benchmark's run did not get there in time")
+        time.sleep(every)
+
+
+def second_node(job: str, env: Mapping[str, str]) -> str:
+    """A job's second node on the local cluster (its first is the batch host): the step's node 1."""
+    hosts = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True,
+                           env=dict(env)).stdout.strip()
+    return subprocess.run(["scontrol", "show", "hostnames", hosts], capture_output=True, text=True,
+                          env=dict(env)).stdout.split()[1]
+
+
+def cluster_env() -> tuple[dict[str, str] | None, str | None]:
+    """The local test cluster, started unless it is up, and the environment that reaches it; or None and why
+    not (the pieces this machine lacks)."""
+    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
+
+    spec = ClusterSpec()
+    missing = missing_pieces(spec)
+    if missing:
+        return None, f"needs {', '.join(missing)} (bash dev/test.sh installs them)"
+    start(spec)
+    return {**os.environ, "SLURM_CONF": str(spec.conf_path)}, None

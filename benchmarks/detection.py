@@ -31,14 +31,13 @@ declaration, lost-rank marker or failed attempt; the watchers' "file server is s
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import median
+from benchmarks.common import cluster_env, median, second_node, wait_until
 from hpc_ddp.rundir import jit_files, jit_offers, ledger, losses, metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,22 +53,6 @@ CLASSES: dict[str, str | None] = {
     "killed_node": None,  # the benchmark kills the node
 }
 TARGET_MEDIAN_S, TARGET_MAX_S = 5.0, 8.0
-
-
-def _wait(predicate: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the benchmark's run did not get there in time")
-        time.sleep(0.1)
-
-
-def _second_node(job: str, env: dict[str, str]) -> str:
-    """The step's second node (node 1: the first is the batch host)."""
-    hosts = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True,
-                           env=env).stdout.strip()
-    return subprocess.run(["scontrol", "show", "hostnames", hosts], capture_output=True, text=True,
-                          env=env).stdout.split()[1]
 
 
 def _failed_line(run_dir: Path) -> dict[str, Any] | None:
@@ -106,12 +89,12 @@ def one(kind: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
     try:
         if kind == "killed_node":
             metrics = run_dir / "metrics.jsonl"
-            _wait(lambda: metrics.exists() and any(r["step"] >= 300 for r in metrics_file.read(run_dir)), 240)
-            _kill_node(_second_node(job, env), stamp)
-        _wait(lambda: _failed_line(run_dir) is not None or (run_dir / "DONE.json").exists(), 300)
+            wait_until(lambda: metrics.exists() and any(r["step"] >= 300 for r in metrics_file.read(run_dir)), 240, 0.1)
+            _kill_node(second_node(job, env), stamp)
+        wait_until(lambda: _failed_line(run_dir) is not None or (run_dir / "DONE.json").exists(), 300, 0.1)
         failed = _failed_line(run_dir)
         known, who = known_at(run_dir, failed) if failed else (None, "missed: the run went on unharmed")
-        _wait(lambda: (run_dir / "DONE.json").exists(), 300)
+        wait_until(lambda: (run_dir / "DONE.json").exists(), 300)
     finally:
         if kind in ("frozen_node", "partitioned", "killed_node"):
             _back_to_normal()
@@ -150,7 +133,7 @@ def soak(minutes: float, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
     """One long healthy run full of slow things: how many declarations, failed attempts and cases done."""
     subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *SOAK, f"run_dir={run_dir}"], cwd=ROOT,
                    env={**env, "HPC_DDP_SOAK_S": str(int(minutes * 60))}, capture_output=True, text=True, check=True)
-    _wait(lambda: (run_dir / "DONE.json").exists() or _failed_line(run_dir) is not None, minutes * 60 + 600)
+    wait_until(lambda: (run_dir / "DONE.json").exists() or _failed_line(run_dir) is not None, minutes * 60 + 600)
     attempts = ledger.read_attempts(run_dir)
     logs = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm").glob("*_log.*")))
     markers = sorted(p.name for p in (run_dir / "errors").glob("*lost-rank*")) if (run_dir / "errors").exists() \
@@ -163,14 +146,9 @@ def soak(minutes: float, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
 
 
 def b16_detection(trials: int = 5, only: tuple[str, ...] = tuple(CLASSES), soak_minutes: float = 20) -> dict[str, Any]:
-    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
-
-    spec = ClusterSpec()
-    missing = missing_pieces(spec)
-    if missing:
-        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
-    start(spec)
-    env = {**os.environ, "SLURM_CONF": str(spec.conf_path)}
+    env, why_not = cluster_env()
+    if env is None:
+        return {"skipped": why_not, "met": None}
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in only}
     scratch = ROOT / "runs" / f"b16-{time.strftime('%H%M%S')}"
     scratch.mkdir(parents=True)
@@ -189,8 +167,9 @@ def b16_detection(trials: int = 5, only: tuple[str, ...] = tuple(CLASSES), soak_
         except (subprocess.CalledProcessError, TimeoutError) as err:
             soaked = {"error": repr(err)[:300], "false_alarms": None}
         print(f"B16 soak: {soaked}", file=sys.stderr, flush=True)
-    met = (soaked is None or soaked.get("false_alarms") == 0) and all(r.get("median_s") is not None and r["median_s"] <= TARGET_MEDIAN_S and r["max_s"] <= TARGET_MAX_S
-              and not r["missed"] and not r["errors"] for r in rows.values())
+    met = (soaked is None or soaked.get("false_alarms") == 0) and all(
+        r.get("median_s") is not None and r["median_s"] <= TARGET_MEDIAN_S and r["max_s"] <= TARGET_MAX_S
+        and not r["missed"] and not r["errors"] for r in rows.values())
     return {"rows": rows, "trials": trials, "geometry": "2 x 2 with a spare node", "soak": soaked,
             "target": f"every class known within {TARGET_MEDIAN_S:g} s (median) and {TARGET_MAX_S:g} s (max); "
                       "0 false alarms in the soak",

@@ -18,7 +18,6 @@ not measured; the wait in a busy queue comes on top).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import median
+from benchmarks.common import cluster_env, median, second_node, wait_until
 from hpc_ddp.rundir import metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,14 +40,6 @@ PATHS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def _wait(predicate: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the benchmark's run did not get there in time")
-        time.sleep(0.2)
-
-
 def one(path: str, run_dir: Path, env: dict[str, str]) -> float:
     """One run of one path: seconds from the failure to the resumed attempt's first metrics line."""
     fault, options = PATHS[path]
@@ -60,16 +51,13 @@ def one(path: str, run_dir: Path, env: dict[str, str]) -> float:
     downed = None
     if path == "node_down":
         metrics = run_dir / "metrics.jsonl"
-        _wait(lambda: metrics.exists() and any(r["step"] >= 15 for r in metrics_file.read(run_dir)), 180)
-        downed = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True,
-                                env=env).stdout.strip()
-        node = subprocess.run(["scontrol", "show", "hostnames", downed], capture_output=True, text=True,
-                              env=env).stdout.split()[1]  # the second training node (the first is the batch host)
+        wait_until(lambda: metrics.exists() and any(r["step"] >= 15 for r in metrics_file.read(run_dir)), 180)
+        node = second_node(job, env)
         stamp.write_text(repr(time.time()))
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=B10"], env=env, check=True)
         downed = node
     try:
-        _wait(lambda: (run_dir / "DONE.json").exists(), 400)
+        wait_until(lambda: (run_dir / "DONE.json").exists(), 400)
     finally:
         if downed:
             subprocess.run(["scontrol", "update", f"nodename={downed}", "state=resume"], env=env)
@@ -80,14 +68,9 @@ def one(path: str, run_dir: Path, env: dict[str, str]) -> float:
 
 
 def b10_healing(repeats: int = 3) -> dict[str, Any]:
-    from hpc_ddp.slurm_local import ClusterSpec, missing_pieces, start
-
-    spec = ClusterSpec()
-    missing = missing_pieces(spec)
-    if missing:
-        return {"skipped": f"needs {', '.join(missing)} (bash dev/test.sh installs them)", "met": None}
-    start(spec)
-    env = {**os.environ, "SLURM_CONF": str(spec.conf_path)}
+    env, why_not = cluster_env()
+    if env is None:
+        return {"skipped": why_not, "met": None}
     seconds: dict[str, list[float]] = {path: [] for path in PATHS}
     scratch = ROOT / "runs"
     scratch.mkdir(exist_ok=True)

@@ -1,8 +1,9 @@
 """The node's beat over the training network (issue 60): a watcher pings the node it watches over UDP and that
 node's watcher answers. Pure parts with a fake clock; two watchers' real sockets on loopback and real run-dir
 files, ticked by hand: a partitioned node (it still beats into the run dir) and a frozen one are declared in
-net_silent_s, a slow file server is not a loss, a node whose own link is down declares no other node, and itself once it stays down. The whole thing
-on the local cluster of machines (a node's link cut for real): tests/cluster/test_heal_slurm.py."""
+net_silent_s, a slow file server is not a loss, a node whose own link is down declares no other node, and itself
+once it stays down. The whole thing on the local cluster of machines (a node's link cut for real):
+tests/cluster/test_heal_slurm.py."""
 
 from __future__ import annotations
 
