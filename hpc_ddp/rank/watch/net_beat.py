@@ -1,11 +1,9 @@
 """The node's beat over the training network (issue 60): how a node's watcher tells a partitioned
 node from a slow file server, and a frozen or powered-off node from a slow one, in seconds.
 
-The beats in the run dir (:mod:`hpc_ddp.rundir.beats`) go through the file server. A node whose
-training link is down still writes them (its storage network is another), so a partition was
-never seen (its peers waited in a collective for ``dist.timeout_s``); and a file server that
-stalls one node's writes looks like that node's death, so the window had to stay long
-(``dist.liveness_s``, 30 s).
+The beats in the run dir (:mod:`hpc_ddp.rundir.beats`) go through the file server: a node whose
+training link is down still writes them (a partition was never seen), and a file server that stalls
+one node's writes looks like its death (so ``dist.liveness_s`` stays 30 s).
 
 Each watcher (:mod:`hpc_ddp.rank.watch.node_watch`) therefore also pings the node it watches,
 every tick, over UDP from the address it reaches ``MASTER_ADDR`` from (its training network), at
@@ -18,8 +16,7 @@ each ping. :class:`NetJudge` keeps the silence of the answers, by the watcher's 
   stayed down a while: :mod:`hpc_ddp.rank.watch.node_watch`);
 - the run dir's beats silent for ``dist.liveness_s`` while the answers come: not a loss (its file
   server is slow), a warning once;
-- no answer ever (UDP blocked between nodes, no watcher there): the run dir's beats alone, as
-  before.
+- no answer ever (UDP blocked between nodes, no watcher there): the run dir's beats alone.
 
 Datagrams carry the attempt and an HMAC with a key made from the attempt's node-local token, so
 another user on the network can neither answer for a dead node nor make a live one look dead (a
@@ -131,9 +128,12 @@ class NetJudge:
         self.heard_at: float | None = None
         self.awake_at: float | None = None
 
-    def heard(self, count: int, now: float) -> None:
+    def heard(self, count: int, now: float) -> bool:
+        """An answer numbered ``count``; True for the first (the silence counts from now on)."""
+        first = self.heard_at is None
         if count > self.count:  # a replayed or reordered answer is no news
             self.count, self.heard_at = count, now
+        return first
 
     def awake(self, now: float) -> None:
         """The pinging side ran at ``now``. A gap since its last run longer than ``stall_s`` (this
@@ -259,8 +259,10 @@ class NetBeat:
                        f"{source[0]}:{source[1]}")
         elif kind == "pong":
             with self.lock:
-                if node == self.watched:
-                    self.judge.heard(count, now)
+                if node == self.watched and self.judge.heard(count, now):
+                    log.info("node %d's watcher: node %d answers over the training network "
+                             "(%s:%d): a silence of %gs declares it from now on", self.node, node,
+                             *source, self.silent_s)
 
     def _send(self, data: bytes, endpoint: str) -> None:
         host, _, port = endpoint.rpartition(":")
