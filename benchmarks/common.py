@@ -57,7 +57,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float, every: float = 0.2
 
 
 def second_node(job: str, env: Mapping[str, str]) -> str:
-    """A job's second node on the local cluster (its first is the batch host): the step's node 1."""
+    """A job's second node on the local cluster: with a spare node its first training node (the batch host, its
+    first, trains only when no spare is free)."""
     hosts = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True,
                            env=dict(env)).stdout.strip()
     return subprocess.run(["scontrol", "show", "hostnames", hosts], capture_output=True, text=True,

@@ -11,8 +11,8 @@ found by its own watcher in 6 s instead, ``tests/rank/test_net_beat.py``):
 - ``frozen_node``: node 1 frozen in its freezer cgroup (a kernel hang, and from outside what a powered-off node
   looks like: nothing sent, nothing answered; its watcher and slurmd frozen too);
 - ``partitioned``: node 1's link cut from inside (no FIN, no RST; it still beats into its view of the run dir);
-- ``killed_node``: every process of node 1 SIGKILLed by the benchmark (``fault n2 kill``) once step 300 is logged:
-  slurmd, the watcher and the ranks; its kernel closes their sockets.
+- ``killed_node``: every process of node 1 SIGKILLed by the benchmark (``fault NODE kill``, the host its beat in the
+  run dir names) once step 300 is logged: slurmd, the watcher and the ranks; its kernel closes their sockets.
 
 **Known** is the earliest of: a declaration of the lost ranks (its marker's time, written by whoever noticed:
 a node's watcher, a rank's liveness thread) and a survivor's offer for the survivors' snapshot (the instant its
@@ -31,13 +31,14 @@ declaration, lost-rank marker or failed attempt; the watchers' "file server is s
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import cluster_env, median, second_node, wait_until
+from benchmarks.common import cluster_env, median, wait_until
 from hpc_ddp.rundir import jit_files, jit_offers, ledger, losses, metrics_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +91,7 @@ def one(kind: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
         if kind == "killed_node":
             metrics = run_dir / "metrics.jsonl"
             wait_until(lambda: metrics.exists() and any(r["step"] >= 300 for r in metrics_file.read(run_dir)), 240, 0.1)
-            _kill_node(second_node(job, env), stamp)
+            _kill_node(json.loads((run_dir / "liveness" / "node-1.json").read_text())["host"], stamp)
         wait_until(lambda: _failed_line(run_dir) is not None or (run_dir / "DONE.json").exists(), 300, 0.1)
         failed = _failed_line(run_dir)
         known, who = known_at(run_dir, failed) if failed else (None, "missed: the run went on unharmed")
@@ -188,8 +189,6 @@ def summary(values: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import json
-
     # python -m benchmarks.detection TRIALS [CLASSES [SOAK_MINUTES]]: a part of B16 alone
     kinds = tuple(k for k in sys.argv[2].split(",") if k) if len(sys.argv) > 2 else tuple(CLASSES)
     minutes = float(sys.argv[3]) if len(sys.argv) > 3 else 0

@@ -121,3 +121,23 @@ def test_a_node_cut_before_its_beat_reached_the_node_before_is_declared_with_wha
         for watch in watches:
             if watch.net is not None:
                 watch.net.close()
+
+
+def test_a_run_dir_beat_that_names_no_endpoint_does_not_hide_the_store_s(tmp_path: Path) -> None:
+    """The next node's first rank beats for its node until its watcher runs, without an endpoint; a watcher that
+    read that beat first pinged nobody until a later beat came through its file server's cache (B16: half of the
+    partitions 5 s into an attempt were found only when the cut node declared itself)."""
+    from hpc_ddp.rank.watch.next_node import NextNode
+
+    folder = _folder(tmp_path, 0, None)
+    run_dir = tmp_path / "run"
+    watch = NextNode(run_dir, TAG, 0, 2, 30.0, handed=(folder, LOCAL))
+    beats.node_beat(run_dir, 1).parent.mkdir(parents=True)
+    beats.node_beat(run_dir, 1).write_bytes(encode(Beat(TAG, 2, "n1", 1, node=1, ranks=(2, 3))))  # the rank's
+    watch.look(0.0)
+    assert watch.judge.last is not None and watch.judge.last.net is None and watch.endpoint() is None
+    (folder / PEER).write_bytes(encode(Beat(LOCAL, 2, "n1", 0, node=1, ranks=(2, 3), net="10.0.0.2:4001")))
+    assert watch.endpoint() == "10.0.0.2:4001" and watch.last() == watch.judge.last
+    beats.node_beat(run_dir, 1).write_bytes(encode(Beat(TAG, 2, "n1", 2, node=1, ranks=(2, 3), net="10.0.0.2:4002")))
+    watch.look(1.0)
+    assert watch.endpoint() == "10.0.0.2:4002"  # the run dir's, once it names one

@@ -51,7 +51,8 @@ def hand_over(store: Any, folder: Path, local_tag: str, tag: str, node: int, nod
     (alone, or it never came within :data:`WAIT_S`)."""
     if nodes < 2:
         return None
-    deadline = clock() + MARKER_S
+    began = clock()
+    deadline = began + MARKER_S
     watcher = beats.read(marker(folder), local_tag, own=True)
     while (watcher is None or watcher.net is None) and clock() < deadline:
         sleep(POLL_S)
@@ -69,6 +70,8 @@ def hand_over(store: Any, folder: Path, local_tag: str, tag: str, node: int, nod
     handed = Beat(local_tag, int(said["first"]), str(said["host"]), 0, node=peer,
                   ranks=tuple(int(r) for r in said["ranks"]), net=said.get("net"))
     declaration.rewrite(folder / PEER, beats.encode(handed))
+    log.info("node %d: node %d's watcher answers at %s (handed over through the store in %.1fs)",
+             node, peer, handed.net, clock() - began)
     return handed
 
 

@@ -37,15 +37,21 @@ class NextNode:
         return (silent, judge.last) if silent is not None and judge.last is not None else None
 
     def endpoint(self) -> str | None:
-        """Where the next node's watcher answers pings (its last beat in the run dir says, or the
-        store's hand-over until one is read)."""
-        last = self.last()
-        return None if last is None or self.peer == self.node else last.net
+        """Where the next node's watcher answers pings: its last beat in the run dir says, or, where
+        that beat says nothing of it (written by the node's first rank before its watcher ran) or
+        none was read yet, the store's hand-over."""
+        if self.peer == self.node:
+            return None
+        last, handed = self.judge.last, self._handed()
+        if last is not None and last.net:
+            return last.net
+        return None if handed is None else handed.net
 
     def last(self) -> Beat | None:
         """The next node's last beat read from the run dir; until one is, the hand-over's."""
-        if self.judge.last is not None:
-            return self.judge.last
+        return self.judge.last if self.judge.last is not None else self._handed()
+
+    def _handed(self) -> Beat | None:
         if self.handed is None and self.handed_in is not None:
             folder, local_tag = self.handed_in
             self.handed = beats.read(folder / PEER, local_tag, own=True)
