@@ -673,7 +673,9 @@ def _b16_rows(s: dict[str, Any], mark: Callable[[dict[str, Any]], str]) -> list[
         runs = len(r["known"]) + r["missed"] + len(r["errors"])
         trouble = (f"; **{r['missed']} missed**" if r["missed"] else "") + (
             f"; **{len(r['errors'])} failed runs**" if r["errors"] else "")
-        first = "; ".join(r["who"])[:160]
+        # a survivor's error text names a port each run; a declaration says how it was noticed
+        first = "; ".join(sorted({w.split(";")[0].split(", while")[0] if w.startswith("declared")
+                                  else "a survivor's collective failed" for w in r["who"]}))
         rows.append(f"| B16 {names.get(kind, kind)}, {s['geometry']} on the local cluster of machines | known after "
                     f"median {r['median_s']} s (max {r['max_s']}, {runs} runs); resumed after {r['resumed_median_s']}"
                     f" s; first known by: {first}{trouble} | {s['target']} | {mark(s)} |")
