@@ -8,13 +8,13 @@ on the local cluster of machines). So a node cut off in its attempt's first half
 pinged and never declared: B16 found a partition 9 s into an attempt unseen, and slurmctld's node
 timeout killed the whole step 60 s later, survivors and their snapshot with it.
 
-The store at ``MASTER_ADDR`` answers at once. Each node's first rank, when the group is formed,
-puts there its watcher's endpoint, its node's ranks and host (under the attempt's token: a client
-that does not know it cannot set a key), waits for the next node's (a poll with a bound, from a
-thread: the store's client serves one call at a time, and the watchdog's beats use it too) and hands
-it to its watcher through the node's folder (:data:`PEER`). The watcher pings from then on; the run
-dir's beat, once read, stays the source (a node that left, the node past it). Three store calls a
-node, once an attempt. No torch.
+The store at ``MASTER_ADDR`` answers at once. Each node's first rank, when the group is formed, puts
+there its watcher's endpoint, its node's ranks and host (under the attempt's token: a client that
+does not know it cannot set a key), waits for the next node's (a poll with a bound, from a thread:
+the store's client serves one call at a time, and the watchdog's beats use it too) and hands it to
+its watcher through the node's folder (:data:`PEER`). The watcher pings from then on; a run-dir beat
+that names an endpoint takes over (a node that left, the node past it). Three store calls a node,
+once an attempt. No torch.
 """
 
 from __future__ import annotations
