@@ -4,16 +4,17 @@
 # 8 files come back: machine.txt, summary.txt, log.txt, figures.json, b15.json, mingpt.txt).
 #
 # Before it, here: `bash dev/gpu_prepare.sh` (the wheels and minGPT-ddp the machine cannot fetch, in .gpu/). Then:
-#   run(command='bash dev/gpu_check.sh "$OUT"', carry=['.gpu'], timeout_s=560)
+#   run(command='bash dev/gpu_check.sh "$OUT"', carry=['.gpu'], timeout_s=590)
 # Without a GPU (or without torch) every part says that it needs one, in a second or two, and nothing runs.
 #
 # Parts, in the order they run (PARTS picks and orders them; a part whose limit no longer fits the budget is
-# listed as not run, for the next lent GPU):
+# listed as not run, for the next lent GPU; the rest of tests/gpu comes third: its 360 s limit fits only early):
 #   survivor  the survivors' snapshot at world size 1 while a long torch.cuda._sleep wedges the update stream:
 #             step k held, copied on a side stream and written bit for bit before the stream is free; and the
 #             device's events said without a wait (tests/gpu: two tests). Limit 90 s.
 #   pair      two ranks on the one GPU (gloo group, CUDA model with BatchNorm, per-rank CUDA batch): no sync in
 #             any run.boundary after the first (tests/gpu/sync_free_pair.py). Limit 150 s.
+#   tests     the rest of tests/gpu (NCCL resume, RNG, staging, the hang and crash paths, the mirror). Limit 360 s.
 #   b15       B15 on CUDA: run.boundary alone, GPT own loop and Trainer, world size 1 (benchmarks/boundary.py).
 #             Limit 200 s.
 #   nccl      dev/nccl_net_check.py: the network NCCL says it uses, parsed from its own lines. Limit 90 s.
@@ -22,14 +23,13 @@
 #   mingpt    pytorch/examples' minGPT-ddp, unmodified, at world size 1 through hpc_ddp.submit --local: it refuses
 #             one GPU ("Unable to locate sufficient 2 gpus") and hpc_ddp must say it trained nothing; then a copy
 #             whose only change is that minimum (1), one epoch on 1 % of the text, which must train. Limit 150 s.
-#   tests     the rest of tests/gpu (NCCL resume, RNG, staging, the hang and crash paths, the mirror). Limit 360 s.
 #   mirror    B2-MIRROR on the machine's CPU cores (gloo, 2 ranks). Limit 30 + 15 s a round (MIRROR_ROUNDS, 4).
-# Usage: bash dev/gpu_check.sh OUTDIR [PARTS, default survivor,pair,b15,nccl,pipeline,gpu,mingpt,tests]
-#        [BUDGET_S, default 480: one call of the device tool, with its start, within its 10 minutes]
+# Usage: bash dev/gpu_check.sh OUTDIR [PARTS, default survivor,pair,tests,b15,nccl,pipeline,mingpt,gpu]
+#        [BUDGET_S, default 540: one call of the device tool (at most 600 s), with the wheels' install]
 set -u
-out=${1:?usage: dev/gpu_check.sh OUTDIR [survivor,pair,b15,nccl,pipeline,gpu,mingpt,tests,mirror] [BUDGET_S]}
-parts=${2:-survivor,pair,b15,nccl,pipeline,gpu,mingpt,tests}
-budget=${3:-480}
+out=${1:?usage: dev/gpu_check.sh OUTDIR [survivor,pair,tests,b15,nccl,pipeline,mingpt,gpu,mirror] [BUDGET_S]}
+parts=${2:-survivor,pair,tests,b15,nccl,pipeline,mingpt,gpu}
+budget=${3:-540}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 summary="$out/summary.txt" log="$out/log.txt"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PARTS = ["survivor", "pair", "b15", "nccl", "pipeline", "gpu", "mingpt", "tests"]
+DEFAULT_PARTS = ["survivor", "pair", "tests", "b15", "nccl", "pipeline", "mingpt", "gpu"]
 
 
 def _check(out: Path, python: str, *args: str) -> subprocess.CompletedProcess[str]:
