@@ -17,7 +17,7 @@ import pytest
 from hpc_ddp.rundir import metrics_file, snapshot
 from hpc_ddp.rundir.ledger import read_attempts
 from hpc_ddp.slurm_local import ClusterSpec
-from tests.helpers import finished, job_gone, wait_until
+from tests.helpers import assert_kept_the_step, finished, job_gone, wait_until
 from tests.wandb_reader import wandb_fragments, wandb_history
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,8 +76,10 @@ def test_scancel_and_a_bare_sigterm_with_loader_workers_are_stops_that_keep_the_
         assert [a["reason"] for a in attempts] == ["cancelled"], (name, attempts, logs(tmp_path / name))
         kept = attempts[0]["last_step"]
         assert kept == snapshot.committed_steps(tmp_path / name)[0] and kept >= sent[name], (name, attempts)
-        assert ("stopped_mid_step" in attempts[0]) == (name == "fork"), (name, attempts)  # shielded: a clean stop
-    assert "worker_init_fn=hpc_ddp.worker_init()" in logs(tmp_path / "fork")
+        if name == "fork":  # a broken step, or the prefetched batches carried it to the agreed boundary
+            assert_kept_the_step(attempts[0], logs(tmp_path / name), sent[name])
+        else:
+            assert "stopped_mid_step" not in attempts[0], (name, attempts)  # shielded: a clean stop
     usr2 = read_attempts(tmp_path / "usr2")  # the warning signal kills unshielded spawn workers (default action)
     assert [a["reason"] for a in usr2] == ["preemption", "finished"] and usr2[0]["signal"] == "USR2", usr2
     term = read_attempts(tmp_path / "term")

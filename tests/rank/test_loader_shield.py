@@ -287,20 +287,19 @@ def _rehearse(tmp_path: Path, name: str, loader: str, *extra: str) -> subprocess
 @pytest.mark.slow
 def test_the_rehearsals_stops_reach_the_loader_workers_and_cost_at_most_the_step_in_flight(tmp_path: Path) -> None:
     """--preempt-at and --timeout-at signal every process of a rank, as Slurm does. Unshielded fork workers die of
-    the SIGTERM: the attempt is still a preemption, the survivors' snapshot holds the step every rank held, and
-    the run ends bit-identical to one never stopped. Shielded spawn workers outlive both stops: a clean agreed
-    stop, nothing in the ledger about a broken step."""
+    the SIGTERM: the attempt is still a preemption that keeps the step every rank held, and the run ends
+    bit-identical to one never stopped. Shielded spawn workers outlive both stops: a clean agreed stop, nothing
+    in the ledger about a broken step."""
     from hpc_ddp.rundir.ledger import read_attempts
-    from tests.helpers import done, losses
+    from tests.helpers import assert_kept_the_step, done, losses
 
     straight = _rehearse(tmp_path, "straight", "fork")
     broken = _rehearse(tmp_path, "fork", "fork", "--preempt-at", "14")
     clean = _rehearse(tmp_path, "spawn", "spawn:shield", "--preempt-at", "14", "--timeout-at", "23")
-    first = read_attempts(tmp_path / "fork")[0]
-    assert first["reason"] == "preemption" and first["stopped_mid_step"]["child_killed"], first
-    assert first["stopped_mid_step"]["snapshot"] == first["stopped_mid_step"]["held"] >= 14  # only the step in flight
-    assert first["last_step"] == first["stopped_mid_step"]["snapshot"]
-    assert "worker_init_fn=hpc_ddp.worker_init()" in broken.stderr  # the log names the fix
+    first = read_attempts(tmp_path / "fork")
+    assert first[0]["reason"] == "preemption", first
+    assert_kept_the_step(first[0], broken.stderr, 14)
+    assert first[1]["resumed_from"] == first[0]["last_step"], first  # the stop's snapshot
     assert [a["reason"] for a in read_attempts(tmp_path / "spawn")] == ["preemption", "timeout", "finished"]
     assert not any("stopped_mid_step" in a for a in read_attempts(tmp_path / "spawn"))
     assert "sending SIGTERM to every rank" in clean.stderr and straight.returncode == 0
