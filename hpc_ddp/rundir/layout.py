@@ -24,7 +24,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
     errors/            job-J-restart-N.txt: the full message of a deterministic error;
                        job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
     liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
-                       hpc_ddp.rundir.beats); declared.json: the last declaration of a loss
+                       hpc_ddp.rundir.beats); declared.json: the last declaration of a loss;
+                       slow.json: the slow nodes the running attempt named (rank/loop/pace.py)
     jit/               job-J-restart-N[-step-K]/: what the survivors of a failure said, one
                        node-N.json (and blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files);
                        an earlier attempt's keeps only its commit claim (hpc_ddp.rundir.jit_tidy)
@@ -160,6 +161,12 @@ def declared(run_dir: Path | str) -> Path:
     period; rank 0 creates it before the rendezvous, so no node ever looked the name up before it
     existed (an NFS client would keep that answer for up to 30 s)."""
     return Path(run_dir) / LIVENESS / "declared.json"
+
+
+def slow_nodes(run_dir: Path | str) -> Path:
+    """The slow nodes rank 0 named in the running attempt (:mod:`hpc_ddp.rank.loop.pace`), for
+    ``status``; the attempt's ledger line keeps them once it ends."""
+    return Path(run_dir) / LIVENESS / "slow.json"
 
 
 def lost_marker(run_dir: Path | str, tag: str, rank: int | str) -> Path:

@@ -456,3 +456,25 @@ def cadenced_counter(run: Any) -> None:
     every: list[Any] = [None] * run.world_size
     dist.all_gather_object(every, counters["steps"])
     run.finish(per_rank=every)
+
+
+def slow_node(run: Any) -> None:
+    """A straggler (issue 60): every rank sleeps 20 ms a step (waiting, not busy); the ranks of the node
+    ``user.slow_node`` names (default 1) spin a CPU for 15 ms more each step from ``user.slow_from`` (default 20),
+    and every rank waits for them at each all-reduce."""
+    model, optimizer = _tiny(run)
+    user = run.config.user
+    slow = run.node_rank == int(user.get("slow_node", 1))
+    step = run.resume(model=model, optimizer=optimizer)
+    while step < run.config.train.max_steps:
+        if slow and step >= int(user.get("slow_from", 20)):
+            end = time.monotonic() + 0.015
+            while time.monotonic() < end:
+                pass
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        time.sleep(0.02)
+        if run.boundary(step):
+            return

@@ -50,6 +50,23 @@ class ContainerConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """A slow node named (docs: Failures and stops, a slow node)."""
+
+    action: str = doc("warn", "warn: a node whose ranks are busy (on a CPU, or waiting for one) "
+                      "more than slurm.straggler.ratio x the other nodes' median per step, "
+                      "slurm.straggler.windows windows in a row, is named in the log, the ledger, "
+                      "status and metrics; off: nothing is measured. A train.script has no "
+                      "boundary to measure at.")
+    ratio: float = doc(1.2, "How much busier per step than the other nodes' median a slow node's "
+                       "ranks are (a number > 1).")
+    windows: int = doc(3, "Windows in a row above the ratio before the node is named (and below it "
+                       "before it is said to be well again).")
+    window_steps: int = doc(10, "Steps per window: each rank's figure rides on the boundary's "
+                            "agreement once a window.")
+
+
+@dataclass
 class SlurmConfig:
     """What to ask Slurm for, and how often a run may be requeued."""
 
@@ -92,6 +109,7 @@ class SlurmConfig:
     srun_args: List[str] = doc_factory(list, "Extra arguments for every training step's srun, e.g. "
                                        "['--cpu-bind=cores'] (after hpc_ddp's own, so they win).")
     container: ContainerConfig = doc_factory(ContainerConfig, "The container every rank runs in.")
+    straggler: StragglerConfig = doc_factory(StragglerConfig, "A slow node named.")
 
 
 @dataclass

@@ -163,6 +163,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     result["tasks_per_node"] = None if cfg is None else cfg.slurm.tasks_per_node
     result["logged"] = {key: value for key, value in newest(metrics).items() if key not in SHOWN}
     result["verdict"] = verdict(state, bool(done), attempts)
+    result["slow_now"] = _slow_now(run_dir, attempts) if running else None
     if state and state.startswith("PENDING") and not job.get("local"):
         from hpc_ddp.login.partition import pending_reason
 
@@ -175,6 +176,18 @@ def collect(run_dir: Path) -> dict[str, Any]:
         result["last_errors"] = last_errors(run_dir,
                                             Path(job.get("logs") or layout.slurm_logs(run_dir)))
     return result
+
+
+def _slow_now(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The slow nodes the running attempt named (rank/loop/pace.py), until its ledger line has
+    them."""
+    record = _read_json(layout.slow_nodes(run_dir))
+    if not isinstance(record, dict) or not isinstance(record.get("slow_nodes"), dict):
+        return None
+    key = [record.get(k) or 0 for k in ("job_id", "restart_count", "in_job")]
+    ended = any([a.get(k) or 0 for k in ("job_id", "restart_count", "in_job")] == key
+                for a in attempts)
+    return None if ended else record["slow_nodes"]
 
 
 def _hangs(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[int, str]:

@@ -94,6 +94,8 @@ def render(info: dict[str, Any]) -> str:
     out.append("snapshot newest committed step: "
                f"{info['newest_snapshot'] if info['newest_snapshot'] else '-'}")
     out.extend(network_line(info["attempts"]))
+    if info.get("slow_now"):
+        out.append(f"now: {slow_note(info['slow_now'])}")
     if info["attempts"]:
         out.append("attempts:")
         out.append("  #  job      restart  ended for        steps          geometry     resumed "
@@ -117,6 +119,8 @@ def render(info: dict[str, Any]) -> str:
               if a.get("lost_ranks") and a.get("message")]
     notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
               if isinstance(a.get("stopped_mid_step"), dict)]
+    notes += [(i, slow_note(a["slow_nodes"])) for i, a in enumerate(info["attempts"])
+              if isinstance(a.get("slow_nodes"), dict) and a["slow_nodes"]]
     notes += list(info.get("hangs", {}).items())
     notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items()
               if "lost" in entry]
@@ -206,6 +210,18 @@ def lost_ranks_note(attempt: dict[str, Any]) -> str:
     when = (f"at {time.strftime('%H:%M:%S', time.localtime(float(at)))}: "
             if isinstance(at, (int, float)) else "")
     return f"{when}{attempt['message']}"
+
+
+def slow_note(slow: dict[str, Any]) -> str:
+    """Which nodes an attempt named slow (rank/loop/pace.py), by how much, from which step."""
+    parts = []
+    for host, named in slow.items():
+        named = named if isinstance(named, dict) else {}
+        until = named.get("until_step")
+        parts.append(f"{host} (node {named.get('node')}): busy {named.get('x')} x the other nodes' "
+                     f"median per step from step {named.get('since_step')}"
+                     + (f" to step {until}" if until is not None else ""))
+    return "slow node(s): " + "; ".join(parts)
 
 
 def healed_note(attempt: dict[str, Any]) -> str:

@@ -223,6 +223,7 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     run.on_step = injection.on_step(attempt, run)
     failure.wire(attempt, run)
     run.on_stop = functools.partial(line_at_stop, attempt, run)
+    run.pace.record = attempt.record  # rank 0's slow nodes go into the attempt's ledger line
     return run
 
 

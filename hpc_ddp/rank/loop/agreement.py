@@ -1,4 +1,5 @@
 """The boundary's agreement across ranks: stop? a snapshot due by rank 0's clock? a writer busy?
+(And once a window, each rank's busy time per step: :mod:`hpc_ddp.rank.loop.pace`.)
 
 Every rank's three flags are max-reduced on the CPU control group
 (:mod:`hpc_ddp.rank.group.control`, or two levels through :mod:`hpc_ddp.rank.group.tiers`):
@@ -29,13 +30,14 @@ def start(flags: list[int], world_size: int) -> InFlight:
     return (tiers.current() or control).start_max(flags)
 
 
-def read(in_flight: InFlight | None) -> tuple[bool, bool, bool]:
-    """The agreed (stop, due, busy) of an agreement :func:`start` began (none: nothing agreed)."""
+def read(in_flight: InFlight | None) -> tuple[tuple[bool, bool, bool], list[int]]:
+    """The agreed (stop, due, busy) of an agreement :func:`start` began (none: nothing agreed), and
+    what came after the three flags (once a window, every rank's pace: rank/loop/pace.py)."""
     if in_flight is None:
-        return False, False, False
+        return (False, False, False), []
     flags, work = in_flight
     if work is not None:
         work.wait()
         flags = flags.tolist()
-    stop, due, busy = (bool(v) for v in flags)
-    return stop, due, busy
+    stop, due, busy = (bool(v) for v in flags[:3])
+    return (stop, due, busy), list(flags[3:])

@@ -37,7 +37,7 @@ from hpc_ddp.core.batching import BatchPlan, plan
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.stopping import StopFlag
-from hpc_ddp.rank.loop import agreement, holding
+from hpc_ddp.rank.loop import agreement, holding, pace
 from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
 from hpc_ddp.rank.loop.compiling import at_first_boundary
 from hpc_ddp.rank.loop.finish import finish_run
@@ -82,15 +82,12 @@ class Run:
         self.per_rank_checked = False  # per_rank's unloadable objects refused once (step_state.py)
         self.step = 0
         self.resumed_from: int | None = None
-        # rank 0: bytes the resume read from snapshot files
-        self.resume_read: dict[str, Any] | None = None
-        # the world size that wrote the snapshot resumed from
-        self.resumed_world_size: int | None = None
+        self.resume_read: dict[str, Any] | None = None  # rank 0: bytes the resume read
+        self.resumed_world_size: int | None = None  # that of the snapshot resumed from
         self.stopped = False
         self.finished: dict[str, Any] | None = None
         self._resumed = False
-        # the stop-flag all_reduce in flight (one rank: its flags)
-        self._agreeing: tuple[Any, Any] | None = None
+        self._agreeing: tuple[Any, Any] | None = None  # the agreement in flight (one rank: flags)
         self._derived = cfg.train.rng == "derived"  # every boundary reseeds (rank/state/rng.py)
         self.metrics = MetricsLog(cfg, self.run_dir)  # rank 0's metrics.jsonl, TensorBoard, W&B
         # the state a just-in-time snapshot would take now (snapshot.jit)
@@ -99,12 +96,15 @@ class Run:
         self.broadcasts_buffers: list[DistributedDataParallel] = []
         # per_rank objects sent to a buddy at every boundary (rank/salvage/mirror.py)
         self.mirror: mirror.Mirror | None = None
-        # acted on at a boundary, not mid-update
-        self.child_deaths = ChildDeaths(stop, stop_came_first)
+        self.child_deaths = ChildDeaths(stop, stop_came_first)  # acted on at a boundary
         # the session's ledger line at the agreed stop
         self.on_stop: Callable[[int], None] | None = None
         # what makes a stop impossible or a resume inexact (rank/loop/advice.py)
         self.advice = Advice(env.is_main)
+        slow = cfg.slurm.straggler  # a slow node named (rank/loop/pace.py)
+        self.pace = pace.Pace(slow.ratio, slow.windows, slow.window_steps, slow.action != "off",
+                              env, self.run_dir)
+        self.pace.metrics = lambda step, values: self.metrics.log(step, values, self.resumed_from)
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -234,13 +234,16 @@ class Run:
         flags = [int(self.stop is not None and self.stop.is_set),
                  int(self.is_main and ckpt is not None and ckpt.due_by_time()),
                  int(ckpt is not None and ckpt.busy)]
-        self._agreeing = agreement.start(flags, self.world_size)
+        self._agreeing = agreement.start(flags + self.pace.figures(self.step), self.world_size)
 
     def _agreed(self) -> tuple[bool, bool, bool]:
         """The result of the agreement started at the previous boundary (none yet: nothing
         agreed)."""
         in_flight, self._agreeing = self._agreeing, None
-        return agreement.read(in_flight)
+        flags, paces = agreement.read(in_flight)
+        if paces:
+            self.pace.heard(self.step, paces)
+        return flags
 
     def state(self) -> dict[str, Any]:
         """What a snapshot holds besides the RNG: every tracked object's state_dict, and the

@@ -1,0 +1,163 @@
+"""A slow node named (hpc_ddp.rank.loop.pace, issue 60): the busy time each rank reads from the kernel, rank 0's
+verdict window by window, what it writes, and a rehearsal where one node's ranks burn a CPU each step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.core.slurm_env import DistEnv
+from hpc_ddp.rank.loop.pace import Demand, Judge, Pace, node_figures, thread_demand
+
+
+def _env(rank: int = 0, nodes: int = 2, per_node: int = 2) -> DistEnv:
+    return DistEnv(rank=rank, local_rank=rank % per_node, world_size=nodes * per_node, local_world_size=per_node,
+                   node_rank=rank // per_node, num_nodes=nodes, master_addr="n1", master_port=1, job_id=7,
+                   nodelist=tuple(f"n{i + 1}" for i in range(nodes)))
+
+
+def test_a_busy_thread_shows_in_the_processs_demand_and_a_sleeping_one_does_not() -> None:
+    demand = Demand()
+    time.sleep(0.2)
+    asleep = demand.take()
+    end = time.monotonic() + 0.2
+
+    def spin() -> None:
+        while time.monotonic() < end:
+            pass
+    thread = threading.Thread(target=spin)
+    thread.start()
+    thread.join()
+    busy = demand.take()  # the spinning thread ended before this read: its time went with it
+    assert asleep < 50e6, asleep
+    assert set(thread_demand()) and all(ns > 0 for ns in thread_demand().values())
+    assert busy < 200e6  # nor is it counted twice
+    spin_here = time.monotonic() + 0.2
+    while time.monotonic() < spin_here:
+        pass
+    assert demand.take() >= 150e6  # on a CPU or waiting for one: the whole 0.2 s
+
+
+def test_a_thread_begun_in_a_window_counts_whole_and_one_that_ended_drops_out() -> None:
+    reads = iter([{1: 100, 2: 50}, {1: 160, 3: 40}, {1: 150}])
+    demand = Demand(lambda: next(reads))
+    assert demand.take() == 60 + 40
+    assert demand.take() == 0  # never below nothing (a thread's counter read back lower)
+
+
+def test_each_nodes_figure_is_its_ranks_mean_and_a_node_with_a_rank_without_one_is_left_out() -> None:
+    assert node_figures([10, 20, 30, 50], 2) == {0: 15, 1: 40}
+    assert node_figures([10, 0, 30, 50], 2) == {1: 40}
+
+
+def test_a_node_above_the_ratio_is_named_after_its_windows_in_a_row_and_said_well_after_as_many_below() -> None:
+    judge = Judge(ratio=1.2, windows=3, hosts=["n1", "n2", "n3"])
+    slow = {0: 1000.0, 1: 1500.0, 2: 1050.0}
+    assert judge.observe(10, slow, 2000) == [] and judge.observe(20, slow, 2000) == []
+    said = judge.observe(30, slow, 2000)
+    assert len(said) == 1 and said[0].startswith("node 1 (n2) is slow: its ranks are busy 1.46 x the other nodes'")
+    assert judge.named[1].since_step == 30 and judge.named[1].x == 1.46
+    assert judge.observe(40, slow, 2000) == []  # named once
+    calm = {0: 1000.0, 1: 1010.0, 2: 1050.0}
+    assert judge.observe(50, calm, 2000) == [] and judge.observe(60, calm, 2000) == []
+    assert judge.observe(70, calm, 2000)[0].startswith("node 1 (n2) is no longer slow")
+    assert judge.named[1].until_step == 70
+    for step in (80, 90):
+        assert judge.observe(step, slow, 2000) == []
+    assert judge.observe(100, slow, 2000)[0].startswith("node 1 (n2) is slow")  # named again, from 100
+    assert judge.named[1].since_step == 100 and judge.named[1].until_step is None
+
+
+@pytest.mark.parametrize("case", ["alternating", "one spike", "immaterial", "two nodes alike", "one node"])
+def test_what_is_not_a_slow_node(case: str) -> None:
+    """A node above the ratio every other window (a periodic save), once (a compile, an evaluation), or by a
+    sliver of the step (1.5 x of next to nothing), and a job with one node's figures: never named."""
+    judge = Judge(ratio=1.2, windows=3, hosts=["n1", "n2"])
+    fast, slow = {0: 1000.0, 1: 1000.0}, {0: 1000.0, 1: 2000.0}
+    windows = {"alternating": [slow, fast] * 6, "one spike": [fast, slow, fast, fast, fast],
+               "immaterial": [{0: 100.0, 1: 150.0}] * 6, "two nodes alike": [{0: 1000.0, 1: 1100.0}] * 6,
+               "one node": [{1: 5000.0}] * 6}[case]
+    for step, figures in enumerate(windows, 1):
+        assert judge.observe(step * 10, figures, 10_000 if case != "immaterial" else 20_000) == [], step
+    assert judge.named == {}
+
+
+def test_with_two_nodes_the_slow_one_is_judged_against_the_other_not_against_both() -> None:
+    """The median of two is their mean: 1.43 x the other is 1.18 x the mean, under the default ratio."""
+    judge = Judge(ratio=1.2, windows=1, hosts=["n1", "n2"])
+    assert judge.observe(10, {0: 700.0, 1: 1000.0}, 1200)[0].startswith("node 1 (n2) is slow: its ranks are busy "
+                                                                         "1.43 x")
+
+
+def test_each_rank_sends_its_figure_at_a_windows_end_only_and_the_first_window_sends_none() -> None:
+    clock = iter(range(10**9, 2 * 10**9, 10**8))  # 0.1 s of busy time between two reads
+    rank = Pace(1.2, 3, 10, True, _env(rank=2), Path("/nowhere"), read=lambda: {1: next(clock)})
+    assert rank.figures(7) == []
+    assert rank.figures(10) == [0, 0, 0, 0]  # nothing to measure from yet
+    assert rank.figures(20) == [0, 0, 10_000, 0]  # 0.1 s over 10 steps, in µs per step
+    off = Pace(1.2, 3, 10, False, _env(), Path("/nowhere"))
+    alone = Pace(1.2, 3, 10, True, _env(nodes=1), Path("/nowhere"))
+    assert off.figures(10) == [] and alone.figures(10) == [] and alone.judge is None
+
+
+def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_metrics(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "liveness").mkdir()
+    main = Pace(1.2, 2, 10, True, _env(), tmp_path, read=dict)
+    main.record, logged = {}, []
+    main.metrics = lambda step, values: logged.append((step, values))
+    main._step_us = 5000.0
+    with caplog.at_level("WARNING", logger="hpc_ddp.straggler"):
+        main.heard(21, [1000, 1000, 1800, 1600])
+        main.heard(31, [1000, 1000, 1800, 1600])
+    assert "node 1 (n2) is slow: its ranks are busy 1.70 x" in caplog.text
+    named: dict[str, Any] = {"node": 1, "host": "n2", "x": 1.7, "since_step": 31, "until_step": None}
+    assert main.record == {"slow_nodes": {"n2": named}}
+    written = json.loads((tmp_path / "liveness" / "slow.json").read_text())
+    assert written["slow_nodes"] == {"n2": named} and (written["job_id"], written["restart_count"]) == (7, 0)
+    assert logged == [(31, {"slow_node_x": 1.7, "slow_nodes": 1})]
+    other = Pace(1.2, 2, 10, True, _env(rank=1), tmp_path, read=dict)
+    other.heard(31, [1000, 1000, 1800, 1600])  # only rank 0 judges
+    assert other.judge is None
+
+
+def test_status_says_which_node_was_slow_by_how_much_and_since_when() -> None:
+    from hpc_ddp.login.status.render import slow_note
+
+    note = slow_note({"n2": {"node": 1, "x": 1.7, "since_step": 31, "until_step": 90},
+                             "n4": {"node": 3, "x": 1.3, "since_step": 50, "until_step": None}})
+    assert note == ("slow node(s): n2 (node 1): busy 1.7 x the other nodes' median per step from step 31 to step 90; "
+                    "n4 (node 3): busy 1.3 x the other nodes' median per step from step 50")
+
+
+
+@pytest.mark.slow
+def test_a_rehearsed_node_that_burns_a_cpu_each_step_is_named_and_a_calm_one_is_not(tmp_path: Path) -> None:
+    """2 nodes x 2 tasks: node 1's ranks spin 15 ms a step from step 20 while every rank sleeps 20 ms a step.
+    Named at the third window after (step 51: windows of 10 steps, heard a boundary after their end), in the
+    ledger line and by status; the same run with no slow node names none."""
+    from hpc_ddp.rundir.ledger import read_attempts
+    from tests.helpers import submit
+
+    base = ["examples/own_loop_gpt.yaml", "--local", "train.loop=tests.tasks.loops:slow_node", "train.max_steps=70",
+            "snapshot.every_steps=null"]
+    slow = submit(*base, f"run_dir={tmp_path / 'slow'}")
+    calm = submit(*base, f"run_dir={tmp_path / 'calm'}", "user.slow_from=1000")
+    assert slow.returncode == 0 and calm.returncode == 0, (slow.stderr[-3000:], calm.stderr[-3000:])
+    [line] = read_attempts(tmp_path / "slow")
+    named = line["slow_nodes"]
+    assert list(named) == ["node1"] and named["node1"]["node"] == 1 and named["node1"]["x"] > 1.5, named
+    assert 41 <= named["node1"]["since_step"] <= 61 and named["node1"]["until_step"] is None, named
+    logs = {name: (tmp_path / name / "logs" / "attempt-0-rank-0.log").read_text() for name in ("slow", "calm")}
+    assert "node 1 (node1) is slow: its ranks are busy" in logs["slow"]
+    assert "slow_nodes" not in read_attempts(tmp_path / "calm")[0] and "is slow" not in logs["calm"]
+    status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(tmp_path / "slow")], capture_output=True,
+                            text=True, check=True).stdout
+    assert "#0: slow node(s): node1 (node 1): busy" in status, status
