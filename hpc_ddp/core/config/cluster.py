@@ -53,15 +53,16 @@ class ContainerConfig:
 class StragglerConfig:
     """A slow node named (docs: Failures and stops, a slow node)."""
 
-    action: str = doc("warn", "warn: a node whose ranks are busy (on a CPU, or waiting for one) "
-                      "more than slurm.straggler.ratio x the other nodes' median per step, "
-                      "slurm.straggler.windows windows in a row, is named in the log, the ledger, "
-                      "status and metrics; off: nothing is measured. A train.script has no "
-                      "boundary to measure at.")
-    ratio: float = doc(1.2, "How much busier per step than the other nodes' median a slow node's "
-                       "ranks are (a number > 1).")
-    windows: int = doc(3, "Windows in a row above the ratio before the node is named (and below it "
-                       "before it is said to be well again).")
+    action: str = doc("warn", "warn: a node whose ranks stay busier per step (on a CPU, or "
+                      "waiting for one) than slurm.straggler.ratio x the other nodes' median is "
+                      "named in the log, the ledger, status and metrics; off: nothing is "
+                      "measured. A train.script has no boundary to measure at.")
+    ratio: float = doc(1.4, "How much busier per step than the other nodes' median a slow node's "
+                       "ranks are (a number > 1). Each window above it counts toward naming, each "
+                       "below it against (docs/faults.md, a slow node).")
+    windows: int = doc(3, "A node busy ratio^2 x the others' is named after this many windows; one "
+                       "barely above the ratio later; a named node is said to be well again after "
+                       "this many windows with nothing above it.")
     window_steps: int = doc(10, "Steps per window: each rank's figure rides on the boundary's "
                             "agreement once a window.")
 
