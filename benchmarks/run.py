@@ -314,6 +314,12 @@ def b16_detection(trials: int, soak_minutes: float) -> dict[str, Any]:
     return figure(trials, soak_minutes=soak_minutes)
 
 
+def b17_straggler(trials: int) -> dict[str, Any]:
+    from benchmarks.straggler import b17_straggler as figure
+
+    return figure(trials)
+
+
 def b10_real(quick: bool) -> dict[str, Any]:
     from benchmarks.healing_real import b10_real as figure
 
@@ -648,6 +654,13 @@ def table(results: dict[str, Any]) -> str:
                         f"{len(row['runs'])} runs){extra} | {s['target']} | {mark(s)} |")
     if "B16" in b and "skipped" not in b["B16"]:
         rows.extend(_b16_rows(b["B16"], mark))
+    if "B17" in b and "skipped" not in b["B17"]:
+        s = b["B17"]
+        rows.append(f"| B17 a slow node (CPU capped at {s['fraction']:g} of the machine from step {s['cap_at']}), "
+                    f"{s['geometry']} on the local cluster of machines | named after median "
+                    f"{s['steps_to_name_median']} steps (max {s['steps_to_name_max']}, {s['trials']} runs; "
+                    f"{s['missed']} missed); the job ran {s['rate_after_over_before']} x its rate before the cap; "
+                    f"{s['false_namings']} nodes named in {s['trials']} uncapped runs | {s['target']} | {mark(s)} |")
     if "B10-REAL" in b and "skipped" not in b["B10-REAL"]:
         from benchmarks.healing_real import doc_rows
 
@@ -731,7 +744,7 @@ def write_docs(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-MIRROR-NODES,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15,B16",
+    parser.add_argument("--only", default="B1,B2,B2-MIRROR,B2-MIRROR-NODES,B2-GPU,B2-GPU-PIPELINE,B3,B4,B5,B6,B7,B8,B9,B9-SLURM,B10,B10-REAL,B11,B11-PER-RANK,B11-BN,B12,B13,B13-SPLIT,B14,B14-SIM,B15,B16,B17",
                         help="comma-separated figures, e.g. B1,B3 (B2-GPU is measured only where CUDA is; "
                         "'boundary' is B15; B14-FAILURE re-measures B14's failure row alone)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes (a smoke run)")
@@ -772,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
                  ("B14", lambda: b14_ops(scratch, quick)),
                  ("B14-FAILURE", lambda: b14_failure(results, scratch, quick)),
                  ("B14-SIM", lambda: b14_sim(quick)), ("B15", lambda: b15_boundary(quick)),
-                 ("B16", lambda: b16_detection(2 if quick else 5, 3 if quick else 20))]
+                 ("B16", lambda: b16_detection(2 if quick else 5, 3 if quick else 20)),
+                 ("B17", lambda: b17_straggler(1 if quick else 3))]
         for name, run in steps:
             if name in only:
                 print(f"running {name} ...", file=sys.stderr, flush=True)

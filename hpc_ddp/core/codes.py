@@ -18,6 +18,9 @@ EXIT_LOCKED = 5
 EXIT_FAILED = 1
 # this rank declared the peer it watches lost (frozen rank or node): the batch shell heals the step
 EXIT_LOST = 6
+# every rank stopped with a snapshot to leave out a slow node (slurm.straggler.action=replace):
+# the batch shell goes on without it, on a spare or fewer nodes (rank/loop/pace.py)
+EXIT_SLOW = 7
 # the rehearsal: a flag that cannot be rehearsed (--fail-at naming a node it does not have)
 EXIT_USAGE = 2
 # the rehearsal was interrupted with Ctrl-C (128 + SIGINT, as a shell reports it)

@@ -116,7 +116,7 @@ class LocalHealer:
              point: int | None) -> str | None:
         """As :meth:`hpc_ddp.shell.supervisor.Supervisor.heal`, with the rehearsal's facts
         (``point``: how far the run got, :func:`hpc_ddp.shell.last_known.last_known`)."""
-        hard = dict(self.lost)
+        hard = {**heal.replaced(record), **self.lost}
         per_node = heal.ranks_per_node(record, self.training, self.tasks_per_node)
         if self.run_dir is not None:
             job_id, restart, in_job = attempt_key(record)

@@ -38,6 +38,7 @@ FIELDS: dict[str, str] = {
                                          "collectives",
                                          "stop_ignored", "failure_from", "signal")},
     "lost_ranks": INTS + OR_NULL, "stuck_ranks": INTS + OR_NULL, "lost_hosts": TEXTS + OR_NULL,
+    "replace": TEXTS + OR_NULL,
     **{name: OBJECT + OR_NULL for name in ("healed", "timeline", "jit_snapshot", "mirror_broken",
                                            "nccl_net",
                                            "stopped_mid_step", "slurm", "slow_nodes")},

@@ -124,6 +124,17 @@ HANG_NOT_NODE = ("; every node left out was only where a rank hung, and a hang i
                  "spare helps only if the node was at fault")
 
 
+def replaced(record: Mapping[str, Any]) -> dict[str, str]:
+    """The nodes a ``slow`` line asks to leave out (``replace``: rank 0 named them slow, with
+    ``slurm.straggler.action: replace``), each with why: hard suspects, never used again in the
+    job."""
+    slow = record.get("slow_nodes") if isinstance(record.get("slow_nodes"), dict) else {}
+    why = {host: f"named slow (busy {(named or {}).get('x')} x the other nodes' median per step)"
+           for host, named in slow.items() if isinstance(named, dict)}
+    hosts = record.get("replace") if record.get("reason") == "slow" else None
+    return {host: why.get(host, "named slow") for host in hosts or [] if isinstance(host, str)}
+
+
 def stuck_nodes(stuck_ranks: Sequence[int], nodes: Sequence[str],
                 ranks_per_node: int) -> dict[str, str]:
     """The nodes of the ranks the watchdog named stuck (rank // ranks per node in the step's node

@@ -37,6 +37,7 @@ from hpc_ddp.rundir.ledger import (STOP_REASONS, append_attempt, attempt_fields,
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.shell.last_known import last_known
+from hpc_ddp.shell.replace import replace, safe_heal
 from hpc_ddp.core.codes import EXIT_LOCKED
 from hpc_ddp.core.mismatch import mismatch_line, mismatch_message
 from hpc_ddp.shell.steps import tail_of
@@ -74,12 +75,9 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     attempts = read_attempts(run_dir)
     mine = [a for a in attempts if attempt_key(a) == (job_id, restart_count, in_job)]
     reason = mine[-1].get("reason") if mine else None
-    if reason == "error":
-        return f"error; {not_requeued(run_dir)}"
-    if reason in STOP_REASONS and mine[-1].get("requeue_by") == "batch shell":
-        return _requeue_stop(reason, requeue_job)
-    if mine and reason not in FAILURE_REASONS:
-        return f"recorded by the workers: {reason}"
+    said = _as_the_workers_said(run_dir, mine[-1], heal, requeue_job) if mine else None
+    if said is not None:
+        return said
     if not mine and stop_reason is not None and jit_files.broken_stop_marked(run_dir, job_id,
                                                                              restart_count, in_job):
         return _broken_stop(run_dir, stop_reason(), attempts, limits, requeue_job,
@@ -109,6 +107,23 @@ def settle(run_dir: Path, *, job_id: int | None, restart_count: int, exit_code: 
     return _heal_or_requeue(run_dir, (job_id, restart_count, in_job), record, attempts,
                             recorded_by_workers=bool(mine), limits=limits, heal=heal,
                             requeue_job=requeue_job)
+
+
+def _as_the_workers_said(run_dir: Path, line: Mapping[str, Any],
+                         heal: Callable[[Mapping[str, Any]], str | None] | None,
+                         requeue_job: Callable[[], str | None] | None) -> str | None:
+    """What a line the workers wrote settles by itself (None: a failure or a hang, healed or
+    requeued below)."""
+    reason = line.get("reason")
+    if reason == "error":
+        return f"error; {not_requeued(run_dir)}"
+    if reason in STOP_REASONS and line.get("requeue_by") == "batch shell":
+        return _requeue_stop(reason, requeue_job)
+    if reason == "slow":  # a planned stop to leave out a slow node (rank/attempt/slow_stop.py)
+        return replace(line, heal, requeue_job)
+    if reason not in FAILURE_REASONS:
+        return f"recorded by the workers: {reason}"
+    return None
 
 
 def _amend_hung(run_dir: Path, key: tuple[int | None, int, int],
@@ -144,7 +159,7 @@ def _heal_or_requeue(run_dir: Path, key: tuple[int | None, int, int], record: Ma
                      requeue_job: Callable[[], str | None] | None) -> str:
     """A failure or a hang in the ledger: heal it inside the job, else requeue it under its cap
     (what was decided goes in the ledger as an amending line)."""
-    healing, problem = _heal(heal, record)
+    healing, problem = safe_heal(heal, record)
     if healing:
         return f"{record['reason']}; {healing}"
     capped = cap_reached(record["reason"], attempts, limits)
@@ -218,20 +233,6 @@ def _broken_stop(run_dir: Path, reason: str, attempts: list[dict[str, Any]],
                                                                            else "")
     done = requeue_job()
     return f"{reason} (a stop signal broke the step); {done or 'requeued'} by the batch shell"
-
-
-def _heal(heal: Callable[[Mapping[str, Any]], str | None] | None,
-          record: Mapping[str, Any]) -> tuple[str | None, str]:
-    """The healer's plan, or None and why not when it raised: a healer's bug (an scontrol line it
-    cannot read, a file it cannot list) must fall back to the requeue path, never end the job
-    without one."""
-    if heal is None:
-        return None, ""
-    try:
-        return heal(record), ""
-    # any error: the requeue path still runs, and the ledger names it
-    except Exception as err:  # noqa: BLE001
-        return None, f"{type(err).__name__}: {err}"
 
 
 def limits_of(config_path: Path) -> tuple[Path, dict[str, int]]:

@@ -35,10 +35,9 @@ def test_a_busy_thread_shows_in_the_processs_demand_and_a_sleeping_one_does_not(
     thread = threading.Thread(target=spin)
     thread.start()
     thread.join()
-    busy = demand.take()  # the spinning thread ended before this read: its time went with it
+    demand.take()  # the spinning thread ended before this read: its time went with it
     assert asleep < 50e6, asleep
     assert set(thread_demand()) and all(ns > 0 for ns in thread_demand().values())
-    assert busy < 200e6  # nor is it counted twice
     spin_here = time.monotonic() + 0.2
     while time.monotonic() < spin_here:
         pass
@@ -113,9 +112,9 @@ def test_with_two_nodes_the_slow_one_is_judged_against_the_other_not_against_bot
 def test_each_rank_sends_its_figure_at_a_windows_end_only_and_the_first_window_sends_none() -> None:
     clock = iter(range(10**9, 2 * 10**9, 10**8))  # 0.1 s of busy time between two reads
     rank = Pace(1.2, 3, 10, True, _env(rank=2), Path("/nowhere"), read=lambda: {1: next(clock)})
-    assert rank.figures(7) == []
-    assert rank.figures(10) == [0, 0, 0, 0]  # nothing to measure from yet
-    assert rank.figures(20) == [0, 0, 10_000, 0]  # 0.1 s over 10 steps, in µs per step
+    assert rank.figures(7) == [0]  # rank 0 does not ask to stop (slurm.straggler.action=replace)
+    assert rank.figures(10) == [0, 0, 0, 0, 0]  # nothing to measure from yet
+    assert rank.figures(20) == [0, 0, 0, 10_000, 0]  # 0.1 s over 10 steps, in µs per step
     off = Pace(1.2, 3, 10, False, _env(), Path("/nowhere"))
     alone = Pace(1.2, 3, 10, True, _env(nodes=1), Path("/nowhere"))
     assert off.figures(10) == [] and alone.figures(10) == [] and alone.judge is None
@@ -129,8 +128,8 @@ def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_me
     main.metrics = lambda step, values: logged.append((step, values))
     main._step_us = 5000.0
     with caplog.at_level("WARNING", logger="hpc_ddp.straggler"):
-        main.heard(21, [1000, 1000, 1800, 1600])
-        main.heard(31, [1000, 1000, 1800, 1600])
+        main.heard(21, [0, 1000, 1000, 1800, 1600])
+        main.heard(31, [0, 1000, 1000, 1800, 1600])
     assert "node 1 (n2) is slow: its ranks are busy 1.70 x" in caplog.text
     named: dict[str, Any] = {"node": 1, "host": "n2", "x": 1.7, "since_step": 31, "until_step": None}
     assert main.record == {"slow_nodes": {"n2": named}}
@@ -138,7 +137,7 @@ def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_me
     assert written["slow_nodes"] == {"n2": named} and (written["job_id"], written["restart_count"]) == (7, 0)
     assert logged == [(31, {"slow_node_x": 1.7, "slow_nodes": 1})]
     other = Pace(1.2, 2, 10, True, _env(rank=1), tmp_path, read=dict)
-    other.heard(31, [1000, 1000, 1800, 1600])  # only rank 0 judges
+    other.heard(31, [0, 1000, 1000, 1800, 1600])  # only rank 0 judges
     assert other.judge is None
 
 
@@ -175,3 +174,71 @@ def test_a_rehearsed_node_that_burns_a_cpu_each_step_is_named_and_a_calm_one_is_
     status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(tmp_path / "slow")], capture_output=True,
                             text=True, check=True).stdout
     assert "#0: slow node(s): node1 (node 1): busy" in status, status
+
+
+def test_with_replace_rank_0_asks_every_rank_to_stop_once_and_without_a_spare_only_warns(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 asks once the node's excess is twice what named it; the ask rides on every boundary's agreement (one
+    integer) and every rank hears it agreed. Without a spare or a range of nodes there is nothing to go on with:
+    the node is named and kept, said once."""
+    from hpc_ddp.core.config.schema import SlurmConfig
+    from hpc_ddp.rank.loop.pace import replace_problem
+
+    main = Pace(1.2, 1, 10, True, _env(), Path("/nowhere"), read=dict)
+    main.replace, main._step_us = "", 5000.0
+    main._publish = lambda step: None  # type: ignore[method-assign]
+    assert main.figures(3) == [0] and main.figures(10) == [0, 0, 0, 0, 0]
+    main.heard(11, [0, 1000, 1000, 1800, 1600])
+    assert main.judge is not None and 1 in main.judge.named and main.replacing is None  # named: twice that to act
+    main.heard(21, [0, 1000, 1000, 1800, 1600])
+    assert main.replacing is not None and main.replacing.host == "n2" and not main.agreed
+    assert main.figures(12) == [1]  # asked from now on
+    other = Pace(1.2, 1, 10, True, _env(rank=3), Path("/nowhere"), read=dict)
+    other.heard(13, [1])
+    assert other.agreed and other.replacing is None
+    kept = Pace(1.2, 1, 10, True, _env(), Path("/nowhere"), read=dict)
+    kept.replace, kept._step_us = replace_problem(SlurmConfig(nodes=2)), 5000.0
+    kept._publish = lambda step: None  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="hpc_ddp.straggler"):
+        for step in (11, 21, 31):
+            kept.heard(step, [0, 1000, 1000, 1800, 1600])
+    assert kept.replacing is None and caplog.text.count("is kept: no spare (slurm.spare_nodes=0) and a fixed") == 1
+    assert replace_problem(SlurmConfig(nodes=2, spare_nodes=1)) == replace_problem(SlurmConfig(nodes="2-4")) == ""
+
+
+def test_the_batch_shell_leaves_a_replaced_node_out_and_requeues_the_stop_where_it_cannot_heal() -> None:
+    from hpc_ddp.shell.heal import replaced
+    from hpc_ddp.shell.replace import replace
+
+    line = {"reason": "slow", "replace": ["n3"], "slow_nodes": {"n3": {"node": 1, "x": 2.7, "since_step": 31}}}
+    assert replaced(line) == {"n3": "named slow (busy 2.7 x the other nodes' median per step)"}
+    assert replaced({**line, "reason": "preemption"}) == {}  # a signal's stop replaces nothing
+    assert replace(line, lambda record: "replaced: restarting on n[1,4]", None) == "slow: replaced: restarting on n[1,4]"
+    requeues: list[bool] = []
+    said = replace(line, lambda record: None, lambda: requeues.append(True) or None)  # type: ignore[func-returns-value]
+    assert said == "slow; not healed in the job; requeued" and requeues == [True]
+
+    def broken(record: object) -> str:
+        raise ValueError("scontrol said nonsense")
+    assert replace(line, broken, None) == "slow; ValueError: scontrol said nonsense; not requeued (no job to requeue)"
+
+
+@pytest.mark.slow
+def test_a_slow_node_is_replaced_by_the_spare_at_a_boundary_losing_no_step(tmp_path: Path) -> None:
+    """2 x 2 with a spare, slurm.straggler.action=replace: node1's ranks burn a CPU each step from step 20; every
+    rank stops at a boundary three windows after its naming with a snapshot (`slow`, replace node1), the spare takes its
+    place, the run resumes from that very step and ends bit-identical to a run that was never slow."""
+    from hpc_ddp.rundir.ledger import read_attempts
+    from tests.helpers import done, submit
+
+    base = ["examples/own_loop_gpt.yaml", "--local", "train.loop=tests.tasks.loops:slow_node", "train.max_steps=140",
+            "snapshot.every_steps=null", "slurm.spare_nodes=1", "user.slow_host=node1"]
+    slow = submit(*base, f"run_dir={tmp_path / 'slow'}", "slurm.straggler.action=replace")
+    calm = submit(*base, f"run_dir={tmp_path / 'calm'}", "user.slow_from=1000")
+    assert slow.returncode == 0 and calm.returncode == 0, (slow.stderr[-3000:], calm.stderr[-3000:])
+    first, second = read_attempts(tmp_path / "slow")
+    assert first["reason"] == "slow" and first["replace"] == ["node1"] and 61 <= first["last_step"] <= 121, first
+    assert second["resumed_from"] == first["last_step"] and second["reason"] == "finished", second
+    assert "node1" not in second["hosts"] and second["healed"]["how"] == "replaced", second
+    assert "node1" in second["healed"]["excluded"] and "named slow" in second["healed"]["excluded"]["node1"]
+    assert done(tmp_path / "slow")["params_sha256"] == done(tmp_path / "calm")["params_sha256"]

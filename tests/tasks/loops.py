@@ -460,11 +460,12 @@ def cadenced_counter(run: Any) -> None:
 
 def slow_node(run: Any) -> None:
     """A straggler (issue 60): every rank sleeps 20 ms a step (waiting, not busy); the ranks of the node
-    ``user.slow_node`` names (default 1) spin a CPU for 15 ms more each step from ``user.slow_from`` (default 20),
-    and every rank waits for them at each all-reduce."""
+    ``user.slow_node`` names (default 1), or of the host ``user.slow_host`` names, spin a CPU for 15 ms more each
+    step from ``user.slow_from`` (default 20), and every rank waits for them at each all-reduce."""
     model, optimizer = _tiny(run)
     user = run.config.user
-    slow = run.node_rank == int(user.get("slow_node", 1))
+    host = run.env.nodelist[run.node_rank] if run.node_rank < len(run.env.nodelist) else ""
+    slow = host == user.slow_host if user.get("slow_host") else run.node_rank == int(user.get("slow_node", 1))
     step = run.resume(model=model, optimizer=optimizer)
     while step < run.config.train.max_steps:
         if slow and step >= int(user.get("slow_from", 20)):

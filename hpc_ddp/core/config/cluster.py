@@ -55,8 +55,11 @@ class StragglerConfig:
 
     action: str = doc("warn", "warn: a node whose ranks stay busier per step (on a CPU, or "
                       "waiting for one) than slurm.straggler.ratio x the other nodes' median is "
-                      "named in the log, the ledger, status and metrics; off: nothing is "
-                      "measured. A train.script has no boundary to measure at.")
+                      "named in the log, the ledger, status and metrics; replace: named, then "
+                      "every rank stops at the next boundary with a snapshot and the batch shell "
+                      "goes on without the node, on a spare (slurm.spare_nodes) or fewer nodes (a "
+                      "slurm.nodes range), losing no step (without either it only warns); off: "
+                      "nothing is measured. A train.script has no boundary to measure at.")
     ratio: float = doc(1.4, "How much busier per step than the other nodes' median a slow node's "
                        "ranks are (a number > 1). Each window above it counts toward naming, each "
                        "below it against (docs/faults.md, a slow node).")

@@ -129,7 +129,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slurm.container.args": (_texts, "a list of text arguments"),
     "slurm.container.python": (_word, "a command without spaces, e.g. python3 or "
                                       "/opt/conda/bin/python"),
-    "slurm.straggler.action": (lambda v: v in ("warn", "off"), "one of warn, off"),
+    "slurm.straggler.action": (lambda v: v in ("warn", "replace", "off"),
+                               "one of warn, replace, off"),
     "slurm.straggler.ratio": (lambda v: _positive(v) and v > 1, "a number > 1, e.g. 1.2"),
     "slurm.straggler.windows": (_at_least(1), "an integer >= 1"),
     "slurm.straggler.window_steps": (_at_least(1), "an integer >= 1"),

@@ -31,6 +31,7 @@ from hpc_ddp.core.slurm_jobs import (AlreadyRequeued, PreemptionError, RequeueRe
                                      requeue_available)
 from hpc_ddp.core.stopping import signal_number, slurm_requeued, stop_reason, term_reason
 from hpc_ddp.rank.attempt.context import Ending
+from hpc_ddp.rank.attempt.slow_stop import slow_stop
 from hpc_ddp.rank.metrics import timeline
 from hpc_ddp.rank.stop.shield import stop_signals_blocked
 from hpc_ddp.rank.stop.broken_step import HINT, child_killed, kept_step, pipe_broke
@@ -60,9 +61,8 @@ def why_stopped(attempt: Attempt) -> str:
     if flag.signum == signal.SIGTERM and not attempt.local:
         fields = job_fields(job_spec(attempt.environ), runner=_shielded_run)
         if fields:
-            attempt.record["slurm"] = {key: fields[key]
-                                       for key in ("JobState", "Reason", "PreemptTime", "Restarts")
-                                       if key in fields}
+            attempt.record["slurm"] = {key: fields[key] for key in ("JobState", "Reason",
+                                       "PreemptTime", "Restarts") if key in fields}
         why = term_reason(fields, attempt.env.restart_count)
         if why is not None:
             return why
@@ -127,7 +127,7 @@ def write_line(attempt: Attempt, *, stopped: bool, step: int | None) -> Ending:
         return Ending(0)
     if not env.is_main or attempt.wrapped:
         return Ending(EXIT_REQUEUE)
-    if flag.signum == signal.SIGINT:
+    if flag.signum == signal.SIGINT:  # Ctrl-C
         ledger_line(attempt, "interrupted")
         log.info("interrupted (Ctrl-C): %s, not requeued", kept)
         return Ending(0)
@@ -256,7 +256,8 @@ def line_at_stop(attempt: Attempt, run: Run, step: int) -> None:
     """``run.boundary``'s agreed stop, its snapshot committed: the ledger line now (the module
     docstring says why)."""
     _close_record(attempt, run)
-    attempt.ending = write_line(attempt, stopped=True, step=step)
+    ending = slow_stop(attempt, run, step, ledger_line)  # rank 0's own stop, for a slow node
+    attempt.ending = ending or write_line(attempt, stopped=True, step=step)
 
 
 def note(attempt: Attempt, text: str) -> None:

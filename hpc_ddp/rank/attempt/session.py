@@ -212,6 +212,7 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     """The run handed to the program, with what it calls back: the rehearsal's hooks after each step
     (rank/attempt/injection.py), the ledger line at the agreed stop, and what a failure sets off
     (rank/attempt/failure.py)."""
+    from hpc_ddp.rank.loop.pace import replace_problem
     from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.rank.state.checkpointer import Checkpointer
 
@@ -224,6 +225,8 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     failure.wire(attempt, run)
     run.on_stop = functools.partial(line_at_stop, attempt, run)
     run.pace.record = attempt.record  # rank 0's slow nodes go into the attempt's ledger line
+    if cfg.slurm.straggler.action == "replace":  # why a slow node cannot be left out ("": it can)
+        run.pace.replace = replace_problem(cfg.slurm)
     return run
 
 

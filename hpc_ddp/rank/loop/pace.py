@@ -16,7 +16,11 @@ loader's worker processes (their time is theirs, not the rank's). A train.script
 Rank 0 judges (:class:`Judge`): a node's figure is its ranks' mean, compared with the median of the
 *other* nodes' (with two nodes, the median of all would halve the gap). A node named is said in the
 log, the attempt's ledger line (``slow_nodes``), ``RUN_DIR/liveness/slow.json`` (``status`` of a
-running job) and the metrics (``slow_node_x``).
+running job) and the metrics (``slow_node_x``). With ``slurm.straggler.action: replace`` rank 0
+also raises a flag of its own in the agreement (one more integer at every boundary): every rank
+stops at the same boundary with a snapshot, the ledger line says ``slow`` and names the node
+(``replace``), every rank exits :data:`hpc_ddp.core.codes.EXIT_SLOW`, and the batch shell goes on
+without it (:func:`hpc_ddp.shell.heal.replaced`).
 """
 
 from __future__ import annotations
@@ -118,6 +122,11 @@ class Judge:
         self.calm: dict[int, int] = {}  # of a named node: windows in a row with no excess
         self.named: dict[int, Slow] = {}
 
+    @property
+    def bar(self) -> float:
+        """The excess that names a node."""
+        return self.windows * math.log(self.ratio) - 1e-9
+
     def host(self, node: int) -> str:
         return self.hosts[node] if node < len(self.hosts) else f"node {node}"
 
@@ -127,7 +136,7 @@ class Judge:
         said: list[str] = []
         if len(figures) < 2:
             return said
-        most, bar = math.log(self.ratio), self.windows * math.log(self.ratio) - 1e-9
+        most, bar = math.log(self.ratio), self.bar
         for node, figure in sorted(figures.items()):
             others = statistics.median(v for n, v in figures.items() if n != node)
             x = figure / others if others > 0 else 1.0
@@ -160,6 +169,15 @@ class Judge:
                 "it out of the next job (sbatch --exclude)")
 
 
+def replace_problem(slurm: Any) -> str:
+    """Why ``slurm.straggler.action: replace`` cannot leave a slow node out ("": it can): the job
+    needs a spare or a ``slurm.nodes`` range to go on with."""
+    if slurm.spare_nodes > 0 or isinstance(slurm.nodes, str):
+        return ""
+    return ("no spare (slurm.spare_nodes=0) and a fixed slurm.nodes: nothing to go on with "
+            "(slurm.spare_nodes=1, or a range such as slurm.nodes=2-4)")
+
+
 class Pace:
     """One rank's part: its figure at the end of each window, in the agreement begun there; rank 0
     hears every rank's at the next boundary and judges."""
@@ -175,14 +193,23 @@ class Pace:
         self.judge = Judge(ratio, windows, env.nodelist) if self.on and env.is_main else None
         self.record: dict[str, Any] | None = None  # the attempt's ledger line (rank 0; session)
         self.metrics: Callable[[int, dict[str, Any]], None] | None = None
+        # rank 0, set by the session: why a slow node cannot be replaced ("": it can; None: warn)
+        self.replace: str | None = None
+        self.replacing: Slow | None = None  # rank 0: the node it asked every rank to stop for
+        self.agreed = False  # every rank: the stop to replace a slow node was agreed
 
     def figures(self, step: int) -> list[int]:
-        """What this rank adds to the agreement begun at ``step``: at a window's end, a slot per
-        rank with its own filled (busy µs per step since the last window's end); else nothing. Every
-        rank adds the same length at the same step (the boundary's step is the same on every
-        rank)."""
-        if self._demand is None or step % self.window:
+        """What this rank adds to the agreement begun at ``step``: whether rank 0 asks to stop to
+        replace a slow node, then, at a window's end, a slot per rank with its own filled (busy µs
+        per step since the last window's end). Every rank adds the same length at the same step
+        (the boundary's step is the same on every rank)."""
+        if self._demand is None:
             return []
+        asked = [int(self.replacing is not None)]
+        return asked if step % self.window else asked + self._slots(step)
+
+    def _slots(self, step: int) -> list[int]:
+        assert self._demand is not None
         spent, now = self._demand.take(), time.monotonic()
         (since, self._since), (at, self._at) = (self._since, step), (self._at, now)
         slots = [0] * self.env.world_size
@@ -192,7 +219,10 @@ class Pace:
         return slots
 
     def heard(self, step: int, values: Sequence[int]) -> None:
-        """Rank 0: every rank's figures of the window that ended a boundary before ``step``."""
+        """Every rank: whether the stop to replace a slow node was agreed; rank 0: every rank's
+        figures of the window that ended a boundary before ``step``."""
+        self.agreed = self.agreed or bool(values[:1] and values[0])
+        values = values[1:]
         if self.judge is None or len(values) != self.env.world_size:
             return
         said = self.judge.observe(step, node_figures(values, self.env.local_world_size),
@@ -201,6 +231,27 @@ class Pace:
             log.warning(message)
         if said:
             self._publish(step)
+        self._ask_to_replace()
+
+    def _ask_to_replace(self) -> None:
+        """With action replace: a node named and still slow whose excess has reached twice the bar
+        that named it (a costly act wants twice the evidence: a slow spell of a few windows is named
+        and not acted on) is left out; the stop is asked for once an attempt, or why not is said
+        once."""
+        assert self.judge is not None
+        slow = [n for n in self.judge.named.values() if n.until_step is None
+                and self.judge.excess.get(n.node, 0.0) >= 2 * self.judge.bar]
+        if self.replace is None or self.replacing is not None or not slow:
+            return
+        if self.replace:
+            log.warning("slurm.straggler.action=replace: node %s (%s) is kept: %s", slow[0].node,
+                        slow[0].host, self.replace)
+            self.replace = None  # said once
+            return
+        self.replacing = slow[0]
+        log.warning("slurm.straggler.action=replace: every rank stops at the next boundary with a "
+                    "snapshot, and the job goes on without node %s (%s)", slow[0].node,
+                    slow[0].host)
 
     def _publish(self, step: int) -> None:
         assert self.judge is not None

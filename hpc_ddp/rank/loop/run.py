@@ -241,9 +241,9 @@ class Run:
         agreed)."""
         in_flight, self._agreeing = self._agreeing, None
         flags, paces = agreement.read(in_flight)
-        if paces:
+        if paces:  # and a stop to replace a slow node (rank/loop/pace.py)
             self.pace.heard(self.step, paces)
-        return flags
+        return flags[0] or self.pace.agreed, flags[1], flags[2]
 
     def state(self) -> dict[str, Any]:
         """What a snapshot holds besides the RNG: every tracked object's state_dict, and the
