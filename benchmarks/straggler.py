@@ -9,8 +9,9 @@ straggler costs: every rank waits for it). The control: the same run uncapped, w
 model of a few thousand parameters, ``tests.tasks.loops:nanogpt_shaped``, 15 ms a step of mostly gloo and Python,
 barely felt the cap, 0.8-0.9 x its rate, and one of three capped runs was never named.)
 
-``slurm.straggler.action: replace`` (stop at the next boundary, go on without the node) is not built: steps lost
-with it are not measured.
+With ``slurm.straggler.action: replace`` and a spare node (the third kind of run): the step every rank stopped at
+with a snapshot, the step the next attempt (on the spare) resumed from (steps lost: their difference, target 0),
+and the job's step rate after the replacement against its rate before the cap.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE = ["examples/own_loop_gpt.yaml", "train.max_steps=250", "train.log_every=1", "snapshot.every_steps=null",
         "snapshot.every_minutes=null"]
 CAP_AT, FRACTION, TARGET_STEPS, LAST = 100, 0.35, 50, 250
+REPLACE = ["slurm.straggler.action=replace", "slurm.spare_nodes=1"]
 
 
 def _logged(run_dir: Path) -> list[dict[str, Any]]:
@@ -44,16 +46,18 @@ def _rate(lines: list[dict[str, Any]], first: int, last: int) -> float | None:
     return round((last - first) / (at[last] - at[first]), 2)
 
 
-def one(run_dir: Path, env: dict[str, str], cap: bool) -> dict[str, Any]:
-    """One run: the step the cap came at, the step the node was named at, the step rates."""
+def one(run_dir: Path, env: dict[str, str], kind: str) -> dict[str, Any]:
+    """One run (``kind``: capped, replace or control): the step the cap came at, the step the node was named
+    at (and, replaced, the step every rank stopped at and the step the next attempt resumed from), the rates."""
     from hpc_ddp.slurm_local import ClusterSpec, faults, isolation, running_spec
 
-    subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *BASE, f"run_dir={run_dir}"], cwd=ROOT, env=env,
+    extra = REPLACE if kind == "replace" else []
+    subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *BASE, *extra, f"run_dir={run_dir}"], cwd=ROOT, env=env,
                    capture_output=True, text=True, check=True)
     capped_at, host = None, None
     spec = running_spec(ClusterSpec())
     try:
-        if cap:
+        if kind != "control":
             wait_until(lambda: any(r["step"] >= CAP_AT for r in _logged(run_dir)), 300, 0.05)
             host = json.loads((run_dir / "liveness" / "node-1.json").read_text())["host"]
             faults.fault(spec, host, f"slow={FRACTION}")
@@ -65,13 +69,22 @@ def one(run_dir: Path, env: dict[str, str], cap: bool) -> dict[str, Any]:
     attempts = ledger.read_attempts(run_dir)
     slow = {h: s for a in attempts for h, s in (a.get("slow_nodes") or {}).items()}
     named = slow.get(host) if host else None
-    lines = _logged(run_dir)
-    since = named["since_step"] if named else None
-    return {"capped_at": capped_at, "named_at": since, "others_named": sorted(h for h in slow if h != host),
-            "steps_to_name": since - capped_at if since is not None and capped_at is not None else None,
-            "x": named["x"] if named else None, "reasons": [a.get("reason") for a in attempts],
-            "rate_before": _rate(lines, CAP_AT - 50, CAP_AT),
-            "rate_after": _rate(lines, since, min(since + 50, LAST)) if since is not None else None}
+    lines, since = _logged(run_dir), (named["since_step"] if named else None)
+    figures = {"capped_at": capped_at, "named_at": since, "others_named": sorted(h for h in slow if h != host),
+               "steps_to_name": since - capped_at if since is not None and capped_at is not None else None,
+               "x": named["x"] if named else None, "reasons": [a.get("reason") for a in attempts],
+               "rate_before": _rate(lines, CAP_AT - 50, CAP_AT),
+               "rate_after": _rate(lines, since, min(since + 50, LAST)) if since is not None else None}
+    stopped = next((a for a in attempts if a.get("reason") == "slow"), None)
+    if kind == "replace" and stopped is not None:
+        after = attempts[attempts.index(stopped) + 1] if attempts[-1] is not stopped else {}
+        resumed = after.get("resumed_from")
+        figures.update(stopped_at=stopped.get("last_step"), replaced=stopped.get("replace"),
+                       steps_lost=stopped["last_step"] - resumed if isinstance(resumed, int) else None,
+                       hosts_after=after.get("hosts"),
+                       rate_after=_rate(lines, resumed + 10, min(resumed + 60, LAST)) if isinstance(resumed, int)
+                       else None)
+    return figures
 
 
 def b17_straggler(trials: int = 3) -> dict[str, Any]:
@@ -80,27 +93,34 @@ def b17_straggler(trials: int = 3) -> dict[str, Any]:
         return {"skipped": why_not, "met": None}
     scratch = ROOT / "runs" / f"b17-{time.strftime('%H%M%S')}"
     scratch.mkdir(parents=True)
-    runs: dict[str, list[dict[str, Any]]] = {"capped": [], "control": []}
+    runs: dict[str, list[dict[str, Any]]] = {"capped": [], "replace": [], "control": []}
     for i in range(trials):  # interleaved
         for kind in runs:
             try:
-                runs[kind].append(one(scratch / f"{kind}-{i}", env, kind == "capped"))
+                runs[kind].append(one(scratch / f"{kind}-{i}", env, kind))
             except (subprocess.CalledProcessError, TimeoutError) as err:
                 runs[kind].append({"error": repr(err)[:300]})
             print(f"B17 {kind} #{i}: {runs[kind][-1]}", file=sys.stderr, flush=True)
-    steps = [r["steps_to_name"] for r in runs["capped"] if r.get("steps_to_name") is not None]
-    slowdown = [r["rate_after"] / r["rate_before"] for r in runs["capped"]
-                if r.get("rate_after") and r.get("rate_before")]
-    false = sum(len(r.get("others_named", [])) for r in runs["capped"]) + sum(
+    capped = runs["capped"] + runs["replace"]
+    steps = [r["steps_to_name"] for r in capped if r.get("steps_to_name") is not None]
+    slowdown, healed = ([r["rate_after"] / r["rate_before"] for r in runs[kind] if r.get("rate_after")
+                         and r.get("rate_before")] for kind in ("capped", "replace"))
+    lost = [r.get("steps_lost") for r in runs["replace"] if "error" not in r]
+    false = sum(len(r.get("others_named", [])) for r in capped) + sum(
         1 for r in runs["control"] if r.get("others_named") or r.get("named_at") is not None)
-    missed = sum(1 for r in runs["capped"] if "error" not in r and r.get("steps_to_name") is None)
+    missed = sum(1 for r in capped if "error" not in r and r.get("steps_to_name") is None)
     errors = [r["error"] for rs in runs.values() for r in rs if "error" in r]
-    met = bool(steps) and max(steps) <= TARGET_STEPS and not missed and not false and not errors
+    met = (bool(steps) and max(steps) <= TARGET_STEPS and not missed and not false and not errors
+           and all(n == 0 for n in lost))
     return {"runs": runs, "trials": trials, "geometry": "2 x 2", "fraction": FRACTION, "cap_at": CAP_AT,
             "steps_to_name_median": median(steps) if steps else None, "steps_to_name_max": max(steps, default=None),
-            "rate_after_over_before": round(median(slowdown), 3) if slowdown else None, "missed": missed,
-            "false_namings": false, "errors": errors,
-            "target": f"named within {TARGET_STEPS} steps of the cap, every time; no node named uncapped",
+            "rate_after_over_before": round(median(slowdown), 3) if slowdown else None,
+            "replaced_rate_over_before": round(median(healed), 3) if healed else None,
+            "replace_stopped_after": [r.get("stopped_at", 0) - (r.get("capped_at") or 0) for r in runs["replace"]
+                                      if r.get("stopped_at") is not None],
+            "steps_lost": lost, "missed": missed, "false_namings": false, "errors": errors,
+            "target": f"named within {TARGET_STEPS} steps of the cap, every time; with replace 0 steps lost; no node "
+                      "named uncapped",
             "met": met, "scratch": str(scratch)}
 
 
