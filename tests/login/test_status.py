@@ -336,3 +336,28 @@ def test_status_says_which_node_a_failure_lost_how_it_was_noticed_by_whom_and_wh
                 {"reason": "finished", "job_id": 5, "restart_count": 0, "in_job": 1, "resumed_from": 22}]
     text = render(collect(run_dir(tmp_path, attempts=attempts)))
     assert f"#0: at {time.strftime('%H:%M:%S', time.localtime(declared))}: {message}" in text, text
+
+
+def test_status_says_which_node_was_slow_by_how_much_and_since_when() -> None:
+    from hpc_ddp.login.status.render import slow_note
+
+    note = slow_note({"n2": {"node": 1, "x": 1.7, "since_step": 31, "until_step": 90},
+                             "n4": {"node": 3, "x": 1.3, "since_step": 50, "until_step": None}})
+    assert note == ("slow node(s): n2 (node 1): busy 1.7 x the other nodes' median per step from step 31 to step 90; "
+                    "n4 (node 3): busy 1.3 x the other nodes' median per step from step 50")
+
+
+def test_status_of_a_running_job_shows_the_slow_nodes_its_attempt_named_until_its_ledger_line_has_them(
+        tmp_path: Path) -> None:
+    from hpc_ddp.login.status.read import _slow_now
+    from hpc_ddp.rundir.ledger import append_attempt, read_attempts
+
+    (tmp_path / "liveness").mkdir()
+    named = {"n2": {"node": 1, "x": 1.9, "since_step": 31, "until_step": None}}
+    (tmp_path / "liveness" / "slow.json").write_text(json.dumps({"job_id": 7, "restart_count": 0, "in_job": 0,
+                                                                 "slow_nodes": named}))
+    assert _slow_now(tmp_path, []) == named
+    append_attempt(tmp_path, {"job_id": 7, "restart_count": 0, "reason": "finished", "slow_nodes": named})
+    assert _slow_now(tmp_path, read_attempts(tmp_path)) is None  # the ledger line has them now
+    (tmp_path / "liveness" / "slow.json").write_text("{not json")
+    assert _slow_now(tmp_path, []) is None

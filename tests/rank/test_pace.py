@@ -141,15 +141,6 @@ def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_me
     assert other.judge is None
 
 
-def test_status_says_which_node_was_slow_by_how_much_and_since_when() -> None:
-    from hpc_ddp.login.status.render import slow_note
-
-    note = slow_note({"n2": {"node": 1, "x": 1.7, "since_step": 31, "until_step": 90},
-                             "n4": {"node": 3, "x": 1.3, "since_step": 50, "until_step": None}})
-    assert note == ("slow node(s): n2 (node 1): busy 1.7 x the other nodes' median per step from step 31 to step 90; "
-                    "n4 (node 3): busy 1.3 x the other nodes' median per step from step 50")
-
-
 
 @pytest.mark.slow
 def test_a_rehearsed_node_that_burns_a_cpu_each_step_is_named_and_a_calm_one_is_not(tmp_path: Path) -> None:
