@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import IO
 
-from hpc_ddp.core.codes import EXIT_LOST, exit_words
+from hpc_ddp.core.codes import EXIT_LOST, EXIT_SLOW, exit_words
 from hpc_ddp.rehearsal.local_inject import ranks_text
 from hpc_ddp.rundir import layout, losses
 
@@ -29,6 +29,12 @@ def attempt_code(procs: list[subprocess.Popen[bytes]], codes: list[int | None], 
         watch["failed"] = list(failed)
     if not failed:
         return int(codes[0] or 0)
+    if codes[failed[0]] == EXIT_SLOW:  # a stop of rank 0's own to leave out a slow node: no culprit
+        err.write(f"[local] every rank stopped at a boundary with a snapshot to leave out a slow "
+                  f"node (exit {EXIT_SLOW}); every rank's log is in {logs}\n")
+        if watch is not None:
+            watch["failed"] = []
+        return EXIT_SLOW
     lost = watch.pop("lost", None) if watch is not None else None
     if lost:  # an injected node loss, not an error of the program: one line, not the tracebacks
         err.write(f"[local] {lost[0]} was lost ({ranks_text(lost[1])} killed); the other ranks "

@@ -169,12 +169,13 @@ class Supervisor:
         lost = rules.lost_nodes(self.run_dir, self.job_id, self.restart, step.index, step.nodes,
                                 per_node)
         hard |= {n: why for n, why in lost.items() if n not in hard}
-        hard |= {n: why for n, why in heal.replaced(record).items() if n not in hard}
+        replaced = heal.replaced(record)  # every rank stopped for it: srun's lines name no culprit
+        hard |= {n: why for n, why in replaced.items() if n not in hard}
         stuck = heal.stuck_nodes(record.get("stuck_ranks") or [], step.nodes, per_node)
         # srun names the first task to exit; after a hang or a loss that is the rank that saw it and
         # ended the step on purpose (the watchdog's recorder, the lost rank's watcher), not the
         # culprit
-        told = stuck or lost or record.get("lost_ranks")
+        told = stuck or lost or record.get("lost_ranks") or replaced
         # whom srun saw exit first is a bystander when the rank that raised wrote its node's share
         named = {} if told else (rules.raised_first(self.run_dir, (self.job_id, self.restart,
                                                                      step.index),

@@ -131,7 +131,8 @@ def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_me
         main.heard(21, [0, 1000, 1000, 1800, 1600])
         main.heard(31, [0, 1000, 1000, 1800, 1600])
     assert "node 1 (n2) is slow: its ranks are busy 1.70 x" in caplog.text
-    named: dict[str, Any] = {"node": 1, "host": "n2", "x": 1.7, "since_step": 31, "until_step": None}
+    named: dict[str, Any] = {"node": 1, "host": "n2", "x": 1.7, "since_step": 31, "until_step": None,
+                             "kept": None}
     assert main.record == {"slow_nodes": {"n2": named}}
     written = json.loads((tmp_path / "liveness" / "slow.json").read_text())
     assert written["slow_nodes"] == {"n2": named} and (written["job_id"], written["restart_count"]) == (7, 0)
@@ -194,6 +195,7 @@ def test_with_replace_rank_0_asks_every_rank_to_stop_once_and_without_a_spare_on
         for step in (11, 21, 31):
             kept.heard(step, [0, 1000, 1000, 1800, 1600])
     assert kept.replacing is None and caplog.text.count("is kept: no spare (slurm.spare_nodes=0) and a fixed") == 1
+    assert kept.judge is not None and (kept.judge.named[1].kept or "").startswith("no spare")  # the ledger's too
     assert replace_problem(SlurmConfig(nodes=2, spare_nodes=1)) == replace_problem(SlurmConfig(nodes="2-4")) == ""
 
 
@@ -204,7 +206,8 @@ def test_the_batch_shell_leaves_a_replaced_node_out_and_requeues_the_stop_where_
     line = {"reason": "slow", "replace": ["n3"], "slow_nodes": {"n3": {"node": 1, "x": 2.7, "since_step": 31}}}
     assert replaced(line) == {"n3": "named slow (busy 2.7 x the other nodes' median per step)"}
     assert replaced({**line, "reason": "preemption"}) == {}  # a signal's stop replaces nothing
-    assert replace(line, lambda record: "replaced: restarting on n[1,4]", None) == "slow: replaced: restarting on n[1,4]"
+    healed = replace(line, lambda record: "replaced: restarting on n[1,4]", None)
+    assert healed == "slow: replaced: restarting on n[1,4]"
     requeues: list[bool] = []
     said = replace(line, lambda record: None, lambda: requeues.append(True) or None)  # type: ignore[func-returns-value]
     assert said == "slow; not healed in the job; requeued" and requeues == [True]

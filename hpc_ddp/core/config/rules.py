@@ -131,7 +131,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                       "/opt/conda/bin/python"),
     "slurm.straggler.action": (lambda v: v in ("warn", "replace", "off"),
                                "one of warn, replace, off"),
-    "slurm.straggler.ratio": (lambda v: _positive(v) and v > 1, "a number > 1, e.g. 1.2"),
+    "slurm.straggler.ratio": (lambda v: _positive(v) and v > 1, "a number > 1, e.g. 1.5"),
     "slurm.straggler.windows": (_at_least(1), "an integer >= 1"),
     "slurm.straggler.window_steps": (_at_least(1), "an integer >= 1"),
     "dist.backend": (lambda v: v in ("auto", "nccl", "gloo"), "one of auto, nccl, gloo"),

@@ -48,6 +48,13 @@ def translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErro
     if key:
         section, tp = schema_node(key_path)
         found = getattr(err, "value", None)
+        if dataclasses.is_dataclass(tp):  # slurm.straggler=replace: a section given one value
+            keys = [f.name for f in dataclasses.fields(tp)]
+            return ConfigError(explain(f"bad value for config key {key} in {source}: it is a "
+                                       "section, not one value", found=found,
+                                       expected=f"its keys: {', '.join(keys)}",
+                                       hint=f"set a key inside it, e.g. {key}.{keys[0]}=..."),
+                               key=key)
         hint = f"set it as {key}=<{_expected(tp)}>"
         if found is None and "Optional" not in type_name(tp):
             default = next((f.default for f in dataclasses.fields(section)

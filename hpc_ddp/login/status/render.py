@@ -220,7 +220,8 @@ def slow_note(slow: dict[str, Any]) -> str:
         until = named.get("until_step")
         parts.append(f"{host} (node {named.get('node')}): busy {named.get('x')} x the other nodes' "
                      f"median per step from step {named.get('since_step')}"
-                     + (f" to step {until}" if until is not None else ""))
+                     + (f" to step {until}" if until is not None else "")
+                     + (f" (kept: {named['kept']})" if named.get("kept") else ""))
     return "slow node(s): " + "; ".join(parts)
 
 

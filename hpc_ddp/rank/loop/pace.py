@@ -90,6 +90,7 @@ class Slow:
     x: float
     since_step: int
     until_step: int | None = None  # when it was said to be well again
+    kept: str | None = None  # with action replace: why it was not left out
 
 
 def node_figures(per_rank: Sequence[int], local_size: int) -> dict[int, float]:
@@ -246,7 +247,8 @@ class Pace:
         if self.replace:
             log.warning("slurm.straggler.action=replace: node %s (%s) is kept: %s", slow[0].node,
                         slow[0].host, self.replace)
-            self.replace = None  # said once
+            slow[0].kept, self.replace = self.replace, None  # said once, and in the ledger line
+            self._publish(slow[0].since_step)
             return
         self.replacing = slow[0]
         log.warning("slurm.straggler.action=replace: every rank stops at the next boundary with a "
