@@ -124,8 +124,7 @@ def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_me
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "liveness").mkdir()
     main = Pace(1.2, 2, 10, True, _env(), tmp_path, read=dict)  # 1.7 x: the bar in two windows
-    main.record, logged = {}, []
-    main.metrics = lambda step, values: logged.append((step, values))
+    main.record = {}
     main._step_us = 5000.0
     with caplog.at_level("WARNING", logger="hpc_ddp.straggler"):
         main.heard(21, [0, 1000, 1000, 1800, 1600])
@@ -136,7 +135,8 @@ def test_rank_0_names_the_node_in_the_log_the_ledger_line_the_run_dir_and_the_me
     assert main.record == {"slow_nodes": {"n2": named}}
     written = json.loads((tmp_path / "liveness" / "slow.json").read_text())
     assert written["slow_nodes"] == {"n2": named} and (written["job_id"], written["restart_count"]) == (7, 0)
-    assert logged == [(31, {"slow_node_x": 1.7, "slow_nodes": 1})]
+    assert main.metrics_due() == {"slow_node_x": 1.7, "slow_nodes": 1}  # in the loop's next logged line
+    assert main.metrics_due() == {}  # once
     other = Pace(1.2, 2, 10, True, _env(rank=1), tmp_path, read=dict)
     other.heard(31, [0, 1000, 1000, 1800, 1600])  # only rank 0 judges
     assert other.judge is None
@@ -151,18 +151,23 @@ def test_a_rehearsed_node_that_burns_a_cpu_each_step_is_named_and_a_calm_one_is_
     from hpc_ddp.rundir.ledger import read_attempts
     from tests.helpers import submit
 
-    base = ["examples/own_loop_gpt.yaml", "--local", "train.loop=tests.tasks.loops:slow_node", "train.max_steps=70",
+    base = ["examples/own_loop_gpt.yaml", "--local", "train.loop=tests.tasks.loops:slow_node", "train.max_steps=200",
             "snapshot.every_steps=null"]
     slow = submit(*base, f"run_dir={tmp_path / 'slow'}")
     calm = submit(*base, f"run_dir={tmp_path / 'calm'}", "user.slow_from=1000")
     assert slow.returncode == 0 and calm.returncode == 0, (slow.stderr[-3000:], calm.stderr[-3000:])
     [line] = read_attempts(tmp_path / "slow")
     named = line["slow_nodes"]
-    assert list(named) == ["node1"] and named["node1"]["node"] == 1 and named["node1"]["x"] > 1.5, named
-    assert 41 <= named["node1"]["since_step"] <= 61 and named["node1"]["until_step"] is None, named
+    assert list(named) == ["node1"] and named["node1"]["node"] == 1 and named["node1"]["x"] > 1.4, named
+    assert named["node1"]["since_step"] >= 51 and named["node1"]["until_step"] is None, named  # 3 windows at least
     logs = {name: (tmp_path / name / "logs" / "attempt-0-rank-0.log").read_text() for name in ("slow", "calm")}
     assert "node 1 (node1) is slow: its ranks are busy" in logs["slow"]
     assert "slow_nodes" not in read_attempts(tmp_path / "calm")[0] and "is slow" not in logs["calm"]
+    from hpc_ddp.rundir import metrics_file
+
+    lines = metrics_file.read(tmp_path / "slow")  # in a line the loop logged, never a step of its own
+    assert {line["step"] for line in lines} == set(range(10, 201, 10)), lines
+    assert [line["slow_node_x"] for line in lines if "slow_node_x" in line] == [named["node1"]["x"]], lines
     status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(tmp_path / "slow")], capture_output=True,
                             text=True, check=True).stdout
     assert "#0: slow node(s): node1 (node 1): busy" in status, status
@@ -225,13 +230,14 @@ def test_a_slow_node_is_replaced_by_the_spare_at_a_boundary_losing_no_step(tmp_p
     from hpc_ddp.rundir.ledger import read_attempts
     from tests.helpers import done, submit
 
-    base = ["examples/own_loop_gpt.yaml", "--local", "train.loop=tests.tasks.loops:slow_node", "train.max_steps=140",
+    base = ["examples/own_loop_gpt.yaml", "--local", "train.loop=tests.tasks.loops:slow_node", "train.max_steps=220",
             "snapshot.every_steps=null", "slurm.spare_nodes=1", "user.slow_host=node1"]
-    slow = submit(*base, f"run_dir={tmp_path / 'slow'}", "slurm.straggler.action=replace")
+    # two windows' worth names it: with the machine busy (CI), three took the whole run to double
+    slow = submit(*base, f"run_dir={tmp_path / 'slow'}", "slurm.straggler.action=replace", "slurm.straggler.windows=2")
     calm = submit(*base, f"run_dir={tmp_path / 'calm'}", "user.slow_from=1000")
     assert slow.returncode == 0 and calm.returncode == 0, (slow.stderr[-3000:], calm.stderr[-3000:])
     first, second = read_attempts(tmp_path / "slow")
-    assert first["reason"] == "slow" and first["replace"] == ["node1"] and 61 <= first["last_step"] <= 121, first
+    assert first["reason"] == "slow" and first["replace"] == ["node1"] and 61 <= first["last_step"] < 220, first
     assert second["resumed_from"] == first["last_step"] and second["reason"] == "finished", second
     assert "node1" not in second["hosts"] and second["healed"]["how"] == "replaced", second
     assert "node1" in second["healed"]["excluded"] and "named slow" in second["healed"]["excluded"]["node1"]

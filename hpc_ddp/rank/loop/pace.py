@@ -16,7 +16,8 @@ loader's worker processes (their time is theirs, not the rank's). A train.script
 Rank 0 judges (:class:`Judge`): a node's figure is its ranks' mean, compared with the median of the
 *other* nodes' (with two nodes, the median of all would halve the gap). A node named is said in the
 log, the attempt's ledger line (``slow_nodes``), ``RUN_DIR/liveness/slow.json`` (``status`` of a
-running job) and the metrics (``slow_node_x``). With ``slurm.straggler.action: replace`` rank 0
+running job) and the metrics (``slow_node_x``, merged into the loop's next logged line: a line
+of its own would add a step the loop never logged). With ``slurm.straggler.action: replace`` rank 0
 also raises a flag of its own in the agreement (one more integer at every boundary): every rank
 stops at the same boundary with a snapshot, the ledger line says ``slow`` and names the node
 (``replace``), every rank exits :data:`hpc_ddp.core.codes.EXIT_SLOW`, and the batch shell goes on
@@ -193,7 +194,7 @@ class Pace:
         self._step_us = 0.0  # the last whole window's wall time per step
         self.judge = Judge(ratio, windows, env.nodelist) if self.on and env.is_main else None
         self.record: dict[str, Any] | None = None  # the attempt's ledger line (rank 0; session)
-        self.metrics: Callable[[int, dict[str, Any]], None] | None = None
+        self.due: dict[str, Any] = {}  # rank 0: metrics for the loop's next logged line
         # rank 0, set by the session: why a slow node cannot be replaced ("": it can; None: warn)
         self.replace: str | None = None
         self.replacing: Slow | None = None  # rank 0: the node it asked every rank to stop for
@@ -267,7 +268,10 @@ class Pace:
             write_atomic(layout.slow_nodes(self.run_dir), json.dumps(body, indent=1))
         except OSError as err:  # a full disk or a gone folder costs the status line, not the run
             log.warning("could not write %s: %s", layout.slow_nodes(self.run_dir), err)
-        if self.metrics is not None:
-            now = [n for n in self.judge.named.values() if n.until_step is None]
-            self.metrics(step, {"slow_node_x": max((n.x for n in now), default=1.0),
-                                "slow_nodes": len(now)})
+        now = [n for n in self.judge.named.values() if n.until_step is None]
+        self.due = {"slow_node_x": max((n.x for n in now), default=1.0), "slow_nodes": len(now)}
+
+    def metrics_due(self) -> dict[str, Any]:
+        """Rank 0: what the next ``run.log_metrics`` line adds, once."""
+        due, self.due = self.due, {}
+        return due

@@ -104,7 +104,6 @@ class Run:
         slow = cfg.slurm.straggler  # a slow node named (rank/loop/pace.py)
         self.pace = pace.Pace(slow.ratio, slow.windows, slow.window_steps, slow.action != "off",
                               env, self.run_dir)
-        self.pace.metrics = lambda step, values: self.metrics.log(step, values, self.resumed_from)
 
     rank = property(lambda self: self.env.rank)
     local_rank = property(lambda self: self.env.local_rank)
@@ -270,8 +269,8 @@ class Run:
         The first call of an attempt opens those sinks: TensorBoard drops what an earlier attempt
         logged after this attempt's snapshot, and both get an ``attempt`` marker at its first step.
         """
-        if self.is_main:
-            self.metrics.log(step, values, self.resumed_from)
+        if self.is_main:  # with a slow node's figures when one was named (rank/loop/pace.py)
+            self.metrics.log(step, {**values, **self.pace.metrics_due()}, self.resumed_from)
 
     def close_metrics(self) -> None:
         """Flush and close TensorBoard and W&B for this attempt (the session calls it on every exit
