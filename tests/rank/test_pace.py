@@ -185,7 +185,7 @@ def test_with_replace_rank_0_asks_every_rank_to_stop_once_and_without_a_spare_on
 
     main = Pace(1.2, 1, 10, True, _env(), Path("/nowhere"), read=dict)
     main.replace, main._step_us = "", 5000.0
-    main._publish = lambda step: None  # type: ignore[method-assign]
+    main._publish = lambda: None  # type: ignore[method-assign]
     assert main.figures(3) == [0] and main.figures(10) == [0, 0, 0, 0, 0]
     main.heard(11, [0, 1000, 1000, 1800, 1600])
     assert main.judge is not None and 1 in main.judge.named and main.replacing is None  # named: twice that to act
@@ -197,7 +197,7 @@ def test_with_replace_rank_0_asks_every_rank_to_stop_once_and_without_a_spare_on
     assert other.agreed and other.replacing is None
     kept = Pace(1.2, 1, 10, True, _env(), Path("/nowhere"), read=dict)
     kept.replace, kept._step_us = replace_problem(SlurmConfig(nodes=2)), 5000.0
-    kept._publish = lambda step: None  # type: ignore[method-assign]
+    kept._publish = lambda: None  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="hpc_ddp.straggler"):
         for step in (11, 21, 31):
             kept.heard(step, [0, 1000, 1000, 1800, 1600])

@@ -16,7 +16,7 @@ from hpc_ddp.rundir import layout, metrics_file, script_progress
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.login.failure_logs import last_errors
 from hpc_ddp.core.slurm_jobs import job_state
-from hpc_ddp.rundir.ledger import read_attempts
+from hpc_ddp.rundir.ledger import attempt_key, read_attempts
 from hpc_ddp.rundir.ledger_history import chain_jobs, steps_lost
 
 
@@ -184,9 +184,7 @@ def _slow_now(run_dir: Path, attempts: list[dict[str, Any]]) -> dict[str, Any] |
     record = _read_json(layout.slow_nodes(run_dir))
     if not isinstance(record, dict) or not isinstance(record.get("slow_nodes"), dict):
         return None
-    key = [record.get(k) or 0 for k in ("job_id", "restart_count", "in_job")]
-    ended = any([a.get(k) or 0 for k in ("job_id", "restart_count", "in_job")] == key
-                for a in attempts)
+    ended = attempt_key(record) in {attempt_key(a) for a in attempts}
     return None if ended else record["slow_nodes"]
 
 

@@ -187,12 +187,12 @@ class Pace:
     def __init__(self, ratio: float, windows: int, window_steps: int, on: bool, env: DistEnv,
                  run_dir: Path, read: Callable[[], dict[int, int]] = thread_demand) -> None:
         self.env, self.run_dir, self.window = env, run_dir, window_steps
-        self.on = on and env.num_nodes > 1 and env.world_size > 1
-        self._demand = Demand(read) if self.on else None
+        on = on and env.num_nodes > 1 and env.world_size > 1
+        self._demand = Demand(read) if on else None
         self._since: int | None = None  # the step of the last window's end
         self._at = time.monotonic()  # and when it was
         self._step_us = 0.0  # the last whole window's wall time per step
-        self.judge = Judge(ratio, windows, env.nodelist) if self.on and env.is_main else None
+        self.judge = Judge(ratio, windows, env.nodelist) if on and env.is_main else None
         self.record: dict[str, Any] | None = None  # the attempt's ledger line (rank 0; session)
         self.due: dict[str, Any] = {}  # rank 0: metrics for the loop's next logged line
         # rank 0, set by the session: why a slow node cannot be replaced ("": it can; None: warn)
@@ -232,7 +232,7 @@ class Pace:
         for message in said:
             log.warning(message)
         if said:
-            self._publish(step)
+            self._publish()
         self._ask_to_replace()
 
     def _ask_to_replace(self) -> None:
@@ -249,14 +249,14 @@ class Pace:
             log.warning("slurm.straggler.action=replace: node %s (%s) is kept: %s", slow[0].node,
                         slow[0].host, self.replace)
             slow[0].kept, self.replace = self.replace, None  # said once, and in the ledger line
-            self._publish(slow[0].since_step)
+            self._publish()
             return
         self.replacing = slow[0]
         log.warning("slurm.straggler.action=replace: every rank stops at the next boundary with a "
                     "snapshot, and the job goes on without node %s (%s)", slow[0].node,
                     slow[0].host)
 
-    def _publish(self, step: int) -> None:
+    def _publish(self) -> None:
         assert self.judge is not None
         slow = {named.host: asdict(named) for named in self.judge.named.values()}
         if self.record is not None:
