@@ -245,3 +245,63 @@ def test_a_link_down_is_read_from_this_namespaces_kernel_not_from_sys() -> None:
                         capture_output=True, text=True)
     assert down.stdout.split() == ["True", "None"], down  # lo down: no address either
     assert up.stdout.split() == ["False", "lo"], up
+
+
+def test_the_judge_takes_no_silence_for_evidence_while_its_own_pings_stopped_and_never_hears_backwards() -> None:
+    judge = NetJudge(silent_s=3.0, stall_s=1.0)
+    judge.awake(0.0)
+    judge.heard(1, 0.0)
+    for t in (0.5, 1.0, 1.5):
+        judge.awake(t)
+    assert judge.lost(3.0) is None  # silent 3 s, but its own last ping went 1.5 s ago: no evidence
+    for t in (2.0, 2.5, 3.0):
+        judge.awake(t)
+    assert judge.lost(3.0) == 3.0 and judge.unanswered == 6
+    judge.heard(2, 6.0)
+    judge.heard(3, 4.0)  # a tick's older clock hears a newer answer: the silence never grows from it
+    assert judge.heard_at == 6.0 and judge.unanswered == 0
+
+
+def test_each_thread_stands_in_for_the_other_a_stuck_thread_silences_nobody_and_a_frozen_node_is_still_found() -> None:
+    """ci47-ci48: a node's answers paused 3-4 s at a compile's start, and its neighbour declared it. The thread that
+    pings and answers writes nothing now, and each tick answers, hears and (where the thread missed a ping) pings
+    too: a watcher with a stuck thread, on either side, declares nobody falsely and is not declared."""
+    import threading
+
+    stuck = {0: threading.Event(), 1: threading.Event()}
+
+    def clock_of(node: int):  # type: ignore[no-untyped-def]
+        def clock() -> float:
+            while stuck[node].is_set():  # the thread waits here, as on a blocked write or a lock
+                time.sleep(0.01)
+            return time.monotonic()
+        return clock
+
+    nets = [NetBeat(f"{TAG}+token", TAG, n, "127.0.0.1", silent_s=1.0, stall_s=0.6) for n in (0, 1)]
+    try:
+        for n, net in enumerate(nets):
+            net.serve(clock_of(n), every_s=0.1)
+
+        def run(seconds: float, tick_watched: bool = True) -> list[float]:
+            verdicts, end = [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                nets[0].tick(1, nets[1].endpoint, time.monotonic())
+                if tick_watched:
+                    nets[1].tick(0, None, time.monotonic())
+                verdicts.append(nets[0].lost(time.monotonic()))
+                time.sleep(0.1)
+            return [v for v in verdicts if v is not None]
+
+        assert run(0.5) == [] and nets[0].judge.count >= 1
+        stuck[1].set()  # the watched node's thread stuck for twice the silence: its ticks answer
+        assert run(2.0) == []
+        stuck[1].clear()
+        stuck[0].set()  # the watcher's own thread stuck: its ticks ping and hear
+        assert run(2.0) == []
+        stuck[1].set()  # the watched node frozen: neither its thread nor its tick runs
+        assert run(2.0, tick_watched=False), "a frozen node was never found"
+    finally:
+        for event in stuck.values():
+            event.clear()
+        for net in nets:
+            net.close()

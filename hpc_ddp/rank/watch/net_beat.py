@@ -10,7 +10,8 @@ every tick, over UDP from the address it reaches ``MASTER_ADDR`` from (its train
 the address that node's watcher published in its beat in the run dir; the watched watcher answers
 each ping. :class:`NetJudge` keeps the silence of the answers, by the watcher's own clock:
 
-- no answer for :data:`NET_SILENT_S` once answers came: the node is lost (frozen, powered off,
+- no answer for :data:`NET_SILENT_S` once answers came, while this watcher pinged all along (a
+  watcher whose own pings stopped has no evidence): the node is lost (frozen, powered off,
   partitioned), whatever its beats in the run dir say; a watcher that finds its own link down
   (:func:`link_down`) is the one cut off, and declares no other node (itself, once its link has
   stayed down a while: :mod:`hpc_ddp.rank.watch.node_watch`);
@@ -25,17 +26,17 @@ replayed answer is older than the last one heard, and ignored). No torch.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
+
+from hpc_ddp.rank.watch.net_link import interface_of, link_down, own_address
 
 log = logging.getLogger("hpc_ddp.liveness")
 # a watched node that answered before and is silent this long on the network is lost: pings go
@@ -44,54 +45,6 @@ NET_SILENT_S = 3.0
 # a gap this long between two runs of the pinging thread: this watcher was stopped, not its peer
 STALL_S = 1.5
 MAC_BYTES = 16
-SIOCGIFADDR, SIOCGIFFLAGS = 0x8915, 0x8913  # Linux: an interface's IPv4 address, its flags
-IFF_UP, IFF_RUNNING = 0x1, 0x40  # up (ip link set ... up), and its carrier there
-
-
-def own_address(toward: str) -> str:
-    """The address this node reaches ``toward`` (MASTER_ADDR) from: its training network's (no
-    packet is sent: a UDP socket's connect only picks the route)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((toward, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
-def interface_of(address: str) -> str | None:
-    """The interface that holds ``address`` (None: not found), asked of this network namespace's
-    kernel (``/sys/class/net`` may be another namespace's: a container's, the local cluster's
-    nodes')."""
-    try:
-        names = [name for _index, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for name in names:
-            try:
-                raw = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
-                                  struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    return None
-
-
-def link_down(interface: str | None) -> bool:
-    """Whether ``interface`` is down or has lost its carrier (this node is the one cut off): its
-    flags, from this namespace's kernel."""
-    if interface is None:
-        return False
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            raw = fcntl.ioctl(probe.fileno(), SIOCGIFFLAGS,
-                              struct.pack("256s", interface.encode()[:15]))
-    except OSError:
-        return False
-    flags = struct.unpack("H", raw[16:18])[0]
-    return not flags & IFF_UP or not flags & IFF_RUNNING
 
 
 def key(local_tag: str) -> bytes:
@@ -127,12 +80,15 @@ class NetJudge:
         self.count = -1
         self.heard_at: float | None = None
         self.awake_at: float | None = None
+        self.unanswered = 0  # pings sent since the last answer (said in a declaration)
 
     def heard(self, count: int, now: float) -> bool:
         """An answer numbered ``count``; True for the first (the silence counts from now on)."""
         first = self.heard_at is None
         if count > self.count:  # a replayed or reordered answer is no news
-            self.count, self.heard_at = count, now
+            # either thread hears (a tick's clock may be older than the thread's): never back
+            self.count, self.heard_at = count, now if first else max(self.heard_at, now)
+            self.unanswered = 0
         return first
 
     def awake(self, now: float) -> None:
@@ -141,16 +97,20 @@ class NetJudge:
         if self.awake_at is not None and now - self.awake_at > self.stall_s \
                 and self.heard_at is not None:
             self.heard_at = max(self.heard_at, now)
-        self.awake_at = now
+        self.awake_at = now if self.awake_at is None else max(self.awake_at, now)
+        self.unanswered += 1
 
     def silence(self, now: float) -> float | None:
         """Seconds without an answer, once one came; None before."""
         return None if self.heard_at is None else now - self.heard_at
 
     def lost(self, now: float) -> float | None:
-        """The silence once it reaches ``silent_s``."""
+        """The silence once it reaches ``silent_s``, while this side pings: a silence since its
+        last ping longer than ``stall_s`` is this side's (its pings stopped), not the other's."""
         silent = self.silence(now)
-        return silent if silent is not None and silent >= self.silent_s else None
+        if silent is None or silent < self.silent_s:
+            return None
+        return None if self.awake_at is None or now - self.awake_at > self.stall_s else silent
 
 
 class NetBeat:
@@ -159,9 +119,9 @@ class NetBeat:
 
     :meth:`serve` pings and answers from a thread of its own, which touches no file: a watcher
     whose tick waits on a stalled file server (its beat into the run dir) still pings and answers on
-    time, so a slow file server never reads as a silent node, on either side. Its tick only says
-    whom to ping (:meth:`aim`) and reads the verdict. Without the thread (the tests' hand-ticked
-    watchers), each :meth:`tick` does the thread's work once."""
+    time, so a slow file server never reads as a silent node, on either side. Its tick says whom to
+    ping (:meth:`aim`), reads the verdict, and does the thread's work once too (all of it without
+    the thread: the tests' hand-ticked watchers), so a stuck thread silences nobody."""
 
     def __init__(self, local_tag: str, tag: str, node: int, toward: str,
                  silent_s: float = NET_SILENT_S, stall_s: float = STALL_S) -> None:
@@ -175,12 +135,13 @@ class NetBeat:
         self.judge, self.watched, self.target = NetJudge(silent_s, stall_s), -1, None
         self.count = 0
         self.silent_s, self.stall_s = silent_s, stall_s
-        self.lock, self.serving = threading.Lock(), False
+        self.lock, self.serving, self.every_s = threading.Lock(), False, 0.5
+        self.news: list[str] = []  # what the thread heard that the tick says
 
     def serve(self, clock: Callable[[], float] = time.monotonic, every_s: float = 0.5) -> None:
         """Ping every ``every_s``, answer pings and hear answers as they come, from a daemon
         thread."""
-        self.serving = True
+        self.serving, self.every_s = True, every_s
         self.sock.setblocking(True)
         threading.Thread(target=self._serve, args=(clock, every_s), name="net-beat",
                          daemon=True).start()
@@ -194,15 +155,29 @@ class NetBeat:
             self.target = endpoint
 
     def tick(self, watched: int, endpoint: str | None, now: float) -> None:
-        """:meth:`aim`; without the thread, also its work once: answer, hear, ping."""
+        """:meth:`aim`, and the thread's work once: answer and hear what waits on the socket, and
+        ping where the thread has not lately. Each thread stands in for the other: an answer never
+        waits on one thread alone (ci47-ci48: a node's answers paused for 3-4 s at a compile's
+        start, and its neighbour declared it)."""
         self.aim(watched, endpoint)
-        if not self.serving:
-            self._drain(now)
+        self._drain(now)
+        with self.lock:
+            stale = self.judge.awake_at is None or now - self.judge.awake_at > 2 * self.every_s
+        if not self.serving or stale:  # the thread missed a ping (or there is none)
             self._ping(now)
+        with self.lock:
+            news, self.news = self.news, []
+        for line in news:  # said here: the thread writes nothing (a blocked stderr would stop it)
+            log.info(line)
 
     def lost(self, now: float) -> float | None:
         with self.lock:
             return self.judge.lost(now)
+
+    def unanswered(self) -> int:
+        """Pings sent since the watched node's last answer."""
+        with self.lock:
+            return self.judge.unanswered
 
     def silence(self, now: float) -> float | None:
         with self.lock:
@@ -220,9 +195,10 @@ class NetBeat:
         with self.lock:
             self.judge.awake(now)
             target = self.target
-        if target:
             self.count += 1
-            self._send(encode(self.secret, self.tag, self.node, "ping", self.count), target)
+            count = self.count
+        if target:
+            self._send(encode(self.secret, self.tag, self.node, "ping", count), target)
 
     def _serve(self, clock: Callable[[], float], every_s: float) -> None:
         due = clock()
@@ -242,8 +218,8 @@ class NetBeat:
 
     def _drain(self, now: float) -> None:
         while True:
-            try:
-                raw, source = self.sock.recvfrom(2048)
+            try:  # never waits, whatever the thread set the socket to
+                raw, source = self.sock.recvfrom(2048, socket.MSG_DONTWAIT)
             except OSError:  # nothing more (BlockingIOError), or closed
                 return
             self._take(raw, source, now)
@@ -260,9 +236,9 @@ class NetBeat:
         elif kind == "pong":
             with self.lock:
                 if node == self.watched and self.judge.heard(count, now):
-                    log.info("node %d's watcher: node %d answers over the training network "
-                             "(%s:%d): a silence of %gs declares it from now on", self.node, node,
-                             *source, self.silent_s)
+                    self.news.append(f"node {self.node}'s watcher: node {node} answers over the "
+                                     f"training network ({source[0]}:{source[1]}): a silence of "
+                                     f"{self.silent_s:g}s declares it from now on")
 
     def _send(self, data: bytes, endpoint: str) -> None:
         host, _, port = endpoint.rpartition(":")
@@ -284,17 +260,20 @@ def start(local_tag: str, tag: str, node: int, toward: str, silent_s: float = NE
         return None
 
 
-def noticed(silent: float, age: float | None, period_s: float, ping_s: float = 0.5) -> str:
+def noticed(silent: float, age: float | None, period_s: float, ping_s: float = 0.5,
+            unanswered: int | None = None) -> str:
     """How a node silent on the training network was noticed, and what its run-dir beats said:
     written every ``period_s`` and read as often, a beat newer than the last answer by more than a
     period and a ping shows a node that lives on (cut off); none since shows one that stopped, when
-    the silence is long enough to have seen one."""
+    the silence is long enough to have seen one. ``unanswered``: the pings sent in the silence."""
     head = f"no answer over the training network for {silent:.0f}s"
+    tail = "" if unanswered is None else f" ({unanswered} pings unanswered)"
     if age is not None and age + period_s + ping_s < silent:
         return (f"{head}, while its beats in the run dir still came ({age:.0f}s ago): its link is "
-                "down")
+                f"down{tail}")
     if silent > 2 * period_s + ping_s:
-        return f"{head}, nor a new beat in the run dir: frozen, powered off or hung in its kernel"
+        return (f"{head}, nor a new beat in the run dir: frozen, powered off or hung in its "
+                f"kernel{tail}")
     last = "" if age is None else f" {age:.0f}s ago"
     return (f"{head}; its last beat in the run dir came{last} (one every {period_s:g}s, too seldom "
-            "to tell a frozen node from a cut-off one)")
+            f"to tell a frozen node from a cut-off one){tail}")

@@ -175,8 +175,9 @@ class NodeWatch:
         message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
                                            list(last.ranks or (last.rank,)), last, self.wall(),
                                            by=self._me(),
-                                           noticed=net_beat.noticed(silent, age,
-                                                                    self.plan.period_s))
+                                           noticed=net_beat.noticed(
+                                               silent, age, self.plan.period_s,
+                                               unanswered=self.net.unanswered()))
         self._post(message, record, silent)
         return True
 
