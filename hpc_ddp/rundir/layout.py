@@ -25,7 +25,8 @@ A run directory is keyed by the run's name, never by a job id, so a requeued job
                        job-J-restart-N-lost-rank-K.json: rank K was declared lost (liveness)
     liveness/          node-N.json: node N's newest beat, for all its ranks (rewritten in place;
                        hpc_ddp.rundir.beats); declared.json: the last declaration of a loss;
-                       slow.json: the slow nodes the running attempt named (rank/loop/pace.py)
+                       slow.json: the slow nodes the running attempt named (rank/loop/pace.py);
+                       health-node-N.probe: node N's health check writing (removed at once)
     jit/               job-J-restart-N[-step-K]/: what the survivors of a failure said, one
                        node-N.json (and blobs-node-N.pt) per node (hpc_ddp.rundir.jit_files);
                        an earlier attempt's keeps only its commit claim (hpc_ddp.rundir.jit_tidy)
@@ -167,6 +168,12 @@ def slow_nodes(run_dir: Path | str) -> Path:
     """The slow nodes rank 0 named in the running attempt (:mod:`hpc_ddp.rank.loop.pace`), for
     ``status``; the attempt's ledger line keeps them once it ends."""
     return Path(run_dir) / LIVENESS / "slow.json"
+
+
+def health_probe(run_dir: Path | str, node: int) -> Path:
+    """The file node ``node``'s first rank writes and reads back to time the run dir before the
+    first step (``slurm.health``, :mod:`hpc_ddp.rank.attempt.health`), removed at once."""
+    return Path(run_dir) / LIVENESS / f"health-node-{node}.probe"
 
 
 def lost_marker(run_dir: Path | str, tag: str, rank: int | str) -> Path:

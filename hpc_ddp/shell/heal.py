@@ -126,11 +126,15 @@ HANG_NOT_NODE = ("; every node left out was only where a rank hung, and a hang i
 
 def replaced(record: Mapping[str, Any]) -> dict[str, str]:
     """The nodes a ``slow`` line asks to leave out (``replace``: rank 0 named them slow, with
-    ``slurm.straggler.action: replace``), each with why: hard suspects, never used again in the
-    job."""
+    ``slurm.straggler.action: replace``, or sick before the first step, ``slurm.health``), each with
+    why: hard suspects, never used again in the job."""
     slow = record.get("slow_nodes") if isinstance(record.get("slow_nodes"), dict) else {}
     why = {host: f"named slow (busy {(named or {}).get('x')} x the other nodes' median per step)"
            for host, named in slow.items() if isinstance(named, dict)}
+    health = record.get("health") if isinstance(record.get("health"), dict) else {}
+    sick = health.get("sick") if isinstance(health.get("sick"), dict) else {}
+    why.update({host: f"failed its health check ({reason})" for host, reason in sick.items()
+                if isinstance(reason, str)})
     hosts = record.get("replace") if record.get("reason") == "slow" else None
     return {host: why.get(host, "named slow") for host in hosts or [] if isinstance(host, str)}
 
@@ -227,6 +231,8 @@ class Healer:
     next_nodes: list[str] = field(default_factory=list)
     healed: dict[str, Any] | None = None  # for the next step's ledger line
     why_not: str = ""  # why the last failure was not healed in the job
+    # every hard suspect of the job's steps so far: never trained on again in the job
+    left_out: dict[str, str] = field(default_factory=dict)
 
     def decide(self, record: Mapping[str, Any], index: int, held: Sequence[str],
                training: Sequence[str],
@@ -249,6 +255,10 @@ class Healer:
         for node in list(soft):
             if node in self.failed_before:
                 hard[node] = f"{soft.pop(node)}, the second step in a row"
+        fresh = dict(hard)
+        for node, why in self.left_out.items():  # a replaced slow or sick node is held still
+            hard.setdefault(node, f"{why} (an earlier step)")
+        self.left_out.update(fresh)
         counts = range(len(training), len(training) + 1) if no_resize else self.counts
         chosen = plan(held, training, hard=hard, soft=soft, counts=counts, avoid=avoid)
         self.failed_before = set(soft) | set(hard)

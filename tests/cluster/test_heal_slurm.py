@@ -73,6 +73,12 @@ def lose_a_node(run_dir: Path, *options: str) -> tuple[list[dict], str]:
     return read_attempts(run_dir), node
 
 
+def _idle_nodes() -> int:
+    """The cluster's nodes that Slurm lists idle."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"], capture_output=True, text=True).stdout
+    return len(set(out.split()))
+
+
 def wrapped_steps(record: Path, run_dir: Path, ranks: int, hosts: list[str]) -> list[list[tuple[str, str, str]]]:
     """The stand-in apptainer's calls (:func:`tests.helpers.fake_apptainer`): every one with the run dir and the
     submit directory mounted, the config's mounts and args, the image; one per rank of the first step and of
@@ -175,9 +181,13 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
     assert node not in expand_hostlist(attempts[1]["hosts"]) and attempts[1]["world_size"] == 4
     assert json.loads((lost / "DONE.json").read_text())["params_sha256"] == expected
 
-    # (c) no spare, slurm.nodes=1-2: the run goes on with the one node left, the same global batch
+    # (c) no spare, slurm.nodes=1-2: the run goes on with the one node left, the same global batch. Slurm starts a
+    # range on what is free: (b)'s node back from down, and the other tests' jobs gone, so that it starts on two
+    # (ci47, ci48: it started on one, and its loss was retried, not shrunk)
+    assert wait_until(lambda: _idle_nodes() >= 2, 120), scontrol("show", "nodes")
     shrunk = tmp_path / "shrunk"
     attempts, node = lose_a_node(shrunk, "slurm.nodes=1-2")
+    assert len(expand_hostlist(attempts[0]["hosts"])) == 2, f"the range job started on {attempts[0]['hosts']}"
     assert [(a["reason"], a["nodes"]) for a in attempts[1:]] == [("finished", 1)]
     assert attempts[1]["healed"]["how"] == "shrunk" and attempts[1]["grad_accum"] == 2
     got = losses(shrunk)

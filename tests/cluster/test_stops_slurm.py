@@ -29,11 +29,12 @@ TASK = ["examples/mlp.yaml", "train.num_workers=2", "train.log_every=1", "snapsh
         "slurm.timeout_min=30"]
 
 
-def submit(args: list[str], run_dir: Path, loader: str = "fork") -> str:
-    """Submit through the CLI with the loop's loader context in the job's environment; the job id."""
+def submit(args: list[str], run_dir: Path, loader: str = "fork", fault: str = "none:-1:-1") -> str:
+    """Submit through the CLI with the loop's loader context (and a test fault) in the job's environment; the job
+    id."""
     proc = subprocess.run([sys.executable, "-m", "hpc_ddp.submit", *args, f"run_dir={run_dir}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HPC_DDP_TEST_LOADER": loader})
+                          env={**os.environ, "HPC_DDP_TEST_LOADER": loader, "HPC_DDP_TEST_FAULT": fault})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split("submitted job ", 1)[1].split(":", 1)[0]
 
@@ -97,8 +98,10 @@ def test_a_preemption_by_slurms_sigterm_is_requeued_and_ends_as_the_rehearsal_do
     # still trains when the Task, slower to start, has logged its first steps
     # W&B offline on the own loop: Slurm's SIGTERM ends W&B's service process too (issue 57)
     own = LOOP + ["train.max_steps=700", "slurm.cpus_per_task=3", "metrics.wandb=true", "metrics.wandb_mode=offline"]
-    task = TASK + ["train.max_steps=300", "slurm.tasks_per_node=1"]
-    jobs = {"own": submit(own, tmp_path / "own"), "task": submit(task, tmp_path / "task")}
+    # the Task's steps take 0.1 s more on the cluster (numbers unchanged): 300 plain steps took a few seconds, and
+    # one ran to its end before Slurm preempted it (ci48)
+    task = TASK + ["train.max_steps=300", "slurm.tasks_per_node=1", "train.task=tests.tasks:Faulty"]
+    jobs = {"own": submit(own, tmp_path / "own"), "task": submit(task, tmp_path / "task", fault="slow:-1:0.1")}
     assert wait_until(lambda: all(logged(tmp_path / name) >= 15 for name in jobs), 300)
     assert not any(finished(tmp_path / name) for name in jobs), "a job finished before it could be preempted"
     high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N3", "--exclusive", "--output=/dev/null",

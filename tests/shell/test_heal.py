@@ -106,6 +106,20 @@ def test_a_node_left_out_only_for_a_hang_is_not_blamed_as_a_node_a_spare_would_c
     assert "slurm.spare_nodes=1" in dead.why_not and "hang" not in dead.why_not
 
 
+def test_a_hard_suspect_is_never_trained_on_again_in_the_job_though_the_next_line_does_not_name_it() -> None:
+    """A sick node left out (still held by the job) came back at the next heal of a CI run: n3 failed its health
+    check on n[2-3], n1 replaced it, n2 then failed, and the healer chose n[1,3]. It now remembers every hard
+    suspect of the job and shrinks or requeues rather than train on one again."""
+    healer = heal.Healer(cap=3, counts=range(1, 3))
+    held = ["n1", "n2", "n3"]
+    sick = {"n3": "failed its health check (a matmul at 5 GFLOP/s)"}
+    assert healer.decide({"reason": "slow"}, 0, held, ["n2", "n3"], dict(sick), {}, 1) is not None
+    assert healer.next_nodes == ["n1", "n2"]
+    assert healer.decide({"reason": "slow"}, 1, held, ["n1", "n2"], {"n2": "failed its health check"}, {}, 2)
+    assert healer.next_nodes == ["n1"] and healer.healed is not None and healer.healed["how"] == "shrunk"
+    assert healer.healed["excluded"]["n3"] == "failed its health check (a matmul at 5 GFLOP/s) (an earlier step)"
+
+
 @pytest.mark.parametrize("held, training, hard, soft, counts, nodes, how", [
     # a spare takes the suspect's place: the same world size (bit-exact)
     (["n1", "n2", "n3"], ["n1", "n2"], {}, {"n2": "died"}, range(2, 3), ["n1", "n3"], "replaced"),

@@ -71,6 +71,22 @@ class StragglerConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Sick nodes kept out (docs: Failures and stops, the health check)."""
+
+    checks: str = doc("off", "Before the first step of every attempt, each node's first rank "
+                      "measures: quick: writing and reading the run dir and node-local storage "
+                      "(8 MB each) and a matmul; full: 64 MB each, and each node's link to the next "
+                      "node (16 MB each way); off: nothing. A node far below the other nodes' "
+                      "median is named (log, ledger, status).")
+    action: str = doc("replace", "replace: a node named sick is left out as a slow node is "
+                      "(slurm.straggler.action=replace: every rank stops at the first boundary, "
+                      "the job goes on on a spare or fewer nodes); warn: named and kept.")
+    below: float = doc(0.3, "A node whose figure is under this fraction of the other nodes' "
+                       "median is sick (0 < below < 1).")
+
+
+@dataclass
 class SlurmConfig:
     """What to ask Slurm for, and how often a run may be requeued."""
 
@@ -114,6 +130,7 @@ class SlurmConfig:
                                        "['--cpu-bind=cores'] (after hpc_ddp's own, so they win).")
     container: ContainerConfig = doc_factory(ContainerConfig, "The container every rank runs in.")
     straggler: StragglerConfig = doc_factory(StragglerConfig, "A slow node named.")
+    health: HealthConfig = doc_factory(HealthConfig, "Sick nodes kept out.")
 
 
 @dataclass

@@ -121,6 +121,8 @@ def render(info: dict[str, Any]) -> str:
               if isinstance(a.get("stopped_mid_step"), dict)]
     notes += [(i, slow_note(a["slow_nodes"])) for i, a in enumerate(info["attempts"])
               if isinstance(a.get("slow_nodes"), dict) and a["slow_nodes"]]
+    notes += [(i, health_note(a["health"])) for i, a in enumerate(info["attempts"])
+              if isinstance(a.get("health"), dict) and a["health"].get("sick")]
     notes += list(info.get("hangs", {}).items())
     notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items()
               if "lost" in entry]
@@ -223,6 +225,14 @@ def slow_note(slow: dict[str, Any]) -> str:
                      + (f" to step {until}" if until is not None else "")
                      + (f" (kept: {named['kept']})" if named.get("kept") else ""))
     return "slow node(s): " + "; ".join(parts)
+
+
+def health_note(health: dict[str, Any]) -> str:
+    """The nodes an attempt's health check found sick (rank/attempt/health.py), and why."""
+    sick = health.get("sick") if isinstance(health.get("sick"), dict) else {}
+    kept = f" (kept: {health['kept']})" if health.get("kept") else ""
+    return (f"health check ({health.get('checks')}, {health.get('seconds')}s): sick: "
+            + "; ".join(f"{host}: {why}" for host, why in sick.items()) + kept)
 
 
 def healed_note(attempt: dict[str, Any]) -> str:

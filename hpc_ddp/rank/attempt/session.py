@@ -100,6 +100,9 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             run: Run | None = None
             try:
                 run = _new_run(attempt, device, watchdog)
+                if cfg.slurm.health.checks != "off":  # sick nodes kept out (before any step)
+                    from hpc_ddp.rank.attempt import health
+                    health.check(attempt, run, device)
                 try:
                     yield run
                 # the stop snapshot is committed: end the attempt as that stop

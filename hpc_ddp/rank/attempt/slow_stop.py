@@ -1,5 +1,6 @@
 """The agreed stop that was rank 0's own, to leave out a slow node (``slurm.straggler.action:
-replace``, :mod:`hpc_ddp.rank.loop.pace`): no stop signal came, so it is neither a preemption nor
+replace``, :mod:`hpc_ddp.rank.loop.pace`) or the nodes a health check found sick
+(:mod:`hpc_ddp.rank.attempt.health`): no stop signal came, so it is neither a preemption nor
 a time-out and nothing is requeued. Rank 0 writes a ``slow`` line naming the node (``replace``),
 with the stop's snapshot committed; every rank exits :data:`~hpc_ddp.core.codes.EXIT_SLOW`, and the
 batch shell (or the rehearsal's launcher) goes on without the node, as it heals a failed step
@@ -30,7 +31,9 @@ def slow_stop(attempt: Attempt, run: Run, step: int,
         return None
     if attempt.env.is_main and not attempt.wrapped:
         host = run.pace.replacing.host if run.pace.replacing is not None else None
-        ledger_line(attempt, "slow", **({"replace": [host]} if host else {}))
-        log.info("stopped at step %s to leave out the slow node %s: snapshot committed; the job "
-                 "goes on without it", step, host)
+        hosts = run.pace.leave_out or ([host] if host else [])
+        ledger_line(attempt, "slow", **({"replace": hosts} if hosts else {}))
+        log.info("stopped at step %s to leave out %s %s: snapshot committed; the job goes on "
+                 "without it", step, "the slow node" if len(hosts) < 2 else "the nodes",
+                 ", ".join(hosts))
     return Ending(EXIT_SLOW)

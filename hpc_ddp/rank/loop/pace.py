@@ -199,6 +199,7 @@ class Pace:
         self.replace: str | None = None
         self.replacing: Slow | None = None  # rank 0: the node it asked every rank to stop for
         self.agreed = False  # every rank: the stop to replace a slow node was agreed
+        self.leave_out: list[str] = []  # rank 0: every host to leave out (a health check's sick)
 
     def figures(self, step: int) -> list[int]:
         """What this rank adds to the agreement begun at ``step``: whether rank 0 asks to stop to
