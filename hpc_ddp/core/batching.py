@@ -246,3 +246,12 @@ class _TrainView:
         self.batch_size = int(flat["train.batch_size"])
         self.grad_accum = int(flat["train.grad_accum"])
         self.global_batch_size = flat.get("train.global_batch_size")
+
+
+def replace_problem(slurm: Any) -> str:
+    """Why ``slurm.straggler.action: replace`` cannot leave a slow node out ("": it can): the job
+    needs a spare or a ``slurm.nodes`` range to go on with."""
+    if slurm.spare_nodes > 0 or isinstance(slurm.nodes, str):
+        return ""
+    return ("no spare (slurm.spare_nodes=0) and a fixed slurm.nodes: nothing to go on with "
+            "(slurm.spare_nodes=1, or a range such as slurm.nodes=2-4)")

@@ -13,6 +13,7 @@ from hpc_ddp.core.config import RunConfig, load_config, save_config, schema_rows
 from hpc_ddp.core.config.rules import OPTIONAL, RULES
 from hpc_ddp.core.errors import ConfigError
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mlp.yaml"
 MINIMAL = "train:\n  task: examples.mlp:MLPTask\n  max_steps: 50\n"
 
 
@@ -182,3 +183,16 @@ def test_null_unsets_a_text_key_and_a_required_key_says_what_to_give(tmp_path: P
     with pytest.raises(ConfigError) as err:
         load_config(["examples/mlp.yaml"], ["train.lr=null"])
     assert "train.lr cannot be unset (null): give a number, or leave it out for its default (0.001)" in str(err.value)
+
+
+def test_off_is_off_on_the_command_line_and_in_a_file_though_yaml_reads_it_as_false(tmp_path: Path) -> None:
+    """YAML 1.1 (omegaconf's) reads a bare off as false, and a string key then held 'False': `train.amp=off`, the
+    documented value, was refused with "found 'False'; expected one of off, bf16, fp16"."""
+    cfg = load_config([EXAMPLE], ["train.amp=off", "slurm.straggler.action=off",
+                                                          "slurm.health.checks=off"])
+    assert (cfg.train.amp, cfg.slurm.straggler.action, cfg.slurm.health.checks) == ("off", "off", "off")
+    (tmp_path / "c.yaml").write_text("train:\n  amp: off\nslurm:\n  straggler:\n    action: off\n")
+    cfg = load_config([EXAMPLE, tmp_path / "c.yaml"], [])
+    assert (cfg.train.amp, cfg.slurm.straggler.action) == ("off", "off")
+    with pytest.raises(ConfigError, match="slurm.health.action"):  # where off is no choice, false is still wrong
+        load_config([EXAMPLE], ["slurm.health.action=off"])

@@ -134,3 +134,17 @@ def test_the_preflights_local_cluster_root_is_the_local_clusters_and_the_cli_doe
     probe = "import sys, hpc_ddp.login.submit; print(sorted(m for m in sys.modules if 'slurm_local' in m))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
+
+
+def test_a_node_to_be_left_out_with_no_spare_and_a_fixed_size_is_a_warning_at_submit() -> None:
+    from hpc_ddp.login.preflight import check_replace
+
+    [found] = check_replace(config("slurm.straggler.action=replace", "slurm.nodes=2"))
+    assert found.level == "warning" and found.key == "slurm.straggler.action"
+    assert "no spare (slurm.spare_nodes=0) and a fixed slurm.nodes" in found.message and "kept" in found.hint
+    [both] = check_replace(config("slurm.straggler.action=replace", "slurm.health.checks=quick", "slurm.nodes=2"))
+    assert both.message.startswith("slurm.straggler.action and slurm.health.action=replace, but no spare")
+    assert check_replace(config("slurm.health.checks=quick", "slurm.nodes=2"))  # its action is replace by default
+    assert not check_replace(config("slurm.health.checks=off", "slurm.nodes=2"))  # nothing to replace
+    assert not check_replace(config("slurm.straggler.action=replace", "slurm.nodes=2", "slurm.spare_nodes=1"))
+    assert not check_replace(config("slurm.straggler.action=replace", "slurm.nodes=1-2", "train.global_batch_size=128"))

@@ -347,6 +347,21 @@ def test_status_says_which_node_was_slow_by_how_much_and_since_when() -> None:
                     "n4 (node 3): busy 1.3 x the other nodes' median per step from step 50")
 
 
+def test_status_says_which_nodes_failed_the_health_check_why_and_whether_they_were_kept(tmp_path: Path) -> None:
+    from hpc_ddp.login.status.render import health_note
+
+    health = {"checks": "quick", "seconds": 0.9, "nodes": {}, "sick": {"n3": "a matmul at 5 GFLOP/s against the "
+                                                                           "other nodes' median of 100"}}
+    assert health_note(health) == ("health check (quick, 0.9s): sick: n3: a matmul at 5 GFLOP/s against the other "
+                                   "nodes' median of 100")
+    assert health_note({**health, "kept": "no spare"}).endswith("median of 100 (kept: no spare)")
+    attempts = [{"reason": "slow", "job_id": 5, "restart_count": 0, "replace": ["n3"], "health": health},
+                {"reason": "finished", "job_id": 5, "restart_count": 0, "in_job": 1, "resumed_from": 1,
+                 "health": {**health, "sick": {}}}]
+    text = render(collect(run_dir(tmp_path, attempts=attempts)))
+    assert "#0: health check (quick, 0.9s): sick: n3" in text and "#1: health" not in text, text
+
+
 def test_status_of_a_running_job_shows_the_slow_nodes_its_attempt_named_until_its_ledger_line_has_them(
         tmp_path: Path) -> None:
     from hpc_ddp.login.status.read import _slow_now

@@ -154,6 +154,10 @@ def check_config(cfg: Any) -> None:
         value = _get(cfg, key)
         if value is None and key in OPTIONAL:
             continue
+        if value in (False, "False") and not ok(value) and ok("off"):  # YAML 1.1 read off as false
+            value = "off"
+            parent, _, leaf = key.rpartition(".")
+            setattr(_get(cfg, parent) if parent else cfg, leaf, value)
         if not ok(value):
             raise _fail(key, f"bad value for config key {key}", value, expected)
     _check_program(cfg.train)

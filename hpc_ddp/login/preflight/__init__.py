@@ -24,14 +24,15 @@ from hpc_ddp.login.preflight.finding import Finding
 from hpc_ddp.login.preflight.program import (check_script, check_task, defines, find_module,
                                              module_origin)
 from hpc_ddp.login.preflight.request import (check_container, check_geometry, check_metrics,
-                                             check_open_files, check_signal_delay)
+                                             check_open_files, check_replace,
+                                             check_signal_delay)
 from hpc_ddp.login.preflight.run_dir import (NODE_LOCAL_FSTYPES, NODE_LOCAL_PREFIXES, check_run_dir,
                                              check_run_dir_writers)
 from hpc_ddp.login.preflight.slurm import (SLURM_COMMANDS, Runner, check_commands, check_partition,
                                            check_partition_limits, check_slurm_version)
 
 __all__ = ["NODE_LOCAL_FSTYPES", "NODE_LOCAL_PREFIXES", "SLURM_COMMANDS", "Finding", "Runner",
-           "check_commands", "check_container", "check_geometry", "check_metrics",
+           "check_commands", "check_container", "check_replace", "check_geometry", "check_metrics",
            "check_open_files", "check_partition", "check_partition_limits", "check_run_dir",
            "check_run_dir_writers", "check_script", "check_signal_delay", "check_slurm_version",
            "check_task", "defines", "find_module", "module_origin", "preflight"]
@@ -45,6 +46,7 @@ def preflight(cfg: RunConfig, *, slurm: bool = True,
     findings = [*check_run_dir(Path(cfg.run_dir)), *check_run_dir_writers(cfg),
                 *check_signal_delay(cfg),
                 *check_geometry(cfg), *check_open_files(cfg), *check_task(cfg), *check_metrics(cfg),
+                *check_replace(cfg),
                 *check_container(cfg, which)]
     if slurm:
         commands = check_commands(which)

@@ -1,6 +1,7 @@
 """Preflight's checks of what the config asks, against itself and this node: the stop warning's
 delay against the time limit, tasks against GPUs, the world size against open files, the metrics
-sinks' packages, and the container runtime and image.
+sinks' packages, the container runtime and image, and a node to be left out with nothing to go
+on with.
 
 Apart from the run dir's and Slurm's checks: these read only the config and this machine. No torch.
 """
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpc_ddp.core import limits
-from hpc_ddp.core.batching import node_counts
+from hpc_ddp.core.batching import node_counts, replace_problem
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.container import EXEC_RUNTIMES
 from hpc_ddp.login.preflight.finding import Finding
@@ -102,3 +103,15 @@ def check_container(cfg: RunConfig, which: Callable[[str],
                              f"image {box.image} does not exist on this node",
                              "give a path the compute nodes can read (a shared filesystem)"))
     return found
+
+
+def check_replace(cfg: RunConfig) -> list[Finding]:
+    """A slow or sick node to be left out with nothing to go on with: it will only be named."""
+    asked = [key for key, on in (("slurm.straggler.action", cfg.slurm.straggler.action == "replace"),
+                                 ("slurm.health.action", cfg.slurm.health.checks != "off"
+                                  and cfg.slurm.health.action == "replace")) if on]
+    problem = replace_problem(cfg.slurm) if asked else ""
+    if not problem:
+        return []
+    return [Finding("warning", asked[0], f"{' and '.join(asked)}=replace, but {problem}",
+                    "without either, a slow or sick node is only named, and kept")]

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.rank.group import control
-from hpc_ddp.rank.loop.pace import Slow, replace_problem
+from hpc_ddp.core.batching import replace_problem
+from hpc_ddp.rank.loop.pace import Slow
 from hpc_ddp.rundir import layout, node_local
 
 if TYPE_CHECKING:

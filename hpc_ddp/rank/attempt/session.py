@@ -215,7 +215,7 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     """The run handed to the program, with what it calls back: the rehearsal's hooks after each step
     (rank/attempt/injection.py), the ledger line at the agreed stop, and what a failure sets off
     (rank/attempt/failure.py)."""
-    from hpc_ddp.rank.loop.pace import replace_problem
+    from hpc_ddp.core.batching import replace_problem
     from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.rank.state.checkpointer import Checkpointer
 

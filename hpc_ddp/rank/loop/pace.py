@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import write_atomic
+from hpc_ddp.core.batching import replace_problem  # noqa: F401 (where tests find it)
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rundir import layout
 
@@ -169,15 +170,6 @@ class Judge:
                 "or waiting for one: a CPU capped or shared, a noisy neighbour, a loop short of "
                 "cores); every rank waits for it at each all-reduce. Look at that node, or leave "
                 "it out of the next job (sbatch --exclude)")
-
-
-def replace_problem(slurm: Any) -> str:
-    """Why ``slurm.straggler.action: replace`` cannot leave a slow node out ("": it can): the job
-    needs a spare or a ``slurm.nodes`` range to go on with."""
-    if slurm.spare_nodes > 0 or isinstance(slurm.nodes, str):
-        return ""
-    return ("no spare (slurm.spare_nodes=0) and a fixed slurm.nodes: nothing to go on with "
-            "(slurm.spare_nodes=1, or a range such as slurm.nodes=2-4)")
 
 
 class Pace:
