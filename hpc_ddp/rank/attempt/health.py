@@ -22,6 +22,7 @@ shared file server or network vary several-fold between runs (docs/faults.md, th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -133,7 +134,8 @@ def measure(checks: str, run_dir: Path, local_dir: Path, node: int,
     figures: dict[str, float] = {}
     figures["run_dir_write"], figures["run_dir_read"] = disk(layout.health_probe(run_dir, node),
                                                              size)
-    figures["local_write"], figures["local_read"] = disk(local_dir / "probe", size)
+    # by node: a rehearsal's nodes share this machine's $TMPDIR
+    figures["local_write"], figures["local_read"] = disk(local_dir / f"probe-node-{node}", size)
     figures["matmul"] = matmul_gflops(device)
     return figures
 
@@ -149,12 +151,17 @@ def judge(figures: Mapping[int, Mapping[str, float]],
             median = statistics.median(others) if others else 0.0
             if median > 0 and value < below * median:
                 unit = "GFLOP/s" if name == "matmul" else "MB/s"
-                reasons.append(f"{WHAT.get(name, name)} at {value:.3g} {unit} against the other "
-                               f"nodes' median of {median:.3g}")
+                reasons.append(f"{WHAT.get(name, name)} at {_num(value)} {unit} against the other "
+                               f"nodes' median of {_num(median)}")
                 worst = min(worst, value / median)
         if reasons:
             sick[node] = (round(worst, 3), "; ".join(reasons))
     return sick
+
+
+def _num(value: float) -> str:
+    """Three significant digits, never an exponent."""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
 def with_links(figures: dict[int, dict[str, float]], links: Mapping[int, float]) -> None:
@@ -182,7 +189,8 @@ def check(attempt: Attempt, run: Run, device: torch.device) -> None:
         try:
             figures = measure(cfg.checks, attempt.run_dir, folder, env.node_rank, device)
         finally:
-            folder.rmdir()
+            with contextlib.suppress(OSError):  # another rehearsed node's probe is in it still
+                folder.rmdir()
         link = (link_in(env.node_rank, env.num_nodes, env.local_world_size, device)
                 if cfg.checks == "full" else None)
         mine = (env.node_rank, figures, link)
@@ -211,7 +219,7 @@ def _say(attempt: Attempt, run: Run, heard: Mapping[int, Mapping[str, float]],
             "sick": {host(n): why for n, (_x, why) in sick.items()},
             **({"kept": kept} if kept else {})}
         log.info("health check (%s, %.1fs): %s", cfg.health.checks, took, "; ".join(
-            f"{host(n)} " + ", ".join(f"{k} {v:.3g}" for k, v in f.items())
+            f"{host(n)} " + ", ".join(f"{k} {_num(v)}" for k, v in f.items())
             for n, f in sorted(heard.items())))
         for node, (_x, why) in sorted(sick.items()):
             log.warning("node %d (%s) failed its health check: %s%s", node, host(node), why,
