@@ -107,7 +107,8 @@ def check_container(cfg: RunConfig, which: Callable[[str],
 
 def check_replace(cfg: RunConfig) -> list[Finding]:
     """A slow or sick node to be left out with nothing to go on with: it will only be named."""
-    asked = [key for key, on in (("slurm.straggler.action", cfg.slurm.straggler.action == "replace"),
+    asked = [key for key, on in (("slurm.straggler.action",
+                                  cfg.slurm.straggler.action == "replace"),
                                  ("slurm.health.action", cfg.slurm.health.checks != "off"
                                   and cfg.slurm.health.action == "replace")) if on]
     problem = replace_problem(cfg.slurm) if asked else ""

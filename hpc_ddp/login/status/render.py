@@ -77,6 +77,24 @@ def _progress(info: dict[str, Any]) -> list[str]:
     return out
 
 
+def _notes(info: dict[str, Any]) -> list[tuple[int, str]]:
+    """Every attempt's notes, by attempt, unsorted."""
+    notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
+    notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
+    notes += [(i, lost_ranks_note(a)) for i, a in enumerate(info["attempts"])
+              if a.get("lost_ranks") and a.get("message")]
+    notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
+              if isinstance(a.get("stopped_mid_step"), dict)]
+    notes += [(i, slow_note(a["slow_nodes"])) for i, a in enumerate(info["attempts"])
+              if isinstance(a.get("slow_nodes"), dict) and a["slow_nodes"]]
+    notes += [(i, health_note(a["health"])) for i, a in enumerate(info["attempts"])
+              if isinstance(a.get("health"), dict) and a["health"].get("sick")]
+    notes += list(info.get("hangs", {}).items())
+    notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items()
+              if "lost" in entry]
+    return notes
+
+
 def render(info: dict[str, Any]) -> str:
     out = [f"run     {info['run_dir']}", f"job     {info['job_id'] or '-'}  state "
                                          f"{info['state'] or 'unknown'}"]
@@ -113,19 +131,7 @@ def render(info: dict[str, Any]) -> str:
                        f"{steps:<14} {_shape(a, info.get('tasks_per_node')):<12} "
                        f"{a.get('resumed_from') if a.get('resumed_from') is not None else '-':<12} "
                        f"{compile_note(a.get('compile'))}".rstrip())
-    notes = [(i, a["note"]) for i, a in enumerate(info["attempts"]) if a.get("note")]
-    notes += [(i, healed_note(a)) for i, a in enumerate(info["attempts"]) if a.get("healed")]
-    notes += [(i, lost_ranks_note(a)) for i, a in enumerate(info["attempts"])
-              if a.get("lost_ranks") and a.get("message")]
-    notes += [(i, broken_stop_note(a["stopped_mid_step"])) for i, a in enumerate(info["attempts"])
-              if isinstance(a.get("stopped_mid_step"), dict)]
-    notes += [(i, slow_note(a["slow_nodes"])) for i, a in enumerate(info["attempts"])
-              if isinstance(a.get("slow_nodes"), dict) and a["slow_nodes"]]
-    notes += [(i, health_note(a["health"])) for i, a in enumerate(info["attempts"])
-              if isinstance(a.get("health"), dict) and a["health"].get("sick")]
-    notes += list(info.get("hangs", {}).items())
-    notes += [(int(i), lost_note(entry)) for i, entry in info.get("steps_lost", {}).items()
-              if "lost" in entry]
+    notes = _notes(info)
     notes.sort(key=lambda item: item[0])
     if notes:
         out.append("notes:")

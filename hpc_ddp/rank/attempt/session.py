@@ -100,9 +100,6 @@ def open_run(attempt: Attempt) -> Iterator[Run]:
             run: Run | None = None
             try:
                 run = _new_run(attempt, device, watchdog)
-                if cfg.slurm.health.checks != "off":  # sick nodes kept out (before any step)
-                    from hpc_ddp.rank.attempt import health
-                    health.check(attempt, run, device)
                 try:
                     yield run
                 # the stop snapshot is committed: end the attempt as that stop
@@ -214,7 +211,7 @@ def _group_ready(attempt: Attempt, device: torch.device) -> None:
 def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     """The run handed to the program, with what it calls back: the rehearsal's hooks after each step
     (rank/attempt/injection.py), the ledger line at the agreed stop, and what a failure sets off
-    (rank/attempt/failure.py)."""
+    (rank/attempt/failure.py); its nodes' health checked (rank/attempt/health.py)."""
     from hpc_ddp.core.batching import replace_problem
     from hpc_ddp.rank.loop.run import Run
     from hpc_ddp.rank.state.checkpointer import Checkpointer
@@ -230,6 +227,10 @@ def _new_run(attempt: Attempt, device: torch.device, watchdog: Watchdog) -> Run:
     run.pace.record = attempt.record  # rank 0's slow nodes go into the attempt's ledger line
     if cfg.slurm.straggler.action == "replace":  # why a slow node cannot be left out ("": it can)
         run.pace.replace = replace_problem(cfg.slurm)
+    if cfg.slurm.health.checks != "off":  # sick nodes kept out, before the program's first step
+        from hpc_ddp.rank.attempt import health
+
+        health.check(attempt, run, device)
     return run
 
 
