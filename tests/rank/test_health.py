@@ -48,6 +48,19 @@ def test_the_disk_probe_writes_a_private_file_never_through_a_link_and_removes_i
     assert (tmp_path / "elsewhere").read_text() == "keep"
 
 
+def test_a_node_that_cannot_write_the_run_dir_measures_nothing_there_and_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from hpc_ddp.rank.attempt.health import measure
+
+    local = tmp_path / "local"
+    local.mkdir()
+    with caplog.at_level("WARNING", logger="hpc_ddp.health"):  # no liveness/ folder: the probe cannot be made
+        figures = measure("quick", tmp_path / "gone", local, 1, torch.device("cpu"))
+    assert figures["run_dir_write"] == figures["run_dir_read"] == 0.0 and figures["local_write"] > 0
+    assert "node 1's health check could not write" in caplog.text
+    assert sorted(judge({0: {**figures, "run_dir_write": 200.0}, 1: figures}, 0.3)) == [1]
+
+
 def test_the_matmul_probe_leaves_the_random_streams_as_they_were() -> None:
     torch.manual_seed(5)
     before = torch.get_rng_state()

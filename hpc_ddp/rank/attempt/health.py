@@ -115,16 +115,18 @@ def matmul_gflops(device: torch.device, seconds: float = MATMUL_S, rounds: int =
 
 def link_in(node: int, nodes: int, local: int, device: torch.device) -> float:
     """MB/s of 16 MB received from the node before while 16 MB go to the next (first ranks only;
-    ranks are numbered node by node)."""
+    ranks are numbered node by node). One batch of the two (on NCCL, a send and a receive issued
+    one after the other on each side would wait for each other)."""
     out = torch.zeros(LINK_BYTES // 4, device=device)
     got = torch.empty_like(out)
+    ops = [dist.P2POp(dist.irecv, got, ((node - 1) % nodes) * local),
+           dist.P2POp(dist.isend, out, ((node + 1) % nodes) * local)]
     start = time.perf_counter()
-    receiving = dist.irecv(got, src=((node - 1) % nodes) * local)
-    sending = dist.isend(out, dst=((node + 1) % nodes) * local)
-    receiving.wait()
-    took = time.perf_counter() - start
-    sending.wait()
-    return LINK_BYTES / 1e6 / max(took, 1e-6)
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the check times the device on purpose
+    return LINK_BYTES / 1e6 / max(time.perf_counter() - start, 1e-6)
 
 
 def measure(checks: str, run_dir: Path, local_dir: Path, node: int,
@@ -132,10 +134,14 @@ def measure(checks: str, run_dir: Path, local_dir: Path, node: int,
     """This node's figures (its first rank)."""
     size = SIZES[checks]
     figures: dict[str, float] = {}
-    figures["run_dir_write"], figures["run_dir_read"] = disk(layout.health_probe(run_dir, node),
-                                                             size)
     # by node: a rehearsal's nodes share this machine's $TMPDIR
-    figures["local_write"], figures["local_read"] = disk(local_dir / f"probe-node-{node}", size)
+    for where, path in (("run_dir", layout.health_probe(run_dir, node)),
+                        ("local", local_dir / f"probe-node-{node}")):
+        try:
+            figures[f"{where}_write"], figures[f"{where}_read"] = disk(path, size)
+        except OSError as err:  # a node that cannot write there is as sick as can be
+            log.warning("node %d's health check could not write %s: %s", node, path, err)
+            figures[f"{where}_write"] = figures[f"{where}_read"] = 0.0
     figures["matmul"] = matmul_gflops(device)
     return figures
 
