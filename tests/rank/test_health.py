@@ -68,6 +68,25 @@ def test_the_matmul_probe_leaves_the_random_streams_as_they_were() -> None:
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_nodes_the_attempt_before_stopped_to_leave_out_are_kept_when_they_are_here_again() -> None:
+    """A newcomer's rehearsal with every node sick (slurm.health.below=0.99) and one spare stopped after one step,
+    was requeued onto the same nodes, and did that 44 times. Rank 0's verdict now keeps nodes that the attempt
+    before stopped to leave out: nothing could take their place. Another sick node is still left out."""
+    from hpc_ddp.rank.attempt.health import _verdict
+
+    healthy = {"matmul": 100.0}
+    gathered = [(0, healthy, None), (1, {"matmul": 5.0}, None), (2, healthy, None)]
+    hosts = ["n1", "n2", "n3"]
+    figures, sick, again = _verdict(gathered, 0.3, hosts, [])
+    assert figures == {0: healthy, 1: {"matmul": 5.0}, 2: healthy} and list(sick) == [1] and again == ""
+    before = [{"reason": "slow", "replace": ["n2"], "health": {"sick": {"n2": "..."}}}]
+    assert _verdict(gathered, 0.3, hosts, before)[2].startswith("the attempt before stopped to leave it out")
+    other = [{"reason": "slow", "replace": ["n3"], "health": {"sick": {"n3": "..."}}}]
+    assert _verdict(gathered, 0.3, hosts, other)[2] == ""  # another node this time: left out too
+    straggler = [{"reason": "slow", "replace": ["n2"], "slow_nodes": {"n2": {}}}]  # a slow node's stop, not a check's
+    assert _verdict(gathered, 0.3, hosts, straggler)[2] == ""
+
+
 def test_a_sick_nodes_line_makes_it_a_hard_suspect_with_why() -> None:
     from hpc_ddp.shell.heal import replaced
 

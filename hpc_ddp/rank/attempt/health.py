@@ -167,7 +167,7 @@ def judge(figures: Mapping[int, Mapping[str, float]],
 
 def _num(value: float) -> str:
     """Three significant digits, never an exponent."""
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return f"{value:.3g}" if abs(value) < 999.5 else f"{value:.0f}"
 
 
 def with_links(figures: dict[int, dict[str, float]], links: Mapping[int, float]) -> None:
@@ -200,24 +200,40 @@ def check(attempt: Attempt, run: Run, device: torch.device) -> None:
         link = (link_in(env.node_rank, env.num_nodes, env.local_world_size, device)
                 if cfg.checks == "full" else None)
         mine = (env.node_rank, figures, link)
-    heard = control.to_main_and_back(mine, _merge)
-    sick = judge(heard, cfg.below)
     hosts = list(env.nodelist) or [f"node {n}" for n in range(env.num_nodes)]
-    _say(attempt, run, heard, sick, hosts, round(time.monotonic() - start, 2))
+    heard, sick, again = control.to_main_and_back(
+        mine, lambda gathered: _verdict(gathered, cfg.below, hosts, attempt.attempts))
+    _say(attempt, run, heard, sick, again, hosts, round(time.monotonic() - start, 2))
 
 
-def _merge(gathered: list[Any]) -> dict[int, dict[str, float]]:
+def _verdict(gathered: list[Any], below: float, hosts: list[str],
+             attempts: list[dict[str, Any]]) -> tuple[dict[int, dict[str, float]],
+                                                     dict[int, tuple[float, str]], str]:
+    """Rank 0's, sent to every rank: the figures, the sick nodes, and why they are kept though
+    ``replace`` asks ("": they are not). The attempt before asked to leave these very nodes out and
+    here they are again: nothing could take their place (no spare left, a requeue to the same
+    nodes), and asking once more would end every attempt after one step, for ever (a newcomer's
+    rehearsal with every node sick requeued 44 times)."""
     figures = {node: dict(f) for node, f, _link in gathered if f is not None}
     with_links(figures, {node: link for node, _f, link in gathered if link is not None})
-    return figures
+    sick = judge(figures, below)
+    last = attempts[-1] if attempts else {}
+    asked = set(last.get("replace") or []) if last.get("reason") == "slow" and isinstance(
+        last.get("health"), dict) else set()
+    named = {hosts[n] if n < len(hosts) else f"node {n}" for n in sick}
+    again = ("the attempt before stopped to leave it out, and it is here again: nothing could take "
+             "its place" if named and named <= asked else "")
+    return figures, sick, again
 
 
 def _say(attempt: Attempt, run: Run, heard: Mapping[int, Mapping[str, float]],
-         sick: Mapping[int, tuple[float, str]], hosts: list[str], took: float) -> None:
+         sick: Mapping[int, tuple[float, str]], again: str, hosts: list[str],
+         took: float) -> None:
     """The verdict in rank 0's log and ledger line; with ``replace``, the stop on every rank."""
     cfg, env = attempt.cfg.slurm, attempt.env
     host = lambda node: hosts[node] if node < len(hosts) else f"node {node}"  # noqa: E731
-    kept = replace_problem(cfg) if sick and cfg.health.action == "replace" else None
+    kept = ("" if not sick else "slurm.health.action=warn" if cfg.health.action == "warn" else
+            replace_problem(cfg) or again)
     if env.is_main:
         attempt.record["health"] = {
             "checks": cfg.health.checks, "seconds": took,
@@ -228,10 +244,9 @@ def _say(attempt: Attempt, run: Run, heard: Mapping[int, Mapping[str, float]],
             f"{host(n)} " + ", ".join(f"{k} {_num(v)}" for k, v in f.items())
             for n, f in sorted(heard.items())))
         for node, (_x, why) in sorted(sick.items()):
-            log.warning("node %d (%s) failed its health check: %s%s", node, host(node), why,
-                        f"; kept: {kept}" if kept else
-                        "; it is left out at the first boundary" if
-                        cfg.health.action == "replace" else " (slurm.health.action=warn: kept)")
+            log.warning("node %d (%s) failed its health check: %s; %s", node, host(node), why,
+                        f"kept: {kept}" if kept else "every rank stops at the first boundary to "
+                        "leave it out")
     if not sick or cfg.health.action != "replace" or kept:
         return
     run.pace.agreed = True  # every rank heard the same figures: the first boundary is the stop

@@ -33,7 +33,8 @@ def slow_stop(attempt: Attempt, run: Run, step: int,
         host = run.pace.replacing.host if run.pace.replacing is not None else None
         hosts = run.pace.leave_out or ([host] if host else [])
         ledger_line(attempt, "slow", **({"replace": hosts} if hosts else {}))
-        log.info("stopped at step %s to leave out %s %s: snapshot committed; the job goes on "
-                 "without it", step, "the slow node" if len(hosts) < 2 else "the nodes",
-                 ", ".join(hosts))
+        log.info("stopped at step %s to leave out %s %s: snapshot committed; the batch shell "
+                 "goes on without %s on a spare or fewer nodes, or requeues where it cannot", step,
+                 "the slow node" if len(hosts) < 2 else "the nodes", ", ".join(hosts),
+                 "it" if len(hosts) < 2 else "them")
     return Ending(EXIT_SLOW)
