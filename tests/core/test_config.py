@@ -194,5 +194,8 @@ def test_off_is_off_on_the_command_line_and_in_a_file_though_yaml_reads_it_as_fa
     (tmp_path / "c.yaml").write_text("train:\n  amp: off\nslurm:\n  straggler:\n    action: off\n")
     cfg = load_config([EXAMPLE, tmp_path / "c.yaml"], [])
     assert (cfg.train.amp, cfg.slurm.straggler.action) == ("off", "off")
-    with pytest.raises(ConfigError, match="slurm.health.action"):  # where off is no choice, false is still wrong
+    with pytest.raises(ConfigError, match="slurm.health.action") as err:  # where off is no choice, false is wrong
         load_config([EXAMPLE], ["slurm.health.action=off"])
+    assert "YAML reads a bare true, false, yes, no or on as a boolean" in str(err.value)
+    with pytest.raises(ConfigError, match="YAML reads a bare"):
+        load_config([EXAMPLE], ["train.amp=true"])

@@ -159,7 +159,10 @@ def check_config(cfg: Any) -> None:
             parent, _, leaf = key.rpartition(".")
             setattr(_get(cfg, parent) if parent else cfg, leaf, value)
         if not ok(value):
-            raise _fail(key, f"bad value for config key {key}", value, expected)
+            yaml_bool = value in (True, False, "True", "False") and expected.startswith("one of")
+            raise _fail(key, f"bad value for config key {key}", value, expected, hint=(
+                f"YAML reads a bare true, false, yes, no or on as a boolean; give {key} one of its "
+                "words" if yaml_bool else None))
     _check_program(cfg.train)
     _check_compile(cfg.train)
     if cfg.train.task and cfg.train.max_steps is None and cfg.train.epochs is None:
