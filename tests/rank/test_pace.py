@@ -184,7 +184,7 @@ def test_with_replace_rank_0_asks_every_rank_to_stop_once_and_without_a_spare_on
     integer) and every rank hears it agreed. Without a spare or a range of nodes there is nothing to go on with:
     the node is named and kept, said once."""
     from hpc_ddp.core.config.schema import SlurmConfig
-    from hpc_ddp.rank.loop.pace import replace_problem
+    from hpc_ddp.core.batching import replace_problem
 
     main = Pace(1.2, 1, 10, True, _env(), Path("/nowhere"), read=dict)
     main.replace, main._step_us = "", 5000.0

@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpc_ddp.rank.group import control
 from hpc_ddp.core.batching import replace_problem
-from hpc_ddp.rank.loop.pace import Slow
+from hpc_ddp.rank.group import control
 from hpc_ddp.rundir import layout, node_local
 
 if TYPE_CHECKING:
@@ -200,7 +199,8 @@ def check(attempt: Attempt, run: Run, device: torch.device) -> None:
         link = (link_in(env.node_rank, env.num_nodes, env.local_world_size, device)
                 if cfg.checks == "full" else None)
         mine = (env.node_rank, figures, link)
-    hosts = list(env.nodelist) or [f"node {n}" for n in range(env.num_nodes)]
+    hosts = [env.nodelist[n] if n < len(env.nodelist) else f"node {n}"
+             for n in range(env.num_nodes)]
     heard, sick, again = control.to_main_and_back(
         mine, lambda gathered: _verdict(gathered, cfg.below, hosts, attempt.attempts))
     _say(attempt, run, heard, sick, again, hosts, round(time.monotonic() - start, 2))
@@ -220,7 +220,7 @@ def _verdict(gathered: list[Any], below: float, hosts: list[str],
     last = attempts[-1] if attempts else {}
     asked = set(last.get("replace") or []) if last.get("reason") == "slow" and isinstance(
         last.get("health"), dict) else set()
-    named = {hosts[n] if n < len(hosts) else f"node {n}" for n in sick}
+    named = {hosts[n] for n in sick}
     again = ("the attempt before stopped to leave it out, and it is here again: nothing could take "
              "its place" if named and named <= asked else "")
     return figures, sick, again
@@ -231,25 +231,22 @@ def _say(attempt: Attempt, run: Run, heard: Mapping[int, Mapping[str, float]],
          took: float) -> None:
     """The verdict in rank 0's log and ledger line; with ``replace``, the stop on every rank."""
     cfg, env = attempt.cfg.slurm, attempt.env
-    host = lambda node: hosts[node] if node < len(hosts) else f"node {node}"  # noqa: E731
     kept = ("" if not sick else "slurm.health.action=warn" if cfg.health.action == "warn" else
             replace_problem(cfg) or again)
     if env.is_main:
         attempt.record["health"] = {
             "checks": cfg.health.checks, "seconds": took,
-            "nodes": {host(n): {k: round(v, 1) for k, v in f.items()} for n, f in heard.items()},
-            "sick": {host(n): why for n, (_x, why) in sick.items()},
+            "nodes": {hosts[n]: {k: round(v, 1) for k, v in f.items()} for n, f in heard.items()},
+            "sick": {hosts[n]: why for n, (_x, why) in sick.items()},
             **({"kept": kept} if kept else {})}
         log.info("health check (%s, %.1fs): %s", cfg.health.checks, took, "; ".join(
-            f"{host(n)} " + ", ".join(f"{k} {_num(v)}" for k, v in f.items())
+            f"{hosts[n]} " + ", ".join(f"{k} {_num(v)}" for k, v in f.items())
             for n, f in sorted(heard.items())))
         for node, (_x, why) in sorted(sick.items()):
-            log.warning("node %d (%s) failed its health check: %s; %s", node, host(node), why,
+            log.warning("node %d (%s) failed its health check: %s; %s", node, hosts[node], why,
                         f"kept: {kept}" if kept else "every rank stops at the first boundary to "
                         "leave it out")
-    if not sick or cfg.health.action != "replace" or kept:
+    if not sick or kept:  # kept: warn, nothing to go on with, or asked before
         return
     run.pace.agreed = True  # every rank heard the same figures: the first boundary is the stop
-    run.pace.leave_out = [host(node) for node in sorted(sick)]
-    first = min(sick)
-    run.pace.replacing = Slow(first, host(first), sick[first][0], run.step)
+    run.pace.leave_out = [hosts[node] for node in sorted(sick)]  # rank 0's ledger line names them

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.core.batching import replace_problem  # noqa: F401 (where tests find it)
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.rundir import layout
 
