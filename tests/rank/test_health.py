@@ -61,6 +61,20 @@ def test_a_node_that_cannot_write_the_run_dir_measures_nothing_there_and_goes_on
     assert sorted(judge({0: {**figures, "run_dir_write": 200.0}, 1: figures}, 0.3)) == [1]
 
 
+def test_a_probe_a_killed_attempt_left_does_not_make_its_node_sick_for_good(tmp_path: Path) -> None:
+    from hpc_ddp.rank.attempt.health import measure
+    from hpc_ddp.rundir import layout
+
+    local = tmp_path / "local"
+    local.mkdir()
+    (tmp_path / "liveness").mkdir()
+    layout.health_probe(tmp_path, 1).write_bytes(b"half of 8 MB")  # the attempt before died mid-write
+    (local / "probe-node-1").write_bytes(b"half")
+    figures = measure("quick", tmp_path, local, 1, torch.device("cpu"))
+    assert figures["run_dir_write"] > 0 and figures["local_write"] > 0
+    assert not layout.health_probe(tmp_path, 1).exists() and list(local.iterdir()) == []
+
+
 def test_the_matmul_probe_leaves_the_random_streams_as_they_were() -> None:
     torch.manual_seed(5)
     before = torch.get_rng_state()

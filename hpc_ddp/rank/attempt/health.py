@@ -137,6 +137,9 @@ def measure(checks: str, run_dir: Path, local_dir: Path, node: int,
     for where, path in (("run_dir", layout.health_probe(run_dir, node)),
                         ("local", local_dir / f"probe-node-{node}")):
         try:
+            # a probe an attempt killed mid-write left: its exclusive create would fail each time
+            # and the node measure 0 there for good (unlink never follows a link)
+            path.unlink(missing_ok=True)
             figures[f"{where}_write"], figures[f"{where}_read"] = disk(path, size)
         except OSError as err:  # a node that cannot write there is as sick as can be
             log.warning("node %d's health check could not write %s: %s", node, path, err)
