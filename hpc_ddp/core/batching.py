@@ -54,6 +54,15 @@ def slurm_nodes(nodes: Any) -> str:
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
+def first_step_span(slurm: Any) -> tuple[int, int] | None:
+    """Where submitit's first step runs in the job's node list, as (first index, count): with
+    ``slurm.spare_nodes``, the most nodes ``slurm.nodes`` allows from the second (the first is the
+    batch shell's, a spare); None without spares: all the job's nodes. The login node shapes that
+    srun by it (:func:`hpc_ddp.login.sbatch.spare_shape`), and the batch shell reads the step's
+    nodes back by it (:func:`hpc_ddp.shell.shell_rules.submitit_step_nodes`)."""
+    return (1, node_counts(slurm.nodes)[-1]) if slurm.spare_nodes else None
+
+
 def valid_nodes(nodes: Any) -> bool:
     """An integer >= 1, or a range MIN-MAX with 1 <= MIN <= MAX."""
     try:

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.core.batching import node_counts, slurm_nodes
+from hpc_ddp.core.batching import first_step_span, node_counts, slurm_nodes
 from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.container import rank_python, runtime_check, step_argv, step_srun_args, wrap
 from hpc_ddp.core.requeue_policy import asks_no_requeue
@@ -157,11 +157,12 @@ def spare_shape(cfg: RunConfig) -> list[str]:
     holds, and not on the first one (``--relative=1``): the batch shell runs there, and a step that
     loses its node would take the supervisor with it (no ledger line, no heal). The batch host is a
     spare."""
-    slurm = cfg.slurm
-    if not slurm.spare_nodes:
+    span = first_step_span(cfg.slurm)
+    if span is None:
         return []
-    nodes = node_counts(slurm.nodes)[-1]
-    return [f"--nodes={nodes}", f"--ntasks={nodes * slurm.tasks_per_node}", "--relative=1"]
+    first, nodes = span
+    return [f"--nodes={nodes}", f"--ntasks={nodes * cfg.slurm.tasks_per_node}",
+            f"--relative={first}"]
 
 
 LAUNCHERS = {"srun": "ddp.sbatch", "torchrun": "ddp_torchrun.sbatch"}

@@ -25,12 +25,12 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import write_atomic
-from hpc_ddp.rundir import jit_blobs, jit_gather, jit_tally, node_local, view
+from hpc_ddp.rundir import jit_blobs, jit_gather, jit_tally, lost, node_local, view
 from hpc_ddp.rundir.jit_gather import local_json as _local_json, local_offer as _local_offer
 from hpc_ddp.rundir.jit_post import JIT, Post, post_for  # noqa: F401 (where callers find them)
 from hpc_ddp.rundir.ledger import attempt_tag
@@ -109,11 +109,12 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = jit_gather.GATH
     publishes, a first offer waits for the node's ranks that are at their part and have not offered
     yet (:func:`hpc_ddp.rundir.jit_gather.await_peers`: never for a rank still blocked elsewhere or
     dead; at most ``gather_s``): the last to arrive publishes for all, the others find nothing new.
-    Then an offer that tells the set nothing new (no slice written, no per-rank state), while
-    another rank of the node is still at its part (a source whose offer has no outcome yet), is left
-    on the node for that rank's publish to carry: the node's last rank at work publishes what the
-    others said (issue 59: a node's ranks are freed one by one, and each rewrote the node's file
-    twice). Rank 0's first offer goes out at once: the other ranks may wait for it
+    Then an offer that tells the set no slice written, while another rank of the node is still at
+    its part (a source whose offer has no outcome yet), is left on the node for that rank's publish
+    to carry, and so are the per-rank states a publish with a slice would tell: the node's last rank
+    at work publishes what the others said (issue 59: a node's ranks are freed one by one, and each
+    rewrote the node's file twice, and each grew its groups' tally chains by one entry). Rank 0's
+    first offer goes out at once: the other ranks may wait for it
     (:func:`hpc_ddp.rank.salvage.jit_checks.buffers_source_holds`). ``quiet``: on the node only."""
     node_local.ensure(post.local)
     write_atomic(post.local / f"offer-{post.local_rank}.json",
@@ -123,8 +124,22 @@ def offer(post: Post, content: dict[str, Any], gather_s: float = jit_gather.GATH
     if "outcome" not in content:
         jit_gather.await_peers(post, gather_s)
     new = publish(post, defer=post.rank != 0 or "outcome" in content)
-    return (jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank)
-            if new else jit_tally.Settled())
+    if not new:
+        return jit_tally.Settled()
+
+    def declared() -> Collection[int]:
+        """The attempt's declared ranks: read only where a walk found its set whole (the fence)."""
+        return lost.fence_at(post.shared).declared
+
+    memory = post.local / "tally-ends.json"  # what the node learnt of the tallies' chains
+    ends = {k: v for k, v in jit_gather.local_json(post, memory).items() if isinstance(v, int)}
+    settled = jit_tally.settle(post.shared, new, post.rank, post.world, post.group, post.per_rank,
+                               declared, ends)
+    # a node's ranks settle one after another, mostly: a lost race only makes a scan longer
+    known = jit_gather.local_json(post, memory)
+    write_atomic(memory, json.dumps({**known, **{k: max(v, int(known.get(k) or 0))
+                                                 for k, v in ends.items()}, "tag": post.tag}))
+    return settled
 
 
 def once_per_node(post: Post, key: str, compute: Callable[[], Any],
@@ -210,12 +225,14 @@ def publish(post: Post, defer: bool = False) -> list[jit_tally.Fact]:
             return []
         told = set(before.get("facts", []))
         new = [f for f in jit_tally.facts(offers, post.node, post.group) if f.key not in told]
-        # per-rank states alone (no slice written) wait too: a node's ranks are freed one by one,
-        # and each one's own states, published at once, made its groups' tally chains grow with
-        # the ranks per node (B14-SIM with per-rank state); the last rank at work carries them all
-        if defer and all(f.kind == "r" for f in new) and any(
-                jit_gather.at_work(post, local, o) for local, o in others):
-            return []  # a rank of the node still at its part publishes later, and carries this
+        # per-rank states wait while a rank of the node is at its part, beside a slice written too:
+        # a node's ranks are freed one by one, and each publish of a group's grown rank list was
+        # one more entry in its tally chain (B14-SIM with per-rank state: the entries grew with the
+        # ranks per node, and with how they came); the last rank at work carries them all
+        if defer and any(jit_gather.at_work(post, local, o) for local, o in others):
+            new = [f for f in new if f.kind != "r"]  # not told: a later publish carries them
+            if not new:  # nothing for the set now: the node's last rank at work publishes it
+                return []
         if blob_files and before.get("blobs") != blob_files:
             _publish_blobs(post, [local for local, _, _ in blob_files])
         record = json.dumps({"node": post.node,

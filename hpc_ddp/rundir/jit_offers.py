@@ -16,14 +16,26 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.rundir import lost
 from hpc_ddp.rundir.jit_files import JIT, folder
 
 
-def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
+def fence_of(run_dir: Path | str, manifest: dict[str, Any]) -> lost.Fence | None:
+    """The fence of the attempt whose survivors committed ``manifest``
+    (:mod:`hpc_ddp.rundir.lost`); None for a periodic snapshot, which no declaration touches."""
+    record = manifest.get("jit")
+    if not isinstance(record, dict) or not isinstance(record.get("attempt"), str):
+        return None
+    return lost.fence(run_dir, record["attempt"])
+
+
+def disagreeing(run_dir: Path | str, manifest: dict[str, Any],
+                fence: lost.Fence | None = None) -> list[int]:
     """The survivors whose offer of a just-in-time snapshot's step holds another state than its
     writer's (their fingerprints differ): a source that offered after the writer's last look, or
-    whose withdraw another node's cache hid. Empty for a periodic snapshot. Rank 0 asks it before
-    resuming from a step."""
+    whose withdraw another node's cache hid. A declared rank's offer counts for nothing
+    (``fence``: the attempt's, read here when not given). Empty for a periodic snapshot. Rank 0
+    asks it before resuming from a step."""
     record = manifest.get("jit")
     world = manifest.get("world_size")
     if not isinstance(record, dict) or not isinstance(record.get("attempt"),
@@ -32,9 +44,22 @@ def disagreeing(run_dir: Path | str, manifest: dict[str, Any]) -> list[int]:
     where = Path(run_dir) / JIT / record["attempt"]
     # older records: at most one a rank
     nodes = record.get("nodes") if isinstance(record.get("nodes"), int) else world
-    return sorted(o["rank"] for o in offers(where, nodes) if o.get("source")
+    said = (fence or lost.fence(run_dir, record["attempt"])).offers(offers(where, nodes))
+    return sorted(o["rank"] for o in said if o.get("source")
                   and o.get("step") == manifest.get("step")
                   and "fingerprint" in o and o.get("fingerprint") != record.get("fingerprint"))
+
+
+def fenced(manifest: dict[str, Any], fence: lost.Fence, path: Path) -> list[int]:
+    """The ranks that wrote or committed the survivors' snapshot ``manifest`` (its file ``path``)
+    after they were declared lost in its attempt (issue 60: nothing a declared node writes
+    afterwards is taken as a commit): the manifest's change time on the file server against the
+    declarations' (:class:`hpc_ddp.rundir.lost.Fence`). Rank 0 asks it before resuming."""
+    record = manifest["jit"]
+    writers = record.get("writers") if isinstance(record.get("writers"), dict) else {}
+    ranks = {record.get("writer"), record.get("committer"),
+             *(int(r) for r in writers if str(r).isdigit())}
+    return fence.before(ranks, lost.changed(path)) if fence.declared else []
 
 
 def offers(where: Path, nodes: int) -> list[dict[str, Any]]:

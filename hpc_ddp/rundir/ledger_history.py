@@ -40,6 +40,8 @@ def steps_lost(attempts: list[dict[str, Any]],
         jit = attempt.get("jit_snapshot")
         if isinstance(jit, dict) and isinstance(jit.get("per_rank_stale"), dict):  # mirror=N
             entry["per_rank_from"] = jit["per_rank_stale"]
+        if isinstance(jit, dict) and isinstance(jit.get("per_rank_held_by"), dict):
+            entry["buddies"] = jit["per_rank_held_by"]  # lost ranks' states, from their mirrors
         found[i] = entry
     return found
 

@@ -11,12 +11,11 @@ snapshots that import them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.rundir import jit_files, jit_offers, layout, node_local, view
+from hpc_ddp.rundir import jit_files, jit_offers, lost
 from hpc_ddp.rundir.ledger import attempt_tag
 from hpc_ddp.rundir.snapshot.steps import committed
 
@@ -24,80 +23,8 @@ from hpc_ddp.rundir.snapshot.steps import committed
 
 def lost_markers(run_dir: Path | str, job_id: int | str | None, restart_count: int,
                  in_job: int = 0) -> dict[int, dict[str, Any]]:
-    """Every lost-rank marker of an attempt, by rank (an unreadable one as ``{}``).
-
-    The listing of ``errors/`` may be another node's cached past on NFS and lack a marker written
-    seconds ago; the declaration (``liveness/declared.json``, created before the rendezvous and read
-    by name) cannot: the rank it names is always among these, so a stale listing never moves the
-    blame to the detector's node."""
-    tag = attempt_tag(job_id, restart_count, in_job)
-    pattern = layout.lost_marker(run_dir, tag, "*")
-    head, tail = pattern.name.split("*")
-    seen = view.current()
-    try:
-        names = sorted(n for n in seen.listdir(pattern.parent) if n.startswith(head)
-                       and n.endswith(tail))
-    except OSError:
-        names = []
-    found: dict[int, dict[str, Any]] = {}
-    for name in names:
-        rank = name[len(head):len(name) - len(tail)]
-        if not rank.isdigit():
-            continue
-        try:
-            record = json.loads(seen.read_bytes(pattern.parent / name))
-        except (OSError, ValueError):
-            record = {}
-        record = record if isinstance(record, dict) else {}
-        # a whole node's marker names every rank on it
-        for each in named_ranks(record) or [int(rank)]:
-            found[each] = record
-    declared = declaration(run_dir, tag)
-    if declared is not None and isinstance(declared.get("rank"), int):
-        for each in named_ranks(declared):
-            if not found.get(each):
-                found[each] = {k: v for k, v in declared.items() if k != "attempt"}
-    return dict(sorted(found.items()))
-
-
-def declaration(run_dir: Path | str, tag: str) -> dict[str, Any] | None:
-    """The last declaration of a lost rank or node, if it is of the attempt ``tag``
-    (:mod:`hpc_ddp.rank.watch.declaration` writes it in place, padded: read up to the first whole
-    JSON value)."""
-    return declaration_in(layout.declared(run_dir), tag)
-
-
-def declaration_in(path: Path, tag: str, own: bool = False) -> dict[str, Any] | None:
-    """A declaration in ``path``: the run dir's, or (``own``) its relay on a node
-    (:mod:`hpc_ddp.rundir.beats`), believed only from a file of this user's, never through a link,
-    and with the token in its ``tag``."""
-    try:
-        if own:
-            raw = node_local.read(path, 1 << 16)
-            if raw is None:
-                return None
-        else:
-            raw = view.current().read_bytes(path)
-        record, _ = json.JSONDecoder().raw_decode(raw.decode().lstrip())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) and record.get("attempt") == tag else None
-
-
-def padded(record: Mapping[str, Any]) -> bytes:
-    """A declaration as written in place: one fixed width, so a second declarer overwrites the first
-    whole."""
-    text = json.dumps(record, sort_keys=True)
-    width = 1024 * (len(text) // 1024 + 1)
-    return (text.ljust(width - 1) + "\n").encode()
-
-
-def named_ranks(record: Mapping[str, Any]) -> list[int]:
-    """The ranks a marker or declaration names: ``ranks`` (a whole node) or ``rank``."""
-    ranks = record.get("ranks")
-    if isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
-        return list(ranks)
-    return [record["rank"]] if isinstance(record.get("rank"), int) else []
+    """Every lost-rank marker of an attempt, by rank (:func:`hpc_ddp.rundir.lost.markers`)."""
+    return lost.markers(run_dir, attempt_tag(job_id, restart_count, in_job))
 
 
 def who(ranks: list[int]) -> str:
@@ -147,6 +74,16 @@ def ledger_fields(run_dir: Path, job_id: int | str | None, restart_count: int,
             "message": _describe(markers), **({"lost_at": min(times)} if times else {})}
 
 
+def _buddies(held: Any) -> dict[str, Any]:
+    """``per_rank_held_by``: the ranks whose per-rank state the survivors' snapshot took from
+    another rank (a lost rank's, from its buddy's mirror), by holder; the manifest has every rank's
+    (``jit.per_rank_from``), the ledger line the few that say the mirror was used."""
+    if not isinstance(held, dict):
+        return {}
+    others = {r: h for r, h in held.items() if str(h) != str(r)}
+    return {"per_rank_held_by": others} if others else {}
+
+
 def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int,
                in_job: int = 0) -> dict[str, Any]:
     """What a failed attempt's ledger line adds about its survivors: the just-in-time snapshot
@@ -163,6 +100,7 @@ def jit_fields(run_dir: Path | str, job_id: int | None, restart_count: int,
                                      "took_s": record.get("took_s"),
                                      **({"committer": committer}
                                         if committer not in (None, writer) else {}),
+                                     **_buddies(record.get("per_rank_from")),
                                      **({"per_rank_stale": stale} if stale else {})}}
     try:
         said = jit_offers.listed(where)

@@ -106,6 +106,14 @@ def attempt_marks(lines: Iterable[str]) -> dict[int, int]:
     return marks
 
 
+def attempt_starts(lines: Iterable[str]) -> dict[int, int]:
+    """``{attempt: resumed_from}`` by the writer's marks on each attempt's first line, replaced or
+    not: where an attempt began, for a ledger line its ranks did not write (a lost node's attempt,
+    recorded by the batch shell or the launcher, says only where it ended)."""
+    return {e[ATTEMPT]: e[RESUMED_FROM] for e in entries(lines)
+            if _is_int(e.get(ATTEMPT)) and _is_int(e.get(RESUMED_FROM))}
+
+
 def lines_of(run_dir: Path | str) -> list[str]:
     """The lines of ``RUN_DIR/metrics.jsonl`` (or of the file itself, when given), none when there
     is none yet."""

@@ -24,7 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.core.batching import first_step_span
 from hpc_ddp.core.codes import blames_a_peer
+from hpc_ddp.core.hostlist import expand_hostlist
 from hpc_ddp.rundir import jit_files, jit_offers, losses
 from hpc_ddp.core.atomic import write_atomic
 from hpc_ddp.core.stopping import TICK_S
@@ -123,6 +125,18 @@ def batch_host(show_job: str, environ: Mapping[str, str]) -> str:
         if part.startswith("BatchHost="):
             return part.partition("=")[2]
     return environ.get("SLURMD_NODENAME", "")
+
+
+def submitit_step_nodes(environ: Mapping[str, str], slurm: Any) -> list[str]:
+    """The nodes submitit's step (the job's first) ran on: its span
+    (:func:`hpc_ddp.core.batching.first_step_span`) of the batch shell's own ``SLURM_JOB_NODELIST``,
+    the job's nodes when it started, which still holds a node Slurm removed from the job later
+    (``--no-kill``). Nothing read from the run dir: each node's beat is a name another node's cached
+    view may still call absent (a CI run recorded a 2-node step as n1's alone, and its loss was
+    healed as a 1-node step's)."""
+    nodes = expand_hostlist(environ.get("SLURM_JOB_NODELIST", "").strip())
+    span = first_step_span(slurm)
+    return nodes if span is None else nodes[span[0]:span[0] + span[1]]
 
 
 def lost_nodes(run_dir: Path, job_id: int | None, restart: int, in_job: int, nodes: Sequence[str],

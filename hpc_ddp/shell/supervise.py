@@ -38,13 +38,13 @@ from pathlib import Path
 
 from hpc_ddp.shell import heal, lost_wait
 from hpc_ddp.shell.supervisor import Supervisor
-from hpc_ddp.rundir import beats, layout, losses
+from hpc_ddp.rundir import layout, losses
 from hpc_ddp.shell import shell_rules as rules
 from hpc_ddp.core.config import load_config
 from hpc_ddp.core.errors import HpcDdpError
 from hpc_ddp.core.helptext import add_version, for_help
 from hpc_ddp.core.hostlist import compress_hostlist, expand_hostlist
-from hpc_ddp.rundir.ledger import attempt_key, attempt_tag, caps, read_attempts
+from hpc_ddp.rundir.ledger import attempt_key, caps, read_attempts
 from hpc_ddp.core.slurm_jobs import job_fields, job_spec, start_time
 from hpc_ddp.shell.chain import batch_shell_requeue
 from hpc_ddp.core.stopping import term_reason
@@ -137,29 +137,12 @@ def job_logs(run_dir: Path, job_id: int | None) -> list[Path]:
 
 def ran_on(sup: Supervisor) -> list[str]:
     """The nodes of the job's first step, from its ledger line (``hosts``), when its workers wrote
-    one, else from their liveness beats: a step that lost a node wrote no line, and accounting's
-    record of the step (sacct) can lag it by seconds, while the job's node list no longer holds the
-    lost node (a CI run blamed the spare that had not trained)."""
+    one: a step that lost a node wrote none, and then they come from the step's shape
+    (:meth:`Supervisor.first_step_nodes`)."""
     key = (sup.job_id, sup.restart, 0)
     lines = [a for a in read_attempts(Path(sup.cfg.run_dir)) if attempt_key(a) == key
              and a.get("hosts")]
-    if lines:
-        return expand_hostlist(lines[-1]["hosts"])
-    return beat_hosts(Path(sup.cfg.run_dir), attempt_tag(sup.job_id, sup.restart), sup.counts[-1])
-
-
-def beat_hosts(run_dir: Path, tag: str, max_nodes: int) -> list[str]:
-    """The hosts of the step's nodes by their liveness beats of attempt ``tag``
-    (``liveness/node-N.json``, one per node, opened by name), in node order; it stops at the first
-    node without one."""
-    hosts: list[str] = []
-    for node in range(max_nodes):
-        beat = beats.read(beats.node_beat(run_dir, node), tag)
-        if beat is None or not beat.host:
-            break
-        if beat.host not in hosts:
-            hosts.append(beat.host)
-    return hosts
+    return expand_hostlist(lines[-1]["hosts"]) if lines else []
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -38,8 +38,7 @@ PROBE_TIMEOUT_S = 20.0  # a node whose slurmd is gone must not eat the retry
 
 
 class Supervisor:
-    """The steps of one job (one attempt of the run, in Slurm's sense) and the decisions between
-    them."""
+    """The steps of one job (an attempt, in Slurm's sense) and the decisions between them."""
 
     def __init__(self, cfg: RunConfig, environ: Mapping[str, str], command: Sequence[str], *,
                  runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
@@ -71,8 +70,7 @@ class Supervisor:
         an unexpected command costs the healing, never the ledger line or the requeue)."""
         if not self.command or Path(self.command[0]).name != "srun":
             return (f"hpc_ddp.supervise runs an srun command; found {self.command[:1]!r}. HINT: "
-                    "put the step "
-                    "after '--': -- srun --kill-on-bad-exit=1 ...")
+                    "put the step after '--': -- srun --kill-on-bad-exit=1 ...")
         return ""
 
     def held(self) -> list[str]:
@@ -96,19 +94,23 @@ class Supervisor:
         return heal.prefer(held, [], want, self.avoid())
 
     def first_step_nodes(self) -> list[str]:
-        """Where the step submitit ran (``srun --nodes=N`` lets Slurm choose): accounting's record
-        of step 0, else the first nodes the job holds."""
+        """Where submitit's step ran (:func:`hpc_ddp.shell.shell_rules.submitit_step_nodes`); else
+        accounting's record of step 0 (it can lag the step by seconds), else the first nodes."""
+        try:
+            nodes = rules.submitit_step_nodes(self.environ, self.cfg.slurm)
+        except HpcDdpError:
+            nodes = []
+        return nodes or self._accounted_step_nodes() or self.first_nodes()
+
+    def _accounted_step_nodes(self) -> list[str]:
         try:
             proc = self.runner(["sacct", "-n", "-P", "-j", f"{self.job}.0", "-o", "NodeList"],
-                               capture_output=True,
-                               text=True, timeout=30)
+                               capture_output=True, text=True, timeout=30)
             text = (proc.stdout.strip().splitlines()[0]
                     if proc.returncode == 0 and proc.stdout.strip() else "")
-            nodes = expand_hostlist(text) if text and text not in ("None assigned",
-                                                                   "(null)") else []
+            return expand_hostlist(text) if text and text not in ("None assigned", "(null)") else []
         except (OSError, subprocess.SubprocessError, HpcDdpError):
-            nodes = []
-        return nodes or self.first_nodes()
+            return []
 
     def scontrol(self, *args: str) -> str:
         try:
@@ -145,8 +147,7 @@ class Supervisor:
         it."""
         try:
             listed = self.runner(["squeue", "--steps", f"--jobs={self.job_id}", "--noheader",
-                                  "--format=%i %j"],
-                                 capture_output=True, text=True, timeout=30)
+                                  "--format=%i %j"], capture_output=True, text=True, timeout=30)
             for line in listed.stdout.splitlines() if listed.returncode == 0 else []:
                 step, _, step_name = line.strip().partition(" ")
                 if step_name.strip() == name:

@@ -183,7 +183,9 @@ def test_failures_heal_inside_the_job_on_a_spare_or_fewer_nodes(slurm_cluster: C
 
     # (c) no spare, slurm.nodes=1-2: the run goes on with the one node left, the same global batch. Slurm starts a
     # range on what is free: (b)'s node back from down, and the other tests' jobs gone, so that it starts on two
-    # (ci47, ci48: it started on one, and its loss was retried, not shrunk)
+    # (ci47, ci48: it started on one, and its loss was retried, not shrunk). The 2-node start is read from
+    # the step's shape, not node 1's beat, which n1's cached view could still call absent (a landing CI:
+    # "started on n1" while squeue listed two nodes)
     assert wait_until(lambda: _idle_nodes() >= 2, 120), scontrol("show", "nodes")
     shrunk = tmp_path / "shrunk"
     attempts, node = lose_a_node(shrunk, "slurm.nodes=1-2")

@@ -435,3 +435,23 @@ def test_an_async_snapshot_of_a_cuda_state_does_not_wait_for_the_gpu_and_holds_i
     restored = checkpointer.restore()
     assert restored is not None and restored.step == 2 and _same(expected, restored.state["model"])
     assert not any(torch.equal(expected[k], v.cpu()) for k, v in state["model"].items())  # type: ignore[index,union-attr]
+
+
+def test_the_health_checks_gpu_parts_run_on_the_device_and_touch_no_random_stream() -> None:
+    """Issue 60's health check on a GPU: the memory test reads every pattern back whole at a rate, a stuck bit
+    injected through its write seam is counted, and the matmul measures; no CUDA random stream moves."""
+    from hpc_ddp.rank.attempt.health import matmul_gflops
+    from hpc_ddp.rank.attempt.health_memory import PATTERNS, SIZES, memory_test
+
+    device = torch.device("cuda")
+    before = torch.cuda.get_rng_state()
+    rate, wrong = memory_test(device, SIZES["quick"])
+    assert wrong == 0 and rate > 0, rate
+
+    def stuck_bit(block: "torch.Tensor", pattern: int) -> None:
+        block.fill_(pattern)
+        block[12345] = pattern ^ 0x01
+
+    assert memory_test(device, 1 << 20, write=stuck_bit)[1] == len(PATTERNS)
+    assert matmul_gflops(device) > 0
+    assert torch.equal(torch.cuda.get_rng_state(), before)

@@ -116,6 +116,27 @@ def test_status_says_how_many_steps_each_failure_threw_away(tmp_path: Path) -> N
              {"reason": "finished", "job_id": 7, "restart_count": 0, "in_job": 1, "resumed_from": 23}]
     assert "#0: lost 0 step(s): got to step 23, resumed from 23; per-rank state of 4 rank(s) from step 20 " \
            "(per_rank(..., mirror=N))" in render(collect(run_dir(stale_dir, attempts=stale)))
+    # the lost ranks' per-rank states came from their buddies' mirror: the ledger and status say which
+    (mirrored_dir := tmp_path / "mirrored").mkdir()
+    stale[0]["jit_snapshot"] = {"step": 23, "per_rank_held_by": {"3": 1, "2": 0}}
+    assert "#0: lost 0 step(s): got to step 23, resumed from 23; per-rank state of rank(s) 2, 3 from their " \
+           "buddies' mirror (rank(s) 0, 1)" in render(collect(run_dir(mirrored_dir, attempts=stale)))
+
+
+def test_an_attempt_whose_line_its_ranks_did_not_write_starts_where_its_first_metrics_line_says(
+        tmp_path: Path) -> None:
+    """A lost node's attempt is recorded by the batch shell or the launcher, which know where it ended, not
+    where it began: a newcomer's status showed ``failed 0->25`` for an attempt resumed from 16. Its rank 0's
+    first metrics line says (``_resumed_from``, ``_attempt``)."""
+    attempts = [{"reason": "preemption", "job_id": 5, "restart_count": 0, "first_step": 0, "last_step": 8},
+                {"reason": "failed", "job_id": 5, "restart_count": 1, "last_step": 25, "snapshot": 25},
+                {"reason": "finished", "job_id": 5, "restart_count": 1, "in_job": 1, "first_step": 25,
+                 "last_step": 40, "resumed_from": 25}]
+    metrics = [{"step": s, "loss": 1.0, **({"_resumed_from": 0, "_attempt": 0} if s == 1 else {}),
+                **({"_resumed_from": 8, "_attempt": 1} if s == 9 else {})} for s in range(1, 26)]
+    text = render(collect(run_dir(tmp_path, attempts=attempts, metrics=metrics)))
+    assert "failed           8->25" in text and "failed           0->25" not in text
+    assert "preemption       0->8" in text and "finished         25->40" in text
 
 
 def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:

@@ -158,6 +158,8 @@ def test_a_lost_nodes_per_rank_state_comes_from_its_buddies_and_the_run_ends_bit
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert {int(r) for r in manifest["jit"]["per_rank_from"]} == set(range(8))
     assert {manifest["jit"]["per_rank_from"][str(r)] for r in (2, 3)} <= {4, 5}  # the lost ranks' buddies
+    held_by = first["jit_snapshot"]["per_rank_held_by"]  # and the ledger says so (a newcomer found it nowhere)
+    assert {"2", "3"} <= set(held_by) and {held_by["2"], held_by["3"]} <= {4, 5}, first
     writers = sorted(f for f in manifest["files"] if f.startswith("jit-node-"))
     assert 2 <= len(writers) <= 3 and "jit-node-00001.pt" not in writers, manifest["files"]  # split, node 1 lost
     assert sorted({s for f in writers for s in manifest["files"][f]["slices"]}) == [0, 1, 2, 3]
@@ -861,6 +863,24 @@ def test_a_side_threads_failure_action_is_bounded_whatever_the_write_waits_for()
     wedged.set()
 
 
+def split_writer(run_dir: Path, where: Path, rank: int, node: int, cut: dict[str, Any]) -> str:
+    """Rank ``rank`` (alone on node ``node`` of 3) writes its node's share of step 40 in the layout ``cut``,
+    offers it, and completes the set if it can: what :func:`complete` said."""
+    from types import SimpleNamespace
+
+    from hpc_ddp.rank.salvage.jit_commit import complete
+
+    written = {"step": 40, "layout": cut, "took_s": 0.5,
+               "entry": {"name": jit_files.node_file_name(node), "size": 1, "sha256": "x",
+                         "slices": slicing.slices_of(node, 3, 2), "ranks": []}}
+    jit_files.offer(post(where, rank, per_node=1), {"rank": rank, "host": f"n{node}", "error": "peer lost",
+                                                     "time": 1.0, "source": True, "step": 40, "fingerprint": 7,
+                                                     "written": written})
+    run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=3, num_nodes=3), per_rank={},
+                          checkpointer=None, run_dir=run_dir)
+    return complete(run, where)
+
+
 def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice_is_written(tmp_path: Path) -> None:
     """Issue 45: each surviving node writes its share of the state (its slices with snapshot.replicas >= 2, so the
     node after a lost one writes its slice too), as a periodic snapshot does: the write per node falls with the
@@ -869,7 +889,6 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     from types import SimpleNamespace
 
     from hpc_ddp.rank.salvage.jit_write import replicas_of, split_over
-    from hpc_ddp.rank.salvage.jit_commit import complete
 
     assert split_over(SimpleNamespace(num_nodes=4, node_rank=2), {}) == (2, 4)
     # buffers that are this rank's own, not rank 0's (the boundary's broadcast had not finished): one writer
@@ -882,16 +901,7 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     snapshot.step_dir(tmp_path, 40).mkdir(parents=True)  # where the writers' files are
 
     def writer(rank: int, node: int, cut: dict[str, Any] = layout) -> str:
-        held = slicing.slices_of(node, 3, 2)
-        written = {"step": 40, "layout": cut, "took_s": 0.5,
-                   "entry": {"name": jit_files.node_file_name(node), "size": 1, "sha256": "x", "slices": held,
-                             "ranks": []}}
-        jit_files.offer(post(where, rank, per_node=1), {"rank": rank, "host": f"n{node}", "error": "peer lost",
-                                                         "time": 1.0, "source": True, "step": 40, "fingerprint": 7,
-                                                         "written": written})
-        run = SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=3, num_nodes=3), per_rank={},
-                              checkpointer=None, run_dir=tmp_path)
-        return complete(run, where)
+        return split_writer(tmp_path, where, rank, node, cut)
 
     said = writer(0, 0)  # node 1 was lost: node 0 holds slices 0 and 2, nobody slice 1 yet
     assert "slice(s) [1] of step 40 not written (yet)" in said and snapshot.committed_steps(tmp_path) == []
@@ -907,3 +917,44 @@ def test_a_survivors_snapshot_split_over_the_nodes_is_committed_once_every_slice
     writer(0, 0)
     said = writer(2, 2, slicing.layout_for(tensors, 3, 3))
     assert "cut the state in 2 different ways" in said
+
+
+def test_a_declared_node_that_wrote_its_share_anyway_is_no_survivor(tmp_path: Path) -> None:
+    """Issue 60's fence: node 1 was declared lost, then (cut off from its peers, not from the run dir, or frozen
+    and thawed before it heard) wrote its share of step 40. It commits nothing, and its share is not taken: the
+    set waits for a survivor's, and the commit holds none of node 1's files."""
+    from hpc_ddp.rundir import lost
+
+    where = jit_files.folder(tmp_path, 5, 0)
+    layout_ = slicing.layout_for([(("model", "w"), torch.zeros(3 << 18)), (("model", "b"), torch.zeros(3 << 18))],
+                                 3, 2)
+    snapshot.step_dir(tmp_path, 40).mkdir(parents=True)
+    layout.declared(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+    layout.declared(tmp_path).write_bytes(lost.padded({"rank": 1, "ranks": [1], "host": "n1", "attempt": where.name}))
+
+    def writer(rank: int) -> str:
+        return split_writer(tmp_path, where, rank, rank, layout_)
+
+    assert writer(1).startswith("not committed: this rank was declared lost")
+    said = writer(0)  # node 1's file holds slice 1, but its word is not taken
+    assert "slice(s) [1] of step 40 not written (yet)" in said
+    assert said.endswith("(the offers of rank(s) [1], declared lost in this attempt, are not taken)")
+    assert writer(2) == "committed step 40"
+    manifest = snapshot_steps.read_manifest(snapshot.step_dir(tmp_path, 40))
+    assert manifest is not None and sorted(manifest["files"]) == ["jit-node-00000.pt", "jit-node-00002.pt"]
+    assert snapshot_steps.agreed(tmp_path, snapshot_steps.committed(tmp_path)) != []
+
+
+def test_a_rank_zero_declared_lost_is_no_source_of_the_ddp_buffers(tmp_path: Path) -> None:
+    """A rank whose DDP buffers are its own writes only where rank 0 offers the step (rank 0 writes the buffers);
+    a declared rank 0's offer is not taken (issue 60), so that rank writes nothing rather than a mixture."""
+    from hpc_ddp.rank.salvage.jit_checks import why_not_buffers
+    from hpc_ddp.rundir import lost
+
+    where = jit_files.folder(tmp_path, 5, 0)
+    offered = lambda: {"rank": 0, "source": True, "step": 30}  # noqa: E731
+    assert why_not_buffers(2, where, 30, read=offered) is None
+    layout.declared(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+    layout.declared(tmp_path).write_bytes(lost.padded({"rank": 0, "ranks": [0, 1], "host": "n0",
+                                                        "attempt": where.name}))
+    assert "rank 0 offers no step 30" in (why_not_buffers(2, where, 30, read=offered) or "")

@@ -16,7 +16,7 @@ import pytest
 from hpc_ddp.rank.watch import net_beat
 from hpc_ddp.rank.watch.net_beat import NetBeat, NetJudge, decode, encode
 from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan
-from hpc_ddp.rundir import beats, losses
+from hpc_ddp.rundir import beats, losses, lost
 
 TAG = "job-7-restart-0"
 KEY = net_beat.key(f"{TAG}+token")
@@ -136,7 +136,7 @@ def test_a_partitioned_node_that_still_beats_into_the_run_dir_is_declared_and_sa
     pair.run(4.5, node1="cut")
     assert not pair.watches[0].quiet  # 2.5 s without an answer: not yet
     pair.run(5.5, node1="cut")
-    record = losses.declaration(Path(pair.watches[0].plan.run_dir), TAG)
+    record = lost.declaration(Path(pair.watches[0].plan.run_dir), TAG)
     assert record is not None and record["ranks"] == [2, 3] and record["by"] == "node 0's watcher (n0)", record
     assert record["noticed"].startswith("no answer over the training network for 3s, while its beats in the run "
                                         "dir still came"), record
@@ -148,7 +148,7 @@ def test_a_frozen_node_is_declared_in_net_silent_s_not_liveness_s(pair: Pair) ->
     pair.watches[0].plan = Plan(**{**pair.watches[0].plan.__dict__, "liveness_s": 30.0})  # the default window
     pair.run(2.0)
     pair.run(5.5, node1="frozen")
-    record = losses.declaration(Path(pair.watches[0].plan.run_dir), TAG)
+    record = lost.declaration(Path(pair.watches[0].plan.run_dir), TAG)
     assert record is not None and "nor a new beat in the run dir: frozen" in record["noticed"], record
 
 
@@ -164,7 +164,7 @@ def test_what_the_run_dirs_beats_tell_is_said_only_when_they_come_often_enough_t
 def test_a_node_whose_file_server_stalls_but_answers_is_not_lost(pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
     pair.run(2.0)
     pair.run(12.0, node1="slow-files")  # 10 s without a run-dir beat, liveness_s 3
-    assert losses.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None and not pair.watches[0].quiet
+    assert lost.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None and not pair.watches[0].quiet
     assert caplog.text.count("answers over the training network: its file server is slow") == 1
 
 
@@ -177,10 +177,10 @@ def test_a_node_whose_own_link_is_down_declares_no_other_and_itself_once_it_stay
     monkeypatch.setattr(net_beat, "link_down", lambda interface: True)
     pair.run(6.0, node1="cut")  # 3.5 s down
     run_dir = Path(pair.watches[0].plan.run_dir)
-    assert losses.declaration(run_dir, TAG) is None
+    assert lost.declaration(run_dir, TAG) is None
     assert "this node's link (lo) is down: it is the one cut off, and declares nobody else" in caplog.text
     pair.run(9.0, node1="cut")  # 6.5 s down
-    record = losses.declaration(run_dir, TAG)
+    record = lost.declaration(run_dir, TAG)
     assert record is not None and record["ranks"] == [0, 1] and record["host"] == "n0", record
     assert record["noticed"] == "its own link (lo) down for 6s: the node declared itself, cut off from its peers"
     assert pair.watches[0].quiet
@@ -195,10 +195,10 @@ def test_a_cut_off_node_does_not_declare_itself_when_its_peers_already_declared_
     run_dir = Path(pair.watches[0].plan.run_dir)
     said = {"attempt": TAG, "rank": 0, "ranks": [0, 1], "host": "n0", "by": "node 1's watcher (n1)", "time": 1.0}
     layout.declared(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    rewrite_in_place(layout.declared(run_dir), losses.padded(said))
+    rewrite_in_place(layout.declared(run_dir), lost.padded(said))
     monkeypatch.setattr(net_beat, "link_down", lambda interface: True)
     pair.run(9.0, node1="cut")
-    assert losses.declaration(run_dir, TAG)["by"] == "node 1's watcher (n1)"
+    assert lost.declaration(run_dir, TAG)["by"] == "node 1's watcher (n1)"
     assert not layout.lost_marker(run_dir, TAG, 0).exists()  # it wrote nothing of its own
 
 
@@ -207,7 +207,7 @@ def test_a_node_that_left_is_not_declared_when_its_answers_stop(pair: Pair) -> N
     one = pair.watches[1]
     one._beat(left=True)
     pair.run(6.0, node1="frozen")
-    assert losses.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None
+    assert lost.declaration(Path(pair.watches[0].plan.run_dir), TAG) is None
     assert json.loads(beats.node_beat(one.plan.run_dir, 1).read_text())["state"] == "left"
 
 

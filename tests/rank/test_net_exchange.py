@@ -14,7 +14,7 @@ from hpc_ddp.rank.watch import net_exchange
 from hpc_ddp.rank.watch.next_node import PEER
 from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan
 from hpc_ddp.rank.watch.watcher_marker import marker
-from hpc_ddp.rundir import beats, losses
+from hpc_ddp.rundir import beats, lost
 from hpc_ddp.rundir.beats import Beat, encode
 
 TAG = "job-7-restart-0"
@@ -114,7 +114,7 @@ def test_a_node_cut_before_its_beat_reached_the_node_before_is_declared_with_wha
                     watches[1].net.sock.recvfrom(2048)
                 except BlockingIOError:
                     break
-        record = losses.declaration(Path(plans[0].run_dir), TAG)
+        record = lost.declaration(Path(plans[0].run_dir), TAG)
         assert record is not None and record["ranks"] == [2, 3] and record["host"] == "n1", record
         assert record["noticed"].startswith("no answer over the training network for 3s"), record
     finally:

@@ -11,7 +11,7 @@ from hpc_ddp.core.processes import Seen, seen
 from hpc_ddp.rank.watch.kernel_judge import KernelJudge
 from hpc_ddp.rank.watch.node_watch import NodeWatch, Plan
 from hpc_ddp.rank.watch.watcher_marker import marker, watching
-from hpc_ddp.rundir import beats, losses
+from hpc_ddp.rundir import beats, losses, lost
 from hpc_ddp.rundir.beats import Beat, decode, encode
 
 TAG = "job-7-restart-0"
@@ -91,7 +91,7 @@ def test_one_tick_beats_for_the_node_and_declares_a_rank_stopped_on_it(tmp_path:
         watch.tick()
     assert watch.quiet and not watch.done  # it answers pings until its ranks have left
     assert losses.lost_ranks(Path(p.run_dir), 7, 0, 0) == {3: "n1"}
-    relayed = losses.declaration_in(beats.local_declared(folder), p.local_tag, own=True)
+    relayed = lost.declaration_in(beats.local_declared(folder), p.local_tag, own=True)
     assert relayed is not None and relayed["by"] == "node 1's watcher (n1)" and relayed["by_rank"] is None
     assert losses.describe(Path(p.run_dir), 7, 0) == (
         "rank 3 on n1 lost (stopped (SIGSTOP: state T in /proc) for 2s, seen by node 1's watcher (n1))")

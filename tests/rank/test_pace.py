@@ -164,7 +164,9 @@ def test_a_rehearsed_node_that_burns_a_cpu_each_step_is_named_and_a_calm_one_is_
     [line] = read_attempts(tmp_path / "slow")
     named = line["slow_nodes"]
     assert list(named) == ["node1"] and named["node1"]["node"] == 1 and named["node1"]["x"] > 1.4, named
-    assert named["node1"]["since_step"] >= 36 and named["node1"]["until_step"] is None, named  # 3 windows at least
+    # never from one window of the spin: each window adds at most log(ratio), a third of the bar; a window of the
+    # loaded machine just before the spin may add one of the three (ci52, two sessions on 2 cores: named at 31)
+    assert named["node1"]["since_step"] > 25 and named["node1"]["until_step"] is None, named
     logs = {name: (tmp_path / name / "logs" / "attempt-0-rank-0.log").read_text() for name in ("slow", "calm")}
     assert "node 1 (node1) is slow: its ranks are busy" in logs["slow"]
     assert "slow_nodes" not in read_attempts(tmp_path / "calm")[0] and "is slow" not in logs["calm"]

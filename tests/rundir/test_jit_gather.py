@@ -3,6 +3,7 @@ rank of the node that entered the failure path, lives and has not offered, and f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -82,6 +83,28 @@ def test_an_offer_that_tells_the_set_nothing_waits_on_the_node_for_its_writer_to
     jit_files.offer(post(tmp_path, 0), {"rank": 0, "source": True, "step": 8, "outcome": "done"}, gather_s=0)
     assert {o["rank"]: o.get("outcome") for o in jit_offers.node_offers(where, 0)} == {
         0: "done", 1: "wrote", 2: "another writes"}
+
+
+def test_a_nodes_per_rank_states_reach_the_tally_once_from_its_last_rank_at_work(tmp_path: Path) -> None:
+    """Issue 59 (B14-SIM with per-rank state): local rank 1 wrote slice 1 and holds its own state while rank 2 is
+    still at its part; its publish tells the slice, not its group's one rank: a group's grown rank list, told at
+    each publish, was one more entry in the group's tally chain each time. Rank 2, the last at work, tells the
+    group once, with both ranks."""
+    def said(local: int, offer: dict) -> None:
+        jit_files.node_local.ensure(post(tmp_path, local).local)
+        write_atomic(post(tmp_path, local).local / f"offer-{local}.json",
+                     json.dumps({"tag": "tag", "offer": offer}).encode())
+
+    def told(local: int) -> list[tuple[str, int, list[int]]]:
+        return [(f.kind, f.index, f.content.get("ranks", [])) for f in jit_files.publish(
+            dataclasses.replace(post(tmp_path, local), group=3), defer=True)]  # a node's 3 ranks a group
+
+    written = {"step": 8, "layout": {"slices": 2}, "entry": {"slices": [1]}}
+    said(1, {"rank": 1, "source": True, "written": written, "blobs": {"1": [8]}, "outcome": "wrote"})
+    said(2, {"rank": 2, "source": True, "blobs": {"2": [8]}})  # at its part: no outcome yet
+    assert told(1) == [("s", 1, [])]
+    said(2, {"rank": 2, "source": True, "blobs": {"2": [8]}, "outcome": "passed"})
+    assert told(2) == [("r", 0, [1, 2])]
 
 
 def test_a_source_that_holds_what_its_nodes_writer_wrote_has_nothing_to_tell(tmp_path: Path) -> None:

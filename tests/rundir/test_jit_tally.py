@@ -97,7 +97,7 @@ def test_a_rank_group_held_in_parts_by_two_nodes_is_whole(tmp_path: Path) -> Non
 def test_facts_say_each_written_slice_and_each_groups_held_ranks_once() -> None:
     """A node's offers as facts: the slices its writer wrote (with the layout's digest and slice count), and per
     step and rank group the ranks whose per-rank state its survivors hold (an offer of the version before
-    names one step, a number)."""
+    names one step, a number), and which of its survivors hold them (the fence reads it)."""
     layout = slicing.layout_for([], 4, 2)
     offers = [{"rank": 2, "written": {"step": 9, "layout": layout, "entry": {"slices": [1, 0]}},
                "blobs": {"2": [9, 8], "0": [9]}},
@@ -106,8 +106,9 @@ def test_facts_say_each_written_slice_and_each_groups_held_ranks_once() -> None:
     digest = slicing.layout_digest(layout)
     assert said == {(9, "s", 1): {"node": 1, "rank": 2, "of": layout["slices"], "digest": digest},
                     (9, "s", 0): {"node": 1, "rank": 2, "of": layout["slices"], "digest": digest},
-                    (9, "r", 0): {"node": 1, "ranks": [0]}, (9, "r", 1): {"node": 1, "ranks": [2, 3]},
-                    (8, "r", 0): {"node": 1, "ranks": [1]}, (8, "r", 1): {"node": 1, "ranks": [2]}}
+                    (9, "r", 0): {"node": 1, "ranks": [0], "by": [2]},
+                    (9, "r", 1): {"node": 1, "ranks": [2, 3], "by": [2, 3]},
+                    (8, "r", 0): {"node": 1, "ranks": [1], "by": [3]}, (8, "r", 1): {"node": 1, "ranks": [2], "by": [2]}}
 
 
 def test_a_writer_of_another_layout_does_not_cover_a_slice(tmp_path: Path) -> None:
@@ -154,3 +155,46 @@ def test_no_tally_name_is_looked_up_while_it_is_absent(tmp_path: Path) -> None:
         play(tmp_path, 5, 2, {2}, 0)
     absent = [name for name, (_, found) in client.names.items() if found is None]
     assert absent == [] and client.names, absent
+
+
+def test_a_declared_ranks_entries_count_for_nothing_and_the_baton_waits_for_a_survivors(tmp_path: Path) -> None:
+    """Issue 60's fence: three nodes of one rank; rank 1 was declared lost but, before it heard, wrote slice 1 and
+    offered its own state and rank 2's. The walk that found the set whole through its entries walks again past
+    them and parks where the set lacks a survivor's word; the set is whole once survivors have said all of it."""
+    fenced = lambda: {1}  # noqa: E731
+
+    def add(rank: int, *said: tuple[str, int, list[int]]) -> jit_tally.Settled:
+        new = [Fact(7, kind, index, {"node": rank, "rank": rank, "of": 2, "digest": LAYOUT_DIGEST} if kind == "s"
+                    else {"node": rank, "ranks": ranks, "by": [rank]}) for kind, index, ranks in said]
+        return settle(tmp_path, new, rank, 3, 1, True, fenced)
+
+    assert "slice 1 not written" in add(0, ("s", 0, []), ("r", 0, [0])).waiting[7]
+    late = add(1, ("s", 1, []), ("r", 1, [1]), ("r", 2, [2]))
+    assert late.whole == [] and "slice 1 not written" in late.waiting[7]
+    assert "per_rank state of rank(s) [1]" in add(2, ("s", 1, [])).waiting[7]
+    assert add(2, ("r", 1, [1]), ("r", 2, [2])).whole == [7]
+
+
+def test_a_node_that_adds_to_the_same_item_again_does_not_scan_its_chain_from_the_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's rank groups come rank by rank, so its publishes add to the same items again and again; with the
+    node's memory of each chain's end (``ends``) each add is one create, not one per entry before it (quadratic
+    in the adds: B14-SIM at 8 ranks a node), and the step's first baton is tried once."""
+    creates: list[str] = []
+    create = jit_claims.exclusive
+
+    def counting(path: Path, content: bytes = b"") -> bool:
+        creates.append(path.name)
+        return create(path, content)
+
+    monkeypatch.setattr(jit_tally, "exclusive", counting)
+
+    def adds(where: Path, ends: dict[str, int] | None) -> int:
+        creates.clear()
+        for ranks in ([0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]):
+            settle(where, [Fact(7, "r", 0, {"node": 0, "ranks": ranks, "by": ranks})], 0, 16, 8, True, None, ends)
+        return len(creates)
+
+    scanned, remembered = adds(tmp_path / "a", None), adds(tmp_path / "b", {})
+    assert remembered == 5 + 1 + 1  # one create an add, the first baton once, its walk's wait entry at slice 0
+    assert scanned > remembered + 10  # 1 + 2 + 3 + 4 + 5 creates, and take-start tried at every add

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.rundir import layout, losses
+from hpc_ddp.rundir import layout, lost
 from hpc_ddp.rundir.ledger import attempt_tag
 from hpc_ddp.shell import lost_wait
 from hpc_ddp.shell.steps import run_srun
@@ -68,8 +68,8 @@ def _declare(run_dir: Path, key: tuple[int, int, int], ranks: list[int], host: s
     """A survivor's declaration of a whole node, as :mod:`hpc_ddp.rank.watch.declaration` writes it."""
     path = layout.declared(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(losses.padded({"rank": ranks[0], "ranks": ranks, "host": host, "by_rank": 0,
-                                    "attempt": attempt_tag(*key)}))
+    path.write_bytes(lost.padded({"rank": ranks[0], "ranks": ranks, "host": host, "by_rank": 0,
+                                  "attempt": attempt_tag(*key)}))
 
 
 def _fake_srun(folder: Path, ended_after: float | None) -> Path:

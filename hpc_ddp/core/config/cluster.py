@@ -76,10 +76,10 @@ class HealthConfig:
 
     checks: str = doc("off", "Before the first step of every attempt, each node's first rank "
                       "measures: quick: writing and reading the run dir and node-local storage "
-                      "(8 MB each) and a matmul; full: 64 MB each, and each node's link to the "
-                      "next "
-                      "node (16 MB each way); off: nothing. A node far below the other nodes' "
-                      "median is named (log, ledger, status).")
+                      "(8 MB each), a matmul and, on a GPU, a memory test (256 MB); full: 64 MB "
+                      "each (1 GB of device memory), and each node's link to the next node (16 MB "
+                      "each way); off: nothing. A node far below the other nodes' median is named "
+                      "(log, ledger, status).")
     action: str = doc("replace", "replace: a node named sick is left out as a slow node is "
                       "(slurm.straggler.action=replace: every rank stops at the first boundary, "
                       "the job goes on on a spare or fewer nodes); warn: named and kept.")

@@ -119,17 +119,33 @@ def duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds % 60:02d}s"
 
 
+def with_starts(attempts: list[dict[str, Any]], starts: dict[int, int]) -> list[dict[str, Any]]:
+    """The ledger's lines, each with where its attempt began: a line the batch shell or the launcher
+    wrote for ranks that could not (a lost node) has no ``first_step``, and status showed such an
+    attempt as run from step 0 (a newcomer's rehearsal: ``failed 0->25`` for one resumed from 16);
+    its rank 0's first metrics line says (:func:`hpc_ddp.rundir.metrics_file.attempt_starts`)."""
+    out = []
+    for i, attempt in enumerate(attempts):
+        start = starts.get(i)
+        if attempt.get("first_step") is None and start is not None:
+            attempt = {**attempt, "first_step": start,
+                       **({"resumed_from": start} if start and attempt.get("resumed_from") is None
+                          else {})}
+        out.append(attempt)
+    return out
+
+
 def collect(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data."""
     from hpc_ddp.rundir.snapshot import steps as snapshot_steps  # manifests only: no torch
 
     job = _read_json(layout.job(run_dir)) or {}
     # one record per step: a resumed attempt's values replace replays
-    metrics = metrics_file.read(run_dir)
+    lines = metrics_file.lines_of(run_dir)
     # a train.script's steps, as rank 0's worker read them
-    metrics = metrics or script_progress.points(run_dir)
+    metrics = metrics_file.history(lines) or script_progress.points(run_dir)
     done = _read_json(layout.done(run_dir))
-    attempts = read_attempts(run_dir)
+    attempts = with_starts(read_attempts(run_dir), metrics_file.attempt_starts(lines))
     job_id = str(job.get("job_id", "")) or _ledger_job(run_dir, attempts)
     if done or not job.get("local"):
         state = "FINISHED" if done else (_slurm_state(job_id) if job_id else None)

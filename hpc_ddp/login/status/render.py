@@ -189,13 +189,18 @@ def lost_note(entry: dict[str, Any]) -> str:
     start = entry["resumed_from"] if entry["resumed_from"] is not None else "the start"
     why = entry.get("why") or ""
     stale = entry.get("per_rank_from") or {}
+    buddies = dict(sorted((entry.get("buddies") or {}).items(),
+                          key=lambda item: (len(str(item[0])), str(item[0]))))
     steps = sorted(set(stale.values()))
     return (f"lost {entry['lost']} step(s): got to step {entry['last_step']}, "
             f"{'will resume' if entry['pending'] else 'resumed'} from {start}"
             + (f"; no survivors' snapshot: {why[:200]}{'...' if len(why) > 200 else ''}" if why
                else "")
             + (f"; per-rank state of {len(stale)} rank(s) from step "
-               f"{', '.join(map(str, steps))} (per_rank(..., mirror=N))" if stale else ""))
+               f"{', '.join(map(str, steps))} (per_rank(..., mirror=N))" if stale else "")
+            + (f"; per-rank state of rank(s) {', '.join(map(str, buddies))} from their buddies' "
+               f"mirror (rank(s) {', '.join(str(buddies[r]) for r in buddies)})" if buddies
+               else ""))
 
 
 def broken_stop_note(entry: dict[str, Any]) -> str:

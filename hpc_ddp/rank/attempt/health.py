@@ -4,7 +4,8 @@ a node far below the other nodes' median is named and, with ``action: replace``,
 
 What is measured (``checks``): ``quick``: writing 8 MB to the run dir, fsynced, and reading it back
 past the page cache; the same on node-local storage (``$TMPDIR``, where compile caches go); a
-matmul on the rank's device (no RNG is touched: exact resume holds); ``full``: 64 MB each, and
+matmul on the rank's device (no RNG is touched: exact resume holds); on a GPU, a memory test
+(:mod:`hpc_ddp.rank.attempt.health_memory`, 256 MB, 1 GB in ``full``); ``full``: 64 MB each, and
 each node's link to the next node over the training backend (16 MB each way). A node's link figure
 is the better of its two links (in from the node before, out to the next): a bad NIC makes both of
 a node's links slow and names that node, not its neighbours; with two nodes there is one pair of
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.core.batching import replace_problem
+from hpc_ddp.rank.attempt.health_memory import memory_figure
 from hpc_ddp.rank.group import control
 from hpc_ddp.rundir import layout, node_local
 
@@ -50,7 +52,8 @@ MATMUL_S = 0.2
 # what each figure is, for the messages; matmul in GFLOP/s, the rest in MB/s
 WHAT = {"run_dir_write": "writing the run dir", "run_dir_read": "reading the run dir",
         "local_write": "writing node-local storage", "local_read": "reading node-local storage",
-        "matmul": "a matmul", "link": "its links to the next and the previous node"}
+        "matmul": "a matmul", "link": "its links to the next and the previous node",
+        "memory": "its GPU memory written and read back"}
 
 
 def disk(path: Path, size: int, rounds: int = 4,
@@ -145,6 +148,8 @@ def measure(checks: str, run_dir: Path, local_dir: Path, node: int,
             log.warning("node %d's health check could not write %s: %s", node, path, err)
             figures[f"{where}_write"] = figures[f"{where}_read"] = 0.0
     figures["matmul"] = matmul_gflops(device)
+    if device.type == "cuda":
+        figures["memory"] = memory_figure(device, checks, node)
     return figures
 
 

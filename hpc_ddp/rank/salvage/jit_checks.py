@@ -22,7 +22,7 @@ from hpc_ddp.rank.state.tracked import mirrored
 from hpc_ddp.rank.state import replication
 from hpc_ddp.rank.state.checkpointer import STEP
 from hpc_ddp.rank.state.ddp_settle import ddp_in
-from hpc_ddp.rundir import jit_offers
+from hpc_ddp.rundir import jit_offers, lost
 
 log = logging.getLogger("hpc_ddp.jit")
 # how long another survivor waits for rank 0's offer when DDP broadcasts rank 0's buffers
@@ -81,7 +81,8 @@ def why_not_buffers(rank: int, folder: Path, step: int,
         return None
     return (f"rank 0's DDP buffers (BatchNorm's running statistics) of step {step} are not on this "
             f"rank (the boundary's broadcast of them had not finished) and rank 0 offers no step "
-            f"{step}: a snapshot from here would mix this rank's own statistics into the run")
+            f"{step} (or was declared lost, and its offer is not taken): a snapshot from here "
+            "would mix this rank's own statistics into the run")
 
 
 def rank_zero_offer(folder: Path) -> dict[str, Any] | None:
@@ -104,8 +105,9 @@ def buffers_source_holds(folder: Path, step: int, wait_s: float = BUFFERS_SOURCE
     read = read or (lambda: rank_zero_offer(folder))
     while True:
         found = read()
-        if found is not None:
-            return bool(found.get("source")) and found.get("step") == step
+        if found is not None:  # and rank 0 not declared lost: its word is not taken (issue 60)
+            return bool(found.get("source")) and found.get("step") == step and \
+                0 not in lost.fence_at(folder).declared
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)

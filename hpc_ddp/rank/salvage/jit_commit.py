@@ -23,9 +23,8 @@ from typing import Any
 from hpc_ddp.rank.salvage.survivor import Survivor
 from hpc_ddp.rank.state.tracked import mirrored
 from hpc_ddp.rank.state.checkpointer import PER_RANK
-from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, jit_tally, newest,
-                            slicing,
-                            snapshot)
+from hpc_ddp.rundir import (jit_blobs, jit_claims, jit_files, jit_offers, jit_tally, lost, newest,
+                            slicing, snapshot)
 from hpc_ddp.rundir.snapshot import steps as snapshot_steps, write as snapshot_write
 
 log = logging.getLogger("hpc_ddp.jit")
@@ -80,44 +79,27 @@ def complete(run: Survivor, folder: Path) -> str:
     :func:`hpc_ddp.rank.salvage.jit_write.split_over`), no source of it holds another state, and
     (with per_rank objects) every rank's per-rank state of that step is in some survivor's file. Any
     survivor may complete it; the attempt's commit claim makes one the committer. Otherwise say what
-    is missing. The failure path calls it once per attempt, from the survivor that found the set
-    whole in the tally (:func:`settled`): it opens every node's file."""
+    is missing. A rank declared lost in the attempt is no survivor (:mod:`hpc_ddp.rundir.lost`): its
+    offers are not taken, and it commits nothing. The failure path calls it once per attempt, from
+    the survivor that found the set whole in the tally (:func:`settled`): it opens every node's
+    file."""
     env = run.env
-    offers = jit_offers.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
+    fence = lost.fence_at(folder)  # a declared rank's offers are never taken
+    if env.rank in fence.declared:
+        return ("not committed: this rank was declared lost in this attempt (its node cut off, or "
+                "a false alarm); the other survivors commit without it")
+    said = jit_offers.offers(folder, max(1, env.num_nodes))  # one file per node, opened by name
+    offers = fence.offers(said)
+    set_aside = sorted({o.get("rank") for o in said} - {o.get("rank") for o in offers})
     steps = sorted({o["written"]["step"] for o in offers if isinstance(o.get("written"), dict)},
                    reverse=True)
     reasons = []
     for step in steps:
-        writers = [o for o in offers if isinstance(o.get("written"), dict)
-                   and o["written"]["step"] == step]
-        unwritten = _unwritten(writers, step)
-        if unwritten:
-            reasons.append(unwritten)
+        ready = _ready(run, folder, offers, step)
+        if isinstance(ready, str):
+            reasons.append(ready)
             continue
-        writer = writers[0]
-        sources = [o for o in offers if o.get("source") and o.get("step") == step]
-        differing = sorted(o["rank"] for o in sources
-                           if o.get("fingerprint") != writer["fingerprint"])
-        if differing:
-            log.error("no just-in-time snapshot: ranks %s hold another state of step %d than rank "
-                      "%d", differing, step, writer["rank"])
-            reasons.append(f"ranks {differing} hold another state of step {step} than rank "
-                           f"{writer['rank']}")
-            continue
-        kept = bool(mirrored(run.per_rank))  # a buddy keeps them: every rank's must be held
-        holders = _holders(offers, step) if kept else {}
-        missing = [r for r in range(env.world_size) if r not in holders] if kept else []
-        if missing:
-            reasons.append(f"no survivor holds the per_rank state of rank(s) {missing} at step "
-                           f"{step} (their buddies were lost too, or their mirror was more than a "
-                           "step behind)")
-            continue
-        states = _per_rank_states(folder, holders, {o["rank"]: o.get("node", 0) for o in offers},
-                                  step)
-        # read before the claim: a commit that cannot be made never takes it
-        if isinstance(states, str):
-            reasons.append(states)
-            continue
+        writers, sources, holders, states = ready
         if not jit_claims.claim_commit(folder, step):
             return _claimed_elsewhere(folder, step)
         try:
@@ -127,9 +109,41 @@ def complete(run: Survivor, folder: Path) -> str:
             # the claim says so: nobody reads "step S" wrongly
             jit_claims.commit_failed(folder, f"failed: {err!r}")
             raise
+    fenced = (f" (the offers of rank(s) {set_aside}, declared lost in this attempt, are not "
+              "taken)" if set_aside else "")
     if not steps:
-        return "no survivor had written a state file yet (a later survivor completes the snapshot)"
-    return "not committed: " + "; ".join(reasons)
+        return ("no survivor had written a state file yet (a later survivor completes the "
+                "snapshot)" + fenced)
+    return "not committed: " + "; ".join(reasons) + fenced
+
+
+Ready = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, int], dict[int, bytes]]
+
+
+def _ready(run: Survivor, folder: Path, offers: list[dict[str, Any]], step: int) -> Ready | str:
+    """What a commit of ``step`` takes (its writers, sources, the holders of the per-rank states and
+    those states, read before the claim: a commit that cannot be made never takes it), or why the
+    set of ``step`` is not whole."""
+    writers = [o for o in offers if isinstance(o.get("written"), dict)
+               and o["written"]["step"] == step]
+    unwritten = _unwritten(writers, step)
+    if unwritten:
+        return unwritten
+    writer = writers[0]
+    sources = [o for o in offers if o.get("source") and o.get("step") == step]
+    differing = sorted(o["rank"] for o in sources if o.get("fingerprint") != writer["fingerprint"])
+    if differing:
+        log.error("no just-in-time snapshot: ranks %s hold another state of step %d than rank %d",
+                  differing, step, writer["rank"])
+        return f"ranks {differing} hold another state of step {step} than rank {writer['rank']}"
+    kept = bool(mirrored(run.per_rank))  # a buddy keeps them: every rank's must be held
+    holders = _holders(offers, step) if kept else {}
+    missing = [r for r in range(run.env.world_size) if r not in holders] if kept else []
+    if missing:
+        return (f"no survivor holds the per_rank state of rank(s) {missing} at step {step} (their "
+                "buddies were lost too, or their mirror was more than a step behind)")
+    states = _per_rank_states(folder, holders, {o["rank"]: o.get("node", 0) for o in offers}, step)
+    return states if isinstance(states, str) else (writers, sources, holders, states)
 
 
 def settled(run: Survivor, folder: Path, said: jit_tally.Settled) -> str | None:

@@ -98,12 +98,12 @@ class Receiver:
             # its ward was lost, or the pair broke: a failure can lack its state
             self.broken = first_line(err)
             kept = [held[0] for held in (self.kept, self.kept_before) if held is not None] or None
-            log.warning("the per-rank mirror of rank %d stopped (%s); it holds rank %d's state of "
-                        "steps %s. A survivors' snapshot needs that rank's state of the step it "
-                        "commits (with per_rank(..., mirror=N), of a boundary at most 2 N - 1 "
-                        "steps "
-                        "before it): if rank %d is alive, a later failure may fall back to the "
-                        "periodic snapshot",
+            log.warning("the per-rank mirror of rank %d stopped (%s); this rank holds rank %d's "
+                        "state of steps %s. If rank %d was lost in this failure, that is expected: "
+                        "the survivors' snapshot takes its state from here. If it is alive, a "
+                        "later failure may fall back to the periodic snapshot (a survivors' "
+                        "snapshot needs each rank's state of the step it commits; with "
+                        "per_rank(..., mirror=N), of a boundary at most 2 N - 1 steps before it)",
                         self.ward, self.broken, self.ward, kept, self.ward)
 
     def _keep(self, step: int, kind: int, base: int, full: int, got: torch.Tensor,

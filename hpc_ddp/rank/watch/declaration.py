@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.core.atomic import rewrite_in_place, write_atomic
-from hpc_ddp.rundir import beats, layout, losses, node_local
+from hpc_ddp.rundir import beats, layout, losses, lost as lost_files, node_local
 from hpc_ddp.rundir.beats import Beat
 from hpc_ddp.rundir.ledger import crash_marker
 
@@ -93,9 +93,9 @@ def heard(rank: int, record: dict[str, Any]) -> str:
     """What rank ``rank`` says when it hears another rank's declaration ``record``."""
     by = record.get("by") or f"rank {record.get('by_rank')}"
     said = (f"rank {rank}: {by} declared "
-            f"{losses.who(losses.named_ranks(record))} on {record.get('host') or '?'} lost; this "
-            "rank ends the step now instead of waiting in a collective for the process group to "
-            "fail")
+            f"{losses.who(lost_files.named_ranks(record))} on {record.get('host') or '?'} lost; "
+            "this rank ends the step now instead of waiting in a collective for the process group "
+            "to fail")
     if fenced(rank, record):
         return (f"{said}. This rank is among them (its node cut off, or a false alarm): it offers "
                 "nothing for the survivors' snapshot, which its peers write without it")
@@ -105,12 +105,12 @@ def heard(rank: int, record: dict[str, Any]) -> str:
 def fenced(rank: int, record: dict[str, Any]) -> bool:
     """``rank`` is among the ranks ``record`` declares lost: once declared, nothing it would write
     (an offer, its share of the survivors' snapshot) is taken; it writes none (issue 60)."""
-    return rank in losses.named_ranks(record)
+    return rank in lost_files.named_ranks(record)
 
 
 def heard_on_node(folder: Path, local_tag: str) -> dict[str, Any] | None:
     """The declaration relayed on this node (by its first rank, or its watcher), if any."""
-    return losses.declaration_in(beats.local_declared(folder), local_tag, own=True)
+    return lost_files.declaration_in(beats.local_declared(folder), local_tag, own=True)
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,9 @@ class Board:
                          f"{losses.who(ranks)} on {host} lost: {noticed}\n")
             # other nodes' leaders read it, and this node's ranks the copy here, with the token
             rewrite_in_place(layout.declared(self.run_dir),
-                             losses.padded({**record, "attempt": self.tag}))
+                             lost_files.padded({**record, "attempt": self.tag}))
             rewrite(beats.local_declared(self.folder),
-                    losses.padded({**record, "attempt": self.local_tag}))
+                    lost_files.padded({**record, "attempt": self.local_tag}))
         except OSError as err:
             log.error("the lost-rank marker could not be written: %s", err)
 
@@ -147,10 +147,10 @@ class Board:
         run dir's (one read per node a period) and relays it on the node; the node's other ranks
         read the relay."""
         if leader:
-            record = losses.declaration(self.run_dir, self.tag)
+            record = lost_files.declaration(self.run_dir, self.tag)
             if record is not None and record.get("by_rank") != rank:
                 rewrite(beats.local_declared(self.folder),
-                        losses.padded({**record, "attempt": self.local_tag}))
+                        lost_files.padded({**record, "attempt": self.local_tag}))
         else:
             record = heard_on_node(self.folder, self.local_tag)
         return None if record is None or record.get("by_rank") == rank else record

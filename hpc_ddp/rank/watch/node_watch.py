@@ -46,7 +46,7 @@ from hpc_ddp.rank.watch import net_beat
 from hpc_ddp.rank.watch.net_beat import NET_SILENT_S
 from hpc_ddp.rank.watch.next_node import NextNode
 from hpc_ddp.rank.watch.watcher_marker import marker
-from hpc_ddp.rundir import losses
+from hpc_ddp.rundir import lost
 from hpc_ddp.rundir import beats
 from hpc_ddp.rundir.beats import Beat
 
@@ -170,7 +170,7 @@ class NodeWatch:
             return False
         left, age = self.next_node.fresh(now)
         last = self.next_node.last()
-        if left or last is None or losses.declaration(self.run_dir, self.plan.tag) is not None:
+        if left or last is None or lost.declaration(self.run_dir, self.plan.tag) is not None:
             return False
         message, record = declaration.lost(None, self.plan.host, self.plan.liveness_s, silent,
                                            list(last.ranks or (last.rank,)), last, self.wall(),
@@ -194,7 +194,7 @@ class NodeWatch:
         self.cut = cut
         down = now - self.cut_at
         if cut and not self.quiet and down >= 2 * self.plan.net_silent_s and \
-                losses.declaration(self.run_dir, self.plan.tag) is None:
+                lost.declaration(self.run_dir, self.plan.tag) is None:
             ranks = sorted(self.on_node)
             me = Beat(self.plan.tag, ranks[0], self.plan.host, self.count, node=self.plan.node,
                       ranks=tuple(ranks))

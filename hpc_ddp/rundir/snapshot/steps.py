@@ -112,11 +112,21 @@ def _withdrawn(directory: Path) -> bool:
 def agreed(run_dir: Path, found: list[tuple[int, dict[str, Any]]],
            warn: Callable[..., None] = log.warning) -> list[tuple[int, dict[str, Any]]]:
     """``found`` without the survivors' snapshots that a survivor's offer disagrees with
-    (:func:`hpc_ddp.rundir.jit_offers.disagreeing`): as if withdrawn. Read on one rank (rank 0),
-    whose list every rank then takes: the offers are files another node may see otherwise."""
+    (:func:`hpc_ddp.rundir.jit_offers.disagreeing`), or that a rank declared lost wrote or committed
+    after its declaration (:func:`hpc_ddp.rundir.jit_offers.fenced`): as if withdrawn. Read on one
+    rank (rank 0), whose list every rank then takes: the offers are files another node may see
+    otherwise."""
     kept = []
     for step, manifest in found:
-        differ = jit_offers.disagreeing(run_dir, manifest)
+        fence = jit_offers.fence_of(run_dir, manifest)  # read once for both checks
+        path = step_dir(run_dir, step) / MANIFEST
+        late = jit_offers.fenced(manifest, fence, path) if fence else []
+        if late:
+            warn("the survivors' snapshot of step %d is not used: rank(s) %s wrote or committed it "
+                 "after they were declared lost (a cut-off or thawed node's late write)", step,
+                 late)
+            continue
+        differ = jit_offers.disagreeing(run_dir, manifest, fence)
         if differ:
             warn("the survivors' snapshot of step %d is not used: rank(s) %s offered another state "
                  "of it than its "
