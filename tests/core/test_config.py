@@ -199,3 +199,14 @@ def test_off_is_off_on_the_command_line_and_in_a_file_though_yaml_reads_it_as_fa
     assert "YAML reads a bare true, false, yes, no or on as a boolean" in str(err.value)
     with pytest.raises(ConfigError, match="YAML reads a bare"):
         load_config([EXAMPLE], ["train.amp=true"])
+
+
+@pytest.mark.parametrize(("override", "example"), [("slurm.nodes=two", "for example slurm.nodes=1 (its default)"),
+                                                   ("dist.liveness_s=-3", "for example dist.liveness_s=30 (its default)"),
+                                                   ("train.lr=-1", "for example train.lr=0.001 (its default)")])
+def test_a_bad_value_hints_at_a_good_one_not_only_where_to_set_it(override: str, example: str) -> None:
+    """A newcomer who typed slurm.nodes=two on the command line was told to set slurm.nodes 'in the config file or
+    as slurm.nodes=... on the command line': what they had done. The hint now shows a value the key takes."""
+    with pytest.raises(ConfigError) as err:
+        load_config([EXAMPLE], [override])
+    assert f"HINT: {example}: change it where you set it" in str(err.value)
