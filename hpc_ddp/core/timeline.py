@@ -167,9 +167,11 @@ def last_timeline(attempts: Sequence[Mapping[str, Any]]) -> tuple[int, dict[str,
 def lines(timeline: Mapping[str, Any], index: int) -> list[str]:
     """``status``'s view: a line per phase, seconds after the failure, a bar of the phase's own
     share."""
-    head = (f"timeline of attempt #{index} ({timeline.get('kind', '?')}), seconds after the "
-            "failure "
-            f"({timeline.get('failure_from', '?')}):")
+    source = timeline.get("failure_from", "?")
+    # a requeue after a stop had no failure: its clock starts at the attempt before's end
+    since = ("the previous attempt's end" if source == "previous end"
+             else f"the failure ({source})")
+    head = f"timeline of attempt #{index} ({timeline.get('kind', '?')}), seconds after {since}:"
     marked = [(p, float(timeline[p])) for p in PHASES if _number(timeline.get(p))]
     total = max([s for _, s in marked] + [1e-9])
     out, before = [head], 0.0

@@ -125,9 +125,14 @@ def _become(request: dict[str, Any], out: int, own_fds: tuple[int, ...]) -> None
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    # a fresh interpreter's NumPy draws its own seed (Python's random reseeds itself at a fork)
+    # a fresh interpreter's NumPy and torch draw their own seeds (Python's random reseeds itself at
+    # a fork): forked with this process's, every rank drew the same unseeded torch.randn (a
+    # module-level random target, identical on every rank here and different on each of the
+    # cluster's, so the rehearsal hid what the cluster would train on)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].default_generator.seed()
     sys.argv = ["-m", *request["argv"]]  # run_module puts the module's file first
 
 

@@ -397,3 +397,14 @@ def test_status_of_a_running_job_shows_the_slow_nodes_its_attempt_named_until_it
     assert _slow_now(tmp_path, read_attempts(tmp_path)) is None  # the ledger line has them now
     (tmp_path / "liveness" / "slow.json").write_text("{not json")
     assert _slow_now(tmp_path, []) is None
+
+
+def test_an_attempts_shape_says_accumulation_only_where_there_is_some() -> None:
+    """A newcomer's 2x2 rehearsal showed '2x2' for its failed attempt and '2x2 accum 1' for the others: read as two
+    shapes. One micro-step is no accumulation; two or more are said."""
+    from hpc_ddp.login.status.render import _shape
+
+    assert _shape({"world_size": 4, "nodes": 2, "grad_accum": 1}) == "2x2"
+    assert _shape({"world_size": 2, "nodes": 1, "grad_accum": 4}) == "1x2 accum 4"
+    assert _shape({"hosts": "node[0-1]"}, tasks_per_node=2) == "2x2"  # a failed line: no world size
+    assert _shape({"world_size": 3, "nodes": 2}) == "3 ranks"

@@ -266,6 +266,8 @@ def test_a_script_with_its_own_session_leaves_its_done_record_for_the_worker_to_
 @pytest.mark.parametrize("loop, code, said", [
     ("never_calls_boundary", 0, "the loop never called run.boundary(step)"),
     ("distributed_sampler", 0, "torch's DistributedSampler is in use (`sampler` in distributed_sampler(), `loader` in"),
+    ("shuffled_loader", 0, "a DataLoader shuffles with torch's RandomSampler (`train_loader` in shuffled_loader(): "
+                           "shuffle=True, no sampler): every rank draws from the whole dataset"),
     ("sampler_outside_iterate", 0, "the tracked ShardSampler 'sampler' was iterated outside sampler.iterate(loader)"),
     ("inits_twice", 2, "hpc_ddp has already started the process group"),
     ("positional_resume", 2, "run.resume() takes its objects by name"),

@@ -44,11 +44,13 @@ def test_a_warm_rank_is_the_fresh_interpreter_it_replaces(tmp_path: Path, monkey
         said = [json.loads(zero.stdout.read()), json.loads(log.read_text())]
         zero.stdout.close()
         # its own session (signals and SIGSTOP by process group, as before), its environment, its argv, a
-        # __main__ of its module, the working directory, the warm process's imports (frozen there); NumPy's unseeded draws its own
+        # __main__ of its module, the working directory, the warm process's imports (frozen there); NumPy's and torch's
+        # unseeded draws their own (a module-level torch.randn was the same on every forked rank, not on the cluster's)
         assert [(s["sid"] == s["pid"], s["per_rank"], s["mark"], s["argv"], s["main"], s["spec"], s["frozen"])
                 for s in said] == [(True, "0", "common", ["0"], "__main__", "tests.tasks.warm_child", True),
                                    (True, "1", "common", ["3"], "__main__", "tests.tasks.warm_child", True)]
         assert said[0]["cwd"] == str(ROOT) and said[0]["numpy_draw"] != said[1]["numpy_draw"]
+        assert said[0]["torch_draw"] != said[1]["torch_draw"]
         # a variable read at import that differs: a fresh interpreter (nothing frozen: not a fork of the warm one)
         cold = local_warm.start([*CHILD, "0"], _env(WARM_MARK="other"), subprocess.PIPE)
         assert isinstance(cold, subprocess.Popen) and _finish(cold) == 0

@@ -89,6 +89,7 @@ def test_status_lines_show_each_phase_the_cache_and_skew() -> None:
     assert "40.0 s" in out[7] and "(cache hit)" in out[7]
     assert out[-1].startswith("  WARNING: first_step end(s) before the phase before")
     short = tl.lines(tl.compose((T, "previous end"), {"first_step": T + 2}, "requeue"), 0)
+    assert short[0] == "timeline of attempt #0 (requeue), seconds after the previous attempt's end:"  # no failure
     assert short[-1] == "  not timed: detected, launched, started, imported, group_ready, restored"  # compiled: if used
     assert tl.last_timeline([{"timeline": timeline}, {"reason": "finished"}]) == (0, timeline)
 
@@ -156,7 +157,7 @@ def test_a_rehearsed_heal_and_requeue_time_every_phase_and_status_shows_the_last
     status = subprocess.run([sys.executable, "-m", "hpc_ddp.status", str(run_dir)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
                                                                                 "PYTHONPATH": str(ROOT)})
-    shown = status.stdout.split("timeline of attempt #2 (requeue), seconds after the failure (previous end):\n")
+    shown = status.stdout.split("timeline of attempt #2 (requeue), seconds after the previous attempt's end:\n")
     assert len(shown) == 2, status.stdout
     rows = shown[1].splitlines()[:len(every)]
     assert [row.split()[0] for row in rows] == every and all(" s  +" in row for row in rows), status.stdout

@@ -231,6 +231,18 @@ def never_calls_boundary(run: Any) -> None:
         time.sleep(0.05)
 
 
+def _four_steps(run: Any, model: Any, optimizer: Any, step: int, batches: Any) -> None:
+    """Train on ``batches`` to a stop or step 4: what the mistakes' loops share (the mistakes are in what they built;
+    an iterator, not the loader, so that the loop's own variable is the one named)."""
+    for batch in batches:
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if run.boundary(step) or step == 4:
+            return
+
+
 def distributed_sampler(run: Any) -> None:
     """The DDP tutorial's DistributedSampler and DataLoader, kept (run.resume refuses the sampler): a few steps."""
     from torch.utils.data import DataLoader, DistributedSampler
@@ -239,13 +251,19 @@ def distributed_sampler(run: Any) -> None:
     sampler = DistributedSampler(list(range(64)), num_replicas=run.world_size, rank=run.rank)
     loader = DataLoader(torch.ones(64, 4), batch_size=2, sampler=sampler)
     step = run.resume(model=model, optimizer=optimizer)
-    for batch in loader:
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        if run.boundary(step) or step == 4:
-            return
+    _four_steps(run, model, optimizer, step, iter(loader))
+
+
+def shuffled_loader(run: Any) -> None:
+    """A plain DataLoader(shuffle=True) and no sampler: every rank reads the whole dataset, no position kept."""
+    from torch.utils.data import DataLoader
+
+    model, optimizer = _tiny(run)
+    train_loader = DataLoader(torch.ones(64, 4), batch_size=2, shuffle=True)
+    evaluation = DataLoader(torch.ones(8, 4), batch_size=2)  # not shuffled: not named
+    assert len(evaluation) == 4
+    step = run.resume(model=model, optimizer=optimizer)
+    _four_steps(run, model, optimizer, step, iter(train_loader))
 
 
 def sampler_outside_iterate(run: Any) -> None:
@@ -257,13 +275,7 @@ def sampler_outside_iterate(run: Any) -> None:
     sampler = hpc_ddp.ShardSampler(64, run.rank, run.world_size)
     loader = DataLoader(torch.ones(64, 4), batch_size=2, sampler=sampler)
     step = run.resume(model=model, optimizer=optimizer, sampler=sampler)
-    for batch in loader:
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        if run.boundary(step) or step == 4:
-            return
+    _four_steps(run, model, optimizer, step, iter(loader))
 
 
 def one_epoch(run: Any) -> None:

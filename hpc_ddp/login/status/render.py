@@ -18,9 +18,10 @@ from hpc_ddp.login.status.read import duration
 
 
 def _shape(attempt: dict[str, Any], tasks_per_node: int | None = None) -> str:
-    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation. A failed
-    attempt's line has no world size (its ranks never reported): its hosts times the config's tasks
-    per node; '-' when neither is known."""
+    """'2x2 accum 2': nodes x tasks per node (or the world size) and accumulation, said only where
+    there is some (a column of '2x2' beside '2x2 accum 1' read as two shapes). A failed attempt's
+    line has no world size (its ranks never reported): its hosts times the config's tasks per
+    node; '-' when neither is known."""
     world, nodes = attempt.get("world_size"), attempt.get("nodes")
     if not world:
         hosts = attempt.get("hosts")
@@ -33,7 +34,8 @@ def _shape(attempt: dict[str, Any], tasks_per_node: int | None = None) -> str:
         except HpcDdpError:
             return "-"
     shape = f"{nodes}x{world // nodes}" if nodes and world % nodes == 0 else f"{world} ranks"
-    return shape + (f" accum {attempt['grad_accum']}" if attempt.get("grad_accum") else "")
+    accum = attempt.get("grad_accum")
+    return shape + (f" accum {accum}" if isinstance(accum, int) and accum > 1 else "")
 
 
 def done_line(done: dict[str, Any]) -> str:

@@ -12,6 +12,9 @@ So each finding is logged once by rank 0 when it is found, and kept for the atte
   ``run.resume`` refuses it, so its position cannot resume. Found at the first boundary by looking
   at the loop's own variables (the frames that called ``run.boundary``, outside hpc_ddp): nothing
   of torch's is patched, and it costs one look per attempt.
+- a DataLoader that shuffles with torch's ``RandomSampler`` (``shuffle=True``, no sampler
+  given), found the same way: every rank draws from the whole dataset, and its position is not
+  kept either (an evaluation loader, not shuffled, is left alone);
 - a model compiled around DDP (``torch.compile(DDP(model))``) while dynamo compiled nothing: found
   by
   :func:`hpc_ddp.rank.loop.compiling.at_first_boundary`, which says the order that compiles.
@@ -23,7 +26,7 @@ import logging
 from types import FrameType
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from hpc_ddp.rank.loop.sampler import ShardSampler
 
@@ -46,6 +49,13 @@ DISTRIBUTED_SAMPLER = ("torch's DistributedSampler is in use ({where}): it keeps
                        "run.rank, run.world_size, seed=...), pass it to run.resume(sampler=...) "
                        "and take the batches "
                        "with `for batch in sampler.iterate(loader):` (docs/own-loop.md)")
+SHUFFLED = ("a DataLoader shuffles with torch's RandomSampler ({where}: shuffle=True, "
+            "no sampler): every rank draws from the whole dataset (nothing shards it between the "
+            "ranks) and its position within an epoch is not kept, so a resume replays the epoch "
+            "from its start (not exact); use hpc_ddp.ShardSampler(len(data), run.rank, "
+            "run.world_size, seed=...) as the loader's sampler, pass it to "
+            "run.resume(sampler=...) and take the batches with "
+            "`for batch in sampler.iterate(loader):` (docs/own-loop.md)")
 FRAMES = 3  # the loop, and a helper or two it calls run.boundary from
 
 
@@ -69,32 +79,45 @@ def outside_iterate(tracked: dict[str, Any]) -> list[str]:
             if isinstance(obj, ShardSampler) and obj.iterated_outside]
 
 
-def _distributed_sampler(value: object) -> bool:
+def _unkept(value: object) -> str | None:
+    """Which sampler that keeps no position ``value`` is or draws from: "distributed" (torch's
+    DistributedSampler), "shuffled" (a DataLoader's RandomSampler), else None."""
     if isinstance(value, DistributedSampler):
-        return True
+        return "distributed"
     if isinstance(value, DataLoader):
-        return isinstance(value.sampler, DistributedSampler) or \
-            isinstance(getattr(value.batch_sampler, "sampler", None), DistributedSampler)
-    return False
+        inner = getattr(value.batch_sampler, "sampler", None)
+        if isinstance(value.sampler, DistributedSampler) or isinstance(inner, DistributedSampler):
+            return "distributed"
+        if isinstance(value.sampler, RandomSampler) or isinstance(inner, RandomSampler):
+            return "shuffled"
+    return None
 
 
-def distributed_samplers(frame: FrameType | None) -> list[str]:
-    """Where the loop holds a DistributedSampler: ``sampler``, ``loader`` (its sampler),
-    ``self.loader``."""
-    found: list[str] = []
+def unkept_samplers(frame: FrameType | None) -> list[str]:
+    """Where the loop holds a sampler whose position cannot resume: ``sampler``, ``loader`` (its
+    sampler), ``self.loader``; a finding per kind."""
+    found: dict[str, list[str]] = {"distributed": [], "shuffled": []}
+    seen: set[int] = set()  # one object under two names (`it = loader`) is named once
+
+    def look(name: str, value: object) -> None:
+        kind = _unkept(value)
+        if kind and id(value) not in seen:
+            seen.add(id(value))
+            found[kind].append(name)
+
     for _ in range(FRAMES):
         if frame is None:
             break
         if not str(frame.f_globals.get("__name__", "")).startswith("hpc_ddp."):
+            where = frame.f_code.co_name
             for name, value in frame.f_locals.items():
-                if _distributed_sampler(value):
-                    found.append(f"`{name}` in {frame.f_code.co_name}()")
-                elif name == "self" and hasattr(value, "__dict__"):
-                    found += [f"`self.{attr}` in {frame.f_code.co_name}()"
-                              for attr, inner in vars(value).items()
-                              if _distributed_sampler(inner)]
+                look(f"`{name}` in {where}()", value)
+                if name == "self" and hasattr(value, "__dict__"):
+                    for attr, inner in vars(value).items():
+                        look(f"`self.{attr}` in {where}()", inner)
         frame = frame.f_back
-    return [DISTRIBUTED_SAMPLER.format(where=", ".join(found))] if found else []
+    texts = {"distributed": DISTRIBUTED_SAMPLER, "shuffled": SHUFFLED}
+    return [texts[kind].format(where=", ".join(places)) for kind, places in found.items() if places]
 
 
 class Advice:

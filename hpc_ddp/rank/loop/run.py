@@ -38,7 +38,7 @@ from hpc_ddp.core.config import RunConfig
 from hpc_ddp.core.slurm_env import DistEnv
 from hpc_ddp.core.stopping import StopFlag
 from hpc_ddp.rank.loop import agreement, holding, pace
-from hpc_ddp.rank.loop.advice import Advice, distributed_samplers
+from hpc_ddp.rank.loop.advice import Advice, unkept_samplers
 from hpc_ddp.rank.loop.compiling import at_first_boundary
 from hpc_ddp.rank.loop.finish import finish_run
 from hpc_ddp.rank.loop.misuse import check_resume, check_step
@@ -180,9 +180,9 @@ class Run:
             holding.mark(self, step)
         # a loader worker that died since the last boundary (rank/stop/child_deaths.py)
         self.child_deaths.at_boundary()
-        # a DistributedSampler among the loop's variables: its position will not resume
+        # a DistributedSampler or a shuffling loader among the loop's variables: no position kept
         if self.boundaries == 1:
-            self.advice.add(distributed_samplers(sys._getframe(1)))
+            self.advice.add(unkept_samplers(sys._getframe(1)))
             # compile: hit or miss, the order (compiling.py)
             self.advice.add(at_first_boundary(self, sys._getframe(1)))
             # after "compiled", which at_first_boundary marks where the loop compiled
