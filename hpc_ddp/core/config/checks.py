@@ -14,7 +14,7 @@ from typing import Any
 from hpc_ddp.core.batching import check_geometry, node_counts
 from hpc_ddp.core.compile_settings import compile_problem
 from hpc_ddp.core.config.rules import LIVENESS_S, OPTIONAL, RULES
-from hpc_ddp.core.config.schema import schema_rows
+from hpc_ddp.core.config.schema import schema_default
 from hpc_ddp.core.container import RUNTIMES
 from hpc_ddp.core.errors import ConfigError, explain
 from hpc_ddp.core.shell_safe import check_one_line
@@ -60,7 +60,7 @@ def _example(key: str) -> str:
     """The generic HINT: a value the key takes (its default), where the user set it. Only saying
     "set it in the config file or on the command line" told a newcomer who had just set
     slurm.nodes=two on the command line nothing new."""
-    default = next((d for path, _, d, _ in schema_rows() if path == key), None)
+    default = schema_default(key)
     where = "where you set it, in the config file or on the command line"
     if isinstance(default, bool) or not isinstance(default, (int, float, str)) or default == "":
         return f"change {key} {where} ({key}=...)"

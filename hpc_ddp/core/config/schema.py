@@ -221,3 +221,13 @@ def schema_node(path: str) -> tuple[type | None, Any]:
             return section, hints[part]
         section = hints[part]
     return None, None
+
+
+def schema_default(path: str) -> Any:
+    """The schema's default of a leaf key (``slurm.nodes`` -> 1): what an error's HINT offers. None
+    for an unknown key or one whose default a factory makes (a list, a section)."""
+    section, _ = schema_node(path)
+    leaf = path.rpartition(".")[2]
+    field = next((f for f in dataclasses.fields(section) if f.name == leaf),
+                 None) if section else None
+    return None if field is None or field.default is dataclasses.MISSING else field.default

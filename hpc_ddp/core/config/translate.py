@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
 from hpc_ddp.core.config.hints import suggest
-from hpc_ddp.core.config.schema import schema_node, type_name
+from hpc_ddp.core.config.schema import schema_default, schema_node, type_name
 from hpc_ddp.core.errors import ConfigError, explain
 
 
@@ -46,7 +46,7 @@ def translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErro
                                             f"{', '.join(valid)}",
                                    hint=hint), key=key)
     if key:
-        section, tp = schema_node(key_path)
+        _, tp = schema_node(key_path)
         found = getattr(err, "value", None)
         if dataclasses.is_dataclass(tp):  # slurm.straggler=replace: a section given one value
             keys = [f.name for f in dataclasses.fields(tp)]
@@ -57,12 +57,9 @@ def translate(err: Exception, source: str, fallback_key: str = "") -> ConfigErro
                                key=key)
         hint = f"set it as {key}=<{_expected(tp)}>"
         if found is None and "Optional" not in type_name(tp):
-            default = next((f.default for f in dataclasses.fields(section)
-                            if f.name == key_path.rpartition(".")[2]),
-                           None) if section else None
+            default = schema_default(key_path)
             hint = (f"{key} cannot be unset (null): give {_expected(tp)}, or leave it out for its "
-                    "default"
-                    + (f" ({default})" if default not in (None, dataclasses.MISSING) else ""))
+                    "default" + (f" ({default})" if default is not None else ""))
         # OmegaConf's own sentence ("Value '8.5' of type 'float' could not be converted to
         # Integer") says again what found and expected say, in its internal names
         said = "" if found is not None else f": {first_line}"
